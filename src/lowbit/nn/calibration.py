@@ -1,0 +1,111 @@
+"""Static (calibrated) activation scales beside dynamic ones, and the clipping report that
+shows when they have gone stale (seed 004: "calibrated on short English prompts, served long
+code or other languages; activations exceed the range and clip").
+
+A static scale is one float32 number per Linear input, s = calib_absmax / fmt.max, computed by
+`lowbit.quantize` itself on the calibrated maximum (so the scale rule stays in one place). At
+run time every input is divided by that fixed s and saturated: values beyond s * fmt.max clip.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+import torch
+
+from lowbit.formats import decode, encode
+from lowbit.quantize import quantize
+from lowbit.scheme import QuantScheme
+
+
+def static_scheme(act: QuantScheme) -> QuantScheme:
+    """The per-tensor static twin of an activation scheme (same element format)."""
+    if act.scale_format != "fp32":
+        raise ValueError(f"static activation scales need an fp32-scale format; {act.format} with "
+                         f"{act.scale_format} scales (MX/NVFP4) is dynamic by construction")
+    return dataclasses.replace(act, strategy="tensor", group_size=None, block_size=None, dynamic=False)
+
+
+def scale_from_absmax(absmax: float | torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """float32 [1, 1] scale for a per-tensor scheme whose tensor maximum is `absmax`: the scale
+    `lowbit.quantize` computes for a tensor holding that maximum."""
+    a = torch.as_tensor(absmax, dtype=torch.float32).reshape(1, 1)
+    if not torch.isfinite(a).all():
+        raise ValueError(f"calibrated activation maximum is {float(a)}: the calibration text produced NaN/Inf")
+    return quantize(a, dataclasses.replace(scheme, dynamic=False)).scale.reshape(1, 1).float()
+
+
+def quantize_static(x2d: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor):
+    """Quantize float32 [M, K] with a fixed per-tensor scale (float32 [1, 1]) by the canonical
+    element rounding (round-half-even, saturating). Returns (codes, scale, dequantized float32)."""
+    fmt = scheme.fmt
+    y = x2d / scale                     # IEEE division, as the canonical arithmetic prescribes
+    if fmt.kind == "int":
+        if not scheme.symmetric:
+            raise NotImplementedError("static asymmetric activation scales are not supported; use symmetric")
+        codes = encode(y, fmt).to(torch.int32).clamp_(-fmt.qmax, fmt.qmax)  # symmetric range [-qmax, qmax]
+        deq = codes.to(torch.float32) * scale
+        return codes.to(torch.int8), scale, deq
+    codes = encode(y, fmt, saturate=True)
+    return codes, scale, decode(codes, fmt).to(x2d.device) * scale
+
+
+@torch.no_grad()
+def calibrate_act_absmax(model: torch.nn.Module, batches: Iterable, names: Iterable[str] | None = None,
+                         per_channel: bool = False, progress=None) -> dict[str, torch.Tensor]:
+    """Largest |input| seen by each nn.Linear (or those in `names`) over `batches`.
+    per_channel=False: a 0-d float32 tensor per layer; True: float32 [in_features] (SmoothQuant).
+    `batches`: iterable of input-id tensors [B, T] or dicts of model kwargs."""
+    wanted = None if names is None else set(names)
+    stats: dict[str, torch.Tensor] = {}
+    hooks = []
+
+    def make(name):
+        def hook(mod, args):
+            x = args[0].detach().float()
+            m = x.abs().reshape(-1, x.shape[-1]).amax(dim=0) if per_channel else x.abs().amax()
+            stats[name] = m if name not in stats else torch.maximum(stats[name], m)
+        return hook
+
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and (wanted is None or name in wanted):
+            hooks.append(mod.register_forward_pre_hook(make(name)))
+    if not hooks:
+        raise ValueError("calibration found no nn.Linear layers to observe (names matched nothing?)")
+    try:
+        for b in (progress(batches) if progress else batches):
+            model(**b) if isinstance(b, dict) else model(b)
+    finally:
+        for h in hooks:
+            h.remove()
+    return stats
+
+
+def calibrate_static_scales(model: torch.nn.Module, batches: Iterable, act: QuantScheme,
+                            names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """One static scale (float32 [1, 1]) per Linear input, from the float model on `batches`.
+    Pass the result to `quantize_model(..., act_static_scales=...)`."""
+    scheme = static_scheme(act)
+    return {n: scale_from_absmax(a, scheme) for n, a in calibrate_act_absmax(model, batches, names).items()}
+
+
+@torch.no_grad()
+def clipping_report(model: torch.nn.Module, batches: Iterable) -> list[dict]:
+    """Run `batches` through a model with static-scale QuantLinears and report, per layer, the
+    fraction of input elements beyond the static range and max |x| / (s * fmt.max)
+    (> 1 means the calibration never saw inputs this large). Sorted worst first."""
+    from lowbit.nn.quant_linear import QuantLinear
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear) and m.act_static_scale is not None}
+    if not layers:
+        raise ValueError("model has no QuantLinear with a static activation scale: quantize with act_static_scales")
+    for m in layers.values():
+        m.track_clipping, m.clip_stats = True, {"clipped": 0, "seen": 0, "max_ratio": 0.0}
+    try:
+        for b in batches:
+            model(**b) if isinstance(b, dict) else model(b)
+    finally:
+        for m in layers.values():
+            m.track_clipping = False
+    rows = [{"name": n, "clip_rate": m.clip_stats["clipped"] / max(m.clip_stats["seen"], 1),
+             "max_ratio": m.clip_stats["max_ratio"], "scale": float(m.act_static_scale)} for n, m in layers.items()]
+    return sorted(rows, key=lambda r: (-r["clip_rate"], -r["max_ratio"]))

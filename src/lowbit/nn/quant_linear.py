@@ -1,0 +1,220 @@
+"""QuantLinear: a Linear layer whose weight is stored quantized and whose input is quantized
+on every call by an activation scheme (dynamic per token / group / MX block, or one static
+calibrated scale per tensor).
+
+Execution paths, chosen per call and recorded in `last_path`:
+- "int8-intmm"   int8 symmetric activations x int8 symmetric weights on the CPU:
+                 `torch._int_mm` gives the exact int32 accumulator, then the epilogue
+                 y = float32(acc) * s_x * s_w (+ bias), as in seed 004's integer GEMM.
+- "kernel"       CUDA: `lowbit.ops.linear` (Triton kernels).
+- "dequantized"  every other scheme (fp8, MX, NVFP4, int4, weight-only): both operands are
+                 dequantized to float32 by `QTensor.dequantize` and multiplied in float32. This
+                 is the emulation of the quantized arithmetic, not a different quantization.
+On CUDA a scheme the kernels do not support runs the dequantized path with a one-time
+warning and `last_path == "dequantized"` (never silently).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from lowbit.quantize import QTensor, quantize
+from lowbit.scheme import QuantScheme
+
+_BACKENDS = ("auto", "dequantized", "int8-intmm", "kernel")
+
+
+def _is_int8_sym(scheme: QuantScheme | None, strategies: tuple[str, ...]) -> bool:
+    return (scheme is not None and scheme.format == "int8" and scheme.symmetric
+            and scheme.strategy in strategies and scheme.scale_format == "fp32")
+
+
+class QuantLinear(torch.nn.Module):
+    """y = dequant(quant_act(x)) @ dequant(weight_q).T + bias, with x: [..., in_features] and
+    y: [..., out_features] in x's dtype.
+
+    Attributes: `in_features`, `out_features`, `weight_q` (QTensor of the [N, K] weight),
+    `weight_scheme`, `act_scheme` (None: weight-only, inputs stay float), `bias` (Parameter or
+    None), `act_static_scale` (float32 [1, 1] buffer or None: one calibrated activation scale).
+    """
+
+    def __init__(self, weight_q: QTensor, weight_scheme: QuantScheme, act_scheme: QuantScheme | None,
+                 bias: torch.Tensor | None = None, act_static_scale: torch.Tensor | None = None,
+                 backend: str = "auto"):
+        super().__init__()
+        if len(weight_q.shape) != 2:
+            raise ValueError(f"weight_q must hold a 2-D [out_features, in_features] weight, got shape {tuple(weight_q.shape)}")
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend={backend!r}; choose one of {_BACKENDS}")
+        self.out_features, self.in_features = int(weight_q.shape[0]), int(weight_q.shape[1])
+        self.weight_q = weight_q
+        self.weight_scheme = weight_scheme
+        self.act_scheme = act_scheme
+        self.backend = backend
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+        if act_static_scale is not None:
+            _check_static(act_scheme, act_static_scale)
+            self.register_buffer("act_static_scale", act_static_scale.detach().float().reshape(1, 1).clone())
+        else:
+            self.act_static_scale = None
+            if act_scheme is not None and not act_scheme.dynamic:
+                raise ValueError("act_scheme has dynamic=False but no act_static_scale was given: calibrate one "
+                                 "(lowbit.nn.calibration.calibrate_static_scales) or use a dynamic scheme")
+        self._cache: dict = {}
+        self.last_path: str | None = None
+        self._warned = False
+        # Clipping statistics of the static scale (calibration.clipping_report reads them).
+        self.track_clipping = False
+        self.clip_stats = {"clipped": 0, "seen": 0, "max_ratio": 0.0}
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, weight_scheme: QuantScheme, act_scheme: QuantScheme | None = None,
+                    *, act_static_scale: torch.Tensor | None = None, backend: str = "auto") -> "QuantLinear":
+        """Quantize `linear.weight` [N, K] with `weight_scheme` (scales along K); keep the bias in
+        float32. Raises ValueError on a non-Linear module or NaN/Inf weights."""
+        if not isinstance(linear, torch.nn.Linear):
+            raise TypeError(f"linear must be a torch.nn.Linear, got {type(linear).__name__}")
+        w = linear.weight.detach()
+        if not torch.isfinite(w).all():
+            bad = int((~torch.isfinite(w)).sum())
+            raise ValueError(f"linear.weight holds {bad} NaN/Inf values: fix the checkpoint before quantizing "
+                             "(a scale computed from them would poison the whole row)")
+        if weight_scheme.dynamic:
+            raise ValueError("weight_scheme must be static (dynamic=False): weights are quantized once")
+        wq = quantize(w.float(), weight_scheme)
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        return cls(wq, weight_scheme, act_scheme, bias=bias, act_static_scale=act_static_scale, backend=backend)
+
+    def extra_repr(self) -> str:
+        a = "none (weight-only)" if self.act_scheme is None else _describe(self.act_scheme)
+        if self.act_static_scale is not None:
+            a += f", static scale {float(self.act_static_scale):.4g}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"weight={_describe(self.weight_scheme)}, act={a}, bias={self.bias is not None}")
+
+    # ------------------------------------------------------------------ cached operands
+    def _weight_operand(self, kind: str, device: torch.device) -> torch.Tensor:
+        """Per-device cache of the weight in the form a path needs: "codes_t" (int8 [K, N],
+        contiguous for torch._int_mm), "scale_row" (float32 [1, N]), "deq" (float32 [N, K])."""
+        key = (kind, str(device))
+        if key not in self._cache:
+            if kind == "codes_t":
+                val = self.weight_q.codes.to(device=device, dtype=torch.int8).t().contiguous()
+            elif kind == "scale_row":
+                val = self.weight_q.scale.to(device=device, dtype=torch.float32).reshape(1, self.out_features)
+            else:
+                val = self.weight_q.dequantize(torch.float32).to(device)
+            self._cache[key] = val
+        return self._cache[key]
+
+    def weight_dequantized(self) -> torch.Tensor:
+        """The dequantized weight, float32 [out_features, in_features] (what the layer multiplies by)."""
+        return self.weight_q.dequantize(torch.float32)
+
+    # ------------------------------------------------------------------ activations
+    def quantize_input(self, x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Quantize a float32 [M, K] input by the activation scheme. Returns (codes, scale, deq):
+        codes as QTensor.codes, scale broadcastable to [M, K] groups, deq float32 [M, K]."""
+        if self.act_static_scale is not None:
+            from lowbit.nn.calibration import quantize_static
+            s = self.act_static_scale.to(x2d.device)
+            if self.track_clipping:
+                ratio = x2d.abs() / (s * self.act_scheme.fmt.max)
+                self.clip_stats["clipped"] += int((ratio > 1).sum())
+                self.clip_stats["seen"] += ratio.numel()
+                self.clip_stats["max_ratio"] = max(self.clip_stats["max_ratio"], float(ratio.max()))
+            return quantize_static(x2d, self.act_scheme, s)
+        qt = quantize(x2d, self.act_scheme)
+        return qt.codes, qt.scale, qt.dequantize(torch.float32)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input's last dimension is {x.shape[-1]}, this layer expects in_features={self.in_features}")
+        lead = x.shape[:-1]
+        x2d = x.reshape(-1, self.in_features).float()
+        y = self._matmul(x2d)
+        if self.bias is not None:
+            y = y + self.bias.to(y.device, torch.float32)
+        return y.reshape(*lead, self.out_features).to(x.dtype)
+
+    def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        if self.act_scheme is None:
+            self.last_path = "dequantized"
+            return x2d @ self._weight_operand("deq", x2d.device).t()
+        int_ok = (_is_int8_sym(self.act_scheme, ("token", "tensor"))
+                  and _is_int8_sym(self.weight_scheme, ("channel", "tensor")))
+        want = self.backend
+        if want == "auto":
+            want = "kernel" if x2d.is_cuda else ("int8-intmm" if int_ok else "dequantized")
+        if want == "int8-intmm" and not int_ok:
+            raise NotImplementedError(f"backend='int8-intmm' needs int8 symmetric per-token/tensor activations and "
+                                      f"per-channel/tensor weights; this layer has act={_describe(self.act_scheme)}, "
+                                      f"weight={_describe(self.weight_scheme)}")
+        if want == "kernel":
+            y = self._kernel(x2d)
+            if y is not None:
+                self.last_path = "kernel"
+                return y
+            want = "int8-intmm" if (int_ok and not x2d.is_cuda) else "dequantized"
+        codes, scale, deq = self.quantize_input(x2d)
+        if want == "int8-intmm":
+            self.last_path = "int8-intmm"
+            acc = torch._int_mm(codes.to(torch.int8).contiguous(), self._weight_operand("codes_t", x2d.device))
+            # Epilogue: per-token scale [M, 1] (or [1, 1]) times per-channel scale [1, N].
+            return acc.to(torch.float32) * scale.to(torch.float32) * self._weight_operand("scale_row", x2d.device)
+        self.last_path = "dequantized"
+        return deq @ self._weight_operand("deq", x2d.device).t()
+
+    def _kernel(self, x2d: torch.Tensor) -> torch.Tensor | None:
+        """lowbit.ops.linear on the quantized operands; None (after one warning) when the kernels
+        do not cover this scheme, so the caller runs the dequantized emulation."""
+        try:
+            from lowbit.ops import linear as ops_linear
+            if self.act_static_scale is not None:
+                raise NotImplementedError("static activation scales are emulated")
+            xq = quantize(x2d, self.act_scheme)
+            wq = self._cache.get(("wq", str(x2d.device)))
+            if wq is None:
+                wq = _qtensor_to(self.weight_q, x2d.device)
+                self._cache[("wq", str(x2d.device))] = wq
+            return ops_linear(xq, wq, bias=None, out_dtype=torch.float32).float()
+        except (NotImplementedError, ImportError, AttributeError) as err:
+            if not self._warned:
+                warnings.warn(f"QuantLinear: no kernel for act={_describe(self.act_scheme)}, "
+                              f"weight={_describe(self.weight_scheme)} ({err}); running the dequantized emulation",
+                              stacklevel=3)
+                self._warned = True
+            return None
+
+
+def _qtensor_to(qt: QTensor, device: torch.device) -> QTensor:
+    """A copy of qt with its tensors on `device` (QTensor is a dataclass of tensors)."""
+    import dataclasses
+    changes = {f.name: getattr(qt, f.name).to(device) for f in dataclasses.fields(qt)
+               if isinstance(getattr(qt, f.name), torch.Tensor)}
+    return dataclasses.replace(qt, **changes)
+
+
+def _check_static(act_scheme: QuantScheme | None, scale: torch.Tensor) -> None:
+    if act_scheme is None:
+        raise ValueError("act_static_scale given but act_scheme is None (weight-only): drop the static scale")
+    if act_scheme.strategy != "tensor" or act_scheme.scale_format != "fp32":
+        raise ValueError(f"act_static_scale needs a per-tensor fp32-scale act_scheme, got {_describe(act_scheme)}; "
+                         "static scales for per-token/group schemes would freeze what dynamic scaling measures")
+    if scale.numel() != 1 or not torch.isfinite(scale).all() or float(scale) <= 0:
+        raise ValueError(f"act_static_scale must be one finite positive number, got {scale}")
+
+
+def _describe(s: QuantScheme) -> str:
+    g = f"/{s.group_size}" if s.strategy == "group" else ""
+    sc = "" if s.scale_format == "fp32" else f", {s.scale_format} scales"
+    return f"{s.format} {s.strategy}{g}{'' if s.symmetric else ' asym'}{sc}"
+
+
+def linear_float(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The unquantized float32 output of an nn.Linear on x (helper for diagnostics)."""
+    return F.linear(x.float(), module.weight.float(), None if module.bias is None else module.bias.float())
