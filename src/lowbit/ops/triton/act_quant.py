@@ -1,0 +1,97 @@
+"""Dynamic per-token activation quantization on the GPU, feeding the W8A8 GEMMs.
+
+One program per row (token): a first pass over K finds the row's range, a second writes the
+codes. The arithmetic is lowbit.quantize's canonical one (docs/ARCHITECTURE.md), reproduced
+bit for bit: IEEE division (`div_rn`, not x * (1/s)), round-half-even, an all-zero row gets
+scale 1.0 (so no NaN), and
+- int8 symmetric:  s = absmax / 127,  q = clamp(rint(x / s), -127, 127)
+- int8 asymmetric: s = (max(x,0) - min(x,0)) / 255, z = clamp(rint(-128 - min(x,0) / s), -128, 127),
+                   q = clamp(rint(x / s) + z, -128, 127)
+- fp8 e4m3fn:      s = absmax / 448,  codes = encode(x / s, saturate=True)
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import check_device, encode_e4m3fn, rint
+
+MODES = ("int8", "int8_asym", "fp8_e4m3fn")
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, z_ptr, K, stride_xm, stride_qm,
+                      MODE: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    x_row = x_ptr + row * stride_xm
+    q_row = q_ptr + row * stride_qm
+    hi = tl.zeros((BLOCK,), dtype=tl.float32)
+    lo = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        x = tl.load(x_row + k0 + offs, mask=offs < K - k0, other=0.0).to(tl.float32)
+        hi = tl.maximum(hi, x)
+        lo = tl.minimum(lo, x)
+    hi_r = tl.max(hi, axis=0)  # max(x, 0): the accumulators started at 0
+    lo_r = tl.min(lo, axis=0)  # min(x, 0)
+    if MODE == 0:
+        s = tl.math.div_rn(tl.maximum(hi_r, -lo_r), 127.0)
+    elif MODE == 1:
+        s = tl.math.div_rn(hi_r - lo_r, 255.0)
+    else:
+        s = tl.math.div_rn(tl.maximum(hi_r, -lo_r), 448.0)
+    s = tl.where(s == 0.0, 1.0, s)
+    tl.store(s_ptr + row, s)
+    if MODE == 1:
+        z = tl.minimum(tl.maximum(rint(-128.0 - tl.math.div_rn(lo_r, s)), -128.0), 127.0)
+        tl.store(z_ptr + row, z.to(tl.int32))
+    for k0 in range(0, K, BLOCK):
+        ok = offs < K - k0
+        x = tl.load(x_row + k0 + offs, mask=ok, other=0.0).to(tl.float32)
+        v = tl.math.div_rn(x, s)
+        if MODE == 0:
+            q = tl.minimum(tl.maximum(rint(tl.minimum(tl.maximum(v, -128.0), 128.0)), -127.0), 127.0)
+            tl.store(q_row + k0 + offs, q.to(tl.int8), mask=ok)
+        elif MODE == 1:
+            q = rint(tl.minimum(tl.maximum(v, -512.0), 512.0)) + z
+            q = tl.minimum(tl.maximum(q, -128.0), 127.0)
+            tl.store(q_row + k0 + offs, q.to(tl.int8), mask=ok)
+        else:
+            tl.store(q_row + k0 + offs, encode_e4m3fn(v), mask=ok)
+
+
+def quantize_per_token(x: torch.Tensor, mode: str = "int8", *, check_finite: bool = True
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Quantize each row of x [..., K] (fp32 / bf16 / fp16) with its own scale.
+
+    mode: "int8" (symmetric), "int8_asym" or "fp8_e4m3fn". Returns (codes, scale, zero_point):
+    codes [..., K] int8 (int modes) or uint8 e4m3fn bit patterns; scale fp32 [..., 1] (the
+    effective scale, as in QTensor.scale); zero_point int32 [..., 1] for int8_asym, else None.
+    check_finite: reject NaN/Inf rows (costs a device->host sync; benchmarks and CUDA graphs
+    turn it off).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not supported; choose one of {MODES}")
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError("x must be a float32, bfloat16 or float16 tensor")
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last (K) axis, got shape {tuple(x.shape)}")
+    check_device("x", x)
+    if check_finite and not bool(torch.isfinite(x).all()):
+        raise ValueError("x contains NaN or Inf; a per-token scale would be meaningless: fix the input")
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    qdtype = torch.uint8 if mode == "fp8_e4m3fn" else torch.int8
+    q = torch.empty((M, K), dtype=qdtype, device=x.device)
+    s = torch.empty((M,), dtype=torch.float32, device=x.device)
+    z = torch.empty((M,), dtype=torch.int32, device=x.device) if mode == "int8_asym" else None
+    if M:
+        block = min(triton.next_power_of_2(K), 4096)
+        _act_quant_kernel[(M,)](x2, q, s, z if z is not None else s, K, x2.stride(0), q.stride(0),
+                                MODE=MODES.index(mode), BLOCK=block, num_warps=4 if block <= 1024 else 8)
+    return (q.reshape(*lead, K), s.reshape(*lead, 1),
+            None if z is None else z.reshape(*lead, 1))

@@ -1,0 +1,163 @@
+"""Helpers shared by lowbit's Triton kernels: exact rounding primitives that behave the same
+on the GPU and in Triton's CPU interpreter, argument checks that run before any launch, and
+the per-shape launch configurations.
+
+Why not `libdevice.rint` / `.to(tl.float8e4nv)`: Triton 3.6's interpreter implements neither
+faithfully (libdevice is not available there, and its fp32->fp8 cast rounds half up and does
+not produce subnormals), so CI could not check the kernels' rounding. The helpers below use
+only IEEE-exact fp32 operations (add, multiply by powers of two, bit casts), which both the
+interpreter and the GPU evaluate identically.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# 1.5 * 2**23: adding it to |v| < 2**22 in fp32 leaves no fraction bits, so the fp32 add
+# rounds v to an integer with the hardware's round-half-even; subtracting restores the range.
+_RINT_MAGIC = 12582912.0
+
+
+@triton.jit
+def rint(v):
+    """Round-half-even to an integer-valued fp32, exact for |v| < 2**22 (callers clamp first)."""
+    return (v + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def encode_e4m3fn(v):
+    """fp32 -> fp8 e4m3fn bit pattern (uint8), round-half-even, saturating to +-448.
+
+    Same result as `lowbit.encode(v, 'fp8_e4m3fn', saturate=True)` for finite v. The value is
+    snapped to the e4m3 grid with exact fp32 arithmetic: the grid step at |v| is
+    2**(max(e, -6) - 3) (3 mantissa bits, normals from 2**-6, subnormal step 2**-9), and
+    |v| / step < 2**5, so `rint` is exact. The magnitude code is then (e + 6) * 8 + m, which
+    also covers subnormals (e = -6, m < 8) and a round-up into the next binade (m = 16).
+    """
+    a = tl.minimum(tl.abs(v), 448.0)
+    bits = a.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127
+    e = tl.maximum(e, -6)
+    inv_step = ((3 - e + 127) << 23).to(tl.float32, bitcast=True)  # 2**(3 - e), exact
+    m = rint(a * inv_step).to(tl.int32)
+    mag = (e + 6) * 8 + m
+    sign = (v.to(tl.int32, bitcast=True) >> 24) & 0x80
+    return (mag | sign).to(tl.uint8)
+
+
+@triton.jit
+def decode_e8m0(c):
+    """e8m0 code (uint8) -> fp32 power of two 2**(c - 127); code 0 is 2**-127 (fp32 subnormal)."""
+    ci = c.to(tl.int32)
+    bits = tl.where(ci == 0, 0x00400000, ci << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+def interpreting() -> bool:
+    """True when kernels run in Triton's CPU interpreter (CI, tests without CUDA)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ---------------------------------------------------------------- argument checks (host side)
+
+def check_device(name: str, t: torch.Tensor) -> None:
+    if t.device.type != "cuda" and not interpreting():
+        raise ValueError(f"{name} is on {t.device}; the Triton kernels need CUDA tensors "
+                         "(or TRITON_INTERPRET=1 for the CPU interpreter): move it with .cuda() "
+                         "or call lowbit.ops.linear(..., backend='torch'|'reference')")
+
+
+def check_matrix(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
+    """A 2-D operand with a unit stride along K (the contraction axis) and an allowed dtype."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [rows, K], got shape {tuple(t.shape)}; "
+                         "flatten leading dimensions first (x.reshape(-1, K))")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} has dtype {t.dtype}; expected one of: {names}")
+    if t.stride(1) != 1:
+        raise ValueError(f"{name} must be contiguous along K (stride(1) == 1), got strides "
+                         f"{t.stride()}; pass {name}.contiguous() (weights are stored [N, K], K-major)")
+    check_device(name, t)
+
+
+def check_vector(name: str, t: torch.Tensor | None, length: int, dtype: torch.dtype,
+                 allow_scalar: bool = True) -> torch.Tensor | None:
+    """A per-row vector of `length` (or a single value broadcast to it). Returns a 1-D view
+    (stride 0 for a broadcast single value); never converts dtype silently."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected {dtype} (convert it explicitly)")
+    flat = t.reshape(-1)
+    if flat.numel() == length:
+        return flat.contiguous()
+    if allow_scalar and flat.numel() == 1:
+        return flat.expand(length).contiguous()  # kernels index scales with unit stride
+    raise ValueError(f"{name} has {flat.numel()} values; expected {length} (one per row)"
+                     + (" or 1 (tensor-wise)" if allow_scalar else ""))
+
+
+def check_out_dtype(out_dtype: torch.dtype, allowed=(torch.bfloat16, torch.float16, torch.float32)) -> None:
+    if out_dtype not in allowed:
+        raise ValueError(f"out_dtype={out_dtype} is not supported; choose one of "
+                         + ", ".join(str(d) for d in allowed))
+
+
+# ---------------------------------------------------------------- launch configurations
+
+def _cfg(bm, bn, bk, warps, stages, group_m=8):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages)
+
+
+def pick_config(M: int, N: int, K: int, *, block_k_multiple: int = 1) -> dict:
+    """Tile sizes for an 8-bit GEMM with K-major operands on an H100/H200-class GPU.
+
+    Chosen per M bucket (no run-time autotuning, so compile time stays bounded):
+    - M <= 64: decode-like, bound by reading the weights; BLOCK_M just covers M and BLOCK_N is
+      lowered until there are about as many programs as SMs (132) so every SM streams weights.
+    - M < 2048: 64-row tiles, BLOCK_N 128 or 64 for the same occupancy reason.
+    - M >= 2048: 128x256x128 tiles, 8 warps, 3 stages (147 KiB of shared memory), GROUP_M
+      swizzle so neighbouring programs share A and B tiles in L2.
+    In the interpreter, small tiles keep the tests fast and exercise the masking.
+    """
+    if interpreting():
+        bk = max(32, block_k_multiple)
+        return _cfg(16, 16, bk, 4, 1, group_m=2)
+    sms = 132
+    if M <= 64:
+        bm = 16 if M <= 16 else (32 if M <= 32 else 64)
+        bn = 64
+        if triton.cdiv(N, bn) < sms:
+            bn = 32
+        bk = max(256, block_k_multiple)
+        return _cfg(bm, bn, bk, 4, 4)
+    if M < 2048:
+        bn = 128 if triton.cdiv(M, 64) * triton.cdiv(N, 128) >= sms else 64
+        return _cfg(64, bn, max(128, block_k_multiple), 4, 4)
+    return _cfg(128, 256, max(128, block_k_multiple), 8, 3)
+
+
+def launch_grid(M: int, N: int, cfg: dict) -> tuple[int]:
+    return (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+
+
+@triton.jit
+def swizzled_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Map a linear program id to (pid_m, pid_n), GROUP_M tile rows at a time (L2 reuse)."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % per_group) % size_m)
+    pid_n = (pid % per_group) // size_m
+    return pid_m, pid_n

@@ -1,0 +1,180 @@
+"""One row-wise Triton kernel for the memory-bound activation quantizers: an optional
+prologue (RMSNorm with an optional residual add in front, or SiLU-and-multiply) followed
+by dynamic quantization of the row, per token or per group of the last axis.
+
+Each program owns one row, holds it in registers as a [NG, G] tile (NG groups of G
+elements; per-token scaling is NG = 1, G = the padded row), and reads and writes device
+memory once: that is what makes fusion pay (seed 004).
+
+The quantizer reproduces lowbit.quantize's canonical arithmetic (docs/ARCHITECTURE.md):
+the scale from the group's absmax in float32, IEEE division `y / s` (tl.math.div_rn),
+round-half-even, clamp after rounding, a zero group gets the documented zero-group scale.
+The float element encoders are written out with integer arithmetic so that Triton's CPU
+interpreter (whose fp8 cast does not round to nearest even) and the GPU produce the same
+codes; on the GPU the fp8 encoder may instead use the hardware cast (`cvt.rn.satfinite`),
+which rounds the same way -- both paths are tested against the canonical quantizer.
+
+Launcher arguments are validated by lowbit.ops.fused (the public entry point); this
+module only describes the kernel."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Prologues
+PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL = 0, 1, 2
+# Element formats
+FMT_INT8, FMT_E4M3, FMT_E2M1 = 0, 1, 2
+# Scale kinds: plain float32; e8m0 power of two (MX); fp8-e4m3 block scale times a
+# float32 tensor scale (NVFP4, two-level)
+SCALE_FP32, SCALE_E8M0, SCALE_NV = 0, 1, 2
+# e8m0 rounding modes (torchao's names)
+ROUND_FLOOR, ROUND_RCEIL, ROUND_CEIL, ROUND_EVEN = 0, 1, 2, 3
+
+MAX_BLOCK = 32768  # elements a program holds in registers; larger rows raise in fused.py
+
+
+@triton.jit
+def _rint(v):
+    """Round half to even for |v| < 2**22: adding 1.5 * 2**23 leaves no fraction bits, and
+    IEEE addition rounds to nearest even; subtracting it back is exact."""
+    return (v + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _encode_e4m3(v):
+    """float32 -> fp8 e4m3fn bit pattern (int32 in [0, 255]), round to nearest even,
+    saturating to +-448. Integer arithmetic only, so interpreter and GPU agree."""
+    sign = tl.where(v < 0, 128, 0)
+    sign = tl.where(v != v, 0, sign)
+    a = tl.minimum(tl.abs(v), 448.0)
+    bits = a.to(tl.int32, bitcast=True)
+    # normal range (a >= 2**-6): round the 23-bit mantissa to 3 bits, half to even;
+    # a carry into the exponent is the correct result
+    lsb = (bits >> 20) & 1
+    r = (bits + 0x7FFFF + lsb) >> 20
+    normal = r - (120 << 3)  # rebias exponent 127 -> 7 (127 - 7 = 120)
+    # subnormal range: multiples of 2**-9; 16384 has an ulp of 2**-9 in float32
+    sub = ((a + 16384.0) - 16384.0) * 512.0
+    mag = tl.where(a < 0.015625, sub.to(tl.int32), normal)
+    return mag | sign
+
+
+@triton.jit
+def _decode_e4m3(c):
+    """fp8 e4m3fn bit pattern (int32) -> float32, exact (NaN codes are never produced)."""
+    e = (c >> 3) & 15
+    m = c & 7
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125,
+                   (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True))
+    return tl.where((c & 128) != 0, -mag, mag)
+
+
+@triton.jit
+def _encode_e2m1(v):
+    """float32 -> fp4 e2m1fn bit pattern (int32 in [0, 15]), round to nearest even,
+    saturating to +-6. Values 0, .5, 1, 1.5, 2, 3, 4, 6; a tie goes to the even code."""
+    sign = tl.where(v < 0, 8, 0)
+    a = tl.abs(v)
+    c = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+         + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+         + (a > 5.0).to(tl.int32))
+    return c | sign
+
+
+@triton.jit
+def _row_quant_kernel(
+    X, X_stride, W, R, R_stride, R_OUT, R_OUT_stride, Y, CODES, SCALE, SCALE_CODES,
+    GSCALE, AMAX, K, NGROUPS, eps,
+    PRE: tl.constexpr, HAS_RES: tl.constexpr, STORE_Y: tl.constexpr, AMAX_ONLY: tl.constexpr,
+    FMT: tl.constexpr, SCALE_KIND: tl.constexpr, E8M0_ROUND: tl.constexpr,
+    QMAX: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr, HW_FP8: tl.constexpr,
+    NG: tl.constexpr, G: tl.constexpr,
+):
+    """One program per row of K elements, held as an [NG, G] tile (NG * G >= K).
+
+    X: [rows, K] (or [rows, 2K] for SiLU-and-multiply: gate then up), bf16/fp16/fp32.
+    W: RMSNorm weight [K]. R / R_OUT: residual in and out [rows, K] (R_OUT = X + R rounded
+    to R_OUT's dtype; the norm reads that rounded value, as the unfused code would).
+    Y: float32 [rows, K] normalized output, written only when STORE_Y (tests).
+    CODES: [rows, K] int8 / uint8. SCALE: float32 [rows, ngroups] effective scales.
+    SCALE_CODES: uint8 [rows, ngroups] (e8m0 or e4m3 bit patterns) for MX / NVFP4.
+    GSCALE: float32 [1] tensor scale (NVFP4). AMAX: float32 [rows], AMAX_ONLY pass.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    gi = tl.arange(0, NG)[:, None]
+    ci = tl.arange(0, G)[None, :]
+    offs = gi * G + ci
+    mask = offs < K
+    x_row = X + row * X_stride
+    if PRE == 2:  # SiLU(gate) * up, in float32
+        g = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_row + K + offs, mask=mask, other=0.0).to(tl.float32)
+        y = tl.math.div_rn(g, 1.0 + tl.exp(-g)) * u
+    else:
+        h = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            r = tl.load(R + row * R_stride + offs, mask=mask, other=0.0).to(tl.float32)
+            hr = (h + r).to(R_OUT.dtype.element_ty)
+            if not AMAX_ONLY:
+                tl.store(R_OUT + row * R_OUT_stride + offs, hr, mask=mask)
+            h = hr.to(tl.float32)
+        if PRE == 1:
+            ms = tl.math.div_rn(tl.sum(h * h), K.to(tl.float32))
+            inv = tl.math.div_rn(1.0, tl.sqrt_rn(ms + eps))
+            w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+            y = (h * inv) * w
+        else:
+            y = h
+    # NaN must reach the scale (where the caller checks it), not be skipped by max
+    amax = tl.max(tl.abs(y), axis=1, propagate_nan=tl.PropagateNan.ALL)  # [NG]
+    if AMAX_ONLY:
+        tl.store(AMAX + row, tl.max(amax, axis=0, propagate_nan=tl.PropagateNan.ALL))
+    else:
+        if STORE_Y:
+            tl.store(Y + row * K + offs, y, mask=mask)
+        ngroups = NGROUPS
+        gidx = tl.arange(0, NG)
+        gmask = gidx < ngroups
+        # --- scale, as lowbit.quantize computes it ---
+        if SCALE_KIND == 0:
+            s = tl.math.div_rn(amax, QMAX)
+            s = tl.where(s == 0.0, 1.0, s)  # zero group (or underflow): s = 1.0
+        elif SCALE_KIND == 1:
+            # e8m0 code = biased float32 exponent of a source value (quantize.e8m0_exponent)
+            if E8M0_ROUND == 1:  # rceil: ceil(log2(amax / max))
+                src = tl.math.div_rn(amax, QMAX).to(tl.int32, bitcast=True)
+            elif E8M0_ROUND == 3:  # even: amax rounded half-up to the element's mantissa bits
+                src = (amax.to(tl.int32, bitcast=True) + (1 << (22 - MBITS))) & 0x7F800000
+            else:
+                src = amax.to(tl.int32, bitcast=True)
+            e = (src >> 23) & 255
+            if E8M0_ROUND == 1 or E8M0_ROUND == 2:
+                e = e + ((src & 0x7FFFFF) != 0).to(tl.int32)
+            if E8M0_ROUND != 1:
+                e = e - EMAX
+            e = tl.minimum(tl.maximum(e, 1), 254)  # 2^-126 .. 2^127
+            s = (e << 23).to(tl.float32, bitcast=True)
+            e = tl.where(amax != amax, 255, e)
+            s = tl.where(amax != amax, float("nan"), s)
+            tl.store(SCALE_CODES + row * ngroups + gidx, e.to(tl.uint8), mask=gmask)
+        else:  # NVFP4: e4m3 block scale of (amax / max) / g, clamped to [2^-6, 448]
+            gs = tl.load(GSCALE)
+            rel = tl.math.div_rn(tl.math.div_rn(amax, QMAX), gs)
+            sc = _encode_e4m3(tl.maximum(rel, 0.015625))
+            s = _decode_e4m3(sc) * gs
+            tl.store(SCALE_CODES + row * ngroups + gidx, sc.to(tl.uint8), mask=gmask)
+        tl.store(SCALE + row * ngroups + gidx, s, mask=gmask)
+        # --- codes ---
+        v = tl.math.div_rn(y, s[:, None])
+        if FMT == 0:
+            q = tl.minimum(tl.maximum(_rint(v), -QMAX), QMAX)
+            tl.store(CODES + row * K + offs, q.to(tl.int8), mask=mask)
+        elif FMT == 1:
+            if HW_FP8:
+                c = tl.minimum(tl.maximum(v, -448.0), 448.0).to(tl.float8e4nv)
+                tl.store(CODES + row * K + offs, c.to(tl.uint8, bitcast=True), mask=mask)
+            else:
+                tl.store(CODES + row * K + offs, _encode_e4m3(v).to(tl.uint8), mask=mask)
+        else:
+            tl.store(CODES + row * K + offs, _encode_e2m1(v).to(tl.uint8), mask=mask)

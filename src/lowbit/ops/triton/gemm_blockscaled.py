@@ -1,0 +1,148 @@
+"""Block-scaled FP8 GEMMs on GPUs without a block-scaled MMA (Hopper): the K axis is cut into
+groups of G values that share a scale, each group's fp8 x fp8 product is taken on the tensor
+cores into a fresh fp32 partial, and the partial is rescaled in fp32 before it joins the
+accumulator:
+
+    out[m, n] = sum_g  dot(a[m, g*G:(g+1)*G], b[n, g*G:(g+1)*G]) * (sa[m, g] * sb[n // R, g])
+
+Two layouts use it:
+- DeepSeek-V3 style: activations with 1x128 blocks (sa: fp32 [M, K/128]) and weights with
+  128x128 blocks (sb: fp32 [ceil(N/128), K/128]); G = 128, R = 128.
+- MXFP8: e8m0 scales per 32 values on both operands (sa: [M, K/32], sb: [N, K/32], uint8
+  e8m0 codes or their fp32 values); G = 32, R = 1. Hopper has no MX datapath, so this is an
+  emulation: the tensor cores see plain e4m3 operands, the scales are applied on the CUDA
+  cores once per 32-wide K step (what `lowbit doctor` reports as "emulated").
+The rescaling also bounds the fp8 MMA's reduced-precision accumulation to one group.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import check_out_dtype, decode_e8m0, launch_grid, pick_config, swizzled_tile
+from .gemm_fp8 import as_fp8, check_bias
+
+
+@triton.jit
+def _load_scale(ptr, E8M0: tl.constexpr, mask):
+    if E8M0:
+        return decode_e8m0(tl.load(ptr, mask=mask, other=0))
+    return tl.load(ptr, mask=mask, other=0.0)
+
+
+@triton.jit
+def _blockscaled_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr,
+                        M, N, K, stride_am, stride_bn, stride_cm, stride_sam, stride_sbn,
+                        G: tl.constexpr, R: tl.constexpr, E8M0: tl.constexpr,
+                        HAS_BIAS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr):
+    SUB: tl.constexpr = BLOCK_K // G
+    # One weight scale for the whole tile when the tile sits inside one R-row scale block.
+    SB_UNIFORM: tl.constexpr = (R > 1) and (R % BLOCK_N == 0)
+    pid_m, pid_n = swizzled_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_g = tl.arange(0, G)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    rows_a = tl.where(m_ok, offs_m, 0)
+    rows_b = tl.where(n_ok, offs_n, 0)
+    a_ptrs = a_ptr + rows_a[:, None].to(tl.int64) * stride_am + offs_g[None, :]
+    b_ptrs = b_ptr + rows_b[:, None].to(tl.int64) * stride_bn + offs_g[None, :]
+    sa_ptrs = sa_ptr + rows_a.to(tl.int64) * stride_sam
+    if SB_UNIFORM:
+        sb_ptrs = sb_ptr + ((pid_n * BLOCK_N) // R) * stride_sbn
+    else:
+        sb_ptrs = sb_ptr + (rows_b // R).to(tl.int64) * stride_sbn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        for s in tl.static_range(SUB):
+            kk = k0 + s * G
+            ok = kk < K  # K is a multiple of G: a group is wholly inside K or wholly past it
+            a = tl.load(a_ptrs + s * G, mask=ok, other=0.0)
+            b = tl.load(b_ptrs + s * G, mask=ok, other=0.0)
+            part = tl.dot(a, tl.trans(b))
+            g = kk // G
+            sa = _load_scale(sa_ptrs + g, E8M0, ok)
+            if SB_UNIFORM:
+                sb = _load_scale(sb_ptrs + g, E8M0, ok)
+                acc += part * (sa * sb)[:, None]
+            else:
+                sb = _load_scale(sb_ptrs + g, E8M0, ok)
+                acc += part * (sa[:, None] * sb[None, :])
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+
+    y = acc
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _check_scales(name: str, s: torch.Tensor, rows: int, groups: int, what: str) -> torch.Tensor:
+    if not isinstance(s, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor")
+    if s.dtype not in (torch.float32, torch.uint8):
+        raise TypeError(f"{name} has dtype {s.dtype}; expected float32 scales or uint8 e8m0 codes")
+    if tuple(s.shape) != (rows, groups):
+        raise ValueError(f"{name} has shape {tuple(s.shape)}; expected ({rows}, {groups}) = {what}")
+    return s if s.stride(1) == 1 else s.contiguous()
+
+
+def blockscaled_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+                     *, group: int, weight_block_rows: int, bias: torch.Tensor | None = None,
+                     out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None) -> torch.Tensor:
+    """fp8 e4m3fn [M, K] x [N, K] -> [M, N] with scales per `group` K-values.
+
+    a_scale: [M, K/group]; b_scale: [ceil(N/weight_block_rows), K/group]; both fp32, or both
+    uint8 e8m0 codes (decoded exactly to 2**(c-127) in the kernel). bias: [N], added in fp32.
+    """
+    a = as_fp8("a", a)
+    b = as_fp8("b", b)
+    M, K = a.shape
+    N, Kb = b.shape
+    if Kb != K:
+        raise ValueError(f"a is [M, K] = {tuple(a.shape)} but b is [N, K] = {tuple(b.shape)}: "
+                         "K must match (weights are stored [N, K], K-major)")
+    if a.device != b.device:
+        raise ValueError(f"a is on {a.device} but b is on {b.device}")
+    if group not in (32, 64, 128) or weight_block_rows < 1:
+        raise ValueError(f"group={group} must be 32, 64 or 128 and weight_block_rows >= 1")
+    if K == 0 or K % group:
+        raise ValueError(f"K={K} is not a multiple of the scale group size {group}: pad K with zeros "
+                         f"to {-(-K // group) * group} (zero codes add nothing) before quantizing")
+    check_out_dtype(out_dtype)
+    groups = K // group
+    sa = _check_scales("a_scale", a_scale, M, groups, f"(M, K/{group})")
+    nb = -(-N // weight_block_rows)
+    sb = _check_scales("b_scale", b_scale, nb, groups, f"(ceil(N/{weight_block_rows}), K/{group})")
+    if sa.dtype != sb.dtype:
+        raise TypeError(f"a_scale is {sa.dtype} but b_scale is {sb.dtype}: pass both as fp32 or both "
+                        "as e8m0 codes")
+    bias = check_bias(bias, N)
+    c = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    if M == 0 or N == 0:
+        return c
+    cfg = dict(config) if config else pick_config(M, N, K, block_k_multiple=group)
+    if cfg["BLOCK_K"] % group:
+        raise ValueError(f"config BLOCK_K={cfg['BLOCK_K']} must be a multiple of group={group}")
+    _blockscaled_kernel[launch_grid(M, N, cfg)](
+        a, b, c, sa, sb, bias if bias is not None else c,
+        M, N, K, a.stride(0), b.stride(0), c.stride(0), sa.stride(0), sb.stride(0),
+        G=group, R=weight_block_rows, E8M0=sa.dtype == torch.uint8, HAS_BIAS=bias is not None, **cfg)
+    return c
+
+
+def fp8_block_gemm(a, b, a_scale, b_scale, *, bias=None, out_dtype=torch.bfloat16, config=None):
+    """DeepSeek-V3 layout: 1x128 activation blocks, 128x128 weight blocks, fp32 scales."""
+    return blockscaled_gemm(a, b, a_scale, b_scale, group=128, weight_block_rows=128, bias=bias,
+                            out_dtype=out_dtype, config=config)
+
+
+def mxfp8_gemm(a, b, a_scale, b_scale, *, bias=None, out_dtype=torch.bfloat16, config=None):
+    """MXFP8: e8m0 scales per 32 values on both operands (uint8 codes or fp32 powers of two)."""
+    return blockscaled_gemm(a, b, a_scale, b_scale, group=32, weight_block_rows=1, bias=bias,
+                            out_dtype=out_dtype, config=config)

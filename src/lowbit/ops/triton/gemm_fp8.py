@@ -1,0 +1,113 @@
+"""FP8 (e4m3fn) W8A8 GEMM with row-wise or tensor-wise fp32 scales, fp32 accumulation, and the
+scale / bias epilogue fused: out = (acc * sa[m]) * sb[n] + bias[n].
+
+Row-wise means one scale per token (row of A) and one per output channel (row of B, stored
+[N, K], K-major); tensor-wise is the same kernel with a single scale broadcast. Mixed (per-token
+activations, per-tensor weights) works the same way.
+
+Accumulation: on sm_90 Triton by default lets the fp8 tensor-core MMA accumulate with reduced
+precision for the whole K loop. `precise=True` (the default) promotes the partial sum into the
+fp32 accumulator after every BLOCK_K products (`max_num_imprecise_acc=BLOCK_K`), which is what
+cuBLAS does for `torch._scaled_mm(..., use_fast_accum=False)`; benchmarks compare like with like.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import (check_matrix, check_out_dtype, check_vector, launch_grid, pick_config,
+                     swizzled_tile)
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+
+
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr,
+                     M, N, K, stride_am, stride_bn, stride_cm,
+                     HAS_BIAS: tl.constexpr, PRECISE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+    pid_m, pid_n = swizzled_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows_a = tl.where(offs_m < M, offs_m, 0)
+    rows_b = tl.where(offs_n < N, offs_n, 0)
+    a_ptrs = a_ptr + rows_a[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + rows_b[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = offs_k[None, :] < K - k0
+            a = tl.load(a_ptrs, mask=k_ok, other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok, other=0.0)
+        if PRECISE:
+            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    sa = tl.load(sa_ptr + offs_m, mask=m_ok, other=0.0)
+    sb = tl.load(sb_ptr + offs_n, mask=n_ok, other=0.0)
+    y = (acc * sa[:, None]) * sb[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def as_fp8(name: str, t: torch.Tensor) -> torch.Tensor:
+    """Accept fp8 e4m3fn tensors or their uint8 bit patterns (QTensor.codes) without copying."""
+    check_matrix(name, t, FP8_DTYPES)
+    return t.view(torch.float8_e4m3fn) if t.dtype == torch.uint8 else t
+
+
+def check_bias(bias: torch.Tensor | None, N: int) -> torch.Tensor | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, torch.Tensor) or bias.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError("bias must be a float32, bfloat16 or float16 tensor of N values")
+    return check_vector("bias", bias, N, bias.dtype, allow_scalar=False)
+
+
+def fp8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, *,
+             bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+             precise: bool = True, config: dict | None = None) -> torch.Tensor:
+    """fp8 e4m3fn [M, K] x [N, K] (K-major weights) -> [M, N] in out_dtype.
+
+    a / b: torch.float8_e4m3fn or uint8 e4m3fn bit patterns. a_scale: fp32 [M] or [1];
+    b_scale: fp32 [N] or [1]. bias: [N], added in fp32. precise: see the module docstring.
+    """
+    a = as_fp8("a", a)
+    b = as_fp8("b", b)
+    M, K = a.shape
+    N, Kb = b.shape
+    if Kb != K:
+        raise ValueError(f"a is [M, K] = {tuple(a.shape)} but b is [N, K] = {tuple(b.shape)}: "
+                         "K must match (weights are stored [N, K], K-major)")
+    if a.device != b.device:
+        raise ValueError(f"a is on {a.device} but b is on {b.device}")
+    if K == 0:
+        raise ValueError("K must be positive")
+    check_out_dtype(out_dtype)
+    sa = check_vector("a_scale", a_scale, M, torch.float32)
+    sb = check_vector("b_scale", b_scale, N, torch.float32)
+    if sa is None or sb is None:
+        raise ValueError("a_scale and b_scale are required (fp32, one per row or one per tensor)")
+    bias = check_bias(bias, N)
+    c = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    if M == 0 or N == 0:
+        return c
+    cfg = dict(config) if config else pick_config(M, N, K)
+    _fp8_gemm_kernel[launch_grid(M, N, cfg)](
+        a, b, c, sa, sb, bias if bias is not None else c,
+        M, N, K, a.stride(0), b.stride(0), c.stride(0),
+        HAS_BIAS=bias is not None, PRECISE=precise, EVEN_K=K % cfg["BLOCK_K"] == 0, **cfg)
+    return c

@@ -1,0 +1,140 @@
+"""W8A8 int8 GEMM with the dequantization epilogue fused: out = (acc - za * colsum) * sa * sw + bias.
+
+The contraction is exact integer arithmetic (int8 x int8 products accumulated in int32 by
+`tl.dot(..., out_dtype=tl.int32)`), so every bit of error in the output comes from the
+quantizer and from the few fp32 roundings of the epilogue, in this fixed order:
+    acc_f = fp32(acc)                     (exact while |acc| <= 2**24, else one rounding)
+    y     = (acc_f * sa[m]) * sw[n]       (two fp32 roundings)
+    y     = y + bias[n]                   (one fp32 rounding, if a bias is given)
+    out   = y.to(out_dtype)               (one rounding to bf16/fp16, none for fp32)
+With an asymmetric activation (zero point za per row) the correction za * colsum[n] is taken in
+int64 before the conversion, so it is exact too. Weights are K-major ([N, K]), symmetric.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import (check_matrix, check_out_dtype, check_vector, launch_grid, pick_config,
+                     swizzled_tile)
+
+_INT32_LIMIT = 2**31
+
+
+@triton.jit
+def _int8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, za_ptr, colsum_ptr, bias_ptr,
+                      M, N, K, stride_am, stride_bn, stride_cm,
+                      HAS_SCALES: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+    pid_m, pid_n = swizzled_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Rows past M / N are clamped (not masked) on load: they compute garbage that is never stored,
+    # and unmasked row loads keep the K-loop's loads vectorised.
+    rows_a = tl.where(offs_m < M, offs_m, 0)
+    rows_b = tl.where(offs_n < N, offs_n, 0)
+    a_ptrs = a_ptr + rows_a[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + rows_b[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = offs_k[None, :] < K - k0
+            a = tl.load(a_ptrs, mask=k_ok, other=0)
+            b = tl.load(b_ptrs, mask=k_ok, other=0)
+        acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    if HAS_SCALES:
+        if HAS_ZP:
+            za = tl.load(za_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
+            cs = tl.load(colsum_ptr + offs_n, mask=n_ok, other=0).to(tl.int64)
+            accf = (acc.to(tl.int64) - za[:, None] * cs[None, :]).to(tl.float32)
+        else:
+            accf = acc.to(tl.float32)
+        sa = tl.load(sa_ptr + offs_m, mask=m_ok, other=0.0)
+        sb = tl.load(sb_ptr + offs_n, mask=n_ok, other=0.0)
+        y = (accf * sa[:, None]) * sb[None, :]
+        if HAS_BIAS:
+            y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        tl.store(c_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+def check_int8_k(K: int, asymmetric: bool) -> None:
+    """int32 accumulation is exact only while K * max|qa| * max|qw| < 2**31."""
+    qa = 128 if asymmetric else 127  # asymmetric int8 codes span [-128, 127]
+    if K * qa * 127 >= _INT32_LIMIT:
+        raise ValueError(f"K={K} is too large for exact int32 accumulation of int8 products "
+                         f"(K*{qa}*127 = {K * qa * 127} >= 2**31); split K into chunks of at most "
+                         f"{(_INT32_LIMIT - 1) // (qa * 127)} and sum the partial outputs in fp32")
+
+
+def int8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor | None = None,
+              b_scale: torch.Tensor | None = None, *, a_zero: torch.Tensor | None = None,
+              b_colsum: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+              out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None) -> torch.Tensor:
+    """int8 [M, K] x int8 [N, K] (K-major weights) -> [M, N].
+
+    a_scale: fp32 [M] (per token) or [1] (per tensor); b_scale: fp32 [N] or [1] (per channel /
+    tensor). a_zero: int32 [M] activation zero points (asymmetric activations; needs
+    b_colsum = int32 [N] sums of the weight codes over K). bias: [N], added in fp32.
+    out_dtype: bf16 / fp16 / fp32, or torch.int32 with no scales for the raw accumulator.
+    config: override the launch configuration (tests use it to force several tile shapes).
+    """
+    check_matrix("a", a, (torch.int8,))
+    check_matrix("b", b, (torch.int8,))
+    M, K = a.shape
+    N, Kb = b.shape
+    if Kb != K:
+        raise ValueError(f"a is [M, K] = {tuple(a.shape)} but b is [N, K] = {tuple(b.shape)}: "
+                         "K must match (weights are stored [N, K], K-major)")
+    if a.device != b.device:
+        raise ValueError(f"a is on {a.device} but b is on {b.device}")
+    raw = out_dtype == torch.int32
+    if raw:
+        if any(t is not None for t in (a_scale, b_scale, a_zero, b_colsum, bias)):
+            raise ValueError("out_dtype=torch.int32 returns the raw accumulator: pass no scales, "
+                             "zero points or bias")
+    else:
+        check_out_dtype(out_dtype)
+        if a_scale is None or b_scale is None:
+            raise ValueError("a_scale and b_scale are required unless out_dtype=torch.int32")
+    if (a_zero is None) != (b_colsum is None):
+        raise ValueError("a_zero and b_colsum go together: the zero-point correction subtracts "
+                         "a_zero[m] * b_colsum[n]; compute b_colsum = b.sum(1, dtype=torch.int32)")
+    check_int8_k(K, asymmetric=a_zero is not None)
+    sa = check_vector("a_scale", a_scale, M, torch.float32)
+    sb = check_vector("b_scale", b_scale, N, torch.float32)
+    za = check_vector("a_zero", a_zero, M, torch.int32)
+    cs = check_vector("b_colsum", b_colsum, N, torch.int32, allow_scalar=False)
+    if bias is not None:
+        bias = check_vector("bias", bias, N, bias.dtype, allow_scalar=False)
+        if bias.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"bias has dtype {bias.dtype}; expected float32, bfloat16 or float16")
+    c = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    if M == 0 or N == 0:
+        return c
+    if K == 0:
+        raise ValueError("K must be positive")
+    cfg = dict(config) if config else pick_config(M, N, K)
+    dummy = c  # never read: the constexpr flags switch the loads off
+    _int8_gemm_kernel[launch_grid(M, N, cfg)](
+        a, b, c,
+        sa if sa is not None else dummy, sb if sb is not None else dummy,
+        za if za is not None else dummy, cs if cs is not None else dummy,
+        bias if bias is not None else dummy,
+        M, N, K, a.stride(0), b.stride(0), c.stride(0),
+        HAS_SCALES=not raw, HAS_ZP=za is not None, HAS_BIAS=bias is not None,
+        EVEN_K=K % cfg["BLOCK_K"] == 0, **cfg)
+    return c
