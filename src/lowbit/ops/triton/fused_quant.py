@@ -45,8 +45,7 @@ def _rint(v):
 def _encode_e4m3(v):
     """float32 -> fp8 e4m3fn bit pattern (int32 in [0, 255]), round to nearest even,
     saturating to +-448. Integer arithmetic only, so interpreter and GPU agree."""
-    sign = tl.where(v < 0, 128, 0)
-    sign = tl.where(v != v, 0, sign)
+    sign = (v.to(tl.int32, bitcast=True) >> 24) & 128  # the sign bit, so -0.0 -> 0x80
     a = tl.minimum(tl.abs(v), 448.0)
     bits = a.to(tl.int32, bitcast=True)
     # normal range (a >= 2**-6): round the 23-bit mantissa to 3 bits, half to even;
@@ -74,12 +73,24 @@ def _decode_e4m3(c):
 def _encode_e2m1(v):
     """float32 -> fp4 e2m1fn bit pattern (int32 in [0, 15]), round to nearest even,
     saturating to +-6. Values 0, .5, 1, 1.5, 2, 3, 4, 6; a tie goes to the even code."""
-    sign = tl.where(v < 0, 8, 0)
+    sign = (v.to(tl.int32, bitcast=True) >> 28) & 8  # the sign bit, so -0.0 -> 0x8
     a = tl.abs(v)
     c = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
          + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
          + (a > 5.0).to(tl.int32))
     return c | sign
+
+
+@triton.jit
+def round_to(v, dtype: tl.constexpr):
+    """float32 -> `dtype` with round-to-nearest-even. bfloat16 is done on the bits because
+    Triton's CPU interpreter truncates float32 -> bfloat16; the GPU rounds the same way."""
+    if dtype == tl.bfloat16:
+        b = v.to(tl.int32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        return b.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return v.to(dtype)
 
 
 @triton.jit
@@ -115,7 +126,7 @@ def _row_quant_kernel(
         h = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_RES:
             r = tl.load(R + row * R_stride + offs, mask=mask, other=0.0).to(tl.float32)
-            hr = (h + r).to(R_OUT.dtype.element_ty)
+            hr = round_to(h + r, R_OUT.dtype.element_ty)
             if not AMAX_ONLY:
                 tl.store(R_OUT + row * R_OUT_stride + offs, hr, mask=mask)
             h = hr.to(tl.float32)
@@ -126,10 +137,12 @@ def _row_quant_kernel(
             y = (h * inv) * w
         else:
             y = h
-    # NaN must reach the scale (where the caller checks it), not be skipped by max
-    amax = tl.max(tl.abs(y), axis=1, propagate_nan=tl.PropagateNan.ALL)  # [NG]
+    # A NaN must reach the scale (where the caller checks it); max alone would skip it.
+    amax = tl.max(tl.abs(y), axis=1)  # [NG]
+    has_nan = tl.max((y != y).to(tl.int32), axis=1) > 0
+    amax = tl.where(has_nan, float("nan"), amax)
     if AMAX_ONLY:
-        tl.store(AMAX + row, tl.max(amax, axis=0, propagate_nan=tl.PropagateNan.ALL))
+        tl.store(AMAX + row, tl.max(tl.where(has_nan, float("inf"), amax), axis=0))
     else:
         if STORE_Y:
             tl.store(Y + row * K + offs, y, mask=mask)

@@ -1,0 +1,272 @@
+"""Fused activation quantizers: RMSNorm (+ residual add) + quantize, SiLU-and-multiply +
+quantize, and standalone dynamic quantization per token / per group.
+
+Public functions (CUDA -> Triton kernel, CPU -> PyTorch reference twin; `backend="triton"`
+or `"torch"` forces one, and on the CPU "triton" runs in Triton's interpreter):
+
+    qt, new_residual = rmsnorm_quant(x, weight, eps, scheme, residual=None)
+    qt = silu_mul_quant(x, scheme)            # x = [..., 2H]: gate then up
+    qt = quantize_rows(x, scheme)             # dynamic quantize, no prologue
+
+Schemes the kernel takes (anything else raises NotImplementedError naming the scheme):
+symmetric; element format int8, fp8_e4m3fn or fp4_e2m1fn; strategy token / channel (one
+scale per row), group (power-of-two group_size dividing K) or block (1, bc); scale format
+fp32, e8m0 (MXFP8 / MXFP4, any scale_rounding) or fp8_e4m3fn (NVFP4: the tensor scale is
+taken from the live tensor in a first pass that only reduces the row maxima).
+
+Arithmetic (both backends): the prologue is evaluated in float32,
+    RMSNorm:  h = x + residual (rounded to residual's dtype: that is the new residual),
+              y = (h * (1 / sqrt_rn(mean(h^2) + eps))) * weight
+    SiLU-mul: y = (g / (1 + exp(-g))) * u
+and y is quantized with lowbit.quantize's canonical arithmetic. The kernel's codes and
+scales equal lowbit.quantize(y_kernel, scheme) exactly; the twin's y may differ from the
+kernel's y in the last float32 bit (reduction order of mean(h^2); exp), which is the one
+documented source of differing codes between the backends. Both are checked against a
+float64 evaluation within the bound derived in tests/test_fused_quant.py.
+
+The residual stream itself is never quantized (seed 004): new_residual has residual's dtype.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from lowbit.quantize import QTensor, quantize, scale_shape, two_level_global_scale
+from lowbit.scheme import QuantScheme
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_FMT_CODES = {"int8": 0, "fp8_e4m3fn": 1, "fp4_e2m1fn": 2}
+_ROUND_CODES = {"floor": 0, "rceil": 1, "ceil": 2, "even": 3}
+
+
+# ------------------------------------------------------------------------------------------
+# Reference twins (PyTorch, any device)
+# ------------------------------------------------------------------------------------------
+def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                      residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """float32 y = RMSNorm(x [+ residual]) * weight, and the new residual (residual's dtype)."""
+    new_res = None
+    if residual is not None:
+        new_res = (x.float() + residual.float()).to(residual.dtype)
+        h = new_res.float()
+    else:
+        h = x.float()
+    ms = (h * h).sum(-1, keepdim=True) / h.shape[-1]
+    inv = 1.0 / torch.sqrt(ms + eps)
+    return (h * inv) * weight.float(), new_res
+
+
+def silu_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """float32 y = silu(gate) * up for x = [..., 2H] (gate = first half)."""
+    H = x.shape[-1] // 2
+    g, u = x[..., :H].float(), x[..., H:].float()
+    return (g / (1.0 + torch.exp(-g))) * u
+
+
+# ------------------------------------------------------------------------------------------
+# Validation
+# ------------------------------------------------------------------------------------------
+def _check_scheme(scheme: QuantScheme, K: int, where: str) -> int:
+    """Return the group width G (K for per-row scales); raise for what the kernel cannot do."""
+    if not isinstance(scheme, QuantScheme):
+        raise TypeError(f"{where}: scheme must be a QuantScheme (e.g. lowbit.get_preset('int8_token')), "
+                        f"got {type(scheme).__name__}")
+    if scheme.format not in _FMT_CODES:
+        raise NotImplementedError(f"{where}: element format {scheme.format!r} ({scheme}) has no fused kernel; "
+                                  f"supported: {', '.join(_FMT_CODES)}. Use lowbit.quantize on the float output.")
+    if not scheme.symmetric:
+        raise NotImplementedError(f"{where}: asymmetric activation quantization ({scheme}) has no fused kernel; "
+                                  "use symmetric=True (zero points cost a GEMM correction term, seed 004)")
+    s = scheme.strategy
+    if s in ("token", "channel"):
+        return K
+    if s == "block":
+        if scheme.block_size[0] != 1:
+            raise NotImplementedError(f"{where}: block {scheme.block_size} spans rows; the row kernel takes "
+                                      "block_size (1, cols) only")
+        g = scheme.block_size[1]
+    elif s == "group":
+        g = scheme.group_size
+    else:
+        raise NotImplementedError(f"{where}: strategy {s!r} ({scheme}) needs a whole-tensor reduction; "
+                                  "the row kernel takes token, channel, group or (1, cols) block")
+    if K % g:
+        raise ValueError(f"{where}: hidden size K = {K} is not a multiple of the group width {g} ({scheme}); "
+                         f"choose a group size dividing {K}")
+    if g & (g - 1):
+        raise NotImplementedError(f"{where}: group width {g} is not a power of two; the kernel tiles rows "
+                                  "as [groups, width] with power-of-two extents")
+    return g
+
+
+def _check_x(x: torch.Tensor, name: str, where: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{where}: {name} has dtype {x.dtype}; use bfloat16, float16 or float32")
+    if x.ndim == 0 or x.numel() == 0:
+        raise ValueError(f"{where}: {name} has shape {tuple(x.shape)}; give it shape [..., K] with K > 0")
+
+
+def _pick_backend(x: torch.Tensor, backend: str | None, where: str) -> str:
+    if backend is None:
+        return "triton" if x.is_cuda else "torch"
+    if backend not in ("triton", "torch"):
+        raise ValueError(f"{where}: backend must be 'triton', 'torch' or None, got {backend!r}")
+    if backend == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"{where}: backend='triton' on a CPU tensor needs Triton's interpreter; set "
+                           "TRITON_INTERPRET=1 before importing triton, or use backend='torch'")
+    return backend
+
+
+# ------------------------------------------------------------------------------------------
+# Kernel launch
+# ------------------------------------------------------------------------------------------
+def _launch(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int, *, weight=None, eps=0.0,
+            res2=None, res_out=None, store_y=False, fp8_encoder: str = "auto"):
+    """Run the row kernel over x2 [rows, K or 2K]; returns (codes, scale, scale_codes, g, y)."""
+    import triton
+
+    from lowbit.ops.triton import fused_quant as fq
+
+    rows, dev = x2.shape[0], x2.device
+    block = max(16, triton.next_power_of_2(K))
+    if block > fq.MAX_BLOCK:
+        raise ValueError(f"hidden size K = {K} exceeds the fused kernel's {fq.MAX_BLOCK} elements per row "
+                         "(the row lives in registers); use backend='torch'")
+    NG, Gt = (1, block) if G == K else (block // G, G)
+    ngroups = K // G
+    fmt = scheme.fmt
+    qmax = float(fmt.qmax if fmt.kind == "int" else fmt.max)
+    emax = math.frexp(float(fmt.max))[1] - 1 if fmt.kind == "float" else 0  # floor(log2 max)
+    mbits = int(getattr(fmt, "mbits", 0) or 0)
+    scale_kind = {"fp32": 0, "e8m0": 1, "fp8_e4m3fn": 2}[scheme.scale_format]
+    if fp8_encoder not in ("auto", "hw", "int"):
+        raise ValueError(f"fp8_encoder must be 'auto', 'hw' or 'int', got {fp8_encoder!r}")
+    hw = x2.is_cuda and fp8_encoder != "int" and os.environ.get("TRITON_INTERPRET") != "1"
+    warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
+    dummy = torch.empty(1, device=dev, dtype=torch.float32)
+    w = weight if weight is not None else dummy
+    r_in = res2 if res2 is not None else dummy
+    r_out = res_out if res_out is not None else dummy
+    common = dict(PRE=pre, HAS_RES=res2 is not None, FMT=_FMT_CODES[scheme.format], SCALE_KIND=scale_kind,
+                  E8M0_ROUND=_ROUND_CODES.get(scheme.scale_rounding or "floor", 0), QMAX=qmax, EMAX=emax,
+                  MBITS=mbits, HW_FP8=hw, NG=NG, G=Gt, num_warps=warps)
+    gscale = None
+    if scale_kind == 2:  # two-level: tensor scale from the live tensor's amax (first pass)
+        amax = torch.empty(rows, device=dev, dtype=torch.float32)
+        fq._row_quant_kernel[(rows,)](x2, x2.stride(0), w, r_in, r_in.stride(0) if res2 is not None else 0,
+                                      r_out, 0, dummy, dummy, dummy, dummy, dummy, amax, K, ngroups, eps,
+                                      STORE_Y=False, AMAX_ONLY=True, **common)
+        gscale = two_level_global_scale(amax.max(), scheme).reshape(1).contiguous()
+    codes = torch.empty(rows, K, device=dev, dtype=torch.int8 if fmt.kind == "int" else torch.uint8)
+    scale = torch.empty(rows, ngroups, device=dev, dtype=torch.float32)
+    scodes = torch.empty(rows, ngroups, device=dev, dtype=torch.uint8) if scale_kind else dummy
+    y = torch.empty(rows, K, device=dev, dtype=torch.float32) if store_y else dummy
+    fq._row_quant_kernel[(rows,)](
+        x2, x2.stride(0), w, r_in, r_in.stride(0) if res2 is not None else 0,
+        r_out, r_out.stride(0) if res_out is not None else 0, y, codes, scale, scodes,
+        gscale if gscale is not None else dummy, dummy, K, ngroups, eps,
+        STORE_Y=store_y, AMAX_ONLY=False, **common)
+    return codes, scale, (scodes if scale_kind else None), gscale, (y if store_y else None)
+
+
+def _assemble(codes, scale, scodes, gscale, scheme: QuantScheme, lead: tuple[int, ...], K: int,
+              check_finite: bool, where: str) -> QTensor:
+    shape = lead + (K,)
+    s = scale.reshape(scale_shape(shape, scheme))
+    if check_finite and not bool(torch.isfinite(s).all()):
+        raise ValueError(f"{where}: the input holds NaN or Inf (a non-finite scale came out); clean the input "
+                         "or pass check_finite=False to get the raw result")
+    return QTensor(codes.reshape(shape), s, None, scheme, shape,
+                   None if scodes is None else scodes.reshape(s.shape),
+                   None if gscale is None else gscale.reshape(()))
+
+
+def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
+    x2 = x.reshape(-1, K)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+# ------------------------------------------------------------------------------------------
+# Public entry points
+# ------------------------------------------------------------------------------------------
+def quantize_rows(x: torch.Tensor, scheme: QuantScheme, *, backend: str | None = None,
+                  check_finite: bool = True, fp8_encoder: str = "auto") -> QTensor:
+    """Dynamic quantization of x [..., K] per token / per group (see module docstring).
+
+    Equals lowbit.quantize(x, scheme) code for code; the Triton path reads x once and writes
+    codes [..., K] (int8 or uint8 bit patterns) and float32 scales [..., K // g]."""
+    where = "quantize_rows"
+    _check_x(x, "x", where)
+    K = x.shape[-1]
+    G = _check_scheme(scheme, K, where)
+    if _pick_backend(x, backend, where) == "torch":
+        return quantize(x, scheme)
+    codes, scale, sc, gs, _ = _launch(0, _rows(x, K), K, scheme, G, fp8_encoder=fp8_encoder)
+    return _assemble(codes, scale, sc, gs, scheme, tuple(x.shape[:-1]), K, check_finite, where)
+
+
+def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, scheme: QuantScheme,
+                  residual: torch.Tensor | None = None, *, backend: str | None = None,
+                  return_normalized: bool = False, check_finite: bool = True, fp8_encoder: str = "auto"):
+    """RMSNorm(x [+ residual]) * weight, quantized with `scheme`, in one pass over the row.
+
+    x: [..., K] bf16/fp16/fp32; weight: [K]; eps: float; residual: like x (any float dtype) or None.
+    Returns (qt, new_residual) -- new_residual = x + residual in residual's dtype (None when no
+    residual) -- and, with return_normalized=True, also the float32 normalized output y [..., K]
+    the codes were computed from (tests use it to check codes against lowbit.quantize(y))."""
+    where = "rmsnorm_quant"
+    _check_x(x, "x", where)
+    K = x.shape[-1]
+    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (K,):
+        raise ValueError(f"{where}: weight must be a tensor of shape ({K},) (the hidden size), "
+                         f"got {getattr(weight, 'shape', type(weight).__name__)}")
+    if residual is not None:
+        _check_x(residual, "residual", where)
+        if tuple(residual.shape) != tuple(x.shape):
+            raise ValueError(f"{where}: residual has shape {tuple(residual.shape)}, x has {tuple(x.shape)}; "
+                             "they must match")
+    if residual is not None and residual.device != x.device or weight.device != x.device:
+        raise ValueError(f"{where}: x, weight and residual must be on one device (x is on {x.device})")
+    if not (isinstance(eps, (int, float)) and eps >= 0):
+        raise ValueError(f"{where}: eps must be a non-negative float, got {eps!r}")
+    G = _check_scheme(scheme, K, where)
+    if _pick_backend(x, backend, where) == "torch":
+        y, new_res = rmsnorm_reference(x, weight, eps, residual)
+        qt = quantize(y, scheme)
+        return (qt, new_res, y) if return_normalized else (qt, new_res)
+    lead = tuple(x.shape[:-1])
+    res2 = _rows(residual, K) if residual is not None else None
+    res_out = torch.empty(res2.shape, device=x.device, dtype=residual.dtype) if residual is not None else None
+    codes, scale, sc, gs, y = _launch(1, _rows(x, K), K, scheme, G, weight=weight.contiguous(), eps=float(eps),
+                                      res2=res2, res_out=res_out, store_y=return_normalized,
+                                      fp8_encoder=fp8_encoder)
+    qt = _assemble(codes, scale, sc, gs, scheme, lead, K, check_finite, where)
+    new_res = res_out.reshape(x.shape) if res_out is not None else None
+    return (qt, new_res, y.reshape(x.shape)) if return_normalized else (qt, new_res)
+
+
+def silu_mul_quant(x: torch.Tensor, scheme: QuantScheme, *, backend: str | None = None,
+                   return_product: bool = False, check_finite: bool = True, fp8_encoder: str = "auto"):
+    """silu(gate) * up, quantized with `scheme`: x [..., 2H] (gate = x[..., :H], up = x[..., H:]).
+
+    Returns qt (codes [..., H]) and, with return_product=True, (qt, y) with y the float32 product."""
+    where = "silu_mul_quant"
+    _check_x(x, "x", where)
+    if x.shape[-1] % 2:
+        raise ValueError(f"{where}: the last dim of x ({x.shape[-1]}) must be even: gate and up halves "
+                         "concatenated, [..., 2H]")
+    H = x.shape[-1] // 2
+    G = _check_scheme(scheme, H, where)
+    if _pick_backend(x, backend, where) == "torch":
+        y = silu_mul_reference(x)
+        qt = quantize(y, scheme)
+        return (qt, y) if return_product else qt
+    lead = tuple(x.shape[:-1])
+    codes, scale, sc, gs, y = _launch(2, _rows(x, 2 * H), H, scheme, G, store_y=return_product,
+                                      fp8_encoder=fp8_encoder)
+    qt = _assemble(codes, scale, sc, gs, scheme, lead, H, check_finite, where)
+    return (qt, y.reshape(lead + (H,))) if return_product else qt
