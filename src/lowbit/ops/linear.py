@@ -1,0 +1,212 @@
+"""`lowbit.ops.linear(xq, wq)`: out = x_q @ w_q.T (+ bias), dispatched to the right kernel.
+
+Backends (never a silent fallback from one to another, nor from one scheme to another):
+- "triton":    the Triton kernels of lowbit.ops.triton (CUDA; the CPU interpreter in tests);
+- "torch":     PyTorch's own quantized matmuls: torch._int_mm (int32 accumulation) with the
+               epilogue in float64, or torch._scaled_mm for fp8 row-/tensor-wise;
+- "reference": lowbit.ops.reference.qlinear_reference (float64, exact integer accumulation),
+               any scheme pair it supports.
+backend=None picks "triton" for CUDA tensors and, on the CPU, "torch" for int8 W8A8 (exact) and
+"reference" for everything else. A scheme pair with no kernel on the chosen backend raises
+NotImplementedError naming the schemes.
+
+Kernel table (x scheme, w scheme -> kernel), see `kernel_for`:
+  int8  token|channel|tensor (sym or asym)   x  int8 channel|tensor (sym)      -> "int8"
+  fp8_e4m3fn token|channel|tensor (fp32)     x  fp8_e4m3fn channel|tensor      -> "fp8_rowwise"
+  fp8_e4m3fn block (1,128) or group 128      x  fp8_e4m3fn block (128,128)     -> "fp8_block"
+  fp8_e4m3fn group 32 e8m0 (MXFP8)           x  fp8_e4m3fn group 32 e8m0       -> "mxfp8"
+"""
+from __future__ import annotations
+
+import torch
+
+BACKENDS = ("triton", "torch", "reference")
+KERNELS = ("int8", "fp8_rowwise", "fp8_block", "mxfp8")
+_PER_ROW = ("token", "channel", "tensor")
+
+
+def _is_qtensor(t) -> bool:
+    return hasattr(t, "codes") and hasattr(t, "scale") and hasattr(t, "scheme")
+
+
+def _per_row_fp32(s) -> bool:
+    return s.strategy in _PER_ROW and s.scale_format == "fp32"
+
+
+def kernel_for(x_scheme, w_scheme) -> str | None:
+    """Name of the lowbit kernel for this scheme pair, or None when there is none.
+
+    x_scheme None means the activations are not quantized (weight-only schemes): no W8A8
+    kernel applies."""
+    if x_scheme is None or w_scheme is None:
+        return None
+    xs, ws = x_scheme, w_scheme
+    if xs.format == "int8" and ws.format == "int8":
+        if _per_row_fp32(xs) and _per_row_fp32(ws) and ws.symmetric and ws.strategy != "token":
+            return "int8"
+        return None
+    if xs.format != "fp8_e4m3fn" or ws.format != "fp8_e4m3fn":
+        return None
+    if _per_row_fp32(xs) and _per_row_fp32(ws):
+        return "fp8_rowwise"
+    x_1x128 = xs.scale_format == "fp32" and (
+        (xs.strategy == "block" and xs.block_size == (1, 128))
+        or (xs.strategy == "group" and xs.group_size == 128))
+    if x_1x128 and ws.strategy == "block" and ws.block_size == (128, 128) and ws.scale_format == "fp32":
+        return "fp8_block"
+    mx = lambda s: s.strategy == "group" and s.group_size == 32 and s.scale_format == "e8m0"  # noqa: E731
+    if mx(xs) and mx(ws):
+        return "mxfp8"
+    return None
+
+
+def _scheme_name(t) -> str:
+    return str(t.scheme) if _is_qtensor(t) else f"unquantized {getattr(t, 'dtype', type(t).__name__)}"
+
+
+def _not_implemented(xq, wq, backend: str, why: str = "") -> NotImplementedError:
+    return NotImplementedError(
+        f"no {backend} kernel for x: {_scheme_name(xq)} with w: {_scheme_name(wq)}{why}. "
+        f"Kernels exist for {', '.join(KERNELS)} (see lowbit.ops.linear's docstring); "
+        "backend='reference' computes any supported pair exactly in float64")
+
+
+def linear(xq, wq, *, bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+           backend: str | None = None, w_colsum: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantized linear layer: out = x_q @ w_q.T (+ bias), shape [..., N] in out_dtype.
+
+    xq: QTensor of the activations, codes [..., K]; wq: QTensor of the weights, codes [N, K]
+    (K-major). bias: [N] float, added in fp32 (float64 on the torch/reference paths).
+    w_colsum: int32 [N] sums over K of the weight codes, needed when x has zero points
+    (asymmetric int8); computed here when omitted (an extra pass over the weights per call:
+    precompute it once per layer for speed).
+    """
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS} (or None to pick by device)")
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        raise ValueError(f"out_dtype={out_dtype} is not supported; use bfloat16, float16, float32 "
+                         "(or float64 with backend='reference' / 'torch')")
+    if not _is_qtensor(wq):
+        raise TypeError("wq must be a QTensor (lowbit.quantize(w, scheme)); for unquantized weights "
+                        "use torch.nn.functional.linear")
+    kernel = kernel_for(xq.scheme if _is_qtensor(xq) else None, wq.scheme)
+    device = wq.codes.device
+    if backend is None:
+        if device.type == "cuda":
+            backend = "triton"
+        else:
+            backend = "torch" if kernel == "int8" else "reference"
+    if backend == "reference":
+        from lowbit.ops.reference import qlinear_reference
+
+        return qlinear_reference(xq, wq, bias).to(out_dtype)
+    if kernel is None:
+        raise _not_implemented(xq, wq, backend)
+    x2, w2, lead = _operands(xq, wq)
+    if out_dtype == torch.float64:
+        if backend == "triton":
+            raise ValueError("out_dtype=float64 is not produced by the Triton kernels (fp32 epilogue); "
+                             "use float32, or backend='reference'")
+    if backend == "torch":
+        out = _torch_path(kernel, xq, wq, x2, w2, bias, out_dtype, w_colsum)
+    else:
+        out = _triton_path(kernel, xq, wq, x2, w2, bias, out_dtype, w_colsum)
+    return out.reshape(*lead, out.shape[-1])
+
+
+def _operands(xq, wq):
+    """2-D codes [M, K] and [N, K] plus x's leading shape; checks shapes and devices."""
+    xc, wc = xq.codes, wq.codes
+    if wc.dim() != 2:
+        raise ValueError(f"weight codes must be 2-D [N, K], got shape {tuple(wc.shape)}")
+    if xc.shape[-1] != wc.shape[-1]:
+        raise ValueError(f"x codes have K={xc.shape[-1]} but weight codes have K={wc.shape[-1]} "
+                         f"(x {tuple(xc.shape)}, w {tuple(wc.shape)}): the contraction axes must match")
+    if xc.device != wc.device:
+        raise ValueError(f"x is on {xc.device} but w is on {wc.device}: move both to one device")
+    lead = tuple(xc.shape[:-1])
+    return xc.reshape(-1, xc.shape[-1]), wc, lead
+
+
+def _row_scale(qt, rows: int) -> torch.Tensor:
+    """Per-row fp32 scale [rows] (a tensor-wise scale stays one value; kernels broadcast it)."""
+    s = qt.scale.reshape(-1)
+    if s.numel() not in (1, rows):
+        raise ValueError(f"scale of {qt} has {s.numel()} values for {rows} rows: re-quantize it")
+    return s
+
+
+def _zero_and_colsum(xq, wq, rows: int, w_colsum):
+    if xq.zero_point is None:
+        return None, None
+    za = xq.zero_point.reshape(-1)
+    if za.numel() == 1:
+        za = za.expand(rows)
+    if w_colsum is None:
+        w_colsum = wq.codes.sum(dim=1, dtype=torch.int32)
+    elif w_colsum.dtype != torch.int32 or w_colsum.numel() != wq.codes.shape[0]:
+        raise ValueError(f"w_colsum must be int32 with one value per output channel "
+                         f"({wq.codes.shape[0]}), got {w_colsum.dtype} {tuple(w_colsum.shape)}; "
+                         "use wq.codes.sum(dim=1, dtype=torch.int32)")
+    return za, w_colsum
+
+
+def _group_scales(qt, rows: int, e8m0: bool) -> torch.Tensor:
+    """[rows-or-blocks, K/G] scales for the block-scaled kernels (uint8 codes for MX)."""
+    if e8m0:
+        if qt.scale_codes is None:
+            raise ValueError(f"{qt} has no e8m0 scale_codes: re-quantize it with scale_format='e8m0'")
+        s = qt.scale_codes
+    else:
+        s = qt.scale
+    return s.reshape(-1, s.shape[-1])
+
+
+def _triton_path(kernel, xq, wq, x2, w2, bias, out_dtype, w_colsum):
+    M, N = x2.shape[0], w2.shape[0]
+    if kernel == "int8":
+        from lowbit.ops.triton.gemm_int8 import int8_gemm
+
+        za, cs = _zero_and_colsum(xq, wq, M, w_colsum)
+        return int8_gemm(x2, w2, _row_scale(xq, M), _row_scale(wq, N), a_zero=za, b_colsum=cs,
+                         bias=bias, out_dtype=out_dtype)
+    if kernel == "fp8_rowwise":
+        from lowbit.ops.triton.gemm_fp8 import fp8_gemm
+
+        return fp8_gemm(x2, w2, _row_scale(xq, M), _row_scale(wq, N), bias=bias, out_dtype=out_dtype)
+    from lowbit.ops.triton.gemm_blockscaled import fp8_block_gemm, mxfp8_gemm
+
+    if kernel == "fp8_block":
+        return fp8_block_gemm(x2, w2, _group_scales(xq, M, False), _group_scales(wq, N, False),
+                              bias=bias, out_dtype=out_dtype)
+    return mxfp8_gemm(x2, w2, _group_scales(xq, M, True), _group_scales(wq, N, True),
+                      bias=bias, out_dtype=out_dtype)
+
+
+def _torch_path(kernel, xq, wq, x2, w2, bias, out_dtype, w_colsum):
+    M, N = x2.shape[0], w2.shape[0]
+    if kernel == "int8":
+        if x2.device.type == "cuda" and (M <= 16 or x2.shape[1] % 8 or N % 8):
+            raise _not_implemented(xq, wq, "torch", f" at M={M}, K={x2.shape[1]}, N={N}: torch._int_mm "
+                                   "on CUDA needs M > 16 and K, N multiples of 8")
+        acc = torch._int_mm(x2.contiguous(), w2.t())  # exact int32
+        za, cs = _zero_and_colsum(xq, wq, M, w_colsum)
+        y = acc.to(torch.float64)
+        if za is not None:
+            y = y - za.to(torch.float64)[:, None] * cs.to(torch.float64)[None, :]
+        y = y * _row_scale(xq, M).to(torch.float64)[:, None] * _row_scale(wq, N).to(torch.float64)[None, :]
+        if bias is not None:
+            y = y + bias.to(torch.float64)
+        return y.to(out_dtype)
+    if kernel == "fp8_rowwise":
+        # _scaled_mm takes row-wise scales as [M, 1] and [1, N], tensor-wise as two 0-d/1-element ones.
+        sa, sb = _row_scale(xq, M), _row_scale(wq, N)
+        tensorwise = sa.numel() == 1 and sb.numel() == 1
+        sa = sa.reshape(()) if tensorwise else sa.expand(M).reshape(M, 1).contiguous()
+        sb = sb.reshape(()) if tensorwise else sb.expand(N).reshape(1, N).contiguous()
+        if out_dtype == torch.float64:
+            raise ValueError("torch._scaled_mm does not produce float64; use backend='reference'")
+        return torch._scaled_mm(x2.contiguous().view(torch.float8_e4m3fn), w2.view(torch.float8_e4m3fn).t(),
+                                scale_a=sa, scale_b=sb, bias=None if bias is None else bias.to(out_dtype),
+                                out_dtype=out_dtype)
+    raise _not_implemented(xq, wq, "torch")
