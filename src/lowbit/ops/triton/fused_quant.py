@@ -9,10 +9,11 @@ memory once: that is what makes fusion pay (seed 004).
 The quantizer reproduces lowbit.quantize's canonical arithmetic (docs/ARCHITECTURE.md):
 the scale from the group's absmax in float32, IEEE division `y / s` (tl.math.div_rn),
 round-half-even, clamp after rounding, a zero group gets the documented zero-group scale.
-The float element encoders are written out with integer arithmetic so that Triton's CPU
-interpreter (whose fp8 cast does not round to nearest even) and the GPU produce the same
-codes; on the GPU the fp8 encoder may instead use the hardware cast (`cvt.rn.satfinite`),
-which rounds the same way -- both paths are tested against the canonical quantizer.
+The float element encoders use exact float32 / integer arithmetic (rint and encode_e4m3fn
+come from ops/triton/common.py) so that Triton's CPU interpreter (whose fp8 and bf16 casts
+do not round to nearest even) and the GPU produce the same codes; on the GPU the fp8
+encoder may instead use the hardware cast (`cvt.rn.satfinite`), which rounds the same way
+-- both paths are tested against the canonical quantizer.
 
 Launcher arguments are validated by lowbit.ops.fused (the public entry point); this
 module only describes the kernel."""
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .common import encode_e4m3fn, rint  # shared exact rounding primitives (GEMM helper's)
 
 # Prologues
 PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL = 0, 1, 2
@@ -32,31 +35,6 @@ SCALE_FP32, SCALE_E8M0, SCALE_NV = 0, 1, 2
 ROUND_FLOOR, ROUND_RCEIL, ROUND_CEIL, ROUND_EVEN = 0, 1, 2, 3
 
 MAX_BLOCK = 32768  # elements a program holds in registers; larger rows raise in fused.py
-
-
-@triton.jit
-def _rint(v):
-    """Round half to even for |v| < 2**22: adding 1.5 * 2**23 leaves no fraction bits, and
-    IEEE addition rounds to nearest even; subtracting it back is exact."""
-    return (v + 12582912.0) - 12582912.0
-
-
-@triton.jit
-def _encode_e4m3(v):
-    """float32 -> fp8 e4m3fn bit pattern (int32 in [0, 255]), round to nearest even,
-    saturating to +-448. Integer arithmetic only, so interpreter and GPU agree."""
-    sign = (v.to(tl.int32, bitcast=True) >> 24) & 128  # the sign bit, so -0.0 -> 0x80
-    a = tl.minimum(tl.abs(v), 448.0)
-    bits = a.to(tl.int32, bitcast=True)
-    # normal range (a >= 2**-6): round the 23-bit mantissa to 3 bits, half to even;
-    # a carry into the exponent is the correct result
-    lsb = (bits >> 20) & 1
-    r = (bits + 0x7FFFF + lsb) >> 20
-    normal = r - (120 << 3)  # rebias exponent 127 -> 7 (127 - 7 = 120)
-    # subnormal range: multiples of 2**-9; 16384 has an ulp of 2**-9 in float32
-    sub = ((a + 16384.0) - 16384.0) * 512.0
-    mag = tl.where(a < 0.015625, sub.to(tl.int32), normal)
-    return mag | sign
 
 
 @triton.jit
@@ -174,20 +152,20 @@ def _row_quant_kernel(
         else:  # NVFP4: e4m3 block scale of (amax / max) / g, clamped to [2^-6, 448]
             gs = tl.load(GSCALE)
             rel = tl.math.div_rn(tl.math.div_rn(amax, QMAX), gs)
-            sc = _encode_e4m3(tl.maximum(rel, 0.015625))
+            sc = encode_e4m3fn(tl.maximum(rel, 0.015625)).to(tl.int32)
             s = _decode_e4m3(sc) * gs
             tl.store(SCALE_CODES + row * ngroups + gidx, sc.to(tl.uint8), mask=gmask)
         tl.store(SCALE + row * ngroups + gidx, s, mask=gmask)
         # --- codes ---
         v = tl.math.div_rn(y, s[:, None])
         if FMT == 0:
-            q = tl.minimum(tl.maximum(_rint(v), -QMAX), QMAX)
+            q = tl.minimum(tl.maximum(rint(v), -QMAX), QMAX)
             tl.store(CODES + row * K + offs, q.to(tl.int8), mask=mask)
         elif FMT == 1:
             if HW_FP8:
                 c = tl.minimum(tl.maximum(v, -448.0), 448.0).to(tl.float8e4nv)
                 tl.store(CODES + row * K + offs, c.to(tl.uint8, bitcast=True), mask=mask)
             else:
-                tl.store(CODES + row * K + offs, _encode_e4m3(v).to(tl.uint8), mask=mask)
+                tl.store(CODES + row * K + offs, encode_e4m3fn(v), mask=mask)
         else:
             tl.store(CODES + row * K + offs, _encode_e2m1(v).to(tl.uint8), mask=mask)
