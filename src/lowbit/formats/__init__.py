@@ -10,8 +10,6 @@ below is derived by enumerating the codes through that codec's decoder, never ty
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
@@ -20,6 +18,7 @@ import torch
 from . import integer, minifloat
 from .integer import IntSpec
 from .minifloat import MinifloatSpec
+from .properties import CodeSet, Format, derive_float, derive_int
 
 # name -> spec. The (ebits, mbits, bias, policy) tuples ARE the formats' definitions
 # (OCP FP8/MX specs, ml_dtypes' fnuz biases); all numbers below them are derived.
@@ -48,83 +47,12 @@ _TORCH_DTYPES = {"fp8_e4m3fn": "float8_e4m3fn", "fp8_e4m3fnuz": "float8_e4m3fnuz
                  "e8m0fnu": "float8_e8m0fnu", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
-@dataclass(frozen=True)
-class Format:
-    """An element format and its derived properties.
-
-    max / min_normal / min_subnormal: largest finite, smallest positive normal, smallest
-    positive value (float); unit_roundoff u: largest relative rounding error of a normal
-    value, 2^-p with p = mbits + 1 for floats, 1/(2*qmax) for integers (relative to absmax).
-    nan_codes / inf_codes: bit patterns (ints) that decode to NaN / +-inf.
-    """
-
-    name: str
-    kind: str  # "int" | "float"
-    bits: int
-    signed: bool
-    max: float
-    min_normal: float
-    min_subnormal: float
-    unit_roundoff: float
-    has_inf: bool
-    has_nan: bool
-    nan_codes: tuple[int, ...]
-    inf_codes: tuple[int, ...]
-    ebits: int | None = None
-    mbits: int | None = None
-    bias: int | None = None
-    policy: str | None = None
-    qmin: int | None = None
-    qmax: int | None = None
-    torch_dtype: torch.dtype | None = None
-    spec: MinifloatSpec | IntSpec | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def min(self) -> float:
-        """Most negative finite value (0 for unsigned formats, 2^-127 for e8m0)."""
-        if self.kind == "int":
-            return float(self.qmin)
-        return -self.max if self.signed else self.min_subnormal
-
-    def __str__(self) -> str:
-        return self.name
-
-
-def _derive_float(name: str, spec: MinifloatSpec) -> Format:
-    codes = spec.codes_to_enumerate()
-    vals = {c: spec.decode_code(c) for c in codes}
-    finite_pos = sorted(v for v in vals.values() if math.isfinite(v) and v > 0)
-    nan_codes = tuple(c for c, v in vals.items() if math.isnan(v))
-    inf_codes = tuple(c for c, v in vals.items() if math.isinf(v))
-    ebit_mask = ((1 << spec.ebits) - 1) << spec.mbits
-
-    def is_normal(c: int) -> bool:  # exponent field != 0; with no mantissa every code is normal
-        return spec.mbits == 0 or bool(c & ebit_mask)
-
-    normals = sorted(v for c, v in vals.items() if math.isfinite(v) and v > 0 and is_normal(c))
-    # u = half the largest relative step between a positive normal code and its successor.
-    steps = [(vals[c + 1] - v) / v for c, v in vals.items()
-             if c + 1 in vals and math.isfinite(v) and v > 0 and is_normal(c) and math.isfinite(vals[c + 1])
-             and vals[c + 1] > v]
-    return Format(name=name, kind="float", bits=spec.bits, signed=spec.signed,
-                  max=finite_pos[-1], min_normal=normals[0], min_subnormal=finite_pos[0],
-                  unit_roundoff=max(steps) / 2, has_inf=bool(inf_codes), has_nan=bool(nan_codes),
-                  nan_codes=nan_codes, inf_codes=inf_codes, ebits=spec.ebits, mbits=spec.mbits,
-                  bias=spec.bias, policy=spec.policy, torch_dtype=getattr(torch, _TORCH_DTYPES.get(name, ""), None),
-                  spec=spec)
-
-
-def _derive_int(name: str, spec: IntSpec) -> Format:
-    return Format(name=name, kind="int", bits=spec.bits, signed=spec.signed, max=float(spec.qmax),
-                  min_normal=1.0, min_subnormal=1.0, unit_roundoff=1.0 / (2 * spec.qmax),
-                  has_inf=False, has_nan=False, nan_codes=(), inf_codes=(),
-                  qmin=spec.qmin, qmax=spec.qmax, spec=spec)
-
-
 @lru_cache(maxsize=None)
 def _build(name: str) -> Format:
     spec = _SPECS[name]
-    return _derive_int(name, spec) if isinstance(spec, IntSpec) else _derive_float(name, spec)
+    if isinstance(spec, IntSpec):
+        return derive_int(name, spec)
+    return derive_float(name, spec, getattr(torch, _TORCH_DTYPES.get(name, ""), None))
 
 
 def list_formats() -> list[str]:
@@ -208,4 +136,4 @@ def decode(codes, fmt: str | Format) -> torch.Tensor:
     return minifloat.decode(codes, f.spec)
 
 
-__all__ = ["Format", "get_format", "list_formats", "encode", "decode", "MinifloatSpec", "IntSpec"]
+__all__ = ["Format", "CodeSet", "get_format", "list_formats", "encode", "decode", "MinifloatSpec", "IntSpec"]
