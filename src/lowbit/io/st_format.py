@@ -1,0 +1,270 @@
+"""The safetensors file format, read and written one tensor at a time.
+
+The `safetensors` library writes a whole state dict at once and reads through a memory
+map; both hold far more than one tensor in memory for a large shard. Checkpoint streaming
+(lowbit.io.sharded) needs memory bounded by the largest tensor, so this module speaks the
+format directly. The format (https://github.com/huggingface/safetensors):
+``u64 little-endian N | N bytes of JSON header | raw little-endian tensor bytes``;
+the header maps each name to ``{"dtype", "shape", "data_offsets": [begin, end]}``
+(offsets relative to the end of the header) plus an optional ``"__metadata__"`` of
+str -> str. Files written here are read back by the real library in the tests.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import sys
+from typing import BinaryIO, Iterator
+
+import torch
+
+# safetensors dtype tag <-> torch dtype (the library's own table, written out so that
+# reading a header needs no import of safetensors).
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz, "F8_E5M2": torch.float8_e5m2,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz, "U16": torch.uint16, "U32": torch.uint32,
+    "U64": torch.uint64,
+}
+TAGS: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+MAX_HEADER_BYTES = 100_000_000  # the library's own limit; a larger value means a corrupt file
+_COPY_CHUNK = 16 << 20
+
+if sys.byteorder != "little":  # pragma: no cover - every supported machine is little-endian
+    raise ImportError("lowbit.io.st_format writes raw tensor bytes and needs a little-endian host")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file or directory is missing, truncated or inconsistent."""
+
+
+def _nbytes(dtype: torch.dtype, shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict, dict, int]:
+    """Parse and validate a safetensors header.
+
+    Returns ``(entries, metadata, data_start)``: entries maps tensor name to
+    ``(dtype, shape, begin, end)`` with absolute byte offsets into the file. Raises
+    CheckpointError naming the file when the header is malformed or the file is
+    shorter than the header says (a truncated download or an interrupted write).
+    """
+    path = os.fspath(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: {size} bytes, too short to be a safetensors file "
+                                      "(truncated?); re-create or re-download it")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise CheckpointError(f"{path}: header length {n} does not fit in the file's {size} bytes "
+                                      "(truncated or not a safetensors file); re-create or re-download it")
+            raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from e
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: header is not valid JSON ({e}); the file is corrupt") from e
+    metadata = header.pop("__metadata__", None) or {}
+    data_start = 8 + n
+    entries, spans = {}, []
+    for name, info in header.items():
+        try:
+            dtype = DTYPES[info["dtype"]]
+            shape = [int(d) for d in info["shape"]]
+            begin, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{path}: header entry {name!r} is malformed ({info!r}): {e}") from e
+        if end - begin != _nbytes(dtype, shape):
+            raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes but dtype "
+                                  f"{info['dtype']} and shape {shape} need {_nbytes(dtype, shape)}")
+        entries[name] = (dtype, shape, data_start + begin, data_start + end)
+        spans.append((begin, end))
+    covered = max((e for _, e in spans), default=0)
+    if data_start + covered > size:
+        raise CheckpointError(f"{path}: header describes {covered} data bytes but the file holds only "
+                              f"{size - data_start}; the file is truncated, re-create or re-download it")
+    return entries, metadata, data_start
+
+
+class TensorReader:
+    """Read tensors from one safetensors file one at a time, each into fresh memory.
+
+    Nothing is memory-mapped, so after a tensor is dropped its memory is returned; peak
+    memory is the tensor being read. Use as a context manager.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self.entries, self.metadata, _ = read_header(self.path)
+        self._f: BinaryIO | None = open(self.path, "rb")
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def info(self, name: str) -> tuple[torch.dtype, list[int]]:
+        dtype, shape, _, _ = self.entries[name]
+        return dtype, list(shape)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.entries:
+            raise KeyError(f"{self.path} has no tensor {name!r}")
+        dtype, shape, begin, end = self.entries[name]
+        buf = torch.empty(end - begin, dtype=torch.uint8)
+        self._f.seek(begin)
+        got = self._f.readinto(memoryview(buf.numpy())) if end > begin else 0
+        if got != end - begin:
+            raise CheckpointError(f"{self.path}: short read of {name!r} ({got} of {end - begin} bytes)")
+        return buf.view(dtype).reshape(shape) if buf.numel() else torch.empty(shape, dtype=dtype)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self.entries:
+            yield name, self.get(name)
+
+    def close(self):
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Raw bytes of a CPU tensor without a Python bytes copy."""
+    t = t.detach().to("cpu").contiguous().reshape(-1)
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    return memoryview(t.view(torch.uint8).numpy())
+
+
+class ShardedWriter:
+    """Write tensors into safetensors shards of bounded size, each tensor's bytes going to
+    disk as soon as it is added (the header is prepended when a shard closes).
+
+    ``add(name, tensor)`` appends; when the open shard would exceed ``max_shard_bytes``
+    it is closed first. ``finish()`` names the shards ``model.safetensors`` (one) or
+    ``model-0000i-of-0000n.safetensors`` and writes ``model.safetensors.index.json``
+    (Hugging Face's layout); it returns the list of file names. Memory use is one
+    tensor plus a copy buffer of 16 MiB.
+    """
+
+    def __init__(self, directory: str | os.PathLike, max_shard_bytes: int = 5 << 30,
+                 metadata: dict[str, str] | None = None):
+        if max_shard_bytes <= 0:
+            raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        self.dir = os.fspath(directory)
+        self.max_shard_bytes = int(max_shard_bytes)
+        self.metadata = {"format": "pt", **(metadata or {})}
+        self._shards: list[tuple[str, dict]] = []  # (data file, header)
+        self._names: set[str] = set()
+        self._data = None
+        self._header: dict = {}
+        self._offset = 0
+        self.total_bytes = 0
+
+    def _open(self):
+        path = os.path.join(self.dir, f".shard{len(self._shards):05d}.data")
+        self._data = open(path, "wb")
+        self._header, self._offset = {}, 0
+        self._shards.append((path, self._header))
+
+    def add(self, name: str, tensor: torch.Tensor):
+        if name in self._names:
+            raise ValueError(f"tensor name {name!r} written twice")
+        if tensor.dtype not in TAGS:
+            raise TypeError(f"tensor {name!r}: dtype {tensor.dtype} has no safetensors encoding")
+        nbytes = _nbytes(tensor.dtype, tensor.shape)
+        if self._data is None or (self._offset and self._offset + nbytes > self.max_shard_bytes):
+            self._close_data()
+            self._open()
+        if nbytes:
+            self._data.write(_tensor_bytes(tensor))
+        self._header[name] = {"dtype": TAGS[tensor.dtype], "shape": list(tensor.shape),
+                              "data_offsets": [self._offset, self._offset + nbytes]}
+        self._offset += nbytes
+        self.total_bytes += nbytes
+        self._names.add(name)
+
+    def _close_data(self):
+        if self._data is not None:
+            self._data.close()
+            self._data = None
+
+    def finish(self) -> list[str]:
+        self._close_data()
+        if not self._shards:
+            raise ValueError("no tensors were written; a checkpoint needs at least one")
+        n = len(self._shards)
+        names = (["model.safetensors"] if n == 1 else
+                 [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
+        weight_map = {}
+        for (data_path, header), fname in zip(self._shards, names):
+            blob = json.dumps({"__metadata__": self.metadata, **header}, separators=(",", ":")).encode()
+            blob += b" " * (-len(blob) % 8)  # the spec allows space padding; aligns the data
+            with open(os.path.join(self.dir, fname), "wb") as out, open(data_path, "rb") as src:
+                out.write(struct.pack("<Q", len(blob)))
+                out.write(blob)
+                shutil.copyfileobj(src, out, _COPY_CHUNK)
+            os.remove(data_path)
+            weight_map.update({k: fname for k in header})
+        if n > 1:
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+            with open(os.path.join(self.dir, "model.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=2, sort_keys=True)
+        return names
+
+
+def checkpoint_files(directory: str | os.PathLike) -> dict[str, str]:
+    """Map every tensor name in a checkpoint directory to its safetensors file.
+
+    Reads ``model.safetensors.index.json`` when present (and checks that every file it
+    names exists and holds exactly the tensors it lists), else the single
+    ``*.safetensors`` file. Raises CheckpointError with the fix when anything is off.
+    """
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"checkpoint directory {directory!r} does not exist")
+    index_path = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index_path):
+        try:
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index_path} is unreadable or has no 'weight_map': {e}") from e
+        by_file: dict[str, set] = {}
+        for name, fname in weight_map.items():
+            by_file.setdefault(fname, set()).add(name)
+        for fname, names in by_file.items():
+            path = os.path.join(directory, fname)
+            if not os.path.exists(path):
+                raise CheckpointError(f"{index_path} lists {fname} but the file is missing from {directory}")
+            have = set(read_header(path)[0])
+            if have != names:
+                missing, extra = sorted(names - have)[:3], sorted(have - names)[:3]
+                raise CheckpointError(f"{path} does not match {index_path}: missing {missing}, "
+                                      f"unlisted {extra}; the index and the shards are out of step")
+        return {name: os.path.join(directory, fname) for name, fname in weight_map.items()}
+    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory} holds no *.safetensors file (pickled .bin checkpoints "
+                              "are not read: convert them with safetensors first)")
+    if len(files) > 1:
+        raise CheckpointError(f"{directory} holds {len(files)} safetensors files but no "
+                              "model.safetensors.index.json saying which tensor lives where")
+    path = os.path.join(directory, files[0])
+    return {name: path for name in read_header(path)[0]}
