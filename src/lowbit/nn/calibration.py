@@ -14,7 +14,7 @@ from typing import Iterable
 import torch
 
 from lowbit.formats import decode, encode
-from lowbit.quantize import quantize
+from lowbit.quantize import compute_scale
 from lowbit.scheme import QuantScheme
 
 
@@ -27,12 +27,12 @@ def static_scheme(act: QuantScheme) -> QuantScheme:
 
 
 def scale_from_absmax(absmax: float | torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
-    """float32 [1, 1] scale for a per-tensor scheme whose tensor maximum is `absmax`: the scale
-    `lowbit.quantize` computes for a tensor holding that maximum."""
+    """float32 [1, 1] scale for a per-tensor scheme whose tensor maximum is `absmax`, by
+    lowbit.quantize.compute_scale (the one place of scale arithmetic)."""
     a = torch.as_tensor(absmax, dtype=torch.float32).reshape(1, 1)
     if not torch.isfinite(a).all():
         raise ValueError(f"calibrated activation maximum is {float(a)}: the calibration text produced NaN/Inf")
-    return quantize(a, dataclasses.replace(scheme, dynamic=False)).scale.reshape(1, 1).float()
+    return compute_scale(a, scheme).scale.reshape(1, 1).float()
 
 
 def quantize_static(x2d: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor):
@@ -43,9 +43,8 @@ def quantize_static(x2d: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor)
     if fmt.kind == "int":
         if not scheme.symmetric:
             raise NotImplementedError("static asymmetric activation scales are not supported; use symmetric")
-        codes = encode(y, fmt).to(torch.int32).clamp_(-fmt.qmax, fmt.qmax)  # symmetric range [-qmax, qmax]
-        deq = codes.to(torch.float32) * scale
-        return codes.to(torch.int8), scale, deq
+        codes = torch.clamp(torch.round(y), -fmt.qmax, fmt.qmax)   # half-even, symmetric [-qmax, qmax]
+        return codes.to(torch.int8), scale, codes * scale
     codes = encode(y, fmt, saturate=True)
     return codes, scale, decode(codes, fmt).to(x2d.device) * scale
 

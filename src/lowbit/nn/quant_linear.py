@@ -72,9 +72,13 @@ class QuantLinear(torch.nn.Module):
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, weight_scheme: QuantScheme, act_scheme: QuantScheme | None = None,
-                    *, act_static_scale: torch.Tensor | None = None, backend: str = "auto") -> "QuantLinear":
+                    *, act_static_scale: torch.Tensor | None = None, backend: str = "auto",
+                    pad: bool = False) -> "QuantLinear":
         """Quantize `linear.weight` [N, K] with `weight_scheme` (scales along K); keep the bias in
-        float32. Raises ValueError on a non-Linear module or NaN/Inf weights."""
+        float32. pad=True lets K be a non-multiple of the group size: the last group is shorter
+        (zero-padded, zeros never raise its amax; weight_q.codes then has the padded width).
+        Raises ValueError on a non-Linear module, NaN/Inf weights or (pad=False) a K that the
+        group size does not divide."""
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"linear must be a torch.nn.Linear, got {type(linear).__name__}")
         w = linear.weight.detach()
@@ -84,7 +88,7 @@ class QuantLinear(torch.nn.Module):
                              "(a scale computed from them would poison the whole row)")
         if weight_scheme.dynamic:
             raise ValueError("weight_scheme must be static (dynamic=False): weights are quantized once")
-        wq = quantize(w.float(), weight_scheme)
+        wq = quantize(w.float(), weight_scheme, pad=pad)
         bias = None if linear.bias is None else linear.bias.detach().float()
         return cls(wq, weight_scheme, act_scheme, bias=bias, act_static_scale=act_static_scale, backend=backend)
 
@@ -102,7 +106,7 @@ class QuantLinear(torch.nn.Module):
         key = (kind, str(device))
         if key not in self._cache:
             if kind == "codes_t":
-                val = self.weight_q.codes.to(device=device, dtype=torch.int8).t().contiguous()
+                val = self.weight_q.codes.to(device=device, dtype=torch.int8).t().contiguous()  # [K, N]
             elif kind == "scale_row":
                 val = self.weight_q.scale.to(device=device, dtype=torch.float32).reshape(1, self.out_features)
             else:
@@ -127,7 +131,8 @@ class QuantLinear(torch.nn.Module):
                 self.clip_stats["seen"] += ratio.numel()
                 self.clip_stats["max_ratio"] = max(self.clip_stats["max_ratio"], float(ratio.max()))
             return quantize_static(x2d, self.act_scheme, s)
-        qt = quantize(x2d, self.act_scheme)
+        # pad=True: an MX/group width that does not divide K gets a short last group, as the weight does.
+        qt = quantize(x2d, self.act_scheme, pad=True)
         return qt.codes, qt.scale, qt.dequantize(torch.float32)
 
     # ------------------------------------------------------------------ forward
@@ -179,7 +184,7 @@ class QuantLinear(torch.nn.Module):
             xq = quantize(x2d, self.act_scheme)
             wq = self._cache.get(("wq", str(x2d.device)))
             if wq is None:
-                wq = _qtensor_to(self.weight_q, x2d.device)
+                wq = self.weight_q.to(x2d.device)
                 self._cache[("wq", str(x2d.device))] = wq
             return ops_linear(xq, wq, bias=None, out_dtype=torch.float32).float()
         except (NotImplementedError, ImportError, AttributeError) as err:
@@ -189,14 +194,6 @@ class QuantLinear(torch.nn.Module):
                               stacklevel=3)
                 self._warned = True
             return None
-
-
-def _qtensor_to(qt: QTensor, device: torch.device) -> QTensor:
-    """A copy of qt with its tensors on `device` (QTensor is a dataclass of tensors)."""
-    import dataclasses
-    changes = {f.name: getattr(qt, f.name).to(device) for f in dataclasses.fields(qt)
-               if isinstance(getattr(qt, f.name), torch.Tensor)}
-    return dataclasses.replace(qt, **changes)
 
 
 def _check_static(act_scheme: QuantScheme | None, scale: torch.Tensor) -> None:
