@@ -1,0 +1,202 @@
+"""W4A16: 4-bit weights, bf16 / fp16 activations, for decode-sized M (1..64).
+
+    w4 = prepare_w4(wq)                 # wq: QTensor of weights [N, K], at load time
+    out = w4a16_linear(x, w4, bias)     # x [..., K] -> out [..., N] in x's dtype
+
+Weight schemes: int4 (signed, symmetric or with zero points) or uint4 (with zero points),
+strategy group, group_size 32 or 128 (any power of two >= 32 dividing K); MXFP4
+(fp4_e2m1fn, group 32, e8m0 scales); NVFP4 (fp4_e2m1fn, group 16, fp8_e4m3fn scales and a
+tensor scale). Anything else raises NotImplementedError naming the scheme.
+
+Backends: CUDA -> the Triton kernel (lowbit/ops/triton/w4a16.py); CPU -> "torch": the
+dequantized weight (float32) times x in float32, cast to x's dtype. backend="triton" on a
+CPU tensor runs the kernel in Triton's interpreter. The float64 reference is
+w4a16_reference (x @ wq.dequantize(float64).T).
+
+Load-time layout (W4Weight.metadata() records it): codes packed by lowbit.pack_int4 (low
+nibble = even k), [N, K/2] uint8, no further shuffle -- the kernel reads the even and odd
+nibbles against x[:, 0::2] and x[:, 1::2]; per-group scales [N, K/G] float32 (int4) or the
+scale codes [N, K/G] uint8 (fp4: e8m0 or e4m3); zero points narrowed to int8 (they lie in
+the 4-bit code range, so exactly).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from lowbit.packing import pack_int4
+from lowbit.quantize import QTensor
+
+_SMS = 132  # H100 / H200 multiprocessors: the split-K heuristic aims at >= 2 programs per SM
+
+
+@dataclass(frozen=True, eq=False)
+class W4Weight:
+    """A 4-bit weight [N, K] laid out for the W4A16 kernel (see module docstring)."""
+
+    packed: torch.Tensor                 # uint8 [N, K // 2]
+    scale: torch.Tensor                  # float32 [N, K // G] effective scale (all kinds)
+    zero_point: torch.Tensor | None      # int8 [N, K // G] or None
+    scale_codes: torch.Tensor | None     # uint8 [N, K // G] (fp4 kinds) or None
+    global_scale: torch.Tensor | None    # float32 [1] (NVFP4) or None
+    kind: str                            # "int4" | "uint4" | "mxfp4" | "nvfp4"
+    group_size: int
+    shape: tuple[int, int]
+    qtensor: QTensor                     # the source, for references and checkpoints
+
+    def metadata(self) -> dict:
+        """The layout the kernel expects, for checkpoints and reports."""
+        return {"kernel": "lowbit.w4a16", "kind": self.kind, "group_size": self.group_size,
+                "layout": "packed_nk_low_nibble_first", "shuffle": "none",
+                "scales": "fp32[N,K/G]" if self.kind in ("int4", "uint4") else "uint8 codes[N,K/G]",
+                "zero_point": "int8[N,K/G]" if self.zero_point is not None else None,
+                "scheme": self.qtensor.scheme.to_dict()}
+
+
+def _kind(wq: QTensor) -> str:
+    sch = wq.scheme
+    if sch.strategy != "group":
+        raise NotImplementedError(f"W4A16: weight scheme {sch} is not per-group; the kernel takes group "
+                                  "scales (int4 g32/g128, MXFP4, NVFP4)")
+    g = sch.group_size
+    if sch.format in ("int4", "uint4") and sch.scale_format == "fp32":
+        if g < 32 or g & (g - 1):
+            raise NotImplementedError(f"W4A16: int4 group_size {g} ({sch}); the kernel takes powers of "
+                                      "two >= 32 (32 and 128 are the tuned ones)")
+        if sch.format == "uint4" and sch.symmetric:
+            raise NotImplementedError(f"W4A16: {sch}: uint4 without a zero point is not a weight scheme")
+        return sch.format
+    if sch.format == "fp4_e2m1fn" and sch.scale_format == "e8m0" and g == 32:
+        return "mxfp4"
+    if sch.format == "fp4_e2m1fn" and sch.scale_format == "fp8_e4m3fn" and g == 16:
+        return "nvfp4"
+    raise NotImplementedError(f"W4A16: weight scheme {sch} has no kernel; supported: int4/uint4 group "
+                              "(fp32 scales), MXFP4 (group 32, e8m0), NVFP4 (group 16, fp8_e4m3fn)")
+
+
+def prepare_w4(wq: QTensor) -> W4Weight:
+    """Lay out a quantized weight [N, K] for w4a16_linear (done once, at load time)."""
+    if not isinstance(wq, QTensor):
+        raise TypeError(f"prepare_w4: wq must be a lowbit QTensor (lowbit.quantize(w, scheme)), "
+                        f"got {type(wq).__name__}")
+    if wq.codes.ndim != 2 or wq.padded:
+        raise ValueError(f"prepare_w4: the weight must be an unpadded 2-D [N, K] QTensor, got codes "
+                         f"{tuple(wq.codes.shape)} for shape {wq.shape}")
+    kind = _kind(wq)
+    N, K = wq.codes.shape
+    if K % 2:
+        raise ValueError(f"prepare_w4: K = {K} must be even (two codes per byte)")
+    packed = pack_int4(wq.codes.contiguous())
+    zp = None
+    if wq.zero_point is not None:
+        zp = wq.zero_point.to(torch.int8).contiguous()  # z lies in [qmin, qmax]: exact
+    return W4Weight(packed, wq.scale.to(torch.float32).contiguous(), zp,
+                    None if wq.scale_codes is None else wq.scale_codes.contiguous(),
+                    None if wq.global_scale is None else wq.global_scale.to(torch.float32).reshape(1).contiguous(),
+                    kind, wq.scheme.group_size, (N, K), wq)
+
+
+def w4a16_reference(x: torch.Tensor, w: W4Weight | QTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 x @ dequant(w).T (+ bias): the exact value the kernel approximates."""
+    wq = w.qtensor if isinstance(w, W4Weight) else w
+    out = x.to(torch.float64) @ wq.dequantize(torch.float64).T
+    return out if bias is None else out + bias.to(torch.float64)
+
+
+def pick_config(M: int, N: int, K: int, kind: str, group: int, *, interpret: bool = False) -> dict:
+    """Tile sizes and split-K for the kernel. BLOCK_K is 128 (or the group, if larger) when
+    it divides K; split-K is doubled while there are fewer than 2 programs per SM and each
+    split keeps >= 4 K-steps (decode at N = 8192 gets split 4; at N = 28672, none)."""
+    bk = max(group, 128)
+    while K % bk:
+        bk //= 2
+    if bk < group or (kind in ("mxfp4", "nvfp4") and bk < 32):
+        raise ValueError(f"W4A16: K = {K} is not a multiple of the group size {group} (or of 32 for fp4)")
+    bm = 16 if M <= 16 else (32 if M <= 32 else 64)
+    bn = 16 if interpret else 64
+    steps = K // bk
+    programs = -(-N // bn) * -(-M // bm)
+    split = 1
+    while (not interpret and programs * split < 2 * _SMS and steps % (2 * split) == 0
+           and steps // (2 * split) >= 4):
+        split *= 2
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "split": split, "num_warps": 4, "num_stages": 4}
+
+
+def w4a16_linear(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None, *,
+                 backend: str | None = None, config: dict | None = None) -> torch.Tensor:
+    """out = x @ dequant(w).T (+ bias), x [..., K] bf16/fp16 -> out [..., N] in x's dtype.
+
+    config: override pick_config's choice (keys BLOCK_M, BLOCK_N, BLOCK_K, split, num_warps,
+    num_stages); benchmarks use it to sweep."""
+    if not isinstance(w, W4Weight):
+        raise TypeError(f"w4a16_linear: w must be a W4Weight (prepare_w4(qtensor)), got {type(w).__name__}")
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"w4a16_linear: x must be a bfloat16 or float16 tensor, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
+    N, K = w.shape
+    if x.ndim == 0 or x.shape[-1] != K:
+        raise ValueError(f"w4a16_linear: x has shape {tuple(x.shape)}; its last dim must be K = {K}")
+    if w.kind in ("mxfp4", "nvfp4") and x.dtype != torch.bfloat16:
+        raise TypeError(f"w4a16_linear: {w.kind} weights take bfloat16 activations (the dequantized "
+                        f"weights can exceed float16's range), got {x.dtype}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (N,)):
+        raise ValueError(f"w4a16_linear: bias must be a tensor of shape ({N},)")
+    if x.device != w.packed.device:
+        raise ValueError(f"w4a16_linear: x is on {x.device} but the weight is on {w.packed.device}; "
+                         "move one of them")
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    if backend is None:
+        backend = "triton" if x.is_cuda else "torch"
+    if backend not in ("triton", "torch"):
+        raise ValueError(f"w4a16_linear: backend must be 'triton', 'torch' or None, got {backend!r}")
+    lead = tuple(x.shape[:-1])
+    x2 = x.reshape(-1, K)
+    if backend == "torch":
+        out = x2.float() @ w.qtensor.dequantize(torch.float32).T
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(x.dtype).reshape(lead + (N,))
+    if not x.is_cuda and not interp:
+        raise RuntimeError("w4a16_linear: backend='triton' on a CPU tensor needs TRITON_INTERPRET=1 "
+                           "(Triton's interpreter); use backend='torch'")
+    return _launch(x2.contiguous(), w, bias, config, interp).reshape(lead + (N,))
+
+
+def _launch(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> torch.Tensor:
+    import triton
+
+    from lowbit.ops.triton import w4a16 as k
+
+    M, K = x2.shape
+    N = w.shape[0]
+    cfg = dict(pick_config(M, N, K, w.kind, w.group_size, interpret=interp))
+    if config:
+        cfg.update(config)
+    bk, split = cfg["BLOCK_K"], cfg["split"]
+    if K % (bk * split):
+        raise ValueError(f"w4a16_linear: config BLOCK_K={bk}, split={split} does not divide K = {K}")
+    wfmt = {"int4": k.W_INT4, "uint4": k.W_UINT4, "mxfp4": k.W_MXFP4, "nvfp4": k.W_NVFP4}[w.kind]
+    atomic = split > 1
+    dev = x2.device
+    out = (torch.zeros if atomic else torch.empty)(M, N, device=dev,
+                                                   dtype=torch.float32 if atomic else x2.dtype)
+    dummy = torch.empty(1, device=dev, dtype=torch.float32)
+    grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, triton.cdiv(M, cfg["BLOCK_M"]))
+    per_group = w.scale if w.kind in ("int4", "uint4") else w.scale_codes
+    k._w4a16_kernel[grid](
+        x2, w.packed, w.scale, w.zero_point if w.zero_point is not None else dummy,
+        w.scale_codes if w.scale_codes is not None else dummy,
+        w.global_scale if w.global_scale is not None else dummy,
+        bias if (bias is not None and not atomic) else dummy, out,
+        M, N, K, K // split, x2.stride(0), w.packed.stride(0), per_group.stride(0), out.stride(0),
+        WFMT=wfmt, HAS_Z=w.zero_point is not None, HAS_BIAS=bias is not None and not atomic,
+        G=w.group_size, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, ATOMIC=atomic,
+        INTERP=interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if atomic:
+        if bias is not None:
+            out = out + bias.float()
+        out = out.to(x2.dtype)
+    return out
