@@ -55,7 +55,7 @@ class Operand:
         return self.vals * self.scale.repeat_interleave(self.group, dim=1)
 
 
-def _expand_rows(t: torch.Tensor, R: int, scheme, name: str) -> torch.Tensor:
+def expand_rows(t: torch.Tensor, R: int, scheme, name: str) -> torch.Tensor:
     """[Rs, G] per-scale-row tensor -> [R, G] per-row (tensor: Rs=1; channel/group: Rs=R;
     block (br, bc): Rs=ceil(R/br))."""
     Rs = t.shape[0]
@@ -103,7 +103,7 @@ def as_operand(t, name: str = "x") -> Operand:
     group = K // G
     if scale.ndim > 2:  # leading dims: tensor scales broadcast, token scales match
         scale = scale.expand(*lead, G).reshape(-1, G)
-    scale = _expand_rows(scale, R, t.scheme, name)
+    scale = expand_rows(scale, R, t.scheme, name)
     if not torch.isfinite(scale).all():
         raise ValueError(f"{name}.scale contains NaN or Inf")
 
@@ -113,7 +113,7 @@ def as_operand(t, name: str = "x") -> Operand:
             zp = t.zero_point.detach().cpu().to(torch.float64)
             if zp.ndim > 2:
                 zp = zp.expand(*lead, G).reshape(-1, G)
-            zp = _expand_rows(zp, R, t.scheme, name + ".zero_point")
+            zp = expand_rows(zp, R, t.scheme, name + ".zero_point")
             vals = vals - zp.repeat_interleave(group, dim=1)
     else:
         from lowbit.formats import decode
