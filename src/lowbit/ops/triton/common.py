@@ -56,6 +56,18 @@ def decode_e8m0(c):
     return bits.to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def cast_out(y, out_ty: tl.constexpr):
+    """fp32 tile -> the output dtype, round-to-nearest-even on the GPU and in the interpreter
+    alike (the interpreter's own fp32 -> bf16 cast truncates): for bf16 the RNE step is done on
+    the bits first (add 0x7FFF plus the lowest kept bit, clear the low half), so the cast is exact."""
+    if out_ty == tl.bfloat16:
+        bits = y.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        y = bits.to(tl.float32, bitcast=True)
+    return y.to(out_ty)
+
+
 def interpreting() -> bool:
     """True when kernels run in Triton's CPU interpreter (CI, tests without CUDA)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

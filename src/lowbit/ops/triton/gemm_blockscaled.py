@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_out_dtype, decode_e8m0, launch_grid, pick_config, swizzled_tile
+from .common import cast_out, check_out_dtype, decode_e8m0, launch_grid, pick_config, swizzled_tile
 from .gemm_fp8 import as_fp8, check_bias
 
 
@@ -79,7 +79,7 @@ def _blockscaled_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr,
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(c_ptrs, cast_out(y, c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def _check_scales(name: str, s: torch.Tensor, rows: int, groups: int, what: str) -> torch.Tensor:

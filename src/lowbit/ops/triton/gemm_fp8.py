@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (check_matrix, check_out_dtype, check_vector, launch_grid, pick_config,
+from .common import (cast_out, check_matrix, check_out_dtype, check_vector, launch_grid, pick_config,
                      swizzled_tile)
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)
@@ -60,7 +60,7 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr,
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(c_ptrs, cast_out(y, c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def as_fp8(name: str, t: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (check_matrix, check_out_dtype, check_vector, launch_grid, pick_config,
+from .common import (cast_out, check_matrix, check_out_dtype, check_vector, launch_grid, pick_config,
                      swizzled_tile)
 
 _INT32_LIMIT = 2**31
@@ -66,7 +66,7 @@ def _int8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, za_ptr, colsum_ptr, b
         y = (accf * sa[:, None]) * sb[None, :]
         if HAS_BIAS:
             y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        tl.store(c_ptrs, cast_out(y, c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
     else:
         tl.store(c_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
 
