@@ -69,12 +69,13 @@ class MinifloatSpec:
         neg = bool(code & sign_bit)
         e = (code >> self.mbits) & emask
         m = code & ((1 << self.mbits) - 1)
+        nan = -math.nan if neg else math.nan  # a NaN keeps its code's sign bit (as ml_dtypes)
         if self.policy == "fnuz" and code == sign_bit:
-            return math.nan
+            return nan
         if self.policy == "ieee" and e == emask:
-            return math.nan if m else (-math.inf if neg else math.inf)
+            return nan if m else (-math.inf if neg else math.inf)
         if self.policy == "fn" and self.nan and e == emask and m == (1 << self.mbits) - 1:
-            return math.nan
+            return nan
         if e == 0:  # subnormal: 0.m * 2^emin
             mag = math.ldexp(m, self.emin - self.mbits)
         else:
