@@ -23,6 +23,8 @@ float32, so the result does not depend on the input dtype beyond that rounding.
 from __future__ import annotations
 
 import math
+import sys
+import types
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -438,3 +440,16 @@ def _poison(sc: Scales, xf: torch.Tensor, scheme: QuantScheme) -> Scales:
     if codes is not None:  # only e8m0 reaches here (two-level is refused earlier)
         codes = torch.where(bad, torch.full_like(codes, 0xFF), codes)
     return Scales(scale, sc.zero_point, codes, sc.global_scale)
+
+
+class _CallableModule(types.ModuleType):
+    """Importing the submodule `lowbit.quantize` makes Python bind the package attribute
+    `lowbit.quantize` to this module, shadowing the public function lb.quantize(x, scheme)
+    (whichever is touched first wins). Calling the module forwards to the function, so
+    `lb.quantize(x, scheme)` works in every import order."""
+
+    def __call__(self, x, scheme, **kwargs) -> QTensor:
+        return quantize(x, scheme, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
