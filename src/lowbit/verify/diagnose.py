@@ -144,8 +144,19 @@ def _scale_hypotheses(ctx: Context, causes: list) -> None:
                  f"{side}'s zero-point correction z * sum_k {other}_q missing: a per-"
                  f"{'row' if side == 'x' else 'column'} offset proportional to {other}'s code sums",
                  sim(dataclasses.replace(qt, zero_point=None)))
-    # per-channel scales applied along the other output axis
     xq, wq = ctx.xq, ctx.wq
+    # both sides' per-K-block scales hoisted together (one loop, one bug)
+    if _q(xq) and _q(wq) and xq.scale.ndim == 2 and wq.scale.ndim == 2 and \
+            xq.scale.shape[1] == wq.scale.shape[1] > 1:
+        G = xq.scale.shape[1]
+        for gi, where in ((0, "first"), (G - 1, "last")):
+            hx = _rescale(xq, xq.scale[:, gi:gi + 1].expand_as(xq.scale))
+            hw = _rescale(wq, wq.scale[:, gi:gi + 1].expand_as(wq.scale))
+            _try(ctx, causes, "scale_hoisted_out_of_k_loop",
+                 f"both sides' per-K-block scales replaced by the {where} block's for every block "
+                 f"(seed 002 pitfall 3: the error grows with the K-block position)",
+                 qlinear_reference(hx, hw, ctx.bias))
+    # per-channel scales applied along the other output axis
     M, N = ctx.out.shape
     for side, qt, n_other in (("w", wq, M), ("x", xq, N)):
         if _q(qt) and qt.scale.ndim == 2 and qt.scale.shape[1] == 1 and qt.scale.shape[0] > 1 \
