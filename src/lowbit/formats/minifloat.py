@@ -154,10 +154,7 @@ def encode(x: torch.Tensor, spec: MinifloatSpec, saturate: bool) -> torch.Tensor
                          "encoding: remove them, or pass saturate=False to get ml_dtypes' zeros")
     finite = torch.isfinite(x)
     sign = torch.signbit(x)
-    fmax = spec.decode_code(spec.max_finite_magcode)
     a = torch.where(finite, x.abs(), torch.zeros((), dtype=x.dtype, device=x.device))
-    if saturate:
-        a = torch.clamp(a, max=fmax)
     # Quantum of a's binade (subnormals share the quantum of the smallest normal binade).
     _, e2 = torch.frexp(a)
     e = torch.clamp(e2.to(torch.int64) - 1, min=spec.emin)
@@ -174,7 +171,7 @@ def encode(x: torch.Tensor, spec: MinifloatSpec, saturate: bool) -> torch.Tensor
         ovf_code = spec._inf_magcode
     else:  # fn with NaN, fnuz: overflow is NaN
         ovf_code = spec._nan_magcode
-    mag = torch.where(overflow | ~finite & ~nan, torch.full_like(mag, ovf_code), mag)
+    mag = torch.where(overflow | (~finite & ~nan), torch.full_like(mag, ovf_code), mag)
     sign_bit = 1 << (spec.bits - 1)
     signed_mag = torch.where(sign, mag | sign_bit, mag)
     if spec.policy == "fnuz":
@@ -199,7 +196,7 @@ def _encode_e8m0(x: torch.Tensor, spec: MinifloatSpec, saturate: bool) -> torch.
     nan_code = spec._nan_magcode
     top = spec.max_finite_magcode  # 254
     if saturate:
-        neg = (x < 0) & ~(x == 0)
+        neg = x < 0  # -0.0 is zero, not negative
         if bool(neg.any()):
             raise ValueError(f"x holds {int(neg.sum())} negative value(s); e8m0 is unsigned "
                              "(scales only): pass x.abs() or check how the scale was computed")
