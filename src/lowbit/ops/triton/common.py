@@ -100,8 +100,9 @@ def check_matrix(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...]) ->
 
 def check_vector(name: str, t: torch.Tensor | None, length: int, dtype: torch.dtype,
                  allow_scalar: bool = True) -> torch.Tensor | None:
-    """A per-row vector of `length` (or a single value broadcast to it). Returns a 1-D view
-    (stride 0 for a broadcast single value); never converts dtype silently."""
+    """A per-row vector of `length` (or a single value broadcast to it). Returns a 1-D tensor of
+    `length` whose stride is 1, or 0 for a broadcast single value (kernels take the stride, so a
+    tensor-wise scale costs no copy); never converts dtype silently."""
     if t is None:
         return None
     if not isinstance(t, torch.Tensor):
@@ -112,7 +113,7 @@ def check_vector(name: str, t: torch.Tensor | None, length: int, dtype: torch.dt
     if flat.numel() == length:
         return flat.contiguous()
     if allow_scalar and flat.numel() == 1:
-        return flat.expand(length).contiguous()  # kernels index scales with unit stride
+        return flat.expand(length)
     raise ValueError(f"{name} has {flat.numel()} values; expected {length} (one per row)"
                      + (" or 1 (tensor-wise)" if allow_scalar else ""))
 

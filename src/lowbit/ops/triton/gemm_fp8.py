@@ -24,7 +24,7 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 
 @triton.jit
 def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr,
-                     M, N, K, stride_am, stride_bn, stride_cm,
+                     M, N, K, stride_am, stride_bn, stride_cm, stride_sa, stride_sb,
                      HAS_BIAS: tl.constexpr, PRECISE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
@@ -54,8 +54,8 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr,
 
     m_ok = offs_m < M
     n_ok = offs_n < N
-    sa = tl.load(sa_ptr + offs_m, mask=m_ok, other=0.0)
-    sb = tl.load(sb_ptr + offs_n, mask=n_ok, other=0.0)
+    sa = tl.load(sa_ptr + offs_m * stride_sa, mask=m_ok, other=0.0)
+    sb = tl.load(sb_ptr + offs_n * stride_sb, mask=n_ok, other=0.0)
     y = (acc * sa[:, None]) * sb[None, :]
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -108,6 +108,6 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
     cfg = dict(config) if config else pick_config(M, N, K)
     _fp8_gemm_kernel[launch_grid(M, N, cfg)](
         a, b, c, sa, sb, bias if bias is not None else c,
-        M, N, K, a.stride(0), b.stride(0), c.stride(0),
+        M, N, K, a.stride(0), b.stride(0), c.stride(0), sa.stride(0), sb.stride(0),
         HAS_BIAS=bias is not None, PRECISE=precise, EVEN_K=K % cfg["BLOCK_K"] == 0, **cfg)
     return c

@@ -24,7 +24,7 @@ _INT32_LIMIT = 2**31
 
 @triton.jit
 def _int8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, za_ptr, colsum_ptr, bias_ptr,
-                      M, N, K, stride_am, stride_bn, stride_cm,
+                      M, N, K, stride_am, stride_bn, stride_cm, stride_sa, stride_sb, stride_za,
                       HAS_SCALES: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
@@ -56,13 +56,13 @@ def _int8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, za_ptr, colsum_ptr, b
     c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
     if HAS_SCALES:
         if HAS_ZP:
-            za = tl.load(za_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
+            za = tl.load(za_ptr + offs_m * stride_za, mask=m_ok, other=0).to(tl.int64)
             cs = tl.load(colsum_ptr + offs_n, mask=n_ok, other=0).to(tl.int64)
             accf = (acc.to(tl.int64) - za[:, None] * cs[None, :]).to(tl.float32)
         else:
             accf = acc.to(tl.float32)
-        sa = tl.load(sa_ptr + offs_m, mask=m_ok, other=0.0)
-        sb = tl.load(sb_ptr + offs_n, mask=n_ok, other=0.0)
+        sa = tl.load(sa_ptr + offs_m * stride_sa, mask=m_ok, other=0.0)
+        sb = tl.load(sb_ptr + offs_n * stride_sb, mask=n_ok, other=0.0)
         y = (accf * sa[:, None]) * sb[None, :]
         if HAS_BIAS:
             y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -135,6 +135,8 @@ def int8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor | None = N
         za if za is not None else dummy, cs if cs is not None else dummy,
         bias if bias is not None else dummy,
         M, N, K, a.stride(0), b.stride(0), c.stride(0),
+        sa.stride(0) if sa is not None else 0, sb.stride(0) if sb is not None else 0,
+        za.stride(0) if za is not None else 0,
         HAS_SCALES=not raw, HAS_ZP=za is not None, HAS_BIAS=bias is not None,
         EVEN_K=K % cfg["BLOCK_K"] == 0, **cfg)
     return c

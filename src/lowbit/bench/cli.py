@@ -1,0 +1,93 @@
+"""`lowbit bench`: run every benchmark module (lowbit.bench.BENCH_MODULES) on the GPU, print a
+table and optionally write JSON with the GPU's name and the software versions."""
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import platform
+import sys
+
+
+def register(p) -> None:
+    p.add_argument("--only", metavar="NAME", default=None,
+                   help="run only entries whose name contains NAME (a module name such as 'gemm' or "
+                        "'memory' selects that module; baselines always run)")
+    p.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write all rows and the environment as JSON")
+
+
+def environment() -> dict:
+    import numpy
+    import torch
+
+    env = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               python=platform.python_version(), torch=torch.__version__, numpy=numpy.__version__,
+               command="lowbit " + " ".join(sys.argv[1:]))
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    import lowbit
+    env["lowbit"] = lowbit.__version__
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        env.update(gpu=p.name, compute_capability=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
+                   gpu_memory_GiB=round(p.total_memory / 2**30, 1), cuda=torch.version.cuda)
+    return env
+
+
+def run(args) -> int:
+    import torch
+
+    from lowbit.bench import BENCH_MODULES
+
+    if not torch.cuda.is_available():
+        print("lowbit bench: no CUDA GPU here; the benchmarks time GPU kernels. `lowbit doctor` says "
+              "what runs on this machine.", file=sys.stderr)
+        return 2
+    env = environment()
+    print(f"# {env.get('gpu')} (sm_{env.get('compute_capability', '?').replace('.', '')}), torch "
+          f"{env['torch']}, triton {env['triton']}")
+    modules = [m for m in BENCH_MODULES]
+    only = args.only
+    short = {m.rsplit(".", 1)[-1]: m for m in modules}
+    if only in short:  # `--only gemm` selects a whole module
+        modules, only = [short[only]], None
+    rows, notes = [], []
+    for name in modules:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError as exc:
+            notes.append(f"{name} skipped: not importable ({exc})")
+            print(f"# {notes[-1]}")
+            continue
+        print(f"# {name}")
+        mod_rows = mod.run(only, args.quick)
+        for r in mod_rows:
+            r.setdefault("module", name.rsplit(".", 1)[-1])
+        rows += mod_rows
+    _summary(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(environment=env, notes=notes, rows=rows), f, indent=1, default=str)
+        print(f"# wrote {args.json}")
+    return 0
+
+
+def _summary(rows: list[dict]) -> None:
+    """Short table last: per lowbit kernel and shape, TF/s and its ratios to the baselines."""
+    lb = [r for r in rows if str(r.get("name", "")).startswith("lowbit_") and r.get("ms")]
+    if not lb:
+        return
+    print("\n# summary (ratio = baseline ms / lowbit ms; >1 is faster)")
+    print(f"{'kernel':18s} {'shape':>17s} {'TF/s':>7s} {'%peak':>6s} {'vs bf16':>8s} {'vs int_mm':>9s} "
+          f"{'vs +epi':>8s} {'vs s_row':>8s} {'vs s_ten':>8s}")
+    fmt = lambda r, k: f"{r[k]:.2f}" if k in r else "-"  # noqa: E731
+    for r in lb:
+        if "tflops" not in r:
+            continue
+        print(f"{r['name']:18s} {r['shape']:>17s} {r['tflops']:7.1f} {100 * r['frac_peak']:6.1f} "
+              f"{fmt(r, 'vs_bf16'):>8s} {fmt(r, 'vs_int_mm'):>9s} {fmt(r, 'vs_int_mm+epi'):>8s} "
+              f"{fmt(r, 'vs_scaled_row'):>8s} {fmt(r, 'vs_scaled_ten'):>8s}")

@@ -1,0 +1,144 @@
+"""`lowbit doctor`: what this machine can run, and how, for every lowbit scheme.
+
+It names the GPU and its compute capability, which element formats have a native tensor-core
+path on it (int8 from sm_75, fp8 from sm_89, 2:4 sparsity from sm_80, MX / NVFP4 block-scaled
+MMA from sm_100), and for each preset pairing which path lowbit takes here: a native Triton
+kernel, an emulated one (the format has no tensor-core path on this GPU, so the kernel
+rescales or dequantizes on the CUDA cores), or the CPU (exact torch / float64 reference) path.
+A number measured on an emulated path is not a hardware number; this report says which is which.
+"""
+from __future__ import annotations
+
+import sys
+
+# (name, minimum compute capability, what it is)
+NATIVE_PATHS = (
+    ("bf16/fp16 MMA", (8, 0), "dense bf16 tensor cores (fp16 from sm_70)"),
+    ("int8 MMA", (7, 5), "int8 x int8 -> int32 tensor cores"),
+    ("2:4 sparse MMA", (8, 0), "structured-sparse tensor cores (cuSPARSELt)"),
+    ("fp8 MMA", (8, 9), "e4m3 / e5m2 tensor cores, fp32 accumulation"),
+    ("MX / NVFP4 block-scaled MMA", (10, 0), "MXFP8/6/4 and NVFP4 with hardware block scales (tcgen05)"),
+)
+
+# preset pairings a user runs: (label, activation preset or None for weight-only, weight preset)
+PAIRINGS = (
+    ("W8A8 int8 (per-token x per-channel)", "int8_token", "int8_channel"),
+    ("W8A8 fp8 rowwise", "fp8_row", "fp8_row"),
+    ("W8A8 fp8 tensorwise", "fp8_tensor", "fp8_tensor"),
+    ("W8A8 fp8 block 1x128 / 128x128", "fp8_block1x128", "fp8_block128"),
+    ("MXFP8 (e8m0 per 32)", "mxfp8", "mxfp8"),
+    ("MXFP6 e2m3", "mxfp6_e2m3", "mxfp6_e2m3"),
+    ("MXFP6 e3m2", "mxfp6_e3m2", "mxfp6_e3m2"),
+    ("W4A16 int4 g128", None, "int4_g128"),
+    ("W4A16 int4 g128 asym", None, "int4_g128_asym"),
+    ("W4A16 MXFP4", None, "mxfp4"),
+    ("W4A16 NVFP4", None, "nvfp4"),
+)
+
+# which native path a lowbit kernel needs to count as "native"
+_KERNEL_NEEDS = {"int8": "int8 MMA", "fp8_rowwise": "fp8 MMA", "fp8_block": "fp8 MMA",
+                 "mxfp8": "MX / NVFP4 block-scaled MMA"}
+
+
+def register(p) -> None:
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def gpu_info() -> dict:
+    """{'gpu': name or None, 'capability': (major, minor) or None, 'triton': version or None}."""
+    import torch
+
+    info = dict(gpu=None, capability=None, triton=None, torch=torch.__version__)
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["capability"] = tuple(torch.cuda.get_device_capability(0))
+    return info
+
+
+def native_paths(capability) -> dict[str, bool]:
+    return {name: capability is not None and tuple(capability) >= need for name, need, _ in NATIVE_PATHS}
+
+
+def path_for(x_preset: str | None, w_preset: str, capability, has_triton: bool) -> tuple[str, str]:
+    """(path, detail) for a preset pairing on a GPU of `capability` (None: no GPU).
+
+    path is one of "native", "emulated", "cpu", "none"."""
+    from lowbit.ops.linear import kernel_for
+    from lowbit.scheme import get_preset
+
+    ws = get_preset(w_preset)
+    native = native_paths(capability)
+    gpu = capability is not None and has_triton
+    if x_preset is None:  # weight-only
+        try:
+            from lowbit.ops.weight_only import _kind
+            kind = _kind(_Shim(ws))
+        except NotImplementedError as exc:
+            return "none", str(exc)
+        except ImportError:
+            return "none", "lowbit.ops.weight_only is not available"
+        if not gpu:
+            return "cpu", f"W4A16 {kind}: dequantized fp32 matmul (torch)"
+        return "emulated", (f"Triton W4A16 kernel: {kind} weights dequantized in registers to bf16 "
+                            "MMA (weight-only schemes never use a 4-bit tensor-core path)")
+    kernel = kernel_for(get_preset(x_preset), ws)
+    if kernel is None:
+        if not gpu:
+            return "cpu", "float64 reference (backend='reference'); no GPU kernel exists for it"
+        return "none", "no GPU kernel: lowbit.ops.linear raises NotImplementedError; backend='reference' works"
+    if not gpu:
+        how = "torch._int_mm + float64 epilogue (exact)" if kernel == "int8" else "float64 reference"
+        return "cpu", how
+    need = _KERNEL_NEEDS[kernel]
+    if native[need]:
+        return "native", f"Triton kernel '{kernel}' on the {need} path"
+    if kernel == "mxfp8" and native["fp8 MMA"]:
+        return "emulated", ("Triton kernel 'mxfp8': fp8 MMA per 32-wide K step, e8m0 scales applied on "
+                            "CUDA cores (no MX datapath before sm_100)")
+    return "none", f"Triton kernel '{kernel}' needs the {need} path (this GPU lacks it); use backend='reference'"
+
+
+class _Shim:
+    """Just enough of a QTensor for weight_only._kind, which reads only .scheme."""
+
+    def __init__(self, scheme):
+        self.scheme = scheme
+
+
+def report() -> dict:
+    info = gpu_info()
+    cap = info["capability"]
+    rows = []
+    for label, xp, wp in PAIRINGS:
+        path, detail = path_for(xp, wp, cap, info["triton"] is not None)
+        rows.append(dict(scheme=label, activation=xp, weight=wp, path=path, detail=detail))
+    return dict(info, native=native_paths(cap), schemes=rows)
+
+
+def run(args) -> int:
+    rep = report()
+    if getattr(args, "json", False):
+        import json
+        print(json.dumps(rep, indent=1, default=str))
+        return 0
+    cap = rep["capability"]
+    gpu = f"{rep['gpu']} (compute capability {cap[0]}.{cap[1]}, sm_{cap[0]}{cap[1]})" if cap else "none (no CUDA GPU visible)"
+    print(f"GPU:    {gpu}")
+    print(f"torch {rep['torch']}, triton {rep['triton'] or 'not installed'}")
+    print("\nnative tensor-core paths on this GPU:")
+    for name, need, what in NATIVE_PATHS:
+        mark = "yes" if rep["native"][name] else "no "
+        print(f"  {mark}  {name:30s} (sm_{need[0]}{need[1]}+) {what}")
+    print("\nschemes (native = hardware path; emulated = kernel works around a missing datapath;"
+          " cpu = exact CPU path; none = no kernel here):")
+    for r in rep["schemes"]:
+        print(f"  {r['path']:8s}  {r['scheme']:38s} {r['detail']}")
+    if cap is None:
+        print("\nNumbers measured on this machine are CPU numbers; GPU timings need `lowbit bench` on a GPU.",
+              file=sys.stdout)
+    return 0
