@@ -268,6 +268,19 @@ def e8m0_to_scale(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(c == 0xFF, torch.full_like(s, float("nan")), s)
 
 
+def scale_from_codes(scale_codes: torch.Tensor, scheme: QuantScheme,
+                     global_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Effective float32 scale from stored scale codes: e8m0 -> 2^(code - 127);
+    fp8_e4m3fn (two-level) -> float32(decode(code) * global_scale)."""
+    if scheme.scale_format == "e8m0":
+        return e8m0_to_scale(scale_codes)
+    if scheme.scale_format == "fp8_e4m3fn":
+        if global_scale is None:
+            raise ValueError("scale_from_codes: two-level (fp8_e4m3fn) scales need global_scale")
+        return (_formats().decode(scale_codes, scheme.scale_format) * global_scale.to(torch.float32)).to(torch.float32)
+    raise ValueError(f"scale_from_codes: scale_format {scheme.scale_format!r} has no scale codes")
+
+
 def two_level_global_scale(tensor_amax: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     """NVFP4's fp32 tensor scale g = amax / (scale_fmt.max * fmt.max) (448 * 6 for NVFP4),
     float32 0-d; g = 1.0 when that is 0 (all-zero tensor), so block scales stay finite."""
@@ -300,7 +313,7 @@ def compute_scale(amax: torch.Tensor, scheme: QuantScheme, *, amin: torch.Tensor
         return Scales(s, z, None, None)
     if scheme.scale_format == "e8m0":
         codes = e8m0_exponent(amax, fmt, scheme.scale_rounding)
-        return Scales(e8m0_to_scale(codes), None, codes, None)
+        return Scales(scale_from_codes(codes, scheme), None, codes, None)
     if scheme.scale_format == "fp8_e4m3fn":
         F = _formats()
         sfmt = F.get_format(scheme.scale_format)
@@ -309,8 +322,7 @@ def compute_scale(amax: torch.Tensor, scheme: QuantScheme, *, amin: torch.Tensor
         # torchao nvfp4_quantize: block scales relative to g, clamped into e4m3's normal range.
         rel = torch.clamp((amax / float(fmt.max)) / g, min=float(sfmt.min_normal), max=float(sfmt.max))
         codes = F.encode(rel, sfmt, saturate=True)
-        s = (F.decode(codes, sfmt) * g).to(torch.float32)
-        return Scales(s, None, codes, g)
+        return Scales(scale_from_codes(codes, scheme, g), None, codes, g)
     qmax = fmt.qmax if fmt.kind == "int" else fmt.max
     return Scales(_nonzero_scale(amax / float(qmax)), None, None, None)
 
