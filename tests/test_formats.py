@@ -450,6 +450,8 @@ def test_bad_input_messages():
         lb.encode(torch.arange(4), "fp8_e4m3fn")
     with pytest.raises(TypeError, match="not floating point"):
         lb.encode(np.arange(4), "int8")
+    with pytest.raises(TypeError, match="not floating point"):
+        lb.encode(np.array([1, 2], dtype=ml_dtypes.int4), "int8")
     with pytest.raises(TypeError, match="torch.Tensor or numpy"):
         lb.encode([1.0, 2.0], "fp8_e4m3fn")
     with pytest.raises(TypeError, match="saturate"):
@@ -492,3 +494,12 @@ def test_cli_json(capsys):
     assert (rows["int8"]["qmin"], rows["int8"]["qmax"]) == (int(np.iinfo(np.int8).min), int(np.iinfo(np.int8).max))
     assert rows["fp16"]["num_nan_codes"] == int(np.isnan(np.arange(2**16, dtype=np.uint16).view(np.float16)
                                                          .astype(np.float64)).sum())
+
+
+def test_cli_plot(tmp_path, capsys):
+    out = tmp_path / "formats.png"
+    assert cli_main(["formats", "--json", "--plot", str(out)]) == 0
+    json.loads(capsys.readouterr().out)  # stdout stays pure JSON
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    with pytest.raises(SystemExit, match=".png"):
+        cli_main(["formats", "--plot", str(tmp_path / "formats.jpg")])

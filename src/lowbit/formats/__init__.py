@@ -69,12 +69,24 @@ def get_format(name: str | Format) -> Format:
     return _build(name)
 
 
+def _is_ml_dtypes_float(dtype: np.dtype) -> bool:
+    if dtype.kind != "V":
+        return False
+    import ml_dtypes  # only needed for its own array types
+
+    try:
+        ml_dtypes.finfo(dtype)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
 def _as_float64(x, arg: str = "x") -> torch.Tensor:
     """torch float64 view of x's exact values (torch tensor on its device, numpy array, or scalar)."""
     if isinstance(x, np.ndarray):
         if x.dtype.kind == "f":
             x = torch.from_numpy(np.ascontiguousarray(x))
-        elif x.dtype.kind == "V" and x.dtype.itemsize <= 2:  # ml_dtypes floats: widen exactly
+        elif _is_ml_dtypes_float(x.dtype):  # bfloat16, float8_*, ...: widen exactly
             x = torch.from_numpy(x.astype(np.float32))
         else:
             raise TypeError(f"{arg}: numpy array of dtype {x.dtype} is not floating point; "
