@@ -126,7 +126,8 @@ class QuantLinear(torch.nn.Module):
             from lowbit.nn.calibration import quantize_static
             s = self.act_static_scale.to(x2d.device)
             if self.track_clipping:
-                ratio = x2d.abs() / (s * self.act_scheme.fmt.max)
+                # what the quantizer sees: |x / s| beyond fmt.max saturates
+                ratio = (x2d / s).abs() / self.act_scheme.fmt.max
                 self.clip_stats["clipped"] += int((ratio > 1).sum())
                 self.clip_stats["seen"] += ratio.numel()
                 self.clip_stats["max_ratio"] = max(self.clip_stats["max_ratio"], float(ratio.max()))

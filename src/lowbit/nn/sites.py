@@ -1,0 +1,193 @@
+"""Per-site SQNR diagnosis (seed 004, "Finding the site that hurts").
+
+Forward pre-hooks on every Linear the recipe would quantize measure, on the float model's own
+inputs (each layer sees exactly what the unquantized model feeds it):
+  act SQNR     x against the recipe's activation quantizer applied to x;
+  weight SQNR  W against its dequantized quantization;
+  output SQNR  the float layer's output against the QuantLinear's output on the same x.
+SQNR = 10 log10(sum signal^2 / sum noise^2), summed over all batches. Rows sort worst output
+SQNR first, each with the seed's suggested action.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from lowbit.nn.quant_linear import QuantLinear, linear_float
+from lowbit.nn.quantize_model import linear_layers, plan
+from lowbit.nn.recipes import Recipe, get_recipe
+
+# Seed 004: "most sites above about 30 dB and a few down-projection inputs ... well below".
+GOOD_DB = 30.0
+SITE_KINDS = {"q_proj": "q/k/v", "k_proj": "q/k/v", "v_proj": "q/k/v", "o_proj": "o",
+              "gate_proj": "gate/up", "up_proj": "gate/up", "down_proj": "down",
+              "query": "q/k/v", "key": "q/k/v", "value": "q/k/v"}
+
+
+def sqnr_db(signal: float, noise: float) -> float:
+    """10 log10(signal / noise) in dB; +inf for a noiseless site."""
+    if noise <= 0:
+        return math.inf
+    return 10.0 * math.log10(max(signal, 1e-300) / noise)
+
+
+@dataclass
+class SiteRow:
+    """One Linear's diagnosis. layer: decoder-block index (-1 if none); kind: q/k/v, o, gate/up,
+    down or the module's own name; outlier_ratio: largest per-channel input max over the median one."""
+    name: str
+    layer: int
+    kind: str
+    recipe: str
+    act_db: float
+    weight_db: float
+    out_db: float
+    outlier_ratio: float
+    action: str = ""
+
+
+@dataclass
+class SiteReport:
+    recipe: str
+    rows: list[SiteRow] = field(default_factory=list)
+    tokens: int = 0
+
+    def worst(self, n: int = 10) -> list[SiteRow]:
+        return self.rows[:n]
+
+    def by_name(self) -> dict[str, SiteRow]:
+        return {r.name: r for r in self.rows}
+
+    def to_markdown(self, n: int = 10) -> str:
+        lines = [f"| site | recipe | act SQNR dB | weight SQNR dB | output SQNR dB | outlier ratio | suggested action |",
+                 "|---|---|---:|---:|---:|---:|---|"]
+        for r in self.rows[:n]:
+            lines.append(f"| {r.name} | {r.recipe} | {r.act_db:.1f} | {r.weight_db:.1f} | {r.out_db:.1f} | "
+                         f"{r.outlier_ratio:.0f} | {r.action} |")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        head = f"per-site SQNR under {self.recipe} ({len(self.rows)} sites, {self.tokens} tokens), worst first:"
+        body = [f"  {r.out_db:6.1f} dB out  {r.act_db:6.1f} act  {r.weight_db:6.1f} weight  {r.name}  -> {r.action}"
+                for r in self.worst(10)]
+        return "\n".join([head] + body)
+
+
+def suggest(row: SiteRow) -> str:
+    """Seed 004's suggested action for a site, from which quantizer limits it."""
+    if row.out_db >= GOOD_DB:
+        return "ok"
+    if row.act_db <= row.weight_db:
+        return (f"activation outliers (max channel {row.outlier_ratio:.0f}x the median): SmoothQuant, "
+                "switch this site to fp8 (w8a8-fp8), or keep it in bf16")
+    return "weight quantization limits it: finer granularity (smaller groups) or keep it in bf16"
+
+
+def _layer_and_kind(name: str) -> tuple[int, str]:
+    m = re.search(r"(?:layers|layer|h|blocks)\.(\d+)\.", name)
+    leaf = name.rsplit(".", 1)[-1]
+    return (int(m.group(1)) if m else -1), SITE_KINDS.get(leaf, leaf)
+
+
+@torch.no_grad()
+def site_report(model: torch.nn.Module, batches: Iterable, recipe: str | Recipe, *, ignore=None,
+                overrides=None, progress: bool = False) -> SiteReport:
+    """Diagnose every Linear that quantize_model(model, recipe, ignore, overrides) would quantize,
+    on the FLOAT model (it is not changed). batches: input-id tensors [B, T] or dicts of kwargs."""
+    base = get_recipe(recipe)
+    summary = plan(model, base, ignore, overrides)
+    layers = linear_layers(model)
+    sites = {d.name: (layers[d.name], get_recipe(d.recipe)) for d in summary.quantized}
+    stats = {n: [0.0] * 4 + [None] for n in sites}     # act sig, act noise, out sig, out noise, chan max
+    qlayers: dict[str, QuantLinear] = {}
+    wdb: dict[str, float] = {}
+    for n, (lin, r) in sites.items():
+        q = QuantLinear.from_linear(lin, r.weight, r.act, pad=True)
+        w = lin.weight.detach().float()
+        wdb[n] = sqnr_db(float(w.pow(2).sum()), float((w - q.weight_dequantized()).pow(2).sum()))
+        qlayers[n] = q
+
+    def make(name):
+        def hook(mod, args):
+            x = args[0].detach().float().reshape(-1, mod.in_features)
+            q, st = qlayers[name], stats[name]
+            if q.act_scheme is not None:
+                st[0] += float(x.pow(2).sum())
+                st[1] += float((x - q.quantize_input(x)[2]).pow(2).sum())
+            y = linear_float(mod, x)
+            st[2] += float(y.pow(2).sum())
+            st[3] += float((y - q(x).float()).pow(2).sum())
+            cm = x.abs().amax(dim=0)
+            st[4] = cm if st[4] is None else torch.maximum(st[4], cm)
+        return hook
+
+    hooks = [lin.register_forward_pre_hook(make(n)) for n, (lin, _) in sites.items()]
+    tokens = 0
+    try:
+        it = list(batches)
+        if progress:
+            from tqdm import tqdm
+            it = tqdm(it, desc=f"per-site SQNR ({base.name})", unit="batch", leave=False)
+        for b in it:
+            model(**b) if isinstance(b, dict) else model(b)
+            ids = b["input_ids"] if isinstance(b, dict) else b
+            tokens += ids.numel()
+    finally:
+        for h in hooks:
+            h.remove()
+    report = SiteReport(base.name, tokens=tokens)
+    for n, (lin, r) in sites.items():
+        a_s, a_n, o_s, o_n, cm = stats[n]
+        if cm is None:
+            raise ValueError(f"layer {n} saw no input: the batches never reach it")
+        layer, kind = _layer_and_kind(n)
+        ratio = float(cm.max() / cm.median().clamp_min(1e-30))
+        row = SiteRow(n, layer, kind, r.name, sqnr_db(a_s, a_n) if r.act is not None else math.inf,
+                      wdb[n], sqnr_db(o_s, o_n), ratio)
+        row.action = suggest(row)
+        report.rows.append(row)
+    report.rows.sort(key=lambda r: r.out_db)
+    return report
+
+
+def pick_overrides(report: SiteReport, n_linear: int, max_fraction: float = 0.05,
+                   to: str = "skip", below_db: float = GOOD_DB) -> dict[str, str]:
+    """The worst sites (output SQNR below `below_db`), at most max_fraction of the model's
+    n_linear Linear layers, mapped to `to` ("skip" keeps them in high precision, or a recipe)."""
+    k = int(math.floor(max_fraction * n_linear))
+    return {r.name: to for r in report.rows[:k] if r.out_db < below_db}
+
+
+def plot_sites(reports: list[SiteReport], path: str, labels: list[str] | None = None) -> str:
+    """PNG of SQNR by decoder layer and site kind: one row of panels (act, weight, output SQNR)
+    per report (e.g. before/after SmoothQuant). Returns the path."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = labels or [r.recipe for r in reports]
+    fig, axes = plt.subplots(len(reports), 3, figsize=(15, 3.6 * len(reports)), squeeze=False)
+    for i, (rep, lab) in enumerate(zip(reports, labels)):
+        kinds = sorted({r.kind for r in rep.rows})
+        for j, (attr, title) in enumerate([("act_db", "input activation"), ("weight_db", "weight"),
+                                           ("out_db", "layer output")]):
+            ax = axes[i][j]
+            for kind in kinds:
+                pts = sorted((r.layer, getattr(r, attr)) for r in rep.rows if r.kind == kind)
+                pts = [(l, v) for l, v in pts if math.isfinite(v)]
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=kind)
+            ax.axhline(GOOD_DB, color="gray", ls="--", lw=0.8)
+            ax.set_title(f"{lab}: {title} SQNR")
+            ax.set_xlabel("decoder layer")
+            ax.set_ylabel("dB")
+            ax.grid(alpha=0.3)
+            if j == 0:
+                ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
