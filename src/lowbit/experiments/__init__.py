@@ -1,0 +1,6 @@
+"""The seeds' experiments as reproducible reports (`lowbit experiment NAME`).
+
+Each module exposes `run(**opts) -> dict` (rows + notes, JSON-serialisable), `format_table(result)`
+and, where a picture helps, `plot(result, path)`.
+"""
+EXPERIMENTS = ("matmul", "error-model", "layout", "outliers")
