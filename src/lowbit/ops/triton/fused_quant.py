@@ -115,9 +115,10 @@ def _row_quant_kernel(
             y = (h * inv) * w
         else:
             y = h
-    # A NaN must reach the scale (where the caller checks it); max alone would skip it.
+    # A NaN or Inf must reach the scale as NaN (where the caller checks it): max alone would
+    # skip a NaN, and an infinite amax gives a finite e8m0 / e4m3 scale after clamping.
     amax = tl.max(tl.abs(y), axis=1)  # [NG]
-    has_nan = tl.max((y != y).to(tl.int32), axis=1) > 0
+    has_nan = tl.max(((y != y) | (tl.abs(y) == float("inf"))).to(tl.int32), axis=1) > 0
     amax = tl.where(has_nan, float("nan"), amax)
     if AMAX_ONLY:
         tl.store(AMAX + row, tl.max(tl.where(has_nan, float("inf"), amax), axis=0))
@@ -154,6 +155,7 @@ def _row_quant_kernel(
             rel = tl.math.div_rn(tl.math.div_rn(amax, QMAX), gs)
             sc = encode_e4m3fn(tl.maximum(rel, 0.015625)).to(tl.int32)
             s = _decode_e4m3(sc) * gs
+            s = tl.where(amax != amax, float("nan"), s)
             tl.store(SCALE_CODES + row * ngroups + gidx, sc.to(tl.uint8), mask=gmask)
         tl.store(SCALE + row * ngroups + gidx, s, mask=gmask)
         # --- codes ---

@@ -1,0 +1,231 @@
+"""Fused RMSNorm / SiLU-mul + quantize and the standalone row quantizer (lowbit.ops.fused).
+
+Each kernel result is checked three ways on fresh random data (odd sizes, zero rows):
+1. codes, scales, scale codes and tensor scale equal lowbit.quantize applied to the float
+   value the kernel quantized (the input itself, or the kernel's own normalized output);
+2. that float value is within a derived bound of a float64 evaluation;
+3. independent oracles: numpy / ml_dtypes element rounding, torchao's MX reference.
+On the CPU the kernels run in Triton's interpreter; with CUDA the same tests run on the GPU.
+"""
+import math
+import warnings
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from lowbit.ops import fused
+from lowbit.quantize import quantize as canonical_quantize
+from lowbit.scheme import QuantScheme, get_preset
+
+U32 = 2.0 ** -24  # float32 unit roundoff
+
+SCHEMES = {
+    "int8_token": get_preset("int8_token"),
+    "fp8_token": QuantScheme("fp8_e4m3fn", "token", dynamic=True),
+    "int8_g64": QuantScheme("int8", "group", group_size=64),
+    "fp8_1x128": get_preset("fp8_block1x128"),
+    "mxfp8": get_preset("mxfp8"),
+    "mxfp8_rceil": QuantScheme("fp8_e4m3fn", "group", group_size=32, scale_format="e8m0", scale_rounding="rceil"),
+    "mxfp4": get_preset("mxfp4"),
+    "mxfp4_even": QuantScheme("fp4_e2m1fn", "group", group_size=32, scale_format="e8m0", scale_rounding="even"),
+    "mxfp4_ceil": QuantScheme("fp4_e2m1fn", "group", group_size=32, scale_format="e8m0", scale_rounding="ceil"),
+    "nvfp4": get_preset("nvfp4"),
+}
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _hidden(scheme):
+    # odd sizes: 4095 for per-row scales; for groups a K that is not a power of two
+    return 4095 if scheme.strategy == "token" else 384
+
+
+def _rand(rng, shape, dtype, device, scale=3.0, zero_row=1):
+    x = torch.randn(shape, generator=rng) * scale
+    x[..., :7] *= 20  # a few outlier channels, as activations have (seed 004)
+    if zero_row is not None and x.shape[0] > zero_row:
+        x[zero_row] = 0
+    return x.to(dtype).to(device)
+
+
+def _assert_same_quant(qt, ref):
+    assert qt.codes.dtype == ref.codes.dtype and qt.codes.shape == ref.codes.shape
+    bad = (qt.codes != ref.codes).nonzero()
+    assert bad.numel() == 0, f"{bad.shape[0]} codes differ, first at {bad[0].tolist()}"
+    assert qt.scale.shape == ref.scale.shape
+    assert torch.equal(qt.scale, ref.scale), "scales differ"
+    if ref.scale_codes is None:
+        assert qt.scale_codes is None
+    else:
+        assert torch.equal(qt.scale_codes, ref.scale_codes), "scale codes differ"
+    if ref.global_scale is None:
+        assert qt.global_scale is None
+    else:
+        assert torch.equal(qt.global_scale, ref.global_scale), "tensor scales differ"
+
+
+@pytest.mark.parametrize("name", list(SCHEMES))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_rows_equals_canonical(name, dtype, device, rng):
+    scheme = SCHEMES[name]
+    x = _rand(rng, (3, 2, _hidden(scheme)), dtype, device)
+    qt = fused.quantize_rows(x, scheme, backend="triton")
+    ref = canonical_quantize(x.cpu(), scheme)
+    _assert_same_quant(qt.to("cpu"), ref)
+    assert qt.shape == tuple(x.shape)
+    # zero row: zero values back, finite scales
+    deq = qt.dequantize().cpu()
+    assert torch.all(deq[1] == 0) and torch.isfinite(qt.scale).all()
+
+
+@pytest.mark.parametrize("name", ["int8_token", "fp8_token", "mxfp8", "nvfp4"])
+def test_rmsnorm_quant(name, device, rng):
+    scheme = SCHEMES[name]
+    K = _hidden(scheme)
+    for M, res_dtype in ((1, None), (3, torch.bfloat16), (17, torch.float32)):
+        x = _rand(rng, (M, K), torch.bfloat16, device, zero_row=1 if M > 1 else None)
+        w = (1 + 0.2 * torch.randn(K, generator=rng)).to(torch.bfloat16).to(device)
+        r = None if res_dtype is None else _rand(rng, (M, K), res_dtype, device, zero_row=None)
+        if r is not None and M > 1:
+            r[1] = -x[1].to(res_dtype)  # the residual sum of row 1 is exactly zero
+        eps = 1e-6
+        qt, new_r, y = fused.rmsnorm_quant(x, w, eps, scheme, residual=r, backend="triton",
+                                           return_normalized=True)
+        _assert_same_quant(qt.to("cpu"), canonical_quantize(y.cpu(), scheme))
+        # the residual stream: x + r in float32, rounded once to r's dtype; never quantized
+        if r is None:
+            assert new_r is None
+            h64 = x.cpu().double()
+        else:
+            assert new_r.dtype == r.dtype
+            assert torch.equal(new_r.cpu(), (x.cpu().float() + r.cpu().float()).to(res_dtype))
+            h64 = new_r.cpu().double()
+        # float64 RMSNorm; bound on the kernel's float32 evaluation (relative, per element):
+        # sum of K rounded squares <= gamma_K ~ K*u (any order); /K, +eps, 1/x: 3u; sqrt halves
+        # the argument's error and adds u; two products: 2u  =>  ((K + 3) / 2 + 4) * u.
+        y64 = h64 / torch.sqrt((h64 * h64).mean(-1, keepdim=True) + eps) * w.cpu().double()
+        bound = ((K + 3) / 2 + 4) * U32 * y64.abs()
+        assert torch.all((y.cpu().double() - y64).abs() <= bound)
+        if M > 1:  # zero row in, zero codes out, finite scale
+            assert torch.all(qt.dequantize().cpu()[1] == 0) and torch.isfinite(qt.scale).all()
+
+
+@pytest.mark.parametrize("name", ["int8_token", "fp8_token", "mxfp4", "nvfp4"])
+def test_silu_mul_quant(name, device, rng):
+    scheme = SCHEMES[name]
+    H = _hidden(scheme)
+    for M in (1, 3, 17):
+        x = _rand(rng, (M, 2 * H), torch.bfloat16, device, scale=2.0, zero_row=1 if M > 1 else None)
+        with warnings.catch_warnings():  # the interpreter's numpy exp warns where exp(-g) overflows
+            warnings.simplefilter("ignore", RuntimeWarning)
+            qt, y = fused.silu_mul_quant(x, scheme, backend="triton", return_product=True)
+        assert qt.codes.shape == (M, H)
+        _assert_same_quant(qt.to("cpu"), canonical_quantize(y.cpu(), scheme))
+        g, u = x.cpu().double()[:, :H], x.cpu().double()[:, H:]
+        y64 = g / (1 + torch.exp(-g)) * u
+        # exp(-g) in float32: the product g*log2(e) carries |g|*u of absolute exponent error,
+        # i.e. |g|*u relative in exp, plus <= 4u for the exp itself; 1 + e, the division and
+        # the product with up add 3u (silu's sensitivity to exp's error is <= 1): (|g| + 8) u.
+        # Where exp(-g) overflows float32 (g < -88.7) the kernel returns -0.0: allowed there,
+        # the true |y| <= 89 * e^-88.7 * |up| ~ 3e-37 |up| is below float32's normal range.
+        bound = (g.abs() + 8) * U32 * y64.abs() + torch.where(g < -88, y64.abs(), 0)
+        assert torch.all((y.cpu().double() - y64).abs() <= bound)
+        if M > 1:
+            assert torch.all(qt.dequantize().cpu()[1] == 0)
+
+
+def test_backends_agree_on_rmsnorm(rng):
+    """The PyTorch twin and the kernel: same algorithm; codes may differ only where the two
+    float32 evaluations of y differ (reduction order), so compare y within the bound and
+    codes exactly wherever the two y agree bit for bit."""
+    scheme = SCHEMES["int8_token"]
+    K = 1000
+    x = _rand(rng, (5, K), torch.bfloat16, "cpu")
+    w = torch.randn(K, generator=rng).to(torch.bfloat16)
+    qt_k, _, y_k = fused.rmsnorm_quant(x, w, 1e-5, scheme, backend="triton", return_normalized=True)
+    qt_t, _, y_t = fused.rmsnorm_quant(x, w, 1e-5, scheme, backend="torch", return_normalized=True)
+    bound = ((K + 3) + 8) * U32 * y_t.abs()  # both within the one-sided bound of y64
+    assert torch.all((y_k - y_t).abs() <= bound)
+    same_row = (y_k == y_t).all(-1)
+    assert torch.equal(qt_k.codes[same_row], qt_t.codes[same_row])
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3fn", "fp4_e2m1fn"])
+def test_elements_against_numpy_and_ml_dtypes(fmt, device, rng):
+    """Independent oracle for the element rounding: numpy rint (half even) for int8 and
+    ml_dtypes' float8_e4m3fn / float4_e2m1fn casts, applied to x / s with the kernel's s,
+    and s = amax / max computed in numpy float32."""
+    scheme = QuantScheme(fmt, "group", group_size=32) if fmt != "int8" else get_preset("int8_token")
+    x = _rand(rng, (4, 224), torch.float32, device)
+    qt = fused.quantize_rows(x, scheme, backend="triton")
+    xn = x.cpu().numpy()
+    G = 224 if fmt == "int8" else 32
+    xg = xn.reshape(4, -1, G)
+    fmax = {"int8": 127.0, "fp8_e4m3fn": 448.0, "fp4_e2m1fn": 6.0}[fmt]
+    s = (np.abs(xg).max(-1) / np.float32(fmax)).astype(np.float32)
+    s = np.where(s == 0, np.float32(1), s)
+    np.testing.assert_array_equal(qt.scale.cpu().numpy().reshape(s.shape), s)
+    v = (xg / s[..., None]).astype(np.float32).reshape(4, -1)
+    codes = qt.codes.cpu().numpy()
+    if fmt == "int8":
+        np.testing.assert_array_equal(codes, np.clip(np.rint(v), -127, 127).astype(np.int8))
+    else:
+        mdt = ml_dtypes.float8_e4m3fn if fmt == "fp8_e4m3fn" else ml_dtypes.float4_e2m1fn
+        exp = np.clip(v, -fmax, fmax).astype(mdt)
+        if fmt == "fp8_e4m3fn":
+            np.testing.assert_array_equal(codes, exp.view(np.uint8))
+        else:  # ml_dtypes keeps fp4 in a byte: value bits in the low nibble
+            np.testing.assert_array_equal(codes, exp.view(np.uint8) & 0xF)
+
+
+def test_mx_against_torchao(rng):
+    """torchao's MX reference (to_mx, FLOOR scaling) as an independent oracle for MXFP8."""
+    mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+    x = _rand(rng, (6, 256), torch.bfloat16, "cpu", zero_row=None)
+    qt = fused.quantize_rows(x, get_preset("mxfp8"), backend="triton")
+    scale_e8m0, data = mx.to_mx(x, torch.float8_e4m3fn, 32)
+    assert torch.equal(qt.scale_codes.reshape(-1), scale_e8m0.view(torch.uint8).reshape(-1))
+    assert torch.equal(qt.codes, data.view(torch.uint8))
+
+
+def test_gpu_fp8_hardware_cast_matches(device, rng):
+    """On CUDA the fp8 codes come from the hardware cast; the integer encoder is the other
+    path. Both must equal the canonical quantizer at a realistic size."""
+    if device != "cuda":
+        pytest.skip("the hardware fp8 cast exists only on CUDA")
+    x = _rand(rng, (512, 4096), torch.bfloat16, device)
+    w = torch.randn(4096, generator=rng).to(torch.bfloat16).to(device)
+    scheme = SCHEMES["fp8_token"]
+    for enc in ("hw", "int"):
+        qt, _, y = fused.rmsnorm_quant(x, w, 1e-6, scheme, backend="triton", return_normalized=True,
+                                       fp8_encoder=enc)
+        _assert_same_quant(qt.to("cpu"), canonical_quantize(y.cpu(), scheme))
+
+
+def test_clear_errors(rng):
+    x = torch.randn(2, 96, generator=rng)
+    w = torch.ones(96)
+    with pytest.raises(ValueError, match="not a multiple of the group width"):
+        fused.quantize_rows(x, QuantScheme("fp8_e4m3fn", "group", group_size=64), backend="triton")
+    with pytest.raises(NotImplementedError, match="power of two"):
+        fused.quantize_rows(x, QuantScheme("int8", "group", group_size=48), backend="triton")
+    with pytest.raises(NotImplementedError, match="asymmetric"):
+        fused.quantize_rows(x, QuantScheme("int8", "token", symmetric=False), backend="triton")
+    with pytest.raises(NotImplementedError, match="whole-tensor"):
+        fused.quantize_rows(x, get_preset("fp8_tensor"), backend="triton")
+    with pytest.raises(ValueError, match="exceeds the fused kernel"):
+        fused.quantize_rows(torch.randn(1, 40000, generator=rng), get_preset("int8_token"), backend="triton")
+    with pytest.raises(ValueError, match="weight must be a tensor of shape"):
+        fused.rmsnorm_quant(x, torch.ones(95), 1e-6, get_preset("int8_token"), backend="triton")
+    with pytest.raises(ValueError, match="must be even"):
+        fused.silu_mul_quant(torch.randn(2, 7, generator=rng), get_preset("int8_token"), backend="triton")
+    with pytest.raises(TypeError, match="dtype"):
+        fused.quantize_rows(x.to(torch.int32), get_preset("int8_token"), backend="triton")
+    bad = x.clone()
+    bad[1, 5] = math.nan
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        fused.rmsnorm_quant(bad, w, 1e-6, get_preset("int8_token"), backend="triton")
+    bad[1, 5] = math.inf
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        fused.quantize_rows(bad, get_preset("mxfp8"), backend="triton")
