@@ -210,6 +210,13 @@ class Scales(NamedTuple):
     global_scale: torch.Tensor | None  # float32 0-d (two-level) or None
 
 
+def _div(t: torch.Tensor, c: float) -> torch.Tensor:
+    """IEEE float32 t / c. On CUDA, `tensor / python_number` is computed as t * (1/c) (PyTorch's
+    CPU-scalar optimization in div_true_kernel_cuda), which can differ by one ulp; dividing by a
+    tensor on t's device keeps the true division on every device."""
+    return t / torch.tensor(c, dtype=torch.float32, device=t.device)
+
+
 def _nonzero_scale(s: torch.Tensor) -> torch.Tensor:
     # A zero group (or one whose amax / qmax underflows to 0) gets s = 1.0: zero codes, finite scale.
     return torch.where(s == 0, torch.ones_like(s), s)
@@ -240,7 +247,7 @@ def e8m0_exponent(amax: torch.Tensor, fmt, rounding: str) -> torch.Tensor:
     """
     amax = amax.to(torch.float32)
     if rounding == "rceil":
-        src = amax / fmt.max
+        src = _div(amax, float(fmt.max))
     elif rounding == "even":
         bits = _f32_bits(amax)
         src = ((bits + (1 << (23 - fmt.mbits - 1))) & 0x7F800000).view(torch.float32)
@@ -285,7 +292,7 @@ def two_level_global_scale(tensor_amax: torch.Tensor, scheme: QuantScheme) -> to
     """NVFP4's fp32 tensor scale g = amax / (scale_fmt.max * fmt.max) (448 * 6 for NVFP4),
     float32 0-d; g = 1.0 when that is 0 (all-zero tensor), so block scales stay finite."""
     sfmt = _formats().get_format(scheme.scale_format)
-    g = tensor_amax.to(torch.float32).reshape(()) / (float(sfmt.max) * float(scheme.fmt.max))
+    g = _div(tensor_amax.to(torch.float32).reshape(()), float(sfmt.max) * float(scheme.fmt.max))
     return _nonzero_scale(g)
 
 
@@ -305,7 +312,7 @@ def compute_scale(amax: torch.Tensor, scheme: QuantScheme, *, amin: torch.Tensor
             raise ValueError("compute_scale: asymmetric schemes need amin = min(x, 0) per scale "
                              "(use reduce_minmax)")
         amin = amin.to(torch.float32)
-        s = _nonzero_scale((amax - amin) / float(fmt.qmax - fmt.qmin))
+        s = _nonzero_scale(_div(amax - amin, float(fmt.qmax - fmt.qmin)))
         if not bool(torch.isfinite(s[~torch.isnan(s)]).all()):
             raise ValueError("compute_scale: max(x,0) - min(x,0) overflows float32; the range of x is "
                              "too wide for an asymmetric scheme, use symmetric=True")
@@ -320,11 +327,11 @@ def compute_scale(amax: torch.Tensor, scheme: QuantScheme, *, amin: torch.Tensor
         g = two_level_global_scale(amax.max(), scheme) if global_scale is None else \
             global_scale.to(torch.float32).reshape(())
         # torchao nvfp4_quantize: block scales relative to g, clamped into e4m3's normal range.
-        rel = torch.clamp((amax / float(fmt.max)) / g, min=float(sfmt.min_normal), max=float(sfmt.max))
+        rel = torch.clamp(_div(amax, float(fmt.max)) / g, min=float(sfmt.min_normal), max=float(sfmt.max))
         codes = F.encode(rel, sfmt, saturate=True)
         return Scales(scale_from_codes(codes, scheme, g), None, codes, g)
     qmax = fmt.qmax if fmt.kind == "int" else fmt.max
-    return Scales(_nonzero_scale(amax / float(qmax)), None, None, None)
+    return Scales(_nonzero_scale(_div(amax, float(qmax))), None, None, None)
 
 
 # ------------------------------------------------------------------------------------------
