@@ -1,0 +1,146 @@
+"""W4A16 decode GEMM (lowbit.ops.weight_only) against an independent float64 reference.
+
+The reference dequantizes the kernel's own packed bytes with numpy (nibbles, two's
+complement, zero points) and ml_dtypes (fp4 e2m1 values, e4m3 scales), so the packing,
+the scale layout and the kernel are all checked against code that shares nothing with
+lowbit. On the CPU the kernel runs in Triton's interpreter; with CUDA, on the GPU.
+"""
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from lowbit.ops.weight_only import prepare_w4, w4a16_linear, w4a16_reference
+from lowbit.quantize import quantize
+from lowbit.scheme import QuantScheme, get_preset
+
+U32 = 2.0 ** -24
+SCHEMES = {
+    "int4_g128": get_preset("int4_g128"),
+    "int4_g128_asym": get_preset("int4_g128_asym"),
+    "int4_g32": QuantScheme("int4", "group", group_size=32),
+    "uint4_g32_asym": QuantScheme("uint4", "group", group_size=32, symmetric=False),
+    "mxfp4": get_preset("mxfp4"),
+    "nvfp4": get_preset("nvfp4"),
+}
+
+
+def _numpy_dequant(w4) -> np.ndarray:
+    """float64 [N, K] from the packed bytes, without lowbit."""
+    p = w4.packed.cpu().numpy()
+    lo, hi = (p & 0xF).astype(np.int64), (p >> 4).astype(np.int64)
+    codes = np.stack([lo, hi], axis=-1).reshape(p.shape[0], -1)  # low nibble = even k
+    G = w4.group_size
+    if w4.kind in ("int4", "uint4"):
+        q = np.where(codes >= 8, codes - 16, codes) if w4.kind == "int4" else codes
+        if w4.zero_point is not None:
+            q = q - np.repeat(w4.zero_point.cpu().numpy().astype(np.int64), G, axis=1)
+        return q * np.repeat(w4.scale.cpu().numpy().astype(np.float64), G, axis=1)
+    vals = codes.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    sc = w4.scale_codes.cpu().numpy()
+    if w4.kind == "mxfp4":
+        s = np.exp2(sc.astype(np.float64) - 127)
+    else:
+        # QTensor's effective scale is float32(e4m3 value * tensor scale)
+        g = np.float32(w4.global_scale.cpu().numpy().reshape(()))
+        s = (sc.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * g).astype(np.float64)
+    return vals * np.repeat(s, G, axis=1)
+
+
+def _bound(x64, w64, ref, K, G, split, out_dtype):
+    """|out - ref| bound. Every product x_k * w_k the kernel forms is exact (integer or
+    6-significant-bit weights), so the error is float32 accumulation: <= K - 1 additions
+    inside dots, one scale product per group, split-K partial sums, the NVFP4 tensor scale
+    and its e4m3*g rounding: (K + K/G + split + 3) roundings of at most 2u each (2u covers a
+    tensor core that truncates instead of rounding), on sum |x||w|. Then one rounding to
+    the output dtype (unit roundoff 2^-8 bf16, 2^-11 fp16) of the computed value."""
+    s = x64.abs() @ w64.abs().T
+    acc = 2 * (K + K // G + split + 3) * U32 * s
+    u_out = 2.0 ** -8 if out_dtype == torch.bfloat16 else 2.0 ** -11
+    return acc + u_out * (ref.abs() + acc)
+
+
+@pytest.mark.parametrize("name", list(SCHEMES))
+def test_w4a16_against_numpy_reference(name, device, rng):
+    scheme = SCHEMES[name]
+    N, K = 40, 256
+    w = torch.randn(N, K, generator=rng) * 0.05
+    w[3] = 0  # a zero output channel
+    wq = quantize(w, scheme)
+    w4 = prepare_w4(wq.to(device))
+    w64 = torch.from_numpy(_numpy_dequant(w4))
+    # lowbit's own reference agrees with the independent one exactly
+    assert torch.equal(w4a16_reference(torch.eye(K, dtype=torch.float64), wq), w64.T)
+    dtypes = [torch.bfloat16] if name in ("mxfp4", "nvfp4") else [torch.bfloat16, torch.float16]
+    for dtype in dtypes:
+        for M in (1, 3, 17):
+            x = (torch.randn(M, K, generator=rng) * 2).to(dtype)
+            out = w4a16_linear(x.to(device), w4, backend="triton")
+            assert out.dtype == dtype and out.shape == (M, N)
+            ref = x.double() @ w64.T
+            err = (out.cpu().double() - ref).abs()
+            bound = _bound(x.double(), w64, ref, K, w4.group_size, 1, dtype)
+            assert torch.all(err <= bound), f"M={M} {dtype}: max excess {(err - bound).max().item()}"
+            assert torch.all(out.cpu()[:, 3] == 0)  # zero weights give exact zeros
+
+
+def test_w4a16_split_k_bias_and_batch_dims(device, rng):
+    scheme = SCHEMES["int4_g32"]
+    N, K = 24, 512
+    w = torch.randn(N, K, generator=rng)
+    w4 = prepare_w4(quantize(w, scheme).to(device))
+    w64 = torch.from_numpy(_numpy_dequant(w4))
+    bias = torch.randn(N, generator=rng).to(torch.bfloat16)
+    x = torch.randn(2, 3, K, generator=rng).to(torch.bfloat16)
+    for split in (1, 4):
+        out = w4a16_linear(x.to(device), w4, bias.to(device), backend="triton", config={"split": split})
+        assert out.shape == (2, 3, N)
+        ref = x.double().reshape(-1, K) @ w64.T + bias.double()
+        bound = _bound(x.double().reshape(-1, K), w64, ref, K, 32, split, torch.bfloat16)
+        bound = bound + 2 * U32 * bias.double().abs()  # the bias add
+        assert torch.all((out.cpu().double().reshape(-1, N) - ref).abs() <= bound)
+
+
+def test_w4a16_decode_sizes_on_gpu(device, rng):
+    """The decode shapes of the benchmark, scaled down, with the GPU's own heuristics."""
+    if device != "cuda":
+        pytest.skip("full-size tiles and split-K heuristics are exercised on CUDA only")
+    N, K = 2048, 4096
+    for name in ("int4_g128", "int4_g128_asym", "mxfp4", "nvfp4"):
+        wq = quantize(torch.randn(N, K, generator=rng).cuda() * 0.02, SCHEMES[name])
+        w4 = prepare_w4(wq)
+        w64 = torch.from_numpy(_numpy_dequant(w4))
+        for M in (1, 16, 64):
+            x = torch.randn(M, K, generator=rng).to(torch.bfloat16)
+            out = w4a16_linear(x.cuda(), w4)
+            ref = x.double() @ w64.T
+            bound = _bound(x.double(), w64, ref, K, w4.group_size, 8, torch.bfloat16)
+            assert torch.all((out.cpu().double() - ref).abs() <= bound), (name, M)
+
+
+def test_torch_backend_and_errors(rng):
+    N, K = 16, 128
+    wq = quantize(torch.randn(N, K, generator=rng), SCHEMES["int4_g128"])
+    w4 = prepare_w4(wq)
+    x = torch.randn(2, K, generator=rng).to(torch.bfloat16)
+    ref = x.double() @ torch.from_numpy(_numpy_dequant(w4)).T
+    out = w4a16_linear(x, w4, backend="torch")
+    assert torch.all((out.double() - ref).abs() <= _bound(x.double(), torch.from_numpy(_numpy_dequant(w4)),
+                                                          ref, K, 128, 1, torch.bfloat16))
+    assert w4.metadata()["layout"] == "packed_nk_low_nibble_first"
+    with pytest.raises(ValueError, match="last dim must be K"):
+        w4a16_linear(torch.randn(2, K + 2).to(torch.bfloat16), w4)
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        w4a16_linear(torch.randn(2, K), w4)
+    with pytest.raises(NotImplementedError, match="no kernel"):
+        prepare_w4(quantize(torch.randn(N, K, generator=rng), get_preset("mxfp8")))
+    with pytest.raises(NotImplementedError, match="not per-group"):
+        prepare_w4(quantize(torch.randn(N, K, generator=rng), QuantScheme("int4", "channel")))
+    wq16 = quantize(torch.randn(N, 64, generator=rng), QuantScheme("int4", "group", group_size=16))
+    with pytest.raises(NotImplementedError, match="group_size 16"):
+        prepare_w4(wq16)
+    w_fp4 = prepare_w4(quantize(torch.randn(N, K, generator=rng), SCHEMES["mxfp4"]))
+    with pytest.raises(TypeError, match="bfloat16 activations"):
+        w4a16_linear(torch.randn(2, K).to(torch.float16), w_fp4)
+    with pytest.raises(ValueError, match="does not divide K"):
+        w4a16_linear(x, w4, backend="triton", config={"split": 3})
