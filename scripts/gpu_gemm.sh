@@ -23,14 +23,16 @@ if [ $sweep = 1 ]; then
   timeout 150 python3 - >"$out/sweep.txt" 2>&1 <<'PY'
 import json, os
 from lowbit.bench.gemm import sweep
-c = lambda bm, bn, bk, w, s, g=8: dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g, num_warps=w, num_stages=s)
-big = {"int8": [c(128, 256, 128, 8, 3), c(128, 128, 128, 4, 4), c(256, 128, 128, 8, 3)],
-       "fp8_row": [c(128, 256, 128, 8, 3), c(128, 128, 128, 4, 4), c(256, 128, 128, 8, 3)],
-       "fp8_block": [c(128, 256, 128, 8, 3), c(128, 128, 128, 4, 4), c(128, 128, 128, 8, 3)],
-       "mxfp8": [c(128, 256, 128, 8, 3), c(128, 128, 128, 8, 3)]}
-small = {"int8": [c(16, 32, 256, 4, 4), c(16, 64, 256, 4, 4), c(16, 32, 512, 4, 3)],
-         "fp8_row": [c(16, 32, 256, 4, 4), c(16, 64, 256, 4, 4)]}
-rows = sweep(big, shapes=((8192, 8192, 8192),)) + sweep(small, shapes=((16, 4096, 14336),))
+c = lambda bm, bn, bk, w, s, **kw: dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=w, num_stages=s, **kw)
+T = dict(TMA=True)
+TP = dict(TMA=True, PERSISTENT=True)
+big = {"int8": [c(128, 256, 128, 8, 3), c(128, 256, 128, 8, 3, **T), c(128, 256, 128, 8, 3, **TP),
+                c(128, 256, 128, 8, 4, **T)],
+       "fp8_row": [c(256, 128, 128, 8, 3, **T), c(256, 128, 128, 8, 3, **TP),
+                   c(128, 256, 128, 8, 3, PRECISE=False, **T)],
+       "fp8_block": [c(128, 128, 128, 8, 3, **T), c(256, 128, 128, 8, 3, **T)],
+       "mxfp8": [c(128, 128, 128, 8, 3), c(128, 128, 128, 8, 3, **T), c(128, 128, 64, 8, 4, **T)]}
+rows = sweep(big, shapes=((8192, 8192, 8192),))
 json.dump(rows, open(os.path.join(os.environ.get("OUT", "."), "sweep.json"), "w"), indent=1)
 PY
   echo "sweep rc=$?" | tee -a "$out/summary.txt"

@@ -29,13 +29,18 @@ U_ACC_FP8 = 2.0 ** -13 if DEV == "cuda" else U32
 # Tile shapes forced in the interpreter so that M, N and K all span several tiles with ragged
 # edges (on CUDA the shape heuristics choose, and one forced config checks the small-M path).
 SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1)
-CONFIGS = [None, SMALL]
+# TMA descriptors (zero-filled out-of-range boxes) in a persistent grid: K is rounded to a
+# multiple of 16 for these (the bulk-copy engine needs 16-byte rows), not of BLOCK_K.
+TMA_PERSISTENT = dict(SMALL, TMA=True, PERSISTENT=True)
+CONFIGS = [None, SMALL, TMA_PERSISTENT]
 
 
-def _shape(rng, k_lo=64, k_hi=160):
+def _shape(rng, k_lo=64, k_hi=160, config=None):
     M = [1, 3, 17][int(torch.randint(0, 3, (1,), generator=rng))]
     N = int(torch.randint(24, 41, (1,), generator=rng))
     K = int(torch.randint(k_lo, k_hi + 1, (1,), generator=rng))
+    if config is not None and config.get("TMA"):
+        K = 16 * -(-K // 16)
     return M, N, K
 
 
@@ -65,7 +70,7 @@ def _epilogue_tol(prod_abs, bias_abs, ref, out_dtype, acc_err=0.0):
 
 @pytest.mark.parametrize("config", CONFIGS)
 def test_int8_raw_accumulator_bit_exact(rng, config):
-    M, N, K = _shape(rng)
+    M, N, K = _shape(rng, config=config)
     a, b = _int8(rng, M, K, lo=-128), _int8(rng, N, K)
     got = int8_gemm(a.to(DEV), b.to(DEV), out_dtype=torch.int32, config=config).cpu()
     assert torch.equal(got, torch._int_mm(a, b.t().contiguous()))
@@ -139,7 +144,7 @@ def _fp8_tol(S, prod_abs, bias_abs, ref, out_dtype, K):
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("rowwise", [True, False])
 def test_fp8_rowwise_and_tensorwise(rng, config, rowwise):
-    M, N, K = _shape(rng)
+    M, N, K = _shape(rng, config=config)
     a, b = _fp8(rng, M, K), _fp8(rng, N, K)
     sa = (torch.rand(M if rowwise else 1, generator=rng) + 0.01)
     sb = (torch.rand(N if rowwise else 1, generator=rng) + 0.01)
@@ -162,7 +167,7 @@ def _blockscaled_oracle(a, b, sa, sb, group, rows_per_scale):
     return A @ B.T, A.abs() @ B.abs().T
 
 
-@pytest.mark.parametrize("config", [None, dict(SMALL, BLOCK_K=128)])
+@pytest.mark.parametrize("config", [None, dict(SMALL, BLOCK_K=128), dict(TMA_PERSISTENT, BLOCK_K=128)])
 def test_fp8_block_1x128_128x128(rng, config):
     M, N, _ = _shape(rng)
     N = N + 128  # two 128-row weight blocks, the second partial
@@ -179,8 +184,8 @@ def test_fp8_block_1x128_128x128(rng, config):
     assert torch.all((got - ref).abs() <= tol), f"max excess {((got - ref).abs() - tol).max()}"
 
 
-@pytest.mark.parametrize("codes", [True, False])
-def test_mxfp8_e8m0_per_32(rng, codes):
+@pytest.mark.parametrize("codes,tma", [(True, False), (False, False), (True, True)])
+def test_mxfp8_e8m0_per_32(rng, codes, tma):
     M, N, K = _shape(rng, 2, 5)
     K = 32 * K  # 64..160 in steps of 32; with BLOCK_K=64 the last K step is half past K
     a, b = _fp8(rng, M, K), _fp8(rng, N, K)
@@ -191,7 +196,7 @@ def test_mxfp8_e8m0_per_32(rng, codes):
     ea[0, 0] = 0
     ea[:, -1], eb[-1, -1] = 1, 254
     sa, sb = torch.exp2(ea.double() - 127), torch.exp2(eb.double() - 127)
-    cfg = dict(SMALL, BLOCK_K=64)
+    cfg = dict(TMA_PERSISTENT if tma else SMALL, BLOCK_K=64)
     args = (ea, eb) if codes else (sa.float(), sb.float())
     got = mxfp8_gemm(a.to(DEV), b.to(DEV), *(t.to(DEV) for t in args), out_dtype=torch.float32,
                      config=cfg).cpu().double()

@@ -199,6 +199,9 @@ def _torch_path(kernel, xq, wq, x2, w2, bias, out_dtype, w_colsum):
             y = y + bias.to(torch.float64)
         return y.to(out_dtype)
     if kernel == "fp8_rowwise":
+        if x2.device.type == "cuda" and (x2.shape[1] % 16 or N % 16):
+            raise _not_implemented(xq, wq, "torch", f" at K={x2.shape[1]}, N={N}: torch._scaled_mm on "
+                                   "CUDA needs K and N multiples of 16")
         # _scaled_mm takes row-wise scales as [M, 1] and [1, N], tensor-wise as two 0-d/1-element ones.
         sa, sb = _row_scale(xq, M), _row_scale(wq, N)
         tensorwise = sa.numel() == 1 and sb.numel() == 1

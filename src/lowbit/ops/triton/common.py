@@ -130,16 +130,18 @@ def _cfg(bm, bn, bk, warps, stages, group_m=8):
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages)
 
 
-def pick_config(M: int, N: int, K: int, *, block_k_multiple: int = 1) -> dict:
+def pick_config(M: int, N: int, K: int, *, block_k_multiple: int = 1, kind: str = "int8") -> dict:
     """Tile sizes for an 8-bit GEMM with K-major operands on an H100/H200-class GPU.
 
-    Chosen per M bucket (no run-time autotuning, so compile time stays bounded):
+    Chosen per M bucket (no run-time autotuning, so compile time stays bounded); the large-M
+    choices come from the sweep in scripts/gpu_gemm.sh (docs/benchmarks.md has the numbers):
     - M <= 64: decode-like, bound by reading the weights; BLOCK_M just covers M and BLOCK_N is
       lowered until there are about as many programs as SMs (132) so every SM streams weights.
     - M < 2048: 64-row tiles, BLOCK_N 128 or 64 for the same occupancy reason.
-    - M >= 2048: 128x256x128 tiles, 8 warps, 3 stages (147 KiB of shared memory), GROUP_M
-      swizzle so neighbouring programs share A and B tiles in L2.
-    In the interpreter, small tiles keep the tests fast and exercise the masking.
+    - M >= 2048: 128x256 (int8) / 256x128 (fp8) / 128x128 (block-scaled) tiles, 8 warps,
+      3 stages, operands through TMA descriptors, GROUP_M swizzle for L2 reuse.
+    kind: "int8", "fp8", "block128" or "block32" (MX). In the interpreter, small tiles keep
+    the tests fast and exercise the masking.
     """
     if interpreting():
         bk = max(32, block_k_multiple)
@@ -155,11 +157,112 @@ def pick_config(M: int, N: int, K: int, *, block_k_multiple: int = 1) -> dict:
     if M < 2048:
         bn = 128 if triton.cdiv(M, 64) * triton.cdiv(N, 128) >= sms else 64
         return _cfg(64, bn, max(128, block_k_multiple), 4, 4)
-    return _cfg(128, 256, max(128, block_k_multiple), 8, 3)
+    if kind == "fp8":
+        cfg = _cfg(256, 128, 128, 8, 3)
+    elif kind.startswith("block"):
+        cfg = _cfg(128, 128, 128, 8, 3)
+    else:
+        cfg = _cfg(128, 256, 128, 8, 3)
+    cfg["TMA"] = True
+    return cfg
 
 
 def launch_grid(M: int, N: int, cfg: dict) -> tuple[int]:
-    return (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+    tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+    if cfg.get("PERSISTENT"):
+        return (min(tiles, num_sms()),)
+    return (tiles,)
+
+
+_SMS: dict = {}
+
+
+def num_sms() -> int:
+    """Multiprocessors of the current GPU (persistent kernels launch one program per SM)."""
+    if interpreting() or not torch.cuda.is_available():
+        return 4
+    dev = torch.cuda.current_device()
+    if dev not in _SMS:
+        _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return _SMS[dev]
+
+
+def split_launch_options(cfg: dict, K: int, elem_bytes: int, tensors) -> tuple[dict, bool]:
+    """Kernel keyword arguments from a config (TMA / PERSISTENT become constexpr flags) and
+    whether the operands may be read through TMA descriptors: the bulk-copy engine needs
+    16-byte aligned bases and row strides (K * elem_bytes % 16 == 0); otherwise the pointer
+    path runs (the same arithmetic, only the loads differ)."""
+    cfg = dict(cfg)
+    want_tma = bool(cfg.pop("TMA", False))
+    persistent = bool(cfg.pop("PERSISTENT", False))
+    tma = want_tma and (K * elem_bytes) % 16 == 0 and all(
+        t.data_ptr() % 16 == 0 and (t.stride(0) * elem_bytes) % 16 == 0 for t in tensors)
+    cfg.update(USE_TMA=tma, PERSISTENT=persistent, NUM_SMS=num_sms())
+    return cfg, tma
+
+
+def descriptor(t: torch.Tensor, rows: int, cols: int):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, [rows, cols])
+
+
+@triton.jit
+def mainloop(a_ptr, b_ptr, off_m, off_n, M, N, K, stride_am, stride_bn,
+             ACC_INT: tl.constexpr, PRECISE: tl.constexpr, USE_TMA: tl.constexpr, EVEN_K: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc[BLOCK_M, BLOCK_N] = A[off_m:, :] @ B[off_n:, :].T for K-major 8-bit A [M, K], B [N, K].
+
+    ACC_INT: int32 accumulation (int8 operands), else fp32 (fp8). PRECISE (fp8 on sm_90):
+    promote the tensor cores' partial sum into the fp32 accumulator every BLOCK_K products.
+    USE_TMA: a_ptr / b_ptr are TensorDescriptors (bulk tensor copies; out-of-range rows and K
+    are zero-filled by the copy engine), else plain pointers with masks on K.
+    """
+    if ACC_INT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if USE_TMA:
+        for k0 in range(0, K, BLOCK_K):
+            a = a_ptr.load([off_m, k0])
+            b = b_ptr.load([off_n, k0])
+            if ACC_INT:
+                acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
+            elif PRECISE:
+                acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BLOCK_K)
+            else:
+                acc = tl.dot(a, b.T, acc)
+    else:
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        # Rows past M / N are clamped (not masked): they compute values that are never stored,
+        # and unmasked rows keep the loads vectorised.
+        rows_a = tl.where(offs_m < M, offs_m, 0)
+        rows_b = tl.where(offs_n < N, offs_n, 0)
+        a_ptrs = a_ptr + rows_a[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+        b_ptrs = b_ptr + rows_b[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_ok = offs_k[None, :] < K - k0
+                if ACC_INT:
+                    a = tl.load(a_ptrs, mask=k_ok, other=0)
+                    b = tl.load(b_ptrs, mask=k_ok, other=0)
+                else:
+                    a = tl.load(a_ptrs, mask=k_ok, other=0.0)
+                    b = tl.load(b_ptrs, mask=k_ok, other=0.0)
+            if ACC_INT:
+                acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
+            elif PRECISE:
+                acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+    return acc
 
 
 @triton.jit

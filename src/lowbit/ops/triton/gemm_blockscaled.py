@@ -20,28 +20,29 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cast_out, check_out_dtype, decode_e8m0, launch_grid, pick_config, swizzled_tile
+from .common import (cast_out, check_out_dtype, decode_e8m0, descriptor, launch_grid, pick_config,
+                     split_launch_options, swizzled_tile)
 from .gemm_fp8 import as_fp8, check_bias
 
 
 @triton.jit
 def _load_scale(ptr, E8M0: tl.constexpr, mask):
     if E8M0:
-        return decode_e8m0(tl.load(ptr, mask=mask, other=0))
-    return tl.load(ptr, mask=mask, other=0.0)
+        s = decode_e8m0(tl.load(ptr, mask=mask, other=0))
+    else:
+        s = tl.load(ptr, mask=mask, other=0.0)
+    return s
 
 
 @triton.jit
-def _blockscaled_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr,
-                        M, N, K, stride_am, stride_bn, stride_cm, stride_sam, stride_sbn,
-                        G: tl.constexpr, R: tl.constexpr, E8M0: tl.constexpr,
-                        HAS_BIAS: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr):
+def _blockscaled_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m, pid_n,
+                      M, N, K, stride_am, stride_bn, stride_cm, stride_sam, stride_sbn,
+                      G: tl.constexpr, R: tl.constexpr, E8M0: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      USE_TMA: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     SUB: tl.constexpr = BLOCK_K // G
     # One weight scale for the whole tile when the tile sits inside one R-row scale block.
     SB_UNIFORM: tl.constexpr = (R > 1) and (R % BLOCK_N == 0)
-    pid_m, pid_n = swizzled_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_g = tl.arange(0, G)
@@ -49,8 +50,11 @@ def _blockscaled_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr,
     n_ok = offs_n < N
     rows_a = tl.where(m_ok, offs_m, 0)
     rows_b = tl.where(n_ok, offs_n, 0)
-    a_ptrs = a_ptr + rows_a[:, None].to(tl.int64) * stride_am + offs_g[None, :]
-    b_ptrs = b_ptr + rows_b[:, None].to(tl.int64) * stride_bn + offs_g[None, :]
+    a_ptrs = a_ptr
+    b_ptrs = b_ptr
+    if not USE_TMA:
+        a_ptrs = a_ptr + rows_a[:, None].to(tl.int64) * stride_am + offs_g[None, :]
+        b_ptrs = b_ptr + rows_b[:, None].to(tl.int64) * stride_bn + offs_g[None, :]
     sa_ptrs = sa_ptr + rows_a.to(tl.int64) * stride_sam
     if SB_UNIFORM:
         sb_ptrs = sb_ptr + ((pid_n * BLOCK_N) // R) * stride_sbn
@@ -61,25 +65,47 @@ def _blockscaled_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr,
         for s in tl.static_range(SUB):
             kk = k0 + s * G
             ok = kk < K  # K is a multiple of G: a group is wholly inside K or wholly past it
-            a = tl.load(a_ptrs + s * G, mask=ok, other=0.0)
-            b = tl.load(b_ptrs + s * G, mask=ok, other=0.0)
+            if USE_TMA:  # past K the copy engine fills zeros
+                a = a_ptrs.load([pid_m * BLOCK_M, kk])
+                b = b_ptrs.load([pid_n * BLOCK_N, kk])
+            else:
+                a = tl.load(a_ptrs + kk, mask=ok, other=0.0)
+                b = tl.load(b_ptrs + kk, mask=ok, other=0.0)
             part = tl.dot(a, tl.trans(b))
             g = kk // G
             sa = _load_scale(sa_ptrs + g, E8M0, ok)
+            sb = _load_scale(sb_ptrs + g, E8M0, ok)
             if SB_UNIFORM:
-                sb = _load_scale(sb_ptrs + g, E8M0, ok)
                 acc += part * (sa * sb)[:, None]
             else:
-                sb = _load_scale(sb_ptrs + g, E8M0, ok)
                 acc += part * (sa[:, None] * sb[None, :])
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
 
     y = acc
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, cast_out(y, c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _blockscaled_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr,
+                        M, N, K, stride_am, stride_bn, stride_cm, stride_sam, stride_sbn,
+                        G: tl.constexpr, R: tl.constexpr, E8M0: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr, USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
+                        NUM_SMS: tl.constexpr):
+    if PERSISTENT:
+        num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
+            pid_m, pid_n = swizzled_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            _blockscaled_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m, pid_n,
+                              M, N, K, stride_am, stride_bn, stride_cm, stride_sam, stride_sbn,
+                              G, R, E8M0, HAS_BIAS, USE_TMA, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        pid_m, pid_n = swizzled_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        _blockscaled_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m, pid_n,
+                          M, N, K, stride_am, stride_bn, stride_cm, stride_sam, stride_sbn,
+                          G, R, E8M0, HAS_BIAS, USE_TMA, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 def _check_scales(name: str, s: torch.Tensor, rows: int, groups: int, what: str) -> torch.Tensor:
@@ -126,13 +152,19 @@ def blockscaled_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return c
-    cfg = dict(config) if config else pick_config(M, N, K, block_k_multiple=group)
+    cfg = dict(config) if config else pick_config(M, N, K, block_k_multiple=group, kind=f"block{group}")
     if cfg["BLOCK_K"] % group:
         raise ValueError(f"config BLOCK_K={cfg['BLOCK_K']} must be a multiple of group={group}")
-    _blockscaled_kernel[launch_grid(M, N, cfg)](
-        a, b, c, sa, sb, bias if bias is not None else c,
+    grid = launch_grid(M, N, cfg)
+    opts, tma = split_launch_options(cfg, K, 1, (a, b))
+    if tma:  # one bulk copy per group-wide K slice
+        a_arg, b_arg = descriptor(a, cfg["BLOCK_M"], group), descriptor(b, cfg["BLOCK_N"], group)
+    else:
+        a_arg, b_arg = a, b
+    _blockscaled_kernel[grid](
+        a_arg, b_arg, c, sa, sb, bias if bias is not None else c,
         M, N, K, a.stride(0), b.stride(0), c.stride(0), sa.stride(0), sb.stride(0),
-        G=group, R=weight_block_rows, E8M0=sa.dtype == torch.uint8, HAS_BIAS=bias is not None, **cfg)
+        G=group, R=weight_block_rows, E8M0=sa.dtype == torch.uint8, HAS_BIAS=bias is not None, **opts)
     return c
 
 

@@ -16,42 +16,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (cast_out, check_matrix, check_out_dtype, check_vector, launch_grid, pick_config,
-                     swizzled_tile)
+from .common import (cast_out, check_matrix, check_out_dtype, check_vector, descriptor, launch_grid,
+                     mainloop, pick_config, split_launch_options, swizzled_tile)
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 
 
 @triton.jit
-def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr,
-                     M, N, K, stride_am, stride_bn, stride_cm, stride_sa, stride_sb,
-                     HAS_BIAS: tl.constexpr, PRECISE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
-    pid_m, pid_n = swizzled_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+def _fp8_epilogue(acc, pid_m, pid_n, M, N, c_ptr, stride_cm, sa_ptr, sb_ptr, bias_ptr, stride_sa, stride_sb,
+                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    rows_a = tl.where(offs_m < M, offs_m, 0)
-    rows_b = tl.where(offs_n < N, offs_n, 0)
-    a_ptrs = a_ptr + rows_a[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + rows_b[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_ok = offs_k[None, :] < K - k0
-            a = tl.load(a_ptrs, mask=k_ok, other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok, other=0.0)
-        if PRECISE:
-            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
-        else:
-            acc = tl.dot(a, tl.trans(b), acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-
     m_ok = offs_m < M
     n_ok = offs_n < N
     sa = tl.load(sa_ptr + offs_m * stride_sa, mask=m_ok, other=0.0)
@@ -61,6 +36,29 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr,
         y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, cast_out(y, c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr,
+                     M, N, K, stride_am, stride_bn, stride_cm, stride_sa, stride_sb,
+                     HAS_BIAS: tl.constexpr, PRECISE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
+                     PERSISTENT: tl.constexpr, NUM_SMS: tl.constexpr):
+    if PERSISTENT:
+        num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
+            pid_m, pid_n = swizzled_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            acc = mainloop(a_ptr, b_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_am, stride_bn,
+                           False, PRECISE, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+            _fp8_epilogue(acc, pid_m, pid_n, M, N, c_ptr, stride_cm, sa_ptr, sb_ptr, bias_ptr, stride_sa,
+                          stride_sb, HAS_BIAS, BLOCK_M, BLOCK_N)
+    else:
+        pid_m, pid_n = swizzled_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = mainloop(a_ptr, b_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_am, stride_bn,
+                       False, PRECISE, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+        _fp8_epilogue(acc, pid_m, pid_n, M, N, c_ptr, stride_cm, sa_ptr, sb_ptr, bias_ptr, stride_sa,
+                      stride_sb, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
 def as_fp8(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -105,9 +103,16 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return c
-    cfg = dict(config) if config else pick_config(M, N, K)
-    _fp8_gemm_kernel[launch_grid(M, N, cfg)](
-        a, b, c, sa, sb, bias if bias is not None else c,
+    cfg = dict(config) if config else pick_config(M, N, K, kind="fp8")
+    grid = launch_grid(M, N, cfg)
+    precise = cfg.pop("PRECISE", precise)
+    opts, tma = split_launch_options(cfg, K, 1, (a, b))
+    if tma:
+        a_arg, b_arg = descriptor(a, cfg["BLOCK_M"], cfg["BLOCK_K"]), descriptor(b, cfg["BLOCK_N"], cfg["BLOCK_K"])
+    else:
+        a_arg, b_arg = a, b
+    _fp8_gemm_kernel[grid](
+        a_arg, b_arg, c, sa, sb, bias if bias is not None else c,
         M, N, K, a.stride(0), b.stride(0), c.stride(0), sa.stride(0), sb.stride(0),
-        HAS_BIAS=bias is not None, PRECISE=precise, EVEN_K=K % cfg["BLOCK_K"] == 0, **cfg)
+        HAS_BIAS=bias is not None, PRECISE=precise, EVEN_K=K % cfg["BLOCK_K"] == 0, **opts)
     return c

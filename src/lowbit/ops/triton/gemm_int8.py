@@ -16,41 +16,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (cast_out, check_matrix, check_out_dtype, check_vector, launch_grid, pick_config,
-                     swizzled_tile)
+from .common import (cast_out, check_matrix, check_out_dtype, check_vector, descriptor, launch_grid,
+                     mainloop, pick_config, split_launch_options, swizzled_tile)
 
 _INT32_LIMIT = 2**31
 
 
 @triton.jit
-def _int8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, za_ptr, colsum_ptr, bias_ptr,
-                      M, N, K, stride_am, stride_bn, stride_cm, stride_sa, stride_sb, stride_za,
-                      HAS_SCALES: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
-    pid_m, pid_n = swizzled_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+def _int8_epilogue(acc, pid_m, pid_n, M, N, c_ptr, stride_cm, sa_ptr, sb_ptr, za_ptr, colsum_ptr,
+                   bias_ptr, stride_sa, stride_sb, stride_za,
+                   HAS_SCALES: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    # Rows past M / N are clamped (not masked) on load: they compute garbage that is never stored,
-    # and unmasked row loads keep the K-loop's loads vectorised.
-    rows_a = tl.where(offs_m < M, offs_m, 0)
-    rows_b = tl.where(offs_n < N, offs_n, 0)
-    a_ptrs = a_ptr + rows_a[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + rows_b[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_ok = offs_k[None, :] < K - k0
-            a = tl.load(a_ptrs, mask=k_ok, other=0)
-            b = tl.load(b_ptrs, mask=k_ok, other=0)
-        acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-
     m_ok = offs_m < M
     n_ok = offs_n < N
     c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
@@ -69,6 +47,33 @@ def _int8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, za_ptr, colsum_ptr, b
         tl.store(c_ptrs, cast_out(y, c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
     else:
         tl.store(c_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _int8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, za_ptr, colsum_ptr, bias_ptr,
+                      M, N, K, stride_am, stride_bn, stride_cm, stride_sa, stride_sb, stride_za,
+                      HAS_SCALES: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
+                      PERSISTENT: tl.constexpr, NUM_SMS: tl.constexpr):
+    if PERSISTENT:
+        # One program per SM walks the tiles; the flattened loop lets the pipeliner prefetch the
+        # next tile's operands during this tile's epilogue.
+        num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
+            pid_m, pid_n = swizzled_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            acc = mainloop(a_ptr, b_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_am, stride_bn,
+                           True, False, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+            _int8_epilogue(acc, pid_m, pid_n, M, N, c_ptr, stride_cm, sa_ptr, sb_ptr, za_ptr, colsum_ptr,
+                           bias_ptr, stride_sa, stride_sb, stride_za, HAS_SCALES, HAS_ZP, HAS_BIAS,
+                           BLOCK_M, BLOCK_N)
+    else:
+        pid_m, pid_n = swizzled_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = mainloop(a_ptr, b_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_am, stride_bn,
+                       True, False, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+        _int8_epilogue(acc, pid_m, pid_n, M, N, c_ptr, stride_cm, sa_ptr, sb_ptr, za_ptr, colsum_ptr,
+                       bias_ptr, stride_sa, stride_sb, stride_za, HAS_SCALES, HAS_ZP, HAS_BIAS,
+                       BLOCK_M, BLOCK_N)
 
 
 def check_int8_k(K: int, asymmetric: bool) -> None:
@@ -128,9 +133,15 @@ def int8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor | None = N
     if K == 0:
         raise ValueError("K must be positive")
     cfg = dict(config) if config else pick_config(M, N, K)
+    grid = launch_grid(M, N, cfg)
+    opts, tma = split_launch_options(cfg, K, 1, (a, b))
+    if tma:
+        a_arg, b_arg = descriptor(a, cfg["BLOCK_M"], cfg["BLOCK_K"]), descriptor(b, cfg["BLOCK_N"], cfg["BLOCK_K"])
+    else:
+        a_arg, b_arg = a, b
     dummy = c  # never read: the constexpr flags switch the loads off
-    _int8_gemm_kernel[launch_grid(M, N, cfg)](
-        a, b, c,
+    _int8_gemm_kernel[grid](
+        a_arg, b_arg, c,
         sa if sa is not None else dummy, sb if sb is not None else dummy,
         za if za is not None else dummy, cs if cs is not None else dummy,
         bias if bias is not None else dummy,
@@ -138,5 +149,5 @@ def int8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor | None = N
         sa.stride(0) if sa is not None else 0, sb.stride(0) if sb is not None else 0,
         za.stride(0) if za is not None else 0,
         HAS_SCALES=not raw, HAS_ZP=za is not None, HAS_BIAS=bias is not None,
-        EVEN_K=K % cfg["BLOCK_K"] == 0, **cfg)
+        EVEN_K=K % cfg["BLOCK_K"] == 0, **opts)
     return c
