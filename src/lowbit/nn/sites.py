@@ -135,7 +135,7 @@ def site_report(model: torch.nn.Module, batches: Iterable, recipe: str | Recipe,
         for b in it:
             model(**b) if isinstance(b, dict) else model(b)
             ids = b["input_ids"] if isinstance(b, dict) else b
-            tokens += ids.numel()
+            tokens += ids.numel() // (ids.shape[-1] if ids.is_floating_point() else 1)   # float inputs: [..., K]
     finally:
         for h in hooks:
             h.remove()
