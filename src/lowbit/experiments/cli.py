@@ -40,7 +40,10 @@ def run(args) -> int:
                      **opts)
     result["seconds"] = time.perf_counter() - t0
     if args.json:
-        print(json.dumps(result, indent=1))
+        # per-column lists feed the figure; as JSON they would bury the rows
+        slim = dict(result, rows=[{k: v for k, v in r.items() if not k.endswith("_per_col")}
+                                  for r in result["rows"]])
+        print(json.dumps(slim, indent=1))
     else:
         print(mod.format_table(result))
         print(f"({result['seconds']:.1f} s)")
