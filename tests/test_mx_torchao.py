@@ -54,13 +54,14 @@ def _mx_data(rng, rows, k, dtype):
 
 @pytest.mark.parametrize("rule", list(RULES))
 @pytest.mark.parametrize("fmt", list(ELEMS))
-def test_mx_matches_torchao(rng, fmt, rule):
+def test_mx_matches_torchao(rng, device, fmt, rule):
     rows = int(torch.randint(3, 40, (1,), generator=rng))
     k = 32 * int(torch.randint(1, 5, (1,), generator=rng))
     for dtype in (torch.float32, torch.bfloat16):
         x = _mx_data(rng, rows, k, dtype)
         ts, td = _torchao_mx(x, fmt, rule)
-        qt = lb.quantize(x, QuantScheme(fmt, "group", group_size=32, scale_format="e8m0", scale_rounding=rule))
+        qt = lb.quantize(x.to(device), QuantScheme(fmt, "group", group_size=32, scale_format="e8m0",
+                                                   scale_rounding=rule)).to("cpu")
         assert torch.equal(qt.codes, td), f"{int((qt.codes != td).sum())} element codes differ"
         ok = ts != 0
         assert torch.equal(qt.scale_codes[ok], ts[ok])
@@ -69,7 +70,7 @@ def test_mx_matches_torchao(rng, fmt, rule):
 
 
 @pytest.mark.parametrize("rule", ["floor", "ceil", "even", "rceil"])
-def test_e8m0_rule_over_random_float32_bit_patterns(rng, rule):
+def test_e8m0_rule_over_random_float32_bit_patterns(rng, device, rule):
     """Scale codes for amax across the whole positive float32 range (subnormals included)."""
     n = 2048
     bits = torch.randint(1, 0x7F800000, (n,), generator=rng, dtype=torch.int64).to(torch.int32)
@@ -79,7 +80,7 @@ def test_e8m0_rule_over_random_float32_bit_patterns(rng, rule):
     x[:, 1:] = amax[:, None] * torch.rand(n, 31, generator=rng)
     for fmt in ("fp8_e4m3fn", "fp4_e2m1fn"):
         ts, _ = _torchao_mx(x, fmt, rule)
-        ours = e8m0_exponent(amax, lb.get_format(fmt), rule)
+        ours = e8m0_exponent(amax.to(device), lb.get_format(fmt), rule).cpu()
         keep = ts[:, 0] != 0
         if rule == "rceil":
             # torchao's float32 log2 cannot resolve d = amax/max = 2^k (1 + m) from 2^k when m is
@@ -133,13 +134,13 @@ def _nvfp4_data(rng, rows, k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_nvfp4_matches_torchao(rng, dtype):
+def test_nvfp4_matches_torchao(rng, device, dtype):
     rows, k = int(torch.randint(2, 50, (1,), generator=rng)), 16 * int(torch.randint(1, 9, (1,), generator=rng))
     x = _nvfp4_data(rng, rows, k).to(dtype)
     g = per_tensor_amax_to_scale(x.float().abs().max())
     ts, td = nvfp4_quantize(x, 16, g)
     td = unpack_uint4(td)
-    qt = lb.quantize(x, lb.get_preset("nvfp4"))
+    qt = lb.quantize(x.to(device), lb.get_preset("nvfp4")).to("cpu")
     assert torch.equal(qt.global_scale, g.reshape(()))
     assert torch.equal(qt.scale_codes, ts.view(torch.uint8))
     diff = qt.codes != td
