@@ -79,3 +79,14 @@ def test_lowbit_check_command(rng, tmp_path, capsys):
     assert "FAIL" in text and "row_shift" in text and "row 1, col" in text
     save_file({"out": out, "x": x}, str(bad), metadata=meta)
     assert main(["check", str(bad)]) == 2
+
+
+def test_device_tensors_are_accepted(rng, device):
+    x, w = torch.randn(7, 64, generator=rng), torch.randn(9, 64, generator=rng)
+    out = _kernel(x, w)
+    v = check_linear(out.to(device), x.to(device), w.to(device), x_scheme=XS, w_scheme=WS)
+    assert v.passed, v.report()
+    bad = out.clone()
+    bad[:, 3] *= 1.01   # one column 1% off
+    v = check_linear(bad.to(device), x.to(device), w.to(device), x_scheme=XS, w_scheme=WS)
+    assert not v.passed and v.first_failure[1] == 3
