@@ -397,3 +397,28 @@ def test_demo_numbers_and_output(capsys):
     demo.run(argparse.Namespace(plot=None))
     out = capsys.readouterr().out
     assert "fp8_e4m3fn" in out and "of 255" in out and "per-channel" in out
+
+
+def test_static_scales_clamp_after_rounding(rng, device):
+    """Seed 000's pitfall: a calibrated scale smaller than today's amax / 127 puts x / s at or
+    beyond 127.5; rounding gives 128, which must clamp to 127 and never wrap to -128."""
+    from lowbit.quantize import Scales, compute_scale
+
+    scheme = QuantScheme("int8", "tensor")
+    calib = compute_scale(torch.tensor([[2.0]], device=device), scheme)  # s = 2/127
+    s = float(calib.scale)
+    x = torch.tensor([[127.5 * s, -127.5 * s, 300 * s, 126.5 * s, 0.3 * s]], device=device)
+    qt = lb.quantize(x, scheme, scales=calib)
+    assert qt.codes.cpu().tolist() == [[127, -127, 127, 126, 0]]  # 126.5 -> 126: half to even
+    # the same through the numpy formulation of the canonical rule
+    ref = np.clip(np.rint(x.cpu().numpy() / np.float32(s)), -127, 127)
+    assert qt.codes.cpu().tolist() == ref.astype(int).tolist()
+    with pytest.raises(ValueError, match="shape \\(1, 1\\).*needs \\(3, 1\\)"):
+        lb.quantize(torch.randn(3, 8, device=device), QuantScheme("int8", "channel"), scales=calib)
+    with pytest.raises(ValueError, match="zero_point must be given"):
+        lb.quantize(x, QuantScheme("int8", "tensor", symmetric=False), scales=calib)
+    with pytest.raises(TypeError, match="Scales"):
+        lb.quantize(x, scheme, scales=torch.ones(1, 1))
+    bad = Scales(torch.zeros(1, 1, device=device), None, None, None)
+    with pytest.raises(ValueError, match="finite and > 0"):
+        lb.quantize(x, scheme, scales=bad)

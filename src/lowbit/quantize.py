@@ -403,7 +403,8 @@ def _check_shape(x: torch.Tensor, scheme: QuantScheme, pad: bool) -> int:
     return extra
 
 
-def quantize(x, scheme: QuantScheme, *, nan_policy: str = "raise", pad: bool = False) -> QTensor:
+def quantize(x, scheme: QuantScheme, *, nan_policy: str = "raise", pad: bool = False,
+             scales: Scales | None = None) -> QTensor:
     """Quantize x with `scheme`; scales reduce along the last axis (see module docstring).
 
     x: float tensor (float32/float16/bfloat16/float64, CPU or CUDA; numpy accepted), >= 1-d,
@@ -412,6 +413,10 @@ def quantize(x, scheme: QuantScheme, *, nan_policy: str = "raise", pad: bool = F
     nan_policy: "raise" (default) -> ValueError naming how many non-finite values and where;
        "propagate" -> float formats with a NaN code only: the scale of every group holding a
        NaN/Inf becomes NaN (e8m0 code 0xFF) and that group's codes become NaN.
+    scales: precomputed Scales (static / calibrated scales: compute_scale on calibration
+       statistics) instead of the ones x would give; shapes must be scale_shape(x.shape) (padded
+       K), on x's device. Values beyond such a scale's range are clamped (ints: after rounding,
+       so 127.5 -> 127, never a wrapped -128) or saturated (floats).
     Returns a QTensor (codes, scale, zero_point, scale_codes, global_scale, scheme, shape).
     """
     if not isinstance(scheme, QuantScheme):
@@ -426,7 +431,9 @@ def quantize(x, scheme: QuantScheme, *, nan_policy: str = "raise", pad: bool = F
         xf = torch.nn.functional.pad(xf, (0, extra))
     fmt = scheme.fmt
 
-    if scheme.symmetric:
+    if scales is not None:
+        sc = _check_scales(scales, scheme, tuple(xf.shape), xf.device)
+    elif scheme.symmetric:
         amax = reduce_amax(xf, scheme)
         sc = compute_scale(amax, scheme)
     else:
@@ -447,6 +454,31 @@ def quantize(x, scheme: QuantScheme, *, nan_policy: str = "raise", pad: bool = F
     else:
         codes = _formats().encode(scaled, fmt, saturate=True)
     return QTensor(codes, sc.scale, sc.zero_point, scheme, shape, sc.scale_codes, sc.global_scale)
+
+
+def _check_scales(sc, scheme: QuantScheme, shape: tuple[int, ...], device) -> Scales:
+    """Validate caller-supplied Scales against the scheme and x's (padded) shape."""
+    if not isinstance(sc, Scales):
+        raise TypeError(f"quantize: scales must be a lowbit.quantize.Scales (from compute_scale), "
+                        f"got {type(sc).__name__}")
+    want = scale_shape(shape, scheme)
+    need = {"scale": True, "zero_point": not scheme.symmetric,
+            "scale_codes": scheme.scale_format != "fp32", "global_scale": scheme.two_level}
+    for name, required in need.items():
+        t = getattr(sc, name)
+        if (t is not None) != required:
+            raise ValueError(f"quantize: scales.{name} must be {'given' if required else 'None'} for {scheme}")
+        if t is None:
+            continue
+        if name != "global_scale" and tuple(t.shape) != want:
+            raise ValueError(f"quantize: scales.{name} has shape {tuple(t.shape)}; {scheme} on x of shape "
+                             f"{shape} needs {want}")
+        if t.device != device:
+            raise ValueError(f"quantize: scales.{name} is on {t.device} but x is on {device}; move one of them")
+    if sc.scale.dtype != torch.float32 or not bool((sc.scale > 0).all()) or not bool(torch.isfinite(sc.scale).all()):
+        raise ValueError("quantize: scales.scale must be float32, finite and > 0 (compute_scale gives 1.0 "
+                         "for zero groups)")
+    return sc
 
 
 def _poison(sc: Scales, xf: torch.Tensor, scheme: QuantScheme) -> Scales:
