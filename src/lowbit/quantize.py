@@ -91,7 +91,8 @@ class QTensor:
         return expand_scale(self.zero_point, self.scheme, tuple(self.codes.shape))
 
     def decoded(self) -> torch.Tensor:
-        """Element values before scaling, float32, codes' shape (minus zero point for int)."""
+        """Element values before scaling, float32, codes' shape (int codes as they are: the zero
+        point is not subtracted)."""
         return _decode_elements(self.codes, self.scheme)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
