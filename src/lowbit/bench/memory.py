@@ -1,0 +1,439 @@
+"""Memory-bound kernels next to their baselines, in one process on one GPU:
+
+  copy          x.copy_(y), the bandwidth ceiling every row's `frac_copy` is measured against
+  norm_quant    fused RMSNorm (+ residual) + per-token int8 / fp8 (and MXFP8 / MXFP4 / NVFP4)
+                vs the unfused function (HF-style RMSNorm to bf16, then per-token quant) in
+                eager PyTorch and under torch.compile
+  silu_quant    fused SiLU-and-multiply + per-token int8 / fp8 vs eager / compiled unfused
+  quant         standalone dynamic quantization vs eager / compiled
+  w4a16         int4 g128 (sym / asym), int4 g32, MXFP4, NVFP4 weight-only decode GEMM vs
+                bf16 torch.mm and tinygemm (torch._weight_int4pack_mm, group 128), M in 1, 16, 64
+  sparse24      2:4 sparse linear (torch semi-structured, cuSPARSELt) vs dense bf16 linear
+
+Each row: name, shape, ms (median, CUDA-graph replay, operands rotated past the 60 MiB L2),
+GB/s = bytes that must move / time (each input read once, each output written once),
+frac_copy = GB/s over the copy row's GB/s, and ratios vs_<baseline> = baseline ms / ms
+(> 1: faster than the baseline). `check` is a relative L2 difference to a baseline's output,
+so a fast wrong kernel shows. Run: python -m lowbit.bench.memory [--quick] [--json PATH].
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from lowbit.bench.timing import bench_ms, rotating_count
+
+NORM_SHAPES = ((8192, 4096), (8192, 8192))
+QUANT_SHAPE = (8192, 4096)
+COPY_ELEMS = 512 * 2**20                 # bf16: 1 GiB read + 1 GiB written, far past the L2
+SILU_SHAPES = ((8192, 14336),)           # tokens, intermediate size (input is [T, 2H])
+W4_NK = ((8192, 8192), (28672, 8192))
+W4_MS = (1, 16, 64)
+SPARSE_SHAPES = ((8192, 8192, 8192), (2048, 14336, 4096), (2048, 4096, 14336), (16, 14336, 4096))
+EPS = 1e-6
+DEV = "cuda"  # the device every operand lives on (a CPU dry run of the plumbing sets "cpu")
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+class _Bench:
+    """Collects rows; times with the shared timer inside CUDA graphs."""
+
+    def __init__(self, only: str | None):
+        self.only, self.rows, self.copy_gbps = only, [], None
+
+    def wanted(self, name: str) -> bool:
+        return self.only is None or self.only in name
+
+    def time(self, name: str, shape: str, fn, inputs, nbytes: float, **extra) -> dict | None:
+        try:
+            ms = bench_ms(fn, inputs, cuda_graph=True)
+        except Exception as exc:  # a baseline PyTorch lacks here is reported, not hidden
+            row = dict(name=name, shape=shape, ms=None, error=f"{type(exc).__name__}: {str(exc)[:200]}")
+            self.rows.append(row)
+            _log(f"  {name:28s} {shape:>22s}  unavailable: {row['error']}")
+            return row
+        gbps = nbytes / ms / 1e6
+        row = dict(name=name, shape=shape, ms=ms, GBps=gbps, bytes=int(nbytes), **extra)
+        if self.copy_gbps:
+            row["frac_copy"] = gbps / self.copy_gbps
+        self.rows.append(row)
+        _log(f"  {name:28s} {shape:>22s} {ms * 1e3:9.1f} us {gbps:8.0f} GB/s"
+             + (f" {100 * row['frac_copy']:5.1f}% copy" if "frac_copy" in row else ""))
+        return row
+
+    @staticmethod
+    def ratios(row: dict | None, bases: dict[str, dict | None]) -> None:
+        if not row or not row.get("ms"):
+            return
+        for bname, b in bases.items():
+            if b and b.get("ms"):
+                row[f"vs_{bname}"] = b["ms"] / row["ms"]
+
+
+# ------------------------------------------------------------------------------------------
+# Unfused baselines, as a user writes them (HF LlamaRMSNorm, then per-token quantization)
+# ------------------------------------------------------------------------------------------
+def _rmsnorm_hf(x, w, r=None):
+    if r is not None:
+        x = x + r
+        r = x
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)
+    return w * h.to(x.dtype), r
+
+
+def _quant_token(y, fmt: str):
+    yf = y.float()
+    qmax = 127.0 if fmt == "int8" else 448.0
+    s = yf.abs().amax(-1, keepdim=True) / qmax
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    if fmt == "int8":
+        return torch.round(yf / s).clamp(-127, 127).to(torch.int8), s
+    return (yf / s).clamp(-448, 448).to(torch.float8_e4m3fn), s
+
+
+def _norm_quant_unfused(fmt):
+    def f(x, w, r=None):
+        y, r2 = _rmsnorm_hf(x, w, r)
+        return _quant_token(y, fmt), r2
+    return f
+
+
+def _silu_quant_unfused(fmt):
+    def f(x):
+        H = x.shape[-1] // 2
+        y = torch.nn.functional.silu(x[..., :H]) * x[..., H:]
+        return _quant_token(y, fmt)
+    return f
+
+
+def _quant_unfused(fmt):
+    return lambda x: _quant_token(x, fmt)
+
+
+def _deq(q, s):
+    return q.float() * s
+
+
+# ------------------------------------------------------------------------------------------
+# Sections
+# ------------------------------------------------------------------------------------------
+def _copy(b: _Bench) -> None:
+    n = COPY_ELEMS
+    src = torch.randn(n, device=DEV, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    row = b.time("copy", f"{2 * n >> 20} MiB", lambda: dst.copy_(src), [()], 4.0 * n)
+    b.copy_gbps = row["GBps"]
+    row["frac_copy"] = 1.0
+
+
+def _norm_quant(b: _Bench, quick: bool) -> None:
+    from lowbit.ops.fused import rmsnorm_quant
+    from lowbit.scheme import QuantScheme, get_preset
+
+    schemes = {"int8": get_preset("int8_token"), "fp8": QuantScheme("fp8_e4m3fn", "token", dynamic=True)}
+    for (T, K) in NORM_SHAPES[:1] if quick else NORM_SHAPES:
+        shape = f"{T}x{K}"
+        n = rotating_count(T * K * 2)
+        sets = [(torch.randn(T, K, device=DEV, dtype=torch.bfloat16) * 2,
+                 (1 + 0.1 * torch.randn(K, device=DEV)).to(torch.bfloat16)) for _ in range(n)]
+        for fmt, sch in schemes.items():
+            if not b.wanted(f"norm_quant_{fmt}"):
+                continue
+            nbytes = T * K * 2 + K * 2 + T * K * 1 + T * 4
+            fused = lambda x, w, s=sch: rmsnorm_quant(x, w, EPS, s, check_finite=False)  # noqa: E731
+            base = _norm_quant_unfused(fmt)
+            comp = torch.compile(base, dynamic=False)
+            r_l = b.time(f"lowbit_norm_quant_{fmt}", shape, fused, sets, nbytes)
+            r_e = b.time(f"eager_norm_quant_{fmt}", shape, base, sets, nbytes)
+            r_c = b.time(f"compile_norm_quant_{fmt}", shape, comp, sets, nbytes)
+            b.ratios(r_l, {"eager": r_e, "compile": r_c})
+            x, w = sets[0]
+            qt, _ = fused(x, w)
+            (q, s), _ = base(x, w)
+            r_l["check"] = _rel_l2(qt.dequantize(), _deq(q, s))
+        if b.wanted("norm_quant_res_int8"):
+            sets_r = [(x, w, torch.randn_like(x)) for x, w in sets]
+            nbytes = T * K * 2 * 2 + K * 2 + T * K * 2 + T * K + T * 4
+            sch = schemes["int8"]
+            fused = lambda x, w, r: rmsnorm_quant(x, w, EPS, sch, residual=r, check_finite=False)  # noqa: E731
+            base = _norm_quant_unfused("int8")
+            comp = torch.compile(base, dynamic=False)
+            r_l = b.time("lowbit_norm_quant_res_int8", shape, fused, sets_r, nbytes)
+            r_e = b.time("eager_norm_quant_res_int8", shape, base, sets_r, nbytes)
+            r_c = b.time("compile_norm_quant_res_int8", shape, comp, sets_r, nbytes)
+            b.ratios(r_l, {"eager": r_e, "compile": r_c})
+        for name in ("mxfp8", "mxfp4", "nvfp4"):
+            if not b.wanted(f"norm_quant_{name}") or (quick and name != "mxfp8"):
+                continue
+            sch = get_preset(name)
+            g = sch.group_size
+            # codes are unpacked (one byte per element, QTensor's layout) plus one scale byte
+            # per group and the float32 effective scale per group
+            nbytes = T * K * 2 + K * 2 + T * K + T * (K // g) * 5
+            fused = lambda x, w, s=sch: rmsnorm_quant(x, w, EPS, s, check_finite=False)  # noqa: E731
+            b.time(f"lowbit_norm_quant_{name}", shape, fused, sets, nbytes)
+        del sets
+
+
+def _silu_quant(b: _Bench, quick: bool) -> None:
+    from lowbit.ops.fused import silu_mul_quant
+    from lowbit.scheme import QuantScheme, get_preset
+
+    schemes = {"int8": get_preset("int8_token"), "fp8": QuantScheme("fp8_e4m3fn", "token", dynamic=True)}
+    for (T, H) in SILU_SHAPES:
+        T = T // 4 if quick else T
+        shape = f"{T}x2x{H}"
+        n = rotating_count(T * 2 * H * 2)
+        sets = [(torch.randn(T, 2 * H, device=DEV, dtype=torch.bfloat16),) for _ in range(n)]
+        for fmt, sch in schemes.items():
+            if not b.wanted(f"silu_quant_{fmt}"):
+                continue
+            nbytes = T * 2 * H * 2 + T * H + T * 4
+            fused = lambda x, s=sch: silu_mul_quant(x, s, check_finite=False)  # noqa: E731
+            base = _silu_quant_unfused(fmt)
+            comp = torch.compile(base, dynamic=False)
+            r_l = b.time(f"lowbit_silu_quant_{fmt}", shape, fused, sets, nbytes)
+            r_e = b.time(f"eager_silu_quant_{fmt}", shape, base, sets, nbytes)
+            r_c = b.time(f"compile_silu_quant_{fmt}", shape, comp, sets, nbytes)
+            b.ratios(r_l, {"eager": r_e, "compile": r_c})
+            qt = fused(sets[0][0])
+            r_l["check"] = _rel_l2(qt.dequantize(), _deq(*base(sets[0][0])))
+        del sets
+
+
+def _quant(b: _Bench, quick: bool) -> None:
+    from lowbit.ops.fused import quantize_rows
+    from lowbit.scheme import QuantScheme, get_preset
+
+    T, K = QUANT_SHAPE
+    shape = f"{T}x{K}"
+    n = rotating_count(T * K * 2)
+    sets = [(torch.randn(T, K, device=DEV, dtype=torch.bfloat16),) for _ in range(n)]
+    for fmt in ("int8", "fp8", "mxfp8", "mxfp4", "nvfp4"):
+        if not b.wanted(f"quant_{fmt}") or (quick and fmt in ("mxfp4", "nvfp4")):
+            continue
+        if fmt in ("int8", "fp8"):
+            sch = get_preset("int8_token") if fmt == "int8" else QuantScheme("fp8_e4m3fn", "token")
+            nbytes = T * K * 2 + T * K + T * 4
+        else:
+            sch = get_preset(fmt)
+            nbytes = T * K * 2 + T * K + T * (K // sch.group_size) * 5
+        fused = lambda x, s=sch: quantize_rows(x, s, check_finite=False)  # noqa: E731
+        r_l = b.time(f"lowbit_quant_{fmt}", shape, fused, sets, nbytes)
+        if fmt in ("int8", "fp8"):
+            base = _quant_unfused(fmt)
+            r_e = b.time(f"eager_quant_{fmt}", shape, base, sets, nbytes)
+            r_c = b.time(f"compile_quant_{fmt}", shape, torch.compile(base, dynamic=False), sets, nbytes)
+            b.ratios(r_l, {"eager": r_e, "compile": r_c})
+    del sets
+
+
+def _tinygemm_inputs(N: int, K: int, G: int = 128):
+    codes = torch.randint(0, 16, (N, K), device=DEV, dtype=torch.int32)
+    packed = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)
+    w = torch._convert_weight_to_int4pack(packed, 8)
+    sz = torch.randn(K // G, N, 2, device=DEV, dtype=torch.bfloat16) * 0.01
+    return w, sz
+
+
+def _w4a16(b: _Bench, quick: bool, sweep: bool = True) -> None:
+    from lowbit.ops.weight_only import pick_config, prepare_w4, w4a16_linear
+    from lowbit.quantize import quantize
+    from lowbit.scheme import QuantScheme, get_preset
+
+    kinds = {"int4_g128": get_preset("int4_g128"), "int4_g128_asym": get_preset("int4_g128_asym"),
+             "int4_g32": QuantScheme("int4", "group", group_size=32), "mxfp4": get_preset("mxfp4"),
+             "nvfp4": get_preset("nvfp4")}
+    if quick:
+        kinds = {"int4_g128": kinds["int4_g128"]}
+    for (N, K) in W4_NK[:1] if quick else W4_NK:
+        n = rotating_count(N * K // 2)
+        ws = {}
+        for name, sch in kinds.items():
+            if b.wanted(f"w4a16_{name}"):
+                ws[name] = [prepare_w4(quantize(torch.randn(N, K, device=DEV) * 0.02, sch)) for _ in range(n)]
+        wb = [torch.randn(N, K, device=DEV, dtype=torch.bfloat16) * 0.02
+              for _ in range(rotating_count(N * K * 2))]
+        try:
+            tg, tg_err = [_tinygemm_inputs(N, K) for _ in range(n)], None
+        except Exception as exc:  # noqa: BLE001 -- reported in the tinygemm rows
+            tg, tg_err = None, exc
+        for M in W4_MS:
+            shape = f"M{M} N{N} K{K}"
+            xs = [torch.randn(M, K, device=DEV, dtype=torch.bfloat16) for _ in range(max(len(wb), n))]
+            io = M * K * 2 + M * N * 2
+            r_bf = b.time("bf16_mm", shape, lambda x, w: torch.mm(x, w.t()),
+                          [(xs[i], wb[i]) for i in range(len(wb))], N * K * 2 + io)
+            if tg is None:
+                r_tg = dict(name="tinygemm_int4_g128", shape=shape, ms=None, error=f"unavailable: {str(tg_err)[:120]}")
+                b.rows.append(r_tg)
+            else:
+                r_tg = b.time("tinygemm_int4_g128", shape, lambda x, w, sz: torch._weight_int4pack_mm(x, w, 128, sz),
+                              [(xs[i], *tg[i]) for i in range(n)], N * K // 2 + (K // 128) * N * 4 + io)
+            for name, wl in ws.items():
+                w0 = wl[0]
+                G = w0.group_size
+                per_group = 4 + (1 if w0.zero_point is not None else 0) if name.startswith("int4") else 1
+                nbytes = N * K // 2 + N * (K // G) * per_group + io
+                sets = [(xs[i], wl[i]) for i in range(n)]
+                r = b.time(f"lowbit_w4a16_{name}", shape, lambda x, w: w4a16_linear(x, w), sets, nbytes,
+                           config=pick_config(M, N, K, w0.kind, G))
+                b.ratios(r, {"bf16": r_bf, "tinygemm": r_tg})
+                if r and r.get("ms"):  # against bf16 torch.mm on the dequantized weight
+                    ref = torch.mm(xs[0], w0.qtensor.dequantize(torch.bfloat16).t())
+                    r["check"] = _rel_l2(w4a16_linear(xs[0], w0), ref)
+                if sweep and name == "int4_g128" and not quick:
+                    best = None
+                    for bn in (32, 64, 128):
+                        for split in (1, 2, 4, 8):
+                            cfg = dict(pick_config(M, N, K, w0.kind, G), BLOCK_N=bn, split=split)
+                            try:
+                                ms = bench_ms(lambda x, w, c=cfg: w4a16_linear(x, w, config=c), sets,
+                                              cuda_graph=True, warmup=10, rep=40)
+                            except Exception as exc:  # noqa: BLE001 -- an infeasible config is skipped
+                                _log(f"    sweep BN={bn} split={split}: {type(exc).__name__}")
+                                continue
+                            if best is None or ms < best[0]:
+                                best = (ms, bn, split)
+                    if best:
+                        rs = dict(name="lowbit_w4a16_int4_g128_best", shape=shape, ms=best[0],
+                                  GBps=nbytes / best[0] / 1e6, bytes=nbytes,
+                                  frac_copy=nbytes / best[0] / 1e6 / b.copy_gbps,
+                                  config=dict(BLOCK_N=best[1], split=best[2]), swept="BLOCK_N 32/64/128 x split 1/2/4/8")
+                        b.ratios(rs, {"bf16": r_bf, "tinygemm": r_tg})
+                        b.rows.append(rs)
+                        _log(f"  {rs['name']:28s} {shape:>22s} {best[0] * 1e3:9.1f} us  (BN={best[1]}, split={best[2]})")
+            del xs
+        del ws, wb, tg
+
+
+def _sparse24(b: _Bench, quick: bool) -> None:
+    from lowbit.ops.sparse import prepare_2_4, sparse_linear
+    from lowbit.sparsity import prune_2_4
+
+    for (M, N, K) in SPARSE_SHAPES[:1] if quick else SPARSE_SHAPES:
+        if not b.wanted("sparse24"):
+            return
+        shape = f"M{M} N{N} K{K}"
+        w = prune_2_4(torch.randn(N, K, device=DEV) * 0.02).to(torch.bfloat16)
+        sw = prepare_2_4(w)
+        x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+        flops = 2.0 * M * N * K
+        io = M * K * 2 + M * N * 2
+        r_d = b.time("dense_linear_bf16", shape, lambda x, w: torch.nn.functional.linear(x, w), [(x, w)], N * K * 2 + io)
+        r_s = b.time(f"lowbit_sparse24_{sw.backend}", shape, lambda x: sparse_linear(x, sw), [(x,)],
+                     N * K + N * K // 8 + io)
+        for r in (r_d, r_s):
+            if r and r.get("ms"):
+                r["TFLOPs_dense_equiv"] = flops / r["ms"] / 1e9
+        b.ratios(r_s, {"dense": r_d})
+        if r_s and r_s.get("ms"):
+            r_s["check"] = _rel_l2(sparse_linear(x, sw), torch.nn.functional.linear(x, w))
+        if (M, N, K) == SPARSE_SHAPES[0]:
+            _sparse24_fp8(b, x, w, shape, r_d)
+
+
+def _sparse24_fp8(b: _Bench, x, w, shape, r_dense) -> None:
+    """Optional fp8 2:4 through cuSPARSELt (torch._cslt_*), if this PyTorch supports it."""
+    try:
+        wf = w.to(torch.float8_e4m3fn)
+        comp = torch._cslt_compress(wf)
+        xf = x.to(torch.float8_e4m3fn)
+        fn = lambda xf: torch._cslt_sparse_mm(comp, xf.t(), out_dtype=torch.bfloat16)  # noqa: E731
+        out = fn(xf).t()
+        chk = _rel_l2(out, torch.mm(xf.to(torch.bfloat16), wf.to(torch.bfloat16).t()))
+    except Exception as exc:  # noqa: BLE001 -- reported as unsupported, never hidden
+        b.rows.append(dict(name="sparse24_fp8_cslt", shape=shape, ms=None,
+                           error=f"unsupported here: {type(exc).__name__}: {str(exc)[:160]}"))
+        _log(f"  sparse24_fp8_cslt unsupported: {type(exc).__name__}: {str(exc)[:160]}")
+        return
+    r = b.time("sparse24_fp8_cslt", shape, fn, [(xf,)], x.numel() + w.numel() // 2 + w.numel() // 8
+               + x.shape[0] * w.shape[0] * 2, check=chk)
+    b.ratios(r, {"dense": r_dense})
+
+
+SECTIONS = (("norm_quant", _norm_quant), ("silu_quant", _silu_quant), ("quant", _quant),
+            ("w4a16", _w4a16), ("sparse24", _sparse24))
+
+
+def run(only: str | None = None, quick: bool = False) -> list[dict]:
+    """All rows (see module docstring). `only` keeps entries whose name contains it (a section
+    name such as 'w4a16' selects that section); the copy row always runs."""
+    if DEV == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("lowbit.bench.memory times GPU kernels; no CUDA device here")
+    import traceback
+
+    b = _Bench(only)
+    _copy(b)
+    for sec, fn in SECTIONS:
+        if only is not None and only not in sec and not any(only in n for n in _names(sec)):
+            continue
+        t = time.time()
+        _log(f"# {sec}")
+        try:
+            fn(b, quick)
+        except Exception as exc:  # noqa: BLE001 -- one broken section must not lose the others' rows
+            traceback.print_exc()
+            b.rows.append(dict(name=f"{sec}_error", shape="-", ms=None, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+        torch.cuda.empty_cache()
+        _log(f"#   ({time.time() - t:.0f} s)")
+    print_table(b.rows)
+    return b.rows
+
+
+def _names(sec: str) -> tuple[str, ...]:
+    return {"norm_quant": ("norm_quant_int8", "norm_quant_fp8", "norm_quant_res_int8", "norm_quant_mxfp8",
+                           "norm_quant_mxfp4", "norm_quant_nvfp4"),
+            "silu_quant": ("silu_quant_int8", "silu_quant_fp8"),
+            "quant": ("quant_int8", "quant_fp8", "quant_mxfp8", "quant_mxfp4", "quant_nvfp4"),
+            "w4a16": ("w4a16_int4_g128", "w4a16_int4_g128_asym", "w4a16_int4_g32", "w4a16_mxfp4", "w4a16_nvfp4"),
+            "sparse24": ("sparse24",)}[sec]
+
+
+def print_table(rows: list[dict]) -> None:
+    """Short table: lowbit rows with their bandwidth and ratios."""
+    print("\n# memory-bound kernels (GB/s = bytes that must move / time; ratio = baseline ms / lowbit ms)")
+    print(f"{'kernel':30s} {'shape':>22s} {'us':>8s} {'GB/s':>7s} {'%copy':>6s}  ratios")
+    for r in rows:
+        if not (r["name"].startswith("lowbit_") or r["name"] in ("copy", "sparse24_fp8_cslt")
+                or r["name"].endswith("_error")):
+            continue
+        if not r.get("ms"):
+            print(f"{r['name']:30s} {r['shape']:>22s}  {r.get('error', '')}")
+            continue
+        rat = " ".join(f"{k[3:]}={v:.2f}" for k, v in r.items() if k.startswith("vs_"))
+        print(f"{r['name']:30s} {r['shape']:>22s} {r['ms'] * 1e3:8.1f} {r['GBps']:7.0f} "
+              f"{100 * r.get('frac_copy', 0):6.1f}  {rat}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lowbit.bench.memory", description=__doc__.split("\n")[0])
+    p.add_argument("--only", default=None)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    rows = run(a.only, a.quick)
+    if a.json:
+        from lowbit.bench.cli import environment
+
+        with open(a.json, "w") as f:
+            json.dump(dict(environment=environment(), rows=rows), f, indent=1, default=str)
+        print(f"# wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
