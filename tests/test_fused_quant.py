@@ -19,7 +19,17 @@ from lowbit.ops import fused
 from lowbit.quantize import quantize as canonical_quantize
 from lowbit.scheme import QuantScheme, get_preset
 
-U32 = 2.0 ** -24  # float32 unit roundoff
+U32 = 2.0 ** -24
+
+
+@pytest.fixture(params=["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+def device(request):
+    """Where the Triton kernel runs (overrides conftest's): the CPU through the interpreter
+    (CI), or CUDA. On a CUDA machine the interpreter is off, so the CPU case is left to CI."""
+    if request.param == "cpu" and torch.cuda.is_available():
+        pytest.skip("the CPU (interpreter) variant runs in CI, where there is no CUDA")
+    return request.param
+  # float32 unit roundoff
 
 SCHEMES = {
     "int8_token": get_preset("int8_token"),
@@ -135,14 +145,14 @@ def test_silu_mul_quant(name, device, rng):
             assert torch.all(qt.dequantize().cpu()[1] == 0)
 
 
-def test_backends_agree_on_rmsnorm(rng):
+def test_backends_agree_on_rmsnorm(device, rng):
     """The PyTorch twin and the kernel: same algorithm; codes may differ only where the two
     float32 evaluations of y differ (reduction order), so compare y within the bound and
     codes exactly wherever the two y agree bit for bit."""
     scheme = SCHEMES["int8_token"]
     K = 1000
-    x = _rand(rng, (5, K), torch.bfloat16, "cpu")
-    w = torch.randn(K, generator=rng).to(torch.bfloat16)
+    x = _rand(rng, (5, K), torch.bfloat16, device)
+    w = torch.randn(K, generator=rng).to(torch.bfloat16).to(device)
     qt_k, _, y_k = fused.rmsnorm_quant(x, w, 1e-5, scheme, backend="triton", return_normalized=True)
     qt_t, _, y_t = fused.rmsnorm_quant(x, w, 1e-5, scheme, backend="torch", return_normalized=True)
     bound = ((K + 3) + 8) * U32 * y_t.abs()  # both within the one-sided bound of y64
@@ -179,11 +189,11 @@ def test_elements_against_numpy_and_ml_dtypes(fmt, device, rng):
             np.testing.assert_array_equal(codes, exp.view(np.uint8) & 0xF)
 
 
-def test_mx_against_torchao(rng):
+def test_mx_against_torchao(device, rng):
     """torchao's MX reference (to_mx, FLOOR scaling) as an independent oracle for MXFP8."""
     mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
     x = _rand(rng, (6, 256), torch.bfloat16, "cpu", zero_row=None)
-    qt = fused.quantize_rows(x, get_preset("mxfp8"), backend="triton")
+    qt = fused.quantize_rows(x.to(device), get_preset("mxfp8"), backend="triton").to("cpu")
     scale_e8m0, data = mx.to_mx(x, torch.float8_e4m3fn, 32)
     assert torch.equal(qt.scale_codes.reshape(-1), scale_e8m0.view(torch.uint8).reshape(-1))
     assert torch.equal(qt.codes, data.view(torch.uint8))
@@ -203,9 +213,9 @@ def test_gpu_fp8_hardware_cast_matches(device, rng):
         _assert_same_quant(qt.to("cpu"), canonical_quantize(y.cpu(), scheme))
 
 
-def test_clear_errors(rng):
-    x = torch.randn(2, 96, generator=rng)
-    w = torch.ones(96)
+def test_clear_errors(device, rng):
+    x = torch.randn(2, 96, generator=rng).to(device)
+    w = torch.ones(96).to(device)
     with pytest.raises(ValueError, match="not a multiple of the group width"):
         fused.quantize_rows(x, QuantScheme("fp8_e4m3fn", "group", group_size=64), backend="triton")
     with pytest.raises(NotImplementedError, match="power of two"):
@@ -215,11 +225,11 @@ def test_clear_errors(rng):
     with pytest.raises(NotImplementedError, match="whole-tensor"):
         fused.quantize_rows(x, get_preset("fp8_tensor"), backend="triton")
     with pytest.raises(ValueError, match="exceeds the fused kernel"):
-        fused.quantize_rows(torch.randn(1, 40000, generator=rng), get_preset("int8_token"), backend="triton")
+        fused.quantize_rows(torch.randn(1, 40000, generator=rng).to(device), get_preset("int8_token"), backend="triton")
     with pytest.raises(ValueError, match="weight must be a tensor of shape"):
         fused.rmsnorm_quant(x, torch.ones(95), 1e-6, get_preset("int8_token"), backend="triton")
     with pytest.raises(ValueError, match="must be even"):
-        fused.silu_mul_quant(torch.randn(2, 7, generator=rng), get_preset("int8_token"), backend="triton")
+        fused.silu_mul_quant(torch.randn(2, 7, generator=rng).to(device), get_preset("int8_token"), backend="triton")
     with pytest.raises(TypeError, match="dtype"):
         fused.quantize_rows(x.to(torch.int32), get_preset("int8_token"), backend="triton")
     bad = x.clone()

@@ -15,6 +15,16 @@ from lowbit.quantize import quantize
 from lowbit.scheme import QuantScheme, get_preset
 
 U32 = 2.0 ** -24
+
+
+@pytest.fixture(params=["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+def device(request):
+    """Where the Triton kernel runs (overrides conftest's): the CPU through the interpreter
+    (CI), or CUDA. On a CUDA machine the interpreter is off, so the CPU case is left to CI."""
+    if request.param == "cpu" and torch.cuda.is_available():
+        pytest.skip("the CPU (interpreter) variant runs in CI, where there is no CUDA")
+    return request.param
+
 SCHEMES = {
     "int4_g128": get_preset("int4_g128"),
     "int4_g128_asym": get_preset("int4_g128_asym"),
@@ -142,5 +152,6 @@ def test_torch_backend_and_errors(rng):
     w_fp4 = prepare_w4(quantize(torch.randn(N, K, generator=rng), SCHEMES["mxfp4"]))
     with pytest.raises(TypeError, match="bfloat16 activations"):
         w4a16_linear(torch.randn(2, K).to(torch.float16), w_fp4)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel's device (interpreter on CPU)
     with pytest.raises(ValueError, match="does not divide K"):
-        w4a16_linear(x, w4, backend="triton", config={"split": 3})
+        w4a16_linear(x.to(dev), prepare_w4(wq.to(dev)), backend="triton", config={"split": 3})
