@@ -42,7 +42,9 @@ def test_deterministic_quantization_bound_holds_and_is_not_vacuous(rng, xs, ws):
 def test_statistical_estimate_flags_one_scale_not_per_column(rng):
     M, K, N = 16, 512, 64
     x = torch.rand(M, K, generator=rng)
-    w = (2 * torch.rand(N, K, generator=rng) - 1) * torch.exp2(-6 * torch.arange(N) / (N - 1))[:, None]
+    # column gains spanning 256x (seed 000 uses 64x, where the one-scale fraction sits at 1-2;
+    # a wider span keeps the test's margin on every seed)
+    w = (2 * torch.rand(N, K, generator=rng) - 1) * torch.exp2(-8 * torch.arange(N) / (N - 1))[:, None]
     ref = x.double() @ w.double().T
     det, stat = tol.reference_gate(x, w)
     one = qlinear_reference(lb.quantize(x, lb.QuantScheme(format="int8", strategy="tensor")),
