@@ -194,7 +194,7 @@ def _launch(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> torch.
         M, N, K, K // split, x2.stride(0), w.packed.stride(0), per_group.stride(0), out.stride(0),
         WFMT=wfmt, HAS_Z=w.zero_point is not None, HAS_BIAS=bias is not None and not atomic,
         G=w.group_size, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, ATOMIC=atomic,
-        INTERP=interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        HALF=(w.group_size if w.kind in ("int4", "uint4") else bk) // 2, INTERP=interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if atomic:
         if bias is not None:
             out = out + bias.float()

@@ -67,12 +67,12 @@ def _w4a16_kernel(
     X, W, S, Z, SC, GS, BIAS, OUT, M, N, K, K_SPLIT, s_xm, s_wn, s_sn, s_om,
     WFMT: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr,
-    INTERP: tl.constexpr,
+    HALF: tl.constexpr, INTERP: tl.constexpr,
 ):
     """Grid (cdiv(N, BLOCK_N), split, cdiv(M, BLOCK_M)). K_SPLIT (a multiple of BLOCK_K) is
     the K range of one program. X [M, K]; W [N, K/2] uint8; S fp32 [N, K/G] (int4);
     Z int8 [N, K/G]; SC uint8 [N, K/G] scale codes (fp4); GS fp32 [1] (NVFP4); OUT [M, N]
-    (float32 when ATOMIC)."""
+    (float32 when ATOMIC). HALF = G // 2 (int4: one group per dot) or BLOCK_K // 2 (fp4)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -81,7 +81,6 @@ def _w4a16_kernel(
     m_ok = offs_m < M
     n_ok = offs_n < N
     n64 = offs_n.to(tl.int64)
-    HALF: tl.constexpr = G // 2 if WFMT <= 1 else BLOCK_K // 2
     j = tl.arange(0, HALF)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = pid_k * K_SPLIT
