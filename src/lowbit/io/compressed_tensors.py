@@ -76,8 +76,24 @@ def build_quantization_config(layers: dict[str, tuple[QuantScheme, QuantScheme |
     }
 
 
+def sidecar_record(qt: QTensor, act: QuantScheme | None, fmt: str) -> dict:
+    """lowbit.json's entry for one layer: exact schemes and NVFP4's exact tensor scale."""
+    g = qt.global_scale
+    return {"weight": qt.scheme.to_dict(), "act": None if act is None else act.to_dict(), "format": fmt,
+            "global_scale": None if g is None else float(g).hex()}
+
+
+def write_metadata(directory: Path, cfg: dict, recipe_name, layers: dict) -> None:
+    """config.json (with quantization_config already in cfg) and lowbit.json."""
+    with open(Path(directory) / "config.json", "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+    with open(Path(directory) / SIDECAR, "w") as f:
+        json.dump({"format_version": SIDECAR_VERSION, "recipe": recipe_name, "layers": layers},
+                  f, indent=1, sort_keys=True)
+
+
 # ---------------------------------------------------------------- atomic directory
-def _atomic_dir(out_dir: Path, overwrite: bool, write) -> Path:
+def atomic_dir(out_dir: Path, overwrite: bool, write) -> Path:
     out_dir = Path(out_dir)
     if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())) and not overwrite:
         raise FileExistsError(f"out_dir {out_dir} exists and is not empty; choose a new directory "
@@ -99,7 +115,7 @@ def _atomic_dir(out_dir: Path, overwrite: bool, write) -> Path:
     return out_dir
 
 
-def _config_dict(config) -> dict:
+def config_dict(config) -> dict:
     if config is None:
         return {}
     if isinstance(config, dict):
@@ -144,7 +160,7 @@ def save_compressed(model: torch.nn.Module, out_dir: str | os.PathLike, recipe=N
         if config is None:
             raise ValueError(f"{type(model).__name__} has no .config: pass config=... (a transformers "
                              "PretrainedConfig or dict; {} writes only the quantization config)")
-    cfg = _config_dict(config)
+    cfg = config_dict(config)
     if cfg and not cfg.get("architectures") and hasattr(model, "config"):
         cfg["architectures"] = [type(model).__name__]  # what save_pretrained records
     recipe_name = getattr(recipe, "name", recipe)
@@ -162,11 +178,7 @@ def save_compressed(model: torch.nn.Module, out_dir: str | os.PathLike, recipe=N
                 raise ValueError(f"{name}: static activation scheme without act_static_scale")
         ct_tensors[name] = L.qtensor_to_ct(m.weight_q, fmt)
         layer_schemes[name] = (m.weight_scheme, m.act_scheme)
-        g = m.weight_q.global_scale
-        sidecar_layers[name] = {"weight": m.weight_scheme.to_dict(),
-                                "act": None if m.act_scheme is None else m.act_scheme.to_dict(),
-                                "format": fmt,
-                                "global_scale": None if g is None else float(g).hex()}
+        sidecar_layers[name] = sidecar_record(m.weight_q, m.act_scheme, fmt)
     unquantized = [n for n, m in model.named_modules()
                    if isinstance(m, torch.nn.Linear) and not isinstance(m, QuantLinear)]
     qconfig = build_quantization_config(layer_schemes, unquantized)
@@ -194,15 +206,11 @@ def save_compressed(model: torch.nn.Module, out_dir: str | os.PathLike, recipe=N
                 seen.add(id(t))
                 writer.add(prefix + k, t.detach())
         writer.finish()
-        with open(tmp / "config.json", "w") as f:
-            json.dump(cfg, f, indent=2, sort_keys=True)
-        with open(tmp / SIDECAR, "w") as f:
-            json.dump({"format_version": SIDECAR_VERSION, "recipe": recipe_name, "layers": sidecar_layers},
-                      f, indent=1, sort_keys=True)
+        write_metadata(tmp, cfg, recipe_name, sidecar_layers)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
 
-    return _atomic_dir(Path(out_dir), overwrite, write)
+    return atomic_dir(Path(out_dir), overwrite, write)
 
 
 # ---------------------------------------------------------------- load

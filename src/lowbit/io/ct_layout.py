@@ -139,17 +139,18 @@ def pack_int32(codes: torch.Tensor, bits: int, dim: int = 1) -> torch.Tensor:
         raise UnsupportedScheme(f"packing {bits}-bit codes into int32 is implemented for 2, 4 and 8 bits")
     if codes.ndim != 2:
         raise ValueError(f"codes must be 2-D, got shape {tuple(codes.shape)}")
-    v = codes.to(torch.int64) + (1 << (bits - 1))
-    if dim == 0:
-        v = v.t()
+    src = codes.t() if dim == 0 else codes
     per = 32 // bits
-    rows, cols = v.shape
-    pad = -cols % per
-    v = torch.nn.functional.pad(v, (0, pad)).reshape(rows, -1, per)
+    rows, cols = src.shape
     shifts = torch.arange(per, dtype=torch.int64) * bits
-    words = (v << shifts).sum(-1)  # < 2^32, exact in int64
-    words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
-    return (words.t() if dim == 0 else words).contiguous()
+    out = torch.empty(rows, -(-cols // per), dtype=torch.int32)
+    step = max(1, (1 << 20) // max(cols, 1))  # int64 temporaries of ~8 MiB at most, whatever the size
+    for r0 in range(0, rows, step):
+        v = src[r0:r0 + step].to(torch.int64) + (1 << (bits - 1))
+        v = torch.nn.functional.pad(v, (0, -cols % per)).reshape(v.shape[0], -1, per)
+        words = (v << shifts).sum(-1)  # < 2^32, exact in int64
+        out[r0:r0 + step] = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    return (out.t() if dim == 0 else out).contiguous()
 
 
 def unpack_int32(words: torch.Tensor, bits: int, n: int, dim: int = 1) -> torch.Tensor:

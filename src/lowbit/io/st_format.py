@@ -32,7 +32,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 TAGS: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 MAX_HEADER_BYTES = 100_000_000  # the library's own limit; a larger value means a corrupt file
-_COPY_CHUNK = 16 << 20
+_COPY_CHUNK = 1 << 20
 
 if sys.byteorder != "little":  # pragma: no cover - every supported machine is little-endian
     raise ImportError("lowbit.io.st_format writes raw tensor bytes and needs a little-endian host")
@@ -160,7 +160,7 @@ class ShardedWriter:
     it is closed first. ``finish()`` names the shards ``model.safetensors`` (one) or
     ``model-0000i-of-0000n.safetensors`` and writes ``model.safetensors.index.json``
     (Hugging Face's layout); it returns the list of file names. Memory use is one
-    tensor plus a copy buffer of 16 MiB.
+    tensor plus a copy buffer of 1 MiB.
     """
 
     def __init__(self, directory: str | os.PathLike, max_shard_bytes: int = 5 << 30,
