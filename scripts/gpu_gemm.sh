@@ -26,12 +26,11 @@ from lowbit.bench.gemm import sweep
 c = lambda bm, bn, bk, w, s, **kw: dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=w, num_stages=s, **kw)
 T = dict(TMA=True)
 TP = dict(TMA=True, PERSISTENT=True)
-big = {"int8": [c(128, 256, 128, 8, 3), c(128, 256, 128, 8, 3, **T), c(128, 256, 128, 8, 3, **TP),
-                c(128, 256, 128, 8, 4, **T)],
-       "fp8_row": [c(256, 128, 128, 8, 3, **T), c(256, 128, 128, 8, 3, **TP),
-                   c(128, 256, 128, 8, 3, PRECISE=False, **T)],
-       "fp8_block": [c(128, 128, 128, 8, 3, **T), c(256, 128, 128, 8, 3, **T)],
-       "mxfp8": [c(128, 128, 128, 8, 3), c(128, 128, 128, 8, 3, **T), c(128, 128, 64, 8, 4, **T)]}
+big = {"int8": [c(128, 256, 128, 8, 4, **T), c(128, 256, 128, 8, 4, **TP)],
+       "fp8_row": [c(256, 128, 128, 8, 3, **T), c(256, 128, 128, 8, 4, **T), c(128, 256, 128, 8, 4, **T),
+                   c(256, 128, 256, 8, 2, **T)],
+       "fp8_block": [c(128, 128, 128, 8, 3, **T), c(128, 128, 128, 8, 4, **T), c(128, 256, 128, 8, 3, **T)],
+       "mxfp8": [c(128, 128, 128, 8, 3, **T), c(128, 256, 64, 8, 3, **T), c(128, 128, 64, 4, 4, **T)]}
 rows = sweep(big, shapes=((8192, 8192, 8192),))
 json.dump(rows, open(os.path.join(os.environ.get("OUT", "."), "sweep.json"), "w"), indent=1)
 PY

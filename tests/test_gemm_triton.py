@@ -191,10 +191,17 @@ def test_mxfp8_e8m0_per_32(rng, codes, tma):
     a, b = _fp8(rng, M, K), _fp8(rng, N, K)
     ea = torch.randint(110, 140, (M, K // 32), generator=rng, dtype=torch.uint8)
     eb = torch.randint(110, 140, (N, K // 32), generator=rng, dtype=torch.uint8)
-    # Extreme codes: 2**-127 (an fp32 subnormal) and 2**127, the latter paired with 2**-126 so
-    # that the product of the two scales (what the kernel applies) stays in fp32's range.
-    ea[0, 0] = 0
-    ea[:, -1], eb[-1, -1] = 1, 254
+    if codes:
+        # e8m0 codes: the kernel scales each operand to bf16, exact for codes in [10, 245] (see
+        # mxfp8_gemm); test both ends, 2**-117 on fp8 subnormals and 2**118 on values up to 448,
+        # paired so that the output stays in fp32's range.
+        ea[0, 0] = 10
+        ea[:, -1], eb[-1, -1] = 10, 245
+    else:
+        # fp32 scales: the per-32 partial-product kernel applies sa * sb, exact over all codes:
+        # 2**-127 (an fp32 subnormal) and 2**127 paired with 2**-126.
+        ea[0, 0] = 0
+        ea[:, -1], eb[-1, -1] = 1, 254
     sa, sb = torch.exp2(ea.double() - 127), torch.exp2(eb.double() - 127)
     cfg = dict(TMA_PERSISTENT if tma else SMALL, BLOCK_K=64)
     args = (ea, eb) if codes else (sa.float(), sb.float())

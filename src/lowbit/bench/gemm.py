@@ -7,7 +7,9 @@ Shapes are LLM linear layers: M (tokens) in 1, 16, 128, 2048, 8192 against (N, K
   int_mm+epi   the same plus the scale epilogue in eager PyTorch
   scaled_row   torch._scaled_mm fp8, per-token x per-channel scales (use_fast_accum=False)
   scaled_ten   torch._scaled_mm fp8, tensor-wise scales
-  lowbit_int8, lowbit_fp8_row, lowbit_fp8_tensor, lowbit_fp8_block, lowbit_mxfp8
+  scaled_row_fast  the row-wise one with use_fast_accum=True (no fp32 promotion in the MMA)
+  lowbit_int8, lowbit_fp8_row, lowbit_fp8_tensor, lowbit_fp8_block, lowbit_mxfp8, and
+  lowbit_fp8_row_fast (precise=False, compared with scaled_row_fast only)
 and reports TFLOP/s, the fraction of the dense 8-bit peak (1979) and the ratio to each
 baseline (baseline ms / kernel ms: > 1 means lowbit is faster). Operands rotate through enough
 input sets to defeat the 60 MiB L2; M <= 128 runs inside CUDA graphs so launch overhead does
@@ -65,10 +67,11 @@ def kernels():
         acc = torch._int_mm(s["a8"], s["b8"].t())
         return (acc.float() * s["sa"][:, None] * s["sb"][None, :]).to(torch.bfloat16)
 
-    def scaled(s, row: bool):
+    def scaled(s, row: bool, fast: bool = False):
         sa = s["sa"][:, None] if row else s["sa1"][0]
         sb = s["sb"][None, :] if row else s["sb1"][0]
-        return torch._scaled_mm(s["af"], s["bf"].t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+        return torch._scaled_mm(s["af"], s["bf"].t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+                                use_fast_accum=fast)
 
     return {
         "bf16": (lambda s: torch.mm(s["x"], s["w"].t()), "bf16"),
@@ -76,9 +79,11 @@ def kernels():
         "int_mm+epi": (int_mm_epi, "base8"),
         "scaled_row": (lambda s: scaled(s, True), "base8"),
         "scaled_ten": (lambda s: scaled(s, False), "base8"),
+        "scaled_row_fast": (lambda s: scaled(s, True, fast=True), "base8"),
         "lowbit_int8": (lambda s: int8_gemm(s["a8"], s["b8"], s["sa"], s["sb"]), "int8"),
         "lowbit_fp8_row": (lambda s: fp8_gemm(s["af"], s["bf"], s["sa"], s["sb"]), "fp8"),
         "lowbit_fp8_tensor": (lambda s: fp8_gemm(s["af"], s["bf"], s["sa1"], s["sb1"]), "fp8"),
+        "lowbit_fp8_row_fast": (lambda s: fp8_gemm(s["af"], s["bf"], s["sa"], s["sb"], precise=False), "fp8"),
         "lowbit_fp8_block": (lambda s: fp8_block_gemm(s["af"], s["bf"], s["sa_blk"], s["sb_blk"]), "fp8"),
         "lowbit_mxfp8": (lambda s: mxfp8_gemm(s["af"], s["bf"], s["ea"], s["eb"]), "fp8"),
     }
@@ -86,9 +91,11 @@ def kernels():
 
 # lowbit kernel -> the baseline whose output it must reproduce (for the `check` column)
 _CHECK_AGAINST = {"lowbit_int8": "int_mm+epi", "lowbit_fp8_row": "scaled_row",
-                  "lowbit_fp8_tensor": "scaled_ten"}
+                  "lowbit_fp8_tensor": "scaled_ten", "lowbit_fp8_row_fast": "scaled_row_fast"}
 _RATIOS = {"int8": ("bf16", "int_mm", "int_mm+epi"),
            "fp8": ("bf16", "scaled_row", "scaled_ten")}
+# fast accumulation (no fp32 promotion inside the fp8 MMA) compares with its cuBLAS twin
+_RATIOS_BY_NAME = {"lowbit_fp8_row_fast": ("bf16", "scaled_row_fast")}
 
 
 def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -149,7 +156,7 @@ def run_shape(M: int, N: int, K: int, only: str | None = None, log=print) -> lis
         peak = PEAK_BF16 if family == "bf16" else PEAK_8BIT
         wbytes = N * K * (2 if family == "bf16" else 1)
         row.update(ms=ms, tflops=tflops, frac_peak=tflops / peak, weight_TBps=wbytes / (ms * 1e-3) / 1e12)
-        for base in _RATIOS.get(family, ()):
+        for base in _RATIOS_BY_NAME.get(name, _RATIOS.get(family, ())):
             if base in ms_of:
                 row[f"vs_{base}"] = ms_of[base] / ms
         rows.append(row)

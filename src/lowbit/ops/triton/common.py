@@ -137,10 +137,11 @@ def pick_config(M: int, N: int, K: int, *, block_k_multiple: int = 1, kind: str 
     choices come from the sweep in scripts/gpu_gemm.sh (docs/benchmarks.md has the numbers):
     - M <= 64: decode-like, bound by reading the weights; BLOCK_M just covers M and BLOCK_N is
       lowered until there are about as many programs as SMs (132) so every SM streams weights.
+    - M <= 128: one 128-row tile, BLOCK_N 128/64/32 so that >= 120 programs stream the weights once.
     - M < 2048: 64-row tiles, BLOCK_N 128 or 64 for the same occupancy reason.
     - M >= 2048: 128x256 (int8) / 256x128 (fp8) / 128x128 (block-scaled) tiles, 8 warps,
       3 stages, operands through TMA descriptors, GROUP_M swizzle for L2 reuse.
-    kind: "int8", "fp8", "block128" or "block32" (MX). In the interpreter, small tiles keep
+    kind: "int8", "fp8", "block128", "block32" / "block64" (fp32 group scales) or "mx". In the interpreter, small tiles keep
     the tests fast and exercise the masking.
     """
     if interpreting():
@@ -154,15 +155,22 @@ def pick_config(M: int, N: int, K: int, *, block_k_multiple: int = 1, kind: str 
             bn = 32
         bk = max(256, block_k_multiple)
         return _cfg(bm, bn, bk, 4, 4)
+    if M <= 128:
+        # One 128-row tile covers M, so the weights are streamed once; BLOCK_N is lowered until
+        # about 120+ programs share the stream (a 64-row tile would read the weights twice).
+        bn = next((b for b in (128, 64) if triton.cdiv(N, b) >= 120), 32)
+        cfg = _cfg(128, bn, max(128, block_k_multiple), 4, 4)
+        cfg["TMA"] = True
+        return cfg
     if M < 2048:
         bn = 128 if triton.cdiv(M, 64) * triton.cdiv(N, 128) >= sms else 64
         return _cfg(64, bn, max(128, block_k_multiple), 4, 4)
     if kind == "fp8":
         cfg = _cfg(256, 128, 128, 8, 3)
-    elif kind.startswith("block"):
+    elif kind.startswith("block") or kind == "mx":
         cfg = _cfg(128, 128, 128, 8, 3)
     else:
-        cfg = _cfg(128, 256, 128, 8, 3)
+        cfg = _cfg(128, 256, 128, 8, 4)
     cfg["TMA"] = True
     return cfg
 
@@ -210,11 +218,13 @@ def descriptor(t: torch.Tensor, rows: int, cols: int):
 @triton.jit
 def mainloop(a_ptr, b_ptr, off_m, off_n, M, N, K, stride_am, stride_bn,
              ACC_INT: tl.constexpr, PRECISE: tl.constexpr, USE_TMA: tl.constexpr, EVEN_K: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             PROMOTE_K: tl.constexpr = 128):
     """acc[BLOCK_M, BLOCK_N] = A[off_m:, :] @ B[off_n:, :].T for K-major 8-bit A [M, K], B [N, K].
 
     ACC_INT: int32 accumulation (int8 operands), else fp32 (fp8). PRECISE (fp8 on sm_90):
-    promote the tensor cores' partial sum into the fp32 accumulator every BLOCK_K products.
+    promote the tensor cores' partial sum into the fp32 accumulator every PROMOTE_K products
+    (min(BLOCK_K, 128): the host passes it).
     USE_TMA: a_ptr / b_ptr are TensorDescriptors (bulk tensor copies; out-of-range rows and K
     are zero-filled by the copy engine), else plain pointers with masks on K.
     """
@@ -229,7 +239,7 @@ def mainloop(a_ptr, b_ptr, off_m, off_n, M, N, K, stride_am, stride_bn,
             if ACC_INT:
                 acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
             elif PRECISE:
-                acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BLOCK_K)
+                acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=PROMOTE_K)
             else:
                 acc = tl.dot(a, b.T, acc)
     else:
@@ -257,7 +267,7 @@ def mainloop(a_ptr, b_ptr, off_m, off_n, M, N, K, stride_am, stride_bn,
             if ACC_INT:
                 acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
             elif PRECISE:
-                acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
+                acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=PROMOTE_K)
             else:
                 acc = tl.dot(a, tl.trans(b), acc)
             a_ptrs += BLOCK_K

@@ -8,10 +8,11 @@ accumulator:
 Two layouts use it:
 - DeepSeek-V3 style: activations with 1x128 blocks (sa: fp32 [M, K/128]) and weights with
   128x128 blocks (sb: fp32 [ceil(N/128), K/128]); G = 128, R = 128.
-- MXFP8: e8m0 scales per 32 values on both operands (sa: [M, K/32], sb: [N, K/32], uint8
-  e8m0 codes or their fp32 values); G = 32, R = 1. Hopper has no MX datapath, so this is an
-  emulation: the tensor cores see plain e4m3 operands, the scales are applied on the CUDA
-  cores once per 32-wide K step (what `lowbit doctor` reports as "emulated").
+- per-32 groups with fp32 scales (G = 32, R = 1) take the same kernel.
+MXFP8 with e8m0 codes (mxfp8_gemm) uses a second kernel: Hopper has no MX datapath, and
+rescaling a partial product every 32 values serialises the tensor cores (measured: 26-118
+TFLOP/s at 8192^3), so each fp8 tile is multiplied by its power-of-two scales and fed to the
+bf16 tensor cores instead -- exact, see mxfp8_gemm (what `lowbit doctor` reports as "emulated").
 The rescaling also bounds the fp8 MMA's reduced-precision accumulation to one group.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (cast_out, check_out_dtype, decode_e8m0, descriptor, launch_grid, pick_config,
+from .common import (cast_out, check_out_dtype, decode_e8m0, descriptor, interpreting, launch_grid, pick_config,
                      split_launch_options, swizzled_tile)
 from .gemm_fp8 import as_fp8, check_bias
 
@@ -108,6 +109,91 @@ def _blockscaled_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr,
                           G, R, E8M0, HAS_BIAS, USE_TMA, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
+@triton.jit
+def _scaled_bf16(x, e, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp8 tile [ROWS, BLOCK_K] times its e8m0 scales [ROWS, BLOCK_K // 32] -> bf16, exactly:
+    an e4m3 value (4 significant bits) times a power of two fits bf16's 8 bits unless the
+    product leaves the normal range (see mxfp8_gemm)."""
+    s = decode_e8m0(e)
+    x3 = tl.reshape(x.to(tl.float32), (ROWS, BLOCK_K // 32, 32)) * s[:, :, None]
+    return tl.reshape(x3, (ROWS, BLOCK_K)).to(tl.bfloat16)
+
+
+@triton.jit
+def _bf16_dot(a, b, acc, INTERP: tl.constexpr):
+    """acc + a @ b.T for bf16 tiles. Triton 3.6's interpreter multiplies bf16 tiles as their raw
+    uint16 bit patterns, so there the (bf16-exact) values go through an fp32 matmul instead."""
+    if INTERP:
+        return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc)
+    return tl.dot(a, tl.trans(b), acc)
+
+
+@triton.jit
+def _mx_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m, pid_n,
+             M, N, K, stride_am, stride_bn, stride_cm, stride_sam, stride_sbn,
+             HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, EVEN_K: tl.constexpr, INTERP: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    NG: tl.constexpr = BLOCK_K // 32
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_g = tl.arange(0, NG)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    rows_a = tl.where(m_ok, offs_m, 0)
+    rows_b = tl.where(n_ok, offs_n, 0)
+    a_ptrs = a_ptr
+    b_ptrs = b_ptr
+    if not USE_TMA:
+        a_ptrs = a_ptr + rows_a[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+        b_ptrs = b_ptr + rows_b[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
+    sa_ptrs = sa_ptr + rows_a[:, None].to(tl.int64) * stride_sam + offs_g[None, :]
+    sb_ptrs = sb_ptr + rows_b[:, None].to(tl.int64) * stride_sbn + offs_g[None, :]
+    groups = K // 32
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if USE_TMA:
+            a = a_ptrs.load([pid_m * BLOCK_M, k0])
+            b = b_ptrs.load([pid_n * BLOCK_N, k0])
+        elif EVEN_K:
+            a = tl.load(a_ptrs + k0)
+            b = tl.load(b_ptrs + k0)
+        else:
+            k_ok = offs_k[None, :] < K - k0
+            a = tl.load(a_ptrs + k0, mask=k_ok, other=0.0)
+            b = tl.load(b_ptrs + k0, mask=k_ok, other=0.0)
+        g_ok = offs_g[None, :] < groups - k0 // 32
+        ea = tl.load(sa_ptrs + k0 // 32, mask=g_ok, other=127)
+        eb = tl.load(sb_ptrs + k0 // 32, mask=g_ok, other=127)
+        acc = _bf16_dot(_scaled_bf16(a, ea, BLOCK_M, BLOCK_K), _scaled_bf16(b, eb, BLOCK_N, BLOCK_K), acc, INTERP)
+
+    y = acc
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, cast_out(y, c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _mx_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr,
+               M, N, K, stride_am, stride_bn, stride_cm, stride_sam, stride_sbn,
+               HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
+               NUM_SMS: tl.constexpr, INTERP: tl.constexpr):
+    if PERSISTENT:
+        num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
+            pid_m, pid_n = swizzled_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            _mx_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m, pid_n, M, N, K, stride_am,
+                     stride_bn, stride_cm, stride_sam, stride_sbn, HAS_BIAS, USE_TMA, EVEN_K, INTERP,
+                     BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        pid_m, pid_n = swizzled_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        _mx_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m, pid_n, M, N, K, stride_am,
+                 stride_bn, stride_cm, stride_sam, stride_sbn, HAS_BIAS, USE_TMA, EVEN_K, INTERP,
+                 BLOCK_M, BLOCK_N, BLOCK_K)
+
+
 def _check_scales(name: str, s: torch.Tensor, rows: int, groups: int, what: str) -> torch.Tensor:
     if not isinstance(s, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor")
@@ -175,6 +261,49 @@ def fp8_block_gemm(a, b, a_scale, b_scale, *, bias=None, out_dtype=torch.bfloat1
 
 
 def mxfp8_gemm(a, b, a_scale, b_scale, *, bias=None, out_dtype=torch.bfloat16, config=None):
-    """MXFP8: e8m0 scales per 32 values on both operands (uint8 codes or fp32 powers of two)."""
-    return blockscaled_gemm(a, b, a_scale, b_scale, group=32, weight_block_rows=1, bias=bias,
-                            out_dtype=out_dtype, config=config)
+    """MXFP8: fp8 e4m3fn [M, K] x [N, K] with e8m0 scales per 32 values on both operands.
+
+    a_scale: uint8 e8m0 codes [M, K/32]; b_scale: [N, K/32]. Hopper has no MX datapath. The
+    kernel multiplies each fp8 tile by its power-of-two scales in fp32 and feeds the products
+    as bf16 to the bf16 tensor cores (fp32 accumulation). This is exact while every scaled
+    element is zero or a normal bf16 number: codes >= 10 on elements >= 2**-9 (e4m3's smallest
+    subnormal) and scaled magnitudes < 2**128, which holds for every code lowbit.quantize makes
+    from finite float32 data with group amax >= 2**-108. fp32 scales (any values) go through
+    blockscaled_gemm(group=32), which rescales fp8 partial products per 32-wide K step instead.
+    """
+    if not isinstance(a_scale, torch.Tensor) or a_scale.dtype != torch.uint8 or \
+            not isinstance(b_scale, torch.Tensor) or b_scale.dtype != torch.uint8:
+        return blockscaled_gemm(a, b, a_scale, b_scale, group=32, weight_block_rows=1, bias=bias,
+                                out_dtype=out_dtype, config=config)
+    a = as_fp8("a", a)
+    b = as_fp8("b", b)
+    M, K = a.shape
+    N, Kb = b.shape
+    if Kb != K:
+        raise ValueError(f"a is [M, K] = {tuple(a.shape)} but b is [N, K] = {tuple(b.shape)}: "
+                         "K must match (weights are stored [N, K], K-major)")
+    if a.device != b.device:
+        raise ValueError(f"a is on {a.device} but b is on {b.device}")
+    if K == 0 or K % 32:
+        raise ValueError(f"K={K} is not a multiple of the MX block size 32: pad K with zeros to "
+                         f"{-(-K // 32) * 32} (zero codes add nothing) before quantizing")
+    check_out_dtype(out_dtype)
+    sa = _check_scales("a_scale", a_scale, M, K // 32, "(M, K/32)")
+    sb = _check_scales("b_scale", b_scale, N, K // 32, "(N, K/32)")
+    bias = check_bias(bias, N)
+    c = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    if M == 0 or N == 0:
+        return c
+    cfg = dict(config) if config else pick_config(M, N, K, block_k_multiple=32, kind="mx")
+    if cfg["BLOCK_K"] % 32:
+        raise ValueError(f"config BLOCK_K={cfg['BLOCK_K']} must be a multiple of 32")
+    grid = launch_grid(M, N, cfg)
+    opts, tma = split_launch_options(cfg, K, 1, (a, b))
+    if tma:
+        a_arg, b_arg = descriptor(a, cfg["BLOCK_M"], cfg["BLOCK_K"]), descriptor(b, cfg["BLOCK_N"], cfg["BLOCK_K"])
+    else:
+        a_arg, b_arg = a, b
+    _mx_kernel[grid](a_arg, b_arg, c, sa, sb, bias if bias is not None else c,
+                     M, N, K, a.stride(0), b.stride(0), c.stride(0), sa.stride(0), sb.stride(0),
+                     HAS_BIAS=bias is not None, EVEN_K=K % cfg["BLOCK_K"] == 0, INTERP=interpreting(), **opts)
+    return c

@@ -7,8 +7,9 @@ activations, per-tensor weights) works the same way.
 
 Accumulation: on sm_90 Triton by default lets the fp8 tensor-core MMA accumulate with reduced
 precision for the whole K loop. `precise=True` (the default) promotes the partial sum into the
-fp32 accumulator after every BLOCK_K products (`max_num_imprecise_acc=BLOCK_K`), which is what
-cuBLAS does for `torch._scaled_mm(..., use_fast_accum=False)`; benchmarks compare like with like.
+fp32 accumulator after every min(BLOCK_K, 128) products (`max_num_imprecise_acc`), the interval
+DeepSeek-V3 uses and the counterpart of cuBLAS's `torch._scaled_mm(..., use_fast_accum=False)`;
+benchmarks compare like with like (precise=False against use_fast_accum=True).
 """
 from __future__ import annotations
 
@@ -44,19 +45,19 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr,
                      HAS_BIAS: tl.constexpr, PRECISE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
-                     PERSISTENT: tl.constexpr, NUM_SMS: tl.constexpr):
+                     PERSISTENT: tl.constexpr, NUM_SMS: tl.constexpr, PROMOTE_K: tl.constexpr):
     if PERSISTENT:
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
             pid_m, pid_n = swizzled_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             acc = mainloop(a_ptr, b_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_am, stride_bn,
-                           False, PRECISE, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+                           False, PRECISE, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PROMOTE_K)
             _fp8_epilogue(acc, pid_m, pid_n, M, N, c_ptr, stride_cm, sa_ptr, sb_ptr, bias_ptr, stride_sa,
                           stride_sb, HAS_BIAS, BLOCK_M, BLOCK_N)
     else:
         pid_m, pid_n = swizzled_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = mainloop(a_ptr, b_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_am, stride_bn,
-                       False, PRECISE, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+                       False, PRECISE, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PROMOTE_K)
         _fp8_epilogue(acc, pid_m, pid_n, M, N, c_ptr, stride_cm, sa_ptr, sb_ptr, bias_ptr, stride_sa,
                       stride_sb, HAS_BIAS, BLOCK_M, BLOCK_N)
 
@@ -114,5 +115,6 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
     _fp8_gemm_kernel[grid](
         a_arg, b_arg, c, sa, sb, bias if bias is not None else c,
         M, N, K, a.stride(0), b.stride(0), c.stride(0), sa.stride(0), sb.stride(0),
-        HAS_BIAS=bias is not None, PRECISE=precise, EVEN_K=K % cfg["BLOCK_K"] == 0, **opts)
+        HAS_BIAS=bias is not None, PRECISE=precise, EVEN_K=K % cfg["BLOCK_K"] == 0,
+        PROMOTE_K=min(cfg["BLOCK_K"], 128), **opts)
     return c
