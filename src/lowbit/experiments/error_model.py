@@ -1,11 +1,12 @@
 """`lowbit experiment error-model`: seed 002 §2.5.
 
-B: does the u/sqrt(K) model hold? a, b ~ N(0, 1), each represented in the format (fp16 / bf16
-by torch's casts, e4m3 / e2m1 by lowbit's round-to-nearest-even cast without a scale, int8 by
+B: does the u/sqrt(K) model hold? a, b uniform in [-1, 1) (with N(0, 1) data int8's ratio grows
+with absmax/sigma, ~3, and stops matching the seed's 1.3), each represented in the format (fp16 / bf16
+by torch's casts, e4m3 / e2m1 by lowbit's round-to-nearest-even cast without a scale (all of [-1, 1) is in range), int8 by
 lowbit.quantize with one scale), dot product computed
 exactly in float64; relative error |dot_q - dot| / S with S = sum |a_i b_i|, median over trials,
 divided by the budget u / sqrt(K). (Seed: ~0.44-0.58 for floats, int8 1.27-1.47, e2m1 2.58.)
-C: the accumulator is its own error: the same fp16 inputs (K = 4096) accumulated in fp16, in
+C: the accumulator is its own error: the same fp16 inputs (uniform in [-1, 1)) (K = 4096) accumulated in fp16, in
 fp32, and split-K (32 segments in fp16, summed in fp32). (Seed medians: 1.24e-4, 1.24e-9, 2.06e-5.)
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ def _represent(v: torch.Tensor, fmt: str) -> torch.Tensor:
     return qt.dequantize(torch.float64)
 
 
-def experiment_b(ks=KS, trials: int = 20, seed: int = 0) -> list[dict]:
+def experiment_b(ks=KS, trials: int = 60, seed: int = 0) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     rows = []
     for fmt in FORMATS:
@@ -37,8 +38,8 @@ def experiment_b(ks=KS, trials: int = 20, seed: int = 0) -> list[dict]:
         for K in ks:
             rel = []
             for _ in range(trials):
-                a = torch.randn(K, generator=g, dtype=torch.float64)
-                b = torch.randn(K, generator=g, dtype=torch.float64)
+                a = 2 * torch.rand(K, generator=g, dtype=torch.float64) - 1
+                b = 2 * torch.rand(K, generator=g, dtype=torch.float64) - 1
                 exact = float(a @ b)
                 got = float(_represent(a, fmt) @ _represent(b, fmt))
                 rel.append(abs(got - exact) / float((a * b).abs().sum()))
@@ -50,8 +51,8 @@ def experiment_b(ks=KS, trials: int = 20, seed: int = 0) -> list[dict]:
 
 def experiment_c(K: int = 4096, trials: int = 20, segments: int = 32, seed: int = 0) -> list[dict]:
     g = torch.Generator().manual_seed(seed + 1)
-    a = torch.randn(trials, K, generator=g).half()
-    b = torch.randn(trials, K, generator=g).half()
+    a = (2 * torch.rand(trials, K, generator=g) - 1).half()
+    b = (2 * torch.rand(trials, K, generator=g) - 1).half()
     p = a.float() * b.float()                  # fp16 x fp16 products are exact in fp32 (11 + 11 bits)
     exact = (a.double() * b.double()).sum(dim=1)
     S = (a.double() * b.double()).abs().sum(dim=1)
@@ -62,7 +63,7 @@ def experiment_c(K: int = 4096, trials: int = 20, segments: int = 32, seed: int 
     L = K // segments
     for k in range(K):
         acc16 = (acc16.float() + p[:, k]).half()     # one rounding to fp16 per step
-        acc32 = acc32 + p[:, k]
+        acc32 = acc32 + p[:, k]                      # sequential; a BLAS dot (blocked) errs less
         seg16 = (seg16.float() + p[:, k]).half()
         if (k + 1) % L == 0:
             split = split + seg16.float()            # segment sums joined in fp32
