@@ -1,13 +1,14 @@
 """`lowbit experiment error-model`: seed 002 §2.5.
 
-B: does the u/sqrt(K) model hold? a, b uniform in [-1, 1) (with N(0, 1) data int8's ratio grows
-with absmax/sigma, ~3, and stops matching the seed's 1.3), each represented in the format (fp16 / bf16
-by torch's casts, e4m3 / e2m1 by lowbit's round-to-nearest-even cast without a scale (all of [-1, 1) is in range), int8 by
-lowbit.quantize with one scale), dot product computed
-exactly in float64; relative error |dot_q - dot| / S with S = sum |a_i b_i|, median over trials,
-divided by the budget u / sqrt(K). (Seed: ~0.44-0.58 for floats, int8 1.27-1.47, e2m1 2.58.)
-C: the accumulator is its own error: the same fp16 inputs (uniform in [-1, 1)) (K = 4096) accumulated in fp16, in
-fp32, and split-K (32 segments in fp16, summed in fp32). (Seed medians: 1.24e-4, 1.24e-9, 2.06e-5.)
+B: does the u/sqrt(K) model hold? a, b uniform in [-1, 1), each represented in the format
+(fp16 / bf16 by torch's casts; e4m3 / e2m1 by lowbit's round-to-nearest-even cast without a
+scale, [-1, 1) being in range; int8 by lowbit.quantize with one scale), the dot product computed
+exactly in float64; relative error |dot_q - dot| / S with S = sum |a_i b_i|, median over
+trials, divided by the budget u / sqrt(K). Seed: ~0.44-0.58 for floats, int8 1.27-1.47,
+e2m1 2.58. (With N(0, 1) data int8's ratio grows with absmax / sigma to ~3.)
+C: the accumulator is its own error: the same fp16 inputs (uniform in [-1, 1), K = 4096)
+accumulated in fp16, in fp32, and split-K (32 segments in fp16, summed in fp32).
+Seed medians: 1.24e-4, 1.24e-9, 2.06e-5.
 """
 from __future__ import annotations
 
