@@ -341,3 +341,38 @@ def test_failed_save_leaves_nothing(rng, tmp_path):
     (tmp_path / "full" / "f").write_text("x")
     with pytest.raises(FileExistsError, match="overwrite"):
         save_compressed(quantized_llama(rng, "w8a16-int8"), tmp_path / "full")
+
+
+@pytest.mark.parametrize("recipe", ["w8a8-fp8", "w8a8-int8"])
+def test_static_activation_scales_round_trip(recipe, rng, tmp_path):
+    """Calibrated per-tensor activation scales are stored as input_scale [1] and come back
+    bit for bit; with fp8 compressed-tensors' static fake-quant (x / s, clamp to 448, cast)
+    is lowbit's, so transformers' logits match with activations quantized on both sides."""
+    from lowbit.nn.calibration import calibrate_static_scales
+    from lowbit.nn.quantize_model import quantize_model
+    model = tiny_llama(rng)
+    ids = torch.randint(0, 96, (2, 11), generator=rng)
+    scales = calibrate_static_scales(model, [ids], RECIPES[recipe].act)
+    quantize_model(model, recipe, act_static_scales=scales)
+    out = save_compressed(model, tmp_path / "ckpt", recipe)
+    ck = load_compressed(out)
+    assert set(ck.act_static_scales) == {n for n, m in model.named_modules() if hasattr(m, "weight_q")}
+    for n in ck.act_static_scales:
+        s = scales[n]
+        assert torch.equal(ck.act_static_scales[n], s.reshape(1, 1).float())
+        assert ck.act_schemes[n].strategy == "tensor" and not ck.act_schemes[n].dynamic
+    with torch.no_grad():
+        ref = model(ids).logits
+        assert torch.equal(ck.to_model()(ids).logits, ref)
+    if recipe != "w8a8-fp8":
+        return  # int8: compressed-tensors clamps to -128 where lowbit clamps to -127
+    hf = load_with_transformers(out, "compressed")
+    for name, m in model.named_modules():
+        if hasattr(m, "weight_q"):
+            hm = hf.get_submodule(name)
+            assert hm.quantization_scheme.input_activations.dynamic is False
+            assert torch.equal(hm.input_scale.data.reshape(1, 1), m.act_static_scale)
+    with torch.no_grad():
+        got = hf(ids).logits
+    tol = 2 * _depth(model) * _max_k(model) * U32 * ref.abs().max().item()  # as in the test above
+    assert (got - ref).abs().max().item() <= tol

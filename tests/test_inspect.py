@@ -116,3 +116,10 @@ def test_config_level_problems(rng, tmp_path):
 def test_not_a_checkpoint(tmp_path, capsys):
     assert main(["inspect", str(tmp_path)]) == 2
     assert "config.json" in capsys.readouterr().out
+
+
+def test_nvfp4_dynamic_activations_noted(rng, tmp_path):
+    r = inspect_checkpoint(checkpoint(rng, tmp_path / "c", "nvfp4"))
+    assert codes(r, "warning") == ["nvfp4-act-global-scale"]
+    assert all(li.tensors["weight_scale"] == "float8_e4m3fn [%d, %d]" % (li.shape[0], li.shape[1] // 16)
+               for li in r.layers)

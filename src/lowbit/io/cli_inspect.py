@@ -211,6 +211,10 @@ def _check_layer(li: LayerInfo, t: dict, w: dict | None, a: dict | None, f: list
         if static and "input_scale" in t and a.get("strategy") == "tensor" and list(t["input_scale"][1]) not in ([1], []):
             f.append(Finding(ERROR, name, "scale-shape", f"input_scale shape {list(t['input_scale'][1])}, "
                              "per-tensor needs [1]"))
+        if a.get("strategy") == "tensor_group" and a.get("dynamic") is True and "input_global_scale" not in t:
+            f.append(Finding(WARN, name, "nvfp4-act-global-scale",
+                             "NVFP4 activations are fully dynamic with no input_global_scale; compressed-tensors' "
+                             "NVFP4 scheme (dynamic='local') has engines read a calibrated one from the checkpoint"))
         if a.get("dynamic") is True and "input_scale" in t:
             f.append(Finding(WARN, name, "stale-static-scale",
                              "dynamic activations but an input_scale is stored (a leftover calibrated scale?)"))

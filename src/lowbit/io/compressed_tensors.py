@@ -165,18 +165,19 @@ def save_compressed(model: torch.nn.Module, out_dir: str | os.PathLike, recipe=N
         cfg["architectures"] = [type(model).__name__]  # what save_pretrained records
     recipe_name = getattr(recipe, "name", recipe)
 
-    # Everything that can fail on the scheme side is checked before any file is written.
-    layer_schemes, ct_tensors, sidecar_layers = {}, {}, {}
+    # Everything that can fail on the scheme side is checked before any file is written;
+    # the compressed tensors themselves are made one layer at a time while writing.
+    layer_schemes, formats, sidecar_layers = {}, {}, {}
     for name, m in qlayers.items():
-        fmt = L.ct_format(m.weight_scheme, m.act_scheme)
+        formats[name] = fmt = L.ct_format(m.weight_scheme, m.act_scheme)
         if m.weight_q.scheme != m.weight_scheme:
             raise ValueError(f"{name}: weight_q was quantized with {m.weight_q.scheme} but the layer says "
                              f"{m.weight_scheme}")
+        L.check_encodable(m.weight_q)
         if m.act_scheme is not None:
             L.scheme_to_args(m.act_scheme)
             if not m.act_scheme.dynamic and m.act_static_scale is None:
                 raise ValueError(f"{name}: static activation scheme without act_static_scale")
-        ct_tensors[name] = L.qtensor_to_ct(m.weight_q, fmt)
         layer_schemes[name] = (m.weight_scheme, m.act_scheme)
         sidecar_layers[name] = sidecar_record(m.weight_q, m.act_scheme, fmt)
     unquantized = [n for n, m in model.named_modules()
@@ -190,7 +191,7 @@ def save_compressed(model: torch.nn.Module, out_dir: str | os.PathLike, recipe=N
         for mname, m in model.named_modules():
             prefix = f"{mname}." if mname else ""
             if isinstance(m, QuantLinear):
-                for k, v in ct_tensors[mname].items():
+                for k, v in L.qtensor_to_ct(m.weight_q, formats[mname]).items():
                     writer.add(prefix + k, v)
                 if m.bias is not None:
                     writer.add(prefix + "bias", m.bias.detach())

@@ -198,16 +198,22 @@ def _ct_scale_shape(s: QuantScheme, shape) -> tuple:
     return (-(-n // br), -(-k // bc))
 
 
+def check_encodable(qt: QTensor) -> None:
+    """Raise (ValueError / UnsupportedScheme) unless qtensor_to_ct can store `qt`."""
+    if len(qt.shape) != 2:
+        raise ValueError(f"compressed-tensors stores 2-D Linear weights; got shape {tuple(qt.shape)}")
+    if tuple(qt.codes.shape) != tuple(qt.shape):
+        raise UnsupportedScheme(f"{qt.scheme}: the weight [{qt.shape[0]}, {qt.shape[1]}] was quantized with K "
+                                "padded to the group size; compressed-tensors needs K to be a multiple of it")
+    scheme_to_args(qt.scheme)
+
+
 def qtensor_to_ct(qt: QTensor, fmt: str) -> dict[str, torch.Tensor]:
     """The compressed-tensors tensors (local names, e.g. 'weight_scale') of a quantized
     2-D weight in compression format `fmt`. Every value is lowbit's own code or scale,
     re-laid out, never recomputed, so the round trip is exact."""
     s = qt.scheme
-    if len(qt.shape) != 2:
-        raise ValueError(f"compressed-tensors stores 2-D Linear weights; got shape {tuple(qt.shape)}")
-    if tuple(qt.codes.shape) != tuple(qt.shape):
-        raise UnsupportedScheme(f"{s}: the weight was quantized with K padded to the group size; "
-                                "compressed-tensors needs K to be a multiple of it")
+    check_encodable(qt)
     scale_shape = _ct_scale_shape(s, qt.shape)
     out: dict[str, torch.Tensor] = {}
     if fmt in ("mxfp4-pack-quantized", "nvfp4-pack-quantized"):
