@@ -173,7 +173,11 @@ def save_compressed(model: torch.nn.Module, out_dir: str | os.PathLike, recipe=N
         if m.weight_q.scheme != m.weight_scheme:
             raise ValueError(f"{name}: weight_q was quantized with {m.weight_q.scheme} but the layer says "
                              f"{m.weight_scheme}")
-        L.check_encodable(m.weight_q)
+        try:
+            L.check_encodable(m.weight_q)
+        except (ValueError, NotImplementedError) as e:
+            raise type(e)(f"layer {name}: {e}; keep it in high precision (ignore=[...]) or choose a "
+                          "scheme compressed-tensors can store") from e
         if m.act_scheme is not None:
             L.scheme_to_args(m.act_scheme)
             if not m.act_scheme.dynamic and m.act_static_scale is None:
