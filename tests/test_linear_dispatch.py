@@ -136,3 +136,28 @@ def test_cpu_tensors_refused_by_triton_outside_interpreter(monkeypatch, rng):
     wq = lb.quantize(torch.randn(24, 64, generator=rng), P("int8_channel"))
     with pytest.raises(ValueError, match="need CUDA tensors"):
         linear(xq, wq, backend="triton")
+
+
+@pytest.mark.parametrize("pair", ["int8", "int8_asym", "fp8_rowwise", "fp8_tensor", "fp8_block", "mxfp8"])
+def test_triton_output_passes_check_linear(rng, pair):
+    """The verification engine (derived gates from the original float inputs) accepts the
+    kernels' outputs, and rejects the same output with one channel's scale off by half."""
+    from lowbit.verify import check_linear
+
+    xs, ws = PAIRS[pair]
+    M, N = int(torch.randint(1, 20, (1,), generator=rng)), int(torch.randint(24, 41, (1,), generator=rng))
+    K = 256 if pair == "fp8_block" else 32 * int(torch.randint(2, 6, (1,), generator=rng))
+    x = torch.randn(M, K, generator=rng) * 2
+    w = torch.randn(N, K, generator=rng) * torch.rand(N, 1, generator=rng)
+    bias = torch.randn(N, generator=rng)
+    xq, wq = lb.quantize(x.to(DEV), xs), lb.quantize(w.to(DEV), ws)
+    out = linear(xq, wq, bias=bias.to(DEV), out_dtype=torch.bfloat16, backend="triton").cpu()
+    # On Hopper the fp8 MMA keeps about 14 bits between the kernels' fp32 promotions; fp16's
+    # accumulator model (11 bits) is the conservative stand-in the gate knows.
+    acc = "fp16" if DEV == "cuda" and not pair.startswith("int8") else None
+    verdict = check_linear(out, x, w, x_scheme=xs, w_scheme=ws, bias=bias, accumulator=acc)
+    assert verdict.passed, verdict.report() if hasattr(verdict, "report") else verdict
+    broken = out.float().clone()
+    col = int((out.float() - bias).abs().sum(0).argmax())  # a channel whose x.w is far from 0
+    broken[:, col] = (broken[:, col] - bias[col]) * 1.5 + bias[col]  # that channel scaled 1.5x
+    assert not check_linear(broken, x, w, x_scheme=xs, w_scheme=ws, bias=bias, accumulator=acc).passed
