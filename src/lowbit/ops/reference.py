@@ -161,7 +161,9 @@ def qlinear_reference(xq, wq, bias=None) -> torch.Tensor:
     array (unquantized side, used as float64). bias: [N] or None, added in float64.
     With a plain side the product is an ordinary float64 matmul (relative error at most
     about K * 2^-53 of sum |x||w|, far below any low-precision tolerance).
+    Computed on the CPU; returned on the device of xq (its codes, or the tensor itself).
     """
+    device = (xq.codes if _is_qtensor(xq) else torch.as_tensor(xq)).device
     x = as_operand(xq, "xq")
     w = as_operand(wq, "wq")
     if len(w.lead) != 1:
@@ -201,7 +203,7 @@ def qlinear_reference(xq, wq, bias=None) -> torch.Tensor:
         if bias.shape != (N,):
             raise ValueError(f"bias must have shape ({N},) (one per output channel), got {tuple(bias.shape)}")
         out = out + bias
-    return out.reshape(*x.lead, N)
+    return out.reshape(*x.lead, N).to(device)
 
 
 def sum_abs_products(xq, wq) -> torch.Tensor:

@@ -99,6 +99,7 @@ def implementation_gate(xq, wq, ref: torch.Tensor, *, accumulator: str | None = 
     reference's own few roundings. No slack factor: each term is a worst case.
     """
     acc = accumulator or default_accumulator(xq, wq)
+    ref = ref.detach().to("cpu", torch.float64)
     n, u = rounding_count(xq, wq, acc, bias is not None)
     T = sum_abs_products(xq, wq).reshape(ref.shape)
     if bias is not None:
