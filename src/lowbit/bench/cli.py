@@ -73,6 +73,15 @@ def run(args) -> int:
         with open(args.json, "w") as f:
             json.dump(dict(environment=env, notes=notes, rows=rows), f, indent=1, default=str)
         print(f"# wrote {args.json}")
+        gemm_rows = [r for r in rows if r.get("module") == "gemm"]
+        if gemm_rows:
+            try:
+                from lowbit.bench.gemm import plot
+                png = args.json.rsplit(".", 1)[0] + ".png"
+                plot(gemm_rows, png)
+                print(f"# wrote {png}")
+            except ImportError as exc:  # matplotlib is optional on the GPU machine
+                print(f"# no plot ({exc})")
     return 0
 
 

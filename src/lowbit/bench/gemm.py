@@ -214,3 +214,54 @@ def sweep(configs: dict[str, list[dict]], shapes=((8192, 8192, 8192),), log=prin
         del sets
         torch.cuda.empty_cache()
     return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    """Markdown table of the lowbit rows: TF/s and the ratios to the baselines of the same run."""
+    head = ("| kernel | M x N x K | TF/s | % of 1979 | vs bf16 | vs _int_mm | vs _int_mm+epi | "
+            "vs _scaled_mm row | vs _scaled_mm tensor | vs _scaled_mm row fast |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    f = lambda r, k: f"{r[k]:.2f}" if k in r else ""  # noqa: E731
+    for r in rows:
+        if not str(r.get("name", "")).startswith("lowbit_") or not r.get("ms"):
+            continue
+        lines.append(f"| {r['name'][7:]} | {r['shape']} | {r['tflops']:.0f} | {100 * r['frac_peak']:.0f} | "
+                     f"{f(r, 'vs_bf16')} | {f(r, 'vs_int_mm')} | {f(r, 'vs_int_mm+epi')} | "
+                     f"{f(r, 'vs_scaled_row')} | {f(r, 'vs_scaled_ten')} | {f(r, 'vs_scaled_row_fast')} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """PNG: per shape, each lowbit kernel's ratio to its main baseline (bf16 for M <= 16,
+    torch._int_mm / torch._scaled_mm rowwise otherwise), with the issue's floors drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kern = ["lowbit_int8", "lowbit_fp8_row", "lowbit_fp8_tensor", "lowbit_fp8_block", "lowbit_mxfp8"]
+    shapes = list(dict.fromkeys(r["shape"] for r in rows if r.get("name") in kern))
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5.5))
+    for ax, base_of, title in (
+            (axes[0], lambda n: "vs_bf16", "ratio to bf16 torch.mm (same shape)"),
+            (axes[1], lambda n: "vs_int_mm" if n == "lowbit_int8" else "vs_scaled_row",
+             "ratio to torch._int_mm (int8) / torch._scaled_mm rowwise (fp8)")):
+        width = 0.8 / len(kern)
+        for i, k in enumerate(kern):
+            vals = []
+            for s in shapes:
+                r = next((r for r in rows if r.get("name") == k and r["shape"] == s), {})
+                vals.append(r.get(base_of(k), float("nan")))
+            ax.bar([j + i * width for j in range(len(shapes))], vals, width, label=k[7:])
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
+        ax.set_xticklabels(shapes, rotation=60, ha="right", fontsize=7)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel("baseline ms / lowbit ms  (>1: lowbit faster)")
+    for y, lab in ((1.25, "int8 floor 1.25x"), (0.95, "fp8 row floor"), (0.7, "block floor"), (0.5, "MX floor")):
+        axes[1].axhline(y, ls=":", lw=0.8, color="gray")
+        axes[1].text(-0.6, y, lab, fontsize=7, va="bottom", ha="left", color="gray")
+    axes[0].legend(fontsize=8, loc="lower left", framealpha=0.9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
