@@ -294,3 +294,28 @@ def test_act_quant_bad_input(rng):
     x[1, 3] = math.nan
     with pytest.raises(ValueError, match="NaN or Inf"):
         quantize_per_token(x.to(DEV))
+
+
+@pytest.mark.parametrize("name", ["int8_token", "int8_asym", "fp8_token"])
+def test_quantize_tokens_is_lowbit_quantize_and_feeds_linear(rng, name):
+    import lowbit as lb
+    from lowbit.ops import linear
+    from lowbit.ops.triton.act_quant import quantize_tokens
+
+    scheme = {"int8_token": lb.get_preset("int8_token"),
+              "int8_asym": lb.QuantScheme("int8", "token", symmetric=False, dynamic=True),
+              "fp8_token": lb.QuantScheme("fp8_e4m3fn", "token", dynamic=True)}[name]
+    x = torch.randn(2, 5, 96, generator=rng) * 4
+    x[0, 1] = 0.0
+    got, ref = quantize_tokens(x.to(DEV), scheme), lb.quantize(x, scheme)
+    assert got.shape == ref.shape and got.scheme == ref.scheme
+    assert torch.equal(got.codes.cpu(), ref.codes) and torch.equal(got.scale.cpu(), ref.scale)
+    assert (got.zero_point is None) == (ref.zero_point is None)
+    if ref.zero_point is not None:
+        assert torch.equal(got.zero_point.cpu(), ref.zero_point)
+    w_scheme = lb.get_preset("int8_channel" if name.startswith("int8") else "fp8_row")
+    wq = lb.quantize(torch.randn(24, 96, generator=rng).to(DEV), w_scheme)
+    out = linear(got, wq, out_dtype=torch.float32, backend="triton")
+    assert torch.equal(out, linear(ref.to(DEV), wq, out_dtype=torch.float32, backend="triton"))
+    with pytest.raises(NotImplementedError, match="quantize_tokens: no kernel"):
+        quantize_tokens(x.to(DEV), lb.get_preset("mxfp8"))

@@ -95,3 +95,25 @@ def quantize_per_token(x: torch.Tensor, mode: str = "int8", *, check_finite: boo
                                 MODE=MODES.index(mode), BLOCK=block, num_warps=4 if block <= 1024 else 8)
     return (q.reshape(*lead, K), s.reshape(*lead, 1),
             None if z is None else z.reshape(*lead, 1))
+
+
+def quantize_tokens(x: torch.Tensor, scheme, *, check_finite: bool = True):
+    """The kernel's result as a lowbit QTensor, ready for lowbit.ops.linear (dynamic W8A8).
+
+    scheme: a QuantScheme with one fp32 scale per row (strategy "token" or "channel"): int8
+    symmetric or asymmetric, or fp8_e4m3fn. Any other scheme raises NotImplementedError; the
+    result is bit-identical to lowbit.quantize(x, scheme) (tests check it)."""
+    from lowbit.quantize import QTensor
+
+    fmt = getattr(scheme, "format", None)
+    per_row = getattr(scheme, "strategy", None) in ("token", "channel") and \
+        getattr(scheme, "scale_format", None) == "fp32"
+    if per_row and fmt == "int8":
+        mode = "int8" if scheme.symmetric else "int8_asym"
+    elif per_row and fmt == "fp8_e4m3fn":
+        mode = "fp8_e4m3fn"
+    else:
+        raise NotImplementedError(f"quantize_tokens: no kernel for {scheme}; it covers one fp32 scale per "
+                                  "row with int8 (symmetric or not) or fp8_e4m3fn; use lowbit.quantize")
+    codes, scale, zero = quantize_per_token(x, mode, check_finite=check_finite)
+    return QTensor(codes, scale, zero, scheme, tuple(x.shape))
