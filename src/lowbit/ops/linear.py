@@ -65,9 +65,11 @@ def _scheme_name(t) -> str:
 
 
 def _not_implemented(xq, wq, backend: str, why: str = "") -> NotImplementedError:
+    hint = ("; weight-only 4-bit schemes run through lowbit.ops.weight_only.w4a16_linear"
+            if not _is_qtensor(xq) else "")
     return NotImplementedError(
         f"no {backend} kernel for x: {_scheme_name(xq)} with w: {_scheme_name(wq)}{why}. "
-        f"Kernels exist for {', '.join(KERNELS)} (see lowbit.ops.linear's docstring); "
+        f"Kernels exist for {', '.join(KERNELS)} (see lowbit.ops.linear's docstring){hint}; "
         "backend='reference' computes any supported pair exactly in float64")
 
 
