@@ -376,3 +376,13 @@ def test_static_activation_scales_round_trip(recipe, rng, tmp_path):
         got = hf(ids).logits
     tol = 2 * _depth(model) * _max_k(model) * U32 * ref.abs().max().item()  # as in the test above
     assert (got - ref).abs().max().item() <= tol
+
+
+def test_overwrite_replaces_whole_directory(rng, tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "stale.safetensors").write_bytes(b"old")
+    model = quantized_llama(rng, "w8a16-int8")
+    out = save_compressed(model, tmp_path / "ckpt", "w8a16-int8", overwrite=True)
+    assert not (out / "stale.safetensors").exists()
+    assert load_compressed(out).recipe == "w8a16-int8"
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]

@@ -100,18 +100,21 @@ def atomic_dir(out_dir: Path, overwrite: bool, write) -> Path:
                               "or pass overwrite=True")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    old = None
     try:
         write(tmp)
-        old = None
         if out_dir.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
             os.rename(out_dir, old / "d")
         os.rename(tmp, out_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and (old / "d").exists() and not out_dir.exists():
+            os.rename(old / "d", out_dir)  # put the previous checkpoint back
+            shutil.rmtree(old, ignore_errors=True)
         raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     return out_dir
 
 
