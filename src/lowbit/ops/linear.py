@@ -78,7 +78,7 @@ def linear(xq, wq, *, bias: torch.Tensor | None = None, out_dtype: torch.dtype =
     """Quantized linear layer: out = x_q @ w_q.T (+ bias), shape [..., N] in out_dtype.
 
     xq: QTensor of the activations, codes [..., K]; wq: QTensor of the weights, codes [N, K]
-    (K-major). bias: [N] float, added in fp32 (float64 on the torch/reference paths).
+    (K-major). bias: [N] float, added in fp32 (Triton) or float64 (torch / reference paths).
     w_colsum: int32 [N] sums over K of the weight codes, needed when x has zero points
     (asymmetric int8); computed here when omitted (an extra pass over the weights per call:
     precompute it once per layer for speed).
@@ -211,7 +211,11 @@ def _torch_path(kernel, xq, wq, x2, w2, bias, out_dtype, w_colsum):
         sb = sb.reshape(()) if tensorwise else sb.expand(N).reshape(1, N).contiguous()
         if out_dtype == torch.float64:
             raise ValueError("torch._scaled_mm does not produce float64; use backend='reference'")
-        return torch._scaled_mm(x2.contiguous().view(torch.float8_e4m3fn), w2.view(torch.float8_e4m3fn).t(),
-                                scale_a=sa, scale_b=sb, bias=None if bias is None else bias.to(out_dtype),
-                                out_dtype=out_dtype)
+        # fp32 out, bias added afterwards in float64: one final rounding to out_dtype, and
+        # cuBLAS refuses a bias with a float32 output anyway.
+        y = torch._scaled_mm(x2.contiguous().view(torch.float8_e4m3fn), w2.view(torch.float8_e4m3fn).t(),
+                             scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+        if bias is None:
+            return y.to(out_dtype)
+        return (y.to(torch.float64) + bias.to(torch.float64)).to(out_dtype)
     raise _not_implemented(xq, wq, "torch")
