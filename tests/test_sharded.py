@@ -203,3 +203,14 @@ def test_peak_memory_is_bounded_by_largest_tensor(recipe, rng, tmp_path):
     print(f"peak RSS growth {grew / 2**20:.1f} MiB for {r['bytes_in'] / 2**20:.0f} MiB of checkpoint; "
           f"bound {bound / 2**20:.0f} MiB")
     assert grew <= bound
+
+
+def test_group_that_does_not_divide_k_is_refused_up_front(rng, tmp_path):
+    (tmp_path / "in").mkdir()
+    save_file({"a.proj.weight": torch.randn(8, 256, generator=rng), "b.proj.weight": torch.randn(8, 192, generator=rng)},
+              tmp_path / "in" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"b\.proj \[8, 192\].*ignore"):
+        quantize_checkpoint(tmp_path / "in", tmp_path / "out", "w4a16", targets=["*.proj"])
+    assert sorted(os.listdir(tmp_path)) == ["in"]
+    s = quantize_checkpoint(tmp_path / "in", tmp_path / "out", "w4a16", targets=["*.proj"], ignore=["b.proj"])
+    assert s["quantized"] == ["a.proj"] and s["kept"] == ["b.proj"]

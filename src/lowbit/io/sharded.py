@@ -48,6 +48,28 @@ def linear_names_from_config(cfg: dict) -> set[str]:
     return {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
+def _check_shapes(todo: set, files: dict, scheme) -> None:
+    """Every weight to quantize must be 2-D with K a multiple of the scheme's group/block
+    width (compressed-tensors cannot store a short last group); checked on the headers,
+    before any tensor is read."""
+    from lowbit.io.st_format import read_header
+    width = scheme.group_size if scheme.strategy == "group" else (
+        scheme.block_size[1] if scheme.strategy == "block" else 1)
+    headers: dict[str, dict] = {}
+    bad = []
+    for layer in sorted(todo):
+        path = files[f"{layer}.weight"]
+        if path not in headers:
+            headers[path] = read_header(path)[0]
+        shape = headers[path][f"{layer}.weight"][1]
+        if len(shape) != 2 or shape[1] % width:
+            bad.append(f"{layer} {list(shape)}")
+    if bad:
+        raise ValueError(f"{len(bad)} weight(s) cannot be quantized by {scheme} into compressed-tensors "
+                         f"(2-D with K a multiple of {width} needed): {', '.join(bad[:4])}"
+                         f"{' ...' if len(bad) > 4 else ''}; ignore=[...] them or choose a smaller group")
+
+
 def quantize_checkpoint(in_dir: str | os.PathLike, out_dir: str | os.PathLike, recipe, *, ignore=None,
                         targets=None, max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
                         progress: bool = False) -> dict:
@@ -106,6 +128,7 @@ def quantize_checkpoint(in_dir: str | os.PathLike, out_dir: str | os.PathLike, r
     by_file: dict[str, list[str]] = {}
     for name, path in files.items():
         by_file.setdefault(path, []).append(name)
+    _check_shapes(todo, files, recipe.weight)
     summary = {"recipe": recipe.name, "quantized": sorted(todo), "kept": sorted(linears - todo),
                "bytes_in": sum(os.path.getsize(p) for p in by_file), "shards": []}
     total = sum(len(v) for v in by_file.values())
