@@ -135,11 +135,12 @@ def test_silu_mul_quant(name, device, rng):
         g, u = x.cpu().double()[:, :H], x.cpu().double()[:, H:]
         y64 = g / (1 + torch.exp(-g)) * u
         # exp(-g) in float32: the product g*log2(e) carries |g|*u of absolute exponent error,
-        # i.e. |g|*u relative in exp, plus <= 4u for the exp itself; 1 + e, the division and
-        # the product with up add 3u (silu's sensitivity to exp's error is <= 1): (|g| + 8) u.
+        # i.e. |g|*u relative in exp, plus <= 4u for the exp itself; 1 + e adds u, the
+        # (approximate, div.full: <= 2 ulp) division 4u, the product with up u (silu's
+        # sensitivity to exp's error is <= 1): (|g| + 10) u, taken as (|g| + 12) u.
         # Where exp(-g) overflows float32 (g < -88.7) the kernel returns -0.0: allowed there,
         # the true |y| <= 89 * e^-88.7 * |up| ~ 3e-37 |up| is below float32's normal range.
-        bound = (g.abs() + 8) * U32 * y64.abs() + torch.where(g < -88, y64.abs(), 0)
+        bound = (g.abs() + 12) * U32 * y64.abs() + torch.where(g < -88, y64.abs(), 0)
         assert torch.all((y.cpu().double() - y64).abs() <= bound)
         if M > 1:
             assert torch.all(qt.dequantize().cpu()[1] == 0)

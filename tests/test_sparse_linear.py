@@ -28,7 +28,7 @@ def test_sparse_linear_against_float64(device, rng):
     sw = prepare_2_4(w)
     assert sw.backend == ("dense" if device == "cpu" else sw.backend)
     if device == "cuda":
-        assert sw.backend in ("cusparselt", "cutlass") and sw.sparse is not None
+        assert sw.backend == "cusparselt" and sw.sparse is not None
     bias = torch.randn(N, generator=rng).to(torch.bfloat16)
     for M in (1, 3, 17):
         x = torch.randn(M, K, generator=rng).to(torch.bfloat16)
@@ -46,7 +46,7 @@ def test_sparse_and_dense_backends_agree_on_gpu(device, rng):
     w = _weights(rng, N, K, device)
     x = torch.randn(2, 33, K, generator=rng).to(torch.bfloat16).cuda()
     dense = sparse_linear(x, prepare_2_4(w, backend="dense"))
-    for backend in ("cusparselt", "cutlass"):
+    for backend in ("cusparselt",):  # PyTorch's CUTLASS path refuses sm_90 ("8.x only")
         out = sparse_linear(x, prepare_2_4(w, backend=backend))
         ref = x.double().reshape(-1, K) @ w.double().T
         bound = _bound(x.double().reshape(-1, K), w.double(), ref, K)

@@ -36,13 +36,16 @@ SCHEMES = {
 
 
 def _numpy_dequant(w4) -> np.ndarray:
-    """float64 [N, K] from the packed bytes, without lowbit."""
+    """float64 [N, K] from the kernel's bytes, without lowbit: planar chunks of C codes
+    (low nibbles = first half of the chunk, high nibbles = second half), int4 offset-binary."""
     p = w4.packed.cpu().numpy()
+    N, C = p.shape[0], w4.chunk
+    p = p.reshape(N, -1, C // 2)
     lo, hi = (p & 0xF).astype(np.int64), (p >> 4).astype(np.int64)
-    codes = np.stack([lo, hi], axis=-1).reshape(p.shape[0], -1)  # low nibble = even k
+    codes = np.concatenate([lo, hi], axis=-1).reshape(N, -1)
     G = w4.group_size
     if w4.kind in ("int4", "uint4"):
-        q = np.where(codes >= 8, codes - 16, codes) if w4.kind == "int4" else codes
+        q = codes - 8 if w4.kind == "int4" else codes
         if w4.zero_point is not None:
             q = q - np.repeat(w4.zero_point.cpu().numpy().astype(np.int64), G, axis=1)
         return q * np.repeat(w4.scale.cpu().numpy().astype(np.float64), G, axis=1)
@@ -102,8 +105,9 @@ def test_w4a16_split_k_bias_and_batch_dims(device, rng):
     w64 = torch.from_numpy(_numpy_dequant(w4))
     bias = torch.randn(N, generator=rng).to(torch.bfloat16)
     x = torch.randn(2, 3, K, generator=rng).to(torch.bfloat16)
-    for split in (1, 4):
-        out = w4a16_linear(x.to(device), w4, bias.to(device), backend="triton", config={"split": split})
+    for split, kernel in ((1, "dot"), (4, "dot"), (2, "gemv")):
+        out = w4a16_linear(x.to(device), w4, bias.to(device), backend="triton",
+                           config={"split": split, "kernel": kernel, "BLOCK_M": 2, "BLOCK_K": 128})
         assert out.shape == (2, 3, N)
         ref = x.double().reshape(-1, K) @ w64.T + bias.double()
         bound = _bound(x.double().reshape(-1, K), w64, ref, K, 32, split, torch.bfloat16)
@@ -137,7 +141,7 @@ def test_torch_backend_and_errors(rng):
     out = w4a16_linear(x, w4, backend="torch")
     assert torch.all((out.double() - ref).abs() <= _bound(x.double(), torch.from_numpy(_numpy_dequant(w4)),
                                                           ref, K, 128, 1, torch.bfloat16))
-    assert w4.metadata()["layout"] == "packed_nk_low_nibble_first"
+    assert w4.metadata()["layout"] == "planar_chunks" and w4.metadata()["chunk"] == 128
     with pytest.raises(ValueError, match="last dim must be K"):
         w4a16_linear(torch.randn(2, K + 2).to(torch.bfloat16), w4)
     with pytest.raises(TypeError, match="bfloat16 or float16"):

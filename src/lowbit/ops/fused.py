@@ -33,7 +33,7 @@ import os
 
 import torch
 
-from lowbit.quantize import QTensor, quantize, scale_shape, two_level_global_scale
+from lowbit.quantize import QTensor, quantize, scale_shape
 from lowbit.scheme import QuantScheme
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -147,20 +147,30 @@ def _launch(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int, *, 
         raise ValueError(f"fp8_encoder must be 'auto', 'hw' or 'int', got {fp8_encoder!r}")
     hw = x2.is_cuda and fp8_encoder != "int" and os.environ.get("TRITON_INTERPRET") != "1"
     warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    g_div = 1.0
+    if scale_kind == 2:  # NVFP4's tensor-scale divisor: scale format max * element max (448 * 6)
+        from lowbit.formats import get_format
+
+        g_div = float(get_format(scheme.scale_format).max) * float(fmt.max)
     dummy = torch.empty(1, device=dev, dtype=torch.float32)
     w = weight if weight is not None else dummy
     r_in = res2 if res2 is not None else dummy
     r_out = res_out if res_out is not None else dummy
     common = dict(PRE=pre, HAS_RES=res2 is not None, FMT=_FMT_CODES[scheme.format], SCALE_KIND=scale_kind,
                   E8M0_ROUND=_ROUND_CODES.get(scheme.scale_rounding or "floor", 0), QMAX=qmax, EMAX=emax,
-                  MBITS=mbits, HW_FP8=hw, NG=NG, G=Gt, num_warps=warps)
-    gscale = None
+                  MBITS=mbits, HW_FP8=hw, FAST_DIV=x2.is_cuda and not interp, G_DIV=g_div, NG=NG, G=Gt,
+                  num_warps=warps)
+    tamax = gscale = None
     if scale_kind == 2:  # two-level: tensor scale from the live tensor's amax (first pass)
         amax = torch.empty(rows, device=dev, dtype=torch.float32)
         fq._row_quant_kernel[(rows,)](x2, x2.stride(0), w, r_in, r_in.stride(0) if res2 is not None else 0,
-                                      r_out, 0, dummy, dummy, dummy, dummy, dummy, amax, K, ngroups, eps,
-                                      STORE_Y=False, AMAX_ONLY=True, **common)
-        gscale = two_level_global_scale(amax.max(), scheme).reshape(1).contiguous()
+                                      r_out, 0, dummy, dummy, dummy, dummy, dummy, dummy, amax, K, ngroups,
+                                      eps, STORE_Y=False, AMAX_ONLY=True, **common)
+        # the second pass turns it into g = amax / (448 * fmt.max), quantize.two_level_global_scale's
+        # rule, on the device (no host round trip, so the whole call can be graph-captured)
+        tamax = amax.max().reshape(1)
+        gscale = torch.empty(1, device=dev, dtype=torch.float32)
     codes = torch.empty(rows, K, device=dev, dtype=torch.int8 if fmt.kind == "int" else torch.uint8)
     scale = torch.empty(rows, ngroups, device=dev, dtype=torch.float32)
     scodes = torch.empty(rows, ngroups, device=dev, dtype=torch.uint8) if scale_kind else dummy
@@ -168,7 +178,7 @@ def _launch(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int, *, 
     fq._row_quant_kernel[(rows,)](
         x2, x2.stride(0), w, r_in, r_in.stride(0) if res2 is not None else 0,
         r_out, r_out.stride(0) if res_out is not None else 0, y, codes, scale, scodes,
-        gscale if gscale is not None else dummy, dummy, K, ngroups, eps,
+        tamax if tamax is not None else dummy, gscale if gscale is not None else dummy, dummy, K, ngroups, eps,
         STORE_Y=store_y, AMAX_ONLY=False, **common)
     return codes, scale, (scodes if scale_kind else None), gscale, (y if store_y else None)
 

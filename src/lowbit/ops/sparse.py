@@ -4,8 +4,8 @@
     out = sparse_linear(x, sw, bias)
 
 On CUDA the weight is converted once with torch.sparse.to_sparse_semi_structured, which runs
-on cuSPARSELt where PyTorch has it (CUTLASS otherwise; `Sparse24Weight.backend` says which)
-and the product runs on the sparse tensor cores. On the CPU -- and with backend="dense" --
+on cuSPARSELt (backend="cutlass" picks PyTorch's CUTLASS kernels, sm_8x only) and the
+product runs on the sparse tensor cores. On the CPU -- and with backend="dense" --
 the same weight is used dense: the reference twin, exact up to float accumulation order.
 Nothing is pruned here: a weight that is not 2:4 sparse is an error, so the sparse and dense
 paths always compute the same function.
@@ -37,8 +37,9 @@ class Sparse24Weight:
 def prepare_2_4(w: torch.Tensor, *, backend: str | None = None) -> Sparse24Weight:
     """Check that w [N, K] is 2:4 sparse along K and convert it for the sparse tensor cores.
 
-    backend: None (CUDA -> semi-structured sparse, CPU -> dense), "dense", "cusparselt" or
-    "cutlass" (force one of PyTorch's two semi-structured implementations)."""
+    backend: None (CUDA -> cuSPARSELt, CPU -> dense), "dense", "cusparselt" or "cutlass"
+    (PyTorch's other semi-structured implementation; it refuses GPUs other than sm_8x, e.g.
+    the H200: "Supported only on GPUs with compute capability 8.x")."""
     if not isinstance(w, torch.Tensor) or w.ndim != 2:
         raise ValueError(f"prepare_2_4: w must be a 2-D [N, K] tensor, got "
                          f"{getattr(w, 'shape', type(w).__name__)}")
@@ -64,7 +65,8 @@ def prepare_2_4(w: torch.Tensor, *, backend: str | None = None) -> Sparse24Weigh
         raise ValueError(f"prepare_2_4: semi-structured sparse weights need N and K to be multiples of 64 "
                          f"(got [{N}, {K}]); pad the layer or use backend='dense'")
     if backend == "cusparselt" and not torch.backends.cusparselt.is_available():
-        backend = "cutlass"  # reported in Sparse24Weight.backend, never hidden
+        raise RuntimeError("prepare_2_4: this PyTorch build has no cuSPARSELt; pass backend='cutlass' "
+                           "(PyTorch's CUTLASS path runs on compute capability 8.x only) or 'dense'")
     force = SparseSemiStructuredTensor._FORCE_CUTLASS
     try:
         SparseSemiStructuredTensor._FORCE_CUTLASS = backend == "cutlass"

@@ -13,11 +13,14 @@ dequantized weight (float32) times x in float32, cast to x's dtype. backend="tri
 CPU tensor runs the kernel in Triton's interpreter. The float64 reference is
 w4a16_reference (x @ wq.dequantize(float64).T).
 
-Load-time layout (W4Weight.metadata() records it): codes packed by lowbit.pack_int4 (low
-nibble = even k), [N, K/2] uint8, no further shuffle -- the kernel reads the even and odd
-nibbles against x[:, 0::2] and x[:, 1::2]; per-group scales [N, K/G] float32 (int4) or the
-scale codes [N, K/G] uint8 (fp4: e8m0 or e4m3); zero points narrowed to int8 (they lie in
-the 4-bit code range, so exactly).
+Load-time layout (W4Weight.metadata() records it): [N, K/2] uint8 in planar chunks of C
+codes along K (C = G for int4, 128 -- or the largest power of two >= 32 dividing K -- for
+fp4): byte j of chunk c holds code cC + j in the low nibble and code cC + C/2 + j in the
+high nibble, so each nibble plane multiplies a contiguous half of x. Signed int4 codes are
+stored offset-binary (code + 8). This differs from lowbit.pack_int4's interleaved order
+(which checkpoints use); W4Weight.qtensor keeps the source. Per-group scales [N, K/G]
+float32 (int4) or scale codes [N, K/G] uint8 (fp4: e8m0 or e4m3); zero points narrowed to
+int8 (they lie in the 4-bit code range, so exactly).
 """
 from __future__ import annotations
 
@@ -26,7 +29,6 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit.packing import pack_int4
 from lowbit.quantize import QTensor
 
 _SMS = 132  # H100 / H200 multiprocessors: the split-K heuristic aims at >= 2 programs per SM
@@ -36,20 +38,23 @@ _SMS = 132  # H100 / H200 multiprocessors: the split-K heuristic aims at >= 2 pr
 class W4Weight:
     """A 4-bit weight [N, K] laid out for the W4A16 kernel (see module docstring)."""
 
-    packed: torch.Tensor                 # uint8 [N, K // 2]
+    packed: torch.Tensor                 # uint8 [N, K // 2], planar chunks of `chunk` codes
     scale: torch.Tensor                  # float32 [N, K // G] effective scale (all kinds)
     zero_point: torch.Tensor | None      # int8 [N, K // G] or None
     scale_codes: torch.Tensor | None     # uint8 [N, K // G] (fp4 kinds) or None
     global_scale: torch.Tensor | None    # float32 [1] (NVFP4) or None
     kind: str                            # "int4" | "uint4" | "mxfp4" | "nvfp4"
     group_size: int
+    chunk: int
     shape: tuple[int, int]
     qtensor: QTensor                     # the source, for references and checkpoints
 
     def metadata(self) -> dict:
         """The layout the kernel expects, for checkpoints and reports."""
         return {"kernel": "lowbit.w4a16", "kind": self.kind, "group_size": self.group_size,
-                "layout": "packed_nk_low_nibble_first", "shuffle": "none",
+                "layout": "planar_chunks", "chunk": self.chunk,
+                "nibbles": "byte j of chunk c: low = code[c*chunk + j], high = code[c*chunk + chunk/2 + j]",
+                "int4_storage": "offset binary (code + 8)" if self.kind == "int4" else "as is",
                 "scales": "fp32[N,K/G]" if self.kind in ("int4", "uint4") else "uint8 codes[N,K/G]",
                 "zero_point": "int8[N,K/G]" if self.zero_point is not None else None,
                 "scheme": self.qtensor.scheme.to_dict()}
@@ -88,14 +93,33 @@ def prepare_w4(wq: QTensor) -> W4Weight:
     N, K = wq.codes.shape
     if K % 2:
         raise ValueError(f"prepare_w4: K = {K} must be even (two codes per byte)")
-    packed = pack_int4(wq.codes.contiguous())
+    packed, chunk = _planar(wq.codes, kind, wq.scheme.group_size)
     zp = None
     if wq.zero_point is not None:
         zp = wq.zero_point.to(torch.int8).contiguous()  # z lies in [qmin, qmax]: exact
     return W4Weight(packed, wq.scale.to(torch.float32).contiguous(), zp,
                     None if wq.scale_codes is None else wq.scale_codes.contiguous(),
                     None if wq.global_scale is None else wq.global_scale.to(torch.float32).reshape(1).contiguous(),
-                    kind, wq.scheme.group_size, (N, K), wq)
+                    kind, wq.scheme.group_size, chunk, (N, K), wq)
+
+
+def _planar(codes: torch.Tensor, kind: str, group: int) -> tuple[torch.Tensor, int]:
+    """codes [N, K] -> (uint8 [N, K/2] in planar chunks, chunk size); see the module docstring."""
+    N, K = codes.shape
+    if kind in ("int4", "uint4"):
+        chunk = group
+    else:
+        chunk = 128
+        while K % chunk:
+            chunk //= 2
+        if chunk < 32:
+            raise ValueError(f"prepare_w4: fp4 weights need K divisible by 32 (got K = {K})")
+    u = codes.to(torch.int16)
+    if kind == "int4":
+        u = u + 8  # offset binary: 0..15
+    u = u.to(torch.uint8).reshape(N, K // chunk, 2, chunk // 2)
+    packed = u[:, :, 0, :] | (u[:, :, 1, :] << 4)
+    return packed.reshape(N, K // 2).contiguous(), chunk
 
 
 def w4a16_reference(x: torch.Tensor, w: W4Weight | QTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -105,24 +129,27 @@ def w4a16_reference(x: torch.Tensor, w: W4Weight | QTensor, bias: torch.Tensor |
     return out if bias is None else out + bias.to(torch.float64)
 
 
-def pick_config(M: int, N: int, K: int, kind: str, group: int, *, interpret: bool = False) -> dict:
-    """Tile sizes and split-K for the kernel. BLOCK_K is 128 (or the group, if larger) when
-    it divides K; split-K is doubled while there are fewer than 2 programs per SM and each
-    split keeps >= 4 K-steps (decode at N = 8192 gets split 4; at N = 28672, none)."""
-    bk = max(group, 128)
-    while K % bk:
-        bk //= 2
-    if bk < group or (kind in ("mxfp4", "nvfp4") and bk < 32):
-        raise ValueError(f"W4A16: K = {K} is not a multiple of the group size {group} (or of 32 for fp4)")
-    bm = 16 if M <= 16 else (32 if M <= 32 else 64)
-    bn = 16 if interpret else 64
+def pick_config(M: int, N: int, K: int, kind: str, group: int, chunk: int, *, interpret: bool = False) -> dict:
+    """Kernel choice, tiles and split-K (H100/H200, 132 SMs).
+
+    M <= 2: the GEMV form (float32 FMAs, BLOCK_N 32); otherwise tensor-core dots (BLOCK_M 16 /
+    32 / 64, BLOCK_N 64). BLOCK_K holds several chunks (up to 512 codes) so each program has
+    a few independent 16-byte loads in flight; split-K doubles while there are fewer than 2
+    programs per SM and each split keeps >= 2 K-steps."""
+    gemv = M <= 2
+    bm = (1 if M == 1 else 2) if gemv else (16 if M <= 16 else (32 if M <= 32 else 64))
+    bn = 16 if interpret else (32 if gemv else 64)
+    bk = chunk
+    while bk * 2 <= (chunk if interpret else 512) and K % (bk * 2) == 0:
+        bk *= 2
     steps = K // bk
     programs = -(-N // bn) * -(-M // bm)
     split = 1
     while (not interpret and programs * split < 2 * _SMS and steps % (2 * split) == 0
-           and steps // (2 * split) >= 4):
+           and steps // (2 * split) >= 2):
         split *= 2
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "split": split, "num_warps": 4, "num_stages": 4}
+    return {"kernel": "gemv" if gemv else "dot", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
+            "split": split, "num_warps": 4, "num_stages": 3}
 
 
 def w4a16_linear(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None, *,
@@ -172,12 +199,17 @@ def _launch(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> torch.
 
     M, K = x2.shape
     N = w.shape[0]
-    cfg = dict(pick_config(M, N, K, w.kind, w.group_size, interpret=interp))
+    cfg = dict(pick_config(M, N, K, w.kind, w.group_size, w.chunk, interpret=interp))
     if config:
         cfg.update(config)
     bk, split = cfg["BLOCK_K"], cfg["split"]
-    if K % (bk * split):
-        raise ValueError(f"w4a16_linear: config BLOCK_K={bk}, split={split} does not divide K = {K}")
+    if K % (bk * split) or bk % w.chunk:
+        raise ValueError(f"w4a16_linear: config BLOCK_K={bk}, split={split} does not divide K = {K} "
+                         f"(or BLOCK_K is not a multiple of the layout's chunk {w.chunk})")
+    if cfg["kernel"] not in ("gemv", "dot"):
+        raise ValueError(f"w4a16_linear: config kernel must be 'gemv' or 'dot', got {cfg['kernel']!r}")
+    if cfg["kernel"] == "dot" and cfg["BLOCK_M"] < 16:
+        cfg["BLOCK_M"] = 16  # tensor-core tiles have at least 16 rows (rows past M are masked)
     wfmt = {"int4": k.W_INT4, "uint4": k.W_UINT4, "mxfp4": k.W_MXFP4, "nvfp4": k.W_NVFP4}[w.kind]
     atomic = split > 1
     dev = x2.device
@@ -193,8 +225,8 @@ def _launch(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> torch.
         bias if (bias is not None and not atomic) else dummy, out,
         M, N, K, K // split, x2.stride(0), w.packed.stride(0), per_group.stride(0), out.stride(0),
         WFMT=wfmt, HAS_Z=w.zero_point is not None, HAS_BIAS=bias is not None and not atomic,
-        G=w.group_size, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, ATOMIC=atomic,
-        HALF=(w.group_size if w.kind in ("int4", "uint4") else bk) // 2, INTERP=interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        G=w.group_size, C=w.chunk, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, ATOMIC=atomic,
+        USE_DOT=cfg["kernel"] == "dot", INTERP=interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if atomic:
         if bias is not None:
             out = out + bias.float()

@@ -9,8 +9,8 @@ memory once: that is what makes fusion pay (seed 004).
 The quantizer reproduces lowbit.quantize's canonical arithmetic (docs/ARCHITECTURE.md):
 the scale from the group's absmax in float32, IEEE division `y / s` (tl.math.div_rn),
 round-half-even, clamp after rounding, a zero group gets the documented zero-group scale.
-The float element encoders use exact float32 / integer arithmetic (rint and encode_e4m3fn
-come from ops/triton/common.py) so that Triton's CPU interpreter (whose fp8 and bf16 casts
+The float element encoders use exact float32 / integer arithmetic (encode_e4m3fn comes
+from ops/triton/common.py) so that Triton's CPU interpreter (whose fp8 and bf16 casts
 do not round to nearest even) and the GPU produce the same codes; on the GPU the fp8
 encoder may instead use the hardware cast (`cvt.rn.satfinite`), which rounds the same way
 -- both paths are tested against the canonical quantizer.
@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import encode_e4m3fn, rint  # shared exact rounding primitives (GEMM helper's)
+from .common import encode_e4m3fn  # shared exact fp8 encoder (the GEMM helper's common.py)
 
 # Prologues
 PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL = 0, 1, 2
@@ -60,6 +60,21 @@ def _encode_e2m1(v):
 
 
 @triton.jit
+def div_exact(y, s, r):
+    """RN(y / s), IEEE-exact, for s > 0 normal with r = RN(1 / s) normal and y / s in the
+    normal range or rounding to a code of 0 anyway: q = y * r is within a few ulps of y / s;
+    two Newton corrections with exact FMA remainders e = y - s * q reach the correctly
+    rounded quotient (Markstein's theorem: the second starts within 1 ulp). Five FMA-class
+    operations instead of div.rn's fixup sequence: the quantizer's hot loop on the GPU.
+    A zero y loses its sign here (e = +0); callers that encode signs restore it."""
+    q = y * r
+    e = tl.fma(-s, q, y)
+    q = tl.fma(e, r, q)
+    e = tl.fma(-s, q, y)
+    return tl.fma(e, r, q)
+
+
+@triton.jit
 def round_to(v, dtype: tl.constexpr):
     """float32 -> `dtype` with round-to-nearest-even. bfloat16 is done on the bits because
     Triton's CPU interpreter truncates float32 -> bfloat16; the GPU rounds the same way."""
@@ -74,11 +89,11 @@ def round_to(v, dtype: tl.constexpr):
 @triton.jit
 def _row_quant_kernel(
     X, X_stride, W, R, R_stride, R_OUT, R_OUT_stride, Y, CODES, SCALE, SCALE_CODES,
-    GSCALE, AMAX, K, NGROUPS, eps,
+    GSCALE, GOUT, AMAX, K, NGROUPS, eps,
     PRE: tl.constexpr, HAS_RES: tl.constexpr, STORE_Y: tl.constexpr, AMAX_ONLY: tl.constexpr,
     FMT: tl.constexpr, SCALE_KIND: tl.constexpr, E8M0_ROUND: tl.constexpr,
     QMAX: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr, HW_FP8: tl.constexpr,
-    NG: tl.constexpr, G: tl.constexpr,
+    FAST_DIV: tl.constexpr, G_DIV: tl.constexpr, NG: tl.constexpr, G: tl.constexpr,
 ):
     """One program per row of K elements, held as an [NG, G] tile (NG * G >= K).
 
@@ -88,7 +103,10 @@ def _row_quant_kernel(
     Y: float32 [rows, K] normalized output, written only when STORE_Y (tests).
     CODES: [rows, K] int8 / uint8. SCALE: float32 [rows, ngroups] effective scales.
     SCALE_CODES: uint8 [rows, ngroups] (e8m0 or e4m3 bit patterns) for MX / NVFP4.
-    GSCALE: float32 [1] tensor scale (NVFP4). AMAX: float32 [rows], AMAX_ONLY pass.
+    GSCALE: float32 [1], the tensor's amax (NVFP4); GOUT: float32 [1], written by program 0:
+    the tensor scale g = amax / G_DIV (1.0 when that is 0), as quantize.two_level_global_scale.
+    AMAX: float32 [rows], AMAX_ONLY pass. FAST_DIV: div_exact instead of div_rn (GPU only:
+    the interpreter's fma is not fused, so there the remainders would not be exact).
     """
     row = tl.program_id(0).to(tl.int64)
     gi = tl.arange(0, NG)[:, None]
@@ -99,7 +117,7 @@ def _row_quant_kernel(
     if PRE == 2:  # SiLU(gate) * up, in float32
         g = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(x_row + K + offs, mask=mask, other=0.0).to(tl.float32)
-        y = tl.math.div_rn(g, 1.0 + tl.exp(-g)) * u
+        y = (g / (1.0 + tl.exp(-g))) * u  # approximate division: y only needs the derived bound
     else:
         h = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_RES:
@@ -117,11 +135,12 @@ def _row_quant_kernel(
             y = h
     # A NaN or Inf must reach the scale as NaN (where the caller checks it): max alone would
     # skip a NaN, and an infinite amax gives a finite e8m0 / e4m3 scale after clamping.
+    # y * 0 is 0 for finite y and NaN otherwise, so one sum flags the row.
     amax = tl.max(tl.abs(y), axis=1)  # [NG]
-    has_nan = tl.max(((y != y) | (tl.abs(y) == float("inf"))).to(tl.int32), axis=1) > 0
-    amax = tl.where(has_nan, float("nan"), amax)
+    bad = tl.sum(tl.sum(y * 0.0, axis=1), axis=0)
+    amax = tl.where(bad != 0.0, float("nan"), amax)
     if AMAX_ONLY:
-        tl.store(AMAX + row, tl.max(tl.where(has_nan, float("inf"), amax), axis=0))
+        tl.store(AMAX + row, tl.where(bad != 0.0, float("inf"), tl.max(amax, axis=0)))
     else:
         if STORE_Y:
             tl.store(Y + row * K + offs, y, mask=mask)
@@ -129,6 +148,10 @@ def _row_quant_kernel(
         gidx = tl.arange(0, NG)
         gmask = gidx < ngroups
         # --- scale, as lowbit.quantize computes it ---
+        if SCALE_KIND == 2:
+            if row == 0:  # publish the tensor scale the codes were computed with
+                g0 = tl.math.div_rn(tl.load(GSCALE), G_DIV)
+                tl.store(GOUT, tl.where(g0 == 0.0, 1.0, g0))
         if SCALE_KIND == 0:
             s = tl.math.div_rn(amax, QMAX)
             s = tl.where(s == 0.0, 1.0, s)  # zero group (or underflow): s = 1.0
@@ -151,21 +174,37 @@ def _row_quant_kernel(
             s = tl.where(amax != amax, float("nan"), s)
             tl.store(SCALE_CODES + row * ngroups + gidx, e.to(tl.uint8), mask=gmask)
         else:  # NVFP4: e4m3 block scale of (amax / max) / g, clamped to [2^-6, 448]
-            gs = tl.load(GSCALE)
+            gs = tl.math.div_rn(tl.load(GSCALE), G_DIV)
+            gs = tl.where(gs == 0.0, 1.0, gs)
             rel = tl.math.div_rn(tl.math.div_rn(amax, QMAX), gs)
             sc = encode_e4m3fn(tl.maximum(rel, 0.015625)).to(tl.int32)
             s = _decode_e4m3(sc) * gs
             s = tl.where(amax != amax, float("nan"), s)
             tl.store(SCALE_CODES + row * ngroups + gidx, sc.to(tl.uint8), mask=gmask)
         tl.store(SCALE + row * ngroups + gidx, s, mask=gmask)
-        # --- codes ---
-        v = tl.math.div_rn(y, s[:, None])
+        # --- codes: v = y / s, IEEE ---
+        if FAST_DIV:
+            if SCALE_KIND == 1:  # a power of two: y * (1 / s) is exact (same rounding as y / s)
+                v = y * tl.math.div_rn(1.0, s)[:, None]
+            else:
+                # a tiny s (amax < ~1e-17) would make 1 / s overflow: scale both by 2^64 (exact)
+                k = tl.where(s < 5.421010862427522e-20, 1.8446744073709552e19, 1.0)
+                sk = s * k
+                v = div_exact(y * k[:, None], sk[:, None], tl.math.div_rn(1.0, sk)[:, None])
+            if FMT != 0:
+                v = tl.where(y == 0.0, y, v)  # keep the sign of zero for the float encoders
+        else:
+            v = tl.math.div_rn(y, s[:, None])
         if FMT == 0:
-            q = tl.minimum(tl.maximum(rint(v), -QMAX), QMAX)
-            tl.store(CODES + row * K + offs, q.to(tl.int8), mask=mask)
+            # clamp, then round with the 1.5 * 2^23 trick: the low byte of the sum's bits is
+            # the integer in two's complement (clamping first gives the same result)
+            t = tl.minimum(tl.maximum(v, -QMAX), QMAX) + 12582912.0
+            tl.store(CODES + row * K + offs, t.to(tl.int32, bitcast=True).to(tl.int8), mask=mask)
         elif FMT == 1:
-            if HW_FP8:
-                c = tl.minimum(tl.maximum(v, -448.0), 448.0).to(tl.float8e4nv)
+            if HW_FP8:  # the hardware cast rounds to nearest even
+                if SCALE_KIND != 0:  # e8m0 'floor' scales can put |v| past 448: saturate
+                    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+                c = v.to(tl.float8e4nv)
                 tl.store(CODES + row * K + offs, c.to(tl.uint8, bitcast=True), mask=mask)
             else:
                 tl.store(CODES + row * K + offs, encode_e4m3fn(v), mask=mask)

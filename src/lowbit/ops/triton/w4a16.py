@@ -1,27 +1,26 @@
 """W4A16 decode GEMM: out[M, N] = x[M, K] @ dequant(W)[N, K].T with 4-bit weights and
 bf16 / fp16 activations, for small M (decode, 1..64), where time is spent reading weights.
 
-Weight layout (what lowbit.ops.weight_only.prepare_w4 produces; no shuffle): the codes
-packed by lowbit.pack_int4, [N, K / 2] uint8, k = 2j in the low nibble of byte j and
-k = 2j + 1 in the high nibble; per-group data [N, K / G] row-major.
+Weight layout (made at load time by lowbit.ops.weight_only.prepare_w4, recorded in its
+metadata): [N, K / 2] uint8 in "planar chunks" of C codes along K -- byte j of chunk c holds
+code c*C + j in its low nibble and code c*C + C/2 + j in its high nibble, so both halves of
+a chunk multiply a contiguous half of x (no interleaving to undo in registers). int4 codes
+are stored offset-binary (code + 8); a nibble u becomes a float exactly with one OR and one
+subtraction: float_bits(0x4B000000 | u) - (2^23 + 8 + z) = code - z.
+Per-group data [N, K / G] row-major: float32 scales (int4), int8 zero points, uint8 scale
+codes (fp4: e8m0 for MXFP4, e4m3 for NVFP4 with a float32 tensor scale).
 
-Exactness: the kernel multiplies the activations by exactly representable values only,
-so the one rounding source is float32 accumulation (and the output cast):
-- int4 (G = 32 or 128, fp32 scales, optional int8 zero points): each group's partial dot
-  x . (q - z) has small-integer weights (exact in bf16/fp16; products exact in fp32) and is
-  scaled by the group's fp32 scale afterwards: acc += s_g * (x_g . (q_g - z_g)).
-- MXFP4 (G = 32, e8m0 scales): e2m1 value * 2^e is exact in bf16, dequantized in registers.
-- NVFP4 (G = 16, e4m3 block scales, fp32 tensor scale g): e2m1 value * e4m3 value has at
-  most 6 significant bits, exact in bf16; g multiplies the float32 result once at the end.
-  (QTensor's effective scale is float32(e4m3 * g); the kernel uses e4m3 * g unrounded, a
-  relative difference of at most 2^-24 per weight, inside the tolerance.)
-Even k (low nibbles) and odd k (high nibbles) are two dots against x[:, 0::2] and
-x[:, 1::2]: no register shuffle is needed to undo the interleaving.
-
-Split-K: with SPLIT, each program covers K / split and adds its float32 partial into a
-zeroed float32 output with atomics (summation order then varies from run to run, within
-the tolerance). In Triton's CPU interpreter bf16 dots are not supported, so there the
-operands are widened to float32 first (exact); the GPU path runs bf16 tensor-core dots.
+Exactness: the kernel multiplies activations by exactly representable weights only, so
+the rounding is float32 accumulation (and the output cast):
+- int4 (C = G): each group's partial x . (q - z) has small-integer weights (products exact
+  in float32) and is scaled by the group's fp32 scale afterwards: acc += s_g * partial_g.
+- MXFP4: e2m1 value * 2^e is exact in bf16. NVFP4: e2m1 * e4m3 has at most 6 significant
+  bits, exact in bf16; the tensor scale g multiplies the float32 result once at the end
+  (QTensor's effective scale is float32(e4m3 * g): a relative difference <= 2^-24 per weight).
+Two inner products: DOT (tensor cores, BLOCK_M >= 16 rows, rows past M masked) for M > 2,
+and GEMV (float32 FMAs and a reduction, no layout change for the tensor cores) for M <= 2.
+Split-K adds float32 partials into a zeroed float32 output with atomics. In Triton's CPU
+interpreter (no bf16 dot there) the dot operands are widened to float32 first (exact).
 """
 from __future__ import annotations
 
@@ -34,12 +33,20 @@ W_INT4, W_UINT4, W_MXFP4, W_NVFP4 = 0, 1, 2, 3
 
 
 @triton.jit
+def _nibble_value(u, off):
+    """Nibble u (int32, 0..15) -> float32 u - off_int, exactly: 2^23 + u has the integer in
+    its mantissa; `off` = 2^23 + the integer offset (broadcast)."""
+    return (u | 0x4B000000).to(tl.float32, bitcast=True) - off
+
+
+@triton.jit
 def _e2m1_value(c):
-    """fp4 e2m1 code (int32, 0..15) -> float32 value (0, .5, 1, 1.5, 2, 3, 4, 6, signed)."""
+    """fp4 e2m1 code (int32, 0..15) -> float32 value (0, .5, 1, 1.5, 2, 3, 4, 6, signed),
+    built from bits: 2^(e-1) * (1 + m/2) for e > 0, m/2 for e = 0."""
     e = (c >> 1) & 3
-    m = (c & 1).to(tl.float32)
-    mag = tl.where(e == 0, m * 0.5, (1.0 + m * 0.5) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
-    return tl.where((c & 8) != 0, -mag, mag)
+    m = c & 1
+    bits = tl.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
+    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -53,26 +60,33 @@ def _e4m3_value(c):
 
 
 @triton.jit
-def _dot(a, b, acc, INTERP: tl.constexpr):
-    """acc + a @ b with float32 accumulation; b is float32 or int32 holding values exact in
-    a's dtype, cast to it here (kept float32 in the interpreter, which has no bf16 dot)."""
-    if INTERP:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+def _product(xa, wa, xb, wb, acc, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
+    """acc + xa @ wa + xb @ wb for x halves [BM, C/2] and weight halves [C/2, BN] (float32,
+    exact values), accumulated in float32."""
+    if USE_DOT:
+        if INTERP:
+            acc = tl.dot(xa.to(tl.float32), wa, acc)
+            acc = tl.dot(xb.to(tl.float32), wb, acc)
+        else:
+            acc = tl.dot(xa, wa.to(xa.dtype), acc)
+            acc = tl.dot(xb, wb.to(xb.dtype), acc)
     else:
-        return tl.dot(a, b.to(a.dtype), acc)
+        p = xa.to(tl.float32)[:, :, None] * wa[None, :, :] + xb.to(tl.float32)[:, :, None] * wb[None, :, :]
+        acc += tl.sum(p, axis=1)
+    return acc
 
 
 @triton.jit
 def _w4a16_kernel(
     X, W, S, Z, SC, GS, BIAS, OUT, M, N, K, K_SPLIT, s_xm, s_wn, s_sn, s_om,
-    WFMT: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, G: tl.constexpr,
+    WFMT: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, G: tl.constexpr, C: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr,
-    HALF: tl.constexpr, INTERP: tl.constexpr,
+    USE_DOT: tl.constexpr, INTERP: tl.constexpr,
 ):
-    """Grid (cdiv(N, BLOCK_N), split, cdiv(M, BLOCK_M)). K_SPLIT (a multiple of BLOCK_K) is
-    the K range of one program. X [M, K]; W [N, K/2] uint8; S fp32 [N, K/G] (int4);
-    Z int8 [N, K/G]; SC uint8 [N, K/G] scale codes (fp4); GS fp32 [1] (NVFP4); OUT [M, N]
-    (float32 when ATOMIC). HALF = G // 2 (int4: one group per dot) or BLOCK_K // 2 (fp4)."""
+    """Grid (cdiv(N, BLOCK_N), split, cdiv(M, BLOCK_M)); each program covers K_SPLIT (a
+    multiple of BLOCK_K, itself a multiple of the chunk C) starting at pid_k * K_SPLIT.
+    X [M, K]; W [N, K/2] uint8 (planar chunks); S fp32 [N, K/G]; Z int8 [N, K/G];
+    SC uint8 [N, K/G]; GS fp32 [1]; OUT [M, N] (float32 when ATOMIC)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -81,47 +95,46 @@ def _w4a16_kernel(
     m_ok = offs_m < M
     n_ok = offs_n < N
     n64 = offs_n.to(tl.int64)
-    j = tl.arange(0, HALF)
+    j = tl.arange(0, C // 2)
+    x_rows = X + offs_m[:, None].to(tl.int64) * s_xm
+    w_cols = W + n64[None, :] * s_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = pid_k * K_SPLIT
-    for k0 in range(k_lo, k_lo + K_SPLIT, BLOCK_K):
-        if WFMT <= 1:  # int4: one scaled partial dot per group of G
-            for t in tl.static_range(BLOCK_K // G):
-                kg = k0 + t * G
-                wp = tl.load(W + n64[None, :] * s_wn + (kg // 2 + j)[:, None], mask=n_ok[None, :],
-                             other=0, eviction_policy="evict_first").to(tl.int32)
-                lo = wp & 15
-                hi = wp >> 4
-                if WFMT == 0:  # two's complement nibbles
-                    lo = (lo ^ 8) - 8
-                    hi = (hi ^ 8) - 8
-                gidx = kg // G
+    for kk in range(0, K_SPLIT, BLOCK_K):
+        for t in tl.static_range(BLOCK_K // C):
+            kc = tl.multiple_of(k_lo + kk + t * C, C)  # chunk start (alignment hint: 16-byte loads)
+            kb = tl.multiple_of(kc // 2, C // 2)
+            wp = tl.load(w_cols + (kb + j)[:, None], mask=n_ok[None, :], other=0,
+                         eviction_policy="evict_first").to(tl.int32)  # [C/2, BN]
+            xa = tl.load(x_rows + (kc + j)[None, :], mask=m_ok[:, None], other=0.0)  # [BM, C/2]
+            xb = tl.load(x_rows + (kc + C // 2 + j)[None, :], mask=m_ok[:, None], other=0.0)
+            if WFMT <= 1:  # int4 / uint4, chunk = group: one scaled partial per group
+                gidx = kc // G
+                if WFMT == 0:  # offset-binary int4: value = u - 8
+                    off = tl.full((BLOCK_N,), 8388616.0, tl.float32)
+                else:
+                    off = tl.full((BLOCK_N,), 8388608.0, tl.float32)
                 if HAS_Z:
-                    z = tl.load(Z + n64 * s_sn + gidx, mask=n_ok, other=0).to(tl.int32)
-                    lo = lo - z[None, :]
-                    hi = hi - z[None, :]
-                xe = tl.load(X + offs_m[:, None] * s_xm + (kg + 2 * j)[None, :], mask=m_ok[:, None], other=0.0)
-                xo = tl.load(X + offs_m[:, None] * s_xm + (kg + 2 * j + 1)[None, :], mask=m_ok[:, None],
-                             other=0.0)
-                part = _dot(xe, lo, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERP)
-                part = _dot(xo, hi, part, INTERP)
+                    off += tl.load(Z + n64 * s_sn + gidx, mask=n_ok, other=0).to(tl.float32)
+                wa = _nibble_value(wp & 15, off[None, :])
+                wb = _nibble_value(wp >> 4, off[None, :])
+                part = _product(xa, wa, xb, wb, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), USE_DOT, INTERP)
                 s = tl.load(S + n64 * s_sn + gidx, mask=n_ok, other=0.0)
                 acc += part * s[None, :]
-        else:  # fp4: exact dequantization to bf16 in registers, one dot per BLOCK_K
-            wp = tl.load(W + n64[None, :] * s_wn + (k0 // 2 + j)[:, None], mask=n_ok[None, :],
-                         other=0, eviction_policy="evict_first").to(tl.int32)
-            gi = (k0 + 2 * j) // G  # both nibbles of a byte share a group (G is even)
-            sc = tl.load(SC + n64[None, :] * s_sn + gi[:, None], mask=n_ok[None, :], other=127).to(tl.int32)
-            if WFMT == 2:
-                sv = (tl.minimum(tl.maximum(sc, 1), 254) << 23).to(tl.float32, bitcast=True)
-            else:
-                sv = _e4m3_value(sc)
-            wl = _e2m1_value(wp & 15) * sv
-            wh = _e2m1_value(wp >> 4) * sv
-            xe = tl.load(X + offs_m[:, None] * s_xm + (k0 + 2 * j)[None, :], mask=m_ok[:, None], other=0.0)
-            xo = tl.load(X + offs_m[:, None] * s_xm + (k0 + 2 * j + 1)[None, :], mask=m_ok[:, None], other=0.0)
-            acc = _dot(xe, wl, acc, INTERP)
-            acc = _dot(xo, wh, acc, INTERP)
+            else:  # fp4: dequantize exactly (scale per element's group) and accumulate
+                ga = (kc + j) // G
+                gb = (kc + C // 2 + j) // G
+                sca = tl.load(SC + n64[None, :] * s_sn + ga[:, None], mask=n_ok[None, :], other=127).to(tl.int32)
+                scb = tl.load(SC + n64[None, :] * s_sn + gb[:, None], mask=n_ok[None, :], other=127).to(tl.int32)
+                if WFMT == 2:  # e8m0: 2^(code - 127), codes in [1, 254]
+                    sva = (tl.minimum(tl.maximum(sca, 1), 254) << 23).to(tl.float32, bitcast=True)
+                    svb = (tl.minimum(tl.maximum(scb, 1), 254) << 23).to(tl.float32, bitcast=True)
+                else:
+                    sva = _e4m3_value(sca)
+                    svb = _e4m3_value(scb)
+                wa = _e2m1_value(wp & 15) * sva
+                wb = _e2m1_value(wp >> 4) * svb
+                acc = _product(xa, wa, xb, wb, acc, USE_DOT, INTERP)
     if WFMT == 3:
         acc = acc * tl.load(GS)
     o_ptr = OUT + offs_m[:, None].to(tl.int64) * s_om + offs_n[None, :]
