@@ -105,10 +105,9 @@ def linear(xq, wq, *, bias: torch.Tensor | None = None, out_dtype: torch.dtype =
     if kernel is None:
         raise _not_implemented(xq, wq, backend)
     x2, w2, lead = _operands(xq, wq)
-    if out_dtype == torch.float64:
-        if backend == "triton":
-            raise ValueError("out_dtype=float64 is not produced by the Triton kernels (fp32 epilogue); "
-                             "use float32, or backend='reference'")
+    if out_dtype == torch.float64 and backend == "triton":
+        raise ValueError("out_dtype=float64 is not produced by the Triton kernels (fp32 epilogue); "
+                         "use float32, or backend='torch' / 'reference'")
     if backend == "torch":
         out = _torch_path(kernel, xq, wq, x2, w2, bias, out_dtype, w_colsum)
     else:
@@ -204,18 +203,15 @@ def _torch_path(kernel, xq, wq, x2, w2, bias, out_dtype, w_colsum):
         if x2.device.type == "cuda" and (x2.shape[1] % 16 or N % 16):
             raise _not_implemented(xq, wq, "torch", f" at K={x2.shape[1]}, N={N}: torch._scaled_mm on "
                                    "CUDA needs K and N multiples of 16")
-        # _scaled_mm takes row-wise scales as [M, 1] and [1, N], tensor-wise as two 0-d/1-element ones.
-        sa, sb = _row_scale(xq, M), _row_scale(wq, N)
-        tensorwise = sa.numel() == 1 and sb.numel() == 1
-        sa = sa.reshape(()) if tensorwise else sa.expand(M).reshape(M, 1).contiguous()
-        sb = sb.reshape(()) if tensorwise else sb.expand(N).reshape(1, N).contiguous()
-        if out_dtype == torch.float64:
-            raise ValueError("torch._scaled_mm does not produce float64; use backend='reference'")
-        # fp32 out, bias added afterwards in float64: one final rounding to out_dtype, and
-        # cuBLAS refuses a bias with a float32 output anyway.
-        y = torch._scaled_mm(x2.contiguous().view(torch.float8_e4m3fn), w2.view(torch.float8_e4m3fn).t(),
-                             scale_a=sa, scale_b=sb, out_dtype=torch.float32)
-        if bias is None:
-            return y.to(out_dtype)
-        return (y.to(torch.float64) + bias.to(torch.float64)).to(out_dtype)
+        # cuBLAS's fp8 GEMM on the raw codes (unit tensor-wise scales, fp32 out: the one output
+        # type every scaling mode and bias combination allows), then the scales and the bias in
+        # float64 like the int8 path: one final rounding to out_dtype.
+        one = torch.ones((), dtype=torch.float32, device=x2.device)
+        acc = torch._scaled_mm(x2.contiguous().view(torch.float8_e4m3fn), w2.view(torch.float8_e4m3fn).t(),
+                               scale_a=one, scale_b=one, out_dtype=torch.float32)
+        y = acc.to(torch.float64) * _row_scale(xq, M).to(torch.float64)[:, None] \
+            * _row_scale(wq, N).to(torch.float64)[None, :]
+        if bias is not None:
+            y = y + bias.to(torch.float64)
+        return y.to(out_dtype)
     raise _not_implemented(xq, wq, "torch")
