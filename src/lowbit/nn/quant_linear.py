@@ -142,15 +142,21 @@ class QuantLinear(torch.nn.Module):
             raise ValueError(f"input's last dimension is {x.shape[-1]}, this layer expects in_features={self.in_features}")
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features).float()
-        y = self._matmul(x2d)
-        if self.bias is not None:
-            y = y + self.bias.to(y.device, torch.float32)
+        y, _ = self.forward_2d(x2d)
         return y.reshape(*lead, self.out_features).to(x.dtype)
 
-    def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+    def forward_2d(self, x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Float32 [M, K] in; returns (float32 output [M, N] with bias, the dequantized input
+        [M, K] the layer actually multiplied, or None on the kernel path / weight-only)."""
+        y, deq = self._matmul(x2d)
+        if self.bias is not None:
+            y = y + self.bias.to(y.device, torch.float32)
+        return y, deq
+
+    def _matmul(self, x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.act_scheme is None:
             self.last_path = "dequantized"
-            return x2d @ self._weight_operand("deq", x2d.device).t()
+            return x2d @ self._weight_operand("deq", x2d.device).t(), None
         int_ok = (_is_int8_sym(self.act_scheme, ("token", "tensor"))
                   and _is_int8_sym(self.weight_scheme, ("channel", "tensor")))
         want = self.backend
@@ -164,16 +170,17 @@ class QuantLinear(torch.nn.Module):
             y = self._kernel(x2d)
             if y is not None:
                 self.last_path = "kernel"
-                return y
+                return y, None
             want = "int8-intmm" if (int_ok and not x2d.is_cuda) else "dequantized"
         codes, scale, deq = self.quantize_input(x2d)
         if want == "int8-intmm":
             self.last_path = "int8-intmm"
             acc = torch._int_mm(codes.to(torch.int8).contiguous(), self._weight_operand("codes_t", x2d.device))
             # Epilogue: per-token scale [M, 1] (or [1, 1]) times per-channel scale [1, N].
-            return acc.to(torch.float32) * scale.to(torch.float32) * self._weight_operand("scale_row", x2d.device)
+            y = acc.to(torch.float32) * scale.to(torch.float32) * self._weight_operand("scale_row", x2d.device)
+            return y, deq
         self.last_path = "dequantized"
-        return deq @ self._weight_operand("deq", x2d.device).t()
+        return deq @ self._weight_operand("deq", x2d.device).t(), deq
 
     def _kernel(self, x2d: torch.Tensor) -> torch.Tensor | None:
         """lowbit.ops.linear on the quantized operands; None (after one warning) when the kernels

@@ -115,12 +115,15 @@ def site_report(model: torch.nn.Module, batches: Iterable, recipe: str | Recipe,
         def hook(mod, args):
             x = args[0].detach().float().reshape(-1, mod.in_features)
             q, st = qlayers[name], stats[name]
+            yq, deq = q.forward_2d(x)
             if q.act_scheme is not None:
+                if deq is None:                      # kernel path: quantize once more to see the input
+                    deq = q.quantize_input(x)[2]
                 st[0] += float(x.pow(2).sum())
-                st[1] += float((x - q.quantize_input(x)[2]).pow(2).sum())
+                st[1] += float((x - deq[:, :x.shape[1]]).pow(2).sum())
             y = linear_float(mod, x)
             st[2] += float(y.pow(2).sum())
-            st[3] += float((y - q(x).float()).pow(2).sum())
+            st[3] += float((y - yq).pow(2).sum())
             cm = x.abs().amax(dim=0)
             st[4] = cm if st[4] is None else torch.maximum(st[4], cm)
         return hook

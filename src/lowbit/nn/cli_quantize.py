@@ -1,0 +1,133 @@
+"""`lowbit quantize`: quantize a model by a recipe, show the sites that hurt, what it costs
+(perplexity / embedding cosine) and what it buys (bytes, tokens/s on CUDA), and write a
+compressed-tensors checkpoint plus a report (markdown + PNG).
+
+Defaults: the embedded SmolLM2-135M-Instruct, Wikipedia text, recipe w8a8-int8."""
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from pathlib import Path
+
+
+def register(p) -> None:
+    from lowbit.nn.recipes import RECIPES
+    p.add_argument("--model", default="smollm2",
+                   help="smollm2 (embedded default), minilm (embedded encoder), or a model directory (HF or .gguf)")
+    p.add_argument("--recipe", default="w8a8-int8",
+                   help=f"recipe, or several separated by commas (one table): {', '.join(RECIPES)}")
+    p.add_argument("--out", default=None, help="checkpoint + report directory (default lowbit-out/<model>-<recipe>)")
+    p.add_argument("--tokens", type=int, default=8192, help="evaluation tokens (perplexity windows of --window)")
+    p.add_argument("--window", type=int, default=512, help="perplexity window (non-overlapping)")
+    p.add_argument("--calib-tokens", type=int, default=1024, help="calibration / per-site report tokens (separate text)")
+    p.add_argument("--smoothquant", nargs="?", type=float, const=0.5, default=None, metavar="ALPHA",
+                   help="fold SmoothQuant factors (alpha, default 0.5) before quantizing")
+    p.add_argument("--override-worst", type=float, default=0.0, metavar="FRACTION",
+                   help="send the worst sites of the per-site report (at most this fraction of Linears, e.g. 0.05) "
+                        "to --override-to")
+    p.add_argument("--override-to", default="skip", help="'skip' (high precision) or a recipe for --override-worst")
+    p.add_argument("--ignore", action="append", default=None, metavar="PATTERN", help="keep matching Linears in high precision")
+    p.add_argument("--override", action="append", default=None, metavar="PATTERN=RECIPE",
+                   help="another recipe (or skip) for matching Linears")
+    p.add_argument("--static-scales", action="store_true",
+                   help="calibrated per-tensor activation scales instead of dynamic ones (+ clipping report on new text)")
+    p.add_argument("--no-save", action="store_true", help="evaluate only, write no checkpoint (report still written)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def _overrides(items):
+    out = {}
+    for it in items or []:
+        if "=" not in it:
+            raise SystemExit(f"--override {it!r}: write PATTERN=RECIPE (or PATTERN=skip)")
+        k, v = it.split("=", 1)
+        out[k] = v
+    return out
+
+
+def _save(model, out: Path, recipe, tokenizer) -> str:
+    try:
+        from lowbit.io.compressed_tensors import save_compressed
+    except ImportError as err:
+        return f"not written: lowbit.io.compressed_tensors is not available ({err})"
+    try:
+        path = save_compressed(model, out, recipe, tokenizer=tokenizer, overwrite=True)
+    except (ValueError, NotImplementedError) as err:
+        return f"not written: {err}"
+    return str(path)
+
+
+def run(args) -> int:
+    import torch
+    from lowbit.nn.evaluate import model_bytes, tokens_per_second
+    from lowbit.nn.pipeline import load_model, machine, metric, prepare_texts, run_recipe
+    from lowbit.nn.recipes import get_recipe
+    from lowbit.nn.report import QuantizeResult, write_report
+    from lowbit.nn.sites import plot_sites
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    recipes = [get_recipe(r.strip()).name for r in args.recipe.split(",") if r.strip()]
+    command = "lowbit " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[0].endswith("lowbit") \
+        else "lowbit quantize " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    t0 = time.time()
+    print(f"loading {args.model} ...", flush=True)
+    loaded = load_model(args.model)
+    texts = prepare_texts(loaded, args.tokens, args.calib_tokens, args.window)
+    before = metric(loaded, loaded.model, None, texts, args.window, True, "float eval")
+    mname = "perplexity" if loaded.kind == "causal" else "embedding cosine"
+    ntok = args.tokens if loaded.kind == "causal" else len(texts.sentences)
+    bytes_before = model_bytes(loaded.model)
+    tps_before = tokens_per_second(loaded.model, texts.eval_ids) if texts.eval_ids is not None else None
+    print(f"{loaded.name}: float {mname} {before:.4f} on {ntok} {'tokens' if loaded.kind == 'causal' else 'sentences'}"
+          f" ({time.time() - t0:.0f} s)", flush=True)
+    table = []
+    for recipe in recipes:
+        run_ = run_recipe(loaded, texts, recipe, smoothquant=args.smoothquant, override_worst=args.override_worst,
+                          override_to=args.override_to, ignore=args.ignore, overrides=_overrides(args.override),
+                          static=args.static_scales, window=args.window)
+        print(run_.sites_before)
+        if run_.sites_after is not None:
+            print("after SmoothQuant:\n" + str(run_.sites_after))
+        if run_.overrides:
+            print("overridden worst sites: " + ", ".join(f"{k} -> {v}" for k, v in run_.overrides.items()))
+        print(run_.summary)
+        tps = tokens_per_second(run_.model, texts.eval_ids) if tps_before else None
+        res = QuantizeResult(
+            model=loaded.name, recipe=recipe, metric=mname, before=before, after=run_.value,
+            bytes_before=bytes_before, bytes_after=model_bytes(run_.model), eval_tokens=ntok,
+            command=command, machine=machine(),
+            smoothquant=None if args.smoothquant is None else f"alpha {args.smoothquant}",
+            summary=str(run_.summary), overrides=run_.overrides, clipping=run_.clipping,
+            tokens_per_s=(tps_before, tps) if tps else None,
+            sites_markdown=[("Worst sites" + (" before SmoothQuant" if run_.sites_after else ""),
+                             run_.sites_before.to_markdown(10))]
+            + ([("Worst sites after SmoothQuant", run_.sites_after.to_markdown(10))] if run_.sites_after else []))
+        out = Path(args.out or f"lowbit-out/{args.model if args.model in ('smollm2', 'minilm') else loaded.name}-{recipe}")
+        if len(recipes) > 1 and args.out:
+            out = out / recipe
+        if not args.no_save:
+            res.checkpoint = _save(run_.model, out, get_recipe(recipe), loaded.tokenizer)
+            print(f"checkpoint: {res.checkpoint}")
+        out.mkdir(parents=True, exist_ok=True)
+        reps = [run_.sites_before] + ([run_.sites_after] if run_.sites_after else [])
+        png = plot_sites(reps, str(out / "lowbit_sites.png"),
+                         labels=[f"{recipe}"] + ([f"{recipe} + SmoothQuant"] if run_.sites_after else []))
+        md = write_report(res, out, png)
+        mb = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
+        print(f"{recipe}: {mname} {before:.4f} -> {run_.value:.4f} ({res.change()}), "
+              f"bytes {mb(res.bytes_before)} -> {mb(res.bytes_after)}; report {md}", flush=True)
+        if run_.clipping:
+            worst = run_.clipping[0]
+            print(f"static scales on new text: worst clipping {worst['clip_rate']:.2e} at {worst['name']} "
+                  f"(max |x|/range {worst['max_ratio']:.2f})")
+        table.append((recipe, run_.value, res.change(), res.bytes_after, len(run_.overrides)))
+        del run_
+    if len(table) > 1:
+        print(f"\n| recipe | {mname} | change | bytes | overrides |\n|---|---:|---:|---:|---:|")
+        print(f"| float | {before:.3f} | | {bytes_before} | |")
+        for r, v, c, b, n in table:
+            print(f"| {r} | {v:.3f} | {c} | {b} | {n} |")
+    print(f"done in {time.time() - t0:.0f} s")
+    return 0

@@ -1,0 +1,154 @@
+"""The quantize-and-evaluate pipeline behind `lowbit quantize` (and the measured table in
+docs/perplexity.md): load a model and text, diagnose per-site SQNR, optionally SmoothQuant and
+override the worst sites, quantize, evaluate before/after.
+
+Text roles are kept apart: perplexity on the first `tokens` of the Wikipedia file ("eval"),
+calibration and the per-site report on articles from the end of the file ("calib"), the
+clipping report of static scales on Spanish Wikipedia (text the calibration never saw)."""
+from __future__ import annotations
+
+import copy
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from lowbit.nn.recipes import get_recipe
+
+
+@dataclass
+class Loaded:
+    """A model with what evaluating it needs. kind: "causal" (perplexity) or "encoder" (cosine)."""
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    kind: str
+
+
+def load_model(spec: str) -> Loaded:
+    """spec: "smollm2" (embedded default), "minilm" (embedded encoder), a directory holding a Llama
+    .gguf file, or a Hugging Face model directory (config.json + safetensors)."""
+    from lowbit.nn import embedded
+    if spec == "smollm2":
+        m, t = embedded.load_smollm2()
+        return Loaded("SmolLM2-135M-Instruct", m, t, "causal")
+    if spec == "minilm":
+        m, t = embedded.load_minilm()
+        return Loaded("all-MiniLM-L6-v2", m, t, "encoder")
+    d = Path(spec)
+    if not d.is_dir():
+        raise FileNotFoundError(f"--model {spec!r}: not 'smollm2', 'minilm' or an existing directory")
+    ggufs = sorted(d.glob("*.gguf"))
+    if ggufs:
+        m, t = embedded.load_gguf_llama(ggufs[0])
+        return Loaded(ggufs[0].stem, m, t, "causal")
+    if not (d / "config.json").is_file():
+        raise FileNotFoundError(f"--model {d}: no config.json and no .gguf file; give a Hugging Face model directory")
+    import json
+    cfg = json.loads((d / "config.json").read_text())
+    if "quantization_config" in cfg:
+        raise ValueError(f"--model {d} is already quantized ({cfg['quantization_config'].get('quant_method')}); "
+                         "give the float checkpoint")
+    embedded._offline()
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(d)
+    try:
+        return Loaded(d.name, AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval(), tok, "causal")
+    except ValueError:
+        return Loaded(d.name, AutoModel.from_pretrained(d, dtype=torch.float32).eval(), tok, "encoder")
+
+
+def machine() -> str:
+    dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    return f"{platform.node() or 'host'}: {dev}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+
+
+@dataclass
+class Texts:
+    """eval_ids: 1-D ids for perplexity; calib: batches for calibration and the site report;
+    new: batches of unseen text (clipping report); sentences: encoder evaluation text."""
+    eval_ids: torch.Tensor | None
+    calib: list
+    new: list
+    sentences: list[str] = field(default_factory=list)
+
+
+def prepare_texts(loaded: Loaded, tokens: int, calib_tokens: int, window: int) -> Texts:
+    from lowbit.nn.embedded import wiki_articles, wiki_token_ids, windows
+    tok = loaded.tokenizer
+    if loaded.kind == "causal":
+        ev = wiki_token_ids(tok, tokens, split="eval")
+        calib = windows(wiki_token_ids(tok, calib_tokens, split="calib"), window)
+        new = windows(wiki_token_ids(tok, window, split="eval", lang="es-es"), window)
+        return Texts(ev, calib, new)
+
+    def enc(texts):
+        return [dict(tok(texts[i:i + 16], padding=True, truncation=True, max_length=128, return_tensors="pt"))
+                for i in range(0, len(texts), 16)]
+    arts = wiki_articles()
+    n = max(16, tokens // 64)                       # ~64 tokens per sentence-sized extract
+    sentences = [a[:400] for a in arts[:n]]
+    calib = enc([a[:400] for a in arts[::-1][:max(16, calib_tokens // 64)]])
+    new = enc([a[:400] for a in wiki_articles("es-es")[:16]])
+    return Texts(None, calib, new, sentences)
+
+
+def metric(loaded: Loaded, model: torch.nn.Module, reference: torch.nn.Module | None, texts: Texts,
+           window: int, progress: bool, desc: str) -> float:
+    """Perplexity (causal) or mean embedding cosine against `reference` (encoder)."""
+    from lowbit.nn.evaluate import embedding_cosine, perplexity
+    if loaded.kind == "causal":
+        return perplexity(model, texts.eval_ids, window, progress=progress, desc=desc)
+    if reference is None:
+        return 1.0
+    return float(embedding_cosine(reference, model, loaded.tokenizer, texts.sentences).mean())
+
+
+@dataclass
+class RecipeRun:
+    recipe: str
+    model: torch.nn.Module
+    summary: object
+    sites_before: object
+    sites_after: object | None
+    overrides: dict
+    value: float
+    clipping: list
+
+
+def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float | None = None,
+               override_worst: float = 0.0, override_to: str = "skip", ignore=None, overrides=None,
+               static: bool = False, window: int = 512, progress: bool = True, log=print) -> RecipeRun:
+    """Quantize a copy of loaded.model by `recipe` and evaluate it. smoothquant: alpha or None;
+    override_worst: fraction of Linear layers (<= 0.05 by the issue's rule) whose worst output
+    SQNR sends them to `override_to` ("skip" = high precision, or a recipe name)."""
+    from lowbit.nn.calibration import calibrate_static_scales, clipping_report
+    from lowbit.nn.quantize_model import linear_layers, quantize_model
+    from lowbit.nn.sites import pick_overrides, site_report
+    from lowbit.nn.smoothquant import smooth_model
+    r = get_recipe(recipe)
+    m = copy.deepcopy(loaded.model)
+    sites_before = site_report(m, texts.calib, r, ignore=ignore, overrides=overrides, progress=progress)
+    sites_after = None
+    if smoothquant is not None:
+        smooth_model(m, texts.calib, alpha=smoothquant, progress=progress)
+        sites_after = site_report(m, texts.calib, r, ignore=ignore, overrides=overrides, progress=progress)
+    ov = dict(overrides or {})
+    picked = {}
+    if override_worst > 0:
+        final = sites_after or sites_before
+        picked = pick_overrides(final, len(linear_layers(m)), override_worst, override_to)
+        ov.update(picked)
+    scales = None
+    if static and override_to != "skip" and picked:
+        raise ValueError("static scales are calibrated for the recipe's activation format; combine them only "
+                         "with override_to='skip'")
+    if static:
+        if r.act is None:
+            raise ValueError(f"--static-scales needs a recipe with activation quantization; {r.name} is weight-only")
+        scales = calibrate_static_scales(m, texts.calib, r.act)
+    summary = quantize_model(m, r, ignore=ignore, overrides=ov or None, act_static_scales=scales, progress=progress)
+    clipping = clipping_report(m, texts.new) if static else []
+    value = metric(loaded, m, loaded.model, texts, window, progress, f"{r.name} eval")
+    return RecipeRun(r.name, m, summary, sites_before, sites_after, picked, value, clipping)
