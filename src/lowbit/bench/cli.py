@@ -56,6 +56,7 @@ def run(args) -> int:
     if only in short:  # `--only gemm` selects a whole module
         modules, only = [short[only]], None
     rows, notes = [], []
+    failed = False
     for name in modules:
         try:
             mod = importlib.import_module(name)
@@ -64,7 +65,13 @@ def run(args) -> int:
             print(f"# {notes[-1]}")
             continue
         print(f"# {name}")
-        mod_rows = mod.run(only, args.quick)
+        try:
+            mod_rows = mod.run(only, args.quick)
+        except Exception as exc:  # one module's failure must not discard the others' rows
+            notes.append(f"{name} failed: {type(exc).__name__}: {exc}")
+            print(f"# {notes[-1]}")
+            failed = True
+            continue
         for r in mod_rows:
             r.setdefault("module", name.rsplit(".", 1)[-1])
         rows += mod_rows
@@ -82,12 +89,14 @@ def run(args) -> int:
                 print(f"# wrote {png}")
             except ImportError as exc:  # matplotlib is optional on the GPU machine
                 print(f"# no plot ({exc})")
-    return 0
+    return 1 if failed else 0
 
 
 def _summary(rows: list[dict]) -> None:
-    """Short table last: per lowbit kernel and shape, TF/s and its ratios to the baselines."""
-    lb = [r for r in rows if str(r.get("name", "")).startswith("lowbit_") and r.get("ms")]
+    """Short table last: per lowbit GEMM kernel and shape, TF/s and its ratios to the baselines
+    (other modules print their own rows as they run)."""
+    lb = [r for r in rows if r.get("module") == "gemm" and str(r.get("name", "")).startswith("lowbit_")
+          and r.get("ms") and "tflops" in r]
     if not lb:
         return
     print("\n# summary (ratio = baseline ms / lowbit ms; >1 is faster)")
