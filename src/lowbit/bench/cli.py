@@ -100,12 +100,12 @@ def _summary(rows: list[dict]) -> None:
     if not lb:
         return
     print("\n# summary (ratio = baseline ms / lowbit ms; >1 is faster)")
-    print(f"{'kernel':18s} {'shape':>17s} {'TF/s':>7s} {'%peak':>6s} {'vs bf16':>8s} {'vs int_mm':>9s} "
+    print(f"{'kernel':20s} {'shape':>17s} {'TF/s':>7s} {'%peak':>6s} {'vs bf16':>8s} {'vs int_mm':>9s} "
           f"{'vs +epi':>8s} {'vs s_row':>8s} {'vs s_ten':>8s} {'vs s_fast':>9s}")
     fmt = lambda r, k: f"{r[k]:.2f}" if k in r else "-"  # noqa: E731
     for r in lb:
         if "tflops" not in r:
             continue
-        print(f"{r['name']:18s} {r['shape']:>17s} {r['tflops']:7.1f} {100 * r['frac_peak']:6.1f} "
+        print(f"{r['name']:20s} {r['shape']:>17s} {r['tflops']:7.1f} {100 * r['frac_peak']:6.1f} "
               f"{fmt(r, 'vs_bf16'):>8s} {fmt(r, 'vs_int_mm'):>9s} {fmt(r, 'vs_int_mm+epi'):>8s} "
               f"{fmt(r, 'vs_scaled_row'):>8s} {fmt(r, 'vs_scaled_ten'):>8s} {fmt(r, 'vs_scaled_row_fast'):>9s}")
