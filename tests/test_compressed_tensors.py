@@ -386,3 +386,24 @@ def test_overwrite_replaces_whole_directory(rng, tmp_path):
     assert not (out / "stale.safetensors").exists()
     assert load_compressed(out).recipe == "w8a16-int8"
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_reads_checkpoints_of_other_tools(rng, tmp_path):
+    """Without lowbit.json the schemes come from quantization_config alone; bf16 scales (as
+    llm-compressor writes them) are widened to float32 exactly."""
+    from safetensors.torch import load_file, save_file
+    model = quantized_llama(rng, "w8a8-int8")
+    out = save_compressed(model, tmp_path / "ckpt", "w8a8-int8")
+    (out / "lowbit.json").unlink()
+    t = load_file(out / "model.safetensors")
+    for k in [k for k in t if k.endswith("weight_scale")]:
+        t[k] = t[k].bfloat16()
+    save_file(t, out / "model.safetensors", metadata={"format": "pt"})
+    ck = load_compressed(out)
+    assert ck.recipe is None
+    for n, m in model.named_modules():
+        if hasattr(m, "weight_q"):
+            got = ck.qtensors[n]
+            assert got.scheme == m.weight_scheme and torch.equal(got.codes, m.weight_q.codes)
+            assert got.scale.dtype == torch.float32
+            assert torch.equal(got.scale, m.weight_q.scale.bfloat16().float())

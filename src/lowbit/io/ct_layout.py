@@ -293,10 +293,10 @@ def ct_to_qtensor(t: dict[str, torch.Tensor], scheme: QuantScheme, fmt: str,
             gscale = global_scale.to(torch.float32).reshape(())
         scale = decode(scale_codes, "fp8_e4m3fn") * gscale
     else:
-        if raw.dtype != torch.float32:
-            raise ValueError(f"{where}: weight_scale has dtype {raw.dtype}; lowbit reads float32 scales "
-                             "only (a bf16/fp16 scale is a different, rounded scale)")
-        scale = raw.reshape(lb_shape).clone()
+        if raw.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"{where}: weight_scale has dtype {raw.dtype}; expected a float32/bf16/fp16 scale")
+        # Other tools often store bf16/fp16 scales; widening them to float32 is exact.
+        scale = raw.reshape(lb_shape).to(torch.float32).clone()
     zp = None
     if not scheme.symmetric:
         z = need("weight_zero_point")
