@@ -71,7 +71,7 @@ def describe_args(a: dict | None) -> str:
     dyn = a.get("dynamic", False)
     kind = "dynamic" if dyn is True else ("dynamic-local" if dyn == "local" else "static")
     sym = "" if a.get("symmetric", True) else " asym"
-    sd = f" scale={a['scale_dtype']}" if a.get("scale_dtype") else ""
+    sd = {"torch.uint8": " e8m0-scale", "torch.float8_e4m3fn": " fp8-scale"}.get(str(a.get("scale_dtype")), "")
     return f"{bits} {gran}{sym} {kind}{sd}"
 
 
@@ -270,15 +270,21 @@ def _check_fused(layers: list, f: list) -> None:
 def format_report(r: Report) -> str:
     lines = [f"{r.path}: compressed-tensors, format {r.format}, {len(r.layers)} quantized layers"]
     w = max([len(li.name) for li in r.layers] + [5])
-    lines.append(f"{'layer':<{w}}  {'weight':<28} {'activations':<28} scale shapes")
+    cw = max([len(li.weight) for li in r.layers] + [len(li.act) for li in r.layers] + [11])
+    lines.append(f"{'layer':<{w}}  {'weight':<{cw}} {'activations':<{cw}} scale shapes")
     for li in r.layers:
         shapes = ", ".join(f"{k}={v.split(' ', 1)[1]}" for k, v in li.tensors.items()
                            if k.endswith(("scale", "zero_point")))
-        lines.append(f"{li.name:<{w}}  {li.weight:<28} {li.act:<28} {shapes}")
+        lines.append(f"{li.name:<{w}}  {li.weight:<{cw}} {li.act:<{cw}} {shapes}")
     if r.findings:
         lines.append("")
-        for fd in sorted(r.findings, key=lambda x: {ERROR: 0, WARN: 1, INFO: 2}[x.level]):
-            lines.append(f"{fd.level.upper():7} {fd.layer}: {fd.message} [{fd.code}]")
+        # the same finding on many layers is printed once with the layers listed (--json keeps each)
+        same: dict[tuple, list] = {}
+        for fd in r.findings:
+            same.setdefault((fd.level, fd.code, fd.message), []).append(fd.layer)
+        for (level, code, msg), names in sorted(same.items(), key=lambda kv: {ERROR: 0, WARN: 1, INFO: 2}[kv[0][0]]):
+            who = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            lines.append(f"{level.upper():7} {who}: {msg} [{code}]")
     n_err = len(r.errors)
     n_warn = sum(fd.level == WARN for fd in r.findings)
     lines.append(f"\n{n_err} error(s), {n_warn} warning(s)")
