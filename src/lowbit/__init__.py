@@ -43,6 +43,9 @@ _EXPORTS = {
     "decompress_2_4": "lowbit.sparsity",
     "save_qtensors": "lowbit.io.qtensor_file",
     "load_qtensors": "lowbit.io.qtensor_file",
+    "save_compressed": "lowbit.io.compressed_tensors",
+    "load_compressed": "lowbit.io.compressed_tensors",
+    "quantize_checkpoint": "lowbit.io.sharded",
 }
 _SUBMODULES = {"formats", "scheme", "quantize", "packing", "sparsity", "ops", "verify", "nn", "io",
                "experiments", "bench"}
