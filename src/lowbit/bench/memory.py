@@ -55,7 +55,7 @@ class _Bench:
         self.only, self.rows, self.copy_gbps = only, [], None
 
     def wanted(self, name: str) -> bool:
-        return self.only is None or self.only in name
+        return self.only is None or any(o in name for o in self.only.split(","))
 
     def time(self, name: str, shape: str, fn, inputs, nbytes: float, **extra) -> dict | None:
         try:
@@ -142,14 +142,31 @@ def _warm_up(seconds: float = 2.0) -> None:
         torch.cuda.synchronize() if DEV == "cuda" else None
 
 
+def _triton_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    import triton
+
+    from lowbit.ops.triton.fused_quant import copy_kernel
+
+    n = src.numel()
+    copy_kernel[(triton.cdiv(n, 8192),)](src, dst, n, BLOCK=8192, num_warps=8)
+
+
 def _copy(b: _Bench, name: str = "copy") -> None:
+    """The ceiling: the faster of torch's copy_ and a plain vectorized Triton copy (the first
+    H200 runs measured copy_ at 2.75 TB/s while fused kernels here moved 3.6 TB/s)."""
     n = COPY_ELEMS
     src = torch.randn(n, device=DEV, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     row = b.time(name, f"{2 * n >> 20} MiB", lambda: dst.copy_(src), [()], 4.0 * n)
+    rows = [row]
+    if DEV == "cuda":
+        rows.append(b.time(name + "_triton", f"{2 * n >> 20} MiB", lambda: _triton_copy(dst, src), [()], 4.0 * n))
+    best = max((r.get("GBps") or 0.0) for r in rows)
     if b.copy_gbps is None:
-        b.copy_gbps = row["GBps"]
-        row["frac_copy"] = 1.0
+        b.copy_gbps = best
+        for r in rows:
+            if r.get("GBps"):
+                r["frac_copy"] = r["GBps"] / best
 
 
 def _norm_quant(b: _Bench, quick: bool) -> None:
@@ -405,7 +422,7 @@ def run(only: str | None = None, quick: bool = False) -> list[dict]:
     _warm_up()
     _copy(b)
     for sec, fn in SECTIONS:
-        if only is not None and only not in sec and not any(only in n for n in _names(sec)):
+        if only is not None and not any(o in sec or any(o in n for n in _names(sec)) for o in only.split(",")):
             continue
         t = time.time()
         _log(f"# {sec}")
@@ -438,7 +455,7 @@ def print_table(rows: list[dict]) -> None:
     print("\n# memory-bound kernels (GB/s = bytes that must move / time; ratio = baseline ms / lowbit ms)")
     print(f"{'kernel':30s} {'shape':>22s} {'us':>8s} {'GB/s':>7s} {'%copy':>6s}  ratios")
     for r in rows:
-        if not (r["name"].startswith("lowbit_") or r["name"] in ("copy", "copy_again", "sparse24_fp8_cslt")
+        if not (r["name"].startswith("lowbit_") or r["name"].startswith("copy") or r["name"] == "sparse24_fp8_cslt"
                 or r["name"].endswith("_error")):
             continue
         if not r.get("ms"):

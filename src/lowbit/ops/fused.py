@@ -16,7 +16,7 @@ taken from the live tensor in a first pass that only reduces the row maxima).
 
 Arithmetic (both backends): the prologue is evaluated in float32,
     RMSNorm:  h = x + residual (rounded to residual's dtype: that is the new residual),
-              y = (h * (1 / sqrt_rn(mean(h^2) + eps))) * weight
+              y = (h * weight) * (1 / sqrt_rn(mean(h^2) + eps))
     SiLU-mul: y = (g / (1 + exp(-g))) * u
 and y is quantized with lowbit.quantize's canonical arithmetic. The kernel's codes and
 scales equal lowbit.quantize(y_kernel, scheme) exactly; the twin's y may differ from the
@@ -55,7 +55,7 @@ def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
         h = x.float()
     ms = (h * h).sum(-1, keepdim=True) / h.shape[-1]
     inv = 1.0 / torch.sqrt(ms + eps)
-    return (h * inv) * weight.float(), new_res
+    return (h * weight.float()) * inv, new_res
 
 
 def silu_mul_reference(x: torch.Tensor) -> torch.Tensor:

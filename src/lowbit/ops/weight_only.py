@@ -139,8 +139,11 @@ def pick_config(M: int, N: int, K: int, kind: str, group: int, chunk: int, *, in
     gemv = M <= 2
     bm = (1 if M == 1 else 2) if gemv else (16 if M <= 16 else (32 if M <= 32 else 64))
     bn = 16 if interpret else (32 if gemv else 64)
+    # 512 codes per step at 16 rows; the 32- and 64-row tiles keep 256 and 2 stages, or the
+    # pipelined buffers outgrow shared memory (seen on the H200: 237568 > 232448 bytes)
+    bk_max = chunk if interpret else (512 if bm <= 16 else 256)
     bk = chunk
-    while bk * 2 <= (chunk if interpret else 512) and K % (bk * 2) == 0:
+    while bk * 2 <= bk_max and K % (bk * 2) == 0:
         bk *= 2
     steps = K // bk
     programs = -(-N // bn) * -(-M // bm)
@@ -149,7 +152,7 @@ def pick_config(M: int, N: int, K: int, kind: str, group: int, chunk: int, *, in
            and steps // (2 * split) >= 2):
         split *= 2
     return {"kernel": "gemv" if gemv else "dot", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
-            "split": split, "num_warps": 4, "num_stages": 3}
+            "split": split, "num_warps": 4, "num_stages": 3 if bm <= 16 else 2}
 
 
 def w4a16_linear(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None, *,

@@ -114,10 +114,14 @@ def _row_quant_kernel(
     offs = gi * G + ci
     mask = offs < K
     x_row = X + row * X_stride
+    # amax per group; a NaN counts as +inf (max alone would skip it), and an infinite amax
+    # becomes a NaN scale below, which the caller checks (e8m0 / e4m3 clamping would hide it)
     if PRE == 2:  # SiLU(gate) * up, in float32
         g = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(x_row + K + offs, mask=mask, other=0.0).to(tl.float32)
         y = (g / (1.0 + tl.exp(-g))) * u  # approximate division: y only needs the derived bound
+        a = tl.abs(y)
+        amax = tl.max(tl.where(a == a, a, float("inf")), axis=1)  # [NG]
     else:
         h = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_RES:
@@ -127,21 +131,25 @@ def _row_quant_kernel(
                 tl.store(R_OUT + row * R_OUT_stride + offs, hr, mask=mask)
             h = hr.to(tl.float32)
         if PRE == 1:
-            ms = tl.math.div_rn(tl.sum(h * h), K.to(tl.float32))
-            inv = tl.math.div_rn(1.0, tl.sqrt_rn(ms + eps))
             w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-            y = (h * inv) * w
+            hw = h * w
+            a = tl.abs(hw)
+            # the two reductions are independent (no pass over y after the norm): rounding is
+            # monotonic, so max |fl(hw * inv)| = fl(max |hw| * inv) exactly
+            amax_hw = tl.max(tl.where(a == a, a, float("inf")), axis=1)
+            ss = tl.sum(h * h)
+            inv = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(ss, K.to(tl.float32)) + eps))
+            y = hw * inv
+            amax = amax_hw * inv
+            amax = tl.where(ss < float("inf"), amax, float("inf"))  # non-finite h
         else:
             y = h
-    # A NaN or Inf must reach the scale as NaN (where the caller checks it): max alone would
-    # skip a NaN, and an infinite amax gives a finite e8m0 / e4m3 scale after clamping.
-    # y * 0 is 0 for finite y and NaN otherwise, so one sum flags the row.
-    amax = tl.max(tl.abs(y), axis=1)  # [NG]
-    bad = tl.sum(tl.sum(y * 0.0, axis=1), axis=0)
-    amax = tl.where(bad != 0.0, float("nan"), amax)
+            a = tl.abs(y)
+            amax = tl.max(tl.where(a == a, a, float("inf")), axis=1)
     if AMAX_ONLY:
-        tl.store(AMAX + row, tl.where(bad != 0.0, float("inf"), tl.max(amax, axis=0)))
+        tl.store(AMAX + row, tl.max(amax, axis=0))
     else:
+        amax = tl.where(amax == float("inf"), float("nan"), amax)
         if STORE_Y:
             tl.store(Y + row * K + offs, y, mask=mask)
         ngroups = NGROUPS
@@ -210,3 +218,10 @@ def _row_quant_kernel(
                 tl.store(CODES + row * K + offs, encode_e4m3fn(v), mask=mask)
         else:
             tl.store(CODES + row * K + offs, _encode_e2m1(v).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def copy_kernel(SRC, DST, n, BLOCK: tl.constexpr):
+    """dst[:n] = src[:n]: the plain streaming copy the benchmarks measure their ceiling with."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(DST + offs, tl.load(SRC + offs, mask=offs < n), mask=offs < n)
