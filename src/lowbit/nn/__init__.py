@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import importlib
 
+# The function shares its module's name: bind it now, or importing the submodule later would
+# leave `lowbit.nn.quantize_model` pointing at the module instead of the function.
+from lowbit.nn.quantize_model import QuantSummary, quantize_model  # noqa: E402,F401
+
 _EXPORTS = {
     "QuantLinear": "lowbit.nn.quant_linear",
     "Recipe": "lowbit.nn.recipes",

@@ -59,6 +59,15 @@ def _save(model, out: Path, recipe, tokenizer) -> str:
 
 
 def run(args) -> int:
+    import sys
+    try:
+        return _run(args)
+    except (ValueError, FileNotFoundError, NotImplementedError) as err:   # bad input: a clear message, no traceback
+        print(f"lowbit quantize: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
     import torch
     from lowbit.nn.evaluate import model_bytes, tokens_per_second
     from lowbit.nn.pipeline import load_model, machine, metric, prepare_texts, run_recipe

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import struct
 from pathlib import Path
 
 import torch
@@ -55,7 +56,7 @@ def load_gguf_llama(path: str | Path):
         model = LlamaForCausalLM(config).float().eval()
         tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    except (ValueError, OSError, IndexError, KeyError) as err:
+    except (ValueError, OSError, IndexError, KeyError, EOFError, struct.error) as err:
         raise ValueError(f"could not read GGUF file {path} (truncated or not a Llama GGUF?): {err}") from err
     state = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in tensors.items()}
     result = model.load_state_dict(state, strict=False)

@@ -1,0 +1,101 @@
+"""End to end on the embedded real models (CPU, a few thousand tokens): `lowbit quantize` on
+SmolLM2 + Wikipedia, perplexity against transformers' own loss, MiniLM embedding cosine."""
+import copy
+import json
+import math
+import re
+
+import pytest
+import torch
+
+from lowbit.nn import embedded
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return embedded.load_smollm2()
+
+
+def test_clean_llama_from_gguf(smollm2):
+    model, tok = smollm2
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert getattr(model.config, "quantization_config", None) is None     # GGUF flags dropped
+    assert sum(isinstance(m, torch.nn.Linear) for m in model.modules()) == 211   # 210 + tied lm_head
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_perplexity_matches_transformers_loss(smollm2):
+    """lowbit's perplexity against exp(mean of transformers' own shifted loss) on the same windows:
+    both average 511 float32 log-softmax terms per window (relative error ~1e-6 each), so the
+    two perplexities agree to 1e-5 relative."""
+    from lowbit.nn.evaluate import perplexity
+    model, tok = smollm2
+    ids = embedded.wiki_token_ids(tok, 1024)
+    ours = perplexity(model, ids, 512)
+    with torch.no_grad():
+        losses = [float(model(w, labels=w).loss) for w in embedded.windows(ids, 512)]
+    assert ours == pytest.approx(math.exp(sum(losses) / len(losses)), rel=1e-5)
+
+
+def test_calibration_text_is_not_evaluation_text(smollm2):
+    _, tok = smollm2
+    ev = embedded.wiki_token_ids(tok, 2048, split="eval")
+    ca = embedded.wiki_token_ids(tok, 2048, split="calib")
+    assert not torch.equal(ev, ca)
+    with pytest.raises(ValueError, match="split"):
+        embedded.wiki_token_ids(tok, 10, split="test")
+
+
+def test_lowbit_quantize_cli_end_to_end(tmp_path, capsys):
+    """The README's main command on 1,024 tokens: W8A8 int8 costs a little perplexity (the issue
+    measured +3.4% on 8,192 tokens; allow 0..+10% on this shorter text), and writes the report
+    (markdown + PNG) and, when the checkpoint writer is present, the checkpoint."""
+    from lowbit.cli import main
+    out = tmp_path / "q"
+    rc = main(["quantize", "--tokens", "1024", "--calib-tokens", "512", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    m = re.search(r"w8a8-int8: perplexity ([\d.]+) -> ([\d.]+)", text)
+    assert m, text
+    before, after = float(m.group(1)), float(m.group(2))
+    assert 1.0 < after / before < 1.10
+    assert "worst first" in text and "lm_head" in text
+    md = (out / "lowbit_report.md").read_text()
+    assert "perplexity" in md and "Worst sites" in md
+    for png in ("lowbit_sites.png", "lowbit_metric.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    try:
+        import lowbit.io.compressed_tensors  # noqa: F401
+    except ImportError:
+        return
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == "compressed-tensors"
+
+
+def test_bad_model_argument_is_a_clear_error(tmp_path, capsys):
+    from lowbit.cli import main
+    assert main(["quantize", "--model", str(tmp_path / "nope")]) == 2
+    assert "not 'smollm2', 'minilm' or an existing directory" in capsys.readouterr().err
+    bad = tmp_path / "broken"
+    bad.mkdir()
+    (bad / "model.gguf").write_bytes(b"GGUF\x03\x00\x00\x00truncated")
+    assert main(["quantize", "--model", str(bad)]) == 2
+    assert "could not read GGUF" in capsys.readouterr().err
+    assert main(["quantize", "--recipe", "w9a9"]) == 2
+    assert "recipe=" in capsys.readouterr().err
+
+
+def test_minilm_embedding_cosine():
+    """all-MiniLM-L6-v2 under W8A8 int8: sentence embeddings stay close to the float ones but
+    are not identical (the quantization is real)."""
+    from lowbit.nn import embedding_cosine, quantize_model
+    model, tok = embedded.load_minilm()
+    sentences = [a[:300] for a in embedded.wiki_articles()[:24]]
+    q = copy.deepcopy(model)
+    summary = quantize_model(q, "w8a8-int8")
+    assert len(summary.quantized) == 37
+    cos = embedding_cosine(model, q, tok, sentences)
+    assert cos.shape == (24,)
+    assert float(cos.min()) > 0.98 and float(cos.max()) < 1.0
