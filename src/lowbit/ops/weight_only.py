@@ -132,15 +132,15 @@ def w4a16_reference(x: torch.Tensor, w: W4Weight | QTensor, bias: torch.Tensor |
 def pick_config(M: int, N: int, K: int, kind: str, group: int, chunk: int, *, interpret: bool = False) -> dict:
     """Kernel choice, tiles and split-K (H100/H200, 132 SMs).
 
-    M <= 2: the GEMV form (float32 FMAs, BLOCK_N 32); otherwise tensor-core dots (BLOCK_M 16 /
-    32 / 64, BLOCK_N 64). BLOCK_K holds several chunks (up to 512 codes) so each program has
-    a few independent 16-byte loads in flight; split-K doubles while there are fewer than 2
-    programs per SM and each split keeps >= 2 K-steps."""
-    gemv = M <= 2
-    bm = (1 if M == 1 else 2) if gemv else (16 if M <= 16 else (32 if M <= 32 else 64))
-    bn = 16 if interpret else (32 if gemv else 64)
-    # 512 codes per step at 16 rows; the 32- and 64-row tiles keep 256 and 2 stages, or the
-    # pipelined buffers outgrow shared memory (seen on the H200: 237568 > 232448 bytes)
+    From the H200 sweep in docs/benchmarks-memory.md (int4 g128, N = 8192 and 28672, K = 8192):
+    at M = 1 and 16 every tensor-core configuration with BLOCK_N 32 or 64 ran within ~5% of
+    the best (dot, BLOCK_N 32, no split) and the GEMV form was 1.5-3x slower, so the dot form
+    is used for every M; BLOCK_N 32 up to 16 rows, 64 above. BLOCK_K holds several chunks
+    (512 codes at 16 rows, 256 at 32/64 rows, whose pipelined buffers must fit shared memory:
+    512 at 64 rows needed 237568 > 232448 bytes). Split-K only when there are fewer programs
+    than SMs. kernel="gemv" (float32 FMAs, M <= 2) stays available through `config`."""
+    bm = 16 if M <= 16 else (32 if M <= 32 else 64)
+    bn = 16 if interpret else (32 if M <= 16 else 64)
     bk_max = chunk if interpret else (512 if bm <= 16 else 256)
     bk = chunk
     while bk * 2 <= bk_max and K % (bk * 2) == 0:
@@ -148,10 +148,10 @@ def pick_config(M: int, N: int, K: int, kind: str, group: int, chunk: int, *, in
     steps = K // bk
     programs = -(-N // bn) * -(-M // bm)
     split = 1
-    while (not interpret and programs * split < 2 * _SMS and steps % (2 * split) == 0
+    while (not interpret and programs * split < _SMS and steps % (2 * split) == 0
            and steps // (2 * split) >= 2):
         split *= 2
-    return {"kernel": "gemv" if gemv else "dot", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
+    return {"kernel": "dot", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
             "split": split, "num_warps": 4, "num_stages": 3 if bm <= 16 else 2}
 
 
