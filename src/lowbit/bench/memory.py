@@ -466,20 +466,76 @@ def print_table(rows: list[dict]) -> None:
               f"{100 * r.get('frac_copy', 0):6.1f}  {rat}")
 
 
+def plot(rows: list[dict], path: str) -> None:
+    """PNG of a run: bandwidth of the fused kernels next to their baselines (left), W4A16
+    speed-ups over bf16 torch.mm and tinygemm (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by = {(r["name"], r["shape"]): r for r in rows if r.get("ms")}
+    copy = max((r["GBps"] for r in rows if r["name"].startswith("copy") and r.get("GBps")), default=None)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 6))
+    labels, series = [], {"lowbit (fused)": [], "torch.compile": [], "eager": []}
+    for r in rows:
+        n = r["name"]
+        if not r.get("ms") or not n.startswith("lowbit_") or n.startswith(("lowbit_w4a16", "lowbit_sparse")):
+            continue
+        base = n[len("lowbit_"):]
+        labels.append(f"{base}\n{r['shape']}")
+        series["lowbit (fused)"].append(r["GBps"])
+        for key, pre in (("torch.compile", "compile_"), ("eager", "eager_")):
+            b = by.get((pre + base, r["shape"]))
+            series[key].append(b["GBps"] if b else 0.0)
+    x = range(len(labels))
+    for i, (key, vals) in enumerate(series.items()):
+        ax1.bar([v + (i - 1) * 0.27 for v in x], vals, width=0.27, label=key)
+    if copy:
+        ax1.axhline(copy, color="k", ls="--", lw=1, label=f"copy, this run ({copy:.0f} GB/s)")
+    ax1.set_xticks(list(x), labels, rotation=70, fontsize=7)
+    ax1.set_ylabel("GB/s (bytes that must move / time)")
+    ax1.set_title("activation quantizers: fused vs unfused")
+    ax1.legend(fontsize=8)
+    w4 = [r for r in rows if r["name"].startswith("lowbit_w4a16_int4_g128") and r.get("ms")
+          and not r["name"].endswith("asym")]
+    lab2 = [f"{r['name'][len('lowbit_w4a16_'):]}\n{r['shape']}" for r in w4]
+    x2 = range(len(w4))
+    ax2.bar([v - 0.2 for v in x2], [r.get("vs_bf16", 0) for r in w4], width=0.4, label="vs bf16 torch.mm")
+    ax2.bar([v + 0.2 for v in x2], [r.get("vs_tinygemm", 0) for r in w4], width=0.4, label="vs tinygemm")
+    ax2.axhline(1.0, color="k", lw=1)
+    ax2.axhline(2.5, color="r", ls=":", lw=1, label="target at M=1 (2.5x bf16)")
+    ax2.set_xticks(list(x2), lab2, rotation=70, fontsize=7)
+    ax2.set_ylabel("speed-up (baseline time / lowbit time)")
+    ax2.set_title("W4A16 int4 g128 decode GEMM")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m lowbit.bench.memory", description=__doc__.split("\n")[0])
-    p.add_argument("--only", default=None)
+    p.add_argument("--only", default=None, help="comma-separated name parts (e.g. norm_quant_int8,w4a16)")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="write rows and the environment as JSON")
+    p.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), default=None,
+                   help="no benchmark: draw the PNG of a JSON written earlier (no GPU needed)")
     a = p.parse_args(argv)
+    if a.plot:
+        with open(a.plot[0]) as f:
+            plot(json.load(f)["rows"], a.plot[1])
+        print(f"# wrote {a.plot[1]}")
+        return 0
     global _PARTIAL_JSON
     _PARTIAL_JSON = a.json
     rows = run(a.only, a.quick)
     if a.json:
         from lowbit.bench.cli import environment
 
+        env = environment()
+        env["command"] = "python -m lowbit.bench.memory " + " ".join(sys.argv[1:] if argv is None else argv)
         with open(a.json, "w") as f:
-            json.dump(dict(environment=environment(), rows=rows), f, indent=1, default=str)
+            json.dump(dict(environment=env, rows=rows), f, indent=1, default=str)
         print(f"# wrote {a.json}")
     return 0
 
