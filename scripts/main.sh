@@ -5,4 +5,4 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 bash "$root/scripts/setup.sh"
 cd "$root"
 export HF_HUB_OFFLINE=1
-exec .venv/bin/lowbit demo "$@"
+exec .venv/bin/lowbit quantize "$@"
