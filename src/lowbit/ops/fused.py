@@ -160,7 +160,7 @@ def _launch(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int, *, 
     common = dict(PRE=pre, HAS_RES=res2 is not None, FMT=_FMT_CODES[scheme.format], SCALE_KIND=scale_kind,
                   E8M0_ROUND=_ROUND_CODES.get(scheme.scale_rounding or "floor", 0), QMAX=qmax, EMAX=emax,
                   MBITS=mbits, HW_FP8=hw, FAST_DIV=x2.is_cuda and not interp, G_DIV=g_div, NG=NG, G=Gt,
-                  num_warps=warps)
+                  EVEN=NG * Gt == K, num_warps=warps)
     tamax = gscale = None
     if scale_kind == 2:  # two-level: tensor scale from the live tensor's amax (first pass)
         amax = torch.empty(rows, device=dev, dtype=torch.float32)

@@ -75,6 +75,23 @@ def div_exact(y, s, r):
 
 
 @triton.jit
+def _ld(ptr, mask, EVEN: tl.constexpr):
+    """Load a row tile; EVEN (the tile is exactly the row) drops the mask."""
+    if EVEN:
+        return tl.load(ptr)
+    else:
+        return tl.load(ptr, mask=mask, other=0.0)
+
+
+@triton.jit
+def _st(ptr, v, mask, EVEN: tl.constexpr):
+    if EVEN:
+        tl.store(ptr, v)
+    else:
+        tl.store(ptr, v, mask=mask)
+
+
+@triton.jit
 def round_to(v, dtype: tl.constexpr):
     """float32 -> `dtype` with round-to-nearest-even. bfloat16 is done on the bits because
     Triton's CPU interpreter truncates float32 -> bfloat16; the GPU rounds the same way."""
@@ -94,6 +111,7 @@ def _row_quant_kernel(
     FMT: tl.constexpr, SCALE_KIND: tl.constexpr, E8M0_ROUND: tl.constexpr,
     QMAX: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr, HW_FP8: tl.constexpr,
     FAST_DIV: tl.constexpr, G_DIV: tl.constexpr, NG: tl.constexpr, G: tl.constexpr,
+    EVEN: tl.constexpr,
 ):
     """One program per row of K elements, held as an [NG, G] tile (NG * G >= K).
 
@@ -117,26 +135,26 @@ def _row_quant_kernel(
     # amax per group; a NaN counts as +inf (max alone would skip it), and an infinite amax
     # becomes a NaN scale below, which the caller checks (e8m0 / e4m3 clamping would hide it)
     if PRE == 2:  # SiLU(gate) * up, in float32
-        g = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(x_row + K + offs, mask=mask, other=0.0).to(tl.float32)
+        g = _ld(x_row + offs, mask, EVEN).to(tl.float32)
+        u = _ld(x_row + K + offs, mask, EVEN).to(tl.float32)
         y = (g / (1.0 + tl.exp(-g))) * u  # approximate division: y only needs the derived bound
         a = tl.abs(y)
         amax = tl.max(tl.where(a == a, a, float("inf")), axis=1)  # [NG]
     else:
-        h = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        h = _ld(x_row + offs, mask, EVEN).to(tl.float32)
         if HAS_RES:
-            r = tl.load(R + row * R_stride + offs, mask=mask, other=0.0).to(tl.float32)
+            r = _ld(R + row * R_stride + offs, mask, EVEN).to(tl.float32)
             hr = round_to(h + r, R_OUT.dtype.element_ty)
             if not AMAX_ONLY:
-                tl.store(R_OUT + row * R_OUT_stride + offs, hr, mask=mask)
+                _st(R_OUT + row * R_OUT_stride + offs, hr, mask, EVEN)
             h = hr.to(tl.float32)
         if PRE == 1:
-            w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+            w = _ld(W + offs, mask, EVEN).to(tl.float32)
             hw = h * w
-            a = tl.abs(hw)
             # the two reductions are independent (no pass over y after the norm): rounding is
-            # monotonic, so max |fl(hw * inv)| = fl(max |hw| * inv) exactly
-            amax_hw = tl.max(tl.where(a == a, a, float("inf")), axis=1)
+            # monotonic, so max |fl(hw * inv)| = fl(max |hw| * inv) exactly. A non-finite h
+            # shows in the sum of squares (a NaN weight is not looked for: it is a parameter)
+            amax_hw = tl.max(tl.abs(hw), axis=1)
             ss = tl.sum(h * h)
             inv = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(ss, K.to(tl.float32)) + eps))
             y = hw * inv
@@ -151,7 +169,7 @@ def _row_quant_kernel(
     else:
         amax = tl.where(amax == float("inf"), float("nan"), amax)
         if STORE_Y:
-            tl.store(Y + row * K + offs, y, mask=mask)
+            _st(Y + row * K + offs, y, mask, EVEN)
         ngroups = NGROUPS
         gidx = tl.arange(0, NG)
         gmask = gidx < ngroups
@@ -194,30 +212,34 @@ def _row_quant_kernel(
         if FAST_DIV:
             if SCALE_KIND == 1:  # a power of two: y * (1 / s) is exact (same rounding as y / s)
                 v = y * tl.math.div_rn(1.0, s)[:, None]
-            else:
-                # a tiny s (amax < ~1e-17) would make 1 / s overflow: scale both by 2^64 (exact)
-                k = tl.where(s < 5.421010862427522e-20, 1.8446744073709552e19, 1.0)
-                sk = s * k
-                v = div_exact(y * k[:, None], sk[:, None], tl.math.div_rn(1.0, sk)[:, None])
+            elif tl.min(s, axis=0) >= 1.1754943508222875e-38:  # every scale normal: 1 / s finite
+                # and for int8, s = RN(amax / 127) is within 2^-24 of amax / 127, so |y / s|
+                # rounds to at most 127: no clamp needed
+                v = div_exact(y, s[:, None], tl.math.div_rn(1.0, s)[:, None])
+            else:  # subnormal scales (amax < ~1e-36): IEEE division, then clamp
+                v = tl.math.div_rn(y, s[:, None])
+                v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
             if FMT != 0:
                 v = tl.where(y == 0.0, y, v)  # keep the sign of zero for the float encoders
         else:
             v = tl.math.div_rn(y, s[:, None])
+            v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
         if FMT == 0:
-            # clamp, then round with the 1.5 * 2^23 trick: the low byte of the sum's bits is
-            # the integer in two's complement (clamping first gives the same result)
-            t = tl.minimum(tl.maximum(v, -QMAX), QMAX) + 12582912.0
-            tl.store(CODES + row * K + offs, t.to(tl.int32, bitcast=True).to(tl.int8), mask=mask)
+            # round with the 1.5 * 2^23 trick (|v| <= 127 here): the low byte of the sum's
+            # bits is the integer in two's complement; clamping before rounding is the same
+            # as after
+            t = v + 12582912.0
+            _st(CODES + row * K + offs, t.to(tl.int32, bitcast=True).to(tl.int8), mask, EVEN)
         elif FMT == 1:
             if HW_FP8:  # the hardware cast rounds to nearest even
                 if SCALE_KIND != 0:  # e8m0 'floor' scales can put |v| past 448: saturate
                     v = tl.minimum(tl.maximum(v, -448.0), 448.0)
                 c = v.to(tl.float8e4nv)
-                tl.store(CODES + row * K + offs, c.to(tl.uint8, bitcast=True), mask=mask)
+                _st(CODES + row * K + offs, c.to(tl.uint8, bitcast=True), mask, EVEN)
             else:
-                tl.store(CODES + row * K + offs, encode_e4m3fn(v), mask=mask)
+                _st(CODES + row * K + offs, encode_e4m3fn(v), mask, EVEN)
         else:
-            tl.store(CODES + row * K + offs, _encode_e2m1(v).to(tl.uint8), mask=mask)
+            _st(CODES + row * K + offs, _encode_e2m1(v).to(tl.uint8), mask, EVEN)
 
 
 @triton.jit
