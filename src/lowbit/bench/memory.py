@@ -513,6 +513,68 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def sass_report() -> list[dict]:
+    """Compile the fused quantizer and the W4A16 kernel for sm_90 without a GPU (Triton's
+    bundled ptxas / cuobjdump) and report static SASS instruction counts and shared memory
+    per variant: a check for compile errors and resource limits (the H200 allows 232448
+    bytes of shared memory per block) when no H200 is at hand. Integer arguments are marked
+    divisible by 16, as Triton specializes them at launch."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from lowbit.ops.triton import fused_quant as fq
+    from lowbit.ops.triton import w4a16 as w4
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    target = GPUTarget("cuda", 90, 32)
+
+    def compile_count(fn, sig, consts, no_div, **opts):
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in sig if n not in no_div}
+        c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=target,
+                           options=opts)
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(c.asm["cubin"])
+            f.flush()
+            sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+        n = sum(1 for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line))
+        return n, c.metadata.shared
+
+    rows = []
+    sig = {"X": "*bf16", "X_stride": "i32", "W": "*bf16", "R": "*bf16", "R_stride": "i32", "R_OUT": "*bf16",
+           "R_OUT_stride": "i32", "Y": "*fp32", "CODES": "*i8", "SCALE": "*fp32", "SCALE_CODES": "*u8",
+           "GSCALE": "*fp32", "GOUT": "*fp32", "AMAX": "*fp32", "K": "i32", "NGROUPS": "i32", "eps": "fp32"}
+    base = dict(PRE=1, HAS_RES=False, STORE_Y=False, AMAX_ONLY=False, FMT=0, SCALE_KIND=0, E8M0_ROUND=0, QMAX=127.0,
+                EMAX=0, MBITS=0, HW_FP8=True, FAST_DIV=True, G_DIV=1.0, NG=1, G=4096, EVEN=True)
+    for name, extra in (("norm_int8 K=4096", {}), ("norm_fp8 K=4096", dict(FMT=1, QMAX=448.0)),
+                        ("norm_res_int8 K=4096", dict(HAS_RES=True)), ("silu_int8 H=4096", dict(PRE=2)),
+                        ("quant_mxfp8 K=4096", dict(PRE=0, FMT=1, QMAX=448.0, SCALE_KIND=1, EMAX=8, MBITS=3,
+                                                    NG=128, G=32))):
+        n, smem = compile_count(fq._row_quant_kernel, sig, {**base, **extra}, ("eps", "NGROUPS"), num_warps=8)
+        # static count: the rarely taken IEEE-division fallback for subnormal scales is included
+        rows.append(dict(kernel="row_quant", variant=name, sass_static=n, shared=smem))
+    sig = {"X": "*bf16", "W": "*u8", "S": "*fp32", "Z": "*i8", "SC": "*u8", "GS": "*fp32", "BIAS": "*fp32",
+           "OUT": "*bf16", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32", "s_xm": "i32", "s_wn": "i32",
+           "s_sn": "i32", "s_om": "i32"}
+    for bm, bn, bk, st in ((16, 32, 512, 3), (64, 64, 256, 2), (64, 64, 512, 3)):
+        consts = dict(WFMT=0, HAS_Z=False, HAS_BIAS=False, G=128, C=128, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                      ATOMIC=False, USE_DOT=True, INTERP=False)
+        try:
+            n, smem = compile_count(w4._w4a16_kernel, sig, consts, ("M", "N"), num_warps=4, num_stages=st)
+        except Exception as exc:  # noqa: BLE001 -- reported
+            n, smem = None, f"{type(exc).__name__}"
+        rows.append(dict(kernel="w4a16 int4 g128 dot", variant=f"BM{bm} BN{bn} BK{bk} stages{st}", sass_static=n,
+                         shared=smem, fits=isinstance(smem, int) and smem <= 232448))
+    for r in rows:
+        print(r)
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m lowbit.bench.memory", description=__doc__.split("\n")[0])
     p.add_argument("--only", default=None, help="comma-separated name parts (e.g. norm_quant_int8,w4a16)")
@@ -520,7 +582,12 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write rows and the environment as JSON")
     p.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), default=None,
                    help="no benchmark: draw the PNG of a JSON written earlier (no GPU needed)")
+    p.add_argument("--sass", action="store_true",
+                   help="no benchmark: compile the kernels for sm_90 and count SASS instructions (no GPU needed)")
     a = p.parse_args(argv)
+    if a.sass:
+        sass_report()
+        return 0
     if a.plot:
         with open(a.plot[0]) as f:
             plot(json.load(f)["rows"], a.plot[1])
