@@ -184,3 +184,18 @@ def test_fp16_accumulation_of_mx_partials_is_named(rng):
     assert "accumulator_narrower_than_promised" in _names(v), v.report()
     # the same output is fine when the kernel honestly declares an fp16 accumulator
     assert check_linear(out, x, w, x_scheme=mx, w_scheme=mx, accumulator="fp16").passed
+
+
+def test_one_column_off_by_a_small_factor_is_not_blamed_on_the_accumulator(rng):
+    # A 1% error on one output column can fit an fp16 accumulator's bound, but a narrow
+    # accumulator would spread its error over the whole output: the diagnosis must point at
+    # the column, never at the accumulator.
+    x, w = _inputs(rng, 33, 256, 41)
+    xq, wq = lb.quantize(x, INT8_TOKEN), lb.quantize(w, INT8_CHANNEL)
+    out = int8_kernel(xq, wq)
+    col = int(torch.randint(0, 41, (1,), generator=rng))
+    out[:, col] *= 1.01
+    v = check_linear(out, x, w, x_scheme=INT8_TOKEN, w_scheme=INT8_CHANNEL)
+    assert not v.passed and v.kind == "logic"
+    assert "error_in_few_columns" in _names(v), v.report()
+    assert "accumulator_narrower_than_promised" not in _names(v), v.report()
