@@ -159,3 +159,26 @@ def test_torch_backend_and_errors(rng):
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel's device (interpreter on CPU)
     with pytest.raises(ValueError, match="does not divide K"):
         w4a16_linear(x.to(dev), prepare_w4(wq.to(dev)), backend="triton", config={"split": 3})
+
+
+def test_kernels_compile_for_sm90():
+    """Triton's interpreter cannot see GPU-only failures (constexpr rules, shared memory).
+    Compile the fused quantizer and the W4A16 configurations pick_config chooses for the
+    decode shapes for sm_90 with Triton's bundled ptxas (no GPU needed), in a process
+    without TRITON_INTERPRET, and require each to fit the H200's 232448 bytes per block."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
+                                         env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "lowbit.bench.memory", "--sass"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) >= 17, proc.stdout[-2000:]
+    for r in rows:
+        assert isinstance(r["sass_static"], int) and r["sass_static"] > 0, r
+        assert isinstance(r["shared"], int) and r["shared"] <= 232448, r

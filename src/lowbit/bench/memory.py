@@ -561,17 +561,28 @@ def sass_report() -> list[dict]:
     sig = {"X": "*bf16", "W": "*u8", "S": "*fp32", "Z": "*i8", "SC": "*u8", "GS": "*fp32", "BIAS": "*fp32",
            "OUT": "*bf16", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32", "s_xm": "i32", "s_wn": "i32",
            "s_sn": "i32", "s_om": "i32"}
-    for bm, bn, bk, st in ((16, 32, 512, 3), (64, 64, 256, 2), (64, 64, 512, 3)):
-        consts = dict(WFMT=0, HAS_Z=False, HAS_BIAS=False, G=128, C=128, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                      ATOMIC=False, USE_DOT=True, INTERP=False)
-        try:
-            n, smem = compile_count(w4._w4a16_kernel, sig, consts, ("M", "N"), num_warps=4, num_stages=st)
-        except Exception as exc:  # noqa: BLE001 -- reported
-            n, smem = None, f"{type(exc).__name__}"
-        rows.append(dict(kernel="w4a16 int4 g128 dot", variant=f"BM{bm} BN{bn} BK{bk} stages{st}", sass_static=n,
-                         shared=smem, fits=isinstance(smem, int) and smem <= 232448))
+    from lowbit.ops.weight_only import pick_config
+
+    # what pick_config chooses for the benchmark's decode shapes, per weight format
+    for M in W4_MS:
+        for wf, kind, G, C in ((0, "int4", 128, 128), (0, "int4", 32, 32), (2, "mxfp4", 32, 128),
+                               (3, "nvfp4", 16, 128)):
+            cfg = pick_config(M, 8192, 8192, kind, G, C)
+            consts = dict(WFMT=wf, HAS_Z=False, HAS_BIAS=False, G=G, C=C, BLOCK_M=cfg["BLOCK_M"],
+                          BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], ATOMIC=cfg["split"] > 1,
+                          USE_DOT=cfg["kernel"] == "dot", INTERP=False)
+            if consts["ATOMIC"]:
+                sig = dict(sig, OUT="*fp32")
+            try:
+                n, smem = compile_count(w4._w4a16_kernel, sig, consts, ("M", "N"), num_warps=cfg["num_warps"],
+                                        num_stages=cfg["num_stages"])
+            except Exception as exc:  # noqa: BLE001 -- reported
+                n, smem = None, f"{type(exc).__name__}: {str(exc)[:200]}"
+            sig = dict(sig, OUT="*bf16")
+            rows.append(dict(kernel=f"w4a16 {kind} g{G}", variant=f"M{M} {cfg}", sass_static=n, shared=smem,
+                             fits=isinstance(smem, int) and smem <= 232448))
     for r in rows:
-        print(r)
+        print(json.dumps(r))
     return rows
 
 
