@@ -79,3 +79,40 @@ def test_weight_only_recipe_has_no_activation_site(rng):
     rep = site_report(model, [torch.randn(8, 48, generator=rng)], "w4a16")
     assert all(math.isinf(r.act_db) for r in rep.rows)
     assert all(math.isfinite(r.weight_db) and r.weight_db < 30 for r in rep.rows)   # int4: ~6 dB/bit
+
+
+def test_block_sqnr_matches_quantizing_that_site_alone(rng):
+    """block_db of a site = SQNR of its block's output when only that site is quantized; checked
+    by actually quantizing only that site (quantize_model with everything else ignored)."""
+    import copy
+    import re
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from lowbit.nn import quantize_model
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=rng)))
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2)).eval()
+    ids = torch.randint(0, 61, (1, 19), generator=rng)
+    rep = site_report(model, [ids], "w8a8-int8")
+    assert all(math.isfinite(r.block_db) for r in rep.rows)
+    assert [r.block_db for r in rep.rows] == sorted(r.block_db for r in rep.rows)
+    row = next(r for r in rep.rows if r.name.startswith("model.layers.0."))   # block 0: float input in both runs
+    site = row.name
+    captured = {}
+
+    def grab(key):
+        def hook(mod, args, out):
+            captured[key] = (out if isinstance(out, torch.Tensor) else out[0]).double()
+        return hook
+    one = copy.deepcopy(model)
+    quantize_model(one, "w8a8-int8", ignore=[f"re:(?!{re.escape(site)}$).*"])
+    block = re.match(r"(.*layers\.\d+)\.", site).group(1)
+    model.get_submodule(block).register_forward_hook(grab("float"))
+    one.get_submodule(block).register_forward_hook(grab("quant"))
+    with torch.no_grad():
+        model(ids, use_cache=False)
+        one(ids, use_cache=False)
+    ref, got = captured["float"], captured["quant"]
+    expect = 10 * math.log10(float(ref.pow(2).sum() / (got - ref).pow(2).sum()))
+    # same float32 arithmetic in both runs; the report sums in float32 (relative error <= n u32 with
+    # n = 19 * 32 terms, 4e-5): 10 log10(1 + 4e-5) * 2 < 1e-3 dB
+    assert row.block_db == pytest.approx(expect, abs=1e-3)

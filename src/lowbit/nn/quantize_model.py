@@ -44,6 +44,11 @@ class QuantSummary:
     """Per-layer decisions of one quantize_model call."""
     recipe: str
     layers: list[LayerDecision] = field(default_factory=list)
+    recipes: dict[str, Recipe] = field(default_factory=dict, repr=False)   # name -> Recipe used
+
+    def recipe_of(self, d: LayerDecision) -> Recipe:
+        """The Recipe object a quantized layer's decision names (custom Recipes included)."""
+        return self.recipes[d.recipe]
 
     @property
     def quantized(self) -> list[LayerDecision]:
@@ -101,7 +106,11 @@ def plan(model: torch.nn.Module, recipe: str | Recipe, ignore=None, overrides=No
             near = ", ".join(list(layers)[:3])
             raise ValueError(f"pattern {p!r} matches no Linear layer (names look like: {near}, ...); "
                              "fix the pattern (globs: *, re: prefix for regex) or drop it")
-    summary = QuantSummary(base.name)
+    summary = QuantSummary(base.name, recipes={base.name: base})
+    for r in overrides.values():
+        if r != "skip":
+            if summary.recipes.setdefault(r.name, r) != r:
+                raise ValueError(f"two different recipes are both called {r.name!r}; give them distinct names")
     for name, lin in layers.items():
         shape = (lin.out_features, lin.in_features)
         hit = [p for p in ignore if match(p, name)]
@@ -127,7 +136,7 @@ def plan(model: torch.nn.Module, recipe: str | Recipe, ignore=None, overrides=No
         else:
             summary.layers.append(LayerDecision(name, shape, "quantized", base.name, "recipe"))
     for d in summary.quantized:
-        w = get_recipe(d.recipe).weight
+        w = summary.recipe_of(d).weight
         g = w.group_size if w.strategy == "group" else None
         if g and d.shape[1] % g:
             d.reason += f"; in_features {d.shape[1]} % group {g} = {d.shape[1] % g}: last weight group is short"
@@ -151,7 +160,7 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe, *, ignore=None,
         todo = tqdm(todo, desc=f"quantize {summary.recipe}", unit="layer")
     new: dict[str, QuantLinear] = {}
     for d in todo:
-        r = get_recipe(d.recipe)
+        r = summary.recipe_of(d)
         act, scale = r.act, None
         if act_static_scales is not None and act is not None:
             if d.name not in act_static_scales:
