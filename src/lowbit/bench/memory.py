@@ -466,126 +466,6 @@ def print_table(rows: list[dict]) -> None:
               f"{100 * r.get('frac_copy', 0):6.1f}  {rat}")
 
 
-def plot(rows: list[dict], path: str) -> None:
-    """PNG of a run: bandwidth of the fused kernels next to their baselines (left), W4A16
-    speed-ups over bf16 torch.mm and tinygemm (right)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    by = {(r["name"], r["shape"]): r for r in rows if r.get("ms")}
-    copy = max((r["GBps"] for r in rows if r["name"].startswith("copy") and r.get("GBps")), default=None)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 6))
-    labels, series = [], {"lowbit (fused)": [], "torch.compile": [], "eager": []}
-    for r in rows:
-        n = r["name"]
-        if not r.get("ms") or not n.startswith("lowbit_") or n.startswith(("lowbit_w4a16", "lowbit_sparse")):
-            continue
-        base = n[len("lowbit_"):]
-        labels.append(f"{base}\n{r['shape']}")
-        series["lowbit (fused)"].append(r["GBps"])
-        for key, pre in (("torch.compile", "compile_"), ("eager", "eager_")):
-            b = by.get((pre + base, r["shape"]))
-            series[key].append(b["GBps"] if b else 0.0)
-    x = range(len(labels))
-    for i, (key, vals) in enumerate(series.items()):
-        ax1.bar([v + (i - 1) * 0.27 for v in x], vals, width=0.27, label=key)
-    if copy:
-        ax1.axhline(copy, color="k", ls="--", lw=1, label=f"copy, this run ({copy:.0f} GB/s)")
-    ax1.set_xticks(list(x), labels, rotation=70, fontsize=7)
-    ax1.set_ylabel("GB/s (bytes that must move / time)")
-    ax1.set_title("activation quantizers: fused vs unfused")
-    ax1.legend(fontsize=8)
-    w4 = [r for r in rows if r["name"].startswith("lowbit_w4a16_int4_g128") and r.get("ms")
-          and not r["name"].endswith("asym")]
-    lab2 = [f"{r['name'][len('lowbit_w4a16_'):]}\n{r['shape']}" for r in w4]
-    x2 = range(len(w4))
-    ax2.bar([v - 0.2 for v in x2], [r.get("vs_bf16", 0) for r in w4], width=0.4, label="vs bf16 torch.mm")
-    ax2.bar([v + 0.2 for v in x2], [r.get("vs_tinygemm", 0) for r in w4], width=0.4, label="vs tinygemm")
-    ax2.axhline(1.0, color="k", lw=1)
-    ax2.axhline(2.5, color="r", ls=":", lw=1, label="target at M=1 (2.5x bf16)")
-    ax2.set_xticks(list(x2), lab2, rotation=70, fontsize=7)
-    ax2.set_ylabel("speed-up (baseline time / lowbit time)")
-    ax2.set_title("W4A16 int4 g128 decode GEMM")
-    ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def sass_report() -> list[dict]:
-    """Compile the fused quantizer and the W4A16 kernel for sm_90 without a GPU (Triton's
-    bundled ptxas / cuobjdump) and report static SASS instruction counts and shared memory
-    per variant: a check for compile errors and resource limits (the H200 allows 232448
-    bytes of shared memory per block) when no H200 is at hand. Integer arguments are marked
-    divisible by 16, as Triton specializes them at launch."""
-    import os
-    import re
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from lowbit.ops.triton import fused_quant as fq
-    from lowbit.ops.triton import w4a16 as w4
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    target = GPUTarget("cuda", 90, 32)
-
-    def compile_count(fn, sig, consts, no_div, **opts):
-        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in sig if n not in no_div}
-        c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=target,
-                           options=opts)
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(c.asm["cubin"])
-            f.flush()
-            sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-        n = sum(1 for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line))
-        return n, c.metadata.shared
-
-    rows = []
-    sig = {"X": "*bf16", "X_stride": "i32", "W": "*bf16", "R": "*bf16", "R_stride": "i32", "R_OUT": "*bf16",
-           "R_OUT_stride": "i32", "Y": "*fp32", "CODES": "*i8", "SCALE": "*fp32", "SCALE_CODES": "*u8",
-           "GSCALE": "*fp32", "GOUT": "*fp32", "AMAX": "*fp32", "K": "i32", "NGROUPS": "i32", "eps": "fp32"}
-    base = dict(PRE=1, HAS_RES=False, STORE_Y=False, AMAX_ONLY=False, FMT=0, SCALE_KIND=0, E8M0_ROUND=0, QMAX=127.0,
-                EMAX=0, MBITS=0, HW_FP8=True, FAST_DIV=True, G_DIV=1.0, NG=1, G=4096, EVEN=True)
-    for name, extra in (("norm_int8 K=4096", {}), ("norm_fp8 K=4096", dict(FMT=1, QMAX=448.0)),
-                        ("norm_res_int8 K=4096", dict(HAS_RES=True)), ("silu_int8 H=4096", dict(PRE=2)),
-                        ("quant_mxfp8 K=4096", dict(PRE=0, FMT=1, QMAX=448.0, SCALE_KIND=1, EMAX=8, MBITS=3,
-                                                    NG=128, G=32))):
-        n, smem = compile_count(fq._row_quant_kernel, sig, {**base, **extra}, ("eps", "NGROUPS"), num_warps=8)
-        # static count: the rarely taken IEEE-division fallback for subnormal scales is included
-        rows.append(dict(kernel="row_quant", variant=name, sass_static=n, shared=smem))
-    sig = {"X": "*bf16", "W": "*u8", "S": "*fp32", "Z": "*i8", "SC": "*u8", "GS": "*fp32", "BIAS": "*fp32",
-           "OUT": "*bf16", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32", "s_xm": "i32", "s_wn": "i32",
-           "s_sn": "i32", "s_om": "i32"}
-    from lowbit.ops.weight_only import pick_config
-
-    # what pick_config chooses for the benchmark's decode shapes, per weight format
-    for M in W4_MS:
-        for wf, kind, G, C in ((0, "int4", 128, 128), (0, "int4", 32, 32), (2, "mxfp4", 32, 128),
-                               (3, "nvfp4", 16, 128)):
-            cfg = pick_config(M, 8192, 8192, kind, G, C)
-            consts = dict(WFMT=wf, HAS_Z=False, HAS_BIAS=False, G=G, C=C, BLOCK_M=cfg["BLOCK_M"],
-                          BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], ATOMIC=cfg["split"] > 1,
-                          USE_DOT=cfg["kernel"] == "dot", INTERP=False)
-            if consts["ATOMIC"]:
-                sig = dict(sig, OUT="*fp32")
-            try:
-                n, smem = compile_count(w4._w4a16_kernel, sig, consts, ("M", "N"), num_warps=cfg["num_warps"],
-                                        num_stages=cfg["num_stages"])
-            except Exception as exc:  # noqa: BLE001 -- reported
-                n, smem = None, f"{type(exc).__name__}: {str(exc)[:200]}"
-            sig = dict(sig, OUT="*bf16")
-            rows.append(dict(kernel=f"w4a16 {kind} g{G}", variant=f"M{M} {cfg}", sass_static=n, shared=smem,
-                             fits=isinstance(smem, int) and smem <= 232448))
-    for r in rows:
-        print(json.dumps(r))
-    return rows
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m lowbit.bench.memory", description=__doc__.split("\n")[0])
     p.add_argument("--only", default=None, help="comma-separated name parts (e.g. norm_quant_int8,w4a16)")
@@ -597,9 +477,13 @@ def main(argv=None) -> int:
                    help="no benchmark: compile the kernels for sm_90 and count SASS instructions (no GPU needed)")
     a = p.parse_args(argv)
     if a.sass:
+        from lowbit.bench.memory_report import sass_report
+
         sass_report()
         return 0
     if a.plot:
+        from lowbit.bench.memory_report import plot
+
         with open(a.plot[0]) as f:
             plot(json.load(f)["rows"], a.plot[1])
         print(f"# wrote {a.plot[1]}")
