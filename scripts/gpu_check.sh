@@ -3,7 +3,7 @@
 # suite on CUDA and `lowbit doctor`, logs under $OUT, a short table last. Runs from source:
 # the device machine has torch, triton, pytest, hypothesis, ml_dtypes, safetensors and
 # transformers; torchao, compressed-tensors, gguf and the embedded model are absent there, so
-# the tests that need them skip. The GEMM benchmark has its own script (scripts/gpu_gemm.sh).
+# the tests that need them skip and the embedded-model end-to-end tests are left out. The GEMM benchmark has its own script (scripts/gpu_gemm.sh).
 #   usage (on the device): bash scripts/gpu_check.sh
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -17,7 +17,7 @@ t0=$(date +%s)
 timeout "${BENCH_TIMEOUT:-230}" python3 -m lowbit.bench.memory --json "$out/bench-memory.json" >"$out/bench_memory.log" 2>&1
 echo "bench memory rc=$? ($(( $(date +%s) - t0 )) s)" | tee "$out/summary.txt"
 t0=$(date +%s)
-timeout "${TEST_TIMEOUT:-220}" python3 -m pytest -q -n 12 -p no:cacheprovider tests >"$out/tests.log" 2>&1
+timeout "${TEST_TIMEOUT:-220}" python3 -m pytest -q -n 12 -p no:cacheprovider tests --ignore=tests/test_models_e2e.py >"$out/tests.log" 2>&1
 echo "tests rc=$? ($(( $(date +%s) - t0 )) s) :: $(grep -E '[0-9]+ (passed|failed)' "$out/tests.log" | tail -n 1)" | tee -a "$out/summary.txt"
 python3 -m lowbit.cli doctor >"$out/doctor.txt" 2>&1; echo "doctor rc=$?" | tee -a "$out/summary.txt"
 grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -n 25
