@@ -8,6 +8,10 @@ or `"torch"` forces one, and on the CPU "triton" runs in Triton's interpreter):
     qt = silu_mul_quant(x, scheme)            # x = [..., 2H]: gate then up
     qt = quantize_rows(x, scheme)             # dynamic quantize, no prologue
 
+Kernel variants (`kernel=`): "row" (one row per program, every scheme below) and "tile"
+(ROWS rows per program, per-token int8 / fp8_e4m3fn with fp32 scales; `tile=(ROWS, num_warps)`
+overrides its heuristic tile_config); None picks DEFAULT_KERNEL. Both give identical codes.
+
 Schemes the kernel takes (anything else raises NotImplementedError naming the scheme):
 symmetric; element format int8, fp8_e4m3fn or fp4_e2m1fn; strategy token / channel (one
 scale per row), group (power-of-two group_size dividing K) or block (1, bc); scale format
@@ -39,6 +43,13 @@ from lowbit.scheme import QuantScheme
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FMT_CODES = {"int8": 0, "fp8_e4m3fn": 1, "fp4_e2m1fn": 2}
 _ROUND_CODES = {"floor": 0, "rceil": 1, "ceil": 2, "even": 3}
+# Kernel variants (issue 5 performance work): "row" = one row per program, any scheme (the kernel
+# measured on the H200 in docs/benchmarks-memory.md); "tile" = ROWS rows per program, per-token
+# int8 / fp8 with fp32 scales only, 32-64 elements per thread. Same arithmetic, same codes.
+# DEFAULT_KERNEL is what kernel=None picks; "tile" falls back to "row" for the schemes it does
+# not take only when chosen by default (an explicit kernel="tile" raises for them).
+KERNELS = ("row", "tile")
+DEFAULT_KERNEL = "row"
 
 
 # ------------------------------------------------------------------------------------------
@@ -182,6 +193,78 @@ def _launch(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int, *, 
         STORE_Y=store_y, AMAX_ONLY=False, **common)
     return codes, scale, (scodes if scale_kind else None), gscale, (y if store_y else None)
 
+def tile_supports(scheme: QuantScheme) -> bool:
+    """Whether the "tile" kernel takes `scheme`: per-token / per-channel, int8 or fp8_e4m3fn, fp32 scale."""
+    return (scheme.strategy in ("token", "channel") and scheme.format in ("int8", "fp8_e4m3fn")
+            and scheme.scale_format == "fp32")
+
+
+def tile_config(K: int, pre: int) -> tuple[int, int]:
+    """(ROWS, num_warps) of the "tile" kernel for a row of K elements: each thread holds about
+    64 elements (32 per row at most for the two-input SiLU prologue and up to 8192 wide rows
+    with 8 warps), several rows per program when rows are short; a guess from the sm_90 SASS
+    (instruction and register counts, python -m lowbit.bench.memory --sass), not yet timed."""
+    import triton
+
+    block = max(16, triton.next_power_of_2(K))
+    per_thread = 32 if pre == 2 else 64
+    threads = max(32, block // per_thread)
+    warps = min(16, max(1, threads // 32))
+    rows = 1
+    while rows * block < 64 * 32 * warps and rows < 8:  # short rows: stack rows up to 64 per thread
+        rows *= 2
+    return rows, warps
+
+
+def _resolve_kernel(kernel: str | None, scheme: QuantScheme, where: str) -> str:
+    if kernel is None:
+        kernel = DEFAULT_KERNEL
+        return kernel if kernel == "row" or tile_supports(scheme) else "row"
+    if kernel not in KERNELS:
+        raise ValueError(f"{where}: kernel must be one of {KERNELS} or None (default {DEFAULT_KERNEL!r}), "
+                         f"got {kernel!r}")
+    if kernel == "tile" and not tile_supports(scheme):
+        raise NotImplementedError(f"{where}: kernel='tile' takes per-token int8 / fp8_e4m3fn schemes with fp32 "
+                                  f"scales only, not {scheme}; use kernel='row' (or None)")
+    return kernel
+
+
+def _launch_tile(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, *, weight=None, eps=0.0,
+                 res2=None, res_out=None, store_y=False, fp8_encoder: str = "auto",
+                 tile: tuple[int, int] | None = None):
+    """The "tile" kernel over x2 [rows, K or 2K]; returns (codes, scale [rows, 1], None, None, y)."""
+    import triton
+
+    from lowbit.ops.triton import fused_quant as fq
+
+    rows, dev = x2.shape[0], x2.device
+    block = max(16, triton.next_power_of_2(K))
+    if block > fq.MAX_BLOCK:
+        raise ValueError(f"hidden size K = {K} exceeds the fused kernel's {fq.MAX_BLOCK} elements per row "
+                         "(the row lives in registers); use backend='torch'")
+    if tile is None:
+        tile = tile_config(K, pre)
+    R, warps = tile
+    if R < 1 or R & (R - 1) or warps < 1 or warps & (warps - 1):
+        raise ValueError(f"tile=(rows, num_warps) must be powers of two, got {tile}")
+    if fp8_encoder not in ("auto", "hw", "int"):
+        raise ValueError(f"fp8_encoder must be 'auto', 'hw' or 'int', got {fp8_encoder!r}")
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    fmt = scheme.fmt
+    dummy = torch.empty(1, device=dev, dtype=torch.float32)
+    codes = torch.empty(rows, K, device=dev, dtype=torch.int8 if fmt.kind == "int" else torch.uint8)
+    scale = torch.empty(rows, 1, device=dev, dtype=torch.float32)
+    y = torch.empty(rows, K, device=dev, dtype=torch.float32) if store_y else dummy
+    fq._token_tile_kernel[(triton.cdiv(rows, R),)](
+        x2, x2.stride(0), weight if weight is not None else dummy, res2 if res2 is not None else dummy,
+        res2.stride(0) if res2 is not None else 0, res_out if res_out is not None else dummy,
+        res_out.stride(0) if res_out is not None else 0, y, codes, scale, rows, K, eps,
+        PRE=pre, HAS_RES=res2 is not None, STORE_Y=store_y, FMT=_FMT_CODES[scheme.format],
+        QMAX=float(fmt.qmax if fmt.kind == "int" else fmt.max),
+        HW_FP8=x2.is_cuda and fp8_encoder != "int" and not interp, FAST_DIV=x2.is_cuda and not interp,
+        ROWS=R, BLOCK=block, EVEN=block == K and rows % R == 0, num_warps=warps)
+    return codes, scale, None, None, (y if store_y else None)
+
 
 def _assemble(codes, scale, scodes, gscale, scheme: QuantScheme, lead: tuple[int, ...], K: int,
               check_finite: bool, where: str) -> QTensor:
@@ -204,7 +287,8 @@ def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
 # Public entry points
 # ------------------------------------------------------------------------------------------
 def quantize_rows(x: torch.Tensor, scheme: QuantScheme, *, backend: str | None = None,
-                  check_finite: bool = True, fp8_encoder: str = "auto") -> QTensor:
+                  check_finite: bool = True, fp8_encoder: str = "auto", kernel: str | None = None,
+                  tile: tuple[int, int] | None = None) -> QTensor:
     """Dynamic quantization of x [..., K] per token / per group (see module docstring).
 
     Equals lowbit.quantize(x, scheme) code for code; the Triton path reads x once and writes
@@ -215,13 +299,17 @@ def quantize_rows(x: torch.Tensor, scheme: QuantScheme, *, backend: str | None =
     G = _check_scheme(scheme, K, where)
     if _pick_backend(x, backend, where) == "torch":
         return quantize(x, scheme)
-    codes, scale, sc, gs, _ = _launch(0, _rows(x, K), K, scheme, G, fp8_encoder=fp8_encoder)
+    if _resolve_kernel(kernel, scheme, where) == "tile":
+        codes, scale, sc, gs, _ = _launch_tile(0, _rows(x, K), K, scheme, fp8_encoder=fp8_encoder, tile=tile)
+    else:
+        codes, scale, sc, gs, _ = _launch(0, _rows(x, K), K, scheme, G, fp8_encoder=fp8_encoder)
     return _assemble(codes, scale, sc, gs, scheme, tuple(x.shape[:-1]), K, check_finite, where)
 
 
 def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, scheme: QuantScheme,
                   residual: torch.Tensor | None = None, *, backend: str | None = None,
-                  return_normalized: bool = False, check_finite: bool = True, fp8_encoder: str = "auto"):
+                  return_normalized: bool = False, check_finite: bool = True, fp8_encoder: str = "auto",
+                  kernel: str | None = None, tile: tuple[int, int] | None = None):
     """RMSNorm(x [+ residual]) * weight, quantized with `scheme`, in one pass over the row.
 
     x: [..., K] bf16/fp16/fp32; weight: [K]; eps: float; residual: like x (any float dtype) or None.
@@ -251,16 +339,20 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, scheme: Qua
     lead = tuple(x.shape[:-1])
     res2 = _rows(residual, K) if residual is not None else None
     res_out = torch.empty(res2.shape, device=x.device, dtype=residual.dtype) if residual is not None else None
-    codes, scale, sc, gs, y = _launch(1, _rows(x, K), K, scheme, G, weight=weight.contiguous(), eps=float(eps),
-                                      res2=res2, res_out=res_out, store_y=return_normalized,
-                                      fp8_encoder=fp8_encoder)
+    args = dict(weight=weight.contiguous(), eps=float(eps), res2=res2, res_out=res_out,
+                store_y=return_normalized, fp8_encoder=fp8_encoder)
+    if _resolve_kernel(kernel, scheme, where) == "tile":
+        codes, scale, sc, gs, y = _launch_tile(1, _rows(x, K), K, scheme, tile=tile, **args)
+    else:
+        codes, scale, sc, gs, y = _launch(1, _rows(x, K), K, scheme, G, **args)
     qt = _assemble(codes, scale, sc, gs, scheme, lead, K, check_finite, where)
     new_res = res_out.reshape(x.shape) if res_out is not None else None
     return (qt, new_res, y.reshape(x.shape)) if return_normalized else (qt, new_res)
 
 
 def silu_mul_quant(x: torch.Tensor, scheme: QuantScheme, *, backend: str | None = None,
-                   return_product: bool = False, check_finite: bool = True, fp8_encoder: str = "auto"):
+                   return_product: bool = False, check_finite: bool = True, fp8_encoder: str = "auto",
+                   kernel: str | None = None, tile: tuple[int, int] | None = None):
     """silu(gate) * up, quantized with `scheme`: x [..., 2H] (gate = x[..., :H], up = x[..., H:]).
 
     Returns qt (codes [..., H]) and, with return_product=True, (qt, y) with y the float32 product."""
@@ -276,7 +368,11 @@ def silu_mul_quant(x: torch.Tensor, scheme: QuantScheme, *, backend: str | None 
         qt = quantize(y, scheme)
         return (qt, y) if return_product else qt
     lead = tuple(x.shape[:-1])
-    codes, scale, sc, gs, y = _launch(2, _rows(x, 2 * H), H, scheme, G, store_y=return_product,
-                                      fp8_encoder=fp8_encoder)
+    if _resolve_kernel(kernel, scheme, where) == "tile":
+        codes, scale, sc, gs, y = _launch_tile(2, _rows(x, 2 * H), H, scheme, store_y=return_product,
+                                               fp8_encoder=fp8_encoder, tile=tile)
+    else:
+        codes, scale, sc, gs, y = _launch(2, _rows(x, 2 * H), H, scheme, G, store_y=return_product,
+                                          fp8_encoder=fp8_encoder)
     qt = _assemble(codes, scale, sc, gs, scheme, lead, H, check_finite, where)
     return (qt, y.reshape(lead + (H,))) if return_product else qt

@@ -104,6 +104,63 @@ def round_to(v, dtype: tl.constexpr):
 
 
 @triton.jit
+def _silu_mul(g, u):
+    """SiLU(g) * u in float32; approximate division: y only needs the derived bound."""
+    return (g / (1.0 + tl.exp(-g))) * u
+
+
+@triton.jit
+def _absmax(y):
+    """max |y| along axis 1; a NaN counts as +inf (max alone would skip it)."""
+    a = tl.abs(y)
+    return tl.max(tl.where(a == a, a, float("inf")), axis=1)
+
+
+@triton.jit
+def _rms_inv(ss, K, eps):
+    """1 / sqrt_rn(ss / K + eps) with IEEE division and square root: ss = sum of squares (float32)."""
+    return tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(ss, K.to(tl.float32)) + eps))
+
+
+@triton.jit
+def _codes(y, s, FMT: tl.constexpr, SCALE_KIND: tl.constexpr, QMAX: tl.constexpr, HW_FP8: tl.constexpr,
+           FAST_DIV: tl.constexpr):
+    """Codes of y / s (s broadcast to y's shape: [groups or rows, 1]) as lowbit.quantize computes
+    them: IEEE division, round-half-even, clamp / saturate. Returns int8 (FMT 0) or uint8 bit
+    patterns, shaped like y. Shared by both row kernels: the one place the kernels divide."""
+    if FAST_DIV:
+        if SCALE_KIND == 1:  # a power of two: y * (1 / s) is exact (same rounding as y / s)
+            v = y * tl.math.div_rn(1.0, s)
+        elif tl.min(tl.min(s, axis=1), axis=0) >= 1.1754943508222875e-38:  # every scale normal: 1 / s finite
+            # and for int8, s = RN(amax / 127) is within 2^-24 of amax / 127, so |y / s|
+            # rounds to at most 127: no clamp needed
+            v = div_exact(y, s, tl.math.div_rn(1.0, s))
+        else:  # subnormal scales (amax < ~1e-36): IEEE division, then clamp
+            v = tl.math.div_rn(y, s)
+            v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
+        if FMT != 0:
+            v = tl.where(y == 0.0, y, v)  # keep the sign of zero for the float encoders
+    else:
+        v = tl.math.div_rn(y, s)
+        v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
+    if FMT == 0:
+        # round with the 1.5 * 2^23 trick (|v| <= 127 here): the low byte of the sum's
+        # bits is the integer in two's complement; clamping before rounding is the same
+        # as after
+        t = v + 12582912.0
+        return t.to(tl.int32, bitcast=True).to(tl.int8)
+    elif FMT == 1:
+        if HW_FP8:  # the hardware cast rounds to nearest even
+            if SCALE_KIND != 0:  # e8m0 'floor' scales can put |v| past 448: saturate
+                v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+            return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            return encode_e4m3fn(v)
+    else:
+        return _encode_e2m1(v).to(tl.uint8)
+
+
+@triton.jit
 def _row_quant_kernel(
     X, X_stride, W, R, R_stride, R_OUT, R_OUT_stride, Y, CODES, SCALE, SCALE_CODES,
     GSCALE, GOUT, AMAX, K, NGROUPS, eps,
@@ -137,9 +194,8 @@ def _row_quant_kernel(
     if PRE == 2:  # SiLU(gate) * up, in float32
         g = _ld(x_row + offs, mask, EVEN).to(tl.float32)
         u = _ld(x_row + K + offs, mask, EVEN).to(tl.float32)
-        y = (g / (1.0 + tl.exp(-g))) * u  # approximate division: y only needs the derived bound
-        a = tl.abs(y)
-        amax = tl.max(tl.where(a == a, a, float("inf")), axis=1)  # [NG]
+        y = _silu_mul(g, u)
+        amax = _absmax(y)  # [NG]
     else:
         h = _ld(x_row + offs, mask, EVEN).to(tl.float32)
         if HAS_RES:
@@ -156,14 +212,13 @@ def _row_quant_kernel(
             # shows in the sum of squares (a NaN weight is not looked for: it is a parameter)
             amax_hw = tl.max(tl.abs(hw), axis=1)
             ss = tl.sum(h * h)
-            inv = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(ss, K.to(tl.float32)) + eps))
+            inv = _rms_inv(ss, K, eps)
             y = hw * inv
             amax = amax_hw * inv
             amax = tl.where(ss < float("inf"), amax, float("inf"))  # non-finite h
         else:
             y = h
-            a = tl.abs(y)
-            amax = tl.max(tl.where(a == a, a, float("inf")), axis=1)
+            amax = _absmax(y)
     if AMAX_ONLY:
         tl.store(AMAX + row, tl.max(amax, axis=0))
     else:
@@ -209,37 +264,87 @@ def _row_quant_kernel(
             tl.store(SCALE_CODES + row * ngroups + gidx, sc.to(tl.uint8), mask=gmask)
         tl.store(SCALE + row * ngroups + gidx, s, mask=gmask)
         # --- codes: v = y / s, IEEE ---
-        if FAST_DIV:
-            if SCALE_KIND == 1:  # a power of two: y * (1 / s) is exact (same rounding as y / s)
-                v = y * tl.math.div_rn(1.0, s)[:, None]
-            elif tl.min(s, axis=0) >= 1.1754943508222875e-38:  # every scale normal: 1 / s finite
-                # and for int8, s = RN(amax / 127) is within 2^-24 of amax / 127, so |y / s|
-                # rounds to at most 127: no clamp needed
-                v = div_exact(y, s[:, None], tl.math.div_rn(1.0, s)[:, None])
-            else:  # subnormal scales (amax < ~1e-36): IEEE division, then clamp
-                v = tl.math.div_rn(y, s[:, None])
-                v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
-            if FMT != 0:
-                v = tl.where(y == 0.0, y, v)  # keep the sign of zero for the float encoders
+        _st(CODES + row * K + offs, _codes(y, s[:, None], FMT, SCALE_KIND, QMAX, HW_FP8, FAST_DIV), mask, EVEN)
+
+
+@triton.jit
+def _token_tile_kernel(
+    X, X_stride, W, R, R_stride, R_OUT, R_OUT_stride, Y, CODES, SCALE, n_rows, K, eps,
+    PRE: tl.constexpr, HAS_RES: tl.constexpr, STORE_Y: tl.constexpr, FMT: tl.constexpr,
+    QMAX: tl.constexpr, HW_FP8: tl.constexpr, FAST_DIV: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr,
+):
+    """The per-token (one float32 scale per row, int8 or fp8 e4m3fn) case of _row_quant_kernel,
+    with ROWS rows per program held as a [ROWS, BLOCK] tile (BLOCK >= K, a power of two).
+
+    Why a second kernel: at 8192 x 4096 the one-row kernel with 16 elements per thread spends
+    about as many instructions per thread on per-row work (two block reductions, sqrt, three
+    IEEE divisions, barriers) as on the 16 elements; here the launcher picks ROWS and
+    num_warps so each thread holds 32-64 elements, the weight is loaded and widened once per
+    program for ROWS rows, and the streamed input is read with evict_first. Arithmetic is the
+    same as _row_quant_kernel's (same helpers: RMSNorm, scale, _codes), so codes and scales
+    are bit-identical to lowbit.quantize on the kernel's own y, as for the one-row kernel.
+
+    Arguments as _row_quant_kernel's (X: [n_rows, K] or [n_rows, 2K] for SiLU; W: [K];
+    R / R_OUT: [n_rows, K]; Y: float32 [n_rows, K] when STORE_Y; CODES: [n_rows, K];
+    SCALE: float32 [n_rows]). EVEN: BLOCK == K and ROWS divides n_rows (no masks at all).
+    """
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    cols = tl.arange(0, BLOCK)
+    rmask = rows < n_rows
+    mask = rmask[:, None] & (cols < K)[None, :]
+    rr = rows[:, None]
+    cc = cols[None, :]
+    x_ptr = X + rr * X_stride + cc
+    if PRE == 2:  # SiLU(gate) * up, in float32
+        if EVEN:
+            g = tl.load(x_ptr, eviction_policy="evict_first").to(tl.float32)
+            u = tl.load(x_ptr + K, eviction_policy="evict_first").to(tl.float32)
         else:
-            v = tl.math.div_rn(y, s[:, None])
-            v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
-        if FMT == 0:
-            # round with the 1.5 * 2^23 trick (|v| <= 127 here): the low byte of the sum's
-            # bits is the integer in two's complement; clamping before rounding is the same
-            # as after
-            t = v + 12582912.0
-            _st(CODES + row * K + offs, t.to(tl.int32, bitcast=True).to(tl.int8), mask, EVEN)
-        elif FMT == 1:
-            if HW_FP8:  # the hardware cast rounds to nearest even
-                if SCALE_KIND != 0:  # e8m0 'floor' scales can put |v| past 448: saturate
-                    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-                c = v.to(tl.float8e4nv)
-                _st(CODES + row * K + offs, c.to(tl.uint8, bitcast=True), mask, EVEN)
+            g = tl.load(x_ptr, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            u = tl.load(x_ptr + K, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        y = _silu_mul(g, u)
+        amax = _absmax(y)  # [ROWS]
+    else:
+        if EVEN:
+            h = tl.load(x_ptr, eviction_policy="evict_first").to(tl.float32)
+        else:
+            h = tl.load(x_ptr, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        if HAS_RES:
+            r_ptr = R + rr * R_stride + cc
+            if EVEN:
+                r = tl.load(r_ptr, eviction_policy="evict_first").to(tl.float32)
             else:
-                _st(CODES + row * K + offs, encode_e4m3fn(v), mask, EVEN)
+                r = tl.load(r_ptr, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            hr = round_to(h + r, R_OUT.dtype.element_ty)
+            _st(R_OUT + rr * R_OUT_stride + cc, hr, mask, EVEN)
+            h = hr.to(tl.float32)
+        if PRE == 1:
+            if EVEN:
+                w = tl.load(W + cols).to(tl.float32)[None, :]  # once per program, for ROWS rows
+            else:
+                w = tl.load(W + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
+            hw = h * w
+            # as in _row_quant_kernel: independent reductions, amax = fl(max |hw| * inv) exactly
+            amax_hw = tl.max(tl.abs(hw), axis=1)
+            ss = tl.sum(h * h, axis=1)
+            inv = _rms_inv(ss, K, eps)
+            y = hw * inv[:, None]
+            amax = amax_hw * inv
+            amax = tl.where(ss < float("inf"), amax, float("inf"))  # non-finite h
         else:
-            _st(CODES + row * K + offs, _encode_e2m1(v).to(tl.uint8), mask, EVEN)
+            y = h
+            amax = _absmax(y)
+    amax = tl.where(amax == float("inf"), float("nan"), amax)
+    if STORE_Y:
+        _st(Y + rr * K + cc, y, mask, EVEN)
+    s = tl.math.div_rn(amax, QMAX)
+    s = tl.where(s == 0.0, 1.0, s)  # zero row (or underflow): s = 1.0
+    if EVEN:
+        tl.store(SCALE + rows, s)
+    else:
+        tl.store(SCALE + rows, s, mask=rmask)
+    _st(CODES + rr * K + cc, _codes(y, s[:, None], FMT, 0, QMAX, HW_FP8, FAST_DIV), mask, EVEN)
 
 
 @triton.jit
