@@ -168,3 +168,24 @@ def test_zero_rows_do_not_divide_by_zero(rng):
     y = QuantLinear.from_linear(lin, r.weight, r.act)(x)
     assert torch.isfinite(y).all()
     assert torch.equal(y[2], lin.bias.detach())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel path needs CUDA")
+@pytest.mark.parametrize("recipe", ["w8a8-int8", "w8a8-fp8"])
+def test_cuda_kernel_path_matches_reference(rng, recipe):
+    """On CUDA the layer runs lowbit.ops.linear (Triton); its float32 output against the float64
+    reference on the same QTensors."""
+    M, K, N = 33, 320, 72
+    lin, x = _linear(rng, N, K), _acts(rng, M, K)
+    r = get_recipe(recipe)
+    q = QuantLinear.from_linear(lin, r.weight, r.act).cuda()
+    y = q(x.cuda()).double().cpu()
+    assert q.last_path == "kernel"
+    xq = quantize(x, r.act)
+    prod = qlinear_reference(xq, q.weight_q)
+    ref = prod + lin.bias.detach().double()
+    # int8: exact int32 accumulator, float32 epilogue (as derived above); fp8: float32 accumulation
+    # of K products, |err| <= K u sum|x||w|, plus the epilogue and bias roundings.
+    acc = 0 if recipe == "w8a8-int8" else K * U32 * sum_abs_products(xq, q.weight_q)
+    tol = acc + 4 * U32 * (prod.abs() + ref.abs())
+    assert ((y - ref).abs() <= tol).all()
