@@ -124,6 +124,27 @@ def check_out_dtype(out_dtype: torch.dtype, allowed=(torch.bfloat16, torch.float
                          + ", ".join(str(d) for d in allowed))
 
 
+def check_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, int]:
+    """(M, N, K) of the checked operands A [M, K] and B [N, K]: K and the device must match."""
+    M, K = a.shape
+    N, Kb = b.shape
+    if Kb != K:
+        raise ValueError(f"a is [M, K] = {tuple(a.shape)} but b is [N, K] = {tuple(b.shape)}: "
+                         "K must match (weights are stored [N, K], K-major)")
+    if a.device != b.device:
+        raise ValueError(f"a is on {a.device} but b is on {b.device}")
+    return M, N, K
+
+
+def check_bias(bias: torch.Tensor | None, N: int) -> torch.Tensor | None:
+    """An optional bias of N values in fp32 / bf16 / fp16 (the epilogue adds it in fp32)."""
+    if bias is None:
+        return None
+    if not isinstance(bias, torch.Tensor) or bias.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError("bias must be a float32, bfloat16 or float16 tensor of N values")
+    return check_vector("bias", bias, N, bias.dtype, allow_scalar=False)
+
+
 # ---------------------------------------------------------------- launch configurations
 
 def _cfg(bm, bn, bk, warps, stages, group_m=8):
@@ -215,6 +236,20 @@ def descriptor(t: torch.Tensor, rows: int, cols: int):
     return TensorDescriptor.from_tensor(t, [rows, cols])
 
 
+def prepare_launch(cfg: dict, a: torch.Tensor, b: torch.Tensor, box_k: int | None = None):
+    """Everything a GEMM launch derives from its config, for K-major 8-bit A [M, K], B [N, K]:
+    returns (grid, kernel keyword options, A argument, B argument). The operand arguments are
+    TMA descriptors of [BLOCK_M | BLOCK_N, box_k] boxes (box_k defaults to BLOCK_K) when the
+    config asks for TMA and the operands allow it (split_launch_options), else the tensors."""
+    M, K = a.shape
+    grid = launch_grid(M, b.shape[0], cfg)
+    opts, tma = split_launch_options(cfg, K, 1, (a, b))
+    if not tma:
+        return grid, opts, a, b
+    box_k = cfg["BLOCK_K"] if box_k is None else box_k
+    return grid, opts, descriptor(a, cfg["BLOCK_M"], box_k), descriptor(b, cfg["BLOCK_N"], box_k)
+
+
 @triton.jit
 def mainloop(a_ptr, b_ptr, off_m, off_n, M, N, K, stride_am, stride_bn,
              ACC_INT: tl.constexpr, PRECISE: tl.constexpr, USE_TMA: tl.constexpr, EVEN_K: tl.constexpr,
@@ -250,8 +285,8 @@ def mainloop(a_ptr, b_ptr, off_m, off_n, M, N, K, stride_am, stride_bn,
         # and unmasked rows keep the loads vectorised.
         rows_a = tl.where(offs_m < M, offs_m, 0)
         rows_b = tl.where(offs_n < N, offs_n, 0)
-        a_ptrs = a_ptr + rows_a[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-        b_ptrs = b_ptr + rows_b[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
+        a_ptrs = kmajor_ptrs(a_ptr, rows_a, stride_am, offs_k)
+        b_ptrs = kmajor_ptrs(b_ptr, rows_b, stride_bn, offs_k)
         for k0 in range(0, K, BLOCK_K):
             if EVEN_K:
                 a = tl.load(a_ptrs)
@@ -287,3 +322,47 @@ def swizzled_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
     pid_m = first_m + ((pid % per_group) % size_m)
     pid_n = (pid % per_group) // size_m
     return pid_m, pid_n
+
+
+# ---------------------------------------------------------------- tile fragments (inlined by Triton)
+
+@triton.jit
+def kmajor_ptrs(ptr, rows, stride, offs_k):
+    """Pointers [len(rows), len(offs_k)] to elements (rows, offs_k) of a K-major matrix; the row
+    offset is taken in int64 so that rows * stride cannot overflow on large operands."""
+    return ptr + rows[:, None].to(tl.int64) * stride + offs_k[None, :]
+
+
+@triton.jit
+def tile_offsets(pid_m, pid_n, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Output tile (pid_m, pid_n): its row and column indices and their in-range masks."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_m, offs_n, offs_m < M, offs_n < N
+
+
+@triton.jit
+def rowcol_scale(accf, offs_m, offs_n, m_ok, n_ok, sa_ptr, sb_ptr, stride_sa, stride_sb):
+    """(accf * sa[m]) * sb[n] in fp32, in that order (two roundings): per-row scales of A and
+    per-column scales of B; a stride of 0 broadcasts one tensor-wise scale."""
+    sa = tl.load(sa_ptr + offs_m * stride_sa, mask=m_ok, other=0.0)
+    sb = tl.load(sb_ptr + offs_n * stride_sb, mask=n_ok, other=0.0)
+    return (accf * sa[:, None]) * sb[None, :]
+
+
+@triton.jit
+def add_bias(y, offs_n, n_ok, bias_ptr, HAS_BIAS: tl.constexpr):
+    """y + bias[n] in fp32 (one rounding) when HAS_BIAS, else y unchanged."""
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    return y
+
+
+@triton.jit
+def store_tile(c_ptrs, y, m_ok, n_ok):
+    """The GEMMs' last step: y converted to C's dtype by cast_out (round-to-nearest-even; an
+    int32 y into int32 C is stored as is), stored where the row < M and the column < N.
+    c_ptrs: kmajor_ptrs(c_ptr, offs_m, stride_cm, offs_n). Callers keep their own order of the
+    pointer arithmetic and the epilogue loads: the order of the source is the order of the
+    generated code, and these helpers were factored out with the compiled kernels unchanged."""
+    tl.store(c_ptrs, cast_out(y, c_ptrs.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])

@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (cast_out, check_out_dtype, decode_e8m0, descriptor, interpreting, launch_grid, pick_config,
-                     split_launch_options, swizzled_tile)
-from .gemm_fp8 import as_fp8, check_bias
+from .common import (add_bias, check_bias, check_operands, check_out_dtype, decode_e8m0, interpreting, kmajor_ptrs,
+                     pick_config, prepare_launch, store_tile, swizzled_tile, tile_offsets)
+from .gemm_fp8 import as_fp8
 
 
 @triton.jit
@@ -44,18 +44,15 @@ def _blockscaled_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m, pid_
     SUB: tl.constexpr = BLOCK_K // G
     # One weight scale for the whole tile when the tile sits inside one R-row scale block.
     SB_UNIFORM: tl.constexpr = (R > 1) and (R % BLOCK_N == 0)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n, m_ok, n_ok = tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N)
     offs_g = tl.arange(0, G)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
     rows_a = tl.where(m_ok, offs_m, 0)
     rows_b = tl.where(n_ok, offs_n, 0)
     a_ptrs = a_ptr
     b_ptrs = b_ptr
     if not USE_TMA:
-        a_ptrs = a_ptr + rows_a[:, None].to(tl.int64) * stride_am + offs_g[None, :]
-        b_ptrs = b_ptr + rows_b[:, None].to(tl.int64) * stride_bn + offs_g[None, :]
+        a_ptrs = kmajor_ptrs(a_ptr, rows_a, stride_am, offs_g)
+        b_ptrs = kmajor_ptrs(b_ptr, rows_b, stride_bn, offs_g)
     sa_ptrs = sa_ptr + rows_a.to(tl.int64) * stride_sam
     if SB_UNIFORM:
         sb_ptrs = sb_ptr + ((pid_n * BLOCK_N) // R) * stride_sbn
@@ -80,12 +77,8 @@ def _blockscaled_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m, pid_
                 acc += part * (sa * sb)[:, None]
             else:
                 acc += part * (sa[:, None] * sb[None, :])
-
-    y = acc
-    if HAS_BIAS:
-        y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, cast_out(y, c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    y = add_bias(acc, offs_n, n_ok, bias_ptr, HAS_BIAS)
+    store_tile(kmajor_ptrs(c_ptr, offs_m, stride_cm, offs_n), y, m_ok, n_ok)
 
 
 @triton.jit
@@ -134,21 +127,19 @@ def _mx_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m, pid_n,
              HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, EVEN_K: tl.constexpr, INTERP: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     NG: tl.constexpr = BLOCK_K // 32
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n, m_ok, n_ok = tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     offs_g = tl.arange(0, NG)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
     rows_a = tl.where(m_ok, offs_m, 0)
     rows_b = tl.where(n_ok, offs_n, 0)
     a_ptrs = a_ptr
     b_ptrs = b_ptr
     if not USE_TMA:
-        a_ptrs = a_ptr + rows_a[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-        b_ptrs = b_ptr + rows_b[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
-    sa_ptrs = sa_ptr + rows_a[:, None].to(tl.int64) * stride_sam + offs_g[None, :]
-    sb_ptrs = sb_ptr + rows_b[:, None].to(tl.int64) * stride_sbn + offs_g[None, :]
+        a_ptrs = kmajor_ptrs(a_ptr, rows_a, stride_am, offs_k)
+        b_ptrs = kmajor_ptrs(b_ptr, rows_b, stride_bn, offs_k)
+    # The e8m0 scale matrices [rows, K/32] are row-major too: the tile's [rows, NG] codes per K step.
+    sa_ptrs = kmajor_ptrs(sa_ptr, rows_a, stride_sam, offs_g)
+    sb_ptrs = kmajor_ptrs(sb_ptr, rows_b, stride_sbn, offs_g)
     groups = K // 32
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -166,12 +157,8 @@ def _mx_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m, pid_n,
         ea = tl.load(sa_ptrs + k0 // 32, mask=g_ok, other=127)
         eb = tl.load(sb_ptrs + k0 // 32, mask=g_ok, other=127)
         acc = _bf16_dot(_scaled_bf16(a, ea, BLOCK_M, BLOCK_K), _scaled_bf16(b, eb, BLOCK_N, BLOCK_K), acc, INTERP)
-
-    y = acc
-    if HAS_BIAS:
-        y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, cast_out(y, c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    y = add_bias(acc, offs_n, n_ok, bias_ptr, HAS_BIAS)
+    store_tile(kmajor_ptrs(c_ptr, offs_m, stride_cm, offs_n), y, m_ok, n_ok)
 
 
 @triton.jit
@@ -204,6 +191,27 @@ def _check_scales(name: str, s: torch.Tensor, rows: int, groups: int, what: str)
     return s if s.stride(1) == 1 else s.contiguous()
 
 
+def _check_grouped(a: torch.Tensor, b: torch.Tensor, group: int, unit: str, out_dtype: torch.dtype):
+    """fp8 views of a [M, K], b [N, K] and (M, N, K), with K a positive multiple of `group`
+    (`unit` names what the group is, for the error)."""
+    a = as_fp8("a", a)
+    b = as_fp8("b", b)
+    M, N, K = check_operands(a, b)
+    if K == 0 or K % group:
+        raise ValueError(f"K={K} is not a multiple of {unit} {group}: pad K with zeros to "
+                         f"{-(-K // group) * group} (zero codes add nothing) before quantizing")
+    check_out_dtype(out_dtype)
+    return a, b, M, N, K
+
+
+def _grouped_config(config: dict | None, M: int, N: int, K: int, group: int, kind: str) -> dict:
+    """The launch config (given or picked), whose BLOCK_K must hold whole scale groups."""
+    cfg = dict(config) if config else pick_config(M, N, K, block_k_multiple=group, kind=kind)
+    if cfg["BLOCK_K"] % group:
+        raise ValueError(f"config BLOCK_K={cfg['BLOCK_K']} must be a multiple of group={group}")
+    return cfg
+
+
 def blockscaled_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
                      *, group: int, weight_block_rows: int, bias: torch.Tensor | None = None,
                      out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None) -> torch.Tensor:
@@ -212,21 +220,9 @@ def blockscaled_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_
     a_scale: [M, K/group]; b_scale: [ceil(N/weight_block_rows), K/group]; both fp32, or both
     uint8 e8m0 codes (decoded exactly to 2**(c-127) in the kernel). bias: [N], added in fp32.
     """
-    a = as_fp8("a", a)
-    b = as_fp8("b", b)
-    M, K = a.shape
-    N, Kb = b.shape
-    if Kb != K:
-        raise ValueError(f"a is [M, K] = {tuple(a.shape)} but b is [N, K] = {tuple(b.shape)}: "
-                         "K must match (weights are stored [N, K], K-major)")
-    if a.device != b.device:
-        raise ValueError(f"a is on {a.device} but b is on {b.device}")
     if group not in (32, 64, 128) or weight_block_rows < 1:
         raise ValueError(f"group={group} must be 32, 64 or 128 and weight_block_rows >= 1")
-    if K == 0 or K % group:
-        raise ValueError(f"K={K} is not a multiple of the scale group size {group}: pad K with zeros "
-                         f"to {-(-K // group) * group} (zero codes add nothing) before quantizing")
-    check_out_dtype(out_dtype)
+    a, b, M, N, K = _check_grouped(a, b, group, "the scale group size", out_dtype)
     groups = K // group
     sa = _check_scales("a_scale", a_scale, M, groups, f"(M, K/{group})")
     nb = -(-N // weight_block_rows)
@@ -238,15 +234,8 @@ def blockscaled_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return c
-    cfg = dict(config) if config else pick_config(M, N, K, block_k_multiple=group, kind=f"block{group}")
-    if cfg["BLOCK_K"] % group:
-        raise ValueError(f"config BLOCK_K={cfg['BLOCK_K']} must be a multiple of group={group}")
-    grid = launch_grid(M, N, cfg)
-    opts, tma = split_launch_options(cfg, K, 1, (a, b))
-    if tma:  # one bulk copy per group-wide K slice
-        a_arg, b_arg = descriptor(a, cfg["BLOCK_M"], group), descriptor(b, cfg["BLOCK_N"], group)
-    else:
-        a_arg, b_arg = a, b
+    cfg = _grouped_config(config, M, N, K, group, f"block{group}")
+    grid, opts, a_arg, b_arg = prepare_launch(cfg, a, b, box_k=group)  # one bulk copy per group-wide K slice
     _blockscaled_kernel[grid](
         a_arg, b_arg, c, sa, sb, bias if bias is not None else c,
         M, N, K, a.stride(0), b.stride(0), c.stride(0), sa.stride(0), sb.stride(0),
@@ -275,34 +264,15 @@ def mxfp8_gemm(a, b, a_scale, b_scale, *, bias=None, out_dtype=torch.bfloat16, c
             not isinstance(b_scale, torch.Tensor) or b_scale.dtype != torch.uint8:
         return blockscaled_gemm(a, b, a_scale, b_scale, group=32, weight_block_rows=1, bias=bias,
                                 out_dtype=out_dtype, config=config)
-    a = as_fp8("a", a)
-    b = as_fp8("b", b)
-    M, K = a.shape
-    N, Kb = b.shape
-    if Kb != K:
-        raise ValueError(f"a is [M, K] = {tuple(a.shape)} but b is [N, K] = {tuple(b.shape)}: "
-                         "K must match (weights are stored [N, K], K-major)")
-    if a.device != b.device:
-        raise ValueError(f"a is on {a.device} but b is on {b.device}")
-    if K == 0 or K % 32:
-        raise ValueError(f"K={K} is not a multiple of the MX block size 32: pad K with zeros to "
-                         f"{-(-K // 32) * 32} (zero codes add nothing) before quantizing")
-    check_out_dtype(out_dtype)
+    a, b, M, N, K = _check_grouped(a, b, 32, "the MX block size", out_dtype)
     sa = _check_scales("a_scale", a_scale, M, K // 32, "(M, K/32)")
     sb = _check_scales("b_scale", b_scale, N, K // 32, "(N, K/32)")
     bias = check_bias(bias, N)
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return c
-    cfg = dict(config) if config else pick_config(M, N, K, block_k_multiple=32, kind="mx")
-    if cfg["BLOCK_K"] % 32:
-        raise ValueError(f"config BLOCK_K={cfg['BLOCK_K']} must be a multiple of 32")
-    grid = launch_grid(M, N, cfg)
-    opts, tma = split_launch_options(cfg, K, 1, (a, b))
-    if tma:
-        a_arg, b_arg = descriptor(a, cfg["BLOCK_M"], cfg["BLOCK_K"]), descriptor(b, cfg["BLOCK_N"], cfg["BLOCK_K"])
-    else:
-        a_arg, b_arg = a, b
+    cfg = _grouped_config(config, M, N, K, 32, "mx")
+    grid, opts, a_arg, b_arg = prepare_launch(cfg, a, b)
     _mx_kernel[grid](a_arg, b_arg, c, sa, sb, bias if bias is not None else c,
                      M, N, K, a.stride(0), b.stride(0), c.stride(0), sa.stride(0), sb.stride(0),
                      HAS_BIAS=bias is not None, EVEN_K=K % cfg["BLOCK_K"] == 0, INTERP=interpreting(), **opts)

@@ -17,26 +17,25 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (cast_out, check_matrix, check_out_dtype, check_vector, descriptor, launch_grid,
-                     mainloop, pick_config, split_launch_options, swizzled_tile)
+from .common import (add_bias, check_bias, check_matrix, check_operands, check_out_dtype, check_vector,
+                     kmajor_ptrs, mainloop, pick_config, prepare_launch, rowcol_scale, store_tile, swizzled_tile,
+                     tile_offsets)
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 
 
 @triton.jit
-def _fp8_epilogue(acc, pid_m, pid_n, M, N, c_ptr, stride_cm, sa_ptr, sb_ptr, bias_ptr, stride_sa, stride_sb,
-                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    sa = tl.load(sa_ptr + offs_m * stride_sa, mask=m_ok, other=0.0)
-    sb = tl.load(sb_ptr + offs_n * stride_sb, mask=n_ok, other=0.0)
-    y = (acc * sa[:, None]) * sb[None, :]
-    if HAS_BIAS:
-        y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, cast_out(y, c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+def _fp8_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m, pid_n,
+              M, N, K, stride_am, stride_bn, stride_cm, stride_sa, stride_sb,
+              HAS_BIAS: tl.constexpr, PRECISE: tl.constexpr, USE_TMA: tl.constexpr, EVEN_K: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROMOTE_K: tl.constexpr):
+    """One output tile: the fp32-accumulated contraction, then (acc * sa[m]) * sb[n] + bias[n]."""
+    acc = mainloop(a_ptr, b_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_am, stride_bn,
+                   False, PRECISE, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PROMOTE_K)
+    offs_m, offs_n, m_ok, n_ok = tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N)
+    y = rowcol_scale(acc, offs_m, offs_n, m_ok, n_ok, sa_ptr, sb_ptr, stride_sa, stride_sb)
+    y = add_bias(y, offs_n, n_ok, bias_ptr, HAS_BIAS)
+    store_tile(kmajor_ptrs(c_ptr, offs_m, stride_cm, offs_n), y, m_ok, n_ok)
 
 
 @triton.jit
@@ -50,30 +49,20 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr,
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
             pid_m, pid_n = swizzled_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            acc = mainloop(a_ptr, b_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_am, stride_bn,
-                           False, PRECISE, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PROMOTE_K)
-            _fp8_epilogue(acc, pid_m, pid_n, M, N, c_ptr, stride_cm, sa_ptr, sb_ptr, bias_ptr, stride_sa,
-                          stride_sb, HAS_BIAS, BLOCK_M, BLOCK_N)
+            _fp8_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m, pid_n,
+                      M, N, K, stride_am, stride_bn, stride_cm, stride_sa, stride_sb,
+                      HAS_BIAS, PRECISE, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PROMOTE_K)
     else:
         pid_m, pid_n = swizzled_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = mainloop(a_ptr, b_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_am, stride_bn,
-                       False, PRECISE, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PROMOTE_K)
-        _fp8_epilogue(acc, pid_m, pid_n, M, N, c_ptr, stride_cm, sa_ptr, sb_ptr, bias_ptr, stride_sa,
-                      stride_sb, HAS_BIAS, BLOCK_M, BLOCK_N)
+        _fp8_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m, pid_n,
+                  M, N, K, stride_am, stride_bn, stride_cm, stride_sa, stride_sb,
+                  HAS_BIAS, PRECISE, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PROMOTE_K)
 
 
 def as_fp8(name: str, t: torch.Tensor) -> torch.Tensor:
     """Accept fp8 e4m3fn tensors or their uint8 bit patterns (QTensor.codes) without copying."""
     check_matrix(name, t, FP8_DTYPES)
     return t.view(torch.float8_e4m3fn) if t.dtype == torch.uint8 else t
-
-
-def check_bias(bias: torch.Tensor | None, N: int) -> torch.Tensor | None:
-    if bias is None:
-        return None
-    if not isinstance(bias, torch.Tensor) or bias.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError("bias must be a float32, bfloat16 or float16 tensor of N values")
-    return check_vector("bias", bias, N, bias.dtype, allow_scalar=False)
 
 
 def fp8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, *,
@@ -86,13 +75,7 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
     """
     a = as_fp8("a", a)
     b = as_fp8("b", b)
-    M, K = a.shape
-    N, Kb = b.shape
-    if Kb != K:
-        raise ValueError(f"a is [M, K] = {tuple(a.shape)} but b is [N, K] = {tuple(b.shape)}: "
-                         "K must match (weights are stored [N, K], K-major)")
-    if a.device != b.device:
-        raise ValueError(f"a is on {a.device} but b is on {b.device}")
+    M, N, K = check_operands(a, b)
     if K == 0:
         raise ValueError("K must be positive")
     check_out_dtype(out_dtype)
@@ -105,13 +88,8 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
     if M == 0 or N == 0:
         return c
     cfg = dict(config) if config else pick_config(M, N, K, kind="fp8")
-    grid = launch_grid(M, N, cfg)
     precise = cfg.pop("PRECISE", precise)
-    opts, tma = split_launch_options(cfg, K, 1, (a, b))
-    if tma:
-        a_arg, b_arg = descriptor(a, cfg["BLOCK_M"], cfg["BLOCK_K"]), descriptor(b, cfg["BLOCK_N"], cfg["BLOCK_K"])
-    else:
-        a_arg, b_arg = a, b
+    grid, opts, a_arg, b_arg = prepare_launch(cfg, a, b)
     _fp8_gemm_kernel[grid](
         a_arg, b_arg, c, sa, sb, bias if bias is not None else c,
         M, N, K, a.stride(0), b.stride(0), c.stride(0), sa.stride(0), sb.stride(0),

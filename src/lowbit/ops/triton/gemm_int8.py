@@ -16,22 +16,24 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (cast_out, check_matrix, check_out_dtype, check_vector, descriptor, launch_grid,
-                     mainloop, pick_config, split_launch_options, swizzled_tile)
+from .common import (add_bias, check_bias, check_matrix, check_operands, check_out_dtype, check_vector,
+                     kmajor_ptrs, mainloop, pick_config, prepare_launch, rowcol_scale, store_tile, swizzled_tile,
+                     tile_offsets)
 
 _INT32_LIMIT = 2**31
 
 
 @triton.jit
-def _int8_epilogue(acc, pid_m, pid_n, M, N, c_ptr, stride_cm, sa_ptr, sb_ptr, za_ptr, colsum_ptr,
-                   bias_ptr, stride_sa, stride_sb, stride_za,
-                   HAS_SCALES: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+def _int8_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, za_ptr, colsum_ptr, bias_ptr, pid_m, pid_n,
+               M, N, K, stride_am, stride_bn, stride_cm, stride_sa, stride_sb, stride_za,
+               HAS_SCALES: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
+               USE_TMA: tl.constexpr, EVEN_K: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One output tile: the int32 contraction, then the epilogue in the module docstring's order."""
+    acc = mainloop(a_ptr, b_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_am, stride_bn,
+                   True, False, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+    offs_m, offs_n, m_ok, n_ok = tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N)
+    c_ptrs = kmajor_ptrs(c_ptr, offs_m, stride_cm, offs_n)
     if HAS_SCALES:
         if HAS_ZP:
             za = tl.load(za_ptr + offs_m * stride_za, mask=m_ok, other=0).to(tl.int64)
@@ -39,14 +41,11 @@ def _int8_epilogue(acc, pid_m, pid_n, M, N, c_ptr, stride_cm, sa_ptr, sb_ptr, za
             accf = (acc.to(tl.int64) - za[:, None] * cs[None, :]).to(tl.float32)
         else:
             accf = acc.to(tl.float32)
-        sa = tl.load(sa_ptr + offs_m * stride_sa, mask=m_ok, other=0.0)
-        sb = tl.load(sb_ptr + offs_n * stride_sb, mask=n_ok, other=0.0)
-        y = (accf * sa[:, None]) * sb[None, :]
-        if HAS_BIAS:
-            y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(c_ptrs, cast_out(y, c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        y = rowcol_scale(accf, offs_m, offs_n, m_ok, n_ok, sa_ptr, sb_ptr, stride_sa, stride_sb)
+        y = add_bias(y, offs_n, n_ok, bias_ptr, HAS_BIAS)
     else:
-        tl.store(c_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
+        y = acc  # the raw int32 accumulator (no bias: the host refuses one)
+    store_tile(c_ptrs, y, m_ok, n_ok)
 
 
 @triton.jit
@@ -62,18 +61,14 @@ def _int8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, za_ptr, colsum_ptr, b
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
             pid_m, pid_n = swizzled_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            acc = mainloop(a_ptr, b_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_am, stride_bn,
-                           True, False, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
-            _int8_epilogue(acc, pid_m, pid_n, M, N, c_ptr, stride_cm, sa_ptr, sb_ptr, za_ptr, colsum_ptr,
-                           bias_ptr, stride_sa, stride_sb, stride_za, HAS_SCALES, HAS_ZP, HAS_BIAS,
-                           BLOCK_M, BLOCK_N)
+            _int8_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, za_ptr, colsum_ptr, bias_ptr, pid_m, pid_n,
+                       M, N, K, stride_am, stride_bn, stride_cm, stride_sa, stride_sb, stride_za,
+                       HAS_SCALES, HAS_ZP, HAS_BIAS, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         pid_m, pid_n = swizzled_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = mainloop(a_ptr, b_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_am, stride_bn,
-                       True, False, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
-        _int8_epilogue(acc, pid_m, pid_n, M, N, c_ptr, stride_cm, sa_ptr, sb_ptr, za_ptr, colsum_ptr,
-                       bias_ptr, stride_sa, stride_sb, stride_za, HAS_SCALES, HAS_ZP, HAS_BIAS,
-                       BLOCK_M, BLOCK_N)
+        _int8_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, za_ptr, colsum_ptr, bias_ptr, pid_m, pid_n,
+                   M, N, K, stride_am, stride_bn, stride_cm, stride_sa, stride_sb, stride_za,
+                   HAS_SCALES, HAS_ZP, HAS_BIAS, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 def check_int8_k(K: int, asymmetric: bool) -> None:
@@ -99,13 +94,7 @@ def int8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor | None = N
     """
     check_matrix("a", a, (torch.int8,))
     check_matrix("b", b, (torch.int8,))
-    M, K = a.shape
-    N, Kb = b.shape
-    if Kb != K:
-        raise ValueError(f"a is [M, K] = {tuple(a.shape)} but b is [N, K] = {tuple(b.shape)}: "
-                         "K must match (weights are stored [N, K], K-major)")
-    if a.device != b.device:
-        raise ValueError(f"a is on {a.device} but b is on {b.device}")
+    M, N, K = check_operands(a, b)
     raw = out_dtype == torch.int32
     if raw:
         if any(t is not None for t in (a_scale, b_scale, a_zero, b_colsum, bias)):
@@ -123,22 +112,14 @@ def int8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor | None = N
     sb = check_vector("b_scale", b_scale, N, torch.float32)
     za = check_vector("a_zero", a_zero, M, torch.int32)
     cs = check_vector("b_colsum", b_colsum, N, torch.int32, allow_scalar=False)
-    if bias is not None:
-        bias = check_vector("bias", bias, N, bias.dtype, allow_scalar=False)
-        if bias.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise TypeError(f"bias has dtype {bias.dtype}; expected float32, bfloat16 or float16")
+    bias = check_bias(bias, N)
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return c
     if K == 0:
         raise ValueError("K must be positive")
     cfg = dict(config) if config else pick_config(M, N, K)
-    grid = launch_grid(M, N, cfg)
-    opts, tma = split_launch_options(cfg, K, 1, (a, b))
-    if tma:
-        a_arg, b_arg = descriptor(a, cfg["BLOCK_M"], cfg["BLOCK_K"]), descriptor(b, cfg["BLOCK_N"], cfg["BLOCK_K"])
-    else:
-        a_arg, b_arg = a, b
+    grid, opts, a_arg, b_arg = prepare_launch(cfg, a, b)
     dummy = c  # never read: the constexpr flags switch the loads off
     _int8_gemm_kernel[grid](
         a_arg, b_arg, c,
