@@ -124,10 +124,14 @@ def _rms_inv(ss, K, eps):
 
 @triton.jit
 def _codes(y, s, FMT: tl.constexpr, SCALE_KIND: tl.constexpr, QMAX: tl.constexpr, HW_FP8: tl.constexpr,
-           FAST_DIV: tl.constexpr):
+           FAST_DIV: tl.constexpr, KEEP_SIGN: tl.constexpr = False):
     """Codes of y / s (s broadcast to y's shape: [groups or rows, 1]) as lowbit.quantize computes
     them: IEEE division, round-half-even, clamp / saturate. Returns int8 (FMT 0) or uint8 bit
-    patterns, shaped like y. Shared by both row kernels: the one place the kernels divide."""
+    patterns, shaped like y. Shared by both row kernels: the one place the kernels divide.
+    KEEP_SIGN: the fast division restores the sign of a zero y by OR-ing y's sign bit into the
+    quotient (one LOP3; the quotient of a nonzero y already has y's sign, and RN(-tiny / s) is
+    -0), the "tile" kernel; False keeps the measured "row" kernel's select (an FSETP and a
+    predicate per element, which the sm_90 code partly spills to registers)."""
     if FAST_DIV:
         if SCALE_KIND == 1:  # a power of two: y * (1 / s) is exact (same rounding as y / s)
             v = y * tl.math.div_rn(1.0, s)
@@ -135,10 +139,13 @@ def _codes(y, s, FMT: tl.constexpr, SCALE_KIND: tl.constexpr, QMAX: tl.constexpr
             # and for int8, s = RN(amax / 127) is within 2^-24 of amax / 127, so |y / s|
             # rounds to at most 127: no clamp needed
             v = div_exact(y, s, tl.math.div_rn(1.0, s))
+            if FMT != 0 and KEEP_SIGN:  # div_exact returns +0 for y = -0: the encoders want -0
+                v = (v.to(tl.int32, bitcast=True) | (y.to(tl.int32, bitcast=True) & -2147483648)).to(
+                    tl.float32, bitcast=True)
         else:  # subnormal scales (amax < ~1e-36): IEEE division, then clamp
             v = tl.math.div_rn(y, s)
             v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
-        if FMT != 0:
+        if FMT != 0 and not KEEP_SIGN:
             v = tl.where(y == 0.0, y, v)  # keep the sign of zero for the float encoders
     else:
         v = tl.math.div_rn(y, s)
@@ -320,10 +327,11 @@ def _token_tile_kernel(
             _st(R_OUT + rr * R_OUT_stride + cc, hr, mask, EVEN)
             h = hr.to(tl.float32)
         if PRE == 1:
-            if EVEN:
-                w = tl.load(W + cols).to(tl.float32)[None, :]  # once per program, for ROWS rows
-            else:
-                w = tl.load(W + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
+            if ROWS == 1:  # a [1, BLOCK] load takes the tile's layout (sm_90 SASS: a 1-D load
+                # broadcast with [None, :] goes through shared memory and two barriers)
+                w = _ld(W + cc, cc < K, EVEN).to(tl.float32)
+            else:  # loaded once per program for ROWS rows (there the 1-D form compiled smaller)
+                w = _ld(W + cols, cols < K, EVEN).to(tl.float32)[None, :]
             hw = h * w
             # as in _row_quant_kernel: independent reductions, amax = fl(max |hw| * inv) exactly
             amax_hw = tl.max(tl.abs(hw), axis=1)
@@ -344,7 +352,7 @@ def _token_tile_kernel(
         tl.store(SCALE + rows, s)
     else:
         tl.store(SCALE + rows, s, mask=rmask)
-    _st(CODES + rr * K + cc, _codes(y, s[:, None], FMT, 0, QMAX, HW_FP8, FAST_DIV), mask, EVEN)
+    _st(CODES + rr * K + cc, _codes(y, s[:, None], FMT, 0, QMAX, HW_FP8, FAST_DIV, True), mask, EVEN)
 
 
 @triton.jit
