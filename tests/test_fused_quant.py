@@ -75,12 +75,16 @@ def _assert_same_quant(qt, ref):
         assert torch.equal(qt.global_scale, ref.global_scale), "tensor scales differ"
 
 
-@pytest.mark.parametrize("name", list(SCHEMES))
+TILE_SCHEMES = ("int8_token", "fp8_token")  # what the "tile" kernel takes (fused.tile_supports)
+KERNEL_CASES = [(n, "row") for n in SCHEMES] + [(n, "tile") for n in TILE_SCHEMES]
+
+
+@pytest.mark.parametrize("name,kernel", KERNEL_CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_quantize_rows_equals_canonical(name, dtype, device, rng):
+def test_quantize_rows_equals_canonical(name, kernel, dtype, device, rng):
     scheme = SCHEMES[name]
     x = _rand(rng, (3, 2, _hidden(scheme)), dtype, device)
-    qt = fused.quantize_rows(x, scheme, backend="triton")
+    qt = fused.quantize_rows(x, scheme, backend="triton", kernel=kernel)
     ref = canonical_quantize(x.cpu(), scheme)
     _assert_same_quant(qt.to("cpu"), ref)
     assert qt.shape == tuple(x.shape)
@@ -89,8 +93,9 @@ def test_quantize_rows_equals_canonical(name, dtype, device, rng):
     assert torch.all(deq[1] == 0) and torch.isfinite(qt.scale).all()
 
 
-@pytest.mark.parametrize("name", ["int8_token", "fp8_token", "mxfp8", "nvfp4"])
-def test_rmsnorm_quant(name, device, rng):
+@pytest.mark.parametrize("name,kernel", [("int8_token", "row"), ("fp8_token", "row"), ("mxfp8", "row"),
+                                         ("nvfp4", "row"), ("int8_token", "tile"), ("fp8_token", "tile")])
+def test_rmsnorm_quant(name, kernel, device, rng):
     scheme = SCHEMES[name]
     # odd hidden sizes, and one power of two (the kernel then drops its masks)
     for M, res_dtype, K in ((1, None, _hidden(scheme)), (3, torch.bfloat16, _hidden(scheme)),
@@ -102,7 +107,7 @@ def test_rmsnorm_quant(name, device, rng):
             r[1] = -x[1].to(res_dtype)  # the residual sum of row 1 is exactly zero
         eps = 1e-6
         qt, new_r, y = fused.rmsnorm_quant(x, w, eps, scheme, residual=r, backend="triton",
-                                           return_normalized=True)
+                                           return_normalized=True, kernel=kernel)
         _assert_same_quant(qt.to("cpu"), canonical_quantize(y.cpu(), scheme))
         # the residual stream: x + r in float32, rounded once to r's dtype; never quantized
         if r is None:
@@ -122,15 +127,16 @@ def test_rmsnorm_quant(name, device, rng):
             assert torch.all(qt.dequantize().cpu()[1] == 0) and torch.isfinite(qt.scale).all()
 
 
-@pytest.mark.parametrize("name", ["int8_token", "fp8_token", "mxfp4", "nvfp4"])
-def test_silu_mul_quant(name, device, rng):
+@pytest.mark.parametrize("name,kernel", [("int8_token", "row"), ("fp8_token", "row"), ("mxfp4", "row"),
+                                         ("nvfp4", "row"), ("int8_token", "tile"), ("fp8_token", "tile")])
+def test_silu_mul_quant(name, kernel, device, rng):
     scheme = SCHEMES[name]
     H = _hidden(scheme)
     for M in (1, 3, 17):
         x = _rand(rng, (M, 2 * H), torch.bfloat16, device, scale=2.0, zero_row=1 if M > 1 else None)
         with warnings.catch_warnings():  # the interpreter's numpy exp warns where exp(-g) overflows
             warnings.simplefilter("ignore", RuntimeWarning)
-            qt, y = fused.silu_mul_quant(x, scheme, backend="triton", return_product=True)
+            qt, y = fused.silu_mul_quant(x, scheme, backend="triton", return_product=True, kernel=kernel)
         assert qt.codes.shape == (M, H)
         _assert_same_quant(qt.to("cpu"), canonical_quantize(y.cpu(), scheme))
         g, u = x.cpu().double()[:, :H], x.cpu().double()[:, H:]
@@ -207,12 +213,56 @@ def test_gpu_fp8_hardware_cast_matches(device, rng):
     if device != "cuda":
         pytest.skip("the hardware fp8 cast exists only on CUDA")
     x = _rand(rng, (512, 4096), torch.bfloat16, device)
+    x[::7, ::5] = -0.0  # signed zeros through the fast division
     w = torch.randn(4096, generator=rng).to(torch.bfloat16).to(device)
-    scheme = SCHEMES["fp8_token"]
-    for enc in ("hw", "int"):
-        qt, _, y = fused.rmsnorm_quant(x, w, 1e-6, scheme, backend="triton", return_normalized=True,
-                                       fp8_encoder=enc)
-        _assert_same_quant(qt.to("cpu"), canonical_quantize(y.cpu(), scheme))
+    for name in ("fp8_token", "int8_token"):
+        scheme = SCHEMES[name]
+        for enc, kernel in (("hw", "row"), ("int", "row"), ("hw", "tile"), ("int", "tile")):
+            qt, _, y = fused.rmsnorm_quant(x, w, 1e-6, scheme, backend="triton", return_normalized=True,
+                                           fp8_encoder=enc, kernel=kernel)
+            _assert_same_quant(qt.to("cpu"), canonical_quantize(y.cpu(), scheme))
+
+
+@pytest.mark.parametrize("tile", [(1, 1), (2, 1), (4, 2), (8, 4)])
+@pytest.mark.parametrize("name", TILE_SCHEMES)
+def test_tile_configs_match_row_kernel(tile, name, device, rng):
+    """Every (ROWS, num_warps) of the "tile" kernel gives the codes and scales of lowbit.quantize
+    on its own y, and the same y, new residual and codes as the "row" kernel (same arithmetic):
+    row counts that ROWS does not divide (masked tail), odd and power-of-two K, signed zeros
+    (the fast division's sign handling on the GPU), a zero row."""
+    scheme = SCHEMES[name]
+    for M, K in ((5, 200), (2 * tile[0] + 1, 256)):  # 2 * ROWS + 1 rows: a masked tail program
+        x = _rand(rng, (M, K), torch.bfloat16, device)
+        x[0, 3:9] = -0.0  # -0 in, -0 out of the division: fp8 code 0x80, as canonical
+        w = (1 + 0.2 * torch.randn(K, generator=rng)).to(torch.bfloat16).to(device)
+        r = _rand(rng, (M, K), torch.float32, device, zero_row=None)
+        out_t = fused.rmsnorm_quant(x, w, 1e-6, scheme, residual=r, backend="triton", return_normalized=True,
+                                    kernel="tile", tile=tile)
+        out_r = fused.rmsnorm_quant(x, w, 1e-6, scheme, residual=r, backend="triton", return_normalized=True,
+                                    kernel="row")
+        _assert_same_quant(out_t[0].to("cpu"), canonical_quantize(out_t[2].cpu(), scheme))
+        _assert_same_quant(out_t[0].to("cpu"), out_r[0].to("cpu"))
+        assert torch.equal(out_t[1], out_r[1]) and torch.equal(out_t[2], out_r[2])
+        qt = fused.quantize_rows(x, scheme, backend="triton", kernel="tile", tile=tile)
+        _assert_same_quant(qt.to("cpu"), canonical_quantize(x.cpu(), scheme))
+        if name == "fp8_token":
+            assert torch.all(qt.codes[0, 3:9].cpu() == 0x80)
+
+
+def test_kernel_choice(device, rng, monkeypatch):
+    """kernel=None follows DEFAULT_KERNEL; "tile" as default leaves the schemes it does not take
+    to "row" (same results), an explicit kernel="tile" refuses them."""
+    x = _rand(rng, (4, 96), torch.bfloat16, device)
+    monkeypatch.setattr(fused, "DEFAULT_KERNEL", "tile")
+    for name in ("int8_token", "mxfp8"):
+        _assert_same_quant(fused.quantize_rows(x, SCHEMES[name], backend="triton").to("cpu"),
+                           canonical_quantize(x.cpu(), SCHEMES[name]))
+    with pytest.raises(NotImplementedError, match="kernel='tile' takes per-token"):
+        fused.quantize_rows(x, SCHEMES["mxfp8"], backend="triton", kernel="tile")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        fused.quantize_rows(x, SCHEMES["int8_token"], backend="triton", kernel="fast")
+    with pytest.raises(ValueError, match="powers of two"):
+        fused.quantize_rows(x, SCHEMES["int8_token"], backend="triton", kernel="tile", tile=(3, 4))
 
 
 def test_clear_errors(device, rng):
