@@ -3,7 +3,10 @@
   copy          x.copy_(y), the bandwidth ceiling every row's `frac_copy` is measured against
   norm_quant    fused RMSNorm (+ residual) + per-token int8 / fp8 (and MXFP8 / MXFP4 / NVFP4)
                 vs the unfused function (HF-style RMSNorm to bf16, then per-token quant) in
-                eager PyTorch and under torch.compile
+                eager PyTorch and under torch.compile. Per-token int8 / fp8 rows time both
+                kernels of lowbit.ops.fused: `lowbit_<x>` = kernel "row", `lowbit_<x>_tile` =
+                kernel "tile" (heuristic tile), `lowbit_<x>_tile_r{ROWS}w{WARPS}` = other tiles
+                (norm_quant int8 / fp8 only); tile rows carry vs_row and codes_equal_row
   silu_quant    fused SiLU-and-multiply + per-token int8 / fp8 vs eager / compiled unfused
   quant         standalone dynamic quantization vs eager / compiled
   w4a16         int4 g128 (sym / asym), int4 g32, MXFP4, NVFP4 weight-only decode GEMM vs
@@ -63,14 +66,14 @@ class _Bench:
         except Exception as exc:  # a baseline PyTorch lacks here is reported, not hidden
             row = dict(name=name, shape=shape, ms=None, error=f"{type(exc).__name__}: {str(exc)[:200]}")
             self.rows.append(row)
-            _log(f"  {name:28s} {shape:>22s}  unavailable: {row['error']}")
+            _log(f"  {name:34s} {shape:>22s}  unavailable: {row['error']}")
             return row
         gbps = nbytes / ms / 1e6
         row = dict(name=name, shape=shape, ms=ms, GBps=gbps, bytes=int(nbytes), **extra)
         if self.copy_gbps:
             row["frac_copy"] = gbps / self.copy_gbps
         self.rows.append(row)
-        _log(f"  {name:28s} {shape:>22s} {ms * 1e3:9.1f} us {gbps:8.0f} GB/s"
+        _log(f"  {name:34s} {shape:>22s} {ms * 1e3:9.1f} us {gbps:8.0f} GB/s"
              + (f" {100 * row['frac_copy']:5.1f}% copy" if "frac_copy" in row else ""))
         return row
 
@@ -169,6 +172,36 @@ def _copy(b: _Bench, name: str = "copy") -> None:
                 r["frac_copy"] = r["GBps"] / best
 
 
+def _tile_variants(K: int, pre: int, quick: bool) -> list[tuple[str, tuple[int, int] | None]]:
+    """Row-name suffixes and tiles of the fused quantizer's "tile" kernel: "_tile" = its heuristic
+    (fused.tile_config), then "_tile_r{ROWS}w{WARPS}" for 16 / 32 / 64 elements per thread with one
+    row per program and 64 with two rows, so a run shows which configuration to make the default."""
+    from lowbit.ops.fused import tile_config
+
+    out, seen = [("_tile", None)], {tile_config(K, pre)}
+    for R, W in ((1, K // 512), (1, K // 1024), (1, K // 2048), (2, K // 1024)):
+        t = (R, max(1, min(16, W)))
+        if not quick and t not in seen:
+            seen.add(t)
+            out.append((f"_tile_r{t[0]}w{t[1]}", t))
+    return out
+
+
+def _time_tiles(b: _Bench, stem: str, shape: str, K: int, pre: int, quick: bool, make, sets, nbytes,
+                bases: dict, row_out, out_of) -> None:
+    """Time the "tile" kernel's variants next to the "row" kernel's row (`bases["row"]`); `make(tile)`
+    returns the timed function, `out_of(result)` the QTensor; `codes_equal_row` compares its codes
+    with the row kernel's `row_out` on the same input (same arithmetic: they must be identical)."""
+    from lowbit.ops.fused import tile_config
+
+    for suffix, tile in _tile_variants(K, pre, quick):
+        fn = make(tile)
+        r = b.time(f"{stem}{suffix}", shape, fn, sets, nbytes, kernel="tile", tile=list(tile or tile_config(K, pre)))
+        b.ratios(r, bases)
+        if r and r.get("ms"):
+            r["codes_equal_row"] = bool(torch.equal(out_of(fn(*sets[0])).codes, row_out.codes))
+
+
 def _norm_quant(b: _Bench, quick: bool) -> None:
     from lowbit.ops.fused import rmsnorm_quant
     from lowbit.scheme import QuantScheme, get_preset
@@ -183,28 +216,39 @@ def _norm_quant(b: _Bench, quick: bool) -> None:
             if not b.wanted(f"norm_quant_{fmt}"):
                 continue
             nbytes = T * K * 2 + K * 2 + T * K * 1 + T * 4
-            fused = lambda x, w, s=sch: rmsnorm_quant(x, w, EPS, s, check_finite=False)  # noqa: E731
+            fused = lambda x, w, s=sch: rmsnorm_quant(x, w, EPS, s, check_finite=False, kernel="row")  # noqa: E731
             base = _norm_quant_unfused(fmt)
             comp = torch.compile(base, dynamic=False)
-            r_l = b.time(f"lowbit_norm_quant_{fmt}", shape, fused, sets, nbytes)
+            r_l = b.time(f"lowbit_norm_quant_{fmt}", shape, fused, sets, nbytes, kernel="row")
             r_e = b.time(f"eager_norm_quant_{fmt}", shape, base, sets, nbytes)
             r_c = b.time(f"compile_norm_quant_{fmt}", shape, comp, sets, nbytes)
             b.ratios(r_l, {"eager": r_e, "compile": r_c})
             x, w = sets[0]
             qt, _ = fused(x, w)
             (q, s), _ = base(x, w)
-            r_l["check"] = _rel_l2(qt.dequantize(), _deq(q, s))
+            if r_l and r_l.get("ms"):
+                r_l["check"] = _rel_l2(qt.dequantize(), _deq(q, s))
+            _time_tiles(b, f"lowbit_norm_quant_{fmt}", shape, K, 1, quick,
+                        lambda t, s=sch: lambda x, w: rmsnorm_quant(x, w, EPS, s, check_finite=False, kernel="tile",
+                                                                    tile=t),
+                        sets, nbytes, {"eager": r_e, "compile": r_c, "row": r_l}, qt, lambda o: o[0])
         if b.wanted("norm_quant_res_int8"):
             sets_r = [(x, w, torch.randn_like(x)) for x, w in sets]
             nbytes = T * K * 2 * 2 + K * 2 + T * K * 2 + T * K + T * 4
             sch = schemes["int8"]
-            fused = lambda x, w, r: rmsnorm_quant(x, w, EPS, sch, residual=r, check_finite=False)  # noqa: E731
+            fused = lambda x, w, r: rmsnorm_quant(x, w, EPS, sch, residual=r, check_finite=False,  # noqa: E731
+                                                  kernel="row")
             base = _norm_quant_unfused("int8")
             comp = torch.compile(base, dynamic=False)
-            r_l = b.time("lowbit_norm_quant_res_int8", shape, fused, sets_r, nbytes)
+            r_l = b.time("lowbit_norm_quant_res_int8", shape, fused, sets_r, nbytes, kernel="row")
             r_e = b.time("eager_norm_quant_res_int8", shape, base, sets_r, nbytes)
             r_c = b.time("compile_norm_quant_res_int8", shape, comp, sets_r, nbytes)
             b.ratios(r_l, {"eager": r_e, "compile": r_c})
+            _time_tiles(b, "lowbit_norm_quant_res_int8", shape, K, 1, True,  # heuristic tile only
+                        lambda t: lambda x, w, r: rmsnorm_quant(x, w, EPS, sch, residual=r, check_finite=False,
+                                                                kernel="tile", tile=t),
+                        sets_r, nbytes, {"eager": r_e, "compile": r_c, "row": r_l}, fused(*sets_r[0])[0],
+                        lambda o: o[0])
         for name in ("mxfp8", "mxfp4", "nvfp4"):
             if not b.wanted(f"norm_quant_{name}") or (quick and name != "mxfp8"):
                 continue
@@ -232,15 +276,19 @@ def _silu_quant(b: _Bench, quick: bool) -> None:
             if not b.wanted(f"silu_quant_{fmt}"):
                 continue
             nbytes = T * 2 * H * 2 + T * H + T * 4
-            fused = lambda x, s=sch: silu_mul_quant(x, s, check_finite=False)  # noqa: E731
+            fused = lambda x, s=sch: silu_mul_quant(x, s, check_finite=False, kernel="row")  # noqa: E731
             base = _silu_quant_unfused(fmt)
             comp = torch.compile(base, dynamic=False)
-            r_l = b.time(f"lowbit_silu_quant_{fmt}", shape, fused, sets, nbytes)
+            r_l = b.time(f"lowbit_silu_quant_{fmt}", shape, fused, sets, nbytes, kernel="row")
             r_e = b.time(f"eager_silu_quant_{fmt}", shape, base, sets, nbytes)
             r_c = b.time(f"compile_silu_quant_{fmt}", shape, comp, sets, nbytes)
             b.ratios(r_l, {"eager": r_e, "compile": r_c})
             qt = fused(sets[0][0])
-            r_l["check"] = _rel_l2(qt.dequantize(), _deq(*base(sets[0][0])))
+            if r_l and r_l.get("ms"):
+                r_l["check"] = _rel_l2(qt.dequantize(), _deq(*base(sets[0][0])))
+            _time_tiles(b, f"lowbit_silu_quant_{fmt}", shape, H, 2, True,
+                        lambda t, s=sch: lambda x: silu_mul_quant(x, s, check_finite=False, kernel="tile", tile=t),
+                        sets, nbytes, {"eager": r_e, "compile": r_c, "row": r_l}, qt, lambda o: o)
         del sets
 
 
@@ -261,13 +309,16 @@ def _quant(b: _Bench, quick: bool) -> None:
         else:
             sch = get_preset(fmt)
             nbytes = T * K * 2 + T * K + T * (K // sch.group_size) * 5
-        fused = lambda x, s=sch: quantize_rows(x, s, check_finite=False)  # noqa: E731
-        r_l = b.time(f"lowbit_quant_{fmt}", shape, fused, sets, nbytes)
+        fused = lambda x, s=sch: quantize_rows(x, s, check_finite=False, kernel="row")  # noqa: E731
+        r_l = b.time(f"lowbit_quant_{fmt}", shape, fused, sets, nbytes, kernel="row")
         if fmt in ("int8", "fp8"):
             base = _quant_unfused(fmt)
             r_e = b.time(f"eager_quant_{fmt}", shape, base, sets, nbytes)
             r_c = b.time(f"compile_quant_{fmt}", shape, torch.compile(base, dynamic=False), sets, nbytes)
             b.ratios(r_l, {"eager": r_e, "compile": r_c})
+            _time_tiles(b, f"lowbit_quant_{fmt}", shape, K, 0, True,
+                        lambda t, s=sch: lambda x: quantize_rows(x, s, check_finite=False, kernel="tile", tile=t),
+                        sets, nbytes, {"eager": r_e, "compile": r_c, "row": r_l}, fused(sets[0][0]), lambda o: o)
     del sets
 
 
@@ -453,16 +504,16 @@ def _names(sec: str) -> tuple[str, ...]:
 def print_table(rows: list[dict]) -> None:
     """Short table: lowbit rows with their bandwidth and ratios."""
     print("\n# memory-bound kernels (GB/s = bytes that must move / time; ratio = baseline ms / lowbit ms)")
-    print(f"{'kernel':30s} {'shape':>22s} {'us':>8s} {'GB/s':>7s} {'%copy':>6s}  ratios")
+    print(f"{'kernel':36s} {'shape':>22s} {'us':>8s} {'GB/s':>7s} {'%copy':>6s}  ratios")
     for r in rows:
         if not (r["name"].startswith("lowbit_") or r["name"].startswith("copy") or r["name"] == "sparse24_fp8_cslt"
                 or r["name"].endswith("_error")):
             continue
         if not r.get("ms"):
-            print(f"{r['name']:30s} {r['shape']:>22s}  {r.get('error', '')}")
+            print(f"{r['name']:36s} {r['shape']:>22s}  {r.get('error', '')}")
             continue
         rat = " ".join(f"{k[3:]}={v:.2f}" for k, v in r.items() if k.startswith("vs_"))
-        print(f"{r['name']:30s} {r['shape']:>22s} {r['ms'] * 1e3:8.1f} {r['GBps']:7.0f} "
+        print(f"{r['name']:36s} {r['shape']:>22s} {r['ms'] * 1e3:8.1f} {r['GBps']:7.0f} "
               f"{100 * r.get('frac_copy', 0):6.1f}  {rat}")
 
 

@@ -22,10 +22,12 @@ def plot(rows: list[dict], path: str) -> None:
     labels, series = [], {"lowbit (fused)": [], "torch.compile": [], "eager": []}
     for r in rows:
         n = r["name"]
-        if not r.get("ms") or not n.startswith("lowbit_") or n.startswith(("lowbit_w4a16", "lowbit_sparse")):
+        if (not r.get("ms") or not n.startswith("lowbit_") or n.startswith(("lowbit_w4a16", "lowbit_sparse"))
+                or "_tile_r" in n):  # the tile sweep stays in the JSON; the plot shows the heuristic tile
             continue
-        base = n[len("lowbit_"):]
-        labels.append(f"{base}\n{r['shape']}")
+        label = n[len("lowbit_"):]
+        base = label.removesuffix("_tile")  # the "tile" kernel's row has the "row" kernel's baselines
+        labels.append(f"{label}\n{r['shape']}")
         series["lowbit (fused)"].append(r["GBps"])
         for key, pre in (("torch.compile", "compile_"), ("eager", "eager_")):
             b = by.get((pre + base, r["shape"]))
@@ -60,7 +62,9 @@ def sass_report() -> list[dict]:
     bundled ptxas / cuobjdump) and report static SASS instruction counts and shared memory
     per variant: a check for compile errors and resource limits (the H200 allows 232448
     bytes of shared memory per block) when no H200 is at hand. Integer arguments are marked
-    divisible by 16, as Triton specializes them at launch."""
+    divisible by 16, as Triton specializes them at launch. `reg` / `local`: registers per thread
+    and spill bytes, from the fused quantizers' compiles. The static count includes paths
+    rarely taken (the IEEE-division fallback for subnormal scales)."""
     import os
     import re
     import subprocess
@@ -84,10 +88,13 @@ def sass_report() -> list[dict]:
             f.write(c.asm["cubin"])
             f.flush()
             sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+            res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
         n = sum(1 for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line))
+        # registers per thread and local memory (spills) in bytes, as ptxas allotted them
+        regs[0] = {k.lower(): int(v) for k, v in re.findall(r"\b(REG|LOCAL):(\d+)", res)}
         return n, c.metadata.shared
 
-    rows = []
+    rows, regs = [], [{}]
     sig = {"X": "*bf16", "X_stride": "i32", "W": "*bf16", "R": "*bf16", "R_stride": "i32", "R_OUT": "*bf16",
            "R_OUT_stride": "i32", "Y": "*fp32", "CODES": "*i8", "SCALE": "*fp32", "SCALE_CODES": "*u8",
            "GSCALE": "*fp32", "GOUT": "*fp32", "AMAX": "*fp32", "K": "i32", "NGROUPS": "i32", "eps": "fp32"}
@@ -99,7 +106,22 @@ def sass_report() -> list[dict]:
                                                     NG=128, G=32))):
         n, smem = compile_count(fq._row_quant_kernel, sig, {**base, **extra}, ("eps", "NGROUPS"), num_warps=8)
         # static count: the rarely taken IEEE-division fallback for subnormal scales is included
-        rows.append(dict(kernel="row_quant", variant=name, sass_static=n, shared=smem))
+        rows.append(dict(kernel="row_quant", variant=name, sass_static=n, shared=smem, **regs[0]))
+    # the "tile" kernel at the tiles fused.tile_config picks for the benchmark's hidden sizes
+    from lowbit.ops.fused import tile_config
+
+    tsig = {"X": "*bf16", "X_stride": "i32", "W": "*bf16", "R": "*bf16", "R_stride": "i32", "R_OUT": "*bf16",
+            "R_OUT_stride": "i32", "Y": "*fp32", "CODES": "*i8", "SCALE": "*fp32", "n_rows": "i32", "K": "i32",
+            "eps": "fp32"}
+    tbase = dict(PRE=1, HAS_RES=False, STORE_Y=False, FMT=0, QMAX=127.0, HW_FP8=True, FAST_DIV=True, EVEN=True)
+    for name, K, extra in (("norm_int8", 4096, {}), ("norm_fp8", 4096, dict(FMT=1, QMAX=448.0)),
+                           ("norm_int8", 8192, {}), ("norm_fp8", 8192, dict(FMT=1, QMAX=448.0)),
+                           ("norm_res_int8", 4096, dict(HAS_RES=True))):
+        R, W = tile_config(K, 1)
+        n, smem = compile_count(fq._token_tile_kernel, tsig, {**tbase, **extra, "ROWS": R, "BLOCK": K}, ("eps",),
+                                num_warps=W)
+        rows.append(dict(kernel="token_tile", variant=f"{name} K={K} ROWS={R} warps={W}", sass_static=n,
+                         shared=smem, **regs[0]))
     sig = {"X": "*bf16", "W": "*u8", "S": "*fp32", "Z": "*i8", "SC": "*u8", "GS": "*fp32", "BIAS": "*fp32",
            "OUT": "*bf16", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32", "s_xm": "i32", "s_wn": "i32",
            "s_sn": "i32", "s_om": "i32"}

@@ -75,6 +75,12 @@ def div_exact(y, s, r):
 
 
 @triton.jit
+def _copy_sign_bit(v, y):
+    """v with y's sign bit OR-ed in (v >= 0 or already negative where y is): -0 for y = -0."""
+    return (v.to(tl.int32, bitcast=True) | (y.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _ld(ptr, mask, EVEN: tl.constexpr):
     """Load a row tile; EVEN (the tile is exactly the row) drops the mask."""
     if EVEN:
@@ -124,14 +130,16 @@ def _rms_inv(ss, K, eps):
 
 @triton.jit
 def _codes(y, s, FMT: tl.constexpr, SCALE_KIND: tl.constexpr, QMAX: tl.constexpr, HW_FP8: tl.constexpr,
-           FAST_DIV: tl.constexpr, KEEP_SIGN: tl.constexpr = False):
+           FAST_DIV: tl.constexpr, LEAN: tl.constexpr = False):
     """Codes of y / s (s broadcast to y's shape: [groups or rows, 1]) as lowbit.quantize computes
     them: IEEE division, round-half-even, clamp / saturate. Returns int8 (FMT 0) or uint8 bit
     patterns, shaped like y. Shared by both row kernels: the one place the kernels divide.
-    KEEP_SIGN: the fast division restores the sign of a zero y by OR-ing y's sign bit into the
-    quotient (one LOP3; the quotient of a nonzero y already has y's sign, and RN(-tiny / s) is
-    -0), the "tile" kernel; False keeps the measured "row" kernel's select (an FSETP and a
-    predicate per element, which the sm_90 code partly spills to registers)."""
+    LEAN (the "tile" kernel; False keeps the measured "row" kernel's code): the fast division
+    restores the sign of a zero y by OR-ing y's sign bit into the quotient (one LOP3; the
+    quotient of a nonzero y already has y's sign, and RN(-tiny / s) is -0) instead of a select
+    (an FSETP and a predicate per element, partly spilled to registers on sm_90), and subnormal
+    scales take div_exact on operands scaled by 2^64 instead of a div_rn call per element (the
+    calls pushed the kernel from ~80 to ~140 registers per thread, for a branch rarely taken)."""
     if FAST_DIV:
         if SCALE_KIND == 1:  # a power of two: y * (1 / s) is exact (same rounding as y / s)
             v = y * tl.math.div_rn(1.0, s)
@@ -139,13 +147,20 @@ def _codes(y, s, FMT: tl.constexpr, SCALE_KIND: tl.constexpr, QMAX: tl.constexpr
             # and for int8, s = RN(amax / 127) is within 2^-24 of amax / 127, so |y / s|
             # rounds to at most 127: no clamp needed
             v = div_exact(y, s, tl.math.div_rn(1.0, s))
-            if FMT != 0 and KEEP_SIGN:  # div_exact returns +0 for y = -0: the encoders want -0
-                v = (v.to(tl.int32, bitcast=True) | (y.to(tl.int32, bitcast=True) & -2147483648)).to(
-                    tl.float32, bitcast=True)
+            if FMT != 0 and LEAN:  # div_exact returns +0 for y = -0: the encoders want -0
+                v = _copy_sign_bit(v, y)
+        elif LEAN:  # subnormal (or NaN) scales: y / s = (y * 2^64) / (s * 2^64) exactly (scaling by
+            # a power of two is exact without overflow, and |y| <= amax < 2^-100 here), now with a
+            # normal divisor; the quotient is the same real number, so the same rounding
+            s2 = s * 18446744073709551616.0
+            v = div_exact(y * 18446744073709551616.0, s2, tl.math.div_rn(1.0, s2))
+            v = tl.minimum(tl.maximum(v, -QMAX), QMAX)  # subnormal s = RN(amax / max) lost bits
+            if FMT != 0:
+                v = _copy_sign_bit(v, y)
         else:  # subnormal scales (amax < ~1e-36): IEEE division, then clamp
             v = tl.math.div_rn(y, s)
             v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
-        if FMT != 0 and not KEEP_SIGN:
+        if FMT != 0 and not LEAN:
             v = tl.where(y == 0.0, y, v)  # keep the sign of zero for the float encoders
     else:
         v = tl.math.div_rn(y, s)
@@ -352,7 +367,7 @@ def _token_tile_kernel(
         tl.store(SCALE + rows, s)
     else:
         tl.store(SCALE + rows, s, mask=rmask)
-    _st(CODES + rr * K + cc, _codes(y, s[:, None], FMT, 0, QMAX, HW_FP8, FAST_DIV, True), mask, EVEN)
+    _st(CODES + rr * K + cc, _codes(y, s[:, None], FMT, 0, QMAX, HW_FP8, FAST_DIV, LEAN=True), mask, EVEN)
 
 
 @triton.jit
