@@ -119,7 +119,7 @@ class RecipeRun:
 
 def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float | None = None,
                override_worst: float = 0.0, override_to: str = "skip", ignore=None, overrides=None,
-               static: bool = False, window: int = 512, progress: bool = True, log=print) -> RecipeRun:
+               static: bool = False, window: int = 512, progress: bool = True, sites: bool = True) -> RecipeRun:
     """Quantize a copy of loaded.model by `recipe` and evaluate it. smoothquant: alpha or None;
     override_worst: fraction of Linear layers (<= 0.05 by the issue's rule) whose worst output
     SQNR sends them to `override_to` ("skip" = high precision, or a recipe name)."""
@@ -129,11 +129,17 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
     from lowbit.nn.smoothquant import smooth_model
     r = get_recipe(recipe)
     m = copy.deepcopy(loaded.model)
-    sites_before = site_report(m, texts.calib, r, ignore=ignore, overrides=overrides, progress=progress)
+    # sites=False skips the diagnosis when nothing depends on it (no overrides to pick).
+    want = sites or override_worst > 0
+    sites_before = site_report(m, texts.calib, r, ignore=ignore, overrides=overrides, progress=progress) \
+        if sites else None
     sites_after = None
     if smoothquant is not None:
         smooth_model(m, texts.calib, alpha=smoothquant, progress=progress)
-        sites_after = site_report(m, texts.calib, r, ignore=ignore, overrides=overrides, progress=progress)
+        if want:
+            sites_after = site_report(m, texts.calib, r, ignore=ignore, overrides=overrides, progress=progress)
+    elif want and sites_before is None:
+        sites_before = site_report(m, texts.calib, r, ignore=ignore, overrides=overrides, progress=progress)
     ov = dict(overrides or {})
     picked = {}
     if override_worst > 0:
