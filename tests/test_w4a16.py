@@ -97,6 +97,62 @@ def test_w4a16_against_numpy_reference(name, device, rng):
             assert torch.all(out.cpu()[:, 3] == 0)  # zero weights give exact zeros
 
 
+@pytest.mark.parametrize("name", ["int4_g128", "int4_g128_asym", "int4_g32", "uint4_g32_asym"])
+def test_w4a16_gemv8_against_numpy_reference(name, device, rng):
+    """The "gemv8" kernel (planar8 layout: int32 words, nibble p of word t of a group = code
+    p * G/8 + t) against the independent numpy dequantization of its own words, at M = 1, 2,
+    3 (4-row tiles, rows past M masked) and 17, N not a tile multiple, a zero output channel.
+    Its error is the same float32 accumulation as the other kernels' (exact nibble values,
+    exact products, per-group scaling): the same bound holds, split-K included."""
+    scheme = SCHEMES[name]
+    N, K = 40, 256 if scheme.group_size == 128 else 128  # (the interpreter is slow: few groups)
+    w = torch.randn(N, K, generator=rng) * 0.05
+    w[5] = 0
+    wq = quantize(w, scheme)
+    w4 = prepare_w4(wq.to(device), layout="planar8")
+    assert w4.metadata()["layout"] == "planar8"
+    w64 = torch.from_numpy(_numpy_dequant_planar8(w4))
+    assert torch.equal(w4a16_reference(torch.eye(K, dtype=torch.float64), wq), w64.T)
+    for dtype, M, split in ((torch.bfloat16, 1, 1), (torch.bfloat16, 3, 1), (torch.bfloat16, 17, 2),
+                            (torch.float16, 2, 2)):
+        x = (torch.randn(M, K, generator=rng) * 2).to(dtype)
+        out = w4a16_linear(x.to(device), w4, backend="triton", config={"split": split})
+        assert out.dtype == dtype and out.shape == (M, N)
+        ref = x.double() @ w64.T
+        err = (out.cpu().double() - ref).abs()
+        bound = _bound(x.double(), w64, ref, K, w4.group_size, split, dtype)
+        assert torch.all(err <= bound), f"M={M} {dtype}: max excess {(err - bound).max().item()}"
+        assert torch.all(out.cpu()[:, 5] == 0)
+
+
+def _numpy_dequant_planar8(w4) -> np.ndarray:
+    """float64 [N, K] from planar8 bytes without lowbit: little-endian int32 words; nibble p
+    of word t of group c is code c*G + p*(G/8) + t; int4 offset-binary."""
+    words = w4.packed.cpu().numpy().view("<u4").astype(np.int64)  # [N, K/8]
+    N, G = words.shape[0], w4.group_size
+    words = words.reshape(N, -1, G // 8)                                 # [n, c, t]
+    nib = np.stack([(words >> (4 * p)) & 15 for p in range(8)], axis=2)  # [n, c, p, t]
+    codes = nib.reshape(N, -1)
+    q = codes - 8 if w4.kind == "int4" else codes
+    if w4.zero_point is not None:
+        q = q - np.repeat(w4.zero_point.cpu().numpy().astype(np.int64), G, axis=1)
+    return q * np.repeat(w4.scale.cpu().numpy().astype(np.float64), G, axis=1)
+
+
+def test_w4a16_gemv8_errors(rng):
+    wq = quantize(torch.randn(16, 128, generator=rng), SCHEMES["int4_g128"])
+    with pytest.raises(NotImplementedError, match="planar8"):
+        prepare_w4(quantize(torch.randn(16, 128, generator=rng), SCHEMES["mxfp4"]), layout="planar8")
+    with pytest.raises(ValueError, match="layout must be"):
+        prepare_w4(wq, layout="planar4")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(1, 128, generator=rng).to(torch.bfloat16).to(dev)
+    with pytest.raises(ValueError, match="layout='planar8'"):
+        w4a16_linear(x, prepare_w4(wq.to(dev)), backend="triton", config={"kernel": "gemv8"})
+    with pytest.raises(ValueError, match="runs only kernel 'gemv8'"):
+        w4a16_linear(x, prepare_w4(wq.to(dev), layout="planar8"), backend="triton", config={"kernel": "dot"})
+
+
 def test_w4a16_split_k_bias_and_batch_dims(device, rng):
     scheme = SCHEMES["int4_g32"]
     N, K = 24, 512
@@ -105,8 +161,10 @@ def test_w4a16_split_k_bias_and_batch_dims(device, rng):
     w64 = torch.from_numpy(_numpy_dequant(w4))
     bias = torch.randn(N, generator=rng).to(torch.bfloat16)
     x = torch.randn(2, 3, K, generator=rng).to(torch.bfloat16)
-    for split, kernel in ((1, "dot"), (4, "dot"), (2, "gemv")):
-        out = w4a16_linear(x.to(device), w4, bias.to(device), backend="triton",
+    w8 = prepare_w4(quantize(w, scheme).to(device), layout="planar8")
+    assert torch.equal(torch.from_numpy(_numpy_dequant_planar8(w8)), w64)
+    for split, kernel in ((1, "dot"), (4, "dot"), (2, "gemv"), (1, "gemv8"), (4, "gemv8")):
+        out = w4a16_linear(x.to(device), w8 if kernel == "gemv8" else w4, bias.to(device), backend="triton",
                            config={"split": split, "kernel": kernel, "BLOCK_M": 2, "BLOCK_K": 128})
         assert out.shape == (2, 3, N)
         ref = x.double().reshape(-1, K) @ w64.T + bias.double()
@@ -124,12 +182,16 @@ def test_w4a16_decode_sizes_on_gpu(device, rng):
         wq = quantize(torch.randn(N, K, generator=rng).cuda() * 0.02, SCHEMES[name])
         w4 = prepare_w4(wq)
         w64 = torch.from_numpy(_numpy_dequant(w4))
+        w8 = prepare_w4(wq, layout="planar8") if name.startswith("int4") else None
         for M in (1, 16, 64):
             x = torch.randn(M, K, generator=rng).to(torch.bfloat16)
-            out = w4a16_linear(x.cuda(), w4)
             ref = x.double() @ w64.T
             bound = _bound(x.double(), w64, ref, K, w4.group_size, 8, torch.bfloat16)
+            out = w4a16_linear(x.cuda(), w4)
             assert torch.all((out.cpu().double() - ref).abs() <= bound), (name, M)
+            if w8 is not None:  # the gemv8 kernel with its own heuristic (inline-PTX lop3 on the GPU)
+                out = w4a16_linear(x.cuda(), w8)
+                assert torch.all((out.cpu().double() - ref).abs() <= bound), (name, M, "gemv8")
 
 
 def test_torch_backend_and_errors(rng):

@@ -36,7 +36,7 @@ COPY_ELEMS = 512 * 2**20                 # bf16: 1 GiB read + 1 GiB written, far
 SILU_SHAPES = ((8192, 14336),)           # tokens, intermediate size (input is [T, 2H])
 W4_NK = ((8192, 8192), (28672, 8192))
 W4_MS = (1, 16, 64)
-SWEEP_MS = (1, 16)  # W4A16 int4 g128: also the best of a small config sweep at these M
+SWEEP_MS = (1, 16)  # W4A16 int4 g128: also the best of a small sweep of the default kernel at these M
 SPARSE_SHAPES = ((8192, 8192, 8192), (2048, 14336, 4096), (2048, 4096, 14336), (16, 14336, 4096))
 EPS = 1e-6
 DEV = "cuda"  # the device every operand lives on (a CPU dry run of the plumbing sets "cpu")
@@ -322,92 +322,11 @@ def _quant(b: _Bench, quick: bool) -> None:
     del sets
 
 
-def _tinygemm_inputs(N: int, K: int, G: int = 128):
-    codes = torch.randint(0, 16, (N, K), device=DEV, dtype=torch.int32)
-    packed = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)
-    w = torch._convert_weight_to_int4pack(packed, 8)
-    sz = torch.randn(K // G, N, 2, device=DEV, dtype=torch.bfloat16) * 0.01
-    return w, sz
-
-
 def _w4a16(b: _Bench, quick: bool, sweep: bool = True) -> None:
-    from lowbit.ops.weight_only import pick_config, prepare_w4, w4a16_linear
-    from lowbit.quantize import quantize
-    from lowbit.scheme import QuantScheme, get_preset
+    """W4A16 rows: lowbit/bench/memory_w4a16.py (default kernel and "gemv8" side by side)."""
+    from lowbit.bench.memory_w4a16 import w4a16_section
 
-    kinds = {"int4_g128": get_preset("int4_g128"), "int4_g128_asym": get_preset("int4_g128_asym"),
-             "int4_g32": QuantScheme("int4", "group", group_size=32), "mxfp4": get_preset("mxfp4"),
-             "nvfp4": get_preset("nvfp4")}
-    if quick:
-        kinds = {"int4_g128": kinds["int4_g128"]}
-    for (N, K) in W4_NK[:1] if quick else W4_NK:
-        n = rotating_count(N * K // 2)
-        ws = {}
-        for name, sch in kinds.items():
-            if b.wanted(f"w4a16_{name}"):
-                ws[name] = [prepare_w4(quantize(torch.randn(N, K, device=DEV) * 0.02, sch)) for _ in range(n)]
-        wb = [torch.randn(N, K, device=DEV, dtype=torch.bfloat16) * 0.02
-              for _ in range(rotating_count(N * K * 2))]
-        try:
-            tg, tg_err = [_tinygemm_inputs(N, K) for _ in range(n)], None
-        except Exception as exc:  # noqa: BLE001 -- reported in the tinygemm rows
-            tg, tg_err = None, exc
-        for M in W4_MS:
-            shape = f"M{M} N{N} K{K}"
-            xs = [torch.randn(M, K, device=DEV, dtype=torch.bfloat16) for _ in range(max(len(wb), n))]
-            io = M * K * 2 + M * N * 2
-            r_bf = b.time("bf16_mm", shape, lambda x, w: torch.mm(x, w.t()),
-                          [(xs[i], wb[i]) for i in range(len(wb))], N * K * 2 + io)
-            if tg is None:
-                r_tg = dict(name="tinygemm_int4_g128", shape=shape, ms=None, error=f"unavailable: {str(tg_err)[:120]}")
-                b.rows.append(r_tg)
-            else:
-                r_tg = b.time("tinygemm_int4_g128", shape, lambda x, w, sz: torch._weight_int4pack_mm(x, w, 128, sz),
-                              [(xs[i], *tg[i]) for i in range(n)], N * K // 2 + (K // 128) * N * 4 + io)
-            for name, wl in ws.items():
-                w0 = wl[0]
-                G = w0.group_size
-                per_group = 4 + (1 if w0.zero_point is not None else 0) if name.startswith("int4") else 1
-                nbytes = N * K // 2 + N * (K // G) * per_group + io
-                sets = [(xs[i], wl[i]) for i in range(n)]
-                r = b.time(f"lowbit_w4a16_{name}", shape, lambda x, w: w4a16_linear(x, w), sets, nbytes,
-                           config=pick_config(M, N, K, w0.kind, G, w0.chunk))
-                b.ratios(r, {"bf16": r_bf, "tinygemm": r_tg})
-                if r and r.get("ms"):  # against bf16 torch.mm on the dequantized weight
-                    ref = torch.mm(xs[0], w0.qtensor.dequantize(torch.bfloat16).t())
-                    r["check"] = _rel_l2(w4a16_linear(xs[0], w0), ref)
-                if sweep and name == "int4_g128" and not quick and M in SWEEP_MS:
-                    best = None
-                    variants = [(kern, bn, split) for kern in (("gemv", "dot") if M <= 2 else ("dot",))
-                                for bn in (32, 64, 128) for split in (1, 2, 4)]
-                    sweep_ms = {}
-                    for kern, bn, split in variants:
-                        if kern == "gemv" and bn == 128:
-                            continue
-                        cfg = dict(pick_config(M, N, K, w0.kind, G, w0.chunk), kernel=kern, BLOCK_N=bn, split=split)
-                        try:
-                            ms = bench_ms(lambda x, w, c=cfg: w4a16_linear(x, w, config=c), sets,
-                                          cuda_graph=True, warmup=10, rep=40)
-                        except Exception as exc:  # noqa: BLE001 -- an infeasible config is skipped
-                            _log(f"    sweep {kern} BN={bn} split={split}: {type(exc).__name__}: {str(exc)[:100]}")
-                            continue
-                        sweep_ms[f"{kern}/BN{bn}/split{split}"] = round(ms * 1e3, 1)
-                        if best is None or ms < best[0]:
-                            best = (ms, bn, split, kern)
-                    _log(f"    sweep (us): {sweep_ms}")
-                    if best:
-                        rs = dict(name="lowbit_w4a16_int4_g128_best", shape=shape, ms=best[0],
-                                  GBps=nbytes / best[0] / 1e6, bytes=nbytes,
-                                  frac_copy=nbytes / best[0] / 1e6 / b.copy_gbps,
-                                  config=dict(kernel=best[3], BLOCK_N=best[1], split=best[2]),
-                                  swept="kernel gemv (M<=2)/dot x BLOCK_N 32/64/128 x split 1/2/4",
-                                  sweep_us=sweep_ms)
-                        b.ratios(rs, {"bf16": r_bf, "tinygemm": r_tg})
-                        b.rows.append(rs)
-                        _log(f"  {rs['name']:28s} {shape:>22s} {best[0] * 1e3:9.1f} us  ({best[3]}, BN={best[1]}, "
-                             f"split={best[2]})")
-            del xs
-        del ws, wb, tg
+    w4a16_section(b, quick, sweep)
 
 
 def _sparse24(b: _Bench, quick: bool) -> None:

@@ -48,12 +48,15 @@ class W4Weight:
     chunk: int
     shape: tuple[int, int]
     qtensor: QTensor                     # the source, for references and checkpoints
+    layout: str = "planar_chunks"        # or "planar8" (int32 words, kernel "gemv8")
 
     def metadata(self) -> dict:
         """The layout the kernel expects, for checkpoints and reports."""
+        nib = ("byte j of chunk c: low = code[c*chunk + j], high = code[c*chunk + chunk/2 + j]"
+               if self.layout == "planar_chunks" else
+               "little-endian int32 word t of chunk c: nibble p (bits 4p..4p+3) = code[c*chunk + p*chunk/8 + t]")
         return {"kernel": "lowbit.w4a16", "kind": self.kind, "group_size": self.group_size,
-                "layout": "planar_chunks", "chunk": self.chunk,
-                "nibbles": "byte j of chunk c: low = code[c*chunk + j], high = code[c*chunk + chunk/2 + j]",
+                "layout": self.layout, "chunk": self.chunk, "nibbles": nib,
                 "int4_storage": "offset binary (code + 8)" if self.kind == "int4" else "as is",
                 "scales": "fp32[N,K/G]" if self.kind in ("int4", "uint4") else "uint8 codes[N,K/G]",
                 "zero_point": "int8[N,K/G]" if self.zero_point is not None else None,
@@ -81,8 +84,13 @@ def _kind(wq: QTensor) -> str:
                               "(fp32 scales), MXFP4 (group 32, e8m0), NVFP4 (group 16, fp8_e4m3fn)")
 
 
-def prepare_w4(wq: QTensor) -> W4Weight:
-    """Lay out a quantized weight [N, K] for w4a16_linear (done once, at load time)."""
+def prepare_w4(wq: QTensor, layout: str = "planar_chunks") -> W4Weight:
+    """Lay out a quantized weight [N, K] for w4a16_linear (done once, at load time).
+
+    layout "planar_chunks" (default; kernels "dot" and "gemv") or "planar8" (int4 / uint4
+    only, K a multiple of 8; kernel "gemv8", the decode GEMV): see the module docstring."""
+    if layout not in ("planar_chunks", "planar8"):
+        raise ValueError(f"prepare_w4: layout must be 'planar_chunks' or 'planar8', got {layout!r}")
     if not isinstance(wq, QTensor):
         raise TypeError(f"prepare_w4: wq must be a lowbit QTensor (lowbit.quantize(w, scheme)), "
                         f"got {type(wq).__name__}")
@@ -93,14 +101,20 @@ def prepare_w4(wq: QTensor) -> W4Weight:
     N, K = wq.codes.shape
     if K % 2:
         raise ValueError(f"prepare_w4: K = {K} must be even (two codes per byte)")
-    packed, chunk = _planar(wq.codes, kind, wq.scheme.group_size)
+    if layout == "planar8":
+        if kind not in ("int4", "uint4"):
+            raise NotImplementedError(f"prepare_w4: layout 'planar8' takes int4 / uint4 weights, got {kind}; "
+                                      "use layout='planar_chunks'")
+        packed, chunk = _planar8(wq.codes, kind, wq.scheme.group_size), wq.scheme.group_size
+    else:
+        packed, chunk = _planar(wq.codes, kind, wq.scheme.group_size)
     zp = None
     if wq.zero_point is not None:
         zp = wq.zero_point.to(torch.int8).contiguous()  # z lies in [qmin, qmax]: exact
     return W4Weight(packed, wq.scale.to(torch.float32).contiguous(), zp,
                     None if wq.scale_codes is None else wq.scale_codes.contiguous(),
                     None if wq.global_scale is None else wq.global_scale.to(torch.float32).reshape(1).contiguous(),
-                    kind, wq.scheme.group_size, chunk, (N, K), wq)
+                    kind, wq.scheme.group_size, chunk, (N, K), wq, layout)
 
 
 def _planar(codes: torch.Tensor, kind: str, group: int) -> tuple[torch.Tensor, int]:
@@ -122,11 +136,53 @@ def _planar(codes: torch.Tensor, kind: str, group: int) -> tuple[torch.Tensor, i
     return packed.reshape(N, K // 2).contiguous(), chunk
 
 
+def _planar8(codes: torch.Tensor, kind: str, group: int) -> torch.Tensor:
+    """codes [N, K] -> uint8 [N, K/2] holding little-endian int32 words [N, K/8]: word t of
+    chunk c (group-sized) has code c*G + p*(G/8) + t in nibble p (bits 4p..4p+3)."""
+    N, K = codes.shape
+    u = codes.to(torch.int32)
+    if kind == "int4":
+        u = u + 8  # offset binary: 0..15
+    u = u.reshape(N, K // group, 8, group // 8)           # [n, c, p, t]
+    words = torch.zeros(N, K // group, group // 8, dtype=torch.int32, device=codes.device)
+    for p in range(8):
+        words |= u[:, :, p, :] << (4 * p)  # p = 7 sets bit 31: int32 wraps, the bits are what count
+    # int32 -> 4 bytes, little-endian (the kernel reads int32 words on little-endian GPUs)
+    b = torch.stack([(words >> (8 * i)) & 0xFF for i in range(4)], dim=-1).to(torch.uint8)
+    return b.reshape(N, K // 2).contiguous()
+
+
 def w4a16_reference(x: torch.Tensor, w: W4Weight | QTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """float64 x @ dequant(w).T (+ bias): the exact value the kernel approximates."""
     wq = w.qtensor if isinstance(w, W4Weight) else w
     out = x.to(torch.float64) @ wq.dequantize(torch.float64).T
     return out if bias is None else out + bias.to(torch.float64)
+
+
+def pick_config_gemv8(M: int, N: int, K: int, group: int, *, interpret: bool = False) -> dict:
+    """Tiles and split-K of the "gemv8" kernel (planar8 layout; reasoned for the H200, not yet
+    timed there). BLOCK_N 128 with 4 warps: each thread holds 4 rows x 4 words (16-byte
+    loads, 32 codes per row per group of 128), so every x value it loads serves 4 rows.
+    BLOCK_K 512 codes per loop step at one row of x (4 groups of 128: 4 independent 16-byte
+    loads per row in flight per thread; 128 registers, sm_90 compile), 256 at 2 rows, 128 at
+    4 rows (255 registers; 512 spills). Split-K until there are >= 2 programs per SM (N =
+    8192: 64 column blocks x split 4), keeping >= 2 loop steps per program. Up to 4 rows of x
+    per program: each further block of 4 rows unpacks the weights again (read from L2), so
+    this kernel is for M = 1..4; the tensor-core form is the one for larger M."""
+    bm = 1 if M == 1 else (2 if M == 2 else 4)
+    bn = 16 if interpret else 128
+    bk_max = group if interpret else max(512 // bm, group)
+    bk = group
+    while bk * 2 <= bk_max and K % (bk * 2) == 0:
+        bk *= 2
+    steps = K // bk
+    programs = -(-N // bn) * -(-M // bm)
+    split = 1
+    while (not interpret and programs * split < 2 * _SMS and steps % (2 * split) == 0
+           and steps // (2 * split) >= 2):
+        split *= 2
+    return {"kernel": "gemv8", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
+            "split": split, "num_warps": 4, "num_stages": 1}
 
 
 def pick_config(M: int, N: int, K: int, kind: str, group: int, chunk: int, *, interpret: bool = False) -> dict:
@@ -202,6 +258,8 @@ def _launch(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> torch.
 
     M, K = x2.shape
     N = w.shape[0]
+    if w.layout == "planar8" or (config or {}).get("kernel") == "gemv8":
+        return _launch_gemv8(x2, w, bias, config, interp)
     cfg = dict(pick_config(M, N, K, w.kind, w.group_size, w.chunk, interpret=interp))
     if config:
         cfg.update(config)
@@ -230,6 +288,51 @@ def _launch(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> torch.
         WFMT=wfmt, HAS_Z=w.zero_point is not None, HAS_BIAS=bias is not None and not atomic,
         G=w.group_size, C=w.chunk, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, ATOMIC=atomic,
         USE_DOT=cfg["kernel"] == "dot", INTERP=interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if atomic:
+        if bias is not None:
+            out = out + bias.float()
+        out = out.to(x2.dtype)
+    return out
+
+
+def _launch_gemv8(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> torch.Tensor:
+    """The "gemv8" kernel on a planar8 weight (see lowbit/ops/triton/w4a16.py)."""
+    import triton
+
+    from lowbit.ops.triton import w4a16 as k
+
+    M, K = x2.shape
+    N = w.shape[0]
+    if w.layout != "planar8":
+        raise ValueError("w4a16_linear: kernel 'gemv8' needs a weight prepared with "
+                         "prepare_w4(wq, layout='planar8')")
+    cfg = dict(pick_config_gemv8(M, N, K, w.group_size, interpret=interp))
+    if config:
+        cfg.update(config)
+    if cfg["kernel"] != "gemv8":
+        raise ValueError(f"w4a16_linear: a planar8 weight runs only kernel 'gemv8', config asks for "
+                         f"{cfg['kernel']!r}; prepare the weight with layout='planar_chunks' for it")
+    bk, split, bm = cfg["BLOCK_K"], cfg["split"], cfg["BLOCK_M"]
+    if K % (bk * split) or bk % w.group_size:
+        raise ValueError(f"w4a16_linear: config BLOCK_K={bk}, split={split} does not divide K = {K} "
+                         f"(or BLOCK_K is not a multiple of the group size {w.group_size})")
+    if bm not in (1, 2, 4):
+        raise ValueError(f"w4a16_linear: gemv8 BLOCK_M must be 1, 2 or 4, got {bm}")
+    atomic = split > 1
+    dev = x2.device
+    out = (torch.zeros if atomic else torch.empty)(M, N, device=dev,
+                                                   dtype=torch.float32 if atomic else x2.dtype)
+    dummy = torch.empty(1, device=dev, dtype=torch.float32)
+    words = w.packed.view(torch.int32)  # [N, K/8]; K/2 is a multiple of 4 (group >= 32 divides K)
+    grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, triton.cdiv(M, bm))
+    k._w4a16_gemv8_kernel[grid](
+        x2, words, w.scale, w.zero_point if w.zero_point is not None else dummy,
+        bias if (bias is not None and not atomic) else dummy, out,
+        M, N, K, K // split, x2.stride(0), words.stride(0), w.scale.stride(0), out.stride(0),
+        SIGNED=w.kind == "int4", HAS_Z=w.zero_point is not None, HAS_BIAS=bias is not None and not atomic,
+        C=w.group_size, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, ATOMIC=atomic,
+        EVEN_N=N % cfg["BLOCK_N"] == 0, EVEN_M=M % bm == 0, INTERP=interp,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if atomic:
         if bias is not None:
             out = out + bias.float()

@@ -1,0 +1,156 @@
+"""The W4A16 section of lowbit.bench.memory: weight-only 4-bit decode GEMM next to bf16
+torch.mm and tinygemm (torch._weight_int4pack_mm, group 128), in the same process.
+
+Rows (shape "M{M} N{N} K{K}", M in W4_MS, (N, K) in W4_NK):
+  bf16_mm, tinygemm_int4_g128                  baselines
+  lowbit_w4a16_<kind>                          the library default (pick_config: tensor-core form)
+                                               for int4 g128 (sym / asym), int4 g32, MXFP4, NVFP4
+  lowbit_w4a16_int4_g128_gemv8                 the "gemv8" kernel on the planar8 layout with its
+                                               heuristic (pick_config_gemv8), every M
+  lowbit_w4a16_int4_g128_asym_gemv8            the same with zero points, M = 1 only
+  lowbit_w4a16_int4_g128_best                  best of a small sweep of the default kernel at
+                                               SWEEP_MS (tensor-core form, BLOCK_N 32/64, split 1/2)
+  lowbit_w4a16_int4_g128_gemv8_best            best of a small gemv8 sweep at M = 1 (BLOCK_N /
+                                               warps / split; `sweep_us` holds every point)
+Each lowbit row has vs_bf16 / vs_tinygemm (baseline ms / ms) and `check`, the relative L2
+difference to bf16 torch.mm on the dequantized weight (bf16 rounding of that baseline, ~0.003).
+"""
+from __future__ import annotations
+
+import torch
+
+# gemv8 sweep at M = 1: (BLOCK_N, num_warps, split); every point keeps 4 rows x 16 bytes of
+# weights per thread per group (BLOCK_N = 32 * num_warps). split None = the heuristic's.
+GEMV8_SWEEP = ((128, 4, None), (128, 4, 1), (128, 4, 2), (64, 2, 2), (64, 2, 4), (256, 8, 1), (32, 1, 1))
+DOT_SWEEP = ((32, 1), (32, 2), (64, 1), (64, 2))  # default kernel: (BLOCK_N, split)
+
+
+def _tinygemm_inputs(N: int, K: int, dev: str, G: int = 128):
+    codes = torch.randint(0, 16, (N, K), device=dev, dtype=torch.int32)
+    packed = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)
+    w = torch._convert_weight_to_int4pack(packed, 8)
+    sz = torch.randn(K // G, N, 2, device=dev, dtype=torch.bfloat16) * 0.01
+    return w, sz
+
+
+def _best_row(b, name, shape, nbytes, points: dict, swept: str, bases: dict) -> None:
+    """Append the fastest of `points` ({label: (ms, config)}) as one row."""
+    from lowbit.bench.memory import _log
+
+    if not points:
+        return
+    label, (ms, cfg) = min(points.items(), key=lambda kv: kv[1][0])
+    rs = dict(name=name, shape=shape, ms=ms, GBps=nbytes / ms / 1e6, bytes=nbytes, config=cfg, swept=swept,
+              sweep_us={k: round(v[0] * 1e3, 1) for k, v in points.items()})
+    if b.copy_gbps:
+        rs["frac_copy"] = rs["GBps"] / b.copy_gbps
+    b.ratios(rs, bases)
+    b.rows.append(rs)
+    _log(f"    sweep (us): {rs['sweep_us']}")
+    _log(f"  {name:28s} {shape:>22s} {ms * 1e3:9.1f} us  ({label})")
+
+
+def _sweep(sets, configs: dict) -> dict:
+    """{label: (ms, config)} for each feasible config (short timings)."""
+    from lowbit.bench.memory import _log
+    from lowbit.bench.timing import bench_ms
+    from lowbit.ops.weight_only import w4a16_linear
+
+    out = {}
+    for label, cfg in configs.items():
+        try:
+            ms = bench_ms(lambda x, w, c=cfg: w4a16_linear(x, w, config=c), sets, cuda_graph=True, warmup=10, rep=40)
+        except Exception as exc:  # noqa: BLE001 -- an infeasible config is reported and skipped
+            _log(f"    sweep {label}: {type(exc).__name__}: {str(exc)[:100]}")
+            continue
+        out[label] = (ms, cfg)
+    return out
+
+
+def w4a16_section(b, quick: bool, sweep: bool = True) -> None:
+    """All W4A16 rows (module docstring) into the bench `b` (lowbit.bench.memory._Bench)."""
+    from lowbit.bench import memory as mem
+    from lowbit.bench.timing import rotating_count
+    from lowbit.ops.weight_only import pick_config, pick_config_gemv8, prepare_w4, w4a16_linear
+    from lowbit.quantize import quantize
+    from lowbit.scheme import QuantScheme, get_preset
+
+    dev = mem.DEV
+    kinds = {"int4_g128": get_preset("int4_g128"), "int4_g128_asym": get_preset("int4_g128_asym"),
+             "int4_g32": QuantScheme("int4", "group", group_size=32), "mxfp4": get_preset("mxfp4"),
+             "nvfp4": get_preset("nvfp4")}
+    if quick:
+        kinds = {"int4_g128": kinds["int4_g128"]}
+    for (N, K) in mem.W4_NK[:1] if quick else mem.W4_NK:
+        n = rotating_count(N * K // 2)
+        ws, ws8 = {}, {}
+        for name, sch in kinds.items():
+            if b.wanted(f"w4a16_{name}"):
+                qs = [quantize(torch.randn(N, K, device=dev) * 0.02, sch) for _ in range(n)]
+                ws[name] = [prepare_w4(q) for q in qs]
+                if name in ("int4_g128", "int4_g128_asym"):  # the same weights in the gemv8 layout
+                    ws8[name] = [prepare_w4(q, layout="planar8") for q in qs]
+                del qs
+        wb = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02
+              for _ in range(rotating_count(N * K * 2))]
+        try:
+            tg, tg_err = [_tinygemm_inputs(N, K, dev) for _ in range(n)], None
+        except Exception as exc:  # noqa: BLE001 -- reported in the tinygemm rows
+            tg, tg_err = None, exc
+        for M in mem.W4_MS:
+            shape = f"M{M} N{N} K{K}"
+            xs = [torch.randn(M, K, device=dev, dtype=torch.bfloat16) for _ in range(max(len(wb), n))]
+            io = M * K * 2 + M * N * 2
+            r_bf = b.time("bf16_mm", shape, lambda x, w: torch.mm(x, w.t()),
+                          [(xs[i], wb[i]) for i in range(len(wb))], N * K * 2 + io)
+            if tg is None:
+                r_tg = dict(name="tinygemm_int4_g128", shape=shape, ms=None, error=f"unavailable: {str(tg_err)[:120]}")
+                b.rows.append(r_tg)
+            else:
+                r_tg = b.time("tinygemm_int4_g128", shape, lambda x, w, sz: torch._weight_int4pack_mm(x, w, 128, sz),
+                              [(xs[i], *tg[i]) for i in range(n)], N * K // 2 + (K // 128) * N * 4 + io)
+            bases = {"bf16": r_bf, "tinygemm": r_tg}
+            for name, wl in ws.items():
+                w0 = wl[0]
+                G = w0.group_size
+                per_group = 4 + (1 if w0.zero_point is not None else 0) if name.startswith("int4") else 1
+                nbytes = N * K // 2 + N * (K // G) * per_group + io
+                ref = torch.mm(xs[0], w0.qtensor.dequantize(torch.bfloat16).t())
+                sets = [(xs[i], wl[i]) for i in range(n)]
+                r = b.time(f"lowbit_w4a16_{name}", shape, lambda x, w: w4a16_linear(x, w), sets, nbytes,
+                           config=pick_config(M, N, K, w0.kind, G, w0.chunk))
+                b.ratios(r, bases)
+                if r and r.get("ms"):  # against bf16 torch.mm on the dequantized weight
+                    r["check"] = _rel(w4a16_linear(xs[0], w0), ref)
+                if name in ws8 and (name == "int4_g128" or M == 1):
+                    sets8 = [(xs[i], ws8[name][i]) for i in range(n)]
+                    r8 = b.time(f"lowbit_w4a16_{name}_gemv8", shape, lambda x, w: w4a16_linear(x, w), sets8,
+                                nbytes, config=pick_config_gemv8(M, N, K, G))
+                    b.ratios(r8, bases)
+                    if r8 and r8.get("ms"):
+                        r8["check"] = _rel(w4a16_linear(xs[0], ws8[name][0]), ref)
+                if not (sweep and name == "int4_g128" and not quick):
+                    continue
+                if M in mem.SWEEP_MS:
+                    base = pick_config(M, N, K, w0.kind, G, w0.chunk)
+                    pts = _sweep(sets, {f"dot/BN{bn}/split{sp}": dict(base, kernel="dot", BLOCK_N=bn, split=sp)
+                                        for bn, sp in DOT_SWEEP})
+                    _best_row(b, "lowbit_w4a16_int4_g128_best", shape, nbytes, pts,
+                              "kernel dot x BLOCK_N 32/64 x split 1/2", bases)
+                if M == 1:
+                    base = pick_config_gemv8(M, N, K, G)
+                    cfgs = {}
+                    for bn, warps, sp in GEMV8_SWEEP:
+                        c = dict(base, BLOCK_N=bn, num_warps=warps, split=base["split"] if sp is None else sp)
+                        cfgs[f"gemv8/BN{bn}/w{warps}/split{c['split']}"] = c
+                    pts = _sweep(sets8, cfgs)
+                    _best_row(b, "lowbit_w4a16_int4_g128_gemv8_best", shape, nbytes, pts,
+                              "gemv8 BLOCK_N x num_warps x split: " + ", ".join(cfgs), bases)
+            del xs
+        del ws, ws8, wb, tg
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    from lowbit.bench.memory import _rel_l2
+
+    return _rel_l2(a, b)
