@@ -6,7 +6,7 @@
                 eager PyTorch and under torch.compile. Per-token int8 / fp8 rows time both
                 kernels of lowbit.ops.fused: `lowbit_<x>` = kernel "row", `lowbit_<x>_tile` =
                 kernel "tile" (heuristic tile), `lowbit_<x>_tile_r{ROWS}w{WARPS}` = other tiles
-                (norm_quant int8 / fp8 only); tile rows carry vs_row and codes_equal_row
+                (norm_quant int8 / fp8 only); tile rows carry vs_row and codes_diff_vs_row
   silu_quant    fused SiLU-and-multiply + per-token int8 / fp8 vs eager / compiled unfused
   quant         standalone dynamic quantization vs eager / compiled
   w4a16         int4 g128 (sym / asym), int4 g32, MXFP4, NVFP4 weight-only decode GEMM vs
@@ -190,8 +190,10 @@ def _tile_variants(K: int, pre: int, quick: bool) -> list[tuple[str, tuple[int, 
 def _time_tiles(b: _Bench, stem: str, shape: str, K: int, pre: int, quick: bool, make, sets, nbytes,
                 bases: dict, row_out, out_of) -> None:
     """Time the "tile" kernel's variants next to the "row" kernel's row (`bases["row"]`); `make(tile)`
-    returns the timed function, `out_of(result)` the QTensor; `codes_equal_row` compares its codes
-    with the row kernel's `row_out` on the same input (same arithmetic: they must be identical)."""
+    returns the timed function, `out_of(result)` the QTensor; `codes_diff_vs_row` is the fraction of
+    its codes that differ from the row kernel's `row_out` on the same input (same arithmetic; only
+    a last-bit difference of y from another summation order of the RMSNorm may flip a rounding,
+    so this is 0 or tiny; tests/test_fused_quant.py checks both kernels against lowbit.quantize)."""
     from lowbit.ops.fused import tile_config
 
     for suffix, tile in _tile_variants(K, pre, quick):
@@ -199,7 +201,7 @@ def _time_tiles(b: _Bench, stem: str, shape: str, K: int, pre: int, quick: bool,
         r = b.time(f"{stem}{suffix}", shape, fn, sets, nbytes, kernel="tile", tile=list(tile or tile_config(K, pre)))
         b.ratios(r, bases)
         if r and r.get("ms"):
-            r["codes_equal_row"] = bool(torch.equal(out_of(fn(*sets[0])).codes, row_out.codes))
+            r["codes_diff_vs_row"] = float((out_of(fn(*sets[0])).codes != row_out.codes).float().mean())
 
 
 def _norm_quant(b: _Bench, quick: bool) -> None:

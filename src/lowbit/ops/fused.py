@@ -200,18 +200,18 @@ def tile_supports(scheme: QuantScheme) -> bool:
 
 
 def tile_config(K: int, pre: int) -> tuple[int, int]:
-    """(ROWS, num_warps) of the "tile" kernel for a row of K elements: each thread holds about
-    64 elements (32 per row at most for the two-input SiLU prologue and up to 8192 wide rows
-    with 8 warps), several rows per program when rows are short; a guess from the sm_90 SASS
-    (instruction and register counts, python -m lowbit.bench.memory --sass), not yet timed."""
+    """(ROWS, num_warps) of the "tile" kernel for rows of K elements: 32 elements of a row per
+    thread (num_warps = next_pow2(K) / 1024, at most 16), and rows stacked up to 32 elements per
+    thread when a row is shorter than 1024. From the sm_90 SASS (python -m lowbit.bench.memory
+    --sass), not from timings: 64 per thread takes 16.6 instead of 19.2 instructions per
+    element on the RMSNorm + int8 fast path but ~140 registers instead of ~72 (half the warps
+    per SM); the benchmark times 16, 32 and 64 per thread side by side (`pre` is unused so far)."""
     import triton
 
     block = max(16, triton.next_power_of_2(K))
-    per_thread = 32 if pre == 2 else 64
-    threads = max(32, block // per_thread)
-    warps = min(16, max(1, threads // 32))
+    warps = min(16, max(1, block // 1024))
     rows = 1
-    while rows * block < 64 * 32 * warps and rows < 8:  # short rows: stack rows up to 64 per thread
+    while rows * block < 32 * 32 * warps and rows < 8:
         rows *= 2
     return rows, warps
 
