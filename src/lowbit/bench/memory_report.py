@@ -145,6 +145,9 @@ def sass_report() -> list[dict]:
             sig = dict(sig, OUT="*bf16")
             rows.append(dict(kernel=f"w4a16 {kind} g{G}", variant=f"M{M} {cfg}", sass_static=n, shared=smem,
                              fits=isinstance(smem, int) and smem <= 232448))
+    from lowbit.bench.memory_w4a16 import sass_rows_gemv8
+
+    rows += sass_rows_gemv8()  # the gemv8 W4A16 kernel, with its K loop's instructions per weight
     for r in rows:
         print(json.dumps(r))
     return rows

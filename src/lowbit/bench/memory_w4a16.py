@@ -21,7 +21,8 @@ import torch
 
 # gemv8 sweep at M = 1: (BLOCK_N, num_warps, split); every point keeps 4 rows x 16 bytes of
 # weights per thread per group (BLOCK_N = 32 * num_warps). split None = the heuristic's.
-GEMV8_SWEEP = ((128, 4, None), (128, 4, 1), (128, 4, 2), (64, 2, 2), (64, 2, 4), (256, 8, 1), (32, 1, 1))
+GEMV8_SWEEP = ((128, 4, None), (128, 4, 1), (128, 4, 2), (128, 4, 4), (64, 2, 2), (64, 2, 4), (256, 8, 1),
+               (32, 1, 1))
 DOT_SWEEP = ((32, 1), (32, 2), (64, 1), (64, 2))  # default kernel: (BLOCK_N, split)
 
 
@@ -154,3 +155,77 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     from lowbit.bench.memory import _rel_l2
 
     return _rel_l2(a, b)
+
+
+def _inner_loop(sass: str) -> list[str]:
+    """Opcodes of the SASS between the last backward branch and its target (the K loop)."""
+    import re
+
+    ins = [(int(m.group(1), 16), m.group(2)) for line in sass.splitlines()
+           for m in [re.match(r"\s+/\*([0-9a-f]{4})\*/\s+(.*?);", line)] if m]
+    loop = []
+    for addr, text in ins:
+        m = re.search(r"\bBRA\s+(?:`\([^)]*\)\s*)?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            lo = int(m.group(1), 16)
+            loop = [re.sub(r"^@!?U?P\w+\s+", "", t).split(" ")[0].split(".")[0] for a, t in ins if lo <= a <= addr]
+    return loop
+
+
+def sass_rows_gemv8() -> list[dict]:
+    """Compile the gemv8 kernel for sm_90 (no GPU: Triton's bundled ptxas) at the configurations
+    pick_config_gemv8 chooses for the bench's shapes and count the SASS of its K loop per
+    weight (instructions one thread issues per loop step / weights it handles per step):
+    how close the unpack + FMA work is to the design's ~3 per weight. Rows for
+    `python -m lowbit.bench.memory --sass` (which the CI test checks: compiles, fits)."""
+    import collections
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from lowbit.bench.memory import W4_MS, W4_NK
+    from lowbit.ops.triton import w4a16 as w4
+    from lowbit.ops.weight_only import pick_config_gemv8
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    fn = w4._w4a16_gemv8_kernel
+    rows = []
+    for M in W4_MS:
+        for has_z in (False, True):
+            N, K = W4_NK[0]
+            cfg = pick_config_gemv8(M, N, K, 128)
+            sig = {"X": "*bf16", "W": "*i32", "S": "*fp32", "Z": "*i8", "BIAS": "*fp32",
+                   "OUT": "*fp32" if cfg["split"] > 1 else "*bf16", "M": "i32", "N": "i32", "K": "i32",
+                   "K_SPLIT": "i32", "s_xm": "i32", "s_wn": "i32", "s_sn": "i32", "s_om": "i32"}
+            consts = dict(SIGNED=True, HAS_Z=has_z, HAS_BIAS=False, C=128, BLOCK_M=cfg["BLOCK_M"],
+                          BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], ATOMIC=cfg["split"] > 1,
+                          EVEN_N=True, EVEN_M=M % cfg["BLOCK_M"] == 0, INTERP=False)
+            attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a not in ("M", "N")}
+            row = dict(kernel="w4a16 gemv8 int4 g128" + (" asym" if has_z else ""), variant=f"M{M} {cfg}")
+            try:
+                c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                                   target=GPUTarget("cuda", 90, 32),
+                                   options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+                with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                    f.write(c.asm["cubin"])
+                    f.flush()
+                    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+                    res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+            except Exception as exc:  # noqa: BLE001 -- reported (the CI test then fails on it)
+                rows.append(dict(row, sass_static=None, shared=f"{type(exc).__name__}: {str(exc)[:200]}"))
+                continue
+            loop = _inner_loop(sass)
+            # weights one thread handles per loop step: BLOCK_N x BLOCK_K over the threads
+            per_step = cfg["BLOCK_N"] * cfg["BLOCK_K"] // (32 * cfg["num_warps"])
+            row.update(sass_static=sum(1 for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)),
+                       shared=c.metadata.shared, fits=c.metadata.shared <= 232448,
+                       **{k.lower(): int(v) for k, v in re.findall(r"\b(REG|LOCAL):(\d+)", res)},
+                       loop_instr=len(loop), loop_instr_per_weight=round(len(loop) / per_step / cfg["BLOCK_M"], 2),
+                       loop_top=dict(collections.Counter(loop).most_common(8)))
+            rows.append(row)
+    return rows
