@@ -7,7 +7,9 @@ Execution paths, chosen per call and recorded in `last_path`:
                  `torch._int_mm` gives the exact int32 accumulator, then the epilogue
                  y = float32(acc) * s_x * s_w (+ bias), as in seed 004's integer GEMM.
 - "kernel"       CUDA: `lowbit.ops.linear` (Triton kernels).
-- "dequantized"  every other scheme (fp8, MX, NVFP4, int4, weight-only): both operands are
+- "dequantized"  every other scheme (fp8, MX, NVFP4 on the CPU; weight-only recipes on every
+                 device: lowbit.ops.weight_only's W4A16 kernel targets decode-sized M and is not
+                 wired in here): both operands are
                  dequantized to float32 by `QTensor.dequantize` and multiplied in float32. This
                  is the emulation of the quantized arithmetic, not a different quantization.
 On CUDA a scheme the kernels do not support runs the dequantized path with a one-time
