@@ -205,7 +205,7 @@ def tile_config(K: int, pre: int) -> tuple[int, int]:
     thread when a row is shorter than 1024. From the sm_90 SASS (python -m lowbit.bench.memory
     --sass), not from timings: 64 per thread takes 16.6 instead of 19.2 instructions per
     element on the RMSNorm + int8 fast path but ~140 registers instead of ~72 (half the warps
-    per SM); the benchmark times 16, 32 and 64 per thread side by side (`pre` is unused so far)."""
+    per SM); the benchmark times 32 and 64 per thread side by side (`pre` is unused so far)."""
     import triton
 
     block = max(16, triton.next_power_of_2(K))
