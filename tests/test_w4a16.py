@@ -99,7 +99,7 @@ def test_w4a16_against_numpy_reference(name, device, rng):
 
 @pytest.mark.parametrize("name", ["int4_g128", "int4_g128_asym", "int4_g32", "uint4_g32_asym"])
 def test_w4a16_gemv8_against_numpy_reference(name, device, rng):
-    """The "gemv8" kernel (planar8 layout: int32 words, nibble p of word t of a group = code
+    """The "gemv8" and "dot8" kernels (planar8 layout: int32 words, nibble p of word t of a group = code
     p * G/8 + t) against the independent numpy dequantization of its own words, at M = 1, 2,
     3 (4-row tiles, rows past M masked) and 17, N not a tile multiple, a zero output channel.
     Its error is the same float32 accumulation as the other kernels' (exact nibble values,
@@ -113,15 +113,18 @@ def test_w4a16_gemv8_against_numpy_reference(name, device, rng):
     assert w4.metadata()["layout"] == "planar8"
     w64 = torch.from_numpy(_numpy_dequant_planar8(w4))
     assert torch.equal(w4a16_reference(torch.eye(K, dtype=torch.float64), wq), w64.T)
-    for dtype, M, split in ((torch.bfloat16, 1, 1), (torch.bfloat16, 3, 1), (torch.bfloat16, 17, 2),
-                            (torch.float16, 2, 2)):
+    cases = [("gemv8", torch.bfloat16, 1, 1), ("gemv8", torch.bfloat16, 3, 1), ("gemv8", torch.bfloat16, 17, 2),
+             ("gemv8", torch.float16, 2, 2)]
+    if scheme.group_size >= 128:  # dot8: one K = 16 tensor-core step per nibble plane of a group
+        cases += [("dot8", torch.bfloat16, 17, 2), ("dot8", torch.float16, 5, 1)]
+    for kernel, dtype, M, split in cases:
         x = (torch.randn(M, K, generator=rng) * 2).to(dtype)
-        out = w4a16_linear(x.to(device), w4, backend="triton", config={"split": split})
+        out = w4a16_linear(x.to(device), w4, backend="triton", config={"split": split, "kernel": kernel})
         assert out.dtype == dtype and out.shape == (M, N)
         ref = x.double() @ w64.T
         err = (out.cpu().double() - ref).abs()
         bound = _bound(x.double(), w64, ref, K, w4.group_size, split, dtype)
-        assert torch.all(err <= bound), f"M={M} {dtype}: max excess {(err - bound).max().item()}"
+        assert torch.all(err <= bound), f"{kernel} M={M} {dtype}: max excess {(err - bound).max().item()}"
         assert torch.all(out.cpu()[:, 5] == 0)
 
 
@@ -149,7 +152,7 @@ def test_w4a16_gemv8_errors(rng):
     x = torch.randn(1, 128, generator=rng).to(torch.bfloat16).to(dev)
     with pytest.raises(ValueError, match="layout='planar8'"):
         w4a16_linear(x, prepare_w4(wq.to(dev)), backend="triton", config={"kernel": "gemv8"})
-    with pytest.raises(ValueError, match="runs only kernel 'gemv8'"):
+    with pytest.raises(ValueError, match="runs kernels 'gemv8' or 'dot8'"):
         w4a16_linear(x, prepare_w4(wq.to(dev), layout="planar8"), backend="triton", config={"kernel": "dot"})
 
 
@@ -189,9 +192,9 @@ def test_w4a16_decode_sizes_on_gpu(device, rng):
             bound = _bound(x.double(), w64, ref, K, w4.group_size, 8, torch.bfloat16)
             out = w4a16_linear(x.cuda(), w4)
             assert torch.all((out.cpu().double() - ref).abs() <= bound), (name, M)
-            if w8 is not None:  # the gemv8 kernel with its own heuristic (inline-PTX lop3 on the GPU)
+            if w8 is not None:  # gemv8 (M = 1) / dot8 (16, 64) with their heuristic (inline-PTX lop3)
                 out = w4a16_linear(x.cuda(), w8)
-                assert torch.all((out.cpu().double() - ref).abs() <= bound), (name, M, "gemv8")
+                assert torch.all((out.cpu().double() - ref).abs() <= bound), (name, M, "planar8")
 
 
 def test_torch_backend_and_errors(rng):

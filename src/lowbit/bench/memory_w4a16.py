@@ -5,13 +5,15 @@ Rows (shape "M{M} N{N} K{K}", M in W4_MS, (N, K) in W4_NK):
   bf16_mm, tinygemm_int4_g128                  baselines
   lowbit_w4a16_<kind>                          the library default (pick_config: tensor-core form)
                                                for int4 g128 (sym / asym), int4 g32, MXFP4, NVFP4
-  lowbit_w4a16_int4_g128_gemv8                 the "gemv8" kernel on the planar8 layout with its
-                                               heuristic (pick_config_gemv8), every M
-  lowbit_w4a16_int4_g128_asym_gemv8            the same with zero points, M = 1 only
+  lowbit_w4a16_int4_g128_gemv8 (M = 1),         the same weights in the planar8 layout with its
+  lowbit_w4a16_int4_g128_dot8 (M = 16, 64)     heuristic (pick_config_planar8: the "gemv8" kernel
+                                               at M <= 4, the tensor-core "dot8" above)
+  lowbit_w4a16_int4_g128_asym_gemv8 / _dot8    the same with zero points
   lowbit_w4a16_int4_g128_best                  best of a small sweep of the default kernel at
                                                SWEEP_MS (tensor-core form, BLOCK_N 32/64, split 1/2)
   lowbit_w4a16_int4_g128_gemv8_best            best of a small gemv8 sweep at M = 1 (BLOCK_N /
                                                warps / split; `sweep_us` holds every point)
+  lowbit_w4a16_int4_g128_dot8_best             best of a small dot8 sweep at M = 16
 Each lowbit row has vs_bf16 / vs_tinygemm (baseline ms / ms) and `check`, the relative L2
 difference to bf16 torch.mm on the dequantized weight (bf16 rounding of that baseline, ~0.003).
 """
@@ -24,6 +26,9 @@ import torch
 GEMV8_SWEEP = ((128, 4, None), (128, 4, 1), (128, 4, 2), (128, 4, 4), (64, 2, 2), (64, 2, 4), (256, 8, 1),
                (32, 1, 1))
 DOT_SWEEP = ((32, 1), (32, 2), (64, 1), (64, 2))  # default kernel: (BLOCK_N, split)
+# dot8 sweep at M = 16: (BLOCK_N, BLOCK_K, num_warps, split); split None = the heuristic's
+DOT8_SWEEP = ((128, 256, 4, None), (128, 256, 4, 1), (128, 256, 4, 2), (128, 256, 8, None), (64, 256, 4, None),
+              (64, 512, 4, 1), (128, 128, 4, None))
 
 
 def _tinygemm_inputs(N: int, K: int, dev: str, G: int = 128):
@@ -72,7 +77,7 @@ def w4a16_section(b, quick: bool, sweep: bool = True) -> None:
     """All W4A16 rows (module docstring) into the bench `b` (lowbit.bench.memory._Bench)."""
     from lowbit.bench import memory as mem
     from lowbit.bench.timing import rotating_count
-    from lowbit.ops.weight_only import pick_config, pick_config_gemv8, prepare_w4, w4a16_linear
+    from lowbit.ops.weight_only import pick_config, pick_config_planar8, prepare_w4, w4a16_linear
     from lowbit.quantize import quantize
     from lowbit.scheme import QuantScheme, get_preset
 
@@ -123,10 +128,11 @@ def w4a16_section(b, quick: bool, sweep: bool = True) -> None:
                 b.ratios(r, bases)
                 if r and r.get("ms"):  # against bf16 torch.mm on the dequantized weight
                     r["check"] = _rel(w4a16_linear(xs[0], w0), ref)
-                if name in ws8 and (name == "int4_g128" or M == 1):
+                if name in ws8:
                     sets8 = [(xs[i], ws8[name][i]) for i in range(n)]
-                    r8 = b.time(f"lowbit_w4a16_{name}_gemv8", shape, lambda x, w: w4a16_linear(x, w), sets8,
-                                nbytes, config=pick_config_gemv8(M, N, K, G))
+                    cfg8 = pick_config_planar8(M, N, K, G)
+                    r8 = b.time(f"lowbit_w4a16_{name}_{cfg8['kernel']}", shape, lambda x, w: w4a16_linear(x, w),
+                                sets8, nbytes, config=cfg8)
                     b.ratios(r8, bases)
                     if r8 and r8.get("ms"):
                         r8["check"] = _rel(w4a16_linear(xs[0], ws8[name][0]), ref)
@@ -138,8 +144,17 @@ def w4a16_section(b, quick: bool, sweep: bool = True) -> None:
                                         for bn, sp in DOT_SWEEP})
                     _best_row(b, "lowbit_w4a16_int4_g128_best", shape, nbytes, pts,
                               "kernel dot x BLOCK_N 32/64 x split 1/2", bases)
+                if M == 16:
+                    base = pick_config_planar8(M, N, K, G, kernel="dot8")
+                    cfgs = {}
+                    for bn, bk, warps, sp in DOT8_SWEEP:
+                        c = dict(base, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, split=base["split"] if sp is None else sp)
+                        cfgs[f"dot8/BN{bn}/BK{bk}/w{warps}/split{c['split']}"] = c
+                    pts = _sweep(sets8, cfgs)
+                    _best_row(b, "lowbit_w4a16_int4_g128_dot8_best", shape, nbytes, pts,
+                              "dot8 BLOCK_N x BLOCK_K x num_warps x split: " + ", ".join(cfgs), bases)
                 if M == 1:
-                    base = pick_config_gemv8(M, N, K, G)
+                    base = pick_config_planar8(M, N, K, G, kernel="gemv8")
                     cfgs = {}
                     for bn, warps, sp in GEMV8_SWEEP:
                         c = dict(base, BLOCK_N=bn, num_warps=warps, split=base["split"] if sp is None else sp)
@@ -173,8 +188,8 @@ def _inner_loop(sass: str) -> list[str]:
 
 
 def sass_rows_gemv8() -> list[dict]:
-    """Compile the gemv8 kernel for sm_90 (no GPU: Triton's bundled ptxas) at the configurations
-    pick_config_gemv8 chooses for the bench's shapes and count the SASS of its K loop per
+    """Compile the planar8 kernels (gemv8 / dot8) for sm_90 (no GPU: Triton's bundled ptxas) at the configurations
+    pick_config_planar8 chooses for the bench's shapes and count the SASS of its K loop per
     weight (instructions one thread issues per loop step / weights it handles per step):
     how close the unpack + FMA work is to the design's ~3 per weight. Rows for
     `python -m lowbit.bench.memory --sass` (which the CI test checks: compiles, fits)."""
@@ -190,23 +205,24 @@ def sass_rows_gemv8() -> list[dict]:
 
     from lowbit.bench.memory import W4_MS, W4_NK
     from lowbit.ops.triton import w4a16 as w4
-    from lowbit.ops.weight_only import pick_config_gemv8
+    from lowbit.ops.weight_only import pick_config_planar8
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    fn = w4._w4a16_gemv8_kernel
     rows = []
     for M in W4_MS:
         for has_z in (False, True):
             N, K = W4_NK[0]
-            cfg = pick_config_gemv8(M, N, K, 128)
+            cfg = pick_config_planar8(M, N, K, 128)
+            fn = w4._w4a16_gemv8_kernel if cfg["kernel"] == "gemv8" else w4._w4a16_dot8_kernel
             sig = {"X": "*bf16", "W": "*i32", "S": "*fp32", "Z": "*i8", "BIAS": "*fp32",
                    "OUT": "*fp32" if cfg["split"] > 1 else "*bf16", "M": "i32", "N": "i32", "K": "i32",
                    "K_SPLIT": "i32", "s_xm": "i32", "s_wn": "i32", "s_sn": "i32", "s_om": "i32"}
             consts = dict(SIGNED=True, HAS_Z=has_z, HAS_BIAS=False, C=128, BLOCK_M=cfg["BLOCK_M"],
-                          BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], ATOMIC=cfg["split"] > 1,
-                          EVEN_N=True, EVEN_M=M % cfg["BLOCK_M"] == 0, INTERP=False)
+                          BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], ATOMIC=cfg["split"] > 1, INTERP=False)
+            if cfg["kernel"] == "gemv8":
+                consts.update(EVEN_N=True, EVEN_M=M % cfg["BLOCK_M"] == 0)
             attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a not in ("M", "N")}
-            row = dict(kernel="w4a16 gemv8 int4 g128" + (" asym" if has_z else ""), variant=f"M{M} {cfg}")
+            row = dict(kernel=f"w4a16 {cfg['kernel']} int4 g128" + (" asym" if has_z else ""), variant=f"M{M} {cfg}")
             try:
                 c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                                    target=GPUTarget("cuda", 90, 32),
@@ -225,7 +241,9 @@ def sass_rows_gemv8() -> list[dict]:
             row.update(sass_static=sum(1 for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)),
                        shared=c.metadata.shared, fits=c.metadata.shared <= 232448,
                        **{k.lower(): int(v) for k, v in re.findall(r"\b(REG|LOCAL):(\d+)", res)},
-                       loop_instr=len(loop), loop_instr_per_weight=round(len(loop) / per_step / cfg["BLOCK_M"], 2),
+                       # gemv8 handles BLOCK_M rows of x per weight (instructions per weight and row)
+                       loop_instr=len(loop), loop_instr_per_weight=round(
+                           len(loop) / per_step / (cfg["BLOCK_M"] if cfg["kernel"] == "gemv8" else 1), 2),
                        loop_top=dict(collections.Counter(loop).most_common(8)))
             rows.append(row)
     return rows

@@ -48,7 +48,7 @@ class W4Weight:
     chunk: int
     shape: tuple[int, int]
     qtensor: QTensor                     # the source, for references and checkpoints
-    layout: str = "planar_chunks"        # or "planar8" (int32 words, kernel "gemv8")
+    layout: str = "planar_chunks"        # or "planar8" (int32 words, kernels "gemv8" / "dot8")
 
     def metadata(self) -> dict:
         """The layout the kernel expects, for checkpoints and reports."""
@@ -88,7 +88,8 @@ def prepare_w4(wq: QTensor, layout: str = "planar_chunks") -> W4Weight:
     """Lay out a quantized weight [N, K] for w4a16_linear (done once, at load time).
 
     layout "planar_chunks" (default; kernels "dot" and "gemv") or "planar8" (int4 / uint4
-    only, K a multiple of 8; kernel "gemv8", the decode GEMV): see the module docstring."""
+    only; kernels "gemv8", the decode GEMV, and "dot8", its tensor-core twin): see the
+    module docstring and lowbit/ops/triton/w4a16.py."""
     if layout not in ("planar_chunks", "planar8"):
         raise ValueError(f"prepare_w4: layout must be 'planar_chunks' or 'planar8', got {layout!r}")
     if not isinstance(wq, QTensor):
@@ -157,6 +158,30 @@ def w4a16_reference(x: torch.Tensor, w: W4Weight | QTensor, bias: torch.Tensor |
     wq = w.qtensor if isinstance(w, W4Weight) else w
     out = x.to(torch.float64) @ wq.dequantize(torch.float64).T
     return out if bias is None else out + bias.to(torch.float64)
+
+
+def pick_config_planar8(M: int, N: int, K: int, group: int, *, interpret: bool = False,
+                        kernel: str | None = None) -> dict:
+    """Kernel and tiles for a planar8 weight (reasoned for the H200 from sm_90 SASS counts, not
+    yet timed there): "gemv8" for M <= 4 (or groups below 128), else "dot8" -- the tensor-core
+    form on the same layout: BLOCK_N 128, BLOCK_K 256, 4 warps, 16 / 32 / 64 rows (K loop
+    ~4.1-4.5 SASS instructions per weight against ~7.6 for the planar_chunks "dot" kernel at
+    16 rows), split-K until one program per SM (N = 8192, 16 rows: 64 blocks x split 4)."""
+    if kernel == "gemv8" or (kernel is None and (M <= 4 or group < 128)):
+        return pick_config_gemv8(M, N, K, group, interpret=interpret)
+    bm = 16 if M <= 16 else (32 if M <= 32 else 64)
+    bn = 16 if interpret else 128
+    bk = group if interpret else max(256, group)
+    while K % bk:
+        bk //= 2
+    steps = K // bk
+    programs = -(-N // bn) * -(-M // bm)
+    split = 1
+    while (not interpret and programs * split < _SMS and steps % (2 * split) == 0
+           and steps // (2 * split) >= 2):
+        split *= 2
+    return {"kernel": "dot8", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
+            "split": split, "num_warps": 4, "num_stages": 1}
 
 
 def pick_config_gemv8(M: int, N: int, K: int, group: int, *, interpret: bool = False) -> dict:
@@ -258,8 +283,8 @@ def _launch(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> torch.
 
     M, K = x2.shape
     N = w.shape[0]
-    if w.layout == "planar8" or (config or {}).get("kernel") == "gemv8":
-        return _launch_gemv8(x2, w, bias, config, interp)
+    if w.layout == "planar8" or (config or {}).get("kernel") in ("gemv8", "dot8"):
+        return _launch_planar8(x2, w, bias, config, interp)
     cfg = dict(pick_config(M, N, K, w.kind, w.group_size, w.chunk, interpret=interp))
     if config:
         cfg.update(config)
@@ -295,8 +320,8 @@ def _launch(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> torch.
     return out
 
 
-def _launch_gemv8(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> torch.Tensor:
-    """The "gemv8" kernel on a planar8 weight (see lowbit/ops/triton/w4a16.py)."""
+def _launch_planar8(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> torch.Tensor:
+    """The "gemv8" or "dot8" kernel on a planar8 weight (see lowbit/ops/triton/w4a16.py)."""
     import triton
 
     from lowbit.ops.triton import w4a16 as k
@@ -304,20 +329,24 @@ def _launch_gemv8(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> 
     M, K = x2.shape
     N = w.shape[0]
     if w.layout != "planar8":
-        raise ValueError("w4a16_linear: kernel 'gemv8' needs a weight prepared with "
+        raise ValueError("w4a16_linear: kernels 'gemv8' / 'dot8' need a weight prepared with "
                          "prepare_w4(wq, layout='planar8')")
-    cfg = dict(pick_config_gemv8(M, N, K, w.group_size, interpret=interp))
+    cfg = dict(pick_config_planar8(M, N, K, w.group_size, interpret=interp, kernel=(config or {}).get("kernel")))
     if config:
         cfg.update(config)
-    if cfg["kernel"] != "gemv8":
-        raise ValueError(f"w4a16_linear: a planar8 weight runs only kernel 'gemv8', config asks for "
-                         f"{cfg['kernel']!r}; prepare the weight with layout='planar_chunks' for it")
+    kern = cfg["kernel"]
+    if kern not in ("gemv8", "dot8"):
+        raise ValueError(f"w4a16_linear: a planar8 weight runs kernels 'gemv8' or 'dot8', config asks for "
+                         f"{kern!r}; prepare the weight with layout='planar_chunks' for it")
     bk, split, bm = cfg["BLOCK_K"], cfg["split"], cfg["BLOCK_M"]
     if K % (bk * split) or bk % w.group_size:
         raise ValueError(f"w4a16_linear: config BLOCK_K={bk}, split={split} does not divide K = {K} "
                          f"(or BLOCK_K is not a multiple of the group size {w.group_size})")
-    if bm not in (1, 2, 4):
+    if kern == "gemv8" and bm not in (1, 2, 4):
         raise ValueError(f"w4a16_linear: gemv8 BLOCK_M must be 1, 2 or 4, got {bm}")
+    if kern == "dot8" and (bm < 16 or w.group_size < 128):
+        raise ValueError(f"w4a16_linear: dot8 needs BLOCK_M >= 16 (got {bm}) and group_size >= 128 "
+                         f"(got {w.group_size}: a plane of a group is one K = 16 tensor-core step)")
     atomic = split > 1
     dev = x2.device
     out = (torch.zeros if atomic else torch.empty)(M, N, device=dev,
@@ -325,14 +354,16 @@ def _launch_gemv8(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> 
     dummy = torch.empty(1, device=dev, dtype=torch.float32)
     words = w.packed.view(torch.int32)  # [N, K/8]; K/2 is a multiple of 4 (group >= 32 divides K)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, triton.cdiv(M, bm))
-    k._w4a16_gemv8_kernel[grid](
-        x2, words, w.scale, w.zero_point if w.zero_point is not None else dummy,
-        bias if (bias is not None and not atomic) else dummy, out,
-        M, N, K, K // split, x2.stride(0), words.stride(0), w.scale.stride(0), out.stride(0),
-        SIGNED=w.kind == "int4", HAS_Z=w.zero_point is not None, HAS_BIAS=bias is not None and not atomic,
-        C=w.group_size, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, ATOMIC=atomic,
-        EVEN_N=N % cfg["BLOCK_N"] == 0, EVEN_M=M % bm == 0, INTERP=interp,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    args = (x2, words, w.scale, w.zero_point if w.zero_point is not None else dummy,
+            bias if (bias is not None and not atomic) else dummy, out,
+            M, N, K, K // split, x2.stride(0), words.stride(0), w.scale.stride(0), out.stride(0))
+    common = dict(SIGNED=w.kind == "int4", HAS_Z=w.zero_point is not None, HAS_BIAS=bias is not None and not atomic,
+                  C=w.group_size, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, ATOMIC=atomic, INTERP=interp,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if kern == "gemv8":
+        k._w4a16_gemv8_kernel[grid](*args, EVEN_N=N % cfg["BLOCK_N"] == 0, EVEN_M=M % bm == 0, **common)
+    else:
+        k._w4a16_dot8_kernel[grid](*args, **common)
     if atomic:
         if bias is not None:
             out = out + bias.float()

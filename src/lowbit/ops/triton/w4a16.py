@@ -296,3 +296,68 @@ def _w4a16_gemv8_kernel(
     if BLOCK_M >= 4:
         _gemv8_store(acc2, OUT, BIAS, m0 + 2, M, offs_n, n_ok, s_om, HAS_BIAS, ATOMIC)
         _gemv8_store(acc3, OUT, BIAS, m0 + 3, M, offs_n, n_ok, s_om, HAS_BIAS, ATOMIC)
+
+
+@triton.jit
+def _w4a16_dot8_kernel(
+    X, W, S, Z, BIAS, OUT, M, N, K, K_SPLIT, s_xm, s_wn, s_sn, s_om,
+    SIGNED: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, C: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """"dot8": the tensor-core form on the planar8 layout, for M = 16..64. Per group and
+    nibble plane p, the weights' plane (exact q - z from one lop3 + one FADD, as in gemv8,
+    then bf16: |q - z| <= 15 is exact) is a [C/8, BLOCK_N] operand of one tl.dot against the
+    plane's x columns [BLOCK_M, C/8] (contiguous codes p*C/8 + t); the 8 products of a group
+    add into a float32 partial that is scaled once: acc += s_g * partial. C/8 >= 16 (G >= 128).
+    Grid and arguments as _w4a16_gemv8_kernel (BLOCK_M >= 16, rows past M masked)."""
+    KW: tl.constexpr = C // 8
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    n64 = offs_n.to(tl.int64)
+    t = tl.arange(0, KW)
+    k_lo = tl.multiple_of(pid_k * K_SPLIT, C)
+    w_ptr = W + n64[:, None] * s_wn + (tl.multiple_of(k_lo // 8, KW) + t)[None, :]   # [BN, KW]
+    x_ptr = X + offs_m.to(tl.int64)[:, None] * s_xm + (k_lo + t)[None, :]            # [BM, KW]
+    s_idx = n64 * s_sn + k_lo // C
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, K_SPLIT, BLOCK_K):
+        for ci in tl.static_range(BLOCK_K // C):
+            wd = tl.load(w_ptr + ci * KW, mask=n_ok[:, None], other=0, eviction_policy="evict_first")
+            if SIGNED:
+                off = tl.full((BLOCK_N, 1), 8.0, tl.float32)
+            else:
+                off = tl.zeros((BLOCK_N, 1), tl.float32)
+            if HAS_Z:
+                off += tl.load(Z + s_idx + ci, mask=n_ok, other=0).to(tl.float32)[:, None]
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for p in tl.static_range(8):
+                SH = 12 * (p // 5)
+                POS = 4 * p - SH
+                EXP = (150 - POS) << 23
+                bits = _and_or(wd >> SH, 15 << POS, EXP, INTERP)
+                base = tl.full((BLOCK_N, 1), EXP, tl.int32).to(tl.float32, bitcast=True) + off
+                f = bits.to(tl.float32, bitcast=True) - base                  # [BN, KW] q - z, exact
+                xp = tl.load(x_ptr + (ci * C + p * KW), mask=m_ok[:, None], other=0.0)   # [BM, KW]
+                if INTERP:  # the interpreter has no bf16 dot: float32 operands (exact values)
+                    part = tl.dot(xp.to(tl.float32), tl.trans(f), part)
+                else:
+                    part = tl.dot(xp, tl.trans(f.to(xp.dtype)), part)
+            s = tl.load(S + s_idx + ci, mask=n_ok, other=0.0)
+            acc += part * s[None, :]
+        w_ptr += BLOCK_K // 8
+        x_ptr += BLOCK_K
+        s_idx += BLOCK_K // C
+    o_ptr = OUT + offs_m[:, None].to(tl.int64) * s_om + offs_n[None, :]
+    o_ok = m_ok[:, None] & n_ok[None, :]
+    if ATOMIC:
+        tl.atomic_add(o_ptr, acc, mask=o_ok, sem="relaxed")
+    else:
+        if HAS_BIAS:
+            acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(o_ptr, round_to(acc, OUT.dtype.element_ty), mask=o_ok)
