@@ -21,6 +21,17 @@ stored offset-binary (code + 8). This differs from lowbit.pack_int4's interleave
 (which checkpoints use); W4Weight.qtensor keeps the source. Per-group scales [N, K/G]
 float32 (int4) or scale codes [N, K/G] uint8 (fp4: e8m0 or e4m3); zero points narrowed to
 int8 (they lie in the 4-bit code range, so exactly).
+
+Second layout, prepare_w4(wq, layout="planar8") (int4 / uint4 only): the same [N, K/2] bytes
+read as little-endian int32 words [N, K/8]; word t of group c (G/8 words) holds code
+c*G + p*(G/8) + t in nibble p (bits 4p..4p+3), int4 offset-binary. Kernels: "gemv8" (CUDA
+cores, M <= 4: one lop3 + one FADD + one FFMA per weight) and "dot8" (tensor cores, M > 4,
+G >= 128: one K = 16 dot per nibble plane of a group); pick_config_planar8 chooses. Both
+are exact in the same sense as the planar_chunks kernels (exact weights and products,
+float32 accumulation, one scale product per group), so the same error bound holds. Which
+layout serves decode best is measured by `python -m lowbit.bench.memory` (rows
+lowbit_w4a16_int4_g128 vs lowbit_w4a16_int4_g128_gemv8 / _dot8); the default stays
+planar_chunks until that run says otherwise.
 """
 from __future__ import annotations
 
