@@ -171,15 +171,22 @@ _INT_SCHEMES = [QuantScheme("int8", "channel"), QuantScheme("int4", "group", gro
                 QuantScheme("uint8", "channel", symmetric=False), QuantScheme("int2", "block", block_size=(2, 4))]
 
 
+def _quantized_with_error(scheme, rows, k, seed, log_mag):
+    """Normal data [rows, k] from `seed` times 2**log_mag (hypothesis draws both), quantized by
+    lowbit. Returns (x as float64, |x - dequantized| in float64 (exact), the expanded scale as
+    float64)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g) * 2.0 ** log_mag
+    qt = lb.quantize(x, scheme)
+    xd = x.double()
+    return xd, (xd - qt.dequantize(torch.float64)).abs(), qt.expanded_scale().double()
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.sampled_from(_INT_SCHEMES), st.integers(1, 5), st.integers(1, 4), st.integers(0, 2**31 - 1),
        st.floats(-30, 30))
 def test_int_error_at_most_half_a_step(scheme, rows, kgroups, seed, log_mag):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, 8 * kgroups, generator=g) * 2.0 ** log_mag
-    qt = lb.quantize(x, scheme)
-    err = (x.double() - qt.dequantize(torch.float64)).abs()
-    s = qt.expanded_scale().double()
+    _, err, s = _quantized_with_error(scheme, rows, 8 * kgroups, seed, log_mag)
     # |x/s - fl(x/s)| <= |x/s| 2^-24 <= (qmax - qmin) 2^-24 steps; the rounding itself is <= 1/2 step;
     # with a zero point an end code can clamp one step only where x/s + z sits at a half (so still
     # <= 1/2 step). The float64 dequantization is exact. Bound: s * (1/2 + (qmax - qmin) * 2^-23).
@@ -199,13 +206,8 @@ _FLOAT_SCHEMES = [QuantScheme("fp8_e4m3fn", "channel"), QuantScheme("fp8_e5m2", 
 @given(st.sampled_from(_FLOAT_SCHEMES), st.integers(1, 4), st.integers(1, 3), st.integers(0, 2**31 - 1),
        st.floats(-20, 20))
 def test_float_error_within_unit_roundoff(scheme, rows, kgroups, seed, log_mag):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, 16 * kgroups, generator=g) * 2.0 ** log_mag
-    qt = lb.quantize(x, scheme)
+    xd, err, s = _quantized_with_error(scheme, rows, 16 * kgroups, seed, log_mag)
     f = scheme.fmt
-    xd = x.double()
-    err = (xd - qt.dequantize(torch.float64)).abs()
-    s = qt.expanded_scale().double()
     in_range = xd.abs() <= f.max * s
     # In range: encode rounds x/s once to nearest, so |err| <= u |x| for normals and
     # <= s * min_subnormal / 2 in the subnormal range; fl(x/s) adds |x| 2^-24 (scaled back by s).
