@@ -360,9 +360,21 @@ def add_bias(y, offs_n, n_ok, bias_ptr, HAS_BIAS: tl.constexpr):
 
 @triton.jit
 def store_tile(c_ptrs, y, m_ok, n_ok):
-    """The GEMMs' last step: y converted to C's dtype by cast_out (round-to-nearest-even; an
-    int32 y into int32 C is stored as is), stored where the row < M and the column < N.
-    c_ptrs: kmajor_ptrs(c_ptr, offs_m, stride_cm, offs_n). Callers keep their own order of the
-    pointer arithmetic and the epilogue loads: the order of the source is the order of the
-    generated code, and these helpers were factored out with the compiled kernels unchanged."""
+    """y converted to C's dtype by cast_out (round-to-nearest-even; an int32 y into int32 C is
+    stored as is), stored where the row < M and the column < N.
+    c_ptrs: kmajor_ptrs(c_ptr, offs_m, stride_cm, offs_n) of C [M, N]."""
     tl.store(c_ptrs, cast_out(y, c_ptrs.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def bias_store_tile(y, offs_m, offs_n, m_ok, n_ok, c_ptr, stride_cm, bias_ptr, HAS_BIAS: tl.constexpr):
+    """add_bias, then store_tile at C [M, N] (row stride stride_cm): the GEMMs' last epilogue step.
+
+    Written out rather than composed of the two helpers, and the int8 kernel calls them apart
+    (its output pointers come before its scale loads): ptxas -lineinfo keeps a label per inlined
+    call, and extra nesting or a moved address computation changed the sm_90 machine code of
+    some kernels; in this form every kernel compiles to the same SASS as before the helpers."""
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, cast_out(y, c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])

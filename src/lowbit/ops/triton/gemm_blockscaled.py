@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (add_bias, check_bias, check_operands, check_out_dtype, decode_e8m0, interpreting, kmajor_ptrs,
-                     pick_config, prepare_launch, store_tile, swizzled_tile, tile_offsets)
+from .common import (bias_store_tile, check_bias, check_operands, check_out_dtype, decode_e8m0, interpreting,
+                     kmajor_ptrs, pick_config, prepare_launch, swizzled_tile, tile_offsets)
 from .gemm_fp8 import as_fp8
 
 
@@ -44,8 +44,13 @@ def _blockscaled_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m, pid_
     SUB: tl.constexpr = BLOCK_K // G
     # One weight scale for the whole tile when the tile sits inside one R-row scale block.
     SB_UNIFORM: tl.constexpr = (R > 1) and (R % BLOCK_N == 0)
-    offs_m, offs_n, m_ok, n_ok = tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N)
+    # Offsets written out, not tile_offsets: that extra inlined call changed the persistent TMA
+    # variant's machine code under ptxas -lineinfo (common.bias_store_tile says more).
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_g = tl.arange(0, G)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
     rows_a = tl.where(m_ok, offs_m, 0)
     rows_b = tl.where(n_ok, offs_n, 0)
     a_ptrs = a_ptr
@@ -77,8 +82,7 @@ def _blockscaled_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m, pid_
                 acc += part * (sa * sb)[:, None]
             else:
                 acc += part * (sa[:, None] * sb[None, :])
-    y = add_bias(acc, offs_n, n_ok, bias_ptr, HAS_BIAS)
-    store_tile(kmajor_ptrs(c_ptr, offs_m, stride_cm, offs_n), y, m_ok, n_ok)
+    bias_store_tile(acc, offs_m, offs_n, m_ok, n_ok, c_ptr, stride_cm, bias_ptr, HAS_BIAS)
 
 
 @triton.jit
@@ -157,8 +161,7 @@ def _mx_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m, pid_n,
         ea = tl.load(sa_ptrs + k0 // 32, mask=g_ok, other=127)
         eb = tl.load(sb_ptrs + k0 // 32, mask=g_ok, other=127)
         acc = _bf16_dot(_scaled_bf16(a, ea, BLOCK_M, BLOCK_K), _scaled_bf16(b, eb, BLOCK_N, BLOCK_K), acc, INTERP)
-    y = add_bias(acc, offs_n, n_ok, bias_ptr, HAS_BIAS)
-    store_tile(kmajor_ptrs(c_ptr, offs_m, stride_cm, offs_n), y, m_ok, n_ok)
+    bias_store_tile(acc, offs_m, offs_n, m_ok, n_ok, c_ptr, stride_cm, bias_ptr, HAS_BIAS)
 
 
 @triton.jit

@@ -17,9 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (add_bias, check_bias, check_matrix, check_operands, check_out_dtype, check_vector,
-                     kmajor_ptrs, mainloop, pick_config, prepare_launch, rowcol_scale, store_tile, swizzled_tile,
-                     tile_offsets)
+from .common import (bias_store_tile, check_bias, check_matrix, check_operands, check_out_dtype, check_vector,
+                     mainloop, pick_config, prepare_launch, rowcol_scale, swizzled_tile, tile_offsets)
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 
@@ -34,8 +33,7 @@ def _fp8_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m, pid_n,
                    False, PRECISE, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PROMOTE_K)
     offs_m, offs_n, m_ok, n_ok = tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N)
     y = rowcol_scale(acc, offs_m, offs_n, m_ok, n_ok, sa_ptr, sb_ptr, stride_sa, stride_sb)
-    y = add_bias(y, offs_n, n_ok, bias_ptr, HAS_BIAS)
-    store_tile(kmajor_ptrs(c_ptr, offs_m, stride_cm, offs_n), y, m_ok, n_ok)
+    bias_store_tile(y, offs_m, offs_n, m_ok, n_ok, c_ptr, stride_cm, bias_ptr, HAS_BIAS)
 
 
 @triton.jit
