@@ -195,6 +195,14 @@ def test_w4a16_decode_sizes_on_gpu(device, rng):
             if w8 is not None:  # gemv8 (M = 1) / dot8 (16, 64) with their heuristic (inline-PTX lop3)
                 out = w4a16_linear(x.cuda(), w8)
                 assert torch.all((out.cpu().double() - ref).abs() <= bound), (name, M, "planar8")
+                if M > 1:  # dot8 with packed 16-bit pair unpacking (inline PTX: GPU only)
+                    out = w4a16_linear(x.cuda(), w8, config={"kernel": "dot8", "unpack": 1})
+                    assert torch.all((out.cpu().double() - ref).abs() <= bound), (name, M, "dot8 unpack 1")
+                    xh = x.to(torch.float16)
+                    refh = xh.double() @ w64.T
+                    outh = w4a16_linear(xh.cuda(), w8, config={"kernel": "dot8", "unpack": 1})
+                    bh = _bound(xh.double(), w64, refh, K, w4.group_size, 8, torch.float16)
+                    assert torch.all((outh.cpu().double() - refh).abs() <= bh), (name, M, "dot8 unpack 1 fp16")
 
 
 def test_torch_backend_and_errors(rng):

@@ -13,7 +13,8 @@ Rows (shape "M{M} N{N} K{K}", M in W4_MS, (N, K) in W4_NK):
                                                SWEEP_MS (tensor-core form, BLOCK_N 32/64, split 1/2)
   lowbit_w4a16_int4_g128_gemv8_best            best of a small gemv8 sweep at M = 1 (BLOCK_N /
                                                warps / split; `sweep_us` holds every point)
-  lowbit_w4a16_int4_g128_dot8_best             best of a small dot8 sweep at M = 16
+  lowbit_w4a16_int4_g128_dot8_best             best of a small dot8 sweep at M = 16, including
+                                               unpack 1 (packed 16-bit pairs, inline PTX)
 Each lowbit row has vs_bf16 / vs_tinygemm (baseline ms / ms) and `check`, the relative L2
 difference to bf16 torch.mm on the dequantized weight (bf16 rounding of that baseline, ~0.003).
 """
@@ -27,8 +28,9 @@ GEMV8_SWEEP = ((128, 4, None), (128, 4, 1), (128, 4, 2), (128, 4, 4), (64, 2, 2)
                (32, 1, 1))
 DOT_SWEEP = ((32, 1), (32, 2), (64, 1), (64, 2))  # default kernel: (BLOCK_N, split)
 # dot8 sweep at M = 16: (BLOCK_N, BLOCK_K, num_warps, split); split None = the heuristic's
-DOT8_SWEEP = ((128, 256, 4, None), (128, 256, 4, 1), (128, 256, 4, 2), (128, 256, 8, None), (64, 256, 4, None),
-              (64, 512, 4, 1), (128, 128, 4, None))
+DOT8_SWEEP = ((128, 256, 4, None, 0), (128, 256, 4, 1, 0), (128, 256, 4, 2, 0), (128, 256, 8, None, 0),
+              (64, 256, 4, None, 0), (64, 512, 4, 1, 0), (128, 128, 4, None, 0),
+              (128, 256, 4, None, 1), (128, 256, 4, 1, 1), (64, 256, 4, None, 1))  # last: unpack
 
 
 def _tinygemm_inputs(N: int, K: int, dev: str, G: int = 128):
@@ -39,8 +41,10 @@ def _tinygemm_inputs(N: int, K: int, dev: str, G: int = 128):
     return w, sz
 
 
-def _best_row(b, name, shape, nbytes, points: dict, swept: str, bases: dict) -> None:
-    """Append the fastest of `points` ({label: (ms, config)}) as one row."""
+def _best_row(b, name, shape, nbytes, points: dict, swept: str, bases: dict, check=None) -> None:
+    """Append the fastest of `points` ({label: (ms, config)}) as one row; check(config), if
+    given, is the winner's relative L2 difference to the bf16 baseline (a fast wrong
+    configuration shows)."""
     from lowbit.bench.memory import _log
 
     if not points:
@@ -51,6 +55,8 @@ def _best_row(b, name, shape, nbytes, points: dict, swept: str, bases: dict) -> 
     if b.copy_gbps:
         rs["frac_copy"] = rs["GBps"] / b.copy_gbps
     b.ratios(rs, bases)
+    if check is not None:
+        rs["check"] = check(cfg)
     b.rows.append(rs)
     _log(f"    sweep (us): {rs['sweep_us']}")
     _log(f"  {name:28s} {shape:>22s} {ms * 1e3:9.1f} us  ({label})")
@@ -147,12 +153,14 @@ def w4a16_section(b, quick: bool, sweep: bool = True) -> None:
                 if M == 16:
                     base = pick_config_planar8(M, N, K, G, kernel="dot8")
                     cfgs = {}
-                    for bn, bk, warps, sp in DOT8_SWEEP:
-                        c = dict(base, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, split=base["split"] if sp is None else sp)
-                        cfgs[f"dot8/BN{bn}/BK{bk}/w{warps}/split{c['split']}"] = c
+                    for bn, bk, warps, sp, unpack in DOT8_SWEEP:
+                        c = dict(base, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, split=base["split"] if sp is None else sp,
+                                 unpack=unpack)
+                        cfgs[f"dot8/BN{bn}/BK{bk}/w{warps}/split{c['split']}/unpack{unpack}"] = c
                     pts = _sweep(sets8, cfgs)
                     _best_row(b, "lowbit_w4a16_int4_g128_dot8_best", shape, nbytes, pts,
-                              "dot8 BLOCK_N x BLOCK_K x num_warps x split: " + ", ".join(cfgs), bases)
+                              "dot8 BLOCK_N x BLOCK_K x num_warps x split x unpack: " + ", ".join(cfgs), bases,
+                              check=lambda c: _rel(w4a16_linear(xs[0], ws8[name][0], config=c), ref))
                 if M == 1:
                     base = pick_config_planar8(M, N, K, G, kernel="gemv8")
                     cfgs = {}
@@ -161,7 +169,8 @@ def w4a16_section(b, quick: bool, sweep: bool = True) -> None:
                         cfgs[f"gemv8/BN{bn}/w{warps}/split{c['split']}"] = c
                     pts = _sweep(sets8, cfgs)
                     _best_row(b, "lowbit_w4a16_int4_g128_gemv8_best", shape, nbytes, pts,
-                              "gemv8 BLOCK_N x num_warps x split: " + ", ".join(cfgs), bases)
+                              "gemv8 BLOCK_N x num_warps x split: " + ", ".join(cfgs), bases,
+                              check=lambda c: _rel(w4a16_linear(xs[0], ws8[name][0], config=c), ref))
             del xs
         del ws, ws8, wb, tg
 
@@ -209,41 +218,46 @@ def sass_rows_gemv8() -> list[dict]:
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     rows = []
-    for M in W4_MS:
-        for has_z in (False, True):
-            N, K = W4_NK[0]
-            cfg = pick_config_planar8(M, N, K, 128)
-            fn = w4._w4a16_gemv8_kernel if cfg["kernel"] == "gemv8" else w4._w4a16_dot8_kernel
-            sig = {"X": "*bf16", "W": "*i32", "S": "*fp32", "Z": "*i8", "BIAS": "*fp32",
-                   "OUT": "*fp32" if cfg["split"] > 1 else "*bf16", "M": "i32", "N": "i32", "K": "i32",
-                   "K_SPLIT": "i32", "s_xm": "i32", "s_wn": "i32", "s_sn": "i32", "s_om": "i32"}
-            consts = dict(SIGNED=True, HAS_Z=has_z, HAS_BIAS=False, C=128, BLOCK_M=cfg["BLOCK_M"],
-                          BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], ATOMIC=cfg["split"] > 1, INTERP=False)
-            if cfg["kernel"] == "gemv8":
-                consts.update(EVEN_N=True, EVEN_M=M % cfg["BLOCK_M"] == 0)
-            attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a not in ("M", "N")}
-            row = dict(kernel=f"w4a16 {cfg['kernel']} int4 g128" + (" asym" if has_z else ""), variant=f"M{M} {cfg}")
-            try:
-                c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                                   target=GPUTarget("cuda", 90, 32),
-                                   options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
-                with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                    f.write(c.asm["cubin"])
-                    f.flush()
-                    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-                    res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-            except Exception as exc:  # noqa: BLE001 -- reported (the CI test then fails on it)
-                rows.append(dict(row, sass_static=None, shared=f"{type(exc).__name__}: {str(exc)[:200]}"))
-                continue
-            loop = _inner_loop(sass)
-            # weights one thread handles per loop step: BLOCK_N x BLOCK_K over the threads
-            per_step = cfg["BLOCK_N"] * cfg["BLOCK_K"] // (32 * cfg["num_warps"])
-            row.update(sass_static=sum(1 for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)),
-                       shared=c.metadata.shared, fits=c.metadata.shared <= 232448,
-                       **{k.lower(): int(v) for k, v in re.findall(r"\b(REG|LOCAL):(\d+)", res)},
-                       # gemv8 handles BLOCK_M rows of x per weight (instructions per weight and row)
-                       loop_instr=len(loop), loop_instr_per_weight=round(
-                           len(loop) / per_step / (cfg["BLOCK_M"] if cfg["kernel"] == "gemv8" else 1), 2),
-                       loop_top=dict(collections.Counter(loop).most_common(8)))
-            rows.append(row)
+    N, K = W4_NK[0]
+    # the heuristic's choice at each M, then dot8's packed-pair unpacking (inline PTX) at 16 rows
+    variants = [(M, has_z, "*bf16", pick_config_planar8(M, N, K, 128)) for M in W4_MS for has_z in (False, True)]
+    variants += [(16, has_z, xt, dict(pick_config_planar8(16, N, K, 128), unpack=1))
+                 for has_z in (False, True) for xt in ("*bf16", "*fp16")]
+    for M, has_z, xt, cfg in variants:
+        fn = w4._w4a16_gemv8_kernel if cfg["kernel"] == "gemv8" else w4._w4a16_dot8_kernel
+        sig = {"X": xt, "W": "*i32", "S": "*fp32", "Z": "*i8", "BIAS": "*fp32",
+               "OUT": "*fp32" if cfg["split"] > 1 else "*bf16", "M": "i32", "N": "i32", "K": "i32",
+               "K_SPLIT": "i32", "s_xm": "i32", "s_wn": "i32", "s_sn": "i32", "s_om": "i32"}
+        consts = dict(SIGNED=True, HAS_Z=has_z, HAS_BIAS=False, C=128, BLOCK_M=cfg["BLOCK_M"],
+                      BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], ATOMIC=cfg["split"] > 1, INTERP=False)
+        if cfg["kernel"] == "gemv8":
+            consts.update(EVEN_N=True, EVEN_M=M % cfg["BLOCK_M"] == 0)
+        else:
+            consts.update(UNPACK=cfg.get("unpack", 0))
+        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a not in ("M", "N")}
+        row = dict(kernel=f"w4a16 {cfg['kernel']} int4 g128" + (" asym" if has_z else "") + f" x {xt[1:]}",
+                   variant=f"M{M} {cfg}")
+        try:
+            c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                               target=GPUTarget("cuda", 90, 32),
+                               options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(c.asm["cubin"])
+                f.flush()
+                sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+                res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        except Exception as exc:  # noqa: BLE001 -- reported (the CI test then fails on it)
+            rows.append(dict(row, sass_static=None, shared=f"{type(exc).__name__}: {str(exc)[:200]}"))
+            continue
+        loop = _inner_loop(sass)
+        # weights one thread handles per loop step: BLOCK_N x BLOCK_K over the threads
+        per_step = cfg["BLOCK_N"] * cfg["BLOCK_K"] // (32 * cfg["num_warps"])
+        row.update(sass_static=sum(1 for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)),
+                   shared=c.metadata.shared, fits=c.metadata.shared <= 232448,
+                   **{k.lower(): int(v) for k, v in re.findall(r"\b(REG|LOCAL):(\d+)", res)},
+                   # gemv8 handles BLOCK_M rows of x per weight (instructions per weight and row)
+                   loop_instr=len(loop), loop_instr_per_weight=round(
+                       len(loop) / per_step / (cfg["BLOCK_M"] if cfg["kernel"] == "gemv8" else 1), 2),
+                   loop_top=dict(collections.Counter(loop).most_common(8)))
+        rows.append(row)
     return rows

@@ -299,18 +299,40 @@ def _w4a16_gemv8_kernel(
 
 
 @triton.jit
+def _half2_planes(wd, cpair, i: tl.constexpr, HALF: tl.constexpr):
+    """Nibble planes i and i + 4 of the words wd (int32 [BN, KW]) as exact 16-bit floats
+    q - z, two weights per instruction: (wd >> 4i) & 0x000F000F | magic puts nibble i in the
+    low half and nibble i + 4 in the high half of a packed pair whose halves read 2^e + u
+    (bf16: 128 + u, magic 0x43004300; fp16: 1024 + u, 0x64006400; u sits in the low mantissa
+    bits, ulp 1); one packed subtraction of cpair (both halves 2^e + offset + z, exact) leaves
+    u - offset - z exactly. GPU only (inline PTX); returns (plane i, plane i + 4)."""
+    if HALF == 1:
+        magic = tl.full(wd.shape, 0x43004300, tl.int32)
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, $4, 0xEA; sub.rn.bf16x2 t, t, $3; mov.b32 {$0, $1}, t; }",
+            "=h,=h,r,r,r", [wd >> (4 * i), cpair, magic], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+    else:
+        magic = tl.full(wd.shape, 0x64006400, tl.int32)
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, $4, 0xEA; sub.rn.f16x2 t, t, $3; mov.b32 {$0, $1}, t; }",
+            "=h,=h,r,r,r", [wd >> (4 * i), cpair, magic], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+
+
+@triton.jit
 def _w4a16_dot8_kernel(
     X, W, S, Z, BIAS, OUT, M, N, K, K_SPLIT, s_xm, s_wn, s_sn, s_om,
     SIGNED: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, C: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr,
-    INTERP: tl.constexpr,
+    INTERP: tl.constexpr, UNPACK: tl.constexpr = 0,
 ):
     """"dot8": the tensor-core form on the planar8 layout, for M = 16..64. Per group and
     nibble plane p, the weights' plane (exact q - z from one lop3 + one FADD, as in gemv8,
     then bf16: |q - z| <= 15 is exact) is a [C/8, BLOCK_N] operand of one tl.dot against the
     plane's x columns [BLOCK_M, C/8] (contiguous codes p*C/8 + t); the 8 products of a group
     add into a float32 partial that is scaled once: acc += s_g * partial. C/8 >= 16 (G >= 128).
-    Grid and arguments as _w4a16_gemv8_kernel (BLOCK_M >= 16, rows past M masked)."""
+    Grid and arguments as _w4a16_gemv8_kernel (BLOCK_M >= 16, rows past M masked).
+    UNPACK 1 (GPU only): planes straight to packed bf16 / fp16 pairs (_half2_planes: ~1.5
+    instructions per 2 weights instead of ~2.5 per weight), same exact values."""
     KW: tl.constexpr = C // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -336,18 +358,32 @@ def _w4a16_dot8_kernel(
             if HAS_Z:
                 off += tl.load(Z + s_idx + ci, mask=n_ok, other=0).to(tl.float32)[:, None]
             part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for p in tl.static_range(8):
-                SH = 12 * (p // 5)
-                POS = 4 * p - SH
-                EXP = (150 - POS) << 23
-                bits = _and_or(wd >> SH, 15 << POS, EXP, INTERP)
-                base = tl.full((BLOCK_N, 1), EXP, tl.int32).to(tl.float32, bitcast=True) + off
-                f = bits.to(tl.float32, bitcast=True) - base                  # [BN, KW] q - z, exact
-                xp = tl.load(x_ptr + (ci * C + p * KW), mask=m_ok[:, None], other=0.0)   # [BM, KW]
-                if INTERP:  # the interpreter has no bf16 dot: float32 operands (exact values)
-                    part = tl.dot(xp.to(tl.float32), tl.trans(f), part)
+            if UNPACK == 1 and not INTERP:
+                # both halves: 2^e + offset + z as 16-bit float bits (2^e = 128 bf16, 1024 fp16)
+                if X.dtype.element_ty == tl.bfloat16:
+                    cbits = 0x4300 | off.to(tl.int32)
                 else:
-                    part = tl.dot(xp, tl.trans(f.to(xp.dtype)), part)
+                    cbits = 0x6400 | off.to(tl.int32)
+                cpair = tl.broadcast_to(cbits * 65537, (BLOCK_N, KW))
+                for i in tl.static_range(4):
+                    fa, fb = _half2_planes(wd, cpair, i, 1 if X.dtype.element_ty == tl.bfloat16 else 2)
+                    xa = tl.load(x_ptr + (ci * C + i * KW), mask=m_ok[:, None], other=0.0)
+                    xb = tl.load(x_ptr + (ci * C + (i + 4) * KW), mask=m_ok[:, None], other=0.0)
+                    part = tl.dot(xa, tl.trans(fa), part)
+                    part = tl.dot(xb, tl.trans(fb), part)
+            else:
+                for p in tl.static_range(8):
+                    SH = 12 * (p // 5)
+                    POS = 4 * p - SH
+                    EXP = (150 - POS) << 23
+                    bits = _and_or(wd >> SH, 15 << POS, EXP, INTERP)
+                    base = tl.full((BLOCK_N, 1), EXP, tl.int32).to(tl.float32, bitcast=True) + off
+                    f = bits.to(tl.float32, bitcast=True) - base                  # [BN, KW] q - z, exact
+                    xp = tl.load(x_ptr + (ci * C + p * KW), mask=m_ok[:, None], other=0.0)   # [BM, KW]
+                    if INTERP:  # the interpreter has no bf16 dot: float32 operands (exact values)
+                        part = tl.dot(xp.to(tl.float32), tl.trans(f), part)
+                    else:
+                        part = tl.dot(xp, tl.trans(f.to(xp.dtype)), part)
             s = tl.load(S + s_idx + ci, mask=n_ok, other=0.0)
             acc += part * s[None, :]
         w_ptr += BLOCK_K // 8
