@@ -21,6 +21,11 @@ Two inner products: DOT (tensor cores, BLOCK_M >= 16 rows, rows past M masked) f
 and GEMV (float32 FMAs and a reduction, no layout change for the tensor cores) for M <= 2.
 Split-K adds float32 partials into a zeroed float32 output with atomics. In Triton's CPU
 interpreter (no bf16 dot there) the dot operands are widened to float32 first (exact).
+
+Second layout "planar8" (int4 / uint4; below): kernels _w4a16_gemv8_kernel (CUDA cores,
+M <= 4) and _w4a16_dot8_kernel (tensor cores). Split-K there is atomic as well: the float32
+sum order of the partials varies from run to run (the error bound counts `split` extra
+roundings either way).
 """
 from __future__ import annotations
 
