@@ -222,7 +222,7 @@ def test_gpu_fp8_hardware_cast_matches(device, rng):
                                            fp8_encoder=enc, kernel=kernel)
             _assert_same_quant(qt.to("cpu"), canonical_quantize(y.cpu(), scheme))
     # amax ~1e-37: subnormal scales, the division branch the fast path leaves to IEEE / scaled operands
-    tiny = _rand(rng, (64, 4095), torch.float32, device) * 1e-39
+    tiny = _rand(rng, (64, 4095), torch.float32, device, zero_row=None) * 1e-39  # no zero row: its scale is 1.0
     for name in ("fp8_token", "int8_token"):
         for kernel in ("row", "tile"):
             qt = fused.quantize_rows(tiny, SCHEMES[name], backend="triton", kernel=kernel)
@@ -230,7 +230,7 @@ def test_gpu_fp8_hardware_cast_matches(device, rng):
             _assert_same_quant(qt.to("cpu"), canonical_quantize(tiny.cpu(), SCHEMES[name]))
 
 
-@pytest.mark.parametrize("tile", [(1, 1), (2, 1), (4, 2), (8, 4)])
+@pytest.mark.parametrize("tile", [(1, 2), (2, 1), (4, 2), (8, 4)])
 @pytest.mark.parametrize("name", TILE_SCHEMES)
 def test_tile_configs_match_row_kernel(tile, name, device, rng):
     """Every (ROWS, num_warps) of the "tile" kernel gives the codes and scales of lowbit.quantize
@@ -303,3 +303,14 @@ def test_clear_errors(device, rng):
     bad[1, 5] = math.inf
     with pytest.raises(ValueError, match="NaN or Inf"):
         fused.quantize_rows(bad, get_preset("mxfp8"), backend="triton")
+
+
+def test_tile_one_row_one_warp_is_refused(device, rng):
+    """tile=(1, 1) gave per-token scales that differ from lowbit.quantize on the H200 (codes
+    equal; cause not found): the kernel refuses it and the heuristic never picks it."""
+    from lowbit.ops.fused import tile_config
+
+    x = _rand(rng, (3, 1000), torch.bfloat16, device)
+    with pytest.raises(ValueError, match=r"tile=\(1, 1\)"):
+        fused.quantize_rows(x, SCHEMES["int8_token"], backend="triton", kernel="tile", tile=(1, 1))
+    assert all(tile_config(K, 0) != (1, 1) for K in (64, 513, 768, 1000, 1024, 4095, 8192))

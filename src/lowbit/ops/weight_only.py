@@ -347,6 +347,12 @@ def _launch_planar8(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -
     cfg = dict(pick_config_planar8(M, N, K, w.group_size, interpret=interp, kernel=(config or {}).get("kernel")))
     if config:
         cfg.update(config)
+        if "split" in config and "BLOCK_K" not in config:
+            # a split asked for without a tile: halve the heuristic's BLOCK_K (down to one
+            # group) until the split divides K, instead of refusing a valid request
+            while K % (cfg["BLOCK_K"] * cfg["split"]) and cfg["BLOCK_K"] // 2 >= w.group_size \
+                    and cfg["BLOCK_K"] % (2 * w.group_size) == 0:
+                cfg["BLOCK_K"] //= 2
     kern = cfg["kernel"]
     if kern not in ("gemv8", "dot8"):
         raise ValueError(f"w4a16_linear: a planar8 weight runs kernels 'gemv8' or 'dot8', config asks for "
