@@ -1,9 +1,9 @@
-"""Reproduces docs/perplexity.md: every recipe's perplexity on the embedded SmolLM2 + Wikipedia
-text, plain and with the measures (SmoothQuant and/or overriding the worst 5% of Linear layers
+"""Reproduces the tables of docs/perplexity.md: every recipe's perplexity on the embedded
+SmolLM2 + Wikipedia text, plain and with the measures (SmoothQuant and/or overriding the worst 5% of Linear layers
 that the per-site report points at), in one process (the float model is loaded and evaluated
 once). The table is rewritten after every configuration, so a stopped run keeps what it measured.
 
-    python -m lowbit.nn.measure --out docs/perplexity.md [--tokens 8192] [--threads 1]
+    python -m lowbit.nn.measure --out TABLE.md [--tokens 8192] [--threads 1] [--only RECIPES]
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 # (recipe, SmoothQuant alpha or None, override fraction), in the order they are measured.
 CONFIGS = [
-    ("w8a8-int8", None, 0.0), ("w8a8-int8", 0.5, 0.05),
+    ("w8a8-int8", None, 0.0), ("w8a8-int8", 0.5, 0.05), ("w8a8-int8", 0.5, 0.0), ("w8a8-int8", None, 0.05),
     ("w8a8-fp8", None, 0.0), ("w8a8-fp8", None, 0.05),
     ("w8a8-int8-tensor", None, 0.0), ("w8a8-int8-tensor", 0.5, 0.05),
     ("w8a16-int8", None, 0.0), ("w4a16", None, 0.0), ("w4a16-asym", None, 0.0), ("w4a16-g32", None, 0.0),
@@ -27,7 +27,7 @@ CONFIGS = [
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lowbit.nn.measure", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="docs/perplexity.md")
+    ap.add_argument("--out", default="perplexity_table.md", help="markdown table to (re)write")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--calib-tokens", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1)

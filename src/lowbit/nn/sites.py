@@ -81,8 +81,12 @@ class SiteReport:
 
 def suggest(row: SiteRow) -> str:
     """Seed 004's suggested action for a site, from which quantizer limits it."""
-    if row.out_db >= GOOD_DB:
+    amplified = math.isfinite(row.block_db) and row.block_db < GOOD_DB
+    if row.out_db >= GOOD_DB and not amplified:
         return "ok"
+    if row.out_db >= GOOD_DB:
+        return (f"its block amplifies this site's noise into the residual stream (block SQNR "
+                f"{row.block_db:.0f} dB): keep it in bf16 or switch it to fp8")
     if row.act_db <= row.weight_db:
         return (f"activation outliers (max channel {row.outlier_ratio:.0f}x the median): SmoothQuant, "
                 "switch this site to fp8 (w8a8-fp8), or keep it in bf16")
@@ -240,7 +244,7 @@ def plot_sites(reports: list[SiteReport], path: str, labels: list[str] | None = 
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=kind)
             if attr != "block_db":               # seed 004's 30 dB rule is about a site's own SQNR
                 ax.axhline(GOOD_DB, color="gray", ls="--", lw=0.8)
-            ax.set_title(f"{lab}: {title} SQNR")
+            ax.set_title(f"{lab}\n{title} SQNR", fontsize=10)
             ax.set_xlabel("decoder layer")
             ax.set_ylabel("dB")
             ax.grid(alpha=0.3)
