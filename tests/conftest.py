@@ -24,3 +24,12 @@ def rng():
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"random seed: {seed}")
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(params=["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+def kernel_device(request):
+    """Where a Triton kernel runs: the CPU through the interpreter (CI), or CUDA. On a CUDA
+    machine the interpreter is off, so the CPU case is left to CI."""
+    if request.param == "cpu" and torch.cuda.is_available():
+        pytest.skip("the CPU (interpreter) variant runs in CI, where there is no CUDA")
+    return request.param

@@ -17,13 +17,10 @@ from lowbit.scheme import QuantScheme, get_preset
 U32 = 2.0 ** -24
 
 
-@pytest.fixture(params=["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
-def device(request):
-    """Where the Triton kernel runs (overrides conftest's): the CPU through the interpreter
-    (CI), or CUDA. On a CUDA machine the interpreter is off, so the CPU case is left to CI."""
-    if request.param == "cpu" and torch.cuda.is_available():
-        pytest.skip("the CPU (interpreter) variant runs in CI, where there is no CUDA")
-    return request.param
+@pytest.fixture
+def device(kernel_device):
+    """Kernel tests run where the Triton kernel runs (conftest's kernel_device)."""
+    return kernel_device
 
 SCHEMES = {
     "int4_g128": get_preset("int4_g128"),

@@ -37,7 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 0 if args.command is None else 2
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except (ValueError, FileNotFoundError, NotImplementedError) as err:
+        # bad input (a wrong argument, a missing file, a scheme with no path): the message names
+        # the argument and the fix; a traceback would only hide it
+        print(f"lowbit {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

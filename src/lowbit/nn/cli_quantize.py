@@ -59,15 +59,7 @@ def _save(model, out: Path, recipe, tokenizer) -> str:
 
 
 def run(args) -> int:
-    import sys
-    try:
-        return _run(args)
-    except (ValueError, FileNotFoundError, NotImplementedError) as err:   # bad input: a clear message, no traceback
-        print(f"lowbit quantize: error: {err}", file=sys.stderr)
-        return 2
-
-
-def _run(args) -> int:
+    """Bad input raises ValueError / FileNotFoundError; lowbit.cli prints it without a traceback."""
     import torch
     from lowbit.nn.evaluate import model_bytes, tokens_per_second
     from lowbit.nn.pipeline import load_model, machine, metric, prepare_texts, run_recipe

@@ -22,15 +22,7 @@ def register(p) -> None:
 
 
 def run(args) -> int:
-    import sys
-    try:
-        return _run(args)
-    except (ValueError, FileNotFoundError, NotImplementedError) as err:   # bad input: a clear message, no traceback
-        print(f"lowbit sites: error: {err}", file=sys.stderr)
-        return 2
-
-
-def _run(args) -> int:
+    """Bad input raises ValueError / FileNotFoundError; lowbit.cli prints it without a traceback."""
     import torch
     from lowbit.nn.pipeline import load_model, prepare_texts
     from lowbit.nn.sites import plot_sites, site_report
