@@ -49,6 +49,16 @@ def encode_e4m3fn(v):
 
 
 @triton.jit
+def decode_e4m3fn(c):
+    """fp8 e4m3fn bit pattern (int32) -> float32, exact (NaN codes are never produced)."""
+    e = (c >> 3) & 15
+    m = c & 7
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125,
+                   (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True))
+    return tl.where((c & 128) != 0, -mag, mag)
+
+
+@triton.jit
 def decode_e8m0(c):
     """e8m0 code (uint8) -> fp32 power of two 2**(c - 127); code 0 is 2**-127 (fp32 subnormal)."""
     ci = c.to(tl.int32)

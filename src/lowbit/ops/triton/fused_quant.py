@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import encode_e4m3fn  # shared exact fp8 encoder (the GEMM helper's common.py)
+from .common import decode_e4m3fn, encode_e4m3fn  # shared exact fp8 encoder (the GEMM helper's common.py)
 
 # Prologues
 PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL = 0, 1, 2
@@ -35,16 +35,6 @@ SCALE_FP32, SCALE_E8M0, SCALE_NV = 0, 1, 2
 ROUND_FLOOR, ROUND_RCEIL, ROUND_CEIL, ROUND_EVEN = 0, 1, 2, 3
 
 MAX_BLOCK = 32768  # elements a program holds in registers; larger rows raise in fused.py
-
-
-@triton.jit
-def _decode_e4m3(c):
-    """fp8 e4m3fn bit pattern (int32) -> float32, exact (NaN codes are never produced)."""
-    e = (c >> 3) & 15
-    m = c & 7
-    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125,
-                   (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True))
-    return tl.where((c & 128) != 0, -mag, mag)
 
 
 @triton.jit
@@ -281,7 +271,7 @@ def _row_quant_kernel(
             gs = tl.where(gs == 0.0, 1.0, gs)
             rel = tl.math.div_rn(tl.math.div_rn(amax, QMAX), gs)
             sc = encode_e4m3fn(tl.maximum(rel, 0.015625)).to(tl.int32)
-            s = _decode_e4m3(sc) * gs
+            s = decode_e4m3fn(sc) * gs
             s = tl.where(amax != amax, float("nan"), s)
             tl.store(SCALE_CODES + row * ngroups + gidx, sc.to(tl.uint8), mask=gmask)
         tl.store(SCALE + row * ngroups + gidx, s, mask=gmask)

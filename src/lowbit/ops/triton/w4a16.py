@@ -32,6 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .common import decode_e4m3fn
 from .fused_quant import round_to
 
 W_INT4, W_UINT4, W_MXFP4, W_NVFP4 = 0, 1, 2, 3
@@ -52,16 +53,6 @@ def _e2m1_value(c):
     m = c & 1
     bits = tl.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
     return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e4m3_value(c):
-    """fp8 e4m3fn code (int32) -> float32, exact."""
-    e = (c >> 3) & 15
-    m = c & 7
-    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125,
-                   (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True))
-    return tl.where((c & 128) != 0, -mag, mag)
 
 
 @triton.jit
@@ -135,8 +126,8 @@ def _w4a16_kernel(
                     sva = (tl.minimum(tl.maximum(sca, 1), 254) << 23).to(tl.float32, bitcast=True)
                     svb = (tl.minimum(tl.maximum(scb, 1), 254) << 23).to(tl.float32, bitcast=True)
                 else:
-                    sva = _e4m3_value(sca)
-                    svb = _e4m3_value(scb)
+                    sva = decode_e4m3fn(sca)
+                    svb = decode_e4m3fn(scb)
                 wa = _e2m1_value(wp & 15) * sva
                 wb = _e2m1_value(wp >> 4) * svb
                 acc = _product(xa, wa, xb, wb, acc, USE_DOT, INTERP)
