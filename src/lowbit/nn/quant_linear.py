@@ -191,7 +191,7 @@ class QuantLinear(torch.nn.Module):
             from lowbit.ops import linear as ops_linear
             if self.act_static_scale is not None:
                 raise NotImplementedError("static activation scales are emulated")
-            xq = quantize(x2d, self.act_scheme)
+            xq = _quantize_activations(x2d, self.act_scheme)
             wq = self._cache.get(("wq", str(x2d.device)))
             if wq is None:
                 wq = self.weight_q.to(x2d.device)
@@ -225,3 +225,16 @@ def _describe(s: QuantScheme) -> str:
 def linear_float(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The unquantized float32 output of an nn.Linear on x (helper for diagnostics)."""
     return F.linear(x.float(), module.weight.float(), None if module.bias is None else module.bias.float())
+
+
+def _quantize_activations(x2d: torch.Tensor, scheme: QuantScheme):
+    """The activation QTensor for the kernel path. On CUDA, per-row int8 / fp8 schemes use the
+    one-pass Triton quantizer (bit-identical to lowbit.quantize, tested on the H200), which
+    avoids lowbit.quantize's several full-tensor passes; every other case is lowbit.quantize."""
+    if x2d.is_cuda:
+        from lowbit.ops.triton.act_quant import quantize_tokens
+        try:
+            return quantize_tokens(x2d.contiguous(), scheme)
+        except NotImplementedError:  # a scheme the one-pass kernel does not cover: same scheme, exact path
+            pass
+    return quantize(x2d, scheme)
