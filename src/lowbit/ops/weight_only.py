@@ -171,6 +171,16 @@ def w4a16_reference(x: torch.Tensor, w: W4Weight | QTensor, bias: torch.Tensor |
     return out if bias is None else out + bias.to(torch.float64)
 
 
+
+def _split_k(programs: int, steps: int, target: int) -> int:
+    """Split-K factor for the W4A16 heuristics: double it while there are fewer than `target`
+    programs and each split keeps at least 2 K steps of an even division."""
+    split = 1
+    while programs * split < target and steps % (2 * split) == 0 and steps // (2 * split) >= 2:
+        split *= 2
+    return split
+
+
 def pick_config_planar8(M: int, N: int, K: int, group: int, *, interpret: bool = False,
                         kernel: str | None = None) -> dict:
     """Kernel and tiles for a planar8 weight (reasoned for the H200 from sm_90 SASS counts, not
@@ -186,11 +196,7 @@ def pick_config_planar8(M: int, N: int, K: int, group: int, *, interpret: bool =
     while K % bk:
         bk //= 2
     steps = K // bk
-    programs = -(-N // bn) * -(-M // bm)
-    split = 1
-    while (not interpret and programs * split < _SMS and steps % (2 * split) == 0
-           and steps // (2 * split) >= 2):
-        split *= 2
+    split = 1 if interpret else _split_k(-(-N // bn) * -(-M // bm), steps, _SMS)
     # unpack 1 (packed bf16/fp16 pairs, inline PTX: ~3.3 instead of ~4.1 SASS instructions per
     # weight at 16 rows) stays opt-in until a GPU run has checked and timed it
     return {"kernel": "dot8", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
@@ -214,11 +220,7 @@ def pick_config_gemv8(M: int, N: int, K: int, group: int, *, interpret: bool = F
     while bk * 2 <= bk_max and K % (bk * 2) == 0:
         bk *= 2
     steps = K // bk
-    programs = -(-N // bn) * -(-M // bm)
-    split = 1
-    while (not interpret and programs * split < 2 * _SMS and steps % (2 * split) == 0
-           and steps // (2 * split) >= 2):
-        split *= 2
+    split = 1 if interpret else _split_k(-(-N // bn) * -(-M // bm), steps, 2 * _SMS)
     return {"kernel": "gemv8", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
             "split": split, "num_warps": 4, "num_stages": 1}
 
@@ -240,11 +242,7 @@ def pick_config(M: int, N: int, K: int, kind: str, group: int, chunk: int, *, in
     while bk * 2 <= bk_max and K % (bk * 2) == 0:
         bk *= 2
     steps = K // bk
-    programs = -(-N // bn) * -(-M // bm)
-    split = 1
-    while (not interpret and programs * split < _SMS and steps % (2 * split) == 0
-           and steps // (2 * split) >= 2):
-        split *= 2
+    split = 1 if interpret else _split_k(-(-N // bn) * -(-M // bm), steps, _SMS)
     return {"kernel": "dot", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
             "split": split, "num_warps": 4, "num_stages": 3 if bm <= 16 else 2}
 
