@@ -85,6 +85,14 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return c
+    return launch_fp8_gemm(a, b, c, sa, sb, bias, precise, config)
+
+
+def launch_fp8_gemm(a, b, c, sa, sb, bias, precise: bool = True, config: dict | None = None) -> torch.Tensor:
+    """The launch alone, no checks (fp8_gemm checks; the prepared runtime checks once, at
+    prepare time): a / b float8_e4m3fn [M, K] / [N, K], sa / sb fp32 vectors, C preallocated."""
+    M, K = a.shape
+    N = b.shape[0]
     cfg = dict(config) if config else pick_config(M, N, K, kind="fp8")
     precise = cfg.pop("PRECISE", precise)
     grid, opts, a_arg, b_arg = prepare_launch(cfg, a, b)
