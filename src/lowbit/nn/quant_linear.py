@@ -27,6 +27,7 @@ verification and checkpoints read -- is kept on the host).
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
@@ -99,6 +100,18 @@ class QuantLinear(torch.nn.Module):
         if prep.spec.kind in ("w4a16", "fp4"):
             # the packed codes are the GPU's copy; the exact twin (one code per byte) stays on the host
             self.weight_q = self.weight_q.to("cpu")
+
+    def attach_shared(self, shared, start: int, stop: int) -> None:
+        """Serve this layer's fast path from columns [start, stop) of a SharedGEMM
+        (lowbit.nn.shared_input): its own kernel operands are dropped, and 8-bit codes of
+        `weight_q` become a view of the shared copy, so the weight is held once."""
+        object.__setattr__(self, "_shared", (shared, start, stop))
+        own_w = self._buffers.get("fast_w")
+        for n in [n for n in self._buffers if n.startswith("fast_")]:
+            del self._buffers[n]
+        if own_w is not None and self.weight_q.codes.device == own_w.device:
+            codes = shared.fast_w[start:stop].view(self.weight_q.codes.dtype)
+            self.weight_q = dataclasses.replace(self.weight_q, codes=codes)
 
     def _apply(self, fn, recurse=True):
         """`.to(device)` moves the prepared operands; `.to(dtype)` / `.half()` never convert them
@@ -197,9 +210,12 @@ class QuantLinear(torch.nn.Module):
             x2 = x.reshape(-1, self.in_features)
             if x2.stride(-1) != 1:
                 x2 = x2.contiguous()
-            names = self.fast_spec.operands
-            y = runtime.forward(self.fast_spec, self._fast_json, x2,
-                                [getattr(self, "fast_" + n) for n in names], self.bias)
+            shared = self.__dict__.get("_shared")
+            if shared is not None:
+                y = shared[0].output(x, x2)[:, shared[1]:shared[2]]
+            else:
+                y = runtime.forward(self.fast_spec, self._fast_json, x2,
+                                    [getattr(self, "fast_" + n) for n in self.fast_spec.operands], self.bias)
             if not torch.compiler.is_compiling():
                 self.last_path = "fast:" + self.fast_spec.kind
             return y.reshape(*lead, self.out_features)
