@@ -30,7 +30,7 @@ def _acts(rng, m, k):
     return x.bfloat16()
 
 
-def _bound(q, r, xf, ref, device):
+def _bound(q, r, xf, ref, device, dequant_path=False):
     """|y - ref| bound of a fast-path output y (bf16) against the float64 reference.
     The activations' codes and scales equal lowbit.quantize's (the quantizers are bit-identical),
     the weights are exact in every kernel, so the error is: float32 accumulation (and the few
@@ -47,6 +47,12 @@ def _bound(q, r, xf, ref, device):
         xd = (xq.dequantize(torch.float64) if r.act is not None else xf.double()).abs()
         wd = q.weight_q.dequantize(torch.float64).abs()
         e32 = e32 + K * 2.0 ** -12 * (xd[:, None, :] * wd[None, :, :]).amax(dim=-1)
+    if dequant_path:
+        # large-M 4-bit path: the bf16 GEMM's output is rounded (u_bf16 |x.w| <= u_bf16 S) before
+        # the tensor scale and the bias are applied in fp32 -- with a bias that cancels, |x.w| can
+        # exceed |ref|, so the term is in units of S; and each int4 weight (q - z) * s is rounded
+        # once to bf16 (|dw| <= u_bf16 |w|: another u_bf16 S). fp4 weights are exact in bf16.
+        e32 = e32 + U_BF16 * S * (2 if r.weight.format in ("int4", "uint4") else 1)
     return U_BF16 * ref.abs() + (1 + U_BF16) * e32
 
 
@@ -67,17 +73,35 @@ def test_fast_path_matches_reference(rng, kernel_device, recipe):
     assert (err <= tol).all(), f"{recipe}: max excess {(err - tol).max():.3e}"
 
 
-def test_fast_path_keeps_operand_formats_and_no_float_copy(rng):
+@pytest.mark.parametrize("recipe", ["w4a16", "w4a16-asym", "mxfp4", "nvfp4"])
+def test_large_m_dequantized_weight_path(rng, kernel_device, recipe, monkeypatch):
+    """From W4_DEQUANT_MIN_M rows on, 4-bit weights are dequantized per call and multiplied by a
+    bf16 GEMM (lowered to 1 row here so the interpreter runs it at a small shape)."""
+    from lowbit.nn import runtime
+    monkeypatch.setattr(runtime, "W4_DEQUANT_MIN_M", 1)
+    M, K, N = 6, 256, 40
+    q, r = _layer(rng, N, K, recipe, kernel_device)
+    x = _acts(rng, M, K)
+    y = q(x.to(kernel_device))
+    xf = x.float()
+    xq = xf.double() if r.act is None else quantize(xf, r.act)
+    ref = qlinear_reference(xq, q.weight_q, q.bias.detach().cpu())
+    err = (y.double().cpu() - ref).abs()
+    tol = _bound(q, r, xf, ref, kernel_device, dequant_path=True)
+    assert (err <= tol).all(), f"{recipe}: max excess {(err - tol).max():.3e}"
+
+
+def test_fast_path_keeps_operand_formats_and_no_float_copy(rng, kernel_device):
     """.to(bfloat16) converts neither fp8 codes nor fp32 scales; a 4-bit layer holds packed
     codes (half a byte per weight) on its device and never a dequantized float weight."""
     q, _ = _layer(rng, 48, 256, "w8a8-fp8", "cpu")
     q = q.to(torch.bfloat16)
     assert q.fast_w.dtype == torch.float8_e4m3fn and q.fast_w_scale.dtype == torch.float32
     assert q.fast_w.untyped_storage().data_ptr() == q.weight_q.codes.untyped_storage().data_ptr()
-    q4, _ = _layer(rng, 48, 256, "w4a16", "cpu")
-    q4(_acts(rng, 3, 256))
-    q4.backend = "auto"                        # the exact path: dequantizes per call, keeps nothing
-    q4(_acts(rng, 3, 256).float())
+    q4, _ = _layer(rng, 48, 256, "w4a16", kernel_device)
+    q4(_acts(rng, 3, 256).to(kernel_device))
+    q4.check = True                            # the exact path: dequantizes per call, keeps nothing
+    q4(_acts(rng, 3, 256).float().to(kernel_device))
     held = [t for t in list(q4.buffers()) + list(q4._cache.values()) if t.is_floating_point()]
     assert all(t.numel() < 48 * 256 for t in held), [tuple(t.shape) for t in held]
     assert q4.fast_packed.numel() == 48 * 256 // 2
@@ -132,12 +156,13 @@ def test_shared_inputs_match_per_layer_path(rng, kernel_device, recipe):
             assert torch.equal(per_layer(ids).logits, shared(ids).logits)
 
 
-def test_compiled_model_has_no_graph_breaks(rng):
+def test_compiled_model_has_no_graph_breaks(rng, kernel_device):
     """torch.compile traces a quantized model whole (the kernels are one custom op) and gives
     the eager output bit for bit (the same kernels run)."""
     model = _tiny_llama(rng, hidden=64, inter=128, layers=1)
     quantize_model(model, "w8a8-int8", backend="kernel")
-    ids = torch.randint(0, 96, (1, 3), generator=rng)
+    model.to(kernel_device)
+    ids = torch.randint(0, 96, (1, 3), generator=rng).to(kernel_device)
     with torch.no_grad():
         eager = model(ids).logits
         compiled = torch.compile(model, backend="eager", fullgraph=True)(ids).logits

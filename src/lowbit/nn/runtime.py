@@ -43,6 +43,11 @@ from lowbit.quantize import QTensor
 from lowbit.scheme import QuantScheme
 
 KINDS = ("w8a8", "w8a16", "w4a16", "fp4", "mxfp8")
+# From this many rows on, 4-bit weights are dequantized to the activation dtype (one Triton
+# pass, lowbit.ops.weight_only.dequantize_w4) and multiplied by cuBLAS: the tensor cores then
+# run at bf16 speed, where unpacking nibbles in every tile of a large-M GEMM costs 3-4x
+# (H200, bench/layers.py). int4 weights get one rounding to bf16 each on this path.
+W4_DEQUANT_MIN_M = 256
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -166,7 +171,10 @@ def prepare(weight_q: QTensor, act_scheme: QuantScheme | None,
         return Prepared(Spec("mxfp8", N, K, act=act_json, group=32, operands=tuple(t)), t)
     from lowbit.ops.weight_only import prepare_w4
 
-    w4 = prepare_w4(weight_q)
+    try:
+        w4 = prepare_w4(weight_q)
+    except (ValueError, NotImplementedError):
+        return None  # a shape the W4A16 layout cannot hold (e.g. K not a multiple of 32): exact path
     t = {"packed": w4.packed, "scale": w4.scale}
     for name in ("zero_point", "scale_codes", "global_scale"):
         if getattr(w4, name) is not None:
@@ -249,19 +257,28 @@ def _w4(spec, ops, global_scale=None):
                     spec.w4kind, spec.group, spec.chunk, (spec.N, spec.K), None)
 
 
-def _run_w4a16(spec, x2, ops, bias):
+def _run_w4a16(spec, x2, ops, bias, global_scale=None):
     from lowbit.ops.triton.common import interpreting
-    from lowbit.ops.weight_only import _launch
+    from lowbit.ops.weight_only import _launch, dequantize_w4
 
-    return _launch(x2, _w4(spec, ops), bias, None, interpreting())
+    w = _w4(spec, ops, global_scale)
+    if x2.shape[0] < W4_DEQUANT_MIN_M:
+        return _launch(x2, w, bias, None, interpreting())
+    y = torch.nn.functional.linear(x2, dequantize_w4(w, x2.dtype))
+    if w.global_scale is None and bias is None:
+        return y
+    y = y.float()
+    if w.global_scale is not None:
+        y = y * w.global_scale
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x2.dtype)
 
 
 def _run_fp4(spec, x2, ops, bias):
     """fp4 x fp4, emulated exactly: the activation's codes times its block scale (exact in
     bf16) into the W4A16 kernel; NVFP4's two per-tensor scales multiply the accumulator."""
     from lowbit.ops.fused import quantize_rows
-    from lowbit.ops.triton.common import interpreting
-    from lowbit.ops.weight_only import _launch
     from lowbit.quantize import _decode_elements, scale_from_codes
 
     scheme = spec.act_scheme
@@ -273,8 +290,7 @@ def _run_fp4(spec, x2, ops, bias):
     gs = None
     if qt.global_scale is not None:
         gs = (ops["global_scale"] * qt.global_scale.reshape(1)).contiguous()
-    out = _launch(xd, _w4(spec, ops, gs), bias, None, interpreting())
-    return out.to(x2.dtype)
+    return _run_w4a16(spec, xd, ops, bias, gs).to(x2.dtype)
 
 
 def _run_mxfp8(spec, x2, ops, bias):

@@ -331,6 +331,28 @@ def _launch(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> torch.
     return out
 
 
+def dequantize_w4(w: W4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [N, K] in `dtype` (bf16 / fp16) from a planar-chunks W4Weight, one Triton pass
+    (lowbit/ops/triton/w4a16.py, _w4_dequant_kernel: int4 values rounded once per weight, fp4
+    values exact; NVFP4's tensor scale is NOT applied). For large-M GEMMs; never cached."""
+    import triton
+
+    from lowbit.ops.triton import w4a16 as k
+
+    N, K = w.shape
+    out = torch.empty((N, K), dtype=dtype, device=w.packed.device)
+    dummy = torch.empty(1, device=w.packed.device, dtype=torch.float32)
+    per_group = w.scale if w.kind in ("int4", "uint4") else w.scale_codes
+    wfmt = {"int4": k.W_INT4, "uint4": k.W_UINT4, "mxfp4": k.W_MXFP4, "nvfp4": k.W_NVFP4}[w.kind]
+    bn = 16 if os.environ.get("TRITON_INTERPRET") == "1" else 64
+    k._w4_dequant_kernel[(triton.cdiv(N, bn), K // w.chunk)](
+        w.packed, w.scale, w.zero_point if w.zero_point is not None else dummy,
+        w.scale_codes if w.scale_codes is not None else dummy, out, N, K,
+        w.packed.stride(0), per_group.stride(0), out.stride(0),
+        WFMT=wfmt, HAS_Z=w.zero_point is not None, G=w.group_size, C=w.chunk, BLOCK_N=bn, num_warps=4)
+    return out
+
+
 def _launch_planar8(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> torch.Tensor:
     """The "gemv8" or "dot8" kernel on a planar8 weight (see lowbit/ops/triton/w4a16.py)."""
     import triton
