@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_device, encode_e4m3fn, rint
+from .common import check_device, encode_e4m3fn, launch, rint
 
 MODES = ("int8", "int8_asym", "fp8_e4m3fn")
 
@@ -99,8 +99,8 @@ def launch_act_quant(x2: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.T
     z = torch.empty((M,), dtype=torch.int32, device=x2.device) if mode == "int8_asym" else None
     if M:
         block = min(triton.next_power_of_2(K), 4096)
-        _act_quant_kernel[(M,)](x2, q, s, z if z is not None else s, K, x2.stride(0), q.stride(0),
-                                MODE=MODES.index(mode), BLOCK=block, num_warps=4 if block <= 1024 else 8)
+        launch(_act_quant_kernel, (M,), x2, q, s, z if z is not None else s, K, x2.stride(0), q.stride(0),
+               MODE=MODES.index(mode), BLOCK=block, num_warps=4 if block <= 1024 else 8)
     return q, s, z
 
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import bias_store_tile, interpreting, kmajor_ptrs, swizzled_tile, tile_offsets
+from .common import bias_store_tile, interpreting, kmajor_ptrs, launch, swizzled_tile, tile_offsets
 
 
 @triton.jit
@@ -79,7 +79,7 @@ def w8a16_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torc
         return out
     cfg = dict(config) if config else pick_config_w8a16(M, N, K)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-    _w8a16_kernel[grid](x, q, out, scale, bias if bias is not None else scale, M, N, K,
+    launch(_w8a16_kernel, grid, x, q, out, scale, bias if bias is not None else scale, M, N, K,
                         x.stride(0), q.stride(0), out.stride(0), HAS_BIAS=bias is not None,
                         EVEN_K=K % cfg["BLOCK_K"] == 0, INTERP=interpreting(), **cfg)
     return out
