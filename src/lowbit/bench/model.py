@@ -76,6 +76,7 @@ class Options:
     variants: tuple[str, ...] = ()          # lowbit recipe / torchao names; () = all
     compile: bool = True
     budget: float = 30.0
+    time_limit: float | None = None         # seconds for the whole run; later variants are skipped
     quick: bool = False
     log: Callable[[str], None] = field(default=lambda msg: print(msg, flush=True))
 
@@ -262,7 +263,9 @@ def _step(model, mode: str, phase: str, batch: int, inp: _Inputs, opts: Options,
         def call():
             return fn(*args)
         call()
-    out = call().float().clone()   # at least two calls before the cache check
+    # at least two calls before the cache check; outputs are kept on the CPU, so the references
+    # never count in a peak or in the weights' allocation
+    out = call().float().cpu()
     if cache is not None:
         llama.check_repeatable(cache, opts.context)
     key = (phase, batch)
@@ -318,7 +321,7 @@ def _describe_failure(exc: BaseException) -> str:
 def measure_variant(name: str, kind: str, master: torch.nn.Module, inp: _Inputs, opts: Options,
                     ref: dict, state: dict) -> list[dict]:
     """Every row of one variant; `ref` holds the baseline's outputs (filled by the baseline),
-    `state` carries `cuda_broken` between variants."""
+    `state` carries `cuda_broken` (why nothing can run any more) between variants."""
     log, device = opts.log, inp.prefill.device
     plan = _plan(opts)
     rows = [_base_row(opts, name, kind, *p) for p in plan]
@@ -343,7 +346,7 @@ def measure_variant(name: str, kind: str, master: torch.nn.Module, inp: _Inputs,
         info["build_s"] = round(time.perf_counter() - t0, 2)
         log(f"  {name}: built in {info['build_s']:.1f} s")
         with torch.no_grad():
-            logits = llama.full_logits(model, inp.error).float()
+            logits = llama.full_logits(model, inp.error).float().cpu()
             if kind == "baseline":
                 ref["logits"] = logits
             info["logits_rel_err"] = rel_err(logits, ref["logits"])
@@ -435,8 +438,10 @@ def add_ratios(rows: list[dict]) -> None:
                 r[key] = num / den
 
 
-def run_bench(opts: Options) -> list[dict]:
-    """Build the baseline model, measure it and every variant in `opts.variants`; rows with ratios."""
+def run_bench(opts: Options, on_variant: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Build the baseline model, measure it and every variant in `opts.variants`; rows with
+    ratios. on_variant(rows so far) runs after each variant (main writes the JSON there, so a
+    run killed from outside keeps what it measured)."""
     device = torch.device(opts.device)
     if opts.dtype not in DTYPES:
         raise ValueError(f"dtype={opts.dtype!r}; choose one of {', '.join(DTYPES)}")
@@ -454,9 +459,18 @@ def run_bench(opts: Options) -> list[dict]:
     state: dict = {}
     rows: list[dict] = []
     todo = [(opts.dtype, "baseline")] + [(v, "torchao" if v in TORCHAO else "lowbit") for v in variants]
+    t0 = time.perf_counter()
     for i, (name, kind) in enumerate(todo):
         opts.log(f"[{i + 1}/{len(todo)}] {name}")
+        if opts.time_limit and time.perf_counter() - t0 > opts.time_limit:
+            why = f"run time limit ({opts.time_limit:.0f} s) reached"
+            rows += [dict(_base_row(opts, name, kind, *p), skipped=why) for p in _plan(opts)]
+            opts.log(f"  {name}: skipped ({why})")
+            continue
         rows += measure_variant(name, kind, master, inp, opts, ref, state)
+        add_ratios(rows)
+        if on_variant is not None:
+            on_variant(rows)
     add_ratios(rows)
     return rows
 
@@ -476,6 +490,8 @@ def register(p) -> None:
                    help="prefill 512, context 128, decode batch 1 only, 15 s per variant (a smoke run)")
     p.add_argument("--budget", type=float, default=None, metavar="S",
                    help=f"seconds per non-baseline variant (default {d.budget:.0f}; --quick 15)")
+    p.add_argument("--time-limit", type=float, default=None, metavar="S",
+                   help="seconds for the whole run: variants not started by then are skipped (default: none)")
     p.add_argument("--dtype", choices=list(DTYPES), default=d.dtype, help="the baseline's dtype")
     p.add_argument("--device", default=d.device, help="cuda (default) or cpu: a dry run of the plumbing")
     p.add_argument("--seed", type=int, default=d.seed, help="weights and prompts (default %(default)s)")
@@ -495,7 +511,7 @@ def options_from_args(args) -> Options:
               compile=not args.no_compile)
     if args.recipes:
         kw["variants"] = tuple(x.strip() for x in args.recipes.split(",") if x.strip())
-    for name in ("prefill", "context", "budget", "error_tokens"):
+    for name in ("prefill", "context", "budget", "error_tokens", "time_limit"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     if args.batches:
@@ -530,11 +546,17 @@ def main(args) -> int:
         print("lowbit bench model: no CUDA GPU here; the benchmark times a model on the GPU "
               "(--device cpu runs the plumbing, with meaningless times).", file=sys.stderr)
         return 2
-    rows = run_bench(opts)
+    env = environment(opts)
+
+    def write_json(rows: list[dict]) -> None:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(environment=env, rows=rows), f, indent=1, default=str)
+
+    rows = run_bench(opts, on_variant=write_json)
+    write_json(rows)
     notes = []
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(environment=environment(opts), rows=rows), f, indent=1, default=str)
         print(f"# wrote {args.json}")
     if args.plot:
         try:

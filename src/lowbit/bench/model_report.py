@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
+TICKS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1, 1.5, 2, 3, 5, 10)   # speed-up axis labels (log scale)
+
 
 def _columns(rows: list[dict]) -> list[tuple[str, int]]:
     """(phase, batch) in the order the rows list them."""
@@ -42,8 +44,8 @@ def table(rows: list[dict]) -> str:
         peaks = [c for c in cells if c and c.get("peak_bytes") is not None]
         peak = max(peaks, key=lambda c: c["peak_bytes"], default=None)
         pr = f"{peak['peak_ratio']:5.2f}x" if peak and "peak_ratio" in peak else "      "
-        line += f" {w / 2**20:8.0f} {wr}" if w is not None else f" {'-':>15s}"
-        line += f" {peak['peak_bytes'] / 2**20:8.0f} {pr}" if peak else f" {'-':>15s}"
+        line += f" {w / 2**20:8.1f} {wr}" if w is not None else f" {'-':>15s}"
+        line += f" {peak['peak_bytes'] / 2**20:8.1f} {pr}" if peak else f" {'-':>15s}"
         err = any_r.get("logits_rel_err")
         line += f" {err:9.2e}" if err is not None else f" {'-':>9s}"
         lines.append(line)
@@ -65,6 +67,7 @@ def plot(rows: list[dict], path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401  (ax.yaxis formatters)
 
     cols = _columns(rows)
     variants = [v for v in dict.fromkeys(r["variant"] for r in rows)]
@@ -74,11 +77,18 @@ def plot(rows: list[dict], path: str) -> None:
     x = range(len(variants))
     width = 0.8 / max(len(modes), 1)
     for ax, (phase, batch) in zip(axes, cols):
+        seen = [1.0]
         for i, mode in enumerate(modes):
             vals = [by.get((v, mode, phase, batch), {}).get("speedup", float("nan")) for v in variants]
-            ax.bar([j + (i - (len(modes) - 1) / 2) * width for j in x], vals, width, label=mode)
+            bars = ax.bar([j + (i - (len(modes) - 1) / 2) * width for j in x], vals, width, label=mode)
+            ax.bar_label(bars, [f"{v:.2f}" if v == v else "" for v in vals], fontsize=6, rotation=90, padding=2)
+            seen += [v for v in vals if v == v]
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_yscale("log")
+        ax.set_ylim(min(seen) / 1.5, max(seen) * 1.6)
+        ticks = [t for t in TICKS if min(seen) / 1.5 <= t <= max(seen) * 1.6]
+        ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_title(f"{phase}" + (f" batch {batch}" if phase == "decode" else ""), fontsize=10)
         ax.set_ylabel("baseline ms / ms  (>1: faster than the baseline)")
         ax.set_xticks(list(x), variants, rotation=60, ha="right", fontsize=8)
@@ -86,9 +96,10 @@ def plot(rows: list[dict], path: str) -> None:
     ax = axes[-1]
     first = {v: next((r for r in rows if r["variant"] == v and r.get("weights_ratio")), {}) for v in variants}
     peak = {v: max((r.get("peak_ratio", 0.0) for r in rows if r["variant"] == v), default=0.0) for v in variants}
-    ax.bar([j - 0.2 for j in x], [first[v].get("weights_ratio", float("nan")) for v in variants], 0.4,
-           label="weights")
-    ax.bar([j + 0.2 for j in x], [peak[v] or float("nan") for v in variants], 0.4, label="largest peak")
+    for dx, vals, label in ((-0.2, [first[v].get("weights_ratio", float("nan")) for v in variants], "weights"),
+                            (0.2, [peak[v] or float("nan") for v in variants], "peak (largest ratio of a call)")):
+        bars = ax.bar([j + dx for j in x], vals, 0.4, label=label)
+        ax.bar_label(bars, [f"{v:.2f}" if v == v else "" for v in vals], fontsize=6, rotation=90, padding=2)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_title("GPU memory / baseline's", fontsize=10)
     ax.set_xticks(list(x), variants, rotation=60, ha="right", fontsize=8)
