@@ -10,8 +10,8 @@ both (they read the installed version's signatures, they do not compare version 
   (`cumulative_length`, a tensor) and append there, so every timed step ends with
   `cache.crop(-1)` (one in-place subtraction per layer, also inside a compiled graph) to give
   the slot back. A DynamicCache appends on every version and is cropped the same way.
-  `decode_step` checks after its warm-up calls that the cache holds `context` (+1) tokens, so a
-  step that kept appending is an error, not a timing of ever longer contexts.
+  `check_repeatable`, called after the warm-up steps, finds a cache that kept appending (an
+  error, not a timing of ever longer contexts, nor an index past the cache on the GPU).
 - StaticCache's constructor took (config, max_batch_size, max_cache_len, device, dtype) and now
   takes (config, max_cache_len) and sizes itself lazily on the first update: `new_cache` passes
   whichever arguments the installed constructor names. Without StaticCache (or when it cannot

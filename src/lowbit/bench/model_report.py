@@ -28,8 +28,9 @@ def table(rows: list[dict]) -> str:
     Rows that did not run are listed under the table with the reason."""
     cols = _columns(rows)
     by = {(r["variant"], r["mode"], r["phase"], r["batch"]): r for r in rows}
+    T = next((r["tokens"] for r in rows if r["phase"] == "prefill"), "")
     head1 = f"{'variant':18s} {'mode':8s} " + " ".join(
-        f"{(p + ' T') if p == 'prefill' else f'decode b{b}':>22s}" for p, b in cols)
+        f"{f'prefill T={T}' if p == 'prefill' else f'decode b{b}':>22s}" for p, b in cols)
     head1 += f" {'weights MiB':>15s} {'peak MiB':>15s} {'logits':>9s}"
     head2 = f"{'':27s}" + " ".join(f"{'ms':>8s} {'tok/s':>7s} {'vs base':>6s}" for _ in cols)
     head2 += f" {'':>15s} {'':>15s} {'rel err':>9s}"
@@ -48,6 +49,11 @@ def table(rows: list[dict]) -> str:
         line += f" {peak['peak_bytes'] / 2**20:8.1f} {pr}" if peak else f" {'-':>15s}"
         err = any_r.get("logits_rel_err")
         line += f" {err:9.2e}" if err is not None else f" {'-':>9s}"
+        if mode == "compiled":   # torch.compile's own account: graph breaks, CUDA graphs not used
+            ran = [c for c in cells if c and "graph_breaks" in c]
+            if ran:
+                line += (f"  {sum(c['graph_breaks'] for c in ran)} graph breaks, "
+                         f"{sum(c.get('cudagraph_skips', 0) for c in ran)} cudagraph skips")
         lines.append(line)
         for c in cells:
             if c and c.get("ms") is None and (c.get("error") or c.get("skipped")):
