@@ -97,6 +97,7 @@ class QuantLinear(torch.nn.Module):
         for name, t in prep.tensors.items():
             self.register_buffer("fast_" + name, t, persistent=False)
         self.fast_spec, self._fast_json = prep.spec, prep.spec.to_json()
+        self._graphs = runtime.GraphCache()
         if prep.spec.kind in ("w4a16", "fp4"):
             # the packed codes are the GPU's copy; the exact twin (one code per byte) stays on the host
             self.weight_q = self.weight_q.to("cpu")
@@ -118,6 +119,8 @@ class QuantLinear(torch.nn.Module):
         (fp8 codes and fp32 scales are the kernel's format, not the model's dtype): each
         fast_* buffer goes only where fn sends a probe of its own dtype."""
         fast = {n: b for n, b in self._buffers.items() if n.startswith("fast_") and b is not None}
+        if hasattr(self, "_graphs"):
+            self._graphs.clear()  # captured graphs hold the old device pointers
         for n in fast:
             del self._buffers[n]
         try:
@@ -215,7 +218,8 @@ class QuantLinear(torch.nn.Module):
                 y = shared[0].output(x, x2)[:, shared[1]:shared[2]]
             else:
                 y = runtime.forward(self.fast_spec, self._fast_json, x2,
-                                    [getattr(self, "fast_" + n) for n in self.fast_spec.operands], self.bias)
+                                    [getattr(self, "fast_" + n) for n in self.fast_spec.operands], self.bias,
+                                    self._graphs)
             if not torch.compiler.is_compiling():
                 self.last_path = "fast:" + self.fast_spec.kind
             return y.reshape(*lead, self.out_features)

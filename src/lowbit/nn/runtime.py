@@ -153,6 +153,11 @@ def prepare(weight_q: QTensor, act_scheme: QuantScheme | None,
             mode = "scheme"
             if static_scale is not None:
                 t["act_scale"] = static_scale.detach().float().reshape(1).clone()
+            elif act_scheme.format == "int8" and act_scheme.symmetric:
+                # the divisor as a device tensor: `t / python_float` on CUDA multiplies by the
+                # reciprocal (quantize._div), which is not lowbit.quantize's IEEE division
+                t["act_qmax"] = torch.tensor(float(act_scheme.fmt.qmax), dtype=torch.float32,
+                                             device=codes.device)
         if act_scheme.format == "int8" and not act_scheme.symmetric:
             from lowbit.ops.triton.gemm_int8 import check_int8_k
 
@@ -212,7 +217,7 @@ def _run_w8a8(spec, x2, ops, bias):
         return out
     fp8 = ops["w"].dtype == torch.float8_e4m3fn
     if spec.act_mode == "scheme":
-        q, s, z = _quantize_whole(spec, x2, ops.get("act_scale"))
+        q, s, z = _quantize_whole(spec, x2, ops)
     else:
         from lowbit.ops.triton.act_quant import launch_act_quant
 
@@ -226,19 +231,29 @@ def _run_w8a8(spec, x2, ops, bias):
     return launch_int8_gemm(q, ops["w"], out, s, ops["w_scale"], z, ops.get("w_colsum"), bias)
 
 
-def _quantize_whole(spec, x2, static_scale):
+def _quantize_whole(spec, x2, ops):
     """Per-tensor activations (dynamic or a static calibrated scale) by lowbit.quantize's
-    arithmetic; returns codes [M, K], a stride-0 fp32 scale vector [M], zero points or None."""
+    arithmetic; returns codes [M, K], a stride-0 fp32 scale vector [M], zero points or None.
+    Symmetric int8 (the recipes' case) stays on the device: amax, s = amax / 127 (IEEE, a zero
+    amax gives s = 1), codes = clamp(rint(x / s), -127, 127) -- no host synchronisation, so
+    the call can be graph-captured; other schemes go through lowbit.quantize."""
     from lowbit.quantize import quantize
 
     scheme = spec.act_scheme
     M = x2.shape[0]
-    if static_scale is not None:
+    xf = x2.float()
+    if "act_scale" in ops:
         from lowbit.nn.calibration import quantize_static
 
-        codes, s, _ = quantize_static(x2.float(), scheme, static_scale.reshape(1, 1))
+        codes, s, _ = quantize_static(xf, scheme, ops["act_scale"].reshape(1, 1))
         return codes, s.reshape(1).expand(M), None
-    qt = quantize(x2.float(), scheme, nan_policy="propagate")
+    if "act_qmax" in ops:
+        s = xf.abs().amax().reshape(1) / ops["act_qmax"]
+        s = torch.where(s == 0, torch.ones_like(s), s)
+        qmax = float(scheme.fmt.qmax)
+        codes = torch.clamp(torch.round(xf / s), -qmax, qmax).to(torch.int8)
+        return codes, s.expand(M), None
+    qt = quantize(xf, scheme, nan_policy="propagate")
     z = None if qt.zero_point is None else qt.zero_point.reshape(1).to(torch.int32).expand(M)
     return qt.codes, qt.scale.reshape(1).expand(M), z
 
@@ -318,10 +333,56 @@ def _(x2, operands, bias, spec):
     return x2.new_empty((x2.shape[0], spec_from_json(spec).N))
 
 
+# Eager calls with at most this many rows (decode) replay a CUDA graph of the layer's launches
+# captured on first use: on the H200's host one Triton launch costs ~25-35 us of Python and
+# driver time, a graph replay plus the input copy and output clone ~3 cheap launches.
+GRAPH_MAX_M = 16
+
+
+class GraphCache(dict):
+    """A layer's captured decode graphs, keyed by (rows, dtype, device, weight pointer). Never
+    copied (deepcopy / pickling give an empty cache: graphs hold device pointers)."""
+
+    def __deepcopy__(self, memo):
+        return GraphCache()
+
+    def __reduce__(self):
+        return (GraphCache, ())
+
+
 def forward(spec: Spec, spec_json: str, x2: torch.Tensor, operands: list[torch.Tensor],
-            bias: torch.Tensor | None) -> torch.Tensor:
-    """Eager: call the launches directly (a custom op's dispatch costs microseconds a call);
-    under torch.compile: the custom op."""
+            bias: torch.Tensor | None, graphs: GraphCache | None = None) -> torch.Tensor:
+    """Eager: call the launches directly (a custom op's dispatch costs microseconds a call), or
+    for decode-sized inputs on CUDA replay the layer's graph; under torch.compile: the custom op
+    (whose CUDA-graph capture is then torch's own)."""
     if torch.compiler.is_compiling():
         return qlinear_op(x2, operands, bias, spec_json)
+    if (graphs is not None and x2.is_cuda and x2.shape[0] <= GRAPH_MAX_M and graphable(spec)
+            and not torch.cuda.is_current_stream_capturing()):
+        return _replay(spec, x2, operands, bias, graphs)
     return run(spec, x2, dict(zip(spec.operands, operands)), bias)
+
+
+def graphable(spec: Spec) -> bool:
+    """Kinds whose launches never synchronise with the host (a capture that meets a sync fails
+    and leaves the device in an error state): the Triton-only paths. The fp4 / MXFP8 emulations
+    are not captured until a GPU run has shown them capture-safe."""
+    return spec.kind in ("w8a8", "w8a16", "w4a16") and (spec.kind != "w8a8" or spec.act_mode != "scheme"
+                                                        or "act_qmax" in spec.operands)
+
+
+def _replay(spec, x2, operands, bias, graphs):
+    key = (x2.shape[0], x2.dtype, x2.device, operands[0].data_ptr())
+    entry = graphs.get(key)
+    if entry is None:
+        ops = dict(zip(spec.operands, operands))
+        xs = x2.clone()
+        run(spec, xs, ops, bias)              # compiles every kernel outside the capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            ys = run(spec, xs, ops, bias)
+        entry = graphs[key] = (g, xs, ys)
+    g, xs, ys = entry
+    xs.copy_(x2)
+    g.replay()
+    return ys.clone()                          # the static output is overwritten by the next replay

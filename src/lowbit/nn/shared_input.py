@@ -42,13 +42,19 @@ class SharedGEMM(torch.nn.Module):
         self.members = members
         self._x = self._y = None
         self._left = 0
+        self._graphs = runtime.GraphCache()
+
+    def _apply(self, fn, recurse=True):
+        self._graphs.clear()  # captured graphs hold the old device pointers
+        return super()._apply(fn, recurse)
 
     def output(self, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
         """The group's [M, N_total] output for x2 = x as [M, K], computed once per input
         object x (the members' own argument: x2 is a fresh view on every call)."""
         if self._x is not x:
             self._y = runtime.forward(self.spec, self._json, x2,
-                                      [getattr(self, "fast_" + n) for n in self.spec.operands], self.bias)
+                                      [getattr(self, "fast_" + n) for n in self.spec.operands], self.bias,
+                                      self._graphs)
             self._x, self._left = x, self.members
         y = self._y
         self._left -= 1
