@@ -48,7 +48,7 @@ def _bound(q, r, xf, ref, device, dequant_path=False):
         wd = q.weight_q.dequantize(torch.float64).abs()
         e32 = e32 + K * 2.0 ** -12 * (xd[:, None, :] * wd[None, :, :]).amax(dim=-1)
     if dequant_path:
-        # large-M 4-bit path: the bf16 GEMM's output is rounded (u_bf16 |x.w| <= u_bf16 S) before
+        # large-M dequantized path: the bf16 GEMM's output is rounded (u_bf16 |x.w| <= u_bf16 S) before
         # the tensor scale and the bias are applied in fp32 -- with a bias that cancels, |x.w| can
         # exceed |ref|, so the term is in units of S; and each int4 weight (q - z) * s is rounded
         # once to bf16 (|dw| <= u_bf16 |w|: another u_bf16 S). fp4 weights are exact in bf16.
@@ -73,12 +73,12 @@ def test_fast_path_matches_reference(rng, kernel_device, recipe):
     assert (err <= tol).all(), f"{recipe}: max excess {(err - tol).max():.3e}"
 
 
-@pytest.mark.parametrize("recipe", ["w4a16", "w4a16-asym", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("recipe", ["w4a16", "w4a16-asym", "mxfp4", "nvfp4", "mxfp8"])
 def test_large_m_dequantized_weight_path(rng, kernel_device, recipe, monkeypatch):
-    """From W4_DEQUANT_MIN_M rows on, 4-bit weights are dequantized per call and multiplied by a
-    bf16 GEMM (lowered to 1 row here so the interpreter runs it at a small shape)."""
+    """From DEQUANT_MIN_M rows on, 4-bit and MXFP8 weights are dequantized per call and multiplied
+    by a bf16 GEMM (lowered to 1 row here so the interpreter runs it at a small shape)."""
     from lowbit.nn import runtime
-    monkeypatch.setattr(runtime, "W4_DEQUANT_MIN_M", 1)
+    monkeypatch.setattr(runtime, "DEQUANT_MIN_M", 1)
     M, K, N = 6, 256, 40
     q, r = _layer(rng, N, K, recipe, kernel_device)
     x = _acts(rng, M, K)
