@@ -152,7 +152,7 @@ def _tiny_llama(rng, hidden=128, inter=256, layers=2):
     return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
 
 
-@pytest.mark.parametrize("recipe", ["w8a8-int8", "w8a8-fp8", "w4a16"])
+@pytest.mark.parametrize("recipe", ["w8a8-int8", "w8a8-int8-tensor", "w8a8-fp8", "w4a16"])
 def test_shared_inputs_match_per_layer_path(rng, kernel_device, recipe):
     """q/k/v and gate/up merged into one GEMM each. Every member's output is checked against the
     float64 reference within _bound (so per-layer and shared differ by at most twice it), and

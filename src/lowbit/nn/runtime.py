@@ -43,6 +43,9 @@ from lowbit.quantize import QTensor
 from lowbit.scheme import QuantScheme
 
 KINDS = ("w8a8", "w8a16", "w4a16", "fp4", "mxfp8")
+# Operands that are one value per layer, not per output row (equal across layers sharing one
+# input, so a merged GEMM takes the first member's rather than a concatenation).
+PER_LAYER_OPERANDS = ("global_scale", "act_qmax", "act_scale")
 # From this many rows on, 4-bit and MXFP8 weights are dequantized to bf16 (one Triton pass per
 # call, never kept) and multiplied by cuBLAS: the tensor cores then run at bf16 speed, where
 # unpacking codes in every tile of a large-M GEMM cost 1.1-3.7x (H200, bench/layers.py, M =
@@ -379,6 +382,19 @@ def graphable(spec: Spec) -> bool:
                                                         or "act_qmax" in spec.operands)
 
 
+_POOLS: dict = {}
+
+
+def _pool(device: torch.device):
+    """One memory pool per device for every layer's graphs: a private pool each would reserve
+    a 2 MiB segment per layer and M. Sharing is safe here because replays never overlap (one
+    stream) and each static output is cloned right after its replay, before any other graph
+    can reuse the intermediates' blocks."""
+    if device not in _POOLS:
+        _POOLS[device] = torch.cuda.graph_pool_handle()
+    return _POOLS[device]
+
+
 def _replay(spec, x2, operands, bias, graphs):
     key = (x2.shape[0], x2.dtype, x2.device, operands[0].data_ptr())
     entry = graphs.get(key)
@@ -387,7 +403,7 @@ def _replay(spec, x2, operands, bias, graphs):
         xs = x2.clone()
         run(spec, xs, ops, bias)              # compiles every kernel outside the capture
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        with torch.cuda.graph(g, pool=_pool(x2.device)):
             ys = run(spec, xs, ops, bias)
         entry = graphs[key] = (g, xs, ys)
     g, xs, ys = entry
