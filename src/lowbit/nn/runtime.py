@@ -46,10 +46,11 @@ KINDS = ("w8a8", "w8a16", "w4a16", "fp4", "mxfp8")
 # Operands that are one value per layer, not per output row (equal across layers sharing one
 # input, so a merged GEMM takes the first member's rather than a concatenation).
 PER_LAYER_OPERANDS = ("global_scale", "act_qmax", "act_scale")
-# From this many rows on, 4-bit and MXFP8 weights are dequantized to bf16 (one Triton pass per
-# call, never kept) and multiplied by cuBLAS: the tensor cores then run at bf16 speed, where
-# unpacking codes in every tile of a large-M GEMM cost 1.1-3.7x (H200, bench/layers.py, M =
-# 2048). int4 weights get one rounding to bf16 each on this path; fp4 / fp8 values are exact.
+# From this many rows on, 4-bit, int8 weight-only and MXFP8 weights are dequantized to bf16 (one
+# pass per call, never kept) and multiplied by cuBLAS: the tensor cores then run at bf16 speed,
+# where unpacking codes in every tile of a large-M GEMM cost 1.1-3.7x (H200, bench/layers.py,
+# M = 2048; the W8A16 kernel ran 0.62-0.65x bf16 there). int4 weights get one rounding to bf16
+# each on this path; int8 codes and fp4 / fp8 values are exact.
 DEQUANT_MIN_M = 256
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -262,9 +263,17 @@ def _quantize_whole(spec, x2, ops):
 
 
 def _run_w8a16(spec, x2, ops, bias):
-    from lowbit.ops.triton.w8a16 import w8a16_gemm
+    """Below DEQUANT_MIN_M rows the W8A16 kernel; from there cuBLAS on the codes cast to x's
+    dtype (int8 values are exact in bf16 / fp16), the channel scale and bias applied to the
+    output in fp32 (one extra rounding: the GEMM's output before the scale)."""
+    if x2.shape[0] < DEQUANT_MIN_M:
+        from lowbit.ops.triton.w8a16 import w8a16_gemm
 
-    return w8a16_gemm(x2, ops["w"], ops["w_scale"], bias)
+        return w8a16_gemm(x2, ops["w"], ops["w_scale"], bias)
+    y = torch.nn.functional.linear(x2, ops["w"].to(x2.dtype)).float() * ops["w_scale"]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x2.dtype)
 
 
 def _w4(spec, ops, global_scale=None):
