@@ -46,11 +46,10 @@ KINDS = ("w8a8", "w8a16", "w4a16", "fp4", "mxfp8")
 # Operands that are one value per layer, not per output row (equal across layers sharing one
 # input, so a merged GEMM takes the first member's rather than a concatenation).
 PER_LAYER_OPERANDS = ("global_scale", "act_qmax", "act_scale")
-# From this many rows on, 4-bit, int8 weight-only and MXFP8 weights are dequantized to bf16 (one
-# pass per call, never kept) and multiplied by cuBLAS: the tensor cores then run at bf16 speed,
-# where unpacking codes in every tile of a large-M GEMM cost 1.1-3.7x (H200, bench/layers.py,
-# M = 2048; the W8A16 kernel ran 0.62-0.65x bf16 there). int4 weights get one rounding to bf16
-# each on this path; int8 codes and fp4 / fp8 values are exact.
+# From this many rows on, 4-bit and MXFP8 weights are dequantized to bf16 (one Triton pass per
+# call, never kept) and multiplied by cuBLAS: the tensor cores then run at bf16 speed, where
+# unpacking codes in every tile of a large-M GEMM cost 1.1-3.7x (H200, bench/layers.py, M =
+# 2048). int4 weights get one rounding to bf16 each on this path; fp4 / fp8 values are exact.
 DEQUANT_MIN_M = 256
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -263,17 +262,12 @@ def _quantize_whole(spec, x2, ops):
 
 
 def _run_w8a16(spec, x2, ops, bias):
-    """Below DEQUANT_MIN_M rows the W8A16 kernel; from there cuBLAS on the codes cast to x's
-    dtype (int8 values are exact in bf16 / fp16), the channel scale and bias applied to the
-    output in fp32 (one extra rounding: the GEMM's output before the scale)."""
-    if x2.shape[0] < DEQUANT_MIN_M:
-        from lowbit.ops.triton.w8a16 import w8a16_gemm
+    """The W8A16 kernel at every M. (cuBLAS on the codes cast to bf16 with the channel scale and
+    bias applied to the output by torch ops was slower on the H200 at M = 2048: 0.58x bf16 for the
+    model's prefill against the kernel's 0.71x; the output passes cost more than the GEMM saved.)"""
+    from lowbit.ops.triton.w8a16 import w8a16_gemm
 
-        return w8a16_gemm(x2, ops["w"], ops["w_scale"], bias)
-    y = torch.nn.functional.linear(x2, ops["w"].to(x2.dtype)).float() * ops["w_scale"]
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x2.dtype)
+    return w8a16_gemm(x2, ops["w"], ops["w_scale"], bias)
 
 
 def _w4(spec, ops, global_scale=None):
@@ -391,19 +385,6 @@ def graphable(spec: Spec) -> bool:
                                                         or "act_qmax" in spec.operands)
 
 
-_POOLS: dict = {}
-
-
-def _pool(device: torch.device):
-    """One memory pool per device for every layer's graphs: a private pool each would reserve
-    a 2 MiB segment per layer and M. Sharing is safe here because replays never overlap (one
-    stream) and each static output is cloned right after its replay, before any other graph
-    can reuse the intermediates' blocks."""
-    if device not in _POOLS:
-        _POOLS[device] = torch.cuda.graph_pool_handle()
-    return _POOLS[device]
-
-
 def _replay(spec, x2, operands, bias, graphs):
     key = (x2.shape[0], x2.dtype, x2.device, operands[0].data_ptr())
     entry = graphs.get(key)
@@ -412,7 +393,10 @@ def _replay(spec, x2, operands, bias, graphs):
         xs = x2.clone()
         run(spec, xs, ops, bias)              # compiles every kernel outside the capture
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=_pool(x2.device)):
+        # each graph has its own memory pool (the default): a pool handle shared by all layers hit
+        # a CUDA caching-allocator assert on the H200 (torch 2.11) once the graphs first holding
+        # it were freed; a private pool reserves one small segment per layer and M instead
+        with torch.cuda.graph(g):
             ys = run(spec, xs, ops, bias)
         entry = graphs[key] = (g, xs, ys)
     g, xs, ys = entry
