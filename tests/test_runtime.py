@@ -193,3 +193,24 @@ def test_compiled_model_has_no_graph_breaks(rng, kernel_device):
         eager = model(ids).logits
         compiled = torch.compile(model, backend="eager", fullgraph=True)(ids).logits
     assert torch.equal(eager, compiled)
+
+
+def test_loaded_checkpoint_is_prepared(rng, tmp_path):
+    """load_compressed(dir).to_model(dtype=...) gives prepared, input-sharing layers whose
+    outputs equal the quantized model that was saved (same codes, same path on this device)."""
+    from lowbit.io.compressed_tensors import load_compressed, save_compressed
+    from lowbit.nn.shared_input import SharedGEMM
+    model = _tiny_llama(rng, hidden=64, inter=128, layers=1).float()
+    quantize_model(model, "w8a8-int8")
+    ids = torch.randint(0, 96, (1, 6), generator=rng)
+    with torch.no_grad():
+        before = model(ids).logits
+    save_compressed(model, tmp_path / "ck", "w8a8-int8")
+    loaded = load_compressed(tmp_path / "ck").to_model(dtype=torch.float32)
+    assert sum(isinstance(m, SharedGEMM) for m in loaded.modules()) == 2
+    assert loaded.model.layers[0].mlp.down_proj.fast_spec.kind == "w8a8"
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, before)
+    bf = load_compressed(tmp_path / "ck").to_model(dtype=torch.bfloat16)
+    assert bf.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert bf.model.layers[0].self_attn.q_proj.fast_w.dtype == torch.int8
