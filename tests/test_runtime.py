@@ -144,12 +144,12 @@ def test_check_mode_runs_exact_path_and_catches_nan(rng):
         q(x)
 
 
-def _tiny_llama(rng, hidden=128, inter=256, layers=2):
+def _tiny_llama(rng, hidden=128, inter=256, layers=2, dtype=torch.bfloat16):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_attention_heads=4,
                                    num_key_value_heads=2, num_hidden_layers=layers, vocab_size=96)
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=rng)))
-    return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    return transformers.LlamaForCausalLM(cfg).to(dtype).eval()
 
 
 @pytest.mark.parametrize("recipe", ["w8a8-int8", "w8a8-int8-tensor", "w8a8-fp8", "w4a16"])
@@ -200,7 +200,7 @@ def test_loaded_checkpoint_is_prepared(rng, tmp_path):
     outputs equal the quantized model that was saved (same codes, same path on this device)."""
     from lowbit.io.compressed_tensors import load_compressed, save_compressed
     from lowbit.nn.shared_input import SharedGEMM
-    model = _tiny_llama(rng, hidden=64, inter=128, layers=1).float()
+    model = _tiny_llama(rng, hidden=64, inter=128, layers=1, dtype=torch.float32)
     quantize_model(model, "w8a8-int8")
     ids = torch.randint(0, 96, (1, 6), generator=rng)
     with torch.no_grad():
@@ -213,4 +213,4 @@ def test_loaded_checkpoint_is_prepared(rng, tmp_path):
         assert torch.equal(loaded(ids).logits, before)
     bf = load_compressed(tmp_path / "ck").to_model(dtype=torch.bfloat16)
     assert bf.model.embed_tokens.weight.dtype == torch.bfloat16
-    assert bf.model.layers[0].self_attn.q_proj.fast_w.dtype == torch.int8
+    assert bf.model.layers[0].mlp.down_proj.fast_w.dtype == torch.int8   # q/k/v, gate/up: in the SharedGEMMs
