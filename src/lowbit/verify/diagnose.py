@@ -117,7 +117,8 @@ def _confirmed_causes(ctx: Context, sim: hy.Sim) -> tuple[list[Cause], list[tupl
             hits.append((worst, h))
         elif share >= PARTIAL:
             partial.append((share, h))
-    hits.sort(key=lambda t: t[0])
+    # Hypotheses come most specific first; coinciding simulations join the earliest one's group,
+    # then the groups (which predict different outputs) are ranked by their residual.
     groups: list[list] = []
     for worst, h in hits:
         for g in groups:
@@ -128,6 +129,7 @@ def _confirmed_causes(ctx: Context, sim: hy.Sim) -> tuple[list[Cause], list[tupl
                 break
         else:
             groups.append([(worst, h)])
+    groups.sort(key=lambda g: g[0][0])
     causes = []
     for g in groups:
         worst, h = g[0]
@@ -222,15 +224,33 @@ def _k_block_fit(ctx: Context, e: torch.Tensor) -> str:
             f"times: {desc}{' ...' if len(off) > 6 else ''}")
 
 
+SMALL_WORK = 1 << 26     # multiply-adds per matmul below which one thread is faster than a team
+
+
 def diagnose(ctx: Context) -> tuple[str, list[Cause]]:
-    """(kind, causes): kind is "ok" | "numerical" | "logic"; causes most specific first."""
+    """(kind, causes): kind is "ok" | "numerical" | "logic"; causes most specific first.
+
+    The diagnosis runs dozens of small float64 matmuls; below SMALL_WORK each one is done on one
+    thread (a thread team's start-up dominates them, and costs 100x on a loaded machine)."""
+    M, N = ctx.out.shape
+    K = torch.as_tensor(ctx.x).shape[-1] if ctx.x is not None else 1
+    before = torch.get_num_threads()
+    if M * N * K < SMALL_WORK:
+        torch.set_num_threads(1)
+    try:
+        return _diagnose(ctx)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _diagnose(ctx: Context) -> tuple[str, list[Cause]]:
     err = ctx.out - ctx.ref
     bad = ~(err.abs() <= ctx.gate)
     if not bool(bad.any()):
         return "ok", []
     finite = bool(torch.isfinite(ctx.out).all())
     sim = hy.Sim(ctx)
-    confirmed, partial, kind = _confirmed_causes(ctx, sim) if finite else ([], [], "logic")
+    confirmed, partial, kind = _confirmed_causes(ctx, sim)
     if confirmed:
         return kind, confirmed
     M, N = ctx.out.shape

@@ -169,8 +169,11 @@ def scale_layout_hypotheses(sim: Sim):
                 full = torch.arange(Rs)[:, None] * G + idx[None, :]  # row-major scale storage, stride G
                 oob = full >= flat.numel()
                 per_k = torch.where(oob, torch.zeros((), dtype=s.dtype), flat[full.clamp(max=flat.numel() - 1)])
+                edit = _rescale(qt, per_k)
+                if qt.zero_point is not None:   # zero points stay where they were: one per true group
+                    edit = dataclasses.replace(edit, zero_point=qt.zero_point.repeat_interleave(g, dim=1))
                 h = sim.hyp("wrong_group_size", f"{what}' scales read as if one scale covered {g2} K elements "
-                            f"instead of {g} (scale index k // {g2})", side, _rescale(qt, per_k))
+                            f"instead of {g} (scale index k // {g2})", side, edit)
                 if h is not None and bool(oob.any()):
                     bad_rows = oob.any(dim=1)                      # those rows read past the scales
                     keep = ~_rows_of(bad_rows, qt, side == "x", sim)
@@ -243,6 +246,33 @@ def scale_axis_hypotheses(sim: Sim):
                       f"of the output instead of the {'column' if side == 'w' else 'row'}", ref * f, ctx.gate * f)
 
 
+def constant_scale_hypotheses(sim: Sim):
+    """One side's per-row scales replaced by a single value the kernel got from somewhere else (a
+    per-tensor scale passed to a rowwise kernel): out = ref * c / s[row]; c fitted by least squares,
+    then the simulation must still match within the gate everywhere."""
+    ctx = sim.ctx
+    for side, other, qt in sides(sim):
+        s = qt.scale
+        if s.shape[1] != 1 or s.shape[0] < 2 or qt.scheme.strategy == "tensor":
+            continue
+        s = s[:, 0].double()
+        base = ctx.ref if sim.bias is None else ctx.ref - sim.bias
+        f = (1.0 / s)[:, None] if side == "x" else (1.0 / s)[None, :]
+        u = base * f                                           # the output with this side's scale 1
+        den = float((u * u).sum())
+        if den == 0:
+            continue
+        y = ctx.out - (0 if sim.bias is None else sim.bias)
+        c = float((u * y).sum()) / den
+        pred = c * u + (0 if sim.bias is None else sim.bias)
+        T = (sim.deq("x").abs() @ sim.deq("w").abs().T) * abs(c) * f.abs()
+        if sim.bias is not None:
+            T = T + sim.bias.abs()
+        yield Hyp("scale_replaced_by_constant", f"{_side(side)}' per-{'token' if side == 'x' else 'channel'} "
+                  f"scales replaced by one value {c:.6g} (a per-tensor scale given to a per-row kernel)",
+                  pred, sim.gate(T, pred))
+
+
 def ctx_ref(sim: Sim) -> torch.Tensor:
     return sim.ctx.ref
 
@@ -310,9 +340,14 @@ def code_hypotheses(sim: Sim):
         elif fmt.bits == 8:
             for twin in FP8_TWINS.get(fmt.name, ()):
                 sch = dataclasses.replace(qt.scheme, format=twin)
-                yield sim.hyp("fp8_format_confusion", f"{what}' {fmt.name} codes decoded as {twin} "
-                              f"({'exponent bias off by one: every value halved or doubled' if twin[:7] == fmt.name[:7] else 'a different exponent/mantissa split'})",
-                              side, dataclasses.replace(qt, scheme=sch))
+                from lowbit.formats import decode
+                # decoded by hand: a twin format may turn a code into Inf/NaN, which the kernel
+                # then propagates (the reference's operand refuses such codes)
+                D = decode(qt.codes, sch.fmt).double() * qt.expanded_scale().double()
+                pred, gate = sim.linear(X=D) if side == "x" else sim.linear(W=D)
+                yield Hyp("fp8_format_confusion", f"{what}' {fmt.name} codes decoded as {twin} "
+                          f"({'exponent bias off by one: every value halved or doubled' if twin[:7] == fmt.name[:7] else 'a different exponent/mantissa split'})",
+                          pred, gate)
         if fmt.bits == 4:
             K = qt.codes.shape[1]
             for name, perm, how in _nibble_perms(K):
@@ -527,7 +562,8 @@ def _match_lines(out, ref, gate, dim: int):
 
 ALL = (permutation_hypotheses, scale_value_hypotheses, scale_layout_hypotheses, both_sides_hoisted, silent_fallback_hypotheses,
        scale_axis_hypotheses, mx_layout_hypotheses, code_hypotheses, transpose_hypotheses,
-       k_range_hypotheses, bias_hypotheses, output_hypotheses, precision_hypotheses)
+       k_range_hypotheses, bias_hypotheses, output_hypotheses, precision_hypotheses,
+       constant_scale_hypotheses)
 
 
 def all_hypotheses(sim: Sim):
@@ -539,14 +575,17 @@ def all_hypotheses(sim: Sim):
 
 
 def explained(out, ref, pred, gate, mask=None) -> tuple[bool, float, float]:
-    """(within gate everywhere, share of the error's energy explained, worst |out - pred| / gate)."""
-    e0, e1 = out - ref, out - pred
+    """(within gate everywhere, share of the error's energy explained, worst |out - pred| / gate).
+    Non-finite outputs count as explained only where the simulation is non-finite too."""
     if mask is not None:
-        e0, e1, gate = e0[mask], e1[mask], gate[mask]
-    if not bool(torch.isfinite(e1).all()):
-        return False, -math.inf, math.inf
+        out, ref, pred, gate = out[mask], ref[mask], pred[mask], gate[mask]
+    fo, fp = torch.isfinite(out), torch.isfinite(pred)
+    both = fo & fp
+    e0, e1 = (out - ref)[both], (out - pred)[both]
     n0 = float((e0 * e0).sum())
     n1 = float((e1 * e1).sum())
     share = 1.0 - n1 / n0 if n0 > 0 else -math.inf
-    worst = float(torch.nan_to_num(e1.abs() / gate, nan=math.inf).max()) if e1.numel() else math.inf
+    if not torch.equal(fo, fp):
+        return False, share if bool(fo.all()) else -math.inf, math.inf
+    worst = float(torch.nan_to_num(e1.abs() / gate[both], nan=math.inf).max()) if e1.numel() else 0.0
     return worst <= 1.0, share, worst
