@@ -1,0 +1,91 @@
+"""Gates with teeth: every gate is an upper bound (other tests) AND within a stated factor of the
+worst error a correct kernel reaches on adversarial inputs, so a gate made looser (an 8x larger
+unit roundoff, a doubled quantization bound) fails here; an error just above a gate is caught."""
+import numpy as np
+import torch
+
+import lowbit as lb
+from lowbit.ops.reference import qlinear_reference
+from lowbit.verify import check_linear
+from lowbit.verify import tolerance as tol
+
+I8 = lb.QuantScheme(format="int8", strategy="tensor")
+
+
+def _adversarial_fp32_sum(c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Terms p_k ~ c and their sequential float32 sum such that EVERY addition rounds down by
+    almost half an ulp of the running sum: p_k = c + (just under half an ulp of acc + c).
+    Returns (terms [R, K] float32, sums [R] float32)."""
+    R, K = c.shape
+    acc = np.zeros(R, dtype=np.float32)
+    p = np.empty((R, K), dtype=np.float32)
+    for k in range(K):
+        ulp = np.spacing((acc + c[:, k]).astype(np.float32))
+        p[:, k] = (c[:, k] + 0.49 * ulp).astype(np.float32)
+        acc = (acc + p[:, k]).astype(np.float32)
+    return p, acc
+
+
+def test_fp32_gate_is_within_4x_of_an_adversarial_sequential_sum(rng):
+    # gamma_K(u) * sum|p| ~ K^2 u c; a sequential sum that rounds down by ~0.49 ulp each step
+    # loses sum_k 0.49 ulp(k c) ~ 0.37 K^2 u c (ulp(v) averages 1.5 u v over a binade; u = 2^-24):
+    # the gate may exceed the worst correct error by 1 / 0.37 < 4, no more.
+    K = 2048
+    # integer c keeps the running sum on its own grid, so only the added 0.49 ulp rounds
+    c = torch.randint(1, 4, (3, K), generator=rng).numpy().astype(np.float32)
+    p, s = _adversarial_fp32_sum(c)
+    x, w = torch.from_numpy(p), torch.ones(1, K)
+    out = torch.from_numpy(s)[:, None]
+    v = check_linear(out, x, w)                       # fp32 promised, nothing quantized
+    assert v.passed, v.report()
+    assert v.metrics["impl_gate_frac"] > 0.25, v.report()
+
+
+def test_int32_epilogue_gate_is_within_4x_of_the_worst_epilogue_rounding(rng):
+    # int8 x int8 with |acc| > 2^24: float32(acc), * s_x, * s_w round three times; with positive
+    # codes T = |ref|, the gate is (3 u + u_out) T and the worst of 4096 outputs reaches > 1/4 of it
+    M, K, N = 64, 2048, 64
+    x = torch.rand(M, K, generator=rng) + 1.0
+    w = torch.rand(N, K, generator=rng) + 1.0
+    xq, wq = lb.quantize(x, I8), lb.quantize(w, I8)
+    acc = xq.codes.long() @ wq.codes.long().T
+    assert acc.min() > 2 ** 24                               # the conversion itself rounds
+    out = (acc.to(torch.float32) * xq.scale) * wq.scale
+    v = check_linear(out, x, w, x_scheme=I8, w_scheme=I8)
+    assert v.passed, v.report()
+    assert v.metrics["impl_gate_frac"] > 0.25, v.report()
+
+
+def test_quantization_bound_is_reached_by_half_step_inputs(rng):
+    # every x and w element half a step (minus 0.001) above a grid point, all positive: each term
+    # errs by ~ (E_x W + X E_w) and the deterministic bound sums exactly those: ratio ~ 0.99
+    M, K, N = 5, 300, 7
+    sx, sw = 0.013, 0.021
+    # codes 120..126 against the pinned 127: each term reaches >= 120.5/127.25 of its bound
+    a = torch.randint(120, 127, (M, K), generator=rng).float()
+    b = torch.randint(120, 127, (N, K), generator=rng).float()
+    x, w = (a + 0.499) * sx, (b + 0.499) * sw
+    x[:, 0], w[:, 0] = 127 * sx, 127 * sw                   # pin each row's amax (channel scales)
+    xs, ws = lb.QuantScheme(format="int8", strategy="token"), lb.QuantScheme(format="int8", strategy="channel")
+    xq, wq = lb.quantize(x, xs), lb.quantize(w, ws)
+    err = (qlinear_reference(xq, wq) - x.double() @ w.double().T).abs()
+    det, _ = tol.quantization_bounds(x, w, xq, wq)
+    assert (err <= det).all()
+    assert float((err / det).min()) > 0.9
+
+
+def test_an_error_just_above_the_gate_is_caught_and_just_below_is_not(rng):
+    M, K, N = 6, 96, 5
+    x, w = torch.randn(M, K, generator=rng), torch.randn(N, K, generator=rng)
+    xs, ws = lb.QuantScheme(format="int8", strategy="token"), lb.QuantScheme(format="int8", strategy="channel")
+    xq, wq = lb.quantize(x, xs), lb.quantize(w, ws)
+    ref = qlinear_reference(xq, wq)
+    gate = tol.implementation_gate(xq, wq, ref, out_dtype=torch.float64)
+    r, c = int(torch.randint(M, (1,), generator=rng)), int(torch.randint(N, (1,), generator=rng))
+    for f, ok in ((0.99, True), (1.01, False)):
+        out = ref.clone()
+        out[r, c] += f * gate[r, c]
+        v = check_linear(out, x, w, x_scheme=xs, w_scheme=ws)
+        assert v.passed is ok, v.report()
+        if not ok:
+            assert v.first_failure == (r, c)
