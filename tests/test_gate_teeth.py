@@ -89,3 +89,12 @@ def test_an_error_just_above_the_gate_is_caught_and_just_below_is_not(rng):
         assert v.passed is ok, v.report()
         if not ok:
             assert v.first_failure == (r, c)
+
+
+def test_nan_and_inf_outputs_fail_where_they_are(rng):
+    x, w = torch.randn(4, 64, generator=rng), torch.randn(6, 64, generator=rng)
+    for bad in (float("nan"), float("inf")):
+        out = x @ w.T
+        out[2, 3] = bad
+        v = check_linear(out, x, w)
+        assert not v.passed and v.first_failure == (2, 3), v.report()
