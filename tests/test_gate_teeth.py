@@ -41,9 +41,12 @@ def test_fp32_gate_is_within_4x_of_an_adversarial_sequential_sum(rng):
     assert v.metrics["impl_gate_frac"] > 0.25, v.report()
 
 
-def test_int32_epilogue_gate_is_within_4x_of_the_worst_epilogue_rounding(rng):
+def test_int32_epilogue_gate_is_within_2x_of_the_worst_epilogue_rounding(rng):
     # int8 x int8 with |acc| > 2^24: float32(acc), * s_x, * s_w round three times; with positive
-    # codes T = |ref|, the gate is (3 u + u_out) T and the worst of 4096 outputs reaches > 1/4 of it
+    # codes T = |ref|, the gate is (3 u + u_out) T = 4u T. Three roundings of relative size up to u
+    # each (uniform over the binade) reach ~2.6u at the worst of 4096 outputs (0.65 of the gate,
+    # measured on 200 seeds); a gate counting twice the epilogue roundings (7u) would put the
+    # ratio below 0.4, so the factor asserted is 2 (0.5).
     M, K, N = 64, 2048, 64
     x = torch.rand(M, K, generator=rng) + 1.0
     w = torch.rand(N, K, generator=rng) + 1.0
@@ -53,7 +56,7 @@ def test_int32_epilogue_gate_is_within_4x_of_the_worst_epilogue_rounding(rng):
     out = (acc.to(torch.float32) * xq.scale) * wq.scale
     v = check_linear(out, x, w, x_scheme=I8, w_scheme=I8)
     assert v.passed, v.report()
-    assert v.metrics["impl_gate_frac"] > 0.25, v.report()
+    assert v.metrics["impl_gate_frac"] > 0.5, v.report()
 
 
 def test_quantization_bound_is_reached_by_half_step_inputs(rng):

@@ -129,11 +129,13 @@ def _confirmed_causes(ctx: Context, sim: hy.Sim) -> tuple[list[Cause], list[tupl
                 break
         else:
             groups.append([(worst, h)])
+    if any(not g[0][1].general for g in groups):   # a fitted family adds nothing to a specific match
+        groups = [g for g in groups if not g[0][1].general]
     groups.sort(key=lambda g: g[0][0])
     causes = []
     for g in groups:
         worst, h = g[0]
-        others = sorted({x.name for _, x in g[1:]} - {h.name})
+        others = sorted({x.name for _, x in g[1:] if not x.general} - {h.name})
         same = f"; equally explained here by: {', '.join(others)}" if others else ""
         causes.append(Cause(h.name, f"{h.detail} (worst residual {worst:.2f} of the gate{same})", True))
     kind = "logic"

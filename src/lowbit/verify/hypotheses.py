@@ -42,6 +42,7 @@ class Hyp:
     gate: torch.Tensor
     mask: torch.Tensor | None = None
     kind: str = "logic"           # "numerical" for precision bugs (rounded inputs)
+    general: bool = False         # a fitted family that contains more specific hypotheses
 
 
 def _q(t) -> bool:
@@ -270,7 +271,23 @@ def constant_scale_hypotheses(sim: Sim):
             T = T + sim.bias.abs()
         yield Hyp("scale_replaced_by_constant", f"{_side(side)}' per-{'token' if side == 'x' else 'channel'} "
                   f"scales replaced by one value {c:.6g} (a per-tensor scale given to a per-row kernel)",
-                  pred, sim.gate(T, pred))
+                  pred, sim.gate(T, pred), general=True)
+
+
+def constant_factor_hypothesis(sim: Sim):
+    """Every output off by one factor c (fitted): some scale is wrong by c, which side's the output
+    cannot tell (one row, or per-tensor scales). The most general scale hypothesis: last."""
+    ctx = sim.ctx
+    b = 0 if sim.bias is None else sim.bias
+    u = ctx.ref - b
+    den = float((u * u).sum())
+    if den == 0:
+        return
+    c = float((u * (ctx.out - b)).sum()) / den
+    pred = c * u + b
+    T = (sim.deq("x").abs() @ sim.deq("w").abs().T) * abs(c) + (0 if sim.bias is None else sim.bias.abs())
+    yield Hyp("output_off_by_constant_factor", f"every output is {c:.6g}x what it should be: a scale (x's or "
+              f"w's, one value for all) is off by that factor", pred, sim.gate(T, pred), general=True)
 
 
 def ctx_ref(sim: Sim) -> torch.Tensor:
@@ -563,7 +580,7 @@ def _match_lines(out, ref, gate, dim: int):
 ALL = (permutation_hypotheses, scale_value_hypotheses, scale_layout_hypotheses, both_sides_hoisted, silent_fallback_hypotheses,
        scale_axis_hypotheses, mx_layout_hypotheses, code_hypotheses, transpose_hypotheses,
        k_range_hypotheses, bias_hypotheses, output_hypotheses, precision_hypotheses,
-       constant_scale_hypotheses)
+       constant_scale_hypotheses, constant_factor_hypothesis)
 
 
 def all_hypotheses(sim: Sim):
