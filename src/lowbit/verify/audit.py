@@ -12,7 +12,8 @@ quantization-aware float64 reference with the accumulator it promises):
 - a user's kernel: `--kernel module:function`, called as function(xq, wq, bias) with QTensors (or
   plain tensors for an unquantized side), returning out [M, N].
 Cases: outlier channels, zero rows / columns / K blocks, subnormal and huge scales, K not a
-multiple of any tile, M = 1, non-contiguous codes. A kernel refusing a case (NotImplementedError /
+multiple of any tile, M = 1, non-contiguous codes, and K = 4096 with positive products (where a
+narrower accumulator than promised shows: the table then names the one simulated to match). A kernel refusing a case (NotImplementedError /
 ValueError: its documented limits) is shown as n/a with the reason, never as a failure.
 """
 from __future__ import annotations
@@ -94,16 +95,26 @@ def _huge(rng, M, K, N):
     return x * 2.0 ** 50, w * 2.0 ** 40     # outputs ~2^95: within fp32 / bf16, far from fp16
 
 
+def _same_sign(rng, M, K, N):
+    # positive products: partial sums grow with K, so an accumulator that keeps fewer bits than it
+    # promises (fp8 fast accumulation, fp16) shows, and the diagnosis says which one it is
+    return torch.rand(M, K, generator=rng) + 0.5, torch.rand(N, K, generator=rng) + 0.5
+
+
 CASES = [Case("random", 13, 19, _plain), Case("M=1", 1, 24, _plain), Case("outlier channels", 11, 17, _outliers),
          Case("zero rows/cols/block", 12, 18, _zeros), Case("subnormal scales", 9, 16, _tiny),
          Case("huge scales", 9, 16, _huge), Case("K not a tile multiple", 10, 21, _plain, k_kind="odd"),
-         Case("non-contiguous codes", 14, 20, _plain, noncontig=True)]
+         Case("non-contiguous codes", 14, 20, _plain, noncontig=True),
+         Case("long K, same sign", 8, 16, _same_sign, k_kind="long")]
 
 
 def k_for(specs_group: int, kind: str) -> int:
     """K for a case: a multiple of the schemes' K group; "odd": not a multiple of 64 where the group
-    allows (a tile tail for every common BLOCK_K), else one more group than a power of two."""
+    allows (a tile tail for every common BLOCK_K), else one more group than a power of two;
+    "long": 4096 (accumulation precision shows)."""
     g = max(1, specs_group)
+    if kind == "long":
+        return 4096 // max(g, 1) * max(g, 1)
     if kind == "odd":
         if g == 1:
             return 203

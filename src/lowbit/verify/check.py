@@ -151,7 +151,8 @@ def check_linear(out, x, w, *, x_scheme=None, w_scheme=None, bias=None, accumula
         if cen.worst <= DEAD_CHANNEL_CODES and cen.available >= 2 * DEAD_CHANNEL_CODES:
             dead = int((cen.used <= DEAD_CHANNEL_CODES).sum())
             warnings.append(f"dead channels in {side}: {dead} channel(s) use <= {DEAD_CHANNEL_CODES} codes; worst: "
-                            f"{cen.describe()} (seed 000: one scale for channels 64x apart)")
+                            f"{cen.describe()} (one scale shared by channels of very different size: use per-channel "
+                            f"or per-group scales)")
     details = {}
     if not passed:
         r, c = first
