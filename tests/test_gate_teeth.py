@@ -115,3 +115,18 @@ def test_output_rounding_term_is_reached_by_a_bf16_output(rng):
     v = check_linear(out, x, w, x_scheme=xs, w_scheme=ws)
     assert v.passed, v.report()
     assert v.metrics["impl_gate_frac"] > 0.75, v.report()
+
+
+def test_underflow_term_is_reached_by_fp16_subnormal_outputs(rng):
+    # outputs ~1e-6 rounded once to fp16, whose spacing there is its smallest subnormal 2^-24:
+    # the error is up to eta/2 = 2^-25, which dominates the gate (u_fp16 |ref| ~ 5e-10); the worst
+    # of 4096 outputs reaches > 0.75 of the gate (measured 0.993 .. 0.999 over 40 seeds), a 4x larger
+    # underflow term would cap it at 0.25
+    M, K, N = 64, 96, 64
+    x, w = torch.randn(M, K, generator=rng) * 1e-4, torch.randn(N, K, generator=rng) * 1e-3
+    xs, ws = lb.QuantScheme(format="int8", strategy="token"), lb.QuantScheme(format="int8", strategy="channel")
+    xq, wq = lb.quantize(x, xs), lb.quantize(w, ws)
+    out = qlinear_reference(xq, wq).to(torch.float16)
+    v = check_linear(out, x, w, x_scheme=xs, w_scheme=ws)
+    assert v.passed, v.report()
+    assert v.metrics["impl_gate_frac"] > 0.75, v.report()
