@@ -47,11 +47,11 @@ MUTANTS = [
     (V + "accumulate.py", "LINE_FACTOR = 4.0 * RMS_FACTOR", "LINE_FACTOR = 1e9",
      "no per-row / per-column check of the accumulator claim", DIAG),
     (V + "accumulate.py", "FAST_ACC_BITS = 13", "FAST_ACC_BITS = 10", "fp8 fast accumulator 3 bits narrower", DIAG),
-    (V + "hypotheses.py", "return worst <= 1.0, share, worst", "return worst <= 10.0, share, worst",
+    (V + "simulate.py", "return worst <= 1.0, share, worst", "return worst <= 10.0, share, worst",
      "a hypothesis confirmed at 10x the gate", DIAG),
-    (V + "hypotheses.py", 'yield Hyp("k_tail_dropped", f"{what} never accumulated", ref - C,',
+    (V + "bugs_output.py", 'yield Hyp("k_tail_dropped", f"{what} never accumulated", ref - C,',
      'yield Hyp("k_tail_dropped", f"{what} never accumulated", ref - 0.5 * C,', "K tail simulated wrongly", DIAG),
-    (V + "hypotheses.py", "_rescale(qt, s[:1].expand_as(s))", "_rescale(qt, s[-1:].expand_as(s))",
+    (V + "bugs_scales.py", "_rescale(qt, s[:1].expand_as(s))", "_rescale(qt, s[-1:].expand_as(s))",
      "stride-0 hypothesis reads the last row", DIAG),
 ]
 

@@ -28,6 +28,7 @@ import torch
 from lowbit.ops.reference import as_operand
 from lowbit.verify import accumulate as accmod
 from lowbit.verify import hypotheses as hy
+from lowbit.verify.simulate import _q
 
 PARTIAL = 0.8            # a hypothesis explaining >= 80% of the error's energy is listed as partial
 OVER_BUDGET = 2.0        # round-toward-zero has twice round-to-nearest's unit roundoff
@@ -85,7 +86,7 @@ def _wrap_hypothesis(ctx: Context) -> Cause | None:
     if not torch.isfinite(e).all():
         return None
     for side, qt, oth in (("x", ctx.xq, ctx.wq), ("w", ctx.wq, ctx.xq)):
-        if not hy._q(qt) or qt.scheme.fmt.kind != "int" or qt.scheme.fmt.bits != 8:
+        if not _q(qt) or qt.scheme.fmt.kind != "int" or qt.scheme.fmt.bits != 8:
             continue
         o = as_operand(oth, "other").dequantized()
         ev = e if side == "x" else e.T
