@@ -35,6 +35,7 @@ RMS_FACTOR = 4.0
 # Per row / column rms over >= 8 samples: sqrt(chi^2_8 / 8) spans 0.41 .. 1.66 between its 0.5% and
 # 99.5% points, a ratio of 4 between two independent draws, times RMS_FACTOR.
 LINE_FACTOR = 4.0 * RMS_FACTOR
+FIT_SLACK = 0.5      # half the error's energy: random roundings explain ~1/N of it per row
 
 
 def _round_fn(name: str):
@@ -209,12 +210,32 @@ def match_accumulators(out: torch.Tensor, ref: torch.Tensor, gate: torch.Tensor,
         lines_ok = True
         for dim in (0, 1):
             if e.shape[dim] >= 8:
-                sim_line = torch.stack([_rms(d, dim) for _, _, d in ratios]).amax(dim=0)
-                # the kernel's rms per row/column may exceed the simulation's largest by LINE_FACTOR,
-                # plus the gate's own scale (a line whose simulated error is ~0 may still round)
-                lines_ok &= bool((_rms(e, dim) <= LINE_FACTOR * sim_line + _rms(g, dim)).all())
-        found.append(AccumulatorMatch(acc, od.label, False, ratio, size_ok and tail_ok and lines_ok))
+                per = torch.stack([_rms(d, dim) for _, _, d in ratios])
+                # every row / column errs about as much as the simulation says: at most LINE_FACTOR
+                # more than its largest (plus the gate's own scale, for lines that barely round) and
+                # at least 1/LINE_FACTOR of its smallest: a narrow accumulator leaves no line exact
+                mine = _rms(e, dim)
+                lines_ok &= bool((mine <= LINE_FACTOR * per.amax(dim=0) + _rms(g, dim)).all())
+                lines_ok &= bool((mine >= per.amin(dim=0) / LINE_FACTOR).all())
+        # rounding errors are not one factor times the output per row or column (a wrong scale
+        # is): such a fit may explain at most FIT_SLACK more of the kernel's error than of the
+        # simulated one (truncating accumulators do correlate with the output, and then so does
+        # their simulation)
+        fit_ok = _line_fit(e, r) <= max(_line_fit(d, r) for _, _, d in ratios) + FIT_SLACK
+        found.append(AccumulatorMatch(acc, od.label, False, ratio, size_ok and tail_ok and lines_ok and fit_ok))
     return found
+
+
+def _line_fit(e: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest share of |e|^2 explained by one factor per row, or one per column, times ref."""
+    en = float((e * e).sum())
+    if en == 0:
+        return 0.0
+    best = 0.0
+    for dim in (0, 1):
+        c = (e * ref).sum(dim, keepdim=True) / (ref * ref).sum(dim, keepdim=True).clamp(min=1e-300)
+        best = max(best, float(((c * ref) ** 2).sum()) / en)
+    return best
 
 
 def _same(o: torch.Tensor, s: torch.Tensor, g: torch.Tensor) -> bool:

@@ -228,6 +228,48 @@ def _k_block_fit(ctx: Context, e: torch.Tensor) -> str:
 
 
 SMALL_WORK = 1 << 26     # multiply-adds per matmul below which one thread is faster than a team
+SAMPLE_WORK = 1 << 28    # above this many multiply-adds the hypotheses run on sampled rows/columns
+SAMPLE_ROWS, SAMPLE_COLS = 64, 256
+
+
+def _take(q, idx: torch.Tensor):
+    """Rows idx of an operand (QTensor or tensor), or None when its scales are shared by blocks of
+    rows (a 128x128 block grid cannot be cut row by row)."""
+    if not _q(q):
+        return torch.as_tensor(q)[idx]
+    R = q.codes.shape[0]
+    rows = lambda t: None if t is None else (t[idx] if t.shape[0] == R else t)  # noqa: E731
+    if q.scale.shape[0] not in (1, R):
+        return None
+    import dataclasses
+    return dataclasses.replace(q, codes=q.codes[idx], scale=rows(q.scale), zero_point=rows(q.zero_point),
+                               scale_codes=rows(q.scale_codes), shape=(len(idx),) + tuple(q.shape[1:]))
+
+
+def subsample(ctx: Context) -> tuple[Context, str]:
+    """The context on at most SAMPLE_ROWS rows and SAMPLE_COLS columns (evenly spaced, the first and
+    last included) when simulating every hypothesis at full size would cost more than SAMPLE_WORK
+    multiply-adds per simulation; a side whose scales span several rows is not cut."""
+    M, N = ctx.out.shape
+    K = torch.as_tensor(ctx.x).shape[-1] if ctx.x is not None else 1
+    if M * N * K <= SAMPLE_WORK:
+        return ctx, ""
+    rows, cols = accmod.sample_index(M, SAMPLE_ROWS), accmod.sample_index(N, SAMPLE_COLS)
+    xq, wq = _take(ctx.xq, rows), _take(ctx.wq, cols)
+    if xq is None:
+        rows, xq = torch.arange(M), ctx.xq
+    if wq is None:
+        cols, wq = torch.arange(N), ctx.wq
+    if len(rows) == M and len(cols) == N:
+        return ctx, ""
+    cut = lambda t: None if t is None else t[rows][:, cols]  # noqa: E731
+    sub = Context(out=cut(ctx.out), ref=cut(ctx.ref), gate=cut(ctx.gate),
+                  x=None if ctx.x is None else torch.as_tensor(ctx.x)[rows],
+                  w=None if ctx.w is None else torch.as_tensor(ctx.w)[cols], xq=xq, wq=wq,
+                  bias=None if ctx.bias is None else torch.as_tensor(ctx.bias)[cols],
+                  orig_ref=cut(ctx.orig_ref), quant_gate=cut(ctx.quant_gate), accumulator=ctx.accumulator,
+                  out_dtype=ctx.out_dtype)
+    return sub, f"simulated on {len(rows)} of {M} rows and {len(cols)} of {N} columns"
 
 
 def diagnose(ctx: Context) -> tuple[str, list[Cause]]:
@@ -252,9 +294,11 @@ def _diagnose(ctx: Context) -> tuple[str, list[Cause]]:
     if not bool(bad.any()):
         return "ok", []
     finite = bool(torch.isfinite(ctx.out).all())
-    sim = hy.Sim(ctx)
-    confirmed, partial, kind = _confirmed_causes(ctx, sim)
+    sub, note = subsample(ctx)
+    confirmed, partial, kind = _confirmed_causes(sub, hy.Sim(sub))
     if confirmed:
+        if note:
+            confirmed[0].detail += f" ({note})"
         return kind, confirmed
     M, N = ctx.out.shape
     row_share, rows = concentration(bad, 1)
