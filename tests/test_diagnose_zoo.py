@@ -454,3 +454,15 @@ def test_columns_off_by_one_percent_are_not_blamed_on_an_accumulator(rng):
     assert not v.passed and v.kind == "logic", v.report()
     assert v.causes[0].name == "unexplained_logic_error", v.report()
     assert "accumulator_narrower_than_promised" not in [c.name for c in v.causes]
+
+
+def test_large_outputs_are_diagnosed_on_a_sample_of_rows_and_columns(rng, monkeypatch):
+    from lowbit.verify import diagnose
+    monkeypatch.setattr(diagnose, "SAMPLE_WORK", 0)       # treat this small problem as a large one
+    monkeypatch.setattr(diagnose, "SAMPLE_ROWS", 8)
+    monkeypatch.setattr(diagnose, "SAMPLE_COLS", 16)
+    for bug in ("scale_broadcast_stride0", "k_tail_dropped", "bias_before_scales", "nibble_order_swapped"):
+        out, x, w, xs, ws, b = ZOO[bug](rng, 37, 259, 40)
+        v = check_linear(out, x, w, x_scheme=xs, w_scheme=ws, bias=b)
+        assert v.causes[0].name == bug and v.causes[0].confirmed, v.report()
+        assert "simulated on 8 of 37 rows and 16 of 40 columns" in v.causes[0].detail, v.report()
