@@ -316,6 +316,13 @@ def b_different_quantization(rng, M, K, N):
     return x @ w.T, x, w, I8T, I8C, None
 
 
+def b_scales_rounded(rng, M, K, N):
+    x, w = inputs(rng, M, K, N)
+    xq, wq = lb.quantize(x, I8T), lb.quantize(w, I8C)
+    W, SW = elements(wq)
+    return run(xq, wq, SW=SW.to(torch.bfloat16).float()), x, w, I8T, I8C, None
+
+
 def b_scale_replaced_by_constant(rng, M, K, N):
     x, w = inputs(rng, M, K, N)
     x = x * torch.exp(torch.randn(M, 1, generator=rng))
@@ -440,6 +447,17 @@ def test_a_bug_outside_the_catalogue_is_unexplained_with_k_block_evidence(rng):
     assert v.causes[0].name == "unexplained_logic_error", v.report()
     assert not [c for c in v.causes if c.confirmed], v.report()
     assert f"K {32 * j}..{32 * j + 31} x0.5" in v.causes[0].detail, v.report()
+    _partials_explain_most(v)
+
+
+def _partials_explain_most(v):
+    """Causes after `unexplained_logic_error` are evidence or partial matches explaining >= 80%."""
+    import re
+    for c in v.causes[1:]:
+        if c.name in ("error_in_few_rows", "error_in_few_columns", "int8_wrap"):
+            continue
+        m = re.search(r"explains (\d+)% of the error", c.detail)
+        assert m and int(m.group(1)) >= 80, v.report()
 
 
 def test_columns_off_by_one_percent_are_not_blamed_on_an_accumulator(rng):
@@ -466,3 +484,31 @@ def test_large_outputs_are_diagnosed_on_a_sample_of_rows_and_columns(rng, monkey
         v = check_linear(out, x, w, x_scheme=xs, w_scheme=ws, bias=b)
         assert v.causes[0].name == bug and v.causes[0].confirmed, v.report()
         assert "simulated on 8 of 37 rows and 16 of 40 columns" in v.causes[0].detail, v.report()
+
+
+def test_bf16_accumulation_in_a_third_of_the_rows_is_not_an_accumulator(rng):
+    # rows past 2M/3 computed by another code path that accumulates in bf16: errors of exactly a
+    # bf16 accumulator's size, but two thirds of the rows are exact, which no accumulator does
+    M, K, N = 30, 512, 26
+    x, w = inputs(rng, M, K, N)
+    out = x @ w.T
+    cut = 2 * M // 3
+    out[cut:] = _acc_kernel(x[cut:], w, 16, lambda t: t.to(torch.bfloat16).double()).float()
+    v = check_linear(out, x, w)
+    assert not v.passed and v.kind == "logic", v.report()
+    assert v.causes[0].name == "unexplained_logic_error", v.report()
+    _partials_explain_most(v)
+
+
+def test_every_column_off_by_its_own_small_factor_is_a_scale_bug_not_an_accumulator(rng):
+    # per-channel factors 1 + 0.3% .. 1.1%: every column errs (as under an accumulator), but the
+    # error is one factor per column times the output, which rounding errors are not
+    M, K, N = 24, 1024, 40
+    x, w = inputs(rng, M, K, N)
+    xq, wq = lb.quantize(x, FP8R), lb.quantize(w, FP8R)
+    f = 1 + 0.003 + 0.008 * torch.rand(N, generator=rng)
+    out = run(xq, wq) * f[None, :]
+    v = check_linear(out, x, w, x_scheme=FP8R, w_scheme=FP8R)
+    assert not v.passed and v.kind == "logic", v.report()
+    assert v.causes[0].name == "unexplained_logic_error", v.report()
+    assert "per column 100%" in v.causes[0].detail, v.report()

@@ -26,6 +26,12 @@ def scale_value_hypotheses(sim: Sim):
                       f"once in the epilogue)", side, _rescale(qt, s * s))
         yield sim.hyp("scale_inverted", f"{what} divided by their scales instead of multiplied "
                       f"(a quantization scale used as a dequantization scale)", side, _rescale(qt, 1.0 / s))
+        for dt, nm in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+            r = s.to(dt).float()
+            if not torch.equal(r, s) and bool(torch.isfinite(r).all()) and bool((r > 0).all()):
+                yield sim.hyp("scales_rounded", f"{what}' float32 scales stored as {nm} (rounded: every "
+                              f"channel off by its own factor of up to 1 +- 2^-{9 if nm == 'bf16' else 12})",
+                              side, _rescale(qt, r))
         R = s.shape[0]
         if R > 1 and qt.scheme.strategy != "tensor":
             yield sim.hyp("scale_broadcast_stride0",
