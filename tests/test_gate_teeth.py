@@ -2,6 +2,7 @@
 worst error a correct kernel reaches on adversarial inputs, so a gate made looser (an 8x larger
 unit roundoff, a doubled quantization bound) fails here; an error just above a gate is caught."""
 import numpy as np
+import pytest
 import torch
 
 import lowbit as lb
@@ -103,30 +104,22 @@ def test_nan_and_inf_outputs_fail_where_they_are(rng):
         assert not v.passed and v.first_failure == (2, 3), v.report()
 
 
-def test_output_rounding_term_is_reached_by_a_bf16_output(rng):
-    # an exact int8 kernel whose result is rounded once to bf16: the error is the output rounding,
-    # up to u_bf16 * |ref| (2^-8 relative at the bottom of a binade); among 4096 outputs the worst
-    # reaches > 0.75 of the gate (measured 0.968 .. 0.995 over 40 seeds), a doubled term caps it at 0.5
+# An exact int8 kernel whose result is rounded once to the output dtype; among 4096 outputs the
+# worst error reaches > 0.75 of the gate:
+# - bf16 output of ~unit outputs: the error is the output rounding, up to u_bf16 * |ref| (2^-8
+#   relative at the bottom of a binade); measured 0.968 .. 0.995 over 40 seeds; a doubled
+#   output-rounding term would cap it at 0.5;
+# - fp16 output of ~1e-6 outputs, where fp16's spacing is its smallest subnormal 2^-24: the error is
+#   up to eta/2 = 2^-25, which dominates the gate (u_fp16 |ref| ~ 5e-10); measured 0.993 .. 0.999
+#   over 40 seeds; a 4x larger underflow term would cap it at 0.25.
+@pytest.mark.parametrize("dtype,sx,sw", [(torch.bfloat16, 1.0, 1.0), (torch.float16, 1e-4, 1e-3)],
+                         ids=["bf16 output rounding", "fp16 subnormal underflow"])
+def test_output_rounding_and_underflow_terms_are_reached(rng, dtype, sx, sw):
     M, K, N = 64, 96, 64
-    x, w = torch.randn(M, K, generator=rng), torch.randn(N, K, generator=rng)
+    x, w = torch.randn(M, K, generator=rng) * sx, torch.randn(N, K, generator=rng) * sw
     xs, ws = lb.QuantScheme(format="int8", strategy="token"), lb.QuantScheme(format="int8", strategy="channel")
     xq, wq = lb.quantize(x, xs), lb.quantize(w, ws)
-    out = qlinear_reference(xq, wq).to(torch.bfloat16)
-    v = check_linear(out, x, w, x_scheme=xs, w_scheme=ws)
-    assert v.passed, v.report()
-    assert v.metrics["impl_gate_frac"] > 0.75, v.report()
-
-
-def test_underflow_term_is_reached_by_fp16_subnormal_outputs(rng):
-    # outputs ~1e-6 rounded once to fp16, whose spacing there is its smallest subnormal 2^-24:
-    # the error is up to eta/2 = 2^-25, which dominates the gate (u_fp16 |ref| ~ 5e-10); the worst
-    # of 4096 outputs reaches > 0.75 of the gate (measured 0.993 .. 0.999 over 40 seeds), a 4x larger
-    # underflow term would cap it at 0.25
-    M, K, N = 64, 96, 64
-    x, w = torch.randn(M, K, generator=rng) * 1e-4, torch.randn(N, K, generator=rng) * 1e-3
-    xs, ws = lb.QuantScheme(format="int8", strategy="token"), lb.QuantScheme(format="int8", strategy="channel")
-    xq, wq = lb.quantize(x, xs), lb.quantize(w, ws)
-    out = qlinear_reference(xq, wq).to(torch.float16)
+    out = qlinear_reference(xq, wq).to(dtype)
     v = check_linear(out, x, w, x_scheme=xs, w_scheme=ws)
     assert v.passed, v.report()
     assert v.metrics["impl_gate_frac"] > 0.75, v.report()
