@@ -2,17 +2,19 @@
 
 The file holds tensors `out` [M, N], `x` [M, K], `w` [N, K] and optionally `bias` [N]; its
 metadata (string -> string) may hold `x_scheme` / `w_scheme` (QuantScheme JSON or a preset
-name; absent = that side unquantized) and `accumulator` ("int32" | "fp32" | "fp16" | "bf16").
+name; absent = that side unquantized) and `accumulator` ("int32" | "fp32" | "fp8_fast" | "fp16" | "bf16").
 Exit status 0 when the check passes, 1 when it fails, 2 on a bad file.
 """
 from __future__ import annotations
 
 import sys
 
+from lowbit.verify.tolerance import ACCUMULATORS
+
 
 def register(parser) -> None:
     parser.add_argument("path", help="safetensors file with out, x, w (, bias) and schemes in metadata")
-    parser.add_argument("--accumulator", choices=["int32", "fp32", "fp16", "bf16"],
+    parser.add_argument("--accumulator", choices=list(ACCUMULATORS),
                         help="what the kernel accumulates in (overrides the file's metadata)")
 
 
