@@ -18,10 +18,10 @@ import triton.language as tl
 
 from .common import decode_e4m3fn, interpreting, launch
 from .fused_quant import round_to
-from .w4a16 import _e2m1_value
+from .w4a16 import _e2m1_value, block_scale
 
 E4M3, E2M1 = 0, 1
-E8M0, SCALE_E4M3 = 0, 1
+E8M0, SCALE_E4M3 = 2, 3   # block_scale's codes (w4a16.py: MXFP4 = 2, NVFP4 = 3)
 
 
 @triton.jit
@@ -38,10 +38,7 @@ def _group_dequant_kernel(C, SC, OUT, R, K, s_c, s_sc, s_o,
         v = decode_e4m3fn(c)
     else:
         v = _e2m1_value(c)
-    if SFMT == 0:
-        s = (tl.minimum(tl.maximum(sc, 1), 254) << 23).to(tl.float32, bitcast=True)
-    else:
-        s = decode_e4m3fn(sc)
+    s = block_scale(sc, SFMT)
     tl.store(OUT + r64 * s_o + cols[None, :], round_to(v * s, OUT.dtype.element_ty), mask=ok)
 
 
