@@ -139,3 +139,17 @@ def test_bad_input(tmp_path, capsys):
     if not torch.cuda.is_available():
         assert main(["bench", "model"]) == 2
         assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_torchao_absent_is_a_skip_on_every_row(monkeypatch):
+    """The GPU machine has no torchao: its variants are rows that say so, not a crash."""
+    import sys
+
+    from lowbit.bench.model import Options, _Inputs, _plan, measure_variant
+    monkeypatch.setitem(sys.modules, "torchao", None)     # `import torchao...` now fails as if absent
+    opts = Options(shape="tiny", layers=1, dtype="fp32", device="cpu", batches=(1, 2), log=lambda m: None)
+    master = llama.build_llama("tiny", 1, torch.float32, "cpu", 0)
+    rows = measure_variant("torchao-int8", "torchao", master, _Inputs.make(opts, 256, torch.device("cpu")), opts,
+                           {}, {})
+    assert [(r["mode"], r["phase"], r["batch"]) for r in rows] == _plan(opts)
+    assert len(rows) == 6 and all(r["skipped"] == "torchao not installed" and r["ms"] is None for r in rows)

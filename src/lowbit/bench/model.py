@@ -120,8 +120,9 @@ def _build(name: str, master: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
 def _build_torchao(name: str, master: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
     try:
         import torchao.quantization as tq
-    except ImportError:
-        raise _Skipped("torchao not installed") from None
+    except ImportError as exc:
+        absent = isinstance(exc, ModuleNotFoundError) and exc.name == "torchao"
+        raise _Skipped("torchao not installed" if absent else f"torchao not importable ({exc})") from None
     if name == "torchao-int8":
         cfg = tq.Int8DynamicActivationInt8WeightConfig()
     elif name == "torchao-fp8-row":
