@@ -69,14 +69,16 @@ def test_rows_weights_and_logits_error(tmp_path, rng, capsys):
     model = llama.build_llama("tiny", LAYERS, torch.float32, "cpu", seed)
     tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
     assert by["fp32"]["weight_bytes"] == sum(t.numel() * t.element_size() for t in tensors.values())
-    # w8a8-int8: at least one byte per quantized weight (codes live in QTensors, module
-    # attributes that are not parameters) plus the float32 layers left, and less than the float32 model
+    # w8a8-int8: at least one byte per quantized weight (wherever the codes live: QTensors in
+    # module attributes, or buffers of a merged q/k/v module) plus the float32 tensors left
+    # (embeddings, norms, LM head), and less than the float32 model
     from lowbit.nn import QuantLinear, quantize_model
     quantize_model(model, "w8a8-int8")
     qls = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    rest = {t.data_ptr(): t for m in model.modules() if not isinstance(m, QuantLinear)
-            for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
-    floor = sum(q.in_features * q.out_features for q in qls) + sum(t.numel() * 4 for t in rest.values())
+    floats = {t.data_ptr(): t for m in model.modules() if not isinstance(m, QuantLinear)
+              for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)] if t.is_floating_point()}
+    floor = (sum(q.in_features * q.out_features for q in qls)
+             + sum(t.numel() * t.element_size() for t in floats.values()))
     assert floor <= by["w8a8-int8"]["weight_bytes"] < by["fp32"]["weight_bytes"]
     assert by["w8a8-int8"]["paths"]        # QuantLinear.last_path was recorded
     # logits' relative error: exactly 0 for the baseline, below the derived bound for int8,
