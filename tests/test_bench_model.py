@@ -88,8 +88,12 @@ def test_rows_weights_and_logits_error(tmp_path, rng, capsys):
     for r in rows:
         if r["kind"] != "baseline":
             assert 0 < r["logits_rel_err"] < math.inf and 0 < r["out_rel_err"] < math.inf
-    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
     printed = capsys.readouterr().out
+    try:
+        import matplotlib  # noqa: F401
+        assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    except ImportError:   # the GPU machine has no matplotlib: the run says so instead
+        assert "# no plot" in printed and not (tmp_path / "bench.png").exists()
     table = printed[printed.index("# lowbit bench model"):]
     assert all(v in table for v in ("fp32", *RECIPES))
 
