@@ -34,31 +34,33 @@ the same variant's eager output), compile_s, graph_breaks, cudagraph_skips, buil
 prepared, paths (QuantLinear.last_path counts), cache (static|dynamic); a row that did not run
 has ms None and `error` or `skipped` saying why.
 
-Budget: each non-baseline variant gets `budget` seconds (default 30: ten recipes in about five
-minutes on an H200, plus the baseline); the steps run in the order eager prefill, eager decode
-b1, b16, compiled decode b1, prefill, decode b16, and a step that would start after the budget
-is spent is skipped with that reason. A step is not interrupted: one slow compile can overrun.
-The baseline has no budget (every ratio needs it).
+torch.compile runs with torch's defaults (its recompile limit included: what a user gets);
+graph breaks and cudagraph skips are counted per row, so a model that falls back shows it.
+
+Budget: each non-baseline variant gets `budget` seconds (default 30, so ten recipes stay near
+five minutes plus the baseline and overruns); the steps run in the order eager prefill, eager
+decode b1, b16, compiled decode b1, prefill, decode b16, and a step that would start after the
+budget is spent is skipped with that reason. A step is not interrupted: one slow compile can
+overrun. The baseline has no budget (every ratio needs it). `time_limit` bounds the whole run:
+variants not started by then are skipped.
 """
 from __future__ import annotations
 
 import copy
-import gc
 import math
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from lowbit.bench import llama
+from lowbit.bench.model_measure import (CACHE_SLACK, CUDA_BROKEN, Inputs, Skipped, allocated, describe_failure,
+                                        free, quant_paths, rel_err, reset_compiler, run_step, weight_memory)
 
 TORCHAO = ("torchao-int8", "torchao-fp8-row", "torchao-int4")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-CACHE_SLACK = 16    # StaticCache slots beyond the context: room for the step (and a runaway one)
-CUDA_BROKEN = ("CUDA error", "device-side assert", "illegal memory access")
 
 
 @dataclass
@@ -84,10 +86,6 @@ class Options:
     def quick_run(cls, **kw) -> "Options":
         """--quick: 512-token prefill, 128-token context, batch 1 only, 15 s per variant."""
         return cls(**{**dict(prefill=512, context=128, batches=(1,), error_tokens=64, budget=15.0, quick=True), **kw})
-
-
-class _Skipped(Exception):
-    """A variant or step that cannot run here for a known reason (not a failure)."""
 
 
 def all_variants() -> list[str]:
@@ -120,8 +118,9 @@ def _build(name: str, master: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
 def _build_torchao(name: str, master: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
     try:
         import torchao.quantization as tq
-    except ImportError:
-        raise _Skipped("torchao not installed") from None
+    except ImportError as exc:
+        absent = isinstance(exc, ModuleNotFoundError) and exc.name == "torchao"
+        raise Skipped("torchao not installed" if absent else f"torchao not importable ({exc})") from None
     if name == "torchao-int8":
         cfg = tq.Int8DynamicActivationInt8WeightConfig()
     elif name == "torchao-fp8-row":
@@ -134,160 +133,6 @@ def _build_torchao(name: str, master: torch.nn.Module) -> tuple[torch.nn.Module,
     # the layers lowbit quantizes: every Linear but the LM head
     tq.quantize_(model, cfg, filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and fqn != "lm_head")
     return model, dict(torchao_config=type(cfg).__name__)
-
-
-# ------------------------------------------------------------------------------ measurement helpers
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| in float64 (inf when b is all zeros)."""
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm()) if b.norm() > 0 else math.inf
-
-
-def resident_bytes(model: torch.nn.Module, device: torch.device) -> int:
-    """Bytes of every tensor storage `model` holds on `device` (see the module docstring), each
-    storage once; tensor subclasses (torchao) are counted through their inner tensors."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    storages: dict[int, int] = {}
-    seen: set[int] = set()
-
-    def add(t: torch.Tensor) -> None:
-        if is_traceable_wrapper_subclass(t):
-            for inner in t.__tensor_flatten__()[0]:
-                add(getattr(t, inner))
-        elif t.device.type == device.type and t.numel():
-            st = t.untyped_storage()
-            storages[st.data_ptr()] = st.nbytes()
-
-    def visit(obj, depth: int) -> None:
-        if torch.is_tensor(obj):
-            add(obj)
-        elif depth == 0 or id(obj) in seen or isinstance(obj, (str, bytes, int, float, type)) or callable(obj):
-            return
-        else:
-            seen.add(id(obj))
-            items = (obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple, set))
-                     else vars(obj).values() if hasattr(obj, "__dict__") else ())
-            for v in items:
-                visit(v, depth - 1)
-
-    for m in model.modules():
-        for k, v in vars(m).items():
-            if k != "_modules":
-                visit(v, 4)
-    return sum(storages.values())
-
-
-def _allocated(device: torch.device) -> int | None:
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time_ms(call: Callable[[], object], device: torch.device, quick: bool) -> float:
-    if device.type == "cuda":
-        from lowbit.bench.timing import bench_ms
-        return bench_ms(call, [()], warmup=10 if quick else 25, rep=40 if quick else 100)
-    times = []
-    for _ in range(1 if quick else 3):
-        t = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - t) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
-def _dynamo_counts() -> tuple[int, int]:
-    """(graph breaks, cudagraph skips) counted by dynamo / inductor since the last reset."""
-    from torch._dynamo.utils import counters
-    return sum(counters["graph_break"].values()), int(counters["inductor"].get("cudagraph_skips", 0))
-
-
-def _reset_compiler() -> None:
-    torch._dynamo.reset()   # also drops cudagraph trees on recent torch
-    from torch._dynamo.utils import counters
-    counters.clear()
-
-
-def _paths(model: torch.nn.Module) -> dict[str, int]:
-    return dict(Counter(m.last_path for m in model.modules() if getattr(m, "last_path", None)))
-
-
-# ------------------------------------------------------------------------------ one step
-@dataclass
-class _Inputs:
-    prefill: torch.Tensor   # [1, prefill]
-    error: torch.Tensor     # [1, error_tokens]
-    context: torch.Tensor   # [max batch, context]
-    step: torch.Tensor      # [max batch, 1]
-
-    @classmethod
-    def make(cls, opts: Options, vocab: int, device: torch.device) -> "_Inputs":
-        g = torch.Generator().manual_seed(opts.seed + 1)
-        draw = lambda *s: torch.randint(0, vocab, s, generator=g).to(device)  # noqa: E731
-        return cls(draw(1, opts.prefill), draw(1, opts.error_tokens), draw(max(opts.batches), opts.context),
-                   draw(max(opts.batches), 1))
-
-
-def _step(model, mode: str, phase: str, batch: int, inp: _Inputs, opts: Options, row: dict,
-          ref: dict, eager_out: dict, mem0: int | None, device: torch.device) -> None:
-    """Run, check and time one (mode, phase, batch) of one variant; fills `row`."""
-    cache = None
-    if phase == "prefill":
-        fn = llama.prefill_step(model)
-        args = (inp.prefill, torch.arange(opts.prefill, device=device)[None])
-    else:
-        cache, kind = llama.new_cache(model, batch, opts.context + CACHE_SLACK)
-        row["cache"] = kind
-        if mode == "compiled" and kind != "static":
-            raise _Skipped("compiled decode needs transformers' StaticCache (not usable in this version)")
-        llama.fill_cache(model, cache, inp.context[:batch])
-        fn, args = llama.decode_step(model, cache, kind, inp.step[:batch], opts.context)
-    if mode == "compiled":
-        breaks0, skips0 = _dynamo_counts()
-        compiled = torch.compile(fn, mode="reduce-overhead" if phase == "decode" else "default", dynamic=False)
-        graphs = phase == "decode" and device.type == "cuda"
-
-        def call():
-            if graphs:   # each call starts a new cudagraph-tree step: the previous outputs are dead
-                torch.compiler.cudagraph_mark_step_begin()
-            return compiled(*args)
-        t = time.perf_counter()
-        call()
-        _sync(device)
-        row["compile_s"] = round(time.perf_counter() - t, 2)
-        call()      # cudagraph trees: the second call records, later ones replay
-    else:
-        def call():
-            return fn(*args)
-        call()
-    # at least two calls before the cache check; outputs are kept on the CPU, so the references
-    # never count in a peak or in the weights' allocation
-    out = call().float().cpu()
-    if cache is not None:
-        llama.check_repeatable(cache, opts.context)
-    key = (phase, batch)
-    if row["kind"] == "baseline" and mode == "eager":
-        ref[key] = out
-    elif key in ref:
-        row["out_rel_err"] = rel_err(out, ref[key])
-    if mode == "eager":
-        eager_out[key] = out
-    elif key in eager_out:
-        row["vs_eager_rel"] = rel_err(out, eager_out[key])
-    if mode == "compiled":
-        breaks, skips = _dynamo_counts()
-        row.update(graph_breaks=breaks - breaks0, cudagraph_skips=skips - skips0)
-    if mem0 is not None:
-        _sync(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        call()
-        _sync(device)
-        row["peak_bytes"] = torch.cuda.max_memory_allocated(device) - mem0
-    row["ms"] = _time_ms(call, device, opts.quick)
-    row["tokens_per_s"] = row["tokens"] / (row["ms"] * 1e-3)
 
 
 # ------------------------------------------------------------------------------ one variant
@@ -314,11 +159,25 @@ def _base_row(opts: Options, variant: str, kind: str, mode: str, phase: str, bat
                 shape=f"{opts.shape} L{opts.layers} {where}", ms=None)
 
 
-def _describe_failure(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+def _try_step(model, r: dict, inp: Inputs, opts: Options, ref: dict, eager_out: dict, mem0: int | None,
+              state: dict) -> None:
+    """run_step for row r; a failure (compile included) becomes that row's error or skip."""
+    try:
+        run_step(model, r["mode"], r["phase"], r["batch"], inp, opts, r, ref, eager_out, mem0, inp.prefill.device)
+        opts.log(_progress(r))
+    except Skipped as exc:
+        r["skipped"] = str(exc)
+        opts.log(f"  {r['name']}: skipped ({exc})")
+    except Exception as exc:
+        r["error"] = describe_failure(exc)
+        opts.log(f"  {r['name']}: FAILED {r['error']}")
+        if any(s in str(exc) for s in CUDA_BROKEN):
+            state["cuda_broken"] = r["error"]
+        elif r["mode"] == "compiled":
+            reset_compiler()
 
 
-def measure_variant(name: str, kind: str, master: torch.nn.Module, inp: _Inputs, opts: Options,
+def measure_variant(name: str, kind: str, master: torch.nn.Module, inp: Inputs, opts: Options,
                     ref: dict, state: dict) -> list[dict]:
     """Every row of one variant; `ref` holds the baseline's outputs (filled by the baseline),
     `state` carries `cuda_broken` (why nothing can run any more) between variants."""
@@ -327,8 +186,10 @@ def measure_variant(name: str, kind: str, master: torch.nn.Module, inp: _Inputs,
     rows = [_base_row(opts, name, kind, *p) for p in plan]
 
     def fail_all(key: str, why: str) -> list[dict]:
+        """Every row not yet measured, failed or skipped gets `key` = why."""
         for r in rows:
-            r[key] = why
+            if r["ms"] is None and "error" not in r and "skipped" not in r:
+                r[key] = why
         log(f"  {name}: {key} ({why})")
         return rows
 
@@ -336,13 +197,14 @@ def measure_variant(name: str, kind: str, master: torch.nn.Module, inp: _Inputs,
         return fail_all("skipped", f"CUDA context broken by an earlier error ({state['cuda_broken']})")
     t0 = time.perf_counter()
     deadline = math.inf if kind == "baseline" else t0 + opts.budget
-    mem0 = _allocated(device)
-    model = None
+    mem0 = allocated(device)
+    model, info = None, {}
     try:
         if kind == "baseline":
-            model, info = copy.deepcopy(master), {}
+            model = copy.deepcopy(master)
         else:
-            model, info = _build(name, master)
+            model, built = _build(name, master)
+            info.update(built)
         info["build_s"] = round(time.perf_counter() - t0, 2)
         log(f"  {name}: built in {info['build_s']:.1f} s")
         with torch.no_grad():
@@ -352,66 +214,35 @@ def measure_variant(name: str, kind: str, master: torch.nn.Module, inp: _Inputs,
             info["logits_rel_err"] = rel_err(logits, ref["logits"])
             del logits
             eager_out: dict = {}
-            for r, (mode, phase, batch) in zip(rows, plan):
-                if mode == "compiled" and "compile_started" not in info:
-                    info["compile_started"] = True
-                    # facts about the eager model, before compiled graphs hold memory of their own
-                    info.update(_weights(model, device, mem0), paths=_paths(model))
-                    _reset_compiler()
-                if time.perf_counter() > deadline:
-                    r["skipped"] = f"variant time budget ({opts.budget:.0f} s) spent"
-                    continue
-                try:
-                    _step(model, mode, phase, batch, inp, opts, r, ref, eager_out, mem0, device)
-                    log(_progress(r))
-                except _Skipped as exc:
-                    r["skipped"] = str(exc)
-                    log(f"  {r['name']}: skipped ({exc})")
-                except Exception as exc:  # one step's failure (compile included) is that row's error
-                    r["error"] = _describe_failure(exc)
-                    log(f"  {r['name']}: FAILED {r['error']}")
-                    if any(s in str(exc) for s in CUDA_BROKEN):
-                        state["cuda_broken"] = r["error"]
-                        break
-                    if mode == "compiled":
-                        _reset_compiler()
+            for mode in dict.fromkeys(m for m, _, _ in plan):
+                if mode == "compiled" and not state.get("cuda_broken"):
+                    # the eager model's memory, before compiled graphs hold their own
+                    info.update(weight_memory(model, device, mem0), paths=quant_paths(model))
+                    reset_compiler()
+                for r, (m, phase, batch) in zip(rows, plan):
+                    if m != mode or state.get("cuda_broken"):
+                        continue
+                    if time.perf_counter() > deadline:
+                        r["skipped"] = f"variant time budget ({opts.budget:.0f} s) spent"
+                        continue
+                    _try_step(model, r, inp, opts, ref, eager_out, mem0, state)
             if state.get("cuda_broken"):   # nothing more can run in this process
-                for r in rows:
-                    if r["ms"] is None and "error" not in r:
-                        r.setdefault("skipped", "not run: the CUDA context broke")
-            elif "compile_started" not in info:
-                info.update(_weights(model, device, mem0), paths=_paths(model))
-        info.pop("compile_started", None)
-    except _Skipped as exc:
-        return fail_all("skipped", str(exc))
+                fail_all("skipped", "not run: the CUDA context broke")
+            elif "weight_bytes" not in info:
+                info.update(weight_memory(model, device, mem0), paths=quant_paths(model))
+    except Skipped as exc:
+        fail_all("skipped", str(exc))
     except Exception as exc:
-        why = _describe_failure(exc)
+        why = describe_failure(exc)
         if any(s in str(exc) for s in CUDA_BROKEN):
             state["cuda_broken"] = why
-        return fail_all("error", why if model is None else f"{why} (eager logits)")
+        fail_all("error", why)
     finally:
         del model
-        _free(device)
+        free(device)
     for r in rows:
         r.update(info)
     return rows
-
-
-def _weights(model: torch.nn.Module, device: torch.device, mem0: int | None) -> dict:
-    out = dict(weight_bytes=resident_bytes(model, device))
-    if mem0 is not None:
-        _sync(device)
-        out["weight_alloc_bytes"] = _allocated(device) - mem0
-    return out
-
-
-def _free(device: torch.device) -> None:
-    """Drop compiled graphs and give the variant's memory back before the next one is built
-    (gc.collect costs a second in a process holding transformers: only where memory counts)."""
-    _reset_compiler()
-    if device.type == "cuda":
-        gc.collect()
-        torch.cuda.empty_cache()
 
 
 def _progress(r: dict) -> str:
@@ -451,7 +282,7 @@ def run_bench(opts: Options, on_variant: Callable[[list[dict]], None] | None = N
     need = max(opts.prefill, opts.error_tokens, opts.context + CACHE_SLACK)
     master = llama.build_llama(opts.shape, opts.layers, DTYPES[opts.dtype], opts.device, opts.seed,
                                max_positions=max(8192, need))
-    inp = _Inputs.make(opts, master.config.vocab_size, device)
+    inp = Inputs.make(opts, master.config.vocab_size, device)
     opts.log(f"# model: {opts.shape} x {opts.layers} layers, {opts.dtype} on {device}; prefill {opts.prefill}, "
              f"decode at batch {','.join(map(str, opts.batches))} after {opts.context} tokens; "
              f"{'eager and compiled' if opts.compile else 'eager only'}")
@@ -525,11 +356,12 @@ def options_from_args(args) -> Options:
 def environment(opts: Options) -> dict:
     from lowbit.bench.cli import environment as base_env
     env = base_env()
-    for mod in ("transformers", "torchao"):
+    from importlib import metadata
+    for dist in ("transformers", "torchao"):   # versions without importing (torchao takes seconds)
         try:
-            env[mod] = __import__(mod).__version__
-        except ImportError:
-            env[mod] = None
+            env[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            env[dist] = None
     env["options"] = {k: v for k, v in vars(opts).items() if k != "log"}
     return env
 
