@@ -380,12 +380,12 @@ def test_helpers_and_repr(rng):
     assert torch.equal(lb.dequantize(qt), qt.dequantize())
 
 
-def test_demo_numbers_and_output(capsys):
+def test_demo_numbers_and_output(capsys, seed):
     import argparse
 
     from lowbit import demo
 
-    w = demo.seed000_weight(64, 256, seed=int.from_bytes(__import__("os").urandom(2), "little"))
+    w = demo.seed000_weight(64, 256, seed=seed)
     rows = {r["scheme"]: r for r in demo.compare(w)}
     quiet = rows["per-tensor"]["quiet_row"]
     wn = w.numpy().astype(np.float32)

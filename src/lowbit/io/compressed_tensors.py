@@ -12,15 +12,14 @@ A checkpoint directory holds:
   that ``load_compressed`` gives back bit-identical QTensors. Other tools ignore it.
 
 Writes are atomic: everything goes to a temporary directory next to ``out_dir`` that is
-renamed into place only when complete, so an error never leaves a half-written checkpoint.
+moved into place only when complete, so an error never leaves a half-written checkpoint, and
+only files lowbit wrote are ever replaced (lowbit.io.outdir).
 """
 from __future__ import annotations
 
 import json
 import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,27 +93,15 @@ def write_metadata(directory: Path, cfg: dict, recipe_name, layers: dict) -> Non
 
 # ---------------------------------------------------------------- atomic directory
 def atomic_dir(out_dir: Path, overwrite: bool, write) -> Path:
+    """Run write(staging_dir) and make its files out_dir's (lowbit.io.outdir's rules: only
+    lowbit's own files are ever replaced). A non-empty out_dir needs overwrite=True."""
+    from lowbit.io.outdir import staged
     out_dir = Path(out_dir)
     if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())) and not overwrite:
         raise FileExistsError(f"out_dir {out_dir} exists and is not empty; choose a new directory "
                               "or pass overwrite=True")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    old = None
-    try:
+    with staged(out_dir, overwrite, what="out_dir") as tmp:
         write(tmp)
-        if out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.rename(out_dir, old / "d")
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and (old / "d").exists() and not out_dir.exists():
-            os.rename(old / "d", out_dir)  # put the previous checkpoint back
-            shutil.rmtree(old, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
     return out_dir
 
 
