@@ -20,10 +20,19 @@ def test_lcg_matches_the_recurrence():
 def test_matmul_inputs_shape_the_seed_describes(seed):
     a, w = matmul_inputs(8, 74, 16, seed=seed)
     assert a.min() >= 0 and a.max() < 1
-    b = w.T.numpy()  # [K, N] as in the seed
-    ratio = np.abs(b[:, 0]).max() / np.abs(b[:, -1]).max()
-    assert 16 < ratio < 256                       # 64x gain, give or take where the outliers land
-    assert np.allclose(np.abs(b.reshape(-1)[::37]).mean() / np.abs(b).mean(), 8, rtol=0.5)
+    b = w.T.numpy().astype(np.float64)  # [K, N] as in the seed
+    outlier = np.zeros(b.size, bool)
+    outlier[::37] = True
+    outlier = outlier.reshape(b.shape)
+    # Without its outliers, column c is uniform in [-1, 1) times 2^(-6c/15): the max |.| of column 0
+    # over column 15's is 64 * m0 / m15, m the max of 72 |uniform|s; P(m < 0.85) = 0.85^72 < 1e-5,
+    # so the ratio lies in (64 * 0.85, 64 / 0.85) for all but ~2e-5 of seeds (3,000 seeds: 56.8-74.1).
+    ratio = np.abs(b[~outlier[:, 0], 0]).max() / np.abs(b[~outlier[:, -1], -1]).max()
+    assert 64 * 0.85 < ratio < 64 / 0.85
+    # Gains divided out: plain elements lie in [-1, 1], outliers in [-8, 8], and some of the 32
+    # outliers exceed 4 (all below it has probability 2^-32).
+    bn = np.abs(b) / np.exp2(-6.0 * np.arange(16) / 15)[None, :]
+    assert bn[~outlier].max() <= 1 and bn[outlier].max() <= 8 and bn[outlier].max() > 4
 
 
 def test_matmul_qualitative_results(seed):
@@ -40,10 +49,14 @@ def test_matmul_qualitative_results(seed):
 
 
 def test_error_model_accumulators_order(seed):
-    rows = {r["accumulator"]: r["median_rel_err"] for r in error_model.experiment_c(K=1024, trials=8, seed=seed)}
+    """Medians over 256 dot products (the trials run side by side, so they cost little). With 8,
+    the median fp16 error fell below the split-K one for ~1% of seeds. Over 100 seeds at 256
+    trials: fp16 / split 4.2 +- 0.4 (min 2.9; a random-walk estimate is sqrt(K / segment) = 5.7),
+    fp16 / fp32 >= 6.8e3 (u16 / u32 = 8.2e3). The bounds sit far from both."""
+    rows = {r["accumulator"]: r["median_rel_err"] for r in error_model.experiment_c(K=1024, trials=256, seed=seed)}
     f16, f32 = rows["fp16 accumulate"], rows["fp32 accumulate"]
     split = next(v for k, v in rows.items() if k.startswith("split"))
-    assert f32 < split < f16 and f16 / f32 > 1e3
+    assert f32 < split < f16 / 1.5 and f16 / f32 > 1e3
 
 
 def test_error_model_floats_follow_u_over_sqrtk(seed):
