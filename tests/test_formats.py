@@ -497,8 +497,8 @@ def test_cli_json(capsys):
 
 def test_cli_plot(tmp_path, capsys):
     out = tmp_path / "formats.png"
-    assert cli_main(["formats", "--json", "--plot", str(out)]) == 0
+    assert cli_main(["formats", "--json", "--png", str(out)]) == 0
     json.loads(capsys.readouterr().out)  # stdout stays pure JSON
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
-    with pytest.raises(SystemExit, match=".png"):
-        cli_main(["formats", "--plot", str(tmp_path / "formats.jpg")])
+    assert cli_main(["formats", "--plot", str(tmp_path / "formats.jpg")]) == 2   # the old flag name works too
+    assert ".png" in capsys.readouterr().err
