@@ -15,6 +15,10 @@ def register(p) -> None:
                         "'memory' selects that module; baselines always run)")
     p.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write all rows and the environment as JSON")
+    # `lowbit bench model [options]`: the end-to-end model benchmark with its own options
+    from lowbit.bench import model
+    model.register(p.add_subparsers(dest="bench", metavar="{model}").add_parser(
+        "model", help="a Llama-shaped model: bf16 vs every recipe, prefill and decode, eager and compiled"))
 
 
 def environment() -> dict:
@@ -43,6 +47,9 @@ def run(args) -> int:
 
     from lowbit.bench import BENCH_MODULES
 
+    if getattr(args, "bench", None) == "model":
+        from lowbit.bench.model import main
+        return main(args)
     if not torch.cuda.is_available():
         print("lowbit bench: no CUDA GPU here; the benchmarks time GPU kernels. `lowbit doctor` says "
               "what runs on this machine.", file=sys.stderr)

@@ -240,9 +240,15 @@ class CompressedCheckpoint:
                                act_static_scale=self.act_static_scales.get(n), backend=backend)
                 for n, qt in self.qtensors.items()}
 
-    def to_model(self, backend: str = "auto") -> torch.nn.Module:
-        """The transformers model of config.json with its quantized layers as QuantLinears
-        (float32 everywhere else). Needs transformers; raises if a parameter is missing."""
+    def to_model(self, backend: str = "auto", *, device=None, dtype: torch.dtype | None = None,
+                 share_inputs: bool = True) -> torch.nn.Module:
+        """The transformers model of config.json with its quantized layers as QuantLinears.
+        Needs transformers; raises if a parameter is missing.
+
+        device / dtype: where the model runs and the dtype of everything that is not
+        quantized (default: the CPU and float32, the exact path). On CUDA with bf16 / fp16 the
+        quantized layers take the prepared fast path (lowbit.nn.runtime); share_inputs merges
+        q/k/v and gate/up so each activation is quantized once (lowbit.nn.shared_input)."""
         import transformers
         cfg = {k: v for k, v in self.config.items() if k != "quantization_config"}
         arch = (cfg.get("architectures") or [None])[0]
@@ -264,7 +270,8 @@ class CompressedCheckpoint:
             missing = [k for k in missing if not k.endswith("lm_head.weight")]
         if missing or unexpected:
             raise CheckpointError(f"checkpoint does not fit {arch}: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        return model
+        from lowbit.nn.shared_input import prepare_model
+        return prepare_model(model, device=device, dtype=dtype, share=share_inputs)
 
 
 def read_json(path: Path, what: str) -> dict:

@@ -12,6 +12,8 @@ from lowbit.nn.quantize_model import QuantSummary, quantize_model  # noqa: E402,
 
 _EXPORTS = {
     "QuantLinear": "lowbit.nn.quant_linear",
+    "prepare_model": "lowbit.nn.shared_input",
+    "share_inputs": "lowbit.nn.shared_input",
     "Recipe": "lowbit.nn.recipes",
     "RECIPES": "lowbit.nn.recipes",
     "get_recipe": "lowbit.nn.recipes",

@@ -2,26 +2,38 @@
 on every call by an activation scheme (dynamic per token / group / MX block, or one static
 calibrated scale per tensor).
 
-Execution paths, chosen per call and recorded in `last_path`:
+Execution paths, chosen per call and recorded in `last_path` (eager calls only: under
+torch.compile the module's attributes are not written):
+- "fast:<kind>"  the prepared runtime (lowbit.nn.runtime): CUDA, or backend="kernel" in
+                 Triton's CPU interpreter, for bf16 / fp16 inputs (fp32 too for W8A8). The
+                 kernel operands were laid out once, at construction (buffers `fast_*`, moved
+                 by `.to()`); the call only launches kernels: no checks, no host sync, no
+                 float32 round trip, output in x's dtype. check=True turns it off (the exact
+                 path below then checks NaN/Inf and shapes on every call).
 - "int8-intmm"   int8 symmetric activations x int8 symmetric weights on the CPU:
                  `torch._int_mm` gives the exact int32 accumulator, then the epilogue
                  y = float32(acc) * s_x * s_w (+ bias), as in seed 004's integer GEMM.
-- "kernel"       CUDA: `lowbit.ops.linear` (Triton kernels).
-- "dequantized"  every other scheme (fp8, MX, NVFP4 on the CPU; weight-only recipes on every
-                 device: lowbit.ops.weight_only's W4A16 kernel targets decode-sized M and is not
-                 wired in here): both operands are
-                 dequantized to float32 by `QTensor.dequantize` and multiplied in float32. This
-                 is the emulation of the quantized arithmetic, not a different quantization.
-On CUDA a scheme the kernels do not support runs the dequantized path with a one-time
-warning and `last_path == "dequantized"` (never silently).
+- "kernel"       CUDA, schemes the prepared runtime does not cover: `lowbit.ops.linear`.
+- "dequantized"  every other case (fp8, MX, NVFP4 and weight-only recipes on the CPU): both
+                 operands are dequantized to float32 by `QTensor.dequantize` and multiplied in
+                 float32 -- the emulation of the quantized arithmetic, not a different
+                 quantization. The dequantized weight is made per call, never kept.
+On CUDA a scheme no kernel supports runs the dequantized path with a one-time warning and
+`last_path == "dequantized"` (never silently).
+
+Memory: the prepared operands are the weight's only copy on the GPU (8-bit codes are shared
+with `weight_q`; for 4-bit weights, packed two per byte, `weight_q` -- the exact twin that
+verification and checkpoints read -- is kept on the host).
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
 import torch.nn.functional as F
 
+from lowbit.nn import runtime
 from lowbit.quantize import QTensor, quantize
 from lowbit.scheme import QuantScheme
 
@@ -44,7 +56,7 @@ class QuantLinear(torch.nn.Module):
 
     def __init__(self, weight_q: QTensor, weight_scheme: QuantScheme, act_scheme: QuantScheme | None,
                  bias: torch.Tensor | None = None, act_static_scale: torch.Tensor | None = None,
-                 backend: str = "auto"):
+                 backend: str = "auto", check: bool = False):
         super().__init__()
         if len(weight_q.shape) != 2:
             raise ValueError(f"weight_q must hold a 2-D [out_features, in_features] weight, got shape {tuple(weight_q.shape)}")
@@ -65,11 +77,64 @@ class QuantLinear(torch.nn.Module):
                 raise ValueError("act_scheme has dynamic=False but no act_static_scale was given: calibrate one "
                                  "(lowbit.nn.calibration.calibrate_static_scales) or use a dynamic scheme")
         self._cache: dict = {}
+        self.check = check
         self.last_path: str | None = None
         self._warned = False
         # Clipping statistics of the static scale (calibration.clipping_report reads them).
         self.track_clipping = False
         self.clip_stats = {"clipped": 0, "seen": 0, "max_ratio": 0.0}
+        self._prepare()
+
+    def _prepare(self) -> None:
+        """Lay out the kernel operands once (lowbit.nn.runtime.prepare); a scheme pair with no
+        fast path leaves `fast_spec` None and every call runs the exact path."""
+        self.fast_spec: runtime.Spec | None = None
+        if self.backend not in ("auto", "kernel"):
+            return
+        prep = runtime.prepare(self.weight_q, self.act_scheme, self.act_static_scale)
+        if prep is None:
+            return
+        for name, t in prep.tensors.items():
+            self.register_buffer("fast_" + name, t, persistent=False)
+        self.fast_spec, self._fast_json = prep.spec, prep.spec.to_json()
+        self._graphs = runtime.GraphCache()
+        if prep.spec.kind in ("w4a16", "fp4"):
+            # the packed codes are the GPU's copy; the exact twin (one code per byte) stays on the host
+            self.weight_q = self.weight_q.to("cpu")
+
+    def attach_shared(self, shared, start: int, stop: int) -> None:
+        """Serve this layer's fast path from columns [start, stop) of a SharedGEMM
+        (lowbit.nn.shared_input): its own kernel operands are dropped, and 8-bit codes of
+        `weight_q` become a view of the shared copy, so the weight is held once."""
+        object.__setattr__(self, "_shared", (shared, start, stop))
+        own_w = self._buffers.get("fast_w")
+        for n in [n for n in self._buffers if n.startswith("fast_")]:
+            del self._buffers[n]
+        if own_w is not None and self.weight_q.codes.device == own_w.device:
+            codes = shared.fast_w[start:stop].view(self.weight_q.codes.dtype)
+            self.weight_q = dataclasses.replace(self.weight_q, codes=codes)
+
+    def _apply(self, fn, recurse=True):
+        """`.to(device)` moves the prepared operands; `.to(dtype)` / `.half()` never convert them
+        (fp8 codes and fp32 scales are the kernel's format, not the model's dtype): each
+        fast_* buffer goes only where fn sends a probe of its own dtype."""
+        fast = {n: b for n, b in self._buffers.items() if n.startswith("fast_") and b is not None}
+        if hasattr(self, "_graphs"):
+            self._graphs.clear()  # captured graphs hold the old device pointers
+        for n in fast:
+            del self._buffers[n]
+        try:
+            out = super()._apply(fn, recurse)
+        finally:
+            for n, b in fast.items():
+                dev = fn(torch.empty(0, dtype=b.dtype, device=b.device)).device
+                self._buffers[n] = b.to(dev)
+        return out
+
+    def _fast_ok(self, x: torch.Tensor) -> bool:
+        return (self.fast_spec is not None and not self.check and not self.track_clipping
+                and (x.is_cuda or self.backend == "kernel")
+                and x.dtype in runtime.input_dtypes(self.fast_spec))
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -103,16 +168,17 @@ class QuantLinear(torch.nn.Module):
 
     # ------------------------------------------------------------------ cached operands
     def _weight_operand(self, kind: str, device: torch.device) -> torch.Tensor:
-        """Per-device cache of the weight in the form a path needs: "codes_t" (int8 [K, N],
-        contiguous for torch._int_mm), "scale_row" (float32 [1, N]), "deq" (float32 [N, K])."""
+        """The weight in the form a path needs: "codes_t" (int8 [K, N], a transposed view, no
+        copy), "scale_row" (float32 [1, N]), "deq" (float32 [N, K], made per call and never
+        kept: a cached float copy would hold 2-8x the quantized weight's bytes)."""
+        if kind == "deq":
+            return self.weight_q.dequantize(torch.float32).to(device)
         key = (kind, str(device))
         if key not in self._cache:
             if kind == "codes_t":
-                val = self.weight_q.codes.to(device=device, dtype=torch.int8).t().contiguous()  # [K, N]
-            elif kind == "scale_row":
-                val = self.weight_q.scale.to(device=device, dtype=torch.float32).reshape(1, self.out_features)
+                val = self.weight_q.codes.to(device=device, dtype=torch.int8).t()  # [K, N]
             else:
-                val = self.weight_q.dequantize(torch.float32).to(device)
+                val = self.weight_q.scale.to(device=device, dtype=torch.float32).reshape(1, self.out_features)
             self._cache[key] = val
         return self._cache[key]
 
@@ -143,6 +209,20 @@ class QuantLinear(torch.nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input's last dimension is {x.shape[-1]}, this layer expects in_features={self.in_features}")
         lead = x.shape[:-1]
+        if self._fast_ok(x):
+            x2 = x.reshape(-1, self.in_features)
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+            shared = self.__dict__.get("_shared")
+            if shared is not None:
+                y = shared[0].output(x, x2)[:, shared[1]:shared[2]]
+            else:
+                y = runtime.forward(self.fast_spec, self._fast_json, x2,
+                                    [getattr(self, "fast_" + n) for n in self.fast_spec.operands], self.bias,
+                                    self._graphs)
+            if not torch.compiler.is_compiling():
+                self.last_path = "fast:" + self.fast_spec.kind
+            return y.reshape(*lead, self.out_features)
         x2d = x.reshape(-1, self.in_features).float()
         y, _ = self.forward_2d(x2d)
         return y.reshape(*lead, self.out_features).to(x.dtype)

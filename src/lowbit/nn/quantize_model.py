@@ -146,11 +146,13 @@ def plan(model: torch.nn.Module, recipe: str | Recipe, ignore=None, overrides=No
 @torch.no_grad()
 def quantize_model(model: torch.nn.Module, recipe: str | Recipe, *, ignore=None, overrides=None,
                    act_static_scales: dict[str, torch.Tensor] | None = None, backend: str = "auto",
-                   progress: bool = False) -> QuantSummary:
+                   progress: bool = False, share_inputs: bool = True) -> QuantSummary:
     """Replace nn.Linear layers of `model` (in place) by QuantLinear under `recipe`; returns the
     QuantSummary. act_static_scales: {layer name: float32 scale} from
     calibration.calibrate_static_scales, to use one calibrated per-tensor activation scale per
-    layer instead of dynamic scales (every quantized layer with activations needs one)."""
+    layer instead of dynamic scales (every quantized layer with activations needs one).
+    share_inputs: merge the quantized layers that read one input (Llama's q/k/v, gate/up) so
+    the fast path quantizes each activation once (lowbit.nn.shared_input)."""
     from lowbit.nn.calibration import static_scheme
     summary = plan(model, recipe, ignore, overrides)
     layers = linear_layers(model)
@@ -175,4 +177,7 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe, *, ignore=None,
     for name, q in new.items():                    # only now touch the model
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, q.to(layers[name].weight.device))
+    if share_inputs:
+        from lowbit.nn.shared_input import share_inputs as share
+        share(model)
     return summary

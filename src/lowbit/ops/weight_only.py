@@ -291,6 +291,7 @@ def _launch(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> torch.
     import triton
 
     from lowbit.ops.triton import w4a16 as k
+    from lowbit.ops.triton.common import launch
 
     M, K = x2.shape
     N = w.shape[0]
@@ -315,8 +316,8 @@ def _launch(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> torch.
     dummy = torch.empty(1, device=dev, dtype=torch.float32)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, triton.cdiv(M, cfg["BLOCK_M"]))
     per_group = w.scale if w.kind in ("int4", "uint4") else w.scale_codes
-    k._w4a16_kernel[grid](
-        x2, w.packed, w.scale, w.zero_point if w.zero_point is not None else dummy,
+    launch(
+        k._w4a16_kernel, grid, x2, w.packed, w.scale, w.zero_point if w.zero_point is not None else dummy,
         w.scale_codes if w.scale_codes is not None else dummy,
         w.global_scale if w.global_scale is not None else dummy,
         bias if (bias is not None and not atomic) else dummy, out,
@@ -331,11 +332,35 @@ def _launch(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> torch.
     return out
 
 
+def dequantize_w4(w: W4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [N, K] in `dtype` (bf16 / fp16) from a planar-chunks W4Weight, one Triton pass
+    (lowbit/ops/triton/w4a16.py, _w4_dequant_kernel: int4 values rounded once per weight, fp4
+    values exact; NVFP4's tensor scale is NOT applied). For large-M GEMMs; never cached."""
+    import triton
+
+    from lowbit.ops.triton import w4a16 as k
+    from lowbit.ops.triton.common import launch
+
+    N, K = w.shape
+    out = torch.empty((N, K), dtype=dtype, device=w.packed.device)
+    dummy = torch.empty(1, device=w.packed.device, dtype=torch.float32)
+    per_group = w.scale if w.kind in ("int4", "uint4") else w.scale_codes
+    wfmt = {"int4": k.W_INT4, "uint4": k.W_UINT4, "mxfp4": k.W_MXFP4, "nvfp4": k.W_NVFP4}[w.kind]
+    bn = 16 if os.environ.get("TRITON_INTERPRET") == "1" else 64
+    launch(
+        k._w4_dequant_kernel, (triton.cdiv(N, bn), K // w.chunk), w.packed, w.scale, w.zero_point if w.zero_point is not None else dummy,
+        w.scale_codes if w.scale_codes is not None else dummy, out, N, K,
+        w.packed.stride(0), per_group.stride(0), out.stride(0),
+        WFMT=wfmt, HAS_Z=w.zero_point is not None, G=w.group_size, C=w.chunk, BLOCK_N=bn, num_warps=4)
+    return out
+
+
 def _launch_planar8(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> torch.Tensor:
     """The "gemv8" or "dot8" kernel on a planar8 weight (see lowbit/ops/triton/w4a16.py)."""
     import triton
 
     from lowbit.ops.triton import w4a16 as k
+    from lowbit.ops.triton.common import launch
 
     M, K = x2.shape
     N = w.shape[0]
@@ -378,13 +403,13 @@ def _launch_planar8(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -
                   C=w.group_size, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, ATOMIC=atomic, INTERP=interp,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if kern == "gemv8":
-        k._w4a16_gemv8_kernel[grid](*args, EVEN_N=N % cfg["BLOCK_N"] == 0, EVEN_M=M % bm == 0, **common)
+        launch(k._w4a16_gemv8_kernel, grid, *args, EVEN_N=N % cfg["BLOCK_N"] == 0, EVEN_M=M % bm == 0, **common)
     else:
         unpack = int(cfg.get("unpack", 0))
         if unpack not in (0, 1):
             raise ValueError(f"w4a16_linear: dot8 config 'unpack' must be 0 (float32 unpack) or 1 (packed "
                              f"16-bit pairs, GPU only), got {unpack}")
-        k._w4a16_dot8_kernel[grid](*args, UNPACK=unpack, **common)
+        launch(k._w4a16_dot8_kernel, grid, *args, UNPACK=unpack, **common)
     if atomic:
         if bias is not None:
             out = out + bias.float()

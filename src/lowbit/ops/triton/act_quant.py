@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_device, encode_e4m3fn, rint
+from .common import check_device, encode_e4m3fn, launch, rint
 
 MODES = ("int8", "int8_asym", "fp8_e4m3fn")
 
@@ -84,17 +84,24 @@ def quantize_per_token(x: torch.Tensor, mode: str = "int8", *, check_finite: boo
     x2 = x.reshape(-1, K)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    M = x2.shape[0]
-    qdtype = torch.uint8 if mode == "fp8_e4m3fn" else torch.int8
-    q = torch.empty((M, K), dtype=qdtype, device=x.device)
-    s = torch.empty((M,), dtype=torch.float32, device=x.device)
-    z = torch.empty((M,), dtype=torch.int32, device=x.device) if mode == "int8_asym" else None
-    if M:
-        block = min(triton.next_power_of_2(K), 4096)
-        _act_quant_kernel[(M,)](x2, q, s, z if z is not None else s, K, x2.stride(0), q.stride(0),
-                                MODE=MODES.index(mode), BLOCK=block, num_warps=4 if block <= 1024 else 8)
+    q, s, z = launch_act_quant(x2, mode)
     return (q.reshape(*lead, K), s.reshape(*lead, 1),
             None if z is None else z.reshape(*lead, 1))
+
+
+def launch_act_quant(x2: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The kernel launch alone, no checks (the prepared runtime checks once, at prepare time):
+    x2 [M, K] with unit stride along K -> codes [M, K], scale fp32 [M], zero point int32 [M] or None."""
+    M, K = x2.shape
+    qdtype = torch.uint8 if mode == "fp8_e4m3fn" else torch.int8
+    q = torch.empty((M, K), dtype=qdtype, device=x2.device)
+    s = torch.empty((M,), dtype=torch.float32, device=x2.device)
+    z = torch.empty((M,), dtype=torch.int32, device=x2.device) if mode == "int8_asym" else None
+    if M:
+        block = min(triton.next_power_of_2(K), 4096)
+        launch(_act_quant_kernel, (M,), x2, q, s, z if z is not None else s, K, x2.stride(0), q.stride(0),
+               MODE=MODES.index(mode), BLOCK=block, num_warps=4 if block <= 1024 else 8)
+    return q, s, z
 
 
 def quantize_tokens(x: torch.Tensor, scheme, *, check_finite: bool = True):

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .common import (bias_store_tile, check_bias, check_matrix, check_operands, check_out_dtype, check_vector,
-                     mainloop, pick_config, prepare_launch, rowcol_scale, swizzled_tile, tile_offsets)
+                     launch, mainloop, pick_config, prepare_launch, rowcol_scale, swizzled_tile, tile_offsets)
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 
@@ -85,11 +85,19 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return c
+    return launch_fp8_gemm(a, b, c, sa, sb, bias, precise, config)
+
+
+def launch_fp8_gemm(a, b, c, sa, sb, bias, precise: bool = True, config: dict | None = None) -> torch.Tensor:
+    """The launch alone, no checks (fp8_gemm checks; the prepared runtime checks once, at
+    prepare time): a / b float8_e4m3fn [M, K] / [N, K], sa / sb fp32 vectors, C preallocated."""
+    M, K = a.shape
+    N = b.shape[0]
     cfg = dict(config) if config else pick_config(M, N, K, kind="fp8")
     precise = cfg.pop("PRECISE", precise)
     grid, opts, a_arg, b_arg = prepare_launch(cfg, a, b)
-    _fp8_gemm_kernel[grid](
-        a_arg, b_arg, c, sa, sb, bias if bias is not None else c,
+    launch(
+        _fp8_gemm_kernel, grid, a_arg, b_arg, c, sa, sb, bias if bias is not None else c,
         M, N, K, a.stride(0), b.stride(0), c.stride(0), sa.stride(0), sb.stride(0),
         HAS_BIAS=bias is not None, PRECISE=precise, EVEN_K=K % cfg["BLOCK_K"] == 0,
         PROMOTE_K=min(cfg["BLOCK_K"], 128), **opts)

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .common import (add_bias, check_bias, check_matrix, check_operands, check_out_dtype, check_vector,
-                     kmajor_ptrs, mainloop, pick_config, prepare_launch, rowcol_scale, store_tile, swizzled_tile,
+                     kmajor_ptrs, launch, mainloop, pick_config, prepare_launch, rowcol_scale, store_tile, swizzled_tile,
                      tile_offsets)
 
 _INT32_LIMIT = 2**31
@@ -118,17 +118,26 @@ def int8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor | None = N
         return c
     if K == 0:
         raise ValueError("K must be positive")
+    return launch_int8_gemm(a, b, c, sa, sb, za, cs, bias, config)
+
+
+def launch_int8_gemm(a, b, c, sa, sb, za, cs, bias, config: dict | None = None) -> torch.Tensor:
+    """The launch alone, no checks (int8_gemm checks; the prepared runtime checks once, at
+    prepare time): operands as int8_gemm's after check_vector, C [M, N] preallocated.
+    sa / sb None only for the raw int32 accumulator."""
+    M, K = a.shape
+    N = b.shape[0]
     cfg = dict(config) if config else pick_config(M, N, K)
     grid, opts, a_arg, b_arg = prepare_launch(cfg, a, b)
     dummy = c  # never read: the constexpr flags switch the loads off
-    _int8_gemm_kernel[grid](
-        a_arg, b_arg, c,
+    launch(
+        _int8_gemm_kernel, grid, a_arg, b_arg, c,
         sa if sa is not None else dummy, sb if sb is not None else dummy,
         za if za is not None else dummy, cs if cs is not None else dummy,
         bias if bias is not None else dummy,
         M, N, K, a.stride(0), b.stride(0), c.stride(0),
         sa.stride(0) if sa is not None else 0, sb.stride(0) if sb is not None else 0,
         za.stride(0) if za is not None else 0,
-        HAS_SCALES=not raw, HAS_ZP=za is not None, HAS_BIAS=bias is not None,
+        HAS_SCALES=sa is not None, HAS_ZP=za is not None, HAS_BIAS=bias is not None,
         EVEN_K=K % cfg["BLOCK_K"] == 0, **opts)
     return c

@@ -393,3 +393,52 @@ def _w4a16_dot8_kernel(
         if HAS_BIAS:
             acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(o_ptr, round_to(acc, OUT.dtype.element_ty), mask=o_ok)
+
+
+# ------------------------------------------------------------------------------------------
+# Dequantization of a planar-chunks weight to the activation dtype, for large M (prefill),
+# where a bf16 tensor-core GEMM (cuBLAS) on the dequantized weight beats unpacking nibbles
+# in every tile: one pass writing N*K 16-bit values (~5% of an M = 2048 GEMM's time). The
+# weight is made per call and freed with the call's output: nothing is kept.
+# Values: int4 / uint4 (code - z) * s in float32, then ONE rounding to the output dtype per
+# weight (the only rounding the decode kernel does not make); fp4: e2m1 * e8m0 / e4m3 is exact
+# in bf16; NVFP4's tensor scale is left to the caller (it multiplies the fp32 accumulator).
+@triton.jit
+def _w4_dequant_kernel(W, S, Z, SC, OUT, N, K, s_wn, s_sn, s_on,
+                       WFMT: tl.constexpr, HAS_Z: tl.constexpr, G: tl.constexpr, C: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    pid_n = tl.program_id(0)
+    kc = tl.program_id(1) * C
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    n64 = offs_n.to(tl.int64)
+    j = tl.arange(0, C // 2)
+    wp = tl.load(W + n64[:, None] * s_wn + (kc // 2 + j)[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
+    if WFMT <= 1:
+        gidx = kc // G
+        if WFMT == 0:
+            off = tl.full((BLOCK_N,), 8388616.0, tl.float32)
+        else:
+            off = tl.full((BLOCK_N,), 8388608.0, tl.float32)
+        if HAS_Z:
+            off += tl.load(Z + n64 * s_sn + gidx, mask=n_ok, other=0).to(tl.float32)
+        s = tl.load(S + n64 * s_sn + gidx, mask=n_ok, other=0.0)[:, None]
+        va = _nibble_value(wp & 15, off[:, None]) * s
+        vb = _nibble_value(wp >> 4, off[:, None]) * s
+    else:
+        ga = (kc + j) // G
+        gb = (kc + C // 2 + j) // G
+        sca = tl.load(SC + n64[:, None] * s_sn + ga[None, :], mask=n_ok[:, None], other=127).to(tl.int32)
+        scb = tl.load(SC + n64[:, None] * s_sn + gb[None, :], mask=n_ok[:, None], other=127).to(tl.int32)
+        if WFMT == 2:
+            sva = (tl.minimum(tl.maximum(sca, 1), 254) << 23).to(tl.float32, bitcast=True)
+            svb = (tl.minimum(tl.maximum(scb, 1), 254) << 23).to(tl.float32, bitcast=True)
+        else:
+            sva = decode_e4m3fn(sca)
+            svb = decode_e4m3fn(scb)
+        va = _e2m1_value(wp & 15) * sva
+        vb = _e2m1_value(wp >> 4) * svb
+    o = OUT + n64[:, None] * s_on + (kc + j)[None, :]
+    ty = OUT.dtype.element_ty
+    tl.store(o, round_to(va, ty), mask=n_ok[:, None])
+    tl.store(o + C // 2, round_to(vb, ty), mask=n_ok[:, None])

@@ -1,0 +1,585 @@
+"""`lowbit bench model`: a whole Llama-shaped model, bf16 against every lowbit recipe (and
+torchao's configs where torchao imports), in one process on one GPU.
+
+For each variant (the bf16 baseline first, then each recipe applied to a deep copy of it with
+lowbit.nn.quantize_model, followed by lowbit.nn.prepare_model where that exists):
+  prefill   2048 tokens, batch 1, no KV cache, logits of the last token only
+  decode    one token per sequence at batch 1 and 16 against a KV cache holding 512 tokens
+            (a transformers StaticCache; the same step is repeated, see lowbit.bench.llama)
+each in two modes:
+  eager     the model as transformers runs it (no CUDA graph: decode is launch-bound here)
+  compiled  torch.compile(dynamic=False): mode "default" for prefill; mode "reduce-overhead"
+            for decode, i.e. inductor's CUDA graphs (cudagraph trees) around the whole step.
+            That is the only way CUDA graphs enter: an eager model is never captured by hand,
+            so eager is compared with eager and compiled with compiled. A compile failure is
+            that row's error; the run goes on.
+
+Timing: lowbit.bench.timing.bench_ms (triton.testing.do_bench median, L2 flushed between
+calls) after warm-up calls; peak memory is read around one extra call, outside the timer (the
+timer's own L2-flush buffer would count otherwise). On the CPU (`--device cpu`, a dry run of
+the plumbing, what the tests use) a wall-clock median stands in; CPU times mean nothing.
+
+Each row: name, variant, kind (baseline|lowbit|torchao), mode, phase, batch, tokens (processed
+per call), shape, ms, tokens_per_s, speedup (baseline ms / ms, same mode, phase and batch: > 1
+is faster), weight_bytes (bytes of every tensor the model holds on the device: parameters,
+buffers and tensors kept in module attributes such as QTensors and per-device caches,
+each storage once, counted after the eager calls so lazily built caches show),
+weight_alloc_bytes (torch.cuda.memory_allocated growth from building the variant, after the
+eager calls), weights_ratio, peak_bytes (torch.cuda.max_memory_allocated during one call
+above the memory in use before the variant was built: weights + KV cache + activations),
+peak_ratio, logits_rel_err (||logits - logits_baseline|| / ||logits_baseline|| over all
+positions of a fixed 256-token prompt, eager), out_rel_err (the timed call's own output
+against the baseline's eager output for the same inputs), vs_eager_rel (compiled rows: against
+the same variant's eager output), compile_s, graph_breaks, cudagraph_skips, build_s,
+prepared, paths (QuantLinear.last_path counts), cache (static|dynamic); a row that did not run
+has ms None and `error` or `skipped` saying why.
+
+Budget: each non-baseline variant gets `budget` seconds (default 30: ten recipes in about five
+minutes on an H200, plus the baseline); the steps run in the order eager prefill, eager decode
+b1, b16, compiled decode b1, prefill, decode b16, and a step that would start after the budget
+is spent is skipped with that reason. A step is not interrupted: one slow compile can overrun.
+The baseline has no budget (every ratio needs it).
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import math
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from lowbit.bench import llama
+
+TORCHAO = ("torchao-int8", "torchao-fp8-row", "torchao-int4")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CACHE_SLACK = 16    # StaticCache slots beyond the context: room for the step (and a runaway one)
+CUDA_BROKEN = ("CUDA error", "device-side assert", "illegal memory access")
+
+
+@dataclass
+class Options:
+    """One run. Token counts are per sequence; batches are the decode batch sizes."""
+    shape: str = "8b"
+    layers: int = 4
+    dtype: str = "bf16"
+    device: str = "cuda"
+    seed: int = 0
+    prefill: int = 2048
+    context: int = 512
+    batches: tuple[int, ...] = (1, 16)
+    error_tokens: int = 256
+    variants: tuple[str, ...] = ()          # lowbit recipe / torchao names; () = all
+    compile: bool = True
+    budget: float = 30.0
+    time_limit: float | None = None         # seconds for the whole run; later variants are skipped
+    quick: bool = False
+    log: Callable[[str], None] = field(default=lambda msg: print(msg, flush=True))
+
+    @classmethod
+    def quick_run(cls, **kw) -> "Options":
+        """--quick: 512-token prefill, 128-token context, batch 1 only, 15 s per variant."""
+        return cls(**{**dict(prefill=512, context=128, batches=(1,), error_tokens=64, budget=15.0, quick=True), **kw})
+
+
+class _Skipped(Exception):
+    """A variant or step that cannot run here for a known reason (not a failure)."""
+
+
+def all_variants() -> list[str]:
+    from lowbit.nn.recipes import RECIPES
+    return list(RECIPES) + list(TORCHAO)
+
+
+def check_variants(names: tuple[str, ...]) -> tuple[str, ...]:
+    known = all_variants()
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise ValueError(f"recipes={','.join(bad)} not known; choose from: {', '.join(known)}")
+    return tuple(names) or tuple(known)
+
+
+# ------------------------------------------------------------------------------ variants
+def _build(name: str, master: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
+    """A deep copy of the baseline model quantized as `name`, and facts about how."""
+    if name in TORCHAO:
+        return _build_torchao(name, master)
+    import lowbit.nn as lnn
+    model = copy.deepcopy(master)
+    lnn.quantize_model(model, name)
+    prepare = getattr(lnn, "prepare_model", None)  # the GPU runtime's hook, where it exists
+    if prepare is not None:
+        prepare(model)
+    return model, dict(prepared=prepare is not None)
+
+
+def _build_torchao(name: str, master: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
+    try:
+        import torchao.quantization as tq
+    except ImportError:
+        raise _Skipped("torchao not installed") from None
+    if name == "torchao-int8":
+        cfg = tq.Int8DynamicActivationInt8WeightConfig()
+    elif name == "torchao-fp8-row":
+        per_row = getattr(tq, "PerRow", None) or __import__("torchao.quantization.granularity",
+                                                            fromlist=["PerRow"]).PerRow
+        cfg = tq.Float8DynamicActivationFloat8WeightConfig(granularity=per_row())
+    else:
+        cfg = tq.Int4WeightOnlyConfig(group_size=128)   # lowbit's w4a16: int4, groups of 128
+    model = copy.deepcopy(master)
+    # the layers lowbit quantizes: every Linear but the LM head
+    tq.quantize_(model, cfg, filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and fqn != "lm_head")
+    return model, dict(torchao_config=type(cfg).__name__)
+
+
+# ------------------------------------------------------------------------------ measurement helpers
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (inf when b is all zeros)."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm()) if b.norm() > 0 else math.inf
+
+
+def resident_bytes(model: torch.nn.Module, device: torch.device) -> int:
+    """Bytes of every tensor storage `model` holds on `device` (see the module docstring), each
+    storage once; tensor subclasses (torchao) are counted through their inner tensors."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    storages: dict[int, int] = {}
+    seen: set[int] = set()
+
+    def add(t: torch.Tensor) -> None:
+        if is_traceable_wrapper_subclass(t):
+            for inner in t.__tensor_flatten__()[0]:
+                add(getattr(t, inner))
+        elif t.device.type == device.type and t.numel():
+            st = t.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+
+    def visit(obj, depth: int) -> None:
+        if torch.is_tensor(obj):
+            add(obj)
+        elif depth == 0 or id(obj) in seen or isinstance(obj, (str, bytes, int, float, type)) or callable(obj):
+            return
+        else:
+            seen.add(id(obj))
+            items = (obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple, set))
+                     else vars(obj).values() if hasattr(obj, "__dict__") else ())
+            for v in items:
+                visit(v, depth - 1)
+
+    for m in model.modules():
+        for k, v in vars(m).items():
+            if k != "_modules":
+                visit(v, 4)
+    return sum(storages.values())
+
+
+def _allocated(device: torch.device) -> int | None:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_ms(call: Callable[[], object], device: torch.device, quick: bool) -> float:
+    if device.type == "cuda":
+        from lowbit.bench.timing import bench_ms
+        return bench_ms(call, [()], warmup=10 if quick else 25, rep=40 if quick else 100)
+    times = []
+    for _ in range(1 if quick else 3):
+        t = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - t) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _dynamo_counts() -> tuple[int, int]:
+    """(graph breaks, cudagraph skips) counted by dynamo / inductor since the last reset."""
+    from torch._dynamo.utils import counters
+    return sum(counters["graph_break"].values()), int(counters["inductor"].get("cudagraph_skips", 0))
+
+
+def _reset_compiler() -> None:
+    torch._dynamo.reset()   # also drops cudagraph trees on recent torch
+    from torch._dynamo.utils import counters
+    counters.clear()
+
+
+def _paths(model: torch.nn.Module) -> dict[str, int]:
+    return dict(Counter(m.last_path for m in model.modules() if getattr(m, "last_path", None)))
+
+
+# ------------------------------------------------------------------------------ one step
+@dataclass
+class _Inputs:
+    prefill: torch.Tensor   # [1, prefill]
+    error: torch.Tensor     # [1, error_tokens]
+    context: torch.Tensor   # [max batch, context]
+    step: torch.Tensor      # [max batch, 1]
+
+    @classmethod
+    def make(cls, opts: Options, vocab: int, device: torch.device) -> "_Inputs":
+        g = torch.Generator().manual_seed(opts.seed + 1)
+        draw = lambda *s: torch.randint(0, vocab, s, generator=g).to(device)  # noqa: E731
+        return cls(draw(1, opts.prefill), draw(1, opts.error_tokens), draw(max(opts.batches), opts.context),
+                   draw(max(opts.batches), 1))
+
+
+def _step(model, mode: str, phase: str, batch: int, inp: _Inputs, opts: Options, row: dict,
+          ref: dict, eager_out: dict, mem0: int | None, device: torch.device) -> None:
+    """Run, check and time one (mode, phase, batch) of one variant; fills `row`."""
+    cache = None
+    if phase == "prefill":
+        fn = llama.prefill_step(model)
+        args = (inp.prefill, torch.arange(opts.prefill, device=device)[None])
+    else:
+        cache, kind = llama.new_cache(model, batch, opts.context + CACHE_SLACK)
+        row["cache"] = kind
+        if mode == "compiled" and kind != "static":
+            raise _Skipped("compiled decode needs transformers' StaticCache (not usable in this version)")
+        llama.fill_cache(model, cache, inp.context[:batch])
+        fn, args = llama.decode_step(model, cache, kind, inp.step[:batch], opts.context)
+    if mode == "compiled":
+        breaks0, skips0 = _dynamo_counts()
+        compiled = torch.compile(fn, mode="reduce-overhead" if phase == "decode" else "default", dynamic=False)
+        graphs = phase == "decode" and device.type == "cuda"
+
+        def call():
+            if graphs:   # each call starts a new cudagraph-tree step: the previous outputs are dead
+                torch.compiler.cudagraph_mark_step_begin()
+            return compiled(*args)
+        t = time.perf_counter()
+        call()
+        _sync(device)
+        row["compile_s"] = round(time.perf_counter() - t, 2)
+        call()      # cudagraph trees: the second call records, later ones replay
+    else:
+        def call():
+            return fn(*args)
+        call()
+    # at least two calls before the cache check; outputs are kept on the CPU, so the references
+    # never count in a peak or in the weights' allocation
+    out = call().float().cpu()
+    if cache is not None:
+        llama.check_repeatable(cache, opts.context)
+    key = (phase, batch)
+    if row["kind"] == "baseline" and mode == "eager":
+        ref[key] = out
+    elif key in ref:
+        row["out_rel_err"] = rel_err(out, ref[key])
+    if mode == "eager":
+        eager_out[key] = out
+    elif key in eager_out:
+        row["vs_eager_rel"] = rel_err(out, eager_out[key])
+    if mode == "compiled":
+        breaks, skips = _dynamo_counts()
+        row.update(graph_breaks=breaks - breaks0, cudagraph_skips=skips - skips0)
+    if mem0 is not None:
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        call()
+        _sync(device)
+        row["peak_bytes"] = torch.cuda.max_memory_allocated(device) - mem0
+    row["ms"] = _time_ms(call, device, opts.quick)
+    row["tokens_per_s"] = row["tokens"] / (row["ms"] * 1e-3)
+
+
+# ------------------------------------------------------------------------------ one variant
+STEPS = {"eager": (("prefill", 1), ("decode", None)), "compiled": (("decode", 1), ("prefill", 1), ("decode", None))}
+
+
+def _plan(opts: Options) -> list[tuple[str, str, int]]:
+    """(mode, phase, batch) in the order they run (see the module docstring)."""
+    out = []
+    for mode in ("eager", "compiled") if opts.compile else ("eager",):
+        for phase, b in STEPS[mode]:
+            if b is None:   # the decode batches not yet listed for this mode
+                out += [(mode, phase, x) for x in opts.batches if (mode, phase, x) not in out]
+            elif phase == "prefill" or b in opts.batches:
+                out.append((mode, phase, b))
+    return out
+
+
+def _base_row(opts: Options, variant: str, kind: str, mode: str, phase: str, batch: int) -> dict:
+    tokens = opts.prefill if phase == "prefill" else batch
+    where = f"T={opts.prefill}" if phase == "prefill" else f"B={batch} ctx={opts.context}"
+    name = f"{variant} {mode} {phase}" + (f" b{batch}" if phase == "decode" else "")
+    return dict(name=name, variant=variant, kind=kind, mode=mode, phase=phase, batch=batch, tokens=tokens,
+                shape=f"{opts.shape} L{opts.layers} {where}", ms=None)
+
+
+def _describe_failure(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+
+
+def measure_variant(name: str, kind: str, master: torch.nn.Module, inp: _Inputs, opts: Options,
+                    ref: dict, state: dict) -> list[dict]:
+    """Every row of one variant; `ref` holds the baseline's outputs (filled by the baseline),
+    `state` carries `cuda_broken` (why nothing can run any more) between variants."""
+    log, device = opts.log, inp.prefill.device
+    plan = _plan(opts)
+    rows = [_base_row(opts, name, kind, *p) for p in plan]
+
+    def fail_all(key: str, why: str) -> list[dict]:
+        for r in rows:
+            r[key] = why
+        log(f"  {name}: {key} ({why})")
+        return rows
+
+    if state.get("cuda_broken"):
+        return fail_all("skipped", f"CUDA context broken by an earlier error ({state['cuda_broken']})")
+    t0 = time.perf_counter()
+    deadline = math.inf if kind == "baseline" else t0 + opts.budget
+    mem0 = _allocated(device)
+    model = None
+    try:
+        if kind == "baseline":
+            model, info = copy.deepcopy(master), {}
+        else:
+            model, info = _build(name, master)
+        info["build_s"] = round(time.perf_counter() - t0, 2)
+        log(f"  {name}: built in {info['build_s']:.1f} s")
+        with torch.no_grad():
+            logits = llama.full_logits(model, inp.error).float().cpu()
+            if kind == "baseline":
+                ref["logits"] = logits
+            info["logits_rel_err"] = rel_err(logits, ref["logits"])
+            del logits
+            eager_out: dict = {}
+            for r, (mode, phase, batch) in zip(rows, plan):
+                if mode == "compiled" and "compile_started" not in info:
+                    info["compile_started"] = True
+                    # facts about the eager model, before compiled graphs hold memory of their own
+                    info.update(_weights(model, device, mem0), paths=_paths(model))
+                    _reset_compiler()
+                if time.perf_counter() > deadline:
+                    r["skipped"] = f"variant time budget ({opts.budget:.0f} s) spent"
+                    continue
+                try:
+                    _step(model, mode, phase, batch, inp, opts, r, ref, eager_out, mem0, device)
+                    log(_progress(r))
+                except _Skipped as exc:
+                    r["skipped"] = str(exc)
+                    log(f"  {r['name']}: skipped ({exc})")
+                except Exception as exc:  # one step's failure (compile included) is that row's error
+                    r["error"] = _describe_failure(exc)
+                    log(f"  {r['name']}: FAILED {r['error']}")
+                    if any(s in str(exc) for s in CUDA_BROKEN):
+                        state["cuda_broken"] = r["error"]
+                        break
+                    if mode == "compiled":
+                        _reset_compiler()
+            if state.get("cuda_broken"):   # nothing more can run in this process
+                for r in rows:
+                    if r["ms"] is None and "error" not in r:
+                        r.setdefault("skipped", "not run: the CUDA context broke")
+            elif "compile_started" not in info:
+                info.update(_weights(model, device, mem0), paths=_paths(model))
+        info.pop("compile_started", None)
+    except _Skipped as exc:
+        return fail_all("skipped", str(exc))
+    except Exception as exc:
+        why = _describe_failure(exc)
+        if any(s in str(exc) for s in CUDA_BROKEN):
+            state["cuda_broken"] = why
+        return fail_all("error", why if model is None else f"{why} (eager logits)")
+    finally:
+        del model
+        _free(device)
+    for r in rows:
+        r.update(info)
+    return rows
+
+
+def _weights(model: torch.nn.Module, device: torch.device, mem0: int | None) -> dict:
+    out = dict(weight_bytes=resident_bytes(model, device))
+    if mem0 is not None:
+        _sync(device)
+        out["weight_alloc_bytes"] = _allocated(device) - mem0
+    return out
+
+
+def _free(device: torch.device) -> None:
+    """Drop compiled graphs and give the variant's memory back before the next one is built
+    (gc.collect costs a second in a process holding transformers: only where memory counts)."""
+    _reset_compiler()
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _progress(r: dict) -> str:
+    s = f"  {r['name']:36s} {r['ms']:9.3f} ms {r['tokens_per_s']:12.0f} tok/s"
+    if "peak_bytes" in r:
+        s += f"  peak {r['peak_bytes'] / 2**30:6.2f} GiB"
+    if "compile_s" in r:
+        s += f"  compile {r['compile_s']:.1f} s, {r['graph_breaks']} graph breaks"
+    return s
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """speedup / weights_ratio / peak_ratio against the baseline row of the same mode, phase, batch."""
+    base = {(r["mode"], r["phase"], r["batch"]): r for r in rows if r["kind"] == "baseline"}
+    for r in rows:
+        b = base.get((r["mode"], r["phase"], r["batch"]))
+        if not b:
+            continue
+        r["baseline"] = b["variant"]
+        for key, num, den in (("speedup", b.get("ms"), r.get("ms")),
+                              ("weights_ratio", r.get("weight_bytes"), b.get("weight_bytes")),
+                              ("peak_ratio", r.get("peak_bytes"), b.get("peak_bytes"))):
+            if num and den:
+                r[key] = num / den
+
+
+def run_bench(opts: Options, on_variant: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Build the baseline model, measure it and every variant in `opts.variants`; rows with
+    ratios. on_variant(rows so far) runs after each variant (main writes the JSON there, so a
+    run killed from outside keeps what it measured)."""
+    device = torch.device(opts.device)
+    if opts.dtype not in DTYPES:
+        raise ValueError(f"dtype={opts.dtype!r}; choose one of {', '.join(DTYPES)}")
+    if opts.context < 1 or opts.prefill < 1 or opts.error_tokens < 1 or not opts.batches or min(opts.batches) < 1:
+        raise ValueError("prefill, context, error_tokens and every decode batch must be >= 1")
+    variants = check_variants(opts.variants)
+    need = max(opts.prefill, opts.error_tokens, opts.context + CACHE_SLACK)
+    master = llama.build_llama(opts.shape, opts.layers, DTYPES[opts.dtype], opts.device, opts.seed,
+                               max_positions=max(8192, need))
+    inp = _Inputs.make(opts, master.config.vocab_size, device)
+    opts.log(f"# model: {opts.shape} x {opts.layers} layers, {opts.dtype} on {device}; prefill {opts.prefill}, "
+             f"decode at batch {','.join(map(str, opts.batches))} after {opts.context} tokens; "
+             f"{'eager and compiled' if opts.compile else 'eager only'}")
+    ref: dict = {}
+    state: dict = {}
+    rows: list[dict] = []
+    todo = [(opts.dtype, "baseline")] + [(v, "torchao" if v in TORCHAO else "lowbit") for v in variants]
+    t0 = time.perf_counter()
+    for i, (name, kind) in enumerate(todo):
+        opts.log(f"[{i + 1}/{len(todo)}] {name}")
+        if opts.time_limit and time.perf_counter() - t0 > opts.time_limit:
+            why = f"run time limit ({opts.time_limit:.0f} s) reached"
+            rows += [dict(_base_row(opts, name, kind, *p), skipped=why) for p in _plan(opts)]
+            opts.log(f"  {name}: skipped ({why})")
+            continue
+        rows += measure_variant(name, kind, master, inp, opts, ref, state)
+        add_ratios(rows)
+        if on_variant is not None:
+            on_variant(rows)
+    add_ratios(rows)
+    return rows
+
+
+# ------------------------------------------------------------------------------ command line
+def register(p) -> None:
+    """Arguments of `lowbit bench model`."""
+    d = Options()
+    p.add_argument("--shape", choices=list(llama.SHAPES), default=d.shape,
+                   help="8b: Llama-3-8B layers, 1b: Llama-3.2-1B, smollm2: SmolLM2-135M, tiny: a CPU dry run")
+    p.add_argument("--layers", type=int, default=d.layers, help="decoder layers (default %(default)s)")
+    p.add_argument("--recipes", default=None, metavar="A,B,...",
+                   help="lowbit recipes and torchao-int8 / torchao-fp8-row / torchao-int4 to run (default: all); "
+                        "the baseline always runs")
+    p.add_argument("--no-compile", action="store_true", help="eager rows only")
+    p.add_argument("--quick", action="store_true",
+                   help="prefill 512, context 128, decode batch 1 only, 15 s per variant (a smoke run)")
+    p.add_argument("--budget", type=float, default=None, metavar="S",
+                   help=f"seconds per non-baseline variant (default {d.budget:.0f}; --quick 15)")
+    p.add_argument("--time-limit", type=float, default=None, metavar="S",
+                   help="seconds for the whole run: variants not started by then are skipped (default: none)")
+    p.add_argument("--dtype", choices=list(DTYPES), default=d.dtype, help="the baseline's dtype")
+    p.add_argument("--device", default=d.device, help="cuda (default) or cpu: a dry run of the plumbing")
+    p.add_argument("--seed", type=int, default=d.seed, help="weights and prompts (default %(default)s)")
+    p.add_argument("--prefill", type=int, default=None, metavar="T", help=f"prefill tokens (default {d.prefill})")
+    p.add_argument("--context", type=int, default=None, metavar="T",
+                   help=f"tokens in the KV cache before the timed decode step (default {d.context})")
+    p.add_argument("--batches", default=None, metavar="B,B",
+                   help=f"decode batch sizes (default {','.join(map(str, d.batches))})")
+    p.add_argument("--error-tokens", type=int, default=None, metavar="T",
+                   help=f"prompt length of the logits' relative error (default {d.error_tokens})")
+    p.add_argument("--json", metavar="PATH", default=None, help="write the rows and the environment as JSON")
+    p.add_argument("--plot", metavar="PATH", default=None, help="write a PNG (needs matplotlib)")
+
+
+def options_from_args(args) -> Options:
+    kw = dict(shape=args.shape, layers=args.layers, dtype=args.dtype, device=args.device, seed=args.seed,
+              compile=not args.no_compile)
+    if args.recipes:
+        kw["variants"] = tuple(x.strip() for x in args.recipes.split(",") if x.strip())
+    for name in ("prefill", "context", "budget", "error_tokens", "time_limit"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    if args.batches:
+        try:
+            kw["batches"] = tuple(int(b) for b in args.batches.split(","))
+        except ValueError:
+            raise ValueError(f"--batches={args.batches!r}: give comma-separated integers, e.g. 1,16") from None
+    return Options.quick_run(**kw) if args.quick else Options(**kw)
+
+
+def environment(opts: Options) -> dict:
+    from lowbit.bench.cli import environment as base_env
+    env = base_env()
+    for mod in ("transformers", "torchao"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except ImportError:
+            env[mod] = None
+    env["options"] = {k: v for k, v in vars(opts).items() if k != "log"}
+    return env
+
+
+def main(args) -> int:
+    """`lowbit bench model`: rows as they come, the table last; 1 if the baseline did not run."""
+    import json
+
+    from lowbit.bench import model_report
+
+    opts = options_from_args(args)
+    check_variants(opts.variants)
+    if opts.device.startswith("cuda") and not torch.cuda.is_available():
+        print("lowbit bench model: no CUDA GPU here; the benchmark times a model on the GPU "
+              "(--device cpu runs the plumbing, with meaningless times).", file=sys.stderr)
+        return 2
+    env = environment(opts)
+
+    def write_json(rows: list[dict]) -> None:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(environment=env, rows=rows), f, indent=1, default=str)
+
+    rows = run_bench(opts, on_variant=write_json)
+    write_json(rows)
+    notes = []
+    if args.json:
+        print(f"# wrote {args.json}")
+    if args.plot:
+        try:
+            model_report.plot(rows, args.plot)
+            print(f"# wrote {args.plot}")
+        except ImportError as exc:  # matplotlib is optional on the GPU machine
+            notes.append(f"# no plot ({exc}); redraw later: python -m lowbit.bench.model_report JSON PNG")
+    print("\n# lowbit bench model")
+    print(model_report.table(rows))
+    for n in notes:
+        print(n)
+    return 1 if any(r["kind"] == "baseline" and r["ms"] is None for r in rows) else 0
+
+
+def run(only: str | None = None, quick: bool = False, log=print) -> list[dict]:
+    """The `lowbit bench` hook: the default model run (8b, 4 layers; --quick as above); `only`
+    keeps the variants whose name contains one of its comma-separated parts."""
+    from lowbit.bench import model_report
+
+    variants = tuple(v for v in all_variants() if only is None or any(o in v for o in only.split(",")))
+    if not variants:
+        return []
+    opts = (Options.quick_run if quick else Options)(variants=variants, log=log)
+    rows = run_bench(opts)
+    log(model_report.table(rows))
+    return rows

@@ -1,0 +1,135 @@
+"""Reports of `lowbit bench model` rows (lowbit.bench.model): the table printed last and the PNG.
+Neither needs a GPU: `python -m lowbit.bench.model_report RUN.json [PNG]` redraws a run."""
+from __future__ import annotations
+
+import json
+import sys
+
+TICKS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1, 1.5, 2, 3, 5, 10)   # speed-up axis labels (log scale)
+
+
+def _columns(rows: list[dict]) -> list[tuple[str, int]]:
+    """(phase, batch) in the order the rows list them."""
+    return list(dict.fromkeys((r["phase"], r["batch"]) for r in rows))
+
+
+def _cell(r: dict | None) -> str:
+    if r is None:
+        return f"{'-':>22s}"
+    if r.get("ms") is None:
+        return f"{'FAILED' if r.get('error') else 'skipped':>22s}"
+    x = f"{r['speedup']:5.2f}x" if "speedup" in r else "     -"
+    return f"{r['ms']:8.3f} {r['tokens_per_s']:7.0f} {x}"
+
+
+def table(rows: list[dict]) -> str:
+    """One line per (variant, mode): ms, tokens/s and speed-up over the baseline per phase;
+    weights and peak in MiB with their ratios to the baseline; the logits' relative error.
+    Rows that did not run are listed under the table with the reason."""
+    cols = _columns(rows)
+    by = {(r["variant"], r["mode"], r["phase"], r["batch"]): r for r in rows}
+    T = next((r["tokens"] for r in rows if r["phase"] == "prefill"), "")
+    head1 = f"{'variant':18s} {'mode':8s} " + " ".join(
+        f"{f'prefill T={T}' if p == 'prefill' else f'decode b{b}':>22s}" for p, b in cols)
+    head1 += f" {'weights MiB':>15s} {'peak MiB':>15s} {'logits':>9s}"
+    head2 = f"{'':27s}" + " ".join(f"{'ms':>8s} {'tok/s':>7s} {'vs base':>6s}" for _ in cols)
+    head2 += f" {'':>15s} {'':>15s} {'rel err':>9s}"
+    lines = [head1, head2]
+    notes = []
+    for variant, mode in dict.fromkeys((r["variant"], r["mode"]) for r in rows):
+        cells = [by.get((variant, mode, p, b)) for p, b in cols]
+        line = f"{variant:18s} {mode:8s} " + " ".join(_cell(c) for c in cells)
+        any_r = next((c for c in cells if c), {})
+        w = any_r.get("weight_bytes")
+        wr = f"{any_r['weights_ratio']:5.2f}x" if "weights_ratio" in any_r else "      "
+        peaks = [c for c in cells if c and c.get("peak_bytes") is not None]
+        peak = max(peaks, key=lambda c: c["peak_bytes"], default=None)
+        pr = f"{peak['peak_ratio']:5.2f}x" if peak and "peak_ratio" in peak else "      "
+        line += f" {w / 2**20:8.1f} {wr}" if w is not None else f" {'-':>15s}"
+        line += f" {peak['peak_bytes'] / 2**20:8.1f} {pr}" if peak else f" {'-':>15s}"
+        err = any_r.get("logits_rel_err")
+        line += f" {err:9.2e}" if err is not None else f" {'-':>9s}"
+        if mode == "compiled":   # torch.compile's own account: graph breaks, CUDA graphs not used
+            ran = [c for c in cells if c and "graph_breaks" in c]
+            if ran:
+                line += (f"  {sum(c['graph_breaks'] for c in ran)} graph breaks, "
+                         f"{sum(c.get('cudagraph_skips', 0) for c in ran)} cudagraph skips")
+        lines.append(line)
+        for c in cells:
+            if c and c.get("ms") is None and (c.get("error") or c.get("skipped")):
+                notes.append(f"  {c['name']}: {c.get('error') or c.get('skipped')}")
+    lines.append("(vs base = baseline ms / ms in the same mode, phase and batch: > 1 is faster; peak is the "
+                 "largest of the variant's calls, its ratio against the baseline's same call)")
+    if notes:
+        # one line per distinct reason and variant, not one per row
+        lines += ["not measured:"] + list(dict.fromkeys(notes))
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """PNG: per phase, each variant's speed-up over the baseline, eager and compiled (log
+    scale, 1 = as fast as the baseline); last panel, weights and peak memory over the baseline's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401  (ax.yaxis formatters)
+
+    cols = _columns(rows)
+    variants = [v for v in dict.fromkeys(r["variant"] for r in rows)]
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    by = {(r["variant"], r["mode"], r["phase"], r["batch"]): r for r in rows}
+    fig, axes = plt.subplots(1, len(cols) + 1, figsize=(5 * (len(cols) + 1), 5.5))
+    x = range(len(variants))
+    width = 0.8 / max(len(modes), 1)
+    for ax, (phase, batch) in zip(axes, cols):
+        seen = [1.0]
+        for i, mode in enumerate(modes):
+            vals = [by.get((v, mode, phase, batch), {}).get("speedup", float("nan")) for v in variants]
+            bars = ax.bar([j + (i - (len(modes) - 1) / 2) * width for j in x], vals, width, label=mode)
+            ax.bar_label(bars, [f"{v:.2f}" if v == v else "" for v in vals], fontsize=6, rotation=90, padding=2)
+            seen += [v for v in vals if v == v]
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_yscale("log")
+        ax.set_ylim(min(seen) / 1.5, max(seen) * 1.6)
+        ticks = [t for t in TICKS if min(seen) / 1.5 <= t <= max(seen) * 1.6]
+        ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_title(f"{phase}" + (f" batch {batch}" if phase == "decode" else ""), fontsize=10)
+        ax.set_ylabel("baseline ms / ms  (>1: faster than the baseline)")
+        ax.set_xticks(list(x), variants, rotation=60, ha="right", fontsize=8)
+        ax.legend(fontsize=8)
+    ax = axes[-1]
+    first = {v: next((r for r in rows if r["variant"] == v and r.get("weights_ratio")), {}) for v in variants}
+    peak = {v: max((r.get("peak_ratio", 0.0) for r in rows if r["variant"] == v), default=0.0) for v in variants}
+    for dx, vals, label in ((-0.2, [first[v].get("weights_ratio", float("nan")) for v in variants], "weights"),
+                            (0.2, [peak[v] or float("nan") for v in variants], "peak (largest ratio of a call)")):
+        bars = ax.bar([j + dx for j in x], vals, 0.4, label=label)
+        ax.bar_label(bars, [f"{v:.2f}" if v == v else "" for v in vals], fontsize=6, rotation=90, padding=2)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_title("GPU memory / baseline's", fontsize=10)
+    ax.set_xticks(list(x), variants, rotation=60, ha="right", fontsize=8)
+    ax.legend(fontsize=8)
+    shape = rows[0]["shape"].split(" T=")[0].split(" B=")[0] if rows else ""
+    fig.suptitle(f"lowbit bench model: {shape}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        print("usage: python -m lowbit.bench.model_report RUN.json [OUT.png]", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        rows = json.load(f)["rows"]
+    print(table(rows))
+    if len(argv) > 1:
+        plot(rows, argv[1])
+        print(f"# wrote {argv[1]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

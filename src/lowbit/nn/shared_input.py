@@ -1,0 +1,132 @@
+"""Quantize each activation once: layers that read the same input share one GEMM.
+
+In a Llama-family decoder, q/k/v_proj all read the attention norm's output and gate/up_proj
+the MLP norm's. `share_inputs(model)` concatenates each such group's prepared operands along N
+into one `SharedGEMM` (one activation quantization, one wide GEMM); the member QuantLinears
+stay in the model under their own names (checkpoints, site reports and `check=True` read them
+as before) and, on the fast path, return their column slice of the shared output.
+
+The shared output is computed when the first member is called with an input and handed to
+the others when they are called with *the same tensor object*; it is dropped once every
+member has read it (so it never outlives the block). A member called with another input (a
+model that does not share) gets a fresh computation, so the result is always the member's own
+x @ W_member.T -- only the sharing is lost. An input modified in place between the members'
+calls would go unnoticed (transformers' Llama code never does that).
+
+Merging keeps the arithmetic of every column: per-channel and per-group weight scales are
+per row of W, so concatenating rows changes no product, scale or rounding; per-token
+activation scales are computed from the same x. Groups whose members differ in scheme, hold
+per-tensor state (static activation scales, NVFP4 weight tensor scales that differ, per-tensor
+weight scales) or have no fast path are left alone.
+"""
+from __future__ import annotations
+
+import torch
+
+from lowbit.nn import runtime
+from lowbit.nn.quant_linear import QuantLinear
+
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class SharedGEMM(torch.nn.Module):
+    """The concatenated operands of a group of QuantLinears reading one input."""
+
+    def __init__(self, spec: runtime.Spec, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None,
+                 members: int):
+        super().__init__()
+        self.spec, self._json = spec, spec.to_json()
+        for n, t in tensors.items():
+            self.register_buffer("fast_" + n, t, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+        self.members = members
+        self._x = self._y = None
+        self._left = 0
+        self._graphs = runtime.GraphCache()
+
+    def _apply(self, fn, recurse=True):
+        self._graphs.clear()  # captured graphs hold the old device pointers
+        return super()._apply(fn, recurse)
+
+    def output(self, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        """The group's [M, N_total] output for x2 = x as [M, K], computed once per input
+        object x (the members' own argument: x2 is a fresh view on every call)."""
+        if self._x is not x:
+            self._y = runtime.forward(self.spec, self._json, x2,
+                                      [getattr(self, "fast_" + n) for n in self.spec.operands], self.bias,
+                                      self._graphs)
+            self._x, self._left = x, self.members
+        y = self._y
+        self._left -= 1
+        if self._left <= 0:
+            self._x = self._y = None
+        return y
+
+    def extra_repr(self) -> str:
+        return f"kind={self.spec.kind}, N={self.spec.N}, K={self.spec.K}, members={self.members}"
+
+
+def _mergeable(layers: list) -> bool:
+    first = layers[0]
+    if not all(isinstance(m, QuantLinear) and m.fast_spec is not None for m in layers):
+        return False
+    if first.weight_scheme.strategy == "tensor":
+        return False
+    same = all(m.weight_scheme == first.weight_scheme and m.act_scheme == first.act_scheme
+               and m.in_features == first.in_features and m.act_static_scale is None
+               and m.backend == first.backend and m.fast_spec.operands == first.fast_spec.operands
+               for m in layers)
+    if not same:
+        return False
+    gs = [getattr(m, "fast_global_scale", None) for m in layers]
+    return gs[0] is None or all(torch.equal(g, gs[0]) for g in gs)
+
+
+def share_inputs(model: torch.nn.Module, groups=GROUPS) -> list[str]:
+    """Merge every group of sibling QuantLinears named in `groups` (default: Llama's q/k/v and
+    gate/up) into a SharedGEMM; returns the names of the parents changed. Idempotent."""
+    done = []
+    for pname, parent in list(model.named_modules()):
+        for names in groups:
+            layers = [getattr(parent, n, None) for n in names]
+            if any(m is None for m in layers) or any(getattr(m, "_shared", None) for m in layers):
+                continue
+            if not _mergeable(layers):
+                continue
+            first = layers[0]
+            spec = first.fast_spec
+            tensors = {}
+            for op in spec.operands:
+                parts = [getattr(m, "fast_" + op) for m in layers]
+                tensors[op] = parts[0] if op == "global_scale" else torch.cat(parts, 0)
+            biases = [m.bias for m in layers]
+            bias = None
+            if any(b is not None for b in biases):
+                dev = tensors[spec.operands[0]].device
+                bias = torch.cat([b.detach().float().to(dev) if b is not None
+                                  else torch.zeros(m.out_features, device=dev) for b, m in zip(biases, layers)])
+            n_total = sum(m.out_features for m in layers)
+            shared = SharedGEMM(runtime.Spec(**{**spec.__dict__, "N": n_total}), tensors, bias, len(layers))
+            parent.add_module("lowbit_shared_" + "_".join(n.split("_")[0] for n in names), shared)
+            start = 0
+            for m in layers:
+                m.attach_shared(shared, start, start + m.out_features)
+                start += m.out_features
+            done.append(pname)
+    return done
+
+
+def prepare_model(model: torch.nn.Module, *, device=None, dtype: torch.dtype | None = None,
+                  share: bool = True) -> torch.nn.Module:
+    """Ready a quantized model to serve: move it to `device`, cast what is not quantized to
+    `dtype` (QuantLinear's kernel operands keep their own formats), and (share=True) merge the
+    layers that read one input (share_inputs above). Returns the model (changed in place)."""
+    if dtype is not None:
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"dtype={dtype} is not a model dtype; use torch.bfloat16, float16 or float32")
+        model.to(dtype)
+    if device is not None:
+        model.to(device)
+    if share:
+        share_inputs(model)
+    return model
