@@ -8,7 +8,6 @@ Exit status 0 when the check passes, 1 when it fails, 2 on a bad file.
 from __future__ import annotations
 
 
-
 def register(parser) -> None:
     parser.add_argument("path", help="safetensors file with out, x, w (, bias) and schemes in metadata")
     parser.add_argument("--accumulator", choices=["int32", "fp32", "fp16", "bf16"],
