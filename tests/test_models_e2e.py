@@ -95,7 +95,10 @@ def test_bad_model_argument_is_a_clear_error(tmp_path, capsys):
 
 def test_minilm_embedding_cosine():
     """all-MiniLM-L6-v2 under W8A8 int8: sentence embeddings stay close to the float ones but
-    are not identical (the quantization is real)."""
+    are not identical (the quantization is real). Measured for this test (CPU, torch 2.13.0):
+    1 - cosine 0.00210 mean, 0.00156..0.00270 over the 24 sentences. 1 - cosine grows about in
+    proportion to the quantization noise power; the bound allows 1.5x the measured worst, so a
+    quantizer with twice the noise fails it."""
     from lowbit.nn import embedding_cosine, quantize_model
     model, tok = embedded.load_minilm()
     sentences = [a[:300] for a in embedded.wiki_articles()[:24]]
@@ -104,4 +107,4 @@ def test_minilm_embedding_cosine():
     assert len(summary.quantized) == 37
     cos = embedding_cosine(model, q, tok, sentences)
     assert cos.shape == (24,)
-    assert float(cos.min()) > 0.98 and float(cos.max()) < 1.0
+    assert float((1 - cos).max()) < 1.5 * 0.0027 and float(cos.max()) < 1.0
