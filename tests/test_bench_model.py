@@ -74,7 +74,8 @@ def test_rows_weights_and_logits_error(tmp_path, rng, capsys):
     from lowbit.nn import QuantLinear, quantize_model
     quantize_model(model, "w8a8-int8")
     qls = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    rest = {t.data_ptr(): t for m in model.modules() if not isinstance(m, QuantLinear)
+    from lowbit.nn.shared_input import SharedGEMM   # holds the merged q/k/v and gate/up codes
+    rest = {t.data_ptr(): t for m in model.modules() if not isinstance(m, (QuantLinear, SharedGEMM))
             for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
     floor = sum(q.in_features * q.out_features for q in qls) + sum(t.numel() * 4 for t in rest.values())
     assert floor <= by["w8a8-int8"]["weight_bytes"] < by["fp32"]["weight_bytes"]

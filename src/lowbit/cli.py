@@ -12,6 +12,7 @@ COMMANDS = {
     "formats": ("lowbit.formats.cli", "table of element formats computed from the codecs"),
     "demo": ("lowbit.demo", "quick tour: format table and per-tensor vs per-channel int8"),
     "check": ("lowbit.verify.cli", "verify a kernel's output stored in a safetensors file"),
+    "audit": ("lowbit.verify.cli_audit", "conformance table of every linear kernel on this machine"),
     "experiment": ("lowbit.experiments.cli", "the seeds' experiments as reproducible reports"),
     "bench": ("lowbit.bench.cli", "GPU benchmarks of lowbit kernels against baselines"),
     "doctor": ("lowbit.doctor", "which formats run natively, emulated or on the CPU here"),

@@ -136,10 +136,26 @@ def decode_step(model: torch.nn.Module, cache, kind: str, tokens: torch.Tensor, 
             kw["cache_position"] = cache_pos
         h = model.model(input_ids=ids, position_ids=pos, use_cache=True, **kw).last_hidden_state
         if rewind:
-            cache.crop(-ids.shape[1])  # negative: remove that many tokens (4.x and 5.x alike)
+            rewind_cache(cache, ids.shape[1])
         return model.lm_head(h[:, -1])
 
     return decode, (tokens, pos, cache_pos)
+
+
+def rewind_cache(cache, n: int) -> None:
+    """Give back the last `n` tokens' slots. `cache.crop(-n)` where every layer can crop (4.x,
+    DynamicCache, 5.24's StaticLayer); transformers 5.17's StaticLayer has no crop but counts its
+    tokens in a `cumulative_length` tensor, which is decremented in place (graph-safe)."""
+    layers = getattr(cache, "layers", None)
+    if layers and not all(hasattr(layer, "crop") for layer in layers):
+        for layer in layers:
+            length = getattr(layer, "cumulative_length", None)
+            if not isinstance(length, torch.Tensor):
+                raise RuntimeError(f"cannot rewind {type(layer).__name__}: no crop() and no cumulative_length "
+                                   "tensor in this transformers version")
+            length.sub_(n)
+        return
+    cache.crop(-n)  # negative: remove that many tokens
 
 
 def check_repeatable(cache, context: int) -> None:

@@ -43,11 +43,14 @@ from lowbit.quantize import QTensor
 from lowbit.scheme import QuantScheme
 
 KINDS = ("w8a8", "w8a16", "w4a16", "fp4", "mxfp8")
-# From this many rows on, 4-bit weights are dequantized to the activation dtype (one Triton
-# pass, lowbit.ops.weight_only.dequantize_w4) and multiplied by cuBLAS: the tensor cores then
-# run at bf16 speed, where unpacking nibbles in every tile of a large-M GEMM costs 3-4x
-# (H200, bench/layers.py). int4 weights get one rounding to bf16 each on this path.
-W4_DEQUANT_MIN_M = 256
+# Operands that are one value per layer, not per output row (equal across layers sharing one
+# input, so a merged GEMM takes the first member's rather than a concatenation).
+PER_LAYER_OPERANDS = ("global_scale", "act_qmax", "act_scale")
+# From this many rows on, 4-bit and MXFP8 weights are dequantized to bf16 (one Triton pass per
+# call, never kept) and multiplied by cuBLAS: the tensor cores then run at bf16 speed, where
+# unpacking codes in every tile of a large-M GEMM cost 1.1-3.7x (H200, bench/layers.py, M =
+# 2048). int4 weights get one rounding to bf16 each on this path; fp4 / fp8 values are exact.
+DEQUANT_MIN_M = 256
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -259,6 +262,9 @@ def _quantize_whole(spec, x2, ops):
 
 
 def _run_w8a16(spec, x2, ops, bias):
+    """The W8A16 kernel at every M. (cuBLAS on the codes cast to bf16 with the channel scale and
+    bias applied to the output by torch ops was slower on the H200 at M = 2048: 0.58x bf16 for the
+    model's prefill against the kernel's 0.71x; the output passes cost more than the GEMM saved.)"""
     from lowbit.ops.triton.w8a16 import w8a16_gemm
 
     return w8a16_gemm(x2, ops["w"], ops["w_scale"], bias)
@@ -277,7 +283,7 @@ def _run_w4a16(spec, x2, ops, bias, global_scale=None):
     from lowbit.ops.weight_only import _launch, dequantize_w4
 
     w = _w4(spec, ops, global_scale)
-    if x2.shape[0] < W4_DEQUANT_MIN_M:
+    if x2.shape[0] < DEQUANT_MIN_M:
         return _launch(x2, w, bias, None, interpreting())
     y = torch.nn.functional.linear(x2, dequantize_w4(w, x2.dtype))
     if w.global_scale is None and bias is None:
@@ -294,14 +300,12 @@ def _run_fp4(spec, x2, ops, bias):
     """fp4 x fp4, emulated exactly: the activation's codes times its block scale (exact in
     bf16) into the W4A16 kernel; NVFP4's two per-tensor scales multiply the accumulator."""
     from lowbit.ops.fused import quantize_rows
-    from lowbit.quantize import _decode_elements, scale_from_codes
+    from lowbit.ops.triton.dequant import dequantize_groups
 
     scheme = spec.act_scheme
     qt = quantize_rows(x2, scheme, check_finite=False)
-    one = None if qt.global_scale is None else qt.global_scale.new_ones(())
-    block = scale_from_codes(qt.scale_codes, scheme, one)      # e8m0 / e4m3 value, no tensor scale
-    xd = (_decode_elements(qt.codes, scheme).reshape(x2.shape[0], -1, scheme.group_size)
-          * block.reshape(x2.shape[0], -1, 1)).reshape(x2.shape).to(torch.bfloat16)
+    xd = dequantize_groups(qt.codes, qt.scale_codes.reshape(x2.shape[0], -1), scheme.group_size, "e2m1",
+                           "e8m0" if scheme.scale_format == "e8m0" else "e4m3")
     gs = None
     if qt.global_scale is not None:
         gs = (ops["global_scale"] * qt.global_scale.reshape(1)).contiguous()
@@ -309,12 +313,22 @@ def _run_fp4(spec, x2, ops, bias):
 
 
 def _run_mxfp8(spec, x2, ops, bias):
+    """MXFP8 x MXFP8, emulated exactly: below DEQUANT_MIN_M rows the MX GEMM (e8m0 scales
+    applied to the operands in each tile); from there both operands dequantized to bf16 (exact)
+    and one cuBLAS GEMM (fp32 accumulation, bf16 output; a bias is added in fp32 after it)."""
     from lowbit.ops.fused import quantize_rows
+    from lowbit.ops.triton.dequant import dequantize_groups
     from lowbit.ops.triton.gemm_blockscaled import mxfp8_gemm
 
     qt = quantize_rows(x2, spec.act_scheme, check_finite=False)
     sx = qt.scale_codes.reshape(x2.shape[0], -1)
-    return mxfp8_gemm(qt.codes, ops["w"], sx, ops["w_scale_codes"], bias=bias, out_dtype=x2.dtype)
+    if x2.shape[0] < DEQUANT_MIN_M:
+        return mxfp8_gemm(qt.codes, ops["w"], sx, ops["w_scale_codes"], bias=bias, out_dtype=x2.dtype)
+    y = torch.nn.functional.linear(dequantize_groups(qt.codes, sx, 32, "e4m3", "e8m0"),
+                                   dequantize_groups(ops["w"], ops["w_scale_codes"], 32, "e4m3", "e8m0"))
+    if bias is not None:
+        y = y.float() + bias.float()
+    return y.to(x2.dtype)
 
 
 _RUN = {"w8a8": _run_w8a8, "w8a16": _run_w8a16, "w4a16": _run_w4a16, "fp4": _run_fp4, "mxfp8": _run_mxfp8}
@@ -379,6 +393,9 @@ def _replay(spec, x2, operands, bias, graphs):
         xs = x2.clone()
         run(spec, xs, ops, bias)              # compiles every kernel outside the capture
         g = torch.cuda.CUDAGraph()
+        # each graph has its own memory pool (the default): a pool handle shared by all layers hit
+        # a CUDA caching-allocator assert on the H200 (torch 2.11) once the graphs first holding
+        # it were freed; a private pool reserves one small segment per layer and M instead
         with torch.cuda.graph(g):
             ys = run(spec, xs, ops, bias)
         entry = graphs[key] = (g, xs, ys)

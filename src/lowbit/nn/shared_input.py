@@ -98,7 +98,7 @@ def share_inputs(model: torch.nn.Module, groups=GROUPS) -> list[str]:
             tensors = {}
             for op in spec.operands:
                 parts = [getattr(m, "fast_" + op) for m in layers]
-                tensors[op] = parts[0] if op == "global_scale" else torch.cat(parts, 0)
+                tensors[op] = parts[0] if op in runtime.PER_LAYER_OPERANDS else torch.cat(parts, 0)
             biases = [m.bias for m in layers]
             bias = None
             if any(b is not None for b in biases):

@@ -2,15 +2,17 @@
 
 The file holds tensors `out` [M, N], `x` [M, K], `w` [N, K] and optionally `bias` [N]; its
 metadata (string -> string) may hold `x_scheme` / `w_scheme` (QuantScheme JSON or a preset
-name; absent = that side unquantized) and `accumulator` ("int32" | "fp32" | "fp16" | "bf16").
+name; absent = that side unquantized) and `accumulator` ("int32" | "fp32" | "fp8_fast" | "fp16" | "bf16").
 Exit status 0 when the check passes, 1 when it fails, 2 on a bad file.
 """
 from __future__ import annotations
 
+from lowbit.verify.tolerance import ACCUMULATORS
+
 
 def register(parser) -> None:
     parser.add_argument("path", help="safetensors file with out, x, w (, bias) and schemes in metadata")
-    parser.add_argument("--accumulator", choices=["int32", "fp32", "fp16", "bf16"],
+    parser.add_argument("--accumulator", choices=list(ACCUMULATORS),
                         help="what the kernel accumulates in (overrides the file's metadata)")
 
 
@@ -74,8 +76,8 @@ def run(args) -> int:
     t, meta = read_check_file(args.path)
     xs, ws = _scheme(args.path, meta, "x_scheme"), _scheme(args.path, meta, "w_scheme")
     acc = args.accumulator or meta.get("accumulator")
-    if acc is not None and acc not in ("int32", "fp32", "fp16", "bf16"):
-        raise BadCheckFile(f"{args.path}: metadata accumulator={acc!r}; write int32, fp32, fp16 or bf16")
+    if acc is not None and acc not in ACCUMULATORS:
+        raise BadCheckFile(f"{args.path}: metadata accumulator={acc!r}; write one of {', '.join(ACCUMULATORS)}")
     # absent keys have a meaning (that side unquantized, the accumulator from the schemes): say so
     told = {"x_scheme": "x is checked unquantized", "w_scheme": "w is checked unquantized",
             "accumulator": "the accumulator follows from the schemes"}

@@ -1,34 +1,44 @@
-"""Name the likely cause of a mismatch from the error's shape (seed 002 §5.4, §7; seed 000, 004).
+"""Name the cause of a mismatch, or say honestly that it is unknown.
 
-Three criteria, in seed 002's order:
-1. magnitude: error / result ~ 1 means every element is wrong: a logic error, not rounding;
-2. structure: error concentrated in some rows or columns, or explained by one rewiring of the
-   inputs (a shifted row, scales on the other axis, a missing term): an indexing/logic error;
-   error spread evenly and merely too large: numerical (e.g. a narrower accumulator);
-3. reference swap: the error is measured against the quantization-aware float64 reference,
-   and also against the original inputs; a kernel within the quantization error of the
-   original inputs but off the reference implements a DIFFERENT quantization (fallback).
-
-Structure is tested by re-simulation: each named bug is a small edit of the QTensors
-(scales of another group, another row, no zero point, ...) whose exact output
-qlinear_reference computes; a bug is named when its simulation explains the kernel's output.
+Order of questions (each answer is a simulation, never a bound that almost anything fits):
+1. Does one named bug reproduce the output? Every hypothesis in verify/hypotheses.py (a scale
+   missing / twice / inverted / broadcast, a K tail dropped, codes decoded with the wrong format,
+   a row shift, ...) is simulated exactly in float64; a bug is CONFIRMED when its simulation matches
+   the output within the gate of the buggy computation everywhere. Confirmed causes come first,
+   the closest first; simulations that coincide on this data are reported together.
+2. Is it a narrower accumulator than promised? verify/accumulate.py re-sums the reference's own
+   products with fp16 / bf16 / fp32 / fp8-fast rounding in the orders kernels use; the claim is
+   made only when one reproduces the output, or when the kernel's error has the simulated error's
+   size and spread (rms, largest error, every row and column). Numerical, not logic.
+3. Is the output close to the unquantized product but not to the scheme's quantization? Then
+   the kernel quantizes differently (logic: different_quantization).
+4. Is the error at most twice the bound, spread evenly? Numerical (over_budget_evenly): the
+   bound assumes round-to-nearest; a rounding toward zero somewhere doubles it.
+5. Otherwise: logic, `unexplained_logic_error`, with the evidence (where the error lives by row,
+   column and K block, its size and sign, whether it is proportional to the output), followed by
+   the hypotheses that explain most of it, each with the share it explains. Never a wrong name.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
-from lowbit.ops.reference import as_operand, qlinear_reference
+from lowbit.ops.reference import as_operand
+from lowbit.verify import accumulate as accmod
+from lowbit.verify import hypotheses as hy
+from lowbit.verify.simulate import _q
+
+PARTIAL = 0.8            # a hypothesis explaining >= 80% of the error's energy is listed as partial
+OVER_BUDGET = 2.0        # round-toward-zero has twice round-to-nearest's unit roundoff
 
 
 @dataclass
 class Cause:
     """A named likely cause with the evidence for it."""
 
-    name: str        # short identifier, e.g. "row_shift", "missing_zero_point"
+    name: str        # short identifier, e.g. "row_shift", "missing_zero_point_term"
     detail: str      # one readable sentence with the numbers
     confirmed: bool  # True when a simulation of this bug reproduces the output within the gate
 
@@ -50,190 +60,8 @@ class Context:
     bias: object = None
     orig_ref: torch.Tensor | None = None   # x @ w.T (+ bias) of the original inputs
     quant_gate: torch.Tensor | None = None  # deterministic quantization gate + implementation gate
-    gate_for: dict | None = None            # accumulator name -> implementation gate
-
-
-def _q(t) -> bool:
-    return hasattr(t, "codes") and hasattr(t, "scheme")
-
-
-def _explains(ctx: Context, pred: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[bool, float]:
-    """(within gate everywhere, residual norm / error norm) of a simulated output."""
-    e0 = (ctx.out - ctx.ref)
-    e1 = (ctx.out - pred)
-    if mask is not None:
-        e0, e1, g = e0[mask], e1[mask], ctx.gate[mask]
-    else:
-        g = ctx.gate
-    n0 = torch.linalg.vector_norm(e0).item()
-    n1 = torch.linalg.vector_norm(e1).item()
-    ratio = n1 / n0 if n0 > 0 else math.inf
-    return bool((e1.abs() <= g).all()), ratio
-
-
-def _try(ctx: Context, causes: list, name: str, detail: str, pred, mask=None) -> None:
-    if pred is None:
-        return
-    ok, ratio = _explains(ctx, pred, mask)
-    if ok or ratio < 0.05:
-        causes.append(Cause(name, detail + f" (residual {ratio:.1e} of the error)", ok))
-
-
-def _rescale(qt, scale: torch.Tensor):
-    return dataclasses.replace(qt, scale=scale.contiguous())
-
-
-def _word_permutations(G: int, R: int):
-    """Index maps of seed 002 pitfall 1 for scales [R, G] packed 4 per uint32 word:
-    byte order reversed within each word, and group-major words read in row-major order (and
-    the reverse). Returns {name: (row_index [R, G], group_index [R, G])}."""
-    if G < 4:
-        return {}
-    g = torch.arange(G)
-    full = (G // 4) * 4
-    rows = torch.arange(R)[:, None].expand(R, G)
-    swapped = torch.where(g < full, 4 * (g // 4) + 3 - g % 4, g)
-    perms = {"mx_scale_byte_order": (rows, swapped[None, :].expand(R, G))}
-    G4 = G // 4
-    if G4 >= 2 and G % 4 == 0:
-        r, w4 = rows, (g // 4)[None, :].expand(R, G)
-        b = (g % 4)[None, :].expand(R, G)
-        i = r * G4 + w4                 # word a row-major reader fetches ...
-        perms["scale_words_group_major_read_row_major"] = (i % R, 4 * (i // R) + b)  # ... from group-major storage
-        i = w4 * R + r
-        perms["scale_words_row_major_read_group_major"] = (i // G4, 4 * (i % G4) + b)
-    return perms
-
-
-def _scale_hypotheses(ctx: Context, causes: list) -> None:
-    for side, other in (("w", "x"), ("x", "w")):
-        qt = ctx.wq if side == "w" else ctx.xq
-        if not _q(qt) or qt.scale.ndim != 2:
-            continue
-        R, G = qt.scale.shape
-        sim = (lambda q: qlinear_reference(ctx.xq, q, ctx.bias)) if side == "w" else \
-              (lambda q: qlinear_reference(q, ctx.wq, ctx.bias))
-        # per-K-block scale hoisted out of the K loop (seed 002 pitfall 3): one group's scale for all
-        if G > 1:
-            for gi, where in ((0, "first"), (G - 1, "last")):
-                s = qt.scale[:, gi:gi + 1].expand(R, G)
-                _try(ctx, causes, "scale_hoisted_out_of_k_loop",
-                     f"{side}'s per-K-block scales replaced by the {where} block's scale for every block",
-                     sim(_rescale(qt, s)))
-        # MX scale layout (seed 002 pitfall 1)
-        for name, (ri, gi) in _word_permutations(G, R).items():
-            if R != qt.scale.shape[0]:
-                continue
-            _try(ctx, causes, name, f"{side}'s packed scale bytes read in the wrong order",
-                 sim(_rescale(qt, qt.scale[ri, gi])))
-        # silent per-tensor fallback (seed 004 failure mode 1)
-        if qt.scheme.strategy != "tensor" and ctx.x is not None and ctx.w is not None:
-            import lowbit as lb
-            try:  # one fp32 scale (e8m0 / two-level scale formats only exist per block)
-                sch = dataclasses.replace(qt.scheme, strategy="tensor", group_size=None, block_size=None,
-                                          scale_format="fp32", scale_rounding=None)
-                alt = lb.quantize(torch.as_tensor(ctx.w if side == "w" else ctx.x), sch)
-            except (ValueError, TypeError):
-                alt = None
-            if alt is not None:
-                _try(ctx, causes, "silent_per_tensor_fallback",
-                     f"{side} quantized with ONE scale instead of {qt.scheme.strategy} scales", sim(alt))
-        # zero point dropped from the epilogue (seed 000 pitfall, seed 004 failure mode)
-        if qt.zero_point is not None:
-            _try(ctx, causes, "missing_zero_point_term",
-                 f"{side}'s zero-point correction z * sum_k {other}_q missing: a per-"
-                 f"{'row' if side == 'x' else 'column'} offset proportional to {other}'s code sums",
-                 sim(dataclasses.replace(qt, zero_point=None)))
-    xq, wq = ctx.xq, ctx.wq
-    # both sides' per-K-block scales hoisted together (one loop, one bug)
-    if _q(xq) and _q(wq) and xq.scale.ndim == 2 and wq.scale.ndim == 2 and \
-            xq.scale.shape[1] == wq.scale.shape[1] > 1:
-        G = xq.scale.shape[1]
-        for gi, where in ((0, "first"), (G - 1, "last")):
-            hx = _rescale(xq, xq.scale[:, gi:gi + 1].expand_as(xq.scale))
-            hw = _rescale(wq, wq.scale[:, gi:gi + 1].expand_as(wq.scale))
-            _try(ctx, causes, "scale_hoisted_out_of_k_loop",
-                 f"both sides' per-K-block scales replaced by the {where} block's for every block "
-                 f"(seed 002 pitfall 3: the error grows with the K-block position)",
-                 qlinear_reference(hx, hw, ctx.bias))
-    # per-channel scales applied along the other output axis
-    M, N = ctx.out.shape
-    for side, qt, n_other in (("w", wq, M), ("x", xq, N)):
-        if _q(qt) and qt.scale.ndim == 2 and qt.scale.shape[1] == 1 and qt.scale.shape[0] > 1 \
-                and n_other <= qt.scale.shape[0]:
-            s = qt.scale[:, 0].double()
-            if side == "w":
-                pred = ctx.ref / s[None, :] * s[:M, None]
-            else:
-                pred = ctx.ref / s[:, None] * s[None, :N]
-            _try(ctx, causes, "scales_on_wrong_axis",
-                 f"{side}'s per-channel scales indexed by the {'row' if side == 'w' else 'column'} "
-                 f"of the output instead of the {'column' if side == 'w' else 'row'}", pred)
-
-
-def _shift_hypotheses(ctx: Context, causes: list) -> None:
-    M, N = ctx.out.shape
-    ones = torch.ones(M, N, dtype=torch.bool)
-    for dim, size, what in ((0, M, "row"), (1, N, "column")):
-        if size < 2:
-            continue
-        for step in (1, -1):
-            pred = torch.roll(ctx.ref, step, dims=dim)
-            mask = ones.clone()
-            edge = 0 if step == 1 else size - 1
-            if dim == 0:
-                mask[edge] = False
-            else:
-                mask[:, edge] = False
-            _try(ctx, causes, f"{what}_shift",
-                 f"output {what} i holds the reference's {what} i{'-' if step == 1 else '+'}1 "
-                 f"(an off-by-one {what} index)", pred, mask)
-
-
-def _wrap_hypothesis(ctx: Context, causes: list) -> None:
-    """int8 wrap (seed 000 pitfall): one code stored as q -/+ 256 makes an output row (an x code)
-    or column (a w code) wrong by -/+256 * s * (the other side's row). Recover the single
-    element from the worst row / column by projection, then check its size is 256 steps."""
-    e = ctx.out - ctx.ref
-    if not torch.isfinite(e).all():
-        return
-    for side, qt, oth in (("x", ctx.xq, ctx.wq), ("w", ctx.wq, ctx.xq)):
-        if not _q(qt) or qt.scheme.fmt.kind != "int" or qt.scheme.fmt.bits != 8:
-            continue
-        o = as_operand(oth, "other").dequantized()          # [N, K] (side x) or [M, K] (side w)
-        ev = e if side == "x" else e.T                      # rows of ev belong to `side`
-        i = int(ev.abs().amax(dim=1).argmax())
-        row = ev[i]
-        nrm = (o * o).sum(dim=0)                            # [K]
-        proj = (row @ o) / nrm.clamp(min=1e-300)            # best single-element error per k
-        gain = proj * proj * nrm
-        k = int(gain.argmax())
-        frac = float(gain[k] / (row @ row).clamp(min=1e-300))
-        op = as_operand(qt, side)
-        step = float(op.scale[i, k // op.group])
-        ratio = float(proj[k]) / step if step > 0 else 0.0
-        if frac > 0.9 and abs(abs(ratio) - 256) < 0.15 * 256:
-            where = f"{side}[{i}, {k}]"
-            causes.append(Cause("int8_wrap",
-                                f"{where} is off by {ratio:+.0f} quantization steps (a code that rounded past "
-                                f"127 stored in int8 wraps by 256: clamp after rounding; stale scale?); "
-                                f"this one element explains {frac:.0%} of {'row' if side == 'x' else 'column'} "
-                                f"{i}'s error", False))
-
-
-def _accumulator_hypothesis(ctx: Context, causes: list) -> None:
-    if not ctx.gate_for:
-        return
-    e = (ctx.out - ctx.ref).abs()
-    for name in ("fp16", "bf16"):
-        g = ctx.gate_for.get(name)
-        if g is not None and bool((e <= g).all()):
-            frac_rows = float(((e > ctx.gate).any(dim=1)).double().mean())
-            causes.append(Cause("accumulator_narrower_than_promised",
-                                f"errors exceed the promised accumulator's bound in {frac_rows:.0%} of rows "
-                                f"but fit a {name} accumulator's (seed 002 pitfall 2: accumulate in fp32, "
-                                f"or split K and sum partials in fp32)", False))
-            return
+    accumulator: str = "fp32"               # what the kernel promised
+    out_dtype: torch.dtype = torch.float32  # the output rounding
 
 
 def concentration(bad: torch.Tensor, dim: int) -> tuple[float, list[int]]:
@@ -249,55 +77,272 @@ def concentration(bad: torch.Tensor, dim: int) -> tuple[float, list[int]]:
     return float(top.values.sum()) / total, idx
 
 
+def _wrap_hypothesis(ctx: Context) -> Cause | None:
+    """int8 wrap: one code stored as q -/+ 256 makes an output row (an x code) or column (a w code)
+    wrong by -/+256 * s * (the other side's row). Recover the single element from the worst row /
+    column by projection, then check its size is 256 steps. Evidence, not an exact simulation (the
+    kernel's stale scale is unknown)."""
+    e = ctx.out - ctx.ref
+    if not torch.isfinite(e).all():
+        return None
+    for side, qt, oth in (("x", ctx.xq, ctx.wq), ("w", ctx.wq, ctx.xq)):
+        if not _q(qt) or qt.scheme.fmt.kind != "int" or qt.scheme.fmt.bits != 8:
+            continue
+        o = as_operand(oth, "other").dequantized()
+        ev = e if side == "x" else e.T
+        i = int(ev.abs().amax(dim=1).argmax())
+        row = ev[i]
+        nrm = (o * o).sum(dim=0)
+        proj = (row @ o) / nrm.clamp(min=1e-300)
+        gain = proj * proj * nrm
+        k = int(gain.argmax())
+        frac = float(gain[k] / (row @ row).clamp(min=1e-300))
+        op = as_operand(qt, side)
+        step = float(op.scale[i, k // op.group])
+        ratio = float(proj[k]) / step if step > 0 else 0.0
+        if frac > 0.9 and abs(abs(ratio) - 256) < 0.15 * 256:
+            return Cause("int8_wrap", f"{side}[{i}, {k}] is off by {ratio:+.0f} quantization steps (a code that "
+                         f"rounded past 127 stored in int8 wraps by 256: clamp after rounding; a stale static "
+                         f"scale?); this one element explains {frac:.0%} of {'row' if side == 'x' else 'column'} "
+                         f"{i}'s error", False)
+    return None
+
+
+def _confirmed_causes(ctx: Context, sim: hy.Sim) -> tuple[list[Cause], list[tuple[float, Cause]], str]:
+    """(confirmed causes, closest first and merged where they coincide; partial (share, cause);
+    kind of the first confirmed)."""
+    hits, partial = [], []
+    for h in hy.all_hypotheses(sim):
+        ok, share, worst = hy.explained(ctx.out, ctx.ref, h.pred, h.gate, h.mask)
+        if ok:
+            hits.append((worst, h))
+        elif share >= PARTIAL:
+            partial.append((share, h))
+    # Hypotheses come most specific first; coinciding simulations join the earliest one's group,
+    # then the groups (which predict different outputs) are ranked by their residual.
+    groups: list[list] = []
+    for worst, h in hits:
+        for g in groups:
+            lead = g[0][1]
+            both = _common_mask(lead.mask, h.mask)
+            if hy.explained(lead.pred, lead.pred, h.pred, torch.maximum(lead.gate, h.gate), both)[0]:
+                g.append((worst, h))
+                break
+        else:
+            groups.append([(worst, h)])
+    if any(not g[0][1].general for g in groups):   # a fitted family adds nothing to a specific match
+        groups = [g for g in groups if not g[0][1].general]
+    groups.sort(key=lambda g: g[0][0])
+    causes = []
+    for g in groups:
+        worst, h = g[0]
+        others = sorted({x.name for _, x in g[1:] if not x.general} - {h.name})
+        same = f"; equally explained here by: {', '.join(others)}" if others else ""
+        causes.append(Cause(h.name, f"{h.detail} (worst residual {worst:.2f} of the gate{same})", True))
+    kind = "logic"
+    if groups:
+        kind = groups[0][0][1].kind
+    best = {}
+    for share, h in sorted(partial, key=lambda t: -t[0]):
+        best.setdefault(h.name, (share, h))
+    parts = [(s, Cause(h.name, f"{h.detail}: explains {s:.0%} of the error, not all of it", False))
+             for s, h in best.values()]
+    return causes, parts, kind
+
+
+def _common_mask(a, b):
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a & b
+
+
+def _evidence(ctx: Context, err: torch.Tensor, bad: torch.Tensor) -> str:
+    """One paragraph: size, sign, rows/columns, K blocks and output-proportionality of the error."""
+    fin = torch.isfinite(err)
+    e = torch.where(fin, err, torch.zeros_like(err))
+    ref = ctx.ref
+    worst = float(torch.nan_to_num(err.abs() / ctx.gate, nan=math.inf).max())
+    rel = float(torch.linalg.vector_norm(e) / max(float(torch.linalg.vector_norm(ref)), 1e-300))
+    parts = [f"worst error {worst:.3g}x the gate, relative L2 {rel:.2e}, {float(bad.double().mean()):.0%} of "
+             f"outputs over the gate"]
+    if not bool(fin.all()):
+        parts.append(f"{int((~fin).sum())} non-finite outputs")
+    nz = e[e != 0]
+    if nz.numel():
+        same = float(((torch.sign(e) == torch.sign(ref)) & (e != 0)).double().sum() / nz.numel())
+        parts.append(f"{same:.0%} of nonzero errors share the output's sign")
+    M, N = e.shape
+    rs, rows = concentration(bad, 1)
+    cs, cols = concentration(bad, 0)
+    parts.append(f"worst 10% of rows hold {rs:.0%} of failures (rows {rows}), worst 10% of columns {cs:.0%} "
+                 f"(columns {cols})")
+    den = float((ref * ref).sum())
+    en = float((e * e).sum())
+    if den > 0 and en > 0:
+        c = float((e * ref).sum()) / den
+        glob = (c * c * den) / en
+        rr = (e * ref).sum(1) / (ref * ref).sum(1).clamp(min=1e-300)
+        row_fit = float(((rr[:, None] * ref) ** 2).sum()) / en
+        cc = (e * ref).sum(0) / (ref * ref).sum(0).clamp(min=1e-300)
+        col_fit = float(((cc[None, :] * ref) ** 2).sum()) / en
+        parts.append(f"error = c x output explains {glob:.0%} (c = {c:.3g}); one factor per row {row_fit:.0%}, "
+                     f"per column {col_fit:.0%} (high: a scale is wrong)")
+    kb = _k_block_fit(ctx, e)
+    if kb:
+        parts.append(kb)
+    return "; ".join(parts)
+
+
+def _k_block_fit(ctx: Context, e: torch.Tensor) -> str:
+    """Fit the error as sum_j c_j * (the reference's contribution of K block j); name the blocks
+    whose contribution is off (c_j far from 0) when the fit explains most of the error."""
+    try:
+        X = as_operand(ctx.xq, "x").dequantized()
+        W = as_operand(ctx.wq, "w").dequantized()
+    except ValueError:
+        return ""
+    K = X.shape[1]
+    rows, cols = accmod.sample_index(X.shape[0]), accmod.sample_index(W.shape[0])
+    width = 32 if K > 32 else K
+    nb = -(-K // width)
+    if nb < 2 or nb * 2 > len(rows) * len(cols):
+        return ""
+    A = torch.stack([(X[rows, j * width:(j + 1) * width] @ W[cols, j * width:(j + 1) * width].T).reshape(-1)
+                     for j in range(nb)], dim=1)
+    y = e[rows][:, cols].reshape(-1)
+    yn = float((y * y).sum())
+    if yn == 0:
+        return ""
+    c = torch.linalg.lstsq(A, y[:, None]).solution[:, 0]
+    fit = 1 - float(((A @ c - y) ** 2).sum()) / yn
+    if fit < 0.9:
+        return ""
+    off = [(j, float(c[j])) for j in range(nb) if abs(float(c[j])) > 0.25]
+    if not off:
+        return ""
+    desc = ", ".join(f"K {j * width}..{min(K, (j + 1) * width) - 1} x{1 + v:.2g}" for j, v in off[:6])
+    return (f"the error is {fit:.0%} explained by some {width}-wide K blocks counted the wrong number of "
+            f"times: {desc}{' ...' if len(off) > 6 else ''}")
+
+
+SMALL_WORK = 1 << 26     # multiply-adds per matmul below which one thread is faster than a team
+SAMPLE_WORK = 1 << 28    # above this many multiply-adds the hypotheses run on sampled rows/columns
+SAMPLE_ROWS, SAMPLE_COLS = 64, 256
+
+
+def _take(q, idx: torch.Tensor):
+    """Rows idx of an operand (QTensor or tensor), or None when its scales are shared by blocks of
+    rows (a 128x128 block grid cannot be cut row by row)."""
+    if not _q(q):
+        return torch.as_tensor(q)[idx]
+    R = q.codes.shape[0]
+    rows = lambda t: None if t is None else (t[idx] if t.shape[0] == R else t)  # noqa: E731
+    if q.scale.shape[0] not in (1, R):
+        return None
+    import dataclasses
+    return dataclasses.replace(q, codes=q.codes[idx], scale=rows(q.scale), zero_point=rows(q.zero_point),
+                               scale_codes=rows(q.scale_codes), shape=(len(idx),) + tuple(q.shape[1:]))
+
+
+def subsample(ctx: Context) -> tuple[Context, str]:
+    """The context on at most SAMPLE_ROWS rows and SAMPLE_COLS columns (evenly spaced, the first and
+    last included) when simulating every hypothesis at full size would cost more than SAMPLE_WORK
+    multiply-adds per simulation; a side whose scales span several rows is not cut."""
+    M, N = ctx.out.shape
+    K = torch.as_tensor(ctx.x).shape[-1] if ctx.x is not None else 1
+    if M * N * K <= SAMPLE_WORK:
+        return ctx, ""
+    rows, cols = accmod.sample_index(M, SAMPLE_ROWS), accmod.sample_index(N, SAMPLE_COLS)
+    xq, wq = _take(ctx.xq, rows), _take(ctx.wq, cols)
+    if xq is None:
+        rows, xq = torch.arange(M), ctx.xq
+    if wq is None:
+        cols, wq = torch.arange(N), ctx.wq
+    if len(rows) == M and len(cols) == N:
+        return ctx, ""
+    cut = lambda t: None if t is None else t[rows][:, cols]  # noqa: E731
+    sub = Context(out=cut(ctx.out), ref=cut(ctx.ref), gate=cut(ctx.gate),
+                  x=None if ctx.x is None else torch.as_tensor(ctx.x)[rows],
+                  w=None if ctx.w is None else torch.as_tensor(ctx.w)[cols], xq=xq, wq=wq,
+                  bias=None if ctx.bias is None else torch.as_tensor(ctx.bias)[cols],
+                  orig_ref=cut(ctx.orig_ref), quant_gate=cut(ctx.quant_gate), accumulator=ctx.accumulator,
+                  out_dtype=ctx.out_dtype)
+    return sub, f"simulated on {len(rows)} of {M} rows and {len(cols)} of {N} columns"
+
+
 def diagnose(ctx: Context) -> tuple[str, list[Cause]]:
-    """(kind, causes): kind is "ok" | "numerical" | "logic"."""
-    err = (ctx.out - ctx.ref)
+    """(kind, causes): kind is "ok" | "numerical" | "logic"; causes most specific first.
+
+    The diagnosis runs dozens of small float64 matmuls; below SMALL_WORK each one is done on one
+    thread (a thread team's start-up dominates them, and costs 100x on a loaded machine)."""
+    M, N = ctx.out.shape
+    K = torch.as_tensor(ctx.x).shape[-1] if ctx.x is not None else 1
+    before = torch.get_num_threads()
+    if M * N * K < SMALL_WORK:
+        torch.set_num_threads(1)
+    try:
+        return _diagnose(ctx)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _diagnose(ctx: Context) -> tuple[str, list[Cause]]:
+    err = ctx.out - ctx.ref
     bad = ~(err.abs() <= ctx.gate)
     if not bool(bad.any()):
         return "ok", []
-    causes: list[Cause] = []
     finite = bool(torch.isfinite(ctx.out).all())
-    if not finite:
-        n = int((~torch.isfinite(ctx.out)).sum())
-        causes.append(Cause("non_finite_output", f"{n} NaN/Inf outputs (overflow of a narrow accumulator "
-                                                 f"or output type, or uninitialised memory)", False))
-    else:
-        _shift_hypotheses(ctx, causes)
-        _scale_hypotheses(ctx, causes)
-        _wrap_hypothesis(ctx, causes)
-    rel = torch.linalg.vector_norm(err[torch.isfinite(err)]).item() / max(torch.linalg.vector_norm(ctx.ref).item(), 1e-300)
+    sub, note = subsample(ctx)
+    confirmed, partial, kind = _confirmed_causes(sub, hy.Sim(sub))
+    if confirmed:
+        if note:
+            confirmed[0].detail += f" ({note})"
+        return kind, confirmed
     M, N = ctx.out.shape
     row_share, rows = concentration(bad, 1)
     col_share, cols = concentration(bad, 0)
-    logic = any(c.name != "accumulator_narrower_than_promised" for c in causes)
     few_rows = M >= 10 and row_share > 0.9 and len(rows) < M / 5
     few_cols = N >= 10 and col_share > 0.9 and len(cols) < N / 5
-    # A narrow accumulator spreads its error over the whole output; an error confined to a
-    # few rows or columns that happens to fit the fp16 bound is an indexing/scale bug instead.
-    if not causes and finite and not (few_rows or few_cols):
-        _accumulator_hypothesis(ctx, causes)
-    if rel > 0.1:  # criterion 1: the error is of the order of the result
-        causes.append(Cause("wrong_result_magnitude", f"relative L2 error {rel:.2e}: every output is wrong by "
-                                                      f"a sizeable fraction of itself, not a rounding effect", False))
-        logic = True
-    if few_rows:  # criterion 2
+    if not (few_rows or few_cols):
+        matches = accmod.match_accumulators(ctx.out, ctx.ref, ctx.gate, ctx.xq, ctx.wq, ctx.bias, ctx.accumulator)
+        for m in sorted(matches, key=lambda m: not m.exact):
+            if m.exact or m.consistent:
+                return "numerical", [Cause("accumulator_narrower_than_promised",
+                                           f"{m.describe()}, although {ctx.accumulator} was promised: accumulate "
+                                           f"in fp32 (or split K and sum the partials in fp32), or declare the "
+                                           f"accumulator the kernel really uses", m.exact)]
+    causes: list[Cause] = []
+    if not finite:
+        n = int((~torch.isfinite(ctx.out)).sum())
+        causes.append(Cause("non_finite_output", f"{n} NaN/Inf outputs that no simulated accumulator overflow "
+                                                 f"reproduces (uninitialised memory, a NaN code, a division by a "
+                                                 f"zero scale?)", False))
+    elif ctx.orig_ref is not None and ctx.quant_gate is not None and not (few_rows or few_cols):
+        d_orig = float(torch.linalg.vector_norm(ctx.out - ctx.orig_ref))
+        d_ref = float(torch.linalg.vector_norm(err))
+        if d_orig < 0.5 * d_ref and bool(((ctx.out - ctx.orig_ref).abs() <= ctx.quant_gate).all()):
+            return "logic", [Cause("different_quantization",
+                                   f"the output is closer to x @ w.T of the unquantized inputs ({d_orig:.3g} "
+                                   f"L2) than to this scheme's quantization ({d_ref:.3g}): the kernel quantizes "
+                                   f"differently (scales, rounding or granularity) or not at all", False)]
+    worst = float(torch.nan_to_num(err.abs() / ctx.gate, nan=math.inf).max())
+    if finite and worst <= OVER_BUDGET and not (few_rows or few_cols):
+        return "numerical", [Cause("over_budget_evenly",
+                                   f"errors exceed the derived bound by at most {worst:.2f}x in "
+                                   f"{float(bad.double().mean()):.1%} of outputs without a row/column pattern "
+                                   f"(an extra rounding step, or rounding toward zero somewhere)", False)]
+    causes.insert(0, Cause("unexplained_logic_error", "no simulated bug reproduces the output; evidence: "
+                           + _evidence(ctx, err, bad), False))
+    if few_rows:
         causes.append(Cause("error_in_few_rows", f"{row_share:.0%} of failing elements lie in rows {rows}: "
                                                  f"row indexing or one row's scale", False))
-        logic = True
     if few_cols:
         causes.append(Cause("error_in_few_columns", f"{col_share:.0%} of failing elements lie in columns {cols}: "
                                                     f"column indexing or one column's scale", False))
-        logic = True
-    if ctx.orig_ref is not None and ctx.quant_gate is not None and finite and not logic:
-        # criterion 3: close to the float inputs, far from the scheme's quantization
-        if bool(((ctx.out - ctx.orig_ref).abs() <= ctx.quant_gate).all()) and \
-                not any(c.name == "accumulator_narrower_than_promised" for c in causes):
-            causes.append(Cause("different_quantization", "the output is within the quantization error of the "
-                                                          "original inputs but not equal to the scheme's quantization: "
-                                                          "the kernel quantizes differently (scales, rounding, "
-                                                          "granularity)", False))
-            logic = True
-    if not causes:
-        causes.append(Cause("over_budget_evenly", f"errors exceed the derived bound in {float(bad.double().mean()):.1%} "
-                                                  f"of outputs without a row/column pattern", False))
-    return ("logic" if logic else "numerical"), causes
+    wrap = _wrap_hypothesis(ctx) if finite else None
+    if wrap is not None:
+        causes.append(wrap)
+    causes.extend(c for _, c in sorted(partial, key=lambda t: -t[0]))
+    return "logic", causes

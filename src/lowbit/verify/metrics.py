@@ -75,6 +75,8 @@ def sqnr_db(ref, approx) -> float:
     sig = torch.sum(r ** 2).item()
     if noise == 0.0:
         return math.inf
+    if not math.isfinite(noise):       # NaN / Inf in approx: no signal survives it
+        return -math.inf
     if sig == 0.0:
         return -math.inf
     return 10.0 * math.log10(sig / noise)

@@ -25,7 +25,9 @@ import torch
 from lowbit.ops.reference import as_operand, expand_rows, sum_abs_products
 
 # Unit roundoff of the accumulators a kernel may promise; 0 = exact (integer).
-ACCUMULATORS = {"int32": 0.0, "fp32": 2.0 ** -24, "fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
+# fp8_fast: Hopper's fp8 tensor-core accumulator without promotion keeps about 14 significant bits
+# and truncates (verify/accumulate.py): a relative error below 2^-13 per step.
+ACCUMULATORS = {"int32": 0.0, "fp32": 2.0 ** -24, "fp8_fast": 2.0 ** -13, "fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
 U32 = 2.0 ** -24          # epilogue arithmetic (scale multiplies, bias add) is float32
 U64 = 2.0 ** -53          # the float64 reference's own rounding
 SEED_SLACK = 4.0          # seed 000's kGateSlack (summation order + second-order term)
@@ -104,6 +106,13 @@ def implementation_gate(xq, wq, ref: torch.Tensor, *, accumulator: str | None = 
     T = sum_abs_products(xq, wq).reshape(ref.shape)
     if bias is not None:
         T = T + torch.as_tensor(bias).detach().to("cpu", torch.float64).abs()
+    return gate_from_sum(T, ref, n, u, out_dtype)
+
+
+def gate_from_sum(T: torch.Tensor, ref: torch.Tensor, n: int, u: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """The implementation gate's formula for T = sum_k |x_q||w_q| (+ |bias|) [M, N], the exact
+    result `ref` [M, N] and a kernel making at most n roundings of unit roundoff u per output
+    (see implementation_gate). Also used for the output of a simulated bug."""
     u_out, eta_out = out_dtype_units(out_dtype)
     kern = gamma(n, u) * T
     return kern + u_out * (ref.abs() + kern) + eta_out / 2 + 4 * U64 * T

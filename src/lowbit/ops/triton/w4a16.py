@@ -56,6 +56,21 @@ def _e2m1_value(c):
 
 
 @triton.jit
+def block_scale(sc, WFMT: tl.constexpr):
+    """The float32 value of an fp4 block's scale code (int32): e8m0 2^(code - 127) for MXFP4
+    (WFMT 2; codes clamped to [1, 254]), fp8 e4m3fn for NVFP4 (WFMT 3)."""
+    if WFMT == 2:
+        return (tl.minimum(tl.maximum(sc, 1), 254) << 23).to(tl.float32, bitcast=True)
+    return decode_e4m3fn(sc)
+
+
+@triton.jit
+def _fp4_pair(wp, sca, scb, WFMT: tl.constexpr):
+    """Exact float32 values of both nibbles of the bytes wp (int32), each times its block scale."""
+    return _e2m1_value(wp & 15) * block_scale(sca, WFMT), _e2m1_value(wp >> 4) * block_scale(scb, WFMT)
+
+
+@triton.jit
 def _product(xa, wa, xb, wb, acc, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
     """acc + xa @ wa + xb @ wb for x halves [BM, C/2] and weight halves [C/2, BN] (float32,
     exact values), accumulated in float32."""
@@ -122,14 +137,7 @@ def _w4a16_kernel(
                 gb = (kc + C // 2 + j) // G
                 sca = tl.load(SC + n64[None, :] * s_sn + ga[:, None], mask=n_ok[None, :], other=127).to(tl.int32)
                 scb = tl.load(SC + n64[None, :] * s_sn + gb[:, None], mask=n_ok[None, :], other=127).to(tl.int32)
-                if WFMT == 2:  # e8m0: 2^(code - 127), codes in [1, 254]
-                    sva = (tl.minimum(tl.maximum(sca, 1), 254) << 23).to(tl.float32, bitcast=True)
-                    svb = (tl.minimum(tl.maximum(scb, 1), 254) << 23).to(tl.float32, bitcast=True)
-                else:
-                    sva = decode_e4m3fn(sca)
-                    svb = decode_e4m3fn(scb)
-                wa = _e2m1_value(wp & 15) * sva
-                wb = _e2m1_value(wp >> 4) * svb
+                wa, wb = _fp4_pair(wp, sca, scb, WFMT)
                 acc = _product(xa, wa, xb, wb, acc, USE_DOT, INTERP)
     if WFMT == 3:
         acc = acc * tl.load(GS)
@@ -430,14 +438,7 @@ def _w4_dequant_kernel(W, S, Z, SC, OUT, N, K, s_wn, s_sn, s_on,
         gb = (kc + C // 2 + j) // G
         sca = tl.load(SC + n64[:, None] * s_sn + ga[None, :], mask=n_ok[:, None], other=127).to(tl.int32)
         scb = tl.load(SC + n64[:, None] * s_sn + gb[None, :], mask=n_ok[:, None], other=127).to(tl.int32)
-        if WFMT == 2:
-            sva = (tl.minimum(tl.maximum(sca, 1), 254) << 23).to(tl.float32, bitcast=True)
-            svb = (tl.minimum(tl.maximum(scb, 1), 254) << 23).to(tl.float32, bitcast=True)
-        else:
-            sva = decode_e4m3fn(sca)
-            svb = decode_e4m3fn(scb)
-        va = _e2m1_value(wp & 15) * sva
-        vb = _e2m1_value(wp >> 4) * svb
+        va, vb = _fp4_pair(wp, sca, scb, WFMT)
     o = OUT + n64[:, None] * s_on + (kc + j)[None, :]
     ty = OUT.dtype.element_ty
     tl.store(o, round_to(va, ty), mask=n_ok[:, None])

@@ -1,0 +1,247 @@
+"""Simulate the accumulators a GEMM kernel may really use, on the reference's own products.
+
+A worst-case bound (gamma_K(u) * sum|x||w|) says what a narrow accumulator CAN do; at K >= 256 an
+fp16 bound is so wide that almost any wrong output fits it, so fitting it proves nothing. Here a
+narrow accumulator is judged by what it DOES: the same decoded elements and scales the reference
+uses are summed again with the accumulator's rounding after every step, in the summation orders
+kernels use (one product at a time, one 16/32-wide MMA step at a time, fp32 inside each scale
+block with the block partials accumulated narrowly, split-K partials summed in fp32), and the
+kernel's error is compared with the simulated one in size and spread.
+
+Accumulators simulated (unit roundoff u; "trunc" = rounding toward zero, whose error is up to 2u):
+- fp16 (u = 2^-11), bf16 (u = 2^-8): round to nearest even after every addition;
+- fp32 (u = 2^-24): for kernels that promise an exact int32 accumulation;
+- fp8_fast: Hopper's fp8 tensor-core accumulator without promotion ("fast accumulation"): about 14
+  significant bits kept after every 32-wide MMA step, the rest truncated (DeepSeek-V3 report §3.3,
+  deepseek-ai/DeepSeek-V3#750; NVIDIA/cutlass#1329); and the same with the partial promoted into
+  an fp32 accumulator every 128 K elements (CUTLASS / cuBLAS without fast accumulation).
+Shapes: out/ref [M, N] float64; the simulation runs on at most SAMPLE rows x SAMPLE columns.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lowbit.ops.reference import as_operand
+
+SAMPLE = 48                  # rows and columns simulated (evenly spaced): enough for statistics
+FAST_ACC_BITS = 13           # explicit mantissa bits kept by the fp8 fast accumulator (14 significant)
+# Two rms values of the same rounding process compared: RMS_FACTOR = 2 for directed vs nearest
+# rounding (a truncating accumulator has twice the unit roundoff) times 2 for the spread between
+# two summation orders of the same accumulator that the simulated set does not contain.
+RMS_FACTOR = 4.0
+# Per row / column rms over >= 8 samples: sqrt(chi^2_8 / 8) spans 0.41 .. 1.66 between its 0.5% and
+# 99.5% points, a ratio of 4 between two independent draws, times RMS_FACTOR.
+LINE_FACTOR = 4.0 * RMS_FACTOR
+FIT_SLACK = 0.5      # half the error's energy: random roundings explain ~1/N of it per row
+
+
+def _round_fn(name: str):
+    if name == "fp16":
+        return lambda t: t.to(torch.float16).to(torch.float64)
+    if name == "bf16":
+        return lambda t: t.to(torch.bfloat16).to(torch.float64)
+    if name == "fp32":
+        return lambda t: t.to(torch.float32).to(torch.float64)
+    if name == "fp8_fast":
+        drop = 23 - FAST_ACC_BITS
+        mask = -(1 << drop)   # clears the low mantissa bits: truncation toward zero
+
+        def trunc(t):
+            b = t.to(torch.float32).view(torch.int32) & mask
+            return b.view(torch.float32).to(torch.float64)
+        return trunc
+    if name == "exact":
+        return lambda t: t
+    raise ValueError(f"unknown accumulator {name!r}")
+
+
+@dataclass
+class Order:
+    """One summation order: `inner` rounds after every `chunk` products inside a scale block
+    (or a `promote`-long stretch of K), `main` after adding each scaled block partial."""
+
+    label: str
+    inner: str
+    chunk: int
+    main: str
+    splits: int = 1
+    promote: int = 0        # fp8 fast accumulation promoted into `main` every this many K (0: never)
+
+
+def orders_for(acc: str, nb: int, both_fp8: bool) -> list[Order]:
+    """Plausible summation orders of an accumulator `acc` for a GEMM with nb scale blocks along K."""
+    if acc == "fp8_fast":
+        if not both_fp8:
+            return []
+        return [Order("fp8 fast accumulation (14 bits after every 32-wide MMA, never promoted)",
+                      "fp8_fast", 32, "fp8_fast"),
+                Order("fp8 accumulation promoted to fp32 every 128 K", "fp8_fast", 32, "fp32", promote=128)]
+    out = [Order(f"{acc}, one product at a time", acc, 1, acc),
+           Order(f"{acc}, one 16-wide MMA step at a time", acc, 16, acc),
+           Order(f"{acc} partials of 4 split-K slices summed in fp32", acc, 16, acc, splits=4)]
+    if nb > 1:
+        out.append(Order(f"fp32 inside each scale block, block partials accumulated in {acc}", "fp32", 1, acc))
+    return out
+
+
+def _segments(xo, wo, K: int, promote: int):
+    """K ranges on which both sides' scales are constant: (k0, k1, x scale col, w scale col)."""
+    gc = math.gcd(xo.group, wo.group)
+    segs = []
+    for j in range(K // gc):
+        k0 = j * gc
+        step = min(promote, gc) if promote else gc   # a promoted partial is scaled on its own
+        for a in range(k0, k0 + gc, step):
+            segs.append((a, min(a + step, k0 + gc), k0 // xo.group, k0 // wo.group))
+    return segs
+
+
+def _unit(q) -> float:
+    if hasattr(q, "scheme") and q.scheme.fmt.kind == "float":
+        return float(q.scheme.fmt.min_subnormal)
+    return 1.0
+
+
+def simulate(xq, wq, order: Order, rows: torch.Tensor, cols: torch.Tensor, bias=None) -> torch.Tensor:
+    """The output [len(rows), len(cols)] float64 of a kernel summing the decoded elements of xq and
+    wq (QTensor or plain tensor) in `order`, block partials times both scales in float32, + bias."""
+    xo, wo = as_operand(xq, "xq"), as_operand(wq, "wq")
+    ux, uw = _unit(xq), _unit(wq)
+    X = xo.vals[rows] * ux                       # decoded elements, what the kernel multiplies
+    W = wo.vals[cols] * uw
+    SX = xo.scale[rows] / ux
+    SW = wo.scale[cols] / uw
+    K = X.shape[1]
+    inner, main, f32 = _round_fn(order.inner), _round_fn(order.main), _round_fn("fp32")
+    segs = _segments(xo, wo, K, order.promote)
+    per = -(-len(segs) // order.splits)
+    total = torch.zeros(X.shape[0], W.shape[0], dtype=torch.float64)
+    for s0 in range(0, len(segs), per):
+        acc = torch.zeros_like(total)
+        for k0, k1, gx, gw in segs[s0:s0 + per]:
+            part = torch.zeros_like(total)
+            for a in range(k0, k1, order.chunk):
+                b = min(a + order.chunk, k1)
+                part = inner(part + X[:, a:b] @ W[:, a:b].T)
+            scaled = f32(f32(part * SX[:, gx:gx + 1]) * SW[:, gw][None, :])
+            acc = main(acc + scaled)
+        total = f32(total + acc) if order.splits > 1 else acc
+    if bias is not None:
+        total = f32(total + torch.as_tensor(bias).detach().cpu().double()[cols][None, :])
+    return total
+
+
+def sample_index(n: int, cap: int = SAMPLE) -> torch.Tensor:
+    """Evenly spaced indices 0 .. n-1, at most `cap` of them (always the first and the last)."""
+    if n <= cap:
+        return torch.arange(n)
+    return torch.unique(torch.linspace(0, n - 1, cap).round().long())
+
+
+@dataclass
+class AccumulatorMatch:
+    """How well a simulated accumulator explains a kernel's error on the sampled outputs."""
+
+    accumulator: str
+    order: str              # the order whose error is closest in size
+    exact: bool             # some order reproduces the output within the gate
+    rms_ratio: float        # rms(kernel error) / rms(simulated error) of the closest order
+    consistent: bool        # size, tail and spread per row and column all match
+
+    def describe(self) -> str:
+        if self.exact:
+            return f"a {self.accumulator} accumulator ({self.order}) reproduces the output"
+        return (f"the error has the size and spread of a {self.accumulator} accumulator's "
+                f"({self.order}: kernel rms error {self.rms_ratio:.2f}x the simulated one, no row or "
+                f"column out of line)")
+
+
+def _rms(t: torch.Tensor, dim=None) -> torch.Tensor:
+    return torch.sqrt(torch.mean(t * t, dim=dim)) if dim is not None else torch.sqrt(torch.mean(t * t))
+
+
+def candidates(promised: str, xq, wq) -> list[str]:
+    """Accumulators narrower than the promised one worth simulating for these operands."""
+    fp8 = all(hasattr(q, "scheme") and q.scheme.fmt.kind == "float" and q.scheme.fmt.bits == 8
+              for q in (xq, wq))
+    wider = {"int32": ["fp32", "fp8_fast", "bf16", "fp16"], "fp32": ["fp8_fast", "fp16", "bf16"],
+             "fp8_fast": ["fp16", "bf16"], "fp16": ["bf16"], "bf16": []}
+    return [a for a in wider.get(promised, []) if a != "fp8_fast" or fp8]
+
+
+def match_accumulators(out: torch.Tensor, ref: torch.Tensor, gate: torch.Tensor, xq, wq, bias,
+                       promised: str) -> list[AccumulatorMatch]:
+    """Simulate every narrower accumulator (candidates) in every order on a sample of outputs and
+    say which explain the kernel's error. out/ref/gate: float64 [M, N]."""
+    M, N = out.shape
+    rows, cols = sample_index(M), sample_index(N)
+    o, r, g = out[rows][:, cols], ref[rows][:, cols], gate[rows][:, cols]
+    e = o - r
+    xo, wo = as_operand(xq, "xq"), as_operand(wq, "wq")
+    K = xo.vals.shape[1]
+    nb = K // math.gcd(xo.group, wo.group)
+    both_fp8 = "fp8_fast" in candidates("fp32", xq, wq)
+    found = []
+    for acc in candidates(promised, xq, wq):
+        sims = [(od, simulate(xq, wq, od, rows, cols, bias)) for od in orders_for(acc, nb, both_fp8)]
+        if not sims:
+            continue
+        exact = [od for od, s in sims if _same(o, s, g)]
+        if exact:
+            found.append(AccumulatorMatch(acc, exact[0].label, True, 1.0, True))
+            continue
+        if not torch.isfinite(o).all():
+            continue
+        es = [(od, s - r) for od, s in sims if torch.isfinite(s).all()]
+        if not es:
+            continue
+        re = float(_rms(e))
+        ratios = [(re / max(float(_rms(d)), 1e-300), od, d) for od, d in es]
+        ratio, od, _ = min(ratios, key=lambda t: abs(math.log(max(t[0], 1e-300))))
+        hi_rms = max(float(_rms(d)) for _, _, d in ratios)
+        lo_rms = min(float(_rms(d)) for _, _, d in ratios)
+        hi_max = max(float(d.abs().max()) for _, _, d in ratios)
+        size_ok = lo_rms / RMS_FACTOR <= re <= hi_rms * RMS_FACTOR
+        # Largest error: at most RMS_FACTOR x the largest any simulated order makes.
+        tail_ok = float(e.abs().max()) <= RMS_FACTOR * hi_max
+        lines_ok = True
+        for dim in (0, 1):
+            if e.shape[dim] >= 8:
+                per = torch.stack([_rms(d, dim) for _, _, d in ratios])
+                # every row / column errs about as much as the simulation says: at most LINE_FACTOR
+                # more than its largest (plus the gate's own scale, for lines that barely round) and
+                # at least 1/LINE_FACTOR of its smallest: a narrow accumulator leaves no line exact
+                mine = _rms(e, dim)
+                lines_ok &= bool((mine <= LINE_FACTOR * per.amax(dim=0) + _rms(g, dim)).all())
+                lines_ok &= bool((mine >= per.amin(dim=0) / LINE_FACTOR).all())
+        # rounding errors are not one factor times the output per row or column (a wrong scale
+        # is): such a fit may explain at most FIT_SLACK more of the kernel's error than of the
+        # simulated one (truncating accumulators do correlate with the output, and then so does
+        # their simulation)
+        fit_ok = _line_fit(e, r) <= max(_line_fit(d, r) for _, _, d in ratios) + FIT_SLACK
+        found.append(AccumulatorMatch(acc, od.label, False, ratio, size_ok and tail_ok and lines_ok and fit_ok))
+    return found
+
+
+def _line_fit(e: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest share of |e|^2 explained by one factor per row, or one per column, times ref."""
+    en = float((e * e).sum())
+    if en == 0:
+        return 0.0
+    best = 0.0
+    for dim in (0, 1):
+        c = (e * ref).sum(dim, keepdim=True) / (ref * ref).sum(dim, keepdim=True).clamp(min=1e-300)
+        best = max(best, float(((c * ref) ** 2).sum()) / en)
+    return best
+
+
+def _same(o: torch.Tensor, s: torch.Tensor, g: torch.Tensor) -> bool:
+    fo, fs = torch.isfinite(o), torch.isfinite(s)
+    if not torch.equal(fo, fs):
+        return False
+    if not bool((o[~fo] == s[~fs]).all()):       # the same infinities
+        return False
+    return bool(((o[fo] - s[fs]).abs() <= g[fo]).all())

@@ -1,0 +1,322 @@
+"""`lowbit audit`: every linear kernel found on this machine, checked by check_linear over an
+adversarial case set, as a conformance table (kernel x case: pass / numerical / logic + cause).
+
+Kernels (each gets lowbit's canonical QTensors of x and w; what it returns is checked against the
+quantization-aware float64 reference with the accumulator it promises):
+- lowbit's own paths: the exact float64 reference (a sanity row), the torch path
+  (torch._int_mm with an int32 accumulator), the Triton kernels (int8, fp8 row-wise, fp8
+  1x128/128x128 blocks, MXFP8; W4A16 for int4 / MXFP4 / NVFP4 weights). Without CUDA the Triton
+  kernels run in Triton's CPU interpreter, at the small sizes the cases use.
+- torch's: torch._int_mm + a float32 epilogue; torch._scaled_mm tensor-wise and row-wise, with
+  and without fast accumulation (CUDA with fp8 support only).
+- a user's kernel: `--kernel module:function`, called as function(xq, wq, bias) with QTensors (or
+  plain tensors for an unquantized side), returning out [M, N].
+Cases: outlier channels, zero rows / columns / K blocks, subnormal and huge scales, K not a
+multiple of any tile, M = 1, non-contiguous codes, and K = 4096 with positive products (where a
+narrower accumulator than promised shows: the table then names the one simulated to match). A kernel refusing a case (NotImplementedError /
+ValueError: its documented limits) is shown as n/a with the reason, never as a failure.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class KernelSpec:
+    """One kernel under audit. fn(xq, wq, bias) -> out [M, N]; schemes None = unquantized side."""
+
+    name: str
+    x_scheme: object
+    w_scheme: object
+    fn: Callable
+    accumulator: str | None = None     # what the kernel promises (None: lowbit's default)
+    note: str = ""
+    x_dtype: torch.dtype | None = None  # the kernel reads x in this dtype (W4A16: bf16)
+
+
+@dataclass
+class Cell:
+    kernel: str
+    case: str
+    verdict: str          # "pass" | "numerical" | "logic" | "n/a" | "error"
+    cause: str = ""       # first cause's name, or the refusal
+    detail: str = ""
+    seconds: float = 0.0
+    worst_err_over_gate: float | None = None
+
+
+@dataclass
+class Case:
+    name: str
+    M: int
+    N: int
+    make: Callable        # (rng, M, K, N) -> x [M, K], w [N, K]
+    k_kind: str = "base"  # "base" | "odd": K not a multiple of any tile
+    noncontig: bool = False
+
+
+def _randn(rng, *shape):
+    return torch.randn(*shape, generator=rng)
+
+
+def _plain(rng, M, K, N):
+    return _randn(rng, M, K), _randn(rng, N, K) * torch.exp(torch.rand(N, 1, generator=rng) * 3)
+
+
+def _outliers(rng, M, K, N):
+    x, w = _plain(rng, M, K, N)
+    cols = torch.randperm(K, generator=rng)[:3]
+    x[:, cols] *= 60.0                      # LLM-style activation outlier channels
+    return x, w
+
+
+def _zeros(rng, M, K, N):
+    x, w = _plain(rng, M, K, N)
+    x[M // 2] = 0.0
+    w[N // 3] = 0.0
+    x[:, : min(32, K)] = 0.0                # a zero K block: scales of an all-zero group
+    return x, w
+
+
+def _tiny(rng, M, K, N):
+    x, w = _plain(rng, M, K, N)
+    return x * 2.0 ** -118, w               # x's scales fall to fp32's subnormal range
+
+
+def _huge(rng, M, K, N):
+    x, w = _plain(rng, M, K, N)
+    return x * 2.0 ** 50, w * 2.0 ** 40     # outputs ~2^95: within fp32 / bf16, far from fp16
+
+
+def _same_sign(rng, M, K, N):
+    # positive products: partial sums grow with K, so an accumulator that keeps fewer bits than it
+    # promises (fp8 fast accumulation, fp16) shows, and the diagnosis says which one it is
+    return torch.rand(M, K, generator=rng) + 0.5, torch.rand(N, K, generator=rng) + 0.5
+
+
+CASES = [Case("random", 13, 19, _plain), Case("M=1", 1, 24, _plain), Case("outlier channels", 11, 17, _outliers),
+         Case("zero rows/cols/block", 12, 18, _zeros), Case("subnormal scales", 9, 16, _tiny),
+         Case("huge scales", 9, 16, _huge), Case("K not a tile multiple", 10, 21, _plain, k_kind="odd"),
+         Case("non-contiguous codes", 14, 20, _plain, noncontig=True),
+         Case("long K, same sign", 8, 16, _same_sign, k_kind="long")]
+
+
+def k_for(specs_group: int, kind: str) -> int:
+    """K for a case: a multiple of the schemes' K group; "odd": not a multiple of 64 where the group
+    allows (a tile tail for every common BLOCK_K), else one more group than a power of two;
+    "long": 4096 (accumulation precision shows)."""
+    g = max(1, specs_group)
+    if kind == "long":
+        return 4096 // max(g, 1) * max(g, 1)
+    if kind == "odd":
+        if g == 1:
+            return 203
+        k = g * 3
+        return k if k % 64 else g * 5
+    return max(g, 32) * max(1, 256 // max(g, 32))
+
+
+def _group(s) -> int:
+    if s is None:
+        return 1
+    if s.strategy == "group":
+        return s.group_size
+    if s.strategy == "block":
+        return s.block_size[1]
+    return 1
+
+
+def _noncontig(q):
+    """The same QTensor with column-major (non-contiguous) codes."""
+    if hasattr(q, "codes"):
+        return dataclasses.replace(q, codes=q.codes.T.contiguous().T)
+    return q.T.contiguous().T
+
+
+# ------------------------------------------------------------------------------------------
+# Kernels found on this machine
+# ------------------------------------------------------------------------------------------
+def _linear(backend, out_dtype=torch.float32):
+    def fn(xq, wq, bias):
+        import lowbit
+        return lowbit.ops.linear(xq, wq, bias=bias, backend=backend, out_dtype=out_dtype)
+    return fn
+
+
+def _int_mm(xq, wq, bias):
+    acc = torch._int_mm(xq.codes.contiguous(), wq.codes.t())           # exact int32
+    out = (acc.to(torch.float32) * xq.scale.reshape(-1, 1).to(acc.device)) * wq.scale.reshape(1, -1).to(acc.device)
+    return out if bias is None else out + bias
+
+
+def _scaled_mm(fast: bool):
+    def fn(xq, wq, bias):
+        a = xq.codes.view(torch.float8_e4m3fn)
+        b = wq.codes.view(torch.float8_e4m3fn)
+        sa = xq.scale.reshape(-1, 1).float() if xq.scale.numel() > 1 else xq.scale.reshape(()).float()
+        sb = wq.scale.reshape(1, -1).float() if wq.scale.numel() > 1 else wq.scale.reshape(()).float()
+        return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, bias=None if bias is None else bias.bfloat16(),
+                                out_dtype=torch.bfloat16, use_fast_accum=fast)
+    return fn
+
+
+def _w4a16(xq, wq, bias):
+    from lowbit.ops.weight_only import prepare_w4, w4a16_linear
+    return w4a16_linear(xq.to(torch.bfloat16), prepare_w4(wq), bias, backend="triton")
+
+
+def discover(device: str, triton_ok: bool) -> list[KernelSpec]:
+    """Every kernel this machine can run, with the schemes it computes."""
+    import lowbit as lb
+    P = lb.get_preset
+    i8t, i8c = P("int8_token"), P("int8_channel")
+    fp8r = P("fp8_row")
+    specs = [KernelSpec("lowbit reference (float64)", i8t, i8c, _linear("reference", torch.float64),
+                        note="the exact reference itself: must always pass")]
+    if hasattr(torch, "_int_mm"):
+        specs.append(KernelSpec("torch._int_mm + fp32 epilogue", i8t, i8c, _int_mm, "int32",
+                                note="int8 x int8 -> exact int32, then (acc * s_x) * s_w in fp32"))
+        specs.append(KernelSpec("lowbit torch path (int8)", i8t, i8c, _linear("torch"), "int32",
+                                note="torch._int_mm, epilogue in float64"))
+    if device == "cuda" and hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability() >= (8, 9):
+        ft = P("fp8_tensor")
+        for fast in (False, True):
+            tag = "fast accumulation" if fast else "fp32 accumulation"
+            specs.append(KernelSpec(f"torch._scaled_mm tensorwise, {tag}", ft, ft, _scaled_mm(fast), "fp32"))
+            specs.append(KernelSpec(f"torch._scaled_mm rowwise, {tag}", fp8r, fp8r, _scaled_mm(fast), "fp32"))
+    if triton_ok:
+        specs += [KernelSpec("lowbit triton int8", i8t, i8c, _linear("triton"), "int32"),
+                  KernelSpec("lowbit triton fp8 rowwise", fp8r, fp8r, _linear("triton"), "fp32"),
+                  KernelSpec("lowbit triton fp8 blockwise", P("fp8_block1x128"), P("fp8_block128"),
+                             _linear("triton"), "fp32"),
+                  KernelSpec("lowbit triton mxfp8", P("mxfp8"), P("mxfp8"), _linear("triton"), "fp32")]
+        for w in ("int4_g128", "mxfp4", "nvfp4"):
+            specs.append(KernelSpec(f"lowbit triton w4a16 {w}", None, P(w), _w4a16, "fp32",
+                                    note="bf16 activations (the check sees the same bf16 values)",
+                                    x_dtype=torch.bfloat16))
+    return specs
+
+
+def user_kernel(spec: str, x_scheme, w_scheme, accumulator) -> KernelSpec:
+    """`module:function` -> KernelSpec; the module is imported, the function must exist."""
+    import importlib
+    mod, sep, fn = spec.partition(":")
+    if not sep or not mod or not fn:
+        raise ValueError(f"--kernel must be MODULE:FUNCTION (e.g. mypkg.kernels:w8a8), got {spec!r}")
+    f = getattr(importlib.import_module(mod), fn, None)
+    if not callable(f):
+        raise ValueError(f"--kernel {spec}: {mod} has no callable {fn!r}")
+    return KernelSpec(spec, x_scheme, w_scheme, f, accumulator, note="user kernel: fn(xq, wq, bias) -> out")
+
+
+# ------------------------------------------------------------------------------------------
+# Running
+# ------------------------------------------------------------------------------------------
+def run_cell(spec: KernelSpec, case: Case, device: str, seed: int) -> Cell:
+    import lowbit as lb
+    from lowbit.verify import check_linear
+
+    rng = torch.Generator().manual_seed(seed)
+    K = k_for(math.lcm(_group(spec.x_scheme), _group(spec.w_scheme)), case.k_kind)
+    x, w = case.make(rng, case.M, K, case.N)
+    if spec.x_dtype is not None:
+        x = x.to(spec.x_dtype).float()     # what the kernel reads is what the check sees
+    bias = torch.randn(case.N, generator=rng)
+    t0 = time.perf_counter()
+    try:
+        xq = lb.quantize(x, spec.x_scheme) if spec.x_scheme is not None else x
+        wq = lb.quantize(w, spec.w_scheme) if spec.w_scheme is not None else w
+        if case.noncontig:
+            xq, wq = _noncontig(xq), _noncontig(wq)
+        to = lambda q: q.to(device)  # noqa: E731
+        out = spec.fn(to(xq), to(wq), bias.to(device))
+    except (NotImplementedError, ValueError, TypeError) as e:
+        return Cell(spec.name, case.name, "n/a", type(e).__name__, str(e)[:300], time.perf_counter() - t0)
+    except Exception as e:  # a crash is a finding, not a reason to stop the audit
+        return Cell(spec.name, case.name, "error", type(e).__name__, str(e)[:300], time.perf_counter() - t0)
+    v = check_linear(out.detach().cpu(), x, w,
+                     x_scheme=spec.x_scheme, w_scheme=spec.w_scheme, bias=bias, accumulator=spec.accumulator)
+    verdict = "pass" if v.passed else v.kind
+    cause = v.causes[0].name if v.causes else ""
+    detail = str(v.causes[0]) if v.causes else ""
+    return Cell(spec.name, case.name, verdict, cause, detail, time.perf_counter() - t0,
+                v.metrics["impl_gate_frac"])
+
+
+def audit(specs: list[KernelSpec], cases: list[Case] = CASES, *, device: str = "cpu", seed: int = 0,
+          progress: Callable[[str], None] | None = None) -> list[Cell]:
+    """Run every kernel on every case; returns one Cell per pair (row-major: kernel, then case)."""
+    cells = []
+    for i, spec in enumerate(specs):
+        for case in cases:
+            c = run_cell(spec, case, device, seed)
+            cells.append(c)
+            if progress:
+                progress(f"[{i + 1}/{len(specs)}] {spec.name} / {case.name}: {c.verdict} {c.cause} "
+                         f"({c.seconds:.1f}s)")
+    return cells
+
+
+def table(cells: list[Cell]) -> str:
+    """Plain-text conformance table: one row per kernel, one column per case."""
+    kernels = list(dict.fromkeys(c.kernel for c in cells))
+    cases = list(dict.fromkeys(c.case for c in cells))
+    at = {(c.kernel, c.case): c for c in cells}
+
+    def short(c: Cell) -> str:
+        if c.verdict == "pass":
+            return "pass"
+        return f"{c.verdict}: {c.cause}"
+    width = max(len(k) for k in kernels)
+    colw = {cs: max(len(cs), *(len(short(at[k, cs])) for k in kernels if (k, cs) in at)) for cs in cases}
+    lines = [" | ".join([" " * width] + [cs.ljust(colw[cs]) for cs in cases])]
+    lines.append("-+-".join(["-" * width] + ["-" * colw[cs] for cs in cases]))
+    for k in kernels:
+        lines.append(" | ".join([k.ljust(width)] + [short(at[k, cs]).ljust(colw[cs]) if (k, cs) in at else ""
+                                                    for cs in cases]))
+    return "\n".join(lines)
+
+
+COLORS = {"pass": "#7fc97f", "numerical": "#fdc086", "logic": "#f0027f", "n/a": "#d9d9d9", "error": "#666666"}
+
+
+def plot(cells: list[Cell], path: str, title: str = "lowbit audit") -> None:
+    """The table as a coloured grid PNG (green pass, orange numerical, red logic, grey n/a)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    kernels = list(dict.fromkeys(c.kernel for c in cells))
+    cases = list(dict.fromkeys(c.case for c in cells))
+    at = {(c.kernel, c.case): c for c in cells}
+    fig, ax = plt.subplots(figsize=(2.0 + 1.9 * len(cases), 0.9 + 0.55 * len(kernels)))
+    for i, k in enumerate(kernels):
+        for j, cs in enumerate(cases):
+            c = at.get((k, cs))
+            if c is None:
+                continue
+            ax.add_patch(plt.Rectangle((j, len(kernels) - 1 - i), 1, 1, color=COLORS[c.verdict], ec="white"))
+            label = c.verdict if c.verdict == "pass" else f"{c.verdict}\n{c.cause[:24]}"
+            ax.text(j + 0.5, len(kernels) - 0.5 - i, label, ha="center", va="center", fontsize=6.5)
+    ax.set_xlim(0, len(cases))
+    ax.set_ylim(0, len(kernels))
+    ax.set_xticks([j + 0.5 for j in range(len(cases))], cases, rotation=25, ha="right", fontsize=8)
+    ax.set_yticks([len(kernels) - 0.5 - i for i in range(len(kernels))], kernels, fontsize=8)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def environment(device: str) -> dict:
+    info = {"device": device, "torch": torch.__version__,
+            "triton_interpreter": os.environ.get("TRITON_INTERPRET") == "1"}
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    return info

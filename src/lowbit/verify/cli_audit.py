@@ -1,0 +1,82 @@
+"""`lowbit audit`: a conformance table of every linear kernel on this machine (verify/audit.py).
+
+    lowbit audit                                  # all kernels found, all cases, table on stdout
+    lowbit audit --only triton --json a.json --png a.png
+    lowbit audit --kernel mypkg.kern:w8a8 --x-scheme int8_token --w-scheme int8_channel
+Exit status 0 when every cell that ran passed, 1 when some cell is numerical / logic / error.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+
+def register(parser) -> None:
+    parser.add_argument("--kernel", action="append", default=[],
+                        help="MODULE:FUNCTION of your kernel, called as fn(xq, wq, bias) -> out [M, N] "
+                             "(QTensors from lowbit.quantize; repeatable)")
+    parser.add_argument("--x-scheme", help="preset or QuantScheme JSON of x for --kernel (absent: unquantized)")
+    parser.add_argument("--w-scheme", help="preset or QuantScheme JSON of w for --kernel (absent: unquantized)")
+    parser.add_argument("--accumulator", help="what --kernel accumulates in (default: int32 for int x int, else fp32)")
+    parser.add_argument("--only", help="run only kernels whose name contains this text")
+    parser.add_argument("--no-builtin", action="store_true", help="audit only the --kernel functions")
+    parser.add_argument("--case", action="append", default=[], help="run only this case (repeatable)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the case inputs (default 0)")
+    parser.add_argument("--json", help="write the cells (verdict, cause, detail, timing) to this JSON file")
+    parser.add_argument("--png", help="write the table as a coloured grid to this PNG file")
+
+
+def _scheme(text):
+    import lowbit as lb
+    if not text:
+        return None
+    text = text.strip()
+    return lb.QuantScheme.from_json(text) if text.startswith("{") else lb.get_preset(text)
+
+
+def run(args) -> int:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":   # the Triton kernels run in the interpreter; set before triton is imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from lowbit.verify import audit as au
+
+    try:
+        import triton  # noqa: F401
+        triton_ok = True
+    except ImportError:
+        triton_ok = False
+    specs = [] if args.no_builtin else au.discover(device, triton_ok)
+    for k in args.kernel:
+        specs.append(au.user_kernel(k, _scheme(args.x_scheme), _scheme(args.w_scheme), args.accumulator))
+    if args.only:
+        specs = [s for s in specs if args.only in s.name]
+    cases = au.CASES
+    if args.case:
+        names = {c.name for c in cases}
+        unknown = [c for c in args.case if c not in names]
+        if unknown:
+            raise ValueError(f"--case {unknown[0]!r} is not a case; choose from {sorted(names)}")
+        cases = [c for c in cases if c.name in args.case]
+    if not specs:
+        raise ValueError("no kernel to audit: drop --only / --no-builtin or pass --kernel MODULE:FUNCTION")
+    env = au.environment(device)
+    print(f"lowbit audit on {env.get('gpu', 'CPU')} (torch {env['torch']}"
+          f"{', Triton interpreter' if env['triton_interpreter'] else ''}): {len(specs)} kernels x {len(cases)} cases",
+          file=sys.stderr)
+    cells = au.audit(specs, cases, device=device, seed=args.seed, progress=lambda s: print(s, file=sys.stderr))
+    print(au.table(cells))
+    for c in cells:
+        if c.verdict in ("numerical", "logic", "error"):
+            print(f"\n{c.kernel} / {c.case}: {c.verdict}: {c.detail}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": env, "cases": [c.name for c in cases],
+                       "kernels": [{"name": s.name, "x_scheme": str(s.x_scheme), "w_scheme": str(s.w_scheme),
+                                    "accumulator": s.accumulator, "note": s.note} for s in specs],
+                       "cells": [c.__dict__ for c in cells]}, f, indent=1)
+    if args.png:
+        au.plot(cells, args.png, f"lowbit audit: {env.get('gpu', 'CPU')}")
+    return 0 if all(c.verdict in ("pass", "n/a") for c in cells) else 1
