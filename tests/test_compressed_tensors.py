@@ -378,14 +378,28 @@ def test_static_activation_scales_round_trip(recipe, rng, tmp_path):
     assert (got - ref).abs().max().item() <= tol
 
 
-def test_overwrite_replaces_whole_directory(rng, tmp_path):
-    (tmp_path / "ckpt").mkdir()
-    (tmp_path / "ckpt" / "stale.safetensors").write_bytes(b"old")
+def test_overwrite_replaces_only_lowbits_files(rng, tmp_path):
+    """overwrite=True replaces a previous lowbit checkpoint's files (its old shards included) and
+    nothing else: a user's file stays, and a foreign *.safetensors (which a loader would mix into
+    the checkpoint) is refused before anything is written."""
+    from lowbit.io.outdir import MANIFEST, OutputDirError
     model = quantized_llama(rng, "w8a16-int8")
-    out = save_compressed(model, tmp_path / "ckpt", "w8a16-int8", overwrite=True)
-    assert not (out / "stale.safetensors").exists()
+    out = save_compressed(model, tmp_path / "ckpt", "w8a16-int8", max_shard_bytes=1 << 14)
+    old_shards = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+    assert len(old_shards) > 1
+    (out / "notes.txt").write_text("mine")
+    save_compressed(model, out, "w8a16-int8", overwrite=True)
+    assert sorted(f for f in os.listdir(out) if f.endswith(".safetensors")) == ["model.safetensors"]
+    assert (out / "notes.txt").read_text() == "mine" and (out / MANIFEST).exists()
     assert load_compressed(out).recipe == "w8a16-int8"
-    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]    # no staging or backup directory left
+
+    (tmp_path / "user").mkdir()
+    (tmp_path / "user" / "stale.safetensors").write_bytes(b"old")
+    with pytest.raises(OutputDirError, match="stale.safetensors"):
+        save_compressed(model, tmp_path / "user", "w8a16-int8", overwrite=True)
+    assert os.listdir(tmp_path / "user") == ["stale.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "user"]
 
 
 def test_reads_checkpoints_of_other_tools(rng, tmp_path):

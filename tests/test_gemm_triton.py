@@ -17,6 +17,7 @@ from lowbit.ops.triton.act_quant import quantize_per_token
 from lowbit.ops.triton.gemm_blockscaled import blockscaled_gemm, fp8_block_gemm, mxfp8_gemm
 from lowbit.ops.triton.gemm_fp8 import fp8_gemm
 from lowbit.ops.triton.gemm_int8 import int8_gemm
+from lowbit.verify.tolerance import gamma
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 U32 = 2.0 ** -24  # fp32 unit roundoff
@@ -59,10 +60,10 @@ def _epilogue_tol(prod_abs, bias_abs, ref, out_dtype, acc_err=0.0):
 
     prod_abs: |acc * sa * sb| (float64); acc_err: bound on the accumulator's error times
     sa * sb. The fp32 epilogue rounds at most 4 times (acc -> fp32 when |acc| > 2**24, two
-    products, the bias add), each by at most U32 of a quantity <= prod_abs + bias_abs (1.01
-    absorbs second-order terms); the final cast adds U_OUT of |out| <= |ref| + that error.
+    products, the bias add), compounding to Higham's gamma_4(U32) of a quantity <= prod_abs +
+    acc_err + bias_abs; the final cast adds U_OUT of |out| <= |ref| + that error.
     """
-    e = acc_err * 1.01 + 4 * U32 * 1.01 * (prod_abs + bias_abs)
+    e = acc_err + gamma(4, U32) * (prod_abs + acc_err + bias_abs)
     return e + U_OUT[out_dtype] * (ref.abs() + e)
 
 

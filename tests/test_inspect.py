@@ -115,7 +115,7 @@ def test_config_level_problems(rng, tmp_path):
 
 def test_not_a_checkpoint(tmp_path, capsys):
     assert main(["inspect", str(tmp_path)]) == 2
-    assert "config.json" in capsys.readouterr().out
+    assert "config.json" in capsys.readouterr().err
 
 
 def test_nvfp4_dynamic_activations_noted(rng, tmp_path):

@@ -48,10 +48,18 @@ def test_calibration_text_is_not_evaluation_text(smollm2):
         embedded.wiki_token_ids(tok, 10, split="test")
 
 
+# `lowbit quantize --tokens 1024 --calib-tokens 512` (w8a8-int8, no SmoothQuant): perplexity
+# 14.4642 -> 14.7446 (+1.94%), measured on the CPU (torch 2.13.0) for this test. Perplexity rises
+# about in proportion to the quantization noise power, so a quantizer with twice the noise would
+# show ~2x the rise; the bound allows 1.5x the measured rise (room for other CPUs' float sums),
+# and at least some rise (the quantization is real; a change of the default recipe that lowers
+# the rise, e.g. SmoothQuant by default, still passes).
+MEASURED_RISE = 0.0194
+
+
 def test_lowbit_quantize_cli_end_to_end(tmp_path, capsys):
-    """The README's main command on 1,024 tokens: W8A8 int8 costs a little perplexity (the issue
-    measured +3.4% on 8,192 tokens; allow 0..+10% on this shorter text), and writes the report
-    (markdown + PNG) and, when the checkpoint writer is present, the checkpoint."""
+    """The README's main command on 1,024 tokens: W8A8 int8 costs a little perplexity, and the
+    report (markdown + PNG) and the checkpoint are written."""
     from lowbit.cli import main
     out = tmp_path / "q"
     rc = main(["quantize", "--tokens", "1024", "--calib-tokens", "512", "--out", str(out)])
@@ -60,18 +68,16 @@ def test_lowbit_quantize_cli_end_to_end(tmp_path, capsys):
     m = re.search(r"w8a8-int8: perplexity ([\d.]+) -> ([\d.]+)", text)
     assert m, text
     before, after = float(m.group(1)), float(m.group(2))
-    assert 1.0 < after / before < 1.10
+    assert 1.0 < after / before < 1 + 1.5 * MEASURED_RISE
     assert "worst first" in text and "lm_head" in text
     md = (out / "lowbit_report.md").read_text()
     assert "perplexity" in md and "Worst sites" in md
     for png in ("lowbit_sites.png", "lowbit_metric.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    try:
-        import lowbit.io.compressed_tensors  # noqa: F401
-    except ImportError:
-        return
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["quantization_config"]["quant_method"] == "compressed-tensors"
+    from lowbit.io.compressed_tensors import load_compressed
+    assert load_compressed(out).recipe == "w8a8-int8"
 
 
 def test_bad_model_argument_is_a_clear_error(tmp_path, capsys):
@@ -89,7 +95,10 @@ def test_bad_model_argument_is_a_clear_error(tmp_path, capsys):
 
 def test_minilm_embedding_cosine():
     """all-MiniLM-L6-v2 under W8A8 int8: sentence embeddings stay close to the float ones but
-    are not identical (the quantization is real)."""
+    are not identical (the quantization is real). Measured for this test (CPU, torch 2.13.0):
+    1 - cosine 0.00210 mean, 0.00156..0.00270 over the 24 sentences. 1 - cosine grows about in
+    proportion to the quantization noise power; the bound allows 1.5x the measured worst, so a
+    quantizer with twice the noise fails it."""
     from lowbit.nn import embedding_cosine, quantize_model
     model, tok = embedded.load_minilm()
     sentences = [a[:300] for a in embedded.wiki_articles()[:24]]
@@ -98,4 +107,4 @@ def test_minilm_embedding_cosine():
     assert len(summary.quantized) == 37
     cos = embedding_cosine(model, q, tok, sentences)
     assert cos.shape == (24,)
-    assert float(cos.min()) > 0.98 and float(cos.max()) < 1.0
+    assert float((1 - cos).max()) < 1.5 * 0.0027 and float(cos.max()) < 1.0

@@ -130,7 +130,7 @@ def test_not_a_qtensor_file_and_missing(tmp_path):
     with pytest.raises(QTensorFileError, match="not a lowbit QTensor file"):
         load_qtensors(p)
     (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 5)
-    with pytest.raises(QTensorFileError, match="not a readable safetensors file"):
+    with pytest.raises(QTensorFileError, match="too short to be a safetensors file"):
         load_qtensors(tmp_path / "junk.safetensors")
     with pytest.raises(FileNotFoundError):
         load_qtensors(tmp_path / "nope.safetensors")

@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     # Import only the chosen command's module: the others may pull heavy dependencies.
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module_name, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         if name == chosen:
             module = importlib.import_module(module_name)
             module.register(p)
@@ -40,11 +41,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args.command is None else 2
     try:
         return int(args._run(args) or 0)
-    except (ValueError, FileNotFoundError, NotImplementedError) as err:
-        # bad input (a wrong argument, a missing file, a scheme with no path): the message names
-        # the argument and the fix; a traceback would only hide it
-        print(f"lowbit {args.command}: error: {err}", file=sys.stderr)
+    except (ValueError, OSError, NotImplementedError) as err:
+        # bad input (a wrong argument, an unreadable or missing file, a scheme with no path): the
+        # message names the argument and the fix; a traceback would only hide it
+        print(f"lowbit {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as err:
+        if (err.name or "lowbit").split(".")[0] == "lowbit":
+            raise  # lowbit's own module missing is a bug, not a setup step
+        print(f"lowbit {args.command}: error: this needs the package {err.name!r}, which is not installed "
+              f"(pip install {err.name}, or the [models] extra)", file=sys.stderr)
+        return 2
+
+
+def _one_line(err: BaseException) -> str:
+    """The error's message on one line (a JSON or OS message can carry newlines)."""
+    return " ".join(str(err).split())
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ def plot(w: torch.Tensor, path: str) -> str:
 
 
 def register(parser) -> None:
-    parser.add_argument("--plot", metavar="PATH.png", default=None,
+    parser.add_argument("--png", "--plot", dest="png", metavar="PATH.png", default=None,
                         help="also write a PNG of the quietest row under each scale policy")
 
 
@@ -95,8 +95,8 @@ def run(args) -> int:
     print()
     w = seed000_weight()
     print(_report(compare(w), w))
-    if getattr(args, "plot", None):
-        if not args.plot.lower().endswith(".png"):
-            raise SystemExit(f"--plot {args.plot}: give a path ending in .png")
-        print(f"wrote {plot(w, args.plot)}")
+    if getattr(args, "png", None):
+        if not args.png.lower().endswith(".png"):
+            raise ValueError(f"--png {args.png}: give a path ending in .png")
+        print(f"wrote {plot(w, args.png)}")
     return 0

@@ -68,7 +68,7 @@ def format_table() -> str:
 
 def register(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print the properties as JSON")
-    parser.add_argument("--plot", metavar="PATH.png", default=None,
+    parser.add_argument("--png", "--plot", dest="png", metavar="PATH.png", default=None,
                         help="also write a PNG of the formats' value grids and relative spacing")
 
 
@@ -77,11 +77,11 @@ def run(args) -> int:
         print(json.dumps(rows(), indent=2))
     else:
         print(format_table())
-    if args.plot:
-        if not args.plot.lower().endswith(".png"):
-            raise SystemExit(f"--plot {args.plot}: give a path ending in .png")
+    if args.png:
+        if not args.png.lower().endswith(".png"):
+            raise ValueError(f"--png {args.png}: give a path ending in .png")
         from .plot import plot_formats
 
         # keep stdout pure JSON under --json
-        print(f"wrote {plot_formats(args.plot)}", file=sys.stderr if args.json else sys.stdout)
+        print(f"wrote {plot_formats(args.png)}", file=sys.stderr if args.json else sys.stdout)
     return 0

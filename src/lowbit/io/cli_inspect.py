@@ -18,9 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from lowbit.io.compressed_tensors import read_json, check_qc_types
 from lowbit.io.st_format import CheckpointError, TensorReader, checkpoint_files, read_header
 
 ERROR, WARN, INFO = "error", "warning", "info"
@@ -100,10 +102,7 @@ def inspect_checkpoint(path: str | Path) -> Report:
     cfg_path = d / "config.json"
     if not cfg_path.exists():
         raise CheckpointError(f"{d} has no config.json; is it a checkpoint directory?")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from e
+    cfg = read_json(cfg_path, "the model config with quantization_config")
     files = checkpoint_files(d)
     headers = {p: read_header(p)[0] for p in set(files.values())}
     info = {n: headers[p][n] for n, p in files.items()}  # name -> (dtype, shape, begin, end)
@@ -112,8 +111,7 @@ def inspect_checkpoint(path: str | Path) -> Report:
     if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
         raise CheckpointError(f"{cfg_path}: quantization_config is missing or not compressed-tensors "
                               f"({None if not isinstance(qc, dict) else qc.get('quant_method')!r})")
-    groups = qc.get("config_groups") or {}
-    ignore = list(qc.get("ignore") or [])
+    groups, ignore = check_qc_types(qc, str(d))
     top_fmt = qc.get("format")
 
     # layers with quantized tensors, by module prefix
@@ -171,12 +169,17 @@ def inspect_checkpoint(path: str | Path) -> Report:
 
 
 def _dense_shape(name, t, files) -> list | None:
+    import torch
     if "weight" in t:
         return list(t["weight"][1])
     if "weight_shape" in t:
         with TensorReader(files[f"{name}.weight_shape"]) as r:
-            return [int(v) for v in r.get(f"{name}.weight_shape").tolist()]
-    if "weight_packed" in t:  # fp4: two elements per byte
+            ws = r.get(f"{name}.weight_shape")
+        if ws.dtype not in (torch.int32, torch.int64) or list(ws.shape) != [2] or int(ws.min()) < 1:
+            raise CheckpointError(f"{files[f'{name}.weight_shape']}: {name}.weight_shape is {ws.dtype} "
+                                  f"{list(ws.shape)}; it must hold the dense [N, K] as two positive integers")
+        return [int(v) for v in ws.tolist()]
+    if "weight_packed" in t and len(t["weight_packed"][1]) == 2:  # fp4: two elements per byte
         n, kp = t["weight_packed"][1]
         return [n, 2 * kp]
     return None
@@ -301,7 +304,7 @@ def run(args) -> int:
     try:
         r = inspect_checkpoint(args.dir)
     except CheckpointError as e:
-        print(f"lowbit inspect: {e}")
+        print(f"lowbit inspect: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps({"path": r.path, "format": r.format, "layers": [asdict(x) for x in r.layers],

@@ -12,22 +12,22 @@ A checkpoint directory holds:
   that ``load_compressed`` gives back bit-identical QTensors. Other tools ignore it.
 
 Writes are atomic: everything goes to a temporary directory next to ``out_dir`` that is
-renamed into place only when complete, so an error never leaves a half-written checkpoint.
+moved into place only when complete, so an error never leaves a half-written checkpoint, and
+only files lowbit wrote are ever replaced (lowbit.io.outdir).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from lowbit.io import ct_layout as L
-from lowbit.io.st_format import CheckpointError, ShardedWriter, TensorReader, checkpoint_files
+from lowbit.io.st_format import CheckpointError, ShardedWriter, TensorReader, checkpoint_files, loads_strict
 from lowbit.quantize import QTensor
 from lowbit.scheme import QuantScheme
 
@@ -94,27 +94,15 @@ def write_metadata(directory: Path, cfg: dict, recipe_name, layers: dict) -> Non
 
 # ---------------------------------------------------------------- atomic directory
 def atomic_dir(out_dir: Path, overwrite: bool, write) -> Path:
+    """Run write(staging_dir) and make its files out_dir's (lowbit.io.outdir's rules: only
+    lowbit's own files are ever replaced). A non-empty out_dir needs overwrite=True."""
+    from lowbit.io.outdir import staged
     out_dir = Path(out_dir)
     if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())) and not overwrite:
         raise FileExistsError(f"out_dir {out_dir} exists and is not empty; choose a new directory "
                               "or pass overwrite=True")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    old = None
-    try:
+    with staged(out_dir, overwrite, what="out_dir") as tmp:
         write(tmp)
-        if out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.rename(out_dir, old / "d")
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and (old / "d").exists() and not out_dir.exists():
-            os.rename(old / "d", out_dir)  # put the previous checkpoint back
-            shutil.rmtree(old, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
     return out_dir
 
 
@@ -286,14 +274,82 @@ class CompressedCheckpoint:
         return prepare_model(model, device=device, dtype=dtype, share=share_inputs)
 
 
-def _read_json(path: Path, what: str) -> dict:
+def read_json(path: Path, what: str) -> dict:
     if not path.exists():
         raise CheckpointError(f"{path.parent} has no {path.name} ({what})")
+    if not path.is_file():
+        raise CheckpointError(f"{path} is not a regular file; the checkpoint is corrupt")
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+        with open(path, encoding="utf-8") as f:
+            data = loads_strict(f.read())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{path} is not valid JSON ({e}); the checkpoint is corrupt") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(data).__name__}, not an object ({what})")
+    return data
+
+
+_ARG_TYPES = {"num_bits": int, "type": str, "strategy": str, "symmetric": bool, "observer": str,
+              "scale_dtype": str, "zp_dtype": str}
+
+
+def check_args_types(args, where: str, what: str) -> None:
+    """A compressed-tensors QuantizationArgs dict (or null) with the JSON types the format has:
+    a reader must not turn a string group size or a zero block into an arithmetic crash."""
+    if args is None:
+        return
+    if not isinstance(args, dict):
+        raise CheckpointError(f"{where}: {what} must be an object or null, got {type(args).__name__}")
+    for k, t in _ARG_TYPES.items():
+        v = args.get(k)
+        if v is not None and (not isinstance(v, t) or (t is int and isinstance(v, bool))):
+            raise CheckpointError(f"{where}: {what}.{k} must be a {t.__name__}, got {str(v)[:40]!r}")
+    if args.get("num_bits") is not None and not 1 <= args["num_bits"] <= 64:
+        raise CheckpointError(f"{where}: {what}.num_bits {args['num_bits']} is not a bit width")
+    g = args.get("group_size")
+    if g is not None and (not isinstance(g, int) or isinstance(g, bool) or (g < 1 and g != -1)):
+        raise CheckpointError(f"{where}: {what}.group_size must be a positive integer, -1 or null, got {g!r}")
+    b = args.get("block_structure")
+    if b is not None and not (isinstance(b, list) and len(b) == 2 and all(isinstance(v, int) and not
+                                                                         isinstance(v, bool) and v > 0 for v in b)):
+        raise CheckpointError(f"{where}: {what}.block_structure must be [rows, cols] of positive integers, got {b!r}")
+    if args.get("dynamic", False) not in (True, False, "local"):
+        raise CheckpointError(f"{where}: {what}.dynamic must be true, false or \"local\", got {args['dynamic']!r}")
+
+
+def check_qc_types(qc, where: str) -> tuple[dict, list[str]]:
+    """Validate the JSON types of a quantization_config (every tool's, for reading and for
+    `lowbit inspect`); returns (config_groups, ignore)."""
+    if not isinstance(qc, dict):
+        raise CheckpointError(f"{where}: config.json has no quantization_config object; not a quantized checkpoint")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not all(isinstance(g, dict) for g in groups.values()):
+        raise CheckpointError(f"{where}: quantization_config.config_groups must map group names to objects")
+    for gname, g in groups.items():
+        str_list(g.get("targets"), where, f"config group {gname!r} targets")
+        for k in ("weights", "input_activations", "output_activations"):
+            check_args_types(g.get(k), where, f"config group {gname!r} {k}")
+        if not isinstance(g.get("format"), (str, type(None))):
+            raise CheckpointError(f"{where}: config group {gname!r} format must be a string")
+    check_args_types(qc.get("kv_cache_scheme"), where, "kv_cache_scheme")
+    if not isinstance(qc.get("format"), (str, type(None))):
+        raise CheckpointError(f"{where}: quantization_config.format must be a string")
+    return groups, str_list(qc.get("ignore"), where, "quantization_config.ignore")
+
+
+def str_list(value, where: str, what: str) -> list[str]:
+    """A JSON list of layer names / patterns (``re:`` patterns compiled), or [] for null."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise CheckpointError(f"{where}: {what} must be a list of layer names / patterns, got {str(value)[:100]}")
+    for v in value:
+        if v.startswith("re:"):
+            try:
+                re.compile(v[3:])
+            except re.error as e:
+                raise CheckpointError(f"{where}: {what} pattern {v!r} is not a valid regular expression ({e})") from e
+    return value
 
 
 def _matches(target: str, name: str) -> bool:
@@ -319,13 +375,13 @@ def parse_quantization_config(config: dict, where: str) -> tuple[dict, list[str]
     if qc.get("quant_method") != "compressed-tensors":
         raise CheckpointError(f"{where}: quantization_config.quant_method is {qc.get('quant_method')!r}, "
                               "expected 'compressed-tensors'")
-    groups_raw = qc.get("config_groups")
-    if not isinstance(groups_raw, dict) or not groups_raw:
+    groups_raw, ignore = check_qc_types(qc, where)
+    if not groups_raw:
         raise CheckpointError(f"{where}: quantization_config has no config_groups")
     top_fmt = qc.get("format")
     groups = {}
     for gname, g in groups_raw.items():
-        if not isinstance(g, dict) or not g.get("targets") or g.get("weights") is None:
+        if not g.get("targets") or g.get("weights") is None:
             raise CheckpointError(f"{where}: config group {gname!r} needs 'targets' and 'weights'")
         fmt = g.get("format") or top_fmt
         if fmt in (None, "mixed-precision", "dense"):
@@ -337,7 +393,18 @@ def parse_quantization_config(config: dict, where: str) -> tuple[dict, list[str]
         except (ValueError, TypeError, KeyError) as e:
             raise CheckpointError(f"{where}: config group {gname!r} has invalid quantization args: {e}") from e
         groups[gname] = (list(g["targets"]), w, a, fmt)
-    return groups, list(qc.get("ignore") or [])
+    return groups, list(ignore)
+
+
+def _tensor_scale(text, where: str) -> torch.Tensor:
+    """lowbit.json's exact NVFP4 tensor scale (float.hex text): finite and positive."""
+    try:
+        v = float.fromhex(text)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: global_scale {str(text)[:40]!r} is not a float.hex() string") from e
+    if not (v > 0 and v != float("inf")):
+        raise CheckpointError(f"{where}: global_scale {text!r} is not a finite positive number; the file is corrupt")
+    return torch.tensor(v, dtype=torch.float32)
 
 
 def load_compressed(path: str | os.PathLike) -> CompressedCheckpoint:
@@ -350,7 +417,7 @@ def load_compressed(path: str | os.PathLike) -> CompressedCheckpoint:
     (a ValueError) naming the file or layer and the fix.
     """
     d = Path(path)
-    config = _read_json(d / "config.json", "the model config with quantization_config")
+    config = read_json(d / "config.json", "the model config with quantization_config")
     groups, ignore = parse_quantization_config(config, str(d))
     files = checkpoint_files(d)
 
@@ -370,12 +437,14 @@ def load_compressed(path: str | os.PathLike) -> CompressedCheckpoint:
         assign[layer] = chosen[0]
 
     side_path = d / SIDECAR
-    sidecar = _read_json(side_path, "lowbit's record") if side_path.exists() else None
+    sidecar = read_json(side_path, "lowbit's record") if side_path.exists() else None
     if sidecar is not None:
         if sidecar.get("format_version") != SIDECAR_VERSION:
             raise CheckpointError(f"{side_path}: format_version {sidecar.get('format_version')!r}, this lowbit "
                                   f"reads {SIDECAR_VERSION}")
         side_layers = sidecar.get("layers") or {}
+        if not isinstance(side_layers, dict) or not all(isinstance(r, dict) for r in side_layers.values()):
+            raise CheckpointError(f"{side_path}: 'layers' must map layer names to records (objects)")
         if set(side_layers) != set(qnames):
             diff = sorted(set(side_layers) ^ set(qnames))[:5]
             raise CheckpointError(f"{side_path} and the safetensors files disagree on which layers are quantized "
@@ -411,7 +480,7 @@ def load_compressed(path: str | os.PathLike) -> CompressedCheckpoint:
                                       f"{rec.get('format')} but config.json says weight {w}, act {a}, format {fmt}")
             w, a = w_side, a_side
             if rec.get("global_scale") is not None:
-                gscale = torch.tensor(float.fromhex(rec["global_scale"]), dtype=torch.float32)
+                gscale = _tensor_scale(rec["global_scale"], f"{side_path}: layer {layer}")
         local = {k[len(layer) + 1:]: raw.pop(k) for k in list(raw)
                  if k.startswith(layer + ".") and k[len(layer) + 1:] in L.WEIGHT_KEYS + L.ACT_KEYS}
         try:
@@ -420,6 +489,9 @@ def load_compressed(path: str | os.PathLike) -> CompressedCheckpoint:
             raise CheckpointError(f"{d}: layer {layer}: {e}") from e
         except ValueError as e:
             raise CheckpointError(str(e)) from e
+        except (RuntimeError, IndexError) as e:  # torch refusing a view/reshape of tensors that lie
+            raise CheckpointError(f"{d}: layer {layer}: its tensors do not fit format {fmt} and scheme {w} ({e})") \
+                from e
         if gscale is not None and "weight_global_scale" in local:
             stored = local["weight_global_scale"].to(torch.float32).reshape(())
             if not torch.equal(stored, (1.0 / gscale).reshape(())):
@@ -429,9 +501,16 @@ def load_compressed(path: str | os.PathLike) -> CompressedCheckpoint:
         if a is not None and not a.dynamic:
             if "input_scale" not in local:
                 raise CheckpointError(f"{d}: layer {layer} has a static activation scheme but no input_scale")
-            statics[layer] = local["input_scale"].to(torch.float32).reshape(1, 1)
+            s_in = local["input_scale"]
+            if s_in.numel() != 1 or not s_in.is_floating_point() or not float(s_in.float().reshape(())) > 0 \
+                    or not math.isfinite(float(s_in.float().reshape(()))):
+                raise CheckpointError(f"{d}: layer {layer}: input_scale must be one finite positive float, got "
+                                      f"{s_in.dtype} {list(s_in.shape)}")
+            statics[layer] = s_in.to(torch.float32).reshape(1, 1)
     stray = sorted(k for k in raw if k.rpartition(".")[0] in qset and not k.endswith(".bias"))
     if stray:
         raise CheckpointError(f"{d}: unexpected tensors under quantized layers: {stray[:5]}")
     recipe = sidecar.get("recipe") if sidecar is not None else None
+    if not isinstance(recipe, (str, type(None))):
+        raise CheckpointError(f"{side_path}: recipe must be a name (string), got {str(recipe)[:60]}")
     return CompressedCheckpoint(qtensors, acts, statics, raw, config, recipe, formats)

@@ -28,6 +28,7 @@ decompress lowbit's tensors with that package and compare bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -257,10 +258,20 @@ def ct_to_qtensor(t: dict[str, torch.Tensor], scheme: QuantScheme, fmt: str,
         return t[key]
 
     if fmt in ("mxfp4-pack-quantized", "nvfp4-pack-quantized"):
-        codes = unpack_fp4(need("weight_packed").to(torch.uint8))
-    elif fmt == "pack-quantized":
-        shape = [int(v) for v in need("weight_shape").tolist()]
         packed = need("weight_packed")
+        if packed.dtype != torch.uint8 or packed.ndim != 2:
+            raise ValueError(f"{where}: weight_packed is {packed.dtype} {list(packed.shape)}; fp4 codes are "
+                             "packed two per uint8 byte, [N, K / 2]")
+        codes = unpack_fp4(packed)
+    elif fmt == "pack-quantized":
+        ws, packed = need("weight_shape"), need("weight_packed")
+        shape = [int(v) for v in ws.tolist()] if ws.dtype in (torch.int32, torch.int64) and ws.ndim == 1 else []
+        per_word = 32 // scheme.num_bits
+        if (len(shape) != 2 or min(shape) < 1 or packed.dtype != torch.int32 or packed.ndim != 2
+                or list(packed.shape) != [shape[0], -(-shape[1] // per_word)]):
+            raise ValueError(f"{where}: weight_shape {ws.tolist() if ws.numel() < 8 else list(ws.shape)} and "
+                             f"weight_packed {packed.dtype} {list(packed.shape)} disagree (int32 words of "
+                             f"{per_word} codes each along K)")
         codes = unpack_int32(packed, scheme.num_bits, shape[1])
         if list(codes.shape) != shape:
             raise ValueError(f"{where}: weight_shape {shape} does not match weight_packed {tuple(packed.shape)}")
@@ -297,12 +308,25 @@ def ct_to_qtensor(t: dict[str, torch.Tensor], scheme: QuantScheme, fmt: str,
             raise ValueError(f"{where}: weight_scale has dtype {raw.dtype}; expected a float32/bf16/fp16 scale")
         # Other tools often store bf16/fp16 scales; widening them to float32 is exact.
         scale = raw.reshape(lb_shape).to(torch.float32).clone()
+    if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
+        # (a zero scale, which some tools write for an all-zero group, dequantizes to zeros: allowed)
+        raise ValueError(f"{where}: weight_scale holds NaN, infinite or negative scales; the checkpoint "
+                         "is corrupt (a scale multiplies every code of its group)")
     zp = None
     if not scheme.symmetric:
         z = need("weight_zero_point")
         if fmt == "pack-quantized" and scheme.strategy in ("group", "channel"):
+            if z.dtype != torch.int32 or z.ndim != 2 or z.shape[1] != scale_shape[1]:
+                raise ValueError(f"{where}: weight_zero_point is {z.dtype} {list(z.shape)}; packed int32 words "
+                                 f"with {scale_shape[1]} columns expected")
             z = unpack_int32(z, scheme.num_bits, scale_shape[0], dim=0)
+        if z.numel() != math.prod(lb_shape) or z.is_floating_point():
+            raise ValueError(f"{where}: weight_zero_point is {z.dtype} {list(z.shape)}; integer zero points of "
+                             f"shape {list(scale_shape)} expected")
         zp = z.reshape(lb_shape).to(torch.int32)
+        fmt_q = scheme.fmt
+        if bool((zp < fmt_q.qmin).any()) or bool((zp > fmt_q.qmax).any()):
+            raise ValueError(f"{where}: weight_zero_point outside [{fmt_q.qmin}, {fmt_q.qmax}] of {scheme.format}")
     return _make_qtensor(codes=codes.clone(), scale=scale, zero_point=zp, scale_codes=scale_codes,
                          global_scale=gscale, scheme=scheme, shape=tuple(shape))
 

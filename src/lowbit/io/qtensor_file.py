@@ -137,8 +137,7 @@ def load_qtensors(path, expect=None, *, device: str | torch.device = "cpu") -> d
     {name: QuantScheme} for some tensors (names absent from the file are an error).
     A mismatch raises QTensorFileError naming the differing fields. Nothing is returned
     unless every tensor loads."""
-    from safetensors import safe_open
-
+    from lowbit.io.st_format import CheckpointError, TensorReader
     from lowbit.scheme import QuantScheme
 
     path = Path(path)
@@ -146,11 +145,16 @@ def load_qtensors(path, expect=None, *, device: str | torch.device = "cpu") -> d
         raise FileNotFoundError(f"load_qtensors: no file at {path}")
     if expect is not None and not isinstance(expect, (QuantScheme, Mapping)):
         raise TypeError(f"load_qtensors: expect must be a QuantScheme or {{name: QuantScheme}}, got {type(expect).__name__}")
-    try:
-        f = safe_open(str(path), framework="pt")
-    except Exception as exc:  # the library raises its own error types for a corrupt header
-        _fail(path, f"not a readable safetensors file ({exc})")
-    meta = f.metadata() or {}
+    try:  # lowbit's own reader: every header field and offset checked, no memory map, no pickle
+        with TensorReader(path) as f:
+            return _load(path, f, expect, device)
+    except CheckpointError as exc:
+        raise QTensorFileError(str(exc)) from exc
+
+
+def _load(path, f, expect, device) -> dict:
+    from lowbit.io.st_format import loads_strict
+    meta = f.metadata
     if "lowbit.tensors" not in meta:
         _fail(path, "not a lowbit QTensor file: no 'lowbit.tensors' metadata (model checkpoints are read by "
                     "lowbit.io.compressed_tensors)")
@@ -160,8 +164,8 @@ def load_qtensors(path, expect=None, *, device: str | torch.device = "cpu") -> d
     if meta["lowbit.file_version"] != FILE_VERSION:
         _fail(path, f"file version {meta['lowbit.file_version']!r}; this lowbit reads version {FILE_VERSION}")
     try:
-        entries = json.loads(meta["lowbit.tensors"])
-    except json.JSONDecodeError as exc:
+        entries = loads_strict(meta["lowbit.tensors"])
+    except (ValueError, RecursionError) as exc:
         _fail(path, f"'lowbit.tensors' metadata is not valid JSON ({exc})")
     if not isinstance(entries, dict) or not entries:
         _fail(path, "'lowbit.tensors' metadata must be a non-empty JSON object {name: entry}")
@@ -179,7 +183,7 @@ def load_qtensors(path, expect=None, *, device: str | torch.device = "cpu") -> d
     if keys != wanted:
         _fail(path, f"tensors do not match the metadata: missing {sorted(wanted - keys)}, "
                     f"unexpected {sorted(keys - wanted)}")
-    result = {name: _build(path, name, plan, {fld: f.get_tensor(f"{name}.{fld}") for fld in plan["fields"]})
+    result = {name: _build(path, name, plan, {fld: f.get(f"{name}.{fld}") for fld in plan["fields"]})
               for name, plan in plans.items()}
     if torch.device(device).type != "cpu":
         result = {n: qt.to(device) for n, qt in result.items()}

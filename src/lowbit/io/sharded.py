@@ -95,8 +95,8 @@ def quantize_checkpoint(in_dir: str | os.PathLike, out_dir: str | os.PathLike, r
     cfg_path = in_dir / "config.json"
     cfg = {}
     if cfg_path.exists():
-        from lowbit.io.compressed_tensors import _read_json
-        raw_cfg = _read_json(cfg_path, "the model config")
+        from lowbit.io.compressed_tensors import read_json
+        raw_cfg = read_json(cfg_path, "the model config")
         if "quantization_config" in raw_cfg:
             raise ValueError(f"{in_dir} is already quantized (config.json has a quantization_config); "
                              "quantize the original float checkpoint")

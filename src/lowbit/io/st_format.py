@@ -58,6 +58,8 @@ def read_header(path: str | os.PathLike) -> tuple[dict, dict, int]:
     shorter than the header says (a truncated download or an interrupted write).
     """
     path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise CheckpointError(f"{path} is not a regular file (a directory, device or pipe); give a .safetensors file")
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -73,29 +75,69 @@ def read_header(path: str | os.PathLike) -> tuple[dict, dict, int]:
     except OSError as e:
         raise CheckpointError(f"cannot read {path}: {e}") from e
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        header = loads_strict(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{path}: header is not valid JSON ({e}); the file is corrupt") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is a JSON {type(header).__name__}, not an object; the file is corrupt")
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{path}: __metadata__ must map strings to strings; the file is corrupt")
     data_start = 8 + n
     entries, spans = {}, []
     for name, info in header.items():
-        try:
-            dtype = DTYPES[info["dtype"]]
-            shape = [int(d) for d in info["shape"]]
-            begin, end = (int(o) for o in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{path}: header entry {name!r} is malformed ({info!r}): {e}") from e
-        if end - begin != _nbytes(dtype, shape):
-            raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes but dtype "
-                                  f"{info['dtype']} and shape {shape} need {_nbytes(dtype, shape)}")
+        dtype, shape, begin, end = _entry(path, name, info)
         entries[name] = (dtype, shape, data_start + begin, data_start + end)
-        spans.append((begin, end))
-    covered = max((e for _, e in spans), default=0)
-    if data_start + covered > size:
-        raise CheckpointError(f"{path}: header describes {covered} data bytes but the file holds only "
-                              f"{size - data_start}; the file is truncated, re-create or re-download it")
+        spans.append((begin, end, name))
+    # the library's rule: the tensors tile the data section, no overlap and no gap
+    at = 0
+    for begin, end, name in sorted(spans):
+        if begin != at:
+            what = "overlaps the previous tensor" if begin < at else f"leaves a gap of {begin - at} bytes"
+            raise CheckpointError(f"{path}: tensor {name!r} at data_offsets [{begin}, {end}] {what}; "
+                                  "the header lies about the file's layout")
+        at = end
+    if data_start + at != size:
+        how = "is truncated" if data_start + at > size else "has bytes after the last tensor"
+        raise CheckpointError(f"{path}: header describes {at} data bytes but the file holds "
+                              f"{size - data_start}; the file {how}, re-create or re-download it")
     return entries, metadata, data_start
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def loads_strict(text: str | bytes):
+    """json.loads that refuses NaN / Infinity (Python's json accepts them; JSON and every other
+    reader of these files do not: a NaN scale or size must not slip in). Raises ValueError
+    (or RecursionError for absurd nesting)."""
+    return json.loads(text, parse_constant=_no_constant)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _entry(path: str, name: str, info) -> tuple[torch.dtype, list[int], int, int]:
+    """One header entry, checked: (dtype, shape, begin, end) with offsets relative to the data."""
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+        raise CheckpointError(f"{path}: header entry {name!r} must be an object with dtype, shape and "
+                              f"data_offsets, got {str(info)[:120]}")
+    tag, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(tag, str) or tag not in DTYPES:
+        raise CheckpointError(f"{path}: tensor {name!r} has dtype {str(tag)[:40]!r}, not one of {sorted(DTYPES)}")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise CheckpointError(f"{path}: tensor {name!r} has shape {str(shape)[:120]}; a shape is a list of "
+                              "non-negative integers")
+    if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs) and 0 <= offs[0] <= offs[1]):
+        raise CheckpointError(f"{path}: tensor {name!r} has data_offsets {str(offs)[:120]}; they must be "
+                              "[begin, end] with 0 <= begin <= end")
+    dtype = DTYPES[tag]
+    if offs[1] - offs[0] != _nbytes(dtype, shape):
+        raise CheckpointError(f"{path}: tensor {name!r} has {offs[1] - offs[0]} bytes but dtype "
+                              f"{tag} and shape {shape} need {_nbytes(dtype, shape)}")
+    return dtype, list(shape), offs[0], offs[1]
 
 
 class TensorReader:
@@ -242,15 +284,17 @@ def checkpoint_files(directory: str | os.PathLike) -> dict[str, str]:
     index_path = os.path.join(directory, "model.safetensors.index.json")
     if os.path.exists(index_path):
         try:
-            with open(index_path) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            with open(index_path, encoding="utf-8") as f:
+                weight_map = loads_strict(f.read())["weight_map"]
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index_path} is unreadable or has no 'weight_map': {e}") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index_path}: weight_map must map tensor names to file names")
         by_file: dict[str, set] = {}
         for name, fname in weight_map.items():
             by_file.setdefault(fname, set()).add(name)
         for fname, names in by_file.items():
-            path = os.path.join(directory, fname)
+            path = _inside(directory, fname, index_path)
             if not os.path.exists(path):
                 raise CheckpointError(f"{index_path} lists {fname} but the file is missing from {directory}")
             have = set(read_header(path)[0])
@@ -258,7 +302,7 @@ def checkpoint_files(directory: str | os.PathLike) -> dict[str, str]:
                 missing, extra = sorted(names - have)[:3], sorted(have - names)[:3]
                 raise CheckpointError(f"{path} does not match {index_path}: missing {missing}, "
                                       f"unlisted {extra}; the index and the shards are out of step")
-        return {name: os.path.join(directory, fname) for name, fname in weight_map.items()}
+        return {name: _inside(directory, fname, index_path) for name, fname in weight_map.items()}
     files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
     if not files:
         raise CheckpointError(f"{directory} holds no *.safetensors file (pickled .bin checkpoints "
@@ -266,5 +310,20 @@ def checkpoint_files(directory: str | os.PathLike) -> dict[str, str]:
     if len(files) > 1:
         raise CheckpointError(f"{directory} holds {len(files)} safetensors files but no "
                               "model.safetensors.index.json saying which tensor lives where")
-    path = os.path.join(directory, files[0])
+    path = _inside(directory, files[0], directory)
     return {name: path for name in read_header(path)[0]}
+
+
+def _inside(directory: str, fname: str, where: str) -> str:
+    """The path of shard `fname` of a checkpoint, refused unless it is a plain file name whose
+    real path (symlinks resolved) lies in the directory: an index must not make lowbit read
+    files elsewhere (``../``, absolute paths, links out)."""
+    if not fname or fname != os.path.basename(fname) or fname in (".", "..") or "\\" in fname:
+        raise CheckpointError(f"{where} names shard {fname!r}, which is not a file name inside the checkpoint "
+                              "directory; an index may only name files next to it")
+    path = os.path.join(directory, fname)
+    real_dir = os.path.realpath(directory)
+    if os.path.commonpath([os.path.realpath(path), real_dir]) != real_dir:
+        raise CheckpointError(f"{path} is a link to {os.path.realpath(path)}, outside the checkpoint directory; "
+                              "copy the file in instead of linking it")
+    return path

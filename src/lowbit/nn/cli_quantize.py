@@ -17,7 +17,11 @@ def register(p) -> None:
                    help="smollm2 (embedded default), minilm (embedded encoder), or a model directory (HF or .gguf)")
     p.add_argument("--recipe", default="w8a8-int8",
                    help=f"recipe, or several separated by commas (one table): {', '.join(RECIPES)}")
-    p.add_argument("--out", default=None, help="checkpoint + report directory (default lowbit-out/<model>-<recipe>)")
+    p.add_argument("--out", default=None, help="checkpoint + report directory (default lowbit-out/<model>-<recipe>); "
+                   "a non-empty directory lowbit did not write is refused unless --overwrite")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty --out that lowbit did not write: lowbit's files are added next to "
+                        "the ones there, none of which is deleted or replaced")
     p.add_argument("--tokens", type=int, default=8192, help="evaluation tokens (perplexity windows of --window)")
     p.add_argument("--window", type=int, default=512, help="perplexity window (non-overlapping)")
     p.add_argument("--calib-tokens", type=int, default=1024, help="calibration / per-site report tokens (separate text)")
@@ -36,40 +40,73 @@ def register(p) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
-def _overrides(items):
-    out = {}
-    for it in items or []:
-        if "=" not in it:
-            raise SystemExit(f"--override {it!r}: write PATTERN=RECIPE (or PATTERN=skip)")
-        k, v = it.split("=", 1)
-        out[k] = v
-    return out
-
-
-def _save(model, out: Path, recipe, tokenizer) -> str:
+def _save(model, out: Path, recipe, tokenizer) -> str | None:
+    """Write the checkpoint into `out` (a staging directory); None, or why it was not written."""
+    from lowbit.io.compressed_tensors import save_compressed
     try:
-        from lowbit.io.compressed_tensors import save_compressed
-    except ImportError as err:
-        return f"not written: lowbit.io.compressed_tensors is not available ({err})"
-    try:
-        path = save_compressed(model, out, recipe, tokenizer=tokenizer, overwrite=True)
+        save_compressed(model, out, recipe, tokenizer=tokenizer, overwrite=True)
     except (ValueError, NotImplementedError) as err:
         return f"not written: {err}"
-    return str(path)
+    return None
+
+
+def _out_dirs(args, recipes: list[str]) -> dict[str, Path]:
+    """Each recipe's output directory (known before the model is loaded)."""
+    name = args.model
+    if name not in ("smollm2", "minilm"):
+        d = Path(args.model)
+        ggufs = sorted(d.glob("*.gguf")) if d.is_dir() else []
+        name = ggufs[0].stem if ggufs else d.name   # what load_model calls the model
+    if args.out is None:
+        return {r: Path(f"lowbit-out/{name}-{r}") for r in recipes}
+    return {r: Path(args.out) / r for r in recipes} if len(recipes) > 1 else {recipes[0]: Path(args.out)}
+
+
+def validate(args) -> tuple[list[str], dict, dict[str, Path]]:
+    """Every check that needs no model: (recipes, overrides, output directory per recipe).
+    Raises ValueError naming the flag and the fix."""
+    from lowbit.io.outdir import OutputDirError, check_out_dir
+    from lowbit.nn import cli_args as A
+    recipes = A.recipe_names(args.recipe)
+    overrides = A.overrides(args.override)
+    override_to = A.recipe_or_skip(args.override_to, "--override-to")
+    A.text_sizes(args.tokens, args.window)
+    A.text_sizes(args.calib_tokens, args.window, "--calib-tokens")
+    A.positive(args.threads, "--threads", allow_none=True)
+    A.fraction(args.override_worst, "--override-worst", 0.5)
+    if args.smoothquant is not None:
+        A.fraction(args.smoothquant, "--smoothquant ALPHA")
+    if args.static_scales:
+        from lowbit.nn.recipes import get_recipe
+        weight_only = [r for r in recipes if get_recipe(r).act is None]
+        if weight_only:
+            raise ValueError(f"--static-scales calibrates activation scales; recipe(s) {weight_only} quantize "
+                             "weights only: drop --static-scales or choose a W8A8 recipe")
+        if args.override_worst > 0 and override_to != "skip":
+            raise ValueError("--static-scales are calibrated for the recipe's activation format; combine them "
+                             "only with --override-to skip")
+    outs = _out_dirs(args, recipes)
+    for out in outs.values():   # the report is written even with --no-save
+        try:
+            check_out_dir(out, args.overwrite)
+        except OutputDirError as err:
+            raise ValueError(str(err)) from err
+    return recipes, overrides, outs
 
 
 def run(args) -> int:
     """Bad input raises ValueError / FileNotFoundError; lowbit.cli prints it without a traceback."""
     import torch
+    from lowbit.io.outdir import staged
     from lowbit.nn.evaluate import model_bytes, tokens_per_second
     from lowbit.nn.pipeline import load_model, machine, metric, prepare_texts, run_recipe
     from lowbit.nn.recipes import get_recipe
-    from lowbit.nn.report import QuantizeResult, write_report
+    from lowbit.nn.report import QuantizeResult, optional_png, write_report
     from lowbit.nn.sites import plot_sites
 
+    recipes, overrides, outs = validate(args)   # before anything slow
     if args.threads:
         torch.set_num_threads(args.threads)
-    recipes = [get_recipe(r.strip()).name for r in args.recipe.split(",") if r.strip()]
     command = "lowbit " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[0].endswith("lowbit") \
         else "lowbit quantize " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     t0 = time.time()
@@ -86,7 +123,7 @@ def run(args) -> int:
     table = []
     for recipe in recipes:
         run_ = run_recipe(loaded, texts, recipe, smoothquant=args.smoothquant, override_worst=args.override_worst,
-                          override_to=args.override_to, ignore=args.ignore, overrides=_overrides(args.override),
+                          override_to=args.override_to, ignore=args.ignore, overrides=overrides,
                           static=args.static_scales, window=args.window)
         print(run_.sites_before)
         if run_.sites_after is not None:
@@ -105,17 +142,18 @@ def run(args) -> int:
             sites_markdown=[("Worst sites" + (" before SmoothQuant" if run_.sites_after else ""),
                              run_.sites_before.to_markdown(10))]
             + ([("Worst sites after SmoothQuant", run_.sites_after.to_markdown(10))] if run_.sites_after else []))
-        out = Path(args.out or f"lowbit-out/{args.model if args.model in ('smollm2', 'minilm') else loaded.name}-{recipe}")
-        if len(recipes) > 1 and args.out:
-            out = out / recipe
-        if not args.no_save:
-            res.checkpoint = _save(run_.model, out, get_recipe(recipe), loaded.tokenizer)
+        out = outs[recipe]
+        with staged(out, args.overwrite) as stage:   # Ctrl-C or an error leaves `out` as it was
+            if not args.no_save:
+                why = _save(run_.model, stage, get_recipe(recipe), loaded.tokenizer)
+                res.checkpoint = why or str(out)
+            reps = [run_.sites_before] + ([run_.sites_after] if run_.sites_after else [])
+            labels = [f"{recipe}"] + ([f"{recipe} + SmoothQuant"] if run_.sites_after else [])
+            png = optional_png(plot_sites, reps, str(stage / "lowbit_sites.png"), labels=labels)
+            write_report(res, stage, png)
+        if res.checkpoint:
             print(f"checkpoint: {res.checkpoint}")
-        out.mkdir(parents=True, exist_ok=True)
-        reps = [run_.sites_before] + ([run_.sites_after] if run_.sites_after else [])
-        png = plot_sites(reps, str(out / "lowbit_sites.png"),
-                         labels=[f"{recipe}"] + ([f"{recipe} + SmoothQuant"] if run_.sites_after else []))
-        md = write_report(res, out, png)
+        md = out / "lowbit_report.md"
         mb = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
         print(f"{recipe}: {mname} {before:.4f} -> {run_.value:.4f} ({res.change()}), "
               f"bytes {mb(res.bytes_before)} -> {mb(res.bytes_after)}; report {md}", flush=True)

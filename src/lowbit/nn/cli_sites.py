@@ -24,10 +24,24 @@ def register(p) -> None:
 def run(args) -> int:
     """Bad input raises ValueError / FileNotFoundError; lowbit.cli prints it without a traceback."""
     import torch
+    from lowbit.nn import cli_args as A
+    from lowbit.nn.cli_args import probe_writable_file
     from lowbit.nn.pipeline import load_model, prepare_texts
+    from lowbit.nn.report import optional_png
     from lowbit.nn.sites import plot_sites, site_report
     from lowbit.nn.smoothquant import smooth_model
 
+    A.recipe_names(args.recipe)            # every check that needs no model comes first
+    if "," in args.recipe:
+        raise ValueError(f"--recipe {args.recipe!r}: lowbit sites takes one recipe")
+    A.text_sizes(args.tokens, args.window)
+    A.positive(args.top, "--top")
+    A.positive(args.threads, "--threads", allow_none=True)
+    if args.smoothquant is not None:
+        A.fraction(args.smoothquant, "--smoothquant ALPHA")
+    A.png_path(args.png)
+    if args.markdown:
+        probe_writable_file(args.markdown, "--markdown")
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
@@ -42,8 +56,9 @@ def run(args) -> int:
         print(f"== {lab}")
         print(f"{len(rep.rows)} sites, {rep.tokens} tokens; worst {args.top}:")
         print(rep.to_markdown(args.top))
-    png = plot_sites(reports, args.png, labels)
-    print(f"plot: {png}")
+    png = optional_png(plot_sites, reports, args.png, labels)
+    if png:
+        print(f"plot: {png}")
     if args.markdown:
         Path(args.markdown).write_text("\n\n".join(f"## {lab}\n\n{rep.to_markdown(args.top)}"
                                                    for rep, lab in zip(reports, labels)) + "\n")

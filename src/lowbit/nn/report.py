@@ -43,6 +43,18 @@ def _atomic_write(path: Path, data: str) -> None:
     os.replace(tmp, path)
 
 
+def optional_png(plot, *args, **kwargs) -> str | None:
+    """plot(*args, **kwargs) -> path of a PNG; when matplotlib is missing, None and a one-line
+    note instead: a report's picture must never cost the user the run."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(f"note: matplotlib is not installed, so {plot.__name__} wrote no PNG "
+              "(pip install matplotlib, or the [models] extra)", flush=True)
+        return None
+    return str(plot(*args, **kwargs))
+
+
 def plot_metric(result: QuantizeResult, path: Path) -> Path:
     """Bar chart of the metric before/after quantization."""
     import matplotlib
@@ -64,10 +76,11 @@ def plot_metric(result: QuantizeResult, path: Path) -> Path:
 
 
 def write_report(result: QuantizeResult, out_dir: str | os.PathLike, sites_png: str | None = None) -> Path:
-    """Write lowbit_report.md (and lowbit_metric.png) into out_dir; returns the markdown path."""
+    """Write lowbit_report.md (and lowbit_metric.png when matplotlib is installed) into out_dir;
+    returns the markdown path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    metric_png = plot_metric(result, out / "lowbit_metric.png")
+    metric_png = optional_png(plot_metric, result, out / "lowbit_metric.png")
     mb = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
     lines = [f"# lowbit quantize: {result.model}, recipe {result.recipe}", "",
              f"Command: `{result.command}`  ", f"Machine: {result.machine}", "",
@@ -78,7 +91,8 @@ def write_report(result: QuantizeResult, out_dir: str | os.PathLike, sites_png: 
     if result.tokens_per_s:
         a, b = result.tokens_per_s
         lines.append(f"| tokens/s (CUDA prefill) | {a:.0f} | {b:.0f} | x{b / a:.2f} |")
-    lines += ["", f"![metric]({metric_png.name})", ""]
+    lines += ["", f"![metric]({Path(metric_png).name})" if metric_png else "(no figures: matplotlib is not installed)",
+              ""]
     if result.smoothquant:
         lines += [f"SmoothQuant: {result.smoothquant}", ""]
     if result.overrides:
