@@ -30,6 +30,13 @@ def register(p) -> None:
     p.add_argument("--ignore", action="append", default=None, metavar="PATTERN", help="keep matching Linears in high precision")
     p.add_argument("--override", action="append", default=None, metavar="PATTERN=RECIPE",
                    help="another recipe (or skip) for matching Linears")
+    p.add_argument("--method", choices=("rtn", "gptq"), default="rtn",
+                   help="how weight codes are chosen: rtn (round to nearest) or gptq (calibrated, lowbit.nn.gptq)")
+    p.add_argument("--gptq", dest="method", action="store_const", const="gptq", help="same as --method gptq")
+    p.add_argument("--awq", action="store_true",
+                   help="fold activation-aware (AWQ) weight scales before quantizing (weight-only recipes)")
+    p.add_argument("--rotate", nargs="?", const="hadamard", default=None, choices=("hadamard",),
+                   help="rotate the residual stream by a random Hadamard matrix first (folded exactly; lowbit.nn.rotation)")
     p.add_argument("--static-scales", action="store_true",
                    help="calibrated per-tensor activation scales instead of dynamic ones (+ clipping report on new text)")
     p.add_argument("--no-save", action="store_true", help="evaluate only, write no checkpoint (report still written)")
@@ -87,7 +94,8 @@ def run(args) -> int:
     for recipe in recipes:
         run_ = run_recipe(loaded, texts, recipe, smoothquant=args.smoothquant, override_worst=args.override_worst,
                           override_to=args.override_to, ignore=args.ignore, overrides=_overrides(args.override),
-                          static=args.static_scales, window=args.window)
+                          static=args.static_scales, window=args.window, method=args.method, awq=args.awq,
+                          rotate=args.rotate)
         print(run_.sites_before)
         if run_.sites_after is not None:
             print("after SmoothQuant:\n" + str(run_.sites_after))
