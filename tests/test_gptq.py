@@ -209,3 +209,30 @@ def test_gptq_model(rng):
         lb.nn.quantize_model(tiny_llama(rng), "w4a16-g32", method="gptq")
     with pytest.raises(ValueError, match="method="):
         lb.nn.quantize_model(tiny_llama(rng), "w4a16-g32", method="awq2")
+
+
+def test_rotated_gptq_checkpoint_loads_in_transformers(rng, tmp_path):
+    """Rotation + GPTQ give an ordinary compressed-tensors checkpoint: transformers (with the real
+    compressed-tensors) loads it, the decompressed weights equal lowbit's dequantized ones bit for
+    bit, and the untied lm_head comes back as saved."""
+    pytest.importorskip("compressed_tensors")
+    from test_compressed_tensors import load_with_transformers
+
+    from lowbit.io.compressed_tensors import save_compressed
+    from lowbit.nn.rotation import rotate_model
+    model = tiny_llama(rng)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    rotate_model(model, seed=int(torch.randint(0, 1000, (1,), generator=rng)))
+    lb.nn.quantize_model(model, "w4a16-g32", method="gptq", calib=_batches(rng))
+    out = save_compressed(model, tmp_path / "ckpt", "w4a16-g32")
+    hf = load_with_transformers(out, "compressed")
+    assert not hf.config.tie_word_embeddings
+    assert torch.equal(hf.lm_head.weight, model.lm_head.weight)
+    assert torch.equal(hf.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    n = 0
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear):
+            assert torch.equal(hf.get_submodule(name).weight.data, m.weight_q.dequantize(hf.get_submodule(name).weight.dtype))
+            n += 1
+    assert n == 14
