@@ -131,9 +131,9 @@ def test_bad_input(rng):
         HessianAccumulator(4).hessian()
 
 
-def tiny_llama(rng, layers=2):
+def tiny_llama(rng, layers=2, intermediate=80):
     from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=80, num_hidden_layers=layers,
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=intermediate, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=rng)))
     return LlamaForCausalLM(cfg).eval()
@@ -220,7 +220,7 @@ def test_rotated_gptq_checkpoint_loads_in_transformers(rng, tmp_path):
 
     from lowbit.io.compressed_tensors import save_compressed
     from lowbit.nn.rotation import rotate_model
-    model = tiny_llama(rng)
+    model = tiny_llama(rng, intermediate=96)    # compressed-tensors needs K % group == 0
     model.config.tie_word_embeddings = True
     model.lm_head.weight = model.model.embed_tokens.weight
     rotate_model(model, seed=int(torch.randint(0, 1000, (1,), generator=rng)))
