@@ -49,9 +49,10 @@ def test_calibration_text_is_not_evaluation_text(smollm2):
 
 
 def test_lowbit_quantize_cli_end_to_end(tmp_path, capsys):
-    """The README's main command on 1,024 tokens: W8A8 int8 costs a little perplexity (the issue
-    measured +3.4% on 8,192 tokens; allow 0..+10% on this shorter text), and writes the report
-    (markdown + PNG) and, when the checkpoint writer is present, the checkpoint."""
+    """The README's main command on 1,024 tokens: W8A8 int8 with the best measured measures
+    (SmoothQuant + the worst 5% of sites in bf16; +0.50% on 8,192 tokens, plain +3.03%) costs
+    little perplexity (allow -1%..+10% on this shorter text), and writes the report (markdown +
+    PNG) and, when the checkpoint writer is present, the checkpoint."""
     from lowbit.cli import main
     out = tmp_path / "q"
     rc = main(["quantize", "--tokens", "1024", "--calib-tokens", "512", "--out", str(out)])
@@ -60,8 +61,9 @@ def test_lowbit_quantize_cli_end_to_end(tmp_path, capsys):
     m = re.search(r"w8a8-int8: perplexity ([\d.]+) -> ([\d.]+)", text)
     assert m, text
     before, after = float(m.group(1)), float(m.group(2))
-    assert 1.0 < after / before < 1.10
+    assert 0.99 < after / before < 1.10
     assert "worst first" in text and "lm_head" in text
+    assert "applying the best measured measures" in text and "overridden worst sites" in text
     md = (out / "lowbit_report.md").read_text()
     assert "perplexity" in md and "Worst sites" in md
     for png in ("lowbit_sites.png", "lowbit_metric.png"):
