@@ -29,7 +29,6 @@ before it that are already quantized.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
