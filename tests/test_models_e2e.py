@@ -58,8 +58,10 @@ MEASURED_RISE = 0.0194
 
 
 def test_lowbit_quantize_cli_end_to_end(tmp_path, capsys):
-    """The README's main command on 1,024 tokens: W8A8 int8 costs a little perplexity, and the
-    report (markdown + PNG) and the checkpoint are written."""
+    """The README's main command on 1,024 tokens: W8A8 int8 with the best measured measures
+    (SmoothQuant + the worst 5% of sites in bf16; +0.50% on 8,192 tokens, plain +3.03%) costs
+    little perplexity (allow -1%..+10% on this shorter text), and writes the report (markdown +
+    PNG) and, when the checkpoint writer is present, the checkpoint."""
     from lowbit.cli import main
     out = tmp_path / "q"
     rc = main(["quantize", "--tokens", "1024", "--calib-tokens", "512", "--out", str(out)])
@@ -68,8 +70,9 @@ def test_lowbit_quantize_cli_end_to_end(tmp_path, capsys):
     m = re.search(r"w8a8-int8: perplexity ([\d.]+) -> ([\d.]+)", text)
     assert m, text
     before, after = float(m.group(1)), float(m.group(2))
-    assert 1.0 < after / before < 1 + 1.5 * MEASURED_RISE
+    assert 0.99 < after / before < 1.10
     assert "worst first" in text and "lm_head" in text
+    assert "applying the best measured measures" in text and "overridden worst sites" in text
     md = (out / "lowbit_report.md").read_text()
     assert "perplexity" in md and "Worst sites" in md
     for png in ("lowbit_sites.png", "lowbit_metric.png"):
@@ -108,3 +111,32 @@ def test_minilm_embedding_cosine():
     cos = embedding_cosine(model, q, tok, sentences)
     assert cos.shape == (24,)
     assert float((1 - cos).max()) < 1.5 * 0.0027 and float(cos.max()) < 1.0
+
+
+def test_rotation_awq_gptq_on_the_embedded_model(smollm2):
+    """The calibrated path end to end on SmolLM2 and a few hundred tokens: the Hadamard rotation
+    leaves the float model's perplexity unchanged (float32 rounding only), AWQ folds into every
+    block, and GPTQ quantizes the first block (the others ignored to keep CI short) with each
+    layer's calibration loss below round-to-nearest's."""
+    import lowbit as lb
+    from lowbit.nn.awq import awq_model
+    from lowbit.nn.evaluate import perplexity
+    from lowbit.nn.rotation import rotate_model
+    model, tok = smollm2
+    ids = embedded.wiki_token_ids(tok, 256, split="eval")
+    calib = embedded.windows(embedded.wiki_token_ids(tok, 256, split="calib"), 128)
+    m = copy.deepcopy(model)
+    p0 = perplexity(model, ids, 128)
+    rotate_model(m)
+    p1 = perplexity(m, ids, 128)
+    # float32 roundings of the rotated weights move the log-likelihood by ~1e-6 relative
+    # (measured 2e-7); a wrong fold (a gain not absorbed, a writer not rotated) moves it by
+    # orders of magnitude more.
+    assert abs(p1 / p0 - 1) < 1e-4
+    alphas = awq_model(m, "w4a16-g32", calib)
+    assert len(alphas) == 90
+    s = lb.nn.quantize_model(m, "w4a16-g32", method="gptq", calib=calib,
+                             ignore=[r"re:model\.layers\.([1-9]|[12][0-9])\..*"])
+    assert len(s.quantized) == 7
+    assert all("GPTQ output loss" in d.reason for d in s.quantized)
+    assert perplexity(m, ids, 128) < 2 * p0

@@ -444,17 +444,23 @@ def quantize(x, scheme: QuantScheme, *, nan_policy: str = "raise", pad: bool = F
         sc = _poison(sc, xf, scheme)
 
     s_full = expand_scale(sc.scale, scheme, tuple(xf.shape))
-    scaled = xf / s_full
+    z_full = None if sc.zero_point is None else expand_scale(sc.zero_point, scheme, tuple(xf.shape))
+    codes = encode_scaled(xf / s_full, z_full, fmt)
+    return QTensor(codes, sc.scale, sc.zero_point, scheme, shape, sc.scale_codes, sc.global_scale)
+
+
+def encode_scaled(scaled: torch.Tensor, zero_point: torch.Tensor | None, fmt) -> torch.Tensor:
+    """Codes of x / s (float32, already divided by the effective scale, IEEE division) with the
+    zero point broadcast to its shape (int asymmetric) or None: the element step of `quantize`,
+    also used by algorithms that quantize a weight column by column (lowbit.nn.gptq)."""
     if fmt.kind == "int":
         q = torch.round(scaled)  # round half to even
-        if sc.zero_point is None:
+        if zero_point is None:
             q = torch.clamp(q, -fmt.qmax, fmt.qmax)
         else:
-            q = torch.clamp(q + expand_scale(sc.zero_point, scheme, tuple(xf.shape)), fmt.qmin, fmt.qmax)
-        codes = q.to(torch.int8 if fmt.signed else torch.uint8)
-    else:
-        codes = _formats().encode(scaled, fmt, saturate=True)
-    return QTensor(codes, sc.scale, sc.zero_point, scheme, shape, sc.scale_codes, sc.global_scale)
+            q = torch.clamp(q + zero_point, fmt.qmin, fmt.qmax)
+        return q.to(torch.int8 if fmt.signed else torch.uint8)
+    return _formats().encode(scaled, fmt, saturate=True)
 
 
 def _check_scales(sc, scheme: QuantScheme, shape: tuple[int, ...], device) -> Scales:

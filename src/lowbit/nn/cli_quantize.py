@@ -34,10 +34,42 @@ def register(p) -> None:
     p.add_argument("--ignore", action="append", default=None, metavar="PATTERN", help="keep matching Linears in high precision")
     p.add_argument("--override", action="append", default=None, metavar="PATTERN=RECIPE",
                    help="another recipe (or skip) for matching Linears")
+    p.add_argument("--method", choices=("rtn", "gptq"), default=None,
+                   help="how weight codes are chosen: rtn (round to nearest) or gptq (calibrated, lowbit.nn.gptq)")
+    p.add_argument("--plain", action="store_true",
+                   help="round to nearest and nothing else; without --plain or any measure flag, the recipe's best "
+                        "measured measures are applied (lowbit.nn.best, docs/perplexity.md)")
+    p.add_argument("--gptq", dest="method", action="store_const", const="gptq", help="same as --method gptq")
+    p.add_argument("--awq", action="store_true",
+                   help="fold activation-aware (AWQ) weight scales before quantizing (weight-only recipes)")
+    p.add_argument("--rotate", nargs="?", const="hadamard", default=None, choices=("hadamard",),
+                   help="rotate the residual stream by a random Hadamard matrix first (folded exactly; lowbit.nn.rotation)")
     p.add_argument("--static-scales", action="store_true",
                    help="calibrated per-tensor activation scales instead of dynamic ones (+ clipping report on new text)")
     p.add_argument("--no-save", action="store_true", help="evaluate only, write no checkpoint (report still written)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def _measures(args, recipe: str, kind: str) -> dict:
+    """The measures for one recipe: the flags given, or (no measure flag, no --plain, a causal
+    decoder: where they were measured) the best measured ones from lowbit.nn.best, printed with
+    the reason."""
+    given = {"smoothquant": args.smoothquant, "override_worst": args.override_worst or 0.0,
+             "method": args.method or "rtn", "awq": args.awq, "rotate": args.rotate}
+    flagged = (args.smoothquant is not None or args.override_worst or args.method or args.awq or args.rotate
+               or args.static_scales)
+    if args.plain or flagged:
+        if args.plain and flagged:
+            raise ValueError("--plain means round to nearest alone; drop it or the measure flags")
+        return given
+    from lowbit.nn.best import best_options
+    best = best_options(recipe) if kind == "causal" else None
+    if best is None:
+        print(f"{recipe}: no measured improvement on file; plain round to nearest", flush=True)
+        return given
+    print(f"{recipe}: applying the best measured measures {best.options} ({best.why}); --plain for "
+          "round to nearest alone", flush=True)
+    return {**given, **best.options}
 
 
 def _save(model, out: Path, recipe, tokenizer) -> str | None:
@@ -122,9 +154,9 @@ def run(args) -> int:
           f" ({time.time() - t0:.0f} s)", flush=True)
     table = []
     for recipe in recipes:
-        run_ = run_recipe(loaded, texts, recipe, smoothquant=args.smoothquant, override_worst=args.override_worst,
-                          override_to=args.override_to, ignore=args.ignore, overrides=overrides,
-                          static=args.static_scales, window=args.window)
+        opts = _measures(args, recipe, loaded.kind)
+        run_ = run_recipe(loaded, texts, recipe, override_to=args.override_to, ignore=args.ignore,
+                          overrides=overrides, static=args.static_scales, window=args.window, **opts)
         print(run_.sites_before)
         if run_.sites_after is not None:
             print("after SmoothQuant:\n" + str(run_.sites_after))
@@ -136,7 +168,7 @@ def run(args) -> int:
             model=loaded.name, recipe=recipe, metric=mname, before=before, after=run_.value,
             bytes_before=bytes_before, bytes_after=model_bytes(run_.model), eval_tokens=ntok,
             command=command, machine=machine(),
-            smoothquant=None if args.smoothquant is None else f"alpha {args.smoothquant}",
+            smoothquant=None if opts["smoothquant"] is None else f"alpha {opts['smoothquant']}",
             summary=str(run_.summary), overrides=run_.overrides, clipping=run_.clipping,
             tokens_per_s=(tps_before, tps) if tps else None,
             sites_markdown=[("Worst sites" + (" before SmoothQuant" if run_.sites_after else ""),

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-# (recipe, SmoothQuant alpha or None, override fraction), in the order they are measured.
+# (recipe, SmoothQuant alpha or None, override fraction[, method, AWQ, rotation]), in the order they are measured.
 CONFIGS = [
     ("w8a8-int8", None, 0.0), ("w8a8-int8", 0.5, 0.05), ("w8a8-int8", 0.5, 0.0), ("w8a8-int8", None, 0.05),
     ("w8a8-fp8", None, 0.0), ("w8a8-fp8", None, 0.05),
@@ -22,6 +22,13 @@ CONFIGS = [
     ("mxfp8", None, 0.0), ("mxfp4", None, 0.0), ("nvfp4", None, 0.0),
     ("w8a8-fp8", 0.5, 0.05), ("mxfp8", None, 0.05), ("mxfp4", 0.5, 0.05), ("nvfp4", 0.5, 0.05),
     ("w4a16", None, 0.05), ("w4a16-asym", None, 0.05), ("w4a16-g32", None, 0.05), ("w8a16-int8", None, 0.05),
+    # calibrated weights (issue 12)
+    ("w4a16-g32", None, 0.0, "gptq"), ("w4a16", None, 0.0, "gptq"), ("nvfp4", None, 0.0, "gptq"),
+    ("w8a8-int8", 0.5, 0.0, "gptq"), ("w4a16-g32", None, 0.0, "gptq", True), ("mxfp4", None, 0.0, "gptq"),
+    ("w8a8-fp8", None, 0.0, "gptq"), ("w4a16-asym", None, 0.0, "gptq"), ("w4a16-g32", None, 0.0, "rtn", True),
+    ("w8a8-int8", None, 0.0, "rtn", False, "hadamard"), ("w8a8-fp8", None, 0.0, "rtn", False, "hadamard"),
+    ("w8a8-int8", None, 0.0, "gptq", False, "hadamard"), ("w4a16-g32", None, 0.0, "gptq", False, "hadamard"),
+    ("nvfp4", None, 0.0, "rtn", False, "hadamard"), ("mxfp4", None, 0.0, "rtn", False, "hadamard"),
 ]
 
 
@@ -32,6 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("--calib-tokens", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", default=None, help="comma-separated recipes to measure (default: all configs)")
+    ap.add_argument("--methods", default=None, help="comma-separated methods to measure: rtn, gptq (default: all)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from lowbit.nn.evaluate import model_bytes
@@ -45,12 +53,17 @@ def main(argv=None) -> int:
     rows = []
     only = None if args.only is None else set(args.only.split(","))
     cmd = "python -m lowbit.nn.measure " + " ".join(argv if argv is not None else sys.argv[1:])
-    for recipe, alpha, ov in CONFIGS:
-        if only and recipe not in only:
+    methods = None if args.methods is None else set(args.methods.split(","))
+    for recipe, alpha, ov, *extra in CONFIGS:
+        method, awq, rotate = (list(extra) + ["rtn", False, None][len(extra):])[:3]
+        if (only and recipe not in only) or (methods and method not in methods):
             continue
         t = time.time()
-        run = run_recipe(loaded, texts, recipe, smoothquant=alpha, override_worst=ov, progress=False, sites=False)
-        measures = ", ".join(x for x in [f"SmoothQuant alpha {alpha}" if alpha is not None else "",
+        run = run_recipe(loaded, texts, recipe, smoothquant=alpha, override_worst=ov, progress=False, sites=False,
+                         method=method, awq=awq, rotate=rotate)
+        measures = ", ".join(x for x in ["Hadamard rotation" if rotate else "",
+                                         f"SmoothQuant alpha {alpha}" if alpha is not None else "",
+                                         "AWQ" if awq else "", "GPTQ" if method == "gptq" else "",
                                          f"{len(run.overrides)} worst sites kept in bf16" if ov else ""] if x) or "none"
         rows.append((recipe, measures, run.value, model_bytes(run.model), sorted(run.overrides), time.time() - t))
         print(f"{recipe:18s} {measures:45s} {run.value:.4f} ({100 * (run.value / base - 1):+.2f}%) "

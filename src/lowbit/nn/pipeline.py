@@ -119,16 +119,25 @@ class RecipeRun:
 
 def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float | None = None,
                override_worst: float = 0.0, override_to: str = "skip", ignore=None, overrides=None,
-               static: bool = False, window: int = 512, progress: bool = True, sites: bool = True) -> RecipeRun:
+               static: bool = False, window: int = 512, progress: bool = True, sites: bool = True,
+               method: str = "rtn", awq: bool = False, rotate: str | None = None) -> RecipeRun:
     """Quantize a copy of loaded.model by `recipe` and evaluate it. smoothquant: alpha or None;
     override_worst: fraction of Linear layers (<= 0.05 by the issue's rule) whose worst output
-    SQNR sends them to `override_to` ("skip" = high precision, or a recipe name)."""
+    SQNR sends them to `override_to` ("skip" = high precision, or a recipe name).
+    method: "rtn" or "gptq" (lowbit.nn.gptq, calibrated on texts.calib); awq: fold AWQ scales
+    (lowbit.nn.awq, weight-only recipes) after SmoothQuant and before quantizing; rotate:
+    "hadamard" rotates the residual stream first (lowbit.nn.rotation) or None."""
     from lowbit.nn.calibration import calibrate_static_scales, clipping_report
     from lowbit.nn.quantize_model import linear_layers, quantize_model
     from lowbit.nn.sites import pick_overrides, site_report
     from lowbit.nn.smoothquant import smooth_model
     r = get_recipe(recipe)
     m = copy.deepcopy(loaded.model)
+    if rotate is not None:
+        if rotate != "hadamard":
+            raise ValueError(f"rotate={rotate!r}: the rotation lowbit knows is 'hadamard'")
+        from lowbit.nn.rotation import rotate_model
+        rotate_model(m)
     # sites=False skips the diagnosis when nothing depends on it (no overrides to pick).
     want = sites or override_worst > 0
     sites_before = site_report(m, texts.calib, r, ignore=ignore, overrides=overrides, progress=progress) \
@@ -140,6 +149,9 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
             sites_after = site_report(m, texts.calib, r, ignore=ignore, overrides=overrides, progress=progress)
     elif want and sites_before is None:
         sites_before = site_report(m, texts.calib, r, ignore=ignore, overrides=overrides, progress=progress)
+    if awq:
+        from lowbit.nn.awq import awq_model
+        awq_model(m, r, texts.calib, progress=progress)
     ov = dict(overrides or {})
     picked = {}
     if override_worst > 0:
@@ -154,7 +166,8 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
         if r.act is None:
             raise ValueError(f"--static-scales needs a recipe with activation quantization; {r.name} is weight-only")
         scales = calibrate_static_scales(m, texts.calib, r.act)
-    summary = quantize_model(m, r, ignore=ignore, overrides=ov or None, act_static_scales=scales, progress=progress)
+    summary = quantize_model(m, r, ignore=ignore, overrides=ov or None, act_static_scales=scales, progress=progress,
+                             method=method, calib=texts.calib if method != "rtn" else None)
     clipping = clipping_report(m, texts.new) if static else []
     value = metric(loaded, m, loaded.model, texts, window, progress, f"{r.name} eval")
     return RecipeRun(r.name, m, summary, sites_before, sites_after, picked, value, clipping)

@@ -45,6 +45,7 @@ class QuantSummary:
     recipe: str
     layers: list[LayerDecision] = field(default_factory=list)
     recipes: dict[str, Recipe] = field(default_factory=dict, repr=False)   # name -> Recipe used
+    method: str = "rtn"             # how the weights' codes were chosen: "rtn" | "gptq"
 
     def recipe_of(self, d: LayerDecision) -> Recipe:
         """The Recipe object a quantized layer's decision names (custom Recipes included)."""
@@ -67,7 +68,7 @@ class QuantSummary:
         return out
 
     def __str__(self) -> str:
-        lines = [f"recipe {self.recipe}: {len(self.quantized)} of {len(self.layers)} Linear layers quantized "
+        lines = [f"recipe {self.recipe}{'' if self.method == 'rtn' else ' (' + self.method + ')'}: {len(self.quantized)} of {len(self.layers)} Linear layers quantized "
                  f"({', '.join(f'{k}: {v}' for k, v in self.counts().items())})"]
         for d in self.layers:
             if d.action == "skipped" or d.recipe != self.recipe:
@@ -143,17 +144,43 @@ def plan(model: torch.nn.Module, recipe: str | Recipe, ignore=None, overrides=No
     return summary
 
 
+def layer_act(d: LayerDecision, r: Recipe, act_static_scales: dict | None):
+    """(activation scheme, static scale or None) of one quantized layer: the recipe's dynamic
+    scheme, or its per-tensor static twin with the layer's calibrated scale."""
+    from lowbit.nn.calibration import static_scheme
+    if act_static_scales is None or r.act is None:
+        return r.act, None
+    if d.name not in act_static_scales:
+        raise ValueError(f"act_static_scales has no scale for layer {d.name}: calibrate every quantized layer")
+    return static_scheme(r.act), act_static_scales[d.name]
+
+
 @torch.no_grad()
 def quantize_model(model: torch.nn.Module, recipe: str | Recipe, *, ignore=None, overrides=None,
                    act_static_scales: dict[str, torch.Tensor] | None = None, backend: str = "auto",
-                   progress: bool = False, share_inputs: bool = True) -> QuantSummary:
+                   progress: bool = False, share_inputs: bool = True, method: str = "rtn", calib=None,
+                   method_options: dict | None = None) -> QuantSummary:
     """Replace nn.Linear layers of `model` (in place) by QuantLinear under `recipe`; returns the
     QuantSummary. act_static_scales: {layer name: float32 scale} from
     calibration.calibrate_static_scales, to use one calibrated per-tensor activation scale per
     layer instead of dynamic scales (every quantized layer with activations needs one).
     share_inputs: merge the quantized layers that read one input (Llama's q/k/v, gate/up) so
-    the fast path quantizes each activation once (lowbit.nn.shared_input)."""
-    from lowbit.nn.calibration import static_scheme
+    the fast path quantizes each activation once (lowbit.nn.shared_input).
+    method: "rtn" (round to nearest) or "gptq" (lowbit.nn.gptq.gptq_model on `calib`, a list of
+    input-id tensors [B, T] or dicts of model kwargs; method_options: its keyword arguments such
+    as damp, act_order)."""
+    if method != "rtn":
+        if method != "gptq":
+            raise ValueError(f"method={method!r}; choose 'rtn' (round to nearest) or 'gptq' (needs calib=batches)")
+        if calib is None:
+            raise ValueError("method='gptq' needs calibration inputs: pass calib=[input-id tensors or dicts]")
+        from lowbit.nn.gptq import gptq_model
+        summary = gptq_model(model, recipe, calib, ignore=ignore, overrides=overrides,
+                             act_static_scales=act_static_scales, progress=progress, **(method_options or {}))
+        if share_inputs:
+            from lowbit.nn.shared_input import share_inputs as share
+            share(model)
+        return summary
     summary = plan(model, recipe, ignore, overrides)
     layers = linear_layers(model)
     todo = summary.quantized
@@ -163,11 +190,7 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe, *, ignore=None,
     new: dict[str, QuantLinear] = {}
     for d in todo:
         r = summary.recipe_of(d)
-        act, scale = r.act, None
-        if act_static_scales is not None and act is not None:
-            if d.name not in act_static_scales:
-                raise ValueError(f"act_static_scales has no scale for layer {d.name}: calibrate every quantized layer")
-            act, scale = static_scheme(act), act_static_scales[d.name]
+        act, scale = layer_act(d, r, act_static_scales)
         try:
             new[d.name] = QuantLinear.from_linear(layers[d.name], r.weight, act, act_static_scale=scale,
                                                   backend=backend, pad=True)

@@ -85,17 +85,24 @@ def smooth_model(model: torch.nn.Module, batches: Iterable, alpha: float = 0.5, 
     for g in groups:
         lins = [model.get_submodule(c) for c in g.consumers]
         s = smoothing_factors(amax[g.consumers[0]], [l.weight for l in lins], alpha, pow2)
-        prod = model.get_submodule(g.producer)
-        if g.kind == "norm":
-            w = prod.weight
-            w.copy_((w.float() / s).to(w.dtype))
-            if getattr(prod, "bias", None) is not None:
-                prod.bias.copy_((prod.bias.float() / s).to(prod.bias.dtype))
-        else:
-            prod.weight.copy_((prod.weight.float() / s[:, None]).to(prod.weight.dtype))
-            if prod.bias is not None:
-                prod.bias.copy_((prod.bias.float() / s).to(prod.bias.dtype))
-        for l in lins:
-            l.weight.copy_((l.weight.float() * s[None, :]).to(l.weight.dtype))
+        fold(model, g, s)
         out[g.producer] = s
     return out
+
+
+@torch.no_grad()
+def fold(model: torch.nn.Module, group: FoldGroup, s: torch.Tensor) -> None:
+    """Divide the producer's output channels by s [K] and multiply the consumers' input columns
+    by s, in place: the float model computes the same function (exactly up to float rounding;
+    bit-exactly for powers of two). Shared by SmoothQuant and AWQ (lowbit.nn.awq)."""
+    prod = model.get_submodule(group.producer)
+    if group.kind == "norm":
+        w = prod.weight
+        w.copy_((w.float() / s).to(w.dtype))
+    else:
+        prod.weight.copy_((prod.weight.float() / s[:, None]).to(prod.weight.dtype))
+    if getattr(prod, "bias", None) is not None:
+        prod.bias.copy_((prod.bias.float() / s).to(prod.bias.dtype))
+    for c in group.consumers:
+        l = model.get_submodule(c)
+        l.weight.copy_((l.weight.float() * s[None, :]).to(l.weight.dtype))

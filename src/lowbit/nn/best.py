@@ -1,0 +1,34 @@
+"""The best measured combination of measures per recipe: what `lowbit quantize` applies when no
+measure flag is given (`--plain` for round-to-nearest alone). Every entry cites the measurement in
+docs/perplexity.md (SmolLM2-135M, 8,192 Wikipedia tokens) that made it the choice; recipes without
+a measured improvement within the issue's budget (<= 5% of Linears overridden) stay plain."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Best:
+    """Measures for one recipe (keyword arguments of pipeline.run_recipe) and why."""
+    options: dict
+    why: str
+
+
+BEST: dict[str, Best] = {
+    "w8a8-int8": Best({"smoothquant": 0.5, "override_worst": 0.05},
+                      "SmoothQuant 0.5 + the 10 worst sites (4.8% of Linears) in bf16: +0.50% perplexity "
+                      "vs +3.03% plain (docs/perplexity.md)"),
+    "w8a8-fp8": Best({"override_worst": 0.05},
+                     "the 10 worst sites (4.8% of Linears) in bf16: +1.44% vs +2.79% plain (docs/perplexity.md)"),
+    "w4a16-g32": Best({"method": "gptq"},
+                      "GPTQ (damp 0.1, act-order, held-out check), 2,048 calibration tokens: +23.01% perplexity "
+                      "vs +40.20% round to nearest (docs/perplexity.md)"),
+    "w4a16": Best({"method": "gptq"},
+                  "GPTQ (damp 0.1, act-order, held-out check), 2,048 calibration tokens: +38.01% perplexity "
+                  "vs +72.47% round to nearest (docs/perplexity.md)"),
+}
+
+
+def best_options(recipe: str) -> Best | None:
+    """The measured best measures for `recipe`, or None (plain round-to-nearest)."""
+    return BEST.get(recipe)

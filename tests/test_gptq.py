@@ -1,0 +1,238 @@
+"""GPTQ: the fast blocked/Cholesky implementation against a straightforward float64 implementation
+of the paper's per-column update (explicit inverse Hessian, downdated after every column), for
+every weight scheme lowbit has; its output loss never above round-to-nearest's on the same H;
+the stored codes are lowbit.quantize's; the model-level pass calibrates each layer on the outputs
+of the layers already quantized before it."""
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+import lowbit as lb
+from lowbit.nn.gptq import HessianAccumulator, gptq_model, gptq_quantize_weight, output_loss
+from lowbit.nn.quant_linear import QuantLinear
+from lowbit.nn.sequential import calibrate_sequentially
+from lowbit.quantize import Scales, compute_scale, expand_scale, quantize, reduce_amax
+
+SCHEMES = {
+    "int4-g8": lb.QuantScheme(format="int4", strategy="group", group_size=8),
+    "int4-g8-asym": lb.QuantScheme(format="int4", strategy="group", group_size=8, symmetric=False),
+    "uint4-g16-asym": lb.QuantScheme(format="uint4", strategy="group", group_size=16, symmetric=False),
+    "int8-channel": lb.QuantScheme(format="int8", strategy="channel"),
+    "fp8-channel": lb.QuantScheme(format="fp8_e4m3fn", strategy="channel"),
+    "fp8-tensor": lb.get_preset("fp8_tensor"),
+    "mxfp4": lb.get_preset("mxfp4"),
+    "nvfp4": lb.get_preset("nvfp4"),
+}
+
+
+def _column_of(qt, j, shape):
+    ex = lambda t: None if t is None else expand_scale(t, qt.scheme, shape)[:, j:j + 1].contiguous()  # noqa: E731
+    return Scales(ex(qt.scale), ex(qt.zero_point), ex(qt.scale_codes), qt.global_scale)
+
+
+def reference_gptq(w, h, scheme, damp, act_order):
+    """The paper's update written out in float64, one column at a time (O(K^2) per column):
+    q_j = quant(w_j); W[:, F] -= (w_j - q_j) / Hinv_jj * Hinv_{j,F};
+    Hinv <- Hinv - Hinv_{:,j} Hinv_{j,:} / Hinv_jj  (the inverse Hessian of the remaining columns).
+    Group scales are taken from the group's current columns when the group is reached (unless
+    act_order: then round-to-nearest's). Returns the codes [N, K]."""
+    N, K = w.shape
+    H = h.double().clone()
+    dead = torch.diagonal(H) == 0
+    H[dead, dead] = 1
+    perm = torch.argsort(torch.diagonal(H), descending=True, stable=True) if act_order else torch.arange(K)
+    Hp = H[perm][:, perm]
+    Hp += damp * torch.diagonal(Hp).mean() * torch.eye(K, dtype=torch.float64)
+    Hinv = torch.linalg.inv(Hp)
+    W = w.double().clone()
+    rtn = quantize(w.float(), scheme, pad=True)
+    col_scheme = dataclasses.replace(scheme, strategy="group", group_size=1, block_size=None)
+    dynamic = scheme.strategy == "group" and not act_order
+    g = scheme.group_size
+    codes = torch.zeros(N, K, dtype=rtn.codes.dtype)
+    group_q = None
+    for idx in range(K):
+        j = int(perm[idx])
+        if dynamic:
+            if j % g == 0:      # this group's scales, from its columns as they are now
+                blk = torch.nn.functional.pad(W[:, j:j + g].float(), (0, g - W[:, j:j + g].shape[1]))
+                sc = compute_scale(reduce_amax(blk, scheme), scheme, global_scale=rtn.global_scale) \
+                    if scheme.symmetric else None
+                group_q = quantize(blk, scheme, scales=sc)
+            col = _column_of(group_q, j % g, (N, g))
+        else:
+            col = _column_of(rtn, j, tuple(rtn.codes.shape))
+        qt = quantize(W[:, j:j + 1].float(), col_scheme, scales=col)
+        q = qt.dequantize(torch.float64)[:, 0]
+        codes[:, j] = qt.codes[:, 0]
+        err = (W[:, j] - q) / Hinv[idx, idx]
+        W[:, perm[idx + 1:]] -= err[:, None] * Hinv[idx, idx + 1:][None, :]
+        Hinv = Hinv - Hinv[:, idx:idx + 1] @ Hinv[idx:idx + 1, :] / Hinv[idx, idx]
+    return codes
+
+
+def _layer_data(rng, N=7, K=45, n=60):
+    """A weight and a Hessian of correlated inputs (X = Z A, n samples), K not a multiple of any
+    group size used here, so every group scheme has a short last group."""
+    A = torch.randn(K, K, generator=rng, dtype=torch.float64)
+    X = torch.randn(n, K, generator=rng, dtype=torch.float64) @ A
+    acc = HessianAccumulator(K)
+    acc.add(X[: n // 2])
+    acc.add(X[n // 2:])
+    return torch.randn(N, K, generator=rng), acc.hessian(), X
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("name", list(SCHEMES))
+def test_matches_float64_reference(rng, name, act_order):
+    scheme = SCHEMES[name]
+    w, h, X = _layer_data(rng)
+    # accumulator = X^T X / n: two float64 summation orders of n products differ by at most
+    # 2 gamma_n (|X|^T |X|) / n, gamma_n = n u / (1 - n u) with u = 2^-53.
+    n, u = X.shape[0], 2.0 ** -53
+    bound = 2 * (n * u / (1 - n * u)) * (X.abs().T @ X.abs()) / n
+    assert ((h - X.T @ X / n).abs() <= bound).all()
+    res = gptq_quantize_weight(w, h, scheme, act_order=act_order, block_size=16)
+    K = w.shape[1]
+    # Codes bit-exact: both implementations feed the same float32 column values to the same
+    # quantizer unless float64 rounding differences (~1e-16 relative) straddle a rounding
+    # boundary of the float32 column, an event of probability ~1e-9 per element.
+    assert torch.equal(res.qtensor.codes[:, :K], reference_gptq(w, h, scheme, 0.01, act_order))
+    # GPTQ minimises the output loss greedily from RTN's starting point: never worse on its H.
+    assert res.loss <= res.loss_rtn
+    assert res.loss == output_loss(w, res.qtensor.dequantize(torch.float64), h)
+
+
+@pytest.mark.parametrize("name", ["int4-g8", "int8-channel", "nvfp4"])
+def test_stored_codes_are_lowbit_quantize(rng, name):
+    """The QTensor is a plain lowbit.quantize layout: static scales are round-to-nearest's, and
+    re-quantizing the dequantized weight with the stored scales gives the stored codes."""
+    scheme = SCHEMES[name]
+    w, h, _ = _layer_data(rng, N=9, K=50)
+    res = gptq_quantize_weight(w, h, scheme, act_order=True)
+    qt = res.qtensor
+    rtn = quantize(w, scheme, pad=True)
+    assert torch.equal(qt.scale, rtn.scale) and qt.codes.shape == rtn.codes.shape
+    assert not torch.equal(qt.codes, rtn.codes)          # GPTQ did choose other codes
+    again = quantize(qt.dequantize(), scheme, pad=True,
+                     scales=Scales(qt.scale, qt.zero_point, qt.scale_codes, qt.global_scale))
+    assert torch.equal(again.codes, qt.codes)
+
+
+def test_bad_input(rng):
+    w, h, _ = _layer_data(rng)
+    with pytest.raises(ValueError, match="h has shape"):
+        gptq_quantize_weight(w, h[:-1, :-1], SCHEMES["int4-g8"])
+    with pytest.raises(ValueError, match="damp"):
+        gptq_quantize_weight(w, h, SCHEMES["int4-g8"], damp=0)
+    with pytest.raises(ValueError, match="no calibration input"):
+        HessianAccumulator(4).hessian()
+
+
+def tiny_llama(rng, layers=2, intermediate=80):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=intermediate, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=rng)))
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _batches(rng, n=2, t=24):
+    return [torch.randint(0, 97, (1, t), generator=rng) for _ in range(n)]
+
+
+def test_sequential_order(rng):
+    """Every layer is calibrated on what the model feeds it once all layers before it are
+    quantized: the inputs a handler receives equal (bit-exactly) the inputs of that layer in
+    the finished quantized model, and the first layer's equal the float model's."""
+    model = tiny_llama(rng, layers=3)
+    ref = copy.deepcopy(model)
+    batches = _batches(rng)
+    scheme = lb.QuantScheme(format="int4", strategy="group", group_size=16)
+    got, order = {}, []
+
+    def handle(names, xs):
+        order.append(names)
+        for n in names:
+            got[n] = xs
+        return {n: QuantLinear.from_linear(model.get_submodule(n), scheme) for n in names}
+
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    calibrate_sequentially(model, names, batches, handle)
+    assert order[:4] == [[f"model.layers.0.self_attn.{p}_proj" for p in "qkv"], ["model.layers.0.self_attn.o_proj"],
+                         ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"], ["model.layers.0.mlp.down_proj"]]
+    seen = {}
+    hooks = [model.get_submodule(n).register_forward_pre_hook(
+        lambda m, a, n=n: seen.setdefault(n, []).append(a[0].detach())) for n in names]
+    float_seen = {}
+    hooks += [ref.get_submodule(n).register_forward_pre_hook(
+        lambda m, a, n=n: float_seen.setdefault(n, []).append(a[0].detach())) for n in names]
+    with torch.no_grad():
+        for b in batches:
+            model(b)
+            ref(b)
+    for h in hooks:
+        h.remove()
+    for n in names:
+        assert all(torch.equal(a, b) for a, b in zip(got[n], seen[n])), n
+    q0 = "model.layers.0.self_attn.q_proj"
+    assert all(torch.equal(a, b) for a, b in zip(got[q0], float_seen[q0]))
+    last = "model.layers.2.mlp.down_proj"
+    assert not all(torch.equal(a, b) for a, b in zip(got[last], float_seen[last]))
+
+
+def test_gptq_model(rng):
+    """Model level: every quantized layer's output loss on its calibration inputs is <= RTN's, the
+    layers are QuantLinears with the recipe's schemes, lm_head stays float, and an error leaves
+    the model as it was."""
+    model = tiny_llama(rng)
+    batches = _batches(rng)
+    summary = lb.nn.quantize_model(model, "w4a16-g32", method="gptq", calib=batches)
+    assert summary.method == "gptq" and len(summary.quantized) == 14
+    for d in summary.quantized:
+        ratio = float(d.reason.split("GPTQ output loss ")[1].split("x")[0])
+        assert ratio <= 1.0, d
+        assert isinstance(model.get_submodule(d.name), QuantLinear)
+    assert isinstance(model.lm_head, torch.nn.Linear)
+
+    fresh = tiny_llama(rng)
+    with torch.no_grad():
+        fresh.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
+    linears = {n: m for n, m in fresh.named_modules() if isinstance(m, torch.nn.Linear)}
+    with pytest.raises(ValueError, match="model.layers.1.mlp.down_proj"):
+        gptq_model(fresh, "w4a16-g32", batches)
+    assert {n: m for n, m in fresh.named_modules() if isinstance(m, torch.nn.Linear)} == linears
+    assert not any(isinstance(m, QuantLinear) for m in fresh.modules())
+    with pytest.raises(ValueError, match="calib"):
+        lb.nn.quantize_model(tiny_llama(rng), "w4a16-g32", method="gptq")
+    with pytest.raises(ValueError, match="method="):
+        lb.nn.quantize_model(tiny_llama(rng), "w4a16-g32", method="awq2")
+
+
+def test_rotated_gptq_checkpoint_loads_in_transformers(rng, tmp_path):
+    """Rotation + GPTQ give an ordinary compressed-tensors checkpoint: transformers (with the real
+    compressed-tensors) loads it, the decompressed weights equal lowbit's dequantized ones bit for
+    bit, and the untied lm_head comes back as saved."""
+    pytest.importorskip("compressed_tensors")
+    from test_compressed_tensors import load_with_transformers
+
+    from lowbit.io.compressed_tensors import save_compressed
+    from lowbit.nn.rotation import rotate_model
+    model = tiny_llama(rng, intermediate=96)    # compressed-tensors needs K % group == 0
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    rotate_model(model, seed=int(torch.randint(0, 1000, (1,), generator=rng)))
+    lb.nn.quantize_model(model, "w4a16-g32", method="gptq", calib=_batches(rng))
+    out = save_compressed(model, tmp_path / "ckpt", "w4a16-g32")
+    hf = load_with_transformers(out, "compressed")
+    assert not hf.config.tie_word_embeddings
+    assert torch.equal(hf.lm_head.weight, model.lm_head.weight)
+    assert torch.equal(hf.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    n = 0
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear):
+            assert torch.equal(hf.get_submodule(name).weight.data, m.weight_q.dequantize(hf.get_submodule(name).weight.dtype))
+            n += 1
+    assert n == 14
