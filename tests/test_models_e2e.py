@@ -70,7 +70,9 @@ def test_lowbit_quantize_cli_end_to_end(tmp_path, capsys):
     m = re.search(r"w8a8-int8: perplexity ([\d.]+) -> ([\d.]+)", text)
     assert m, text
     before, after = float(m.group(1)), float(m.group(2))
-    assert 0.99 < after / before < 1.10
+    # upper: 1.5x the plain RTN rise measured above (the best-measured default adds SmoothQuant and
+    # bf16 overrides, which lower it); lower: 1% of improvement allowed on this short text
+    assert 0.99 < after / before < 1 + 1.5 * MEASURED_RISE
     assert "worst first" in text and "lm_head" in text
     assert "applying the best measured measures" in text and "overridden worst sites" in text
     md = (out / "lowbit_report.md").read_text()
