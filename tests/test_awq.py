@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from llama_fixtures import outlier_llama
 
 import lowbit as lb
 from lowbit.nn.awq import awq_factors, awq_model, scaled_loss, search_scale
@@ -14,16 +15,7 @@ from lowbit.quantize import quantize
 
 
 def tiny_llama(rng):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=rng)))
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():   # outlier channels feeding q/k/v and gate/up, as in real LLMs
-        for layer in model.model.layers:
-            layer.input_layernorm.weight[5] = 30.0
-            layer.post_attention_layernorm.weight[11] = 25.0
-    return model
+    return outlier_llama(rng, 80)
 
 
 def test_factors_formula(rng):

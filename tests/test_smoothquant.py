@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from llama_fixtures import outlier_llama
 
 from lowbit.nn import quantize_model
 from lowbit.nn.sites import site_report
@@ -14,16 +15,7 @@ from lowbit.nn.smoothquant import fold_groups, smooth_model, smoothing_factors
 
 
 def tiny_llama(rng):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=rng)))
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():   # outlier channels feeding q/k/v and gate/up, as in real LLMs
-        for layer in model.model.layers:
-            layer.input_layernorm.weight[5] = 30.0
-            layer.post_attention_layernorm.weight[11] = 25.0
-    return model
+    return outlier_llama(rng, 96)
 
 
 def _batches(rng, n=3, t=20):
