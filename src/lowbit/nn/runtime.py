@@ -1,6 +1,6 @@
 """The prepared fast path of QuantLinear: what a served quantized model runs on the GPU.
 
-`prepare(weight_q, weight_scheme, act_scheme, static_scale)` is called once, when a layer is
+`prepare(weight_q, act_scheme, static_scale)` is called once, when a layer is
 quantized or loaded. It checks everything (schemes, shapes, encodability) and returns a
 `Prepared`: the weight's operands in the layout its kernel reads (registered by QuantLinear
 as buffers, so `.to(device)` moves them) and a `Spec` of plain Python values. The forward,
@@ -18,15 +18,18 @@ Kinds (Spec.kind), by recipe:
              quantized by lowbit.quantize's arithmetic instead (a global amax is a second pass).
   "w8a16"    int8 weights per channel, activations unquantized -> lowbit.ops.triton.w8a16.
   "w4a16"    int4 / uint4 per group, MXFP4 or NVFP4 weights, activations unquantized ->
-             the W4A16 kernel (planar-chunk layout, 2 codes per byte) at every M.
+             the W4A16 kernel (planar-chunk layout, 2 codes per byte) below DEQUANT_MIN_M
+             rows, a one-pass dequantization to bf16 + cuBLAS from there.
   "fp4"      MXFP4 / NVFP4 weights *and* activations: the activations are quantized by the
              fused quantizer and dequantized exactly into bf16 (e2m1 x e8m0, and e2m1 x e4m3
              for NVFP4, are exact in bf16; NVFP4's per-tensor scales multiply the fp32
-             accumulator once), then the W4A16 kernel: the emulation of the fp4 x fp4 product
+             accumulator once), then the "w4a16" path: the emulation of the fp4 x fp4 product
              on a GPU without an fp4 datapath, with the same products and fp32 accumulation.
-  "mxfp8"    MXFP8 weights and activations: fused quantizer, then the emulated MX GEMM.
-Exactness of each kind is the kernel's own (see each kernel module's docstring); the tests
-compare each kind against lowbit.verify.check_linear and the exact (CPU) path.
+  "mxfp8"    MXFP8 weights and activations: fused quantizer, then the emulated MX GEMM below
+             DEQUANT_MIN_M rows, both operands dequantized exactly to bf16 + cuBLAS from there.
+Exactness of each kind is the kernel's own (see each kernel module's docstring);
+tests/test_runtime.py compares each kind with the float64 reference (lowbit.ops.reference)
+within a bound derived there.
 
 NaN / Inf in an activation is NOT checked on this path (a check costs a host sync per call):
 QuantLinear(check=True) runs the exact path, which raises on them.
@@ -42,7 +45,6 @@ import torch
 from lowbit.quantize import QTensor
 from lowbit.scheme import QuantScheme
 
-KINDS = ("w8a8", "w8a16", "w4a16", "fp4", "mxfp8")
 # Operands that are one value per layer, not per output row (equal across layers sharing one
 # input, so a merged GEMM takes the first member's rather than a concatenation).
 PER_LAYER_OPERANDS = ("global_scale", "act_qmax", "act_scale")
