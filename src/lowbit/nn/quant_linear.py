@@ -97,6 +97,7 @@ class QuantLinear(torch.nn.Module):
         for name, t in prep.tensors.items():
             self.register_buffer("fast_" + name, t, persistent=False)
         self.fast_spec, self._fast_json = prep.spec, prep.spec.to_json()
+        self._fast_dtypes = runtime.input_dtypes(prep.spec)   # derived once, read on every call
         self._graphs = runtime.GraphCache()
         if prep.spec.kind in ("w4a16", "fp4"):
             # the packed codes are the GPU's copy; the exact twin (one code per byte) stays on the host
@@ -134,7 +135,7 @@ class QuantLinear(torch.nn.Module):
     def _fast_ok(self, x: torch.Tensor) -> bool:
         return (self.fast_spec is not None and not self.check and not self.track_clipping
                 and (x.is_cuda or self.backend == "kernel")
-                and x.dtype in runtime.input_dtypes(self.fast_spec))
+                and x.dtype in self._fast_dtypes)
 
     # ------------------------------------------------------------------ construction
     @classmethod
