@@ -74,8 +74,12 @@ EPILOGUE_MUTANTS = [
     (T + "gemm_int8.py", "accf = (acc.to(tl.int64) - za[:, None] * cs[None, :]).to(tl.float32)",
      "accf = acc.to(tl.float32) - (za[:, None] * cs[None, :]).to(tl.float32)",
      "int8 zero-point correction in fp32 instead of int64", EPI),
-    (T + "common.py", "mask=n_ok, other=0.0).to(tl.float32)[None, :]",
-     "mask=n_ok, other=0.0).to(tl.bfloat16).to(tl.float32)[None, :]", "bias rounded to bf16 before the add", EPI),
+    (T + "common.py", "y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]\n    return y",
+     "y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.bfloat16).to(tl.float32)[None, :]\n"
+     "    return y", "int8 epilogue: bias rounded to bf16 before the add", EPI),
+    (T + "common.py", "y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]\n    c_ptrs",
+     "y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.bfloat16).to(tl.float32)[None, :]\n"
+     "    c_ptrs", "fp8/block-scaled/W8A16 epilogue: bias rounded to bf16 before the add", EPI),
     (T + "common.py", "bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536", "bits = bits & -65536",
      "bf16 output truncated instead of rounded to nearest even", EPI),
     (T + "common.py", "bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536", "bits = (bits + 0x8000) & -65536",
