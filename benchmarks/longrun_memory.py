@@ -34,10 +34,25 @@ def rss_mib() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def sample(device: str) -> dict[str, float]:
-    """Memory now, after a full garbage collection: RSS MiB, and CUDA allocated MiB on CUDA."""
+def live_tensors() -> tuple[int, int]:
+    """(count, bytes) of the torch tensors Python code holds now: a reference kept by mistake
+    (a cache that grows with calls) shows here exactly, however small, where RSS cannot see it."""
+    n = size = 0
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor):
+            n += 1
+            size += o.untyped_storage().nbytes() if o.device.type != "meta" else 0
+    return n, size
+
+
+def sample(device: str, tensors: bool = False) -> dict[str, float]:
+    """Memory now, after a full garbage collection: RSS MiB, CUDA allocated MiB on CUDA, and
+    with `tensors` the count and MiB of live tensors (see live_tensors)."""
     gc.collect()
     out = {"rss_mib": rss_mib()}
+    if tensors:
+        n, size = live_tensors()
+        out.update(tensors=n, tensor_mib=size / 2**20)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
         out["cuda_mib"] = torch.cuda.memory_allocated() / 2**20
@@ -61,7 +76,7 @@ def growth(samples: list[float]) -> float:
     return sum(last) / len(last) - sum(mid) / len(mid)
 
 
-def quantize_rounds(model, rounds: int, device: str = "cpu", log=print) -> list[dict[str, float]]:
+def quantize_rounds(model, rounds: int, device: str = "cpu", log=print, tensors: bool = False) -> list[dict[str, float]]:
     """Quantize a deep copy of `model` (already on `device`) `rounds` times, dropping each copy;
     memory after each round."""
     from lowbit.nn.quantize_model import quantize_model
@@ -70,12 +85,13 @@ def quantize_rounds(model, rounds: int, device: str = "cpu", log=print) -> list[
         m = copy.deepcopy(model)
         quantize_model(m, RECIPE)
         del m
-        out.append(sample(device))
+        out.append(sample(device, tensors))
         log(f"quantize round {i + 1}/{rounds}: " + fmt(out[-1]))
     return out
 
 
-def decode_steps(model, steps: int, seq: int, device: str = "cpu", log=print) -> list[dict[str, float]]:
+def decode_steps(model, steps: int, seq: int, device: str = "cpu", log=print,
+                 tensors: bool = False) -> list[dict[str, float]]:
     """`steps` greedy single-token decode steps of `model` (quantized, on `device`) with a KV cache,
     a fresh sequence every `seq` tokens; memory at the end of each sequence (steps // seq samples)."""
     out, past = [], None
@@ -87,14 +103,16 @@ def decode_steps(model, steps: int, seq: int, device: str = "cpu", log=print) ->
             past = r.past_key_values
             tok = r.logits[:, -1:].argmax(-1)
             if (i + 1) % seq == 0:
-                out.append(sample(device))
-                past, tok = None, torch.zeros_like(tok)
+                past = r = None                          # the sequence's cache dropped before the sample
+                tok = torch.zeros_like(tok)
+                out.append(sample(device, tensors))
                 log(f"decode step {i + 1}/{steps}: " + fmt(out[-1]) + f" ({(i + 1) / (time.time() - t0):.0f} steps/s)")
     return out
 
 
 def fmt(s: dict[str, float]) -> str:
-    return ", ".join(f"{k.removesuffix('_mib').upper()} {v:.1f} MiB" for k, v in s.items())
+    return ", ".join(f"{k} {v}" if k == "tensors" else f"{k.removesuffix('_mib').upper()} {v:.1f} MiB"
+                     for k, v in s.items())
 
 
 def summary(name: str, samples: list[dict[str, float]]) -> dict[str, dict[str, float]]:
@@ -119,11 +137,11 @@ def plot(result: dict, path: str) -> None:
              (axes[1], result["decode"], lambda i: (i + 1) * seq,
               f"decode step (4-layer Llama, {RECIPE}, {seq}-token sequences)")]
     for ax, samples, x_of, xlabel in parts:
-        for k in samples[0]:
+        for k in [k for k in samples[0] if k.endswith("_mib")]:
             ax.plot([x_of(i) for i in range(len(samples))], [s[k] for s in samples], marker=".",
                     label=k.replace("_mib", " MiB").replace("rss", "RSS").replace("cuda", "CUDA allocated"))
-        lo = min(min(s.values()) for s in samples)
-        hi = max(max(s.values()) for s in samples)
+        lo = min(v for s in samples for k, v in s.items() if k.endswith("_mib"))
+        hi = max(v for s in samples for k, v in s.items() if k.endswith("_mib"))
         pad = max(8.0, 0.1 * (hi - lo))         # a flat line still shows its scale
         ax.set_ylim(lo - pad, hi + pad)
         ax.set_xlabel(xlabel)
