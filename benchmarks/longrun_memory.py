@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
 import gc
 import json
 import os
@@ -45,10 +46,20 @@ def live_tensors() -> tuple[int, int]:
     return n, size
 
 
+def _trim() -> None:
+    """Hand the C heap's free pages back to the OS (glibc malloc_trim), so that RSS counts what
+    is in use rather than what the allocator happens to keep cached; a no-op elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def sample(device: str, tensors: bool = False) -> dict[str, float]:
-    """Memory now, after a full garbage collection: RSS MiB, CUDA allocated MiB on CUDA, and
-    with `tensors` the count and MiB of live tensors (see live_tensors)."""
+    """Memory now, after a full garbage collection and a heap trim: RSS MiB, CUDA allocated MiB
+    on CUDA, and with `tensors` the count and MiB of live tensors (see live_tensors)."""
     gc.collect()
+    _trim()
     out = {"rss_mib": rss_mib()}
     if tensors:
         n, size = live_tensors()
@@ -161,24 +172,30 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=500, help="tokens per sequence (one memory sample each)")
     p.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"], help="model quantized in part 1")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (0: torch's default; 1 is far faster on a shared, loaded machine)")
     p.add_argument("--json", metavar="F", help="write the samples and the summary to F")
     p.add_argument("--png", metavar="P", help="plot memory over rounds and steps to P")
     a = p.parse_args()
-    if a.quantize < 1 or a.decode < a.seq or a.seq < 1:
-        p.error("--quantize >= 1, --seq >= 1 and --decode >= --seq (one sample per sequence)")
+    if a.quantize < 0 or a.decode < a.seq or a.seq < 1:
+        p.error("--quantize >= 0, --seq >= 1 and --decode >= --seq (one sample per sequence)")
+    if a.threads:
+        torch.set_num_threads(a.threads)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         p.error(f"--device {a.device}: CUDA is not available here; use --device cpu")
-    if a.model == "smollm2":
-        from lowbit.nn.embedded import load_smollm2
-        model = load_smollm2()[0]
-    else:
-        model = tiny_llama()
-    model.to(a.device)
-    print(f"start: {fmt(sample(a.device))}", flush=True)
     t0 = time.time()
     log = lambda s: print(s, flush=True)  # noqa: E731
-    q = quantize_rounds(model, a.quantize, a.device, log)
-    del model
+    q = []
+    if a.quantize:
+        if a.model == "smollm2":
+            from lowbit.nn.embedded import load_smollm2
+            model = load_smollm2()[0]
+        else:
+            model = tiny_llama()
+        model.to(a.device)
+        print(f"start: {fmt(sample(a.device))}", flush=True)
+        q = quantize_rounds(model, a.quantize, a.device, log)
+        del model
     from lowbit.nn.quantize_model import quantize_model
     small = tiny_llama()
     quantize_model(small, RECIPE)
@@ -187,13 +204,16 @@ def main() -> None:
     print(f"\n{time.time() - t0:.0f} s, torch {torch.__version__}")
     result = {"device": a.device, "model": a.model, "recipe": RECIPE, "seq": a.seq, "torch": torch.__version__,
               "seconds": time.time() - t0, "quantize": q, "decode": d,
-              "summary": {"quantize": summary(f"quantize x{a.quantize} ({a.model})", q),
+              "threads": torch.get_num_threads(),
+              "summary": {"quantize": summary(f"quantize x{a.quantize} ({a.model})", q) if q else None,
                           "decode": summary(f"decode x{a.decode} (4-layer Llama)", d)}}
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
-    if a.png:
+    if a.png and q:
         plot(result, a.png)
+    elif a.png:
+        print("--png needs the quantization rounds too (--quantize >= 1); not written")
 
 
 if __name__ == "__main__":

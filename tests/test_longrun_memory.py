@@ -5,10 +5,13 @@ is the full-size run (20 quantizations of SmolLM2, 10,000 decode steps; docs/lon
 Two measures, both after a full garbage collection:
 - the torch tensors Python holds (count and bytes) must be exactly the same at every sample after
   the first: a leaked reference (a cache that grows per call) shows here however small it is;
-- RSS, for leaks outside Python's view (native buffers): a model copy leaked per round adds at
-  least the copy's bytes S to RSS per round, so the last quarter of the rounds would sit >= 2 S
-  above the second quarter (they are >= 2 rounds apart); the bound is S, half the smallest such
-  leak. Measured: 0.0 MiB over 8 rounds and 8 sequences (noise is page-granular)."""
+- RSS (after a glibc heap trim), for leaks outside Python's view (native buffers): a quantized
+  model copy leaked per round adds at least its bytes S per round, and with 8 samples the last
+  quarter's mean sits 4 rounds after the second quarter's: >= 4 S above it. The bound is 2 S,
+  half of that. Measured without the trim: 0.0 MiB in 5 of 6 runs, 2.38 MiB once (S = 2.15
+  MiB: the allocator keeping freed pages); with the trim see docs/longrun.md. For the decode
+  sequences the same bound is a native leak of S / 2 per sequence; smaller native leaks are
+  below what a CI-sized run can see (the full run, 10,000 steps, is the check for those)."""
 from __future__ import annotations
 
 import importlib.util
@@ -46,9 +49,9 @@ def test_repeated_quantization_and_decoding_hold_no_memory():
     from lowbit.nn.quantize_model import quantize_model
     quantize_model(model, lr.RECIPE)
     copy_mib = _model_bytes(model) / 2**20          # S: one quantized copy
-    _assert_flat(q, copy_mib, "round")
+    _assert_flat(q, 2 * copy_mib, "round")
     # decode: a sequence's KV cache and logits leaked per sequence would be far smaller than S;
     # the exact tensor count is what catches them
     d = lr.decode_steps(model, 8 * 6, 6, log=quiet, tensors=True)
     assert len(d) == 8
-    _assert_flat(d, copy_mib, "sequence")
+    _assert_flat(d, 2 * copy_mib, "sequence")
