@@ -73,6 +73,13 @@ def _pin(got: torch.Tensor, emulate, out_dtype: torch.dtype, alternatives=ALTERN
             assert not torch.equal(got, emulate(o)), f"the data cannot tell {o!r} from the documented order"
 
 
+def _bias_like(rng, acc: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, N: int) -> torch.Tensor:
+    """A bias [N] of the products' own size: a bias far larger than acc * sa * sb would swallow
+    the products' roundings in its own, and every order would give the same fp32 sum."""
+    size = float((acc.double() * sa.double().reshape(-1, 1) * sb.double().reshape(1, -1)).abs().mean())
+    return (torch.randn(N, generator=rng, dtype=torch.float64) * size).float()
+
+
 def _dev(t):
     return None if t is None else t.to(DEV)
 
@@ -84,14 +91,15 @@ def test_int8_epilogue_order(rng, out_dtype, asym):
     M, N, K = 19, int(torch.randint(24, 41, (1,), generator=rng)), int(torch.randint(64, 161, (1,), generator=rng))
     a = torch.randint(-128 if asym else -127, 128, (M, K), generator=rng, dtype=torch.int8)
     b = torch.randint(-127, 128, (N, K), generator=rng, dtype=torch.int8)
-    sa, sb, bias = _scales(rng, M), _scales(rng, N), torch.randn(N, generator=rng)
+    sa, sb = _scales(rng, M), _scales(rng, N)
     za = torch.randint(-128, 128, (M,), generator=rng, dtype=torch.int32) if asym else None
     cs = b.sum(1, dtype=torch.int32) if asym else None
-    got = int8_gemm(a.to(DEV), b.to(DEV), sa.to(DEV), sb.to(DEV), a_zero=_dev(za), b_colsum=_dev(cs),
-                    bias=bias.to(DEV), out_dtype=out_dtype, config=SMALL).cpu()
     acc = torch._int_mm(a, b.t().contiguous()).long()
     if asym:
         acc = acc - za.long()[:, None] * cs.long()[None, :]
+    bias = _bias_like(rng, acc, sa, sb, N)
+    got = int8_gemm(a.to(DEV), b.to(DEV), sa.to(DEV), sb.to(DEV), a_zero=_dev(za), b_colsum=_dev(cs),
+                    bias=bias.to(DEV), out_dtype=out_dtype, config=SMALL).cpu()
     _pin(got, lambda o: rowcol(acc.to(F32), sa, sb, bias, o), out_dtype)
 
 
@@ -128,10 +136,10 @@ def test_fp8_rowwise_epilogue_order(rng, out_dtype, rowwise):
     a = _small_ints(rng, M, K, dtype=torch.float8_e4m3fn)
     b = _small_ints(rng, N, K, dtype=torch.float8_e4m3fn)
     sa, sb = _scales(rng, M if rowwise else 1), _scales(rng, N if rowwise else 1)
-    bias = torch.randn(N, generator=rng)
+    acc = a.double() @ b.double().T                      # exact integers < 2**13
+    bias = _bias_like(rng, acc, sa, sb, N)
     got = fp8_gemm(a.to(DEV), b.to(DEV), sa.to(DEV), sb.to(DEV), bias=bias.to(DEV), out_dtype=out_dtype,
                    config=SMALL).cpu()
-    acc = a.double() @ b.double().T                      # exact integers < 2**13
     _pin(got, lambda o: rowcol(acc.to(F32), sa.expand(M), sb.expand(N), bias, o), out_dtype,
          ALTERNATIVES if rowwise else ("one_rounding",))  # one scale each: the products commute
 
