@@ -87,7 +87,8 @@ def growth(samples: list[float]) -> float:
     return sum(last) / len(last) - sum(mid) / len(mid)
 
 
-def quantize_rounds(model, rounds: int, device: str = "cpu", log=print, tensors: bool = False) -> list[dict[str, float]]:
+def quantize_rounds(model, rounds: int, device: str = "cpu", log=print,
+                    tensors: bool = False) -> list[dict[str, float]]:
     """Quantize a deep copy of `model` (already on `device`) `rounds` times, dropping each copy;
     memory after each round."""
     from lowbit.nn.quantize_model import quantize_model

@@ -89,7 +89,8 @@ EPILOGUE_MUTANTS = [
      EPI),
     (T + "gemm_blockscaled.py", "acc += part * (sa * sb)[:, None]", "acc += (part * sa[:, None]) * sb",
      "block-scaled: partial times sa, then sb (one weight scale per tile)", EPI),
-    (T + "w8a16.py", "bias_store_tile(acc * sb[None, :],", "bias_store_tile(acc * sb.to(tl.bfloat16).to(tl.float32)[None, :],",
+    (T + "w8a16.py", "bias_store_tile(acc * sb[None, :],",
+     "bias_store_tile(acc * sb.to(tl.bfloat16).to(tl.float32)[None, :],",
      "W8A16 scale rounded to bf16", EPI),
 ]
 GROUPS = {"verify": MUTANTS, "epilogues": EPILOGUE_MUTANTS}

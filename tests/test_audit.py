@@ -99,5 +99,6 @@ def test_torchao_rows(rng, capsys, tmp_path):
     fp8 = au.audit([s for s in specs if "fp8 W8A8" in s.name], zero, device="cpu", seed=seed)[0]
     assert fp8.verdict == "logic" and fp8.cause == "zero_block_scale_nan", fp8
     # the CLI finds the rows too, and writes the table
-    rc = main(["audit", "--seed", str(seed), "--only", "torchao int8", "--case", "M=1", "--json", str(tmp_path / "t.json")])
+    rc = main(["audit", "--seed", str(seed), "--only", "torchao int8", "--case", "M=1",
+               "--json", str(tmp_path / "t.json")])
     assert rc == 0 and len(json.loads((tmp_path / "t.json").read_text())["cells"]) == 2
