@@ -19,7 +19,7 @@ def bits(t):
     return [hex(v & 0xFFFFFFFF) for v in t.float().contiguous().view(torch.int32).tolist()]
 
 
-def launch_raw(pre, x2, K, scheme, tile, w=None):
+def launch_raw(pre, x2, K, scheme, tile, w=None, res=None):
     """The tile kernel launched directly (the launcher refuses tile=(1, 1)): codes, scale, y."""
     import triton
 
@@ -32,9 +32,11 @@ def launch_raw(pre, x2, K, scheme, tile, w=None):
     codes = torch.empty(rows, K, device=dev, dtype=torch.int8 if fmt.kind == "int" else torch.uint8)
     scale = torch.empty(rows, 1, device=dev, dtype=torch.float32)
     y = torch.empty(rows, K, device=dev, dtype=torch.float32)
+    r_out = torch.empty_like(res) if res is not None else dummy
     fq._token_tile_kernel[(triton.cdiv(rows, R),)](
-        x2, x2.stride(0), w if w is not None else dummy, dummy, 0, dummy, 0, y, codes, scale, rows, K, 1e-6,
-        PRE=pre, HAS_RES=False, STORE_Y=True, FMT=0 if fmt.kind == "int" else 1,
+        x2, x2.stride(0), w if w is not None else dummy, res if res is not None else dummy,
+        res.stride(0) if res is not None else 0, r_out, r_out.stride(0) if res is not None else 0,
+        y, codes, scale, rows, K, 1e-6, PRE=pre, HAS_RES=res is not None, STORE_Y=True, FMT=0 if fmt.kind == "int" else 1,
         QMAX=float(fmt.qmax if fmt.kind == "int" else fmt.max), HW_FP8=x2.is_cuda, FAST_DIV=x2.is_cuda,
         ROWS=R, BLOCK=block, EVEN=block == K and rows % R == 0, num_warps=warps)
     return codes, scale, y
@@ -44,21 +46,27 @@ def main():
     bad_total = 0
     g = torch.Generator().manual_seed(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
     for (name, scheme), tile, (M, K), pre in itertools.product(
-            SCHEMES.items(), [(1, 1), (1, 2), (2, 1), (1, 4), (4, 2)], [(5, 200), (9, 256), (3, 4095), (17, 512)], (0, 1)):
+            SCHEMES.items(), [(1, 1), (1, 2), (2, 1), (1, 4)], [(5, 200), (3, 4095), (17, 512)], (0, 1, 2, 3)):
+        # pre 0: quantize_rows; 1: RMSNorm; 2: RMSNorm + float32 residual; 3: + bf16 residual
         x = torch.randn(M, K, generator=g) * 3.0
         x[:, :7] *= 20
         x[0, 3:9] = -0.0
         x = x.to(torch.bfloat16).to(DEV)
         w = (1 + 0.2 * torch.randn(K, generator=g)).to(torch.bfloat16).to(DEV)
+        res = None
+        if pre >= 2:
+            res = (torch.randn(M, K, generator=g) * 3.0).to(torch.float32 if pre == 2 else torch.bfloat16).to(DEV)
+            if M > 1:
+                res[1] = -x[1].to(res.dtype)  # an exactly zero residual sum
         try:
             if tile == (1, 1):
-                codes, scale, y = launch_raw(pre, x, K, scheme, tile, w if pre else None)
+                codes, scale, y = launch_raw(min(pre, 1), x, K, scheme, tile, w if pre else None, res)
                 qt = type("Q", (), dict(codes=codes, scale=scale))()
                 if not pre:
                     y = x.float()
             elif pre:
-                qt, _, y = fused.rmsnorm_quant(x, w, 1e-6, scheme, backend="triton", return_normalized=True,
-                                               kernel="tile", tile=tile)
+                qt, _, y = fused.rmsnorm_quant(x, w, 1e-6, scheme, residual=res, backend="triton",
+                                               return_normalized=True, kernel="tile", tile=tile)
             else:
                 qt, y = fused.quantize_rows(x, scheme, backend="triton", kernel="tile", tile=tile), x.float()
         except ValueError as exc:

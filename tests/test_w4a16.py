@@ -252,3 +252,24 @@ def test_kernels_compile_for_sm90():
     for r in rows:
         assert isinstance(r["sass_static"], int) and r["sass_static"] > 0, r
         assert isinstance(r["shared"], int) and r["shared"] <= 232448, r
+
+
+def test_mxfp4_scale_range(device, rng):
+    """The kernel forms e2m1 value * 2^-14 and scale * 2^14 (both exact): MXFP4 scales up to
+    2^113 (e8m0 code 240) run within the same bound as any weight; one code more is refused at
+    prepare time instead of overflowing to inf."""
+    N, K = 24, 128
+    w = torch.randn(N, K, generator=rng)
+    w[:, 0] = 3.0  # an amax in [3, 4) in every row: the largest code is known relative to `base`
+    base = int(quantize(w, SCHEMES["mxfp4"]).scale_codes.max())
+    wq = quantize(w * 2.0 ** (240 - base), SCHEMES["mxfp4"])  # scales times a power of two: codes shift
+    assert int(wq.scale_codes.max()) == 240
+    w4 = prepare_w4(wq.to(device))
+    w64 = torch.from_numpy(_numpy_dequant(w4))
+    x = (torch.randn(3, K, generator=rng) * 2.0 ** -100).to(torch.bfloat16)  # outputs stay finite in bf16
+    out = w4a16_linear(x.to(device), w4, backend="triton").cpu().double()
+    ref = x.double() @ w64.T
+    assert torch.isfinite(out).all() and torch.all((out - ref).abs() <= _bound(x.double(), w64, ref, K, 32, 1,
+                                                                              torch.bfloat16))
+    with pytest.raises(ValueError, match="beyond the kernel's exact range"):
+        prepare_w4(quantize(w * 2.0 ** (241 - base), SCHEMES["mxfp4"]))

@@ -47,9 +47,11 @@ _ROUND_CODES = {"floor": 0, "rceil": 1, "ceil": 2, "even": 3}
 # measured on the H200 in docs/benchmarks-memory.md); "tile" = ROWS rows per program, per-token
 # int8 / fp8 with fp32 scales only, 32-64 elements per thread. Same arithmetic, same codes.
 # DEFAULT_KERNEL is what kernel=None picks; "tile" falls back to "row" for the schemes it does
-# not take only when chosen by default (an explicit kernel="tile" raises for them).
+# not take only when chosen by default (an explicit kernel="tile" raises for them). "tile" is
+# the default since the H200 run of this round: 1.14-1.41x the "row" kernel's speed on RMSNorm
+# + int8 / fp8 and standalone per-token quantization at 8192 x 4096 / 8192 x 8192.
 KERNELS = ("row", "tile")
-DEFAULT_KERNEL = "row"
+DEFAULT_KERNEL = "tile"
 
 
 # ------------------------------------------------------------------------------------------
@@ -201,7 +203,7 @@ def tile_supports(scheme: QuantScheme) -> bool:
 
 def tile_config(K: int, pre: int) -> tuple[int, int]:
     """(ROWS, num_warps) of the "tile" kernel for rows of K elements: 32 elements of a row per
-    thread (num_warps = next_pow2(K) / 1024, at most 16), and rows stacked up to 32 elements per
+    thread (num_warps = next_pow2(K) / 1024, at most 16; 64 per thread from 8192 on), and rows stacked up to 32 elements per
     thread when a row is shorter than 1024. From the sm_90 SASS (python -m lowbit.bench.memory
     --sass), not from timings: 64 per thread takes 16.6 instead of 19.2 instructions per
     element on the RMSNorm + int8 fast path but ~140 registers instead of ~72 (half the warps
@@ -209,7 +211,10 @@ def tile_config(K: int, pre: int) -> tuple[int, int]:
     import triton
 
     block = max(16, triton.next_power_of_2(K))
-    warps = min(16, max(1, block // 1024))
+    # rows of 8192 and more: 64 per thread (H200, 8192 x 8192: 84.9% of the copy ceiling
+    # against 76.7% at 32 per thread for int8, 76.5% / 74.8% for fp8); at 4096, 32 per
+    # thread stays ahead (77.5% against 74.9%). docs/benchmarks-memory.md has the rows.
+    warps = min(16, max(1, block // (2048 if block >= 8192 else 1024)))
     rows = 1
     while rows * block < 32 * 32 * warps and rows < 8:
         rows *= 2

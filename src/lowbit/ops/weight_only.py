@@ -42,6 +42,7 @@ import torch
 
 from lowbit.quantize import QTensor
 
+MXFP4_MAX_SCALE_CODE = 240  # e8m0 2^113: the W4A16 kernel's scale * 2^14 stays finite (see w4a16.py)
 _SMS = 132  # H100 / H200 multiprocessors: the split-K heuristic aims at >= 2 programs per SM
 
 
@@ -120,6 +121,12 @@ def prepare_w4(wq: QTensor, layout: str = "planar_chunks") -> W4Weight:
         packed, chunk = _planar8(wq.codes, kind, wq.scheme.group_size), wq.scheme.group_size
     else:
         packed, chunk = _planar(wq.codes, kind, wq.scheme.group_size)
+    if kind == "mxfp4" and wq.scale_codes is not None and wq.scale_codes.numel() \
+            and int(wq.scale_codes.max()) > MXFP4_MAX_SCALE_CODE:
+        raise ValueError(f"prepare_w4: an MXFP4 weight scale of 2^{int(wq.scale_codes.max()) - 127} is beyond the "
+                         f"kernel's exact range (e8m0 codes <= {MXFP4_MAX_SCALE_CODE}, scales <= 2^113: it forms "
+                         "value * 2^-14 and scale * 2^14); such weights are not real model weights -- check "
+                         "the checkpoint, or dequantize it with QTensor.dequantize()")
     zp = None
     if wq.zero_point is not None:
         zp = wq.zero_point.to(torch.int8).contiguous()  # z lies in [qmin, qmax]: exact
@@ -238,6 +245,11 @@ def pick_config(M: int, N: int, K: int, kind: str, group: int, chunk: int, *, in
     bm = 16 if M <= 16 else (32 if M <= 32 else 64)
     bn = 16 if interpret else (32 if M <= 16 else 64)
     bk_max = chunk if interpret else (512 if bm <= 16 else 256)
+    if chunk < 128 and bm >= 32 and not interpret:
+        # small groups at 32 / 64 rows: BLOCK_K 256 needs 255 registers and spilled at 64 rows
+        # (sm_90 SASS: 18.8 instructions per weight with local loads/stores in the K loop, the
+        # 0.10x-of-bf16 row of the H200 run); 128 takes 195 registers, no spills, 14.6
+        bk_max = 128
     bk = chunk
     while bk * 2 <= bk_max and K % (bk * 2) == 0:
         bk *= 2

@@ -46,6 +46,17 @@ def _nibble_value(u, off):
 
 
 @triton.jit
+def _e2m1_half(c):
+    """fp4 e2m1 code (int32, 0..15) -> float32 value * 2^-14, exactly: the three magnitude
+    bits e1 e0 m placed at fp16 bits 11..9 (exponent field = e, top mantissa bit = m) make
+    the fp16 number 2^(e-15) * (1 + m/2) for e > 0 and m * 2^-15 (subnormal) for e = 0,
+    i.e. the e2m1 value times 2^-14; the sign goes to bit 15. Three integer operations and a
+    conversion per code (the float32 bit construction below needs a select for e = 0)."""
+    h = ((c & 7) << 9) | ((c & 8) << 12)
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _e2m1_value(c):
     """fp4 e2m1 code (int32, 0..15) -> float32 value (0, .5, 1, 1.5, 2, 3, 4, 6, signed),
     built from bits: 2^(e-1) * (1 + m/2) for e > 0, m/2 for e = 0."""
@@ -132,12 +143,22 @@ def _w4a16_kernel(
                 part = _product(xa, wa, xb, wb, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), USE_DOT, INTERP)
                 s = tl.load(S + n64 * s_sn + gidx, mask=n_ok, other=0.0)
                 acc += part * s[None, :]
-            else:  # fp4: dequantize exactly (scale per element's group) and accumulate
-                ga = (kc + j) // G
-                gb = (kc + C // 2 + j) // G
-                sca = tl.load(SC + n64[None, :] * s_sn + ga[:, None], mask=n_ok[None, :], other=127).to(tl.int32)
-                scb = tl.load(SC + n64[None, :] * s_sn + gb[:, None], mask=n_ok[None, :], other=127).to(tl.int32)
-                wa, wb = _fp4_pair(wp, sca, scb, WFMT)
+            else:  # fp4: exact weights (e2m1 value times its group's scale) and accumulate
+                # the half-chunk's C/2 codes hold C/(2G) whole groups: one scale load and decode
+                # per group and column ([C/(2G), BN]), broadcast over the group's G codes
+                # through a reshape, instead of a scale gather and decode per weight
+                gi = kc // G + tl.arange(0, C // 2 // G)
+                sca = tl.load(SC + n64[None, :] * s_sn + gi[:, None], mask=n_ok[None, :], other=127).to(tl.int32)
+                scb = tl.load(SC + n64[None, :] * s_sn + (gi + C // 2 // G)[:, None], mask=n_ok[None, :],
+                              other=127).to(tl.int32)
+                # _e2m1_half is the value * 2^-14: the scale takes the 2^14 back (exact, a power
+                # of two; prepare_w4 refuses MXFP4 scales above 2^113, where it would overflow)
+                sa = block_scale(sca, WFMT) * 16384.0
+                sb = block_scale(scb, WFMT) * 16384.0
+                wa = tl.reshape(tl.reshape(_e2m1_half(wp & 15), (C // 2 // G, G, BLOCK_N)) * sa[:, None, :],
+                                (C // 2, BLOCK_N))
+                wb = tl.reshape(tl.reshape(_e2m1_half(wp >> 4), (C // 2 // G, G, BLOCK_N)) * sb[:, None, :],
+                                (C // 2, BLOCK_N))
                 acc = _product(xa, wa, xb, wb, acc, USE_DOT, INTERP)
     if WFMT == 3:
         acc = acc * tl.load(GS)
