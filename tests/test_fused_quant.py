@@ -262,7 +262,7 @@ def test_kernel_choice(device, rng, monkeypatch):
     """kernel=None follows DEFAULT_KERNEL; "tile" as default leaves the schemes it does not take
     to "row" (same results), an explicit kernel="tile" refuses them."""
     x = _rand(rng, (4, 96), torch.bfloat16, device)
-    monkeypatch.setattr(fused, "DEFAULT_KERNEL", "tile")
+    monkeypatch.setitem(fused.DEFAULT_KERNEL, "quantize_rows", "tile")
     for name in ("int8_token", "mxfp8"):
         _assert_same_quant(fused.quantize_rows(x, SCHEMES[name], backend="triton").to("cpu"),
                            canonical_quantize(x.cpu(), SCHEMES[name]))

@@ -10,7 +10,7 @@ or `"torch"` forces one, and on the CPU "triton" runs in Triton's interpreter):
 
 Kernel variants (`kernel=`): "row" (one row per program, every scheme below) and "tile"
 (ROWS rows per program, per-token int8 / fp8_e4m3fn with fp32 scales; `tile=(ROWS, num_warps)`
-overrides its heuristic tile_config); None picks DEFAULT_KERNEL. Both give identical codes.
+overrides its heuristic tile_config); None picks DEFAULT_KERNEL (per entry point). Both give identical codes.
 
 Schemes the kernel takes (anything else raises NotImplementedError naming the scheme):
 symmetric; element format int8, fp8_e4m3fn or fp4_e2m1fn; strategy token / channel (one
@@ -46,12 +46,15 @@ _ROUND_CODES = {"floor": 0, "rceil": 1, "ceil": 2, "even": 3}
 # Kernel variants (issue 5 performance work): "row" = one row per program, any scheme (the kernel
 # measured on the H200 in docs/benchmarks-memory.md); "tile" = ROWS rows per program, per-token
 # int8 / fp8 with fp32 scales only, 32-64 elements per thread. Same arithmetic, same codes.
-# DEFAULT_KERNEL is what kernel=None picks; "tile" falls back to "row" for the schemes it does
-# not take only when chosen by default (an explicit kernel="tile" raises for them). "tile" is
-# the default since the H200 run of this round: 1.14-1.41x the "row" kernel's speed on RMSNorm
-# + int8 / fp8 and standalone per-token quantization at 8192 x 4096 / 8192 x 8192.
+# DEFAULT_KERNEL is what kernel=None picks, per entry point, from the H200 runs of issue 10:
+# "tile" for quantize_rows (1.16x / 1.25x the row kernel, int8 / fp8 at 8192 x 4096) and for
+# RMSNorm without a residual (1.15-1.41x); "row" for RMSNorm with a residual (the tile kernel
+# is no faster there, 0.97-0.99x, and gave non-canonical scales on sm_90 at ROWS = 1) and for
+# SiLU-mul (fp8 tile 0.79x). "tile" falls back to "row" for the schemes it does not take only
+# when chosen by default (an explicit kernel="tile" raises for them).
 KERNELS = ("row", "tile")
-DEFAULT_KERNEL = "tile"
+DEFAULT_KERNEL = {"quantize_rows": "tile", "rmsnorm_quant": "tile", "rmsnorm_quant+residual": "row",
+                  "silu_mul_quant": "row"}
 
 
 # ------------------------------------------------------------------------------------------
@@ -223,13 +226,14 @@ def tile_config(K: int, pre: int) -> tuple[int, int]:
     return rows, warps
 
 
-def _resolve_kernel(kernel: str | None, scheme: QuantScheme, where: str) -> str:
+def _resolve_kernel(kernel: str | None, scheme: QuantScheme, where: str, variant: str = "") -> str:
+    """The kernel an entry point runs: `kernel`, or DEFAULT_KERNEL[where + variant] for None."""
     if kernel is None:
-        kernel = DEFAULT_KERNEL
+        kernel = DEFAULT_KERNEL[where + variant]
         return kernel if kernel == "row" or tile_supports(scheme) else "row"
     if kernel not in KERNELS:
-        raise ValueError(f"{where}: kernel must be one of {KERNELS} or None (default {DEFAULT_KERNEL!r}), "
-                         f"got {kernel!r}")
+        raise ValueError(f"{where}: kernel must be one of {KERNELS} or None (default "
+                         f"{DEFAULT_KERNEL[where + variant]!r}), got {kernel!r}")
     if kernel == "tile" and not tile_supports(scheme):
         raise NotImplementedError(f"{where}: kernel='tile' takes per-token int8 / fp8_e4m3fn schemes with fp32 "
                                   f"scales only, not {scheme}; use kernel='row' (or None)")
@@ -354,7 +358,7 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, scheme: Qua
     res_out = torch.empty(res2.shape, device=x.device, dtype=residual.dtype) if residual is not None else None
     args = dict(weight=weight.contiguous(), eps=float(eps), res2=res2, res_out=res_out,
                 store_y=return_normalized, fp8_encoder=fp8_encoder)
-    if _resolve_kernel(kernel, scheme, where) == "tile":
+    if _resolve_kernel(kernel, scheme, where, "+residual" if residual is not None else "") == "tile":
         codes, scale, sc, gs, y = _launch_tile(1, _rows(x, K), K, scheme, tile=tile, **args)
     else:
         codes, scale, sc, gs, y = _launch(1, _rows(x, K), K, scheme, G, **args)

@@ -332,19 +332,22 @@ def _token_tile_kernel(
             _st(R_OUT + rr * R_OUT_stride + cc, hr, mask, EVEN)
             h = hr.to(tl.float32)
         if PRE == 1:
-            if ROWS == 1:  # a [1, BLOCK] load takes the tile's layout (sm_90 SASS: a 1-D load
-                # broadcast with [None, :] goes through shared memory and two barriers)
+            if ROWS == 1 and not HAS_RES:  # a [1, BLOCK] load takes the tile's layout (sm_90 SASS:
+                # a 1-D load broadcast with [None, :] goes through shared memory and two barriers).
+                # Not with a residual: that combination gave per-token scales one or two ulps off
+                # RN(max |y| / qmax) on the H200 (codes equal; root cause not found, see
+                # scripts/gpu_tile_diag.py), while ROWS >= 2 -- the 1-D load -- was canonical
                 w = _ld(W + cc, cc < K, EVEN).to(tl.float32)
             else:  # loaded once per program for ROWS rows (there the 1-D form compiled smaller)
                 w = _ld(W + cols, cols < K, EVEN).to(tl.float32)[None, :]
+            hw = h * w
+            # as in _row_quant_kernel: independent reductions, amax = fl(max |hw| * inv) exactly
+            amax_hw = tl.max(tl.abs(hw), axis=1)
             ss = tl.sum(h * h, axis=1)
             inv = _rms_inv(ss, K, eps)
-            y = (h * w) * inv[:, None]
-            # amax is reduced from y itself (not as the row kernel's fl(max |h w| * inv), equal in
-            # exact arithmetic): on sm_90 the tile kernel with a residual gave scales one ulp off
-            # RN(max |y| / qmax) that way, so the scale now derives from the very values coded.
-            # Same instruction count (one max per element either way); the max waits for inv.
-            amax = tl.where(ss < float("inf"), _absmax(y), float("inf"))  # non-finite h
+            y = hw * inv[:, None]
+            amax = amax_hw * inv
+            amax = tl.where(ss < float("inf"), amax, float("inf"))  # non-finite h
         else:
             y = h
             amax = _absmax(y)
