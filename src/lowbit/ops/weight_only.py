@@ -14,7 +14,8 @@ CPU tensor runs the kernel in Triton's interpreter. The float64 reference is
 w4a16_reference (x @ wq.dequantize(float64).T).
 
 Load-time layout (W4Weight.metadata() records it): [N, K/2] uint8 in planar chunks of C
-codes along K (C = G for int4, 128 -- or the largest power of two >= 32 dividing K -- for
+codes along K (C = G for int4 from group 128 up, 2G below when 2G divides K -- each nibble
+plane then holds one group --, and 128 -- or the largest power of two >= 32 dividing K -- for
 fp4): byte j of chunk c holds code cC + j in the low nibble and code cC + C/2 + j in the
 high nibble, so each nibble plane multiplies a contiguous half of x. Signed int4 codes are
 stored offset-binary (code + 8). This differs from lowbit.pack_int4's interleaved order
@@ -140,7 +141,9 @@ def _planar(codes: torch.Tensor, kind: str, group: int) -> tuple[torch.Tensor, i
     """codes [N, K] -> (uint8 [N, K/2] in planar chunks, chunk size); see the module docstring."""
     N, K = codes.shape
     if kind in ("int4", "uint4"):
-        chunk = group
+        # groups below 128: two groups per chunk, one per nibble plane (K = 32 per tensor-core
+        # step instead of 16; sm_90 SASS at g32: 8.9 instead of 10.3 instructions per weight)
+        chunk = 2 * group if group < 128 and K % (2 * group) == 0 else group
     else:
         chunk = 128
         while K % chunk:
