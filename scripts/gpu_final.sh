@@ -29,6 +29,11 @@ for M, N, K in ((128, 4096, 14336), (128, 14336, 4096), (16, 14336, 4096), (8192
     print(f"shape M={M} N={N} K={K}", flush=True)
     rows += run_shape(M, N, K)
     json.dump(rows, open(os.path.join(os.environ["OUT"], "bench-gemm-final.json"), "w"), indent=1, default=str)
+# the skinny fp8 shape under the int8 winner's tiles (64 rows, BLOCK_K 256) and the current default
+from lowbit.bench.gemm import sweep
+c = lambda bm, bn, bk, w, s, **kw: dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=w, num_stages=s, **kw)
+sweep({"fp8_row": [c(128, 32, 128, 4, 4, TMA=True), c(64, 64, 256, 4, 4), c(64, 64, 128, 4, 4), c(64, 32, 256, 4, 4)]},
+      shapes=((128, 4096, 14336),))
 PY
   echo "gemm rc=$?" | tee -a "$sum"
 fi
@@ -52,7 +57,7 @@ if [[ $parts == *,distributed,* ]]; then
   fi
 fi
 [ -f "$out/tests.log" ] && grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -n 20
-[ -f "$out/gemm.log" ] && grep -E "lowbit_int8|bf16 |int_mm |lowbit_fp8_row |scaled_row " "$out/gemm.log" | head -n 24
+[ -f "$out/gemm.log" ] && grep -E "lowbit_int8|bf16 |int_mm |lowbit_fp8_row |scaled_row |sweep" "$out/gemm.log" | head -n 30
 [ -f "$out/bench_memory.log" ] && sed -n '/# memory-bound kernels/,$p' "$out/bench_memory.log" | grep -E "norm_quant|quant_|g128 |gemv8 |g32|mxfp4|nvfp4" | head -n 60
 [ -f "$out/audit_h200.txt" ] && tail -n 30 "$out/audit_h200.txt"
 [ -f "$out/distributed.log" ] && tail -n 30 "$out/distributed.log"
