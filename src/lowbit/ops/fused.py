@@ -255,6 +255,8 @@ def _launch_tile(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, *, wei
                          "(the row lives in registers); use backend='torch'")
     if tile is None:
         tile = tile_config(K, pre)
+        if res2 is not None and tile[0] == 1:
+            tile = (2, tile[1])  # one row per program with a residual: refused below
     R, warps = tile
     if R < 1 or R & (R - 1) or warps < 1 or warps & (warps - 1):
         raise ValueError(f"tile=(rows, num_warps) must be powers of two, got {tile}")
@@ -264,6 +266,13 @@ def _launch_tile(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, *, wei
         # equal); not understood yet, so the configuration is refused rather than trusted.
         raise ValueError("tile=(1, 1) gave non-canonical scales on sm_90 and is refused; use ROWS >= 2 "
                          "or num_warps >= 2 (tile=None picks a valid one)")
+    if res2 is not None and R == 1:
+        # Seen on the H200 in three runs (scripts/gpu_tile_diag.py): with a residual and one row per
+        # program, per-token scales came out one or two ulps off RN(max |y| / qmax) of the stored
+        # y (codes equal), also with amax reduced from y itself -- as if the compiler evaluated the
+        # RMSNorm twice with two summation orders; ROWS >= 2 was canonical in every run.
+        raise ValueError(f"tile={tuple(tile)} with a residual: one row per program gave non-canonical scales "
+                         "on sm_90 and is refused; use ROWS >= 2 (tile=None picks a valid one)")
     if fp8_encoder not in ("auto", "hw", "int"):
         raise ValueError(f"fp8_encoder must be 'auto', 'hw' or 'int', got {fp8_encoder!r}")
     interp = os.environ.get("TRITON_INTERPRET") == "1"

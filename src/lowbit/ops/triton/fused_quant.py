@@ -332,11 +332,8 @@ def _token_tile_kernel(
             _st(R_OUT + rr * R_OUT_stride + cc, hr, mask, EVEN)
             h = hr.to(tl.float32)
         if PRE == 1:
-            if ROWS == 1 and not HAS_RES:  # a [1, BLOCK] load takes the tile's layout (sm_90 SASS:
-                # a 1-D load broadcast with [None, :] goes through shared memory and two barriers).
-                # Not with a residual: that combination gave per-token scales one or two ulps off
-                # RN(max |y| / qmax) on the H200 (codes equal; root cause not found, see
-                # scripts/gpu_tile_diag.py), while ROWS >= 2 -- the 1-D load -- was canonical
+            if ROWS == 1:  # a [1, BLOCK] load takes the tile's layout (sm_90 SASS: a 1-D load
+                # broadcast with [None, :] goes through shared memory and two barriers)
                 w = _ld(W + cc, cc < K, EVEN).to(tl.float32)
             else:  # loaded once per program for ROWS rows (there the 1-D form compiled smaller)
                 w = _ld(W + cols, cols < K, EVEN).to(tl.float32)[None, :]
