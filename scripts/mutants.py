@@ -1,7 +1,10 @@
-"""Mutation testing of lowbit.verify: each mutant loosens a gate, a bound or a diagnosis rule;
-the verify tests must fail on it ("killed"). Survivors are listed with the reason they live.
+"""Mutation testing of lowbit.verify and of the Triton GEMMs' epilogues: each mutant loosens a
+gate, a bound or a diagnosis rule, or changes an epilogue's rounding order; the tests named for
+it must fail ("killed"). Survivors are listed with the reason they live.
 
-    python scripts/mutants.py [--out docs/mutation.md]
+    python scripts/mutants.py [--group verify|epilogues|all] [--out docs/mutation.md]
+
+--group runs one group's mutants and rewrites only that group's section of --out.
 
 Each mutant is applied to a private copy of src/ and tests/ (the worktree is never touched) and
 the tests named for it run with -x; a mutant whose tests all pass SURVIVES.
@@ -20,6 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V = "src/lowbit/verify/"
 GATES = ["tests/test_tolerance.py", "tests/test_gate_teeth.py", "tests/test_check.py"]
 DIAG = ["tests/test_diagnose.py", "tests/test_diagnose_zoo.py"]
+T = "src/lowbit/ops/triton/"
+EPI = ["tests/test_epilogue_order.py", "tests/test_gemm_triton.py"]
 
 # (file, original text, mutated text, what the mutation means, tests that must kill it)
 MUTANTS = [
@@ -59,6 +64,38 @@ MUTANTS = [
      "stride-0 hypothesis reads the last row", DIAG),
 ]
 
+# The epilogues' documented rounding orders (module docstrings of gemm_int8, gemm_fp8,
+# gemm_blockscaled, w8a16; common.rowcol_scale / add_bias / cast_out).
+EPILOGUE_MUTANTS = [
+    (T + "common.py", "return (accf * sa[:, None]) * sb[None, :]", "return accf * (sa[:, None] * sb[None, :])",
+     "int8/fp8 epilogue: sa * sb multiplied first", EPI),
+    (T + "common.py", "return (accf * sa[:, None]) * sb[None, :]", "return (accf * sb[None, :]) * sa[:, None]",
+     "int8/fp8 epilogue: weight scale applied first", EPI),
+    (T + "gemm_int8.py", "accf = (acc.to(tl.int64) - za[:, None] * cs[None, :]).to(tl.float32)",
+     "accf = acc.to(tl.float32) - (za[:, None] * cs[None, :]).to(tl.float32)",
+     "int8 zero-point correction in fp32 instead of int64", EPI),
+    (T + "common.py", "y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]\n    return y",
+     "y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.bfloat16).to(tl.float32)[None, :]\n"
+     "    return y", "int8 epilogue: bias rounded to bf16 before the add", EPI),
+    (T + "common.py", "y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]\n    c_ptrs",
+     "y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.bfloat16).to(tl.float32)[None, :]\n"
+     "    c_ptrs", "fp8/block-scaled/W8A16 epilogue: bias rounded to bf16 before the add", EPI),
+    (T + "common.py", "bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536", "bits = bits & -65536",
+     "bf16 output truncated instead of rounded to nearest even", EPI),
+    (T + "common.py", "bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536", "bits = (bits + 0x8000) & -65536",
+     "bf16 output ties rounded away from zero", EPI),
+    (T + "gemm_blockscaled.py", "acc += part * (sa[:, None] * sb[None, :])",
+     "acc += (part * sa[:, None]) * sb[None, :]", "block-scaled: partial times sa, then sb (per-row weight scales)",
+     EPI),
+    (T + "gemm_blockscaled.py", "acc += part * (sa * sb)[:, None]", "acc += (part * sa[:, None]) * sb",
+     "block-scaled: partial times sa, then sb (one weight scale per tile)", EPI),
+    (T + "w8a16.py", "bias_store_tile(acc * sb[None, :],", "bias_store_tile(acc * sb.to(tl.bfloat16).to(tl.float32)[None, :],",
+     "W8A16 scale rounded to bf16", EPI),
+]
+GROUPS = {"verify": MUTANTS, "epilogues": EPILOGUE_MUTANTS}
+TITLES = {"verify": "lowbit.verify (gates, bounds, diagnosis rules)",
+          "epilogues": "the Triton GEMMs' epilogues (rounding order; interpreter on the CPU)"}
+
 # Survivors that cannot be killed, and why.
 EQUIVALENT = {
     "float64 reference term 100x": "4 * 2^-53 * T is below 1e-7 of every other term of every gate lowbit can "
@@ -75,15 +112,12 @@ def run_one(tmp: str, tests: list[str]) -> tuple[bool, float]:
     return r.returncode != 0, time.time() - t0
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "mutation.md"))
-    args = ap.parse_args()
+def run_group(mutants, log) -> list[tuple[str, str, bool, float]]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for d in ("src", "tests"):
             shutil.copytree(os.path.join(ROOT, d), os.path.join(tmp, d))
-        for path, old, new, what, tests in MUTANTS:
+        for path, old, new, what, tests in mutants:
             f = os.path.join(tmp, path)
             text = open(f).read()
             if text.count(old) != 1:
@@ -94,18 +128,52 @@ def main() -> int:
             finally:
                 open(f, "w").write(text)
             rows.append((path, what, killed, secs))
-            print(f"{'killed ' if killed else 'SURVIVED'} {secs:6.1f}s  {path}: {what}", flush=True)
+            log(f"{'killed ' if killed else 'SURVIVED'} {secs:6.1f}s  {path}: {what}")
+    return rows
+
+
+def section(group: str, rows) -> str:
+    out = [f"## {TITLES[group]}\n\n`python scripts/mutants.py --group {group}`\n\n"
+           "| file | mutation | result | seconds |\n|---|---|---|---|\n"]
+    for path, what, killed, secs in rows:
+        out.append(f"| {path.replace('src/lowbit/', '')} | {what} | {'killed' if killed else '**survived**'} "
+                   f"| {secs:.0f} |\n")
+    live = [what for _, what, killed, _ in rows if not killed]
+    out.append(f"\n{len(rows) - len(live)} of {len(rows)} killed.\n")
+    for what in live:
+        out.append(f"\n- survivor '{what}': {EQUIVALENT.get(what, 'NOT explained: add a test that kills it')}\n")
+    return "".join(out) + "\n"
+
+
+HEADER = ("# Mutation testing\n\nGenerated by `python scripts/mutants.py`: each mutant loosens a gate or a "
+          "diagnosis rule, or changes a kernel epilogue's rounding, in a private copy of src/; the tests named "
+          "for it must fail on it.\n\n")
+
+
+def kept_sections(text: str) -> dict[str, str]:
+    """The groups' sections of an existing report, each up to the next section."""
+    out = {}
+    for g in GROUPS:
+        head = f"## {TITLES[g]}"
+        if head in text:
+            rest = text[text.index(head):]
+            end = rest.find("\n## ", 1)
+            out[g] = rest if end < 0 else rest[:end + 1]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--group", choices=[*GROUPS, "all"], default="all")
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "mutation.md"))
+    args = ap.parse_args()
+    groups = list(GROUPS) if args.group == "all" else [args.group]
+    old = open(args.out).read() if os.path.exists(args.out) else ""
+    sections = kept_sections(old)
+    for g in groups:
+        sections[g] = section(g, run_group(GROUPS[g], lambda s: print(s, flush=True)))
     with open(args.out, "w") as fh:
-        fh.write("# Mutation testing of lowbit.verify\n\nGenerated by `python scripts/mutants.py`: each mutant "
-                 "loosens a gate or a diagnosis rule in a private copy of src/; the tests must fail on it.\n\n"
-                 "| file | mutation | result | seconds |\n|---|---|---|---|\n")
-        for path, what, killed, secs in rows:
-            fh.write(f"| {path.replace('src/lowbit/', '')} | {what} | {'killed' if killed else '**survived**'} "
-                     f"| {secs:.0f} |\n")
-        live = [what for _, what, killed, _ in rows if not killed]
-        fh.write(f"\n{len(rows) - len(live)} of {len(rows)} killed.\n")
-        for what in live:
-            fh.write(f"\n- survivor '{what}': {EQUIVALENT.get(what, 'NOT explained: add a test that kills it')}\n")
+        fh.write(HEADER + "".join(sections[g] for g in GROUPS if g in sections))
     return 0
 
 

@@ -52,8 +52,9 @@ def test_user_kernel_bug_is_named_in_the_table(tmp_path, rng, capsys):
 def test_builtin_cpu_kernels_conform(tmp_path, rng, capsys):
     # the torch paths on every case, and one Triton kernel (interpreter on CPU) on two
     seed = int(torch.randint(2 ** 31, (1,), generator=rng))
-    rc = main(["audit", "--seed", str(seed), "--only", "torch", "--json", str(tmp_path / "t.json")])
-    assert rc == 0, capsys.readouterr().out
+    for only in ("torch._int_mm", "lowbit torch path"):      # ("torch" alone also picks torchao's rows)
+        rc = main(["audit", "--seed", str(seed), "--only", only, "--json", str(tmp_path / "t.json")])
+        assert rc == 0, capsys.readouterr().out
     triton = [s for s in au.discover("cuda" if torch.cuda.is_available() else "cpu", True)
               if s.name == "lowbit triton int8"]
     cells = au.audit(triton, [c for c in au.CASES if c.name in ("random", "K not a tile multiple")],
@@ -65,3 +66,39 @@ def test_bad_arguments_are_refused(capsys):
     assert main(["audit", "--no-builtin", "--kernel", "nocolon"]) == 2
     assert "MODULE:FUNCTION" in capsys.readouterr().err
     assert main(["audit", "--case", "no such case"]) == 2
+
+
+def test_torch_library_rows_run_every_case_shape(rng):
+    """The torch._scaled_mm rows (CUDA-only in `lowbit audit`) and the torch._int_mm row, run
+    here through torch's CPU kernels: the adapters pad K, N (and M for _int_mm) with zero codes
+    and copy into the layouts cuBLAS needs, so M = 1, odd K / N and column-major codes run and pass."""
+    if not hasattr(torch, "_scaled_mm"):
+        import pytest
+        pytest.skip("this torch has no torch._scaled_mm")
+    seed = int(torch.randint(2 ** 31, (1,), generator=rng))
+    specs = au.scaled_mm_specs() + [s for s in au.discover("cpu", False) if s.name.startswith("torch._int_mm")]
+    cases = [c for c in au.CASES if c.name in ("M=1", "K not a tile multiple", "non-contiguous codes")]
+    cells = au.audit(specs, cases, device="cpu", seed=seed)
+    assert len(cells) == 5 * 3 and all(c.verdict == "pass" for c in cells), [c for c in cells if c.verdict != "pass"]
+
+
+def test_torchao_rows(rng, capsys, tmp_path):
+    """torchao's quantized linears (the test oracle, importable here) as audit rows: each passes
+    the plain cases; torchao 0.18's fp8 row-wise activation quantizer gives an all-zero row the
+    scale 0 and NaN outputs (pytorch/ao#4713), which the audit names: zero_block_scale_nan."""
+    import pytest
+    pytest.importorskip("torchao")
+    from lowbit.verify import audit_torchao
+    seed = int(torch.randint(2 ** 31, (1,), generator=rng))
+    specs = audit_torchao.specs("cpu")
+    assert len(specs) == 4 and all(s.name.startswith("torchao") for s in specs)
+    assert [s.name for s in au.discover("cpu", False)][-4:] == [s.name for s in specs]
+    cases = [c for c in au.CASES if c.name in ("random", "M=1", "K not a tile multiple")]
+    cells = au.audit(specs, cases, device="cpu", seed=seed)
+    assert all(c.verdict == "pass" for c in cells), [c for c in cells if c.verdict != "pass"]
+    zero = [c for c in au.CASES if c.name == "zero rows/cols/block"]
+    fp8 = au.audit([s for s in specs if "fp8 W8A8" in s.name], zero, device="cpu", seed=seed)[0]
+    assert fp8.verdict == "logic" and fp8.cause == "zero_block_scale_nan", fp8
+    # the CLI finds the rows too, and writes the table
+    rc = main(["audit", "--seed", str(seed), "--only", "torchao int8", "--case", "M=1", "--json", str(tmp_path / "t.json")])
+    assert rc == 0 and len(json.loads((tmp_path / "t.json").read_text())["cells"]) == 2

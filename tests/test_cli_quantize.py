@@ -182,4 +182,9 @@ def test_killing_a_save_midway_leaves_the_previous_checkpoint(tmp_path, seed, si
     if sig == signal.SIGINT:
         assert left == []
     else:
-        assert all(".lowbit-tmp-" in n for n in left)        # only a hidden staging directory
+        assert left and all(n.startswith(".ckpt.lowbit-tmp-") for n in left)   # only a hidden staging directory
+        # the next save into the same directory removes the killed one's stage
+        again = subprocess.run(cmd + [str((seed + 2) % 2**31), "fast"], env=env, capture_output=True, text=True,
+                               timeout=600)
+        assert again.returncode == 0 and "done" in again.stdout, again.stderr
+        assert sorted(os.listdir(tmp_path)) == ["ckpt"]

@@ -114,6 +114,17 @@ def b_scale_applied_twice(rng, M, K, N):
     return run(xq, wq, SX=SX * SX), x, w, I8T, I8C, None
 
 
+def b_zero_block_scale_nan(rng, M, K, N):
+    # an all-zero activation row quantized with the scale 0: 0/0 = NaN codes, a NaN output row
+    # (pytorch/ao#4713: torchao 0.18's Float8Tensor; `lowbit audit` shows it in docs/audit_cpu_torchao.txt)
+    x, w = inputs(rng, M, K, N)
+    x[M // 2] = 0.0
+    xq, wq = lb.quantize(x, FP8R), lb.quantize(w, FP8R)
+    out = run(xq, wq)
+    out[M // 2] = float("nan")
+    return out, x, w, FP8R, FP8R, None
+
+
 def b_scale_inverted(rng, M, K, N):
     x, w = inputs(rng, M, K, N)
     xq, wq = lb.quantize(x, I8T), lb.quantize(w, I8C)

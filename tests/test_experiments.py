@@ -60,7 +60,11 @@ def test_error_model_accumulators_order(seed):
 
 
 def test_error_model_floats_follow_u_over_sqrtk(seed):
-    rows = error_model.experiment_b(ks=(512,), trials=10, seed=seed)
+    # One trial's ratio is about 0.7 |N(0, 1)|: with 10 trials the median fell below 0.1 in the
+    # soak (seed 3616645627: fp16 0.061; ~0.2% of seeds per format). With 100 trials (vectorized,
+    # ~1 s) 30 fresh seeds gave medians fp16 0.39-0.66, bf16 0.39-0.59, e4m3 0.32-0.61: the bounds
+    # sit >= 5 of their spreads (sd ~0.06) away.
+    rows = error_model.experiment_b(ks=(512,), trials=100, seed=seed)
     for r in rows:
         if r["format"] in ("fp16", "bf16", "fp8_e4m3fn"):
             assert 0.1 < r["ratio_to_u_over_sqrtK"] < 2

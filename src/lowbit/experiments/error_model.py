@@ -21,30 +21,30 @@ KS = (256, 1024, 4096)
 
 
 def _represent(v: torch.Tensor, fmt: str) -> torch.Tensor:
+    """v [trials, K] float64 represented in fmt, row by row (integers: one scale per row)."""
     if fmt == "fp16":
         return v.half().double()
     if fmt == "bf16":
         return v.bfloat16().double()
     if lb.get_format(fmt).kind == "float":  # a plain cast, no scale, as the seed does (N(0,1) fits)
         return lb.decode(lb.encode(v.float(), fmt, saturate=True), fmt).double()
-    qt = lb.quantize(v.float(), lb.QuantScheme(format=fmt, strategy="tensor"))  # integers need a scale
+    qt = lb.quantize(v.float(), lb.QuantScheme(format=fmt, strategy="token"))  # integers need a scale
     return qt.dequantize(torch.float64)
 
 
 def experiment_b(ks=KS, trials: int = 60, seed: int = 0) -> list[dict]:
+    """All trials at once: rows of [trials, K] (the median over many trials is what is stable:
+    one trial's ratio is ~0.7 |N(0, 1)|, so 10 trials leave the median below 0.1 in ~0.2% of seeds)."""
     g = torch.Generator().manual_seed(seed)
     rows = []
     for fmt in FORMATS:
         u = float(lb.get_format(fmt).unit_roundoff)
         for K in ks:
-            rel = []
-            for _ in range(trials):
-                a = 2 * torch.rand(K, generator=g, dtype=torch.float64) - 1
-                b = 2 * torch.rand(K, generator=g, dtype=torch.float64) - 1
-                exact = float(a @ b)
-                got = float(_represent(a, fmt) @ _represent(b, fmt))
-                rel.append(abs(got - exact) / float((a * b).abs().sum()))
-            med = float(torch.tensor(rel).median())
+            a = 2 * torch.rand(trials, K, generator=g, dtype=torch.float64) - 1
+            b = 2 * torch.rand(trials, K, generator=g, dtype=torch.float64) - 1
+            exact = (a * b).sum(dim=1)
+            got = (_represent(a, fmt) * _represent(b, fmt)).sum(dim=1)
+            med = float(((got - exact).abs() / (a * b).abs().sum(dim=1)).median())
             rows.append({"part": "B", "format": fmt, "K": K, "u": u, "median_rel_err": med,
                          "ratio_to_u_over_sqrtK": med / (u / K ** 0.5)})
     return rows

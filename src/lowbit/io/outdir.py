@@ -12,7 +12,10 @@ The rules:
 
 Everything is first written to a staging directory next to the target, then moved in by
 renames: an exception or Ctrl-C while writing leaves the previous content untouched and no
-staging directory. ``check_out_dir`` runs all the checks (including a real write next to the
+staging directory. A process killed outright (SIGKILL, power loss) cannot clean up: its hidden
+staging directory ``.<name>.lowbit-tmp-*`` stays next to the target, and the next save into
+the same target removes it (``clean_stale_stages``: only directories holding lowbit's stage
+marker, made by a process of this host that is no longer running). ``check_out_dir`` runs all the checks (including a real write next to the
 target) so that a command can fail before its expensive work.
 """
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
@@ -27,6 +31,8 @@ from typing import Iterator
 
 MANIFEST = "lowbit-files.json"
 _MANIFEST_VERSION = 1
+STAGE_MARKER = ".lowbit-stage.json"   # inside a staging directory: who made it (never committed)
+_STAGE_INFIX = ".lowbit-tmp-"
 
 
 class OutputDirError(ValueError):
@@ -153,7 +159,63 @@ def _write_manifest(directory: Path, files: set[str]) -> None:
     os.replace(tmp, directory / MANIFEST)
 
 
+def _new_stage(out: Path) -> Path:
+    """A fresh hidden staging directory next to `out`, marked as lowbit's with this process's
+    id and host (what clean_stale_stages needs to know it is lowbit's and abandoned)."""
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}{_STAGE_INFIX}", dir=out.parent))
+    (stage / STAGE_MARKER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}),
+                                      encoding="utf-8")
+    return stage
+
+
+def _running(pid: int) -> bool:
+    """Whether a process with this id exists on this host (one we may not signal counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _abandoned(stage: Path) -> bool:
+    """A staging directory whose marker says this host's process `pid` made it, and no process
+    with that id runs any more. Anything unreadable or unexpected is not abandoned."""
+    marker = stage / STAGE_MARKER
+    if stage.is_symlink() or not stage.is_dir() or marker.is_symlink() or not marker.is_file():
+        return False
+    try:
+        info = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    if not isinstance(info, dict) or info.get("host") != socket.gethostname():
+        return False
+    pid = info.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or pid == os.getpid():
+        return False
+    return not _running(pid)
+
+
+def clean_stale_stages(out: str | os.PathLike) -> list[Path]:
+    """Remove the staging directories of earlier saves into `out` whose process was killed
+    before it could remove them (named ``.<out name>.lowbit-tmp-*``, holding lowbit's marker,
+    made on this host by a process that no longer runs; a save still running is left alone,
+    and so is anything else). Returns the directories removed."""
+    out = Path(out)
+    if not out.parent.is_dir():
+        return []
+    prefix = f".{out.name}{_STAGE_INFIX}"
+    removed = []
+    for entry in sorted(out.parent.iterdir()):
+        if entry.name.startswith(prefix) and _abandoned(entry):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
 def _commit(stage: Path, out: Path, overwrite: bool, what: str) -> None:
+    (stage / STAGE_MARKER).unlink(missing_ok=True)
     new = _files(stage) - {MANIFEST}
     (stage / MANIFEST).unlink(missing_ok=True)  # a nested staged() wrote one; this one covers all
     mine, foreign = _plan(out, overwrite, what)
@@ -189,8 +251,9 @@ def _commit(stage: Path, out: Path, overwrite: bool, what: str) -> None:
 
 @contextmanager
 def staged(out: str | os.PathLike, overwrite: bool = False, *, what: str = "--out") -> Iterator[Path]:
-    """Yield an empty staging directory; when the block completes, its files become `out`'s
-    by the rules of this module. On an exception (Ctrl-C included) `out` is left as it was."""
+    """Yield a staging directory (empty but for lowbit's marker, which is never committed);
+    when the block completes, its files become `out`'s by the rules of this module. Stale
+    staging directories of killed earlier saves into `out` are removed first. On an exception (Ctrl-C included) `out` is left as it was."""
     out = Path(out)
     _plan(out, overwrite, what)
     _probe_target(out, what)
@@ -198,7 +261,8 @@ def staged(out: str | os.PathLike, overwrite: bool = False, *, what: str = "--ou
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise OutputDirError(f"{what} {out}: cannot make {out.parent} ({e.strerror or e})") from e
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.lowbit-tmp-", dir=out.parent))
+    clean_stale_stages(out)
+    stage = _new_stage(out)
     try:
         yield stage
         _commit(stage, out, overwrite, what)

@@ -9,6 +9,7 @@ quantization-aware float64 reference with the accumulator it promises):
   kernels run in Triton's CPU interpreter, at the small sizes the cases use.
 - torch's: torch._int_mm + a float32 epilogue; torch._scaled_mm tensor-wise and row-wise, with
   and without fast accumulation (CUDA with fp8 support only).
+- torchao's quantized linears when torchao is importable (verify/audit_torchao.py).
 - a user's kernel: `--kernel module:function`, called as function(xq, wq, bias) with QTensors (or
   plain tensors for an unquantized side), returning out [M, N].
 Cases: outlier channels, zero rows / columns / K blocks, subnormal and huge scales, K not a
@@ -39,6 +40,7 @@ class KernelSpec:
     accumulator: str | None = None     # what the kernel promises (None: lowbit's default)
     note: str = ""
     x_dtype: torch.dtype | None = None  # the kernel reads x in this dtype (W4A16: bf16)
+    float_x: bool = False               # the kernel quantizes x itself: it gets the float x, not xq
 
 
 @dataclass
@@ -150,26 +152,73 @@ def _linear(backend, out_dtype=torch.float32):
     return fn
 
 
+def _padded(t: torch.Tensor, rows: int, cols: int, fill=0) -> torch.Tensor:
+    """t [r, c] zero-padded (or `fill`-padded) to [rows, cols], a fresh row-major tensor."""
+    out = torch.full((rows, cols), fill, dtype=t.dtype, device=t.device)
+    out[: t.shape[0], : t.shape[1]] = t
+    return out
+
+
+def _up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
 def _int_mm(xq, wq, bias):
-    acc = torch._int_mm(xq.codes.contiguous(), wq.codes.t())           # exact int32
+    """torch._int_mm, then (acc * s_x) * s_w (+ bias) in fp32. On CUDA _int_mm needs M > 16 and
+    K, N multiples of 8 (cuBLASLt's int8 GEMM): the codes are padded with zeros, as a caller must
+    (exact: zero products; the padded rows and columns are dropped)."""
+    M, K = xq.codes.shape
+    N = wq.codes.shape[0]
+    Mp, Kp, Np = max(M, 17), _up(K, 8), _up(N, 8)
+    acc = torch._int_mm(_padded(xq.codes, Mp, Kp), _padded(wq.codes, Np, Kp).t())[:M, :N]   # exact int32
     out = (acc.to(torch.float32) * xq.scale.reshape(-1, 1).to(acc.device)) * wq.scale.reshape(1, -1).to(acc.device)
     return out if bias is None else out + bias
 
 
 def _scaled_mm(fast: bool):
+    """torch._scaled_mm (cuBLAS's fp8 GEMM) with the schemes' tensor-wise or row-wise scales, bf16
+    out. It needs row-major A, column-major B and K, N multiples of 16: the codes are copied into
+    those layouts and padded with zero codes (exact; padded columns get scale 1, then dropped)."""
     def fn(xq, wq, bias):
-        a = xq.codes.view(torch.float8_e4m3fn)
-        b = wq.codes.view(torch.float8_e4m3fn)
-        sa = xq.scale.reshape(-1, 1).float() if xq.scale.numel() > 1 else xq.scale.reshape(()).float()
-        sb = wq.scale.reshape(1, -1).float() if wq.scale.numel() > 1 else wq.scale.reshape(()).float()
-        return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, bias=None if bias is None else bias.bfloat16(),
-                                out_dtype=torch.bfloat16, use_fast_accum=fast)
+        M, K = xq.codes.shape
+        N = wq.codes.shape[0]
+        Kp, Np = _up(K, 16), _up(N, 16)
+        a = _padded(xq.codes.view(torch.uint8), M, Kp).view(torch.float8_e4m3fn)
+        b = _padded(wq.codes.view(torch.uint8), Np, Kp).view(torch.float8_e4m3fn)
+        if xq.scale.numel() > 1 or wq.scale.numel() > 1:     # row-wise: [M, 1] and [1, N] (M = 1 too)
+            sa = xq.scale.reshape(-1, 1).float().expand(M, 1).contiguous()
+            sb = _padded(wq.scale.reshape(1, -1).float().expand(1, N), 1, Np, fill=1.0)
+        else:
+            sa, sb = xq.scale.reshape(()).float(), wq.scale.reshape(()).float()
+        bias_p = None if bias is None else _padded(bias.reshape(1, -1).bfloat16(), 1, Np).reshape(-1)
+        out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, bias=bias_p, out_dtype=torch.bfloat16,
+                               use_fast_accum=fast)
+        return out[:, :N]
     return fn
 
 
 def _w4a16(xq, wq, bias):
     from lowbit.ops.weight_only import prepare_w4, w4a16_linear
     return w4a16_linear(xq.to(torch.bfloat16), prepare_w4(wq), bias, backend="triton")
+
+
+def scaled_mm_ok(device: str) -> bool:
+    """torch._scaled_mm rows: CUDA with fp8 tensor cores (sm_89+). (torch's CPU kernel exists
+    too; the tests run these rows through it, but on a CPU they would audit a reference loop.)"""
+    return device == "cuda" and hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def scaled_mm_specs() -> list[KernelSpec]:
+    """torch._scaled_mm tensor-wise and row-wise, with and without fast accumulation. All promise
+    fp32 accumulation, so that the long-K case shows what fast accumulation really keeps."""
+    import lowbit as lb
+    ft, fr = lb.get_preset("fp8_tensor"), lb.get_preset("fp8_row")
+    specs = []
+    for fast in (False, True):
+        tag = "fast accumulation" if fast else "fp32 accumulation"
+        specs.append(KernelSpec(f"torch._scaled_mm tensorwise, {tag}", ft, ft, _scaled_mm(fast), "fp32"))
+        specs.append(KernelSpec(f"torch._scaled_mm rowwise, {tag}", fr, fr, _scaled_mm(fast), "fp32"))
+    return specs
 
 
 def discover(device: str, triton_ok: bool) -> list[KernelSpec]:
@@ -185,12 +234,8 @@ def discover(device: str, triton_ok: bool) -> list[KernelSpec]:
                                 note="int8 x int8 -> exact int32, then (acc * s_x) * s_w in fp32"))
         specs.append(KernelSpec("lowbit torch path (int8)", i8t, i8c, _linear("torch"), "int32",
                                 note="torch._int_mm, epilogue in float64"))
-    if device == "cuda" and hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability() >= (8, 9):
-        ft = P("fp8_tensor")
-        for fast in (False, True):
-            tag = "fast accumulation" if fast else "fp32 accumulation"
-            specs.append(KernelSpec(f"torch._scaled_mm tensorwise, {tag}", ft, ft, _scaled_mm(fast), "fp32"))
-            specs.append(KernelSpec(f"torch._scaled_mm rowwise, {tag}", fp8r, fp8r, _scaled_mm(fast), "fp32"))
+    if scaled_mm_ok(device):
+        specs += scaled_mm_specs()
     if triton_ok:
         specs += [KernelSpec("lowbit triton int8", i8t, i8c, _linear("triton"), "int32"),
                   KernelSpec("lowbit triton fp8 rowwise", fp8r, fp8r, _linear("triton"), "fp32"),
@@ -201,7 +246,8 @@ def discover(device: str, triton_ok: bool) -> list[KernelSpec]:
             specs.append(KernelSpec(f"lowbit triton w4a16 {w}", None, P(w), _w4a16, "fp32",
                                     note="bf16 activations (the check sees the same bf16 values)",
                                     x_dtype=torch.bfloat16))
-    return specs
+    from lowbit.verify import audit_torchao
+    return specs + audit_torchao.specs(device)
 
 
 def user_kernel(spec: str, x_scheme, w_scheme, accumulator) -> KernelSpec:
@@ -233,6 +279,8 @@ def run_cell(spec: KernelSpec, case: Case, device: str, seed: int) -> Cell:
     try:
         xq = lb.quantize(x, spec.x_scheme) if spec.x_scheme is not None else x
         wq = lb.quantize(w, spec.w_scheme) if spec.w_scheme is not None else w
+        if spec.float_x:
+            xq = x
         if case.noncontig:
             xq, wq = _noncontig(xq), _noncontig(wq)
         to = lambda q: q.to(device)  # noqa: E731

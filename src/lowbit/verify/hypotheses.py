@@ -18,7 +18,7 @@ from lowbit.verify import bugs_scales as bs
 from lowbit.verify.simulate import Hyp, Sim, explained  # noqa: F401  (the catalogue's vocabulary)
 
 # Most specific first: where two simulations coincide, the earlier one names the group.
-ALL = (bo.permutation_hypotheses, bs.scale_value_hypotheses, bs.scale_layout_hypotheses, bs.both_sides_hoisted,
+ALL = (bs.zero_scale_nan_hypotheses, bo.permutation_hypotheses, bs.scale_value_hypotheses, bs.scale_layout_hypotheses, bs.both_sides_hoisted,
        bs.silent_fallback_hypotheses, bs.scale_axis_hypotheses, bs.mx_layout_hypotheses, bc.code_hypotheses,
        bc.transpose_hypotheses, bo.k_range_hypotheses, bo.bias_hypotheses, bo.output_hypotheses,
        bo.precision_hypotheses, bs.constant_scale_hypotheses, bs.constant_factor_hypothesis)

@@ -1,0 +1,124 @@
+"""torchao's quantized linears as `lowbit audit` kernels, when torchao is importable.
+
+lowbit never imports torchao anywhere else (it is a test oracle here: scripts/setup.sh keeps it
+out of site-packages; `PYTHONPATH=src:.venv/oracles lowbit audit` adds these rows). Each row
+runs torchao's own `F.linear` implementation for its quantized weight tensor:
+- int8 W8A8 (torchao's Int8DynamicActivationInt8WeightConfig kernel: Int8Tensor, per-row
+  int8 activations, int_scaled_matmul then the weight scale): built from lowbit's codes and
+  scales, with lowbit's per-token activation scales given as the tensor's activation scale
+  (torchao's own int8 rule, amax / 127.5 over [-128, 127], is not one of lowbit's schemes:
+  requantizing would only show that difference, not the kernel's arithmetic);
+- int8 weight-only (Int8WeightOnlyConfig's kernel): float activations x int8 codes, then the scale;
+- fp8 weight-only (Float8WeightOnlyConfig's Float8Tensor, per-row e4m3 scales);
+- fp8 W8A8 row-wise (Float8DynamicActivationFloat8WeightConfig's Float8Tensor, torch
+  kernel preference, with and without fast accumulation): torchao quantizes the float
+  activations itself (amax / 448 per row, lowbit's fp8 token rule), so this row also checks
+  its activation quantizer. torchao's config refuses CPUs; its tensor runs there through
+  torch._scaled_mm's CPU kernel.
+A row torchao cannot run here is n/a with torchao's reason.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+
+def available() -> bool:
+    """torchao can be imported (without importing it)."""
+    return importlib.util.find_spec("torchao") is not None
+
+
+def _quiet_import():
+    """Import the torchao pieces the rows use. torchao prints warnings about its optional
+    CUDA extensions on import; they say nothing about these rows."""
+    import logging
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        level = logging.root.manager.disable
+        logging.disable(logging.WARNING)
+        try:
+            from torchao.float8.inference import Float8MMConfig
+            from torchao.quantization.granularity import PerRow
+            from torchao.quantization.quantize_.common import KernelPreference
+            from torchao.quantization.quantize_.workflows.float8.float8_tensor import (
+                Float8Tensor, QuantizeTensorToFloat8Kwargs)
+            from torchao.quantization.quantize_.workflows.int8.int8_tensor import (
+                Int8Tensor, QuantizeTensorToInt8Kwargs)
+        finally:
+            logging.disable(level)
+    return dict(Float8MMConfig=Float8MMConfig, PerRow=PerRow, KernelPreference=KernelPreference,
+                Float8Tensor=Float8Tensor, QuantizeTensorToFloat8Kwargs=QuantizeTensorToFloat8Kwargs,
+                Int8Tensor=Int8Tensor, QuantizeTensorToInt8Kwargs=QuantizeTensorToInt8Kwargs)
+
+
+def _rows(scale: torch.Tensor, n: int) -> torch.Tensor:
+    """A per-row fp32 scale as torchao's [n, 1] (a tensor-wise one expanded)."""
+    return scale.reshape(-1, 1).float().expand(n, 1).contiguous()
+
+
+def _int8_weight(ao, wq, act_kwargs=None, act_scale=None):
+    N, K = wq.codes.shape
+    return ao["Int8Tensor"](wq.codes.contiguous(), _rows(wq.scale, N), [1, K], torch.float32,
+                            act_quant_scale=act_scale, act_quant_kwargs=act_kwargs)
+
+
+def int8_w8a8(xq, wq, bias):
+    """torchao's int8 x int8 linear on lowbit's codes and scales (x as its float values on
+    lowbit's grid, which torchao's quantizer maps back to the same codes with the given scales)."""
+    ao = _quiet_import()
+    M = xq.codes.shape[0]
+    w = _int8_weight(ao, wq, ao["QuantizeTensorToInt8Kwargs"](granularity=ao["PerRow"]()), _rows(xq.scale, M))
+    return torch.nn.functional.linear(xq.dequantize(), w, bias)
+
+
+def int8_weight_only(x, wq, bias):
+    """torchao's float x int8 linear (x unquantized, float32)."""
+    return torch.nn.functional.linear(x, _int8_weight(_quiet_import(), wq), bias)
+
+
+def _fp8_weight(ao, wq, act_kwargs=None, fast=False):
+    N, K = wq.codes.shape
+    return ao["Float8Tensor"](wq.codes.contiguous().view(torch.float8_e4m3fn), _rows(wq.scale, N), [1, K],
+                              mm_config=ao["Float8MMConfig"](use_fast_accum=fast), act_quant_kwargs=act_kwargs,
+                              kernel_preference=ao["KernelPreference"].TORCH, dtype=torch.float32)
+
+
+def fp8_weight_only(x, wq, bias):
+    """torchao's float x fp8 (per-row scales) linear."""
+    return torch.nn.functional.linear(x, _fp8_weight(_quiet_import(), wq), bias)
+
+
+def fp8_w8a8(fast: bool):
+    def fn(x, wq, bias):
+        """torchao quantizes x (float) per row itself, then torch._scaled_mm."""
+        ao = _quiet_import()
+        act = ao["QuantizeTensorToFloat8Kwargs"](granularity=ao["PerRow"](),
+                                                 mm_config=ao["Float8MMConfig"](use_fast_accum=fast),
+                                                 kernel_preference=ao["KernelPreference"].TORCH)
+        return torch.nn.functional.linear(x, _fp8_weight(ao, wq, act, fast), bias)
+    return fn
+
+
+def specs(device: str) -> list:
+    """The torchao rows of `lowbit audit` for this device (empty when torchao is absent)."""
+    if not available():
+        return []
+    import lowbit as lb
+    from lowbit.verify.audit import KernelSpec
+    P = lb.get_preset
+    fp8_token = lb.QuantScheme("fp8_e4m3fn", "token", dynamic=True)
+    rows = [KernelSpec("torchao int8 W8A8 (Int8Tensor)", P("int8_token"), P("int8_channel"), int8_w8a8, "int32",
+                       note="torchao's int_scaled_matmul kernel on lowbit's codes and scales"),
+            KernelSpec("torchao int8 weight-only (Int8Tensor)", None, P("int8_channel"), int8_weight_only, "fp32",
+                       note="float32 x int8 codes, then the per-channel scale"),
+            KernelSpec("torchao fp8 weight-only (Float8Tensor)", None, P("fp8_row"), fp8_weight_only, "fp32",
+                       note="float32 x e4m3 with per-row scales")]
+    for fast in ((False, True) if device == "cuda" else (False,)):
+        tag = "fast accumulation" if fast else "fp32 accumulation"
+        rows.append(KernelSpec(f"torchao fp8 W8A8 rowwise, {tag} (Float8Tensor)", fp8_token, P("fp8_row"),
+                               fp8_w8a8(fast), "fp32", float_x=True,
+                               note="torchao quantizes the activations itself (amax/448 per row), "
+                                    "then torch._scaled_mm"))
+    return rows
