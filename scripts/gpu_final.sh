@@ -47,6 +47,7 @@ if [[ $parts == *,audit,* ]]; then
   timeout "${AUDIT_TIMEOUT:-120}" python3 -m lowbit.cli audit --json "$out/audit_h200.json" \
       --png "$out/audit_h200.png" >"$out/audit_h200.txt" 2>&1
   echo "audit rc=$?" | tee -a "$sum"
+  timeout 60 python3 scripts/gpu_fastaccum_probe.py 2>&1 | tee -a "$sum"
 fi
 if [[ $parts == *,distributed,* ]]; then
   if [ -f scripts/gpu_distributed.sh ]; then
