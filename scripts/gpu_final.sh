@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The closing H200 run of a session, in parts that each fit one 10-minute device command:
 #   bash scripts/gpu_final.sh suite,gemm,memory     the CUDA test suite, GEMM rows, memory-bound rows
+#     (GEMM_SHAPES=MxNxK,... and MEMORY_ONLY=name,... narrow the two benchmarks)
 #   bash scripts/gpu_final.sh audit,distributed     `lowbit audit` on the GPU, the 1-vs-2-GPU calibration run
 # Logs and JSON under $OUT (at most 8 files come back: each part writes one or two); a short
 # table last. Runs from source (PYTHONPATH=src): nothing is installed on the device.
@@ -25,7 +26,7 @@ if [[ $parts == *,gemm,* ]]; then
 import json, os
 from lowbit.bench.gemm import run_shape
 rows = []
-for M, N, K in ((128, 4096, 14336), (128, 14336, 4096), (16, 14336, 4096), (8192, 14336, 4096)):
+for M, N, K in [tuple(map(int, s.split("x"))) for s in os.environ.get("GEMM_SHAPES", "128x4096x14336").split(",")]:
     print(f"shape M={M} N={N} K={K}", flush=True)
     rows += run_shape(M, N, K)
     json.dump(rows, open(os.path.join(os.environ["OUT"], "bench-gemm-final.json"), "w"), indent=1, default=str)
@@ -39,7 +40,7 @@ PY
 fi
 if [[ $parts == *,memory,* ]]; then
   timeout "${BENCH_TIMEOUT:-160}" python3 -m lowbit.bench.memory \
-      --only norm_quant_int8,norm_quant_fp8,quant_int8,quant_fp8,quant_mxfp4,w4a16 \
+      --only "${MEMORY_ONLY:-norm_quant_int8,norm_quant_fp8,quant_int8,quant_fp8,quant_mxfp4,w4a16}" \
       --json "$out/bench-memory-final.json" >"$out/bench_memory.log" 2>&1
   echo "memory rc=$?" | tee -a "$sum"
 fi
