@@ -8,14 +8,15 @@ from lowbit.verify import audit as au
 
 
 def correct_w8a8(xq, wq, bias):
-    """A user kernel as `--kernel test_audit:correct_w8a8` sees it: QTensors in, out [M, N]."""
-    acc = xq.codes.long() @ wq.codes.long().T
+    """A user kernel as `--kernel test_audit:correct_w8a8` sees it: QTensors in, out [M, N].
+    float64 products of int8 codes are exact (|acc| << 2^53) and run on CUDA too (int64 matmul does not)."""
+    acc = xq.codes.double() @ wq.codes.double().T
     return (acc.float() * xq.scale) * wq.scale.reshape(1, -1) + bias
 
 
 def stride0_w8a8(xq, wq, bias):
     """The issue's H200 bug: the per-token scale pointer read with stride 0 (row 0's scale for all)."""
-    acc = xq.codes.long() @ wq.codes.long().T
+    acc = xq.codes.double() @ wq.codes.double().T
     return (acc.float() * xq.scale[:1]) * wq.scale.reshape(1, -1) + bias
 
 

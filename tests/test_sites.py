@@ -53,9 +53,12 @@ def test_site_sqnr_matches_numpy(rng):
         assert rows[name].act_db == pytest.approx(_np_sqnr(x, qx * sx), abs=2e-3)
         assert rows[name].weight_db == pytest.approx(_np_sqnr(w, qw * sw), abs=2e-3)
         assert rows[name].out_db == pytest.approx(_np_sqnr(y_ref, y_q), abs=2e-3)
-    # b's input carries the outlier: it is the worst site, limited by its activations
-    assert rep.rows[0].name == "b" and rows["b"].outlier_ratio > 10
+    # b's input carries the outlier: its activations are the worst-quantized tensor (by ~7 dB over
+    # 300 seeds). Which site's OUTPUT is worst is not robust (a's ~38-39 dB against b's 38-47:
+    # b lost in 3 of 300 seeds, e.g. 1348860669), so the report's order is checked as a sort only
+    assert rows["b"].outlier_ratio > 10
     assert rows["b"].act_db < rows["a"].act_db
+    assert [r.out_db for r in rep.rows] == sorted(r.out_db for r in rep.rows)
 
 
 def test_suggestions_overrides_and_plot(rng, tmp_path):

@@ -73,15 +73,24 @@ def _bound(x64, w64, ref, K, G, split, out_dtype):
 @pytest.mark.parametrize("name", list(SCHEMES))
 def test_w4a16_against_numpy_reference(name, device, rng):
     scheme = SCHEMES[name]
-    N, K = 40, 256
+    # K = 256: int4 groups below 128 pack two groups per chunk (one per nibble plane); K = 288 =
+    # 9 x 32 (group 32 and fp4 only): an odd number of groups, so one group per chunk
+    for K in (256, 288) if scheme.group_size <= 32 else (256,):
+        _check_against_numpy(scheme, K, device, rng)
+
+
+def _check_against_numpy(scheme, K, device, rng):
+    N = 40
     w = torch.randn(N, K, generator=rng) * 0.05
     w[3] = 0  # a zero output channel
     wq = quantize(w, scheme)
     w4 = prepare_w4(wq.to(device))
+    if scheme.format in ("int4", "uint4") and scheme.group_size < 128:
+        assert w4.chunk == (2 * scheme.group_size if K % (2 * scheme.group_size) == 0 else scheme.group_size)
     w64 = torch.from_numpy(_numpy_dequant(w4))
     # lowbit's own reference agrees with the independent one exactly
     assert torch.equal(w4a16_reference(torch.eye(K, dtype=torch.float64), wq), w64.T)
-    dtypes = [torch.bfloat16] if name in ("mxfp4", "nvfp4") else [torch.bfloat16, torch.float16]
+    dtypes = [torch.bfloat16] if scheme.format == "fp4_e2m1fn" else [torch.bfloat16, torch.float16]
     for dtype in dtypes:
         for M in (1, 3, 17):
             x = (torch.randn(M, K, generator=rng) * 2).to(dtype)
@@ -252,3 +261,24 @@ def test_kernels_compile_for_sm90():
     for r in rows:
         assert isinstance(r["sass_static"], int) and r["sass_static"] > 0, r
         assert isinstance(r["shared"], int) and r["shared"] <= 232448, r
+
+
+def test_mxfp4_scale_range(device, rng):
+    """The kernel forms e2m1 value * 2^-14 and scale * 2^14 (both exact): MXFP4 scales up to
+    2^113 (e8m0 code 240) run within the same bound as any weight; one code more is refused at
+    prepare time instead of overflowing to inf."""
+    N, K = 24, 128
+    w = torch.randn(N, K, generator=rng)
+    w[:, 0] = 3.0  # an amax in [3, 4) in every row: the largest code is known relative to `base`
+    base = int(quantize(w, SCHEMES["mxfp4"]).scale_codes.max())
+    wq = quantize(w * 2.0 ** (240 - base), SCHEMES["mxfp4"])  # scales times a power of two: codes shift
+    assert int(wq.scale_codes.max()) == 240
+    w4 = prepare_w4(wq.to(device))
+    w64 = torch.from_numpy(_numpy_dequant(w4))
+    x = (torch.randn(3, K, generator=rng) * 2.0 ** -100).to(torch.bfloat16)  # outputs stay finite in bf16
+    out = w4a16_linear(x.to(device), w4, backend="triton").cpu().double()
+    ref = x.double() @ w64.T
+    assert torch.isfinite(out).all() and torch.all((out - ref).abs() <= _bound(x.double(), w64, ref, K, 32, 1,
+                                                                              torch.bfloat16))
+    with pytest.raises(ValueError, match="beyond the kernel's exact range"):
+        prepare_w4(quantize(w * 2.0 ** (241 - base), SCHEMES["mxfp4"]))

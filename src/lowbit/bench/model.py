@@ -119,7 +119,9 @@ def _build_torchao(name: str, master: torch.nn.Module) -> tuple[torch.nn.Module,
     try:
         import torchao.quantization as tq
     except ImportError as exc:
-        absent = isinstance(exc, ModuleNotFoundError) and exc.name == "torchao"
+        # exc.name is "torchao" or a submodule ("torchao.quantization") depending on where the
+        # import stopped (the H200 image's Python named the submodule)
+        absent = isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "torchao"
         raise Skipped("torchao not installed" if absent else f"torchao not importable ({exc})") from None
     if name == "torchao-int8":
         cfg = tq.Int8DynamicActivationInt8WeightConfig()

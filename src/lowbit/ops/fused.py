@@ -10,7 +10,7 @@ or `"torch"` forces one, and on the CPU "triton" runs in Triton's interpreter):
 
 Kernel variants (`kernel=`): "row" (one row per program, every scheme below) and "tile"
 (ROWS rows per program, per-token int8 / fp8_e4m3fn with fp32 scales; `tile=(ROWS, num_warps)`
-overrides its heuristic tile_config); None picks DEFAULT_KERNEL. Both give identical codes.
+overrides its heuristic tile_config); None picks DEFAULT_KERNEL (per entry point). Both give identical codes.
 
 Schemes the kernel takes (anything else raises NotImplementedError naming the scheme):
 symmetric; element format int8, fp8_e4m3fn or fp4_e2m1fn; strategy token / channel (one
@@ -46,10 +46,15 @@ _ROUND_CODES = {"floor": 0, "rceil": 1, "ceil": 2, "even": 3}
 # Kernel variants (issue 5 performance work): "row" = one row per program, any scheme (the kernel
 # measured on the H200 in docs/benchmarks-memory.md); "tile" = ROWS rows per program, per-token
 # int8 / fp8 with fp32 scales only, 32-64 elements per thread. Same arithmetic, same codes.
-# DEFAULT_KERNEL is what kernel=None picks; "tile" falls back to "row" for the schemes it does
-# not take only when chosen by default (an explicit kernel="tile" raises for them).
+# DEFAULT_KERNEL is what kernel=None picks, per entry point, from the H200 runs of issue 10:
+# "tile" for quantize_rows (1.16x / 1.25x the row kernel, int8 / fp8 at 8192 x 4096) and for
+# RMSNorm without a residual (1.15-1.41x); "row" for RMSNorm with a residual (the tile kernel
+# is no faster there, 0.97-0.99x, and gave non-canonical scales on sm_90 at ROWS = 1) and for
+# SiLU-mul (fp8 tile 0.79x). "tile" falls back to "row" for the schemes it does not take only
+# when chosen by default (an explicit kernel="tile" raises for them).
 KERNELS = ("row", "tile")
-DEFAULT_KERNEL = "row"
+DEFAULT_KERNEL = {"quantize_rows": "tile", "rmsnorm_quant": "tile", "rmsnorm_quant+residual": "row",
+                  "silu_mul_quant": "row"}
 
 
 # ------------------------------------------------------------------------------------------
@@ -201,7 +206,7 @@ def tile_supports(scheme: QuantScheme) -> bool:
 
 def tile_config(K: int, pre: int) -> tuple[int, int]:
     """(ROWS, num_warps) of the "tile" kernel for rows of K elements: 32 elements of a row per
-    thread (num_warps = next_pow2(K) / 1024, at most 16), and rows stacked up to 32 elements per
+    thread (num_warps = next_pow2(K) / 1024, at most 16; 64 per thread from 8192 on), and rows stacked up to 32 elements per
     thread when a row is shorter than 1024. From the sm_90 SASS (python -m lowbit.bench.memory
     --sass), not from timings: 64 per thread takes 16.6 instead of 19.2 instructions per
     element on the RMSNorm + int8 fast path but ~140 registers instead of ~72 (half the warps
@@ -209,7 +214,10 @@ def tile_config(K: int, pre: int) -> tuple[int, int]:
     import triton
 
     block = max(16, triton.next_power_of_2(K))
-    warps = min(16, max(1, block // 1024))
+    # rows of 8192 and more: 64 per thread (H200, 8192 x 8192: 84.9% of the copy ceiling
+    # against 76.7% at 32 per thread for int8, 76.5% / 74.8% for fp8); at 4096, 32 per
+    # thread stays ahead (77.5% against 74.9%). docs/benchmarks-memory.md has the rows.
+    warps = min(16, max(1, block // (2048 if block >= 8192 else 1024)))
     rows = 1
     while rows * block < 32 * 32 * warps and rows < 8:
         rows *= 2
@@ -218,13 +226,14 @@ def tile_config(K: int, pre: int) -> tuple[int, int]:
     return rows, warps
 
 
-def _resolve_kernel(kernel: str | None, scheme: QuantScheme, where: str) -> str:
+def _resolve_kernel(kernel: str | None, scheme: QuantScheme, where: str, variant: str = "") -> str:
+    """The kernel an entry point runs: `kernel`, or DEFAULT_KERNEL[where + variant] for None."""
     if kernel is None:
-        kernel = DEFAULT_KERNEL
+        kernel = DEFAULT_KERNEL[where + variant]
         return kernel if kernel == "row" or tile_supports(scheme) else "row"
     if kernel not in KERNELS:
-        raise ValueError(f"{where}: kernel must be one of {KERNELS} or None (default {DEFAULT_KERNEL!r}), "
-                         f"got {kernel!r}")
+        raise ValueError(f"{where}: kernel must be one of {KERNELS} or None (default "
+                         f"{DEFAULT_KERNEL[where + variant]!r}), got {kernel!r}")
     if kernel == "tile" and not tile_supports(scheme):
         raise NotImplementedError(f"{where}: kernel='tile' takes per-token int8 / fp8_e4m3fn schemes with fp32 "
                                   f"scales only, not {scheme}; use kernel='row' (or None)")
@@ -246,6 +255,8 @@ def _launch_tile(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, *, wei
                          "(the row lives in registers); use backend='torch'")
     if tile is None:
         tile = tile_config(K, pre)
+        if res2 is not None and tile[0] == 1:
+            tile = (2, tile[1])  # one row per program with a residual: refused below
     R, warps = tile
     if R < 1 or R & (R - 1) or warps < 1 or warps & (warps - 1):
         raise ValueError(f"tile=(rows, num_warps) must be powers of two, got {tile}")
@@ -255,6 +266,13 @@ def _launch_tile(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, *, wei
         # equal); not understood yet, so the configuration is refused rather than trusted.
         raise ValueError("tile=(1, 1) gave non-canonical scales on sm_90 and is refused; use ROWS >= 2 "
                          "or num_warps >= 2 (tile=None picks a valid one)")
+    if res2 is not None and R == 1:
+        # Seen on the H200 in three runs (scripts/gpu_tile_diag.py): with a residual and one row per
+        # program, per-token scales came out one or two ulps off RN(max |y| / qmax) of the stored
+        # y (codes equal), also with amax reduced from y itself -- as if the compiler evaluated the
+        # RMSNorm twice with two summation orders; ROWS >= 2 was canonical in every run.
+        raise ValueError(f"tile={tuple(tile)} with a residual: one row per program gave non-canonical scales "
+                         "on sm_90 and is refused; use ROWS >= 2 (tile=None picks a valid one)")
     if fp8_encoder not in ("auto", "hw", "int"):
         raise ValueError(f"fp8_encoder must be 'auto', 'hw' or 'int', got {fp8_encoder!r}")
     interp = os.environ.get("TRITON_INTERPRET") == "1"
@@ -349,7 +367,7 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, scheme: Qua
     res_out = torch.empty(res2.shape, device=x.device, dtype=residual.dtype) if residual is not None else None
     args = dict(weight=weight.contiguous(), eps=float(eps), res2=res2, res_out=res_out,
                 store_y=return_normalized, fp8_encoder=fp8_encoder)
-    if _resolve_kernel(kernel, scheme, where) == "tile":
+    if _resolve_kernel(kernel, scheme, where, "+residual" if residual is not None else "") == "tile":
         codes, scale, sc, gs, y = _launch_tile(1, _rows(x, K), K, scheme, tile=tile, **args)
     else:
         codes, scale, sc, gs, y = _launch(1, _rows(x, K), K, scheme, G, **args)

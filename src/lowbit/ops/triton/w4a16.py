@@ -46,6 +46,41 @@ def _nibble_value(u, off):
 
 
 @triton.jit
+def _int4_offset(Z, zidx, n_ok, WFMT: tl.constexpr, HAS_Z: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The constant _nibble_value subtracts per column of one group: 2^23 + 8 (offset-binary
+    int4) or 2^23 (uint4), plus the group's zero point (int8 at Z + zidx [BN])."""
+    if WFMT == 0:
+        off = tl.full((BLOCK_N,), 8388616.0, tl.float32)
+    else:
+        off = tl.full((BLOCK_N,), 8388608.0, tl.float32)
+    if HAS_Z:
+        off += tl.load(Z + zidx, mask=n_ok, other=0).to(tl.float32)
+    return off
+
+
+@triton.jit
+def _e2m1_half(c):
+    """fp4 e2m1 code (int32, 0..15) -> float32 value * 2^-14, exactly: the three magnitude
+    bits e1 e0 m placed at fp16 bits 11..9 (exponent field = e, top mantissa bit = m) make
+    the fp16 number 2^(e-15) * (1 + m/2) for e > 0 and m * 2^-15 (subnormal) for e = 0,
+    i.e. the e2m1 value times 2^-14; the sign goes to bit 15. Three integer operations and a
+    conversion per code (the float32 bit construction below needs a select for e = 0)."""
+    h = ((c & 7) << 9) | ((c & 8) << 12)
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _fp4_scaled(c, sc, WFMT: tl.constexpr, NG: tl.constexpr, L: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Exact float32 weights of fp4 codes c [NG * L, BN] (int32) whose runs of L rows share one
+    scale code of sc [NG, BN]: the e2m1 value (as value * 2^-14, _e2m1_half) times the block
+    scale * 2^14 (exact: a power of two; prepare_w4 refuses MXFP4 scales above 2^113, where
+    scale * 2^14 would overflow). e2m1 (2 significant bits) times e8m0 / e4m3 (1 / 4 bits)
+    fits bfloat16 exactly, so the tensor-core operand is the exact weight too."""
+    s = block_scale(sc.to(tl.int32), WFMT) * 16384.0
+    return tl.reshape(tl.reshape(_e2m1_half(c), (NG, L, BLOCK_N)) * s[:, None, :], (NG * L, BLOCK_N))
+
+
+@triton.jit
 def _e2m1_value(c):
     """fp4 e2m1 code (int32, 0..15) -> float32 value (0, .5, 1, 1.5, 2, 3, 4, 6, signed),
     built from bits: 2^(e-1) * (1 + m/2) for e > 0, m/2 for e = 0."""
@@ -71,20 +106,23 @@ def _fp4_pair(wp, sca, scb, WFMT: tl.constexpr):
 
 
 @triton.jit
-def _product(xa, wa, xb, wb, acc, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
-    """acc + xa @ wa + xb @ wb for x halves [BM, C/2] and weight halves [C/2, BN] (float32,
-    exact values), accumulated in float32."""
+def _product1(x, w, acc, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
+    """acc + x @ w for an x half [BM, C/2] and a weight half [C/2, BN] (float32, exact values),
+    accumulated in float32."""
     if USE_DOT:
         if INTERP:
-            acc = tl.dot(xa.to(tl.float32), wa, acc)
-            acc = tl.dot(xb.to(tl.float32), wb, acc)
+            acc = tl.dot(x.to(tl.float32), w, acc)
         else:
-            acc = tl.dot(xa, wa.to(xa.dtype), acc)
-            acc = tl.dot(xb, wb.to(xb.dtype), acc)
+            acc = tl.dot(x, w.to(x.dtype), acc)
     else:
-        p = xa.to(tl.float32)[:, :, None] * wa[None, :, :] + xb.to(tl.float32)[:, :, None] * wb[None, :, :]
-        acc += tl.sum(p, axis=1)
+        acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
     return acc
+
+
+@triton.jit
+def _product(xa, wa, xb, wb, acc, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
+    """acc + xa @ wa + xb @ wb (both halves of a chunk)."""
+    return _product1(xb, wb, _product1(xa, wa, acc, USE_DOT, INTERP), USE_DOT, INTERP)
 
 
 @triton.jit
@@ -119,25 +157,40 @@ def _w4a16_kernel(
                          eviction_policy="evict_first").to(tl.int32)  # [C/2, BN]
             xa = tl.load(x_rows + (kc + j)[None, :], mask=m_ok[:, None], other=0.0)  # [BM, C/2]
             xb = tl.load(x_rows + (kc + C // 2 + j)[None, :], mask=m_ok[:, None], other=0.0)
-            if WFMT <= 1:  # int4 / uint4, chunk = group: one scaled partial per group
+            if WFMT <= 1 and C == G:  # int4 / uint4, chunk = group: one scaled partial per group
                 gidx = kc // G
-                if WFMT == 0:  # offset-binary int4: value = u - 8
-                    off = tl.full((BLOCK_N,), 8388616.0, tl.float32)
-                else:
-                    off = tl.full((BLOCK_N,), 8388608.0, tl.float32)
-                if HAS_Z:
-                    off += tl.load(Z + n64 * s_sn + gidx, mask=n_ok, other=0).to(tl.float32)
+                off = _int4_offset(Z, n64 * s_sn + gidx, n_ok, WFMT, HAS_Z, BLOCK_N)
                 wa = _nibble_value(wp & 15, off[None, :])
                 wb = _nibble_value(wp >> 4, off[None, :])
                 part = _product(xa, wa, xb, wb, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), USE_DOT, INTERP)
                 s = tl.load(S + n64 * s_sn + gidx, mask=n_ok, other=0.0)
                 acc += part * s[None, :]
-            else:  # fp4: dequantize exactly (scale per element's group) and accumulate
-                ga = (kc + j) // G
-                gb = (kc + C // 2 + j) // G
-                sca = tl.load(SC + n64[None, :] * s_sn + ga[:, None], mask=n_ok[None, :], other=127).to(tl.int32)
-                scb = tl.load(SC + n64[None, :] * s_sn + gb[:, None], mask=n_ok[None, :], other=127).to(tl.int32)
-                wa, wb = _fp4_pair(wp, sca, scb, WFMT)
+            elif WFMT <= 1:  # int4 / uint4, chunk = 2 groups (G < 128): each half is one group
+                ga = n64 * s_sn + kc // G
+                offa = _int4_offset(Z, ga, n_ok, WFMT, HAS_Z, BLOCK_N)
+                offb = _int4_offset(Z, ga + 1, n_ok, WFMT, HAS_Z, BLOCK_N)
+                zero = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                pa = _product1(xa, _nibble_value(wp & 15, offa[None, :]), zero, USE_DOT, INTERP)
+                pb = _product1(xb, _nibble_value(wp >> 4, offb[None, :]), zero, USE_DOT, INTERP)
+                sa = tl.load(S + ga, mask=n_ok, other=0.0)
+                sb = tl.load(S + ga + 1, mask=n_ok, other=0.0)
+                acc += pa * sa[None, :]
+                acc += pb * sb[None, :]
+            else:  # fp4: exact weights (e2m1 value times its group's scale) and accumulate
+                # a half-chunk of C/2 codes holds C/(2G) whole groups (or, for MXFP4 at C = G = 32,
+                # half of one): one scale load and decode per group and column, broadcast over the
+                # group's codes through a reshape, instead of a scale gather and decode per weight
+                if C >= 2 * G:
+                    gi = kc // G + tl.arange(0, C // 2 // G)
+                    sca = tl.load(SC + n64[None, :] * s_sn + gi[:, None], mask=n_ok[None, :], other=127)
+                    scb = tl.load(SC + n64[None, :] * s_sn + (gi + C // 2 // G)[:, None], mask=n_ok[None, :],
+                                  other=127)
+                    wa = _fp4_scaled(wp & 15, sca, WFMT, C // 2 // G, G, BLOCK_N)
+                    wb = _fp4_scaled(wp >> 4, scb, WFMT, C // 2 // G, G, BLOCK_N)
+                else:
+                    sc = tl.load(SC + n64[None, :] * s_sn + kc // G, mask=n_ok[None, :], other=127)  # [1, BN]
+                    wa = _fp4_scaled(wp & 15, sc, WFMT, 1, C // 2, BLOCK_N)
+                    wb = _fp4_scaled(wp >> 4, sc, WFMT, 1, C // 2, BLOCK_N)
                 acc = _product(xa, wa, xb, wb, acc, USE_DOT, INTERP)
     if WFMT == 3:
         acc = acc * tl.load(GS)
@@ -423,16 +476,12 @@ def _w4_dequant_kernel(W, S, Z, SC, OUT, N, K, s_wn, s_sn, s_on,
     j = tl.arange(0, C // 2)
     wp = tl.load(W + n64[:, None] * s_wn + (kc // 2 + j)[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
     if WFMT <= 1:
-        gidx = kc // G
-        if WFMT == 0:
-            off = tl.full((BLOCK_N,), 8388616.0, tl.float32)
-        else:
-            off = tl.full((BLOCK_N,), 8388608.0, tl.float32)
-        if HAS_Z:
-            off += tl.load(Z + n64 * s_sn + gidx, mask=n_ok, other=0).to(tl.float32)
-        s = tl.load(S + n64 * s_sn + gidx, mask=n_ok, other=0.0)[:, None]
-        va = _nibble_value(wp & 15, off[:, None]) * s
-        vb = _nibble_value(wp >> 4, off[:, None]) * s
+        ga = n64 * s_sn + kc // G
+        gb = ga + (C // 2) // G  # the high half's group: the same one (C = G) or the next (C = 2G)
+        offa = _int4_offset(Z, ga, n_ok, WFMT, HAS_Z, BLOCK_N)
+        offb = _int4_offset(Z, gb, n_ok, WFMT, HAS_Z, BLOCK_N)
+        va = _nibble_value(wp & 15, offa[:, None]) * tl.load(S + ga, mask=n_ok, other=0.0)[:, None]
+        vb = _nibble_value(wp >> 4, offb[:, None]) * tl.load(S + gb, mask=n_ok, other=0.0)[:, None]
     else:
         ga = (kc + j) // G
         gb = (kc + C // 2 + j) // G

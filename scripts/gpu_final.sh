@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The closing H200 run of a session, in parts that each fit one 10-minute device command:
+#   bash scripts/gpu_final.sh suite,gemm,memory     the CUDA test suite, GEMM rows, memory-bound rows
+#     (GEMM_SHAPES=MxNxK,... and MEMORY_ONLY=name,... narrow the two benchmarks)
+#   bash scripts/gpu_final.sh audit,distributed     `lowbit audit` on the GPU, the 1-vs-2-GPU calibration run
+# Logs and JSON under $OUT (at most 8 files come back: each part writes one or two); a short
+# table last. Runs from source (PYTHONPATH=src): nothing is installed on the device.
+set -uo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+out="${OUT:-$root/out}"; mkdir -p "$out"
+export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+parts=",${1:-suite,gemm,memory},"
+sum="$out/summary.txt"
+{ nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader; git rev-parse --short HEAD 2>/dev/null; } | tee -a "$sum"
+if [[ $parts == *,suite,* ]]; then
+  t0=$(date +%s)
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -n 12 -p no:cacheprovider tests \
+      --ignore=tests/test_models_e2e.py >"$out/tests.log" 2>&1
+  echo "suite rc=$? ($(( $(date +%s) - t0 )) s) :: $(grep -E '[0-9]+ (passed|failed)' "$out/tests.log" | tail -n 1)" | tee -a "$sum"
+  timeout 45 python3 scripts/gpu_tile_diag.py >>"$out/tests.log" 2>&1
+  echo "tile diag rc=$? :: $(grep -c ' 0 scales differ, 0 rows' "$out/tests.log") clean cases, mismatching: $(grep 'scales differ' "$out/tests.log" | grep -vc ' 0 scales differ, 0 rows')" | tee -a "$sum"
+fi
+if [[ $parts == *,gemm,* ]]; then
+  timeout "${GEMM_TIMEOUT:-100}" python3 - >"$out/gemm.log" 2>&1 <<'PY'
+import json, os
+from lowbit.bench.gemm import run_shape
+rows = []
+for M, N, K in [tuple(map(int, s.split("x"))) for s in os.environ.get("GEMM_SHAPES", "128x4096x14336").split(",")]:
+    print(f"shape M={M} N={N} K={K}", flush=True)
+    rows += run_shape(M, N, K)
+    json.dump(rows, open(os.path.join(os.environ["OUT"], "bench-gemm-final.json"), "w"), indent=1, default=str)
+# the skinny fp8 shape under the int8 winner's tiles (64 rows, BLOCK_K 256) and the current default
+from lowbit.bench.gemm import sweep
+c = lambda bm, bn, bk, w, s, **kw: dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=w, num_stages=s, **kw)
+sweep({"fp8_row": [c(128, 32, 128, 4, 4, TMA=True), c(64, 64, 256, 4, 4), c(64, 64, 128, 4, 4), c(64, 32, 256, 4, 4)]},
+      shapes=((128, 4096, 14336),))
+PY
+  echo "gemm rc=$?" | tee -a "$sum"
+fi
+if [[ $parts == *,memory,* ]]; then
+  timeout "${BENCH_TIMEOUT:-160}" python3 -m lowbit.bench.memory \
+      --only "${MEMORY_ONLY:-norm_quant_int8,norm_quant_fp8,quant_int8,quant_fp8,quant_mxfp4,w4a16}" \
+      --json "$out/bench-memory-final.json" >"$out/bench_memory.log" 2>&1
+  echo "memory rc=$?" | tee -a "$sum"
+fi
+if [[ $parts == *,audit,* ]]; then
+  timeout "${AUDIT_TIMEOUT:-120}" python3 -m lowbit.cli audit --json "$out/audit_h200.json" \
+      --png "$out/audit_h200.png" >"$out/audit_h200.txt" 2>&1
+  echo "audit rc=$?" | tee -a "$sum"
+  timeout 60 python3 scripts/gpu_fastaccum_probe.py 2>&1 | tee -a "$sum"
+fi
+if [[ $parts == *,distributed,* ]]; then
+  if [ -f scripts/gpu_distributed.sh ]; then
+    timeout "${DIST_TIMEOUT:-420}" bash scripts/gpu_distributed.sh >"$out/distributed.log" 2>&1
+    echo "distributed rc=$?" | tee -a "$sum"
+  else
+    echo "distributed: scripts/gpu_distributed.sh absent" | tee -a "$sum"
+  fi
+fi
+[ -f "$out/tests.log" ] && grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -n 20
+[ -f "$out/gemm.log" ] && grep -E "lowbit_int8|bf16 |int_mm |lowbit_fp8_row |scaled_row |sweep" "$out/gemm.log" | head -n 30
+[ -f "$out/bench_memory.log" ] && sed -n '/# memory-bound kernels/,$p' "$out/bench_memory.log" | grep -E "norm_quant|quant_|g128 |gemv8 |g32|mxfp4|nvfp4" | head -n 60
+[ -f "$out/audit_h200.txt" ] && tail -n 30 "$out/audit_h200.txt"
+[ -f "$out/distributed.log" ] && tail -n 30 "$out/distributed.log"
+cat "$sum"
