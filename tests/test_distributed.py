@@ -28,6 +28,16 @@ def _setup(seed: int):
     return model, batches
 
 
+def _terms(seed: int) -> list[torch.Tensor]:
+    """Per-batch float64 terms whose sum depends on the order of additions: random magnitudes over
+    16 decades, and element 0 = [1, 0, 0, 2^-53, 2^-53] by batch, which sums to 1 in batch order
+    (each 1 + 2^-53 ties to even) but to 1 + 2^-52 when the last two are added first."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(N_BATCHES, 300, generator=g, dtype=torch.float64) * 10.0 ** torch.randint(-8, 9, (N_BATCHES, 300), generator=g)
+    t[:, 0] = torch.tensor([1.0, 0.0, 0.0, 2.0 ** -53, 2.0 ** -53], dtype=torch.float64)
+    return list(t)
+
+
 def _pipeline(model, batches, out: Path | None) -> dict:
     """The library's calibration calls on `batches` (this rank's share under torch.distributed);
     checkpoints written to `out` when given. Returns the per-site SQNRs."""
@@ -62,11 +72,16 @@ def _worker(rank: int, tmp: str, seed: int):
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD)
     try:
         torch.set_num_threads(1)       # the same matmul kernels as the single-process run
-        from lowbit.nn.distributed import shard
+        from lowbit.nn.distributed import OrderedSum, shard
+        acc = OrderedSum()
+        for t in shard(_terms(seed)):
+            acc.add(t)
+        total = acc.total((300,))
         model, batches = _setup(seed)
         sites = _pipeline(model, shard(batches), Path(tmp) / "dist" if rank == 0 else None)
         if rank == 0:
             (Path(tmp) / "sites.json").write_text(json.dumps(sites))
+            (Path(tmp) / "ordered_sum.f64").write_bytes(total.numpy().tobytes())
     finally:
         dist.destroy_process_group()
 
@@ -91,6 +106,15 @@ def test_two_gloo_ranks_write_the_single_process_checkpoints(seed, tmp_path):
     for run in ("smoothquant-static", "gptq", "awq"):
         differ = _same_dirs(tmp_path / "single" / run, tmp_path / "dist" / run)
         assert not differ, f"{run}: files {differ} differ between 1 process and {WORLD} ranks"
+    terms = _terms(seed)
+    one = torch.zeros(300, dtype=torch.float64)
+    for t in terms:
+        one += t
+    two = torch.frombuffer(bytearray((tmp_path / "ordered_sum.f64").read_bytes()), dtype=torch.float64)
+    assert torch.equal(two, one), "OrderedSum over 2 ranks is not the 1-process sum"
+    split = (torch.zeros(300, dtype=torch.float64) + terms[0] + terms[1] + terms[2]) + (
+        torch.zeros(300, dtype=torch.float64) + terms[3] + terms[4])
+    assert not torch.equal(split, one)     # why the order matters: ranks' partial sums added differ
     got = json.loads((tmp_path / "sites.json").read_text())
     assert got.pop("tokens") == sites.pop("tokens")
     assert sorted(got) == sorted(sites)
