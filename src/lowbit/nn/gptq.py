@@ -239,12 +239,27 @@ def gptq_model(model: torch.nn.Module, recipe, calib, *, ignore=None, overrides=
     act_order, holdout 4) are what measured best on SmolLM2 (docs/perplexity.md).
     Every decision's `reason` gains the layer's loss relative to round-to-nearest and the choice.
     Returns the QuantSummary; on error the model is left as it was."""
-    from lowbit.nn.quant_linear import QuantLinear
-    from lowbit.nn.quantize_model import layer_act, plan
+    from lowbit.nn.quantize_model import plan
     from lowbit.nn.sequential import calibrate_sequentially
+    summary = plan(model, recipe, ignore, overrides)
+    handle = gptq_handler(model, summary, act_static_scales, damp=damp, block_size=block_size, act_order=act_order,
+                          static_groups=static_groups, holdout=holdout, backend=backend)
+    calibrate_sequentially(model, [d.name for d in summary.quantized], calib, handle, progress=progress,
+                           desc=f"GPTQ {summary.recipe}")
+    summary.method = "gptq"
+    return summary
+
+
+def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, damp: float = 0.1,
+                 block_size: int = 128, act_order: bool = True, static_groups: bool = False, holdout: int = 4,
+                 backend: str = "auto"):
+    """The lowbit.nn.sequential handler that replaces a group of Linears sharing one input by their
+    GPTQ QuantLinears (gptq_model's options; `summary` from quantize_model.plan). Used by
+    gptq_model on a whole model and by lowbit.nn.layerwise one decoder layer at a time."""
+    from lowbit.nn.quant_linear import QuantLinear
+    from lowbit.nn.quantize_model import layer_act
     if holdout < 0 or holdout == 1:
         raise ValueError(f"holdout={holdout}: give 0 (no validation) or n >= 2 (every n-th token validates)")
-    summary = plan(model, recipe, ignore, overrides)
     decisions = {d.name: d for d in summary.quantized}
 
     def solve(n, h, hv):
@@ -310,6 +325,4 @@ def gptq_model(model: torch.nn.Module, recipe, calib, *, ignore=None, overrides=
                                  backend=backend).to(lin.weight.device)
         return out
 
-    calibrate_sequentially(model, list(decisions), calib, handle, progress=progress, desc=f"GPTQ {summary.recipe}")
-    summary.method = "gptq"
-    return summary
+    return handle
