@@ -115,15 +115,14 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     from lowbit.io.compressed_tensors import (DEFAULT_SHARD_BYTES, atomic_dir, build_quantization_config,
                                               config_dict, describe_qlayer, module_tensors, read_json,
                                               write_metadata)
-    from lowbit.io.sharded import copy_side_files
+    from lowbit.io.sharded import copy_side_files, k_multiple
     from lowbit.io.st_format import ShardedWriter
     from lowbit.nn.calibration import calibrate_act_absmax, scale_from_absmax, static_scheme
     from lowbit.nn.gptq import gptq_handler
     from lowbit.nn.quant_linear import QuantLinear
     from lowbit.nn.quantize_model import plan, quantize_layer
     from lowbit.nn.recipes import get_recipe
-    from lowbit.nn.sequential import (as_kwargs, capture_block_inputs, decoder_blocks, next_block_inputs,
-                                      run_stage)
+    from lowbit.nn.sequential import as_kwargs, capture_block_inputs, next_block_inputs, run_stage
     from lowbit.nn.smoothquant import fold_from_stats, fold_groups
 
     t_start = time.time()
@@ -158,12 +157,17 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         raise NotImplementedError(f"{arch}: layer-by-layer quantization knows the Llama layout (model.embed_tokens, "
                                   "model.layers, model.norm, model.rotary_emb); quantize it whole instead")
-    bname, blist = decoder_blocks(model)
+    bname, blist = "model.layers", inner.layers
     summary = plan(model, r, ignore)
     outside = [d.name for d in summary.quantized if not d.name.startswith(bname + ".")]
     if outside:
         raise NotImplementedError(f"Linears outside the decoder layers would be quantized ({outside[:3]}): the "
                                   "layer-by-layer path keeps them in high precision; ignore=[...] them")
+    short = [f"{d.name} {list(d.shape)}" for d in summary.quantized if d.shape[1] % k_multiple(summary.recipe_of(d).weight)]
+    if short:
+        raise ValueError(f"{len(short)} weight(s) have an in_features that {r.name}'s group does not divide, which "
+                         f"compressed-tensors cannot store: {', '.join(short[:3])}; ignore=[...] them or choose a "
+                         "smaller group")
     L.scheme_to_args(r.weight)          # unsupported schemes fail before anything is read
     if r.act is not None:
         L.scheme_to_args(static_scheme(r.act) if static_scales else r.act)
