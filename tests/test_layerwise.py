@@ -78,3 +78,26 @@ def test_layerwise_refuses_bad_input(rng, tmp_path):
     with pytest.raises(ValueError, match="method"):
         quantize_layerwise(d, tmp_path / "o", "w4a16", batches, method="awq")
     assert not (tmp_path / "o").exists()
+
+
+def test_cli_sequential(rng, tmp_path, capsys, monkeypatch):
+    """`lowbit quantize --sequential` on a tiny sharded Llama (random calibration windows in place of
+    tokenized text): the flags reach quantize_layerwise (static scales stored, SmoothQuant folded
+    into the norms), and flags it does not support are refused."""
+    from lowbit.cli import main
+    from lowbit.io.compressed_tensors import load_compressed
+    from lowbit.nn import cli_sequential
+    d, _ = _sharded(rng, tmp_path)
+    ids = torch.randint(0, 97, (64,), generator=rng)
+    monkeypatch.setattr(cli_sequential, "calibration_windows", lambda m, tokens, window: [ids[None, :32], ids[None, 32:]])
+    out = tmp_path / "q"
+    rc = main(["quantize", "--model", str(d), "--sequential", "--recipe", "w8a8-int8", "--smoothquant", "0.5",
+               "--static-scales", "--calib-tokens", "64", "--window", "32", "--out", str(out), "--device", "cpu"])
+    assert rc == 0, capsys.readouterr().err
+    ck = load_compressed(out)
+    assert len(ck.qtensors) == 14 and len(ck.act_static_scales) == 14
+    from transformers import LlamaForCausalLM
+    orig = LlamaForCausalLM.from_pretrained(d, dtype=torch.float32).model.layers[0].input_layernorm.weight
+    assert not torch.equal(ck.tensors["model.layers.0.input_layernorm.weight"], orig.detach())
+    rc = main(["quantize", "--model", str(d), "--sequential", "--awq", "--out", str(tmp_path / "x")])
+    assert rc == 2 and "--awq" in capsys.readouterr().err
