@@ -18,7 +18,7 @@ work="${WORK:-/tmp/lowbit-dist}"; rm -rf "$work"; mkdir -p "$work"
 export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
 DEVICE="${DEVICE:-cuda}"; NPROC="${NPROC:-2}"; DTYPE="${DTYPE:-bf16}"
-LAYERS="${LAYERS:-32}"; GPTQ_LAYERS="${GPTQ_LAYERS:-8}"
+LAYERS="${LAYERS:-32}"; GPTQ_LAYERS="${GPTQ_LAYERS:-4}"
 HIDDEN="${HIDDEN:-4096}"; INTER="${INTER:-14336}"; HEADS="${HEADS:-32}"; KV="${KV:-8}"; VOCAB="${VOCAB:-128256}"
 BATCHES="${BATCHES:-8}"; BATCH="${BATCH:-2}"; SEQ="${SEQ:-1024}"
 DEADLINE="${DEADLINE:-510}"
@@ -78,7 +78,11 @@ for key, label, nl in (("gptq", "GPTQ W4A16", glayers), ("sq", "SmoothQuant W8A8
     tn = max(r["wall_s"] for r in many) if len(many) == nproc else None
     peak = lambda rs: max(r.get("peak_device_bytes", r["peak_rss_over_start_bytes"]) for r in rs) if rs else None
     base = (one[0]["layer_bytes"] + one[0]["activation_bytes"]) if one else None
+    med = lambda xs: sorted(xs)[len(xs) // 2] if xs else None
+    s1 = med(one[0]["seconds_per_layer"]) if one else None       # steady state: per decoder layer
+    sn = max(med(r["seconds_per_layer"]) for r in many) if len(many) == nproc else None
     res[key] = {"layers": int(nl), "t_1": t1, "t_n": tn, "ratio": tn / t1 if t1 and tn else None,
+                "s_per_layer_1": s1, "s_per_layer_n": sn, "ratio_per_layer": sn / s1 if s1 and sn else None,
                 "peak_1_bytes": peak(one), "peak_n_bytes": peak(many), "layer_bytes": one[0]["layer_bytes"] if one else None,
                 "activation_bytes": one[0]["activation_bytes"] if one else None,
                 "peak_1_over_layer_plus_act": peak(one) / base if one else None,
@@ -86,13 +90,14 @@ for key, label, nl in (("gptq", "GPTQ W4A16", glayers), ("sq", "SmoothQuant W8A8
     f = lambda v, fmt: "-" if v is None else format(v, fmt)
     gib = lambda b: "-" if b is None else f"{b / 2**30:.2f}"
     r = res[key]
-    rows.append(f"| {label} | {nl} | {f(t1, '.1f')} | {f(tn, '.1f')} | {f(r['ratio'], '.2f')} | {gib(r['peak_1_bytes'])} | "
+    rows.append(f"| {label} | {nl} | {f(t1, '.1f')} | {f(tn, '.1f')} | {f(r['ratio'], '.2f')} | "
+                f"{f(s1, '.2f')} / {f(sn, '.2f')} ({f(r['ratio_per_layer'], '.2f')}) | {gib(r['peak_1_bytes'])} | "
                 f"{gib(r['peak_n_bytes'])} | {gib(r['layer_bytes'])} + {gib(r['activation_bytes'])} | "
                 f"{f(r['peak_1_over_layer_plus_act'], '.2f')} | {r['identical']} |")
 (out / "distributed.json").write_text(json.dumps(res, indent=1))
-print(f"| run | layers | 1 proc s | {nproc} procs s | ratio | peak/GPU 1 proc GiB | peak/GPU {nproc} procs GiB "
-      f"| layer + activations GiB | peak 1 / (layer + act) | {nproc}-proc checkpoint identical |")
-print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+print(f"| run | layers | 1 proc s | {nproc} procs s | ratio | s/layer 1 / {nproc} (ratio) | peak/GPU 1 proc GiB "
+      f"| peak/GPU {nproc} procs GiB | layer + activations GiB | peak 1 / (layer + act) | {nproc}-proc checkpoint identical |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
 print("\n".join(rows))
 PY
 cat "$summary"

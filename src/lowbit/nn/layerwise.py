@@ -17,12 +17,13 @@ per kind of statistic:
                                       outputs of the layers before it)
 Only the streams a recipe needs are kept. tests/test_layerwise.py checks the equality.
 
-Peak memory (measured in the result, stated in docs/distributed.md):
+Peak device memory (measured in the result, stated in docs/distributed.md):
   one decoder layer's weights in the compute dtype
   + the streams' activations: (streams + 1) x tokens x hidden x dtype bytes (+ one group's
     Linear inputs, tokens x K, while a group is calibrated)
-  + for GPTQ: the Hessian and its factors, about 5 x K^2 x 8 bytes for the largest K
-  + the embedding while the first inputs are computed (once, before layer 0).
+  + quantization temporaries of one Linear (its float32 copy and codes)
+  + for GPTQ: the Hessian and its factors, about 5 x K^2 x 8 bytes for the largest K.
+The embedding is read on the host (its rows gathered there, exactly) and never reaches the device.
 Under torch.distributed each rank holds its share of the tokens, all ranks load each layer, the
 statistics are reduced (lowbit.nn.distributed) and rank 0 writes.
 
@@ -180,10 +181,16 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
 
     def run(tmp: Path | None):
         writer = ShardedWriter(tmp, max_shard_bytes or DEFAULT_SHARD_BYTES) if tmp is not None else None
+        # The embedding stays on the host: its rows are gathered there (exact) and only the
+        # calibration tokens' hidden states move to the device.
         emb = inner.embed_tokens
-        _materialize(emb, "model.embed_tokens.", ckpt, device, dtype)
+        _materialize(emb, "model.embed_tokens.", ckpt, "cpu", dtype)
+        to_dev = emb.register_forward_hook(lambda mod, args, out: out.to(device))
         inner.rotary_emb = type(inner.rotary_emb)(config=config).to(device)
-        first = capture_block_inputs(model, blist[0], [b.to(device) for b in calib]) if calib else []
+        try:
+            first = capture_block_inputs(model, blist[0], calib) if calib else []
+        finally:
+            to_dev.remove()
         emb.to("meta")               # freed: only the first inputs need it
         if writer is not None:       # the tensors outside the layers, streamed (never on the device)
             for n in sorted(ckpt.files):
