@@ -51,15 +51,16 @@ def register(p) -> None:
     p.add_argument("--sequential", action="store_true",
                    help="layer by layer from the --model directory's (sharded) safetensors, Llama family: one decoder "
                         "layer in memory at a time, calibrated on cached activations, quantized, written, freed "
-                        "(lowbit.nn.layerwise; same codes as the whole-model path). No evaluation; with --method "
-                        "gptq, --smoothquant, --static-scales")
+                        "(lowbit.nn.layerwise; same codes as the whole-model path). Calibration text tokenized by the "
+                        "directory's tokenizer; only the measures flagged (--gptq, --smoothquant, --static-scales), "
+                        "no best-measured defaults; no evaluation")
     p.add_argument("--device", default=None,
                    help="--sequential: where the layers run (default: cuda if available, else cpu)")
     p.add_argument("--distributed", action="store_true",
                    help="data-parallel calibration under `torchrun --nproc-per-node N -m lowbit quantize ...` "
                         "(also on whenever torchrun's environment is present): calibration batches split across "
                         "ranks, statistics all-reduced (lowbit.nn.distributed; NCCL on GPUs, gloo on CPUs), the "
-                        "same checkpoint as one process, written by rank 0")
+                        "same checkpoint as one process, written by rank 0 (the whole-model path evaluates on every rank)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
@@ -162,7 +163,7 @@ def run(args) -> int:
         device = rank_device if args.sequential else device
     if args.sequential:
         return cli_sequential.run(args, recipes, outs, device)
-    if D.active() and D.rank() != 0:     # every rank calibrates on its share; rank 0 evaluates and writes
+    if D.active() and D.rank() != 0:     # every rank calibrates on its share and evaluates; rank 0 reports and writes
         sys.stdout = open(os.devnull, "w")
     command = "lowbit " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[0].endswith("lowbit") \
         else "lowbit quantize " + " ".join(shlex.quote(a) for a in sys.argv[2:])
