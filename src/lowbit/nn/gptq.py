@@ -55,9 +55,12 @@ class HessianAccumulator:
         self.device = device
         self._sum = OrderedSum()
         self.n = 0
-        self._total = None
+        self._dist = distributed.active()
+        self._total = None              # the ranks' combined sum, once reduce() ran (distributed)
 
     def add(self, x: torch.Tensor) -> None:
+        if self._total is not None:
+            raise RuntimeError("HessianAccumulator.add after hessian(): the ranks' sums were already combined")
         x2 = x.detach().reshape(-1, x.shape[-1]).to(device=self.device or x.device, dtype=torch.float64)
         if x2.shape[1] != self.in_features:
             raise ValueError(f"calibration input has {x2.shape[1]} features, the layer has {self.in_features}")
@@ -65,17 +68,21 @@ class HessianAccumulator:
         self.n += x2.shape[0]
 
     def reduce(self) -> None:
-        """Combine the ranks' sums (a no-op in one process); idempotent."""
-        if self._total is None:
-            self._total = self._sum.total((self.in_features, self.in_features), self.device)
+        """Combine the ranks' sums (a collective; a no-op in one process); idempotent."""
+        if self._dist and self._total is None:
+            total = self._sum.total((self.in_features, self.in_features), self.device)
             self.n = distributed.all_count(self.n)
+            self._total = total if total is not None else torch.zeros(
+                self.in_features, self.in_features, dtype=torch.float64, device=self.device)
 
     @property
     def sum(self) -> torch.Tensor:
-        self.reduce()
-        if self._total is None:
-            return torch.zeros(self.in_features, self.in_features, dtype=torch.float64, device=self.device)
-        return self._total
+        """X^T X over all inputs so far (all ranks': a collective under torch.distributed)."""
+        if self._dist:
+            self.reduce()
+            return self._total
+        s = self._sum.total((self.in_features, self.in_features))
+        return torch.zeros(self.in_features, self.in_features, dtype=torch.float64, device=self.device) if s is None else s
 
     def hessian(self) -> torch.Tensor:
         s = self.sum
