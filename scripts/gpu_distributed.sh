@@ -48,19 +48,21 @@ cat "$out/machine_distributed.txt"
 shape=(--hidden "$HIDDEN" --intermediate "$INTER" --heads "$HEADS" --kv-heads "$KV" --vocab "$VOCAB" --dtype "$DTYPE")
 calib=(--batches "$BATCHES" --batch "$BATCH" --seq-len "$SEQ" --dtype "$DTYPE" --device "$DEVICE")
 step make 200 "${py[@]}" make --out "$work/ckpt" --layers "$LAYERS" "${shape[@]}" --device "$DEVICE" || true
-step view 20 "${py[@]}" view --src "$work/ckpt" --out "$work/ckpt_gptq" --layers "$GPTQ_LAYERS" || true
+step view 60 "${py[@]}" view --src "$work/ckpt" --out "$work/ckpt_gptq" --layers "$GPTQ_LAYERS" || true
 
 gptq=(run --ckpt "$work/ckpt_gptq" --recipe w4a16 --method gptq "${calib[@]}")
 step gptq_1 150 "${py[@]}" "${gptq[@]}" --out "$work/gptq_1" --json "$out/gptq_1" || true
 step gptq_2 150 "${dist[@]}" "${gptq[@]}" --out "$work/gptq_2" --json "$out/gptq_2" || true
-step gptq_compare 60 "${py[@]}" compare "$work/gptq_1" "$work/gptq_2" --json "$out/gptq_compare.json" || true
+step gptq_compare 90 "${py[@]}" compare "$work/gptq_1" "$work/gptq_2" --json "$out/gptq_compare.json" || true
 rm -rf "$work/gptq_1" "$work/gptq_2"
 
 sq=(run --ckpt "$work/ckpt" --recipe w8a8-int8 --method rtn --smoothquant 0.5 --static "${calib[@]}")
 step sq_1 120 "${py[@]}" "${sq[@]}" --out "$work/sq_1" --json "$out/sq_1" || true
 step sq_2 120 "${dist[@]}" "${sq[@]}" --out "$work/sq_2" --json "$out/sq_2" || true
-step sq_compare 60 "${py[@]}" compare "$work/sq_1" "$work/sq_2" --json "$out/sq_compare.json" || true
+step sq_compare 90 "${py[@]}" compare "$work/sq_1" "$work/sq_2" --json "$out/sq_compare.json" || true
 rm -rf "$work"
+cat "$summary"
+echo "total $(( $(date +%s) - T0 )) s (steps; the table follows)"
 
 python3 - "$out" "$NPROC" "$LAYERS" "$GPTQ_LAYERS" <<'PY' | tee "$out/table_distributed.md"
 import json, sys
@@ -100,5 +102,3 @@ print(f"| run | layers | 1 proc s | {nproc} procs s | ratio | s/layer 1 / {nproc
 print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
 print("\n".join(rows))
 PY
-cat "$summary"
-echo "total $(( $(date +%s) - T0 )) s"
