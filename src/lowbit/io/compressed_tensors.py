@@ -120,6 +120,26 @@ def config_dict(config) -> dict:
 
 
 # ---------------------------------------------------------------- save
+def describe_qlayer(name: str, m) -> tuple[str, tuple, dict]:
+    """(ct format, (weight scheme, act scheme), lowbit.json record) of one QuantLinear, after
+    every check that can fail on the scheme side (so nothing is written for a layer that cannot
+    be stored)."""
+    fmt = L.ct_format(m.weight_scheme, m.act_scheme)
+    if m.weight_q.scheme != m.weight_scheme:
+        raise ValueError(f"{name}: weight_q was quantized with {m.weight_q.scheme} but the layer says "
+                         f"{m.weight_scheme}")
+    try:
+        L.check_encodable(m.weight_q)
+    except (ValueError, NotImplementedError) as e:
+        raise type(e)(f"layer {name}: {e}; keep it in high precision (ignore=[...]) or choose a "
+                      "scheme compressed-tensors can store") from e
+    if m.act_scheme is not None:
+        L.scheme_to_args(m.act_scheme)
+        if not m.act_scheme.dynamic and m.act_static_scale is None:
+            raise ValueError(f"{name}: static activation scheme without act_static_scale")
+    return fmt, (m.weight_scheme, m.act_scheme), sidecar_record(m.weight_q, m.act_scheme, fmt)
+
+
 def save_compressed(model: torch.nn.Module, out_dir: str | os.PathLike, recipe=None, *, config=None,
                     tokenizer=None, ignore=None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
                     overwrite: bool = False) -> Path:
@@ -160,21 +180,7 @@ def save_compressed(model: torch.nn.Module, out_dir: str | os.PathLike, recipe=N
     # the compressed tensors themselves are made one layer at a time while writing.
     layer_schemes, formats, sidecar_layers = {}, {}, {}
     for name, m in qlayers.items():
-        formats[name] = fmt = L.ct_format(m.weight_scheme, m.act_scheme)
-        if m.weight_q.scheme != m.weight_scheme:
-            raise ValueError(f"{name}: weight_q was quantized with {m.weight_q.scheme} but the layer says "
-                             f"{m.weight_scheme}")
-        try:
-            L.check_encodable(m.weight_q)
-        except (ValueError, NotImplementedError) as e:
-            raise type(e)(f"layer {name}: {e}; keep it in high precision (ignore=[...]) or choose a "
-                          "scheme compressed-tensors can store") from e
-        if m.act_scheme is not None:
-            L.scheme_to_args(m.act_scheme)
-            if not m.act_scheme.dynamic and m.act_static_scale is None:
-                raise ValueError(f"{name}: static activation scheme without act_static_scale")
-        layer_schemes[name] = (m.weight_scheme, m.act_scheme)
-        sidecar_layers[name] = sidecar_record(m.weight_q, m.act_scheme, fmt)
+        formats[name], layer_schemes[name], sidecar_layers[name] = describe_qlayer(name, m)
     unquantized = [n for n, m in model.named_modules()
                    if isinstance(m, torch.nn.Linear) and not isinstance(m, QuantLinear)]
     qconfig = build_quantization_config(layer_schemes, unquantized)
@@ -183,30 +189,40 @@ def save_compressed(model: torch.nn.Module, out_dir: str | os.PathLike, recipe=N
     def write(tmp: Path):
         writer = ShardedWriter(tmp, max_shard_bytes)
         seen: set[int] = set()
-        for mname, m in model.named_modules():
-            prefix = f"{mname}." if mname else ""
-            if isinstance(m, QuantLinear):
-                for k, v in L.qtensor_to_ct(m.weight_q, formats[mname]).items():
-                    writer.add(prefix + k, v)
-                if m.bias is not None:
-                    writer.add(prefix + "bias", m.bias.detach())
-                if m.act_static_scale is not None:
-                    writer.add(prefix + "input_scale", m.act_static_scale.detach().float().reshape(1))
-                continue
-            tensors = [(k, p) for k, p in m._parameters.items() if p is not None]
-            tensors += [(k, b) for k, b in m._buffers.items()
-                        if b is not None and k not in m._non_persistent_buffers_set]
-            for k, t in tensors:
-                if id(t) in seen:  # a tied weight (lm_head = embed_tokens): stored once
-                    continue
-                seen.add(id(t))
-                writer.add(prefix + k, t.detach())
+        for name, t in module_tensors(model, formats, seen):
+            writer.add(name, t)
         writer.finish()
         write_metadata(tmp, cfg, recipe_name, sidecar_layers)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
 
     return atomic_dir(Path(out_dir), overwrite, write)
+
+
+def module_tensors(root: torch.nn.Module, formats: dict[str, str], seen: set[int], prefix: str = ""):
+    """(name, tensor) of everything save_compressed stores for `root` and its submodules, names
+    prefixed by `prefix`: each QuantLinear's compressed-tensors tensors (`formats`: its ct format
+    by full module name) + bias + input_scale; every other parameter and persistent buffer as it
+    is. `prefix`: root's own module name ("" for a model). `seen` holds ids of tensors already given (a tied weight is stored once)."""
+    from lowbit.nn.quant_linear import QuantLinear
+    for mname, m in root.named_modules():
+        full = f"{prefix}.{mname}" if prefix and mname else (prefix or mname)
+        pre = f"{full}." if full else ""
+        if isinstance(m, QuantLinear):
+            yield from ((pre + k, v) for k, v in L.qtensor_to_ct(m.weight_q, formats[full]).items())
+            if m.bias is not None:
+                yield pre + "bias", m.bias.detach()
+            if m.act_static_scale is not None:
+                yield pre + "input_scale", m.act_static_scale.detach().float().reshape(1)
+            continue
+        tensors = [(k, p) for k, p in m._parameters.items() if p is not None]
+        tensors += [(k, b) for k, b in m._buffers.items()
+                    if b is not None and k not in m._non_persistent_buffers_set]
+        for k, t in tensors:
+            if id(t) in seen:  # a tied weight (lm_head = embed_tokens): stored once
+                continue
+            seen.add(id(t))
+            yield pre + k, t.detach()
 
 
 # ---------------------------------------------------------------- load

@@ -48,13 +48,28 @@ def linear_names_from_config(cfg: dict) -> set[str]:
     return {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
+def copy_side_files(in_dir: Path, out_dir: Path) -> None:
+    """Copy what a quantized checkpoint keeps of the input directory unchanged: the tokenizer,
+    generation config, licence, ... (not the tensors, config.json, the index or lowbit.json)."""
+    for f in os.listdir(in_dir):
+        src = Path(in_dir) / f
+        if src.is_file() and not f.endswith(".safetensors") and f not in _REPLACED:
+            shutil.copy2(src, Path(out_dir) / f)
+
+
+def k_multiple(scheme) -> int:
+    """What a weight's K (in_features) must be a multiple of for compressed-tensors to store it
+    under `scheme` (no short last group or block)."""
+    return scheme.group_size if scheme.strategy == "group" else (
+        scheme.block_size[1] if scheme.strategy == "block" else 1)
+
+
 def _check_shapes(todo: set, files: dict, scheme) -> None:
     """Every weight to quantize must be 2-D with K a multiple of the scheme's group/block
     width (compressed-tensors cannot store a short last group); checked on the headers,
     before any tensor is read."""
     from lowbit.io.st_format import read_header
-    width = scheme.group_size if scheme.strategy == "group" else (
-        scheme.block_size[1] if scheme.strategy == "block" else 1)
+    width = k_multiple(scheme)
     headers: dict[str, dict] = {}
     bad = []
     for layer in sorted(todo):
@@ -169,10 +184,7 @@ def quantize_checkpoint(in_dir: str | os.PathLike, out_dir: str | os.PathLike, r
         out_cfg["quantization_config"] = build_quantization_config(
             {n: (recipe.weight, recipe.act) for n in todo}, sorted(linears - todo))
         write_metadata(tmp, out_cfg, recipe.name, layers)
-        for f in os.listdir(in_dir):  # tokenizer, generation config, licence, ...
-            src = in_dir / f
-            if src.is_file() and not f.endswith(".safetensors") and f not in _REPLACED:
-                shutil.copy2(src, tmp / f)
+        copy_side_files(in_dir, tmp)
 
     out = atomic_dir(Path(out_dir), overwrite, write)
     summary["out_dir"] = str(out)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from lowbit.nn.distributed import OrderedSum
 from lowbit.nn.gptq import HessianAccumulator, output_loss
 from lowbit.nn.smoothquant import FoldGroup, fold, fold_groups
 from lowbit.quantize import quantize
@@ -49,14 +50,12 @@ def search_scale(weights: list[torch.Tensor], xs: list[torch.Tensor], scheme: Qu
     """Best s over the grid for Linears with weights [N, K] fed by inputs xs ([..., K] each).
     Returns (s [K] float32, best alpha, {alpha: loss})."""
     K = weights[0].shape[1]
-    acc = HessianAccumulator(K)
-    x_sum, n = torch.zeros(K, dtype=torch.float64), 0
+    acc, x_sum = HessianAccumulator(K), OrderedSum()    # all ranks' batches under torch.distributed
     for x in xs:
         acc.add(x)
-        x2 = x.detach().reshape(-1, K).double()
-        x_sum += x2.abs().sum(0)
-        n += x2.shape[0]
-    h, x_mean = acc.hessian(), (x_sum / n).float()
+        x_sum.add(x.detach().reshape(-1, K).double().abs().sum(0))
+    h = acc.hessian()
+    x_mean = (x_sum.total((K,)) / acc.n).float()
     losses = {a: scaled_loss(weights, h, awq_factors(x_mean, a), scheme) for a in grid}
     best = min(losses, key=losses.get)
     return awq_factors(x_mean, best), best, losses

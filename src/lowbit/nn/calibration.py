@@ -14,6 +14,7 @@ from typing import Iterable
 import torch
 
 from lowbit.formats import decode, encode
+from lowbit.nn import distributed
 from lowbit.quantize import compute_scale
 from lowbit.scheme import QuantScheme
 
@@ -54,7 +55,8 @@ def calibrate_act_absmax(model: torch.nn.Module, batches: Iterable, names: Itera
                          per_channel: bool = False, progress=None) -> dict[str, torch.Tensor]:
     """Largest |input| seen by each nn.Linear (or those in `names`) over `batches`.
     per_channel=False: a 0-d float32 tensor per layer; True: float32 [in_features] (SmoothQuant).
-    `batches`: iterable of input-id tensors [B, T] or dicts of model kwargs."""
+    `batches`: iterable of input-id tensors [B, T] or dicts of model kwargs. Under
+    torch.distributed: this rank's share of the batches; the result is all ranks' maximum."""
     wanted = None if names is None else set(names)
     stats: dict[str, torch.Tensor] = {}
     hooks = []
@@ -77,6 +79,15 @@ def calibrate_act_absmax(model: torch.nn.Module, batches: Iterable, names: Itera
     finally:
         for h in hooks:
             h.remove()
+    if distributed.active():
+        # All ranks' maxima (exact: MAX is order-free). A layer this rank's batches never reached
+        # contributes 0, the identity of a maximum of magnitudes.
+        mods = dict(model.named_modules())
+        for name in sorted(n for n, m in mods.items() if isinstance(m, torch.nn.Linear)
+                           and (wanted is None or n in wanted)):
+            dev = mods[name].weight.device
+            zero = torch.zeros(mods[name].in_features if per_channel else (), dtype=torch.float32, device=dev)
+            stats[name] = distributed.all_max(stats.get(name, zero))
     return stats
 
 

@@ -5,6 +5,7 @@ compressed-tensors checkpoint plus a report (markdown + PNG).
 Defaults: the embedded SmolLM2-135M-Instruct, Wikipedia text, recipe w8a8-int8."""
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 import time
@@ -47,6 +48,19 @@ def register(p) -> None:
     p.add_argument("--static-scales", action="store_true",
                    help="calibrated per-tensor activation scales instead of dynamic ones (+ clipping report on new text)")
     p.add_argument("--no-save", action="store_true", help="evaluate only, write no checkpoint (report still written)")
+    p.add_argument("--sequential", action="store_true",
+                   help="layer by layer from the --model directory's (sharded) safetensors, Llama family: one decoder "
+                        "layer in memory at a time, calibrated on cached activations, quantized, written, freed "
+                        "(lowbit.nn.layerwise; same codes as the whole-model path). Calibration text tokenized by the "
+                        "directory's tokenizer; only the measures flagged (--gptq, --smoothquant, --static-scales), "
+                        "no best-measured defaults; no evaluation")
+    p.add_argument("--device", default=None,
+                   help="--sequential: where the layers run (default: cuda if available, else cpu)")
+    p.add_argument("--distributed", action="store_true",
+                   help="data-parallel calibration under `torchrun --nproc-per-node N -m lowbit quantize ...` "
+                        "(also on whenever torchrun's environment is present): calibration batches split across "
+                        "ranks, statistics all-reduced (lowbit.nn.distributed; NCCL on GPUs, gloo on CPUs), the "
+                        "same checkpoint as one process, written by rank 0 (the whole-model path evaluates on every rank)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
@@ -139,12 +153,25 @@ def run(args) -> int:
     recipes, overrides, outs = validate(args)   # before anything slow
     if args.threads:
         torch.set_num_threads(args.threads)
+    from lowbit.nn import distributed as D
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.sequential:
+        from lowbit.nn import cli_sequential
+        cli_sequential.check(args)
+    if args.distributed or D.launched_by_torchrun():
+        rank_device = D.init_from_env("cuda" if device.startswith("cuda") else "cpu")
+        device = rank_device if args.sequential else device
+    if args.sequential:
+        return cli_sequential.run(args, recipes, outs, device)
+    if D.active() and D.rank() != 0:     # every rank calibrates on its share and evaluates; rank 0 reports and writes
+        sys.stdout = open(os.devnull, "w")
     command = "lowbit " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[0].endswith("lowbit") \
         else "lowbit quantize " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     t0 = time.time()
     print(f"loading {args.model} ...", flush=True)
     loaded = load_model(args.model)
     texts = prepare_texts(loaded, args.tokens, args.calib_tokens, args.window)
+    texts.calib = D.shard(texts.calib)           # all batches in one process
     before = metric(loaded, loaded.model, None, texts, args.window, True, "float eval")
     mname = "perplexity" if loaded.kind == "causal" else "embedding cosine"
     ntok = args.tokens if loaded.kind == "causal" else len(texts.sentences)
@@ -175,6 +202,8 @@ def run(args) -> int:
                              run_.sites_before.to_markdown(10))]
             + ([("Worst sites after SmoothQuant", run_.sites_after.to_markdown(10))] if run_.sites_after else []))
         out = outs[recipe]
+        if D.rank() != 0:
+            continue
         with staged(out, args.overwrite) as stage:   # Ctrl-C or an error leaves `out` as it was
             if not args.no_save:
                 why = _save(run_.model, stage, get_recipe(recipe), loaded.tokenizer)

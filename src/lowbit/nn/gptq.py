@@ -29,34 +29,66 @@ before it that are already quantized.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from lowbit.formats import decode
+from lowbit.nn import distributed
+from lowbit.nn.distributed import OrderedSum
 from lowbit.quantize import (QTensor, Scales, compute_scale, encode_scaled, expand_scale, quantize, reduce_amax,
                              reduce_minmax)
 from lowbit.scheme import QuantScheme
 
 
 class HessianAccumulator:
-    """Running H = X^T X / n (float64 [K, K]) over calibration inputs X of any shape [..., K]."""
+    """Running H = X^T X / n (float64 [K, K]) over calibration inputs X of any shape [..., K].
 
-    def __init__(self, in_features: int):
-        self.sum = torch.zeros(in_features, in_features, dtype=torch.float64)
+    The sum lives on the inputs' device (`device` overrides). Under torch.distributed each rank
+    adds its own batches and `hessian()` returns the Hessian of ALL ranks' batches, bit-identical
+    to one process adding them in order (lowbit.nn.distributed.OrderedSum); it is then a
+    collective call that every rank makes."""
+
+    def __init__(self, in_features: int, device=None):
+        self.in_features = in_features
+        self.device = device
+        self._sum = OrderedSum()
         self.n = 0
+        self._dist = distributed.active()
+        self._total = None              # the ranks' combined sum, once reduce() ran (distributed)
 
     def add(self, x: torch.Tensor) -> None:
-        x2 = x.detach().reshape(-1, x.shape[-1]).to(device="cpu", dtype=torch.float64)
-        if x2.shape[1] != self.sum.shape[0]:
-            raise ValueError(f"calibration input has {x2.shape[1]} features, the layer has {self.sum.shape[0]}")
-        self.sum += x2.T @ x2
+        if self._total is not None:
+            raise RuntimeError("HessianAccumulator.add after hessian(): the ranks' sums were already combined")
+        x2 = x.detach().reshape(-1, x.shape[-1]).to(device=self.device or x.device, dtype=torch.float64)
+        if x2.shape[1] != self.in_features:
+            raise ValueError(f"calibration input has {x2.shape[1]} features, the layer has {self.in_features}")
+        self._sum.add(x2.T @ x2)
         self.n += x2.shape[0]
 
+    def reduce(self) -> None:
+        """Combine the ranks' sums (a collective; a no-op in one process); idempotent."""
+        if self._dist and self._total is None:
+            total = self._sum.total((self.in_features, self.in_features), self.device)
+            self.n = distributed.all_count(self.n)
+            self._total = total if total is not None else torch.zeros(
+                self.in_features, self.in_features, dtype=torch.float64, device=self.device)
+
+    @property
+    def sum(self) -> torch.Tensor:
+        """X^T X over all inputs so far (all ranks': a collective under torch.distributed)."""
+        if self._dist:
+            self.reduce()
+            return self._total
+        s = self._sum.total((self.in_features, self.in_features))
+        return torch.zeros(self.in_features, self.in_features, dtype=torch.float64, device=self.device) if s is None else s
+
     def hessian(self) -> torch.Tensor:
+        s = self.sum
         if self.n == 0:
             raise ValueError("no calibration input reached this layer: GPTQ needs calibration batches")
-        return self.sum / self.n
+        return s / self.n
 
 
 @dataclass
@@ -144,8 +176,9 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, 
         raise ValueError("scheme must be static (dynamic=False): weights are quantized once")
     group = scheme.strategy == "group"
     dynamic_groups = group and not (act_order or static_groups)
-    h = h.double().cpu()
-    w64 = w.detach().double().cpu()
+    dev = w.device                      # GPTQ runs where the weight lives (CPU or one GPU)
+    h = h.double().to(dev)
+    w64 = w.detach().double()
     rtn = quantize(w64.float(), scheme, pad=True)
     pshape = tuple(rtn.codes.shape)
     # Scales: RTN's on the original weight; dynamic groups overwrite each group when reached.
@@ -156,18 +189,19 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, 
     H = h.clone()
     dead = torch.diagonal(H) == 0
     H[dead, dead] = 1.0
-    perm = torch.argsort(torch.diagonal(H), descending=True, stable=True) if act_order else torch.arange(K)
+    perm = torch.argsort(torch.diagonal(H), descending=True, stable=True) if act_order else torch.arange(K, device=dev)
+    order = perm.tolist()               # host copy: the column loop indexes it without a device sync
     W = w64[:, perm].clone()
     H = H[perm][:, perm]
-    H += damp * torch.diagonal(H).mean() * torch.eye(K, dtype=torch.float64)
+    H += damp * torch.diagonal(H).mean() * torch.eye(K, dtype=torch.float64, device=dev)
     L, info = torch.linalg.cholesky_ex(H)
     if info:
         raise ValueError(f"the damped Hessian is not positive definite (damp={damp}); raise damp (e.g. 0.1) "
                          "or give more calibration tokens")
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)   # rows: [H_F^-1]_{j,F} / sqrt(.)
 
-    U = torch.zeros(N, K, dtype=torch.float32)          # each column as it was quantized (original order)
-    Q = torch.zeros(N, K, dtype=torch.float64)          # its dequantized value
+    U = torch.zeros(N, K, dtype=torch.float32, device=dev)   # each column as it was quantized (original order)
+    Q = torch.zeros(N, K, dtype=torch.float64, device=dev)   # its dequantized value
     ex = None if dynamic_groups else _expanded(full, scheme, pshape)
     for i1 in range(0, K, block_size):
         i2 = min(i1 + block_size, K)
@@ -175,7 +209,7 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, 
         Err1 = torch.zeros_like(W1)
         Hinv1 = Hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
-            j = int(perm[i1 + i])
+            j = order[i1 + i]
             if dynamic_groups and j % scheme.group_size == 0:
                 sc = _group_scales(W1[:, i:i + scheme.group_size], scheme, full.global_scale)
                 _set_group(full, j // scheme.group_size, sc)
@@ -212,13 +246,48 @@ def gptq_model(model: torch.nn.Module, recipe, calib, *, ignore=None, overrides=
     act_order, holdout 4) are what measured best on SmolLM2 (docs/perplexity.md).
     Every decision's `reason` gains the layer's loss relative to round-to-nearest and the choice.
     Returns the QuantSummary; on error the model is left as it was."""
-    from lowbit.nn.quant_linear import QuantLinear
-    from lowbit.nn.quantize_model import layer_act, plan
+    from lowbit.nn.quantize_model import plan
     from lowbit.nn.sequential import calibrate_sequentially
+    summary = plan(model, recipe, ignore, overrides)
+    handle = gptq_handler(model, summary, act_static_scales, damp=damp, block_size=block_size, act_order=act_order,
+                          static_groups=static_groups, holdout=holdout, backend=backend)
+    calibrate_sequentially(model, [d.name for d in summary.quantized], calib, handle, progress=progress,
+                           desc=f"GPTQ {summary.recipe}")
+    summary.method = "gptq"
+    return summary
+
+
+def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, damp: float = 0.1,
+                 block_size: int = 128, act_order: bool = True, static_groups: bool = False, holdout: int = 4,
+                 backend: str = "auto"):
+    """The lowbit.nn.sequential handler that replaces a group of Linears sharing one input by their
+    GPTQ QuantLinears (gptq_model's options; `summary` from quantize_model.plan). Used by
+    gptq_model on a whole model and by lowbit.nn.layerwise one decoder layer at a time."""
+    from lowbit.nn.quant_linear import QuantLinear
+    from lowbit.nn.quantize_model import layer_act
     if holdout < 0 or holdout == 1:
         raise ValueError(f"holdout={holdout}: give 0 (no validation) or n >= 2 (every n-th token validates)")
-    summary = plan(model, recipe, ignore, overrides)
     decisions = {d.name: d for d in summary.quantized}
+
+    def solve(n, h, hv):
+        """GPTQ of one layer: (QTensor, float64 [3] = loss ratio, held-out ratio or NaN, kept RTN)."""
+        d, lin = decisions[n], model.get_submodule(n)
+        r = summary.recipe_of(d)
+        try:
+            res = gptq_quantize_weight(lin.weight, h, r.weight, damp=damp, block_size=block_size,
+                                       act_order=act_order, static_groups=static_groups)
+        except ValueError as err:
+            raise ValueError(f"GPTQ of layer {n} ({d.shape[0]}x{d.shape[1]}) under recipe {r.name}: {err}") from err
+        qt = res.qtensor
+        info = [res.loss / res.loss_rtn if res.loss_rtn > 0 else 1.0, math.nan, 0.0]
+        if hv is not None:
+            w = lin.weight.detach()
+            rtn = quantize(w.float(), r.weight, pad=True)
+            lv, lr = output_loss(w, qt.dequantize(torch.float64), hv), output_loss(w, rtn.dequantize(torch.float64), hv)
+            info[1] = lv / lr if lr > 0 else 1.0
+            if lv > lr:
+                qt, info[2] = rtn, 1.0
+        return qt, torch.tensor(info, dtype=torch.float64)
 
     def handle(names, inputs):
         K = model.get_submodule(names[0]).in_features
@@ -232,34 +301,35 @@ def gptq_model(model: torch.nn.Module, recipe, calib, *, ignore=None, overrides=
                     val.add(x2[sel])
             else:
                 fit.add(x2)
+        fit.reduce()      # collectives: every rank, same order
+        val.reduce()
         h = fit.hessian()
+        hv = val.hessian() if holdout and val.n else None
+        # Under torch.distributed the layers sharing this input are solved by different ranks
+        # (layer i by rank i % world) and the results broadcast; one process solves them all.
+        world, me = distributed.world_size(), distributed.rank()
+        mine = {n: solve(n, h, hv) for i, n in enumerate(names) if i % world == me}
         out = {}
-        for n in names:
+        for i, n in enumerate(names):
             d, lin = decisions[n], model.get_submodule(n)
             r = summary.recipe_of(d)
-            act, scale = layer_act(d, r, act_static_scales)
-            try:
-                res = gptq_quantize_weight(lin.weight, h, r.weight, damp=damp, block_size=block_size,
-                                           act_order=act_order, static_groups=static_groups)
-            except ValueError as err:
-                raise ValueError(f"GPTQ of layer {n} ({d.shape[0]}x{d.shape[1]}) under recipe {r.name}: {err}") from err
-            qt = res.qtensor
-            ratio = res.loss / res.loss_rtn if res.loss_rtn > 0 else 1.0
-            d.reason += f"; GPTQ output loss {ratio:.3f}x round-to-nearest's"
-            if holdout and val.n:
-                w = lin.weight.detach()
-                rtn = quantize(w.float(), r.weight, pad=True)
-                hv = val.hessian()
-                lv, lr = output_loss(w, qt.dequantize(torch.float64), hv), output_loss(w, rtn.dequantize(torch.float64), hv)
-                d.reason += f", {lv / lr if lr > 0 else 1.0:.3f}x on held-out tokens"
-                if lv > lr:
-                    qt = rtn
+            if n in mine:
+                qt, info = mine[n]
+            else:   # same shapes and dtypes as the owner's result; its values arrive by broadcast
+                qt, info = quantize(lin.weight.detach().float(), r.weight, pad=True), torch.zeros(3, dtype=torch.float64)
+            if world > 1:
+                for t in (qt.codes, qt.scale, qt.zero_point, qt.scale_codes, qt.global_scale, info):
+                    if t is not None:
+                        distributed.broadcast_(t, src=i % world)
+            d.reason += f"; GPTQ output loss {float(info[0]):.3f}x round-to-nearest's"
+            if not math.isnan(float(info[1])):
+                d.reason += f", {float(info[1]):.3f}x on held-out tokens"
+                if info[2]:
                     d.reason += ": kept round-to-nearest"
+            act, scale = layer_act(d, r, act_static_scales)
             bias = None if lin.bias is None else lin.bias.detach().float()
             out[n] = QuantLinear(qt, r.weight, act, bias=bias, act_static_scale=scale,
                                  backend=backend).to(lin.weight.device)
         return out
 
-    calibrate_sequentially(model, list(decisions), calib, handle, progress=progress, desc=f"GPTQ {summary.recipe}")
-    summary.method = "gptq"
-    return summary
+    return handle

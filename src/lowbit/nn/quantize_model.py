@@ -90,6 +90,8 @@ def linear_layers(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
 
 
 def _tied_to_embedding(model: torch.nn.Module, linear: torch.nn.Linear) -> bool:
+    if linear.weight.is_meta:       # a skeleton (lowbit.nn.layerwise): no storage, ties are shared Parameters
+        return any(isinstance(m, torch.nn.Embedding) and m.weight is linear.weight for m in model.modules())
     ptr = linear.weight.data_ptr()
     return any(isinstance(m, torch.nn.Embedding) and m.weight.data_ptr() == ptr for m in model.modules())
 
@@ -155,6 +157,18 @@ def layer_act(d: LayerDecision, r: Recipe, act_static_scales: dict | None):
     return static_scheme(r.act), act_static_scales[d.name]
 
 
+def quantize_layer(d: LayerDecision, summary: QuantSummary, linear: torch.nn.Linear,
+                   act_static_scales: dict | None = None, backend: str = "auto") -> QuantLinear:
+    """The round-to-nearest QuantLinear of one planned layer (its recipe, its static scale)."""
+    r = summary.recipe_of(d)
+    act, scale = layer_act(d, r, act_static_scales)
+    try:
+        return QuantLinear.from_linear(linear, r.weight, act, act_static_scale=scale, backend=backend, pad=True)
+    except (ValueError, NotImplementedError) as err:
+        raise type(err)(f"layer {d.name} ({d.shape[0]}x{d.shape[1]}) under recipe {r.name}: {err}. "
+                        f"Keep it in high precision with ignore=[{d.name!r}] or override it.") from err
+
+
 @torch.no_grad()
 def quantize_model(model: torch.nn.Module, recipe: str | Recipe, *, ignore=None, overrides=None,
                    act_static_scales: dict[str, torch.Tensor] | None = None, backend: str = "auto",
@@ -187,16 +201,7 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe, *, ignore=None,
     if progress:
         from tqdm import tqdm
         todo = tqdm(todo, desc=f"quantize {summary.recipe}", unit="layer")
-    new: dict[str, QuantLinear] = {}
-    for d in todo:
-        r = summary.recipe_of(d)
-        act, scale = layer_act(d, r, act_static_scales)
-        try:
-            new[d.name] = QuantLinear.from_linear(layers[d.name], r.weight, act, act_static_scale=scale,
-                                                  backend=backend, pad=True)
-        except (ValueError, NotImplementedError) as err:
-            raise type(err)(f"layer {d.name} ({d.shape[0]}x{d.shape[1]}) under recipe {r.name}: {err}. "
-                            f"Keep it in high precision with ignore=[{d.name!r}] or override it.") from err
+    new = {d.name: quantize_layer(d, summary, layers[d.name], act_static_scales, backend) for d in todo}
     for name, q in new.items():                    # only now touch the model
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, q.to(layers[name].weight.device))

@@ -48,7 +48,7 @@ def _batch_call(b) -> tuple[tuple, dict]:
 
 
 @torch.no_grad()
-def _capture_block_inputs(model, block, batches) -> list[tuple[tuple, dict]]:
+def capture_block_inputs(model, block, batches) -> list[tuple[tuple, dict]]:
     seen = []
 
     def hook(mod, args, kwargs):
@@ -124,10 +124,25 @@ def _set(root: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, attr, module)
 
 
+@torch.no_grad()
+def next_block_inputs(block: torch.nn.Module, inputs: list[tuple[tuple, dict]]) -> list[tuple[tuple, dict]]:
+    """The next block's inputs: `block` run on each (args, kwargs) of `inputs`, its output in
+    place of the hidden states (the other arguments, e.g. position embeddings, are shared)."""
+    outs = [_call(block, a, k) for a, k in inputs]
+    return [((o[0] if isinstance(o, tuple) else o,) + a[1:], k) if a else
+            (a, {**k, "hidden_states": o[0] if isinstance(o, tuple) else o})
+            for o, (a, k) in zip(outs, inputs)]
+
+
+def as_kwargs(inputs: list[tuple[tuple, dict]]) -> list[dict]:
+    """Block inputs as keyword dicts (hidden_states by name), the batch form calibration calls take."""
+    return [{"hidden_states": a[0], **k} if a else dict(k) for a, k in inputs]
+
+
 Handler = Callable[[list[str], list[torch.Tensor]], dict[str, torch.nn.Module]]
 
 
-def _run_stage(stage, inputs, names: list[str], handle: Handler, replaced: dict, prefix: str, bar) -> None:
+def run_stage(stage, inputs, names: list[str], handle: Handler, replaced: dict, prefix: str, bar) -> None:
     for group in _execution_groups(stage, inputs, names):
         xs = _collect(stage, inputs, group[0])
         new = handle([prefix + n for n in group], xs)
@@ -158,22 +173,18 @@ def calibrate_sequentially(model: torch.nn.Module, names: Iterable[str], batches
         todo = set(names)
         if blocks is not None:
             bname, blist = blocks
-            inputs = _capture_block_inputs(model, blist[0], batches)
+            inputs = capture_block_inputs(model, blist[0], batches)
             for i, block in enumerate(blist):
                 prefix = f"{bname}.{i}." if bname else f"{i}."
                 mine = [n[len(prefix):] for n in names if n.startswith(prefix)]
                 if mine:
-                    _run_stage(block, inputs, mine, handle, replaced, prefix, bar)
+                    run_stage(block, inputs, mine, handle, replaced, prefix, bar)
                 todo -= {prefix + n for n in mine}
                 if i + 1 < len(blist):
-                    with torch.no_grad():
-                        outs = [_call(block, a, k) for a, k in inputs]
-                    inputs = [((o[0] if isinstance(o, tuple) else o,) + a[1:], k) if a else
-                              (a, {**k, "hidden_states": o[0] if isinstance(o, tuple) else o})
-                              for o, (a, k) in zip(outs, inputs)]
+                    inputs = next_block_inputs(block, inputs)
         rest = [n for n in names if n in todo]
         if rest:
-            _run_stage(model, [_batch_call(b) for b in batches], rest, handle, replaced, "", bar)
+            run_stage(model, [_batch_call(b) for b in batches], rest, handle, replaced, "", bar)
     except BaseException:
         for n, m in replaced.items():
             _set(model, n, m)

@@ -17,6 +17,7 @@ from typing import Iterable
 
 import torch
 
+from lowbit.nn import distributed
 from lowbit.nn.quant_linear import QuantLinear, linear_float
 from lowbit.nn.quantize_model import linear_layers, plan
 from lowbit.nn.recipes import Recipe, get_recipe
@@ -194,6 +195,15 @@ def site_report(model: torch.nn.Module, batches: Iterable, recipe: str | Recipe,
     finally:
         for h in hooks:
             h.remove()
+    if distributed.active():
+        # this rank ran its share of the batches: the SQNR sums are all ranks' (float64 SUM, equal
+        # to one process's up to float64 rounding), the channel maxima MAX (exact)
+        for n in sorted(sites):
+            st, lin = stats[n], sites[n][0]
+            st[:6] = distributed.all_sum(torch.tensor(st[:6], dtype=torch.float64)).tolist()
+            cm = st[6] if st[6] is not None else torch.zeros(lin.in_features, device=lin.weight.device)
+            st[6] = distributed.all_max(cm)
+        tokens = distributed.all_count(tokens)
     report = SiteReport(base.name, tokens=tokens)
     for n, (lin, r) in sites.items():
         a_s, a_n, o_s, o_n, b_s, b_n, cm = stats[n]

@@ -81,6 +81,14 @@ def smooth_model(model: torch.nn.Module, batches: Iterable, alpha: float = 0.5, 
         from tqdm import tqdm
         it = tqdm(list(batches), desc="SmoothQuant calibration", unit="batch", leave=False)
     amax = calibrate_act_absmax(model, it, names=consumers, per_channel=True)
+    return fold_from_stats(model, groups, amax, alpha, pow2)
+
+
+@torch.no_grad()
+def fold_from_stats(model: torch.nn.Module, groups: list[FoldGroup], amax: dict[str, torch.Tensor],
+                    alpha: float, pow2: bool = False) -> dict[str, torch.Tensor]:
+    """Fold the smoothing factors of `groups` given each consumer's per-channel input maxima
+    `amax` ({name: [K]}, calibrate_act_absmax); returns {producer: s [K]}."""
     out = {}
     for g in groups:
         lins = [model.get_submodule(c) for c in g.consumers]

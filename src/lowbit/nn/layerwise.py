@@ -1,0 +1,282 @@
+"""Layer-by-layer calibration and quantization of a decoder checkpoint that need not fit in memory.
+
+The model is built on the meta device (no memory) from config.json; only the embedding is
+loaded to compute the first decoder layer's inputs on the calibration batches, and then freed.
+Each decoder layer is then, in turn: loaded from its (sharded) safetensors checkpoint onto the
+device, calibrated on the cached activations, quantized, written to the output checkpoint,
+and freed; its outputs become the next layer's inputs. The embedding, the final norm and
+lm_head are copied from the input shards to the output one tensor at a time, never loaded
+onto the device.
+
+It computes what the whole-model path computes (smooth_model -> calibrate_static_scales ->
+quantize_model RTN or GPTQ on the loaded model), bit for bit, by carrying one activation stream
+per kind of statistic:
+  F  the float model as loaded        SmoothQuant's per-channel maxima (smooth_model runs first)
+  S  the float model after the folds  static activation scales (calibrate_static_scales)
+  Q  the quantized model so far       GPTQ's Hessians (gptq_model: each layer on the quantized
+                                      outputs of the layers before it)
+Only the streams a recipe needs are kept. tests/test_layerwise.py checks the equality.
+
+Peak device memory (measured in the result, stated in docs/distributed.md):
+  one decoder layer's weights in the compute dtype
+  + the streams' activations: (streams + 1) x tokens x hidden x dtype bytes (+ one group's
+    Linear inputs, tokens x K, while a group is calibrated)
+  + quantization temporaries of one Linear (its float32 copy and codes)
+  + for GPTQ: the Hessian and its factors, about 5 x K^2 x 8 bytes for the largest K.
+The embedding is read on the host (its rows gathered there, exactly) and never reaches the device.
+Under torch.distributed each rank holds its share of the tokens, all ranks load each layer, the
+statistics are reduced (lowbit.nn.distributed) and rank 0 writes.
+
+Llama-family models from transformers (LlamaForCausalLM and the models sharing its layout:
+model.embed_tokens, model.layers[i], model.norm, lm_head).
+"""
+from __future__ import annotations
+
+import copy
+import os
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from lowbit.nn import distributed
+
+
+def _rss_bytes() -> int:
+    """Current resident set size of this process (Linux /proc; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux reports KiB
+
+
+def _stream_bytes(inputs) -> int:
+    """Bytes of a stream's hidden states (the shared kwargs such as position embeddings not counted)."""
+    return sum((a[0] if a else k["hidden_states"]).numel() * (a[0] if a else k["hidden_states"]).element_size()
+               for a, k in inputs)
+
+
+class _Checkpoint:
+    """Tensors of a (sharded) safetensors checkpoint by name, each read on demand."""
+
+    def __init__(self, in_dir: Path):
+        from lowbit.io.st_format import checkpoint_files
+        self.files = checkpoint_files(in_dir)   # validates every header first
+        self._readers = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        from lowbit.io.st_format import CheckpointError, TensorReader
+        if name not in self.files:
+            raise CheckpointError(f"the checkpoint has no tensor {name!r}, which config.json's model needs")
+        path = self.files[name]
+        if path not in self._readers:
+            self._readers[path] = TensorReader(path)
+        return self._readers[path].get(name)
+
+    def close(self):
+        for r in self._readers.values():
+            r.close()
+
+
+def _materialize(module: torch.nn.Module, prefix: str, ckpt: _Checkpoint, device, dtype) -> None:
+    """Allocate a meta module on `device` and fill every parameter from the checkpoint (cast to dtype)."""
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for k, p in module.named_parameters():
+            t = ckpt.get(prefix + k)
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"{prefix + k}: checkpoint shape {tuple(t.shape)}, config.json's model {tuple(p.shape)}")
+            p.data = t.to(device=device, dtype=dtype)
+
+
+@torch.no_grad()
+def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | None, recipe, calib, *,
+                       method: str = "rtn", smoothquant: float | None = None, static_scales: bool = False,
+                       ignore=None, device="cpu", dtype: torch.dtype = torch.float32, overwrite: bool = False,
+                       max_shard_bytes: int | None = None, method_options: dict | None = None,
+                       progress: bool = False) -> dict:
+    """Quantize the Llama-family checkpoint in `in_dir` one decoder layer at a time and write a
+    compressed-tensors checkpoint to `out_dir` (rank 0 only under torch.distributed; None writes
+    nothing, e.g. to measure).
+
+    calib: input-id tensors [B, T] (this rank's share under torch.distributed). method: "rtn" or
+    "gptq" (gptq_model's options in method_options). smoothquant: alpha or None. static_scales:
+    calibrated per-tensor activation scales (W8A8 recipes). device / dtype: where and in which
+    dtype the layers run (float32 on the CPU reproduces the whole-model path of `lowbit quantize`).
+    Returns a summary: quantized / kept layers, seconds per layer, peak memory (RSS bytes over
+    the start, CUDA max_memory_allocated), one layer's bytes and the activation bytes."""
+    import transformers
+    from lowbit.io import ct_layout as L
+    from lowbit.io.compressed_tensors import (DEFAULT_SHARD_BYTES, atomic_dir, build_quantization_config,
+                                              config_dict, describe_qlayer, module_tensors, read_json,
+                                              write_metadata)
+    from lowbit.io.sharded import copy_side_files, k_multiple
+    from lowbit.io.st_format import ShardedWriter
+    from lowbit.nn.calibration import calibrate_act_absmax, scale_from_absmax, static_scheme
+    from lowbit.nn.gptq import gptq_handler
+    from lowbit.nn.quant_linear import QuantLinear
+    from lowbit.nn.quantize_model import plan, quantize_layer
+    from lowbit.nn.recipes import get_recipe
+    from lowbit.nn.sequential import as_kwargs, capture_block_inputs, next_block_inputs, run_stage
+    from lowbit.nn.smoothquant import fold_from_stats, fold_groups
+
+    t_start = time.time()
+    rss0 = _rss_bytes()
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    r = get_recipe(recipe)
+    if method not in ("rtn", "gptq"):
+        raise ValueError(f"method={method!r}; choose 'rtn' or 'gptq'")
+    if static_scales and r.act is None:
+        raise ValueError(f"static_scales needs a recipe with activation quantization; {r.name} is weight-only")
+    if smoothquant is not None and not 0.0 <= smoothquant <= 1.0:
+        raise ValueError(f"smoothquant={smoothquant}: alpha must lie in [0, 1]")
+    need_f, need_s, need_q = smoothquant is not None, static_scales, method == "gptq"
+    calib = list(calib or [])
+    if (need_f or need_s or need_q) and not calib:
+        raise ValueError("calibration batches are needed for SmoothQuant, static scales and GPTQ: pass calib=[...]")
+    in_dir = Path(in_dir)
+    raw = read_json(in_dir / "config.json", "the model config")
+    if "quantization_config" in raw:
+        raise ValueError(f"{in_dir} is already quantized (config.json has a quantization_config); "
+                         "give the float checkpoint")
+    cfg = config_dict(raw)
+    arch = (cfg.get("architectures") or [None])[0]
+    if arch is None or not hasattr(transformers, arch):
+        raise ValueError(f"config.json names architecture {arch!r}, which transformers does not have")
+    config = transformers.AutoConfig.for_model(**cfg)
+    with torch.device("meta"):
+        model = getattr(transformers, arch)(config).eval()
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        raise NotImplementedError(f"{arch}: layer-by-layer quantization knows the Llama layout (model.embed_tokens, "
+                                  "model.layers, model.norm, model.rotary_emb); quantize it whole instead")
+    bname, blist = "model.layers", inner.layers
+    summary = plan(model, r, ignore)
+    outside = [d.name for d in summary.quantized if not d.name.startswith(bname + ".")]
+    if outside:
+        raise NotImplementedError(f"Linears outside the decoder layers would be quantized ({outside[:3]}): the "
+                                  "layer-by-layer path keeps them in high precision; ignore=[...] them")
+    short = [f"{d.name} {list(d.shape)}" for d in summary.quantized if d.shape[1] % k_multiple(summary.recipe_of(d).weight)]
+    if short:
+        raise ValueError(f"{len(short)} weight(s) have an in_features that {r.name}'s group does not divide, which "
+                         f"compressed-tensors cannot store: {', '.join(short[:3])}; ignore=[...] them or choose a "
+                         "smaller group")
+    L.scheme_to_args(r.weight)          # unsupported schemes fail before anything is read
+    if r.act is not None:
+        L.scheme_to_args(static_scheme(r.act) if static_scales else r.act)
+    ckpt = _Checkpoint(in_dir)
+    own = {n for n in ckpt.files if n.startswith(bname + ".")}
+    result = {"recipe": r.name, "method": method, "layers": len(blist), "seconds_per_layer": [],
+              "quantized": [d.name for d in summary.quantized], "kept": [d.name for d in summary.skipped],
+              "world_size": distributed.world_size()}
+    writer_rank = distributed.rank() == 0 and out_dir is not None
+
+    def run(tmp: Path | None):
+        writer = ShardedWriter(tmp, max_shard_bytes or DEFAULT_SHARD_BYTES) if tmp is not None else None
+        # The embedding stays on the host: its rows are gathered there (exact) and only the
+        # calibration tokens' hidden states move to the device.
+        emb = inner.embed_tokens
+        _materialize(emb, "model.embed_tokens.", ckpt, "cpu", dtype)
+        to_dev = emb.register_forward_hook(lambda mod, args, out: out.to(device))
+        inner.rotary_emb = type(inner.rotary_emb)(config=config).to(device)
+        try:
+            first = capture_block_inputs(model, blist[0], calib) if calib else []
+        finally:
+            to_dev.remove()
+        emb.to("meta")               # freed: only the first inputs need it
+        if writer is not None:       # the tensors outside the layers, streamed (never on the device)
+            for n in sorted(ckpt.files):
+                if n not in own:
+                    t = ckpt.get(n)
+                    writer.add(n, t.to(dtype) if t.is_floating_point() else t)
+                    del t
+        streams = {k: first for k, want in (("F", need_f), ("S", need_s), ("Q", need_q)) if want}
+        scales: dict[str, torch.Tensor] = {}
+        layer_schemes, sidecar = {}, {}
+        static = scales if need_s else None      # filled layer by layer, before each layer is quantized
+        handle = gptq_handler(model, summary, static, **(method_options or {})) if need_q else None
+        result["activation_bytes"] = sum(_stream_bytes(s) for s in streams.values())
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(blist), desc=f"layer by layer {r.name}", unit="layer")
+        for i in range(len(blist)):
+            t0 = time.time()
+            prefix = f"{bname}.{i}."
+            skeleton = blist[i]
+            layer = copy.deepcopy(skeleton)
+            _materialize(layer, prefix, ckpt, device, dtype)
+            blist[i] = layer
+            if i == 0:
+                result["layer_bytes"] = sum(p.numel() * p.element_size() for p in layer.parameters())
+            mine = [d.name[len(prefix):] for d in summary.quantized if d.name.startswith(prefix)]
+            last = i + 1 == len(blist)
+            if need_f:               # SmoothQuant's maxima on the float model as loaded
+                groups = fold_groups(layer)
+                amax = calibrate_act_absmax(layer, as_kwargs(streams["F"]),
+                                            names=[c for g in groups for c in g.consumers], per_channel=True)
+                if not last:
+                    streams["F"] = next_block_inputs(layer, streams["F"])
+                fold_from_stats(layer, groups, amax, smoothquant)
+            if need_s:               # static scales on the folded float model
+                act = static_scheme(r.act)
+                for n, a in calibrate_act_absmax(layer, as_kwargs(streams["S"]), names=mine).items():
+                    scales[prefix + n] = scale_from_absmax(a, act)
+                if not last:
+                    streams["S"] = next_block_inputs(layer, streams["S"])
+            if need_q:               # GPTQ on the quantized model's activations
+                run_stage(layer, streams["Q"], mine, handle, {}, prefix, None)
+                if not last:
+                    streams["Q"] = next_block_inputs(layer, streams["Q"])
+            else:
+                by_name = {d.name: d for d in summary.quantized}
+                for n in mine:
+                    q = quantize_layer(by_name[prefix + n], summary, layer.get_submodule(n),
+                                       static).to(device)
+                    parent, _, attr = n.rpartition(".")
+                    setattr(layer.get_submodule(parent) if parent else layer, attr, q)
+            formats = {}
+            for n, m in layer.named_modules():
+                if isinstance(m, QuantLinear):
+                    formats[prefix + n], layer_schemes[prefix + n], sidecar[prefix + n] = describe_qlayer(prefix + n, m)
+            if writer is not None:
+                for n, t in module_tensors(layer, formats, set(), prefix[:-1]):
+                    writer.add(n, t)
+            blist[i] = skeleton      # the layer is freed
+            del layer
+            result["seconds_per_layer"].append(time.time() - t0)
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        if writer is not None:
+            result["shards"] = writer.finish()
+            out_cfg = dict(cfg)
+            out_cfg["quantization_config"] = build_quantization_config(layer_schemes, sorted(result["kept"]))
+            write_metadata(tmp, out_cfg, r.name, sidecar)
+            copy_side_files(in_dir, tmp)
+
+    try:
+        if writer_rank:
+            atomic_dir(Path(out_dir), overwrite, run)
+            result["out_dir"] = str(out_dir)
+        else:
+            run(None)
+    finally:
+        ckpt.close()
+    result["seconds"] = time.time() - t_start
+    result["peak_rss_over_start_bytes"] = max(0, _peak_rss_bytes() - rss0)
+    if device.type == "cuda":
+        result["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
+    if distributed.active():
+        import torch.distributed as dist
+        dist.barrier()
+    return result
