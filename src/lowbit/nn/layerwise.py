@@ -129,6 +129,8 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     t_start = time.time()
     rss0 = _rss_bytes()
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # the memory-stat calls need an index
+        device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     r = get_recipe(recipe)
