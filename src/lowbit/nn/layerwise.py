@@ -132,6 +132,9 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     if device.type == "cuda" and device.index is None:  # the memory-stat calls need an index
         device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cuda":
+        # the caching allocator starts lazily: before its first allocation, reset_peak_memory_stats
+        # raises "Invalid device argument" (the H200 1-GPU runs; under torchrun NCCL had allocated)
+        torch.empty(1, device=device)
         torch.cuda.reset_peak_memory_stats(device)
     r = get_recipe(recipe)
     if method not in ("rtn", "gptq"):
