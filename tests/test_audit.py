@@ -78,6 +78,13 @@ def test_torch_library_rows_run_every_case_shape(rng):
     seed = int(torch.randint(2 ** 31, (1,), generator=rng))
     specs = au.scaled_mm_specs() + [s for s in au.discover("cpu", False) if s.name.startswith("torch._int_mm")]
     cases = [c for c in au.CASES if c.name in ("M=1", "K not a tile multiple", "non-contiguous codes")]
+    if torch.cuda.is_available():
+        # with a GPU, cuBLAS itself: every shape runs (no error cell); fast accumulation is held to
+        # fp32 there and may be reported as narrower, the precise rows and _int_mm must pass
+        cells = au.audit(specs, cases, device="cuda", seed=seed)
+        assert len(cells) == 5 * 3 and all(c.verdict != "error" for c in cells), cells
+        assert all(c.verdict == "pass" for c in cells if "fast" not in c.kernel), cells
+        return
     cells = au.audit(specs, cases, device="cpu", seed=seed)
     assert len(cells) == 5 * 3 and all(c.verdict == "pass" for c in cells), [c for c in cells if c.verdict != "pass"]
 

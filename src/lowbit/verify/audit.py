@@ -176,7 +176,7 @@ def _int_mm(xq, wq, bias):
 
 
 def _scaled_mm(fast: bool):
-    """torch._scaled_mm (cuBLAS's fp8 GEMM) with the schemes' tensor-wise or row-wise scales, bf16
+    """torch._scaled_mm (cuBLAS's fp8 GEMM) with the schemes' tensor-wise or row-wise scales, fp32
     out. It needs row-major A, column-major B and K, N multiples of 16: the codes are copied into
     those layouts and padded with zero codes (exact; padded columns get scale 1, then dropped)."""
     def fn(xq, wq, bias):
@@ -190,10 +190,11 @@ def _scaled_mm(fast: bool):
             sb = _padded(wq.scale.reshape(1, -1).float().expand(1, N), 1, Np, fill=1.0)
         else:
             sa, sb = xq.scale.reshape(()).float(), wq.scale.reshape(()).float()
-        bias_p = None if bias is None else _padded(bias.reshape(1, -1).bfloat16(), 1, Np).reshape(-1)
-        out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, bias=bias_p, out_dtype=torch.bfloat16,
-                               use_fast_accum=fast)
-        return out[:, :N]
+        # float32 out and the bias added after in float32: cuBLAS's fused bias is bf16 (a rounding of
+        # the bias the check does not model: the first H200 audit saw it as 1.05-1.66x-gate errors)
+        out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32,
+                               use_fast_accum=fast)[:, :N]
+        return out if bias is None else out + bias.float()
     return fn
 
 

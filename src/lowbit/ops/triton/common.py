@@ -437,7 +437,8 @@ def rowcol_scale(accf, offs_m, offs_n, m_ok, n_ok, sa_ptr, sb_ptr, stride_sa, st
 
 @triton.jit
 def add_bias(y, offs_n, n_ok, bias_ptr, HAS_BIAS: tl.constexpr):
-    """y + bias[n] in fp32 (one rounding) when HAS_BIAS, else y unchanged."""
+    """y + bias[n] in fp32 (one rounding) when HAS_BIAS, else y unchanged. On the GPU, when y is
+    a product (rowcol_scale's), Triton contracts the two into one FMA: one rounding for both."""
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     return y

@@ -4,6 +4,8 @@ cores into a fresh fp32 partial, and the partial is rescaled in fp32 before it j
 accumulator:
 
     out[m, n] = sum_g  dot(a[m, g*G:(g+1)*G], b[n, g*G:(g+1)*G]) * (sa[m, g] * sb[n // R, g])
+    (on the GPU each step acc + part * (sa * sb) is one FMA -- Triton contracts it --, in the
+    interpreter two roundings; tests/test_epilogue_order.py pins both)
 
 Two layouts use it:
 - DeepSeek-V3 style: activations with 1x128 blocks (sa: fp32 [M, K/128]) and weights with
