@@ -79,6 +79,7 @@ def test_kl_and_top1_match_a_float64_reference(rng):
     assert tm.kl > 0
     assert tm.top1 == agree.mean()   # argmax of the same float32 logits: exact
     assert tm.perplexity == perplexity(b, ids, window)
+    assert token_metrics(b, ids, a, window) == tm    # the float model as reference: same numbers, bit for bit
 
 
 def test_reference_must_match_the_windows(rng):

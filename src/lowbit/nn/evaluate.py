@@ -65,10 +65,11 @@ def reference_logits(model: torch.nn.Module, ids: torch.Tensor, window: int = 51
 
 
 @torch.no_grad()
-def token_metrics(model: torch.nn.Module, ids: torch.Tensor, reference: list[torch.Tensor], window: int = 512,
-                  progress: bool = False, desc: str = "eval") -> TokenMetrics:
+def token_metrics(model: torch.nn.Module, ids: torch.Tensor, reference: list[torch.Tensor] | torch.nn.Module,
+                  window: int = 512, progress: bool = False, desc: str = "eval") -> TokenMetrics:
     """Perplexity, mean/max KL divergence and top-1 agreement of `model` on the windows of `ids`,
-    against `reference` (reference_logits of the float model on the same ids and window).
+    against `reference`: reference_logits of the float model on the same ids and window, or the
+    float model itself (then run on each window beside `model`: no memory held, one more forward).
     KL per token = sum_v p_v (log p_v - log q_v), p = softmax(reference), q = softmax(model), both
     log-softmaxes in float64 from the float32 logits (so identical logits give exactly 0), summed in
     float64; top-1 compares argmaxes of the float32 logits (first index on ties, both sides alike)."""
@@ -76,7 +77,13 @@ def token_metrics(model: torch.nn.Module, ids: torch.Tensor, reference: list[tor
     if ids.dim() != 1:
         raise ValueError(f"ids must be a 1-D token-id tensor, got shape {tuple(ids.shape)}")
     ws = windows(ids, window)
-    if len(ws) != len(reference) or any(r.shape[0] != w.shape[1] - 1 for r, w in zip(reference, ws)):
+    if isinstance(reference, torch.nn.Module):
+        ref_model, ref_device = reference, next(reference.parameters()).device
+        rows = [w.shape[1] - 1 for w in ws]
+        reference = (ref_model(w.to(ref_device)).logits[0, :-1].float().cpu() for w in ws)
+    else:
+        rows = [r.shape[0] for r in reference]
+    if rows != [w.shape[1] - 1 for w in ws]:
         raise ValueError("reference does not match ids/window: compute it with reference_logits(float_model, ids, "
                          "window) on the same ids and window")
     device = next(model.parameters()).device

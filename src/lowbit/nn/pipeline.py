@@ -125,14 +125,14 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
                override_worst: float = 0.0, override_to: str = "skip", ignore=None, overrides=None,
                static: bool = False, window: int = 512, progress: bool = True, sites: bool = True,
                method: str = "rtn", awq: bool = False, rotate: str | None = None,
-               reference: list | None = None) -> RecipeRun:
+               reference: list | torch.nn.Module | None = None) -> RecipeRun:
     """Quantize a copy of loaded.model by `recipe` and evaluate it. smoothquant: alpha or None;
     override_worst: fraction of Linear layers (<= 0.05 by the issue's rule) whose worst output
     SQNR sends them to `override_to` ("skip" = high precision, or a recipe name).
     method: "rtn" or "gptq" (lowbit.nn.gptq, calibrated on texts.calib); awq: fold AWQ scales
     (lowbit.nn.awq, weight-only recipes) after SmoothQuant and before quantizing; rotate:
-    "hadamard" rotates the residual stream first (lowbit.nn.rotation) or None; reference:
-    evaluate.reference_logits of the float model on texts.eval_ids (causal models), to report the
+    "hadamard" rotates the residual stream first (lowbit.nn.rotation) or None; reference: the float
+    model, or evaluate.reference_logits of it on texts.eval_ids (causal models), to report the
     next-token KL divergence and top-1 agreement beside perplexity (RecipeRun.tokens)."""
     from lowbit.nn.calibration import calibrate_static_scales, clipping_report
     from lowbit.nn.quantize_model import linear_layers, quantize_model
