@@ -219,8 +219,10 @@ def plot(rows: list, path: Path) -> Path:
     axes[1].barh(y, [max(r["kl"], 1e-5) for r in rows], color="tab:orange")
     axes[1].set_xscale("log")
     axes[1].set_xlabel("mean KL(float || quantized), nats (log)")
+    from matplotlib.ticker import NullFormatter
     for ax in axes:
         ax.grid(axis="x", alpha=0.3)
+        ax.xaxis.set_minor_formatter(NullFormatter())   # log axes: decade labels only, no overlapping minors
     fig.suptitle(f"SmolLM2-135M, {base['tokens']} predicted Wikipedia tokens: float perplexity "
                  f"{base['perplexity']:.3f}",
                  fontsize=9)
