@@ -150,17 +150,35 @@ def main(argv=None) -> int:
               f"calib {row['calib_s']:.0f} s, total {row['total_s']:.0f} s", flush=True)
         write(out, head, rows)
 
+    failed = []
+
+    def failure(cfg, err):   # one configuration's error must not cost the rows after it
+        failed.append(cfg.key())
+        print(f"{cfg.key():70s} FAILED: {type(err).__name__}: {err}", flush=True)
+
     if args.jobs == 1:
         for cfg in todo:
-            record(_worker(args.tokens, args.calib_tokens, args.threads, cfg))
+            try:
+                row = _worker(args.tokens, args.calib_tokens, args.threads, cfg)
+            except (ValueError, RuntimeError, NotImplementedError, FloatingPointError) as err:
+                failure(cfg, err)
+                continue
+            record(row)
     else:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor, as_completed
         with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as pool:
-            futs = [pool.submit(_worker, args.tokens, args.calib_tokens, args.threads, c) for c in todo]
+            futs = {pool.submit(_worker, args.tokens, args.calib_tokens, args.threads, c): c for c in todo}
             for f in as_completed(futs):
-                record(f.result())
-    return 0
+                try:
+                    row = f.result()
+                except (ValueError, RuntimeError, NotImplementedError, FloatingPointError) as err:
+                    failure(futs[f], err)
+                    continue
+                record(row)
+    if failed:
+        print(f"{len(failed)} configurations failed (not in the table): {'; '.join(failed)}", flush=True)
+    return 1 if failed else 0
 
 
 def _order(rows):
