@@ -96,3 +96,32 @@ def test_measure_configs_are_distinct():
     from lowbit.nn.measure import CONFIGS
     keys = [c.key() for c in CONFIGS]
     assert len(keys) == len(set(keys))
+
+
+def test_measure_resume_measures_only_missing_rows(tmp_path, monkeypatch):
+    """The driver's bookkeeping (the measurement itself stubbed): --resume keeps the JSON's rows and
+    measures only the other selected configurations; the table has one line per row."""
+    import json
+    from dataclasses import asdict
+
+    from lowbit.nn import measure
+    calls = []
+
+    def fake(tokens, calib_tokens, threads, cfg):
+        calls.append(cfg.key())
+        return {"key": cfg.key(), "config": asdict(cfg), "measures": cfg.measures(), "perplexity": 10.0 + len(calls),
+                "kl": 0.01 * len(calls), "kl_max": 0.1, "top1": 0.9, "tokens": 7, "bytes": 2**20, "overrides": [],
+                "calib_s": 1.0, "total_s": 2.0}
+    monkeypatch.setattr(measure, "_worker", fake)
+    out = tmp_path / "t.md"
+    assert measure.main(["--out", str(out), "--tokens", "64", "--only", "nvfp4", "--methods", "rtn"]) == 0
+    first = list(calls)
+    assert first == [c.key() for c in measure.CONFIGS if c.recipe == "float" or
+                     (c.recipe == "nvfp4" and c.method == "rtn")]
+    calls.clear()
+    assert measure.main(["--out", str(out), "--tokens", "64", "--only", "nvfp4,mxfp4", "--resume"]) == 0
+    assert calls == [c.key() for c in measure.CONFIGS if c.key() not in first and c.recipe in ("nvfp4", "mxfp4")]
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert sorted(r["key"] for r in rows) == sorted(first + calls)
+    table = [ln for ln in out.read_text().splitlines() if ln.startswith("| ") and not ln.startswith("| recipe")]
+    assert len(table) == len(rows)
