@@ -26,6 +26,19 @@ BEST: dict[str, Best] = {
     "w4a16": Best({"method": "gptq"},
                   "GPTQ (damp 0.1, act-order, held-out check), 2,048 calibration tokens: +38.01% perplexity "
                   "vs +72.47% round to nearest (docs/perplexity.md)"),
+    "nvfp4": Best({"smoothquant": 0.5, "override_worst": 0.05},
+                  "SmoothQuant 0.5 + the 10 worst sites (4.8% of Linears) in bf16: +23.98% perplexity "
+                  "vs +54.78% plain (docs/perplexity.md)"),
+    "mxfp4": Best({"smoothquant": 0.5, "override_worst": 0.05},
+                  "SmoothQuant 0.5 + the 10 worst sites (4.8% of Linears) in bf16: +122.17% perplexity "
+                  "vs +387.04% plain (docs/perplexity.md)"),
+    "mxfp8": Best({"override_worst": 0.05},
+                  "the 10 worst sites (4.8% of Linears) in bf16: +3.95% vs +7.83% plain (docs/perplexity.md)"),
+    "w8a8-int8-tensor": Best({"smoothquant": 0.5, "override_worst": 0.05},
+                             "SmoothQuant 0.5 + the 10 worst sites (4.8% of Linears) in bf16: +5.39% vs +108.61% "
+                             "plain (docs/perplexity.md)"),
+    "w4a16-asym": Best({"override_worst": 0.05},
+                       "the 10 worst sites (4.8% of Linears) in bf16: +25.91% vs +33.16% plain (docs/perplexity.md)"),
 }
 
 

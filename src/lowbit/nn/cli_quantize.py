@@ -183,7 +183,8 @@ def run(args) -> int:
     for recipe in recipes:
         opts = _measures(args, recipe, loaded.kind)
         run_ = run_recipe(loaded, texts, recipe, override_to=args.override_to, ignore=args.ignore,
-                          overrides=overrides, static=args.static_scales, window=args.window, **opts)
+                          overrides=overrides, static=args.static_scales, window=args.window,
+                          reference=loaded.model if loaded.kind == "causal" else None, **opts)
         print(run_.sites_before)
         if run_.sites_after is not None:
             print("after SmoothQuant:\n" + str(run_.sites_after))
@@ -196,7 +197,7 @@ def run(args) -> int:
             bytes_before=bytes_before, bytes_after=model_bytes(run_.model), eval_tokens=ntok,
             command=command, machine=machine(),
             smoothquant=None if opts["smoothquant"] is None else f"alpha {opts['smoothquant']}",
-            summary=str(run_.summary), overrides=run_.overrides, clipping=run_.clipping,
+            summary=str(run_.summary), overrides=run_.overrides, clipping=run_.clipping, tokens=run_.tokens,
             tokens_per_s=(tps_before, tps) if tps else None,
             sites_markdown=[("Worst sites" + (" before SmoothQuant" if run_.sites_after else ""),
                              run_.sites_before.to_markdown(10))]
@@ -216,7 +217,9 @@ def run(args) -> int:
             print(f"checkpoint: {res.checkpoint}")
         md = out / "lowbit_report.md"
         mb = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
-        print(f"{recipe}: {mname} {before:.4f} -> {run_.value:.4f} ({res.change()}), "
+        kl = "" if run_.tokens is None else \
+            f", KL from float {run_.tokens.kl:.4f} nats, top-1 agreement {100 * run_.tokens.top1:.2f}%"
+        print(f"{recipe}: {mname} {before:.4f} -> {run_.value:.4f} ({res.change()}){kl}, "
               f"bytes {mb(res.bytes_before)} -> {mb(res.bytes_after)}; report {md}", flush=True)
         if run_.clipping:
             worst = run_.clipping[0]

@@ -1,8 +1,10 @@
-"""End-to-end evaluation of a (quantized) model: perplexity over non-overlapping windows,
-sentence-embedding cosine for encoders, stored bytes, and tokens/s on CUDA."""
+"""End-to-end evaluation of a (quantized) model: perplexity over non-overlapping windows, the
+next-token KL divergence from and top-1 agreement with a reference (float) model, sentence-embedding
+cosine for encoders, stored bytes, and tokens/s on CUDA."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -25,13 +27,85 @@ def perplexity(model: torch.nn.Module, ids: torch.Tensor, window: int = 512, pro
     total, count = 0.0, 0
     for w in ws:
         w = w.to(device)
-        logits = model(w).logits[0, :-1].float()
-        nll = F.cross_entropy(logits, w[0, 1:], reduction="sum")
-        if not torch.isfinite(nll):
-            raise FloatingPointError("the model produced NaN/Inf logits: a quantized site overflows")
-        total += float(nll.double())
+        total += _window_nll(model(w).logits[0, :-1].float(), w[0, 1:])
         count += w.shape[1] - 1
     return math.exp(total / count)
+
+
+def _window_nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    """Sum of next-token negative log-likelihoods of one window: logits float32 [n, vocab], targets [n]."""
+    nll = F.cross_entropy(logits, targets, reduction="sum")
+    if not torch.isfinite(nll):
+        raise FloatingPointError("the model produced NaN/Inf logits: a quantized site overflows")
+    return float(nll.double())
+
+
+@dataclass(frozen=True)
+class TokenMetrics:
+    """Next-token metrics of a model on a text, beside a reference model (the float one):
+    perplexity: exp(mean NLL) as `perplexity()` computes it; kl: mean over predicted tokens of
+    KL(P_ref || P_model) in nats (the reference's distribution first, as llama.cpp's KL divergence);
+    kl_max: the largest per-token KL; top1: fraction of tokens whose argmax equals the reference's;
+    tokens: how many next-token predictions were scored."""
+    perplexity: float
+    kl: float
+    kl_max: float
+    top1: float
+    tokens: int
+
+
+@torch.no_grad()
+def reference_logits(model: torch.nn.Module, ids: torch.Tensor, window: int = 512) -> list[torch.Tensor]:
+    """The reference model's next-token logits per window (the windows of `perplexity()`), float32
+    [window - 1, vocab] each, kept in memory: 4 x vocab bytes per token (1.6 GB for 8,192 tokens of
+    SmolLM2's 49,152-token vocabulary), so that every quantized model is compared to one float pass."""
+    from lowbit.nn.embedded import windows
+    device = next(model.parameters()).device
+    return [model(w.to(device)).logits[0, :-1].float().cpu() for w in windows(ids, window)]
+
+
+@torch.no_grad()
+def token_metrics(model: torch.nn.Module, ids: torch.Tensor, reference: list[torch.Tensor] | torch.nn.Module,
+                  window: int = 512, progress: bool = False, desc: str = "eval") -> TokenMetrics:
+    """Perplexity, mean/max KL divergence and top-1 agreement of `model` on the windows of `ids`,
+    against `reference`: reference_logits of the float model on the same ids and window, or the
+    float model itself (then run on each window beside `model`: no memory held, one more forward).
+    KL per token = sum_v p_v (log p_v - log q_v), p = softmax(reference), q = softmax(model), both
+    log-softmaxes in float64 from the float32 logits (so identical logits give exactly 0), summed in
+    float64; top-1 compares argmaxes of the float32 logits (first index on ties, both sides alike)."""
+    from lowbit.nn.embedded import windows
+    if ids.dim() != 1:
+        raise ValueError(f"ids must be a 1-D token-id tensor, got shape {tuple(ids.shape)}")
+    ws = windows(ids, window)
+    if isinstance(reference, torch.nn.Module):
+        ref_model, ref_device = reference, next(reference.parameters()).device
+        rows = [w.shape[1] - 1 for w in ws]
+        reference = (ref_model(w.to(ref_device)).logits[0, :-1].float().cpu() for w in ws)
+    else:
+        rows = [r.shape[0] for r in reference]
+    if rows != [w.shape[1] - 1 for w in ws]:
+        raise ValueError("reference does not match ids/window: compute it with reference_logits(float_model, ids, "
+                         "window) on the same ids and window")
+    device = next(model.parameters()).device
+    it = zip(ws, reference)
+    if progress:
+        from tqdm import tqdm
+        it = tqdm(it, total=len(ws), desc=desc, unit="window", leave=False)
+    nll = kl = 0.0
+    kl_max, agree, count = 0.0, 0, 0
+    for w, ref in it:
+        w = w.to(device)
+        logits = model(w).logits[0, :-1].float()
+        nll += _window_nll(logits, w[0, 1:])
+        logits = logits.cpu()
+        lp = torch.log_softmax(ref.double(), dim=-1)
+        lq = torch.log_softmax(logits.double(), dim=-1)
+        per_token = (lp.exp() * (lp - lq)).sum(-1)
+        kl += float(per_token.sum())
+        kl_max = max(kl_max, float(per_token.max()))
+        agree += int((logits.argmax(-1) == ref.argmax(-1)).sum())
+        count += w.shape[1] - 1
+    return TokenMetrics(math.exp(nll / count), kl / count, kl_max, agree / count, count)
 
 
 @torch.no_grad()

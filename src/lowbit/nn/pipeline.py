@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import platform
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -115,23 +116,30 @@ class RecipeRun:
     overrides: dict
     value: float
     clipping: list
+    tokens: object = None       # evaluate.TokenMetrics (KL / top-1 vs the reference) when a reference was given
+    calib_s: float = 0.0        # seconds from the float copy to the quantized model (rotation, SmoothQuant, AWQ,
+    eval_s: float = 0.0         # GPTQ, site reports, quantization); seconds evaluating it
 
 
 def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float | None = None,
                override_worst: float = 0.0, override_to: str = "skip", ignore=None, overrides=None,
                static: bool = False, window: int = 512, progress: bool = True, sites: bool = True,
-               method: str = "rtn", awq: bool = False, rotate: str | None = None) -> RecipeRun:
+               method: str = "rtn", awq: bool = False, rotate: str | None = None,
+               reference: list | torch.nn.Module | None = None) -> RecipeRun:
     """Quantize a copy of loaded.model by `recipe` and evaluate it. smoothquant: alpha or None;
     override_worst: fraction of Linear layers (<= 0.05 by the issue's rule) whose worst output
     SQNR sends them to `override_to` ("skip" = high precision, or a recipe name).
     method: "rtn" or "gptq" (lowbit.nn.gptq, calibrated on texts.calib); awq: fold AWQ scales
     (lowbit.nn.awq, weight-only recipes) after SmoothQuant and before quantizing; rotate:
-    "hadamard" rotates the residual stream first (lowbit.nn.rotation) or None."""
+    "hadamard" rotates the residual stream first (lowbit.nn.rotation) or None; reference: the float
+    model, or evaluate.reference_logits of it on texts.eval_ids (causal models), to report the
+    next-token KL divergence and top-1 agreement beside perplexity (RecipeRun.tokens)."""
     from lowbit.nn.calibration import calibrate_static_scales, clipping_report
     from lowbit.nn.quantize_model import linear_layers, quantize_model
     from lowbit.nn.sites import pick_overrides, site_report
     from lowbit.nn.smoothquant import smooth_model
     r = get_recipe(recipe)
+    t0 = time.perf_counter()
     m = copy.deepcopy(loaded.model)
     if rotate is not None:
         if rotate != "hadamard":
@@ -169,5 +177,13 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
     summary = quantize_model(m, r, ignore=ignore, overrides=ov or None, act_static_scales=scales, progress=progress,
                              method=method, calib=texts.calib if method != "rtn" else None)
     clipping = clipping_report(m, texts.new) if static else []
-    value = metric(loaded, m, loaded.model, texts, window, progress, f"{r.name} eval")
-    return RecipeRun(r.name, m, summary, sites_before, sites_after, picked, value, clipping)
+    t1 = time.perf_counter()
+    tokens = None
+    if reference is not None and loaded.kind == "causal":
+        from lowbit.nn.evaluate import token_metrics
+        tokens = token_metrics(m, texts.eval_ids, reference, window, progress=progress, desc=f"{r.name} eval")
+        value = tokens.perplexity
+    else:
+        value = metric(loaded, m, loaded.model, texts, window, progress, f"{r.name} eval")
+    return RecipeRun(r.name, m, summary, sites_before, sites_after, picked, value, clipping, tokens,
+                     t1 - t0, time.perf_counter() - t1)

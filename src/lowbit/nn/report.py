@@ -11,7 +11,8 @@ from pathlib import Path
 class QuantizeResult:
     """What one `lowbit quantize` run measured. metric: "perplexity" (lower is better) or
     "embedding cosine" (higher is better); before/after: the metric of the float and quantized
-    model; bytes: stored weight bytes (bf16 baseline) before/after; tokens_per_s: CUDA only."""
+    model; bytes: stored weight bytes (bf16 baseline) before/after; tokens_per_s: CUDA only;
+    tokens: evaluate.TokenMetrics of the quantized model against the float one (causal models)."""
     model: str
     recipe: str
     metric: str
@@ -30,6 +31,7 @@ class QuantizeResult:
     tokens_per_s: tuple[float, float] | None = None
     checkpoint: str | None = None
     extra: list[str] = field(default_factory=list)
+    tokens: object = None
 
     def change(self) -> str:
         if self.metric == "perplexity":
@@ -88,6 +90,10 @@ def write_report(result: QuantizeResult, out_dir: str | os.PathLike, sites_png: 
              f"| {result.metric} ({result.eval_tokens} tokens) | {result.before:.4f} | {result.after:.4f} | {result.change()} |",
              f"| weight bytes (bf16 baseline) | {mb(result.bytes_before)} | {mb(result.bytes_after)} | "
              f"x{result.bytes_before / max(result.bytes_after, 1):.2f} smaller |"]
+    if result.tokens is not None:
+        t = result.tokens
+        lines += [f"| mean next-token KL from float, nats (max {t.kl_max:.3f}) | 0 | {t.kl:.4f} | |",
+                  f"| top-1 agreement with float | 100% | {100 * t.top1:.2f}% | |"]
     if result.tokens_per_s:
         a, b = result.tokens_per_s
         lines.append(f"| tokens/s (CUDA prefill) | {a:.0f} | {b:.0f} | x{b / a:.2f} |")

@@ -109,7 +109,8 @@ def _first_tensor(out):
 
 @torch.no_grad()
 def site_report(model: torch.nn.Module, batches: Iterable, recipe: str | Recipe, *, ignore=None,
-                overrides=None, block: bool = True, progress: bool = False) -> SiteReport:
+                overrides=None, block: bool = True, progress: bool = False,
+                quantized: dict[str, QuantLinear] | None = None) -> SiteReport:
     """Diagnose every Linear that quantize_model(model, recipe, ignore, overrides) would quantize,
     on the FLOAT model (it is not changed). batches: input-id tensors [B, T] or dicts of kwargs.
 
@@ -117,7 +118,9 @@ def site_report(model: torch.nn.Module, batches: Iterable, recipe: str | Recipe,
     that block's output (the residual stream) when ONLY this site is quantized, on the block's
     float input. A layer-output SQNR says how noisy a site is; the block SQNR says how much of
     that noise reaches the residual stream, which is what the model's output feels. Rows sort
-    worst block SQNR first when it was measured, else worst output SQNR first."""
+    worst block SQNR first when it was measured, else worst output SQNR first.
+    quantized: name -> QuantLinear whose stored weight replaces round-to-nearest's for that site
+    (e.g. the layers GPTQ chose), to diagnose a calibrated model's codes on the float model's inputs."""
     base = get_recipe(recipe)
     summary = plan(model, base, ignore, overrides)
     layers = linear_layers(model)
@@ -126,7 +129,7 @@ def site_report(model: torch.nn.Module, batches: Iterable, recipe: str | Recipe,
     qlayers: dict[str, QuantLinear] = {}
     wdb: dict[str, float] = {}
     for n, (lin, r) in sites.items():
-        q = QuantLinear.from_linear(lin, r.weight, r.act, pad=True)
+        q = quantized[n] if quantized and n in quantized else QuantLinear.from_linear(lin, r.weight, r.act, pad=True)
         w = lin.weight.detach().float()
         wdb[n] = sqnr_db(float(w.pow(2).sum()), float((w - q.weight_dequantized()).pow(2).sum()))
         qlayers[n] = q
