@@ -64,3 +64,9 @@ fi
 [ -f "$out/audit_h200.txt" ] && tail -n 30 "$out/audit_h200.txt"
 [ -f "$out/distributed.log" ] && tail -n 30 "$out/distributed.log"
 cat "$sum"
+# only 8 files come back from a device call: logs go into one archive when there are more
+if [ "$(find "$out" -maxdepth 1 -type f | wc -l)" -gt 7 ]; then
+  (cd "$out" && tar czf logs.tgz --exclude=logs.tgz --exclude='*.json' --exclude='*.png' --exclude='*.npz' \
+      --exclude=summary.txt -- * && find . -maxdepth 1 -type f \( -name '*.log' -o -name '*.txt' -o -name '*.md' \) \
+      ! -name summary.txt -delete)
+fi
