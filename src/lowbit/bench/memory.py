@@ -172,14 +172,14 @@ def _copy(b: _Bench, name: str = "copy") -> None:
                 r["frac_copy"] = r["GBps"] / best
 
 
-def _tile_variants(K: int, pre: int, quick: bool) -> list[tuple[str, tuple[int, int] | None]]:
+def _tile_variants(K: int, pre: int, quick: bool, residual: bool = False) -> list[tuple[str, tuple[int, int] | None]]:
     """Row-name suffixes and tiles of the fused quantizer's "tile" kernel: "_tile" = its heuristic
     (fused.tile_config), then "_tile_r{ROWS}w{WARPS}" for 32 / 64 elements per thread with one row
     per program and 64 with two rows (16 per thread is the "row" kernel's shape), so a run shows
     which configuration to make the default. Each new tile is one more Triton compile (~1-2 s)."""
     from lowbit.ops.fused import tile_config
 
-    out, seen = [("_tile", None)], {tile_config(K, pre)}
+    out, seen = [("_tile", None)], {tile_config(K, pre, residual)}
     for R, W in ((1, K // 1024), (1, K // 2048), (2, K // 1024)):
         t = (R, max(1, min(16, W)))
         if not quick and t not in seen:
@@ -189,7 +189,7 @@ def _tile_variants(K: int, pre: int, quick: bool) -> list[tuple[str, tuple[int, 
 
 
 def _time_tiles(b: _Bench, stem: str, shape: str, K: int, pre: int, quick: bool, make, sets, nbytes,
-                bases: dict, row_out, out_of) -> None:
+                bases: dict, row_out, out_of, residual: bool = False) -> None:
     """Time the "tile" kernel's variants next to the "row" kernel's row (`bases["row"]`); `make(tile)`
     returns the timed function, `out_of(result)` the QTensor; `codes_diff_vs_row` is the fraction of
     its codes that differ from the row kernel's `row_out` on the same input (same arithmetic; only
@@ -197,9 +197,9 @@ def _time_tiles(b: _Bench, stem: str, shape: str, K: int, pre: int, quick: bool,
     so this is 0 or tiny; tests/test_fused_quant.py checks both kernels against lowbit.quantize)."""
     from lowbit.ops.fused import tile_config
 
-    for suffix, tile in _tile_variants(K, pre, quick):
+    for suffix, tile in _tile_variants(K, pre, quick, residual):
         fn = make(tile)
-        r = b.time(f"{stem}{suffix}", shape, fn, sets, nbytes, kernel="tile", tile=list(tile or tile_config(K, pre)))
+        r = b.time(f"{stem}{suffix}", shape, fn, sets, nbytes, kernel="tile", tile=list(tile or tile_config(K, pre, residual)))
         b.ratios(r, bases)
         if r and r.get("ms"):
             r["codes_diff_vs_row"] = float((out_of(fn(*sets[0])).codes != row_out.codes).float().mean())
@@ -251,7 +251,7 @@ def _norm_quant(b: _Bench, quick: bool) -> None:
                         lambda t: lambda x, w, r: rmsnorm_quant(x, w, EPS, sch, residual=r, check_finite=False,
                                                                 kernel="tile", tile=t),
                         sets_r, nbytes, {"eager": r_e, "compile": r_c, "row": r_l}, fused(*sets_r[0])[0],
-                        lambda o: o[0])
+                        lambda o: o[0], residual=True)
         for name in ("mxfp8", "mxfp4", "nvfp4"):
             if not b.wanted(f"norm_quant_{name}") or (quick and name != "mxfp8"):
                 continue

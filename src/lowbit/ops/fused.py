@@ -204,13 +204,14 @@ def tile_supports(scheme: QuantScheme) -> bool:
             and scheme.scale_format == "fp32")
 
 
-def tile_config(K: int, pre: int) -> tuple[int, int]:
+def tile_config(K: int, pre: int, residual: bool = False) -> tuple[int, int]:
     """(ROWS, num_warps) of the "tile" kernel for rows of K elements: 32 elements of a row per
     thread (num_warps = next_pow2(K) / 1024, at most 16; 64 per thread from 8192 on), and rows stacked up to 32 elements per
     thread when a row is shorter than 1024. From the sm_90 SASS (python -m lowbit.bench.memory
     --sass), not from timings: 64 per thread takes 16.6 instead of 19.2 instructions per
     element on the RMSNorm + int8 fast path but ~140 registers instead of ~72 (half the warps
-    per SM); the benchmark times 32 and 64 per thread side by side (`pre` is unused so far)."""
+    per SM); the benchmark times 32 and 64 per thread side by side (`pre` is unused so far).
+    With a `residual`, at least 2 rows per program (one row gave non-canonical scales on sm_90)."""
     import triton
 
     block = max(16, triton.next_power_of_2(K))
@@ -221,8 +222,8 @@ def tile_config(K: int, pre: int) -> tuple[int, int]:
     rows = 1
     while rows * block < 32 * 32 * warps and rows < 8:
         rows *= 2
-    if (rows, warps) == (1, 1):  # refused in _launch_tile (non-canonical scales seen on sm_90)
-        rows = 2
+    if (rows, warps) == (1, 1) or (residual and rows == 1):  # refused in _launch_tile (non-canonical
+        rows = 2                                                # scales seen on sm_90)
     return rows, warps
 
 
@@ -254,9 +255,7 @@ def _launch_tile(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, *, wei
         raise ValueError(f"hidden size K = {K} exceeds the fused kernel's {fq.MAX_BLOCK} elements per row "
                          "(the row lives in registers); use backend='torch'")
     if tile is None:
-        tile = tile_config(K, pre)
-        if res2 is not None and tile[0] == 1:
-            tile = (2, tile[1])  # one row per program with a residual: refused below
+        tile = tile_config(K, pre, residual=res2 is not None)
     R, warps = tile
     if R < 1 or R & (R - 1) or warps < 1 or warps & (warps - 1):
         raise ValueError(f"tile=(rows, num_warps) must be powers of two, got {tile}")

@@ -122,9 +122,9 @@ def prepare_w4(wq: QTensor, layout: str = "planar_chunks") -> W4Weight:
         packed, chunk = _planar8(wq.codes, kind, wq.scheme.group_size), wq.scheme.group_size
     else:
         packed, chunk = _planar(wq.codes, kind, wq.scheme.group_size)
-    if kind == "mxfp4" and wq.scale_codes is not None and wq.scale_codes.numel() \
-            and int(wq.scale_codes.max()) > MXFP4_MAX_SCALE_CODE:
-        raise ValueError(f"prepare_w4: an MXFP4 weight scale of 2^{int(wq.scale_codes.max()) - 127} is beyond the "
+    top = int(wq.scale_codes.max()) if kind == "mxfp4" and wq.scale_codes is not None and wq.scale_codes.numel() else 0
+    if top > MXFP4_MAX_SCALE_CODE:
+        raise ValueError(f"prepare_w4: an MXFP4 weight scale of 2^{top - 127} is beyond the "
                          f"kernel's exact range (e8m0 codes <= {MXFP4_MAX_SCALE_CODE}, scales <= 2^113: it forms "
                          "value * 2^-14 and scale * 2^14); such weights are not real model weights -- check "
                          "the checkpoint, or dequantize it with QTensor.dequantize()")
