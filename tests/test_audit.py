@@ -79,11 +79,16 @@ def test_torch_library_rows_run_every_case_shape(rng):
     specs = au.scaled_mm_specs() + [s for s in au.discover("cpu", False) if s.name.startswith("torch._int_mm")]
     cases = [c for c in au.CASES if c.name in ("M=1", "K not a tile multiple", "non-contiguous codes")]
     if torch.cuda.is_available():
-        # with a GPU, cuBLAS itself: every shape runs (no error cell); fast accumulation is held to
-        # fp32 there and may be reported as narrower, the precise rows and _int_mm must pass
+        # with a GPU, cuBLAS itself: every shape runs (no error cell); _int_mm passes; the fp8 rows
+        # are held to the fp32 accumulation torch promises, which Hopper's cuBLAS does not keep
+        # (fp8 tensor-core steps of 14 bits, promoted every 128 K unless fast: measured on the
+        # H200, docs/diagnosis.md), so they pass or are named that accumulator -- never a logic bug
         cells = au.audit(specs, cases, device="cuda", seed=seed)
         assert len(cells) == 5 * 3 and all(c.verdict != "error" for c in cells), cells
-        assert all(c.verdict == "pass" for c in cells if "fast" not in c.kernel), cells
+        assert all(c.verdict == "pass" for c in cells if "_int_mm" in c.kernel), cells
+        for c in cells:
+            assert c.verdict == "pass" or (c.verdict == "numerical" and c.cause == "accumulator_narrower_than_promised"
+                                           and "fp8_fast" in c.detail), c
         return
     cells = au.audit(specs, cases, device="cpu", seed=seed)
     assert len(cells) == 5 * 3 and all(c.verdict == "pass" for c in cells), [c for c in cells if c.verdict != "pass"]

@@ -210,13 +210,15 @@ def scaled_mm_ok(device: str) -> bool:
 
 
 def scaled_mm_specs() -> list[KernelSpec]:
-    """torch._scaled_mm tensor-wise and row-wise, with and without fast accumulation. All promise
-    fp32 accumulation, so that the long-K case shows what fast accumulation really keeps."""
+    """torch._scaled_mm tensor-wise and row-wise, with and without fast accumulation (use_fast_accum).
+    All are held to fp32 accumulation, the precision torch's API suggests, so that the table shows
+    what cuBLAS really keeps: on an H200 neither keeps it (docs/diagnosis.md) -- fp8 tensor-core
+    steps of 14 significant bits, promoted into fp32 every 128 K ("precise") or never ("fast")."""
     import lowbit as lb
     ft, fr = lb.get_preset("fp8_tensor"), lb.get_preset("fp8_row")
     specs = []
     for fast in (False, True):
-        tag = "fast accumulation" if fast else "fp32 accumulation"
+        tag = "fast accumulation" if fast else "precise"
         specs.append(KernelSpec(f"torch._scaled_mm tensorwise, {tag}", ft, ft, _scaled_mm(fast), "fp32"))
         specs.append(KernelSpec(f"torch._scaled_mm rowwise, {tag}", fr, fr, _scaled_mm(fast), "fp32"))
     return specs
