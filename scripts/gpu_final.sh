@@ -15,7 +15,7 @@ sum="$out/summary.txt"
 { nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader; git rev-parse --short HEAD 2>/dev/null; } | tee -a "$sum"
 if [[ $parts == *,suite,* ]]; then
   t0=$(date +%s)
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -n 12 -p no:cacheprovider tests \
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -n 12 -p no:cacheprovider tests \
       --ignore=tests/test_models_e2e.py >"$out/tests.log" 2>&1
   echo "suite rc=$? ($(( $(date +%s) - t0 )) s) :: $(grep -E '[0-9]+ (passed|failed)' "$out/tests.log" | tail -n 1)" | tee -a "$sum"
   timeout 45 python3 scripts/gpu_tile_diag.py >>"$out/tests.log" 2>&1
