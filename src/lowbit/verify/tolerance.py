@@ -25,8 +25,11 @@ import torch
 from lowbit.ops.reference import as_operand, expand_rows, sum_abs_products
 
 # Unit roundoff of the accumulators a kernel may promise; 0 = exact (integer).
-# fp8_fast: Hopper's fp8 tensor-core accumulator without promotion keeps about 14 significant bits
-# and truncates (verify/accumulate.py): a relative error below 2^-13 per step.
+# fp8_fast: Hopper's fp8 tensor-core accumulator (verify/accumulate.py, measured on the H200): each
+# 32-wide MMA step truncates its 32 products and the running sum to 13 fraction bits below the
+# largest of them, an error < 33 * 2^-13 * T_k per step (T_k = sum of |products| so far), so
+# < (33/32) * K * 2^-13 * T over K. The gate's gamma_{K+4}(2^-13) * T covers it at every K:
+# (K + 4) / (1 - (K + 4) 2^-13) >= K + 4 + (K + 4)^2 2^-13 >= (33/32) K, as 4 + (K+4)^2/8192 >= K/32.
 ACCUMULATORS = {"int32": 0.0, "fp32": 2.0 ** -24, "fp8_fast": 2.0 ** -13, "fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
 U32 = 2.0 ** -24          # epilogue arithmetic (scale multiplies, bias add) is float32
 U64 = 2.0 ** -53          # the float64 reference's own rounding
