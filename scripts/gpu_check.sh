@@ -5,11 +5,7 @@
 # transformers; torchao, compressed-tensors, gguf and the embedded model are absent there, so
 # the tests that need them skip and the embedded-model end-to-end tests are left out. The GEMM benchmark has its own script (scripts/gpu_gemm.sh).
 #   usage (on the device): bash scripts/gpu_check.sh
-set -uo pipefail
-root="$(cd "$(dirname "$0")/.." && pwd)"
-cd "$root"
-out="${OUT:-$root/out}"; mkdir -p "$out"
-export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__)" | tee -a "$out/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /' | tee -a "$out/gpu.txt"

@@ -5,11 +5,7 @@
 #   bash scripts/gpu_final.sh audit,distributed     `lowbit audit` on the GPU, the 1-vs-2-GPU calibration run
 # Logs and JSON under $OUT (at most 8 files come back: each part writes one or two); a short
 # table last. Runs from source (PYTHONPATH=src): nothing is installed on the device.
-set -uo pipefail
-root="$(cd "$(dirname "$0")/.." && pwd)"
-cd "$root"
-out="${OUT:-$root/out}"; mkdir -p "$out"
-export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"
 parts=",${1:-suite,gemm,memory},"
 sum="$out/summary.txt"
 { nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader; git rev-parse --short HEAD 2>/dev/null; } | tee -a "$sum"
@@ -48,7 +44,8 @@ if [[ $parts == *,audit,* ]]; then
   timeout "${AUDIT_TIMEOUT:-120}" python3 -m lowbit.cli audit --json "$out/audit_h200.json" \
       --png "$out/audit_h200.png" >"$out/audit_h200.txt" 2>&1
   echo "audit rc=$?" | tee -a "$sum"
-  timeout 60 python3 scripts/gpu_fastaccum_probe.py 2>&1 | tee -a "$sum"
+  # the accumulator probe (data for verify/accumulate.py's fp8 model; docs/fastaccum_probe_h200.npz)
+  [ "${PROBE:-0}" = 1 ] && timeout 60 python3 scripts/gpu_fastaccum_probe.py 2>&1 | tee -a "$sum"
 fi
 if [[ $parts == *,distributed,* ]]; then
   if [ -f scripts/gpu_distributed.sh ]; then

@@ -2,11 +2,7 @@
 # One H200 call for the GEMM kernels: their tests on CUDA, `lowbit doctor`, a small launch-config
 # sweep, then `lowbit bench --only gemm` (JSON + table). Logs under $OUT; a short table last.
 #   usage (on the device, repository root): bash scripts/gpu_gemm.sh [--quick] [--no-tests] [--no-sweep]
-set -uo pipefail
-root="$(cd "$(dirname "$0")/.." && pwd)"
-cd "$root"
-out="${OUT:-$root/out}"; mkdir -p "$out"
-export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"
 quick=""; tests=1; sweep=1
 for a in "$@"; do
   case "$a" in --quick) quick="--quick";; --no-tests) tests=0;; --no-sweep) sweep=0;; esac

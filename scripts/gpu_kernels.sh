@@ -3,11 +3,7 @@
 # fused quantizer's tile-kernel diagnosis, the memory-bound rows (fused quantizer + W4A16) and a
 # launch-config sweep of the skinny int8 GEMM. Logs under $OUT; a short table last.
 #   usage (on the device, repository root): bash scripts/gpu_kernels.sh
-set -uo pipefail
-root="$(cd "$(dirname "$0")/.." && pwd)"
-cd "$root"
-out="${OUT:-$root/out}"; mkdir -p "$out"
-export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$out/summary.txt"
 t0=$(date +%s)
 timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -n 12 -p no:cacheprovider tests/test_fused_quant.py \

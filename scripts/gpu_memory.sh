@@ -3,11 +3,7 @@
 # (python -m lowbit.bench.memory), logs and JSON under $OUT, the short table last.
 # Runs from source on the device machine (torch, triton, pytest, pytest-xdist, ml_dtypes are
 # there; torchao is not, so its oracle test skips).   usage: bash scripts/gpu_memory.sh [--quick]
-set -uo pipefail
-root="$(cd "$(dirname "$0")/.." && pwd)"
-cd "$root"
-out="${OUT:-$root/out}"; mkdir -p "$out"
-export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"
 quick="${1:-}"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__)" | tee -a "$out/gpu.txt"

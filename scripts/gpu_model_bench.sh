@@ -7,11 +7,7 @@
 # The JSON is rewritten after every variant, so a run stopped by the timeout keeps its rows.
 #   usage (on the device): bash scripts/gpu_model_bench.sh [extra `lowbit bench model` options]
 #   e.g. --quick, --recipes w8a8-int8,w4a16, --no-compile, --shape 1b
-set -uo pipefail
-root="$(cd "$(dirname "$0")/.." && pwd)"
-cd "$root"
-out="${OUT:-$root/out}"; mkdir -p "$out"
-export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "
 import torch, triton

@@ -3,11 +3,7 @@
 # and the kernels it runs, the layer benchmark (QuantLinear vs bf16 F.linear, eager and CUDA
 # graph), and the end-to-end model benchmark when present. Logs under $OUT, a table last.
 #   usage (on the device): bash scripts/gpu_runtime.sh [--no-tests] [--no-layers] [--no-model]
-set -uo pipefail
-root="$(cd "$(dirname "$0")/.." && pwd)"
-cd "$root"
-out="${OUT:-$root/out}"; mkdir -p "$out"
-export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"
 tests=1; layers=1; model=1
 for a in "$@"; do case "$a" in --no-tests) tests=0;; --no-layers) layers=0;; --no-model) model=0;; esac; done
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"

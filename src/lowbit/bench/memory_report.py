@@ -141,7 +141,7 @@ def sass_report() -> list[dict]:
                 n, smem = compile_count(w4._w4a16_kernel, sig, consts, ("M", "N"), num_warps=cfg["num_warps"],
                                         num_stages=cfg["num_stages"])
             except Exception as exc:  # noqa: BLE001 -- reported
-                n, smem = None, f"{type(exc).__name__}: {str(exc)[:200]}"
+                n, smem = None, f"{type(exc).__name__}: {str(exc)[-400:]}"
             sig = dict(sig, OUT="*bf16")
             rows.append(dict(kernel=f"w4a16 {kind} g{G}", variant=f"M{M} {cfg}", sass_static=n, shared=smem,
                              fits=isinstance(smem, int) and smem <= 232448))

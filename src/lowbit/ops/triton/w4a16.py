@@ -82,12 +82,9 @@ def _fp4_scaled(c, sc, WFMT: tl.constexpr, NG: tl.constexpr, L: tl.constexpr, BL
 
 @triton.jit
 def _e2m1_value(c):
-    """fp4 e2m1 code (int32, 0..15) -> float32 value (0, .5, 1, 1.5, 2, 3, 4, 6, signed),
-    built from bits: 2^(e-1) * (1 + m/2) for e > 0, m/2 for e = 0."""
-    e = (c >> 1) & 3
-    m = c & 1
-    bits = tl.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
-    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+    """fp4 e2m1 code (int32, 0..15) -> float32 value (0, .5, 1, 1.5, 2, 3, 4, 6, signed):
+    _e2m1_half's value * 2^-14 times 2^14 (exact)."""
+    return _e2m1_half(c) * 16384.0
 
 
 @triton.jit
@@ -149,6 +146,7 @@ def _w4a16_kernel(
     w_cols = W + n64[None, :] * s_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = pid_k * K_SPLIT
+    NG: tl.constexpr = C // 2 // G if C >= 2 * G else 1   # fp4: scale groups per half-chunk (C = G: one)
     for kk in range(0, K_SPLIT, BLOCK_K):
         for t in tl.static_range(BLOCK_K // C):
             kc = tl.multiple_of(k_lo + kk + t * C, C)  # chunk start (alignment hint: 16-byte loads)
@@ -180,17 +178,14 @@ def _w4a16_kernel(
                 # a half-chunk of C/2 codes holds C/(2G) whole groups (or, for MXFP4 at C = G = 32,
                 # half of one): one scale load and decode per group and column, broadcast over the
                 # group's codes through a reshape, instead of a scale gather and decode per weight
-                if C >= 2 * G:
-                    gi = kc // G + tl.arange(0, C // 2 // G)
-                    sca = tl.load(SC + n64[None, :] * s_sn + gi[:, None], mask=n_ok[None, :], other=127)
-                    scb = tl.load(SC + n64[None, :] * s_sn + (gi + C // 2 // G)[:, None], mask=n_ok[None, :],
-                                  other=127)
-                    wa = _fp4_scaled(wp & 15, sca, WFMT, C // 2 // G, G, BLOCK_N)
-                    wb = _fp4_scaled(wp >> 4, scb, WFMT, C // 2 // G, G, BLOCK_N)
-                else:
-                    sc = tl.load(SC + n64[None, :] * s_sn + kc // G, mask=n_ok[None, :], other=127)  # [1, BN]
-                    wa = _fp4_scaled(wp & 15, sc, WFMT, 1, C // 2, BLOCK_N)
-                    wb = _fp4_scaled(wp >> 4, sc, WFMT, 1, C // 2, BLOCK_N)
+                gi = kc // G + tl.arange(0, NG)
+                sca = tl.load(SC + n64[None, :] * s_sn + gi[:, None], mask=n_ok[None, :], other=127)  # [NG, BN]
+                if C >= 2 * G:   # the high half's groups follow the low half's
+                    scb = tl.load(SC + n64[None, :] * s_sn + (gi + NG)[:, None], mask=n_ok[None, :], other=127)
+                else:            # C = G: both halves lie in one group
+                    scb = sca
+                wa = _fp4_scaled(wp & 15, sca, WFMT, NG, C // 2 // NG, BLOCK_N)
+                wb = _fp4_scaled(wp >> 4, scb, WFMT, NG, C // 2 // NG, BLOCK_N)
                 acc = _product(xa, wa, xb, wb, acc, USE_DOT, INTERP)
     if WFMT == 3:
         acc = acc * tl.load(GS)
