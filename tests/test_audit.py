@@ -52,7 +52,7 @@ def test_user_kernel_bug_is_named_in_the_table(tmp_path, rng, capsys):
 def test_builtin_cpu_kernels_conform(tmp_path, rng, capsys):
     # the torch paths on every case, and one Triton kernel (interpreter on CPU) on two
     seed = int(torch.randint(2 ** 31, (1,), generator=rng))
-    for only in ("torch._int_mm", "lowbit torch path"):      # ("torch" alone also picks torchao's rows)
+    for only in ("torch._int_mm", "lowbit torch path"):
         rc = main(["audit", "--seed", str(seed), "--only", only, "--json", str(tmp_path / "t.json")])
         assert rc == 0, capsys.readouterr().out
     triton = [s for s in au.discover("cuda" if torch.cuda.is_available() else "cpu", True)
@@ -60,6 +60,17 @@ def test_builtin_cpu_kernels_conform(tmp_path, rng, capsys):
     cells = au.audit(triton, [c for c in au.CASES if c.name in ("random", "K not a tile multiple")],
                      device="cuda" if torch.cuda.is_available() else "cpu", seed=seed)
     assert [c.verdict for c in cells] == ["pass", "pass"], cells
+
+
+def test_only_matches_whole_words(capsys, monkeypatch):
+    """--only torch picks torch's own rows and lowbit's torch path, not torchao's (a word of its own)."""
+    names = ["torch._int_mm + fp32 epilogue", "lowbit torch path (int8)", "torchao int8 W8A8 (Int8Tensor)"]
+    seen = []
+    monkeypatch.setattr(au, "discover", lambda device, triton_ok: [au.KernelSpec(n, None, None, None, "fp32")
+                                                                   for n in names])
+    monkeypatch.setattr(au, "audit", lambda specs, cases, **kw: seen.extend(s.name for s in specs) or [])
+    main(["audit", "--only", "torch"])
+    assert seen == names[:2], seen
 
 
 def test_bad_arguments_are_refused(capsys):

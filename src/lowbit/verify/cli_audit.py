@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import torch
@@ -21,7 +22,8 @@ def register(parser) -> None:
     parser.add_argument("--x-scheme", help="preset or QuantScheme JSON of x for --kernel (absent: unquantized)")
     parser.add_argument("--w-scheme", help="preset or QuantScheme JSON of w for --kernel (absent: unquantized)")
     parser.add_argument("--accumulator", help="what --kernel accumulates in (default: int32 for int x int, else fp32)")
-    parser.add_argument("--only", help="run only kernels whose name contains this text")
+    parser.add_argument("--only", help="run only kernels whose name contains this text as whole words "
+                                       "('torch' picks torch._int_mm, not torchao's rows)")
     parser.add_argument("--no-builtin", action="store_true", help="audit only the --kernel functions")
     parser.add_argument("--case", action="append", default=[], help="run only this case (repeatable)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the case inputs (default 0)")
@@ -52,7 +54,8 @@ def run(args) -> int:
     for k in args.kernel:
         specs.append(au.user_kernel(k, _scheme(args.x_scheme), _scheme(args.w_scheme), args.accumulator))
     if args.only:
-        specs = [s for s in specs if args.only in s.name]
+        word = re.compile(rf"(?<!\w){re.escape(args.only)}(?!\w)")
+        specs = [s for s in specs if word.search(s.name)]
     cases = au.CASES
     if args.case:
         names = {c.name for c in cases}
