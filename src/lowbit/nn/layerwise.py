@@ -84,6 +84,41 @@ class _Checkpoint:
             r.close()
 
 
+def _advance(layer: torch.nn.Module, stream: list) -> None:
+    """Replace each batch of `stream` by the layer's output on it, one batch at a time: the old
+    and the new stream are never both alive (one batch's output is the only extra memory)."""
+    from lowbit.nn.sequential import next_block_inputs
+    for b in range(len(stream)):
+        stream[b] = next_block_inputs(layer, [stream[b]])[0]
+
+
+# Elements per float32 temporary while a weight is quantized (row chunks; see _rtn_on_host).
+_CHUNK = 1 << 22
+
+
+def _rtn_on_host(d, summary, linear: torch.nn.Linear, static) -> torch.nn.Module:
+    """quantize_layer's QuantLinear (round to nearest), built on the host: the weight is quantized
+    on its device by chunks of rows (per-row scales make that the same codes; a per-tensor or
+    two-level scheme is quantized whole) and each chunk's codes and scales move to the host, so
+    the device holds the float layer and one chunk's float32 temporaries, not a quantized copy
+    of the layer. The checkpoint writer reads it there; nothing runs it."""
+    from lowbit.nn.quant_linear import QuantLinear
+    from lowbit.nn.quantize_model import layer_act, quantize_layer
+    from lowbit.quantize import QTensor, quantize
+    r = summary.recipe_of(d)
+    w = linear.weight.detach()
+    if r.weight.strategy not in ("channel", "group") or r.weight.two_level or not torch.isfinite(w).all():
+        return quantize_layer(d, summary, linear, static).to("cpu")    # its checks and messages
+    act, scale = layer_act(d, r, static)
+    step = max(1, _CHUNK // w.shape[1])
+    parts = [quantize(w[a:a + step].float(), r.weight, pad=True) for a in range(0, w.shape[0], step)]
+    cat = lambda f: None if getattr(parts[0], f) is None else torch.cat([getattr(p, f).cpu() for p in parts])  # noqa: E731
+    qt = QTensor(cat("codes"), cat("scale"), cat("zero_point"), r.weight, tuple(w.shape), cat("scale_codes"), None)
+    del parts
+    bias = None if linear.bias is None else linear.bias.detach().float().cpu()
+    return QuantLinear(qt, r.weight, act, bias=bias, act_static_scale=None if scale is None else scale.cpu())
+
+
 def _materialize(module: torch.nn.Module, prefix: str, ckpt: _Checkpoint, device, dtype) -> None:
     """Allocate a meta module on `device` and fill every parameter from the checkpoint (cast to dtype)."""
     module.to_empty(device=device)
@@ -121,9 +156,9 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     from lowbit.nn.calibration import calibrate_act_absmax, scale_from_absmax, static_scheme
     from lowbit.nn.gptq import gptq_handler
     from lowbit.nn.quant_linear import QuantLinear
-    from lowbit.nn.quantize_model import plan, quantize_layer
+    from lowbit.nn.quantize_model import plan
     from lowbit.nn.recipes import get_recipe
-    from lowbit.nn.sequential import as_kwargs, capture_block_inputs, next_block_inputs, run_stage
+    from lowbit.nn.sequential import as_kwargs, capture_block_inputs, run_stage
     from lowbit.nn.smoothquant import fold_from_stats, fold_groups
 
     t_start = time.time()
@@ -203,7 +238,9 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                     t = ckpt.get(n)
                     writer.add(n, t.to(dtype) if t.is_floating_point() else t)
                     del t
-        streams = {k: first for k, want in (("F", need_f), ("S", need_s), ("Q", need_q)) if want}
+        # each stream its own list (they share the first layer's inputs), advanced in place
+        streams = {k: list(first) for k, want in (("F", need_f), ("S", need_s), ("Q", need_q)) if want}
+        del first
         scales: dict[str, torch.Tensor] = {}
         layer_schemes, sidecar = {}, {}
         static = scales if need_s else None      # filled layer by layer, before each layer is quantized
@@ -229,23 +266,22 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                 amax = calibrate_act_absmax(layer, as_kwargs(streams["F"]),
                                             names=[c for g in groups for c in g.consumers], per_channel=True)
                 if not last:
-                    streams["F"] = next_block_inputs(layer, streams["F"])
+                    _advance(layer, streams["F"])
                 fold_from_stats(layer, groups, amax, smoothquant)
             if need_s:               # static scales on the folded float model
                 act = static_scheme(r.act)
                 for n, a in calibrate_act_absmax(layer, as_kwargs(streams["S"]), names=mine).items():
                     scales[prefix + n] = scale_from_absmax(a, act)
                 if not last:
-                    streams["S"] = next_block_inputs(layer, streams["S"])
+                    _advance(layer, streams["S"])
             if need_q:               # GPTQ on the quantized model's activations
                 run_stage(layer, streams["Q"], mine, handle, {}, prefix, None)
                 if not last:
-                    streams["Q"] = next_block_inputs(layer, streams["Q"])
+                    _advance(layer, streams["Q"])
             else:
                 by_name = {d.name: d for d in summary.quantized}
-                for n in mine:
-                    q = quantize_layer(by_name[prefix + n], summary, layer.get_submodule(n),
-                                       static).to(device)
+                for n in mine:   # nothing runs the quantized layer: it goes to the host for the writer
+                    q = _rtn_on_host(by_name[prefix + n], summary, layer.get_submodule(n), static)
                     parent, _, attr = n.rpartition(".")
                     setattr(layer.get_submodule(parent) if parent else layer, attr, q)
             formats = {}
