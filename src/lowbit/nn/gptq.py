@@ -30,6 +30,7 @@ before it that are already quantized.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -478,23 +479,30 @@ def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, dam
         raise ValueError(f"holdout={holdout}: give 0 (no validation) or n >= 2 (every n-th token validates)")
     decisions = {d.name: d for d in summary.quantized}
 
-    def losses(n, qt, h, hv):
-        """float64 [3]: GPTQ's output loss over round-to-nearest's, the same on held-out tokens
-        (NaN without them), 1.0 when round-to-nearest is kept (held-out loss not better)."""
+    def losses(n, qt, h):
+        """float64 [2]: output losses of GPTQ's and of round-to-nearest's weight on h."""
         d, lin = decisions[n], model.get_submodule(n)
         w = lin.weight.detach()
-        w64 = w.double()
+        w64 = w.double() if w.dtype != torch.float64 else w
         rtn = quantize(w64.float(), summary.recipe_of(d).weight, pad=True)
-        lq, l0 = output_loss(w64, qt.dequantize(torch.float64), h), output_loss(w64, rtn.dequantize(torch.float64), h)
-        info = [lq / l0 if l0 > 0 else 1.0, math.nan, 0.0]
-        if hv is not None:
-            lv, lr = output_loss(w, qt.dequantize(torch.float64), hv), output_loss(w, rtn.dequantize(torch.float64), hv)
-            info[1] = lv / lr if lr > 0 else 1.0
-            info[2] = float(lv > lr)
-        return torch.tensor(info, dtype=torch.float64)
+        return torch.tensor([output_loss(w64, qt.dequantize(torch.float64), h),
+                             output_loss(w64, rtn.dequantize(torch.float64), h)], dtype=torch.float64)
+
+    timings = {"hessian": 0.0, "solve": 0.0, "losses": 0.0}
+    clock = [0.0]
+
+    def lap(phase, dev):     # seconds per phase (device queue drained), read by layerwise's summary
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        now = time.time()
+        if phase is not None:
+            timings[phase] += now - clock[0]
+        clock[0] = now
 
     def handle(names, inputs):
         K = model.get_submodule(names[0]).in_features
+        dev = model.get_submodule(names[0]).weight.device
+        lap(None, dev)
         fit, val = HessianAccumulator(K), HessianAccumulator(K)
         for x in inputs:
             x2 = x.reshape(-1, K)
@@ -509,6 +517,7 @@ def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, dam
         val.reduce()
         h = fit.hessian()
         hv = val.hessian() if holdout and val.n else None
+        lap("hessian", dev)
         lins = [model.get_submodule(n) for n in names]
         schemes = [summary.recipe_of(decisions[n]).weight for n in names]
         # One column loop per run of Linears with the same scheme (q/k/v, gate/up concatenated);
@@ -520,15 +529,36 @@ def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, dam
         except ValueError as err:
             shapes = ", ".join(f"{n} {list(decisions[n].shape)}" for n in names)
             raise ValueError(f"GPTQ of layer(s) {shapes}: {err}") from err
+        lap("solve", dev)
         world, me = distributed.world_size(), distributed.rank()
         hd = h.to(lins[0].weight.device)
         hvd = None if hv is None else hv.to(lins[0].weight.device)
+        # The losses: of each layer, on the fit tokens (the report) and on the held-out ones (the
+        # choice), each pair of products [N, K] x [K, K] computed whole by one rank and broadcast,
+        # so the values are one process's; largest first to the least loaded rank (cost ~ N K^2;
+        # ties to the last rank, as rank 0 also writes the checkpoint).
+        tasks = [(i, 0) for i in range(len(names))] + ([(i, 1) for i in range(len(names))] if hvd is not None else [])
+        load, owner = [0] * world, {}
+        for t in sorted(tasks, key=lambda t: -lins[t[0]].weight.shape[0]):
+            owner[t] = min(range(world), key=lambda r: (load[r], -r))
+            load[owner[t]] += lins[t[0]].weight.shape[0]
+        got = {t: losses(names[t[0]], qts[t[0]], (hd, hvd)[t[1]]) if owner[t] == me
+               else torch.zeros(2, dtype=torch.float64) for t in tasks}
+        for t in tasks:
+            distributed.broadcast_(got[t], src=owner[t])
+        infos = []
+        for i in range(len(names)):
+            lq, l0 = (float(v) for v in got[(i, 0)])
+            info = [lq / l0 if l0 > 0 else 1.0, math.nan, 0.0]
+            if (i, 1) in got:
+                lv, lr = (float(v) for v in got[(i, 1)])
+                info[1:] = [lv / lr if lr > 0 else 1.0, float(lv > lr)]
+            infos.append(info)
+        lap("losses", dev)
         out = {}
         for i, n in enumerate(names):
             d, lin, r = decisions[n], lins[i], summary.recipe_of(decisions[n])
-            # the losses (and the held-out choice) of layer i by rank i % world, broadcast
-            info = losses(n, qts[i], hd, hvd) if i % world == me else torch.zeros(3, dtype=torch.float64)
-            distributed.broadcast_(info, src=i % world)
+            info = infos[i]
             qt = qts[i]
             if info[2]:
                 qt = quantize(lin.weight.detach().float(), r.weight, pad=True)
@@ -543,4 +573,5 @@ def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, dam
                                  backend=backend).to(lin.weight.device)
         return out
 
+    handle.timings = timings
     return handle

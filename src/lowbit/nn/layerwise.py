@@ -92,39 +92,54 @@ def _advance(layer: torch.nn.Module, stream: list) -> None:
         stream[b] = next_block_inputs(layer, [stream[b]])[0]
 
 
-# Elements per float32 temporary while a weight is quantized (row chunks; see _rtn_on_host).
+# Elements per float32 temporary while a weight is quantized (row chunks; see _rtn_chunked).
 _CHUNK = 1 << 22
 
 
-def _rtn_on_host(d, summary, linear: torch.nn.Linear, static) -> torch.nn.Module:
-    """quantize_layer's QuantLinear (round to nearest), built on the host: the weight is quantized
-    on its device by chunks of rows (per-row scales make that the same codes; a per-tensor or
-    two-level scheme is quantized whole) and each chunk's codes and scales move to the host, so
-    the device holds the float layer and one chunk's float32 temporaries, not a quantized copy
-    of the layer. The checkpoint writer reads it there; nothing runs it."""
+def _rtn_chunked(d, summary, linear: torch.nn.Linear, static) -> torch.nn.Module:
+    """quantize_layer's QuantLinear (round to nearest), with the weight quantized by chunks of
+    rows: per-row scales make that the same codes, and the device holds one chunk's float32
+    temporaries instead of three [N, K] ones (a per-tensor or two-level scheme is quantized whole)."""
     from lowbit.nn.quant_linear import QuantLinear
     from lowbit.nn.quantize_model import layer_act, quantize_layer
     from lowbit.quantize import QTensor, quantize
     r = summary.recipe_of(d)
     w = linear.weight.detach()
     if r.weight.strategy not in ("channel", "group") or r.weight.two_level or not torch.isfinite(w).all():
-        return quantize_layer(d, summary, linear, static).to("cpu")    # its checks and messages
+        return quantize_layer(d, summary, linear, static)    # its checks and messages
     act, scale = layer_act(d, r, static)
     step = max(1, _CHUNK // w.shape[1])
     parts = [quantize(w[a:a + step].float(), r.weight, pad=True) for a in range(0, w.shape[0], step)]
-    cat = lambda f: None if getattr(parts[0], f) is None else torch.cat([getattr(p, f).cpu() for p in parts])  # noqa: E731
+    cat = lambda f: None if getattr(parts[0], f) is None else torch.cat([getattr(p, f) for p in parts])  # noqa: E731
     qt = QTensor(cat("codes"), cat("scale"), cat("zero_point"), r.weight, tuple(w.shape), cat("scale_codes"), None)
     del parts
-    bias = None if linear.bias is None else linear.bias.detach().float().cpu()
-    return QuantLinear(qt, r.weight, act, bias=bias, act_static_scale=None if scale is None else scale.cpu())
+    bias = None if linear.bias is None else linear.bias.detach().float()
+    return QuantLinear(qt, r.weight, act, bias=bias, act_static_scale=scale)
 
 
-def _materialize(module: torch.nn.Module, prefix: str, ckpt: _Checkpoint, device, dtype) -> None:
-    """Allocate a meta module on `device` and fill every parameter from the checkpoint (cast to dtype)."""
+def _read(module: torch.nn.Module, prefix: str, ckpt: _Checkpoint, pin: bool = False) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors of `module`'s parameters, on the host, by parameter name; pin: in
+    page-locked memory (the copy to a GPU then runs at full speed; done in the reader thread)."""
+    return {k: ckpt.get(prefix + k).pin_memory() if pin else ckpt.get(prefix + k) for k, _ in module.named_parameters()}
+
+
+def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """t on the host (page-locked when pin: a GPU's copy runs at full speed)."""
+    if not pin or t.device.type == "cpu":
+        return t.to("cpu")
+    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    buf.copy_(t)
+    return buf
+
+
+def _materialize(module: torch.nn.Module, prefix: str, ckpt: _Checkpoint, device, dtype, tensors=None) -> None:
+    """Allocate a meta module on `device` and fill every parameter from the checkpoint (cast to
+    dtype); tensors: the parameters already read (_read), else they are read here."""
     module.to_empty(device=device)
+    tensors = _read(module, prefix, ckpt) if tensors is None else tensors
     with torch.no_grad():
         for k, p in module.named_parameters():
-            t = ckpt.get(prefix + k)
+            t = tensors.pop(k)
             if tuple(t.shape) != tuple(p.shape):
                 raise ValueError(f"{prefix + k}: checkpoint shape {tuple(t.shape)}, config.json's model {tuple(p.shape)}")
             p.data = t.to(device=device, dtype=dtype)
@@ -250,54 +265,100 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
         if progress:
             from tqdm import tqdm
             bar = tqdm(total=len(blist), desc=f"layer by layer {r.name}", unit="layer")
-        for i in range(len(blist)):
-            t0 = time.time()
-            prefix = f"{bname}.{i}."
-            skeleton = blist[i]
-            layer = copy.deepcopy(skeleton)
-            _materialize(layer, prefix, ckpt, device, dtype)
-            blist[i] = layer
-            if i == 0:
-                result["layer_bytes"] = sum(p.numel() * p.element_size() for p in layer.parameters())
-            mine = [d.name[len(prefix):] for d in summary.quantized if d.name.startswith(prefix)]
-            last = i + 1 == len(blist)
-            if need_f:               # SmoothQuant's maxima on the float model as loaded
-                groups = fold_groups(layer)
-                amax = calibrate_act_absmax(layer, as_kwargs(streams["F"]),
-                                            names=[c for g in groups for c in g.consumers], per_channel=True)
-                if not last:
-                    _advance(layer, streams["F"])
-                fold_from_stats(layer, groups, amax, smoothquant)
-            if need_s:               # static scales on the folded float model
-                act = static_scheme(r.act)
-                for n, a in calibrate_act_absmax(layer, as_kwargs(streams["S"]), names=mine).items():
-                    scales[prefix + n] = scale_from_absmax(a, act)
-                if not last:
-                    _advance(layer, streams["S"])
-            if need_q:               # GPTQ on the quantized model's activations
-                run_stage(layer, streams["Q"], mine, handle, {}, prefix, None)
-                if not last:
-                    _advance(layer, streams["Q"])
-            else:
-                by_name = {d.name: d for d in summary.quantized}
-                for n in mine:   # nothing runs the quantized layer: it goes to the host for the writer
-                    q = _rtn_on_host(by_name[prefix + n], summary, layer.get_submodule(n), static)
-                    parent, _, attr = n.rpartition(".")
-                    setattr(layer.get_submodule(parent) if parent else layer, attr, q)
-            formats = {}
-            for n, m in layer.named_modules():
-                if isinstance(m, QuantLinear):
-                    formats[prefix + n], layer_schemes[prefix + n], sidecar[prefix + n] = describe_qlayer(prefix + n, m)
-            if writer is not None:
-                for n, t in module_tensors(layer, formats, set(), prefix[:-1]):
-                    writer.add(n, t)
-            blist[i] = skeleton      # the layer is freed
-            del layer
-            result["seconds_per_layer"].append(time.time() - t0)
-            if bar is not None:
-                bar.update(1)
+        phases = result["phase_seconds"] = {"load": 0.0, "calibrate": 0.0, "quantize": 0.0, "write": 0.0}
+        clock = [time.time()]
+
+        def lap(phase):      # seconds of each phase, the device's queue drained at each boundary
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            now = time.time()
+            phases[phase] += now - clock[0]
+            clock[0] = now
+
+        # Reading layer i + 1 from the shards (host) overlaps layer i's work, and writing layer
+        # i's tensors (host) overlaps layer i + 1's: one reader and one writer thread, each
+        # working in order, so the files are the same bytes.
+        from concurrent.futures import ThreadPoolExecutor
+        io = ThreadPoolExecutor(max_workers=1), ThreadPoolExecutor(max_workers=1)
+        pin = device.type == "cuda"
+        nxt = io[0].submit(_read, blist[0], f"{bname}.0.", ckpt, pin)
+        written = None
+        try:
+            for i in range(len(blist)):
+                t0 = time.time()
+                clock[0] = t0
+                prefix = f"{bname}.{i}."
+                skeleton = blist[i]
+                layer = copy.deepcopy(skeleton)
+                host = nxt.result()
+                if i + 1 < len(blist):
+                    nxt = io[0].submit(_read, blist[i + 1], f"{bname}.{i + 1}.", ckpt, pin)
+                _materialize(layer, prefix, ckpt, device, dtype, host)
+                del host
+                blist[i] = layer
+                lap("load")
+                if i == 0:
+                    result["layer_bytes"] = sum(p.numel() * p.element_size() for p in layer.parameters())
+                mine = [d.name[len(prefix):] for d in summary.quantized if d.name.startswith(prefix)]
+                last = i + 1 == len(blist)
+                if need_f:               # SmoothQuant's maxima on the float model as loaded
+                    groups = fold_groups(layer)
+                    amax = calibrate_act_absmax(layer, as_kwargs(streams["F"]),
+                                                names=[c for g in groups for c in g.consumers], per_channel=True)
+                    if not last:
+                        _advance(layer, streams["F"])
+                    fold_from_stats(layer, groups, amax, smoothquant)
+                if need_s:               # static scales on the folded float model
+                    act = static_scheme(r.act)
+                    for n, a in calibrate_act_absmax(layer, as_kwargs(streams["S"]), names=mine).items():
+                        scales[prefix + n] = scale_from_absmax(a, act)
+                    if not last:
+                        _advance(layer, streams["S"])
+                if need_q:               # GPTQ on the quantized model's activations
+                    lap("calibrate")
+                    run_stage(layer, streams["Q"], mine, handle, {}, prefix, None)
+                    lap("quantize")
+                    if not last:
+                        _advance(layer, streams["Q"])
+                    lap("calibrate")
+                elif distributed.rank() == 0:
+                    # round to nearest: nothing runs the quantized layer, only rank 0 writes it
+                    lap("calibrate")
+                    by_name = {d.name: d for d in summary.quantized}
+                    for n in mine:
+                        q = _rtn_chunked(by_name[prefix + n], summary, layer.get_submodule(n), static)
+                        parent, _, attr = n.rpartition(".")
+                        setattr(layer.get_submodule(parent) if parent else layer, attr, q)
+                    lap("quantize")
+                else:
+                    lap("calibrate")
+                formats = {}
+                for n, m in layer.named_modules():
+                    if isinstance(m, QuantLinear):
+                        formats[prefix + n], layer_schemes[prefix + n], sidecar[prefix + n] = describe_qlayer(prefix + n, m)
+                if writer is not None:
+                    out = [(n, _to_host(t, pin)) for n, t in module_tensors(layer, formats, set(), prefix[:-1])]
+                    if written is not None:
+                        written.result()       # one layer waits on the host at most (and errors surface)
+                    written = io[1].submit(lambda ts: [writer.add(n, t) for n, t in ts], out)
+                    del out
+                blist[i] = skeleton      # the layer is freed
+                del layer
+                lap("write")
+                result["seconds_per_layer"].append(time.time() - t0)
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            for ex in io:
+                ex.shutdown(wait=True)
         if bar is not None:
             bar.close()
+        if written is not None:
+            written.result()
+        if handle is not None:
+            from lowbit.nn import gptq
+            result["gptq_phase_seconds"] = dict(handle.timings)
+            result["gptq_block_kernel"] = gptq.BLOCK_KERNEL_STATUS
         if writer is not None:
             result["shards"] = writer.finish()
             out_cfg = dict(cfg)
