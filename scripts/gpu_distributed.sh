@@ -13,7 +13,7 @@
 # memory lines are printed last. Every step has its own timeout inside one DEADLINE (seconds).
 # Runs from source (PYTHONPATH=src, nothing installed); needs torch (+ triton) and transformers.
 # CPU rehearsal at tiny size (gloo, 2 processes), which checks every step of this script:
-#   DEVICE=cpu OUT=/tmp/dist-out bash scripts/gpu_distributed.sh
+#   DEVICE=cpu OUT=/tmp/dist-out PYTHON=/path/to/venv/bin/python bash scripts/gpu_distributed.sh
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -35,8 +35,9 @@ DEADLINE="${DEADLINE:-400}"
 T0=$(date +%s)
 log="$out/distributed.log"; : > "$log"
 steps="$work/steps.txt"; : > "$steps"
-py=(python3 benchmarks/distributed_calib.py)
-dist=(python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" benchmarks/distributed_calib.py)
+PY="${PYTHON:-python3}"   # the interpreter with torch (the rehearsal passes its venv)
+py=("$PY" benchmarks/distributed_calib.py)
+dist=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" benchmarks/distributed_calib.py)
 
 step() {  # step NAME LIMIT_S cmd...: run with min(LIMIT, time left) seconds, output appended to the log
     local name=$1 limit=$2; shift 2
@@ -56,8 +57,8 @@ step() {  # step NAME LIMIT_S cmd...: run with min(LIMIT, time left) seconds, ou
 
 { echo "===== machine"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
-  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda devices', torch.cuda.device_count())"
-  python3 -c "import triton; print('triton', triton.__version__)" 2>&1 | tail -n 1
+  "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda devices', torch.cuda.device_count())"
+  "$PY" -c "import triton; print('triton', triton.__version__)" 2>&1 | tail -n 1
   df -h "$work" | tail -n 1; echo "cpus $(nproc)"; free -g | head -n 2; } >> "$log" 2>&1
 tail -n +2 "$log"
 
@@ -78,7 +79,7 @@ step sq_2 100 "${dist[@]}" "${sq[@]}" --out "$work/sq_2" --json "$work/json/sq_2
 step sq_compare 60 "${py[@]}" compare "$work/sq_1" "$work/sq_2" --json "$work/json/sq_compare.json" || true
 echo "steps took $(( $(date +%s) - T0 )) s" | tee -a "$steps"
 
-python3 - "$out" "$work" "$NPROC" "$LAYERS" "$GPTQ_LAYERS" <<'PY' 2>&1 | tee "$out/table_distributed.md"
+"$PY" - "$out" "$work" "$NPROC" "$LAYERS" "$GPTQ_LAYERS" <<'PY' 2>&1 | tee "$out/table_distributed.md"
 import json, sys
 from pathlib import Path
 out, work, nproc, layers, glayers = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]

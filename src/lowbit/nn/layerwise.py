@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import os
 import resource
+import threading
 import time
 from pathlib import Path
 
@@ -69,15 +70,17 @@ class _Checkpoint:
         from lowbit.io.st_format import checkpoint_files
         self.files = checkpoint_files(in_dir)   # validates every header first
         self._readers = {}
+        self._lock = threading.Lock()           # the reader and the writer thread both read
 
     def get(self, name: str) -> torch.Tensor:
         from lowbit.io.st_format import CheckpointError, TensorReader
         if name not in self.files:
             raise CheckpointError(f"the checkpoint has no tensor {name!r}, which config.json's model needs")
         path = self.files[name]
-        if path not in self._readers:
-            self._readers[path] = TensorReader(path)
-        return self._readers[path].get(name)
+        with self._lock:
+            if path not in self._readers:
+                self._readers[path] = TensorReader(path)
+            return self._readers[path].get(name)
 
     def close(self):
         for r in self._readers.values():
@@ -117,10 +120,15 @@ def _rtn_chunked(d, summary, linear: torch.nn.Linear, static) -> torch.nn.Module
     return QuantLinear(qt, r.weight, act, bias=bias, act_static_scale=scale)
 
 
-def _read(module: torch.nn.Module, prefix: str, ckpt: _Checkpoint, pin: bool = False) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors of `module`'s parameters, on the host, by parameter name; pin: in
-    page-locked memory (the copy to a GPU then runs at full speed; done in the reader thread)."""
-    return {k: ckpt.get(prefix + k).pin_memory() if pin else ckpt.get(prefix + k) for k, _ in module.named_parameters()}
+def _read(module: torch.nn.Module, prefix: str, ckpt: _Checkpoint, pin_for=None) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors of `module`'s parameters, on the host, by parameter name; pin_for:
+    a CUDA device, for which they are put in page-locked memory (its copies then run at full
+    speed; done in the reader thread, which must first select that device, or CUDA would start
+    a context on GPU 0 for it)."""
+    if pin_for is not None:
+        torch.cuda.set_device(pin_for)
+    return {k: ckpt.get(prefix + k).pin_memory() if pin_for is not None else ckpt.get(prefix + k)
+            for k, _ in module.named_parameters()}
 
 
 def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -247,12 +255,20 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
         finally:
             to_dev.remove()
         emb.to("meta")               # freed: only the first inputs need it
+        # Reading layer i + 1 from the shards (host) overlaps layer i's work, and writing layer
+        # i's tensors (host) overlaps layer i + 1's: one reader and one writer thread, each
+        # working in order, so the files are the same bytes.
+        from concurrent.futures import ThreadPoolExecutor
+        io = ThreadPoolExecutor(max_workers=1), ThreadPoolExecutor(max_workers=1)
+        written = None
         if writer is not None:       # the tensors outside the layers, streamed (never on the device)
-            for n in sorted(ckpt.files):
-                if n not in own:
-                    t = ckpt.get(n)
-                    writer.add(n, t.to(dtype) if t.is_floating_point() else t)
-                    del t
+            def copy_rest():
+                for n in sorted(ckpt.files):
+                    if n not in own:
+                        t = ckpt.get(n)
+                        writer.add(n, t.to(dtype) if t.is_floating_point() else t)
+                        del t
+            written = io[1].submit(copy_rest)
         # each stream its own list (they share the first layer's inputs), advanced in place
         streams = {k: list(first) for k, want in (("F", need_f), ("S", need_s), ("Q", need_q)) if want}
         del first
@@ -275,14 +291,9 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
             phases[phase] += now - clock[0]
             clock[0] = now
 
-        # Reading layer i + 1 from the shards (host) overlaps layer i's work, and writing layer
-        # i's tensors (host) overlaps layer i + 1's: one reader and one writer thread, each
-        # working in order, so the files are the same bytes.
-        from concurrent.futures import ThreadPoolExecutor
-        io = ThreadPoolExecutor(max_workers=1), ThreadPoolExecutor(max_workers=1)
         pin = device.type == "cuda"
-        nxt = io[0].submit(_read, blist[0], f"{bname}.0.", ckpt, pin)
-        written = None
+        pin_for = device if pin else None
+        nxt = io[0].submit(_read, blist[0], f"{bname}.0.", ckpt, pin_for)
         try:
             for i in range(len(blist)):
                 t0 = time.time()
@@ -292,7 +303,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                 layer = copy.deepcopy(skeleton)
                 host = nxt.result()
                 if i + 1 < len(blist):
-                    nxt = io[0].submit(_read, blist[i + 1], f"{bname}.{i + 1}.", ckpt, pin)
+                    nxt = io[0].submit(_read, blist[i + 1], f"{bname}.{i + 1}.", ckpt, pin_for)
                 _materialize(layer, prefix, ckpt, device, dtype, host)
                 del host
                 blist[i] = layer
