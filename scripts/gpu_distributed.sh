@@ -8,7 +8,7 @@
 # calibration activations (target <= 1.3), and whether the 2-GPU checkpoint is byte-identical to
 # the 1-GPU one. Both methods see 16,384 calibration tokens (GPTQ: 8 batches of 2 x 1024;
 # SmoothQuant: 16 batches of 1 x 1024, the forward temporaries of one batch count in its peak).
-# $OUT gets three files: distributed.log (every step's output), distributed.json (every rank's
+# $OUT gets three files: distributed_steps.log (every step's output), distributed.json (every rank's
 # summary, the comparisons, the machine) and table_distributed.md; the table and the ratio and
 # memory lines are printed last. Every step has its own timeout inside one DEADLINE (seconds).
 # Runs from source (PYTHONPATH=src, nothing installed); needs torch (+ triton) and transformers.
@@ -33,7 +33,7 @@ read -r G_BATCHES G_BATCH G_SEQ <<< "${GPTQ_CALIB:-8 2 1024}"     # batches, seq
 read -r S_BATCHES S_BATCH S_SEQ <<< "${SQ_CALIB:-16 1 1024}"
 DEADLINE="${DEADLINE:-400}"
 T0=$(date +%s)
-log="$out/distributed.log"; : > "$log"
+log="$out/distributed_steps.log"; : > "$log"   # not distributed.log: gpu_final.sh sends our stdout there
 steps="$work/steps.txt"; : > "$steps"
 PY="${PYTHON:-python3}"   # the interpreter with torch (the rehearsal passes its venv)
 py=("$PY" benchmarks/distributed_calib.py)
@@ -64,7 +64,7 @@ tail -n +2 "$log"
 
 shape=(--hidden "$HIDDEN" --intermediate "$INTER" --heads "$HEADS" --kv-heads "$KV" --vocab "$VOCAB" --dtype "$DTYPE")
 base=(--dtype "$DTYPE" --device "$DEVICE")
-step make 120 "${py[@]}" make --out "$work/ckpt" --layers "$LAYERS" "${shape[@]}" --device "$DEVICE" || true
+step make 150 "${py[@]}" make --out "$work/ckpt" --layers "$LAYERS" "${shape[@]}" --device "$DEVICE" || true
 step view 30 "${py[@]}" view --src "$work/ckpt" --out "$work/ckpt_gptq" --layers "$GPTQ_LAYERS" || true
 
 gptq=(run --ckpt "$work/ckpt_gptq" --recipe w4a16 --method gptq --batches "$G_BATCHES" --batch "$G_BATCH" --seq-len "$G_SEQ" "${base[@]}")
@@ -95,7 +95,7 @@ over = lambda r: peak(r) / (r["layer_bytes"] + r["activation_bytes"])   # this r
 fmt = lambda v, f: "-" if v is None else format(v, f)
 gib = lambda b: "-" if b is None else f"{b / 2**30:.2f}"
 res = {"nproc": nproc, "steps": (work / "steps.txt").read_text().splitlines(),
-       "machine": [l for l in (out / "distributed.log").read_text().split("=====")[1].splitlines()[1:] if l]}
+       "machine": [l for l in (out / "distributed_steps.log").read_text().split("=====")[1].splitlines()[1:] if l]}
 rows, lines = [], []
 for key, label, nl in (("gptq", "GPTQ W4A16 (g128)", glayers), ("sq", "SmoothQuant W8A8 + static", layers)):
     one, many = ranks(f"{key}_1"), ranks(f"{key}_2")
