@@ -113,8 +113,13 @@ def view(a) -> None:
 
 
 def run(a) -> None:
-    import transformers  # noqa: F401  imported before the clock starts (seconds on a cold disk)
+    # imported before the clock starts (seconds on a cold disk; transformers imports the model
+    # class lazily, on first use), so that the wall time is the quantization's
+    import transformers
+    transformers.AutoConfig, transformers.LlamaForCausalLM  # noqa: B018
     import lowbit.nn.calibration, lowbit.nn.gptq, lowbit.nn.smoothquant, lowbit.io.compressed_tensors  # noqa: E401,F401
+    if a.device == "cuda":
+        import lowbit.nn.gptq_block  # noqa: F401  (triton)
     from lowbit.nn import distributed as D
     from lowbit.nn.layerwise import quantize_layerwise
     dev = "cpu"
@@ -137,14 +142,18 @@ def run(a) -> None:
     res = quantize_layerwise(a.ckpt, a.out, a.recipe, mine, device=dev, dtype=DTYPES[a.dtype], overwrite=True, **opts)
     wall = time.time() - t0
     res.update(wall_s=wall, rank=D.rank(), device=str(dev), batches=len(mine), tokens=sum(b.numel() for b in mine),
-               gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
+               gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+               batch_shape=[a.batch, a.seq_len], world=D.world_size())
     res.pop("quantized", None)
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(f"{a.json}.rank{D.rank()}.json").write_text(json.dumps(res, indent=1))
     peak = res.get("peak_device_bytes", res["peak_rss_over_start_bytes"])
     print(f"rank {D.rank()}/{D.world_size()} {a.recipe} {a.method}: {wall:.1f} s, peak "
           f"{peak / 2**30:.2f} GiB, layer {res['layer_bytes'] / 2**30:.3f} GiB, activations "
-          f"{res['activation_bytes'] / 2**30:.3f} GiB", flush=True)
+          f"{res['activation_bytes'] / 2**30:.3f} GiB; phases "
+          + ", ".join(f"{k} {v:.1f} s" for k, v in res["phase_seconds"].items())
+          + ("; GPTQ " + ", ".join(f"{k} {v:.1f} s" for k, v in res["gptq_phase_seconds"].items())
+             + f"; block kernel {res['gptq_block_kernel']}" if "gptq_phase_seconds" in res else ""), flush=True)
     if D.active():
         import torch.distributed as dist
         dist.destroy_process_group()

@@ -1,104 +1,141 @@
 #!/usr/bin/env bash
-# Issue 14 on 2 GPUs of one host: a random-weight Llama-8B-shaped checkpoint (hidden 4096,
-# intermediate 14336, 32 heads / 8 kv heads, LAYERS=32 layers), quantized layer by layer
-# (lowbit.nn.layerwise) on 1 GPU and on NPROC=2 GPUs (torchrun, NCCL; the calibration batches
-# split across ranks, statistics reduced by lowbit.nn.distributed, rank 0 writes):
+# Issue 14 on 2 GPUs of one host, in one call (< 7 minutes): a random-weight Llama-8B-shaped
+# checkpoint (hidden 4096, intermediate 14336, 32 heads / 8 kv heads, LAYERS=32 layers), quantized
+# layer by layer (lowbit.nn.layerwise) on 1 GPU and on NPROC=2 GPUs (torchrun, NCCL; calibration
+# batches split across ranks, statistics reduced by lowbit.nn.distributed, rank 0 writes):
 #   GPTQ W4A16 on the first GPTQ_LAYERS layers, SmoothQuant W8A8 + static scales on all LAYERS;
-# wall time 1 vs 2 GPUs, peak memory per GPU, and whether the 2-GPU checkpoint is byte-identical
-# to the 1-GPU one. Logs + distributed.json under $OUT, the short table last.
-# Every step has its own timeout inside one overall DEADLINE (seconds), so a hang costs one step.
-# Runs from source (PYTHONPATH=src); needs torch + transformers, not compressed-tensors.
-# CPU rehearsal at tiny size (gloo):  DEVICE=cpu LAYERS=2 GPTQ_LAYERS=1 HIDDEN=128 INTER=256 HEADS=4
-#   KV=2 VOCAB=97 BATCHES=4 BATCH=1 SEQ=16 bash scripts/gpu_distributed.sh
+# wall time 1 vs 2 GPUs (target <= 0.6), peak memory per GPU over one layer's bf16 weights + the
+# calibration activations (target <= 1.3), and whether the 2-GPU checkpoint is byte-identical to
+# the 1-GPU one. Both methods see 16,384 calibration tokens (GPTQ: 8 batches of 2 x 1024;
+# SmoothQuant: 16 batches of 1 x 1024, the forward temporaries of one batch count in its peak).
+# $OUT gets three files: distributed_steps.log (every step's output), distributed.json (every rank's
+# summary, the comparisons, the machine) and table_distributed.md; the table and the ratio and
+# memory lines are printed last. Every step has its own timeout inside one DEADLINE (seconds).
+# Runs from source (PYTHONPATH=src, nothing installed); needs torch (+ triton) and transformers.
+# CPU rehearsal at tiny size (gloo, 2 processes), which checks every step of this script:
+#   DEVICE=cpu OUT=/tmp/dist-out PYTHON=/path/to/venv/bin/python bash scripts/gpu_distributed.sh
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 out="${OUT:-$root/out}"; mkdir -p "$out"
-work="${WORK:-/tmp/lowbit-dist}"; rm -rf "$work"; mkdir -p "$work"
+work="${WORK:-/tmp/lowbit-dist}"; rm -rf "$work"; mkdir -p "$work/json"
 export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
-DEVICE="${DEVICE:-cuda}"; NPROC="${NPROC:-2}"; DTYPE="${DTYPE:-bf16}"
-LAYERS="${LAYERS:-32}"; GPTQ_LAYERS="${GPTQ_LAYERS:-4}"
+DEVICE="${DEVICE:-cuda}"; NPROC="${NPROC:-2}"
+if [[ "$DEVICE" == cpu ]]; then   # the rehearsal: tiny shapes unless given
+    : "${LAYERS:=3}" "${GPTQ_LAYERS:=2}" "${HIDDEN:=128}" "${INTER:=384}" "${HEADS:=4}" "${KV:=2}" "${VOCAB:=97}"
+    : "${GPTQ_CALIB:=4 2 16}" "${SQ_CALIB:=6 1 16}" "${DTYPE:=fp32}"
+fi
+DTYPE="${DTYPE:-bf16}"
+LAYERS="${LAYERS:-32}"; GPTQ_LAYERS="${GPTQ_LAYERS:-6}"
 HIDDEN="${HIDDEN:-4096}"; INTER="${INTER:-14336}"; HEADS="${HEADS:-32}"; KV="${KV:-8}"; VOCAB="${VOCAB:-128256}"
-BATCHES="${BATCHES:-8}"; BATCH="${BATCH:-2}"; SEQ="${SEQ:-1024}"
-DEADLINE="${DEADLINE:-510}"
+read -r G_BATCHES G_BATCH G_SEQ <<< "${GPTQ_CALIB:-8 2 1024}"     # batches, sequences per batch, length
+read -r S_BATCHES S_BATCH S_SEQ <<< "${SQ_CALIB:-16 1 1024}"
+DEADLINE="${DEADLINE:-400}"
 T0=$(date +%s)
-summary="$out/summary_distributed.txt"; : > "$summary"
-py=(python3 benchmarks/distributed_calib.py)
-dist=(python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" benchmarks/distributed_calib.py)
+log="$out/distributed_steps.log"; : > "$log"   # not distributed.log: gpu_final.sh sends our stdout there
+steps="$work/steps.txt"; : > "$steps"
+PY="${PYTHON:-python3}"   # the interpreter with torch (the rehearsal passes its venv)
+py=("$PY" benchmarks/distributed_calib.py)
+dist=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" benchmarks/distributed_calib.py)
 
-step() {  # step NAME LIMIT_S cmd...: run with min(LIMIT, time left) seconds, log to $out/NAME.log
+step() {  # step NAME LIMIT_S cmd...: run with min(LIMIT, time left) seconds, output appended to the log
     local name=$1 limit=$2; shift 2
-    local left=$(( DEADLINE - ($(date +%s) - T0) - 15 ))
+    local left=$(( DEADLINE - ($(date +%s) - T0) - 20 ))
     (( limit > left )) && limit=$left
-    if (( limit < 10 )); then echo "$name skipped (deadline)" | tee -a "$summary"; return 99; fi
+    if (( limit < 10 )); then echo "$name skipped (deadline)" | tee -a "$steps" "$log"; return 99; fi
     local t=$(date +%s)
-    timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
+    echo "===== $name (limit $limit s): $*" >> "$log"
+    timeout --kill-after=10 "$limit" "$@" > "$work/step.log" 2>&1
     local rc=$?
-    echo "$name rc=$rc ($(( $(date +%s) - t )) s, limit $limit s)" | tee -a "$summary"
-    [[ $rc -ne 0 ]] && tail -n 15 "$out/$name.log"
+    cat "$work/step.log" >> "$log"
+    echo "$name rc=$rc ($(( $(date +%s) - t )) s, limit $limit s)" | tee -a "$steps" "$log"
+    [[ $rc -ne 0 ]] && tail -n 12 "$work/step.log"
+    grep -E "^rank [0-9]+/" "$work/step.log" || true
     return $rc
 }
 
-{ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
-  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda devices', torch.cuda.device_count())"
-  df -h "$work" | tail -n 1; nproc; free -g | head -n 2; } > "$out/machine_distributed.txt" 2>&1
-cat "$out/machine_distributed.txt"
+{ echo "===== machine"
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+  "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda devices', torch.cuda.device_count())"
+  "$PY" -c "import triton; print('triton', triton.__version__)" 2>&1 | tail -n 1
+  df -h "$work" | tail -n 1; echo "cpus $(nproc)"; free -g | head -n 2; } >> "$log" 2>&1
+tail -n +2 "$log"
 
 shape=(--hidden "$HIDDEN" --intermediate "$INTER" --heads "$HEADS" --kv-heads "$KV" --vocab "$VOCAB" --dtype "$DTYPE")
-calib=(--batches "$BATCHES" --batch "$BATCH" --seq-len "$SEQ" --dtype "$DTYPE" --device "$DEVICE")
-step make 200 "${py[@]}" make --out "$work/ckpt" --layers "$LAYERS" "${shape[@]}" --device "$DEVICE" || true
-step view 60 "${py[@]}" view --src "$work/ckpt" --out "$work/ckpt_gptq" --layers "$GPTQ_LAYERS" || true
+base=(--dtype "$DTYPE" --device "$DEVICE")
+step make 150 "${py[@]}" make --out "$work/ckpt" --layers "$LAYERS" "${shape[@]}" --device "$DEVICE" || true
+step view 30 "${py[@]}" view --src "$work/ckpt" --out "$work/ckpt_gptq" --layers "$GPTQ_LAYERS" || true
 
-gptq=(run --ckpt "$work/ckpt_gptq" --recipe w4a16 --method gptq "${calib[@]}")
-step gptq_1 150 "${py[@]}" "${gptq[@]}" --out "$work/gptq_1" --json "$out/gptq_1" || true
-step gptq_2 150 "${dist[@]}" "${gptq[@]}" --out "$work/gptq_2" --json "$out/gptq_2" || true
-step gptq_compare 90 "${py[@]}" compare "$work/gptq_1" "$work/gptq_2" --json "$out/gptq_compare.json" || true
-rm -rf "$work/gptq_1" "$work/gptq_2"
+gptq=(run --ckpt "$work/ckpt_gptq" --recipe w4a16 --method gptq --batches "$G_BATCHES" --batch "$G_BATCH" --seq-len "$G_SEQ" "${base[@]}")
+step gptq_1 100 "${py[@]}" "${gptq[@]}" --out "$work/gptq_1" --json "$work/json/gptq_1" || true
+step gptq_2 100 "${dist[@]}" "${gptq[@]}" --out "$work/gptq_2" --json "$work/json/gptq_2" || true
+step gptq_compare 40 "${py[@]}" compare "$work/gptq_1" "$work/gptq_2" --json "$work/json/gptq_compare.json" || true
+rm -rf "$work/gptq_1" "$work/gptq_2" "$work/ckpt_gptq"
 
-sq=(run --ckpt "$work/ckpt" --recipe w8a8-int8 --method rtn --smoothquant 0.5 --static "${calib[@]}")
-step sq_1 120 "${py[@]}" "${sq[@]}" --out "$work/sq_1" --json "$out/sq_1" || true
-step sq_2 120 "${dist[@]}" "${sq[@]}" --out "$work/sq_2" --json "$out/sq_2" || true
-step sq_compare 90 "${py[@]}" compare "$work/sq_1" "$work/sq_2" --json "$out/sq_compare.json" || true
-rm -rf "$work"
-cat "$summary"
-echo "total $(( $(date +%s) - T0 )) s (steps; the table follows)"
+sq=(run --ckpt "$work/ckpt" --recipe w8a8-int8 --method rtn --smoothquant 0.5 --static --batches "$S_BATCHES" --batch "$S_BATCH" --seq-len "$S_SEQ" "${base[@]}")
+step sq_1 100 "${py[@]}" "${sq[@]}" --out "$work/sq_1" --json "$work/json/sq_1" || true
+step sq_2 100 "${dist[@]}" "${sq[@]}" --out "$work/sq_2" --json "$work/json/sq_2" || true
+step sq_compare 60 "${py[@]}" compare "$work/sq_1" "$work/sq_2" --json "$work/json/sq_compare.json" || true
+echo "steps took $(( $(date +%s) - T0 )) s" | tee -a "$steps"
 
-python3 - "$out" "$NPROC" "$LAYERS" "$GPTQ_LAYERS" <<'PY' | tee "$out/table_distributed.md"
+"$PY" - "$out" "$work" "$NPROC" "$LAYERS" "$GPTQ_LAYERS" <<'PY' 2>&1 | tee "$out/table_distributed.md"
 import json, sys
 from pathlib import Path
-out, nproc, layers, glayers = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+out, work, nproc, layers, glayers = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+js = work / "json"
 def ranks(p):
-    return [json.loads(f.read_text()) for f in sorted(out.glob(p + ".rank*.json"))]
+    return [json.loads(f.read_text()) for f in sorted(js.glob(p + ".rank*.json"))]
 def cmp(p):
-    f = out / p
-    return json.loads(f.read_text())["identical"] if f.exists() else None
-rows, res = [], {"nproc": nproc}
-for key, label, nl in (("gptq", "GPTQ W4A16", glayers), ("sq", "SmoothQuant W8A8 + static", layers)):
+    f = js / p
+    return json.loads(f.read_text()) if f.exists() else None
+med = lambda xs: sorted(xs)[len(xs) // 2] if xs else None
+peak = lambda r: r.get("peak_device_bytes", r["peak_rss_over_start_bytes"])
+over = lambda r: peak(r) / (r["layer_bytes"] + r["activation_bytes"])   # this rank's own activations
+fmt = lambda v, f: "-" if v is None else format(v, f)
+gib = lambda b: "-" if b is None else f"{b / 2**30:.2f}"
+res = {"nproc": nproc, "steps": (work / "steps.txt").read_text().splitlines(),
+       "machine": [l for l in (out / "distributed_steps.log").read_text().split("=====")[1].splitlines()[1:] if l]}
+rows, lines = [], []
+for key, label, nl in (("gptq", "GPTQ W4A16 (g128)", glayers), ("sq", "SmoothQuant W8A8 + static", layers)):
     one, many = ranks(f"{key}_1"), ranks(f"{key}_2")
-    t1 = one[0]["wall_s"] if one else None
-    tn = max(r["wall_s"] for r in many) if len(many) == nproc else None
-    peak = lambda rs: max(r.get("peak_device_bytes", r["peak_rss_over_start_bytes"]) for r in rs) if rs else None
-    base = (one[0]["layer_bytes"] + one[0]["activation_bytes"]) if one else None
-    med = lambda xs: sorted(xs)[len(xs) // 2] if xs else None
-    s1 = med(one[0]["seconds_per_layer"]) if one else None       # steady state: per decoder layer
-    sn = max(med(r["seconds_per_layer"]) for r in many) if len(many) == nproc else None
-    res[key] = {"layers": int(nl), "t_1": t1, "t_n": tn, "ratio": tn / t1 if t1 and tn else None,
-                "s_per_layer_1": s1, "s_per_layer_n": sn, "ratio_per_layer": sn / s1 if s1 and sn else None,
-                "peak_1_bytes": peak(one), "peak_n_bytes": peak(many), "layer_bytes": one[0]["layer_bytes"] if one else None,
-                "activation_bytes": one[0]["activation_bytes"] if one else None,
-                "peak_1_over_layer_plus_act": peak(one) / base if one else None,
-                "identical": cmp(f"{key}_compare.json"), "ranks_1": one, "ranks_n": many}
-    f = lambda v, fmt: "-" if v is None else format(v, fmt)
-    gib = lambda b: "-" if b is None else f"{b / 2**30:.2f}"
-    r = res[key]
-    rows.append(f"| {label} | {nl} | {f(t1, '.1f')} | {f(tn, '.1f')} | {f(r['ratio'], '.2f')} | "
-                f"{f(s1, '.2f')} / {f(sn, '.2f')} ({f(r['ratio_per_layer'], '.2f')}) | {gib(r['peak_1_bytes'])} | "
-                f"{gib(r['peak_n_bytes'])} | {gib(r['layer_bytes'])} + {gib(r['activation_bytes'])} | "
-                f"{f(r['peak_1_over_layer_plus_act'], '.2f')} | {r['identical']} |")
+    ok1, okn = len(one) == 1, len(many) == nproc
+    t1 = one[0]["wall_s"] if ok1 else None
+    tn = max(r["wall_s"] for r in many) if okn else None
+    s1 = med(one[0]["seconds_per_layer"][1:]) if ok1 else None     # steady state: without the first layer
+    sn = max(med(r["seconds_per_layer"][1:]) for r in many) if okn else None
+    o1 = over(one[0]) if ok1 else None
+    on = max(over(r) for r in many) if okn else None
+    c = cmp(f"{key}_compare.json")
+    ident = None if c is None else c["identical"]
+    r = res[key] = {"layers": int(nl), "t_1": t1, "t_n": tn, "ratio": tn / t1 if t1 and tn else None,
+                    "s_per_layer_1": s1, "s_per_layer_n": sn, "ratio_per_layer": sn / s1 if s1 and sn else None,
+                    "peak_1_bytes": peak(one[0]) if ok1 else None, "peak_n_bytes": max(map(peak, many)) if okn else None,
+                    "peak_over_layer_plus_act_1": o1, "peak_over_layer_plus_act_n": on,
+                    "identical": ident, "compare": c, "ranks_1": one, "ranks_n": many}
+    base = (f"{gib(one[0]['layer_bytes'])} + {gib(one[0]['activation_bytes'])} / "
+            f"{gib(many[0]['activation_bytes'])}") if ok1 and okn else "-"
+    rows.append(f"| {label} | {nl} | {fmt(t1, '.1f')} | {fmt(tn, '.1f')} | {fmt(r['ratio'], '.2f')} | "
+                f"{fmt(s1, '.2f')} / {fmt(sn, '.2f')} ({fmt(r['ratio_per_layer'], '.2f')}) | "
+                f"{gib(r['peak_1_bytes'])} / {gib(r['peak_n_bytes'])} | {base} | "
+                f"{fmt(o1, '.2f')} / {fmt(on, '.2f')} | {ident} |")
+    verdict = lambda v, lim: "-" if v is None else ("PASS" if v <= lim else "MISS")
+    mem = max([x for x in (o1, on) if x is not None], default=None)
+    lines.append(f"{label}: wall {nproc} GPUs / 1 GPU = {fmt(r['ratio'], '.2f')} (target <= 0.6: "
+                 f"{verdict(r['ratio'], 0.6)}); peak / (layer + activations) = {fmt(o1, '.2f')} on 1 GPU, "
+                 f"{fmt(on, '.2f')} per GPU on {nproc} (target <= 1.3: {verdict(mem, 1.3)}); "
+                 f"{nproc}-GPU checkpoint byte-identical to the 1-GPU one: {ident}")
+    for rr in one[:1] + many:
+        lines.append(f"  {key} world {rr.get('world', '?')} rank {rr['rank']}: phases "
+                     + ", ".join(f"{k} {v:.1f}" for k, v in rr["phase_seconds"].items())
+                     + ("; GPTQ " + ", ".join(f"{k} {v:.1f}" for k, v in rr["gptq_phase_seconds"].items())
+                        + f"; block kernel: {rr['gptq_block_kernel']}" if "gptq_phase_seconds" in rr else "")
+                     + " (s)")
 (out / "distributed.json").write_text(json.dumps(res, indent=1))
-print(f"| run | layers | 1 proc s | {nproc} procs s | ratio | s/layer 1 / {nproc} (ratio) | peak/GPU 1 proc GiB "
-      f"| peak/GPU {nproc} procs GiB | layer + activations GiB | peak 1 / (layer + act) | {nproc}-proc checkpoint identical |")
-print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+print(f"| run | layers | 1 GPU s | {nproc} GPUs s | ratio | s/layer 1 / {nproc} (ratio) | peak/GPU GiB 1 / {nproc} "
+      f"| layer + activations GiB (1 / {nproc}) | peak / (layer + act) 1 / {nproc} | checkpoint identical |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
 print("\n".join(rows))
+print()
+print("\n".join(lines))
 PY

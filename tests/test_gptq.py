@@ -121,6 +121,53 @@ def test_stored_codes_are_lowbit_quantize(rng, name):
     assert torch.equal(again.codes, qt.codes)
 
 
+def test_group_is_each_weight_alone(rng, monkeypatch):
+    """gptq_quantize_group: weights reading one input (one Hessian) with the same per-row scheme
+    are solved as ONE concatenated weight, in fixed panels of rows that do not line up with the
+    weights' own rows; each weight's codes and scales are bit for bit its own
+    gptq_quantize_weight (GPTQ's rows are independent). NVFP4 (a per-weight global scale) and a
+    per-tensor scale are solved alone within the group."""
+    from lowbit.nn import gptq
+    monkeypatch.setattr(gptq, "PANEL_ROWS", int(torch.randint(1, 9, (1,), generator=rng)))
+    w0, h, _ = _layer_data(rng, N=13, K=45)
+    ws = [w0] + [torch.randn(n, 45, generator=rng) for n in (6, 9, 5, 7)]
+    schemes = [SCHEMES[n] for n in ("int4-g8", "int4-g8", "nvfp4", "fp8-tensor", "int4-g8")]
+    for act_order in (False, True):
+        got = gptq.gptq_quantize_group(ws, h, schemes, act_order=act_order, block_size=16)
+        for w, s, qt in zip(ws, schemes, got):
+            ref = gptq_quantize_weight(w, h, s, act_order=act_order, block_size=16).qtensor
+            assert torch.equal(qt.codes, ref.codes) and torch.equal(qt.scale, ref.scale)
+            assert (qt.global_scale is None) == (ref.global_scale is None)
+
+
+@pytest.mark.parametrize("name", ["int4-g8-asym", "int8-channel"])
+def test_triton_block_kernel_is_the_torch_loop(rng, name, monkeypatch):
+    """The column loop as one Triton kernel per block (lowbit.nn.gptq_block; Triton's interpreter
+    on the CPU) gives the PyTorch loop's codes and losses bit for bit, at weight magnitudes from
+    1e-3 to 1e2; and under BLOCK_KERNEL="auto" a kernel that disagrees at its first use is
+    switched off and the PyTorch loop's values are kept."""
+    from lowbit.nn import gptq, gptq_block
+    w, h, _ = _layer_data(rng, N=19, K=21)     # two blocks, the second short (the interpreter is slow)
+    w = w * 10.0 ** float(torch.randint(-3, 3, (1,), generator=rng))
+    monkeypatch.setattr(gptq, "BLOCK_KERNEL", "torch")
+    a = gptq_quantize_weight(w, h, SCHEMES[name], act_order=True, block_size=16)
+    monkeypatch.setattr(gptq, "BLOCK_KERNEL", "triton")
+    b = gptq_quantize_weight(w, h, SCHEMES[name], act_order=True, block_size=16)
+    assert torch.equal(a.qtensor.codes, b.qtensor.codes) and a.loss == b.loss
+
+    monkeypatch.setattr(gptq, "BLOCK_KERNEL", "auto")
+    monkeypatch.setattr(gptq, "BLOCK_KERNEL_STATUS", "unused")
+    monkeypatch.setattr(gptq_block, "run_block", lambda W1, Err1, *a: W1.add_(1.0))
+    W1, s1 = torch.randn(5, 8, generator=rng, dtype=torch.float64), torch.rand(5, 8, generator=rng) + 0.5
+    Hinv1 = torch.linalg.cholesky(torch.eye(8, dtype=torch.float64) * 2, upper=True)
+    W_t, E_t, E1 = W1.clone(), torch.empty_like(W1), torch.empty_like(W1)
+    gptq._block_torch(W_t, E_t, s1, None, Hinv1, SCHEMES["int8-channel"], None, 0)
+    with pytest.warns(UserWarning, match="block kernel is off"):
+        gptq._block_kernel(W1, E1, s1, None, Hinv1, SCHEMES["int8-channel"])
+    assert gptq.BLOCK_KERNEL_STATUS.startswith("off: ") and "differ from the PyTorch loop" in gptq.BLOCK_KERNEL_STATUS
+    assert torch.equal(W1, W_t) and torch.equal(E1, E_t)
+
+
 def test_bad_input(rng):
     w, h, _ = _layer_data(rng)
     with pytest.raises(ValueError, match="h has shape"):

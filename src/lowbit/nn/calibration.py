@@ -63,8 +63,10 @@ def calibrate_act_absmax(model: torch.nn.Module, batches: Iterable, names: Itera
 
     def make(name):
         def hook(mod, args):
-            x = args[0].detach().float()
-            m = x.abs().reshape(-1, x.shape[-1]).amax(dim=0) if per_channel else x.abs().amax()
+            # |x| and its maximum are exact in x's own dtype, and so is the cast of the maximum:
+            # no float32 copy of a [tokens, K] input (the layer-by-layer path's peak memory)
+            x = args[0].detach()
+            m = (x.abs().reshape(-1, x.shape[-1]).amax(dim=0) if per_channel else x.abs().amax()).float()
             stats[name] = m if name not in stats else torch.maximum(stats[name], m)
         return hook
 

@@ -30,6 +30,7 @@ before it that are already quantized.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -100,15 +101,17 @@ class GPTQResult:
     loss_rtn: float
 
 
-def _fake_quant(col: torch.Tensor, sc: Scales, scheme: QuantScheme) -> torch.Tensor:
-    """Dequantized float64 [N] of one float32 column [N] under its scales ([N, 1] each): the
-    element step of lowbit.quantize (encode_scaled) and QTensor.dequantize's arithmetic."""
-    s = sc.scale[:, 0]
-    codes = encode_scaled(col / s, None if sc.zero_point is None else sc.zero_point[:, 0], scheme.fmt)
+def _fake_quant(x: torch.Tensor, s: torch.Tensor, zp: torch.Tensor | None, s64: torch.Tensor,
+                scheme: QuantScheme) -> torch.Tensor:
+    """Dequantized float64 values of float32 `x` under its effective scales `s` (float32, x's
+    shape or broadcastable; `s64` = s.double(), passed in so that a column loop converts once),
+    zero points `zp` (int32 or None): the element step of lowbit.quantize (encode_scaled) and
+    QuantTensor.dequantize's arithmetic, elementwise, for one column or a whole block."""
+    codes = encode_scaled(x / s, zp, scheme.fmt)
     vals = codes.double() if scheme.type == "int" else decode(codes, scheme.fmt).double()
-    if sc.zero_point is not None:
-        vals = vals - sc.zero_point[:, 0].double()
-    return vals * s.double()
+    if zp is not None:
+        vals = vals - zp.double()
+    return vals * s64
 
 
 def output_loss(w: torch.Tensor, q: torch.Tensor, h: torch.Tensor) -> float:
@@ -137,33 +140,177 @@ def _expanded(sc: Scales, scheme: QuantScheme, shape) -> Scales:
     return Scales(ex(sc.scale), ex(sc.zero_point), ex(sc.scale_codes), sc.global_scale)
 
 
-def _column(sc: Scales, j: int) -> Scales:
-    col = lambda t: None if t is None else t[:, j:j + 1].contiguous()  # noqa: E731
-    return Scales(col(sc.scale), col(sc.zero_point), col(sc.scale_codes), sc.global_scale)
-
-
 def _set_group(full: Scales, gi: int, sc: Scales) -> None:
     for dst, src in zip(full[:3], sc[:3]):
         if dst is not None:
             dst[:, gi:gi + 1] = src
 
 
-def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, *, damp: float = 0.01,
-                         block_size: int = 128, act_order: bool = False, static_groups: bool = False) -> GPTQResult:
-    """GPTQ of one weight.
+# Rows per lazy-update matrix product (W[:, later] -= Err @ Hinv[block, later]). GPTQ's rows are
+# independent, so a weight's rows can be solved in pieces (the Linears reading one input as one
+# concatenated weight, a weight's rows split across ranks); the per-column steps are elementwise,
+# but a matrix product's rounding may depend on the shape it is given (a BLAS picks its kernel by
+# shape). The products therefore always run on these fixed panels of rows, counted from the
+# job's first row: one process and N ranks (each holding whole panels) give them the same
+# operands and shapes, so the codes are bit-identical whatever the split.
+PANEL_ROWS = 512
 
-    w: [N, K] float weight (y = x @ w.T); h: [K, K] Hessian X^T X / n (HessianAccumulator).
-    damp: fraction of mean(diag H) added to the diagonal before inverting (the paper's 1%).
-    block_size: columns per lazy-update block (rounded up to a multiple of the group size for
-      dynamic group scales, so that a group's scales see its columns' current values).
-    act_order / static_groups: see the module docstring.
-    Returns the QTensor (padded along K when the group size does not divide K) and the losses.
-    Columns that no calibration input reaches (H_jj = 0) get H_jj = 1: they are rounded to
-    nearest and receive no compensation.
-    """
+
+@dataclass
+class _Factor:
+    """What GPTQ derives from one Hessian, shared by every weight (and row) reading that input:
+    the column order and the upper Cholesky factor of the damped, permuted H^-1 [K, K] float64."""
+    perm: torch.Tensor
+    order: list[int]
+    hinv: torch.Tensor
+
+
+def _factor(h: torch.Tensor, damp: float, act_order: bool, dev) -> _Factor:
+    K = h.shape[0]
+    H = h.double().to(dev).clone()
+    dead = torch.diagonal(H) == 0
+    H[dead, dead] = 1.0
+    perm = torch.argsort(torch.diagonal(H), descending=True, stable=True) if act_order else torch.arange(K, device=dev)
+    H = H[perm][:, perm]
+    H += damp * torch.diagonal(H).mean() * torch.eye(K, dtype=torch.float64, device=dev)
+    L, info = torch.linalg.cholesky_ex(H)
+    if info:
+        raise ValueError(f"the damped Hessian is not positive definite (damp={damp}); raise damp (e.g. 0.1) "
+                         "or give more calibration tokens")
+    del H
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)   # rows: [H_F^-1]_{j,F} / sqrt(.)
+    # host copy of the order: the column loop indexes it without a device sync
+    return _Factor(perm, perm.tolist(), hinv)
+
+
+# The column loop of a block: "auto" runs the Triton kernel (lowbit.nn.gptq_block: one launch per
+# block instead of ~11 per column) on CUDA for integer formats with fixed scales, after checking
+# once per process that it reproduces the PyTorch loop bit for bit on the first block it sees
+# (any difference or error switches it off, see BLOCK_KERNEL_STATUS); "torch" never runs it;
+# "triton" runs it wherever it applies (on the CPU in Triton's interpreter: the tests).
+BLOCK_KERNEL = "auto"
+BLOCK_KERNEL_STATUS = "unused"     # "unused", "on (checked)", or "off: <why>"
+
+
+def _kernel_wanted(scheme: QuantScheme, dynamic_groups: bool, dev: torch.device) -> bool:
+    if BLOCK_KERNEL not in ("auto", "torch", "triton"):
+        raise ValueError(f"lowbit.nn.gptq.BLOCK_KERNEL={BLOCK_KERNEL!r}: choose 'auto', 'torch' or 'triton'")
+    # the kernel's arithmetic: integer codes of at most 8 bits, scales fixed before the loop
+    if BLOCK_KERNEL == "torch" or scheme.type != "int" or dynamic_groups or scheme.fmt.qmax > 255:
+        return False
+    if BLOCK_KERNEL == "triton":
+        return True
+    return dev.type == "cuda" and not BLOCK_KERNEL_STATUS.startswith("off")
+
+
+def _block_kernel(W1, Err1, s1, z1, Hinv1, scheme) -> None:
+    global BLOCK_KERNEL_STATUS
+    from lowbit.nn import gptq_block
+    if BLOCK_KERNEL == "triton" or BLOCK_KERNEL_STATUS.startswith("on"):
+        gptq_block.run_block(W1, Err1, s1, z1, Hinv1, scheme)
+        return
+    if BLOCK_KERNEL_STATUS.startswith("off"):
+        _block_torch(W1, Err1, s1, z1, Hinv1, scheme, None, 0)
+        return
+    # first use in this process: the kernel must give the PyTorch loop's bits, or it is not used
+    W_t, E_t = W1.clone(), Err1.clone()
+    _block_torch(W_t, E_t, s1, z1, Hinv1, scheme, None, 0)
+    try:
+        gptq_block.run_block(W1, Err1, s1, z1, Hinv1, scheme)
+        bad = int((W1 != W_t).sum()) + int((Err1 != E_t).sum())
+        BLOCK_KERNEL_STATUS = "on (checked)" if bad == 0 else \
+            f"off: {bad} of {2 * W1.numel()} values differ from the PyTorch loop"
+    except Exception as err:      # a compiler or driver problem: the PyTorch loop still works
+        BLOCK_KERNEL_STATUS = f"off: {type(err).__name__}: {str(err)[:300]}"
+    if not BLOCK_KERNEL_STATUS.startswith("on"):
+        import warnings
+        warnings.warn(f"GPTQ's Triton block kernel is {BLOCK_KERNEL_STATUS}; using the PyTorch loop", stacklevel=3)
+        W1.copy_(W_t)
+        Err1.copy_(E_t)
+
+
+def _block_torch(W1, Err1, s1, z1, Hinv1, scheme: QuantScheme, full: Scales | None, i1: int) -> None:
+    """The column loop of one block in PyTorch, in place (gptq_block.run_block's arguments).
+    full: the Scales to fill for dynamic groups (then s1 / z1 are filled here as each group is
+    reached: its scales from its columns as they are now), None when the scales are fixed."""
+    g = scheme.group_size
+    s64 = None if full is not None else s1.double()
+    for i in range(W1.shape[1]):
+        if full is not None and (i1 + i) % g == 0:
+            sc = _group_scales(W1[:, i:i + g], scheme, full.global_scale)
+            _set_group(full, (i1 + i) // g, sc)
+            s1[:, i:i + g] = sc.scale
+            if z1 is not None:
+                z1[:, i:i + g] = sc.zero_point
+            s64 = s1.double()
+        x = W1[:, i]
+        q = _fake_quant(x.float(), s1[:, i], None if z1 is None else z1[:, i], s64[:, i], scheme)
+        torch.div(x - q, Hinv1[i, i], out=Err1[:, i])
+        # column i itself is not updated: it is never read again, and it keeps its value as
+        # quantized, which U records after the block
+        W1[:, i + 1:] -= Err1[:, i:i + 1] * Hinv1[i:i + 1, i + 1:]
+
+
+def _solve(w64: torch.Tensor, fac: _Factor, scheme: QuantScheme, full: Scales, dynamic_groups: bool,
+           block_size: int, kp: int) -> torch.Tensor:
+    """GPTQ's column loop on the rows w64 [n, K] (float64, original column order). full: the
+    scales of these rows, [n, G] tensors (kp: the padded K of their codes); dynamic groups overwrite each group's when GPTQ reaches
+    it (in place). Returns U [n, K] float32: each column as it was when it was quantized (the
+    stored codes are lowbit.quantize(U, scheme, scales=full)).
+
+    Per column only elementwise steps on [n] vectors run (the quantization of the column, its
+    error, the update of the block's later columns); the update of the later blocks is one
+    matrix product per block and PANEL_ROWS rows (the paper's lazy batch)."""
+    n, K = w64.shape
+    pshape = (n, kp)
+    W = w64[:, fac.perm]                 # a copy (advanced indexing)
+    U = torch.empty(n, K, dtype=torch.float32, device=w64.device)
+    ex = None if dynamic_groups else _expanded(full, scheme, pshape)
+    use_kernel = _kernel_wanted(scheme, dynamic_groups, W.device)
+    for i1 in range(0, K, block_size):
+        i2 = min(i1 + block_size, K)
+        cols = fac.perm[i1:i2]
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.empty_like(W1)
+        Hinv1 = fac.hinv[i1:i2, i1:i2]
+        if dynamic_groups:      # columns in order, blocks of whole groups: filled as groups are reached
+            s1 = torch.empty(n, i2 - i1, dtype=torch.float32, device=W.device)
+            z1 = None if full.zero_point is None else torch.empty(n, i2 - i1, dtype=full.zero_point.dtype,
+                                                                 device=W.device)
+        else:
+            s1 = ex.scale[:, cols].contiguous()
+            z1 = None if ex.zero_point is None else ex.zero_point[:, cols]
+        if use_kernel:
+            _block_kernel(W1, Err1, s1, z1, Hinv1, scheme)
+        else:
+            _block_torch(W1, Err1, s1, z1, Hinv1, scheme, full if dynamic_groups else None, i1)
+        U[:, cols] = W1.float()
+        if i2 < K:
+            later = fac.hinv[i1:i2, i2:]
+            for p0 in range(0, n, PANEL_ROWS):
+                W[p0:p0 + PANEL_ROWS, i2:] -= Err1[p0:p0 + PANEL_ROWS] @ later
+    return U
+
+
+def _finish(U: torch.Tensor, full: Scales, scheme: QuantScheme) -> QTensor:
+    """The stored QTensor of U under the scales GPTQ used, checked against the column step."""
+    qt = quantize(U, scheme, pad=True, scales=full)
+    deq = qt.dequantize(torch.float64)
+    ex = _expanded(full, scheme, tuple(qt.codes.shape))
+    K = U.shape[1]
+    cut = lambda t: None if t is None else t[:, :K]  # noqa: E731
+    want = _fake_quant(U, cut(ex.scale), cut(ex.zero_point), cut(ex.scale).double(), scheme)
+    if not torch.equal(deq[:, :K], want):   # the column step and lowbit.quantize must be one arithmetic
+        raise RuntimeError("GPTQ: the stored codes do not reproduce the values the updates assumed "
+                           f"({int((deq[:, :K] != want).sum())} of {want.numel()} differ); this is a lowbit bug, "
+                           "please report it")
+    return qt
+
+
+def _check(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, damp: float, block_size: int) -> None:
     if w.ndim != 2:
         raise ValueError(f"w must be a 2-D [out_features, in_features] weight, got shape {tuple(w.shape)}")
-    N, K = w.shape
+    K = w.shape[1]
     if tuple(h.shape) != (K, K):
         raise ValueError(f"h has shape {tuple(h.shape)}; a weight with K={K} input features needs [{K}, {K}]")
     if not torch.isfinite(w).all() or not torch.isfinite(h).all():
@@ -174,59 +321,122 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, 
         raise ValueError(f"block_size={block_size} must be >= 1")
     if scheme.dynamic:
         raise ValueError("scheme must be static (dynamic=False): weights are quantized once")
-    group = scheme.strategy == "group"
-    dynamic_groups = group and not (act_order or static_groups)
-    dev = w.device                      # GPTQ runs where the weight lives (CPU or one GPU)
-    h = h.double().to(dev)
+
+
+def _row_split(scheme: QuantScheme) -> bool:
+    """Whether a weight's rows can be solved apart: per-row scales (channel / group)."""
+    return scheme.strategy in ("channel", "group")
+
+
+def _mergeable(a: QuantScheme, b: QuantScheme) -> bool:
+    """Whether two weights reading one input can be solved as one concatenated weight: the same
+    per-row scheme and no per-weight tensor scale (NVFP4's global scale is each weight's own)."""
+    return a == b and _row_split(a) and not a.two_level
+
+
+def _rows_of(n: int, world: int, r: int) -> tuple[int, int]:
+    """Rank r's rows of an n-row job: whole PANEL_ROWS panels, contiguous, counts differing by
+    at most one panel."""
+    P = -(-n // PANEL_ROWS)
+    lo = r * (P // world) + min(r, P % world)
+    hi = lo + P // world + (1 if r < P % world else 0)
+    return min(lo * PANEL_ROWS, n), min(hi * PANEL_ROWS, n)
+
+
+def _slice_rows(sc: Scales, lo: int, hi: int) -> Scales:
+    return Scales(*(None if t is None else t[lo:hi].clone() for t in sc[:3]), sc.global_scale)
+
+
+def gptq_quantize_group(ws: list[torch.Tensor], h: torch.Tensor, schemes: list[QuantScheme], *,
+                        damp: float = 0.01, block_size: int = 128, act_order: bool = False,
+                        static_groups: bool = False, split: bool | None = None) -> list[QTensor]:
+    """GPTQ of the weights that read one input (so share the Hessian h [K, K]): ws[i] [N_i, K]
+    under schemes[i]. Returns each weight's QTensor, the same codes as gptq_quantize_weight gives
+    each of them (its rows are independent: tests/test_gptq.py checks it bit for bit).
+
+    Weights with the same per-row scheme are solved as one concatenated weight (one column loop
+    for q/k/v, one for gate/up). split (default: torch.distributed is active): a collective;
+    every rank solves its share of each such job's rows (whole PANEL_ROWS panels, shares
+    differing by one panel at most, so each rank gets about K x N / world of every job) and the
+    pieces are broadcast, so that every rank returns all weights. A weight whose scales are not
+    per row (tensor / block strategy) is solved whole by rank (its index mod world)."""
+    for w, s in zip(ws, schemes):
+        _check(w, h, s, damp, block_size)
+    if split is None:
+        split = distributed.active()
+    world, me = (distributed.world_size(), distributed.rank()) if split else (1, 0)
+    dev = ws[0].device
+    fac = _factor(h, damp, act_order, dev)
+    # jobs: runs of consecutive weights solved as one
+    jobs: list[list[int]] = []
+    for i, s in enumerate(schemes):
+        if jobs and _mergeable(schemes[jobs[-1][-1]], s):
+            jobs[-1].append(i)
+        else:
+            jobs.append([i])
+    rtn = [quantize(w.detach().double().float(), s, pad=True) for w, s in zip(ws, schemes)]
+    out: list[QTensor | None] = [None] * len(ws)
+    for ji, job in enumerate(jobs):
+        scheme = schemes[job[0]]
+        dynamic_groups = scheme.strategy == "group" and not (act_order or static_groups)
+        bs = -(-block_size // scheme.group_size) * scheme.group_size if dynamic_groups else block_size
+        full = Scales(*(None if all(_scales_of(rtn[i])[f] is None for i in job) else
+                        torch.cat([_scales_of(rtn[i])[f] for i in job]) for f in range(3)),
+                      rtn[job[0]].global_scale)
+        w64 = torch.cat([ws[i].detach().double() for i in job]) if len(job) > 1 else ws[job[0]].detach().double()
+        n, kp = w64.shape[0], rtn[job[0]].codes.shape[1]
+        if world == 1:
+            U = _solve(w64, fac, scheme, full, dynamic_groups, bs, kp)
+        elif _row_split(scheme):
+            U = torch.empty(n, w64.shape[1], dtype=torch.float32, device=dev)
+            lo, hi = _rows_of(n, world, me)
+            if hi > lo:
+                mine = _slice_rows(full, lo, hi)
+                U[lo:hi] = _solve(w64[lo:hi], fac, scheme, mine, dynamic_groups, bs, kp)
+                for dst, src in zip(full[:3], mine[:3]):
+                    if dst is not None:
+                        dst[lo:hi] = src
+            for r in range(world):      # every rank gets every rank's rows (and their scales)
+                a, b = _rows_of(n, world, r)
+                if b > a:
+                    for t in (U, *full[:3]):
+                        if t is not None:
+                            distributed.broadcast_(t[a:b], src=r)
+        else:
+            owner = ji % world
+            U = _solve(w64, fac, scheme, full, dynamic_groups, bs, kp) if me == owner else \
+                torch.empty(n, w64.shape[1], dtype=torch.float32, device=dev)
+            for t in (U, *full[:3]):
+                if t is not None:
+                    distributed.broadcast_(t, src=owner)
+        start = 0
+        for i in job:
+            m = ws[i].shape[0]
+            rows = Scales(*(None if t is None else t[start:start + m] for t in full[:3]), full.global_scale)
+            out[i] = _finish(U[start:start + m].contiguous(), rows, scheme)
+            start += m
+    return out
+
+
+def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, *, damp: float = 0.01,
+                         block_size: int = 128, act_order: bool = False, static_groups: bool = False) -> GPTQResult:
+    """GPTQ of one weight (in this process, whether or not torch.distributed is active).
+
+    w: [N, K] float weight (y = x @ w.T); h: [K, K] Hessian X^T X / n (HessianAccumulator).
+    damp: fraction of mean(diag H) added to the diagonal before inverting (the paper's 1%).
+    block_size: columns per lazy-update block (rounded up to a multiple of the group size for
+      dynamic group scales, so that a group's scales see its columns' current values).
+    act_order / static_groups: see the module docstring.
+    Returns the QTensor (padded along K when the group size does not divide K) and the losses.
+    Columns that no calibration input reaches (H_jj = 0) get H_jj = 1: they are rounded to
+    nearest and receive no compensation.
+    """
+    qt = gptq_quantize_group([w], h, [scheme], damp=damp, block_size=block_size, act_order=act_order,
+                             static_groups=static_groups, split=False)[0]
     w64 = w.detach().double()
+    h = h.double().to(w.device)
     rtn = quantize(w64.float(), scheme, pad=True)
-    pshape = tuple(rtn.codes.shape)
-    # Scales: RTN's on the original weight; dynamic groups overwrite each group when reached.
-    full = Scales(*(None if t is None else t.clone() for t in _scales_of(rtn)))
-    if dynamic_groups:
-        block_size = -(-block_size // scheme.group_size) * scheme.group_size
-
-    H = h.clone()
-    dead = torch.diagonal(H) == 0
-    H[dead, dead] = 1.0
-    perm = torch.argsort(torch.diagonal(H), descending=True, stable=True) if act_order else torch.arange(K, device=dev)
-    order = perm.tolist()               # host copy: the column loop indexes it without a device sync
-    W = w64[:, perm].clone()
-    H = H[perm][:, perm]
-    H += damp * torch.diagonal(H).mean() * torch.eye(K, dtype=torch.float64, device=dev)
-    L, info = torch.linalg.cholesky_ex(H)
-    if info:
-        raise ValueError(f"the damped Hessian is not positive definite (damp={damp}); raise damp (e.g. 0.1) "
-                         "or give more calibration tokens")
-    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)   # rows: [H_F^-1]_{j,F} / sqrt(.)
-
-    U = torch.zeros(N, K, dtype=torch.float32, device=dev)   # each column as it was quantized (original order)
-    Q = torch.zeros(N, K, dtype=torch.float64, device=dev)   # its dequantized value
-    ex = None if dynamic_groups else _expanded(full, scheme, pshape)
-    for i1 in range(0, K, block_size):
-        i2 = min(i1 + block_size, K)
-        W1 = W[:, i1:i2].clone()
-        Err1 = torch.zeros_like(W1)
-        Hinv1 = Hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            j = order[i1 + i]
-            if dynamic_groups and j % scheme.group_size == 0:
-                sc = _group_scales(W1[:, i:i + scheme.group_size], scheme, full.global_scale)
-                _set_group(full, j // scheme.group_size, sc)
-                ex = _expanded(full, scheme, pshape)
-            col = W1[:, i].float()
-            q = _fake_quant(col, _column(ex, j), scheme)
-            U[:, j], Q[:, j] = col, q
-            err = (W1[:, i] - q) / Hinv1[i, i]
-            W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
-            Err1[:, i] = err
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
-    qt = quantize(U, scheme, pad=True, scales=full)
-    deq = qt.dequantize(torch.float64)
-    if not torch.equal(deq, Q):     # the column step and lowbit.quantize must be one arithmetic
-        raise RuntimeError("GPTQ: the stored codes do not reproduce the values the updates assumed "
-                           f"({int((deq != Q).sum())} of {Q.numel()} differ); this is a lowbit bug, please report it")
-    return GPTQResult(qt, output_loss(w64, deq, h),
+    return GPTQResult(qt, output_loss(w64, qt.dequantize(torch.float64), h),
                       output_loss(w64, rtn.dequantize(torch.float64), h))
 
 
@@ -269,28 +479,30 @@ def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, dam
         raise ValueError(f"holdout={holdout}: give 0 (no validation) or n >= 2 (every n-th token validates)")
     decisions = {d.name: d for d in summary.quantized}
 
-    def solve(n, h, hv):
-        """GPTQ of one layer: (QTensor, float64 [3] = loss ratio, held-out ratio or NaN, kept RTN)."""
+    def losses(n, qt, h):
+        """float64 [2]: output losses of GPTQ's and of round-to-nearest's weight on h."""
         d, lin = decisions[n], model.get_submodule(n)
-        r = summary.recipe_of(d)
-        try:
-            res = gptq_quantize_weight(lin.weight, h, r.weight, damp=damp, block_size=block_size,
-                                       act_order=act_order, static_groups=static_groups)
-        except ValueError as err:
-            raise ValueError(f"GPTQ of layer {n} ({d.shape[0]}x{d.shape[1]}) under recipe {r.name}: {err}") from err
-        qt = res.qtensor
-        info = [res.loss / res.loss_rtn if res.loss_rtn > 0 else 1.0, math.nan, 0.0]
-        if hv is not None:
-            w = lin.weight.detach()
-            rtn = quantize(w.float(), r.weight, pad=True)
-            lv, lr = output_loss(w, qt.dequantize(torch.float64), hv), output_loss(w, rtn.dequantize(torch.float64), hv)
-            info[1] = lv / lr if lr > 0 else 1.0
-            if lv > lr:
-                qt, info[2] = rtn, 1.0
-        return qt, torch.tensor(info, dtype=torch.float64)
+        w = lin.weight.detach()
+        w64 = w.double() if w.dtype != torch.float64 else w
+        rtn = quantize(w64.float(), summary.recipe_of(d).weight, pad=True)
+        return torch.tensor([output_loss(w64, qt.dequantize(torch.float64), h),
+                             output_loss(w64, rtn.dequantize(torch.float64), h)], dtype=torch.float64)
+
+    timings = {"hessian": 0.0, "solve": 0.0, "losses": 0.0}
+    clock = [0.0]
+
+    def lap(phase, dev):     # seconds per phase (device queue drained), read by layerwise's summary
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        now = time.time()
+        if phase is not None:
+            timings[phase] += now - clock[0]
+        clock[0] = now
 
     def handle(names, inputs):
         K = model.get_submodule(names[0]).in_features
+        dev = model.get_submodule(names[0]).weight.device
+        lap(None, dev)
         fit, val = HessianAccumulator(K), HessianAccumulator(K)
         for x in inputs:
             x2 = x.reshape(-1, K)
@@ -305,22 +517,51 @@ def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, dam
         val.reduce()
         h = fit.hessian()
         hv = val.hessian() if holdout and val.n else None
-        # Under torch.distributed the layers sharing this input are solved by different ranks
-        # (layer i by rank i % world) and the results broadcast; one process solves them all.
+        lap("hessian", dev)
+        lins = [model.get_submodule(n) for n in names]
+        schemes = [summary.recipe_of(decisions[n]).weight for n in names]
+        # One column loop per run of Linears with the same scheme (q/k/v, gate/up concatenated);
+        # under torch.distributed each rank solves its share of the rows and every rank ends
+        # with every weight (gptq_quantize_group).
+        try:
+            qts = gptq_quantize_group([lin.weight for lin in lins], h, schemes, damp=damp, block_size=block_size,
+                                      act_order=act_order, static_groups=static_groups)
+        except ValueError as err:
+            shapes = ", ".join(f"{n} {list(decisions[n].shape)}" for n in names)
+            raise ValueError(f"GPTQ of layer(s) {shapes}: {err}") from err
+        lap("solve", dev)
         world, me = distributed.world_size(), distributed.rank()
-        mine = {n: solve(n, h, hv) for i, n in enumerate(names) if i % world == me}
+        hd = h.to(lins[0].weight.device)
+        hvd = None if hv is None else hv.to(lins[0].weight.device)
+        # The losses: of each layer, on the fit tokens (the report) and on the held-out ones (the
+        # choice), each pair of products [N, K] x [K, K] computed whole by one rank and broadcast,
+        # so the values are one process's; largest first to the least loaded rank (cost ~ N K^2;
+        # ties to the last rank, as rank 0 also writes the checkpoint).
+        tasks = [(i, 0) for i in range(len(names))] + ([(i, 1) for i in range(len(names))] if hvd is not None else [])
+        load, owner = [0] * world, {}
+        for t in sorted(tasks, key=lambda t: -lins[t[0]].weight.shape[0]):
+            owner[t] = min(range(world), key=lambda r: (load[r], -r))
+            load[owner[t]] += lins[t[0]].weight.shape[0]
+        got = {t: losses(names[t[0]], qts[t[0]], (hd, hvd)[t[1]]) if owner[t] == me
+               else torch.zeros(2, dtype=torch.float64) for t in tasks}
+        for t in tasks:
+            distributed.broadcast_(got[t], src=owner[t])
+        infos = []
+        for i in range(len(names)):
+            lq, l0 = (float(v) for v in got[(i, 0)])
+            info = [lq / l0 if l0 > 0 else 1.0, math.nan, 0.0]
+            if (i, 1) in got:
+                lv, lr = (float(v) for v in got[(i, 1)])
+                info[1:] = [lv / lr if lr > 0 else 1.0, float(lv > lr)]
+            infos.append(info)
+        lap("losses", dev)
         out = {}
         for i, n in enumerate(names):
-            d, lin = decisions[n], model.get_submodule(n)
-            r = summary.recipe_of(d)
-            if n in mine:
-                qt, info = mine[n]
-            else:   # same shapes and dtypes as the owner's result; its values arrive by broadcast
-                qt, info = quantize(lin.weight.detach().float(), r.weight, pad=True), torch.zeros(3, dtype=torch.float64)
-            if world > 1:
-                for t in (qt.codes, qt.scale, qt.zero_point, qt.scale_codes, qt.global_scale, info):
-                    if t is not None:
-                        distributed.broadcast_(t, src=i % world)
+            d, lin, r = decisions[n], lins[i], summary.recipe_of(decisions[n])
+            info = infos[i]
+            qt = qts[i]
+            if info[2]:
+                qt = quantize(lin.weight.detach().float(), r.weight, pad=True)
             d.reason += f"; GPTQ output loss {float(info[0]):.3f}x round-to-nearest's"
             if not math.isnan(float(info[1])):
                 d.reason += f", {float(info[1]):.3f}x on held-out tokens"
@@ -332,4 +573,5 @@ def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, dam
                                  backend=backend).to(lin.weight.device)
         return out
 
+    handle.timings = timings
     return handle

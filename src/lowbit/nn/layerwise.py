@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import os
 import resource
+import threading
 import time
 from pathlib import Path
 
@@ -69,27 +70,84 @@ class _Checkpoint:
         from lowbit.io.st_format import checkpoint_files
         self.files = checkpoint_files(in_dir)   # validates every header first
         self._readers = {}
+        self._lock = threading.Lock()           # the reader and the writer thread both read
 
     def get(self, name: str) -> torch.Tensor:
         from lowbit.io.st_format import CheckpointError, TensorReader
         if name not in self.files:
             raise CheckpointError(f"the checkpoint has no tensor {name!r}, which config.json's model needs")
         path = self.files[name]
-        if path not in self._readers:
-            self._readers[path] = TensorReader(path)
-        return self._readers[path].get(name)
+        with self._lock:
+            if path not in self._readers:
+                self._readers[path] = TensorReader(path)
+            return self._readers[path].get(name)
 
     def close(self):
         for r in self._readers.values():
             r.close()
 
 
-def _materialize(module: torch.nn.Module, prefix: str, ckpt: _Checkpoint, device, dtype) -> None:
-    """Allocate a meta module on `device` and fill every parameter from the checkpoint (cast to dtype)."""
+def _advance(layer: torch.nn.Module, stream: list) -> None:
+    """Replace each batch of `stream` by the layer's output on it, one batch at a time: the old
+    and the new stream are never both alive (one batch's output is the only extra memory)."""
+    from lowbit.nn.sequential import next_block_inputs
+    for b in range(len(stream)):
+        stream[b] = next_block_inputs(layer, [stream[b]])[0]
+
+
+# Elements per float32 temporary while a weight is quantized (row chunks; see _rtn_chunked).
+_CHUNK = 1 << 22
+
+
+def _rtn_chunked(d, summary, linear: torch.nn.Linear, static) -> torch.nn.Module:
+    """quantize_layer's QuantLinear (round to nearest), with the weight quantized by chunks of
+    rows: per-row scales make that the same codes, and the device holds one chunk's float32
+    temporaries instead of three [N, K] ones (a per-tensor or two-level scheme is quantized whole)."""
+    from lowbit.nn.quant_linear import QuantLinear
+    from lowbit.nn.quantize_model import layer_act, quantize_layer
+    from lowbit.quantize import QTensor, quantize
+    r = summary.recipe_of(d)
+    w = linear.weight.detach()
+    if r.weight.strategy not in ("channel", "group") or r.weight.two_level or not torch.isfinite(w).all():
+        return quantize_layer(d, summary, linear, static)    # its checks and messages
+    act, scale = layer_act(d, r, static)
+    step = max(1, _CHUNK // w.shape[1])
+    parts = [quantize(w[a:a + step].float(), r.weight, pad=True) for a in range(0, w.shape[0], step)]
+    cat = lambda f: None if getattr(parts[0], f) is None else torch.cat([getattr(p, f) for p in parts])  # noqa: E731
+    qt = QTensor(cat("codes"), cat("scale"), cat("zero_point"), r.weight, tuple(w.shape), cat("scale_codes"), None)
+    del parts
+    bias = None if linear.bias is None else linear.bias.detach().float()
+    return QuantLinear(qt, r.weight, act, bias=bias, act_static_scale=scale)
+
+
+def _read(module: torch.nn.Module, prefix: str, ckpt: _Checkpoint, pin_for=None) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors of `module`'s parameters, on the host, by parameter name; pin_for:
+    a CUDA device, for which they are put in page-locked memory (its copies then run at full
+    speed; done in the reader thread, which must first select that device, or CUDA would start
+    a context on GPU 0 for it)."""
+    if pin_for is not None:
+        torch.cuda.set_device(pin_for)
+    return {k: ckpt.get(prefix + k).pin_memory() if pin_for is not None else ckpt.get(prefix + k)
+            for k, _ in module.named_parameters()}
+
+
+def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """t on the host (page-locked when pin: a GPU's copy runs at full speed)."""
+    if not pin or t.device.type == "cpu":
+        return t.to("cpu")
+    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    buf.copy_(t)
+    return buf
+
+
+def _materialize(module: torch.nn.Module, prefix: str, ckpt: _Checkpoint, device, dtype, tensors=None) -> None:
+    """Allocate a meta module on `device` and fill every parameter from the checkpoint (cast to
+    dtype); tensors: the parameters already read (_read), else they are read here."""
     module.to_empty(device=device)
+    tensors = _read(module, prefix, ckpt) if tensors is None else tensors
     with torch.no_grad():
         for k, p in module.named_parameters():
-            t = ckpt.get(prefix + k)
+            t = tensors.pop(k)
             if tuple(t.shape) != tuple(p.shape):
                 raise ValueError(f"{prefix + k}: checkpoint shape {tuple(t.shape)}, config.json's model {tuple(p.shape)}")
             p.data = t.to(device=device, dtype=dtype)
@@ -121,9 +179,9 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     from lowbit.nn.calibration import calibrate_act_absmax, scale_from_absmax, static_scheme
     from lowbit.nn.gptq import gptq_handler
     from lowbit.nn.quant_linear import QuantLinear
-    from lowbit.nn.quantize_model import plan, quantize_layer
+    from lowbit.nn.quantize_model import plan
     from lowbit.nn.recipes import get_recipe
-    from lowbit.nn.sequential import as_kwargs, capture_block_inputs, next_block_inputs, run_stage
+    from lowbit.nn.sequential import as_kwargs, capture_block_inputs, run_stage
     from lowbit.nn.smoothquant import fold_from_stats, fold_groups
 
     t_start = time.time()
@@ -197,13 +255,23 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
         finally:
             to_dev.remove()
         emb.to("meta")               # freed: only the first inputs need it
+        # Reading layer i + 1 from the shards (host) overlaps layer i's work, and writing layer
+        # i's tensors (host) overlaps layer i + 1's: one reader and one writer thread, each
+        # working in order, so the files are the same bytes.
+        from concurrent.futures import ThreadPoolExecutor
+        io = ThreadPoolExecutor(max_workers=1), ThreadPoolExecutor(max_workers=1)
+        written = None
         if writer is not None:       # the tensors outside the layers, streamed (never on the device)
-            for n in sorted(ckpt.files):
-                if n not in own:
-                    t = ckpt.get(n)
-                    writer.add(n, t.to(dtype) if t.is_floating_point() else t)
-                    del t
-        streams = {k: first for k, want in (("F", need_f), ("S", need_s), ("Q", need_q)) if want}
+            def copy_rest():
+                for n in sorted(ckpt.files):
+                    if n not in own:
+                        t = ckpt.get(n)
+                        writer.add(n, t.to(dtype) if t.is_floating_point() else t)
+                        del t
+            written = io[1].submit(copy_rest)
+        # each stream its own list (they share the first layer's inputs), advanced in place
+        streams = {k: list(first) for k, want in (("F", need_f), ("S", need_s), ("Q", need_q)) if want}
+        del first
         scales: dict[str, torch.Tensor] = {}
         layer_schemes, sidecar = {}, {}
         static = scales if need_s else None      # filled layer by layer, before each layer is quantized
@@ -213,55 +281,95 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
         if progress:
             from tqdm import tqdm
             bar = tqdm(total=len(blist), desc=f"layer by layer {r.name}", unit="layer")
-        for i in range(len(blist)):
-            t0 = time.time()
-            prefix = f"{bname}.{i}."
-            skeleton = blist[i]
-            layer = copy.deepcopy(skeleton)
-            _materialize(layer, prefix, ckpt, device, dtype)
-            blist[i] = layer
-            if i == 0:
-                result["layer_bytes"] = sum(p.numel() * p.element_size() for p in layer.parameters())
-            mine = [d.name[len(prefix):] for d in summary.quantized if d.name.startswith(prefix)]
-            last = i + 1 == len(blist)
-            if need_f:               # SmoothQuant's maxima on the float model as loaded
-                groups = fold_groups(layer)
-                amax = calibrate_act_absmax(layer, as_kwargs(streams["F"]),
-                                            names=[c for g in groups for c in g.consumers], per_channel=True)
-                if not last:
-                    streams["F"] = next_block_inputs(layer, streams["F"])
-                fold_from_stats(layer, groups, amax, smoothquant)
-            if need_s:               # static scales on the folded float model
-                act = static_scheme(r.act)
-                for n, a in calibrate_act_absmax(layer, as_kwargs(streams["S"]), names=mine).items():
-                    scales[prefix + n] = scale_from_absmax(a, act)
-                if not last:
-                    streams["S"] = next_block_inputs(layer, streams["S"])
-            if need_q:               # GPTQ on the quantized model's activations
-                run_stage(layer, streams["Q"], mine, handle, {}, prefix, None)
-                if not last:
-                    streams["Q"] = next_block_inputs(layer, streams["Q"])
-            else:
-                by_name = {d.name: d for d in summary.quantized}
-                for n in mine:
-                    q = quantize_layer(by_name[prefix + n], summary, layer.get_submodule(n),
-                                       static).to(device)
-                    parent, _, attr = n.rpartition(".")
-                    setattr(layer.get_submodule(parent) if parent else layer, attr, q)
-            formats = {}
-            for n, m in layer.named_modules():
-                if isinstance(m, QuantLinear):
-                    formats[prefix + n], layer_schemes[prefix + n], sidecar[prefix + n] = describe_qlayer(prefix + n, m)
-            if writer is not None:
-                for n, t in module_tensors(layer, formats, set(), prefix[:-1]):
-                    writer.add(n, t)
-            blist[i] = skeleton      # the layer is freed
-            del layer
-            result["seconds_per_layer"].append(time.time() - t0)
-            if bar is not None:
-                bar.update(1)
+        phases = result["phase_seconds"] = {"load": 0.0, "calibrate": 0.0, "quantize": 0.0, "write": 0.0}
+        clock = [time.time()]
+
+        def lap(phase):      # seconds of each phase, the device's queue drained at each boundary
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            now = time.time()
+            phases[phase] += now - clock[0]
+            clock[0] = now
+
+        pin = device.type == "cuda"
+        pin_for = device if pin else None
+        nxt = io[0].submit(_read, blist[0], f"{bname}.0.", ckpt, pin_for)
+        try:
+            for i in range(len(blist)):
+                t0 = time.time()
+                clock[0] = t0
+                prefix = f"{bname}.{i}."
+                skeleton = blist[i]
+                layer = copy.deepcopy(skeleton)
+                host = nxt.result()
+                if i + 1 < len(blist):
+                    nxt = io[0].submit(_read, blist[i + 1], f"{bname}.{i + 1}.", ckpt, pin_for)
+                _materialize(layer, prefix, ckpt, device, dtype, host)
+                del host
+                blist[i] = layer
+                lap("load")
+                if i == 0:
+                    result["layer_bytes"] = sum(p.numel() * p.element_size() for p in layer.parameters())
+                mine = [d.name[len(prefix):] for d in summary.quantized if d.name.startswith(prefix)]
+                last = i + 1 == len(blist)
+                if need_f:               # SmoothQuant's maxima on the float model as loaded
+                    groups = fold_groups(layer)
+                    amax = calibrate_act_absmax(layer, as_kwargs(streams["F"]),
+                                                names=[c for g in groups for c in g.consumers], per_channel=True)
+                    if not last:
+                        _advance(layer, streams["F"])
+                    fold_from_stats(layer, groups, amax, smoothquant)
+                if need_s:               # static scales on the folded float model
+                    act = static_scheme(r.act)
+                    for n, a in calibrate_act_absmax(layer, as_kwargs(streams["S"]), names=mine).items():
+                        scales[prefix + n] = scale_from_absmax(a, act)
+                    if not last:
+                        _advance(layer, streams["S"])
+                if need_q:               # GPTQ on the quantized model's activations
+                    lap("calibrate")
+                    run_stage(layer, streams["Q"], mine, handle, {}, prefix, None)
+                    lap("quantize")
+                    if not last:
+                        _advance(layer, streams["Q"])
+                    lap("calibrate")
+                elif distributed.rank() == 0:
+                    # round to nearest: nothing runs the quantized layer, only rank 0 writes it
+                    lap("calibrate")
+                    by_name = {d.name: d for d in summary.quantized}
+                    for n in mine:
+                        q = _rtn_chunked(by_name[prefix + n], summary, layer.get_submodule(n), static)
+                        parent, _, attr = n.rpartition(".")
+                        setattr(layer.get_submodule(parent) if parent else layer, attr, q)
+                    lap("quantize")
+                else:
+                    lap("calibrate")
+                formats = {}
+                for n, m in layer.named_modules():
+                    if isinstance(m, QuantLinear):
+                        formats[prefix + n], layer_schemes[prefix + n], sidecar[prefix + n] = describe_qlayer(prefix + n, m)
+                if writer is not None:
+                    out = [(n, _to_host(t, pin)) for n, t in module_tensors(layer, formats, set(), prefix[:-1])]
+                    if written is not None:
+                        written.result()       # one layer waits on the host at most (and errors surface)
+                    written = io[1].submit(lambda ts: [writer.add(n, t) for n, t in ts], out)
+                    del out
+                blist[i] = skeleton      # the layer is freed
+                del layer
+                lap("write")
+                result["seconds_per_layer"].append(time.time() - t0)
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            for ex in io:
+                ex.shutdown(wait=True)
         if bar is not None:
             bar.close()
+        if written is not None:
+            written.result()
+        if handle is not None:
+            from lowbit.nn import gptq
+            result["gptq_phase_seconds"] = dict(handle.timings)
+            result["gptq_block_kernel"] = gptq.BLOCK_KERNEL_STATUS
         if writer is not None:
             result["shards"] = writer.finish()
             out_cfg = dict(cfg)

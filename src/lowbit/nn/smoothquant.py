@@ -52,6 +52,28 @@ def fold_groups(model: torch.nn.Module, include_down: bool = True) -> list[FoldG
     return groups
 
 
+# Elements per float32 temporary when a weight is read or rescaled: the maxima and the folds
+# are elementwise / order-free, so working on row chunks gives the same bits and keeps a float32
+# copy of a chunk, not of a [14336, 4096] weight, alive (the layer-by-layer path's peak memory).
+_CHUNK = 1 << 22
+
+
+def _row_steps(w: torch.Tensor):
+    step = max(1, _CHUNK // max(1, w[0].numel()))
+    return ((r, min(r + step, w.shape[0])) for r in range(0, w.shape[0], step))
+
+
+def _col_absmax(w: torch.Tensor) -> torch.Tensor:
+    """max |W[:, j]| (float32 [K]) of a weight [N, K], by row chunks."""
+    return torch.stack([w[a:b].detach().float().abs().amax(dim=0) for a, b in _row_steps(w)]).amax(dim=0)
+
+
+def _rescale_(w: torch.Tensor, fn) -> None:
+    """w[a:b] = fn(float32 w[a:b], a, b) cast back to w's dtype, in place, by row chunks."""
+    for a, b in _row_steps(w):
+        w[a:b].copy_(fn(w[a:b].float(), a, b).to(w.dtype))
+
+
 def smoothing_factors(act_max: torch.Tensor, weights: list[torch.Tensor], alpha: float,
                       pow2: bool = False) -> torch.Tensor:
     """s [K] = act_max^alpha / w_max^(1 - alpha), w_max = max |W[:, j]| over the consumers' [N, K]
@@ -60,7 +82,7 @@ def smoothing_factors(act_max: torch.Tensor, weights: list[torch.Tensor], alpha:
     folded float model computes bit-identical outputs."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha={alpha} must lie in [0, 1] (0: no migration, 1: all difficulty to the weights)")
-    w_max = torch.stack([w.detach().float().abs().amax(dim=0) for w in weights]).amax(dim=0)
+    w_max = torch.stack([_col_absmax(w) for w in weights]).amax(dim=0)
     a = act_max.float()
     s = a.pow(alpha) / w_max.pow(1.0 - alpha)
     ok = (a > 0) & (w_max > 0) & torch.isfinite(s)
@@ -108,9 +130,9 @@ def fold(model: torch.nn.Module, group: FoldGroup, s: torch.Tensor) -> None:
         w = prod.weight
         w.copy_((w.float() / s).to(w.dtype))
     else:
-        prod.weight.copy_((prod.weight.float() / s[:, None]).to(prod.weight.dtype))
+        _rescale_(prod.weight, lambda x, a, b: x / s[a:b, None])
     if getattr(prod, "bias", None) is not None:
         prod.bias.copy_((prod.bias.float() / s).to(prod.bias.dtype))
     for c in group.consumers:
         l = model.get_submodule(c)
-        l.weight.copy_((l.weight.float() * s[None, :]).to(l.weight.dtype))
+        _rescale_(l.weight, lambda x, a, b: x * s[None, :])
