@@ -18,11 +18,12 @@ per kind of statistic:
 Only the streams a recipe needs are kept. tests/test_layerwise.py checks the equality.
 
 Peak device memory (measured in the result, stated in docs/distributed.md):
-  one decoder layer's weights in the compute dtype
-  + the streams' activations: (streams + 1) x tokens x hidden x dtype bytes (+ one group's
-    Linear inputs, tokens x K, while a group is calibrated)
-  + quantization temporaries of one Linear (its float32 copy and codes)
-  + for GPTQ: the Hessian and its factors, about 5 x K^2 x 8 bytes for the largest K.
+  one decoder layer's weights in the compute dtype (quantized Linears replace them one by one)
+  + the streams' activations: streams x tokens x hidden x dtype bytes (each stream advances in
+    place, one batch at a time; + one group's Linear inputs, tokens x K, while GPTQ calibrates)
+  + one batch's forward temporaries and one 4M-element chunk's quantization temporaries
+  + for GPTQ: the Hessians and their factors, about 6 x K^2 x 8 bytes for the largest K.
+Reading the next layer (host) and writing the last one (host) run in two threads meanwhile.
 The embedding is read on the host (its rows gathered there, exactly) and never reaches the device.
 Under torch.distributed each rank holds its share of the tokens, all ranks load each layer, the
 statistics are reduced (lowbit.nn.distributed) and rank 0 writes.
