@@ -113,10 +113,18 @@ def _rtn_chunked(d, summary, linear: torch.nn.Linear, static) -> torch.nn.Module
         return quantize_layer(d, summary, linear, static)    # its checks and messages
     act, scale = layer_act(d, r, static)
     step = max(1, _CHUNK // w.shape[1])
-    parts = [quantize(w[a:a + step].float(), r.weight, pad=True) for a in range(0, w.shape[0], step)]
-    cat = lambda f: None if getattr(parts[0], f) is None else torch.cat([getattr(p, f) for p in parts])  # noqa: E731
-    qt = QTensor(cat("codes"), cat("scale"), cat("zero_point"), r.weight, tuple(w.shape), cat("scale_codes"), None)
-    del parts
+    fields = ("codes", "scale", "zero_point", "scale_codes")
+    full = None
+    for a in range(0, w.shape[0], step):   # each chunk's results straight into the whole weight's
+        part = quantize(w[a:a + step].float(), r.weight, pad=True)
+        if full is None:
+            full = {f: None if getattr(part, f) is None else
+                    getattr(part, f).new_empty((w.shape[0],) + tuple(getattr(part, f).shape[1:])) for f in fields}
+        for f in fields:
+            if full[f] is not None:
+                full[f][a:a + step] = getattr(part, f)
+        del part
+    qt = QTensor(full["codes"], full["scale"], full["zero_point"], r.weight, tuple(w.shape), full["scale_codes"], None)
     bias = None if linear.bias is None else linear.bias.detach().float()
     return QuantLinear(qt, r.weight, act, bias=bias, act_static_scale=scale)
 
