@@ -6,8 +6,9 @@
 #   GPTQ W4A16 on the first GPTQ_LAYERS layers, SmoothQuant W8A8 + static scales on all LAYERS;
 # wall time 1 vs 2 GPUs (target <= 0.6), peak memory per GPU over one layer's bf16 weights + the
 # calibration activations (target <= 1.3), and whether the 2-GPU checkpoint is byte-identical to
-# the 1-GPU one. Both methods see 16,384 calibration tokens (GPTQ: 8 batches of 2 x 1024;
-# SmoothQuant: 16 batches of 1 x 1024, the forward temporaries of one batch count in its peak).
+# the 1-GPU one. Both methods see 32,768 calibration tokens (GPTQ: 16 batches of 2 x 1024;
+# SmoothQuant: 32 batches of 1 x 1024, the forward temporaries of one batch count in its peak);
+# GPTQ_CALIB / SQ_CALIB="batches sequences length" change that.
 # $OUT gets three files: distributed_steps.log (every step's output), distributed.json (every rank's
 # summary, the comparisons, the machine) and table_distributed.md; the table and the ratio and
 # memory lines are printed last. Every step has its own timeout inside one DEADLINE (seconds).
@@ -29,8 +30,8 @@ fi
 DTYPE="${DTYPE:-bf16}"
 LAYERS="${LAYERS:-32}"; GPTQ_LAYERS="${GPTQ_LAYERS:-6}"
 HIDDEN="${HIDDEN:-4096}"; INTER="${INTER:-14336}"; HEADS="${HEADS:-32}"; KV="${KV:-8}"; VOCAB="${VOCAB:-128256}"
-read -r G_BATCHES G_BATCH G_SEQ <<< "${GPTQ_CALIB:-8 2 1024}"     # batches, sequences per batch, length
-read -r S_BATCHES S_BATCH S_SEQ <<< "${SQ_CALIB:-16 1 1024}"
+read -r G_BATCHES G_BATCH G_SEQ <<< "${GPTQ_CALIB:-16 2 1024}"     # batches, sequences per batch, length
+read -r S_BATCHES S_BATCH S_SEQ <<< "${SQ_CALIB:-32 1 1024}"
 DEADLINE="${DEADLINE:-400}"
 T0=$(date +%s)
 log="$out/distributed_steps.log"; : > "$log"   # not distributed.log: gpu_final.sh sends our stdout there

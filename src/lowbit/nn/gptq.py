@@ -8,7 +8,11 @@ updating the columns that are still free by the optimal compensation (OBS)
     W[:, F] -= (w_j - q_j) / [H_F^-1]_jj * [H_F^-1]_{j, F}
 is GPTQ's step. The implementation here is the paper's fast form: the rows of the upper
 Cholesky factor of H^-1 give every [H_F^-1] row at once, and the updates are applied lazily in
-blocks of `block_size` columns (one matrix product per block outside the block).
+blocks of `block_size` columns (one matrix product per block outside the block). Rows are
+independent, so the weights that read one input are solved as one concatenated weight
+(gptq_quantize_group), the lazy products run on fixed panels of PANEL_ROWS rows (the same bits
+whether one process or N ranks, each with whole panels, solve them), and on CUDA a block's column
+loop is one Triton kernel (lowbit.nn.gptq_block) instead of ~11 kernels per column.
 
 The grid is the scheme's own quantizer: every column goes through `lowbit.quantize` with the
 layer's scales (`Scales`, expanded to that column), and the stored QTensor is

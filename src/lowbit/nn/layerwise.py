@@ -18,11 +18,12 @@ per kind of statistic:
 Only the streams a recipe needs are kept. tests/test_layerwise.py checks the equality.
 
 Peak device memory (measured in the result, stated in docs/distributed.md):
-  one decoder layer's weights in the compute dtype
-  + the streams' activations: (streams + 1) x tokens x hidden x dtype bytes (+ one group's
-    Linear inputs, tokens x K, while a group is calibrated)
-  + quantization temporaries of one Linear (its float32 copy and codes)
-  + for GPTQ: the Hessian and its factors, about 5 x K^2 x 8 bytes for the largest K.
+  one decoder layer's weights in the compute dtype (quantized Linears replace them one by one)
+  + the streams' activations: streams x tokens x hidden x dtype bytes (each stream advances in
+    place, one batch at a time; + one group's Linear inputs, tokens x K, while GPTQ calibrates)
+  + one batch's forward temporaries and one 4M-element chunk's quantization temporaries
+  + for GPTQ: the Hessians and their factors, about 6 x K^2 x 8 bytes for the largest K.
+Reading the next layer (host) and writing the last one (host) run in two threads meanwhile.
 The embedding is read on the host (its rows gathered there, exactly) and never reaches the device.
 Under torch.distributed each rank holds its share of the tokens, all ranks load each layer, the
 statistics are reduced (lowbit.nn.distributed) and rank 0 writes.
@@ -112,10 +113,18 @@ def _rtn_chunked(d, summary, linear: torch.nn.Linear, static) -> torch.nn.Module
         return quantize_layer(d, summary, linear, static)    # its checks and messages
     act, scale = layer_act(d, r, static)
     step = max(1, _CHUNK // w.shape[1])
-    parts = [quantize(w[a:a + step].float(), r.weight, pad=True) for a in range(0, w.shape[0], step)]
-    cat = lambda f: None if getattr(parts[0], f) is None else torch.cat([getattr(p, f) for p in parts])  # noqa: E731
-    qt = QTensor(cat("codes"), cat("scale"), cat("zero_point"), r.weight, tuple(w.shape), cat("scale_codes"), None)
-    del parts
+    fields = ("codes", "scale", "zero_point", "scale_codes")
+    full = None
+    for a in range(0, w.shape[0], step):   # each chunk's results straight into the whole weight's
+        part = quantize(w[a:a + step].float(), r.weight, pad=True)
+        if full is None:
+            full = {f: None if getattr(part, f) is None else
+                    getattr(part, f).new_empty((w.shape[0],) + tuple(getattr(part, f).shape[1:])) for f in fields}
+        for f in fields:
+            if full[f] is not None:
+                full[f][a:a + step] = getattr(part, f)
+        del part
+    qt = QTensor(full["codes"], full["scale"], full["zero_point"], r.weight, tuple(w.shape), full["scale_codes"], None)
     bias = None if linear.bias is None else linear.bias.detach().float()
     return QuantLinear(qt, r.weight, act, bias=bias, act_static_scale=scale)
 
