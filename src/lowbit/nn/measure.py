@@ -1,8 +1,9 @@
 """Reproduces the tables of docs/perplexity.md: every recipe on the embedded SmolLM2 + Wikipedia
 text, plain and with each measure (Hadamard rotation, SmoothQuant, AWQ, GPTQ, the worst 5% of Linear
 layers kept in bf16, and their combinations): perplexity, the mean next-token KL divergence from the
-float model and the top-1 agreement with it, stored bytes and calibration time. The float model is
-evaluated once per process (its logits are the KL reference). The markdown table, a JSON file of
+float model and the top-1 agreement with it, stored bytes and calibration time. The float model's
+next-token log-probabilities (the KL reference) are computed once per process from its logits, which
+are kept on disk between runs (--cache). The markdown table, a JSON file of
 every row and a PNG are rewritten after every configuration, so a stopped run keeps what it
 measured, and `--resume` measures only the configurations the JSON file does not hold yet.
 
@@ -75,14 +76,17 @@ CONFIGS = [
 _STATE: dict = {}
 
 
-def _setup(tokens: int, calib_tokens: int, threads: int) -> None:
-    """Per process: the model, the texts and the float model's logits (the KL reference)."""
+def _setup(tokens: int, calib_tokens: int, threads: int, cache: str | None) -> None:
+    """Per process: the model, the texts and the float model's next-token log-probabilities (the KL
+    reference: computed once per process, its logits read from / written to `cache` when given)."""
     torch.set_num_threads(threads)
-    from lowbit.nn.evaluate import reference_logits
+    from lowbit.nn.evaluate import cached_reference_logits, prepare_reference, reference_logits
     from lowbit.nn.pipeline import load_model, prepare_texts
     loaded = load_model("smollm2")
     texts = prepare_texts(loaded, tokens, calib_tokens, 512)
-    _STATE.update(loaded=loaded, texts=texts, reference=reference_logits(loaded.model, texts.eval_ids, 512))
+    logits = reference_logits(loaded.model, texts.eval_ids, 512) if cache is None else \
+        cached_reference_logits(loaded.model, texts.eval_ids, 512, cache)
+    _STATE.update(loaded=loaded, texts=texts, reference=prepare_reference(logits))
 
 
 def _measure(cfg: Config) -> dict:
@@ -103,9 +107,9 @@ def _measure(cfg: Config) -> dict:
             "overrides": sorted(overrides), "calib_s": calib_s, "total_s": time.perf_counter() - t}
 
 
-def _worker(tokens, calib_tokens, threads, cfg):
+def _worker(tokens, calib_tokens, threads, cache, cfg):
     if not _STATE:
-        _setup(tokens, calib_tokens, threads)
+        _setup(tokens, calib_tokens, threads, cache)
     return _measure(cfg)
 
 
@@ -117,14 +121,18 @@ def main(argv=None) -> int:
     ap.add_argument("--calib-tokens", type=int, default=2048, help="calibration tokens (other articles)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per job")
     ap.add_argument("--jobs", type=int, default=1, help="configurations measured in parallel (one process each, "
-                    "each holding the model and the float logits: ~4 GB)")
+                    "each holding the model and the float log-probabilities: ~5 GB at 8,192 tokens)")
     ap.add_argument("--only", default=None, help="comma-separated recipes to measure (default: all configs)")
     ap.add_argument("--methods", default=None, help="comma-separated methods to measure: rtn, gptq (default: all)")
+    ap.add_argument("--cache", default=str(Path.home() / ".cache" / "lowbit"), help="directory keeping the float "
+                    "model's reference logits between runs (safetensors, 4 x vocabulary bytes per token; keyed by "
+                    "model, text and torch version); 'none' recomputes them")
     ap.add_argument("--resume", action="store_true", help="keep the rows of the JSON file measured with the same "
                     "--tokens/--calib-tokens and measure only the others")
     args = ap.parse_args(argv)
     if args.jobs < 1 or args.threads < 1:
         raise SystemExit("--jobs and --threads must be >= 1")
+    cache = None if args.cache == "none" else args.cache
     out = Path(args.out)
     jpath = out.with_suffix(".json")
     from lowbit.nn.pipeline import machine
@@ -162,7 +170,7 @@ def main(argv=None) -> int:
     if args.jobs == 1:
         for cfg in todo:
             try:
-                row = _worker(args.tokens, args.calib_tokens, args.threads, cfg)
+                row = _worker(args.tokens, args.calib_tokens, args.threads, cache, cfg)
             except (ValueError, RuntimeError, NotImplementedError, FloatingPointError) as err:
                 failure(cfg, err)
                 continue
@@ -171,7 +179,7 @@ def main(argv=None) -> int:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor, as_completed
         with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as pool:
-            futs = {pool.submit(_worker, args.tokens, args.calib_tokens, args.threads, c): c for c in todo}
+            futs = {pool.submit(_worker, args.tokens, args.calib_tokens, args.threads, cache, c): c for c in todo}
             for f in as_completed(futs):
                 try:
                     row = f.result()
