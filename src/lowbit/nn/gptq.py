@@ -149,7 +149,8 @@ def _set_group(full: Scales, gi: int, sc: Scales) -> None:
 
 
 def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, *, damp: float = 0.01,
-                         block_size: int = 128, act_order: bool = False, static_groups: bool = False) -> GPTQResult:
+                         block_size: int = 128, act_order: bool = False, static_groups: bool = False,
+                         scales: Scales | None = None) -> GPTQResult:
     """GPTQ of one weight.
 
     w: [N, K] float weight (y = x @ w.T); h: [K, K] Hessian X^T X / n (HessianAccumulator).
@@ -157,6 +158,9 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, 
     block_size: columns per lazy-update block (rounded up to a multiple of the group size for
       dynamic group scales, so that a group's scales see its columns' current values).
     act_order / static_groups: see the module docstring.
+    scales: fixed scales for every group (e.g. lowbit.nn.scale_search's MSE-optimal ones; shapes of
+      quantize(w, scheme, pad=True).scale) instead of round to nearest's; loss_rtn is then the loss
+      of round to nearest under these scales.
     Returns the QTensor (padded along K when the group size does not divide K) and the losses.
     Columns that no calibration input reaches (H_jj = 0) get H_jj = 1: they are rounded to
     nearest and receive no compensation.
@@ -175,11 +179,11 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, 
     if scheme.dynamic:
         raise ValueError("scheme must be static (dynamic=False): weights are quantized once")
     group = scheme.strategy == "group"
-    dynamic_groups = group and not (act_order or static_groups)
+    dynamic_groups = group and not (act_order or static_groups or scales is not None)
     dev = w.device                      # GPTQ runs where the weight lives (CPU or one GPU)
     h = h.double().to(dev)
     w64 = w.detach().double()
-    rtn = quantize(w64.float(), scheme, pad=True)
+    rtn = quantize(w64.float(), scheme, pad=True, scales=scales)
     pshape = tuple(rtn.codes.shape)
     # Scales: RTN's on the original weight; dynamic groups overwrite each group when reached.
     full = Scales(*(None if t is None else t.clone() for t in _scales_of(rtn)))
@@ -233,7 +237,7 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, 
 @torch.no_grad()
 def gptq_model(model: torch.nn.Module, recipe, calib, *, ignore=None, overrides=None, act_static_scales=None,
                damp: float = 0.1, block_size: int = 128, act_order: bool = True, static_groups: bool = False,
-               holdout: int = 4, backend: str = "auto", progress: bool = False):
+               holdout: int = 4, backend: str = "auto", progress: bool = False, mse: bool = False):
     """quantize_model with GPTQ weights: the same plan (recipe, ignore, overrides; lm_head and tied
     Linears stay float), each Linear replaced in execution order by a QuantLinear whose weight GPTQ
     chose on the inputs that the already-quantized model feeds it (lowbit.nn.sequential).
@@ -244,13 +248,15 @@ def gptq_model(model: torch.nn.Module, recipe, calib, *, ignore=None, overrides=
     keeps the round-to-nearest codes (GPTQ over-fits when the tokens are few for K, e.g. a
     down_proj with K = 1536 on 2,048 tokens). 0 disables the check. The defaults (damp 0.1,
     act_order, holdout 4) are what measured best on SmolLM2 (docs/perplexity.md).
+    mse: the fixed scales come from lowbit.nn.scale_search (MSE-optimal range per scale, weighted by
+    the Hessian's diagonal) instead of round to nearest's; the held-out fallback uses them too.
     Every decision's `reason` gains the layer's loss relative to round-to-nearest and the choice.
     Returns the QuantSummary; on error the model is left as it was."""
     from lowbit.nn.quantize_model import plan
     from lowbit.nn.sequential import calibrate_sequentially
     summary = plan(model, recipe, ignore, overrides)
     handle = gptq_handler(model, summary, act_static_scales, damp=damp, block_size=block_size, act_order=act_order,
-                          static_groups=static_groups, holdout=holdout, backend=backend)
+                          static_groups=static_groups, holdout=holdout, backend=backend, mse=mse)
     calibrate_sequentially(model, [d.name for d in summary.quantized], calib, handle, progress=progress,
                            desc=f"GPTQ {summary.recipe}")
     summary.method = "gptq"
@@ -259,7 +265,7 @@ def gptq_model(model: torch.nn.Module, recipe, calib, *, ignore=None, overrides=
 
 def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, damp: float = 0.1,
                  block_size: int = 128, act_order: bool = True, static_groups: bool = False, holdout: int = 4,
-                 backend: str = "auto"):
+                 backend: str = "auto", mse: bool = False):
     """The lowbit.nn.sequential handler that replaces a group of Linears sharing one input by their
     GPTQ QuantLinears (gptq_model's options; `summary` from quantize_model.plan). Used by
     gptq_model on a whole model and by lowbit.nn.layerwise one decoder layer at a time."""
@@ -273,16 +279,20 @@ def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, dam
         """GPTQ of one layer: (QTensor, float64 [3] = loss ratio, held-out ratio or NaN, kept RTN)."""
         d, lin = decisions[n], model.get_submodule(n)
         r = summary.recipe_of(d)
+        sc = None
+        if mse:
+            from lowbit.nn.scale_search import search_scales
+            sc = search_scales(lin.weight.detach(), r.weight, hdiag=torch.diagonal(h))
         try:
             res = gptq_quantize_weight(lin.weight, h, r.weight, damp=damp, block_size=block_size,
-                                       act_order=act_order, static_groups=static_groups)
+                                       act_order=act_order, static_groups=static_groups, scales=sc)
         except ValueError as err:
             raise ValueError(f"GPTQ of layer {n} ({d.shape[0]}x{d.shape[1]}) under recipe {r.name}: {err}") from err
         qt = res.qtensor
         info = [res.loss / res.loss_rtn if res.loss_rtn > 0 else 1.0, math.nan, 0.0]
         if hv is not None:
             w = lin.weight.detach()
-            rtn = quantize(w.float(), r.weight, pad=True)
+            rtn = quantize(w.float(), r.weight, pad=True, scales=sc)
             lv, lr = output_loss(w, qt.dequantize(torch.float64), hv), output_loss(w, rtn.dequantize(torch.float64), hv)
             info[1] = lv / lr if lr > 0 else 1.0
             if lv > lr:
