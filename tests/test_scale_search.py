@@ -8,7 +8,7 @@ import torch
 from lowbit.nn.gptq import gptq_quantize_weight
 from lowbit.nn.recipes import get_recipe
 from lowbit.nn.scale_search import GRID, search_scales
-from lowbit.quantize import _reduce, quantize
+from lowbit.quantize import Scales, _reduce, quantize
 
 
 def _weight(rng, n, k):
@@ -100,3 +100,27 @@ def test_bad_arguments():
         search_scales(w, scheme, hdiag=torch.ones(63))
     with pytest.raises(ValueError, match="2-D"):
         search_scales(w[0], scheme)
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_quantize_model_with_mse_scales(method, rng):
+    """quantize_model(mse=True) stores, at every layer, codes that lowbit.quantize gives for the
+    searched scales (RTN: unweighted search on the layer's weight, so exactly those scales)."""
+    from test_quantize_model import tiny_llama
+
+    from lowbit.nn import QuantLinear, quantize_model
+    model = tiny_llama(rng)
+    float_w = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    calib = [torch.randint(0, 97, (1, 48), generator=rng) for _ in range(3)]
+    quantize_model(model, "w4a16-g32", method=method, calib=calib if method == "gptq" else None, mse=True)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    assert len(layers) == 14
+    scheme = get_recipe("w4a16-g32").weight
+    for n, ql in layers.items():
+        qt = ql.weight_q
+        if method == "rtn":
+            want = quantize(float_w[n], scheme, pad=True, scales=search_scales(float_w[n], scheme))
+            assert torch.equal(qt.codes, want.codes) and torch.equal(qt.scale, want.scale)
+        else:   # GPTQ's codes under its (searched) scales: what lowbit.quantize stores for their values
+            again = quantize(qt.dequantize(), scheme, pad=True, scales=Scales(qt.scale, None, None, None))
+            assert torch.equal(again.codes, qt.codes)

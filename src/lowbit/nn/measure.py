@@ -32,11 +32,13 @@ class Config:
     awq: bool = False
     method: str = "rtn"
     override_worst: float = 0.0
+    mse: bool = False
 
     def measures(self) -> str:
         return ", ".join(x for x in ["Hadamard rotation" if self.rotate else "",
                                      f"SmoothQuant alpha {self.smoothquant}" if self.smoothquant is not None else "",
                                      "AWQ" if self.awq else "", "GPTQ" if self.method == "gptq" else "",
+                                     "MSE scales" if self.mse else "",
                                      "worst 5% of sites kept in bf16" if self.override_worst else ""] if x) or "none"
 
     def key(self) -> str:
@@ -44,12 +46,14 @@ class Config:
 
 
 def _c(recipe, *measures):
-    """Config from short measure names: rot, sq (alpha 0.5), awq, gptq, ov (worst 5% in bf16)."""
+    """Config from short measure names: rot, sq (alpha 0.5), awq, gptq, ov (worst 5% in bf16), mse
+    (MSE-optimal weight scales)."""
     m = set(measures)
-    if m - {"rot", "sq", "awq", "gptq", "ov"}:
-        raise ValueError(f"unknown measures {sorted(m - {'rot', 'sq', 'awq', 'gptq', 'ov'})}")
+    known = {"rot", "sq", "awq", "gptq", "ov", "mse"}
+    if m - known:
+        raise ValueError(f"unknown measures {sorted(m - known)}")
     return Config(recipe, "hadamard" if "rot" in m else None, 0.5 if "sq" in m else None, "awq" in m,
-                  "gptq" if "gptq" in m else "rtn", 0.05 if "ov" in m else 0.0)
+                  "gptq" if "gptq" in m else "rtn", 0.05 if "ov" in m else 0.0, "mse" in m)
 
 
 # In the order they are measured: the plain recipes, then the issue's targets' best candidates (one
@@ -100,7 +104,7 @@ def _measure(cfg: Config) -> dict:
     else:
         run = run_recipe(loaded, texts, cfg.recipe, smoothquant=cfg.smoothquant, override_worst=cfg.override_worst,
                          progress=False, sites=False, method=cfg.method, awq=cfg.awq, rotate=cfg.rotate,
-                         reference=ref)
+                         reference=ref, mse=cfg.mse)
         tm, model, overrides, calib_s = run.tokens, run.model, run.overrides, run.calib_s
     return {"key": cfg.key(), "config": asdict(cfg), "measures": cfg.measures(), "perplexity": tm.perplexity,
             "kl": tm.kl, "kl_max": tm.kl_max, "top1": tm.top1, "tokens": tm.tokens, "bytes": model_bytes(model),
