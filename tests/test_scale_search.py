@@ -96,6 +96,8 @@ def test_bad_arguments():
     scheme = get_recipe("w4a16-g32").weight
     with pytest.raises(ValueError, match="grid"):
         search_scales(w, scheme, grid=(0.9, 0.8))
+    with pytest.raises(ValueError, match="grid"):
+        search_scales(w, scheme, grid=(1.0, -0.5))
     with pytest.raises(ValueError, match="hdiag"):
         search_scales(w, scheme, hdiag=torch.ones(63))
     with pytest.raises(ValueError, match="2-D"):

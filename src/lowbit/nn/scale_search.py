@@ -1,5 +1,6 @@
 """MSE-optimal weight scales ("clipping"): for each scale of a weight (one per group / channel /
-block), the range that the scale covers is shrunk by a factor p from a grid, and the p whose
+block), the range that the scale covers is multiplied by a factor p from a grid (shrunk; for MX's
+power-of-two scales also widened by one exponent), and the p whose
 quantized weight has the smallest squared error over that scale's elements, optionally weighted
 per input column by the Hessian diagonal diag(X^T X / n) (how much each column's error reaches the
 layer's output), is kept. Clipping a few large weights buys a finer step for all the others.
@@ -22,6 +23,9 @@ from lowbit.quantize import (Scales, _reduce, compute_scale, quantize, reduce_am
 from lowbit.scheme import QuantScheme
 
 GRID = tuple(1.0 - 0.025 * i for i in range(21))    # 1.0, 0.975, ..., 0.5
+# e8m0 (MX) scales are powers of two: the only distinct candidates are the neighbouring exponents,
+# and the OCP rule (floor) already clips a block's largest values, so the wider range (2.0) is one.
+GRID_E8M0 = (2.0, 1.0, 0.5)
 
 
 def _padded(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
@@ -32,18 +36,21 @@ def _padded(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
 
 
 def search_scales(w: torch.Tensor, scheme: QuantScheme, *, hdiag: torch.Tensor | None = None,
-                  grid=GRID) -> Scales:
+                  grid=None) -> Scales:
     """The Scales of `w` ([N, K] float; y = x @ w.T) that minimise, per scale, the squared weight
-    error sum_j hdiag_j (w_ij - Q(w)_ij)^2 over the grid of range factors p (1.0 = round to nearest's
-    scales, always a candidate: the result is never worse than round to nearest on that objective).
+    error sum_j hdiag_j (w_ij - Q(w)_ij)^2 over the grid of range factors p (default GRID, GRID_E8M0
+    for e8m0 scales; 1.0 = round to nearest's scales, always a candidate and kept on ties: the result
+    is never worse than round to nearest on that objective).
     hdiag: float [K] >= 0 (None: 1 for every column). Shapes as quantize(w, scheme, pad=True).scale;
     pass the result as `quantize(w, scheme, pad=True, scales=...)`."""
     if w.ndim != 2:
         raise ValueError(f"w must be a 2-D [out_features, in_features] weight, got shape {tuple(w.shape)}")
     if scheme.dynamic:
         raise ValueError("scheme must be static (dynamic=False): weight scales are searched once")
-    if not grid or 1.0 not in grid or not all(0.0 < p <= 1.0 for p in grid):
-        raise ValueError(f"grid={grid!r}: give factors in (0, 1] that include 1.0 (round to nearest's scales)")
+    if grid is None:
+        grid = GRID_E8M0 if scheme.scale_format == "e8m0" else GRID
+    if not grid or 1.0 not in grid or not all(p > 0.0 for p in grid):
+        raise ValueError(f"grid={grid!r}: give positive range factors that include 1.0 (round to nearest's scales)")
     K = w.shape[1]
     if hdiag is None:
         hdiag = torch.ones(K, dtype=torch.float64, device=w.device)
@@ -61,7 +68,7 @@ def search_scales(w: torch.Tensor, scheme: QuantScheme, *, hdiag: torch.Tensor |
         lo, hi = reduce_minmax(xf, scheme)
         candidate = lambda p: compute_scale(hi * p, scheme, amin=lo * p)  # noqa: E731
     best, best_err = None, None
-    for p in sorted(set(grid), reverse=True):       # 1.0 first: ties keep the wider range
+    for p in [1.0] + sorted(set(grid) - {1.0}, reverse=True):     # 1.0 first: ties keep round to nearest
         sc = candidate(p)
         deq = quantize(xf, scheme, scales=sc).dequantize(torch.float64)
         err = _reduce((x64 - deq) ** 2 * weight, scheme, torch.sum)
