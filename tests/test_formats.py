@@ -236,6 +236,26 @@ def test_saturate_true_is_clamp_then_cast(name, rng):
     assert np.all(np.abs(vals) <= fmax)
 
 
+@pytest.mark.parametrize("saturate", [True, False])
+@pytest.mark.parametrize("name", SIGNED_SMALL)
+def test_all_finite_inputs_match_ml_dtypes(name, saturate, rng):
+    """Arrays without NaN/inf take the encoder's finite-only pass (the CPU path quantized models use
+    on every activation); the other tests mix in NaN/inf, which takes the general pass. Both must
+    give ml_dtypes' codes: finite random bit patterns of float32, every tie and its neighbours,
+    the subnormal region, +-0, and overflow (saturate=True: clamp then cast)."""
+    nrng = np_rng(rng)
+    fmax = float(ml_dtypes.finfo(ML[name]).max)
+    tiny = float(ml_dtypes.finfo(ML[name]).smallest_subnormal)
+    bits = finite_float32_bits(nrng, 20_000)
+    x = np.concatenate([bits[np.isfinite(bits)], _adjacent_midpoints(name),
+                        (nrng.standard_normal(5_000) * fmax).astype(np.float32),
+                        (nrng.standard_normal(5_000) * tiny * 4).astype(np.float32),
+                        np.array([0.0, -0.0, fmax, -fmax, 3e38, -3e38], dtype=np.float32)])
+    x = x[np.isfinite(x)]
+    ref = ml_encode(np.clip(x, -fmax, fmax).astype(np.float32) if saturate else x, name)
+    assert_codes_equal(lb_encode_np(x, name, saturate=saturate), ref, x, f"{name} finite, saturate={saturate}")
+
+
 @pytest.mark.parametrize("name", [n for n in SIGNED_SMALL if n not in NO_NAN])
 def test_saturate_true_keeps_nan(name):
     codes = lb.encode(torch.tensor([float("nan"), 1.0, -float("nan")]), name, saturate=True)

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from lowbit.nn.evaluate import perplexity, reference_logits, token_metrics
+from lowbit.nn.evaluate import (cached_reference_logits, perplexity, prepare_reference, reference_logits,
+                                token_metrics)
 
 
 class ToyLM(torch.nn.Module):
@@ -82,6 +83,28 @@ def test_kl_and_top1_match_a_float64_reference(rng):
     assert token_metrics(b, ids, a, window) == tm    # the float model as reference: same numbers, bit for bit
 
 
+def test_prepared_and_cached_references_give_the_same_metrics(rng, tmp_path):
+    """The measure driver's fast reference (log-probabilities prepared once, logits kept on disk)
+    changes no number: bit-identical metrics; a changed model or text is a cache miss."""
+    a, b, ids, window = _pair(rng)
+    ref = reference_logits(a, ids, window)
+    tm = token_metrics(b, ids, ref, window)
+    assert token_metrics(b, ids, prepare_reference(ref), window) == tm
+    first = cached_reference_logits(a, ids, window, tmp_path)        # computed and written
+    again = cached_reference_logits(a, ids, window, tmp_path)        # read back
+    assert len(list(tmp_path.iterdir())) == 1
+    assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(ref, first, again))
+    with torch.no_grad():
+        a.out[0, 0] += 1.0
+    changed = cached_reference_logits(a, ids, window, tmp_path)      # new key: recomputed, not the stale file
+    assert len(list(tmp_path.iterdir())) == 2
+    assert all(torch.equal(x, y) for x, y in zip(changed, reference_logits(a, ids, window)))
+    other = ids.clone()
+    other[-1] = (other[-1] + 1) % a.emb.shape[0]
+    cached_reference_logits(a, other, window, tmp_path)
+    assert len(list(tmp_path.iterdir())) == 3
+
+
 def test_reference_must_match_the_windows(rng):
     a, _, ids, window = _pair(rng)
     ref = reference_logits(a, ids, window)
@@ -89,6 +112,8 @@ def test_reference_must_match_the_windows(rng):
         token_metrics(a, ids, ref[:-1] if len(ref) > 1 else ref + ref, window)
     with pytest.raises(ValueError, match="reference_logits"):
         token_metrics(a, ids, ref, window - 1)
+    with pytest.raises(ValueError, match="reference_logits"):
+        token_metrics(a, ids, prepare_reference(ref), window - 1)
 
 
 def test_measure_configs_are_distinct():
@@ -107,7 +132,7 @@ def test_measure_resume_measures_only_missing_rows(tmp_path, monkeypatch):
     from lowbit.nn import measure
     calls = []
 
-    def fake(tokens, calib_tokens, threads, cfg):
+    def fake(tokens, calib_tokens, threads, cache, cfg):
         calls.append(cfg.key())
         return {"key": cfg.key(), "config": asdict(cfg), "measures": cfg.measures(), "perplexity": 10.0 + len(calls),
                 "kl": 0.01 * len(calls), "kl_max": 0.1, "top1": 0.9, "tokens": 7, "bytes": 2**20, "overrides": [],

@@ -148,6 +148,8 @@ def encode(x: torch.Tensor, spec: MinifloatSpec, saturate: bool) -> torch.Tensor
                          "Use a torch cast (x.to(torch.float16 / torch.bfloat16)) instead.")
     if spec.policy == "e8m0":
         return _encode_e8m0(x, spec, saturate)
+    if x.device.type == "cpu" and _overflow_is_max(spec, saturate) and bool(torch.isfinite(x).all()):
+        return _encode_finite(x, spec)
     nan = torch.isnan(x)
     if spec._nan_magcode is None and saturate and bool(nan.any()):
         raise ValueError(f"x holds {int(nan.sum())} NaN value(s) and this format has no NaN "
@@ -185,6 +187,28 @@ def encode(x: torch.Tensor, spec: MinifloatSpec, saturate: bool) -> torch.Tensor
                                torch.full_like(mag, spec._nan_magcode))
     code = torch.where(nan, nan_code, signed_mag)
     return code.to(torch.uint8)
+
+
+def _overflow_is_max(spec: MinifloatSpec, saturate: bool) -> bool:
+    """Whether `encode` sends finite overflow to +-max and gives negative values the plain sign bit
+    (fn / ieee policies; not fnuz, whose -0 is NaN), i.e. whether _encode_finite applies."""
+    return spec.policy in ("fn", "ieee") and (saturate or (spec.policy == "fn" and not spec.nan))
+
+
+def _encode_finite(x: torch.Tensor, spec: MinifloatSpec) -> torch.Tensor:
+    """encode's arithmetic for all-finite float64 x when _overflow_is_max(spec, saturate): the same
+    binade quantum, one round half to even and the same codes, without the passes that place NaN /
+    inf codes (none occur) -- ~3x faster on the CPU, where the quantized models' activations are
+    encoded on every call. a * 2^(mbits - e) is exact (a power-of-two scaling into [0, 2^(mbits+1)]),
+    so it equals encode's exact quotient a / 2^(e - mbits); codes fit int32 (e <= 1023)."""
+    a = x.abs()
+    _, e2 = torch.frexp(a)
+    e = (e2 - 1).clamp_(min=spec.emin).masked_fill_(a == 0, spec.emin)
+    r = torch.round(a * _pow2((spec.mbits - e).to(torch.int64)))
+    mag = ((e - spec.emin) << spec.mbits) + r.to(torch.int32)
+    mag = mag.clamp_(max=spec.max_finite_magcode)
+    mag |= torch.signbit(x).to(torch.int32) << (spec.bits - 1)
+    return mag.to(torch.uint8)
 
 
 def _encode_e8m0(x: torch.Tensor, spec: MinifloatSpec, saturate: bool) -> torch.Tensor:

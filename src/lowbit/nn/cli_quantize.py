@@ -41,6 +41,9 @@ def register(p) -> None:
                    help="round to nearest and nothing else; without --plain or any measure flag, the recipe's best "
                         "measured measures are applied (lowbit.nn.best, docs/perplexity.md)")
     p.add_argument("--gptq", dest="method", action="store_const", const="gptq", help="same as --method gptq")
+    p.add_argument("--mse-scales", dest="mse", action="store_true",
+                   help="MSE-optimal weight scales (range searched per group/channel, lowbit.nn.scale_search) instead "
+                        "of round to nearest's; with --gptq weighted by each layer's Hessian diagonal")
     p.add_argument("--awq", action="store_true",
                    help="fold activation-aware (AWQ) weight scales before quantizing (weight-only recipes)")
     p.add_argument("--rotate", nargs="?", const="hadamard", default=None, choices=("hadamard",),
@@ -69,9 +72,9 @@ def _measures(args, recipe: str, kind: str) -> dict:
     decoder: where they were measured) the best measured ones from lowbit.nn.best, printed with
     the reason."""
     given = {"smoothquant": args.smoothquant, "override_worst": args.override_worst or 0.0,
-             "method": args.method or "rtn", "awq": args.awq, "rotate": args.rotate}
+             "method": args.method or "rtn", "awq": args.awq, "rotate": args.rotate, "mse": args.mse}
     flagged = (args.smoothquant is not None or args.override_worst or args.method or args.awq or args.rotate
-               or args.static_scales)
+               or args.static_scales or args.mse)
     if args.plain or flagged:
         if args.plain and flagged:
             raise ValueError("--plain means round to nearest alone; drop it or the measure flags")

@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 
 # Measures the layer-by-layer path does not do (yet): the flag and why.
-UNSUPPORTED = {"awq": "--awq", "rotate": "--rotate", "override_worst": "--override-worst", "override": "--override"}
+UNSUPPORTED = {"awq": "--awq", "rotate": "--rotate", "override_worst": "--override-worst", "override": "--override",
+               "mse": "--mse-scales"}
 
 
 def check(args) -> None:

@@ -64,12 +64,73 @@ def reference_logits(model: torch.nn.Module, ids: torch.Tensor, window: int = 51
     return [model(w.to(device)).logits[0, :-1].float().cpu() for w in windows(ids, window)]
 
 
+def _reference_key(model: torch.nn.Module, ids: torch.Tensor, window: int) -> str:
+    """sha256 of what the reference logits depend on: the ids, the window, the model's parameters and
+    buffers (names, dtypes, shapes, bytes) and the torch version (its kernels' summation order)."""
+    import hashlib
+    h = hashlib.sha256(f"{torch.__version__}|{window}|{tuple(ids.shape)}|".encode())
+    h.update(ids.detach().cpu().to(torch.int64).contiguous().numpy().tobytes())
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"|{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def cached_reference_logits(model: torch.nn.Module, ids: torch.Tensor, window: int, cache_dir) -> list[torch.Tensor]:
+    """reference_logits, kept on disk in `cache_dir` as one safetensors file per (model, ids, window,
+    torch version) (no pickles; the key is the file's name and is checked again inside it): a later
+    run reads the float32 logits back instead of running the model (~60 s for 8,192 SmolLM2 tokens
+    on one core; the file holds 4 x vocab bytes per token)."""
+    from pathlib import Path
+    from safetensors.torch import load_file, save_file
+    key = _reference_key(model, ids, window)
+    path = Path(cache_dir) / f"reference-{key[:32]}.safetensors"
+    if path.is_file():
+        from safetensors import safe_open
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        if meta.get("key") == key:
+            stacked = load_file(str(path))["logits"]
+            return list(stacked.unbind(0))
+    logits = reference_logits(model, ids, window)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({"logits": torch.stack(logits)}, str(tmp), metadata={"key": key, "window": str(window)})
+    tmp.replace(path)
+    return logits
+
+
+@dataclass(frozen=True)
+class PreparedReference:
+    """The reference side of token_metrics, computed once for many quantized models: per window,
+    logp = float64 log-softmax [window - 1, vocab] of the reference's float32 logits and top = their
+    argmax, int64 [window - 1] (8 bytes x vocab per token: 3.2 GB for 8,192 SmolLM2 tokens). The
+    same arithmetic token_metrics applies to raw logits (`_reference_side`), so the metrics are
+    bit-identical to those computed from reference_logits."""
+    logp: list
+    top: list
+
+
+def _reference_side(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float64 log-softmax, argmax) of one window's float32 reference logits [n, vocab]."""
+    return torch.log_softmax(logits.double(), dim=-1), logits.argmax(-1)
+
+
+def prepare_reference(logits: list[torch.Tensor]) -> PreparedReference:
+    """PreparedReference from reference_logits' per-window float32 logits."""
+    sides = [_reference_side(x) for x in logits]
+    return PreparedReference([lp for lp, _ in sides], [t for _, t in sides])
+
+
 @torch.no_grad()
-def token_metrics(model: torch.nn.Module, ids: torch.Tensor, reference: list[torch.Tensor] | torch.nn.Module,
+def token_metrics(model: torch.nn.Module, ids: torch.Tensor,
+                  reference: list[torch.Tensor] | PreparedReference | torch.nn.Module,
                   window: int = 512, progress: bool = False, desc: str = "eval") -> TokenMetrics:
     """Perplexity, mean/max KL divergence and top-1 agreement of `model` on the windows of `ids`,
-    against `reference`: reference_logits of the float model on the same ids and window, or the
-    float model itself (then run on each window beside `model`: no memory held, one more forward).
+    against `reference`: reference_logits of the float model on the same ids and window (or those
+    logits prepared once by prepare_reference), or the float model itself (then run on each window
+    beside `model`: no memory held, one more forward).
     KL per token = sum_v p_v (log p_v - log q_v), p = softmax(reference), q = softmax(model), both
     log-softmaxes in float64 from the float32 logits (so identical logits give exactly 0), summed in
     float64; top-1 compares argmaxes of the float32 logits (first index on ties, both sides alike)."""
@@ -80,30 +141,33 @@ def token_metrics(model: torch.nn.Module, ids: torch.Tensor, reference: list[tor
     if isinstance(reference, torch.nn.Module):
         ref_model, ref_device = reference, next(reference.parameters()).device
         rows = [w.shape[1] - 1 for w in ws]
-        reference = (ref_model(w.to(ref_device)).logits[0, :-1].float().cpu() for w in ws)
+        sides = (_reference_side(ref_model(w.to(ref_device)).logits[0, :-1].float().cpu()) for w in ws)
+    elif isinstance(reference, PreparedReference):
+        rows = [t.shape[0] for t in reference.top]
+        sides = zip(reference.logp, reference.top)
     else:
         rows = [r.shape[0] for r in reference]
+        sides = (_reference_side(r) for r in reference)
     if rows != [w.shape[1] - 1 for w in ws]:
         raise ValueError("reference does not match ids/window: compute it with reference_logits(float_model, ids, "
                          "window) on the same ids and window")
     device = next(model.parameters()).device
-    it = zip(ws, reference)
+    it = zip(ws, sides)
     if progress:
         from tqdm import tqdm
         it = tqdm(it, total=len(ws), desc=desc, unit="window", leave=False)
     nll = kl = 0.0
     kl_max, agree, count = 0.0, 0, 0
-    for w, ref in it:
+    for w, (lp, ref_top) in it:
         w = w.to(device)
         logits = model(w).logits[0, :-1].float()
         nll += _window_nll(logits, w[0, 1:])
         logits = logits.cpu()
-        lp = torch.log_softmax(ref.double(), dim=-1)
         lq = torch.log_softmax(logits.double(), dim=-1)
         per_token = (lp.exp() * (lp - lq)).sum(-1)
         kl += float(per_token.sum())
         kl_max = max(kl_max, float(per_token.max()))
-        agree += int((logits.argmax(-1) == ref.argmax(-1)).sum())
+        agree += int((logits.argmax(-1) == ref_top).sum())
         count += w.shape[1] - 1
     return TokenMetrics(math.exp(nll / count), kl / count, kl_max, agree / count, count)
 

@@ -24,12 +24,13 @@ Scales: for `strategy="group"` schemes a group's scales are computed (by `comput
 place of scale arithmetic) from the group's columns as they are when GPTQ reaches the group, as
 in the paper ("dynamic" groups). With `act_order=True` (columns visited in order of decreasing
 H_jj) or `static_groups=True` the scales are those round-to-nearest would use on the original
-weight, fixed before the first column. The permutation of act-order only changes the ORDER in
-which columns are quantized; codes and scales are stored in the original column order with the
-original contiguous groups, so the checkpoint stays a plain compressed-tensors group layout (no
-g_idx). Channel / tensor / block scales and NVFP4's tensor scale always come from the original
-weight. `sequential_gptq` (model level) calibrates each layer on the outputs of the layers
-before it that are already quantized.
+weight, fixed before the first column; fixed scales given by the caller (`scales`, e.g.
+lowbit.nn.scale_search's MSE-optimal ones) are likewise used for every group. The permutation
+of act-order only changes the ORDER in which columns are quantized; codes and scales are stored
+in the original column order with the original contiguous groups, so the checkpoint stays a
+plain compressed-tensors group layout (no g_idx). Channel / tensor / block scales and NVFP4's
+tensor scale come from the original weight (or from the fixed scales). `sequential_gptq` (model
+level) calibrates each layer on the outputs of the layers before it that are already quantized.
 """
 from __future__ import annotations
 
@@ -353,7 +354,8 @@ def _slice_rows(sc: Scales, lo: int, hi: int) -> Scales:
 
 def gptq_quantize_group(ws: list[torch.Tensor], h: torch.Tensor, schemes: list[QuantScheme], *,
                         damp: float = 0.01, block_size: int = 128, act_order: bool = False,
-                        static_groups: bool = False, split: bool | None = None) -> list[QTensor]:
+                        static_groups: bool = False, split: bool | None = None,
+                        scales: list[Scales | None] | None = None) -> list[QTensor]:
     """GPTQ of the weights that read one input (so share the Hessian h [K, K]): ws[i] [N_i, K]
     under schemes[i]. Returns each weight's QTensor, the same codes as gptq_quantize_weight gives
     each of them (its rows are independent: tests/test_gptq.py checks it bit for bit).
@@ -363,9 +365,16 @@ def gptq_quantize_group(ws: list[torch.Tensor], h: torch.Tensor, schemes: list[Q
     every rank solves its share of each such job's rows (whole PANEL_ROWS panels, shares
     differing by one panel at most, so each rank gets about K x N / world of every job) and the
     pieces are broadcast, so that every rank returns all weights. A weight whose scales are not
-    per row (tensor / block strategy) is solved whole by rank (its index mod world)."""
+    per row (tensor / block strategy) is solved whole by rank (its index mod world).
+    scales: one entry per weight, its fixed scales (see gptq_quantize_weight) or None; a weight
+    with fixed scales has no dynamic groups, and it is concatenated only with weights that also
+    have fixed scales (their scales concatenated along rows as round to nearest's are)."""
     for w, s in zip(ws, schemes):
         _check(w, h, s, damp, block_size)
+    if scales is None:
+        scales = [None] * len(ws)
+    if len(scales) != len(ws):
+        raise ValueError(f"scales has {len(scales)} entries for {len(ws)} weights: give one (Scales or None) per weight")
     if split is None:
         split = distributed.active()
     world, me = (distributed.world_size(), distributed.rank()) if split else (1, 0)
@@ -374,15 +383,19 @@ def gptq_quantize_group(ws: list[torch.Tensor], h: torch.Tensor, schemes: list[Q
     # jobs: runs of consecutive weights solved as one
     jobs: list[list[int]] = []
     for i, s in enumerate(schemes):
-        if jobs and _mergeable(schemes[jobs[-1][-1]], s):
+        if jobs and _mergeable(schemes[jobs[-1][-1]], s) and \
+                (scales[jobs[-1][-1]] is None) == (scales[i] is None):
             jobs[-1].append(i)
         else:
             jobs.append([i])
-    rtn = [quantize(w.detach().double().float(), s, pad=True) for w, s in zip(ws, schemes)]
+    # round to nearest's scales (under the fixed scales where given): the scales of every group
+    # that has no dynamic scales
+    rtn = [quantize(w.detach().double().float(), s, pad=True, scales=sc) for w, s, sc in zip(ws, schemes, scales)]
     out: list[QTensor | None] = [None] * len(ws)
     for ji, job in enumerate(jobs):
         scheme = schemes[job[0]]
-        dynamic_groups = scheme.strategy == "group" and not (act_order or static_groups)
+        fixed = scales[job[0]] is not None      # the same for every weight of the job
+        dynamic_groups = scheme.strategy == "group" and not (act_order or static_groups or fixed)
         bs = -(-block_size // scheme.group_size) * scheme.group_size if dynamic_groups else block_size
         full = Scales(*(None if all(_scales_of(rtn[i])[f] is None for i in job) else
                         torch.cat([_scales_of(rtn[i])[f] for i in job]) for f in range(3)),
@@ -423,7 +436,8 @@ def gptq_quantize_group(ws: list[torch.Tensor], h: torch.Tensor, schemes: list[Q
 
 
 def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, *, damp: float = 0.01,
-                         block_size: int = 128, act_order: bool = False, static_groups: bool = False) -> GPTQResult:
+                         block_size: int = 128, act_order: bool = False, static_groups: bool = False,
+                         scales: Scales | None = None) -> GPTQResult:
     """GPTQ of one weight (in this process, whether or not torch.distributed is active).
 
     w: [N, K] float weight (y = x @ w.T); h: [K, K] Hessian X^T X / n (HessianAccumulator).
@@ -431,15 +445,18 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, 
     block_size: columns per lazy-update block (rounded up to a multiple of the group size for
       dynamic group scales, so that a group's scales see its columns' current values).
     act_order / static_groups: see the module docstring.
+    scales: fixed scales for every group (e.g. lowbit.nn.scale_search's MSE-optimal ones; shapes of
+      quantize(w, scheme, pad=True).scale) instead of round to nearest's; loss_rtn is then the loss
+      of round to nearest under these scales.
     Returns the QTensor (padded along K when the group size does not divide K) and the losses.
     Columns that no calibration input reaches (H_jj = 0) get H_jj = 1: they are rounded to
     nearest and receive no compensation.
     """
     qt = gptq_quantize_group([w], h, [scheme], damp=damp, block_size=block_size, act_order=act_order,
-                             static_groups=static_groups, split=False)[0]
+                             static_groups=static_groups, split=False, scales=[scales])[0]
     w64 = w.detach().double()
     h = h.double().to(w.device)
-    rtn = quantize(w64.float(), scheme, pad=True)
+    rtn = quantize(w64.float(), scheme, pad=True, scales=scales)
     return GPTQResult(qt, output_loss(w64, qt.dequantize(torch.float64), h),
                       output_loss(w64, rtn.dequantize(torch.float64), h))
 
@@ -447,7 +464,7 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, 
 @torch.no_grad()
 def gptq_model(model: torch.nn.Module, recipe, calib, *, ignore=None, overrides=None, act_static_scales=None,
                damp: float = 0.1, block_size: int = 128, act_order: bool = True, static_groups: bool = False,
-               holdout: int = 4, backend: str = "auto", progress: bool = False):
+               holdout: int = 4, backend: str = "auto", progress: bool = False, mse: bool = False):
     """quantize_model with GPTQ weights: the same plan (recipe, ignore, overrides; lm_head and tied
     Linears stay float), each Linear replaced in execution order by a QuantLinear whose weight GPTQ
     chose on the inputs that the already-quantized model feeds it (lowbit.nn.sequential).
@@ -458,13 +475,15 @@ def gptq_model(model: torch.nn.Module, recipe, calib, *, ignore=None, overrides=
     keeps the round-to-nearest codes (GPTQ over-fits when the tokens are few for K, e.g. a
     down_proj with K = 1536 on 2,048 tokens). 0 disables the check. The defaults (damp 0.1,
     act_order, holdout 4) are what measured best on SmolLM2 (docs/perplexity.md).
+    mse: the fixed scales come from lowbit.nn.scale_search (MSE-optimal range per scale, weighted by
+    the Hessian's diagonal) instead of round to nearest's; the held-out fallback uses them too.
     Every decision's `reason` gains the layer's loss relative to round-to-nearest and the choice.
     Returns the QuantSummary; on error the model is left as it was."""
     from lowbit.nn.quantize_model import plan
     from lowbit.nn.sequential import calibrate_sequentially
     summary = plan(model, recipe, ignore, overrides)
     handle = gptq_handler(model, summary, act_static_scales, damp=damp, block_size=block_size, act_order=act_order,
-                          static_groups=static_groups, holdout=holdout, backend=backend)
+                          static_groups=static_groups, holdout=holdout, backend=backend, mse=mse)
     calibrate_sequentially(model, [d.name for d in summary.quantized], calib, handle, progress=progress,
                            desc=f"GPTQ {summary.recipe}")
     summary.method = "gptq"
@@ -473,7 +492,7 @@ def gptq_model(model: torch.nn.Module, recipe, calib, *, ignore=None, overrides=
 
 def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, damp: float = 0.1,
                  block_size: int = 128, act_order: bool = True, static_groups: bool = False, holdout: int = 4,
-                 backend: str = "auto"):
+                 backend: str = "auto", mse: bool = False):
     """The lowbit.nn.sequential handler that replaces a group of Linears sharing one input by their
     GPTQ QuantLinears (gptq_model's options; `summary` from quantize_model.plan). Used by
     gptq_model on a whole model and by lowbit.nn.layerwise one decoder layer at a time."""
@@ -483,12 +502,13 @@ def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, dam
         raise ValueError(f"holdout={holdout}: give 0 (no validation) or n >= 2 (every n-th token validates)")
     decisions = {d.name: d for d in summary.quantized}
 
-    def losses(n, qt, h):
-        """float64 [2]: output losses of GPTQ's and of round-to-nearest's weight on h."""
+    def losses(n, qt, h, sc):
+        """float64 [2]: output losses of GPTQ's and of round-to-nearest's weight on h (round to
+        nearest under the fixed scales sc where given)."""
         d, lin = decisions[n], model.get_submodule(n)
         w = lin.weight.detach()
         w64 = w.double() if w.dtype != torch.float64 else w
-        rtn = quantize(w64.float(), summary.recipe_of(d).weight, pad=True)
+        rtn = quantize(w64.float(), summary.recipe_of(d).weight, pad=True, scales=sc)
         return torch.tensor([output_loss(w64, qt.dequantize(torch.float64), h),
                              output_loss(w64, rtn.dequantize(torch.float64), h)], dtype=torch.float64)
 
@@ -524,12 +544,16 @@ def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, dam
         lap("hessian", dev)
         lins = [model.get_submodule(n) for n in names]
         schemes = [summary.recipe_of(decisions[n]).weight for n in names]
+        scs = [None] * len(names)
+        if mse:     # fixed scales: MSE-optimal, weighted by the fit Hessian's diagonal (every rank alike)
+            from lowbit.nn.scale_search import search_scales
+            scs = [search_scales(lin.weight.detach(), s, hdiag=torch.diagonal(h)) for lin, s in zip(lins, schemes)]
         # One column loop per run of Linears with the same scheme (q/k/v, gate/up concatenated);
         # under torch.distributed each rank solves its share of the rows and every rank ends
         # with every weight (gptq_quantize_group).
         try:
             qts = gptq_quantize_group([lin.weight for lin in lins], h, schemes, damp=damp, block_size=block_size,
-                                      act_order=act_order, static_groups=static_groups)
+                                      act_order=act_order, static_groups=static_groups, scales=scs)
         except ValueError as err:
             shapes = ", ".join(f"{n} {list(decisions[n].shape)}" for n in names)
             raise ValueError(f"GPTQ of layer(s) {shapes}: {err}") from err
@@ -546,7 +570,7 @@ def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, dam
         for t in sorted(tasks, key=lambda t: -lins[t[0]].weight.shape[0]):
             owner[t] = min(range(world), key=lambda r: (load[r], -r))
             load[owner[t]] += lins[t[0]].weight.shape[0]
-        got = {t: losses(names[t[0]], qts[t[0]], (hd, hvd)[t[1]]) if owner[t] == me
+        got = {t: losses(names[t[0]], qts[t[0]], (hd, hvd)[t[1]], scs[t[0]]) if owner[t] == me
                else torch.zeros(2, dtype=torch.float64) for t in tasks}
         for t in tasks:
             distributed.broadcast_(got[t], src=owner[t])
@@ -565,7 +589,7 @@ def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, dam
             info = infos[i]
             qt = qts[i]
             if info[2]:
-                qt = quantize(lin.weight.detach().float(), r.weight, pad=True)
+                qt = quantize(lin.weight.detach().float(), r.weight, pad=True, scales=scs[i])
             d.reason += f"; GPTQ output loss {float(info[0]):.3f}x round-to-nearest's"
             if not math.isnan(float(info[1])):
                 d.reason += f", {float(info[1]):.3f}x on held-out tokens"

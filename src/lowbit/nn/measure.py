@@ -1,8 +1,9 @@
 """Reproduces the tables of docs/perplexity.md: every recipe on the embedded SmolLM2 + Wikipedia
 text, plain and with each measure (Hadamard rotation, SmoothQuant, AWQ, GPTQ, the worst 5% of Linear
 layers kept in bf16, and their combinations): perplexity, the mean next-token KL divergence from the
-float model and the top-1 agreement with it, stored bytes and calibration time. The float model is
-evaluated once per process (its logits are the KL reference). The markdown table, a JSON file of
+float model and the top-1 agreement with it, stored bytes and calibration time. The float model's
+next-token log-probabilities (the KL reference) are computed once per process from its logits, which
+are kept on disk between runs (--cache). The markdown table, a JSON file of
 every row and a PNG are rewritten after every configuration, so a stopped run keeps what it
 measured, and `--resume` measures only the configurations the JSON file does not hold yet.
 
@@ -31,11 +32,13 @@ class Config:
     awq: bool = False
     method: str = "rtn"
     override_worst: float = 0.0
+    mse: bool = False
 
     def measures(self) -> str:
         return ", ".join(x for x in ["Hadamard rotation" if self.rotate else "",
                                      f"SmoothQuant alpha {self.smoothquant}" if self.smoothquant is not None else "",
                                      "AWQ" if self.awq else "", "GPTQ" if self.method == "gptq" else "",
+                                     "MSE scales" if self.mse else "",
                                      "worst 5% of sites kept in bf16" if self.override_worst else ""] if x) or "none"
 
     def key(self) -> str:
@@ -43,43 +46,52 @@ class Config:
 
 
 def _c(recipe, *measures):
-    """Config from short measure names: rot, sq (alpha 0.5), awq, gptq, ov (worst 5% in bf16)."""
+    """Config from short measure names: rot, sq (alpha 0.5), awq, gptq, ov (worst 5% in bf16), mse
+    (MSE-optimal weight scales)."""
     m = set(measures)
-    if m - {"rot", "sq", "awq", "gptq", "ov"}:
-        raise ValueError(f"unknown measures {sorted(m - {'rot', 'sq', 'awq', 'gptq', 'ov'})}")
+    known = {"rot", "sq", "awq", "gptq", "ov", "mse"}
+    if m - known:
+        raise ValueError(f"unknown measures {sorted(m - known)}")
     return Config(recipe, "hadamard" if "rot" in m else None, 0.5 if "sq" in m else None, "awq" in m,
-                  "gptq" if "gptq" in m else "rtn", 0.05 if "ov" in m else 0.0)
+                  "gptq" if "gptq" in m else "rtn", 0.05 if "ov" in m else 0.0, "mse" in m)
 
 
-# In the order they are measured (the issue's targets first, so a stopped run has the rows that matter).
+# In the order they are measured: the plain recipes, then the issue's targets' best candidates (one
+# row per target first: w4a16 g128, fp8, nvfp4, GPTQ w4a16 g32, int8, MXFP4), then their alternatives,
+# then the rest -- so a stopped run has the rows that matter.
 CONFIGS = [
     Config("float"),
     _c("w8a8-int8"), _c("w8a8-fp8"), _c("w4a16"), _c("w4a16-g32"), _c("nvfp4"), _c("mxfp4"),
-    _c("w8a8-int8", "rot"), _c("w8a8-fp8", "rot"), _c("w8a8-int8", "rot", "sq"), _c("w8a8-int8", "sq"),
-    _c("w8a8-int8", "sq", "ov"), _c("w8a8-fp8", "ov"), _c("w4a16", "gptq"), _c("w4a16-g32", "gptq"),
-    _c("nvfp4", "rot"), _c("mxfp4", "rot"), _c("w8a8-int8", "rot", "gptq"), _c("w8a8-fp8", "rot", "gptq"),
-    _c("w4a16", "rot", "gptq"), _c("nvfp4", "gptq"), _c("nvfp4", "rot", "gptq"), _c("mxfp4", "rot", "gptq"),
-    _c("w4a16", "awq"), _c("w4a16-g32", "awq"), _c("w4a16", "awq", "gptq"), _c("w4a16-g32", "awq", "gptq"),
-    _c("w4a16-g32", "rot", "gptq"), _c("w8a8-fp8", "gptq"), _c("w8a8-int8", "sq", "gptq"), _c("mxfp4", "gptq"),
-    _c("w8a8-int8", "rot", "ov"), _c("w8a8-fp8", "rot", "ov"), _c("nvfp4", "sq", "ov"), _c("nvfp4", "rot", "ov"),
+    _c("w4a16", "gptq"), _c("w8a8-fp8", "ov"), _c("w4a16", "gptq", "mse"), _c("nvfp4", "sq", "ov"),
+    _c("w4a16-g32", "gptq"), _c("w8a8-int8", "sq", "ov"), _c("mxfp4", "sq", "ov"), _c("w8a8-fp8", "gptq", "ov"),
+    _c("w4a16", "mse"), _c("w4a16-g32", "gptq", "mse"), _c("nvfp4", "sq", "ov", "mse"), _c("mxfp4", "sq", "ov", "mse"),
+    _c("w4a16", "awq", "gptq"), _c("w8a8-fp8", "rot", "ov"), _c("w8a8-int8", "rot", "sq"), _c("nvfp4", "gptq"),
+    _c("mxfp4", "gptq"), _c("w8a8-int8", "rot"), _c("w8a8-fp8", "rot"), _c("w8a8-int8", "sq"),
+    _c("w4a16-g32", "awq", "gptq"), _c("w4a16", "awq"), _c("w4a16", "rot", "gptq"), _c("w8a8-fp8", "rot", "gptq"),
+    _c("w8a8-int8", "rot", "gptq"), _c("nvfp4", "rot"), _c("mxfp4", "rot"), _c("nvfp4", "rot", "gptq"),
+    _c("mxfp4", "rot", "gptq"), _c("w4a16-g32", "awq"), _c("w4a16-g32", "rot", "gptq"), _c("w8a8-fp8", "gptq"),
+    _c("w8a8-int8", "sq", "gptq"), _c("w8a8-int8", "rot", "ov"), _c("nvfp4", "rot", "ov"),
     _c("w4a16-asym"), _c("w4a16-asym", "gptq"), _c("w4a16-asym", "awq"), _c("w8a16-int8"), _c("w8a16-int8", "gptq"),
     _c("mxfp8"), _c("mxfp8", "rot"), _c("w8a8-int8-tensor"), _c("w8a8-int8-tensor", "rot"),
     _c("w8a8-int8-tensor", "sq", "ov"), _c("w8a8-int8", "ov"), _c("w8a8-fp8", "sq", "ov"), _c("mxfp8", "ov"),
-    _c("mxfp4", "sq", "ov"), _c("w4a16", "ov"), _c("w4a16-asym", "ov"), _c("w4a16-g32", "ov"),
+    _c("w4a16", "ov"), _c("w4a16-asym", "ov"), _c("w4a16-g32", "ov"),
     _c("w8a16-int8", "ov"), _c("w4a16", "rot"), _c("w4a16-g32", "rot"),
 ]
 
 _STATE: dict = {}
 
 
-def _setup(tokens: int, calib_tokens: int, threads: int) -> None:
-    """Per process: the model, the texts and the float model's logits (the KL reference)."""
+def _setup(tokens: int, calib_tokens: int, threads: int, cache: str | None) -> None:
+    """Per process: the model, the texts and the float model's next-token log-probabilities (the KL
+    reference: computed once per process, its logits read from / written to `cache` when given)."""
     torch.set_num_threads(threads)
-    from lowbit.nn.evaluate import reference_logits
+    from lowbit.nn.evaluate import cached_reference_logits, prepare_reference, reference_logits
     from lowbit.nn.pipeline import load_model, prepare_texts
     loaded = load_model("smollm2")
     texts = prepare_texts(loaded, tokens, calib_tokens, 512)
-    _STATE.update(loaded=loaded, texts=texts, reference=reference_logits(loaded.model, texts.eval_ids, 512))
+    logits = reference_logits(loaded.model, texts.eval_ids, 512) if cache is None else \
+        cached_reference_logits(loaded.model, texts.eval_ids, 512, cache)
+    _STATE.update(loaded=loaded, texts=texts, reference=prepare_reference(logits))
 
 
 def _measure(cfg: Config) -> dict:
@@ -93,16 +105,16 @@ def _measure(cfg: Config) -> dict:
     else:
         run = run_recipe(loaded, texts, cfg.recipe, smoothquant=cfg.smoothquant, override_worst=cfg.override_worst,
                          progress=False, sites=False, method=cfg.method, awq=cfg.awq, rotate=cfg.rotate,
-                         reference=ref)
+                         reference=ref, mse=cfg.mse)
         tm, model, overrides, calib_s = run.tokens, run.model, run.overrides, run.calib_s
     return {"key": cfg.key(), "config": asdict(cfg), "measures": cfg.measures(), "perplexity": tm.perplexity,
             "kl": tm.kl, "kl_max": tm.kl_max, "top1": tm.top1, "tokens": tm.tokens, "bytes": model_bytes(model),
             "overrides": sorted(overrides), "calib_s": calib_s, "total_s": time.perf_counter() - t}
 
 
-def _worker(tokens, calib_tokens, threads, cfg):
+def _worker(tokens, calib_tokens, threads, cache, cfg):
     if not _STATE:
-        _setup(tokens, calib_tokens, threads)
+        _setup(tokens, calib_tokens, threads, cache)
     return _measure(cfg)
 
 
@@ -114,14 +126,18 @@ def main(argv=None) -> int:
     ap.add_argument("--calib-tokens", type=int, default=2048, help="calibration tokens (other articles)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per job")
     ap.add_argument("--jobs", type=int, default=1, help="configurations measured in parallel (one process each, "
-                    "each holding the model and the float logits: ~4 GB)")
+                    "each holding the model and the float log-probabilities: ~5 GB at 8,192 tokens)")
     ap.add_argument("--only", default=None, help="comma-separated recipes to measure (default: all configs)")
     ap.add_argument("--methods", default=None, help="comma-separated methods to measure: rtn, gptq (default: all)")
+    ap.add_argument("--cache", default=str(Path.home() / ".cache" / "lowbit"), help="directory keeping the float "
+                    "model's reference logits between runs (safetensors, 4 x vocabulary bytes per token; keyed by "
+                    "model, text and torch version); 'none' recomputes them")
     ap.add_argument("--resume", action="store_true", help="keep the rows of the JSON file measured with the same "
                     "--tokens/--calib-tokens and measure only the others")
     args = ap.parse_args(argv)
     if args.jobs < 1 or args.threads < 1:
         raise SystemExit("--jobs and --threads must be >= 1")
+    cache = None if args.cache == "none" else args.cache
     out = Path(args.out)
     jpath = out.with_suffix(".json")
     from lowbit.nn.pipeline import machine
@@ -159,7 +175,7 @@ def main(argv=None) -> int:
     if args.jobs == 1:
         for cfg in todo:
             try:
-                row = _worker(args.tokens, args.calib_tokens, args.threads, cfg)
+                row = _worker(args.tokens, args.calib_tokens, args.threads, cache, cfg)
             except (ValueError, RuntimeError, NotImplementedError, FloatingPointError) as err:
                 failure(cfg, err)
                 continue
@@ -168,7 +184,7 @@ def main(argv=None) -> int:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor, as_completed
         with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as pool:
-            futs = {pool.submit(_worker, args.tokens, args.calib_tokens, args.threads, c): c for c in todo}
+            futs = {pool.submit(_worker, args.tokens, args.calib_tokens, args.threads, cache, c): c for c in todo}
             for f in as_completed(futs):
                 try:
                     row = f.result()

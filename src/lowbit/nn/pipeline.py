@@ -125,7 +125,7 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
                override_worst: float = 0.0, override_to: str = "skip", ignore=None, overrides=None,
                static: bool = False, window: int = 512, progress: bool = True, sites: bool = True,
                method: str = "rtn", awq: bool = False, rotate: str | None = None,
-               reference: list | torch.nn.Module | None = None) -> RecipeRun:
+               reference: list | torch.nn.Module | None = None, mse: bool = False) -> RecipeRun:
     """Quantize a copy of loaded.model by `recipe` and evaluate it. smoothquant: alpha or None;
     override_worst: fraction of Linear layers (<= 0.05 by the issue's rule) whose worst output
     SQNR sends them to `override_to` ("skip" = high precision, or a recipe name).
@@ -133,7 +133,8 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
     (lowbit.nn.awq, weight-only recipes) after SmoothQuant and before quantizing; rotate:
     "hadamard" rotates the residual stream first (lowbit.nn.rotation) or None; reference: the float
     model, or evaluate.reference_logits of it on texts.eval_ids (causal models), to report the
-    next-token KL divergence and top-1 agreement beside perplexity (RecipeRun.tokens)."""
+    next-token KL divergence and top-1 agreement beside perplexity (RecipeRun.tokens). mse: MSE-optimal
+    weight scales (lowbit.nn.scale_search) instead of round to nearest's, for RTN and GPTQ alike."""
     from lowbit.nn.calibration import calibrate_static_scales, clipping_report
     from lowbit.nn.quantize_model import linear_layers, quantize_model
     from lowbit.nn.sites import pick_overrides, site_report
@@ -175,7 +176,7 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
             raise ValueError(f"--static-scales needs a recipe with activation quantization; {r.name} is weight-only")
         scales = calibrate_static_scales(m, texts.calib, r.act)
     summary = quantize_model(m, r, ignore=ignore, overrides=ov or None, act_static_scales=scales, progress=progress,
-                             method=method, calib=texts.calib if method != "rtn" else None)
+                             method=method, calib=texts.calib if method != "rtn" else None, mse=mse)
     clipping = clipping_report(m, texts.new) if static else []
     t1 = time.perf_counter()
     tokens = None

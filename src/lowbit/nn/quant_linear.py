@@ -144,12 +144,13 @@ class QuantLinear(torch.nn.Module):
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, weight_scheme: QuantScheme, act_scheme: QuantScheme | None = None,
                     *, act_static_scale: torch.Tensor | None = None, backend: str = "auto",
-                    pad: bool = False) -> "QuantLinear":
+                    pad: bool = False, scales=None) -> "QuantLinear":
         """Quantize `linear.weight` [N, K] with `weight_scheme` (scales along K); keep the bias in
         float32. pad=True lets K be a non-multiple of the group size: the last group is shorter
         (zero-padded, zeros never raise its amax; weight_q.codes then has the padded width).
         Raises ValueError on a non-Linear module, NaN/Inf weights or (pad=False) a K that the
-        group size does not divide."""
+        group size does not divide. scales: lowbit.quantize.Scales to quantize the weight with
+        (e.g. lowbit.nn.scale_search's) instead of the ones it would give."""
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"linear must be a torch.nn.Linear, got {type(linear).__name__}")
         w = linear.weight.detach()
@@ -159,7 +160,7 @@ class QuantLinear(torch.nn.Module):
                              "(a scale computed from them would poison the whole row)")
         if weight_scheme.dynamic:
             raise ValueError("weight_scheme must be static (dynamic=False): weights are quantized once")
-        wq = quantize(w.float(), weight_scheme, pad=pad)
+        wq = quantize(w.float(), weight_scheme, pad=pad, scales=scales)
         bias = None if linear.bias is None else linear.bias.detach().float()
         return cls(wq, weight_scheme, act_scheme, bias=bias, act_static_scale=act_static_scale, backend=backend)
 

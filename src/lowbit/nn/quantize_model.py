@@ -158,12 +158,18 @@ def layer_act(d: LayerDecision, r: Recipe, act_static_scales: dict | None):
 
 
 def quantize_layer(d: LayerDecision, summary: QuantSummary, linear: torch.nn.Linear,
-                   act_static_scales: dict | None = None, backend: str = "auto") -> QuantLinear:
-    """The round-to-nearest QuantLinear of one planned layer (its recipe, its static scale)."""
+                   act_static_scales: dict | None = None, backend: str = "auto", mse: bool = False) -> QuantLinear:
+    """The round-to-nearest QuantLinear of one planned layer (its recipe, its static scale); mse:
+    with the MSE-optimal weight scales of lowbit.nn.scale_search (unweighted: no calibration)."""
     r = summary.recipe_of(d)
     act, scale = layer_act(d, r, act_static_scales)
     try:
-        return QuantLinear.from_linear(linear, r.weight, act, act_static_scale=scale, backend=backend, pad=True)
+        scales = None
+        if mse:
+            from lowbit.nn.scale_search import search_scales
+            scales = search_scales(linear.weight.detach(), r.weight)
+        return QuantLinear.from_linear(linear, r.weight, act, act_static_scale=scale, backend=backend, pad=True,
+                                       scales=scales)
     except (ValueError, NotImplementedError) as err:
         raise type(err)(f"layer {d.name} ({d.shape[0]}x{d.shape[1]}) under recipe {r.name}: {err}. "
                         f"Keep it in high precision with ignore=[{d.name!r}] or override it.") from err
@@ -173,7 +179,7 @@ def quantize_layer(d: LayerDecision, summary: QuantSummary, linear: torch.nn.Lin
 def quantize_model(model: torch.nn.Module, recipe: str | Recipe, *, ignore=None, overrides=None,
                    act_static_scales: dict[str, torch.Tensor] | None = None, backend: str = "auto",
                    progress: bool = False, share_inputs: bool = True, method: str = "rtn", calib=None,
-                   method_options: dict | None = None) -> QuantSummary:
+                   method_options: dict | None = None, mse: bool = False) -> QuantSummary:
     """Replace nn.Linear layers of `model` (in place) by QuantLinear under `recipe`; returns the
     QuantSummary. act_static_scales: {layer name: float32 scale} from
     calibration.calibrate_static_scales, to use one calibrated per-tensor activation scale per
@@ -182,7 +188,8 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe, *, ignore=None,
     the fast path quantizes each activation once (lowbit.nn.shared_input).
     method: "rtn" (round to nearest) or "gptq" (lowbit.nn.gptq.gptq_model on `calib`, a list of
     input-id tensors [B, T] or dicts of model kwargs; method_options: its keyword arguments such
-    as damp, act_order)."""
+    as damp, act_order). mse: MSE-optimal weight scales (lowbit.nn.scale_search) instead of round to
+    nearest's: unweighted for "rtn", weighted by each layer's Hessian diagonal for "gptq"."""
     if method != "rtn":
         if method != "gptq":
             raise ValueError(f"method={method!r}; choose 'rtn' (round to nearest) or 'gptq' (needs calib=batches)")
@@ -190,7 +197,8 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe, *, ignore=None,
             raise ValueError("method='gptq' needs calibration inputs: pass calib=[input-id tensors or dicts]")
         from lowbit.nn.gptq import gptq_model
         summary = gptq_model(model, recipe, calib, ignore=ignore, overrides=overrides,
-                             act_static_scales=act_static_scales, progress=progress, **(method_options or {}))
+                             act_static_scales=act_static_scales, progress=progress,
+                             **{**(method_options or {}), **({"mse": True} if mse else {})})
         if share_inputs:
             from lowbit.nn.shared_input import share_inputs as share
             share(model)
@@ -201,7 +209,7 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe, *, ignore=None,
     if progress:
         from tqdm import tqdm
         todo = tqdm(todo, desc=f"quantize {summary.recipe}", unit="layer")
-    new = {d.name: quantize_layer(d, summary, layers[d.name], act_static_scales, backend) for d in todo}
+    new = {d.name: quantize_layer(d, summary, layers[d.name], act_static_scales, backend, mse) for d in todo}
     for name, q in new.items():                    # only now touch the model
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, q.to(layers[name].weight.device))
