@@ -142,13 +142,15 @@ def test_group_is_each_weight_alone(rng, monkeypatch):
 
 @pytest.mark.parametrize("name", ["int4-g8-asym", "int8-channel"])
 def test_triton_block_kernel_is_the_torch_loop(rng, name, monkeypatch):
-    """The column loop as one Triton kernel per block (lowbit.nn.gptq_block; Triton's interpreter
-    on the CPU) gives the PyTorch loop's codes and losses bit for bit, at weight magnitudes from
+    """The column loop as one Triton kernel per block (lowbit.nn.gptq_block; the GPU, or Triton's
+    interpreter on the CPU) gives the PyTorch loop's codes and losses bit for bit, at weight magnitudes from
     1e-3 to 1e2; and under BLOCK_KERNEL="auto" a kernel that disagrees at its first use is
     switched off and the PyTorch loop's values are kept."""
     from lowbit.nn import gptq, gptq_block
     w, h, _ = _layer_data(rng, N=19, K=21)     # two blocks, the second short (the interpreter is slow)
     w = w * 10.0 ** float(torch.randint(-3, 3, (1,), generator=rng))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"   # GPTQ runs where the weight lives
+    w, h = w.to(dev), h.to(dev)
     monkeypatch.setattr(gptq, "BLOCK_KERNEL", "torch")
     a = gptq_quantize_weight(w, h, SCHEMES[name], act_order=True, block_size=16)
     monkeypatch.setattr(gptq, "BLOCK_KERNEL", "triton")
