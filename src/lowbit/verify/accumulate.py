@@ -54,6 +54,16 @@ def aligned_step(acc: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bits: int 
     return (torch.trunc(terms / q) * q).sum(dim=-1)
 
 
+def _step_fn(name: str):
+    """One summation step of accumulator `name`: (partial, x [R, k], w [C, k]) -> the new partial.
+    Hopper's fp8 tensor core aligns and truncates inside the step (aligned_step); the others round
+    the exact step sum once."""
+    if name == "fp8_fast":
+        return aligned_step
+    rnd = _round_fn(name)
+    return lambda part, x, w: rnd(part + x @ w.T)
+
+
 def _round_fn(name: str):
     if name == "fp16":
         return lambda t: t.to(torch.float16).to(torch.float64)
@@ -85,7 +95,7 @@ def orders_for(acc: str, nb: int, both_fp8: bool) -> list[Order]:
         if not both_fp8:
             return []
         return [Order("fp8 fast accumulation (each 32-wide MMA step keeps 14 bits of the aligned sum, "
-                      "never promoted)", "fp8_fast", 32, "fp8_fast"),
+                      "never promoted)", "fp8_fast", 32, "exact"),
                 Order("fp8 accumulation promoted to fp32 every 128 K", "fp8_fast", 32, "fp32", promote=128)]
     out = [Order(f"{acc}, one product at a time", acc, 1, acc),
            Order(f"{acc}, one 16-wide MMA step at a time", acc, 16, acc),
@@ -123,11 +133,7 @@ def simulate(xq, wq, order: Order, rows: torch.Tensor, cols: torch.Tensor, bias=
     SX = xo.scale[rows] / ux
     SW = wo.scale[cols] / uw
     K = X.shape[1]
-    # fp8_fast steps are aligned MMA steps (aligned_step); a never-promoted partial is the running sum
-    fast = order.inner == "fp8_fast"
-    inner = None if fast else _round_fn(order.inner)
-    main = (lambda t: t) if order.main == "fp8_fast" else _round_fn(order.main)
-    f32 = _round_fn("fp32")
+    step, main, f32 = _step_fn(order.inner), _round_fn(order.main), _round_fn("fp32")
     segs = _segments(xo, wo, K, order.promote)
     per = -(-len(segs) // order.splits)
     total = torch.zeros(X.shape[0], W.shape[0], dtype=torch.float64)
@@ -137,7 +143,7 @@ def simulate(xq, wq, order: Order, rows: torch.Tensor, cols: torch.Tensor, bias=
             part = torch.zeros_like(total)
             for a in range(k0, k1, order.chunk):
                 b = min(a + order.chunk, k1)
-                part = aligned_step(part, X[:, a:b], W[:, a:b]) if fast else inner(part + X[:, a:b] @ W[:, a:b].T)
+                part = step(part, X[:, a:b], W[:, a:b])
             scaled = f32(f32(part * SX[:, gx:gx + 1]) * SW[:, gw][None, :])
             acc = main(acc + scaled)
         total = f32(total + acc) if order.splits > 1 else acc
