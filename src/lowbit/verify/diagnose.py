@@ -272,11 +272,11 @@ def subsample(ctx: Context) -> tuple[Context, str]:
     return sub, f"simulated on {len(rows)} of {M} rows and {len(cols)} of {N} columns"
 
 
-# Confirmed bugs whose size is a few units in the last place of a scale: on same-sign data they
-# coincide with a truncating accumulator's shrinkage. Only Hopper's fp8 accumulator (fp8 operands)
-# is preferred to them: it is known to truncate like this (the H200's cuBLAS does); a bf16 or fp16
-# accumulator claimed for int8 or wider operands would be a guess.
-# (the fitted factors, and a per-row scale replaced by one value when the rows' scales are alike).
+# Confirmed bugs whose size is a few units in the last place of a scale (the fitted factors, a
+# per-row scale replaced by one value when the rows' scales are alike, rounded scales): on same-sign
+# data they coincide with a truncating accumulator's shrinkage. Only Hopper's fp8 accumulator (fp8
+# operands) is preferred to them: it is known to truncate like this (the H200's cuBLAS does); a bf16
+# or fp16 accumulator claimed for int8 or wider operands would be a guess.
 ACCUMULATOR_SIZED = ("output_off_by_constant_factor", "scale_replaced_by_constant", "scales_rounded")
 
 
