@@ -64,7 +64,8 @@ def _e2m1_half(c):
     bits e1 e0 m placed at fp16 bits 11..9 (exponent field = e, top mantissa bit = m) make
     the fp16 number 2^(e-15) * (1 + m/2) for e > 0 and m * 2^-15 (subnormal) for e = 0,
     i.e. the e2m1 value times 2^-14; the sign goes to bit 15. Three integer operations and a
-    conversion per code (the float32 bit construction below needs a select for e = 0)."""
+    conversion per code (building float32 bits directly needs a select for e = 0); the one e2m1
+    decoder of the GEMM and the dequant kernels (_e2m1_value)."""
     h = ((c & 7) << 9) | ((c & 8) << 12)
     return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
