@@ -88,8 +88,15 @@ def shard(items: Sequence) -> list:
     if n < w:
         raise ValueError(f"{n} calibration batch(es) for {w} ranks: give at least one batch per rank "
                          "(more --calib-tokens or fewer processes)")
-    lo = r * (n // w) + min(r, n % w)
-    return items[lo: lo + n // w + (1 if r < n % w else 0)]
+    lo, hi = share(n, w, r)
+    return items[lo:hi]
+
+
+def share(n: int, world: int, r: int) -> tuple[int, int]:
+    """[lo, hi) of rank r's contiguous share of n items: ranks in order, sizes differing by at
+    most one (the first n % world ranks get one more); empty when n < world for the last ranks."""
+    lo = r * (n // world) + min(r, n % world)
+    return lo, lo + n // world + (1 if r < n % world else 0)
 
 
 def _comm_device() -> torch.device:

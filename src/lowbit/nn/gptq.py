@@ -342,9 +342,7 @@ def _mergeable(a: QuantScheme, b: QuantScheme) -> bool:
 def _rows_of(n: int, world: int, r: int) -> tuple[int, int]:
     """Rank r's rows of an n-row job: whole PANEL_ROWS panels, contiguous, counts differing by
     at most one panel."""
-    P = -(-n // PANEL_ROWS)
-    lo = r * (P // world) + min(r, P % world)
-    hi = lo + P // world + (1 if r < P % world else 0)
+    lo, hi = distributed.share(-(-n // PANEL_ROWS), world, r)
     return min(lo * PANEL_ROWS, n), min(hi * PANEL_ROWS, n)
 
 
