@@ -36,7 +36,7 @@ PY
 fi
 if [[ $parts == *,memory,* ]]; then
   timeout "${BENCH_TIMEOUT:-160}" python3 -m lowbit.bench.memory \
-      --only "${MEMORY_ONLY:-norm_quant_int8,norm_quant_fp8,quant_int8,quant_fp8,quant_mxfp4,w4a16}" \
+      --only "${MEMORY_ONLY:-norm_quant_int8,norm_quant_fp8,norm_quant_mxfp4,norm_quant_nvfp4,quant_int8,quant_fp8,quant_mxfp8,quant_mxfp4,quant_nvfp4,w4a16}" \
       --json "$out/bench-memory-final.json" >"$out/bench_memory.log" 2>&1
   echo "memory rc=$?" | tee -a "$sum"
 fi

@@ -72,8 +72,8 @@ def _assert_same_quant(qt, ref):
         assert torch.equal(qt.global_scale, ref.global_scale), "tensor scales differ"
 
 
-TILE_SCHEMES = ("int8_token", "fp8_token")  # what the "tile" kernel takes (fused.tile_supports)
-KERNEL_CASES = [(n, "row") for n in SCHEMES] + [(n, "tile") for n in TILE_SCHEMES]
+TILE_SCHEMES = ("int8_token", "fp8_token")  # the "tile" kernel's per-token fast path (fused.tile_supports)
+KERNEL_CASES = [(n, k) for n in SCHEMES for k in ("row", "tile")]  # "tile" takes the rest in its group variant
 
 
 @pytest.mark.parametrize("name,kernel", KERNEL_CASES)
@@ -91,7 +91,8 @@ def test_quantize_rows_equals_canonical(name, kernel, dtype, device, rng):
 
 
 @pytest.mark.parametrize("name,kernel", [("int8_token", "row"), ("fp8_token", "row"), ("mxfp8", "row"),
-                                         ("nvfp4", "row"), ("int8_token", "tile"), ("fp8_token", "tile")])
+                                         ("nvfp4", "row"), ("int8_token", "tile"), ("fp8_token", "tile"),
+                                         ("mxfp8", "tile"), ("nvfp4", "tile"), ("mxfp4", "tile")])
 def test_rmsnorm_quant(name, kernel, device, rng):
     scheme = SCHEMES[name]
     # odd hidden sizes, and one power of two (the kernel then drops its masks)
@@ -125,7 +126,8 @@ def test_rmsnorm_quant(name, kernel, device, rng):
 
 
 @pytest.mark.parametrize("name,kernel", [("int8_token", "row"), ("fp8_token", "row"), ("mxfp4", "row"),
-                                         ("nvfp4", "row"), ("int8_token", "tile"), ("fp8_token", "tile")])
+                                         ("nvfp4", "row"), ("int8_token", "tile"), ("fp8_token", "tile"),
+                                         ("mxfp4", "tile"), ("nvfp4", "tile")])
 def test_silu_mul_quant(name, kernel, device, rng):
     scheme = SCHEMES[name]
     H = _hidden(scheme)
@@ -212,7 +214,7 @@ def test_gpu_fp8_hardware_cast_matches(device, rng):
     x = _rand(rng, (512, 4096), torch.bfloat16, device)
     x[::7, ::5] = -0.0  # signed zeros through the fast division
     w = torch.randn(4096, generator=rng).to(torch.bfloat16).to(device)
-    for name in ("fp8_token", "int8_token"):
+    for name in ("fp8_token", "int8_token", "mxfp8"):  # mxfp8 under "tile": the group variant
         scheme = SCHEMES[name]
         for enc, kernel in (("hw", "row"), ("int", "row"), ("hw", "tile"), ("int", "tile")):
             qt, _, y = fused.rmsnorm_quant(x, w, 1e-6, scheme, backend="triton", return_normalized=True,
@@ -228,7 +230,7 @@ def test_gpu_fp8_hardware_cast_matches(device, rng):
 
 
 @pytest.mark.parametrize("tile", [(1, 2), (2, 1), (4, 2), (8, 4)])
-@pytest.mark.parametrize("name", TILE_SCHEMES)
+@pytest.mark.parametrize("name", TILE_SCHEMES + ("mxfp4", "nvfp4", "fp8_1x128"))
 def test_tile_configs_match_row_kernel(tile, name, device, rng):
     """Every (ROWS, num_warps) of the "tile" kernel gives the codes and scales of lowbit.quantize
     on its own y, the "row" kernel's new residual, and its y within the float32 evaluation bound
@@ -237,7 +239,10 @@ def test_tile_configs_match_row_kernel(tile, name, device, rng):
     (masked tail), odd and power-of-two K, signed zeros (the fast division's sign handling on
     the GPU), a zero row."""
     scheme = SCHEMES[name]
-    for M, K in ((5, 200), (2 * tile[0] + 1, 256)):  # 2 * ROWS + 1 rows: a masked tail program
+    odd_k = 200 if scheme.strategy == "token" else 224  # group schemes: a K that is a multiple of the group
+    if name == "fp8_1x128":
+        odd_k = 384
+    for M, K in ((5, odd_k), (2 * tile[0] + 1, 256)):  # 2 * ROWS + 1 rows: a masked tail program
         x = _rand(rng, (M, K), torch.bfloat16, device)
         x[0, 3:9] = -0.0  # -0 in, -0 out of the division: fp8 code 0x80, as canonical
         w = (1 + 0.2 * torch.randn(K, generator=rng)).to(torch.bfloat16).to(device)
@@ -263,15 +268,20 @@ def test_tile_configs_match_row_kernel(tile, name, device, rng):
 
 
 def test_kernel_choice(device, rng, monkeypatch):
-    """kernel=None follows DEFAULT_KERNEL; "tile" as default leaves the schemes it does not take
-    to "row" (same results), an explicit kernel="tile" refuses them."""
+    """kernel=None follows DEFAULT_KERNEL, per entry point and scheme kind (":group" for the
+    schemes outside the per-token fast path); every choice gives the canonical result; pack=True
+    takes the tile kernel and refuses an explicit "row"."""
     x = _rand(rng, (4, 96), torch.bfloat16, device)
-    monkeypatch.setitem(fused.DEFAULT_KERNEL, "quantize_rows", "tile")
-    for name in ("int8_token", "mxfp8"):
-        _assert_same_quant(fused.quantize_rows(x, SCHEMES[name], backend="triton").to("cpu"),
-                           canonical_quantize(x.cpu(), SCHEMES[name]))
-    with pytest.raises(NotImplementedError, match="kernel='tile' takes per-token"):
-        fused.quantize_rows(x, SCHEMES["mxfp8"], backend="triton", kernel="tile")
+    for default in ("row", "tile"):
+        monkeypatch.setitem(fused.DEFAULT_KERNEL, "quantize_rows", default)
+        monkeypatch.setitem(fused.DEFAULT_KERNEL, "quantize_rows:group", default)
+        for name in ("int8_token", "mxfp8"):
+            assert fused._resolve_kernel(None, SCHEMES[name], "quantize_rows") == default
+            _assert_same_quant(fused.quantize_rows(x, SCHEMES[name], backend="triton").to("cpu"),
+                               canonical_quantize(x.cpu(), SCHEMES[name]))
+    assert fused._resolve_kernel(None, SCHEMES["mxfp4"], "quantize_rows", pack=True) == "tile"
+    with pytest.raises(ValueError, match="only kernel='tile'"):
+        fused.quantize_rows(x, SCHEMES["mxfp4"], backend="triton", kernel="row", pack=True)
     with pytest.raises(ValueError, match="kernel must be one of"):
         fused.quantize_rows(x, SCHEMES["int8_token"], backend="triton", kernel="fast")
     with pytest.raises(ValueError, match="powers of two"):
@@ -315,3 +325,43 @@ def test_tile_one_row_one_warp_is_refused(device, rng):
     with pytest.raises(ValueError, match=r"tile=\(1, 1\)"):
         fused.quantize_rows(x, SCHEMES["int8_token"], backend="triton", kernel="tile", tile=(1, 1))
     assert all(tile_config(K, 0) != (1, 1) for K in (64, 513, 768, 1000, 1024, 4095, 8192))
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "mxfp4_even"])
+def test_fp4_codes_packed_two_per_byte(name, device, rng):
+    """pack=True: the kernel writes fp4 codes two per byte, element 2j in the low nibble; checked
+    against the canonical codes packed by numpy (an oracle independent of lowbit.packing), for
+    all three entry points, odd row counts (masked tail programs) and both backends."""
+    scheme = SCHEMES[name]
+    K = 384
+    x = _rand(rng, (7, K), torch.bfloat16, device)
+    w = (1 + 0.2 * torch.randn(K, generator=rng)).to(torch.bfloat16).to(device)
+    r = _rand(rng, (7, K), torch.bfloat16, device, zero_row=None)
+
+    def nibbles(codes):
+        c = codes.cpu().numpy().astype(np.uint8)
+        return torch.from_numpy(c[..., 0::2] | (c[..., 1::2] << 4))
+
+    for backend in ("triton", "torch"):
+        pq = fused.quantize_rows(x, scheme, backend=backend, pack=True)
+        ref = canonical_quantize(x.cpu(), scheme)
+        assert pq.packed.dtype == torch.uint8 and tuple(pq.packed.shape) == (7, K // 2)
+        assert torch.equal(pq.packed.cpu(), nibbles(ref.codes))
+        _assert_same_quant(pq.unpack().to("cpu"), ref)
+        assert torch.equal(pq.dequantize().cpu(), ref.dequantize())
+        pq, new_r, y = fused.rmsnorm_quant(x, w, 1e-6, scheme, residual=r, backend=backend, pack=True,
+                                           return_normalized=True)
+        assert torch.equal(pq.packed.cpu(), nibbles(canonical_quantize(y.cpu(), scheme).codes))
+        pq, y = fused.silu_mul_quant(torch.cat([x, r], -1), scheme, backend=backend, pack=True, return_product=True)
+        assert torch.equal(pq.packed.cpu(), nibbles(canonical_quantize(y.cpu(), scheme).codes))
+
+
+def test_pack_refuses_what_it_cannot_pack(device, rng):
+    x = _rand(rng, (2, 96), torch.bfloat16, device)
+    with pytest.raises(ValueError, match="pack=True packs 4-bit codes"):
+        fused.quantize_rows(x, SCHEMES["mxfp8"], backend="triton", pack=True)
+    with pytest.raises(ValueError, match="even hidden size"):
+        fused.quantize_rows(_rand(rng, (2, 95), torch.bfloat16, device),
+                            QuantScheme("fp4_e2m1fn", "token", dynamic=True), backend="triton", pack=True)
+    with pytest.raises(TypeError, match="pack must be True or False"):
+        fused.quantize_rows(x, SCHEMES["mxfp4"], backend="triton", pack="yes")

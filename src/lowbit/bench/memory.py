@@ -205,6 +205,20 @@ def _time_tiles(b: _Bench, stem: str, shape: str, K: int, pre: int, quick: bool,
             r["codes_diff_vs_row"] = float((out_of(fn(*sets[0])).codes != row_out.codes).float().mean())
 
 
+def _group_tiles(b: _Bench, stem: str, shape: str, K: int, pre: int, quick: bool, sch, sets, nbytes: float,
+                 r_row: dict | None, row_fn, call, out_of) -> None:
+    """Group-scaled schemes (MX, NVFP4): the "tile" kernel's group variant next to the "row" kernel
+    (`call(scheme, **kwargs)` returns the timed function), and for fp4 the same with the codes
+    packed two per byte ("_packed": half a byte per element written, counted as such)."""
+    _time_tiles(b, stem, shape, K, pre, quick, lambda t: call(sch, kernel="tile", tile=t), sets, nbytes,
+                {"row": r_row}, out_of(row_fn(*sets[0])), out_of)
+    if sch.format == "fp4_e2m1fn":
+        T = sets[0][0].shape[0]
+        r = b.time(f"{stem}_packed", shape, call(sch, pack=True), sets, nbytes - T * K // 2, kernel="tile",
+                   packed=True)
+        b.ratios(r, {"row": r_row})
+
+
 def _norm_quant(b: _Bench, quick: bool) -> None:
     from lowbit.ops.fused import rmsnorm_quant
     from lowbit.scheme import QuantScheme, get_preset
@@ -260,8 +274,11 @@ def _norm_quant(b: _Bench, quick: bool) -> None:
             # codes are unpacked (one byte per element, QTensor's layout) plus one scale byte
             # per group and the float32 effective scale per group
             nbytes = T * K * 2 + K * 2 + T * K + T * (K // g) * 5
-            fused = lambda x, w, s=sch: rmsnorm_quant(x, w, EPS, s, check_finite=False)  # noqa: E731
-            b.time(f"lowbit_norm_quant_{name}", shape, fused, sets, nbytes)
+            fused = lambda x, w, s=sch: rmsnorm_quant(x, w, EPS, s, check_finite=False, kernel="row")  # noqa: E731
+            r_l = b.time(f"lowbit_norm_quant_{name}", shape, fused, sets, nbytes, kernel="row")
+            _group_tiles(b, f"lowbit_norm_quant_{name}", shape, K, 1, quick, sch, sets, nbytes, r_l, fused,
+                         lambda s, **kw: lambda x, w: rmsnorm_quant(x, w, EPS, s, check_finite=False, **kw),
+                         lambda o: o[0])
         del sets
 
 
@@ -314,6 +331,9 @@ def _quant(b: _Bench, quick: bool) -> None:
             nbytes = T * K * 2 + T * K + T * (K // sch.group_size) * 5
         fused = lambda x, s=sch: quantize_rows(x, s, check_finite=False, kernel="row")  # noqa: E731
         r_l = b.time(f"lowbit_quant_{fmt}", shape, fused, sets, nbytes, kernel="row")
+        if fmt not in ("int8", "fp8"):
+            _group_tiles(b, f"lowbit_quant_{fmt}", shape, K, 0, quick, sch, sets, nbytes, r_l, fused,
+                         lambda s, **kw: lambda x: quantize_rows(x, s, check_finite=False, **kw), lambda o: o)
         if fmt in ("int8", "fp8"):
             base = _quant_unfused(fmt)
             r_e = b.time(f"eager_quant_{fmt}", shape, base, sets, nbytes)

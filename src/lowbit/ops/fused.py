@@ -8,9 +8,15 @@ or `"torch"` forces one, and on the CPU "triton" runs in Triton's interpreter):
     qt = silu_mul_quant(x, scheme)            # x = [..., 2H]: gate then up
     qt = quantize_rows(x, scheme)             # dynamic quantize, no prologue
 
-Kernel variants (`kernel=`): "row" (one row per program, every scheme below) and "tile"
-(ROWS rows per program, per-token int8 / fp8_e4m3fn with fp32 scales; `tile=(ROWS, num_warps)`
-overrides its heuristic tile_config); None picks DEFAULT_KERNEL (per entry point). Both give identical codes.
+Kernel variants (`kernel=`): "row" (one row per program) and "tile" (ROWS rows per program:
+a per-token fast path for int8 / fp8_e4m3fn with fp32 scales, and a group variant for every
+other scheme; `tile=(ROWS, num_warps)` overrides its heuristic tile_config); None picks
+DEFAULT_KERNEL (per entry point and scheme kind). All give identical codes.
+
+fp4 codes packed two per byte (`pack=True`, fp4_e2m1fn schemes, tile kernel): the entry points
+return a PackedQTensor whose `packed` is uint8 [..., K / 2] in lowbit.packing.pack_fp4's layout
+(element 2j in the low nibble) -- what the W4A16 kernels and compressed-tensors' nvfp4 read --
+and whose unpack() is the QTensor the unpacked call returns.
 
 Schemes the kernel takes (anything else raises NotImplementedError naming the scheme):
 symmetric; element format int8, fp8_e4m3fn or fp4_e2m1fn; strategy token / channel (one
@@ -34,9 +40,11 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 
+from lowbit.packing import pack_fp4, unpack_fp4
 from lowbit.quantize import QTensor, quantize, scale_shape
 from lowbit.scheme import QuantScheme
 
@@ -50,11 +58,13 @@ _ROUND_CODES = {"floor": 0, "rceil": 1, "ceil": 2, "even": 3}
 # "tile" for quantize_rows (1.16x / 1.25x the row kernel, int8 / fp8 at 8192 x 4096) and for
 # RMSNorm without a residual (1.15-1.41x); "row" for RMSNorm with a residual (the tile kernel
 # is no faster there, 0.97-0.99x, and gave non-canonical scales on sm_90 at ROWS = 1) and for
-# SiLU-mul (fp8 tile 0.79x). "tile" falls back to "row" for the schemes it does not take only
-# when chosen by default (an explicit kernel="tile" raises for them).
+# SiLU-mul (fp8 tile 0.79x).
 KERNELS = ("row", "tile")
 DEFAULT_KERNEL = {"quantize_rows": "tile", "rmsnorm_quant": "tile", "rmsnorm_quant+residual": "row",
                   "silu_mul_quant": "row"}
+# Schemes outside the per-token fast path (groups, MX, NVFP4, fp4 per token): ":group" entries
+# choose between the row kernel and the tile kernel's group variant.
+DEFAULT_KERNEL.update({k + ":group": "row" for k in list(DEFAULT_KERNEL)})
 
 
 # ------------------------------------------------------------------------------------------
@@ -141,8 +151,10 @@ def _pick_backend(x: torch.Tensor, backend: str | None, where: str) -> str:
 # Kernel launch
 # ------------------------------------------------------------------------------------------
 def _launch(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int, *, weight=None, eps=0.0,
-            res2=None, res_out=None, store_y=False, fp8_encoder: str = "auto"):
-    """Run the row kernel over x2 [rows, K or 2K]; returns (codes, scale, scale_codes, g, y)."""
+            res2=None, res_out=None, store_y=False, fp8_encoder: str = "auto", tile=None, pack: bool = False):
+    """Run the row kernel over x2 [rows, K or 2K]; returns (codes, scale, scale_codes, g, y).
+    With `tile` = (ROWS, num_warps): the tile kernel's group variant instead (the row kernel
+    still takes NVFP4's first pass, the tensor amax); pack: fp4 codes two per byte."""
     import triton
 
     from lowbit.ops.triton import fused_quant as fq
@@ -177,6 +189,8 @@ def _launch(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int, *, 
                   E8M0_ROUND=_ROUND_CODES.get(scheme.scale_rounding or "floor", 0), QMAX=qmax, EMAX=emax,
                   MBITS=mbits, HW_FP8=hw, FAST_DIV=x2.is_cuda and not interp, G_DIV=g_div, NG=NG, G=Gt,
                   EVEN=NG * Gt == K, num_warps=warps)
+    if tile is not None:  # the tile kernel's group variant
+        return _launch_groups(x2, K, G, tile, common, w, eps, res2, res_out, store_y, pack)
     tamax = gscale = None
     if scale_kind == 2:  # two-level: tensor scale from the live tensor's amax (first pass)
         amax = torch.empty(rows, device=dev, dtype=torch.float32)
@@ -198,8 +212,50 @@ def _launch(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int, *, 
         STORE_Y=store_y, AMAX_ONLY=False, **common)
     return codes, scale, (scodes if scale_kind else None), gscale, (y if store_y else None)
 
+def _launch_groups(x2, K, G, tile, common, w, eps, res2, res_out, store_y, pack):
+    """_group_tile_kernel over x2 with the row kernel's meta-parameters `common` (same scale and
+    format arguments); NVFP4 takes two passes of it (the tensor amax of the same y, then the
+    codes). Returns what _launch returns."""
+    import triton
+
+    from lowbit.ops.triton import fused_quant as fq
+
+    rows, dev = x2.shape[0], x2.device
+    R, warps = tile
+    NG, Gt = common["NG"], common["G"]  # [groups, width] of a row, as the row kernel tiles it
+    ngroups = K // G
+    kind = common["SCALE_KIND"]
+    dummy = torch.empty(1, device=dev, dtype=torch.float32)
+    meta = {k: v for k, v in common.items() if k not in ("NG", "G", "EVEN", "num_warps")}
+    meta.update(PACK=pack, ROWS=R, NG=NG, G=Gt, EVEN=NG * Gt == K and rows % R == 0, num_warps=warps)
+    rin = dict(W=w, R=res2 if res2 is not None else dummy, R_stride=res2.stride(0) if res2 is not None else 0,
+               R_OUT=res_out if res_out is not None else dummy,
+               R_OUT_stride=res_out.stride(0) if res_out is not None else 0)
+    grid = (triton.cdiv(rows, R),)
+    tamax = gscale = None
+    if kind == 2:  # NVFP4: the tensor scale from the amax of the y this kernel computes
+        amax = torch.empty(rows, device=dev, dtype=torch.float32)
+        fq._group_tile_kernel[grid](x2, x2.stride(0), Y=dummy, CODES=dummy, SCALE=dummy, SCALE_CODES=dummy,
+                                    GSCALE=dummy, GOUT=dummy, AMAX=amax, n_rows=rows, K=K, NGROUPS=ngroups,
+                                    eps=eps, STORE_Y=False, AMAX_ONLY=True, **rin, **meta)
+        tamax = amax.max().reshape(1)
+        gscale = torch.empty(1, device=dev, dtype=torch.float32)
+    codes = torch.empty(rows, K // 2 if pack else K, device=dev,
+                        dtype=torch.int8 if common["FMT"] == 0 else torch.uint8)
+    scale = torch.empty(rows, ngroups, device=dev, dtype=torch.float32)
+    scodes = torch.empty(rows, ngroups, device=dev, dtype=torch.uint8) if kind else dummy
+    y = torch.empty(rows, K, device=dev, dtype=torch.float32) if store_y else dummy
+    fq._group_tile_kernel[grid](x2, x2.stride(0), Y=y, CODES=codes, SCALE=scale, SCALE_CODES=scodes,
+                                GSCALE=tamax if tamax is not None else dummy,
+                                GOUT=gscale if gscale is not None else dummy, AMAX=dummy, n_rows=rows, K=K,
+                                NGROUPS=ngroups, eps=eps, STORE_Y=store_y, AMAX_ONLY=False, **rin, **meta)
+    return codes, scale, (scodes if kind else None), gscale, (y if store_y else None)
+
+
 def tile_supports(scheme: QuantScheme) -> bool:
-    """Whether the "tile" kernel takes `scheme`: per-token / per-channel, int8 or fp8_e4m3fn, fp32 scale."""
+    """Whether the "tile" kernel's per-token fast path (_token_tile_kernel) takes `scheme`:
+    per-token / per-channel, int8 or fp8_e4m3fn, fp32 scale. Every other scheme the fused
+    quantizer takes goes to its group kernel (_group_tile_kernel) under kernel="tile"."""
     return (scheme.strategy in ("token", "channel") and scheme.format in ("int8", "fp8_e4m3fn")
             and scheme.scale_format == "fp32")
 
@@ -227,24 +283,39 @@ def tile_config(K: int, pre: int, residual: bool = False) -> tuple[int, int]:
     return rows, warps
 
 
-def _resolve_kernel(kernel: str | None, scheme: QuantScheme, where: str, variant: str = "") -> str:
-    """The kernel an entry point runs: `kernel`, or DEFAULT_KERNEL[where + variant] for None."""
+def _resolve_kernel(kernel: str | None, scheme: QuantScheme, where: str, variant: str = "",
+                    pack: bool = False) -> str:
+    """The kernel an entry point runs: `kernel`, or DEFAULT_KERNEL[where + variant] for None
+    (group-scaled schemes: DEFAULT_KERNEL[where + ":group"]). pack=True needs "tile" (the
+    kernel that writes two fp4 codes per byte)."""
     if kernel is None:
-        kernel = DEFAULT_KERNEL[where + variant]
-        return kernel if kernel == "row" or tile_supports(scheme) else "row"
+        if pack:
+            return "tile"
+        return DEFAULT_KERNEL[where + variant + ("" if tile_supports(scheme) else ":group")]
     if kernel not in KERNELS:
         raise ValueError(f"{where}: kernel must be one of {KERNELS} or None (default "
                          f"{DEFAULT_KERNEL[where + variant]!r}), got {kernel!r}")
-    if kernel == "tile" and not tile_supports(scheme):
-        raise NotImplementedError(f"{where}: kernel='tile' takes per-token int8 / fp8_e4m3fn schemes with fp32 "
-                                  f"scales only, not {scheme}; use kernel='row' (or None)")
+    if pack and kernel != "tile":
+        raise ValueError(f"{where}: pack=True writes two fp4 codes per byte, which only kernel='tile' does; "
+                         f"pass kernel='tile' or kernel=None, not {kernel!r}")
     return kernel
 
 
-def _launch_tile(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, *, weight=None, eps=0.0,
+def _check_pack(pack: bool, scheme: QuantScheme, K: int, where: str) -> None:
+    if not isinstance(pack, bool):
+        raise TypeError(f"{where}: pack must be True or False, got {pack!r}")
+    if pack and scheme.format != "fp4_e2m1fn":
+        raise ValueError(f"{where}: pack=True packs 4-bit codes two per byte; {scheme} has {scheme.format} "
+                         "elements (one byte each already). Use pack=False")
+    if pack and K % 2:
+        raise ValueError(f"{where}: pack=True needs an even hidden size, got K = {K}")
+
+
+def _launch_tile(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int, *, weight=None, eps=0.0,
                  res2=None, res_out=None, store_y=False, fp8_encoder: str = "auto",
-                 tile: tuple[int, int] | None = None):
-    """The "tile" kernel over x2 [rows, K or 2K]; returns (codes, scale [rows, 1], None, None, y)."""
+                 tile: tuple[int, int] | None = None, pack: bool = False):
+    """The "tile" kernel over x2 [rows, K or 2K]: the per-token fast path for the schemes
+    tile_supports takes, else the group variant; returns (codes, scale, scale_codes, g, y)."""
     import triton
 
     from lowbit.ops.triton import fused_quant as fq
@@ -272,6 +343,9 @@ def _launch_tile(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, *, wei
         # RMSNorm twice with two summation orders; ROWS >= 2 was canonical in every run.
         raise ValueError(f"tile={tuple(tile)} with a residual: one row per program gave non-canonical scales "
                          "on sm_90 and is refused; use ROWS >= 2 (tile=None picks a valid one)")
+    if not tile_supports(scheme) or pack:
+        return _launch(pre, x2, K, scheme, G, weight=weight, eps=eps, res2=res2, res_out=res_out, store_y=store_y,
+                       fp8_encoder=fp8_encoder, tile=(R, warps), pack=pack)
     if fp8_encoder not in ("auto", "hw", "int"):
         raise ValueError(f"fp8_encoder must be 'auto', 'hw' or 'int', got {fp8_encoder!r}")
     interp = os.environ.get("TRITON_INTERPRET") == "1"
@@ -291,16 +365,54 @@ def _launch_tile(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, *, wei
     return codes, scale, None, None, (y if store_y else None)
 
 
+@dataclass(frozen=True)
+class PackedQTensor:
+    """A QTensor of fp4 codes stored two per byte (what pack=True returns).
+
+    packed:       uint8 [..., K / 2], element 2j in the low nibble, 2j + 1 in the high one
+                  (lowbit.packing.pack_fp4's layout, the W4A16 kernels' and compressed-tensors').
+    scale, scheme, shape, scale_codes, global_scale: as QTensor's (shape is the unpacked [..., K])."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    scheme: QuantScheme
+    shape: tuple[int, ...]
+    scale_codes: torch.Tensor | None = None
+    global_scale: torch.Tensor | None = None
+
+    def unpack(self) -> QTensor:
+        """The QTensor with one code per byte (equal to the pack=False call's)."""
+        return QTensor(unpack_fp4(self.packed, k=self.shape[-1]), self.scale, None, self.scheme, self.shape,
+                       self.scale_codes, self.global_scale)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.unpack().dequantize(dtype)
+
+    def to(self, device) -> "PackedQTensor":
+        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return PackedQTensor(mv(self.packed), mv(self.scale), self.scheme, self.shape, mv(self.scale_codes),
+                             mv(self.global_scale))
+
+
 def _assemble(codes, scale, scodes, gscale, scheme: QuantScheme, lead: tuple[int, ...], K: int,
-              check_finite: bool, where: str) -> QTensor:
+              check_finite: bool, where: str, pack: bool = False) -> QTensor | PackedQTensor:
     shape = lead + (K,)
     s = scale.reshape(scale_shape(shape, scheme))
     if check_finite and not bool(torch.isfinite(s).all()):
         raise ValueError(f"{where}: the input holds NaN or Inf (a non-finite scale came out); clean the input "
                          "or pass check_finite=False to get the raw result")
-    return QTensor(codes.reshape(shape), s, None, scheme, shape,
-                   None if scodes is None else scodes.reshape(s.shape),
-                   None if gscale is None else gscale.reshape(()))
+    sc = None if scodes is None else scodes.reshape(s.shape)
+    gs = None if gscale is None else gscale.reshape(())
+    if pack:
+        return PackedQTensor(codes.reshape(lead + (K // 2,)), s, scheme, shape, sc, gs)
+    return QTensor(codes.reshape(shape), s, None, scheme, shape, sc, gs)
+
+
+def _packed_twin(qt: QTensor, pack: bool) -> QTensor | PackedQTensor:
+    """The torch backend's result in the kernel's form: pack_fp4 of the canonical codes."""
+    if not pack:
+        return qt
+    return PackedQTensor(pack_fp4(qt.codes), qt.scale, qt.scheme, qt.shape, qt.scale_codes, qt.global_scale)
 
 
 def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
@@ -311,36 +423,45 @@ def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------
 # Public entry points
 # ------------------------------------------------------------------------------------------
+def _run(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int, where: str, variant: str,
+         kernel: str | None, tile, pack: bool, **args):
+    """Dispatch to the kernel _resolve_kernel names; returns what _launch returns."""
+    if _resolve_kernel(kernel, scheme, where, variant, pack) == "tile":
+        return _launch_tile(pre, x2, K, scheme, G, tile=tile, pack=pack, **args)
+    return _launch(pre, x2, K, scheme, G, **args)
+
+
 def quantize_rows(x: torch.Tensor, scheme: QuantScheme, *, backend: str | None = None,
                   check_finite: bool = True, fp8_encoder: str = "auto", kernel: str | None = None,
-                  tile: tuple[int, int] | None = None) -> QTensor:
+                  tile: tuple[int, int] | None = None, pack: bool = False) -> QTensor | PackedQTensor:
     """Dynamic quantization of x [..., K] per token / per group (see module docstring).
 
     Equals lowbit.quantize(x, scheme) code for code; the Triton path reads x once and writes
-    codes [..., K] (int8 or uint8 bit patterns) and float32 scales [..., K // g]."""
+    codes [..., K] (int8 or uint8 bit patterns; with pack=True fp4 codes two per byte,
+    [..., K / 2], returned as a PackedQTensor) and float32 scales [..., K // g]."""
     where = "quantize_rows"
     _check_x(x, "x", where)
     K = x.shape[-1]
     G = _check_scheme(scheme, K, where)
+    _check_pack(pack, scheme, K, where)
     if _pick_backend(x, backend, where) == "torch":
-        return quantize(x, scheme)
-    if _resolve_kernel(kernel, scheme, where) == "tile":
-        codes, scale, sc, gs, _ = _launch_tile(0, _rows(x, K), K, scheme, fp8_encoder=fp8_encoder, tile=tile)
-    else:
-        codes, scale, sc, gs, _ = _launch(0, _rows(x, K), K, scheme, G, fp8_encoder=fp8_encoder)
-    return _assemble(codes, scale, sc, gs, scheme, tuple(x.shape[:-1]), K, check_finite, where)
+        return _packed_twin(quantize(x, scheme), pack)
+    codes, scale, sc, gs, _ = _run(0, _rows(x, K), K, scheme, G, where, "", kernel, tile, pack,
+                                   fp8_encoder=fp8_encoder)
+    return _assemble(codes, scale, sc, gs, scheme, tuple(x.shape[:-1]), K, check_finite, where, pack)
 
 
 def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, scheme: QuantScheme,
                   residual: torch.Tensor | None = None, *, backend: str | None = None,
                   return_normalized: bool = False, check_finite: bool = True, fp8_encoder: str = "auto",
-                  kernel: str | None = None, tile: tuple[int, int] | None = None):
+                  kernel: str | None = None, tile: tuple[int, int] | None = None, pack: bool = False):
     """RMSNorm(x [+ residual]) * weight, quantized with `scheme`, in one pass over the row.
 
     x: [..., K] bf16/fp16/fp32; weight: [K]; eps: float; residual: like x (any float dtype) or None.
     Returns (qt, new_residual) -- new_residual = x + residual in residual's dtype (None when no
     residual) -- and, with return_normalized=True, also the float32 normalized output y [..., K]
-    the codes were computed from (tests use it to check codes against lowbit.quantize(y))."""
+    the codes were computed from (tests use it to check codes against lowbit.quantize(y)).
+    pack=True (fp4 schemes): qt is a PackedQTensor, two codes per byte."""
     where = "rmsnorm_quant"
     _check_x(x, "x", where)
     K = x.shape[-1]
@@ -357,30 +478,29 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, scheme: Qua
     if not (isinstance(eps, (int, float)) and eps >= 0):
         raise ValueError(f"{where}: eps must be a non-negative float, got {eps!r}")
     G = _check_scheme(scheme, K, where)
+    _check_pack(pack, scheme, K, where)
     if _pick_backend(x, backend, where) == "torch":
         y, new_res = rmsnorm_reference(x, weight, eps, residual)
-        qt = quantize(y, scheme)
+        qt = _packed_twin(quantize(y, scheme), pack)
         return (qt, new_res, y) if return_normalized else (qt, new_res)
     lead = tuple(x.shape[:-1])
     res2 = _rows(residual, K) if residual is not None else None
     res_out = torch.empty(res2.shape, device=x.device, dtype=residual.dtype) if residual is not None else None
-    args = dict(weight=weight.contiguous(), eps=float(eps), res2=res2, res_out=res_out,
-                store_y=return_normalized, fp8_encoder=fp8_encoder)
-    if _resolve_kernel(kernel, scheme, where, "+residual" if residual is not None else "") == "tile":
-        codes, scale, sc, gs, y = _launch_tile(1, _rows(x, K), K, scheme, tile=tile, **args)
-    else:
-        codes, scale, sc, gs, y = _launch(1, _rows(x, K), K, scheme, G, **args)
-    qt = _assemble(codes, scale, sc, gs, scheme, lead, K, check_finite, where)
+    codes, scale, sc, gs, y = _run(1, _rows(x, K), K, scheme, G, where, "+residual" if residual is not None else "",
+                                   kernel, tile, pack, weight=weight.contiguous(), eps=float(eps), res2=res2,
+                                   res_out=res_out, store_y=return_normalized, fp8_encoder=fp8_encoder)
+    qt = _assemble(codes, scale, sc, gs, scheme, lead, K, check_finite, where, pack)
     new_res = res_out.reshape(x.shape) if res_out is not None else None
     return (qt, new_res, y.reshape(x.shape)) if return_normalized else (qt, new_res)
 
 
 def silu_mul_quant(x: torch.Tensor, scheme: QuantScheme, *, backend: str | None = None,
                    return_product: bool = False, check_finite: bool = True, fp8_encoder: str = "auto",
-                   kernel: str | None = None, tile: tuple[int, int] | None = None):
+                   kernel: str | None = None, tile: tuple[int, int] | None = None, pack: bool = False):
     """silu(gate) * up, quantized with `scheme`: x [..., 2H] (gate = x[..., :H], up = x[..., H:]).
 
-    Returns qt (codes [..., H]) and, with return_product=True, (qt, y) with y the float32 product."""
+    Returns qt (codes [..., H]; a PackedQTensor with pack=True) and, with return_product=True,
+    (qt, y) with y the float32 product."""
     where = "silu_mul_quant"
     _check_x(x, "x", where)
     if x.shape[-1] % 2:
@@ -388,16 +508,13 @@ def silu_mul_quant(x: torch.Tensor, scheme: QuantScheme, *, backend: str | None 
                          "concatenated, [..., 2H]")
     H = x.shape[-1] // 2
     G = _check_scheme(scheme, H, where)
+    _check_pack(pack, scheme, H, where)
     if _pick_backend(x, backend, where) == "torch":
         y = silu_mul_reference(x)
-        qt = quantize(y, scheme)
+        qt = _packed_twin(quantize(y, scheme), pack)
         return (qt, y) if return_product else qt
     lead = tuple(x.shape[:-1])
-    if _resolve_kernel(kernel, scheme, where) == "tile":
-        codes, scale, sc, gs, y = _launch_tile(2, _rows(x, 2 * H), H, scheme, store_y=return_product,
-                                               fp8_encoder=fp8_encoder, tile=tile)
-    else:
-        codes, scale, sc, gs, y = _launch(2, _rows(x, 2 * H), H, scheme, G, store_y=return_product,
-                                          fp8_encoder=fp8_encoder)
-    qt = _assemble(codes, scale, sc, gs, scheme, lead, H, check_finite, where)
+    codes, scale, sc, gs, y = _run(2, _rows(x, 2 * H), H, scheme, G, where, "", kernel, tile, pack,
+                                   store_y=return_product, fp8_encoder=fp8_encoder)
+    qt = _assemble(codes, scale, sc, gs, scheme, lead, H, check_finite, where, pack)
     return (qt, y.reshape(lead + (H,))) if return_product else qt

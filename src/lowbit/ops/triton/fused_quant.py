@@ -173,6 +173,53 @@ def _codes(y, s, FMT: tl.constexpr, SCALE_KIND: tl.constexpr, QMAX: tl.constexpr
 
 
 @triton.jit
+def _store_tensor_scale(GSCALE, GOUT, G_DIV: tl.constexpr):
+    """NVFP4: publish the tensor scale g = amax / G_DIV (1.0 when that is 0), as
+    quantize.two_level_global_scale; one program calls it."""
+    g0 = tl.math.div_rn(tl.load(GSCALE), G_DIV)
+    tl.store(GOUT, tl.where(g0 == 0.0, 1.0, g0))
+
+
+@triton.jit
+def _group_scales(amax, GSCALE, SCALE_KIND: tl.constexpr, E8M0_ROUND: tl.constexpr, QMAX: tl.constexpr,
+                  EMAX: tl.constexpr, MBITS: tl.constexpr, G_DIV: tl.constexpr):
+    """(effective float32 scale, scale code as int32) per group from its absmax (any shape), as
+    lowbit.quantize computes them: the one place the fused kernels derive a group's scale.
+    SCALE_KIND 0: s = RN(amax / QMAX), 1.0 for a zero group (the code is unused); 1: e8m0 (MX),
+    the biased exponent under E8M0_ROUND; 2: NVFP4's e4m3 block scale of (amax / QMAX) / g with
+    g = tensor amax (GSCALE) / G_DIV, clamped to [2^-6, 448]. A NaN amax gives a NaN scale."""
+    if SCALE_KIND == 0:
+        s = tl.math.div_rn(amax, QMAX)
+        s = tl.where(s == 0.0, 1.0, s)  # zero group (or underflow): s = 1.0
+        code = s.to(tl.int32, bitcast=True)
+    elif SCALE_KIND == 1:
+        # e8m0 code = biased float32 exponent of a source value (quantize.e8m0_exponent)
+        if E8M0_ROUND == 1:  # rceil: ceil(log2(amax / max))
+            src = tl.math.div_rn(amax, QMAX).to(tl.int32, bitcast=True)
+        elif E8M0_ROUND == 3:  # even: amax rounded half-up to the element's mantissa bits
+            src = (amax.to(tl.int32, bitcast=True) + (1 << (22 - MBITS))) & 0x7F800000
+        else:
+            src = amax.to(tl.int32, bitcast=True)
+        e = (src >> 23) & 255
+        if E8M0_ROUND == 1 or E8M0_ROUND == 2:
+            e = e + ((src & 0x7FFFFF) != 0).to(tl.int32)
+        if E8M0_ROUND != 1:
+            e = e - EMAX
+        e = tl.minimum(tl.maximum(e, 1), 254)  # 2^-126 .. 2^127
+        s = (e << 23).to(tl.float32, bitcast=True)
+        code = tl.where(amax != amax, 255, e)
+        s = tl.where(amax != amax, float("nan"), s)
+    else:  # NVFP4: e4m3 block scale of (amax / max) / g, clamped to [2^-6, 448]
+        gs = tl.math.div_rn(tl.load(GSCALE), G_DIV)
+        gs = tl.where(gs == 0.0, 1.0, gs)
+        rel = tl.math.div_rn(tl.math.div_rn(amax, QMAX), gs)
+        code = encode_e4m3fn(tl.maximum(rel, 0.015625)).to(tl.int32)
+        s = decode_e4m3fn(code) * gs
+        s = tl.where(amax != amax, float("nan"), s)
+    return s, code
+
+
+@triton.jit
 def _row_quant_kernel(
     X, X_stride, W, R, R_stride, R_OUT, R_OUT_stride, Y, CODES, SCALE, SCALE_CODES,
     GSCALE, GOUT, AMAX, K, NGROUPS, eps,
@@ -243,36 +290,9 @@ def _row_quant_kernel(
         # --- scale, as lowbit.quantize computes it ---
         if SCALE_KIND == 2:
             if row == 0:  # publish the tensor scale the codes were computed with
-                g0 = tl.math.div_rn(tl.load(GSCALE), G_DIV)
-                tl.store(GOUT, tl.where(g0 == 0.0, 1.0, g0))
-        if SCALE_KIND == 0:
-            s = tl.math.div_rn(amax, QMAX)
-            s = tl.where(s == 0.0, 1.0, s)  # zero group (or underflow): s = 1.0
-        elif SCALE_KIND == 1:
-            # e8m0 code = biased float32 exponent of a source value (quantize.e8m0_exponent)
-            if E8M0_ROUND == 1:  # rceil: ceil(log2(amax / max))
-                src = tl.math.div_rn(amax, QMAX).to(tl.int32, bitcast=True)
-            elif E8M0_ROUND == 3:  # even: amax rounded half-up to the element's mantissa bits
-                src = (amax.to(tl.int32, bitcast=True) + (1 << (22 - MBITS))) & 0x7F800000
-            else:
-                src = amax.to(tl.int32, bitcast=True)
-            e = (src >> 23) & 255
-            if E8M0_ROUND == 1 or E8M0_ROUND == 2:
-                e = e + ((src & 0x7FFFFF) != 0).to(tl.int32)
-            if E8M0_ROUND != 1:
-                e = e - EMAX
-            e = tl.minimum(tl.maximum(e, 1), 254)  # 2^-126 .. 2^127
-            s = (e << 23).to(tl.float32, bitcast=True)
-            e = tl.where(amax != amax, 255, e)
-            s = tl.where(amax != amax, float("nan"), s)
-            tl.store(SCALE_CODES + row * ngroups + gidx, e.to(tl.uint8), mask=gmask)
-        else:  # NVFP4: e4m3 block scale of (amax / max) / g, clamped to [2^-6, 448]
-            gs = tl.math.div_rn(tl.load(GSCALE), G_DIV)
-            gs = tl.where(gs == 0.0, 1.0, gs)
-            rel = tl.math.div_rn(tl.math.div_rn(amax, QMAX), gs)
-            sc = encode_e4m3fn(tl.maximum(rel, 0.015625)).to(tl.int32)
-            s = decode_e4m3fn(sc) * gs
-            s = tl.where(amax != amax, float("nan"), s)
+                _store_tensor_scale(GSCALE, GOUT, G_DIV)
+        s, sc = _group_scales(amax, GSCALE, SCALE_KIND, E8M0_ROUND, QMAX, EMAX, MBITS, G_DIV)
+        if SCALE_KIND != 0:
             tl.store(SCALE_CODES + row * ngroups + gidx, sc.to(tl.uint8), mask=gmask)
         tl.store(SCALE + row * ngroups + gidx, s, mask=gmask)
         # --- codes: v = y / s, IEEE ---
@@ -351,13 +371,101 @@ def _token_tile_kernel(
     amax = tl.where(amax == float("inf"), float("nan"), amax)
     if STORE_Y:
         _st(Y + rr * K + cc, y, mask, EVEN)
-    s = tl.math.div_rn(amax, QMAX)
-    s = tl.where(s == 0.0, 1.0, s)  # zero row (or underflow): s = 1.0
+    s, _ = _group_scales(amax, SCALE, 0, 0, QMAX, 0, 0, 1.0)  # fp32: the tensor-scale pointer is unused
     if EVEN:
         tl.store(SCALE + rows, s)
     else:
         tl.store(SCALE + rows, s, mask=rmask)
     _st(CODES + rr * K + cc, _codes(y, s[:, None], FMT, 0, QMAX, HW_FP8, FAST_DIV, LEAN=True), mask, EVEN)
+
+
+@triton.jit
+def _pack_nibbles(c, N: tl.constexpr, G: tl.constexpr):
+    """[N, G] 4-bit codes (int32 in [0, 15]) -> [N, G // 2] uint8, element 2j in the low
+    nibble and 2j + 1 in the high one (lowbit.packing.pack_fp4's layout)."""
+    lo, hi = tl.split(tl.reshape(c, (N, G // 2, 2)))
+    return (lo | (hi << 4)).to(tl.uint8)
+
+
+@triton.jit
+def _group_tile_kernel(
+    X, X_stride, W, R, R_stride, R_OUT, R_OUT_stride, Y, CODES, SCALE, SCALE_CODES,
+    GSCALE, GOUT, AMAX, n_rows, K, NGROUPS, eps,
+    PRE: tl.constexpr, HAS_RES: tl.constexpr, STORE_Y: tl.constexpr, AMAX_ONLY: tl.constexpr,
+    FMT: tl.constexpr, SCALE_KIND: tl.constexpr, E8M0_ROUND: tl.constexpr,
+    QMAX: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr, HW_FP8: tl.constexpr,
+    FAST_DIV: tl.constexpr, G_DIV: tl.constexpr, PACK: tl.constexpr,
+    ROWS: tl.constexpr, NG: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr,
+):
+    """The group-scaled case of the "tile" kernel (MX, NVFP4, per-group int8 / fp8, (1, g)
+    blocks): ROWS rows per program, held as one [ROWS * NG, G] tile -- line i is group i % NG
+    of row i // NG --, so a group's absmax is a reduction along the tile's short axis and the
+    RMSNorm's sum of squares a reduction of the NG partial sums of each row.
+
+    Arguments as _row_quant_kernel's (X: [n_rows, K] or [n_rows, 2K] for SiLU; SCALE: float32
+    [n_rows, NGROUPS]; SCALE_CODES: uint8 [n_rows, NGROUPS]; GSCALE: the tensor's amax for
+    NVFP4, from this kernel's AMAX_ONLY pass: the row maxima of the same y, into AMAX [n_rows],
+    nothing else written). PACK (fp4 codes only): CODES is uint8
+    [n_rows, K // 2], two codes per byte as lowbit.packing.pack_fp4 stores them. EVEN: NG * G == K
+    and ROWS divides n_rows (no masks). Same helpers as the other kernels (_group_scales,
+    _codes), so the codes and scales equal lowbit.quantize on the kernel's own y."""
+    RNG: tl.constexpr = ROWS * NG
+    fi = tl.arange(0, RNG)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + fi // NG  # [RNG]: the row of each line
+    gi = fi % NG
+    cols = gi[:, None] * G + tl.arange(0, G)[None, :]  # [RNG, G]
+    rmask = rows < n_rows
+    mask = rmask[:, None] & (cols < K)
+    rr = rows[:, None]
+    x_ptr = X + rr * X_stride + cols
+    if PRE == 2:  # SiLU(gate) * up, in float32
+        g = _ld(x_ptr, mask, EVEN).to(tl.float32)
+        u = _ld(x_ptr + K, mask, EVEN).to(tl.float32)
+        y = _silu_mul(g, u)
+        amax = _absmax(y)  # [RNG]
+    else:
+        h = _ld(x_ptr, mask, EVEN).to(tl.float32)
+        if HAS_RES:
+            hr = round_to(h + _ld(R + rr * R_stride + cols, mask, EVEN).to(tl.float32), R_OUT.dtype.element_ty)
+            if not AMAX_ONLY:
+                _st(R_OUT + rr * R_OUT_stride + cols, hr, mask, EVEN)
+            h = hr.to(tl.float32)
+        if PRE == 1:
+            hw = h * _ld(W + cols, cols < K, EVEN).to(tl.float32)
+            # as in _row_quant_kernel: independent reductions, amax = fl(max |hw| * inv) exactly
+            ss = tl.sum(tl.reshape(tl.sum(h * h, axis=1), (ROWS, NG)), axis=1)  # [ROWS]
+            inv = tl.reshape(tl.broadcast_to(_rms_inv(ss, K, eps)[:, None], (ROWS, NG)), (RNG,))
+            fin = tl.reshape(tl.broadcast_to((ss < float("inf"))[:, None], (ROWS, NG)), (RNG,))
+            y = hw * inv[:, None]
+            amax = tl.where(fin, tl.max(tl.abs(hw), axis=1) * inv, float("inf"))  # non-finite h: NaN scale
+        else:
+            y = h
+            amax = _absmax(y)
+    if AMAX_ONLY:  # NVFP4's first pass: each row's max over its NG groups
+        ra = tl.max(tl.reshape(amax, (ROWS, NG)), axis=1)
+        rw = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        tl.store(AMAX + rw, ra, mask=rw < n_rows)
+        return
+    amax = tl.where(amax == float("inf"), float("nan"), amax)
+    if STORE_Y:
+        _st(Y + rr * K + cols, y, mask, EVEN)
+    if SCALE_KIND == 2:
+        if tl.program_id(0) == 0:  # publish the tensor scale the codes were computed with
+            _store_tensor_scale(GSCALE, GOUT, G_DIV)
+    s, sc = _group_scales(amax, GSCALE, SCALE_KIND, E8M0_ROUND, QMAX, EMAX, MBITS, G_DIV)
+    sidx = rows * NGROUPS + gi
+    smask = rmask & (gi < NGROUPS)
+    tl.store(SCALE + sidx, s, mask=smask)
+    if SCALE_KIND != 0:
+        tl.store(SCALE_CODES + sidx, sc.to(tl.uint8), mask=smask)
+    codes = _codes(y, s[:, None], FMT, SCALE_KIND, QMAX, HW_FP8, FAST_DIV, LEAN=True)
+    if PACK:
+        H: tl.constexpr = G // 2
+        pcols = gi[:, None] * H + tl.arange(0, H)[None, :]
+        _st(CODES + rr * (K // 2) + pcols, _pack_nibbles(codes.to(tl.int32), RNG, G),
+            rmask[:, None] & (pcols < K // 2), EVEN)
+    else:
+        _st(CODES + rr * K + cols, codes, mask, EVEN)
 
 
 @triton.jit
