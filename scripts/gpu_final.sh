@@ -3,6 +3,7 @@
 #   bash scripts/gpu_final.sh suite,gemm,memory     the CUDA test suite, GEMM rows, memory-bound rows
 #     (GEMM_SHAPES=MxNxK,... and MEMORY_ONLY=name,... narrow the two benchmarks)
 #   bash scripts/gpu_final.sh audit,distributed     `lowbit audit` on the GPU, the 1-vs-2-GPU calibration run
+#   TESTS="tests/test_x.py" bash scripts/gpu_final.sh tests,memory   some test files, then the memory rows
 # Logs and JSON under $OUT (at most 8 files come back: each part writes one or two); a short
 # table last. Runs from source (PYTHONPATH=src): nothing is installed on the device.
 source "$(dirname "$0")/gpu_env.sh"
@@ -16,6 +17,10 @@ if [[ $parts == *,suite,* ]]; then
   echo "suite rc=$? ($(( $(date +%s) - t0 )) s) :: $(grep -E '[0-9]+ (passed|failed)' "$out/tests.log" | tail -n 1)" | tee -a "$sum"
   timeout 45 python3 scripts/gpu_tile_diag.py >>"$out/tests.log" 2>&1
   echo "tile diag rc=$? :: $(grep -c ' 0 scales differ, 0 rows' "$out/tests.log") clean cases, mismatching: $(grep 'scales differ' "$out/tests.log" | grep -vc ' 0 scales differ, 0 rows')" | tee -a "$sum"
+fi
+if [[ $parts == *,tests,* ]]; then  # some test files only: TESTS="tests/test_a.py tests/test_b.py"
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -n 12 -p no:cacheprovider ${TESTS:-tests} >"$out/tests.log" 2>&1
+  echo "tests rc=$? :: $(grep -E '[0-9]+ (passed|failed)' "$out/tests.log" | tail -n 1)" | tee -a "$sum"
 fi
 if [[ $parts == *,gemm,* ]]; then
   timeout "${GEMM_TIMEOUT:-100}" python3 - >"$out/gemm.log" 2>&1 <<'PY'
