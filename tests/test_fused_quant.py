@@ -365,3 +365,32 @@ def test_pack_refuses_what_it_cannot_pack(device, rng):
                             QuantScheme("fp4_e2m1fn", "token", dynamic=True), backend="triton", pack=True)
     with pytest.raises(TypeError, match="pack must be True or False"):
         fused.quantize_rows(x, SCHEMES["mxfp4"], backend="triton", pack="yes")
+
+
+def test_e2m1_encoder_at_every_rounding_boundary(device, rng):
+    """The fp4 encoder against ml_dtypes' float4_e2m1fn cast on the values where rounding
+    decides: every midpoint of the e2m1 grid and its float32 neighbours (1 and 2 ulps either
+    side), the grid itself, signed zeros, subnormal inputs and random values. Each group of 32
+    holds +-6.0, so with fp32 group scales s = amax / 6 = 1 and the encoder sees the values
+    themselves. Then saturation: MXFP4's floor e8m0 scale puts a group with amax 7.5 at s = 1,
+    so 6 < |y / s| < 8 must encode as +-6."""
+    f32 = np.float32
+    mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=f32)
+    up1, dn1 = np.nextafter(mids, f32(np.inf)), np.nextafter(mids, f32(0))
+    up2, dn2 = np.nextafter(up1, f32(np.inf)), np.nextafter(dn1, f32(0))
+    grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=f32)
+    vals = np.concatenate([mids, up1, dn1, up2, dn2, grid, np.array([1e-40, 1e-30], dtype=f32)])
+    vals = np.concatenate([vals, -vals, np.array([-0.0], dtype=f32),
+                           (torch.rand(31 * 40, generator=rng) * 12 - 6).numpy().astype(f32)])
+    vals = np.concatenate([vals, np.zeros((-len(vals)) % 31, dtype=f32)])
+    groups = vals.reshape(-1, 31)
+    six = np.where(np.arange(len(groups)) % 2 == 0, 6.0, -6.0).astype(f32)[:, None]
+    x = torch.from_numpy(np.concatenate([groups, six], 1).reshape(1, -1))
+    qt = fused.quantize_rows(x.to(device), QuantScheme("fp4_e2m1fn", "group", group_size=32), backend="triton")
+    assert torch.all(qt.scale.cpu() == 1.0)
+    np.testing.assert_array_equal(qt.codes.cpu().numpy(), x.numpy().astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF)
+    sat = torch.tensor([[7.5, 6.0001, 7.0, -7.49, -6.5, 6.0, 5.0, 1.0] * 4])
+    qt = fused.quantize_rows(sat.to(device), SCHEMES["mxfp4"], backend="triton")
+    assert float(qt.scale.reshape(-1)[0]) == 1.0
+    np.testing.assert_array_equal(qt.codes.cpu().numpy(),
+                                  np.clip(sat.numpy(), -6, 6).astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF)

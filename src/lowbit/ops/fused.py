@@ -233,11 +233,13 @@ def _launch_groups(x2, K, G, tile, common, w, eps, res2, res_out, store_y, pack)
                R_OUT_stride=res_out.stride(0) if res_out is not None else 0)
     grid = (triton.cdiv(rows, R),)
     tamax = gscale = None
+    inv = dummy
     if kind == 2:  # NVFP4: the tensor scale from the amax of the y this kernel computes
         amax = torch.empty(rows, device=dev, dtype=torch.float32)
+        inv = torch.empty(rows, device=dev, dtype=torch.float32) if common["PRE"] == 1 else dummy
         fq._group_tile_kernel[grid](x2, x2.stride(0), Y=dummy, CODES=dummy, SCALE=dummy, SCALE_CODES=dummy,
-                                    GSCALE=dummy, GOUT=dummy, AMAX=amax, n_rows=rows, K=K, NGROUPS=ngroups,
-                                    eps=eps, STORE_Y=False, AMAX_ONLY=True, **rin, **meta)
+                                    GSCALE=dummy, GOUT=dummy, AMAX=amax, INV=inv, n_rows=rows, K=K,
+                                    NGROUPS=ngroups, eps=eps, STORE_Y=False, AMAX_ONLY=True, **rin, **meta)
         tamax = amax.max().reshape(1)
         gscale = torch.empty(1, device=dev, dtype=torch.float32)
     codes = torch.empty(rows, K // 2 if pack else K, device=dev,
@@ -247,7 +249,7 @@ def _launch_groups(x2, K, G, tile, common, w, eps, res2, res_out, store_y, pack)
     y = torch.empty(rows, K, device=dev, dtype=torch.float32) if store_y else dummy
     fq._group_tile_kernel[grid](x2, x2.stride(0), Y=y, CODES=codes, SCALE=scale, SCALE_CODES=scodes,
                                 GSCALE=tamax if tamax is not None else dummy,
-                                GOUT=gscale if gscale is not None else dummy, AMAX=dummy, n_rows=rows, K=K,
+                                GOUT=gscale if gscale is not None else dummy, AMAX=dummy, INV=inv, n_rows=rows, K=K,
                                 NGROUPS=ngroups, eps=eps, STORE_Y=store_y, AMAX_ONLY=False, **rin, **meta)
     return codes, scale, (scodes if kind else None), gscale, (y if store_y else None)
 
