@@ -63,8 +63,12 @@ KERNELS = ("row", "tile")
 DEFAULT_KERNEL = {"quantize_rows": "tile", "rmsnorm_quant": "tile", "rmsnorm_quant+residual": "row",
                   "silu_mul_quant": "row"}
 # Schemes outside the per-token fast path (groups, MX, NVFP4, fp4 per token): ":group" entries
-# choose between the row kernel and the tile kernel's group variant.
+# choose between the row kernel and the tile kernel's group variant. H200, 2026-11-30 (bench rows in
+# docs/benchmarks-memory.md): the group variant is 1.16-1.21x the row kernel for MXFP4 quantize_rows
+# at 8192 x 4096, 1.19-1.47x for RMSNorm + MXFP4 (8192 x 4096 / 8192), 1.06-1.17x for MXFP8 and
+# 1.00-1.10x for NVFP4; with a residual and for SiLU-mul it was not timed, so those stay "row".
 DEFAULT_KERNEL.update({k + ":group": "row" for k in list(DEFAULT_KERNEL)})
+DEFAULT_KERNEL.update({"quantize_rows:group": "tile", "rmsnorm_quant:group": "tile"})
 
 
 # ------------------------------------------------------------------------------------------
