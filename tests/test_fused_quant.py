@@ -220,6 +220,15 @@ def test_gpu_fp8_hardware_cast_matches(device, rng):
             qt, _, y = fused.rmsnorm_quant(x, w, 1e-6, scheme, backend="triton", return_normalized=True,
                                            fp8_encoder=enc, kernel=kernel)
             _assert_same_quant(qt.to("cpu"), canonical_quantize(y.cpu(), scheme))
+    # persistent token tiles: 512 rows over 132 SMs, so each program steps over several tiles
+    r = _rand(rng, (512, 4096), torch.bfloat16, device, zero_row=None)
+    for name in ("fp8_token", "int8_token"):
+        for tile in ((1, 4, 1), (2, 4, 2)):
+            qt, new_r, y = fused.rmsnorm_quant(x, w, 1e-6, SCHEMES[name], residual=r if tile[0] > 1 else None,
+                                               backend="triton", return_normalized=True, kernel="tile", tile=tile)
+            _assert_same_quant(qt.to("cpu"), canonical_quantize(y.cpu(), SCHEMES[name]))
+            if tile[0] > 1:
+                assert torch.equal(new_r, (x.float() + r.float()).to(torch.bfloat16))
     # amax ~1e-37: subnormal scales, the division branch the fast path leaves to IEEE / scaled operands
     tiny = _rand(rng, (64, 4095), torch.float32, device, zero_row=None) * 1e-39  # no zero row: its scale is 1.0
     for name in ("fp8_token", "int8_token"):
@@ -229,7 +238,7 @@ def test_gpu_fp8_hardware_cast_matches(device, rng):
             _assert_same_quant(qt.to("cpu"), canonical_quantize(tiny.cpu(), SCHEMES[name]))
 
 
-@pytest.mark.parametrize("tile", [(1, 2), (2, 1), (4, 2), (8, 4)])
+@pytest.mark.parametrize("tile", [(1, 2), (2, 1), (4, 2), (8, 4), (1, 2, 1), (2, 2, 3)])
 @pytest.mark.parametrize("name", TILE_SCHEMES + ("mxfp4", "nvfp4", "fp8_1x128"))
 def test_tile_configs_match_row_kernel(tile, name, device, rng):
     """Every (ROWS, num_warps) of the "tile" kernel gives the codes and scales of lowbit.quantize
@@ -239,10 +248,18 @@ def test_tile_configs_match_row_kernel(tile, name, device, rng):
     (masked tail), odd and power-of-two K, signed zeros (the fast division's sign handling on
     the GPU), a zero row."""
     scheme = SCHEMES[name]
+    if len(tile) == 3 and not fused.tile_supports(scheme):  # persistent programs: per-token fast path only
+        with pytest.raises(ValueError, match="per-token int8 / fp8 fast path only"):
+            fused.quantize_rows(_rand(rng, (4, 256), torch.bfloat16, device), scheme, backend="triton",
+                                kernel="tile", tile=tile)
+        return
     odd_k = 200 if scheme.strategy == "token" else 224  # group schemes: a K that is a multiple of the group
     if name == "fp8_1x128":
         odd_k = 384
-    for M, K in ((5, odd_k), (2 * tile[0] + 1, 256)):  # 2 * ROWS + 1 rows: a masked tail program
+    # 2 * ROWS + 1 rows: a masked tail program; persistent tiles (a third entry, P programs per SM):
+    # 9 * ROWS * P + 1 rows, so every program steps over several tiles (4 SMs in the interpreter)
+    tail = 2 * tile[0] + 1 if len(tile) == 2 else 9 * tile[0] * tile[2] + 1
+    for M, K in ((5, odd_k), (tail, 256)):
         x = _rand(rng, (M, K), torch.bfloat16, device)
         x[0, 3:9] = -0.0  # -0 in, -0 out of the division: fp8 code 0x80, as canonical
         w = (1 + 0.2 * torch.randn(K, generator=rng)).to(torch.bfloat16).to(device)

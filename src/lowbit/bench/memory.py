@@ -172,7 +172,8 @@ def _copy(b: _Bench, name: str = "copy") -> None:
                 r["frac_copy"] = r["GBps"] / best
 
 
-def _tile_variants(K: int, pre: int, quick: bool, residual: bool = False) -> list[tuple[str, tuple[int, int] | None]]:
+def _tile_variants(K: int, pre: int, quick: bool, residual: bool = False,
+                   persist: bool = False) -> list[tuple[str, tuple[int, ...] | None]]:
     """Row-name suffixes and tiles of the fused quantizer's "tile" kernel: "_tile" = its heuristic
     (fused.tile_config), then "_tile_r{ROWS}w{WARPS}" for 32 / 64 elements per thread with one row
     per program and 64 with two rows (16 per thread is the "row" kernel's shape), so a run shows
@@ -185,11 +186,14 @@ def _tile_variants(K: int, pre: int, quick: bool, residual: bool = False) -> lis
         if not quick and t not in seen:
             seen.add(t)
             out.append((f"_tile_r{t[0]}w{t[1]}", t))
+    if persist:  # the per-token kernel's persistent form: P programs per SM, each prefetching its next tile
+        R, W = tile_config(K, pre, residual)
+        out += [(f"_tile_p{P}", (R, W, P)) for P in (2, 3, 4)]
     return out
 
 
 def _time_tiles(b: _Bench, stem: str, shape: str, K: int, pre: int, quick: bool, make, sets, nbytes,
-                bases: dict, row_out, out_of, residual: bool = False) -> None:
+                bases: dict, row_out, out_of, residual: bool = False, persist: bool = False) -> None:
     """Time the "tile" kernel's variants next to the "row" kernel's row (`bases["row"]`); `make(tile)`
     returns the timed function, `out_of(result)` the QTensor; `codes_diff_vs_row` is the fraction of
     its codes that differ from the row kernel's `row_out` on the same input (same arithmetic; only
@@ -197,7 +201,7 @@ def _time_tiles(b: _Bench, stem: str, shape: str, K: int, pre: int, quick: bool,
     so this is 0 or tiny; tests/test_fused_quant.py checks both kernels against lowbit.quantize)."""
     from lowbit.ops.fused import tile_config
 
-    for suffix, tile in _tile_variants(K, pre, quick, residual):
+    for suffix, tile in _tile_variants(K, pre, quick, residual, persist):
         fn = make(tile)
         r = b.time(f"{stem}{suffix}", shape, fn, sets, nbytes, kernel="tile", tile=list(tile or tile_config(K, pre, residual)))
         b.ratios(r, bases)
@@ -248,7 +252,7 @@ def _norm_quant(b: _Bench, quick: bool) -> None:
             _time_tiles(b, f"lowbit_norm_quant_{fmt}", shape, K, 1, quick,
                         lambda t, s=sch: lambda x, w: rmsnorm_quant(x, w, EPS, s, check_finite=False, kernel="tile",
                                                                     tile=t),
-                        sets, nbytes, {"eager": r_e, "compile": r_c, "row": r_l}, qt, lambda o: o[0])
+                        sets, nbytes, {"eager": r_e, "compile": r_c, "row": r_l}, qt, lambda o: o[0], persist=True)
         if b.wanted("norm_quant_res_int8"):
             sets_r = [(x, w, torch.randn_like(x)) for x, w in sets]
             nbytes = T * K * 2 * 2 + K * 2 + T * K * 2 + T * K + T * 4
@@ -265,7 +269,7 @@ def _norm_quant(b: _Bench, quick: bool) -> None:
                         lambda t: lambda x, w, r: rmsnorm_quant(x, w, EPS, sch, residual=r, check_finite=False,
                                                                 kernel="tile", tile=t),
                         sets_r, nbytes, {"eager": r_e, "compile": r_c, "row": r_l}, fused(*sets_r[0])[0],
-                        lambda o: o[0], residual=True)
+                        lambda o: o[0], residual=True, persist=True)
         for name in ("mxfp8", "mxfp4", "nvfp4"):
             if not b.wanted(f"norm_quant_{name}") or (quick and name != "mxfp8"):
                 continue
@@ -341,7 +345,8 @@ def _quant(b: _Bench, quick: bool) -> None:
             b.ratios(r_l, {"eager": r_e, "compile": r_c})
             _time_tiles(b, f"lowbit_quant_{fmt}", shape, K, 0, True,
                         lambda t, s=sch: lambda x: quantize_rows(x, s, check_finite=False, kernel="tile", tile=t),
-                        sets, nbytes, {"eager": r_e, "compile": r_c, "row": r_l}, fused(sets[0][0]), lambda o: o)
+                        sets, nbytes, {"eager": r_e, "compile": r_c, "row": r_l}, fused(sets[0][0]), lambda o: o,
+                        persist=True)
     del sets
 
 

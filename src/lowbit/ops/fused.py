@@ -319,7 +319,7 @@ def _check_pack(pack: bool, scheme: QuantScheme, K: int, where: str) -> None:
 
 def _launch_tile(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int, *, weight=None, eps=0.0,
                  res2=None, res_out=None, store_y=False, fp8_encoder: str = "auto",
-                 tile: tuple[int, int] | None = None, pack: bool = False):
+                 tile: tuple[int, ...] | None = None, pack: bool = False):
     """The "tile" kernel over x2 [rows, K or 2K]: the per-token fast path for the schemes
     tile_supports takes, else the group variant; returns (codes, scale, scale_codes, g, y)."""
     import triton
@@ -333,9 +333,14 @@ def _launch_tile(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int
                          "(the row lives in registers); use backend='torch'")
     if tile is None:
         tile = tile_config(K, pre, residual=res2 is not None)
-    R, warps = tile
+    if not isinstance(tile, (tuple, list)) or len(tile) not in (2, 3) or not all(isinstance(t, int) for t in tile):
+        raise ValueError(f"tile must be (rows, num_warps) or (rows, num_warps, programs per SM), got {tile!r}")
+    R, warps, persist = (tuple(tile) + (0,))[:3]
     if R < 1 or R & (R - 1) or warps < 1 or warps & (warps - 1):
         raise ValueError(f"tile=(rows, num_warps) must be powers of two, got {tile}")
+    if persist < 0 or (persist and not tile_supports(scheme)):
+        raise ValueError(f"tile={tuple(tile)}: the third entry (persistent programs per SM, >= 1) is for the "
+                         f"per-token int8 / fp8 fast path only, not {scheme}")
     if (R, warps) == (1, 1):
         # Seen on the H200 (torch 2.11, triton 3.6): with one row and one warp per program the
         # per-token scales differed from lowbit.quantize on the kernel's own output (codes
@@ -360,14 +365,20 @@ def _launch_tile(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int
     codes = torch.empty(rows, K, device=dev, dtype=torch.int8 if fmt.kind == "int" else torch.uint8)
     scale = torch.empty(rows, 1, device=dev, dtype=torch.float32)
     y = torch.empty(rows, K, device=dev, dtype=torch.float32) if store_y else dummy
-    fq._token_tile_kernel[(triton.cdiv(rows, R),)](
+    n_tiles = triton.cdiv(rows, R)
+    nprog = 0  # one program per tile; persist > 0: that many programs per SM, each prefetching its next tile
+    if persist:
+        from lowbit.ops.triton.common import num_sms
+
+        nprog = min(n_tiles, persist * (num_sms() if x2.is_cuda else 4))
+    fq._token_tile_kernel[(nprog or n_tiles,)](
         x2, x2.stride(0), weight if weight is not None else dummy, res2 if res2 is not None else dummy,
         res2.stride(0) if res2 is not None else 0, res_out if res_out is not None else dummy,
         res_out.stride(0) if res_out is not None else 0, y, codes, scale, rows, K, eps,
         PRE=pre, HAS_RES=res2 is not None, STORE_Y=store_y, FMT=_FMT_CODES[scheme.format],
         QMAX=float(fmt.qmax if fmt.kind == "int" else fmt.max),
         HW_FP8=x2.is_cuda and fp8_encoder != "int" and not interp, FAST_DIV=x2.is_cuda and not interp,
-        ROWS=R, BLOCK=block, EVEN=block == K and rows % R == 0, num_warps=warps)
+        ROWS=R, BLOCK=block, EVEN=block == K and rows % R == 0, FULL=block == K, NPROG=nprog, num_warps=warps)
     return codes, scale, None, None, (y if store_y else None)
 
 

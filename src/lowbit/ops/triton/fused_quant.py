@@ -310,63 +310,73 @@ def _row_quant_kernel(
 
 
 @triton.jit
-def _token_tile_kernel(
-    X, X_stride, W, R, R_stride, R_OUT, R_OUT_stride, Y, CODES, SCALE, n_rows, K, eps,
-    PRE: tl.constexpr, HAS_RES: tl.constexpr, STORE_Y: tl.constexpr, FMT: tl.constexpr,
-    QMAX: tl.constexpr, HW_FP8: tl.constexpr, FAST_DIV: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr,
-):
-    """The per-token (one float32 scale per row, int8 or fp8 e4m3fn) case of _row_quant_kernel,
-    with ROWS rows per program held as a [ROWS, BLOCK] tile (BLOCK >= K, a power of two).
+def _tok_load(X, X_stride, R, R_stride, rows, n_rows, K, PRE: tl.constexpr, HAS_RES: tl.constexpr,
+              BLOCK: tl.constexpr, FULL: tl.constexpr):
+    """The inputs of a [ROWS, BLOCK] tile of the token kernel, as loaded (no conversion): (gate, up)
+    for SiLU-and-multiply, else (x, residual) -- the second is x itself without a residual. Rows
+    past n_rows are read as row n_rows - 1 (valid memory; their results are never stored), so
+    only a padded row (FULL False: BLOCK > K) needs a mask. The stream is read once: evict_first."""
+    rl = tl.minimum(rows, n_rows - 1)[:, None]
+    cc = tl.arange(0, BLOCK)[None, :]
+    x_ptr = X + rl * X_stride + cc
+    if FULL:
+        a = tl.load(x_ptr, eviction_policy="evict_first")
+        if PRE == 2:
+            b = tl.load(x_ptr + K, eviction_policy="evict_first")
+        elif HAS_RES:
+            b = tl.load(R + rl * R_stride + cc, eviction_policy="evict_first")
+        else:
+            b = a
+    else:
+        cm = cc < K
+        a = tl.load(x_ptr, mask=cm, other=0.0, eviction_policy="evict_first")
+        if PRE == 2:
+            b = tl.load(x_ptr + K, mask=cm, other=0.0, eviction_policy="evict_first")
+        elif HAS_RES:
+            b = tl.load(R + rl * R_stride + cc, mask=cm, other=0.0, eviction_policy="evict_first")
+        else:
+            b = a
+    return a, b
 
-    Why a second kernel: at 8192 x 4096 the one-row kernel with 16 elements per thread spends
-    about as many instructions per thread on per-row work (two block reductions, sqrt, three
-    IEEE divisions, barriers) as on the 16 elements; here the launcher picks ROWS and
-    num_warps so each thread holds 32-64 elements, the weight is loaded and widened once per
-    program for ROWS rows, and the streamed input is read with evict_first. Arithmetic is the
-    same as _row_quant_kernel's (same helpers: RMSNorm, scale, _codes), so codes and scales
-    are bit-identical to lowbit.quantize on the kernel's own y, as for the one-row kernel.
 
-    Arguments as _row_quant_kernel's (X: [n_rows, K] or [n_rows, 2K] for SiLU; W: [K];
-    R / R_OUT: [n_rows, K]; Y: float32 [n_rows, K] when STORE_Y; CODES: [n_rows, K];
-    SCALE: float32 [n_rows]). EVEN: BLOCK == K and ROWS divides n_rows (no masks at all).
-    """
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+@triton.jit
+def _tok_weight(W, K, PRE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, FULL: tl.constexpr):
+    """The RMSNorm weight as float32, shaped to multiply a [ROWS, BLOCK] tile (0 for other prologues)."""
+    if PRE == 1:
+        if ROWS == 1:  # a [1, BLOCK] load takes the tile's layout (sm_90 SASS: a 1-D load
+            # broadcast with [None, :] goes through shared memory and two barriers)
+            cc = tl.arange(0, BLOCK)[None, :]
+            w = _ld(W + cc, cc < K, FULL).to(tl.float32)
+        else:  # loaded once per program for ROWS rows (there the 1-D form compiled smaller)
+            cols = tl.arange(0, BLOCK)
+            w = _ld(W + cols, cols < K, FULL).to(tl.float32)[None, :]
+    else:
+        w = 0.0
+    return w
+
+
+@triton.jit
+def _tok_tile(a, b, w, R_OUT, R_OUT_stride, Y, CODES, SCALE, rows, n_rows, K, eps,
+              PRE: tl.constexpr, HAS_RES: tl.constexpr, STORE_Y: tl.constexpr, FMT: tl.constexpr,
+              QMAX: tl.constexpr, HW_FP8: tl.constexpr, FAST_DIV: tl.constexpr,
+              ROWS: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr):
+    """Everything after the loads for one [ROWS, BLOCK] tile of rows `rows`: prologue, per-row
+    scale, codes; writes the new residual, y (STORE_Y), codes and scales."""
     cols = tl.arange(0, BLOCK)
     rmask = rows < n_rows
     mask = rmask[:, None] & (cols < K)[None, :]
     rr = rows[:, None]
     cc = cols[None, :]
-    x_ptr = X + rr * X_stride + cc
     if PRE == 2:  # SiLU(gate) * up, in float32
-        if EVEN:
-            g = tl.load(x_ptr, eviction_policy="evict_first").to(tl.float32)
-            u = tl.load(x_ptr + K, eviction_policy="evict_first").to(tl.float32)
-        else:
-            g = tl.load(x_ptr, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            u = tl.load(x_ptr + K, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        y = _silu_mul(g, u)
+        y = _silu_mul(a.to(tl.float32), b.to(tl.float32))
         amax = _absmax(y)  # [ROWS]
     else:
-        if EVEN:
-            h = tl.load(x_ptr, eviction_policy="evict_first").to(tl.float32)
-        else:
-            h = tl.load(x_ptr, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        h = a.to(tl.float32)
         if HAS_RES:
-            r_ptr = R + rr * R_stride + cc
-            if EVEN:
-                r = tl.load(r_ptr, eviction_policy="evict_first").to(tl.float32)
-            else:
-                r = tl.load(r_ptr, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            hr = round_to(h + r, R_OUT.dtype.element_ty)
+            hr = round_to(h + b.to(tl.float32), R_OUT.dtype.element_ty)
             _st(R_OUT + rr * R_OUT_stride + cc, hr, mask, EVEN)
             h = hr.to(tl.float32)
         if PRE == 1:
-            if ROWS == 1:  # a [1, BLOCK] load takes the tile's layout (sm_90 SASS: a 1-D load
-                # broadcast with [None, :] goes through shared memory and two barriers)
-                w = _ld(W + cc, cc < K, EVEN).to(tl.float32)
-            else:  # loaded once per program for ROWS rows (there the 1-D form compiled smaller)
-                w = _ld(W + cols, cols < K, EVEN).to(tl.float32)[None, :]
             hw = h * w
             # as in _row_quant_kernel: independent reductions, amax = fl(max |hw| * inv) exactly
             amax_hw = tl.max(tl.abs(hw), axis=1)
@@ -387,6 +397,55 @@ def _token_tile_kernel(
     else:
         tl.store(SCALE + rows, s, mask=rmask)
     _st(CODES + rr * K + cc, _codes(y, s[:, None], FMT, 0, QMAX, HW_FP8, FAST_DIV, LEAN=True), mask, EVEN)
+
+
+@triton.jit
+def _token_tile_kernel(
+    X, X_stride, W, R, R_stride, R_OUT, R_OUT_stride, Y, CODES, SCALE, n_rows, K, eps,
+    PRE: tl.constexpr, HAS_RES: tl.constexpr, STORE_Y: tl.constexpr, FMT: tl.constexpr,
+    QMAX: tl.constexpr, HW_FP8: tl.constexpr, FAST_DIV: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr, FULL: tl.constexpr = False,
+    NPROG: tl.constexpr = 0,
+):
+    """The per-token (one float32 scale per row, int8 or fp8 e4m3fn) case of _row_quant_kernel,
+    with ROWS rows per program held as a [ROWS, BLOCK] tile (BLOCK >= K, a power of two).
+
+    Why a second kernel: at 8192 x 4096 the one-row kernel with 16 elements per thread spends
+    about as many instructions per thread on per-row work (two block reductions, sqrt, three
+    IEEE divisions, barriers) as on the 16 elements; here the launcher picks ROWS and
+    num_warps so each thread holds 32-64 elements, the weight is loaded and widened once per
+    program for ROWS rows, and the streamed input is read with evict_first. Arithmetic is the
+    same as _row_quant_kernel's (same helpers: RMSNorm, scale, _codes), so codes and scales
+    are bit-identical to lowbit.quantize on the kernel's own y, as for the one-row kernel.
+
+    NPROG > 0: persistent, NPROG programs stepping over the tiles, each loading its next tile
+    before it works on the current one (the loads of tile i + 1 are in flight during the
+    reductions and stores of tile i, which otherwise leave the memory system idle per program).
+
+    Arguments as _row_quant_kernel's (X: [n_rows, K] or [n_rows, 2K] for SiLU; W: [K];
+    R / R_OUT: [n_rows, K]; Y: float32 [n_rows, K] when STORE_Y; CODES: [n_rows, K];
+    SCALE: float32 [n_rows]). EVEN: BLOCK == K and ROWS divides n_rows (no masks at all);
+    FULL: BLOCK == K (loads need no mask).
+    """
+    pid = tl.program_id(0)
+    w = _tok_weight(W, K, PRE, ROWS, BLOCK, FULL)
+    if NPROG == 0:
+        rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+        a, b = _tok_load(X, X_stride, R, R_stride, rows, n_rows, K, PRE, HAS_RES, BLOCK, FULL)
+        _tok_tile(a, b, w, R_OUT, R_OUT_stride, Y, CODES, SCALE, rows, n_rows, K, eps, PRE, HAS_RES, STORE_Y,
+                  FMT, QMAX, HW_FP8, FAST_DIV, ROWS, BLOCK, EVEN)
+    else:
+        n_tiles = tl.cdiv(n_rows, ROWS)
+        rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        a, b = _tok_load(X, X_stride, R, R_stride, rows, n_rows, K, PRE, HAS_RES, BLOCK, FULL)
+        for t in tl.range(pid, n_tiles, NPROG):
+            rows = tl.arange(0, ROWS).to(tl.int64) + t * ROWS
+            a_next, b_next = _tok_load(X, X_stride, R, R_stride, rows + NPROG * ROWS, n_rows, K, PRE, HAS_RES,
+                                       BLOCK, FULL)
+            _tok_tile(a, b, w, R_OUT, R_OUT_stride, Y, CODES, SCALE, rows, n_rows, K, eps, PRE, HAS_RES,
+                      STORE_Y, FMT, QMAX, HW_FP8, FAST_DIV, ROWS, BLOCK, EVEN)
+            a = a_next
+            b = b_next
 
 
 @triton.jit
