@@ -199,11 +199,10 @@ def _time_tiles(b: _Bench, stem: str, shape: str, K: int, pre: int, quick: bool,
     its codes that differ from the row kernel's `row_out` on the same input (same arithmetic; only
     a last-bit difference of y from another summation order of the RMSNorm may flip a rounding,
     so this is 0 or tiny; tests/test_fused_quant.py checks both kernels against lowbit.quantize)."""
-    from lowbit.ops.fused import tile_config
-
     for suffix, tile in _tile_variants(K, pre, quick, residual, persist):
         fn = make(tile)
-        r = b.time(f"{stem}{suffix}", shape, fn, sets, nbytes, kernel="tile", tile=list(tile or tile_config(K, pre, residual)))
+        r = b.time(f"{stem}{suffix}", shape, fn, sets, nbytes, kernel="tile",
+                   tile=list(tile) if tile else "heuristic (fused.tile_config)")
         b.ratios(r, bases)
         if r and r.get("ms"):
             r["codes_diff_vs_row"] = float((out_of(fn(*sets[0])).codes != row_out.codes).float().mean())

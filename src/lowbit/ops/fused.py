@@ -266,14 +266,18 @@ def tile_supports(scheme: QuantScheme) -> bool:
             and scheme.scale_format == "fp32")
 
 
-def tile_config(K: int, pre: int, residual: bool = False) -> tuple[int, int]:
+def tile_config(K: int, pre: int, residual: bool = False, fp8: bool = False) -> tuple[int, ...]:
     """(ROWS, num_warps) of the "tile" kernel for rows of K elements: 32 elements of a row per
     thread (num_warps = next_pow2(K) / 1024, at most 16; 64 per thread from 8192 on), and rows stacked up to 32 elements per
     thread when a row is shorter than 1024. From the sm_90 SASS (python -m lowbit.bench.memory
     --sass), not from timings: 64 per thread takes 16.6 instead of 19.2 instructions per
     element on the RMSNorm + int8 fast path but ~140 registers instead of ~72 (half the warps
     per SM); the benchmark times 32 and 64 per thread side by side (`pre` is unused so far).
-    With a `residual`, at least 2 rows per program (one row gave non-canonical scales on sm_90)."""
+    With a `residual`, at least 2 rows per program (one row gave non-canonical scales on sm_90).
+    fp8 (per-token fp8_e4m3fn on the token fast path), no residual, K >= 8192: (ROWS, num_warps, 2),
+    the persistent form with 2 programs per SM (H200, RMSNorm + fp8 at 8192 x 8192: 79.9% / 78.5%
+    of copy with 2 / 4 programs per SM against 74.9% one program per tile; for int8 it lost:
+    79.8% against 85.1%, and at 4096 both lost)."""
     import triton
 
     block = max(16, triton.next_power_of_2(K))
@@ -286,6 +290,8 @@ def tile_config(K: int, pre: int, residual: bool = False) -> tuple[int, int]:
         rows *= 2
     if (rows, warps) == (1, 1) or (residual and rows == 1):  # refused in _launch_tile (non-canonical
         rows = 2                                                # scales seen on sm_90)
+    if fp8 and not residual and block >= 8192:
+        return rows, warps, 2
     return rows, warps
 
 
@@ -332,7 +338,8 @@ def _launch_tile(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int
         raise ValueError(f"hidden size K = {K} exceeds the fused kernel's {fq.MAX_BLOCK} elements per row "
                          "(the row lives in registers); use backend='torch'")
     if tile is None:
-        tile = tile_config(K, pre, residual=res2 is not None)
+        tile = tile_config(K, pre, residual=res2 is not None,
+                           fp8=tile_supports(scheme) and scheme.format == "fp8_e4m3fn")
     if not isinstance(tile, (tuple, list)) or len(tile) not in (2, 3) or not all(isinstance(t, int) for t in tile):
         raise ValueError(f"tile must be (rows, num_warps) or (rows, num_warps, programs per SM), got {tile!r}")
     R, warps, persist = (tuple(tile) + (0,))[:3]
