@@ -411,3 +411,50 @@ def test_e2m1_encoder_at_every_rounding_boundary(device, rng):
     assert float(qt.scale.reshape(-1)[0]) == 1.0
     np.testing.assert_array_equal(qt.codes.cpu().numpy(),
                                   np.clip(sat.numpy(), -6, 6).astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF)
+
+
+@pytest.mark.parametrize("kernel", ["row", "tile"])
+def test_nvfp4_with_calibrated_tensor_scale(kernel, device, rng):
+    """global_scale: NVFP4 block scales relative to a given (calibrated) tensor scale g, one pass.
+    Checked against lowbit.quantize with compute_scale(..., global_scale=g) on the kernel's own y,
+    with g at the live tensor's value, 4x below it (block scales saturate at 448, codes at +-6:
+    a calibration that saw smaller activations) and 8x above it."""
+    from lowbit.quantize import compute_scale, reduce_amax, two_level_global_scale
+
+    scheme = SCHEMES["nvfp4"]
+    K = 384
+    x = _rand(rng, (9, K), torch.bfloat16, device)
+    w = (1 + 0.2 * torch.randn(K, generator=rng)).to(torch.bfloat16).to(device)
+    r = _rand(rng, (9, K), torch.bfloat16, device, zero_row=None)
+
+    def ref(y, g):
+        y = y.cpu()
+        return canonical_quantize(y, scheme, scales=compute_scale(reduce_amax(y, scheme), scheme, global_scale=g.cpu()))
+
+    live = two_level_global_scale(x.float().abs().max().cpu(), scheme)
+    for factor in (1.0, 0.25, 8.0):
+        g = (live * factor).reshape(1).to(device)
+        qt = fused.quantize_rows(x, scheme, backend="triton", kernel=kernel, global_scale=g, check_finite=False)
+        _assert_same_quant(qt.to("cpu"), ref(x, g))
+        if factor == 0.25:  # the saturating case really saturates
+            assert int(qt.scale_codes.max()) == 0x7E and int((qt.codes.cpu() & 7).max()) == 7
+        res = r if kernel == "tile" else None  # the row kernel takes a residual too; one case each is enough
+        qt, _, y = fused.rmsnorm_quant(x, w, 1e-6, scheme, residual=res, backend="triton", kernel=kernel,
+                                       global_scale=g, return_normalized=True)
+        _assert_same_quant(qt.to("cpu"), ref(y, g))
+        qt, y = fused.silu_mul_quant(torch.cat([x, r], -1), scheme, backend="triton", kernel=kernel,
+                                     global_scale=g, return_product=True)
+        _assert_same_quant(qt.to("cpu"), ref(y, g))
+        tw = fused.quantize_rows(x, scheme, backend="torch", global_scale=g)
+        _assert_same_quant(tw.to("cpu"), ref(x, g))
+
+
+def test_global_scale_refusals(device, rng):
+    x = _rand(rng, (2, 64), torch.bfloat16, device)
+    g = torch.ones(1, device=device)
+    with pytest.raises(ValueError, match="two-level"):
+        fused.quantize_rows(x, SCHEMES["mxfp4"], backend="triton", global_scale=g)
+    with pytest.raises(ValueError, match="float32 tensor with one element"):
+        fused.quantize_rows(x, SCHEMES["nvfp4"], backend="triton", global_scale=torch.ones(2, device=device))
+    with pytest.raises(ValueError, match="finite and > 0"):
+        fused.quantize_rows(x, SCHEMES["nvfp4"], backend="triton", global_scale=torch.zeros(1, device=device))

@@ -215,6 +215,11 @@ def _group_tiles(b: _Bench, stem: str, shape: str, K: int, pre: int, quick: bool
     packed two per byte ("_packed": half a byte per element written, counted as such)."""
     _time_tiles(b, stem, shape, K, pre, quick, lambda t: call(sch, kernel="tile", tile=t), sets, nbytes,
                 {"row": r_row}, out_of(row_fn(*sets[0])), out_of)
+    if sch.two_level:  # NVFP4 with a calibrated tensor scale (compressed-tensors' input_global_scale): one pass
+        g = out_of(row_fn(*sets[0])).global_scale.reshape(1).contiguous()
+        r = b.time(f"{stem}_static_g", shape, call(sch, global_scale=g), sets, nbytes, kernel="tile",
+                   global_scale="given")
+        b.ratios(r, {"row": r_row})
     if sch.format == "fp4_e2m1fn":
         T = sets[0][0].shape[0]
         r = b.time(f"{stem}_packed", shape, call(sch, pack=True), sets, nbytes - T * K // 2, kernel="tile",

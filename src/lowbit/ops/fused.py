@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.packing import pack_fp4, unpack_fp4
-from lowbit.quantize import QTensor, quantize, scale_shape
+from lowbit.quantize import QTensor, compute_scale, quantize, reduce_amax, scale_shape
 from lowbit.scheme import QuantScheme
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -155,7 +155,8 @@ def _pick_backend(x: torch.Tensor, backend: str | None, where: str) -> str:
 # Kernel launch
 # ------------------------------------------------------------------------------------------
 def _launch(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int, *, weight=None, eps=0.0,
-            res2=None, res_out=None, store_y=False, fp8_encoder: str = "auto", tile=None, pack: bool = False):
+            res2=None, res_out=None, store_y=False, fp8_encoder: str = "auto", tile=None, pack: bool = False,
+            global_scale: torch.Tensor | None = None):
     """Run the row kernel over x2 [rows, K or 2K]; returns (codes, scale, scale_codes, g, y).
     With `tile` = (ROWS, num_warps): the tile kernel's group variant instead (the row kernel
     still takes NVFP4's first pass, the tensor amax); pack: fp4 codes two per byte."""
@@ -192,11 +193,11 @@ def _launch(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int, *, 
     common = dict(PRE=pre, HAS_RES=res2 is not None, FMT=_FMT_CODES[scheme.format], SCALE_KIND=scale_kind,
                   E8M0_ROUND=_ROUND_CODES.get(scheme.scale_rounding or "floor", 0), QMAX=qmax, EMAX=emax,
                   MBITS=mbits, HW_FP8=hw, FAST_DIV=x2.is_cuda and not interp, G_DIV=g_div, NG=NG, G=Gt,
-                  EVEN=NG * Gt == K, num_warps=warps)
+                  EVEN=NG * Gt == K, G_GIVEN=global_scale is not None, num_warps=warps)
     if tile is not None:  # the tile kernel's group variant
-        return _launch_groups(x2, K, G, tile, common, w, eps, res2, res_out, store_y, pack)
-    tamax = gscale = None
-    if scale_kind == 2:  # two-level: tensor scale from the live tensor's amax (first pass)
+        return _launch_groups(x2, K, G, tile, common, w, eps, res2, res_out, store_y, pack, global_scale)
+    tamax = gscale = global_scale  # a calibrated tensor scale: one pass, g = global_scale
+    if scale_kind == 2 and global_scale is None:  # two-level: tensor scale from the live tensor's amax (first pass)
         amax = torch.empty(rows, device=dev, dtype=torch.float32)
         fq._row_quant_kernel[(rows,)](x2, x2.stride(0), w, r_in, r_in.stride(0) if res2 is not None else 0,
                                       r_out, 0, dummy, dummy, dummy, dummy, dummy, dummy, amax, K, ngroups,
@@ -216,7 +217,7 @@ def _launch(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int, *, 
         STORE_Y=store_y, AMAX_ONLY=False, **common)
     return codes, scale, (scodes if scale_kind else None), gscale, (y if store_y else None)
 
-def _launch_groups(x2, K, G, tile, common, w, eps, res2, res_out, store_y, pack):
+def _launch_groups(x2, K, G, tile, common, w, eps, res2, res_out, store_y, pack, global_scale=None):
     """_group_tile_kernel over x2 with the row kernel's meta-parameters `common` (same scale and
     format arguments); NVFP4 takes two passes of it (the tensor amax of the same y, then the
     codes). Returns what _launch returns."""
@@ -236,9 +237,9 @@ def _launch_groups(x2, K, G, tile, common, w, eps, res2, res_out, store_y, pack)
                R_OUT=res_out if res_out is not None else dummy,
                R_OUT_stride=res_out.stride(0) if res_out is not None else 0)
     grid = (triton.cdiv(rows, R),)
-    tamax = gscale = None
+    tamax = gscale = global_scale  # a calibrated tensor scale: one pass, g = global_scale
     inv = dummy
-    if kind == 2:  # NVFP4: the tensor scale from the amax of the y this kernel computes
+    if kind == 2 and global_scale is None:  # NVFP4: the tensor scale from the amax of the y this kernel computes
         amax = torch.empty(rows, device=dev, dtype=torch.float32)
         inv = torch.empty(rows, device=dev, dtype=torch.float32) if common["PRE"] == 1 else dummy
         fq._group_tile_kernel[grid](x2, x2.stride(0), Y=dummy, CODES=dummy, SCALE=dummy, SCALE_CODES=dummy,
@@ -323,9 +324,35 @@ def _check_pack(pack: bool, scheme: QuantScheme, K: int, where: str) -> None:
         raise ValueError(f"{where}: pack=True needs an even hidden size, got K = {K}")
 
 
+def _check_global_scale(g, scheme: QuantScheme, x: torch.Tensor, where: str) -> torch.Tensor | None:
+    """A calibrated tensor scale for two-level (NVFP4) schemes: float32 [1], finite, > 0, on x's device."""
+    if g is None:
+        return None
+    if not scheme.two_level:
+        raise ValueError(f"{where}: global_scale is the tensor scale of two-level schemes (fp8_e4m3fn block "
+                         f"scales, NVFP4); {scheme} has none. Leave global_scale=None")
+    if not isinstance(g, torch.Tensor) or g.numel() != 1 or g.dtype != torch.float32:
+        raise ValueError(f"{where}: global_scale must be a float32 tensor with one element (the calibrated "
+                         f"tensor scale, e.g. compressed-tensors' input_global_scale), got "
+                         f"{getattr(g, 'dtype', type(g).__name__)} {tuple(getattr(g, 'shape', ()))}")
+    if g.device != x.device:
+        raise ValueError(f"{where}: global_scale is on {g.device}, x on {x.device}; move it to x's device")
+    if not bool(torch.isfinite(g).all() and (g > 0).all()):
+        raise ValueError(f"{where}: global_scale must be finite and > 0, got {float(g.reshape(()))}")
+    return g.reshape(1).contiguous()
+
+
+def _canonical(y: torch.Tensor, scheme: QuantScheme, g: torch.Tensor | None) -> QTensor:
+    """lowbit.quantize(y), with the block scales taken relative to a given tensor scale g."""
+    if g is None:
+        return quantize(y, scheme)
+    return quantize(y, scheme, scales=compute_scale(reduce_amax(y, scheme), scheme, global_scale=g))
+
+
 def _launch_tile(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int, *, weight=None, eps=0.0,
                  res2=None, res_out=None, store_y=False, fp8_encoder: str = "auto",
-                 tile: tuple[int, ...] | None = None, pack: bool = False):
+                 tile: tuple[int, ...] | None = None, pack: bool = False,
+                 global_scale: torch.Tensor | None = None):
     """The "tile" kernel over x2 [rows, K or 2K]: the per-token fast path for the schemes
     tile_supports takes, else the group variant; returns (codes, scale, scale_codes, g, y)."""
     import triton
@@ -363,7 +390,7 @@ def _launch_tile(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int
                          "on sm_90 and is refused; use ROWS >= 2 (tile=None picks a valid one)")
     if not tile_supports(scheme) or pack:
         return _launch(pre, x2, K, scheme, G, weight=weight, eps=eps, res2=res2, res_out=res_out, store_y=store_y,
-                       fp8_encoder=fp8_encoder, tile=(R, warps), pack=pack)
+                       fp8_encoder=fp8_encoder, tile=(R, warps), pack=pack, global_scale=global_scale)
     if fp8_encoder not in ("auto", "hw", "int"):
         raise ValueError(f"fp8_encoder must be 'auto', 'hw' or 'int', got {fp8_encoder!r}")
     interp = os.environ.get("TRITON_INTERPRET") == "1"
@@ -457,35 +484,41 @@ def _run(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int, where:
 
 def quantize_rows(x: torch.Tensor, scheme: QuantScheme, *, backend: str | None = None,
                   check_finite: bool = True, fp8_encoder: str = "auto", kernel: str | None = None,
-                  tile: tuple[int, int] | None = None, pack: bool = False) -> QTensor | PackedQTensor:
+                  tile: tuple[int, ...] | None = None, pack: bool = False,
+                  global_scale: torch.Tensor | None = None) -> QTensor | PackedQTensor:
     """Dynamic quantization of x [..., K] per token / per group (see module docstring).
 
     Equals lowbit.quantize(x, scheme) code for code; the Triton path reads x once and writes
     codes [..., K] (int8 or uint8 bit patterns; with pack=True fp4 codes two per byte,
-    [..., K / 2], returned as a PackedQTensor) and float32 scales [..., K // g]."""
+    [..., K / 2], returned as a PackedQTensor) and float32 scales [..., K // g].
+    global_scale (NVFP4): a calibrated float32 tensor scale g; the block scales are taken
+    relative to it (lowbit.quantize with compute_scale(..., global_scale=g)) in one pass over x,
+    instead of two (the live tensor's amax first)."""
     where = "quantize_rows"
     _check_x(x, "x", where)
     K = x.shape[-1]
     G = _check_scheme(scheme, K, where)
     _check_pack(pack, scheme, K, where)
+    g = _check_global_scale(global_scale, scheme, x, where)
     if _pick_backend(x, backend, where) == "torch":
-        return _packed_twin(quantize(x, scheme), pack)
+        return _packed_twin(_canonical(x, scheme, g), pack)
     codes, scale, sc, gs, _ = _run(0, _rows(x, K), K, scheme, G, where, "", kernel, tile, pack,
-                                   fp8_encoder=fp8_encoder)
+                                   fp8_encoder=fp8_encoder, global_scale=g)
     return _assemble(codes, scale, sc, gs, scheme, tuple(x.shape[:-1]), K, check_finite, where, pack)
 
 
 def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, scheme: QuantScheme,
                   residual: torch.Tensor | None = None, *, backend: str | None = None,
                   return_normalized: bool = False, check_finite: bool = True, fp8_encoder: str = "auto",
-                  kernel: str | None = None, tile: tuple[int, int] | None = None, pack: bool = False):
+                  kernel: str | None = None, tile: tuple[int, ...] | None = None, pack: bool = False,
+                  global_scale: torch.Tensor | None = None):
     """RMSNorm(x [+ residual]) * weight, quantized with `scheme`, in one pass over the row.
 
     x: [..., K] bf16/fp16/fp32; weight: [K]; eps: float; residual: like x (any float dtype) or None.
     Returns (qt, new_residual) -- new_residual = x + residual in residual's dtype (None when no
     residual) -- and, with return_normalized=True, also the float32 normalized output y [..., K]
     the codes were computed from (tests use it to check codes against lowbit.quantize(y)).
-    pack=True (fp4 schemes): qt is a PackedQTensor, two codes per byte."""
+    pack=True (fp4 schemes): qt is a PackedQTensor, two codes per byte. global_scale: as quantize_rows'."""
     where = "rmsnorm_quant"
     _check_x(x, "x", where)
     K = x.shape[-1]
@@ -503,16 +536,18 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, scheme: Qua
         raise ValueError(f"{where}: eps must be a non-negative float, got {eps!r}")
     G = _check_scheme(scheme, K, where)
     _check_pack(pack, scheme, K, where)
+    g = _check_global_scale(global_scale, scheme, x, where)
     if _pick_backend(x, backend, where) == "torch":
         y, new_res = rmsnorm_reference(x, weight, eps, residual)
-        qt = _packed_twin(quantize(y, scheme), pack)
+        qt = _packed_twin(_canonical(y, scheme, g), pack)
         return (qt, new_res, y) if return_normalized else (qt, new_res)
     lead = tuple(x.shape[:-1])
     res2 = _rows(residual, K) if residual is not None else None
     res_out = torch.empty(res2.shape, device=x.device, dtype=residual.dtype) if residual is not None else None
     codes, scale, sc, gs, y = _run(1, _rows(x, K), K, scheme, G, where, "+residual" if residual is not None else "",
                                    kernel, tile, pack, weight=weight.contiguous(), eps=float(eps), res2=res2,
-                                   res_out=res_out, store_y=return_normalized, fp8_encoder=fp8_encoder)
+                                   res_out=res_out, store_y=return_normalized, fp8_encoder=fp8_encoder,
+                                   global_scale=g)
     qt = _assemble(codes, scale, sc, gs, scheme, lead, K, check_finite, where, pack)
     new_res = res_out.reshape(x.shape) if res_out is not None else None
     return (qt, new_res, y.reshape(x.shape)) if return_normalized else (qt, new_res)
@@ -520,11 +555,12 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, scheme: Qua
 
 def silu_mul_quant(x: torch.Tensor, scheme: QuantScheme, *, backend: str | None = None,
                    return_product: bool = False, check_finite: bool = True, fp8_encoder: str = "auto",
-                   kernel: str | None = None, tile: tuple[int, int] | None = None, pack: bool = False):
+                   kernel: str | None = None, tile: tuple[int, ...] | None = None, pack: bool = False,
+                   global_scale: torch.Tensor | None = None):
     """silu(gate) * up, quantized with `scheme`: x [..., 2H] (gate = x[..., :H], up = x[..., H:]).
 
     Returns qt (codes [..., H]; a PackedQTensor with pack=True) and, with return_product=True,
-    (qt, y) with y the float32 product."""
+    (qt, y) with y the float32 product. global_scale: as quantize_rows'."""
     where = "silu_mul_quant"
     _check_x(x, "x", where)
     if x.shape[-1] % 2:
@@ -533,12 +569,13 @@ def silu_mul_quant(x: torch.Tensor, scheme: QuantScheme, *, backend: str | None 
     H = x.shape[-1] // 2
     G = _check_scheme(scheme, H, where)
     _check_pack(pack, scheme, H, where)
+    g = _check_global_scale(global_scale, scheme, x, where)
     if _pick_backend(x, backend, where) == "torch":
         y = silu_mul_reference(x)
-        qt = _packed_twin(quantize(y, scheme), pack)
+        qt = _packed_twin(_canonical(y, scheme, g), pack)
         return (qt, y) if return_product else qt
     lead = tuple(x.shape[:-1])
     codes, scale, sc, gs, y = _run(2, _rows(x, 2 * H), H, scheme, G, where, "", kernel, tile, pack,
-                                   store_y=return_product, fp8_encoder=fp8_encoder)
+                                   store_y=return_product, fp8_encoder=fp8_encoder, global_scale=g)
     qt = _assemble(codes, scale, sc, gs, scheme, lead, H, check_finite, where, pack)
     return (qt, y.reshape(lead + (H,))) if return_product else qt

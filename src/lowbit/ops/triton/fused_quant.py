@@ -192,12 +192,13 @@ def _store_tensor_scale(GSCALE, GOUT, G_DIV: tl.constexpr):
 
 @triton.jit
 def _group_scales(amax, GSCALE, SCALE_KIND: tl.constexpr, E8M0_ROUND: tl.constexpr, QMAX: tl.constexpr,
-                  EMAX: tl.constexpr, MBITS: tl.constexpr, G_DIV: tl.constexpr):
+                  EMAX: tl.constexpr, MBITS: tl.constexpr, G_DIV: tl.constexpr, G_GIVEN: tl.constexpr = False):
     """(effective float32 scale, scale code as int32) per group from its absmax (any shape), as
     lowbit.quantize computes them: the one place the fused kernels derive a group's scale.
     SCALE_KIND 0: s = RN(amax / QMAX), 1.0 for a zero group (the code is unused); 1: e8m0 (MX),
     the biased exponent under E8M0_ROUND; 2: NVFP4's e4m3 block scale of (amax / QMAX) / g with
-    g = tensor amax (GSCALE) / G_DIV, clamped to [2^-6, 448]. A NaN amax gives a NaN scale."""
+    g = tensor amax (GSCALE) / G_DIV -- or g = GSCALE itself with G_GIVEN (a calibrated tensor
+    scale) --, clamped to [2^-6, 448]. A NaN amax gives a NaN scale."""
     if SCALE_KIND == 0:
         s = tl.math.div_rn(amax, QMAX)
         s = tl.where(s == 0.0, 1.0, s)  # zero group (or underflow): s = 1.0
@@ -220,8 +221,11 @@ def _group_scales(amax, GSCALE, SCALE_KIND: tl.constexpr, E8M0_ROUND: tl.constex
         code = tl.where(amax != amax, 255, e)
         s = tl.where(amax != amax, float("nan"), s)
     else:  # NVFP4: e4m3 block scale of (amax / max) / g, clamped to [2^-6, 448]
-        gs = tl.math.div_rn(tl.load(GSCALE), G_DIV)
-        gs = tl.where(gs == 0.0, 1.0, gs)
+        if G_GIVEN:
+            gs = tl.load(GSCALE)
+        else:
+            gs = tl.math.div_rn(tl.load(GSCALE), G_DIV)
+            gs = tl.where(gs == 0.0, 1.0, gs)
         rel = tl.math.div_rn(tl.math.div_rn(amax, QMAX), gs)
         code = encode_e4m3fn(tl.maximum(rel, 0.015625)).to(tl.int32)
         s = decode_e4m3fn(code) * gs
@@ -237,7 +241,7 @@ def _row_quant_kernel(
     FMT: tl.constexpr, SCALE_KIND: tl.constexpr, E8M0_ROUND: tl.constexpr,
     QMAX: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr, HW_FP8: tl.constexpr,
     FAST_DIV: tl.constexpr, G_DIV: tl.constexpr, NG: tl.constexpr, G: tl.constexpr,
-    EVEN: tl.constexpr,
+    EVEN: tl.constexpr, G_GIVEN: tl.constexpr = False,
 ):
     """One program per row of K elements, held as an [NG, G] tile (NG * G >= K).
 
@@ -249,6 +253,7 @@ def _row_quant_kernel(
     SCALE_CODES: uint8 [rows, ngroups] (e8m0 or e4m3 bit patterns) for MX / NVFP4.
     GSCALE: float32 [1], the tensor's amax (NVFP4); GOUT: float32 [1], written by program 0:
     the tensor scale g = amax / G_DIV (1.0 when that is 0), as quantize.two_level_global_scale.
+    G_GIVEN: GSCALE holds a calibrated tensor scale g itself (one pass, nothing written to GOUT).
     AMAX: float32 [rows], AMAX_ONLY pass. FAST_DIV: div_exact instead of div_rn (GPU only:
     the interpreter's fma is not fused, so there the remainders would not be exact).
     """
@@ -299,9 +304,9 @@ def _row_quant_kernel(
         gmask = gidx < ngroups
         # --- scale, as lowbit.quantize computes it ---
         if SCALE_KIND == 2:
-            if row == 0:  # publish the tensor scale the codes were computed with
+            if row == 0 and not G_GIVEN:  # publish the tensor scale the codes were computed with
                 _store_tensor_scale(GSCALE, GOUT, G_DIV)
-        s, sc = _group_scales(amax, GSCALE, SCALE_KIND, E8M0_ROUND, QMAX, EMAX, MBITS, G_DIV)
+        s, sc = _group_scales(amax, GSCALE, SCALE_KIND, E8M0_ROUND, QMAX, EMAX, MBITS, G_DIV, G_GIVEN)
         if SCALE_KIND != 0:
             tl.store(SCALE_CODES + row * ngroups + gidx, sc.to(tl.uint8), mask=gmask)
         tl.store(SCALE + row * ngroups + gidx, s, mask=gmask)
@@ -463,7 +468,7 @@ def _group_tile_kernel(
     PRE: tl.constexpr, HAS_RES: tl.constexpr, STORE_Y: tl.constexpr, AMAX_ONLY: tl.constexpr,
     FMT: tl.constexpr, SCALE_KIND: tl.constexpr, E8M0_ROUND: tl.constexpr,
     QMAX: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr, HW_FP8: tl.constexpr,
-    FAST_DIV: tl.constexpr, G_DIV: tl.constexpr, PACK: tl.constexpr,
+    FAST_DIV: tl.constexpr, G_DIV: tl.constexpr, PACK: tl.constexpr, G_GIVEN: tl.constexpr,
     ROWS: tl.constexpr, NG: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr,
 ):
     """The group-scaled case of the "tile" kernel (MX, NVFP4, per-group int8 / fp8, (1, g)
@@ -473,7 +478,8 @@ def _group_tile_kernel(
 
     Arguments as _row_quant_kernel's (X: [n_rows, K] or [n_rows, 2K] for SiLU; SCALE: float32
     [n_rows, NGROUPS]; SCALE_CODES: uint8 [n_rows, NGROUPS]; GSCALE: the tensor's amax for
-    NVFP4, from this kernel's AMAX_ONLY pass: the row maxima of y, into AMAX [n_rows], and for
+    NVFP4, or the calibrated tensor scale g itself with G_GIVEN (then one pass), else from this
+    kernel's AMAX_ONLY pass: the row maxima of y, into AMAX [n_rows], and for
     RMSNorm each row's 1 / rms into INV [n_rows] (NaN for a non-finite row), which the second
     pass reads instead of reducing again -- so both passes see the same y bit for bit: on sm_90
     two compilations of the same sum may add in different orders). PACK (fp4 codes only): CODES is uint8
@@ -504,7 +510,7 @@ def _group_tile_kernel(
         if PRE == 1:
             hw = h * _ld(W + cols, cols < K, EVEN).to(tl.float32)
             # as in _row_quant_kernel: independent reductions, amax = fl(max |hw| * inv) exactly
-            if SCALE_KIND == 2 and not AMAX_ONLY:  # NVFP4's second pass: the first pass's 1 / rms
+            if SCALE_KIND == 2 and not AMAX_ONLY and not G_GIVEN:  # NVFP4's second pass: the first pass's 1 / rms
                 inv = tl.load(INV + rows, mask=rmask, other=1.0)  # NaN for a non-finite row
                 amax = tl.max(tl.abs(hw), axis=1) * inv
             else:
@@ -529,9 +535,9 @@ def _group_tile_kernel(
     if STORE_Y:
         _st(Y + rr * K + cols, y, mask, EVEN)
     if SCALE_KIND == 2:
-        if tl.program_id(0) == 0:  # publish the tensor scale the codes were computed with
+        if tl.program_id(0) == 0 and not G_GIVEN:  # publish the tensor scale the codes were computed with
             _store_tensor_scale(GSCALE, GOUT, G_DIV)
-    s, sc = _group_scales(amax, GSCALE, SCALE_KIND, E8M0_ROUND, QMAX, EMAX, MBITS, G_DIV)
+    s, sc = _group_scales(amax, GSCALE, SCALE_KIND, E8M0_ROUND, QMAX, EMAX, MBITS, G_DIV, G_GIVEN)
     sidx = rows * NGROUPS + gi
     smask = rmask & (gi < NGROUPS)
     tl.store(SCALE + sidx, s, mask=smask)
