@@ -61,7 +61,7 @@ def scale_value_hypotheses(sim: Sim):
             if not torch.equal(r, s) and bool(torch.isfinite(r).all()) and bool((r > 0).all()):
                 yield sim.hyp("scales_rounded", f"{what}' float32 scales stored as {nm} (rounded: every "
                               f"channel off by its own factor of up to 1 +- 2^-{9 if nm == 'bf16' else 12})",
-                              side, _rescale(qt, r))
+                              side, _rescale(qt, r), ulp_sized=True)
         R = s.shape[0]
         if R > 1 and qt.scheme.strategy != "tensor":
             yield sim.hyp("scale_broadcast_stride0",
@@ -207,7 +207,7 @@ def constant_scale_hypotheses(sim: Sim):
             T = T + sim.bias.abs()
         yield Hyp("scale_replaced_by_constant", f"{_side(side)}' per-{'token' if side == 'x' else 'channel'} "
                   f"scales replaced by one value {c:.6g} (a per-tensor scale given to a per-row kernel)",
-                  pred, sim.gate(T, pred), general=True)
+                  pred, sim.gate(T, pred), general=True, ulp_sized=True)
 
 
 def constant_factor_hypothesis(sim: Sim):
@@ -223,7 +223,8 @@ def constant_factor_hypothesis(sim: Sim):
     pred = c * u + b
     T = (sim.deq("x").abs() @ sim.deq("w").abs().T) * abs(c) + (0 if sim.bias is None else sim.bias.abs())
     yield Hyp("output_off_by_constant_factor", f"every output is {c:.6g}x what it should be: a scale (x's or "
-              f"w's, one value for all) is off by that factor", pred, sim.gate(T, pred), general=True)
+              f"w's, one value for all) is off by that factor", pred, sim.gate(T, pred), general=True,
+              ulp_sized=True)
 
 
 def mx_layout_hypotheses(sim: Sim):

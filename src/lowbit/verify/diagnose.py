@@ -41,6 +41,7 @@ class Cause:
     name: str        # short identifier, e.g. "row_shift", "missing_zero_point_term"
     detail: str      # one readable sentence with the numbers
     confirmed: bool  # True when a simulation of this bug reproduces the output within the gate
+    ulp_sized: bool = False  # the bug's size is a few ulps of a scale (simulate.Hyp.ulp_sized)
 
     def __str__(self) -> str:
         return f"{self.name}: {self.detail}" + (" [simulation reproduces the output]" if self.confirmed else "")
@@ -138,7 +139,8 @@ def _confirmed_causes(ctx: Context, sim: hy.Sim) -> tuple[list[Cause], list[tupl
         worst, h = g[0]
         others = sorted({x.name for _, x in g[1:] if not x.general} - {h.name})
         same = f"; equally explained here by: {', '.join(others)}" if others else ""
-        causes.append(Cause(h.name, f"{h.detail} (worst residual {worst:.2f} of the gate{same})", True))
+        causes.append(Cause(h.name, f"{h.detail} (worst residual {worst:.2f} of the gate{same})", True,
+                            h.ulp_sized))
     kind = "logic"
     if groups:
         kind = groups[0][0][1].kind
@@ -272,16 +274,13 @@ def subsample(ctx: Context) -> tuple[Context, str]:
     return sub, f"simulated on {len(rows)} of {M} rows and {len(cols)} of {N} columns"
 
 
-# Confirmed bugs whose size is a few units in the last place of a scale (the fitted factors, a
-# per-row scale replaced by one value when the rows' scales are alike, rounded scales): on same-sign
-# data they coincide with a truncating accumulator's shrinkage. Only Hopper's fp8 accumulator (fp8
-# operands) is preferred to them: it is known to truncate like this (the H200's cuBLAS does); a bf16
-# or fp16 accumulator claimed for int8 or wider operands would be a guess.
-ACCUMULATOR_SIZED = ("output_off_by_constant_factor", "scale_replaced_by_constant", "scales_rounded")
-
-
 def _accumulator_sized(confirmed: list[Cause]) -> bool:
-    return all(c.name in ACCUMULATOR_SIZED for c in confirmed)
+    """Whether every confirmed bug is the size of a few ulps of a scale (Hyp.ulp_sized: the fitted
+    factors, a per-row scale replaced by one value when the rows' scales are alike, rounded scales):
+    on same-sign data they coincide with a truncating accumulator's shrinkage. Only Hopper's fp8
+    accumulator (fp8 operands) is preferred to them: it is known to truncate like this (the H200's
+    cuBLAS does); a bf16 or fp16 accumulator claimed for int8 or wider operands would be a guess."""
+    return all(c.ulp_sized for c in confirmed)
 
 
 def _accumulator_cause(ctx: Context) -> tuple[Cause | None, str | None]:

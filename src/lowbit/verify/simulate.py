@@ -29,6 +29,8 @@ class Hyp:
     mask: torch.Tensor | None = None
     kind: str = "logic"           # "numerical" for precision bugs (rounded inputs)
     general: bool = False         # a fitted family that contains more specific hypotheses
+    ulp_sized: bool = False       # a scale off by a few units in its last place: on same-sign data
+                                  # indistinguishable from a truncating accumulator's shrinkage
 
 
 def _q(t) -> bool:
@@ -73,12 +75,12 @@ class Sim:
         D = as_operand(qt, side).dequantized()
         return self.linear(X=D) if side == "x" else self.linear(W=D)
 
-    def hyp(self, name, detail, side, qt, kind="logic") -> Hyp | None:
+    def hyp(self, name, detail, side, qt, kind="logic", ulp_sized=False) -> Hyp | None:
         try:
             pred, gate = self.with_side(side, qt)
         except ValueError:          # e.g. a twin format decodes a code as NaN: not simulable here
             return None
-        return Hyp(name, detail, pred, gate, kind=kind)
+        return Hyp(name, detail, pred, gate, kind=kind, ulp_sized=ulp_sized)
 
 
 def _rescale(qt, scale: torch.Tensor):
