@@ -99,7 +99,7 @@ def sass_report() -> list[dict]:
            "R_OUT_stride": "i32", "Y": "*fp32", "CODES": "*i8", "SCALE": "*fp32", "SCALE_CODES": "*u8",
            "GSCALE": "*fp32", "GOUT": "*fp32", "AMAX": "*fp32", "K": "i32", "NGROUPS": "i32", "eps": "fp32"}
     base = dict(PRE=1, HAS_RES=False, STORE_Y=False, AMAX_ONLY=False, FMT=0, SCALE_KIND=0, E8M0_ROUND=0, QMAX=127.0,
-                EMAX=0, MBITS=0, HW_FP8=True, FAST_DIV=True, G_DIV=1.0, NG=1, G=4096, EVEN=True)
+                EMAX=0, MBITS=0, HW_FP8=True, FAST_DIV=True, G_DIV=1.0, NG=1, G=4096, EVEN=True, G_GIVEN=False)
     for name, extra in (("norm_int8 K=4096", {}), ("norm_fp8 K=4096", dict(FMT=1, QMAX=448.0)),
                         ("norm_res_int8 K=4096", dict(HAS_RES=True)), ("silu_int8 H=4096", dict(PRE=2)),
                         ("quant_mxfp8 K=4096", dict(PRE=0, FMT=1, QMAX=448.0, SCALE_KIND=1, EMAX=8, MBITS=3,
@@ -113,15 +113,29 @@ def sass_report() -> list[dict]:
     tsig = {"X": "*bf16", "X_stride": "i32", "W": "*bf16", "R": "*bf16", "R_stride": "i32", "R_OUT": "*bf16",
             "R_OUT_stride": "i32", "Y": "*fp32", "CODES": "*i8", "SCALE": "*fp32", "n_rows": "i32", "K": "i32",
             "eps": "fp32"}
-    tbase = dict(PRE=1, HAS_RES=False, STORE_Y=False, FMT=0, QMAX=127.0, HW_FP8=True, FAST_DIV=True, EVEN=True)
+    tbase = dict(PRE=1, HAS_RES=False, STORE_Y=False, FMT=0, QMAX=127.0, HW_FP8=True, FAST_DIV=True, EVEN=True,
+                 FULL=True)
     for name, K, extra in (("norm_int8", 4096, {}), ("norm_fp8", 4096, dict(FMT=1, QMAX=448.0)),
                            ("norm_int8", 8192, {}), ("norm_fp8", 8192, dict(FMT=1, QMAX=448.0)),
                            ("norm_res_int8", 4096, dict(HAS_RES=True))):
-        R, W = tile_config(K, 1)
-        n, smem = compile_count(fq._token_tile_kernel, tsig, {**tbase, **extra, "ROWS": R, "BLOCK": K}, ("eps",),
+        R, W, *P = tile_config(K, 1, fp8=extra.get("FMT") == 1)
+        nprog = 528 if P else 0  # persistent: 2 programs on each of the H200's 132 SMs (a constexpr)
+        n, smem = compile_count(fq._token_tile_kernel, tsig, {**tbase, **extra, "ROWS": R, "BLOCK": K,
+                                                              "NPROG": nprog // 2 if P else 0}, ("eps",), num_warps=W)
+        rows.append(dict(kernel="token_tile", variant=f"{name} K={K} ROWS={R} warps={W}" + (" persistent" if P else ""),
+                         sass_static=n, per_element=round(n / (R * K / (32 * W)), 1), shared=smem, **regs[0]))
+    # the group variant (MX / NVFP4) at the 8192 x 4096 benchmark's tile; per_element = static
+    # instructions / elements per thread (the rare subnormal-scale branch included)
+    gsig = dict(sig, CODES="*u8", INV="*fp32", n_rows="i32")
+    gbase = {**base, "PRE": 0, "FMT": 2, "SCALE_KIND": 1, "QMAX": 6.0, "EMAX": 2, "MBITS": 1, "NG": 128, "G": 32,
+             "PACK": False}
+    R, W = tile_config(4096, 0)
+    for name, extra in (("quant_mxfp4", {}), ("quant_mxfp4 packed", dict(PACK=True)), ("norm_mxfp4", dict(PRE=1)),
+                        ("quant_mxfp8", dict(FMT=1, QMAX=448.0, EMAX=8, MBITS=3))):
+        n, smem = compile_count(fq._group_tile_kernel, gsig, {**gbase, **extra, "ROWS": R}, ("eps", "NGROUPS"),
                                 num_warps=W)
-        rows.append(dict(kernel="token_tile", variant=f"{name} K={K} ROWS={R} warps={W}", sass_static=n,
-                         shared=smem, **regs[0]))
+        rows.append(dict(kernel="group_tile", variant=f"{name} K=4096 ROWS={R} warps={W}", sass_static=n,
+                         per_element=round(n / (R * 4096 / (32 * W)), 1), shared=smem, **regs[0]))
     sig = {"X": "*bf16", "W": "*u8", "S": "*fp32", "Z": "*i8", "SC": "*u8", "GS": "*fp32", "BIAS": "*fp32",
            "OUT": "*bf16", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32", "s_xm": "i32", "s_wn": "i32",
            "s_sn": "i32", "s_om": "i32"}
