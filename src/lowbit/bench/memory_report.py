@@ -23,7 +23,7 @@ def plot(rows: list[dict], path: str) -> None:
     for r in rows:
         n = r["name"]
         if (not r.get("ms") or not n.startswith("lowbit_") or n.startswith(("lowbit_w4a16", "lowbit_sparse"))
-                or "_tile_r" in n):  # the tile sweep stays in the JSON; the plot shows the heuristic tile
+                or "_tile_r" in n or "_tile_p" in n):  # the tile sweep stays in the JSON; the plot shows the heuristic tile
             continue
         label = n[len("lowbit_"):]
         base = label.removesuffix("_tile")  # the "tile" kernel's row has the "row" kernel's baselines
