@@ -86,39 +86,122 @@ def _advance(layer: torch.nn.Module, stream: list) -> None:
         stream[b] = next_block_inputs(layer, [stream[b]])[0]
 
 
-# Elements per float32 temporary while a weight is quantized (row chunks; see _rtn_chunked).
+# Elements per float32 temporary while a weight is quantized (row chunks; see _rtn_codes).
 _CHUNK = 1 << 22
 
 
-def _rtn_chunked(d, summary, linear: torch.nn.Linear, static) -> torch.nn.Module:
-    """quantize_layer's QuantLinear (round to nearest), with the weight quantized by chunks of
-    rows: per-row scales make that the same codes, and the device holds one chunk's float32
-    temporaries instead of three [N, K] ones (a per-tensor or two-level scheme is quantized whole)."""
-    from lowbit.nn.quant_linear import QuantLinear
-    from lowbit.nn.quantize_model import layer_act, quantize_layer
-    from lowbit.quantize import QTensor, quantize
+_FIELDS = ("codes", "scale", "zero_point", "scale_codes")
+
+
+def _rtn_rows(summary, d, w: torch.Tensor) -> bool:
+    """Whether `w` is quantized by row chunks (_rtn_codes): a per-row scheme (channel / group,
+    not two-level) and finite weights, checked by row chunks too (a whole-weight bool mask is
+    N x K bytes: 56 MiB for [14336, 4096]). Otherwise quantize_layer quantizes it whole."""
     r = summary.recipe_of(d)
-    w = linear.weight.detach()
     step = max(1, _CHUNK // w.shape[1])
-    # finite by row chunks too (a whole-weight bool mask is N x K bytes: 56 MiB for [14336, 4096])
-    if (r.weight.strategy not in ("channel", "group") or r.weight.two_level or
-            not bool(torch.stack([torch.isfinite(w[a:a + step]).all() for a in range(0, w.shape[0], step)]).all())):
-        return quantize_layer(d, summary, linear, static)    # its checks and messages
-    act, scale = layer_act(d, r, static)
-    fields = ("codes", "scale", "zero_point", "scale_codes")
+    return (r.weight.strategy in ("channel", "group") and not r.weight.two_level and
+            bool(torch.stack([torch.isfinite(w[a:a + step]).all() for a in range(0, w.shape[0], step)]).all()))
+
+
+def _rtn_codes(w: torch.Tensor, scheme) -> dict:
+    """The QTensor fields of quantize(w.float(), scheme, pad=True), computed by chunks of rows:
+    per-row scales make that the same codes, and the device holds one chunk's float32
+    temporaries instead of three [N, K] ones."""
+    from lowbit.quantize import quantize
+    step = max(1, _CHUNK // w.shape[1])
     full = None
     for a in range(0, w.shape[0], step):   # each chunk's results straight into the whole weight's
-        part = quantize(w[a:a + step].float(), r.weight, pad=True)
+        part = quantize(w[a:a + step].float(), scheme, pad=True)
         if full is None:
             full = {f: None if getattr(part, f) is None else
-                    getattr(part, f).new_empty((w.shape[0],) + tuple(getattr(part, f).shape[1:])) for f in fields}
-        for f in fields:
+                    getattr(part, f).new_empty((w.shape[0],) + tuple(getattr(part, f).shape[1:])) for f in _FIELDS}
+        for f in _FIELDS:
             if full[f] is not None:
                 full[f][a:a + step] = getattr(part, f)
         del part
-    qt = QTensor(full["codes"], full["scale"], full["zero_point"], r.weight, tuple(w.shape), full["scale_codes"], None)
+    return full
+
+
+def _rtn_linear(d, summary, linear: torch.nn.Linear, static, full: dict) -> torch.nn.Module:
+    """quantize_layer's QuantLinear (round to nearest) from the fields of _rtn_codes."""
+    from lowbit.nn.quant_linear import QuantLinear
+    from lowbit.nn.quantize_model import layer_act
+    from lowbit.quantize import QTensor
+    r = summary.recipe_of(d)
+    act, scale = layer_act(d, r, static)
+    qt = QTensor(full["codes"], full["scale"], full["zero_point"], r.weight, tuple(linear.weight.shape),
+                 full["scale_codes"], None)
     bias = None if linear.bias is None else linear.bias.detach().float()
     return QuantLinear(qt, r.weight, act, bias=bias, act_static_scale=scale)
+
+
+def _rtn_chunked(d, summary, linear: torch.nn.Linear, static) -> torch.nn.Module:
+    """quantize_layer's QuantLinear (round to nearest), by row chunks where the scheme allows."""
+    from lowbit.nn.quantize_model import quantize_layer
+    w = linear.weight.detach()
+    if not _rtn_rows(summary, d, w):
+        return quantize_layer(d, summary, linear, static)    # its checks and messages
+    return _rtn_linear(d, summary, linear, static, _rtn_codes(w, summary.recipe_of(d).weight))
+
+
+def _owners(sizes: list[int], world: int) -> list[int]:
+    """A rank for each job of cost sizes[j]: largest first to the least loaded rank, ties to the
+    highest rank (rank 0 also writes the checkpoint)."""
+    load, own = [0] * world, [0] * len(sizes)
+    for j in sorted(range(len(sizes)), key=lambda j: -sizes[j]):
+        r = min(range(world), key=lambda r: (load[r], -r))
+        own[j], load[r] = r, load[r] + sizes[j]
+    return own
+
+
+def _rtn_split(layer: torch.nn.Module, names: list[str], by_name: dict, summary, static, prefix: str) -> None:
+    """Round-to-nearest of the Linears `names` of `layer`, shared out over the ranks (_owners,
+    by weight size): each rank quantizes its share by row chunks and sends the fields to rank 0,
+    which alone puts QuantLinears into its layer (only rank 0 writes; nothing runs the quantized
+    layer). A weight that needs quantize_layer whole (_rtn_rows) is quantized on rank 0; every
+    rank decides that the same way (the weights are the same on every rank). A collective."""
+    import torch.distributed as dist
+    from lowbit.quantize import quantize
+    me = distributed.rank()
+    lins = {n: layer.get_submodule(n) for n in names}
+    rows = {n: _rtn_rows(summary, by_name[prefix + n], lins[n].weight.detach()) for n in names}
+    owner = dict(zip(names, _owners([lins[n].weight.numel() if rows[n] else 0 for n in names],
+                                    distributed.world_size())))
+    owner.update({n: 0 for n in names if not rows[n]})
+
+    def put(n, q):
+        parent, _, attr = n.rpartition(".")
+        setattr(layer.get_submodule(parent) if parent else layer, attr, q)
+
+    for n in names:                  # this rank's share
+        if owner[n] != me:
+            continue
+        d = by_name[prefix + n]
+        if not rows[n]:
+            put(n, _rtn_chunked(d, summary, lins[n], static))
+            continue
+        full = _rtn_codes(lins[n].weight.detach(), summary.recipe_of(d).weight)
+        if me == 0:
+            put(n, _rtn_linear(d, summary, lins[n], static, full))
+        else:
+            for f in _FIELDS:
+                if full[f] is not None:
+                    dist.send(full[f].contiguous(), dst=0)
+        del full
+    if me == 0:                      # the others' shares, in the same order as they were sent
+        for n in names:
+            if owner[n] == 0:
+                continue
+            d = by_name[prefix + n]
+            w = lins[n].weight.detach()
+            probe = quantize(w[:1].float(), summary.recipe_of(d).weight, pad=True)   # field dtypes / shapes
+            full = {}
+            for f in _FIELDS:
+                t = getattr(probe, f)
+                full[f] = None if t is None else t.new_empty((w.shape[0],) + tuple(t.shape[1:]))
+                if full[f] is not None:
+                    dist.recv(full[f], src=owner[n])
+            put(n, _rtn_linear(d, summary, lins[n], static, full))
 
 
 def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -365,18 +448,12 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                     if not last:
                         _advance(layer, streams["Q"])
                     lap("calibrate")
-                elif distributed.rank() == 0:
-                    # round to nearest: nothing runs the quantized layer, only rank 0 writes it
-                    lap("calibrate")
-                    by_name = {d.name: d for d in summary.quantized}
-                    for n in mine:
-                        q = _rtn_chunked(by_name[prefix + n], summary, layer.get_submodule(n), static)
-                        parent, _, attr = n.rpartition(".")
-                        setattr(layer.get_submodule(parent) if parent else layer, attr, q)
-                        del q            # the layer holds it (nothing keeps it past the layer)
-                    lap("quantize")
                 else:
+                    # round to nearest: each rank quantizes a share of the Linears and rank 0,
+                    # which alone writes, receives the codes (nothing runs the quantized layer)
                     lap("calibrate")
+                    _rtn_split(layer, mine, {d.name: d for d in summary.quantized}, summary, static, prefix)
+                    lap("quantize")
                 formats = {}
                 for n, m in layer.named_modules():
                     if isinstance(m, QuantLinear):
