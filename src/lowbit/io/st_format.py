@@ -285,6 +285,7 @@ class ShardedWriter:
                 if n <= 0:
                     raise CheckpointError(f"{src}: short read copying {name!r} ({nbytes - left} of {nbytes} bytes)")
                 left, at = left - n, at + n
+        self._data.seek(0, os.SEEK_END)   # the buffered file object's position after the kernel's writes
         self._record(name, dtype, shape, nbytes)
 
     def _record(self, name, dtype, shape, nbytes):

@@ -186,7 +186,7 @@ def _rtn_split(layer: torch.nn.Module, names: list[str], by_name: dict, summary,
         else:
             for f in _FIELDS:
                 if full[f] is not None:
-                    dist.send(full[f].contiguous(), dst=0)
+                    dist.send(full[f].contiguous().reshape(-1).view(torch.uint8), dst=0)   # raw bytes: any dtype
         del full
     if me == 0:                      # the others' shares, in the same order as they were sent
         for n in names:
@@ -200,7 +200,7 @@ def _rtn_split(layer: torch.nn.Module, names: list[str], by_name: dict, summary,
                 t = getattr(probe, f)
                 full[f] = None if t is None else t.new_empty((w.shape[0],) + tuple(t.shape[1:]))
                 if full[f] is not None:
-                    dist.recv(full[f], src=owner[n])
+                    dist.recv(full[f].reshape(-1).view(torch.uint8), src=owner[n])
             put(n, _rtn_linear(d, summary, lins[n], static, full))
 
 

@@ -39,19 +39,31 @@ def stop(device, base: int | None, top: int = 12) -> dict | None:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+def _short(f) -> str:
+    fn = f.get("filename", "?")
+    for root in ("lowbit", "transformers"):
+        if f"/{root}/" in fn:
+            fn = f"{root}/" + fn.split(f"/{root}/")[-1]
+            break
+    else:
+        fn = fn.rsplit("/", 1)[-1]
+    return f"{fn}:{f.get('line')} {f.get('name')}"
+
+
 def _where(frames) -> str:
-    """The innermost frame in lowbit or transformers code ('file:line function'), else the
-    innermost frame."""
+    """Where a block was allocated: the innermost frame in lowbit or transformers code (frames
+    come innermost first), and when that is transformers, also the innermost lowbit frame
+    that led there ('transformers/...:12 forward < lowbit/nn/layerwise.py:88 run')."""
     frames = frames or []
-    for f in frames:
-        fn = f.get("filename", "")
-        if "/lowbit/" in fn or "/transformers/" in fn:
-            tail = fn.split("/lowbit/")[-1] if "/lowbit/" in fn else "transformers/" + fn.split("/transformers/")[-1]
-            return f"{tail}:{f.get('line')} {f.get('name')}"
-    if frames:
-        f = frames[0]
-        return f"{f.get('filename', '?').rsplit('/', 1)[-1]}:{f.get('line')} {f.get('name')}"
-    return "?"
+    mine = [f for f in frames if "/lowbit/" in f.get("filename", "") or "/transformers/" in f.get("filename", "")]
+    if not mine:
+        return _short(frames[0]) if frames else "?"
+    out = _short(mine[0])
+    if "/transformers/" in mine[0].get("filename", ""):
+        low = [f for f in mine if "/lowbit/" in f.get("filename", "")]
+        if low:
+            out += " < " + _short(low[0])
+    return out
 
 
 def summarize(trace: list[dict], base: int, top: int = 12) -> dict:
@@ -85,9 +97,15 @@ def summarize(trace: list[dict], base: int, top: int = 12) -> dict:
         s = by.setdefault(where, [0, 0])
         s[0] += size
         s[1] += 1
+    biggest = sorted(live.items(), key=lambda kv: -kv[1][0])[:3]
+    stacks = {}
+    for e in trace[:at + 1]:          # the full stacks of the three largest live blocks
+        if e.get("action") == "alloc" and e["addr"] in dict(biggest) and e["addr"] not in stacks:
+            stacks[e["addr"]] = [_short(f) for f in (e.get("frames") or [])[:12]]
     rows = [{"where": w, "bytes": b, "blocks": n} for w, (b, n) in by.items()]
     rows.sort(key=lambda r: -r["bytes"])
     rows = rows[:top]
     rows.append({"where": "allocated before the trace began, still alive", "bytes": before, "blocks": None})
     return {"peak_bytes": peak, "allocated_at_start": base, "peak_entry": at, "entries": len(trace),
-            "live_at_peak": rows}
+            "live_at_peak": rows,
+            "largest_blocks": [{"bytes": size, "stack": stacks.get(addr, [])} for addr, (size, _) in biggest]}
