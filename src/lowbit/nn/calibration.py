@@ -9,6 +9,7 @@ run time every input is divided by that fixed s and saturated: values beyond s *
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Iterable
 
 import torch
@@ -63,13 +64,19 @@ def calibrate_act_absmax(model: torch.nn.Module, batches: Iterable, names: Itera
     wanted = None if names is None else set(names)
     stats: dict[str, torch.Tensor] = {}
     hooks = []
+    last = [None, None]      # (weak reference to the last input seen, its maximum)
 
     def make(name):
         def hook(mod, args):
-            # |x| and its maximum are exact in x's own dtype, and so is the cast of the maximum:
-            # no float32 copy of a [tokens, K] input (the layer-by-layer path's peak memory)
-            x = args[0].detach()
-            m = (x.abs().reshape(-1, x.shape[-1]).amax(dim=0) if per_channel else x.abs().amax()).float()
+            # Linears fed the same tensor (q/k/v, gate/up) share its maximum: computed once
+            if last[0] is not None and last[0]() is args[0]:
+                m = last[1]
+            else:
+                # |x| and its maximum are exact in x's own dtype, and so is the cast of the
+                # maximum: no float32 copy of a [tokens, K] input (the layer-by-layer peak memory)
+                x = args[0].detach()
+                m = (x.abs().reshape(-1, x.shape[-1]).amax(dim=0) if per_channel else x.abs().amax()).float()
+                last[0], last[1] = weakref.ref(args[0]), m
             stats[name] = m if name not in stats else torch.maximum(stats[name], m)
         return hook
 

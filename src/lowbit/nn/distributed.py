@@ -141,6 +141,9 @@ def broadcast_(t: torch.Tensor, src: int) -> None:
     if not active():
         return
     import torch.distributed as dist
+    if t.is_contiguous() and t.device == _comm_device():
+        dist.broadcast(t, src)       # in place: no staging copy
+        return
     t.copy_(_collective(t, lambda b: dist.broadcast(b, src)))
 
 

@@ -156,23 +156,28 @@ def _owners(sizes: list[int], world: int) -> list[int]:
 
 def _rtn_split(layer: torch.nn.Module, names: list[str], by_name: dict, summary, static, prefix: str) -> None:
     """Round-to-nearest of the Linears `names` of `layer`, shared out over the ranks (_owners,
-    by weight size): each rank quantizes its share by row chunks and sends the fields to rank 0,
-    which alone puts QuantLinears into its layer (only rank 0 writes; nothing runs the quantized
-    layer). A weight that needs quantize_layer whole (_rtn_rows) is quantized on rank 0; every
-    rank decides that the same way (the weights are the same on every rank). A collective."""
-    import torch.distributed as dist
+    by weight size): each rank quantizes its share by row chunks, then each share's fields are
+    broadcast from their owner (the process group's own communicator; for 2 ranks that is a send
+    to rank 0), and rank 0 alone puts QuantLinears into its layer (only rank 0 writes; nothing
+    runs the quantized layer). Ranks > 0 drop a Linear's float weight once it is quantized or
+    sent for (their layer is not used again). A weight that needs quantize_layer whole
+    (_rtn_rows) is quantized on rank 0; every rank decides that the same way (the weights are the
+    same on every rank). A collective."""
     from lowbit.quantize import quantize
-    me = distributed.rank()
+    me, world = distributed.rank(), distributed.world_size()
     lins = {n: layer.get_submodule(n) for n in names}
     rows = {n: _rtn_rows(summary, by_name[prefix + n], lins[n].weight.detach()) for n in names}
-    owner = dict(zip(names, _owners([lins[n].weight.numel() if rows[n] else 0 for n in names],
-                                    distributed.world_size())))
+    owner = dict(zip(names, _owners([lins[n].weight.numel() if rows[n] else 0 for n in names], world)))
     owner.update({n: 0 for n in names if not rows[n]})
 
     def put(n, q):
         parent, _, attr = n.rpartition(".")
         setattr(layer.get_submodule(parent) if parent else layer, attr, q)
 
+    def drop(n):                     # ranks > 0: the float weight is not needed any more
+        lins[n].weight.data = lins[n].weight.data.new_empty(0)
+
+    kept = {}
     for n in names:                  # this rank's share
         if owner[n] != me:
             continue
@@ -184,24 +189,29 @@ def _rtn_split(layer: torch.nn.Module, names: list[str], by_name: dict, summary,
         if me == 0:
             put(n, _rtn_linear(d, summary, lins[n], static, full))
         else:
-            for f in _FIELDS:
-                if full[f] is not None:
-                    dist.send(full[f].contiguous().reshape(-1).view(torch.uint8), dst=0)   # raw bytes: any dtype
+            kept[n] = full
+            drop(n)
         del full
-    if me == 0:                      # the others' shares, in the same order as they were sent
-        for n in names:
-            if owner[n] == 0:
-                continue
-            d = by_name[prefix + n]
+    for n in names:                  # the shares of ranks > 0, in the same order on every rank
+        if owner[n] == 0:
+            continue
+        d = by_name[prefix + n]
+        if owner[n] == me:
+            full = kept.pop(n)
+        else:                        # field dtypes and shapes from one row (per-row schemes)
             w = lins[n].weight.detach()
-            probe = quantize(w[:1].float(), summary.recipe_of(d).weight, pad=True)   # field dtypes / shapes
-            full = {}
-            for f in _FIELDS:
-                t = getattr(probe, f)
-                full[f] = None if t is None else t.new_empty((w.shape[0],) + tuple(t.shape[1:]))
-                if full[f] is not None:
-                    dist.recv(full[f].reshape(-1).view(torch.uint8), src=owner[n])
+            probe = quantize(w[:1].float(), summary.recipe_of(d).weight, pad=True)
+            full = {f: None if getattr(probe, f) is None else
+                    getattr(probe, f).new_empty((w.shape[0],) + tuple(getattr(probe, f).shape[1:])) for f in _FIELDS}
+            del probe
+        for f in _FIELDS:
+            if full[f] is not None:   # raw bytes: any dtype
+                distributed.broadcast_(full[f].reshape(-1).view(torch.uint8), src=owner[n])
+        if me == 0:
             put(n, _rtn_linear(d, summary, lins[n], static, full))
+        elif owner[n] != me:
+            drop(n)
+        del full
 
 
 def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
