@@ -1,12 +1,12 @@
 """Layer-by-layer calibration and quantization of a decoder checkpoint that need not fit in memory.
 
-The model is built on the meta device (no memory) from config.json; only the embedding is
-loaded to compute the first decoder layer's inputs on the calibration batches, and then freed.
+The model is built on the meta device (no memory) from config.json; only the embedding rows
+of the calibration tokens are read, to compute the first decoder layer's inputs, and then freed.
 Each decoder layer is then, in turn: loaded from its (sharded) safetensors checkpoint onto the
-device, calibrated on the cached activations, quantized, written to the output checkpoint,
-and freed; its outputs become the next layer's inputs. The embedding, the final norm and
-lm_head are copied from the input shards to the output one tensor at a time, never loaded
-onto the device.
+device (lowbit.nn.layer_loader), calibrated on the cached activations, quantized, written to
+the output checkpoint, and freed; its outputs become the next layer's inputs. The embedding,
+the final norm and lm_head are copied from the input shards to the output file to file, never
+loaded onto the device.
 
 It computes what the whole-model path computes (smooth_model -> calibrate_static_scales ->
 quantize_model RTN or GPTQ on the loaded model), bit for bit, by carrying one activation stream
@@ -18,15 +18,18 @@ per kind of statistic:
 Only the streams a recipe needs are kept. tests/test_layerwise.py checks the equality.
 
 Peak device memory (measured in the result, stated in docs/distributed.md):
-  one decoder layer's weights in the compute dtype (quantized Linears replace them one by one)
+  one decoder layer's weights in the compute dtype (allocated once, in that dtype, and filled in
+    place; quantized Linears replace them one by one)
   + the streams' activations: streams x tokens x hidden x dtype bytes (each stream advances in
     place, one batch at a time; + one group's Linear inputs, tokens x K, while GPTQ calibrates)
   + one batch's forward temporaries and one 4M-element chunk's quantization temporaries
   + for GPTQ: the Hessians and their factors, about 6 x K^2 x 8 bytes for the largest K.
 Reading the next layer (host) and writing the last one (host) run in two threads meanwhile.
-The embedding is read on the host (its rows gathered there, exactly) and never reaches the device.
-Under torch.distributed each rank holds its share of the tokens, all ranks load each layer, the
-statistics are reduced (lowbit.nn.distributed) and rank 0 writes.
+Under torch.distributed each rank holds its share of the tokens and reads its share of every
+layer (the pieces are broadcast: layer_loader), the statistics are reduced (lowbit.nn.distributed;
+one collective per statistic kind and layer), each rank quantizes a share of the Linears
+(round to nearest: the codes go to rank 0; GPTQ: rows of every weight, every rank gets all)
+and rank 0 writes.
 
 Llama-family models from transformers (LlamaForCausalLM and the models sharing its layout:
 model.embed_tokens, model.layers[i], model.norm, lm_head).
@@ -36,7 +39,6 @@ from __future__ import annotations
 import copy
 import os
 import resource
-import threading
 import time
 from pathlib import Path
 
