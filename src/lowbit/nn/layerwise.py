@@ -351,34 +351,56 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                                 header_reserve=-(-256 * 6 * len(ckpt.files) // 8) * 8)
                   if tmp is not None else None)
         lap("setup")
-        emb = inner.embed_tokens
-        inner.rotary_emb = type(inner.rotary_emb)(config=config).to(device)
-        if calib and all(isinstance(b, torch.Tensor) and not b.is_floating_point() for b in calib):
-            # Only the calibration tokens' rows of the embedding are read (ranged reads, on the
-            # host); the ids are renumbered into that small table (an exact row gather either way)
-            ids = torch.cat([b.reshape(-1) for b in calib]).to(torch.int64)
-            rows, inv = torch.unique(ids, sorted=True, return_inverse=True)
-            table = layer_loader.read_rows(ckpt, "model.embed_tokens.weight", rows)
-            emb.weight = torch.nn.Parameter(table.to(dtype), requires_grad=False)
-            batches, at = [], 0
-            for b in calib:
-                batches.append(inv[at:at + b.numel()].reshape(b.shape))
-                at += b.numel()
-        else:                        # kwargs batches: the whole table, on the host
-            emb.weight = torch.nn.Parameter(ckpt.get("model.embed_tokens.weight").to(dtype), requires_grad=False)
-            batches = calib
-        to_dev = emb.register_forward_hook(lambda mod, args, out: out.to(device))
+        # the first layer's share is read (reader thread) while the first inputs are computed
+        io = ThreadPoolExecutor(max_workers=1), ThreadPoolExecutor(max_workers=1)
+        chunks = ThreadPoolExecutor(max_workers=layer_loader.READ_THREADS)
+        pin = cuda
+        pin_for = device if pin else None
+
+        def fetch(i):                # reader thread: this rank's share of layer i, on the host
+            pieces = layer_loader.plan(blist[i], f"{bname}.{i}.", ckpt, world)
+            host, secs = layer_loader.read_pieces(pieces, ckpt, dtype, chunks, pin_for)
+            busy["read"] += secs
+            return pieces, host
+
+        def write(ts):
+            t0 = time.time()
+            for n, t in ts:
+                writer.add(n, t)
+            busy["write"] += time.time() - t0
+
         try:
-            first = capture_block_inputs(model, blist[0], batches) if batches else []
-        finally:
-            to_dev.remove()
-        emb.to("meta")               # freed: only the first inputs need it
-        del batches
+            nxt = io[0].submit(fetch, 0)
+            emb = inner.embed_tokens
+            inner.rotary_emb = type(inner.rotary_emb)(config=config).to(device)
+            if calib and all(isinstance(b, torch.Tensor) and not b.is_floating_point() for b in calib):
+                # Only the calibration tokens' rows of the embedding are read (ranged reads, on the
+                # host); the ids are renumbered into that small table (an exact row gather either way)
+                ids = torch.cat([b.reshape(-1) for b in calib]).to(torch.int64)
+                rows, inv = torch.unique(ids, sorted=True, return_inverse=True)
+                table = layer_loader.read_rows(ckpt, "model.embed_tokens.weight", rows)
+                emb.weight = torch.nn.Parameter(table.to(dtype), requires_grad=False)
+                batches, at = [], 0
+                for b in calib:
+                    batches.append(inv[at:at + b.numel()].reshape(b.shape))
+                    at += b.numel()
+            else:                        # kwargs batches: the whole table, on the host
+                emb.weight = torch.nn.Parameter(ckpt.get("model.embed_tokens.weight").to(dtype), requires_grad=False)
+                batches = calib
+            to_dev = emb.register_forward_hook(lambda mod, args, out: out.to(device))
+            try:
+                first = capture_block_inputs(model, blist[0], batches) if batches else []
+            finally:
+                to_dev.remove()
+            emb.to("meta")               # freed: only the first inputs need it
+            del batches
+        except BaseException:
+            for ex in (*io, chunks):
+                ex.shutdown(wait=True)
+            raise
         # Reading layer i + 1 from the shards (host) overlaps layer i's work, and writing layer
         # i's tensors (host) overlaps layer i + 1's: one reader and one writer thread, each
         # working in order, so the files are the same bytes.
-        io = ThreadPoolExecutor(max_workers=1), ThreadPoolExecutor(max_workers=1)
-        chunks = ThreadPoolExecutor(max_workers=layer_loader.READ_THREADS)
         written = None
         if writer is not None:       # the tensors outside the layers, streamed (never on the device)
             def copy_rest():
@@ -406,22 +428,6 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
             bar = tqdm(total=len(blist), desc=f"layer by layer {r.name}", unit="layer")
         lap("first_inputs")
 
-        pin = cuda
-        pin_for = device if pin else None
-
-        def fetch(i):                # reader thread: this rank's share of layer i, on the host
-            pieces = layer_loader.plan(blist[i], f"{bname}.{i}.", ckpt, world)
-            host, secs = layer_loader.read_pieces(pieces, ckpt, dtype, chunks, pin_for)
-            busy["read"] += secs
-            return pieces, host
-
-        def write(ts):
-            t0 = time.time()
-            for n, t in ts:
-                writer.add(n, t)
-            busy["write"] += time.time() - t0
-
-        nxt = io[0].submit(fetch, 0)
         try:
             for i in range(len(blist)):
                 t0 = time.time()
