@@ -128,6 +128,8 @@ def run(a) -> None:
     elif a.device == "cuda":
         dev = "cuda:0"
     torch.manual_seed(0)
+    if a.terms_on_host:
+        D.TERMS_ON_HOST = True
     if dev == "cpu":
         torch.set_num_threads(a.threads)
     cfg = json.loads((Path(a.ckpt) / "config.json").read_text())
@@ -139,11 +141,12 @@ def run(a) -> None:
         import torch.distributed as dist
         dist.barrier()
     t0 = time.time()
-    res = quantize_layerwise(a.ckpt, a.out, a.recipe, mine, device=dev, dtype=DTYPES[a.dtype], overwrite=True, **opts)
+    res = quantize_layerwise(a.ckpt, a.out, a.recipe, mine, device=dev, dtype=DTYPES[a.dtype], overwrite=True,
+                             memory_trace_layer=a.memory_trace_layer, **opts)
     wall = time.time() - t0
     res.update(wall_s=wall, rank=D.rank(), device=str(dev), batches=len(mine), tokens=sum(b.numel() for b in mine),
                gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-               batch_shape=[a.batch, a.seq_len], world=D.world_size())
+               batch_shape=[a.batch, a.seq_len], world=D.world_size(), terms_on_host=a.terms_on_host)
     res.pop("quantized", None)
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(f"{a.json}.rank{D.rank()}.json").write_text(json.dumps(res, indent=1))
@@ -153,7 +156,17 @@ def run(a) -> None:
           f"{res['activation_bytes'] / 2**30:.3f} GiB; phases "
           + ", ".join(f"{k} {v:.1f} s" for k, v in res["phase_seconds"].items())
           + ("; GPTQ " + ", ".join(f"{k} {v:.1f} s" for k, v in res["gptq_phase_seconds"].items())
-             + f"; block kernel {res['gptq_block_kernel']}" if "gptq_phase_seconds" in res else ""), flush=True)
+             + f"; block kernel {res['gptq_block_kernel']}" if "gptq_phase_seconds" in res else "")
+          + "; threads " + ", ".join(f"{k} {v:.1f} s" for k, v in res["thread_seconds"].items())
+          + ("; peak GiB by phase " + ", ".join(f"{k} {v['peak'] / 2**30:.2f} (layer {v['layer']})"
+                                               for k, v in res["phase_peak_bytes"].items())
+             if "phase_peak_bytes" in res else ""), flush=True)
+    tr = res.get("memory_trace")
+    if tr:
+        print(f"rank {D.rank()}/{D.world_size()} memory trace of layer {tr.get('layer')}: "
+              + (tr["error"] if "error" in tr else
+                 f"peak {tr['peak_bytes'] / 2**30:.3f} GiB; alive then: "
+                 + "; ".join(f"{x['where']} {x['bytes'] / 2**20:.0f} MiB" for x in tr["live_at_peak"][:8])), flush=True)
     if D.active():
         import torch.distributed as dist
         dist.destroy_process_group()
@@ -213,6 +226,10 @@ def main(argv=None) -> int:
     r.add_argument("--dtype", choices=DTYPES, default="bf16")
     r.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     r.add_argument("--threads", type=int, default=1, help="torch CPU threads per process (CPU runs)")
+    r.add_argument("--memory-trace-layer", type=int, default=None,
+                   help="CUDA: record the allocator's trace over this layer and name what is alive at its peak")
+    r.add_argument("--terms-on-host", action="store_true",
+                   help="ranks > 0 keep their Hessian terms in host memory (lowbit.nn.distributed.TERMS_ON_HOST)")
     c = sub.add_parser("compare")
     c.add_argument("a")
     c.add_argument("b")

@@ -72,12 +72,25 @@ gptq=(run --ckpt "$work/ckpt_gptq" --recipe w4a16 --method gptq --batches "$G_BA
 step gptq_1 100 "${py[@]}" "${gptq[@]}" --out "$work/gptq_1" --json "$work/json/gptq_1" || true
 step gptq_2 100 "${dist[@]}" "${gptq[@]}" --out "$work/gptq_2" --json "$work/json/gptq_2" || true
 step gptq_compare 40 "${py[@]}" compare "$work/gptq_1" "$work/gptq_2" --json "$work/json/gptq_compare.json" || true
-rm -rf "$work/gptq_1" "$work/gptq_2" "$work/ckpt_gptq"
+rm -rf "$work/gptq_2"
 
 sq=(run --ckpt "$work/ckpt" --recipe w8a8-int8 --method rtn --smoothquant 0.5 --static --batches "$S_BATCHES" --batch "$S_BATCH" --seq-len "$S_SEQ" "${base[@]}")
 step sq_1 100 "${py[@]}" "${sq[@]}" --out "$work/sq_1" --json "$work/json/sq_1" || true
 step sq_2 100 "${dist[@]}" "${sq[@]}" --out "$work/sq_2" --json "$work/json/sq_2" || true
 step sq_compare 60 "${py[@]}" compare "$work/sq_1" "$work/sq_2" --json "$work/json/sq_compare.json" || true
+rm -rf "$work/sq_1" "$work/sq_2"
+# Diagnostics after the measured runs (the first to be skipped when the deadline is near):
+# GPTQ on 2 GPUs with rank 1's Hessian terms parked in host memory (its peak and its Hessian
+# seconds against gptq_2's; checkpoint still the 1-GPU one), and the allocator's trace of one
+# SmoothQuant layer on 1 and on 2 GPUs (what is alive at the peak; slower, so not timed above).
+step gptq_host_2 100 "${dist[@]}" "${gptq[@]}" --terms-on-host --out "$work/gptq_host_2" --json "$work/json/gptq_host_2" || true
+step gptq_host_compare 40 "${py[@]}" compare "$work/gptq_1" "$work/gptq_host_2" --json "$work/json/gptq_host_compare.json" || true
+rm -rf "$work/gptq_1" "$work/gptq_host_2"
+trace_layer=$(( GPTQ_LAYERS > 2 ? 2 : GPTQ_LAYERS - 1 ))
+sqt=(run --ckpt "$work/ckpt_gptq" --recipe w8a8-int8 --method rtn --smoothquant 0.5 --static --batches "$S_BATCHES" --batch "$S_BATCH" --seq-len "$S_SEQ" "${base[@]}" --memory-trace-layer "$trace_layer")
+step sq_trace_1 60 "${py[@]}" "${sqt[@]}" --out "$work/sq_trace_1" --json "$work/json/sq_trace_1" || true
+step sq_trace_2 60 "${dist[@]}" "${sqt[@]}" --out "$work/sq_trace_2" --json "$work/json/sq_trace_2" || true
+rm -rf "$work/sq_trace_1" "$work/sq_trace_2" "$work/ckpt_gptq"
 echo "steps took $(( $(date +%s) - T0 )) s" | tee -a "$steps"
 
 "$PY" - "$out" "$work" "$NPROC" "$LAYERS" "$GPTQ_LAYERS" <<'PY' 2>&1 | tee "$out/table_distributed.md"
@@ -95,6 +108,18 @@ peak = lambda r: r.get("peak_device_bytes", r["peak_rss_over_start_bytes"])
 over = lambda r: peak(r) / (r["layer_bytes"] + r["activation_bytes"])   # this rank's own activations
 fmt = lambda v, f: "-" if v is None else format(v, f)
 gib = lambda b: "-" if b is None else f"{b / 2**30:.2f}"
+def rank_line(key, rr):
+    s = (f"  {key} world {rr.get('world', '?')} rank {rr['rank']}: phases "
+         + ", ".join(f"{k} {v:.1f}" for k, v in rr["phase_seconds"].items())
+         + ("; GPTQ " + ", ".join(f"{k} {v:.1f}" for k, v in rr["gptq_phase_seconds"].items())
+            + f"; block kernel: {rr['gptq_block_kernel']}" if "gptq_phase_seconds" in rr else "")
+         + "; threads " + ", ".join(f"{k} {v:.1f}" for k, v in rr.get("thread_seconds", {}).items()) + " (s)")
+    pp = rr.get("phase_peak_bytes")
+    if pp:
+        top = max(pp, key=lambda k: pp[k]["peak"])
+        s += ("; peak GiB by phase " + ", ".join(f"{k} {gib(v['peak'])}" for k, v in pp.items())
+              + f" (highest: {top}, layer {pp[top]['layer']}, {gib(pp[top]['allocated_at_start'])} allocated as it began)")
+    return s
 res = {"nproc": nproc, "steps": (work / "steps.txt").read_text().splitlines(),
        "machine": [l for l in (out / "distributed_steps.log").read_text().split("=====")[1].splitlines()[1:] if l]}
 rows, lines = [], []
@@ -127,11 +152,27 @@ for key, label, nl in (("gptq", "GPTQ W4A16 (g128)", glayers), ("sq", "SmoothQua
                  f"{fmt(on, '.2f')} per GPU on {nproc} (target <= 1.3: {verdict(mem, 1.3)}); "
                  f"{nproc}-GPU checkpoint byte-identical to the 1-GPU one: {ident}")
     for rr in one[:1] + many:
-        lines.append(f"  {key} world {rr.get('world', '?')} rank {rr['rank']}: phases "
-                     + ", ".join(f"{k} {v:.1f}" for k, v in rr["phase_seconds"].items())
-                     + ("; GPTQ " + ", ".join(f"{k} {v:.1f}" for k, v in rr["gptq_phase_seconds"].items())
-                        + f"; block kernel: {rr['gptq_block_kernel']}" if "gptq_phase_seconds" in rr else "")
-                     + " (s)")
+        lines.append(rank_line(key, rr))
+# diagnostics: GPTQ with rank 1's Hessian terms in host memory; the allocator traces
+host = ranks("gptq_host_2")
+if host:
+    c = cmp("gptq_host_compare.json")
+    res["gptq_terms_on_host"] = {"ranks": host, "compare": c}
+    lines.append(f"GPTQ, {nproc} GPUs, Hessian terms of ranks > 0 in host memory: wall {max(r['wall_s'] for r in host):.1f} s, "
+                 f"peak/GPU {gib(max(map(peak, host)))} GiB (peak / (layer + act) {max(map(over, host)):.2f}); "
+                 f"byte-identical to the 1-GPU checkpoint: {None if c is None else c['identical']}")
+    lines += [rank_line("gptq_host", rr) for rr in host]
+for p in ("sq_trace_1", "sq_trace_2"):
+    for rr in ranks(p):
+        res.setdefault("memory_traces", {})[f"{p}.rank{rr['rank']}"] = rr.get("memory_trace")
+        tr = rr.get("memory_trace")
+        if not tr:
+            continue
+        lines.append(f"memory trace {p} rank {rr['rank']} layer {tr.get('layer')}: " + (
+            tr["error"] if "error" in tr else
+            f"peak {gib(tr['peak_bytes'])} GiB = {tr['peak_bytes'] / (rr['layer_bytes'] + rr['activation_bytes']):.2f} x "
+            f"(layer + act); alive then: " + "; ".join(f"{x['where']} {x['bytes'] / 2**20:.0f} MiB"
+                                                       for x in tr["live_at_peak"][:8])))
 (out / "distributed.json").write_text(json.dumps(res, indent=1))
 print(f"| run | layers | 1 GPU s | {nproc} GPUs s | ratio | s/layer 1 / {nproc} (ratio) | peak/GPU GiB 1 / {nproc} "
       f"| layer + activations GiB (1 / {nproc}) | peak / (layer + act) 1 / {nproc} | checkpoint identical |")

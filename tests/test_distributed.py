@@ -68,6 +68,14 @@ def _pipeline(model, batches, out: Path | None) -> dict:
     return {"tokens": sites.tokens, **{r.name: [r.act_db, r.weight_db, r.out_db, r.block_db] for r in sites.rows}}
 
 
+def _layerwise(src: Path, batches, out: Path) -> None:
+    """Layer by layer from the sharded float checkpoint: SmoothQuant + static scales + W8A8 RTN
+    (under torch.distributed: each rank reads a share of every layer, which the ranks exchange,
+    quantizes a share of the Linears and sends rank 0 the codes; rank 0 writes)."""
+    from lowbit.nn.layerwise import quantize_layerwise
+    quantize_layerwise(src, out, "w8a8-int8", batches, smoothquant=0.5, static_scales=True)
+
+
 def _worker(rank: int, tmp: str, seed: int):
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD)
     try:
@@ -79,6 +87,7 @@ def _worker(rank: int, tmp: str, seed: int):
         total = acc.total((300,))
         model, batches = _setup(seed)
         sites = _pipeline(model, shard(batches), Path(tmp) / "dist" if rank == 0 else None)
+        _layerwise(Path(tmp) / "float", shard(batches), Path(tmp) / "dist" / "layerwise")
         if rank == 0:
             (Path(tmp) / "sites.json").write_text(json.dumps(sites))
             (Path(tmp) / "ordered_sum.f64").write_bytes(total.numpy().tobytes())
@@ -101,13 +110,16 @@ def test_two_gloo_ranks_write_the_single_process_checkpoints(seed, tmp_path, mon
     torch.set_num_threads(1)
     try:
         model, batches = _setup(seed)
+        # several shards, so that a rank's share of a layer spans files
+        model.save_pretrained(tmp_path / "float", max_shard_size="40KB")
         sites = _pipeline(model, batches, tmp_path / "single")
+        _layerwise(tmp_path / "float", batches, tmp_path / "single" / "layerwise")
     finally:
         torch.set_num_threads(threads)
     # fork: the ranks start with transformers already imported (spawn would spend ~10 s per rank
     # importing it on a loaded 2-core CI machine); they compute with 1 thread, no OpenMP pool.
     mp.start_processes(_worker, args=(str(tmp_path), seed), nprocs=WORLD, join=True, start_method="fork")
-    for run in ("smoothquant-static", "gptq", "awq"):
+    for run in ("smoothquant-static", "gptq", "awq", "layerwise"):
         differ = _same_dirs(tmp_path / "single" / run, tmp_path / "dist" / run)
         assert not differ, f"{run}: files {differ} differ between 1 process and {WORLD} ranks"
     terms = _terms(seed)

@@ -106,3 +106,29 @@ def test_cli_sequential(rng, tmp_path, capsys, monkeypatch):
     assert not torch.equal(ck.tensors["model.layers.0.input_layernorm.weight"], orig.detach())
     rc = main(["quantize", "--model", str(d), "--sequential", "--awq", "--out", str(tmp_path / "x")])
     assert rc == 2 and "--awq" in capsys.readouterr().err
+
+
+def test_layer_is_allocated_in_the_compute_dtype(rng, tmp_path, monkeypatch):
+    """The meta model is float32 whatever config.json says; a layer allocated from it before the
+    cast held the layer in float32 (2x a bf16 layer: the 2-GPU run's memory excess)."""
+    from lowbit.nn.layerwise import quantize_layerwise
+    d, batches = _sharded(rng, tmp_path)
+    seen, to_empty = set(), torch.nn.Module.to_empty
+
+    def spy(self, *, device, recurse=True):
+        seen.update(p.dtype for p in self.parameters())
+        return to_empty(self, device=device, recurse=recurse)
+    monkeypatch.setattr(torch.nn.Module, "to_empty", spy)
+    res = quantize_layerwise(d, tmp_path / "q", "w8a8-int8", batches, smoothquant=0.5, static_scales=True,
+                             dtype=torch.bfloat16)
+    assert seen == {torch.bfloat16}
+    assert res["layer_bytes"] == sum(p.numel() * 2 for p in _layer_params(d))
+    assert set(res["phase_seconds"]) >= {"setup", "first_inputs", "load", "calibrate", "quantize", "write", "finish"}
+    # the phases are consecutive intervals from the start to the last boundary, and "seconds" is
+    # read just after it: they add up to the wall time (up to the clock reads between them)
+    assert abs(sum(res["phase_seconds"].values()) - res["seconds"]) < 0.05
+
+
+def _layer_params(d):
+    from transformers import LlamaForCausalLM
+    return list(LlamaForCausalLM.from_pretrained(d, dtype=torch.float32).model.layers[0].parameters())

@@ -37,14 +37,33 @@ def random_tensors(rng):
     }
 
 
-def test_writer_output_read_by_safetensors(rng, tmp_path):
+# header_reserve: 0 (compact headers), 64 (too small for these headers: the copy fallback),
+# 16 KiB (every header written in place, padded with spaces)
+@pytest.mark.parametrize("reserve", [0, 64, 1 << 14])
+def test_writer_output_read_by_safetensors(rng, tmp_path, reserve):
     ts = random_tensors(rng)
-    w = ShardedWriter(tmp_path, max_shard_bytes=4096)
+    # one tensor copied file to file (add_from_file), from a safetensors library file
+    src = tmp_path / "src.safetensors"
+    save_file({"pad": torch.randn(3, generator=rng), "z.copied": torch.randn(41, 7, generator=rng)}, src)
+    out = tmp_path / "out"
+    out.mkdir()
+    w = ShardedWriter(out, max_shard_bytes=4096, header_reserve=reserve)
     for k, v in ts.items():
         w.add(k, v)
+    with TensorReader(src) as r:
+        ts["z.copied"] = r.get("z.copied")
+        w.add_from_file("z.copied", torch.float32, [41, 7], src, r.span("z.copied")[0])
+    ts["z.after"] = torch.randn(5, generator=rng)      # a buffered write after the kernel's copy
+    w.add("z.after", ts["z.after"])
     names = w.finish()
     assert len(names) > 1 and names[0] == f"model-00001-of-{len(names):05d}.safetensors"
-    assert not [f for f in os.listdir(tmp_path) if f.startswith(".")]  # data files cleaned up
+    assert not [f for f in os.listdir(out) if f.startswith(".")]  # data files cleaned up
+    sizes = [int.from_bytes((out / n).read_bytes()[:8], "little") for n in names]
+    if reserve == 1 << 14:
+        assert sizes == [reserve] * len(names)          # in place
+    elif reserve == 64:
+        assert all(n > 64 for n in sizes)               # none fitted: copied behind a compact header
+    tmp_path = out
     where = checkpoint_files(tmp_path)
     assert set(where) == set(ts)
     for k, v in ts.items():

@@ -159,6 +159,12 @@ class TensorReader:
         dtype, shape, _, _ = self.entries[name]
         return dtype, list(shape)
 
+    def span(self, name: str) -> tuple[int, int]:
+        """[begin, end): absolute byte offsets of the tensor's data in the file (for ranged reads)."""
+        if name not in self.entries:
+            raise KeyError(f"{self.path} has no tensor {name!r}")
+        return self.entries[name][2], self.entries[name][3]
+
     def get(self, name: str) -> torch.Tensor:
         if name not in self.entries:
             raise KeyError(f"{self.path} has no tensor {name!r}")
@@ -206,9 +212,16 @@ class ShardedWriter:
     """
 
     def __init__(self, directory: str | os.PathLike, max_shard_bytes: int = 5 << 30,
-                 metadata: dict[str, str] | None = None):
+                 metadata: dict[str, str] | None = None, header_reserve: int = 0):
         if max_shard_bytes <= 0:
             raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        if header_reserve < 0 or header_reserve % 8:
+            raise ValueError(f"header_reserve={header_reserve}: give a non-negative multiple of 8 bytes")
+        # header_reserve > 0: each shard file starts with that many bytes kept for its header, so
+        # that finish() writes the header in place (padded with spaces, which the format allows)
+        # instead of copying every byte of the shard behind a header; a header that does not
+        # fit falls back to the copy. 0: the compact files of before (no padding).
+        self.header_reserve = int(header_reserve)
         self.dir = os.fspath(directory)
         self.max_shard_bytes = int(max_shard_bytes)
         self.metadata = {"format": "pt", **(metadata or {})}
@@ -222,6 +235,8 @@ class ShardedWriter:
     def _open(self):
         path = os.path.join(self.dir, f".shard{len(self._shards):05d}.data")
         self._data = open(path, "wb")
+        if self.header_reserve:
+            self._data.write(b"\0" * (8 + self.header_reserve))
         self._header, self._offset = {}, 0
         self._shards.append((path, self._header))
 
@@ -236,7 +251,45 @@ class ShardedWriter:
             self._open()
         if nbytes:
             self._data.write(_tensor_bytes(tensor))
-        self._header[name] = {"dtype": TAGS[tensor.dtype], "shape": list(tensor.shape),
+        self._record(name, tensor.dtype, tensor.shape, nbytes)
+
+    def add_from_file(self, name: str, dtype: torch.dtype, shape, src: str | os.PathLike, begin: int):
+        """Append a tensor whose raw bytes are those of file `src` from offset `begin` (e.g. an
+        input checkpoint's tensor, TensorReader.span), copied by the kernel (os.copy_file_range
+        where available): the bytes never pass through Python memory."""
+        if name in self._names:
+            raise ValueError(f"tensor name {name!r} written twice")
+        if dtype not in TAGS:
+            raise TypeError(f"tensor {name!r}: dtype {dtype} has no safetensors encoding")
+        nbytes = _nbytes(dtype, shape)
+        if self._data is None or (self._offset and self._offset + nbytes > self.max_shard_bytes):
+            self._close_data()
+            self._open()
+        self._data.flush()
+        with open(src, "rb") as f:
+            left, at = nbytes, begin
+            fast = hasattr(os, "copy_file_range")
+            while left:
+                n = 0
+                if fast:
+                    try:
+                        n = os.copy_file_range(f.fileno(), self._data.fileno(), min(left, 1 << 30), at)
+                    except OSError:
+                        fast = False       # e.g. across filesystems on old kernels: plain copy
+                if not fast:
+                    f.seek(at)
+                    chunk = f.read(min(left, _COPY_CHUNK))
+                    self._data.write(chunk)
+                    self._data.flush()
+                    n = len(chunk)
+                if n <= 0:
+                    raise CheckpointError(f"{src}: short read copying {name!r} ({nbytes - left} of {nbytes} bytes)")
+                left, at = left - n, at + n
+        self._data.seek(0, os.SEEK_END)   # the buffered file object's position after the kernel's writes
+        self._record(name, dtype, shape, nbytes)
+
+    def _record(self, name, dtype, shape, nbytes):
+        self._header[name] = {"dtype": TAGS[dtype], "shape": list(shape),
                               "data_offsets": [self._offset, self._offset + nbytes]}
         self._offset += nbytes
         self.total_bytes += nbytes
@@ -258,11 +311,21 @@ class ShardedWriter:
         for (data_path, header), fname in zip(self._shards, names):
             blob = json.dumps({"__metadata__": self.metadata, **header}, separators=(",", ":")).encode()
             blob += b" " * (-len(blob) % 8)  # the spec allows space padding; aligns the data
-            with open(os.path.join(self.dir, fname), "wb") as out, open(data_path, "rb") as src:
-                out.write(struct.pack("<Q", len(blob)))
-                out.write(blob)
-                shutil.copyfileobj(src, out, _COPY_CHUNK)
-            os.remove(data_path)
+            if self.header_reserve and len(blob) <= self.header_reserve:
+                # the header in the space kept for it: the data bytes are not copied
+                blob += b" " * (self.header_reserve - len(blob))
+                with open(data_path, "r+b") as out:
+                    out.write(struct.pack("<Q", len(blob)))
+                    out.write(blob)
+                os.replace(data_path, os.path.join(self.dir, fname))
+            else:
+                with open(os.path.join(self.dir, fname), "wb") as out, open(data_path, "rb") as src:
+                    out.write(struct.pack("<Q", len(blob)))
+                    out.write(blob)
+                    if self.header_reserve:      # it did not fit: skip the kept space
+                        src.seek(8 + self.header_reserve)
+                    shutil.copyfileobj(src, out, _COPY_CHUNK)
+                os.remove(data_path)
             weight_map.update({k: fname for k in header})
         if n > 1:
             index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}

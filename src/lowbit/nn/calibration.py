@@ -9,6 +9,7 @@ run time every input is divided by that fixed s and saturated: values beyond s *
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Iterable
 
 import torch
@@ -52,21 +53,30 @@ def quantize_static(x2d: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor)
 
 @torch.no_grad()
 def calibrate_act_absmax(model: torch.nn.Module, batches: Iterable, names: Iterable[str] | None = None,
-                         per_channel: bool = False, progress=None) -> dict[str, torch.Tensor]:
+                         per_channel: bool = False, progress=None, run=None) -> dict[str, torch.Tensor]:
     """Largest |input| seen by each nn.Linear (or those in `names`) over `batches`.
     per_channel=False: a 0-d float32 tensor per layer; True: float32 [in_features] (SmoothQuant).
-    `batches`: iterable of input-id tensors [B, T] or dicts of model kwargs. Under
-    torch.distributed: this rank's share of the batches; the result is all ranks' maximum."""
+    `batches`: iterable of input-id tensors [B, T] or dicts of model kwargs. run: callable(model,
+    batch) that runs one item of `batches` (default model(**b) / model(b)); the layer-by-layer
+    path passes one that also keeps the output, so one forward gives the maxima and the next
+    inputs. Under torch.distributed: this rank's share of the batches; the result is all ranks'
+    maximum, reduced in ONE collective over a flat buffer of every Linear's statistic."""
     wanted = None if names is None else set(names)
     stats: dict[str, torch.Tensor] = {}
     hooks = []
+    last = [None, None]      # (weak reference to the last input seen, its maximum)
 
     def make(name):
         def hook(mod, args):
-            # |x| and its maximum are exact in x's own dtype, and so is the cast of the maximum:
-            # no float32 copy of a [tokens, K] input (the layer-by-layer path's peak memory)
-            x = args[0].detach()
-            m = (x.abs().reshape(-1, x.shape[-1]).amax(dim=0) if per_channel else x.abs().amax()).float()
+            # Linears fed the same tensor (q/k/v, gate/up) share its maximum: computed once
+            if last[0] is not None and last[0]() is args[0]:
+                m = last[1]
+            else:
+                # |x| and its maximum are exact in x's own dtype, and so is the cast of the
+                # maximum: no float32 copy of a [tokens, K] input (the layer-by-layer peak memory)
+                x = args[0].detach()
+                m = (x.abs().reshape(-1, x.shape[-1]).amax(dim=0) if per_channel else x.abs().amax()).float()
+                last[0], last[1] = weakref.ref(args[0]), m
             stats[name] = m if name not in stats else torch.maximum(stats[name], m)
         return hook
 
@@ -75,21 +85,29 @@ def calibrate_act_absmax(model: torch.nn.Module, batches: Iterable, names: Itera
             hooks.append(mod.register_forward_pre_hook(make(name)))
     if not hooks:
         raise ValueError("calibration found no nn.Linear layers to observe (names matched nothing?)")
+    if run is None:
+        def run(m, b):
+            return m(**b) if isinstance(b, dict) else m(b)
     try:
         for b in (progress(batches) if progress else batches):
-            model(**b) if isinstance(b, dict) else model(b)
+            run(model, b)
     finally:
         for h in hooks:
             h.remove()
     if distributed.active():
-        # All ranks' maxima (exact: MAX is order-free). A layer this rank's batches never reached
-        # contributes 0, the identity of a maximum of magnitudes.
+        # All ranks' maxima (exact: MAX is order-free), every Linear's in one flat buffer (one
+        # collective per call, not one per Linear: each is a synchronization of all ranks). A
+        # layer this rank's batches never reached contributes 0, the identity of a maximum of
+        # magnitudes.
         mods = dict(model.named_modules())
-        for name in sorted(n for n, m in mods.items() if isinstance(m, torch.nn.Linear)
-                           and (wanted is None or n in wanted)):
-            dev = mods[name].weight.device
-            zero = torch.zeros(mods[name].in_features if per_channel else (), dtype=torch.float32, device=dev)
-            stats[name] = distributed.all_max(stats.get(name, zero))
+        order = sorted(n for n, m in mods.items() if isinstance(m, torch.nn.Linear) and (wanted is None or n in wanted))
+        dev = mods[order[0]].weight.device
+        sizes = [mods[n].in_features if per_channel else 1 for n in order]
+        flat = torch.cat([stats[n].reshape(-1).to(dev) if n in stats else
+                          torch.zeros(k, dtype=torch.float32, device=dev) for n, k in zip(order, sizes)])
+        flat = distributed.all_max(flat)
+        for n, part in zip(order, torch.split(flat, sizes)):
+            stats[n] = part if per_channel else part.reshape(())
     return stats
 
 

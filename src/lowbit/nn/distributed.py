@@ -141,7 +141,28 @@ def broadcast_(t: torch.Tensor, src: int) -> None:
     if not active():
         return
     import torch.distributed as dist
+    if t.is_contiguous() and t.device == _comm_device():
+        dist.broadcast(t, src)       # in place: no staging copy
+        return
     t.copy_(_collective(t, lambda b: dist.broadcast(b, src)))
+
+
+# Ranks > 0 keep their terms until the running sum reaches them ([K, K] float64 each: 1.6 GB for
+# K = 14336, times their batches). True: those terms wait in (page-locked) host memory and go
+# back to the device one at a time when the chain reaches them; the same additions in the same
+# order (bit-identical), at the price of copying every term out and back (PCIe: ~0.1 s per
+# 1.6 GB term each way), so off by default. Rank 0 never keeps terms: its terms come first in
+# the chain, so it adds them as they come, exactly as one process does.
+TERMS_ON_HOST = False
+
+
+def _park(term: torch.Tensor) -> torch.Tensor:
+    """A host copy of a device tensor (page-locked, copied in stream order) to free its memory."""
+    if term.device.type != "cuda":
+        return term
+    buf = torch.empty(term.shape, dtype=term.dtype, pin_memory=True)
+    buf.copy_(term, non_blocking=True)
+    return buf
 
 
 class OrderedSum:
@@ -149,23 +170,32 @@ class OrderedSum:
 
     add(term): one batch's term (float64, any shape, on any device). total(): the sum over all
     ranks' terms in batch order, computed as 0 + P_0 + P_1 + ... exactly as one process does it
-    (module docstring). Single process: a running sum (nothing is kept). total() is a
-    collective: every rank must call it, in the same order as the other ranks' calls."""
+    (module docstring). One process, and rank 0 (whose terms start the chain): a running sum
+    (nothing is kept). Ranks > 0 keep their terms until the chain reaches them, on the device or,
+    with TERMS_ON_HOST, in host memory. total() is a collective: every rank must call it, in the
+    same order as the other ranks' calls."""
 
-    def __init__(self):
+    def __init__(self, terms_on_host: bool | None = None):
         self._dist = active()
+        self._running = not self._dist or rank() == 0
+        self._host = self._dist and (TERMS_ON_HOST if terms_on_host is None else terms_on_host)
         self._terms: list[torch.Tensor] = []
         self._sum: torch.Tensor | None = None
+        self._count = 0
+        self._device = None
 
     def add(self, term: torch.Tensor) -> None:
         if term.dtype != torch.float64:
             raise TypeError(f"OrderedSum term is {term.dtype}: calibration sums are float64")
-        if self._dist:
-            self._terms.append(term)
-        else:
+        self._count += 1
+        if self._device is None:
+            self._device = term.device
+        if self._running:
             if self._sum is None:
                 self._sum = torch.zeros_like(term)
             self._sum += term
+        else:
+            self._terms.append(_park(term) if self._host else term)
 
     def total(self, shape, device=None) -> torch.Tensor | None:
         """The sum (float64 `shape`, on `device` or the terms' device), or None when no rank had
@@ -175,18 +205,22 @@ class OrderedSum:
         import torch.distributed as dist
         r, w = dist.get_rank(), dist.get_world_size()
         dev = _comm_device()
-        out_dev = device if device is not None else (self._terms[0].device if self._terms else dev)
+        out_dev = device if device is not None else (self._device if self._device is not None else dev)
         # how many terms each rank holds (to know whether anyone had one)
-        have = all_count(len(self._terms))
+        have = all_count(self._count)
         if have == 0:
             return None
-        run = torch.zeros(tuple(shape), dtype=torch.float64, device=dev)
-        if r > 0:
+        if r == 0:
+            run = (self._sum.to(dev) if self._sum is not None else
+                   torch.zeros(tuple(shape), dtype=torch.float64, device=dev))
+            self._sum = None
+        else:
+            run = torch.zeros(tuple(shape), dtype=torch.float64, device=dev)
             dist.recv(run, src=r - 1)
-        for t in self._terms:
-            run += t.to(dev)
+            while self._terms:       # in batch order, each freed once added
+                run += self._terms.pop(0).to(dev)
         if r < w - 1:
             dist.send(run, dst=r + 1)
         dist.broadcast(run, src=w - 1)
-        self._terms.clear()
+        self._count = 0
         return run.to(out_dev)

@@ -1,12 +1,12 @@
 """Layer-by-layer calibration and quantization of a decoder checkpoint that need not fit in memory.
 
-The model is built on the meta device (no memory) from config.json; only the embedding is
-loaded to compute the first decoder layer's inputs on the calibration batches, and then freed.
+The model is built on the meta device (no memory) from config.json; only the embedding rows
+of the calibration tokens are read, to compute the first decoder layer's inputs, and then freed.
 Each decoder layer is then, in turn: loaded from its (sharded) safetensors checkpoint onto the
-device, calibrated on the cached activations, quantized, written to the output checkpoint,
-and freed; its outputs become the next layer's inputs. The embedding, the final norm and
-lm_head are copied from the input shards to the output one tensor at a time, never loaded
-onto the device.
+device (lowbit.nn.layer_loader), calibrated on the cached activations, quantized, written to
+the output checkpoint, and freed; its outputs become the next layer's inputs. The embedding,
+the final norm and lm_head are copied from the input shards to the output file to file, never
+loaded onto the device.
 
 It computes what the whole-model path computes (smooth_model -> calibrate_static_scales ->
 quantize_model RTN or GPTQ on the loaded model), bit for bit, by carrying one activation stream
@@ -18,15 +18,18 @@ per kind of statistic:
 Only the streams a recipe needs are kept. tests/test_layerwise.py checks the equality.
 
 Peak device memory (measured in the result, stated in docs/distributed.md):
-  one decoder layer's weights in the compute dtype (quantized Linears replace them one by one)
+  one decoder layer's weights in the compute dtype (allocated once, in that dtype, and filled in
+    place; quantized Linears replace them one by one)
   + the streams' activations: streams x tokens x hidden x dtype bytes (each stream advances in
     place, one batch at a time; + one group's Linear inputs, tokens x K, while GPTQ calibrates)
   + one batch's forward temporaries and one 4M-element chunk's quantization temporaries
   + for GPTQ: the Hessians and their factors, about 6 x K^2 x 8 bytes for the largest K.
 Reading the next layer (host) and writing the last one (host) run in two threads meanwhile.
-The embedding is read on the host (its rows gathered there, exactly) and never reaches the device.
-Under torch.distributed each rank holds its share of the tokens, all ranks load each layer, the
-statistics are reduced (lowbit.nn.distributed) and rank 0 writes.
+Under torch.distributed each rank holds its share of the tokens and reads its share of every
+layer (the pieces are broadcast: layer_loader), the statistics are reduced (lowbit.nn.distributed;
+one collective per statistic kind and layer), each rank quantizes a share of the Linears
+(round to nearest: the codes go to rank 0; GPTQ: rows of every weight, every rank gets all)
+and rank 0 writes.
 
 Llama-family models from transformers (LlamaForCausalLM and the models sharing its layout:
 model.embed_tokens, model.layers[i], model.norm, lm_head).
@@ -36,7 +39,6 @@ from __future__ import annotations
 import copy
 import os
 import resource
-import threading
 import time
 from pathlib import Path
 
@@ -64,28 +66,18 @@ def _stream_bytes(inputs) -> int:
                for a, k in inputs)
 
 
-class _Checkpoint:
-    """Tensors of a (sharded) safetensors checkpoint by name, each read on demand."""
+def _observe(layer: torch.nn.Module, stream: list, names: list[str], per_channel: bool, advance: bool) -> dict:
+    """calibrate_act_absmax of `names` over the stream, and (advance) the stream moved on to the
+    layer's outputs in the same forward passes: one pass per batch gives both (the hooks only
+    read), the outputs are those _advance computes, each batch replaced as soon as it is done."""
+    from lowbit.nn.calibration import calibrate_act_absmax
+    from lowbit.nn.sequential import as_kwargs, next_block_inputs
+    if not advance:
+        return calibrate_act_absmax(layer, as_kwargs(stream), names=names, per_channel=per_channel)
 
-    def __init__(self, in_dir: Path):
-        from lowbit.io.st_format import checkpoint_files
-        self.files = checkpoint_files(in_dir)   # validates every header first
-        self._readers = {}
-        self._lock = threading.Lock()           # the reader and the writer thread both read
-
-    def get(self, name: str) -> torch.Tensor:
-        from lowbit.io.st_format import CheckpointError, TensorReader
-        if name not in self.files:
-            raise CheckpointError(f"the checkpoint has no tensor {name!r}, which config.json's model needs")
-        path = self.files[name]
-        with self._lock:
-            if path not in self._readers:
-                self._readers[path] = TensorReader(path)
-            return self._readers[path].get(name)
-
-    def close(self):
-        for r in self._readers.values():
-            r.close()
+    def run(m, b):
+        stream[b] = next_block_inputs(m, [stream[b]])[0]
+    return calibrate_act_absmax(layer, range(len(stream)), names=names, per_channel=per_channel, run=run)
 
 
 def _advance(layer: torch.nn.Module, stream: list) -> None:
@@ -96,48 +88,132 @@ def _advance(layer: torch.nn.Module, stream: list) -> None:
         stream[b] = next_block_inputs(layer, [stream[b]])[0]
 
 
-# Elements per float32 temporary while a weight is quantized (row chunks; see _rtn_chunked).
+# Elements per float32 temporary while a weight is quantized (row chunks; see _rtn_codes).
 _CHUNK = 1 << 22
 
 
-def _rtn_chunked(d, summary, linear: torch.nn.Linear, static) -> torch.nn.Module:
-    """quantize_layer's QuantLinear (round to nearest), with the weight quantized by chunks of
-    rows: per-row scales make that the same codes, and the device holds one chunk's float32
-    temporaries instead of three [N, K] ones (a per-tensor or two-level scheme is quantized whole)."""
-    from lowbit.nn.quant_linear import QuantLinear
-    from lowbit.nn.quantize_model import layer_act, quantize_layer
-    from lowbit.quantize import QTensor, quantize
+_FIELDS = ("codes", "scale", "zero_point", "scale_codes")
+
+
+def _rtn_rows(summary, d, w: torch.Tensor) -> bool:
+    """Whether `w` is quantized by row chunks (_rtn_codes): a per-row scheme (channel / group,
+    not two-level) and finite weights, checked by row chunks too (a whole-weight bool mask is
+    N x K bytes: 56 MiB for [14336, 4096]). Otherwise quantize_layer quantizes it whole."""
     r = summary.recipe_of(d)
-    w = linear.weight.detach()
-    if r.weight.strategy not in ("channel", "group") or r.weight.two_level or not torch.isfinite(w).all():
-        return quantize_layer(d, summary, linear, static)    # its checks and messages
-    act, scale = layer_act(d, r, static)
     step = max(1, _CHUNK // w.shape[1])
-    fields = ("codes", "scale", "zero_point", "scale_codes")
+    return (r.weight.strategy in ("channel", "group") and not r.weight.two_level and
+            bool(torch.stack([torch.isfinite(w[a:a + step]).all() for a in range(0, w.shape[0], step)]).all()))
+
+
+def _rtn_codes(w: torch.Tensor, scheme) -> dict:
+    """The QTensor fields of quantize(w.float(), scheme, pad=True), computed by chunks of rows:
+    per-row scales make that the same codes, and the device holds one chunk's float32
+    temporaries instead of three [N, K] ones."""
+    from lowbit.quantize import quantize
+    step = max(1, _CHUNK // w.shape[1])
     full = None
     for a in range(0, w.shape[0], step):   # each chunk's results straight into the whole weight's
-        part = quantize(w[a:a + step].float(), r.weight, pad=True)
+        part = quantize(w[a:a + step].float(), scheme, pad=True)
         if full is None:
             full = {f: None if getattr(part, f) is None else
-                    getattr(part, f).new_empty((w.shape[0],) + tuple(getattr(part, f).shape[1:])) for f in fields}
-        for f in fields:
+                    getattr(part, f).new_empty((w.shape[0],) + tuple(getattr(part, f).shape[1:])) for f in _FIELDS}
+        for f in _FIELDS:
             if full[f] is not None:
                 full[f][a:a + step] = getattr(part, f)
         del part
-    qt = QTensor(full["codes"], full["scale"], full["zero_point"], r.weight, tuple(w.shape), full["scale_codes"], None)
+    return full
+
+
+def _rtn_linear(d, summary, linear: torch.nn.Linear, static, full: dict) -> torch.nn.Module:
+    """quantize_layer's QuantLinear (round to nearest) from the fields of _rtn_codes."""
+    from lowbit.nn.quant_linear import QuantLinear
+    from lowbit.nn.quantize_model import layer_act
+    from lowbit.quantize import QTensor
+    r = summary.recipe_of(d)
+    act, scale = layer_act(d, r, static)
+    qt = QTensor(full["codes"], full["scale"], full["zero_point"], r.weight, tuple(linear.weight.shape),
+                 full["scale_codes"], None)
     bias = None if linear.bias is None else linear.bias.detach().float()
     return QuantLinear(qt, r.weight, act, bias=bias, act_static_scale=scale)
 
 
-def _read(module: torch.nn.Module, prefix: str, ckpt: _Checkpoint, pin_for=None) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors of `module`'s parameters, on the host, by parameter name; pin_for:
-    a CUDA device, for which they are put in page-locked memory (its copies then run at full
-    speed; done in the reader thread, which must first select that device, or CUDA would start
-    a context on GPU 0 for it)."""
-    if pin_for is not None:
-        torch.cuda.set_device(pin_for)
-    return {k: ckpt.get(prefix + k).pin_memory() if pin_for is not None else ckpt.get(prefix + k)
-            for k, _ in module.named_parameters()}
+def _rtn_chunked(d, summary, linear: torch.nn.Linear, static) -> torch.nn.Module:
+    """quantize_layer's QuantLinear (round to nearest), by row chunks where the scheme allows."""
+    from lowbit.nn.quantize_model import quantize_layer
+    w = linear.weight.detach()
+    if not _rtn_rows(summary, d, w):
+        return quantize_layer(d, summary, linear, static)    # its checks and messages
+    return _rtn_linear(d, summary, linear, static, _rtn_codes(w, summary.recipe_of(d).weight))
+
+
+def _owners(sizes: list[int], world: int) -> list[int]:
+    """A rank for each job of cost sizes[j]: largest first to the least loaded rank, ties to the
+    highest rank (rank 0 also writes the checkpoint)."""
+    load, own = [0] * world, [0] * len(sizes)
+    for j in sorted(range(len(sizes)), key=lambda j: -sizes[j]):
+        r = min(range(world), key=lambda r: (load[r], -r))
+        own[j], load[r] = r, load[r] + sizes[j]
+    return own
+
+
+def _rtn_split(layer: torch.nn.Module, names: list[str], by_name: dict, summary, static, prefix: str) -> None:
+    """Round-to-nearest of the Linears `names` of `layer`, shared out over the ranks (_owners,
+    by weight size): each rank quantizes its share by row chunks, then each share's fields are
+    broadcast from their owner (the process group's own communicator; for 2 ranks that is a send
+    to rank 0), and rank 0 alone puts QuantLinears into its layer (only rank 0 writes; nothing
+    runs the quantized layer). Ranks > 0 drop a Linear's float weight once it is quantized or
+    sent for (their layer is not used again). A weight that needs quantize_layer whole
+    (_rtn_rows) is quantized on rank 0; every rank decides that the same way (the weights are the
+    same on every rank). A collective."""
+    from lowbit.quantize import quantize
+    me, world = distributed.rank(), distributed.world_size()
+    lins = {n: layer.get_submodule(n) for n in names}
+    rows = {n: _rtn_rows(summary, by_name[prefix + n], lins[n].weight.detach()) for n in names}
+    owner = dict(zip(names, _owners([lins[n].weight.numel() if rows[n] else 0 for n in names], world)))
+    owner.update({n: 0 for n in names if not rows[n]})
+
+    def put(n, q):
+        parent, _, attr = n.rpartition(".")
+        setattr(layer.get_submodule(parent) if parent else layer, attr, q)
+
+    def drop(n):                     # ranks > 0: the float weight is not needed any more
+        lins[n].weight.data = lins[n].weight.data.new_empty(0)
+
+    kept = {}
+    for n in names:                  # this rank's share
+        if owner[n] != me:
+            continue
+        d = by_name[prefix + n]
+        if not rows[n]:
+            put(n, _rtn_chunked(d, summary, lins[n], static))
+            continue
+        full = _rtn_codes(lins[n].weight.detach(), summary.recipe_of(d).weight)
+        if me == 0:
+            put(n, _rtn_linear(d, summary, lins[n], static, full))
+        else:
+            kept[n] = full
+            drop(n)
+        del full
+    for n in names:                  # the shares of ranks > 0, in the same order on every rank
+        if owner[n] == 0:
+            continue
+        d = by_name[prefix + n]
+        if owner[n] == me:
+            full = kept.pop(n)
+        else:                        # field dtypes and shapes from one row (per-row schemes)
+            w = lins[n].weight.detach()
+            probe = quantize(w[:1].float(), summary.recipe_of(d).weight, pad=True)
+            full = {f: None if getattr(probe, f) is None else
+                    getattr(probe, f).new_empty((w.shape[0],) + tuple(getattr(probe, f).shape[1:])) for f in _FIELDS}
+            del probe
+        for f in _FIELDS:
+            if full[f] is not None:   # raw bytes: any dtype
+                distributed.broadcast_(full[f].reshape(-1).view(torch.uint8), src=owner[n])
+        if me == 0:
+            put(n, _rtn_linear(d, summary, lins[n], static, full))
+        elif owner[n] != me:
+            drop(n)
+        del full
 
 
 def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -149,25 +225,12 @@ def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
     return buf
 
 
-def _materialize(module: torch.nn.Module, prefix: str, ckpt: _Checkpoint, device, dtype, tensors=None) -> None:
-    """Allocate a meta module on `device` and fill every parameter from the checkpoint (cast to
-    dtype); tensors: the parameters already read (_read), else they are read here."""
-    module.to_empty(device=device)
-    tensors = _read(module, prefix, ckpt) if tensors is None else tensors
-    with torch.no_grad():
-        for k, p in module.named_parameters():
-            t = tensors.pop(k)
-            if tuple(t.shape) != tuple(p.shape):
-                raise ValueError(f"{prefix + k}: checkpoint shape {tuple(t.shape)}, config.json's model {tuple(p.shape)}")
-            p.data = t.to(device=device, dtype=dtype)
-
-
 @torch.no_grad()
 def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | None, recipe, calib, *,
                        method: str = "rtn", smoothquant: float | None = None, static_scales: bool = False,
                        ignore=None, device="cpu", dtype: torch.dtype = torch.float32, overwrite: bool = False,
                        max_shard_bytes: int | None = None, method_options: dict | None = None,
-                       progress: bool = False) -> dict:
+                       progress: bool = False, memory_trace_layer: int | None = None) -> dict:
     """Quantize the Llama-family checkpoint in `in_dir` one decoder layer at a time and write a
     compressed-tensors checkpoint to `out_dir` (rank 0 only under torch.distributed; None writes
     nothing, e.g. to measure).
@@ -176,21 +239,28 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     "gptq" (gptq_model's options in method_options). smoothquant: alpha or None. static_scales:
     calibrated per-tensor activation scales (W8A8 recipes). device / dtype: where and in which
     dtype the layers run (float32 on the CPU reproduces the whole-model path of `lowbit quantize`).
-    Returns a summary: quantized / kept layers, seconds per layer, peak memory (RSS bytes over
-    the start, CUDA max_memory_allocated), one layer's bytes and the activation bytes."""
+    memory_trace_layer: on CUDA, record the allocator's trace over that layer and name the
+    blocks alive at its peak (lowbit.nn.memtrace; result["memory_trace"]).
+    Returns a summary: quantized / kept layers, seconds per layer, seconds per phase (setup,
+    first_inputs, load, calibrate, quantize, write, finish, barrier: they add up to the wall
+    time), peak memory (RSS bytes over the start; on CUDA max_memory_allocated overall and per
+    phase, with the layer where each phase peaked and what was allocated when it began), one
+    layer's bytes and the activation bytes."""
     import transformers
+    from concurrent.futures import ThreadPoolExecutor
     from lowbit.io import ct_layout as L
     from lowbit.io.compressed_tensors import (DEFAULT_SHARD_BYTES, atomic_dir, build_quantization_config,
                                               config_dict, describe_qlayer, module_tensors, read_json,
                                               write_metadata)
     from lowbit.io.sharded import copy_side_files, k_multiple
     from lowbit.io.st_format import ShardedWriter
-    from lowbit.nn.calibration import calibrate_act_absmax, scale_from_absmax, static_scheme
+    from lowbit.nn import layer_loader, memtrace
+    from lowbit.nn.calibration import scale_from_absmax, static_scheme
     from lowbit.nn.gptq import gptq_handler
     from lowbit.nn.quant_linear import QuantLinear
     from lowbit.nn.quantize_model import plan
     from lowbit.nn.recipes import get_recipe
-    from lowbit.nn.sequential import as_kwargs, capture_block_inputs, run_stage
+    from lowbit.nn.sequential import capture_block_inputs, run_stage
     from lowbit.nn.smoothquant import fold_from_stats, fold_groups
 
     t_start = time.time()
@@ -198,11 +268,32 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # the memory-stat calls need an index
         device = torch.device("cuda", torch.cuda.current_device())
-    if device.type == "cuda":
+    cuda = device.type == "cuda"
+    if cuda:
         # the caching allocator starts lazily: before its first allocation, reset_peak_memory_stats
         # raises "Invalid device argument" (the H200 1-GPU runs; under torchrun NCCL had allocated)
         torch.empty(1, device=device)
         torch.cuda.reset_peak_memory_stats(device)
+    # Seconds of every phase, each ended by lap(): together they are the whole call. On CUDA
+    # also each phase's peak of allocated bytes (the peak counter is reset at every boundary).
+    phases = {k: 0.0 for k in ("setup", "first_inputs", "load", "calibrate", "quantize", "write", "finish", "barrier")}
+    mem: dict[str, dict] = {}
+    clock, at_start, where, overall = [t_start], [torch.cuda.memory_allocated(device) if cuda else 0], [None], [0]
+
+    def lap(phase):      # the device's queue drained at each boundary
+        if cuda:
+            torch.cuda.synchronize(device)
+            pk = torch.cuda.max_memory_allocated(device)
+            rec = mem.setdefault(phase, {"peak": -1})
+            if pk > rec["peak"]:
+                rec.update(peak=pk, layer=where[0], allocated_at_start=at_start[0])
+            overall[0] = max(overall[0], pk)
+            torch.cuda.reset_peak_memory_stats(device)
+            at_start[0] = torch.cuda.memory_allocated(device)
+        now = time.time()
+        phases[phase] += now - clock[0]
+        clock[0] = now
+
     r = get_recipe(recipe)
     if method not in ("rtn", "gptq"):
         raise ValueError(f"method={method!r}; choose 'rtn' or 'gptq'")
@@ -244,39 +335,84 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     L.scheme_to_args(r.weight)          # unsupported schemes fail before anything is read
     if r.act is not None:
         L.scheme_to_args(static_scheme(r.act) if static_scales else r.act)
-    ckpt = _Checkpoint(in_dir)
+    ckpt = layer_loader.Checkpoint(in_dir)
     own = {n for n in ckpt.files if n.startswith(bname + ".")}
+    world = distributed.world_size()
     result = {"recipe": r.name, "method": method, "layers": len(blist), "seconds_per_layer": [],
               "quantized": [d.name for d in summary.quantized], "kept": [d.name for d in summary.skipped],
-              "world_size": distributed.world_size()}
+              "world_size": world, "phase_seconds": phases}
     writer_rank = distributed.rank() == 0 and out_dir is not None
+    busy = result["thread_seconds"] = {"read": 0.0, "copy_rest": 0.0, "write": 0.0}
 
     def run(tmp: Path | None):
-        writer = ShardedWriter(tmp, max_shard_bytes or DEFAULT_SHARD_BYTES) if tmp is not None else None
-        # The embedding stays on the host: its rows are gathered there (exact) and only the
-        # calibration tokens' hidden states move to the device.
-        emb = inner.embed_tokens
-        _materialize(emb, "model.embed_tokens.", ckpt, "cpu", dtype)
-        to_dev = emb.register_forward_hook(lambda mod, args, out: out.to(device))
-        inner.rotary_emb = type(inner.rotary_emb)(config=config).to(device)
+        # each shard's header written in the space kept for it at its start (no copy of the data
+        # behind a header at the end): room for ~6 output tensors per input tensor
+        writer = (ShardedWriter(tmp, max_shard_bytes or DEFAULT_SHARD_BYTES,
+                                header_reserve=-(-256 * 6 * len(ckpt.files) // 8) * 8)
+                  if tmp is not None else None)
+        lap("setup")
+        # the first layer's share is read (reader thread) while the first inputs are computed
+        io = ThreadPoolExecutor(max_workers=1), ThreadPoolExecutor(max_workers=1)
+        chunks = ThreadPoolExecutor(max_workers=layer_loader.READ_THREADS)
+        pin = cuda
+        pin_for = device if pin else None
+
+        def fetch(i):                # reader thread: this rank's share of layer i, on the host
+            pieces = layer_loader.plan(blist[i], f"{bname}.{i}.", ckpt, world)
+            host, secs = layer_loader.read_pieces(pieces, ckpt, dtype, chunks, pin_for)
+            busy["read"] += secs
+            return pieces, host
+
+        def write(ts):
+            t0 = time.time()
+            for n, t in ts:
+                writer.add(n, t)
+            busy["write"] += time.time() - t0
+
         try:
-            first = capture_block_inputs(model, blist[0], calib) if calib else []
-        finally:
-            to_dev.remove()
-        emb.to("meta")               # freed: only the first inputs need it
+            nxt = io[0].submit(fetch, 0)
+            emb = inner.embed_tokens
+            inner.rotary_emb = type(inner.rotary_emb)(config=config).to(device)
+            if calib and all(isinstance(b, torch.Tensor) and not b.is_floating_point() for b in calib):
+                # Only the calibration tokens' rows of the embedding are read (ranged reads, on the
+                # host); the ids are renumbered into that small table (an exact row gather either way)
+                ids = torch.cat([b.reshape(-1) for b in calib]).to(torch.int64)
+                rows, inv = torch.unique(ids, sorted=True, return_inverse=True)
+                table = layer_loader.read_rows(ckpt, "model.embed_tokens.weight", rows)
+                emb.weight = torch.nn.Parameter(table.to(dtype), requires_grad=False)
+                batches, at = [], 0
+                for b in calib:
+                    batches.append(inv[at:at + b.numel()].reshape(b.shape))
+                    at += b.numel()
+            else:                        # kwargs batches: the whole table, on the host
+                emb.weight = torch.nn.Parameter(ckpt.get("model.embed_tokens.weight").to(dtype), requires_grad=False)
+                batches = calib
+            to_dev = emb.register_forward_hook(lambda mod, args, out: out.to(device))
+            try:
+                first = capture_block_inputs(model, blist[0], batches) if batches else []
+            finally:
+                to_dev.remove()
+            emb.to("meta")               # freed: only the first inputs need it
+            del batches
+        except BaseException:
+            for ex in (*io, chunks):
+                ex.shutdown(wait=True)
+            raise
         # Reading layer i + 1 from the shards (host) overlaps layer i's work, and writing layer
         # i's tensors (host) overlaps layer i + 1's: one reader and one writer thread, each
         # working in order, so the files are the same bytes.
-        from concurrent.futures import ThreadPoolExecutor
-        io = ThreadPoolExecutor(max_workers=1), ThreadPoolExecutor(max_workers=1)
         written = None
         if writer is not None:       # the tensors outside the layers, streamed (never on the device)
             def copy_rest():
+                t0 = time.time()
                 for n in sorted(ckpt.files):
                     if n not in own:
-                        t = ckpt.get(n)
-                        writer.add(n, t.to(dtype) if t.is_floating_point() else t)
-                        del t
+                        path, begin, fdtype, shape = ckpt.span(n)
+                        if fdtype.is_floating_point and fdtype != dtype:
+                            writer.add(n, ckpt.get(n).to(dtype))
+                        else:        # bytes as they are: copied file to file by the kernel
+                            writer.add_from_file(n, fdtype, shape, path, begin)
+                busy["copy_rest"] += time.time() - t0
             written = io[1].submit(copy_rest)
         # each stream its own list (they share the first layer's inputs), advanced in place
         streams = {k: list(first) for k, want in (("F", need_f), ("S", need_s), ("Q", need_q)) if want}
@@ -290,50 +426,39 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
         if progress:
             from tqdm import tqdm
             bar = tqdm(total=len(blist), desc=f"layer by layer {r.name}", unit="layer")
-        phases = result["phase_seconds"] = {"load": 0.0, "calibrate": 0.0, "quantize": 0.0, "write": 0.0}
-        clock = [time.time()]
+        lap("first_inputs")
 
-        def lap(phase):      # seconds of each phase, the device's queue drained at each boundary
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            now = time.time()
-            phases[phase] += now - clock[0]
-            clock[0] = now
-
-        pin = device.type == "cuda"
-        pin_for = device if pin else None
-        nxt = io[0].submit(_read, blist[0], f"{bname}.0.", ckpt, pin_for)
         try:
             for i in range(len(blist)):
                 t0 = time.time()
-                clock[0] = t0
+                where[0] = i
+                tracing = memtrace.start(device) if memory_trace_layer == i else None
                 prefix = f"{bname}.{i}."
                 skeleton = blist[i]
-                layer = copy.deepcopy(skeleton)
-                host = nxt.result()
+                # the meta copy in the compute dtype first: the device then holds the layer once,
+                # in that dtype (to_empty of the float32 meta layer had allocated it in float32)
+                layer = copy.deepcopy(skeleton).to(dtype)
+                pieces, host = nxt.result()
                 if i + 1 < len(blist):
-                    nxt = io[0].submit(_read, blist[i + 1], f"{bname}.{i + 1}.", ckpt, pin_for)
-                _materialize(layer, prefix, ckpt, device, dtype, host)
-                del host
+                    nxt = io[0].submit(fetch, i + 1)
+                layer.to_empty(device=device)
+                layer_loader.fill(layer, pieces, host)
                 blist[i] = layer
                 lap("load")
+                del host
                 if i == 0:
                     result["layer_bytes"] = sum(p.numel() * p.element_size() for p in layer.parameters())
                 mine = [d.name[len(prefix):] for d in summary.quantized if d.name.startswith(prefix)]
                 last = i + 1 == len(blist)
                 if need_f:               # SmoothQuant's maxima on the float model as loaded
                     groups = fold_groups(layer)
-                    amax = calibrate_act_absmax(layer, as_kwargs(streams["F"]),
-                                                names=[c for g in groups for c in g.consumers], per_channel=True)
-                    if not last:
-                        _advance(layer, streams["F"])
+                    amax = _observe(layer, streams["F"], [c for g in groups for c in g.consumers], True, not last)
                     fold_from_stats(layer, groups, amax, smoothquant)
+                    del amax
                 if need_s:               # static scales on the folded float model
                     act = static_scheme(r.act)
-                    for n, a in calibrate_act_absmax(layer, as_kwargs(streams["S"]), names=mine).items():
+                    for n, a in _observe(layer, streams["S"], mine, False, not last).items():
                         scales[prefix + n] = scale_from_absmax(a, act)
-                    if not last:
-                        _advance(layer, streams["S"])
                 if need_q:               # GPTQ on the quantized model's activations
                     lap("calibrate")
                     run_stage(layer, streams["Q"], mine, handle, {}, prefix, None)
@@ -341,36 +466,35 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                     if not last:
                         _advance(layer, streams["Q"])
                     lap("calibrate")
-                elif distributed.rank() == 0:
-                    # round to nearest: nothing runs the quantized layer, only rank 0 writes it
-                    lap("calibrate")
-                    by_name = {d.name: d for d in summary.quantized}
-                    for n in mine:
-                        q = _rtn_chunked(by_name[prefix + n], summary, layer.get_submodule(n), static)
-                        parent, _, attr = n.rpartition(".")
-                        setattr(layer.get_submodule(parent) if parent else layer, attr, q)
-                    lap("quantize")
                 else:
+                    # round to nearest: each rank quantizes a share of the Linears and rank 0,
+                    # which alone writes, receives the codes (nothing runs the quantized layer)
                     lap("calibrate")
+                    _rtn_split(layer, mine, {d.name: d for d in summary.quantized}, summary, static, prefix)
+                    lap("quantize")
                 formats = {}
                 for n, m in layer.named_modules():
                     if isinstance(m, QuantLinear):
                         formats[prefix + n], layer_schemes[prefix + n], sidecar[prefix + n] = describe_qlayer(prefix + n, m)
+                del m
                 if writer is not None:
                     out = [(n, _to_host(t, pin)) for n, t in module_tensors(layer, formats, set(), prefix[:-1])]
                     if written is not None:
                         written.result()       # one layer waits on the host at most (and errors surface)
-                    written = io[1].submit(lambda ts: [writer.add(n, t) for n, t in ts], out)
+                    written = io[1].submit(write, out)
                     del out
                 blist[i] = skeleton      # the layer is freed
                 del layer
                 lap("write")
+                if tracing is not None:
+                    result["memory_trace"] = {"layer": i, **(memtrace.stop(device, tracing) or {})}
                 result["seconds_per_layer"].append(time.time() - t0)
                 if bar is not None:
                     bar.update(1)
         finally:
-            for ex in io:
+            for ex in (*io, chunks):
                 ex.shutdown(wait=True)
+        where[0] = None
         if bar is not None:
             bar.close()
         if written is not None:
@@ -392,13 +516,16 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
             result["out_dir"] = str(out_dir)
         else:
             run(None)
+        lap("finish")
     finally:
         ckpt.close()
-    result["seconds"] = time.time() - t_start
-    result["peak_rss_over_start_bytes"] = max(0, _peak_rss_bytes() - rss0)
-    if device.type == "cuda":
-        result["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
     if distributed.active():
         import torch.distributed as dist
         dist.barrier()
+    lap("barrier")
+    result["seconds"] = time.time() - t_start
+    result["peak_rss_over_start_bytes"] = max(0, _peak_rss_bytes() - rss0)
+    if cuda:
+        result["peak_device_bytes"] = overall[0]
+        result["phase_peak_bytes"] = mem
     return result
