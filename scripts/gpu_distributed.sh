@@ -68,28 +68,38 @@ base=(--dtype "$DTYPE" --device "$DEVICE")
 step make 150 "${py[@]}" make --out "$work/ckpt" --layers "$LAYERS" "${shape[@]}" --device "$DEVICE" || true
 step view 30 "${py[@]}" view --src "$work/ckpt" --out "$work/ckpt_gptq" --layers "$GPTQ_LAYERS" || true
 
+# RUNS picks the parts (default all): gptq, sq, diag (the diagnostics after the measured runs)
+RUNS=",${RUNS:-gptq,sq,diag},"
 gptq=(run --ckpt "$work/ckpt_gptq" --recipe w4a16 --method gptq --batches "$G_BATCHES" --batch "$G_BATCH" --seq-len "$G_SEQ" "${base[@]}")
+if [[ $RUNS == *,gptq,* ]]; then
 step gptq_1 100 "${py[@]}" "${gptq[@]}" --out "$work/gptq_1" --json "$work/json/gptq_1" || true
 step gptq_2 100 "${dist[@]}" "${gptq[@]}" --out "$work/gptq_2" --json "$work/json/gptq_2" || true
 step gptq_compare 40 "${py[@]}" compare "$work/gptq_1" "$work/gptq_2" --json "$work/json/gptq_compare.json" || true
 rm -rf "$work/gptq_2"
+fi
 
 sq=(run --ckpt "$work/ckpt" --recipe w8a8-int8 --method rtn --smoothquant 0.5 --static --batches "$S_BATCHES" --batch "$S_BATCH" --seq-len "$S_SEQ" "${base[@]}")
+if [[ $RUNS == *,sq,* ]]; then
 step sq_1 100 "${py[@]}" "${sq[@]}" --out "$work/sq_1" --json "$work/json/sq_1" || true
 step sq_2 100 "${dist[@]}" "${sq[@]}" --out "$work/sq_2" --json "$work/json/sq_2" || true
 step sq_compare 60 "${py[@]}" compare "$work/sq_1" "$work/sq_2" --json "$work/json/sq_compare.json" || true
 rm -rf "$work/sq_1" "$work/sq_2"
+fi
 # Diagnostics after the measured runs (the first to be skipped when the deadline is near):
 # GPTQ on 2 GPUs with rank 1's Hessian terms parked in host memory (its peak and its Hessian
 # seconds against gptq_2's; checkpoint still the 1-GPU one), and the allocator's trace of one
 # SmoothQuant layer on 1 and on 2 GPUs (what is alive at the peak; slower, so not timed above).
+if [[ $RUNS == *,diag,* && $RUNS == *,gptq,* ]]; then
 step gptq_host_2 100 "${dist[@]}" "${gptq[@]}" --terms-on-host --out "$work/gptq_host_2" --json "$work/json/gptq_host_2" || true
 step gptq_host_compare 40 "${py[@]}" compare "$work/gptq_1" "$work/gptq_host_2" --json "$work/json/gptq_host_compare.json" || true
+fi
 rm -rf "$work/gptq_1" "$work/gptq_host_2"
 trace_layer=$(( GPTQ_LAYERS > 2 ? 2 : GPTQ_LAYERS - 1 ))
 sqt=(run --ckpt "$work/ckpt_gptq" --recipe w8a8-int8 --method rtn --smoothquant 0.5 --static --batches "$S_BATCHES" --batch "$S_BATCH" --seq-len "$S_SEQ" "${base[@]}" --memory-trace-layer "$trace_layer")
+if [[ $RUNS == *,diag,* ]]; then
 step sq_trace_1 60 "${py[@]}" "${sqt[@]}" --out "$work/sq_trace_1" --json "$work/json/sq_trace_1" || true
 step sq_trace_2 60 "${dist[@]}" "${sqt[@]}" --out "$work/sq_trace_2" --json "$work/json/sq_trace_2" || true
+fi
 rm -rf "$work/sq_trace_1" "$work/sq_trace_2" "$work/ckpt_gptq"
 echo "steps took $(( $(date +%s) - T0 )) s" | tee -a "$steps"
 
