@@ -324,8 +324,11 @@ def _check_pack(pack: bool, scheme: QuantScheme, K: int, where: str) -> None:
         raise ValueError(f"{where}: pack=True needs an even hidden size, got K = {K}")
 
 
-def _check_global_scale(g, scheme: QuantScheme, x: torch.Tensor, where: str) -> torch.Tensor | None:
-    """A calibrated tensor scale for two-level (NVFP4) schemes: float32 [1], finite, > 0, on x's device."""
+def _check_global_scale(g, scheme: QuantScheme, x: torch.Tensor, where: str,
+                        check_value: bool = True) -> torch.Tensor | None:
+    """A calibrated tensor scale for two-level (NVFP4) schemes: float32 [1], finite, > 0, on x's
+    device. Its value is checked only with check_value (the entry points' check_finite): reading it
+    is a device-to-host sync, which a CUDA graph capture does not allow."""
     if g is None:
         return None
     if not scheme.two_level:
@@ -337,7 +340,7 @@ def _check_global_scale(g, scheme: QuantScheme, x: torch.Tensor, where: str) -> 
                          f"{getattr(g, 'dtype', type(g).__name__)} {tuple(getattr(g, 'shape', ()))}")
     if g.device != x.device:
         raise ValueError(f"{where}: global_scale is on {g.device}, x on {x.device}; move it to x's device")
-    if not bool(torch.isfinite(g).all() and (g > 0).all()):
+    if check_value and not bool(torch.isfinite(g).all() and (g > 0).all()):
         raise ValueError(f"{where}: global_scale must be finite and > 0, got {float(g.reshape(()))}")
     return g.reshape(1).contiguous()
 
@@ -493,13 +496,14 @@ def quantize_rows(x: torch.Tensor, scheme: QuantScheme, *, backend: str | None =
     [..., K / 2], returned as a PackedQTensor) and float32 scales [..., K // g].
     global_scale (NVFP4): a calibrated float32 tensor scale g; the block scales are taken
     relative to it (lowbit.quantize with compute_scale(..., global_scale=g)) in one pass over x,
-    instead of two (the live tensor's amax first)."""
+    instead of two (the live tensor's amax first). Its value (finite, > 0) is checked with
+    check_finite, which reads it on the host (check_finite=False inside a CUDA graph)."""
     where = "quantize_rows"
     _check_x(x, "x", where)
     K = x.shape[-1]
     G = _check_scheme(scheme, K, where)
     _check_pack(pack, scheme, K, where)
-    g = _check_global_scale(global_scale, scheme, x, where)
+    g = _check_global_scale(global_scale, scheme, x, where, check_finite)
     if _pick_backend(x, backend, where) == "torch":
         return _packed_twin(_canonical(x, scheme, g), pack)
     codes, scale, sc, gs, _ = _run(0, _rows(x, K), K, scheme, G, where, "", kernel, tile, pack,
@@ -536,7 +540,7 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, scheme: Qua
         raise ValueError(f"{where}: eps must be a non-negative float, got {eps!r}")
     G = _check_scheme(scheme, K, where)
     _check_pack(pack, scheme, K, where)
-    g = _check_global_scale(global_scale, scheme, x, where)
+    g = _check_global_scale(global_scale, scheme, x, where, check_finite)
     if _pick_backend(x, backend, where) == "torch":
         y, new_res = rmsnorm_reference(x, weight, eps, residual)
         qt = _packed_twin(_canonical(y, scheme, g), pack)
@@ -569,7 +573,7 @@ def silu_mul_quant(x: torch.Tensor, scheme: QuantScheme, *, backend: str | None 
     H = x.shape[-1] // 2
     G = _check_scheme(scheme, H, where)
     _check_pack(pack, scheme, H, where)
-    g = _check_global_scale(global_scale, scheme, x, where)
+    g = _check_global_scale(global_scale, scheme, x, where, check_finite)
     if _pick_backend(x, backend, where) == "torch":
         y = silu_mul_reference(x)
         qt = _packed_twin(_canonical(y, scheme, g), pack)
