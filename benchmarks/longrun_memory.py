@@ -20,7 +20,6 @@ import copy
 import ctypes
 import gc
 import json
-import os
 import time
 
 import torch
@@ -29,10 +28,10 @@ RECIPE = "w8a8-int8"
 
 
 def rss_mib() -> float:
-    """Resident set size of this process in MiB (Linux /proc/self/statm: what the OS gives it now)."""
-    with open(f"/proc/{os.getpid()}/statm") as f:
-        pages = int(f.read().split()[1])
-    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    """Resident set size of this process in MiB (what the OS gives it now)."""
+    from lowbit.nn.memtrace import rss_bytes
+
+    return rss_bytes() / 2**20
 
 
 def live_tensors() -> tuple[int, int]:

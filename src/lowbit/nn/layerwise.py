@@ -38,26 +38,12 @@ from __future__ import annotations
 
 import copy
 import os
-import resource
 import time
 from pathlib import Path
 
 import torch
 
 from lowbit.nn import distributed
-
-
-def _rss_bytes() -> int:
-    """Current resident set size of this process (Linux /proc; 0 where unavailable)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux reports KiB
 
 
 def _stream_bytes(inputs) -> int:
@@ -268,7 +254,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     from lowbit.nn.smoothquant import fold_from_stats, fold_groups
 
     t_start = time.time()
-    rss0 = _rss_bytes()
+    rss0 = memtrace.rss_bytes()
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # the memory-stat calls need an index
         device = torch.device("cuda", torch.cuda.current_device())
@@ -528,7 +514,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
         dist.barrier()
     lap("barrier")
     result["seconds"] = time.time() - t_start
-    result["peak_rss_over_start_bytes"] = max(0, _peak_rss_bytes() - rss0)
+    result["peak_rss_over_start_bytes"] = max(0, memtrace.peak_rss_bytes() - rss0)
     if cuda:
         result["peak_device_bytes"] = overall[0]
         result["phase_peak_bytes"] = mem

@@ -8,7 +8,25 @@ and `stop` return None / an {"error": ...} record instead of raising.
 """
 from __future__ import annotations
 
+import os
+import resource
+
 import torch
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process (Linux /proc/self/statm; 0 where unavailable):
+    what the OS gives the process now, the host-side counterpart of the device traces below."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size so far (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def start(device) -> int | None:
