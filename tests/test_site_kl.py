@@ -36,7 +36,8 @@ def test_kl_pick_matches_brute_force(rng):
     # replayed blocks compute what the whole model computes (same modules, same inputs, same order),
     # so the values are equal exactly, not within a tolerance. (KLPick's values are per token: the
     # sums divided by the token count, as here.)
-    p = kl_pick(model, batches, recipe, 1, ignore=ignore, screen=len(batches), shortlist=len(names))
+    p = kl_pick(model, batches, recipe, 1, ignore=ignore, effect="restore", screen=len(batches),
+                shortlist=len(names))
     full = _kl(model, _quantized(model, recipe, {}, ignore), batches)
     assert p.kl_quantized == full / tokens
     drops = {n: (full - _kl(model, _quantized(model, recipe, {n: "skip"}, ignore), batches)) / tokens for n in names}
@@ -45,16 +46,22 @@ def test_kl_pick_matches_brute_force(rng):
     assert p.picked == [best] and p.gains[best] == drops[best]
     # n=3 by the default screen (first batch) and shortlist (9): the first pick is the shortlist's best
     # on all batches; the picked sites' KL is what quantizing with them overridden gives
-    p3 = kl_pick(model, batches, recipe, 3, ignore=ignore)
+    p3 = kl_pick(model, batches, recipe, 3, ignore=ignore, effect="restore")
     short = sorted(names, key=lambda n: -p3.screened[n])[:9]
     first = max(short, key=drops.get)
     assert p3.picked[0] == first and p3.gains[first] == drops[first]
     assert len(set(p3.picked)) == 3 and set(p3.picked) <= set(short)
     assert p3.kl_picked == _kl(model, _quantized(model, recipe, {n: "skip" for n in p3.picked}, ignore), batches) / tokens
     # overridden to another recipe instead of high precision
-    p2 = kl_pick(model, batches, recipe, 2, to="w8a16-int8", ignore=ignore)
+    p2 = kl_pick(model, batches, recipe, 2, to="w8a16-int8", ignore=ignore, effect="restore")
     over = _quantized(model, recipe, {n: "w8a16-int8" for n in p2.picked}, ignore)
     assert p2.kl_picked == _kl(model, over, batches) / tokens
+    # effect "alone": each site quantized alone in the float model (every other Linear ignored)
+    pa = kl_pick(model, batches, recipe, 2, ignore=ignore, screen=len(batches), shortlist=len(names))
+    alone = {n: _kl(model, _quantized(model, recipe, {}, ignore + [o for o in names if o != n]), batches) / tokens
+             for n in names}
+    assert pa.screened == alone
+    assert pa.picked == sorted(names, key=lambda n: -alone[n])[:2]
 
 
 def test_kl_pick_refuses_bad_arguments(rng):
@@ -66,6 +73,8 @@ def test_kl_pick_refuses_bad_arguments(rng):
         kl_pick(model, batches, "w8a8-fp8", 4, shortlist=2)
     with pytest.raises(ValueError, match="only 14 Linears"):
         kl_pick(model, batches, "w8a8-fp8", 15, shortlist=15)
+    with pytest.raises(ValueError, match="effect"):
+        kl_pick(model, batches, "w8a8-fp8", 1, effect="both")
     with pytest.raises(ValueError, match=r"input ids \[1, T\]"):
         kl_pick(model, [{"input_ids": batches[0]}], "w8a8-fp8", 1)
     assert kl_pick(model, batches, "w8a8-fp8", 0).picked == []

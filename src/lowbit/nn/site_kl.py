@@ -2,31 +2,34 @@
 
 The per-site report ranks a site by its block SQNR: how much of its noise reaches the residual
 stream. That says nothing of how much the later blocks and the logits care about that noise. This
-module measures it instead: on the CALIBRATION batches (never evaluation text), the mean
-next-token KL(float || quantized) of the fully quantized model, and how much it drops when one
-site alone is kept in high precision (or switched to the override recipe). Sites are picked
-greedily, each one given the sites already picked:
+module measures it instead, on the CALIBRATION batches (never evaluation text), as a mean
+next-token KL divergence from the float model, in one of two ways (`effect`):
 
-1. screen: every candidate's KL drop on the first `screen` batches;
-2. shortlist: the `shortlist` best of them (default 3 x n) measured on all batches;
-3. lazy greedy: the shortlisted site with the largest drop is re-measured with the sites picked so
-   far kept; it is picked if its drop is still the largest, else put back with its new drop.
+- "alone" (default): the float model with only that site quantized: the site's own noise as the
+  output distribution feels it; the n largest are picked.
+- "restore": the fully quantized model with only that site overridden: how much the KL drops;
+  picked by lazy greedy (the shortlisted site with the largest drop is re-measured with the sites
+  picked so far overridden; picked if still the largest, else put back with its new drop). Such a
+  drop also holds the site's cross terms with every other site's noise, which a few thousand
+  calibration tokens do not average out (docs/perplexity.md measures both).
 
-Cost: a candidate in decoder block b re-runs only blocks b.. (the quantized model's block
-outputs are cached per batch and replayed), so one measurement is (L - b) / L of a forward.
-Causal language models only (the KL is of next-token distributions); sites outside a numbered
-block re-run the whole model.
+Both first screen every candidate on the first `screen` batches, then measure a shortlist (3 n)
+on all of them. A candidate in decoder block b re-runs only blocks b.. (the block outputs of the
+model it is measured in are cached per batch and replayed), so one measurement costs (L - b) / L
+of a forward. Causal language models only (the KL is of next-token distributions); sites outside
+a numbered block re-run the whole model.
 """
 from __future__ import annotations
 
 import copy
 import heapq
+import math
 import re
 from dataclasses import dataclass, field
 
 import torch
 
-from lowbit.nn.quantize_model import linear_layers, quantize_model
+from lowbit.nn.quantize_model import linear_layers, plan, quantize_model
 from lowbit.nn.recipes import get_recipe
 
 _BLOCK = re.compile(r"^(.*\.(?:layers|layer|h|blocks))\.(\d+)\.")
@@ -119,14 +122,26 @@ def kl_sum(ref_logp: torch.Tensor, logits: torch.Tensor) -> float:
 
 @torch.no_grad()
 def kl_pick(model: torch.nn.Module, batches: list, recipe, n: int, *, to: str = "skip", ignore=None,
-            overrides=None, screen: int = 1, shortlist: int | None = None, progress: bool = False) -> KLPick:
+            overrides=None, effect: str = "alone", screen: int = 1, shortlist: int | None = None,
+            progress: bool = False) -> KLPick:
     """Pick `n` of the Linears that quantize_model(model, recipe, ignore, overrides) would quantize,
-    to be overridden to `to` ("skip": kept in high precision, or a recipe name), by the measured drop
-    of the mean next-token KL(model || quantized) on `batches` (input-id tensors [1, T] of
-    calibration text). The model is not changed. screen: how many batches rank every candidate
-    before the shortlist (default 3 n) is measured on all of them."""
+    to be overridden to `to` ("skip": kept in high precision, or a recipe name), by a measured
+    next-token KL(model || ...) on `batches` (input-id tensors [1, T] of calibration text). The model
+    is not changed. effect:
+      "alone"    the float model with ONLY that site quantized (minus the same with the site under
+                 `to`): how much of the site's own noise reaches the output distribution; the n
+                 largest are picked (the block SQNR's question, asked of the logits);
+      "restore"  the fully quantized model minus the same with that site overridden, picked greedily
+                 (lazy greedy: each pick given the ones before). Its single-site drops hold the site's
+                 cross terms with the other sites' noise, which do not average out on a few thousand
+                 tokens (docs/perplexity.md: noisier picks than "alone").
+    screen: how many batches rank every candidate before the shortlist (default 3 n) is measured on
+    all of them."""
     if n <= 0:
         return KLPick()
+    if effect not in ("alone", "restore"):
+        raise ValueError(f"effect={effect!r}: choose 'alone' (site quantized alone in the float model) or "
+                         "'restore' (site overridden alone in the quantized model)")
     batches = list(batches)
     if not batches or not all(isinstance(b, torch.Tensor) and b.dim() == 2 and b.shape[0] == 1 for b in batches):
         raise ValueError("kl_pick needs calibration batches of input ids [1, T] of a causal language model")
@@ -135,45 +150,58 @@ def kl_pick(model: torch.nn.Module, batches: list, recipe, n: int, *, to: str = 
     shortlist = 3 * n if shortlist is None else shortlist
     if shortlist < n:
         raise ValueError(f"shortlist={shortlist} < n={n}: the shortlist must hold the sites to pick")
+    from lowbit.nn.quant_linear import QuantLinear
     floats = linear_layers(model)
     ref_logp = [torch.log_softmax(_logits(model(b, use_cache=False)), dim=-1) for b in batches]
-    qmodel = copy.deepcopy(model)
-    summary = quantize_model(qmodel, recipe, ignore=ignore, overrides=overrides, share_inputs=False)
+    base = copy.deepcopy(model)
+    if effect == "restore":
+        summary = quantize_model(base, recipe, ignore=ignore, overrides=overrides, share_inputs=False)
+    else:
+        summary = plan(model, recipe, ignore, overrides)
     names = [d.name for d in summary.quantized]
     if n > len(names):
         raise ValueError(f"n={n} but only {len(names)} Linears are quantized")
     alt = None if to == "skip" else get_recipe(to)
+    alts: dict = {}
+    quants = {d.name: d for d in summary.quantized}
 
     def kept(name):               # the site as the override makes it
         if alt is None:
             return floats[name]
         if name not in alts:
-            from lowbit.nn.quant_linear import QuantLinear
             alts[name] = QuantLinear.from_linear(floats[name], alt.weight, alt.act, pad=True)
         return alts[name]
+
+    def quantized(name):          # the site as the recipe makes it (effect "alone": built when measured)
+        r = summary.recipe_of(quants[name])
+        return QuantLinear.from_linear(floats[name], r.weight, r.act, pad=True)
 
     m = _BLOCK.match(names[0])
     container = m.group(1) if m else None
     block = {s: (int(_BLOCK.match(s).group(2)) if container and _BLOCK.match(s)
                  and _BLOCK.match(s).group(1) == container else 0) for s in names}
-    runner = _Runner(qmodel, batches, ref_logp, container)
+    runner = _Runner(base, batches, ref_logp, container)
     tokens = sum(b.shape[1] - 1 for b in batches)
-    qmods = {k: v for k, v in qmodel.named_modules() if k in block}
-    alts = {}
-    out = KLPick(kl_quantized=runner.kl / tokens)
+    mods = {k: v for k, v in base.named_modules() if k in block}
+    out = KLPick(kl_quantized=runner.kl / tokens if effect == "restore" else math.nan)
 
     def setsite(name, mod):
         parent, _, attr = name.rpartition(".")
-        setattr(qmodel.get_submodule(parent), attr, mod)
+        setattr(base.get_submodule(parent), attr, mod)
 
-    def drop(name, which, base):  # KL sum drop on `which` with `name` overridden
-        old = qmods[name]
-        setsite(name, kept(name))
+    def with_site(name, mod, which):   # KL sum on `which` with `name` replaced by mod
+        setsite(name, mod)
         try:
             out.measurements += 1
-            return base - runner.run(block[name], which)
+            return runner.run(block[name], which)
         finally:
-            setsite(name, old)
+            setsite(name, mods[name])
+
+    def score(name, which, kl_base):   # how much overriding `name` lowers the KL sum on `which`
+        if effect == "restore":
+            return kl_base - with_site(name, kept(name), which)
+        q = quantized(name)
+        return with_site(name, q, which) - (kl_base if alt is None else with_site(name, kept(name), which))
 
     it = names
     if progress:
@@ -182,20 +210,25 @@ def kl_pick(model: torch.nn.Module, batches: list, recipe, n: int, *, to: str = 
     first = range(screen)
     base_screen = runner.run(0, first) if screen < len(batches) else runner.kl
     scr_tokens = sum(batches[w].shape[1] - 1 for w in first)
-    out.screened = {s: drop(s, first, base_screen) / scr_tokens for s in it}
+    out.screened = {s: score(s, first, base_screen) / scr_tokens for s in it}
     short = sorted(names, key=lambda s: -out.screened[s])[:shortlist]
     every = range(len(batches))
-    heap = [(-drop(s, every, runner.kl), s, 0) for s in short]   # (-drop, name, picks when measured)
+    if effect == "alone":             # independent effects: the n largest on every batch
+        full = {s: score(s, every, runner.kl) for s in short}
+        out.picked = sorted(short, key=lambda s: -full[s])[:n]
+        out.gains = {s: full[s] / tokens for s in out.picked}
+        return out
+    heap = [(-score(s, every, runner.kl), s, 0) for s in short]   # (-drop, name, picks when measured)
     heapq.heapify(heap)
     while len(out.picked) < n:
         neg, s, when = heapq.heappop(heap)
         if when == len(out.picked):
             out.picked.append(s)
             out.gains[s] = -neg / tokens
-            setsite(s, kept(s))
-            qmods[s] = kept(s)
+            mods[s] = kept(s)
+            setsite(s, mods[s])
             runner.kl = runner.run(block[s], every, capture=True)   # later blocks' cached outputs change
         else:
-            heapq.heappush(heap, (-drop(s, every, runner.kl), s, len(out.picked)))
+            heapq.heappush(heap, (-score(s, every, runner.kl), s, len(out.picked)))
     out.kl_picked = runner.kl / tokens
     return out
