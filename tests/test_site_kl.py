@@ -78,3 +78,13 @@ def test_kl_pick_refuses_bad_arguments(rng):
     with pytest.raises(ValueError, match=r"input ids \[1, T\]"):
         kl_pick(model, [{"input_ids": batches[0]}], "w8a8-fp8", 1)
     assert kl_pick(model, batches, "w8a8-fp8", 0).picked == []
+
+
+def test_run_recipe_override_by_is_checked(rng):
+    from lowbit.nn.pipeline import Loaded, Texts, run_recipe
+    model = outlier_llama(rng, 48)
+    texts = Texts(None, [torch.randint(0, 97, (1, 12), generator=rng)], [])
+    with pytest.raises(ValueError, match="override_by='nope'"):
+        run_recipe(Loaded("toy", model, None, "causal"), texts, "w8a8-fp8", override_worst=0.1, override_by="nope")
+    with pytest.raises(ValueError, match="causal language model"):
+        run_recipe(Loaded("toy", model, None, "encoder"), texts, "w8a8-fp8", override_worst=0.1, override_by="kl")

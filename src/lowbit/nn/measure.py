@@ -69,6 +69,7 @@ CONFIGS = [
     _c("w8a8-int8"), _c("w8a8-fp8"), _c("w4a16"), _c("w4a16-g32"), _c("nvfp4"), _c("mxfp4"),
     _c("w4a16", "gptq"), _c("w8a8-fp8", "ov"), _c("w4a16", "gptq", "mse"), _c("nvfp4", "sq", "ov"),
     _c("w4a16-g32", "gptq"), _c("w8a8-int8", "sq", "ov"), _c("mxfp4", "sq", "ov"), _c("w8a8-fp8", "gptq", "ov"),
+    _c("w8a8-fp8", "gptq", "ovkl"), _c("w8a8-fp8", "ovkl"),
     _c("w4a16", "mse"), _c("w4a16-g32", "gptq", "mse"), _c("nvfp4", "sq", "ov", "mse"), _c("mxfp4", "sq", "ov", "mse"),
     _c("w4a16", "awq", "gptq"), _c("w8a8-fp8", "rot", "ov"), _c("w8a8-int8", "rot", "sq"), _c("nvfp4", "gptq"),
     _c("mxfp4", "gptq"), _c("w8a8-int8", "rot"), _c("w8a8-fp8", "rot"), _c("w8a8-int8", "sq"),
