@@ -40,7 +40,8 @@ class KLPick:
     """picked: site names in the order chosen; gains: name -> KL drop (nats per token, on all
     calibration batches) when it was picked; screened: name -> KL drop on the screening batches
     (every candidate); kl_quantized / kl_picked: mean KL(float || model) on the calibration batches
-    of the fully quantized model and of the model with the picked sites overridden."""
+    of the fully quantized model and of the model with the picked sites overridden (effect "restore";
+    NaN for "alone", which never runs the fully quantized model)."""
     picked: list[str] = field(default_factory=list)
     gains: dict[str, float] = field(default_factory=dict)
     screened: dict[str, float] = field(default_factory=dict)
@@ -49,6 +50,11 @@ class KLPick:
     measurements: int = 0
 
     def __str__(self) -> str:
+        if math.isnan(self.kl_quantized):     # effect "alone": each site's own KL, nothing summed
+            lines = [f"sites picked by measured KL, each quantized alone in the float model ({self.measurements} "
+                     "measurements): mean KL on the calibration text"]
+            lines += [f"  {n}: {self.gains[n]:.5f}" for n in self.picked]
+            return "\n".join(lines)
         lines = [f"sites picked by measured KL: mean KL on the calibration text {self.kl_quantized:.5f} -> "
                  f"{self.kl_picked:.5f} nats ({self.measurements} measurements)"]
         lines += [f"  {n}: -{self.gains[n]:.5f}" for n in self.picked]
@@ -183,7 +189,8 @@ def kl_pick(model: torch.nn.Module, batches: list, recipe, n: int, *, to: str = 
     runner = _Runner(base, batches, ref_logp, container)
     tokens = sum(b.shape[1] - 1 for b in batches)
     mods = {k: v for k, v in base.named_modules() if k in block}
-    out = KLPick(kl_quantized=runner.kl / tokens if effect == "restore" else math.nan)
+    out = KLPick(kl_quantized=runner.kl / tokens if effect == "restore" else math.nan,
+                 kl_picked=math.nan)
 
     def setsite(name, mod):
         parent, _, attr = name.rpartition(".")
