@@ -19,10 +19,9 @@ BEST: dict[str, Best] = {
                       "SmoothQuant 0.5 + the 10 worst sites (4.8% of Linears) in bf16: +0.50% perplexity "
                       "vs +3.03% plain (2026-11-29; plain re-measured 2026-11-30: +2.80%) (docs/perplexity.md)"),
     "w8a8-fp8": Best({"method": "gptq", "override_worst": 0.05},
-                     "GPTQ on the fp8 weights + the 10 worst sites (4.8% of Linears) in bf16: on the first 2,048 "
-                     "evaluation tokens +1.81% perplexity (KL 0.0238) vs +2.80% (KL 0.0275) for the 10 sites alone "
-                     "and +3.15% plain; on 8,192 tokens the 10 sites alone give +1.92% vs +2.83% plain "
-                     "(docs/perplexity.md; GPTQ + sites not yet measured on 8,192)"),
+                     "GPTQ on the fp8 weights + the 10 worst sites by block SQNR (4.8% of Linears) in bf16: "
+                     "+1.11% perplexity (KL 0.0190) on 8,192 tokens vs +1.92% (KL 0.0230) for the 10 sites alone "
+                     "and +2.83% plain (docs/perplexity.md, 'W8A8 fp8: the last point')"),
     "w4a16-g32": Best({"method": "gptq"},
                       "GPTQ (damp 0.1, act-order, held-out check), 2,048 calibration tokens: +23.01% perplexity "
                       "vs +40.20% round to nearest (docs/perplexity.md)"),

@@ -33,27 +33,32 @@ class Config:
     method: str = "rtn"
     override_worst: float = 0.0
     mse: bool = False
+    override_by: str = "block"      # how the overridden sites are picked: block SQNR or measured KL
 
     def measures(self) -> str:
+        worst = "worst 5% of sites" + (" by measured KL" if self.override_by == "kl" else "") + " kept in bf16"
         return ", ".join(x for x in ["Hadamard rotation" if self.rotate else "",
                                      f"SmoothQuant alpha {self.smoothquant}" if self.smoothquant is not None else "",
                                      "AWQ" if self.awq else "", "GPTQ" if self.method == "gptq" else "",
                                      "MSE scales" if self.mse else "",
-                                     "worst 5% of sites kept in bf16" if self.override_worst else ""] if x) or "none"
+                                     worst if self.override_worst else ""] if x) or "none"
 
     def key(self) -> str:
         return f"{self.recipe} | {self.measures()}"
 
 
 def _c(recipe, *measures):
-    """Config from short measure names: rot, sq (alpha 0.5), awq, gptq, ov (worst 5% in bf16), mse
-    (MSE-optimal weight scales)."""
+    """Config from short measure names: rot, sq (alpha 0.5), awq, gptq, ov (worst 5% by block SQNR in
+    bf16), ovkl (the 5% picked by measured KL in bf16), mse (MSE-optimal weight scales)."""
     m = set(measures)
-    known = {"rot", "sq", "awq", "gptq", "ov", "mse"}
+    known = {"rot", "sq", "awq", "gptq", "ov", "ovkl", "mse"}
     if m - known:
         raise ValueError(f"unknown measures {sorted(m - known)}")
+    if {"ov", "ovkl"} <= m:
+        raise ValueError("ov and ovkl are two ways to pick the same 5%: give one")
     return Config(recipe, "hadamard" if "rot" in m else None, 0.5 if "sq" in m else None, "awq" in m,
-                  "gptq" if "gptq" in m else "rtn", 0.05 if "ov" in m else 0.0, "mse" in m)
+                  "gptq" if "gptq" in m else "rtn", 0.05 if m & {"ov", "ovkl"} else 0.0, "mse" in m,
+                  "kl" if "ovkl" in m else "block")
 
 
 # In the order they are measured: the plain recipes, then the issue's targets' best candidates (one
@@ -64,6 +69,7 @@ CONFIGS = [
     _c("w8a8-int8"), _c("w8a8-fp8"), _c("w4a16"), _c("w4a16-g32"), _c("nvfp4"), _c("mxfp4"),
     _c("w4a16", "gptq"), _c("w8a8-fp8", "ov"), _c("w4a16", "gptq", "mse"), _c("nvfp4", "sq", "ov"),
     _c("w4a16-g32", "gptq"), _c("w8a8-int8", "sq", "ov"), _c("mxfp4", "sq", "ov"), _c("w8a8-fp8", "gptq", "ov"),
+    _c("w8a8-fp8", "gptq", "ovkl"), _c("w8a8-fp8", "ovkl"),
     _c("w4a16", "mse"), _c("w4a16-g32", "gptq", "mse"), _c("nvfp4", "sq", "ov", "mse"), _c("mxfp4", "sq", "ov", "mse"),
     _c("w4a16", "awq", "gptq"), _c("w8a8-fp8", "rot", "ov"), _c("w8a8-int8", "rot", "sq"), _c("nvfp4", "gptq"),
     _c("mxfp4", "gptq"), _c("w8a8-int8", "rot"), _c("w8a8-fp8", "rot"), _c("w8a8-int8", "sq"),
@@ -105,7 +111,7 @@ def _measure(cfg: Config) -> dict:
     else:
         run = run_recipe(loaded, texts, cfg.recipe, smoothquant=cfg.smoothquant, override_worst=cfg.override_worst,
                          progress=False, sites=False, method=cfg.method, awq=cfg.awq, rotate=cfg.rotate,
-                         reference=ref, mse=cfg.mse)
+                         reference=ref, mse=cfg.mse, override_by=cfg.override_by)
         tm, model, overrides, calib_s = run.tokens, run.model, run.overrides, run.calib_s
     return {"key": cfg.key(), "config": asdict(cfg), "measures": cfg.measures(), "perplexity": tm.perplexity,
             "kl": tm.kl, "kl_max": tm.kl_max, "top1": tm.top1, "tokens": tm.tokens, "bytes": model_bytes(model),

@@ -119,13 +119,15 @@ class RecipeRun:
     tokens: object = None       # evaluate.TokenMetrics (KL / top-1 vs the reference) when a reference was given
     calib_s: float = 0.0        # seconds from the float copy to the quantized model (rotation, SmoothQuant, AWQ,
     eval_s: float = 0.0         # GPTQ, site reports, quantization); seconds evaluating it
+    kl_pick: object = None      # site_kl.KLPick when the overrides were picked by measured KL
 
 
 def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float | None = None,
                override_worst: float = 0.0, override_to: str = "skip", ignore=None, overrides=None,
                static: bool = False, window: int = 512, progress: bool = True, sites: bool = True,
                method: str = "rtn", awq: bool = False, rotate: str | None = None,
-               reference: list | torch.nn.Module | None = None, mse: bool = False) -> RecipeRun:
+               reference: list | torch.nn.Module | None = None, mse: bool = False,
+               override_by: str = "block") -> RecipeRun:
     """Quantize a copy of loaded.model by `recipe` and evaluate it. smoothquant: alpha or None;
     override_worst: fraction of Linear layers (<= 0.05 by the issue's rule) whose worst output
     SQNR sends them to `override_to` ("skip" = high precision, or a recipe name).
@@ -134,12 +136,20 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
     "hadamard" rotates the residual stream first (lowbit.nn.rotation) or None; reference: the float
     model, or evaluate.reference_logits of it on texts.eval_ids (causal models), to report the
     next-token KL divergence and top-1 agreement beside perplexity (RecipeRun.tokens). mse: MSE-optimal
-    weight scales (lowbit.nn.scale_search) instead of round to nearest's, for RTN and GPTQ alike."""
+    weight scales (lowbit.nn.scale_search) instead of round to nearest's, for RTN and GPTQ alike.
+    override_by: how the override_worst sites are picked: "block" (worst block SQNR in the per-site
+    report) or "kl" (largest measured drop of the next-token KL on texts.calib, greedy:
+    lowbit.nn.site_kl; causal models), both on round to nearest's codes after the folds."""
     from lowbit.nn.calibration import calibrate_static_scales, clipping_report
     from lowbit.nn.quantize_model import linear_layers, quantize_model
-    from lowbit.nn.sites import pick_overrides, site_report
+    from lowbit.nn.sites import override_count, pick_overrides, site_report
     from lowbit.nn.smoothquant import smooth_model
     r = get_recipe(recipe)
+    if override_by not in ("block", "kl"):
+        raise ValueError(f"override_by={override_by!r}: choose 'block' (block SQNR) or 'kl' (measured KL)")
+    if override_by == "kl" and loaded.kind != "causal":
+        raise ValueError("override_by='kl' measures next-token distributions: it needs a causal language model; "
+                         "use override_by='block' for an encoder")
     t0 = time.perf_counter()
     m = copy.deepcopy(loaded.model)
     if rotate is not None:
@@ -148,7 +158,7 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
         from lowbit.nn.rotation import rotate_model
         rotate_model(m)
     # sites=False skips the diagnosis when nothing depends on it (no overrides to pick).
-    want = sites or override_worst > 0
+    want = sites or (override_worst > 0 and override_by == "block")
     sites_before = site_report(m, texts.calib, r, ignore=ignore, overrides=overrides, progress=progress) \
         if sites else None
     sites_after = None
@@ -162,8 +172,14 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
         from lowbit.nn.awq import awq_model
         awq_model(m, r, texts.calib, progress=progress)
     ov = dict(overrides or {})
-    picked = {}
-    if override_worst > 0:
+    picked, klp = {}, None
+    if override_worst > 0 and override_by == "kl":
+        from lowbit.nn.site_kl import kl_pick
+        klp = kl_pick(m, texts.calib, r, override_count(len(linear_layers(m)), override_worst), to=override_to,
+                      ignore=ignore, overrides=overrides, progress=progress)
+        picked = {s: override_to for s in klp.picked}
+        ov.update(picked)
+    elif override_worst > 0:
         final = sites_after or sites_before
         picked = pick_overrides(final, len(linear_layers(m)), override_worst, override_to)
         ov.update(picked)
@@ -187,4 +203,4 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
     else:
         value = metric(loaded, m, loaded.model, texts, window, progress, f"{r.name} eval")
     return RecipeRun(r.name, m, summary, sites_before, sites_after, picked, value, clipping, tokens,
-                     t1 - t0, time.perf_counter() - t1)
+                     t1 - t0, time.perf_counter() - t1, klp)

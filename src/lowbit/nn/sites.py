@@ -226,12 +226,18 @@ def site_report(model: torch.nn.Module, batches: Iterable, recipe: str | Recipe,
     return report
 
 
+def override_count(n_linear: int, max_fraction: float) -> int:
+    """How many of a model's n_linear Linear layers a budget of max_fraction may override."""
+    return int(math.floor(max_fraction * n_linear))
+
+
 def pick_overrides(report: SiteReport, n_linear: int, max_fraction: float = 0.05,
                    to: str = "skip", below_db: float | None = None) -> dict[str, str]:
     """The worst sites in the report's order (block SQNR when measured), at most max_fraction of
     the model's n_linear Linear layers, mapped to `to` ("skip" keeps them in high precision, or a
-    recipe). below_db: only sites whose layer-output SQNR is below it."""
-    k = int(math.floor(max_fraction * n_linear))
+    recipe). below_db: only sites whose layer-output SQNR is below it. (lowbit.nn.site_kl picks
+    by the measured effect on the model's next-token distribution instead.)"""
+    k = override_count(n_linear, max_fraction)
     rows = [r for r in report.rows if below_db is None or r.out_db < below_db]
     return {r.name: to for r in rows[:k]}
 
