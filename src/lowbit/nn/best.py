@@ -16,8 +16,8 @@ class Best:
 
 BEST: dict[str, Best] = {
     "w8a8-int8": Best({"smoothquant": 0.5, "override_worst": 0.05},
-                      "SmoothQuant 0.5 + the 10 worst sites (4.8% of Linears) in bf16: +0.50% perplexity "
-                      "vs +3.03% plain (2026-11-29; plain re-measured 2026-11-30: +2.80%) (docs/perplexity.md)"),
+                      "SmoothQuant 0.5 + the 10 worst sites (4.8% of Linears) in bf16: +0.75% perplexity "
+                      "(KL 0.0093) on 8,192 tokens vs +2.80% plain (scripts/main.sh, 2026-11-30; docs/perplexity.md)"),
     "w8a8-fp8": Best({"method": "gptq", "override_worst": 0.05},
                      "GPTQ on the fp8 weights + the 10 worst sites by block SQNR (4.8% of Linears) in bf16: "
                      "+1.11% perplexity (KL 0.0190) on 8,192 tokens vs +1.92% (KL 0.0230) for the 10 sites alone "
