@@ -158,8 +158,8 @@ def _launch(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int, *, 
             res2=None, res_out=None, store_y=False, fp8_encoder: str = "auto", tile=None, pack: bool = False,
             global_scale: torch.Tensor | None = None):
     """Run the row kernel over x2 [rows, K or 2K]; returns (codes, scale, scale_codes, g, y).
-    With `tile` = (ROWS, num_warps): the tile kernel's group variant instead (the row kernel
-    still takes NVFP4's first pass, the tensor amax); pack: fp4 codes two per byte."""
+    With `tile` = (ROWS, num_warps): the tile kernel's group variant instead (both of NVFP4's
+    passes included, see _launch_groups); pack: fp4 codes two per byte (group variant only)."""
     import triton
 
     from lowbit.ops.triton import fused_quant as fq
@@ -391,7 +391,7 @@ def _launch_tile(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int
         # RMSNorm twice with two summation orders; ROWS >= 2 was canonical in every run.
         raise ValueError(f"tile={tuple(tile)} with a residual: one row per program gave non-canonical scales "
                          "on sm_90 and is refused; use ROWS >= 2 (tile=None picks a valid one)")
-    if not tile_supports(scheme) or pack:
+    if not tile_supports(scheme):  # (pack=True is fp4: never on the per-token fast path)
         return _launch(pre, x2, K, scheme, G, weight=weight, eps=eps, res2=res2, res_out=res_out, store_y=store_y,
                        fp8_encoder=fp8_encoder, tile=(R, warps), pack=pack, global_scale=global_scale)
     if fp8_encoder not in ("auto", "hw", "int"):
