@@ -62,7 +62,7 @@ if [[ $parts == *,distributed,* ]]; then
 fi
 [ -f "$out/tests.log" ] && grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -n 20
 [ -f "$out/gemm.log" ] && grep -E "lowbit_int8|bf16 |int_mm |lowbit_fp8_row |scaled_row |sweep" "$out/gemm.log" | head -n 30
-[ -f "$out/bench_memory.log" ] && sed -n '/# memory-bound kernels/,$p' "$out/bench_memory.log" | grep -E "norm_quant|quant_|g128 |gemv8 |g32|mxfp4|nvfp4" | head -n 60
+[ -f "$out/bench_memory.log" ] && sed -n '/# memory-bound kernels/,$p' "$out/bench_memory.log" | grep -E "norm_quant|quant_|g128 |gemv8 |pairs|g32|mxfp4|nvfp4" | head -n 60
 [ -f "$out/audit_h200.txt" ] && tail -n 30 "$out/audit_h200.txt"
 [ -f "$out/distributed.log" ] && tail -n 30 "$out/distributed.log"
 cat "$sum"

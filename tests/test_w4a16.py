@@ -148,6 +148,76 @@ def _numpy_dequant_planar8(w4) -> np.ndarray:
     return q * np.repeat(w4.scale.cpu().numpy().astype(np.float64), G, axis=1)
 
 
+@pytest.mark.parametrize("name", ["int4_g128", "int4_g128_asym", "int4_g32", "uint4_g64_asym"])
+def test_w4a16_pairs_against_numpy_reference(name, device, rng):
+    """The "pairs" kernel (tensor cores fed from registers; its words relabelled in-kernel to the
+    mma operand order, x relabelled to match for the mma v2 tiles) against the numpy
+    dequantization of its own words: M = 1 and 3 (mma v2 order, x relabelled), 17 (wgmma
+    order on the GPU), split-K, fp16, a 64-row tile with 4 warps (the GPU's row relabelling),
+    N not a tile multiple, a zero output channel. Same error bound as the other kernels
+    (exact q - z, exact products, float32 accumulation, one scale product per group)."""
+    scheme = SCHEMES[name] if name in SCHEMES else QuantScheme("uint4", "group", group_size=64, symmetric=False)
+    N, K = 40, 256
+    w = torch.randn(N, K, generator=rng) * 0.05
+    w[6] = 0
+    wq = quantize(w, scheme)
+    w4 = prepare_w4(wq.to(device), layout="pairs")
+    assert w4.metadata()["layout"] == "pairs"
+    w64 = torch.from_numpy(_numpy_dequant_pairs(w4))
+    assert torch.equal(w4a16_reference(torch.eye(K, dtype=torch.float64), wq), w64.T)
+    cases = [(torch.bfloat16, 1, {}), (torch.bfloat16, 3, {"split": 2}), (torch.bfloat16, 17, {}),
+             (torch.float16, 2, {"BLOCK_N": 64, "num_warps": 4}), (torch.bfloat16, 5, {"BLOCK_N": 64, "num_warps": 4,
+                                                                                   "BLOCK_M": 16})]
+    for dtype, M, cfg in cases:
+        x = (torch.randn(M, K, generator=rng) * 2).to(dtype)
+        out = w4a16_linear(x.to(device), w4, backend="triton", config=cfg or None)
+        assert out.dtype == dtype and out.shape == (M, N)
+        ref = x.double() @ w64.T
+        err = (out.cpu().double() - ref).abs()
+        # split-K: the config's, else the heuristic's (1 in the interpreter; 8 bounds the GPU's here)
+        bound = _bound(x.double(), w64, ref, K, w4.group_size, cfg.get("split", 8), dtype)
+        assert torch.all(err <= bound), f"pairs M={M} {dtype} {cfg}: max excess {(err - bound).max().item()}"
+        assert torch.all(out.cpu()[:, 6] == 0)
+
+
+def _numpy_dequant_pairs(w4) -> np.ndarray:
+    """float64 [N, K] from "pairs" bytes without lowbit: little-endian int32 words, 16 per chunk
+    of 128 codes; word w holds, for plane i (codes 32i..32i+31 of the chunk), code 2P of the
+    plane in nibble i and code 2P + 1 in nibble i + 4, P = w2 + 2 w3 + 4 w0 + 8 w1."""
+    words = w4.packed.cpu().numpy().view("<u4").astype(np.int64)       # [N, K/8]
+    N, G = words.shape[0], w4.group_size
+    words = words.reshape(N, -1, 16)                                     # [n, c, w]
+    codes = np.zeros((N, words.shape[1], 128), dtype=np.int64)
+    for w in range(16):
+        b = [(w >> k) & 1 for k in range(4)]
+        P = b[2] + 2 * b[3] + 4 * b[0] + 8 * b[1]
+        for i in range(4):
+            codes[:, :, 32 * i + 2 * P] = (words[:, :, w] >> (4 * i)) & 15
+            codes[:, :, 32 * i + 2 * P + 1] = (words[:, :, w] >> (16 + 4 * i)) & 15
+    codes = codes.reshape(N, -1)
+    q = codes - 8 if w4.kind == "int4" else codes
+    if w4.zero_point is not None:
+        q = q - np.repeat(w4.zero_point.cpu().numpy().astype(np.int64), G, axis=1)
+    return q * np.repeat(w4.scale.cpu().numpy().astype(np.float64), G, axis=1)
+
+
+def test_w4a16_pairs_errors(rng):
+    wq = quantize(torch.randn(16, 128, generator=rng), SCHEMES["int4_g128"])
+    with pytest.raises(NotImplementedError, match="'pairs'"):
+        prepare_w4(quantize(torch.randn(16, 128, generator=rng), SCHEMES["mxfp4"]), layout="pairs")
+    with pytest.raises(NotImplementedError, match="multiple of 128"):
+        prepare_w4(quantize(torch.randn(16, 96, generator=rng), SCHEMES["int4_g32"]), layout="pairs")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(1, 128, generator=rng).to(torch.bfloat16).to(dev)
+    w4 = prepare_w4(wq.to(dev), layout="pairs")
+    with pytest.raises(ValueError, match="multiple of 16 \\* num_warps"):
+        w4a16_linear(x, w4, backend="triton", config={"BLOCK_N": 32, "num_warps": 4})
+    with pytest.raises(ValueError, match="runs kernel 'pairs'"):
+        w4a16_linear(x, w4, backend="triton", config={"kernel": "dot"})
+    with pytest.raises(ValueError, match="layout='pairs'"):
+        w4a16_linear(x, prepare_w4(wq.to(dev)), backend="triton", config={"kernel": "pairs"})
+
+
 def test_w4a16_gemv8_errors(rng):
     wq = quantize(torch.randn(16, 128, generator=rng), SCHEMES["int4_g128"])
     with pytest.raises(NotImplementedError, match="planar8"):
@@ -192,12 +262,19 @@ def test_w4a16_decode_sizes_on_gpu(device, rng):
         w4 = prepare_w4(wq)
         w64 = torch.from_numpy(_numpy_dequant(w4))
         w8 = prepare_w4(wq, layout="planar8") if name.startswith("int4") else None
+        wp = prepare_w4(wq, layout="pairs") if name.startswith("int4") else None
         for M in (1, 16, 64):
             x = torch.randn(M, K, generator=rng).to(torch.bfloat16)
             ref = x.double() @ w64.T
             bound = _bound(x.double(), w64, ref, K, w4.group_size, 8, torch.bfloat16)
             out = w4a16_linear(x.cuda(), w4)
             assert torch.all((out.cpu().double() - ref).abs() <= bound), (name, M)
+            if wp is not None:  # the "pairs" kernel with its heuristic (mma v2 at M = 1, wgmma at 16 / 64)
+                for xs in (x, x.to(torch.float16)):
+                    refp = xs.double() @ w64.T
+                    outp = w4a16_linear(xs.cuda(), wp)
+                    bp = _bound(xs.double(), w64, refp, K, w4.group_size, 8, xs.dtype)
+                    assert torch.all((outp.cpu().double() - refp).abs() <= bp), (name, M, "pairs", xs.dtype)
             if w8 is not None:  # gemv8 (M = 1) / dot8 (16, 64) with their heuristic (inline-PTX lop3)
                 out = w4a16_linear(x.cuda(), w8)
                 assert torch.all((out.cpu().double() - ref).abs() <= bound), (name, M, "planar8")

@@ -15,6 +15,9 @@ Rows (shape "M{M} N{N} K{K}", M in W4_MS, (N, K) in W4_NK):
                                                warps / split; `sweep_us` holds every point)
   lowbit_w4a16_int4_g128_dot8_best             best of a small dot8 sweep at M = 16, including
                                                unpack 1 (packed 16-bit pairs, inline PTX)
+  lowbit_w4a16_<int4 kind>_pairs               the same weights in the "pairs" layout (tensor cores
+                                               fed from registers, pick_config_pairs), every M
+  lowbit_w4a16_int4_g128_pairs_best            best of a small pairs sweep at M = 1 and 16
 Each lowbit row has vs_bf16 / vs_tinygemm (baseline ms / ms) and `check`, the relative L2
 difference to bf16 torch.mm on the dequantized weight (bf16 rounding of that baseline, ~0.003).
 """
@@ -27,6 +30,10 @@ import torch
 GEMV8_SWEEP = ((128, 4, None), (128, 4, 1), (128, 4, 2), (128, 4, 4), (64, 2, 2), (64, 2, 4), (256, 8, 1),
                (32, 1, 1))
 DOT_SWEEP = ((32, 1), (32, 2), (64, 1), (64, 2))  # default kernel: (BLOCK_N, split)
+# pairs sweep at M = 1 and 16: (BLOCK_N, BLOCK_K, num_warps, split, num_stages); None = the heuristic's
+PAIRS_SWEEP = ((128, None, 4, None, 1), (128, 256, 4, None, 1), (128, 512, 4, None, 2), (128, None, 4, 2, 1),
+               (128, None, 4, 4, 1), (128, None, 4, 16, 1), (256, None, 8, None, 1), (64, None, 4, None, 1),
+               (128, 1024, 4, None, 1))
 # dot8 sweep at M = 16: (BLOCK_N, BLOCK_K, num_warps, split); split None = the heuristic's
 DOT8_SWEEP = ((128, 256, 4, None, 0), (128, 256, 4, 1, 0), (128, 256, 4, 2, 0), (128, 256, 8, None, 0),
               (64, 256, 4, None, 0), (64, 512, 4, 1, 0), (128, 128, 4, None, 0),
@@ -83,7 +90,7 @@ def w4a16_section(b, quick: bool, sweep: bool = True) -> None:
     """All W4A16 rows (module docstring) into the bench `b` (lowbit.bench.memory._Bench)."""
     from lowbit.bench import memory as mem
     from lowbit.bench.timing import rotating_count
-    from lowbit.ops.weight_only import pick_config, pick_config_planar8, prepare_w4, w4a16_linear
+    from lowbit.ops.weight_only import pick_config, pick_config_pairs, pick_config_planar8, prepare_w4, w4a16_linear
     from lowbit.quantize import quantize
     from lowbit.scheme import QuantScheme, get_preset
 
@@ -95,13 +102,15 @@ def w4a16_section(b, quick: bool, sweep: bool = True) -> None:
         kinds = {"int4_g128": kinds["int4_g128"]}
     for (N, K) in mem.W4_NK[:1] if quick else mem.W4_NK:
         n = rotating_count(N * K // 2)
-        ws, ws8 = {}, {}
+        ws, ws8, wsp = {}, {}, {}
         for name, sch in kinds.items():
             if b.wanted(f"w4a16_{name}"):
                 qs = [quantize(torch.randn(N, K, device=dev) * 0.02, sch) for _ in range(n)]
                 ws[name] = [prepare_w4(q) for q in qs]
                 if name in ("int4_g128", "int4_g128_asym"):  # the same weights in the gemv8 layout
                     ws8[name] = [prepare_w4(q, layout="planar8") for q in qs]
+                if name.startswith("int4"):  # ... and in the pairs layout
+                    wsp[name] = [prepare_w4(q, layout="pairs") for q in qs]
                 del qs
         wb = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02
               for _ in range(rotating_count(N * K * 2))]
@@ -142,6 +151,25 @@ def w4a16_section(b, quick: bool, sweep: bool = True) -> None:
                     b.ratios(r8, bases)
                     if r8 and r8.get("ms"):
                         r8["check"] = _rel(w4a16_linear(xs[0], ws8[name][0]), ref)
+                if name in wsp:
+                    setsp = [(xs[i], wsp[name][i]) for i in range(n)]
+                    rp = b.time(f"lowbit_w4a16_{name}_pairs", shape, lambda x, w: w4a16_linear(x, w), setsp, nbytes,
+                                config=pick_config_pairs(M, N, K, G))
+                    b.ratios(rp, bases)
+                    if rp and rp.get("ms"):
+                        rp["check"] = _rel(w4a16_linear(xs[0], wsp[name][0]), ref)
+                    if sweep and name == "int4_g128" and M in (1, 16):
+                        base = pick_config_pairs(M, N, K, G)
+                        cfgs = {}
+                        for bn, bk, warps, sp, st in PAIRS_SWEEP:
+                            c = dict(base, BLOCK_N=bn, num_warps=warps, num_stages=st)
+                            c["BLOCK_K"] = base["BLOCK_K"] if bk is None else bk
+                            c["split"] = base["split"] if sp is None else sp
+                            cfgs[f"pairs/BN{bn}/BK{c['BLOCK_K']}/w{warps}/split{c['split']}/st{st}"] = c
+                        pts = _sweep(setsp, cfgs)
+                        _best_row(b, "lowbit_w4a16_int4_g128_pairs_best", shape, nbytes, pts,
+                                  "pairs BLOCK_N x BLOCK_K x num_warps x split x num_stages: " + ", ".join(cfgs), bases,
+                                  check=lambda c: _rel(w4a16_linear(xs[0], wsp[name][0], config=c), ref))
                 if not (sweep and name == "int4_g128" and not quick):
                     continue
                 if M in mem.SWEEP_MS:
@@ -172,7 +200,7 @@ def w4a16_section(b, quick: bool, sweep: bool = True) -> None:
                               "gemv8 BLOCK_N x num_warps x split: " + ", ".join(cfgs), bases,
                               check=lambda c: _rel(w4a16_linear(xs[0], ws8[name][0], config=c), ref))
             del xs
-        del ws, ws8, wb, tg
+        del ws, ws8, wsp, wb, tg
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -214,7 +242,7 @@ def sass_rows_gemv8() -> list[dict]:
 
     from lowbit.bench.memory import W4_MS, W4_NK
     from lowbit.ops.triton import w4a16 as w4
-    from lowbit.ops.weight_only import pick_config_planar8
+    from lowbit.ops.weight_only import pick_config_pairs, pick_config_planar8
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     rows = []
@@ -223,8 +251,12 @@ def sass_rows_gemv8() -> list[dict]:
     variants = [(M, has_z, "*bf16", pick_config_planar8(M, N, K, 128)) for M in W4_MS for has_z in (False, True)]
     variants += [(16, has_z, xt, dict(pick_config_planar8(16, N, K, 128), unpack=1))
                  for has_z in (False, True) for xt in ("*bf16", "*fp16")]
+    # the "pairs" kernel (layout="pairs") at the heuristic's choice for every M, and in fp16
+    variants += [(M, has_z, "*bf16", pick_config_pairs(M, N, K, 128)) for M in W4_MS for has_z in (False, True)]
+    variants += [(1, False, "*fp16", pick_config_pairs(1, N, K, 128))]
     for M, has_z, xt, cfg in variants:
-        fn = w4._w4a16_gemv8_kernel if cfg["kernel"] == "gemv8" else w4._w4a16_dot8_kernel
+        fn = {"gemv8": w4._w4a16_gemv8_kernel, "dot8": w4._w4a16_dot8_kernel,
+              "pairs": w4._w4a16_pairs_kernel}[cfg["kernel"]]
         sig = {"X": xt, "W": "*i32", "S": "*fp32", "Z": "*i8", "BIAS": "*fp32",
                "OUT": "*fp32" if cfg["split"] > 1 else "*bf16", "M": "i32", "N": "i32", "K": "i32",
                "K_SPLIT": "i32", "s_xm": "i32", "s_wn": "i32", "s_sn": "i32", "s_om": "i32"}
@@ -232,6 +264,9 @@ def sass_rows_gemv8() -> list[dict]:
                       BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], ATOMIC=cfg["split"] > 1, INTERP=False)
         if cfg["kernel"] == "gemv8":
             consts.update(EVEN_N=True, EVEN_M=M % cfg["BLOCK_M"] == 0)
+        elif cfg["kernel"] == "pairs":
+            del consts["C"]
+            consts.update(G=128, WARPS=cfg["num_warps"], V3=cfg["BLOCK_M"] >= 16)
         else:
             consts.update(UNPACK=cfg.get("unpack", 0))
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a not in ("M", "N")}
@@ -258,6 +293,8 @@ def sass_rows_gemv8() -> list[dict]:
                    # gemv8 handles BLOCK_M rows of x per weight (instructions per weight and row)
                    loop_instr=len(loop), loop_instr_per_weight=round(
                        len(loop) / per_step / (cfg["BLOCK_M"] if cfg["kernel"] == "gemv8" else 1), 2),
-                   loop_top=dict(collections.Counter(loop).most_common(8)))
+                   loop_top=dict(collections.Counter(loop).most_common(8)),
+                   # register shuffles in the K loop: layout conversions the pairs relabelling avoids
+                   loop_shuffles=sum(1 for op in loop if op in ("SHFL", "SEL", "PRMT")))
         rows.append(row)
     return rows

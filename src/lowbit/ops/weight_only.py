@@ -61,13 +61,15 @@ class W4Weight:
     chunk: int
     shape: tuple[int, int]
     qtensor: QTensor                     # the source, for references and checkpoints
-    layout: str = "planar_chunks"        # or "planar8" (int32 words, kernels "gemv8" / "dot8")
+    layout: str = "planar_chunks"        # or "planar8" (kernels "gemv8" / "dot8") or "pairs" (kernel "pairs")
 
     def metadata(self) -> dict:
         """The layout the kernel expects, for checkpoints and reports."""
-        nib = ("byte j of chunk c: low = code[c*chunk + j], high = code[c*chunk + chunk/2 + j]"
-               if self.layout == "planar_chunks" else
-               "little-endian int32 word t of chunk c: nibble p (bits 4p..4p+3) = code[c*chunk + p*chunk/8 + t]")
+        nib = {"planar_chunks": "byte j of chunk c: low = code[c*chunk + j], high = code[c*chunk + chunk/2 + j]",
+               "planar8": "little-endian int32 word t of chunk c: nibble p (bits 4p..4p+3) = code[c*chunk + p*chunk/8 + t]",
+               "pairs": "little-endian int32 word w of chunk c (128 codes): nibble i = code[c*128 + 32i + 2P], "
+                        "nibble i+4 = code[c*128 + 32i + 2P + 1], P = w2 + 2 w3 + 4 w0 + 8 w1 (bits of w)",
+               }[self.layout]
         return {"kernel": "lowbit.w4a16", "kind": self.kind, "group_size": self.group_size,
                 "layout": self.layout, "chunk": self.chunk, "nibbles": nib,
                 "int4_storage": "offset binary (code + 8)" if self.kind == "int4" else "as is",
@@ -103,8 +105,8 @@ def prepare_w4(wq: QTensor, layout: str = "planar_chunks") -> W4Weight:
     layout "planar_chunks" (default; kernels "dot" and "gemv") or "planar8" (int4 / uint4
     only; kernels "gemv8", the decode GEMV, and "dot8", its tensor-core twin): see the
     module docstring and lowbit/ops/triton/w4a16.py."""
-    if layout not in ("planar_chunks", "planar8"):
-        raise ValueError(f"prepare_w4: layout must be 'planar_chunks' or 'planar8', got {layout!r}")
+    if layout not in ("planar_chunks", "planar8", "pairs"):
+        raise ValueError(f"prepare_w4: layout must be 'planar_chunks', 'planar8' or 'pairs', got {layout!r}")
     if not isinstance(wq, QTensor):
         raise TypeError(f"prepare_w4: wq must be a lowbit QTensor (lowbit.quantize(w, scheme)), "
                         f"got {type(wq).__name__}")
@@ -120,6 +122,13 @@ def prepare_w4(wq: QTensor, layout: str = "planar_chunks") -> W4Weight:
             raise NotImplementedError(f"prepare_w4: layout 'planar8' takes int4 / uint4 weights, got {kind}; "
                                       "use layout='planar_chunks'")
         packed, chunk = _planar8(wq.codes, kind, wq.scheme.group_size), wq.scheme.group_size
+    elif layout == "pairs":
+        g = wq.scheme.group_size
+        if kind not in ("int4", "uint4") or K % 128 or (g > 128 and g % 128):
+            raise NotImplementedError(f"prepare_w4: layout 'pairs' takes int4 / uint4 weights with K a multiple "
+                                      f"of 128 and group 32, 64 or a multiple of 128, got {kind} K = {K} "
+                                      f"group {g}; use layout='planar_chunks'")
+        packed, chunk = _pairs_words(wq.codes, kind), 128
     else:
         packed, chunk = _planar(wq.codes, kind, wq.scheme.group_size)
     top = int(wq.scale_codes.max()) if kind == "mxfp4" and wq.scale_codes is not None and wq.scale_codes.numel() else 0
@@ -171,6 +180,27 @@ def _planar8(codes: torch.Tensor, kind: str, group: int) -> torch.Tensor:
         words |= u[:, :, p, :] << (4 * p)  # p = 7 sets bit 31: int32 wraps, the bits are what count
     # int32 -> 4 bytes, little-endian (the kernel reads int32 words on little-endian GPUs)
     b = torch.stack([(words >> (8 * i)) & 0xFF for i in range(4)], dim=-1).to(torch.uint8)
+    return b.reshape(N, K // 2).contiguous()
+
+
+def _pairs_words(codes: torch.Tensor, kind: str) -> torch.Tensor:
+    """codes [N, K] (K % 128 == 0) -> uint8 [N, K/2] holding little-endian int32 words [N, K/8]
+    in the "pairs" layout (lowbit/ops/triton/w4a16.py): chunk c of 128 codes = 16 words = 4
+    planes of 32 codes; word w holds, for each plane i, codes 2P and 2P + 1 of the plane in
+    nibbles i and i + 4, where P = w2 + 2 w3 + 4 w0 + 8 w1 (w's bits: the pair the wgmma
+    operand order puts at word w, see _pairs_relabel)."""
+    N, K = codes.shape
+    u = codes.to(torch.int32)
+    if kind == "int4":
+        u = u + 8  # offset binary: 0..15
+    u = u.reshape(N, K // 128, 4, 16, 2)                  # [n, c, plane i, pair P, b]
+    w = torch.arange(16)
+    pair = ((w >> 2) & 1) + 2 * ((w >> 3) & 1) + 4 * (w & 1) + 8 * ((w >> 1) & 1)
+    u = u[:, :, :, pair.to(codes.device), :]              # [n, c, i, word w, b]
+    words = torch.zeros(N, K // 128, 16, dtype=torch.int32, device=codes.device)
+    for i in range(4):
+        words |= (u[:, :, i, :, 0] << (4 * i)) | (u[:, :, i, :, 1] << (16 + 4 * i))  # bit 31 wraps: bits count
+    b = torch.stack([(words >> (8 * k)) & 0xFF for k in range(4)], dim=-1).to(torch.uint8)
     return b.reshape(N, K // 2).contiguous()
 
 
@@ -233,6 +263,28 @@ def pick_config_gemv8(M: int, N: int, K: int, group: int, *, interpret: bool = F
     split = 1 if interpret else _split_k(-(-N // bn) * -(-M // bm), steps, 2 * _SMS)
     return {"kernel": "gemv8", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
             "split": split, "num_warps": 4, "num_stages": 1}
+
+
+def pick_config_pairs(M: int, N: int, K: int, group: int, *, interpret: bool = False) -> dict:
+    """Tiles of the "pairs" kernel (lowbit/ops/triton/w4a16.py), reasoned from sm_90 SASS
+    counts (~2.2 instructions per weight in the K loop at 1..16 rows, ~2.8 at 64):
+    BLOCK_M = M rounded up to a power of two (1..8: mma v2, x padded to 8 columns; 16..64:
+    wgmma), BLOCK_N 128 with 4 warps (the row relabelling assumes BLOCK_N % (16 * warps) == 0),
+    BLOCK_K 512 codes at up to 8 rows (several 16-byte loads in flight per thread), 256 above;
+    split-K until >= 2 programs per SM with >= 2 loop steps each."""
+    bm = 1
+    while bm < min(M, 64):
+        bm *= 2
+    warps = 1 if interpret else 4
+    bn = 16 if interpret else 128
+    bk = 128 if interpret else (512 if bm <= 8 else 256)
+    bk = max(bk, group)
+    while K % bk and bk > 128:
+        bk //= 2
+    steps = K // bk
+    split = 1 if interpret else _split_k(-(-N // bn) * -(-M // bm), steps, 2 * _SMS)
+    return {"kernel": "pairs", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "split": split,
+            "num_warps": warps, "num_stages": 1}
 
 
 def pick_config(M: int, N: int, K: int, kind: str, group: int, chunk: int, *, interpret: bool = False) -> dict:
@@ -312,6 +364,8 @@ def _launch(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> torch.
     N = w.shape[0]
     if w.layout == "planar8" or (config or {}).get("kernel") in ("gemv8", "dot8"):
         return _launch_planar8(x2, w, bias, config, interp)
+    if w.layout == "pairs" or (config or {}).get("kernel") == "pairs":
+        return _launch_pairs(x2, w, bias, config, interp)
     cfg = dict(pick_config(M, N, K, w.kind, w.group_size, w.chunk, interpret=interp))
     if config:
         cfg.update(config)
@@ -367,6 +421,52 @@ def dequantize_w4(w: W4Weight, dtype: torch.dtype) -> torch.Tensor:
         w.scale_codes if w.scale_codes is not None else dummy, out, N, K,
         w.packed.stride(0), per_group.stride(0), out.stride(0),
         WFMT=wfmt, HAS_Z=w.zero_point is not None, G=w.group_size, C=w.chunk, BLOCK_N=bn, num_warps=4)
+    return out
+
+
+def _launch_pairs(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> torch.Tensor:
+    """The "pairs" kernel on a weight prepared with layout="pairs" (lowbit/ops/triton/w4a16.py)."""
+    import triton
+
+    from lowbit.ops.triton import w4a16 as k
+    from lowbit.ops.triton.common import launch
+
+    M, K = x2.shape
+    N = w.shape[0]
+    if w.layout != "pairs":
+        raise ValueError("w4a16_linear: kernel 'pairs' needs a weight prepared with prepare_w4(wq, layout='pairs')")
+    cfg = dict(pick_config_pairs(M, N, K, w.group_size, interpret=interp))
+    if config:
+        cfg.update(config)
+    if cfg["kernel"] != "pairs":
+        raise ValueError(f"w4a16_linear: a 'pairs' weight runs kernel 'pairs', config asks for {cfg['kernel']!r}; "
+                         "prepare the weight with layout='planar_chunks' for it")
+    bm, bn, bk, split, warps = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["split"], cfg["num_warps"]
+    if K % (bk * split) or bk % 128 or bk % w.group_size:
+        raise ValueError(f"w4a16_linear: config BLOCK_K={bk}, split={split} does not divide K = {K} (or BLOCK_K "
+                         f"is not a multiple of 128 and of the group size {w.group_size})")
+    if bm & (bm - 1) or bm > 64:
+        raise ValueError(f"w4a16_linear: pairs BLOCK_M must be a power of two <= 64, got {bm}")
+    if bn % (16 * warps) or bn & (bn - 1):
+        raise ValueError(f"w4a16_linear: pairs BLOCK_N must be a power of two and a multiple of 16 * num_warps "
+                         f"(the row relabelling), got BLOCK_N={bn}, num_warps={warps}")
+    atomic = split > 1
+    dev = x2.device
+    out = (torch.zeros if atomic else torch.empty)(M, N, device=dev,
+                                                   dtype=torch.float32 if atomic else x2.dtype)
+    dummy = torch.empty(1, device=dev, dtype=torch.float32)
+    words = w.packed.view(torch.int32)  # [N, K/8]
+    launch(k._w4a16_pairs_kernel, (triton.cdiv(N, bn), split, triton.cdiv(M, bm)),
+           x2, words, w.scale, w.zero_point if w.zero_point is not None else dummy,
+           bias if (bias is not None and not atomic) else dummy, out,
+           M, N, K, K // split, x2.stride(0), words.stride(0), w.scale.stride(0), out.stride(0),
+           SIGNED=w.kind == "int4", HAS_Z=w.zero_point is not None, HAS_BIAS=bias is not None and not atomic,
+           G=w.group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ATOMIC=atomic, WARPS=warps, V3=bm >= 16,
+           INTERP=interp, num_warps=warps, num_stages=cfg["num_stages"])
+    if atomic:
+        if bias is not None:
+            out = out + bias.float()
+        out = out.to(x2.dtype)
     return out
 
 

@@ -488,3 +488,173 @@ def _w4_dequant_kernel(W, S, Z, SC, OUT, N, K, s_wn, s_sn, s_on,
     ty = OUT.dtype.element_ty
     tl.store(o, round_to(va, ty), mask=n_ok[:, None])
     tl.store(o + C // 2, round_to(vb, ty), mask=n_ok[:, None])
+
+
+# ------------------------------------------------------------------------------------------
+# "pairs": tensor cores fed straight from registers, for every M (decode and up to 64 rows),
+# int4 / uint4 at group 32, 64 or a multiple of 128 (lowbit.ops.weight_only.prepare_w4(wq,
+# layout="pairs")). Little-endian int32 words [N, K / 8]; a chunk of 128 codes is 16 words
+# and 4 planes of 32 codes (plane i: codes 32i .. 32i + 31 of the chunk, a contiguous run of
+# x). Word w holds, for each plane i, the two ADJACENT codes 2P and 2P + 1 of pair P of the
+# plane: code 2P in nibble i (bits 4i..4i+3), code 2P + 1 in nibble i + 4 (bits 16+4i..). So one
+# lop3 on (word >> 4i) gives a packed 16-bit pair (2^e + u_2P, 2^e + u_2P+1) and one packed
+# subtraction the exact pair (q - z) -- which is exactly what a tensor-core operand register
+# holds: two consecutive K values of one row. About 11 instructions per 8 weights instead of
+# ~25 (gemv8's float32 lop3 + FADD + FFMA), and no register shuffles if the words already sit
+# where the mma operand wants them:
+#
+# The kernel computes out^T = W x^T (weights as the mma's A operand: 16 weight rows per
+# instruction, x padded to the instruction's 8 / 16 columns). A coalesced 16-byte load gives
+# a thread 4 consecutive words of one row; the A operand layout wants, per thread, rows g and
+# g + 8 and (in Triton's mma v2, kWidth 4) pairs {P, P + 1, P + 8, P + 9}-like patterns. Any
+# consistent permutation of the weight rows and of K gives the same sums, so the kernel
+# RELABELS the loaded tile (a reshape / permute that moves no data: _pairs_relabel) so that
+# logical row n and logical pair P sit where the mma wants them, and then
+#   - loads per-row data (scales, zero points) and stores outputs at the rows' physical
+#     indices (_pairs_row_perm);
+#   - the words' content makes logical pair P of the wgmma order (M >= 16) hold codes 2P,
+#     2P + 1 of the plane (the layout's word order, weight_only._pairs_words), so x -- many
+#     rows there -- is read contiguously; for mma v2 (M <= 8: a different K order, one to
+#     eight rows of x) x is relabelled too (_pairs_x).
+# The permutation is pure index arithmetic: correctness never depends on Triton's layout
+# choice (the interpreter runs the same relabelling); only the speed does (sm_90 SASS counts:
+# python -m lowbit.bench.memory --sass, no shuffles in the K loop).
+# Exactness: as gemv8 / dot8 (exact q - z in bf16 / fp16, exact products, float32
+# accumulation, one scale product per group), so the same error bound holds.
+# ------------------------------------------------------------------------------------------
+@triton.jit
+def _pairs_row_perm(j, WARPS: tl.constexpr):
+    """Physical row (within the tile) of logical row j: a 16-byte load spreads rows as
+    lane + 8 warp + 8 WARPS reg; the mma A operand wants lane + 8 reg_lo + 16 warp + 16 WARPS reg_hi."""
+    lane = j % 8
+    r_lo = (j // 8) % 2
+    warp = (j // 16) % WARPS
+    r_hi = j // (16 * WARPS)
+    return lane + 8 * warp + 8 * WARPS * (r_lo + 2 * r_hi)
+
+
+@triton.jit
+def _pairs_relabel(wd, BLOCK_N: tl.constexpr, WARPS: tl.constexpr, V3: tl.constexpr):
+    """wd [BN, 16] words in load order -> [BN, 16] with logical rows (_pairs_row_perm) and
+    logical pairs: word w = (w3 w2 w1 w0 in bits) is pair P = (w1 w3 w2 w0) for mma v2 and
+    (w1 w0 w3 w2) for wgmma (V3), the order each operand layout takes from a thread's 4
+    consecutive words and its lane."""
+    t = tl.reshape(wd, (BLOCK_N // (16 * WARPS), 2, WARPS, 8, 2, 2, 2, 2))
+    if V3:
+        t = tl.permute(t, (0, 2, 1, 3, 6, 7, 4, 5))
+    else:
+        t = tl.permute(t, (0, 2, 1, 3, 6, 4, 5, 7))
+    return tl.reshape(t, (BLOCK_N, 16))
+
+
+@triton.jit
+def _pairs_x(xp, BLOCK_M: tl.constexpr, V3: tl.constexpr):
+    """x [BM, 32] of a plane (loaded contiguously) in the dot's logical K order: as is for
+    wgmma (the words' content is laid out for its order); for mma v2, logical pair P = (P3 P2
+    P1 P0) sits on the word holding pair (P3 P0 P2 P1), so x is relabelled the same way."""
+    if V3:
+        return xp
+    t = tl.permute(tl.reshape(xp, (BLOCK_M, 2, 2, 2, 2, 2)), (0, 1, 3, 4, 2, 5))
+    return tl.reshape(t, (BLOCK_M, 32))
+
+
+@triton.jit
+def _pairs_plane(wd, cpair, off, i: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
+                 INTERP: tl.constexpr):
+    """Plane i of the (relabelled) words wd [BN, 16]: [BN, 32] exact q - z (pairs 2P, 2P + 1 side
+    by side). GPU: one lop3 + one packed subtraction per pair (_half2_planes); the interpreter
+    (no inline PTX): the same values in float32 (off [BN, 16]: the integer offset 8 + z / z)."""
+    if INTERP:
+        lo = ((wd >> (4 * i)) & 15).to(tl.float32) - off
+        hi = ((wd >> (16 + 4 * i)) & 15).to(tl.float32) - off
+    else:
+        lo, hi = _half2_planes(wd, cpair, i, HALF)
+    return tl.reshape(tl.join(lo, hi), (BLOCK_N, 32))
+
+
+@triton.jit
+def _pairs_offset(Z, zidx, z_ok, SIGNED: tl.constexpr, HAS_Z: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HALF: tl.constexpr, WARPS: tl.constexpr, V3: tl.constexpr):
+    """(offset [BN, 16] int32, packed 16-bit pair of 2^e + offset [BN, 16]) for one group, in the
+    relabelled words' order: offset = 8 (int4 offset binary) or 0, plus the zero point, loaded
+    per PHYSICAL row (zidx [BN, 16]: the row's zero-point index plus the column, only column 0
+    read: a load whose pointers run along the words' 16 columns takes their register layout,
+    see _row_value) and broadcast along the columns before the relabelling, which then moves
+    no data (a 1-D load would be shuffled into place); 2^e = 128 (bf16) / 1024 (fp16)."""
+    if SIGNED:
+        off = tl.full((BLOCK_N, 16), 8, tl.int32)
+    else:
+        off = tl.zeros((BLOCK_N, 16), tl.int32)
+    if HAS_Z:
+        col = tl.arange(0, 16)[None, :]
+        z = tl.sum(tl.load(Z + zidx, mask=z_ok & (col == 0), other=0).to(tl.int32), axis=1, keep_dims=True)
+        off += _pairs_relabel(tl.broadcast_to(z, (BLOCK_N, 16)), BLOCK_N, WARPS, V3)
+    if HALF == 1:
+        bits = 0x4300 | off
+    else:
+        bits = 0x6400 | off
+    return off, bits * 65537
+
+
+@triton.jit
+def _w4a16_pairs_kernel(
+    X, W, S, Z, BIAS, OUT, M, N, K, K_SPLIT, s_xm, s_wn, s_sn, s_om,
+    SIGNED: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, G: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr,
+    WARPS: tl.constexpr, V3: tl.constexpr, INTERP: tl.constexpr,
+):
+    """Grid (cdiv(N, BLOCK_N), split, cdiv(M, BLOCK_M)); each program covers K_SPLIT codes (a
+    multiple of BLOCK_K, itself a multiple of 128 and of G) from pid_k * K_SPLIT for BLOCK_M
+    rows of x. X [M, K] bf16/fp16; W int32 [N, K/8] ("pairs"); S fp32 [N, K/G]; Z int8
+    [N, K/G]; OUT [M, N] (float32 when ATOMIC). BLOCK_N a multiple of 16 * WARPS (WARPS =
+    num_warps); V3: the dot is a wgmma (BLOCK_M >= 16), which orders K differently."""
+    HALF: tl.constexpr = 1 if X.dtype.element_ty == tl.bfloat16 else 2
+    PG: tl.constexpr = G // 32 if G < 128 else 4       # planes per scale group inside a chunk
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    j = tl.arange(0, BLOCK_N)
+    phys = pid_n * BLOCK_N + j                           # rows in load order
+    offs_n = pid_n * BLOCK_N + _pairs_row_perm(j, WARPS)  # logical row -> its physical row
+    n_ok = offs_n < N
+    n64 = offs_n.to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    t = tl.arange(0, 16)
+    k_lo = tl.multiple_of(pid_k * K_SPLIT, 128)
+    w_ptr = W + phys.to(tl.int64)[:, None] * s_wn + (tl.multiple_of(k_lo // 8, 16) + t)[None, :]
+    w_ok = (phys < N)[:, None]
+    z_row = phys.to(tl.int64)[:, None] * s_sn + t[None, :]         # [BN, 16] zero-point index (+ column), physical rows
+    x_ptr = X + offs_m.to(tl.int64)[:, None] * s_xm + (k_lo + tl.arange(0, 32))[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for kk in range(0, K_SPLIT, BLOCK_K):
+        for ci in tl.static_range(BLOCK_K // 128):
+            kc = k_lo + kk + ci * 128                    # chunk start
+            wd = tl.load(w_ptr + ci * 16, mask=w_ok, other=0, eviction_policy="evict_first")
+            wd = _pairs_relabel(wd, BLOCK_N, WARPS, V3)
+            part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for i in tl.static_range(4):
+                gidx = n64 * s_sn + (kc + 32 * i) // G
+                if i % PG == 0:                          # a scale group starts at this plane
+                    off, cpair = _pairs_offset(Z, z_row + (kc + 32 * i) // G, w_ok, SIGNED, HAS_Z, BLOCK_N, HALF,
+                                               WARPS, V3)
+                    part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                f = _pairs_plane(wd, cpair, off.to(tl.float32), i, HALF, BLOCK_N, INTERP)
+                xp = _pairs_x(tl.load(x_ptr + (kk + ci * 128 + 32 * i), mask=m_ok[:, None], other=0.0),
+                              BLOCK_M, V3)   # [BM, 32]
+                if INTERP:  # the interpreter has no bf16 dot: float32 operands (exact values)
+                    part = tl.dot(f, tl.trans(xp.to(tl.float32)), part)
+                else:
+                    part = tl.dot(f, tl.trans(xp), part)
+                if i % PG == PG - 1:                     # ... and ends here: scale it once
+                    s = tl.load(S + gidx, mask=n_ok, other=0.0)
+                    acc += part * s[:, None]
+        w_ptr += BLOCK_K // 8
+    o_ptr = OUT + offs_m[None, :].to(tl.int64) * s_om + offs_n[:, None]
+    o_ok = n_ok[:, None] & m_ok[None, :]
+    if ATOMIC:
+        tl.atomic_add(o_ptr, acc, mask=o_ok, sem="relaxed")
+    else:
+        if HAS_BIAS:
+            acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(o_ptr, round_to(acc, OUT.dtype.element_ty), mask=o_ok)
