@@ -31,9 +31,9 @@ GEMV8_SWEEP = ((128, 4, None), (128, 4, 1), (128, 4, 2), (128, 4, 4), (64, 2, 2)
                (32, 1, 1))
 DOT_SWEEP = ((32, 1), (32, 2), (64, 1), (64, 2))  # default kernel: (BLOCK_N, split)
 # pairs sweep at M = 1 and 16: (BLOCK_N, BLOCK_K, num_warps, split, num_stages); None = the heuristic's
-PAIRS_SWEEP = ((128, None, 4, None, 1), (128, 256, 4, None, 1), (128, 512, 4, None, 2), (128, None, 4, 2, 1),
-               (128, None, 4, 4, 1), (128, None, 4, 16, 1), (256, None, 8, None, 1), (64, None, 4, None, 1),
-               (128, 1024, 4, None, 1))
+PAIRS_SWEEP = ((128, None, 4, None, 1), (128, 128, 4, None, 1), (128, None, 4, 4, 1), (128, None, 4, 8, 1),
+               (128, 128, 4, 16, 1), (128, None, 4, 16, 1), (256, None, 8, None, 1), (64, None, 4, None, 1),
+               (64, 128, 4, 8, 1), (128, None, 4, None, 2))
 # dot8 sweep at M = 16: (BLOCK_N, BLOCK_K, num_warps, split); split None = the heuristic's
 DOT8_SWEEP = ((128, 256, 4, None, 0), (128, 256, 4, 1, 0), (128, 256, 4, 2, 0), (128, 256, 8, None, 0),
               (64, 256, 4, None, 0), (64, 512, 4, 1, 0), (128, 128, 4, None, 0),
@@ -265,8 +265,11 @@ def sass_rows_gemv8() -> list[dict]:
         if cfg["kernel"] == "gemv8":
             consts.update(EVEN_N=True, EVEN_M=M % cfg["BLOCK_M"] == 0)
         elif cfg["kernel"] == "pairs":
-            del consts["C"]
-            consts.update(G=128, WARPS=cfg["num_warps"], V3=cfg["BLOCK_M"] >= 16)
+            del consts["C"], consts["ATOMIC"]
+            consts.update(G=128, SPLIT=cfg["split"], WARPS=cfg["num_warps"], V3=cfg["BLOCK_M"] >= 16)
+            sig = dict(sig, OUT=xt, PART="*fp32", LOCK="*i32")
+            sig = {k: sig[k] for k in ("X", "W", "S", "Z", "BIAS", "OUT", "PART", "LOCK", "M", "N", "K", "K_SPLIT",
+                                       "s_xm", "s_wn", "s_sn", "s_om")}
         else:
             consts.update(UNPACK=cfg.get("unpack", 0))
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a not in ("M", "N")}

@@ -270,19 +270,20 @@ def pick_config_pairs(M: int, N: int, K: int, group: int, *, interpret: bool = F
     counts (~2.2 instructions per weight in the K loop at 1..16 rows, ~2.8 at 64):
     BLOCK_M = M rounded up to a power of two (1..8: mma v2, x padded to 8 columns; 16..64:
     wgmma), BLOCK_N 128 with 4 warps (the row relabelling assumes BLOCK_N % (16 * warps) == 0),
-    BLOCK_K 512 codes at up to 8 rows (several 16-byte loads in flight per thread), 256 above;
-    split-K until >= 2 programs per SM with >= 2 loop steps each."""
+    BLOCK_K 256 codes (two chunks; the next step's words are loaded while this one computes),
+    128 at 64 rows;
+    split-K until >= 4 programs per SM with >= 2 loop steps each (the first H200 sweep, before
+    the prefetch: split 8 at N = 8192 and M = 1 / 16 was the fastest, 2 and 4 1.4-2.5x slower:
+    the kernel needs many warps per SM to hide latency)."""
     bm = 1
     while bm < min(M, 64):
         bm *= 2
     warps = 1 if interpret else 4
     bn = 16 if interpret else 128
-    bk = 128 if interpret else (512 if bm <= 8 else 256)
-    bk = max(bk, group)
-    while K % bk and bk > 128:
-        bk //= 2
+    # 64 rows: one chunk per step (two spill: 255 registers, local loads in the sm_90 K loop)
+    bk = 128 if interpret or K % 256 or bm >= 64 else 256
     steps = K // bk
-    split = 1 if interpret else _split_k(-(-N // bn) * -(-M // bm), steps, 2 * _SMS)
+    split = 1 if interpret else _split_k(-(-N // bn) * -(-M // bm), steps, 4 * _SMS)
     return {"kernel": "pairs", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "split": split,
             "num_warps": warps, "num_stages": 1}
 
@@ -424,6 +425,22 @@ def dequantize_w4(w: W4Weight, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+_SPLIT_LOCKS: dict = {}
+
+
+def _split_locks(device: torch.device, tiles: int) -> torch.Tensor:
+    """A zeroed int32 counter per output tile for the pairs kernel's split-K (one buffer per
+    device and stream; each call's last program per tile resets its counter to 0). Grown, never
+    shrunk; allocated on first use (a call inside CUDA-graph capture after an eager warm-up
+    finds it made)."""
+    key = (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    buf = _SPLIT_LOCKS.get(key)
+    if buf is None or buf.numel() < tiles:
+        buf = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+        _SPLIT_LOCKS[key] = buf
+    return buf
+
+
 def _launch_pairs(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> torch.Tensor:
     """The "pairs" kernel on a weight prepared with layout="pairs" (lowbit/ops/triton/w4a16.py)."""
     import triton
@@ -438,35 +455,36 @@ def _launch_pairs(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> 
     cfg = dict(pick_config_pairs(M, N, K, w.group_size, interpret=interp))
     if config:
         cfg.update(config)
+        if "split" in config and "BLOCK_K" not in config and K % (cfg["BLOCK_K"] * cfg["split"]):
+            cfg["BLOCK_K"] = 128  # a split asked for without a tile: the smallest step (refused below if it
+            # still does not divide K)
     if cfg["kernel"] != "pairs":
         raise ValueError(f"w4a16_linear: a 'pairs' weight runs kernel 'pairs', config asks for {cfg['kernel']!r}; "
                          "prepare the weight with layout='planar_chunks' for it")
     bm, bn, bk, split, warps = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["split"], cfg["num_warps"]
-    if K % (bk * split) or bk % 128 or bk % w.group_size:
-        raise ValueError(f"w4a16_linear: config BLOCK_K={bk}, split={split} does not divide K = {K} (or BLOCK_K "
-                         f"is not a multiple of 128 and of the group size {w.group_size})")
+    if bk not in (128, 256) or K % (bk * split):
+        raise ValueError(f"w4a16_linear: pairs config BLOCK_K={bk}, split={split}: BLOCK_K must be 128 or 256 "
+                         f"and BLOCK_K * split must divide K = {K}")
     if bm & (bm - 1) or bm > 64:
         raise ValueError(f"w4a16_linear: pairs BLOCK_M must be a power of two <= 64, got {bm}")
     if bn % (16 * warps) or bn & (bn - 1):
         raise ValueError(f"w4a16_linear: pairs BLOCK_N must be a power of two and a multiple of 16 * num_warps "
                          f"(the row relabelling), got BLOCK_N={bn}, num_warps={warps}")
-    atomic = split > 1
     dev = x2.device
-    out = (torch.zeros if atomic else torch.empty)(M, N, device=dev,
-                                                   dtype=torch.float32 if atomic else x2.dtype)
-    dummy = torch.empty(1, device=dev, dtype=torch.float32)
+    out = torch.empty(M, N, device=dev, dtype=x2.dtype)
+    grid = (triton.cdiv(N, bn), split, triton.cdiv(M, bm))
+    if split > 1:
+        part = torch.empty(split, M, N, device=dev, dtype=torch.float32)
+        locks = _split_locks(dev, grid[0] * grid[2])
+    else:
+        part = locks = torch.empty(1, device=dev, dtype=torch.float32)
     words = w.packed.view(torch.int32)  # [N, K/8]
-    launch(k._w4a16_pairs_kernel, (triton.cdiv(N, bn), split, triton.cdiv(M, bm)),
-           x2, words, w.scale, w.zero_point if w.zero_point is not None else dummy,
-           bias if (bias is not None and not atomic) else dummy, out,
-           M, N, K, K // split, x2.stride(0), words.stride(0), w.scale.stride(0), out.stride(0),
-           SIGNED=w.kind == "int4", HAS_Z=w.zero_point is not None, HAS_BIAS=bias is not None and not atomic,
-           G=w.group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ATOMIC=atomic, WARPS=warps, V3=bm >= 16,
+    launch(k._w4a16_pairs_kernel, grid,
+           x2, words, w.scale, w.zero_point if w.zero_point is not None else part, bias if bias is not None else part,
+           out, part, locks, M, N, K, K // split, x2.stride(0), words.stride(0), w.scale.stride(0), out.stride(0),
+           SIGNED=w.kind == "int4", HAS_Z=w.zero_point is not None, HAS_BIAS=bias is not None,
+           G=w.group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, WARPS=warps, V3=bm >= 16,
            INTERP=interp, num_warps=warps, num_stages=cfg["num_stages"])
-    if atomic:
-        if bias is not None:
-            out = out + bias.float()
-        out = out.to(x2.dtype)
     return out
 
 

@@ -597,19 +597,63 @@ def _pairs_offset(Z, zidx, z_ok, SIGNED: tl.constexpr, HAS_Z: tl.constexpr, BLOC
 
 
 @triton.jit
+def _pairs_chunk(acc, wd, kc, kx, X_ROWS, S, Z, z_row, w_ok, n64, n_ok, m_ok, s_sn,
+                 SIGNED: tl.constexpr, HAS_Z: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, WARPS: tl.constexpr, V3: tl.constexpr, HALF: tl.constexpr,
+                 INTERP: tl.constexpr):
+    """acc [BN, BM] + the chunk of 128 codes starting at code kc (words wd [BN, 16] as loaded;
+    x at X_ROWS [BM, 32] pointers + kx, the chunk's offset in this program's K range): four
+    planes, one dot each, each scale group's partial scaled once (PG planes per group)."""
+    PG: tl.constexpr = G // 32 if G < 128 else 4
+    wd = _pairs_relabel(wd, BLOCK_N, WARPS, V3)
+    part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for i in tl.static_range(4):
+        if i % PG == 0:                          # a scale group starts at this plane
+            off, cpair = _pairs_offset(Z, z_row + (kc + 32 * i) // G, w_ok, SIGNED, HAS_Z, BLOCK_N, HALF,
+                                       WARPS, V3)
+            part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        f = _pairs_plane(wd, cpair, off.to(tl.float32), i, HALF, BLOCK_N, INTERP)
+        xp = _pairs_x(tl.load(X_ROWS + (kx + 32 * i), mask=m_ok[:, None], other=0.0), BLOCK_M, V3)   # [BM, 32]
+        if INTERP:  # the interpreter has no bf16 dot: float32 operands (exact values)
+            part = tl.dot(f, tl.trans(xp.to(tl.float32)), part)
+        else:
+            part = tl.dot(f, tl.trans(xp), part)
+        if i % PG == PG - 1:                     # ... and ends here: scale it once
+            s = tl.load(S + n64 * s_sn + (kc + 32 * i) // G, mask=n_ok, other=0.0)
+            acc += part * s[:, None]
+    return acc
+
+
+@triton.jit
+def _fence_gpu(v):
+    """A gpu-scope acquire-release fence in every thread (v: any int32 tensor, returned): the
+    split-K partials one program stores are visible to the program that sums them. The
+    interpreter runs programs one after another: no fence needed."""
+    return tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [v], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
 def _w4a16_pairs_kernel(
-    X, W, S, Z, BIAS, OUT, M, N, K, K_SPLIT, s_xm, s_wn, s_sn, s_om,
+    X, W, S, Z, BIAS, OUT, PART, LOCK, M, N, K, K_SPLIT, s_xm, s_wn, s_sn, s_om,
     SIGNED: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, G: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     WARPS: tl.constexpr, V3: tl.constexpr, INTERP: tl.constexpr,
 ):
-    """Grid (cdiv(N, BLOCK_N), split, cdiv(M, BLOCK_M)); each program covers K_SPLIT codes (a
-    multiple of BLOCK_K, itself a multiple of 128 and of G) from pid_k * K_SPLIT for BLOCK_M
+    """Grid (cdiv(N, BLOCK_N), SPLIT, cdiv(M, BLOCK_M)); each program covers K_SPLIT codes (a
+    multiple of BLOCK_K = 128 or 256, itself a multiple of G) from pid_k * K_SPLIT for BLOCK_M
     rows of x. X [M, K] bf16/fp16; W int32 [N, K/8] ("pairs"); S fp32 [N, K/G]; Z int8
-    [N, K/G]; OUT [M, N] (float32 when ATOMIC). BLOCK_N a multiple of 16 * WARPS (WARPS =
-    num_warps); V3: the dot is a wgmma (BLOCK_M >= 16), which orders K differently."""
+    [N, K/G]; OUT [M, N] in x's dtype. BLOCK_N a multiple of 16 * WARPS (WARPS = num_warps);
+    V3: the dot is a wgmma (BLOCK_M >= 16), which orders K differently.
+    The next step's words are loaded before the current step is computed (registers: the
+    loads are in flight while the tensor cores work; Triton's num_stages pipelining goes
+    through shared memory and was slower on the H200).
+    Split-K (SPLIT > 1) without atomics on the output and without extra kernels: each program
+    stores its float32 partial in PART [SPLIT, M, N]; the last of a tile's SPLIT programs
+    (a counter in LOCK [tiles] int32, zero between calls: the last program resets it) adds
+    the partials in the order 0..SPLIT-1 -- the same sums on every run -- adds the bias and
+    writes OUT."""
     HALF: tl.constexpr = 1 if X.dtype.element_ty == tl.bfloat16 else 2
-    PG: tl.constexpr = G // 32 if G < 128 else 4       # planes per scale group inside a chunk
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -625,36 +669,49 @@ def _w4a16_pairs_kernel(
     w_ptr = W + phys.to(tl.int64)[:, None] * s_wn + (tl.multiple_of(k_lo // 8, 16) + t)[None, :]
     w_ok = (phys < N)[:, None]
     z_row = phys.to(tl.int64)[:, None] * s_sn + t[None, :]         # [BN, 16] zero-point index (+ column), physical rows
-    x_ptr = X + offs_m.to(tl.int64)[:, None] * s_xm + (k_lo + tl.arange(0, 32))[None, :]
+    x_rows = X + offs_m.to(tl.int64)[:, None] * s_xm + (k_lo + tl.arange(0, 32))[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    wa = tl.load(w_ptr, mask=w_ok, other=0, eviction_policy="evict_first")
+    if BLOCK_K == 256:
+        wb = tl.load(w_ptr + 16, mask=w_ok, other=0, eviction_policy="evict_first")
+    else:
+        wb = wa
     for kk in range(0, K_SPLIT, BLOCK_K):
-        for ci in tl.static_range(BLOCK_K // 128):
-            kc = k_lo + kk + ci * 128                    # chunk start
-            wd = tl.load(w_ptr + ci * 16, mask=w_ok, other=0, eviction_policy="evict_first")
-            wd = _pairs_relabel(wd, BLOCK_N, WARPS, V3)
-            part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for i in tl.static_range(4):
-                gidx = n64 * s_sn + (kc + 32 * i) // G
-                if i % PG == 0:                          # a scale group starts at this plane
-                    off, cpair = _pairs_offset(Z, z_row + (kc + 32 * i) // G, w_ok, SIGNED, HAS_Z, BLOCK_N, HALF,
-                                               WARPS, V3)
-                    part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                f = _pairs_plane(wd, cpair, off.to(tl.float32), i, HALF, BLOCK_N, INTERP)
-                xp = _pairs_x(tl.load(x_ptr + (kk + ci * 128 + 32 * i), mask=m_ok[:, None], other=0.0),
-                              BLOCK_M, V3)   # [BM, 32]
-                if INTERP:  # the interpreter has no bf16 dot: float32 operands (exact values)
-                    part = tl.dot(f, tl.trans(xp.to(tl.float32)), part)
-                else:
-                    part = tl.dot(f, tl.trans(xp), part)
-                if i % PG == PG - 1:                     # ... and ends here: scale it once
-                    s = tl.load(S + gidx, mask=n_ok, other=0.0)
-                    acc += part * s[:, None]
+        more = w_ok & (kk + BLOCK_K < K_SPLIT)
+        na = tl.load(w_ptr + BLOCK_K // 8, mask=more, other=0, eviction_policy="evict_first")
+        if BLOCK_K == 256:
+            nb = tl.load(w_ptr + BLOCK_K // 8 + 16, mask=more, other=0, eviction_policy="evict_first")
+        else:
+            nb = na
+        acc = _pairs_chunk(acc, wa, k_lo + kk, kk, x_rows, S, Z, z_row, w_ok, n64, n_ok, m_ok, s_sn,
+                           SIGNED, HAS_Z, G, BLOCK_M, BLOCK_N, WARPS, V3, HALF, INTERP)
+        if BLOCK_K == 256:
+            acc = _pairs_chunk(acc, wb, k_lo + kk + 128, kk + 128, x_rows, S, Z, z_row, w_ok, n64, n_ok, m_ok,
+                               s_sn, SIGNED, HAS_Z, G, BLOCK_M, BLOCK_N, WARPS, V3, HALF, INTERP)
+        wa = na
+        wb = nb
         w_ptr += BLOCK_K // 8
-    o_ptr = OUT + offs_m[None, :].to(tl.int64) * s_om + offs_n[:, None]
+    o_off = offs_m[None, :].to(tl.int64) * s_om + offs_n[:, None]
     o_ok = n_ok[:, None] & m_ok[None, :]
-    if ATOMIC:
-        tl.atomic_add(o_ptr, acc, mask=o_ok, sem="relaxed")
+    if SPLIT > 1:
+        p_off = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+        tl.store(PART + pid_k * M * N + p_off, acc, mask=o_ok)
+        tile = pid_m * tl.num_programs(0) + pid_n
+        if not INTERP:
+            _fence_gpu(t)
+        tl.debug_barrier()
+        done = tl.atomic_add(LOCK + tile, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT - 1:                            # the tile's last program: sum in order
+            if not INTERP:
+                _fence_gpu(t)
+            acc = tl.load(PART + p_off, mask=o_ok, other=0.0, cache_modifier=".cg")
+            for r in tl.static_range(1, SPLIT):
+                acc += tl.load(PART + r * M * N + p_off, mask=o_ok, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(OUT + o_off, round_to(acc, OUT.dtype.element_ty), mask=o_ok)
+            tl.atomic_xchg(LOCK + tile, 0, sem="relaxed", scope="gpu")
     else:
         if HAS_BIAS:
             acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        tl.store(o_ptr, round_to(acc, OUT.dtype.element_ty), mask=o_ok)
+        tl.store(OUT + o_off, round_to(acc, OUT.dtype.element_ty), mask=o_ok)
