@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from lowbit.ops.weight_only import prepare_w4, w4a16_linear, w4a16_reference
+from lowbit.ops.weight_only import dequantize_w4, prepare_w4, w4a16_linear, w4a16_reference
 from lowbit.quantize import quantize
 from lowbit.scheme import QuantScheme, get_preset
 
@@ -84,7 +84,7 @@ def _check_against_numpy(scheme, K, device, rng):
     w = torch.randn(N, K, generator=rng) * 0.05
     w[3] = 0  # a zero output channel
     wq = quantize(w, scheme)
-    w4 = prepare_w4(wq.to(device))
+    w4 = prepare_w4(wq.to(device), layout="planar_chunks")
     if scheme.format in ("int4", "uint4") and scheme.group_size < 128:
         assert w4.chunk == (2 * scheme.group_size if K % (2 * scheme.group_size) == 0 else scheme.group_size)
     w64 = torch.from_numpy(_numpy_dequant(w4))
@@ -165,6 +165,8 @@ def test_w4a16_pairs_against_numpy_reference(name, device, rng):
     assert w4.metadata()["layout"] == "pairs"
     w64 = torch.from_numpy(_numpy_dequant_pairs(w4))
     assert torch.equal(w4a16_reference(torch.eye(K, dtype=torch.float64), wq), w64.T)
+    # the prefill path's dequantization: (q - z) * s rounded to float32, then once to bf16
+    assert torch.equal(dequantize_w4(w4, torch.bfloat16).cpu(), w64.float().to(torch.bfloat16))
     cases = [(torch.bfloat16, 1, {}), (torch.bfloat16, 3, {"split": 2}), (torch.bfloat16, 17, {"BLOCK_K": 256}),
              (torch.float16, 2, {"BLOCK_N": 64, "num_warps": 4}), (torch.bfloat16, 5, {"BLOCK_N": 64, "num_warps": 4,
                                                                                    "BLOCK_M": 16})]
@@ -217,7 +219,7 @@ def test_w4a16_pairs_errors(rng):
     with pytest.raises(ValueError, match="runs kernel 'pairs'"):
         w4a16_linear(x, w4, backend="triton", config={"kernel": "dot"})
     with pytest.raises(ValueError, match="layout='pairs'"):
-        w4a16_linear(x, prepare_w4(wq.to(dev)), backend="triton", config={"kernel": "pairs"})
+        w4a16_linear(x, prepare_w4(wq.to(dev), layout="planar_chunks"), backend="triton", config={"kernel": "pairs"})
 
 
 def test_w4a16_gemv8_errors(rng):
@@ -229,7 +231,7 @@ def test_w4a16_gemv8_errors(rng):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.randn(1, 128, generator=rng).to(torch.bfloat16).to(dev)
     with pytest.raises(ValueError, match="layout='planar8'"):
-        w4a16_linear(x, prepare_w4(wq.to(dev)), backend="triton", config={"kernel": "gemv8"})
+        w4a16_linear(x, prepare_w4(wq.to(dev), layout="planar_chunks"), backend="triton", config={"kernel": "gemv8"})
     with pytest.raises(ValueError, match="runs kernels 'gemv8' or 'dot8'"):
         w4a16_linear(x, prepare_w4(wq.to(dev), layout="planar8"), backend="triton", config={"kernel": "dot"})
 
@@ -238,7 +240,7 @@ def test_w4a16_split_k_bias_and_batch_dims(device, rng):
     scheme = SCHEMES["int4_g32"]
     N, K = 24, 512
     w = torch.randn(N, K, generator=rng)
-    w4 = prepare_w4(quantize(w, scheme).to(device))
+    w4 = prepare_w4(quantize(w, scheme).to(device), layout="planar_chunks")
     w64 = torch.from_numpy(_numpy_dequant(w4))
     bias = torch.randn(N, generator=rng).to(torch.bfloat16)
     x = torch.randn(2, 3, K, generator=rng).to(torch.bfloat16)
@@ -261,7 +263,7 @@ def test_w4a16_decode_sizes_on_gpu(device, rng):
     N, K = 2048, 4096
     for name in ("int4_g128", "int4_g128_asym", "mxfp4", "nvfp4"):
         wq = quantize(torch.randn(N, K, generator=rng).cuda() * 0.02, SCHEMES[name])
-        w4 = prepare_w4(wq)
+        w4 = prepare_w4(wq, layout="planar_chunks")
         w64 = torch.from_numpy(_numpy_dequant(w4))
         w8 = prepare_w4(wq, layout="planar8") if name.startswith("int4") else None
         wp = prepare_w4(wq, layout="pairs") if name.startswith("int4") else None
@@ -293,7 +295,9 @@ def test_w4a16_decode_sizes_on_gpu(device, rng):
 def test_torch_backend_and_errors(rng):
     N, K = 16, 128
     wq = quantize(torch.randn(N, K, generator=rng), SCHEMES["int4_g128"])
-    w4 = prepare_w4(wq)
+    assert prepare_w4(wq).layout == "pairs"  # the default for int4 with K % 128 == 0 ("auto")
+    assert prepare_w4(quantize(torch.randn(N, 96, generator=rng), SCHEMES["int4_g32"])).layout == "planar_chunks"
+    w4 = prepare_w4(wq, layout="planar_chunks")
     x = torch.randn(2, K, generator=rng).to(torch.bfloat16)
     ref = x.double() @ torch.from_numpy(_numpy_dequant(w4)).T
     out = w4a16_linear(x, w4, backend="torch")
@@ -316,7 +320,7 @@ def test_torch_backend_and_errors(rng):
         w4a16_linear(torch.randn(2, K).to(torch.float16), w_fp4)
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel's device (interpreter on CPU)
     with pytest.raises(ValueError, match="does not divide K"):
-        w4a16_linear(x.to(dev), prepare_w4(wq.to(dev)), backend="triton", config={"split": 3})
+        w4a16_linear(x.to(dev), prepare_w4(wq.to(dev), layout="planar_chunks"), backend="triton", config={"split": 3})
 
 
 def test_kernels_compile_for_sm90():

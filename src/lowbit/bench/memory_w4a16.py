@@ -3,21 +3,19 @@ torch.mm and tinygemm (torch._weight_int4pack_mm, group 128), in the same proces
 
 Rows (shape "M{M} N{N} K{K}", M in W4_MS, (N, K) in W4_NK):
   bf16_mm, tinygemm_int4_g128                  baselines
-  lowbit_w4a16_<kind>                          the library default (pick_config: tensor-core form)
-                                               for int4 g128 (sym / asym), int4 g32, MXFP4, NVFP4
+  lowbit_w4a16_<kind>                          the library default (prepare_w4's "auto" layout: "pairs"
+                                               for int4 g128 sym / asym and g32, planar chunks for
+                                               MXFP4 / NVFP4)
+  lowbit_w4a16_<int4 kind>_planar              int4 in the planar-chunks layout (the default before
+                                               "pairs"; pick_config: tensor-core form)
   lowbit_w4a16_int4_g128_gemv8 (M = 1),         the same weights in the planar8 layout with its
   lowbit_w4a16_int4_g128_dot8 (M = 16, 64)     heuristic (pick_config_planar8: the "gemv8" kernel
                                                at M <= 4, the tensor-core "dot8" above)
   lowbit_w4a16_int4_g128_asym_gemv8 / _dot8    the same with zero points
-  lowbit_w4a16_int4_g128_best                  best of a small sweep of the default kernel at
-                                               SWEEP_MS (tensor-core form, BLOCK_N 32/64, split 1/2)
-  lowbit_w4a16_int4_g128_gemv8_best            best of a small gemv8 sweep at M = 1 (BLOCK_N /
-                                               warps / split; `sweep_us` holds every point)
-  lowbit_w4a16_int4_g128_dot8_best             best of a small dot8 sweep at M = 16, including
-                                               unpack 1 (packed 16-bit pairs, inline PTX)
-  lowbit_w4a16_<int4 kind>_pairs               the same weights in the "pairs" layout (tensor cores
-                                               fed from registers, pick_config_pairs), every M
-  lowbit_w4a16_int4_g128_pairs_best            best of a small pairs sweep at M = 1 and 16
+  lowbit_w4a16_int4_g128_pairs_best            best of a small sweep of the "pairs" kernel (tensor
+                                               cores fed from registers) at M = 1, 16 and 64
+  (the sweeps of the planar-chunks "dot", "gemv8" and "dot8" kernels of earlier rounds are in
+  docs/benchmarks-memory.md and git history; `sweep_us` of a _best row holds every point)
 Each lowbit row has vs_bf16 / vs_tinygemm (baseline ms / ms) and `check`, the relative L2
 difference to bf16 torch.mm on the dequantized weight (bf16 rounding of that baseline, ~0.003).
 """
@@ -25,19 +23,10 @@ from __future__ import annotations
 
 import torch
 
-# gemv8 sweep at M = 1: (BLOCK_N, num_warps, split); every point keeps 4 rows x 16 bytes of
-# weights per thread per group (BLOCK_N = 32 * num_warps). split None = the heuristic's.
-GEMV8_SWEEP = ((128, 4, None), (128, 4, 1), (128, 4, 2), (128, 4, 4), (64, 2, 2), (64, 2, 4), (256, 8, 1),
-               (32, 1, 1))
-DOT_SWEEP = ((32, 1), (32, 2), (64, 1), (64, 2))  # default kernel: (BLOCK_N, split)
-# pairs sweep at M = 1 and 16: (BLOCK_N, BLOCK_K, num_warps, split, num_stages); None = the heuristic's
-PAIRS_SWEEP = ((128, None, 4, None, 1), (128, 128, 4, None, 1), (128, None, 4, 4, 1), (128, None, 4, 8, 1),
-               (128, 128, 4, 16, 1), (128, None, 4, 16, 1), (256, None, 8, None, 1), (64, None, 4, None, 1),
-               (64, 128, 4, 8, 1), (128, None, 4, None, 2))
-# dot8 sweep at M = 16: (BLOCK_N, BLOCK_K, num_warps, split); split None = the heuristic's
-DOT8_SWEEP = ((128, 256, 4, None, 0), (128, 256, 4, 1, 0), (128, 256, 4, 2, 0), (128, 256, 8, None, 0),
-              (64, 256, 4, None, 0), (64, 512, 4, 1, 0), (128, 128, 4, None, 0),
-              (128, 256, 4, None, 1), (128, 256, 4, 1, 1), (64, 256, 4, None, 1))  # last: unpack
+# pairs sweep (M = 1, 16, 64): (BLOCK_N, BLOCK_K, num_warps, split, num_stages); None = the heuristic's
+PAIRS_SWEEP = ((128, None, 4, None, None), (128, 128, 4, None, None), (128, None, 4, 4, None),
+               (128, None, 4, 8, None), (128, 128, 4, 16, None), (128, None, 4, 16, None), (256, None, 8, None, None),
+               (64, None, 4, None, None), (64, 128, 4, 8, None), (128, None, 4, None, 1), (128, None, 4, None, 2))
 
 
 def _tinygemm_inputs(N: int, K: int, dev: str, G: int = 128):
@@ -109,8 +98,8 @@ def w4a16_section(b, quick: bool, sweep: bool = True) -> None:
                 ws[name] = [prepare_w4(q) for q in qs]
                 if name in ("int4_g128", "int4_g128_asym"):  # the same weights in the gemv8 layout
                     ws8[name] = [prepare_w4(q, layout="planar8") for q in qs]
-                if name.startswith("int4"):  # ... and in the pairs layout
-                    wsp[name] = [prepare_w4(q, layout="pairs") for q in qs]
+                if name.startswith("int4"):  # ... and in the planar-chunks layout (the earlier default)
+                    wsp[name] = [prepare_w4(q, layout="planar_chunks") for q in qs]
                 del qs
         wb = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02
               for _ in range(rotating_count(N * K * 2))]
@@ -139,7 +128,8 @@ def w4a16_section(b, quick: bool, sweep: bool = True) -> None:
                 ref = torch.mm(xs[0], w0.qtensor.dequantize(torch.bfloat16).t())
                 sets = [(xs[i], wl[i]) for i in range(n)]
                 r = b.time(f"lowbit_w4a16_{name}", shape, lambda x, w: w4a16_linear(x, w), sets, nbytes,
-                           config=pick_config(M, N, K, w0.kind, G, w0.chunk))
+                           layout=w0.layout, config=pick_config_pairs(M, N, K, G) if w0.layout == "pairs"
+                           else pick_config(M, N, K, w0.kind, G, w0.chunk))
                 b.ratios(r, bases)
                 if r and r.get("ms"):  # against bf16 torch.mm on the dequantized weight
                     r["check"] = _rel(w4a16_linear(xs[0], w0), ref)
@@ -153,52 +143,23 @@ def w4a16_section(b, quick: bool, sweep: bool = True) -> None:
                         r8["check"] = _rel(w4a16_linear(xs[0], ws8[name][0]), ref)
                 if name in wsp:
                     setsp = [(xs[i], wsp[name][i]) for i in range(n)]
-                    rp = b.time(f"lowbit_w4a16_{name}_pairs", shape, lambda x, w: w4a16_linear(x, w), setsp, nbytes,
-                                config=pick_config_pairs(M, N, K, G))
+                    rp = b.time(f"lowbit_w4a16_{name}_planar", shape, lambda x, w: w4a16_linear(x, w), setsp,
+                                nbytes, config=pick_config(M, N, K, w0.kind, G, wsp[name][0].chunk))
                     b.ratios(rp, bases)
                     if rp and rp.get("ms"):
                         rp["check"] = _rel(w4a16_linear(xs[0], wsp[name][0]), ref)
-                    if sweep and name == "int4_g128" and M in (1, 16):
+                    if sweep and name == "int4_g128" and w0.layout == "pairs":
                         base = pick_config_pairs(M, N, K, G)
                         cfgs = {}
                         for bn, bk, warps, sp, st in PAIRS_SWEEP:
-                            c = dict(base, BLOCK_N=bn, num_warps=warps, num_stages=st)
+                            c = dict(base, BLOCK_N=bn, num_warps=warps, num_stages=base["num_stages"] if st is None else st)
                             c["BLOCK_K"] = base["BLOCK_K"] if bk is None else bk
                             c["split"] = base["split"] if sp is None else sp
-                            cfgs[f"pairs/BN{bn}/BK{c['BLOCK_K']}/w{warps}/split{c['split']}/st{st}"] = c
-                        pts = _sweep(setsp, cfgs)
+                            cfgs[f"pairs/BN{bn}/BK{c['BLOCK_K']}/w{warps}/split{c['split']}/st{c['num_stages']}"] = c
+                        pts = _sweep(sets, cfgs)
                         _best_row(b, "lowbit_w4a16_int4_g128_pairs_best", shape, nbytes, pts,
                                   "pairs BLOCK_N x BLOCK_K x num_warps x split x num_stages: " + ", ".join(cfgs), bases,
-                                  check=lambda c: _rel(w4a16_linear(xs[0], wsp[name][0], config=c), ref))
-                if not (sweep and name == "int4_g128" and not quick):
-                    continue
-                if M in mem.SWEEP_MS:
-                    base = pick_config(M, N, K, w0.kind, G, w0.chunk)
-                    pts = _sweep(sets, {f"dot/BN{bn}/split{sp}": dict(base, kernel="dot", BLOCK_N=bn, split=sp)
-                                        for bn, sp in DOT_SWEEP})
-                    _best_row(b, "lowbit_w4a16_int4_g128_best", shape, nbytes, pts,
-                              "kernel dot x BLOCK_N 32/64 x split 1/2", bases)
-                if M == 16:
-                    base = pick_config_planar8(M, N, K, G, kernel="dot8")
-                    cfgs = {}
-                    for bn, bk, warps, sp, unpack in DOT8_SWEEP:
-                        c = dict(base, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, split=base["split"] if sp is None else sp,
-                                 unpack=unpack)
-                        cfgs[f"dot8/BN{bn}/BK{bk}/w{warps}/split{c['split']}/unpack{unpack}"] = c
-                    pts = _sweep(sets8, cfgs)
-                    _best_row(b, "lowbit_w4a16_int4_g128_dot8_best", shape, nbytes, pts,
-                              "dot8 BLOCK_N x BLOCK_K x num_warps x split x unpack: " + ", ".join(cfgs), bases,
-                              check=lambda c: _rel(w4a16_linear(xs[0], ws8[name][0], config=c), ref))
-                if M == 1:
-                    base = pick_config_planar8(M, N, K, G, kernel="gemv8")
-                    cfgs = {}
-                    for bn, warps, sp in GEMV8_SWEEP:
-                        c = dict(base, BLOCK_N=bn, num_warps=warps, split=base["split"] if sp is None else sp)
-                        cfgs[f"gemv8/BN{bn}/w{warps}/split{c['split']}"] = c
-                    pts = _sweep(sets8, cfgs)
-                    _best_row(b, "lowbit_w4a16_int4_g128_gemv8_best", shape, nbytes, pts,
-                              "gemv8 BLOCK_N x num_warps x split: " + ", ".join(cfgs), bases,
-                              check=lambda c: _rel(w4a16_linear(xs[0], ws8[name][0], config=c), ref))
+                                  check=lambda c: _rel(w4a16_linear(xs[0], w0, config=c), ref))
             del xs
         del ws, ws8, wsp, wb, tg
 

@@ -68,6 +68,7 @@ class Spec:
     w4kind: str | None = None       # w4a16 / fp4: "int4" | "uint4" | "mxfp4" | "nvfp4"
     group: int = 0
     chunk: int = 0
+    layout: str = "planar_chunks"   # w4a16: the W4Weight layout of "packed" (prepare_w4's choice)
     operands: tuple[str, ...] = ()  # names of the prepared tensors, in the op's order
 
     def to_json(self) -> str:
@@ -190,7 +191,7 @@ def prepare(weight_q: QTensor, act_scheme: QuantScheme | None,
         if getattr(w4, name) is not None:
             t[name] = getattr(w4, name)
     return Prepared(Spec(kind, N, K, act=act_json if kind == "fp4" else None, w4kind=w4.kind,
-                         group=w4.group_size, chunk=w4.chunk, operands=tuple(t)), t)
+                         group=w4.group_size, chunk=w4.chunk, layout=w4.layout, operands=tuple(t)), t)
 
 
 def _row_vector(scale: torch.Tensor, N: int) -> torch.Tensor:
@@ -277,7 +278,7 @@ def _w4(spec, ops, global_scale=None):
 
     return W4Weight(ops["packed"], ops["scale"], ops.get("zero_point"), ops.get("scale_codes"),
                     ops.get("global_scale") if global_scale is None else global_scale,
-                    spec.w4kind, spec.group, spec.chunk, (spec.N, spec.K), None)
+                    spec.w4kind, spec.group, spec.chunk, (spec.N, spec.K), None, spec.layout)
 
 
 def _run_w4a16(spec, x2, ops, bias, global_scale=None):

@@ -99,14 +99,16 @@ def _kind(wq: QTensor) -> str:
                               "(fp32 scales), MXFP4 (group 32, e8m0), NVFP4 (group 16, fp8_e4m3fn)")
 
 
-def prepare_w4(wq: QTensor, layout: str = "planar_chunks") -> W4Weight:
+def prepare_w4(wq: QTensor, layout: str = "auto") -> W4Weight:
     """Lay out a quantized weight [N, K] for w4a16_linear (done once, at load time).
 
-    layout "planar_chunks" (default; kernels "dot" and "gemv") or "planar8" (int4 / uint4
-    only; kernels "gemv8", the decode GEMV, and "dot8", its tensor-core twin): see the
-    module docstring and lowbit/ops/triton/w4a16.py."""
-    if layout not in ("planar_chunks", "planar8", "pairs"):
-        raise ValueError(f"prepare_w4: layout must be 'planar_chunks', 'planar8' or 'pairs', got {layout!r}")
+    layout "auto" (default): "pairs" where it applies (int4 / uint4, K a multiple of 128,
+    group 32, 64 or a multiple of 128: faster at decode sizes on the H200, docs/benchmarks-
+    memory.md), else "planar_chunks" (kernels "dot" and "gemv"; every scheme); "planar8"
+    (int4 / uint4; kernels "gemv8", the decode GEMV, and "dot8"): see the module docstring
+    and lowbit/ops/triton/w4a16.py."""
+    if layout not in ("auto", "planar_chunks", "planar8", "pairs"):
+        raise ValueError(f"prepare_w4: layout must be 'auto', 'planar_chunks', 'planar8' or 'pairs', got {layout!r}")
     if not isinstance(wq, QTensor):
         raise TypeError(f"prepare_w4: wq must be a lowbit QTensor (lowbit.quantize(w, scheme)), "
                         f"got {type(wq).__name__}")
@@ -117,6 +119,9 @@ def prepare_w4(wq: QTensor, layout: str = "planar_chunks") -> W4Weight:
     N, K = wq.codes.shape
     if K % 2:
         raise ValueError(f"prepare_w4: K = {K} must be even (two codes per byte)")
+    if layout == "auto":
+        g = wq.scheme.group_size
+        layout = "pairs" if kind in ("int4", "uint4") and K % 128 == 0 and (g < 128 or g % 128 == 0) else "planar_chunks"
     if layout == "planar8":
         if kind not in ("int4", "uint4"):
             raise NotImplementedError(f"prepare_w4: layout 'planar8' takes int4 / uint4 weights, got {kind}; "
@@ -284,8 +289,10 @@ def pick_config_pairs(M: int, N: int, K: int, group: int, *, interpret: bool = F
     bk = 128 if interpret or K % 256 or bm >= 64 else 256
     steps = K // bk
     split = 1 if interpret else _split_k(-(-N // bn) * -(-M // bm), steps, 4 * _SMS)
+    # wgmma tiles (16+ rows): Triton's 2-stage pipelining on top (the H200 sweep at M = 16:
+    # 35 / 71 us against 51 / 128 us with one stage, N = 8192 / 28672)
     return {"kernel": "pairs", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "split": split,
-            "num_warps": warps, "num_stages": 1}
+            "num_warps": warps, "num_stages": 2 if bm >= 16 and not interpret else 1}
 
 
 def pick_config(M: int, N: int, K: int, kind: str, group: int, chunk: int, *, interpret: bool = False) -> dict:
@@ -403,7 +410,7 @@ def _launch(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> torch.
 
 
 def dequantize_w4(w: W4Weight, dtype: torch.dtype) -> torch.Tensor:
-    """The weight [N, K] in `dtype` (bf16 / fp16) from a planar-chunks W4Weight, one Triton pass
+    """The weight [N, K] in `dtype` (bf16 / fp16) from a planar-chunks or pairs W4Weight, one Triton pass
     (lowbit/ops/triton/w4a16.py, _w4_dequant_kernel: int4 values rounded once per weight, fp4
     values exact; NVFP4's tensor scale is NOT applied). For large-M GEMMs; never cached."""
     import triton
@@ -414,6 +421,17 @@ def dequantize_w4(w: W4Weight, dtype: torch.dtype) -> torch.Tensor:
     N, K = w.shape
     out = torch.empty((N, K), dtype=dtype, device=w.packed.device)
     dummy = torch.empty(1, device=w.packed.device, dtype=torch.float32)
+    if w.layout == "pairs":
+        words = w.packed.view(torch.int32)
+        bn = 16 if os.environ.get("TRITON_INTERPRET") == "1" else 64
+        launch(k._pairs_dequant_kernel, (triton.cdiv(N, bn), K // 128), words, w.scale,
+               w.zero_point if w.zero_point is not None else dummy, out, N, words.stride(0), w.scale.stride(0),
+               out.stride(0), SIGNED=w.kind == "int4", HAS_Z=w.zero_point is not None, G=w.group_size, BLOCK_N=bn,
+               num_warps=4)
+        return out
+    if w.layout != "planar_chunks":
+        raise ValueError(f"dequantize_w4: layout {w.layout!r} has no dequantization kernel; prepare the weight "
+                         "with layout='planar_chunks' or 'pairs'")
     per_group = w.scale if w.kind in ("int4", "uint4") else w.scale_codes
     wfmt = {"int4": k.W_INT4, "uint4": k.W_UINT4, "mxfp4": k.W_MXFP4, "nvfp4": k.W_NVFP4}[w.kind]
     bn = 16 if os.environ.get("TRITON_INTERPRET") == "1" else 64

@@ -715,3 +715,32 @@ def _w4a16_pairs_kernel(
         if HAS_BIAS:
             acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         tl.store(OUT + o_off, round_to(acc, OUT.dtype.element_ty), mask=o_ok)
+
+
+@triton.jit
+def _pairs_dequant_kernel(W, S, Z, OUT, N, s_wn, s_sn, s_on, SIGNED: tl.constexpr, HAS_Z: tl.constexpr,
+                          G: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Dequantize one chunk of 128 codes of BLOCK_N rows of a "pairs" weight to OUT's dtype
+    (prefill: the weight for a bf16 GEMM). Word w's pair index P = w2 + 2 w3 + 4 w0 + 8 w1
+    (weight_only._pairs_words); value (q - z) * s in float32, one rounding to the output dtype,
+    as _w4_dequant_kernel. Grid (cdiv(N, BLOCK_N), K / 128)."""
+    pid_n = tl.program_id(0)
+    kc = tl.program_id(1) * 128
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = (offs_n < N)[:, None]
+    n64 = offs_n.to(tl.int64)[:, None]
+    w = tl.arange(0, 16)
+    wd = tl.load(W + n64 * s_wn + (kc // 8 + w)[None, :], mask=n_ok, other=0)                  # [BN, 16]
+    pair = ((w >> 2) & 1) + 2 * ((w >> 3) & 1) + 4 * (w & 1) + 8 * ((w >> 1) & 1)
+    ty = OUT.dtype.element_ty
+    for i in tl.static_range(4):
+        g = n64 * s_sn + (kc + 32 * i) // G
+        off = 8.0 if SIGNED else 0.0
+        if HAS_Z:
+            off += tl.load(Z + g, mask=n_ok, other=0).to(tl.float32)
+        s = tl.load(S + g, mask=n_ok, other=0.0)
+        lo = (((wd >> (4 * i)) & 15).to(tl.float32) - off) * s
+        hi = (((wd >> (16 + 4 * i)) & 15).to(tl.float32) - off) * s
+        col = kc + 32 * i + 2 * pair[None, :]
+        tl.store(OUT + n64 * s_on + col, round_to(lo, ty), mask=n_ok)
+        tl.store(OUT + n64 * s_on + col + 1, round_to(hi, ty), mask=n_ok)
