@@ -3,7 +3,8 @@ same-sign fp8 inputs at several K, the codes, the outputs with and without fast 
 the exact float64 product to $OUT/fastaccum_probe.npz (numpy arrays, no pickles), so the
 accumulator model in lowbit/verify/accumulate.py can be fitted offline. GPU (sm_89+) only.
 The first H200 audit saw fast accumulation lose ~8% of a K = 4096 same-sign sum, which the
-model's 14-bits-per-32-wide-step truncation does not reproduce."""
+model's 14-bits-per-32-wide-step truncation does not reproduce. PROBE_M sets the rows (default
+16; 1 probes the one-row path that erred once in test_audit, docs/diagnosis.md "A gap, seen once")."""
 import os
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 
 def main():
     g = torch.Generator().manual_seed(0)
-    M, N = 16, 32
+    M, N = int(os.environ.get("PROBE_M", "16")), 32  # PROBE_M=1: cuBLAS's one-row kernel (docs/diagnosis.md)
     arrays = {}
     one = torch.ones((), device="cuda")
     for K in (256, 1024, 4096, 16384):

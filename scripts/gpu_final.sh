@@ -52,6 +52,9 @@ if [[ $parts == *,audit,* ]]; then
   # the accumulator probe (data for verify/accumulate.py's fp8 model; docs/fastaccum_probe_h200.npz)
   [ "${PROBE:-0}" = 1 ] && timeout 60 python3 scripts/gpu_fastaccum_probe.py 2>&1 | tee -a "$sum"
 fi
+if [[ $parts == *,probe,* ]]; then  # the fp8 accumulator probe alone (PROBE_M rows: 1 = cuBLAS's one-row path)
+  timeout 60 python3 scripts/gpu_fastaccum_probe.py 2>&1 | tail -n 5 | tee -a "$sum"
+fi
 if [[ $parts == *,distributed,* ]]; then
   if [ -f scripts/gpu_distributed.sh ]; then
     timeout "${DIST_TIMEOUT:-420}" bash scripts/gpu_distributed.sh >"$out/distributed.log" 2>&1

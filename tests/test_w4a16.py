@@ -112,13 +112,7 @@ def test_w4a16_gemv8_against_numpy_reference(name, device, rng):
     exact products, per-group scaling): the same bound holds, split-K included."""
     scheme = SCHEMES[name]
     N, K = (40, 256) if scheme.group_size == 128 else (24, 128)  # (the interpreter is slow: small)
-    w = torch.randn(N, K, generator=rng) * 0.05
-    w[5] = 0
-    wq = quantize(w, scheme)
-    w4 = prepare_w4(wq.to(device), layout="planar8")
-    assert w4.metadata()["layout"] == "planar8"
-    w64 = torch.from_numpy(_numpy_dequant_planar8(w4))
-    assert torch.equal(w4a16_reference(torch.eye(K, dtype=torch.float64), wq), w64.T)
+    w4, w64 = _prepared_words(scheme, N, K, 5, "planar8", _numpy_dequant_planar8, device, rng)
     cases = [("gemv8", torch.bfloat16, 1, 1), ("gemv8", torch.bfloat16, 3, 1), ("gemv8", torch.bfloat16, 17, 2),
              ("gemv8", torch.float16, 2, 2)]
     if scheme.group_size >= 128:  # dot8: one K = 16 tensor-core step per nibble plane of a group
@@ -134,6 +128,28 @@ def test_w4a16_gemv8_against_numpy_reference(name, device, rng):
         assert torch.all(out.cpu()[:, 5] == 0)
 
 
+def _prepared_words(scheme, N, K, zero_row, layout, numpy_dequant, device, rng):
+    """(W4Weight in `layout`, its float64 [N, K] from numpy_dequant) for random weights with
+    output channel zero_row all zero; lowbit's own reference must agree exactly."""
+    w = torch.randn(N, K, generator=rng) * 0.05
+    w[zero_row] = 0
+    wq = quantize(w, scheme)
+    w4 = prepare_w4(wq.to(device), layout=layout)
+    assert w4.metadata()["layout"] == layout
+    w64 = torch.from_numpy(numpy_dequant(w4))
+    assert torch.equal(w4a16_reference(torch.eye(K, dtype=torch.float64), wq), w64.T)
+    return w4, w64
+
+
+def _int4_values(codes: np.ndarray, w4) -> np.ndarray:
+    """float64 (code - offset - z) * s of int4 / uint4 codes [N, K] (int4 stored offset-binary)."""
+    G = w4.group_size
+    q = codes - 8 if w4.kind == "int4" else codes
+    if w4.zero_point is not None:
+        q = q - np.repeat(w4.zero_point.cpu().numpy().astype(np.int64), G, axis=1)
+    return q * np.repeat(w4.scale.cpu().numpy().astype(np.float64), G, axis=1)
+
+
 def _numpy_dequant_planar8(w4) -> np.ndarray:
     """float64 [N, K] from planar8 bytes without lowbit: little-endian int32 words; nibble p
     of word t of group c is code c*G + p*(G/8) + t; int4 offset-binary."""
@@ -141,11 +157,7 @@ def _numpy_dequant_planar8(w4) -> np.ndarray:
     N, G = words.shape[0], w4.group_size
     words = words.reshape(N, -1, G // 8)                                 # [n, c, t]
     nib = np.stack([(words >> (4 * p)) & 15 for p in range(8)], axis=2)  # [n, c, p, t]
-    codes = nib.reshape(N, -1)
-    q = codes - 8 if w4.kind == "int4" else codes
-    if w4.zero_point is not None:
-        q = q - np.repeat(w4.zero_point.cpu().numpy().astype(np.int64), G, axis=1)
-    return q * np.repeat(w4.scale.cpu().numpy().astype(np.float64), G, axis=1)
+    return _int4_values(nib.reshape(N, -1), w4)
 
 
 @pytest.mark.parametrize("name", ["int4_g128", "int4_g128_asym", "int4_g32", "uint4_g64_asym"])
@@ -158,13 +170,7 @@ def test_w4a16_pairs_against_numpy_reference(name, device, rng):
     (exact q - z, exact products, float32 accumulation, one scale product per group)."""
     scheme = SCHEMES[name] if name in SCHEMES else QuantScheme("uint4", "group", group_size=64, symmetric=False)
     N, K = 40, 256
-    w = torch.randn(N, K, generator=rng) * 0.05
-    w[6] = 0
-    wq = quantize(w, scheme)
-    w4 = prepare_w4(wq.to(device), layout="pairs")
-    assert w4.metadata()["layout"] == "pairs"
-    w64 = torch.from_numpy(_numpy_dequant_pairs(w4))
-    assert torch.equal(w4a16_reference(torch.eye(K, dtype=torch.float64), wq), w64.T)
+    w4, w64 = _prepared_words(scheme, N, K, 6, "pairs", _numpy_dequant_pairs, device, rng)
     # the prefill path's dequantization: (q - z) * s rounded to float32, then once to bf16
     assert torch.equal(dequantize_w4(w4, torch.bfloat16).cpu(), w64.float().to(torch.bfloat16))
     cases = [(torch.bfloat16, 1, {}), (torch.bfloat16, 3, {"split": 2}), (torch.bfloat16, 17, {"BLOCK_K": 256}),
@@ -189,7 +195,7 @@ def _numpy_dequant_pairs(w4) -> np.ndarray:
     of 128 codes; word w holds, for plane i (codes 32i..32i+31 of the chunk), code 2P of the
     plane in nibble i and code 2P + 1 in nibble i + 4, P = w2 + 2 w3 + 4 w0 + 8 w1."""
     words = w4.packed.cpu().numpy().view("<u4").astype(np.int64)       # [N, K/8]
-    N, G = words.shape[0], w4.group_size
+    N = words.shape[0]
     words = words.reshape(N, -1, 16)                                     # [n, c, w]
     codes = np.zeros((N, words.shape[1], 128), dtype=np.int64)
     for w in range(16):
@@ -198,11 +204,7 @@ def _numpy_dequant_pairs(w4) -> np.ndarray:
         for i in range(4):
             codes[:, :, 32 * i + 2 * P] = (words[:, :, w] >> (4 * i)) & 15
             codes[:, :, 32 * i + 2 * P + 1] = (words[:, :, w] >> (16 + 4 * i)) & 15
-    codes = codes.reshape(N, -1)
-    q = codes - 8 if w4.kind == "int4" else codes
-    if w4.zero_point is not None:
-        q = q - np.repeat(w4.zero_point.cpu().numpy().astype(np.int64), G, axis=1)
-    return q * np.repeat(w4.scale.cpu().numpy().astype(np.float64), G, axis=1)
+    return _int4_values(codes.reshape(N, -1), w4)
 
 
 def test_w4a16_pairs_errors(rng):
