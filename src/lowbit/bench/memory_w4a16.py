@@ -26,7 +26,8 @@ import torch
 # pairs sweep (M = 1, 16, 64): (BLOCK_N, BLOCK_K, num_warps, split, num_stages); None = the heuristic's
 PAIRS_SWEEP = ((128, None, 4, None, None), (128, 128, 4, None, None), (128, None, 4, 4, None),
                (128, None, 4, 8, None), (128, 128, 4, 16, None), (128, None, 4, 16, None), (256, None, 8, None, None),
-               (64, None, 4, None, None), (64, 128, 4, 8, None), (128, None, 4, None, 1), (128, None, 4, None, 2))
+               (64, None, 4, None, None), (64, 128, 4, 8, None), (64, None, 2, None, None), (32, None, 2, 8, None),
+               (128, None, 4, None, 1), (128, None, 4, None, 2))
 
 
 def _tinygemm_inputs(N: int, K: int, dev: str, G: int = 128):

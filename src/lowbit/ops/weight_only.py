@@ -277,9 +277,7 @@ def pick_config_pairs(M: int, N: int, K: int, group: int, *, interpret: bool = F
     wgmma), BLOCK_N 128 with 4 warps (the row relabelling assumes BLOCK_N % (16 * warps) == 0),
     BLOCK_K 256 codes (two chunks; the next step's words are loaded while this one computes),
     128 at 64 rows;
-    split-K until >= 4 programs per SM with >= 2 loop steps each (the first H200 sweep, before
-    the prefetch: split 8 at N = 8192 and M = 1 / 16 was the fastest, 2 and 4 1.4-2.5x slower:
-    the kernel needs many warps per SM to hide latency)."""
+    split-K by K (below)."""
     bm = 1
     while bm < min(M, 64):
         bm *= 2
@@ -288,7 +286,15 @@ def pick_config_pairs(M: int, N: int, K: int, group: int, *, interpret: bool = F
     # 64 rows: one chunk per step (two spill: 255 registers, local loads in the sm_90 K loop)
     bk = 128 if interpret or K % 256 or bm >= 64 else 256
     steps = K // bk
-    split = 1 if interpret else _split_k(-(-N // bn) * -(-M // bm), steps, 4 * _SMS)
+    split = 1
+    if not interpret:
+        # split-K: ~2048 codes of K per program (the closing H200 sweep: split 4 at K = 8192 was
+        # the fastest or within 2% of it at M = 1, 16 and 64 for N = 8192 and 28672; split 8-16,
+        # what a programs-per-SM rule gives at N = 8192, 1.1-1.6x slower at 16 / 64 rows), then
+        # more only while there are fewer programs than SMs
+        while 2 * split * 2048 <= K and steps % (2 * split) == 0:
+            split *= 2
+        split = max(split, _split_k(-(-N // bn) * -(-M // bm) * split, steps // split, _SMS) * split)
     # wgmma tiles (16+ rows): Triton's 2-stage pipelining on top (the H200 sweep at M = 16:
     # 35 / 71 us against 51 / 128 us with one stage, N = 8192 / 28672)
     return {"kernel": "pairs", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "split": split,
