@@ -109,12 +109,19 @@ class QTensor:
         return out.to(dtype)
 
     def to(self, device) -> "QTensor":
-        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return QTensor(mv(self.codes), mv(self.scale), mv(self.zero_point), self.scheme, self.shape,
-                       mv(self.scale_codes), mv(self.global_scale))
+        return tensors_to(self, device)
 
     def __repr__(self) -> str:
         return f"QTensor({self.scheme}, shape={tuple(self.shape)}, scale={tuple(self.scale.shape)}, device={self.device})"
+
+
+def tensors_to(obj, device):
+    """A copy of the dataclass `obj` (QTensor, fused.PackedQTensor) with every tensor field
+    moved to `device` (other fields, and None, as they are)."""
+    import dataclasses
+
+    return dataclasses.replace(obj, **{f.name: getattr(obj, f.name).to(device) for f in dataclasses.fields(obj)
+                                       if isinstance(getattr(obj, f.name), torch.Tensor)})
 
 
 def dequantize(qt: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

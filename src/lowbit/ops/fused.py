@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.packing import pack_fp4, unpack_fp4
-from lowbit.quantize import QTensor, compute_scale, quantize, reduce_amax, scale_shape
+from lowbit.quantize import QTensor, compute_scale, quantize, reduce_amax, scale_shape, tensors_to
 from lowbit.scheme import QuantScheme
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -443,9 +443,7 @@ class PackedQTensor:
         return self.unpack().dequantize(dtype)
 
     def to(self, device) -> "PackedQTensor":
-        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return PackedQTensor(mv(self.packed), mv(self.scale), self.scheme, self.shape, mv(self.scale_codes),
-                             mv(self.global_scale))
+        return tensors_to(self, device)
 
 
 def _assemble(codes, scale, scodes, gscale, scheme: QuantScheme, lead: tuple[int, ...], K: int,
