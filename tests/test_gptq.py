@@ -84,9 +84,12 @@ def _layer_data(rng, N=7, K=45, n=60):
     return torch.randn(N, K, generator=rng), acc.hessian(), X
 
 
+@pytest.mark.parametrize("panel", [1024, 16])      # H^-1's factor in one panel, or in 3 (K = 45)
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("name", list(SCHEMES))
-def test_matches_float64_reference(rng, name, act_order):
+def test_matches_float64_reference(rng, name, act_order, panel, monkeypatch):
+    from lowbit.nn import gptq
+    monkeypatch.setattr(gptq, "FACTOR_PANEL", panel)
     scheme = SCHEMES[name]
     w, h, X = _layer_data(rng)
     # accumulator = X^T X / n: two float64 summation orders of n products differ by at most

@@ -132,20 +132,10 @@ def _rtn_chunked(d, summary, linear: torch.nn.Linear, static) -> torch.nn.Module
     return _rtn_linear(d, summary, linear, static, _rtn_codes(w, summary.recipe_of(d).weight))
 
 
-def _owners(sizes: list[int], world: int) -> list[int]:
-    """A rank for each job of cost sizes[j]: largest first to the least loaded rank, ties to the
-    highest rank (rank 0 also writes the checkpoint)."""
-    load, own = [0] * world, [0] * len(sizes)
-    for j in sorted(range(len(sizes)), key=lambda j: -sizes[j]):
-        r = min(range(world), key=lambda r: (load[r], -r))
-        own[j], load[r] = r, load[r] + sizes[j]
-    return own
-
-
 def _rtn_split(layer: torch.nn.Module, names: list[str], by_name: dict, summary, static, prefix: str) -> None:
-    """Round-to-nearest of the Linears `names` of `layer`, shared out over the ranks (_owners,
-    by weight size): each rank quantizes its share by row chunks, then each share's fields are
-    broadcast from their owner (the process group's own communicator; for 2 ranks that is a send
+    """Round-to-nearest of the Linears `names` of `layer`, shared out over the ranks
+    (distributed.owners, by weight size): each rank quantizes its share by row chunks, then
+    each share's fields are broadcast from their owner (the process group's own communicator; for 2 ranks that is a send
     to rank 0), and rank 0 alone puts QuantLinears into its layer (only rank 0 writes; nothing
     runs the quantized layer). Every rank drops a Linear's float weight once it is quantized or
     sent for (the layer is not run again; rank 0's QuantLinear holds only the codes): otherwise the
@@ -157,7 +147,7 @@ def _rtn_split(layer: torch.nn.Module, names: list[str], by_name: dict, summary,
     me, world = distributed.rank(), distributed.world_size()
     lins = {n: layer.get_submodule(n) for n in names}
     rows = {n: _rtn_rows(summary, by_name[prefix + n], lins[n].weight.detach()) for n in names}
-    owner = dict(zip(names, _owners([lins[n].weight.numel() if rows[n] else 0 for n in names], world)))
+    owner = dict(zip(names, distributed.owners([lins[n].weight.numel() if rows[n] else 0 for n in names], world)))
     owner.update({n: 0 for n in names if not rows[n]})
 
     def put(n, q):
@@ -240,8 +230,8 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     from concurrent.futures import ThreadPoolExecutor
     from lowbit.io import ct_layout as L
     from lowbit.io.compressed_tensors import (DEFAULT_SHARD_BYTES, atomic_dir, build_quantization_config,
-                                              config_dict, describe_qlayer, module_tensors, read_json,
-                                              write_metadata)
+                                              config_dict, describe_qlayer, expand_deferred, module_tensors,
+                                              read_json, write_metadata)
     from lowbit.io.sharded import copy_side_files, k_multiple
     from lowbit.io.st_format import ShardedWriter
     from lowbit.nn import layer_loader, memtrace
@@ -355,7 +345,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
 
         def write(ts):
             t0 = time.time()
-            for n, t in ts:
+            for n, t in expand_deferred(ts):
                 writer.add(n, t)
             busy["write"] += time.time() - t0
 
@@ -468,7 +458,12 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                         formats[prefix + n], layer_schemes[prefix + n], sidecar[prefix + n] = describe_qlayer(prefix + n, m)
                 del m
                 if writer is not None:
-                    out = [(n, _to_host(t, pin)) for n, t in module_tensors(layer, formats, set(), prefix[:-1])]
+                    # tensors on the device are copied to the host here (the layer is freed below);
+                    # the checkpoint layout of codes already on the host (GPTQ W4A16: int4 packed
+                    # into int32 words on the CPU, ~0.35 s for a Llama-8B layer) is made by the
+                    # writer thread while the next layer computes
+                    out = [(n, t if callable(t) else _to_host(t, pin))
+                           for n, t in module_tensors(layer, formats, set(), prefix[:-1], defer_host=True)]
                     if written is not None:
                         written.result()       # one layer waits on the host at most (and errors surface)
                     written = io[1].submit(write, out)
