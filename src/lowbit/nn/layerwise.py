@@ -23,13 +23,16 @@ Peak device memory (measured in the result, stated in docs/distributed.md):
   + the streams' activations: streams x tokens x hidden x dtype bytes (each stream advances in
     place, one batch at a time; + one group's Linear inputs, tokens x K, while GPTQ calibrates)
   + one batch's forward temporaries and one 4M-element chunk's quantization temporaries
-  + for GPTQ: the Hessians and their factors, about 6 x K^2 x 8 bytes for the largest K.
-Reading the next layer (host) and writing the last one (host) run in two threads meanwhile.
+  + for GPTQ: the Hessian and its factors, 3 x K^2 x 8 bytes for the largest K (one Linear
+    group at a time; ranks > 0 also keep their batches' Hessian terms, K^2 x 8 bytes each,
+    until the ordered sum reaches them).
+Reading the next layer (host) and writing the last one (host, W4A16's int4 packing included)
+run in two threads meanwhile.
 Under torch.distributed each rank holds its share of the tokens and reads its share of every
 layer (the pieces are broadcast: layer_loader), the statistics are reduced (lowbit.nn.distributed;
 one collective per statistic kind and layer), each rank quantizes a share of the Linears
-(round to nearest: the codes go to rank 0; GPTQ: rows of every weight, every rank gets all)
-and rank 0 writes.
+(round to nearest: the codes go to rank 0; GPTQ: rows of every weight and panels of every
+Hessian's inverse factor, every rank gets all) and rank 0 writes.
 
 Llama-family models from transformers (LlamaForCausalLM and the models sharing its layout:
 model.embed_tokens, model.layers[i], model.norm, lm_head).
@@ -72,6 +75,10 @@ def _advance(layer: torch.nn.Module, stream: list) -> None:
     from lowbit.nn.sequential import next_block_inputs
     for b in range(len(stream)):
         stream[b] = next_block_inputs(layer, [stream[b]])[0]
+
+
+# The phases of quantize_layerwise that belong to one layer (result["phase_seconds_per_layer"]).
+_LAYER_PHASES = ("load", "calibrate", "quantize", "write")
 
 
 # Elements per float32 temporary while a weight is quantized (row chunks; see _rtn_codes).
@@ -223,7 +230,8 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     blocks alive at its peak (lowbit.nn.memtrace; result["memory_trace"]).
     Returns a summary: quantized / kept layers, seconds per layer, seconds per phase (setup,
     first_inputs, load, calibrate, quantize, write, finish, barrier: they add up to the wall
-    time), peak memory (RSS bytes over the start; on CUDA max_memory_allocated overall and per
+    time) and per layer (load, calibrate, quantize, write and, for GPTQ, gptq_hessian /
+    gptq_factor / gptq_solve / gptq_losses), peak memory (RSS bytes over the start; on CUDA max_memory_allocated overall and per
     phase, with the layer where each phase peaked and what was allocated when it began), one
     layer's bytes and the activation bytes."""
     import transformers
@@ -407,6 +415,8 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
             from tqdm import tqdm
             bar = tqdm(total=len(blist), desc=f"layer by layer {r.name}", unit="layer")
         lap("first_inputs")
+        result["phase_seconds_per_layer"] = []
+        before = {**phases, **({"gptq_" + k: v for k, v in handle.timings.items()} if handle else {})}
 
         try:
             for i in range(len(blist)):
@@ -474,6 +484,12 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                 if tracing is not None:
                     result["memory_trace"] = {"layer": i, **(memtrace.stop(device, tracing) or {})}
                 result["seconds_per_layer"].append(time.time() - t0)
+                # this layer's share of the phase totals (the first layer also holds one-off costs:
+                # kernel compilation, first allocations), from which a steady state can be read
+                now = {**phases, **({"gptq_" + k: v for k, v in handle.timings.items()} if handle else {})}
+                result["phase_seconds_per_layer"].append({k: v - before.get(k, 0.0) for k, v in now.items()
+                                                          if k in _LAYER_PHASES or k.startswith("gptq_")})
+                before = now
                 if bar is not None:
                     bar.update(1)
         finally:
