@@ -172,6 +172,13 @@ for key, label, nl in (("gptq", "GPTQ W4A16 (g128)", glayers), ("sq", "SmoothQua
                  f"{verdict(r['ratio'], 0.6)}; per layer after the first: {fmt(r['ratio_per_layer'], '.2f')}); peak / (layer + activations) = {fmt(o1, '.2f')} on 1 GPU, "
                  f"{fmt(on, '.2f')} per GPU on {nproc} (target <= 1.3: {verdict(mem, 1.3)}); "
                  f"{nproc}-GPU checkpoint byte-identical to the 1-GPU one: {ident}")
+    if t1 and tn and s1 and sn and int(nl) < int(layers):
+        # the run's one-off costs (wall minus its layers at the steady rate) + every layer of the
+        # checkpoint at the steady rate: what the whole model would take, on paper
+        e1, en = t1 + (int(layers) - int(nl)) * s1, tn + (int(layers) - int(nl)) * sn
+        r["extrapolated_all_layers"] = {"layers": int(layers), "t_1": e1, "t_n": en, "ratio": en / e1}
+        lines.append(f"  extrapolated to all {layers} layers (wall + the other layers at the steady s/layer): "
+                     f"{e1:.1f} s / {en:.1f} s = {en / e1:.2f}")
     for rr in one[:1] + many:
         lines.append(rank_line(key, rr))
 # diagnostics: GPTQ with rank 1's Hessian terms in host memory; the allocator traces
