@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import lowbit as lb
-from lowbit.nn.gptq import HessianAccumulator, gptq_model, gptq_quantize_weight, output_loss
+from lowbit.nn.gptq import HessianAccumulator, gptq_model, gptq_quantize_weight, held_out_losses, output_loss
 from lowbit.nn.quant_linear import QuantLinear
 from lowbit.nn.sequential import calibrate_sequentially
 from lowbit.quantize import Scales, compute_scale, expand_scale, quantize, reduce_amax
@@ -106,6 +106,30 @@ def test_matches_float64_reference(rng, name, act_order, panel, monkeypatch):
     # GPTQ minimises the output loss greedily from RTN's starting point: never worse on its H.
     assert res.loss <= res.loss_rtn
     assert res.loss == output_loss(w, res.qtensor.dequantize(torch.float64), h)
+
+
+def test_held_out_losses_are_the_held_out_hessians(rng):
+    """held_out_losses (sum_t ||D x_t||^2 from the held-out tokens, batch by batch) is
+    output_loss on the held-out tokens' Hessian X^T X, up to float64 rounding."""
+    K, N, holdout = 37, 11, 4
+    xs = [torch.randn(2, 9, K, generator=rng) for _ in range(3)]      # 18 tokens per batch
+    w = torch.randn(N, K, generator=rng, dtype=torch.float64)
+    ds = [w - (w + 0.01 * torch.randn(N, K, generator=rng, dtype=torch.float64)), w - w.float().bfloat16().double()]
+    got = held_out_losses(xs, holdout, ds)
+    xv = torch.cat([x.reshape(-1, K)[holdout - 1::holdout] for x in xs]).double()   # rows 3, 7, 11, 15
+    T, B, u = xv.shape[0], len(xs), 2.0 ** -53
+    for g, d in zip(got, ds):
+        want = output_loss(w, w - d, xv.T @ xv)
+        # Both are float64 evaluations of sum_{t,n} (x_t . d_n)^2. With M = sum_{t,n} (|x_t| . |d_n|)^2:
+        # from the tokens, each dot product errs by <= gamma_K |x_t|.|d_n|, its square by <= 3 gamma_K
+        # (|x_t|.|d_n|)^2 + u, the sums of T N nonnegative squares and B batch terms by gamma_{TN + B}:
+        # <= (3K + 1 + TN + B) u' M. Through X^T X: H errs by gamma_T |X|^T |X|, D H by
+        # gamma_K |D| |H| more, the sum of N K products by gamma_{NK}: <= (T + K + NK) u' M.
+        # u' = u / (1 - m u) < 1.01 u for these m.
+        M = float(((xv.abs() @ d.abs().T) ** 2).sum())
+        tol = (T + 4 * K + N * K + T * N + B + 1) * 1.01 * u * M
+        assert abs(float(g) - want) <= tol, (float(g), want, tol)
+    assert held_out_losses([x[:, :1] for x in xs], holdout, ds) is None     # 2 tokens a batch: none held out
 
 
 @pytest.mark.parametrize("name", ["int4-g8", "int8-channel", "nvfp4"])
