@@ -9,6 +9,9 @@
 # the 1-GPU one. Both methods see 32,768 calibration tokens (GPTQ: 16 batches of 2 x 1024;
 # SmoothQuant: 32 batches of 1 x 1024, the forward temporaries of one batch count in its peak);
 # GPTQ_CALIB / SQ_CALIB="batches sequences length" change that.
+# Before the timed runs, an untimed 1-layer GPTQ compiles the Triton kernels (so that neither timed
+# run pays it); each rank's steady per-layer phases are printed, and for GPTQ the whole
+# checkpoint's extrapolation (wall + the layers not run at the steady s/layer).
 # $OUT gets three files: distributed_steps.log (every step's output), distributed.json (every rank's
 # summary, the comparisons, the machine) and table_distributed.md; the table and the ratio and
 # memory lines are printed last. Every step has its own timeout inside one DEADLINE (seconds).
