@@ -56,7 +56,7 @@ def _pipeline(model, batches, out: Path | None) -> dict:
     quantize_model(m, "w8a8-int8", act_static_scales=scales)
     runs = {"smoothquant-static": m}
     m = copy.deepcopy(model)
-    quantize_model(m, "w4a16-g32", method="gptq", calib=batches)
+    gptq = quantize_model(m, "w4a16-g32", method="gptq", calib=batches)
     runs["gptq"] = m
     m = copy.deepcopy(model)
     awq_model(m, "w4a16-g32", batches)
@@ -65,7 +65,10 @@ def _pipeline(model, batches, out: Path | None) -> dict:
     if out is not None:
         for name, mm in runs.items():
             save_compressed(mm, out / name, config={})
-    return {"tokens": sites.tokens, **{r.name: [r.act_db, r.weight_db, r.out_db, r.block_db] for r in sites.rows}}
+    # GPTQ's losses (fit tokens: by row panels over the ranks; held-out: by batches) as reported
+    reasons = [d.reason for d in gptq.quantized]
+    return {"tokens": sites.tokens, "gptq_reasons": reasons,
+            **{r.name: [r.act_db, r.weight_db, r.out_db, r.block_db] for r in sites.rows}}
 
 
 def _layerwise(src: Path, batches, out: Path) -> None:
@@ -152,6 +155,7 @@ def test_two_gloo_ranks_write_the_single_process_checkpoints(seed, tmp_path, mon
     assert not torch.equal(split, one)     # why the order matters: ranks' partial sums added differ
     got = json.loads((tmp_path / "sites.json").read_text())
     assert got.pop("tokens") == sites.pop("tokens")
+    assert got.pop("gptq_reasons") == sites.pop("gptq_reasons")     # the same losses, to the printed digit
     assert sorted(got) == sorted(sites)
     # Each site sum (signal or noise) adds N_BATCHES positive float64 terms, in another order under
     # 2 ranks: each path's sum is within (N_BATCHES - 1) u64 relative of the exact one (u64 = 2^-53),

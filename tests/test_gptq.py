@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import lowbit as lb
-from lowbit.nn.gptq import HessianAccumulator, gptq_model, gptq_quantize_weight, held_out_losses, output_loss
+from lowbit.nn.gptq import (HessianAccumulator, gptq_model, gptq_quantize_weight, held_out_losses, output_loss,
+                            panel_losses)
 from lowbit.nn.quant_linear import QuantLinear
 from lowbit.nn.sequential import calibrate_sequentially
 from lowbit.quantize import Scales, compute_scale, expand_scale, quantize, reduce_amax
@@ -130,6 +131,23 @@ def test_held_out_losses_are_the_held_out_hessians(rng):
         tol = (T + 4 * K + N * K + T * N + B + 1) * 1.01 * u * M
         assert abs(float(g) - want) <= tol, (float(g), want, tol)
     assert held_out_losses([x[:, :1] for x in xs], holdout, ds) is None     # 2 tokens a batch: none held out
+
+
+def test_panel_losses_are_output_loss(rng, monkeypatch):
+    """panel_losses (tr(D H D^T) as the exact sum of PANEL_ROWS-row panels' values) is output_loss
+    up to float64 rounding, on panels that do not divide N."""
+    from lowbit.nn import gptq
+    monkeypatch.setattr(gptq, "PANEL_ROWS", 5)
+    w, h, _ = _layer_data(rng, N=23)
+    q = w.double() + 0.01 * torch.randn(w.shape, generator=rng, dtype=torch.float64)
+    d = w.double() - q
+    got, want = panel_losses(d, h), output_loss(w, q, h)
+    # each is a float64 evaluation of sum_{n,k} (sum_j d_nj h_jk) d_nk: <= gamma_{K + NK} |D| |H| . |D|
+    # (a panel's sum has fewer terms; fsum of the panels adds no error beyond one rounding: u)
+    N, K = d.shape
+    M = float(((d.abs() @ h.abs()) * d.abs()).sum())
+    tol = 2 * (K + N * K + 1) * 1.01 * 2.0 ** -53 * M
+    assert abs(got - want) <= tol, (got, want, tol)
 
 
 @pytest.mark.parametrize("name", ["int4-g8", "int8-channel", "nvfp4"])
