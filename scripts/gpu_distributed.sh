@@ -9,6 +9,9 @@
 # the 1-GPU one. Both methods see 32,768 calibration tokens (GPTQ: 16 batches of 2 x 1024;
 # SmoothQuant: 32 batches of 1 x 1024, the forward temporaries of one batch count in its peak);
 # GPTQ_CALIB / SQ_CALIB="batches sequences length" change that.
+# Before the timed runs, an untimed 1-layer GPTQ compiles the Triton kernels (so that neither timed
+# run pays it); each rank's steady per-layer phases are printed, and for GPTQ the whole
+# checkpoint's extrapolation (wall + the layers not run at the steady s/layer).
 # $OUT gets three files: distributed_steps.log (every step's output), distributed.json (every rank's
 # summary, the comparisons, the machine) and table_distributed.md; the table and the ratio and
 # memory lines are printed last. Every step has its own timeout inside one DEADLINE (seconds).
@@ -19,7 +22,7 @@ set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 out="${OUT:-$root/out}"; mkdir -p "$out"
-work="${WORK:-/tmp/lowbit-dist}"; rm -rf "$work"; mkdir -p "$work/json"
+work="${WORK:-/tmp/lowbit-dist}"; rm -rf "$work"; mkdir -p "$work/json" "$work/warm"
 export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
 DEVICE="${DEVICE:-cuda}"; NPROC="${NPROC:-2}"
@@ -72,6 +75,13 @@ step view 30 "${py[@]}" view --src "$work/ckpt" --out "$work/ckpt_gptq" --layers
 RUNS=",${RUNS:-gptq,sq,diag},"
 gptq=(run --ckpt "$work/ckpt_gptq" --recipe w4a16 --method gptq --batches "$G_BATCHES" --batch "$G_BATCH" --seq-len "$G_SEQ" "${base[@]}")
 if [[ $RUNS == *,gptq,* ]]; then
+# Untimed: one GPTQ layer on 1 GPU first, so that both timed runs find the Triton kernels (block
+# kernel, W4A16 GEMMs) compiled in the disk cache; before, only the 2-GPU run did (the 1-GPU run
+# compiled them in its first layer, ~4 s of its 15 s).
+step view_warm 30 "${py[@]}" view --src "$work/ckpt" --out "$work/ckpt_warm" --layers 1 || true
+step gptq_warm 60 "${py[@]}" run --ckpt "$work/ckpt_warm" --recipe w4a16 --method gptq --batches 2 --batch "$G_BATCH" \
+    --seq-len "$G_SEQ" "${base[@]}" --out "$work/gptq_warm" --json "$work/warm/gptq_warm" || true
+rm -rf "$work/gptq_warm" "$work/ckpt_warm"
 step gptq_1 100 "${py[@]}" "${gptq[@]}" --out "$work/gptq_1" --json "$work/json/gptq_1" || true
 step gptq_2 100 "${dist[@]}" "${gptq[@]}" --out "$work/gptq_2" --json "$work/json/gptq_2" || true
 step gptq_compare 40 "${py[@]}" compare "$work/gptq_1" "$work/gptq_2" --json "$work/json/gptq_compare.json" || true
@@ -124,6 +134,10 @@ def rank_line(key, rr):
          + ("; GPTQ " + ", ".join(f"{k} {v:.1f}" for k, v in rr["gptq_phase_seconds"].items())
             + f"; block kernel: {rr['gptq_block_kernel']}" if "gptq_phase_seconds" in rr else "")
          + "; threads " + ", ".join(f"{k} {v:.1f}" for k, v in rr.get("thread_seconds", {}).items()) + " (s)")
+    pl = rr.get("phase_seconds_per_layer") or []
+    if len(pl) > 1:      # steady state: the median of the layers after the first, phase by phase
+        s += "; steady per layer (median of layers 1..) " + ", ".join(
+            f"{k} {med([p[k] for p in pl[1:]]):.3f}" for k in pl[1])
     pp = rr.get("phase_peak_bytes")
     if pp:
         top = max(pp, key=lambda k: pp[k]["peak"])
@@ -158,9 +172,16 @@ for key, label, nl in (("gptq", "GPTQ W4A16 (g128)", glayers), ("sq", "SmoothQua
     verdict = lambda v, lim: "-" if v is None else ("PASS" if v <= lim else "MISS")
     mem = max([x for x in (o1, on) if x is not None], default=None)
     lines.append(f"{label}: wall {nproc} GPUs / 1 GPU = {fmt(r['ratio'], '.2f')} (target <= 0.6: "
-                 f"{verdict(r['ratio'], 0.6)}); peak / (layer + activations) = {fmt(o1, '.2f')} on 1 GPU, "
+                 f"{verdict(r['ratio'], 0.6)}; per layer after the first: {fmt(r['ratio_per_layer'], '.2f')}); peak / (layer + activations) = {fmt(o1, '.2f')} on 1 GPU, "
                  f"{fmt(on, '.2f')} per GPU on {nproc} (target <= 1.3: {verdict(mem, 1.3)}); "
                  f"{nproc}-GPU checkpoint byte-identical to the 1-GPU one: {ident}")
+    if t1 and tn and s1 and sn and int(nl) < int(layers):
+        # the run's one-off costs (wall minus its layers at the steady rate) + every layer of the
+        # checkpoint at the steady rate: what the whole model would take, on paper
+        e1, en = t1 + (int(layers) - int(nl)) * s1, tn + (int(layers) - int(nl)) * sn
+        r["extrapolated_all_layers"] = {"layers": int(layers), "t_1": e1, "t_n": en, "ratio": en / e1}
+        lines.append(f"  extrapolated to all {layers} layers (wall + the other layers at the steady s/layer): "
+                     f"{e1:.1f} s / {en:.1f} s = {en / e1:.2f}")
     for rr in one[:1] + many:
         lines.append(rank_line(key, rr))
 # diagnostics: GPTQ with rank 1's Hessian terms in host memory; the allocator traces

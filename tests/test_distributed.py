@@ -56,7 +56,7 @@ def _pipeline(model, batches, out: Path | None) -> dict:
     quantize_model(m, "w8a8-int8", act_static_scales=scales)
     runs = {"smoothquant-static": m}
     m = copy.deepcopy(model)
-    quantize_model(m, "w4a16-g32", method="gptq", calib=batches)
+    gptq = quantize_model(m, "w4a16-g32", method="gptq", calib=batches)
     runs["gptq"] = m
     m = copy.deepcopy(model)
     awq_model(m, "w4a16-g32", batches)
@@ -65,15 +65,31 @@ def _pipeline(model, batches, out: Path | None) -> dict:
     if out is not None:
         for name, mm in runs.items():
             save_compressed(mm, out / name, config={})
-    return {"tokens": sites.tokens, **{r.name: [r.act_db, r.weight_db, r.out_db, r.block_db] for r in sites.rows}}
+    # GPTQ's losses (fit tokens: by row panels over the ranks; held-out: by batches) as reported
+    reasons = [d.reason for d in gptq.quantized]
+    return {"tokens": sites.tokens, "gptq_reasons": reasons,
+            **{r.name: [r.act_db, r.weight_db, r.out_db, r.block_db] for r in sites.rows}}
 
 
 def _layerwise(src: Path, batches, out: Path) -> None:
     """Layer by layer from the sharded float checkpoint: SmoothQuant + static scales + W8A8 RTN
     (under torch.distributed: each rank reads a share of every layer, which the ranks exchange,
-    quantizes a share of the Linears and sends rank 0 the codes; rank 0 writes)."""
+    quantizes a share of the Linears and sends rank 0 the codes; rank 0 writes), and GPTQ W4A16
+    (rows and H^-1's factor panels split over the ranks; the writer thread packs the codes)."""
     from lowbit.nn.layerwise import quantize_layerwise
     quantize_layerwise(src, out, "w8a8-int8", batches, smoothquant=0.5, static_scales=True)
+    quantize_layerwise(src, out.parent / "layerwise-gptq", "w4a16-g32", batches, method="gptq")
+
+
+def _factor_bytes(seed: int) -> bytes:
+    """GPTQ's factor of H^-1 (gptq._factor) of a random K = 50 Hessian with a dead column, as
+    raw float64 bytes: under torch.distributed each rank computes a share of its panels."""
+    from lowbit.nn import distributed, gptq
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(80, 50, generator=g, dtype=torch.float64)
+    x[:, 7] = 0
+    fac = gptq._factor(x.T @ x / 80, 0.01, True, torch.device("cpu"), distributed.world_size(), distributed.rank())
+    return fac.hinv.numpy().tobytes()
 
 
 def _worker(rank: int, tmp: str, seed: int):
@@ -88,7 +104,9 @@ def _worker(rank: int, tmp: str, seed: int):
         model, batches = _setup(seed)
         sites = _pipeline(model, shard(batches), Path(tmp) / "dist" if rank == 0 else None)
         _layerwise(Path(tmp) / "float", shard(batches), Path(tmp) / "dist" / "layerwise")
+        factor = _factor_bytes(seed)
         if rank == 0:
+            (Path(tmp) / "factor.f64").write_bytes(factor)
             (Path(tmp) / "sites.json").write_text(json.dumps(sites))
             (Path(tmp) / "ordered_sum.f64").write_bytes(total.numpy().tobytes())
     finally:
@@ -103,9 +121,11 @@ def _same_dirs(a: Path, b: Path) -> list[str]:
 
 def test_two_gloo_ranks_write_the_single_process_checkpoints(seed, tmp_path, monkeypatch):
     # GPTQ's row panels small enough that every job (q/k/v 128 rows, gate/up 192, o and down 64)
-    # is split between the two ranks (the forked ranks inherit the setting)
+    # is split between the two ranks, and H^-1's factor in 4 (K = 50, 64) or 6 (K = 96) column
+    # panels, which the ranks share out (the forked ranks inherit the settings)
     from lowbit.nn import gptq
     monkeypatch.setattr(gptq, "PANEL_ROWS", 16)
+    monkeypatch.setattr(gptq, "FACTOR_PANEL", 16)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -114,14 +134,16 @@ def test_two_gloo_ranks_write_the_single_process_checkpoints(seed, tmp_path, mon
         model.save_pretrained(tmp_path / "float", max_shard_size="40KB")
         sites = _pipeline(model, batches, tmp_path / "single")
         _layerwise(tmp_path / "float", batches, tmp_path / "single" / "layerwise")
+        factor = _factor_bytes(seed)
     finally:
         torch.set_num_threads(threads)
     # fork: the ranks start with transformers already imported (spawn would spend ~10 s per rank
     # importing it on a loaded 2-core CI machine); they compute with 1 thread, no OpenMP pool.
     mp.start_processes(_worker, args=(str(tmp_path), seed), nprocs=WORLD, join=True, start_method="fork")
-    for run in ("smoothquant-static", "gptq", "awq", "layerwise"):
+    for run in ("smoothquant-static", "gptq", "awq", "layerwise", "layerwise-gptq"):
         differ = _same_dirs(tmp_path / "single" / run, tmp_path / "dist" / run)
         assert not differ, f"{run}: files {differ} differ between 1 process and {WORLD} ranks"
+    assert (tmp_path / "factor.f64").read_bytes() == factor, "H^-1's factor differs between 1 process and 2 ranks"
     terms = _terms(seed)
     one = torch.zeros(300, dtype=torch.float64)
     for t in terms:
@@ -133,6 +155,7 @@ def test_two_gloo_ranks_write_the_single_process_checkpoints(seed, tmp_path, mon
     assert not torch.equal(split, one)     # why the order matters: ranks' partial sums added differ
     got = json.loads((tmp_path / "sites.json").read_text())
     assert got.pop("tokens") == sites.pop("tokens")
+    assert got.pop("gptq_reasons") == sites.pop("gptq_reasons")     # the same losses, to the printed digit
     assert sorted(got) == sorted(sites)
     # Each site sum (signal or noise) adds N_BATCHES positive float64 terms, in another order under
     # 2 ranks: each path's sum is within (N_BATCHES - 1) u64 relative of the exact one (u64 = 2^-53),
@@ -161,6 +184,15 @@ def test_shard_is_contiguous_and_balanced(monkeypatch):
     monkeypatch.setattr(D, "world_size", lambda: 8)
     with pytest.raises(ValueError, match="at least one batch per rank"):
         D.shard(items)
+
+
+def test_owners_longest_first_to_the_least_loaded():
+    from lowbit.nn.distributed import owners
+    # by hand: 16 -> rank 1 (tie: the highest rank), 9 -> 0, 4 -> 0 (9 < 16), 1 -> 0 (13 < 16)
+    assert owners([16.0, 9.0, 4.0, 1.0], 2) == [1, 0, 0, 0]
+    # 3 ranks: 5 -> 2, 5 -> 1, 4 -> 0, 3 -> 0 (4 < 5), 2 -> 2 (loads 7, 5, 5: the tie to the highest)
+    assert owners([3.0, 5.0, 2.0, 5.0, 4.0], 3) == [0, 2, 2, 1, 0]
+    assert owners([1.0, 2.0], 1) == [0, 0]
 
 
 def test_reductions_are_identity_without_a_group():

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import lowbit as lb
-from lowbit.nn.gptq import HessianAccumulator, gptq_model, gptq_quantize_weight, output_loss
+from lowbit.nn.gptq import (HessianAccumulator, gptq_model, gptq_quantize_weight, held_out_losses, output_loss,
+                            panel_losses)
 from lowbit.nn.quant_linear import QuantLinear
 from lowbit.nn.sequential import calibrate_sequentially
 from lowbit.quantize import Scales, compute_scale, expand_scale, quantize, reduce_amax
@@ -84,9 +85,12 @@ def _layer_data(rng, N=7, K=45, n=60):
     return torch.randn(N, K, generator=rng), acc.hessian(), X
 
 
+@pytest.mark.parametrize("panel", [1024, 16])      # H^-1's factor in one panel, or in 3 (K = 45)
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("name", list(SCHEMES))
-def test_matches_float64_reference(rng, name, act_order):
+def test_matches_float64_reference(rng, name, act_order, panel, monkeypatch):
+    from lowbit.nn import gptq
+    monkeypatch.setattr(gptq, "FACTOR_PANEL", panel)
     scheme = SCHEMES[name]
     w, h, X = _layer_data(rng)
     # accumulator = X^T X / n: two float64 summation orders of n products differ by at most
@@ -103,6 +107,47 @@ def test_matches_float64_reference(rng, name, act_order):
     # GPTQ minimises the output loss greedily from RTN's starting point: never worse on its H.
     assert res.loss <= res.loss_rtn
     assert res.loss == output_loss(w, res.qtensor.dequantize(torch.float64), h)
+
+
+def test_held_out_losses_are_the_held_out_hessians(rng):
+    """held_out_losses (sum_t ||D x_t||^2 from the held-out tokens, batch by batch) is
+    output_loss on the held-out tokens' Hessian X^T X, up to float64 rounding."""
+    K, N, holdout = 37, 11, 4
+    xs = [torch.randn(2, 9, K, generator=rng) for _ in range(3)]      # 18 tokens per batch
+    w = torch.randn(N, K, generator=rng, dtype=torch.float64)
+    ds = [w - (w + 0.01 * torch.randn(N, K, generator=rng, dtype=torch.float64)), w - w.float().bfloat16().double()]
+    got = held_out_losses(xs, holdout, ds)
+    xv = torch.cat([x.reshape(-1, K)[holdout - 1::holdout] for x in xs]).double()   # rows 3, 7, 11, 15
+    T, B, u = xv.shape[0], len(xs), 2.0 ** -53
+    for g, d in zip(got, ds):
+        want = output_loss(w, w - d, xv.T @ xv)
+        # Both are float64 evaluations of sum_{t,n} (x_t . d_n)^2. With M = sum_{t,n} (|x_t| . |d_n|)^2:
+        # from the tokens, each dot product errs by <= gamma_K |x_t|.|d_n|, its square by <= 3 gamma_K
+        # (|x_t|.|d_n|)^2 + u, the sums of T N nonnegative squares and B batch terms by gamma_{TN + B}:
+        # <= (3K + 1 + TN + B) u' M. Through X^T X: H errs by gamma_T |X|^T |X|, D H by
+        # gamma_K |D| |H| more, the sum of N K products by gamma_{NK}: <= (T + K + NK) u' M.
+        # u' = u / (1 - m u) < 1.01 u for these m.
+        M = float(((xv.abs() @ d.abs().T) ** 2).sum())
+        tol = (T + 4 * K + N * K + T * N + B + 1) * 1.01 * u * M
+        assert abs(float(g) - want) <= tol, (float(g), want, tol)
+    assert held_out_losses([x[:, :1] for x in xs], holdout, ds) is None     # 2 tokens a batch: none held out
+
+
+def test_panel_losses_are_output_loss(rng, monkeypatch):
+    """panel_losses (tr(D H D^T) as the exact sum of PANEL_ROWS-row panels' values) is output_loss
+    up to float64 rounding, on panels that do not divide N."""
+    from lowbit.nn import gptq
+    monkeypatch.setattr(gptq, "PANEL_ROWS", 5)
+    w, h, _ = _layer_data(rng, N=23)
+    q = w.double() + 0.01 * torch.randn(w.shape, generator=rng, dtype=torch.float64)
+    d = w.double() - q
+    got, want = panel_losses(d, h), output_loss(w, q, h)
+    # each is a float64 evaluation of sum_{n,k} (sum_j d_nj h_jk) d_nk: <= gamma_{K + NK} |D| |H| . |D|
+    # (a panel's sum has fewer terms; fsum of the panels adds no error beyond one rounding: u)
+    N, K = d.shape
+    M = float(((d.abs() @ h.abs()) * d.abs()).sum())
+    tol = 2 * (K + N * K + 1) * 1.01 * 2.0 ** -53 * M
+    assert abs(got - want) <= tol, (got, want, tol)
 
 
 @pytest.mark.parametrize("name", ["int4-g8", "int8-channel", "nvfp4"])

@@ -199,17 +199,25 @@ def save_compressed(model: torch.nn.Module, out_dir: str | os.PathLike, recipe=N
     return atomic_dir(Path(out_dir), overwrite, write)
 
 
-def module_tensors(root: torch.nn.Module, formats: dict[str, str], seen: set[int], prefix: str = ""):
+def module_tensors(root: torch.nn.Module, formats: dict[str, str], seen: set[int], prefix: str = "",
+                   defer_host: bool = False):
     """(name, tensor) of everything save_compressed stores for `root` and its submodules, names
     prefixed by `prefix`: each QuantLinear's compressed-tensors tensors (`formats`: its ct format
     by full module name) + bias + input_scale; every other parameter and persistent buffer as it
-    is. `prefix`: root's own module name ("" for a model). `seen` holds ids of tensors already given (a tied weight is stored once)."""
+    is. `prefix`: root's own module name ("" for a model). `seen` holds ids of tensors already given (a tied weight is stored once).
+    defer_host: a QuantLinear whose codes are on the host (e.g. W4A16's exact twin) gives
+    (prefix, callable) instead of its weight tensors; the callable returns them (for int4 that is
+    packing into int32 words on the CPU, which a writer thread can do: expand_deferred)."""
     from lowbit.nn.quant_linear import QuantLinear
     for mname, m in root.named_modules():
         full = f"{prefix}.{mname}" if prefix and mname else (prefix or mname)
         pre = f"{full}." if full else ""
         if isinstance(m, QuantLinear):
-            yield from ((pre + k, v) for k, v in L.qtensor_to_ct(m.weight_q, formats[full]).items())
+            if defer_host and m.weight_q.codes.device.type == "cpu":
+                yield pre, lambda qt=m.weight_q, fmt=formats[full], pre=pre: [
+                    (pre + k, v) for k, v in L.qtensor_to_ct(qt, fmt).items()]
+            else:
+                yield from ((pre + k, v) for k, v in L.qtensor_to_ct(m.weight_q, formats[full]).items())
             if m.bias is not None:
                 yield pre + "bias", m.bias.detach()
             if m.act_static_scale is not None:
@@ -223,6 +231,16 @@ def module_tensors(root: torch.nn.Module, formats: dict[str, str], seen: set[int
                 continue
             seen.add(id(t))
             yield pre + k, t.detach()
+
+
+def expand_deferred(items):
+    """The (name, tensor) pairs of module_tensors(..., defer_host=True)'s items, in order: each
+    deferred QuantLinear's tensors made where this runs."""
+    for n, t in items:
+        if callable(t):
+            yield from t()
+        else:
+            yield n, t
 
 
 # ---------------------------------------------------------------- load

@@ -99,6 +99,17 @@ def share(n: int, world: int, r: int) -> tuple[int, int]:
     return lo, lo + n // world + (1 if r < n % world else 0)
 
 
+def owners(costs: Sequence[float], world: int) -> list[int]:
+    """A rank for each job of cost costs[j] (longest processing time first): jobs in decreasing
+    cost, each to the least loaded rank so far, ties to the HIGHEST rank (rank 0 also writes
+    the checkpoint). Every rank computes the same assignment from the same costs."""
+    load, own = [0.0] * world, [0] * len(costs)
+    for j in sorted(range(len(costs)), key=lambda j: -costs[j]):
+        r = min(range(world), key=lambda r: (load[r], -r))
+        own[j], load[r] = r, load[r] + costs[j]
+    return own
+
+
 def _comm_device() -> torch.device:
     import torch.distributed as dist
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")

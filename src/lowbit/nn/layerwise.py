@@ -23,13 +23,16 @@ Peak device memory (measured in the result, stated in docs/distributed.md):
   + the streams' activations: streams x tokens x hidden x dtype bytes (each stream advances in
     place, one batch at a time; + one group's Linear inputs, tokens x K, while GPTQ calibrates)
   + one batch's forward temporaries and one 4M-element chunk's quantization temporaries
-  + for GPTQ: the Hessians and their factors, about 6 x K^2 x 8 bytes for the largest K.
-Reading the next layer (host) and writing the last one (host) run in two threads meanwhile.
+  + for GPTQ: the Hessian and its factors, 3 x K^2 x 8 bytes for the largest K (one Linear
+    group at a time; ranks > 0 also keep their batches' Hessian terms, K^2 x 8 bytes each,
+    until the ordered sum reaches them).
+Reading the next layer (host) and writing the last one (host, W4A16's int4 packing included)
+run in two threads meanwhile.
 Under torch.distributed each rank holds its share of the tokens and reads its share of every
 layer (the pieces are broadcast: layer_loader), the statistics are reduced (lowbit.nn.distributed;
 one collective per statistic kind and layer), each rank quantizes a share of the Linears
-(round to nearest: the codes go to rank 0; GPTQ: rows of every weight, every rank gets all)
-and rank 0 writes.
+(round to nearest: the codes go to rank 0; GPTQ: rows of every weight and panels of every
+Hessian's inverse factor, every rank gets all) and rank 0 writes.
 
 Llama-family models from transformers (LlamaForCausalLM and the models sharing its layout:
 model.embed_tokens, model.layers[i], model.norm, lm_head).
@@ -72,6 +75,10 @@ def _advance(layer: torch.nn.Module, stream: list) -> None:
     from lowbit.nn.sequential import next_block_inputs
     for b in range(len(stream)):
         stream[b] = next_block_inputs(layer, [stream[b]])[0]
+
+
+# The phases of quantize_layerwise that belong to one layer (result["phase_seconds_per_layer"]).
+_LAYER_PHASES = ("load", "calibrate", "quantize", "write")
 
 
 # Elements per float32 temporary while a weight is quantized (row chunks; see _rtn_codes).
@@ -132,20 +139,10 @@ def _rtn_chunked(d, summary, linear: torch.nn.Linear, static) -> torch.nn.Module
     return _rtn_linear(d, summary, linear, static, _rtn_codes(w, summary.recipe_of(d).weight))
 
 
-def _owners(sizes: list[int], world: int) -> list[int]:
-    """A rank for each job of cost sizes[j]: largest first to the least loaded rank, ties to the
-    highest rank (rank 0 also writes the checkpoint)."""
-    load, own = [0] * world, [0] * len(sizes)
-    for j in sorted(range(len(sizes)), key=lambda j: -sizes[j]):
-        r = min(range(world), key=lambda r: (load[r], -r))
-        own[j], load[r] = r, load[r] + sizes[j]
-    return own
-
-
 def _rtn_split(layer: torch.nn.Module, names: list[str], by_name: dict, summary, static, prefix: str) -> None:
-    """Round-to-nearest of the Linears `names` of `layer`, shared out over the ranks (_owners,
-    by weight size): each rank quantizes its share by row chunks, then each share's fields are
-    broadcast from their owner (the process group's own communicator; for 2 ranks that is a send
+    """Round-to-nearest of the Linears `names` of `layer`, shared out over the ranks
+    (distributed.owners, by weight size): each rank quantizes its share by row chunks, then
+    each share's fields are broadcast from their owner (the process group's own communicator; for 2 ranks that is a send
     to rank 0), and rank 0 alone puts QuantLinears into its layer (only rank 0 writes; nothing
     runs the quantized layer). Every rank drops a Linear's float weight once it is quantized or
     sent for (the layer is not run again; rank 0's QuantLinear holds only the codes): otherwise the
@@ -157,7 +154,7 @@ def _rtn_split(layer: torch.nn.Module, names: list[str], by_name: dict, summary,
     me, world = distributed.rank(), distributed.world_size()
     lins = {n: layer.get_submodule(n) for n in names}
     rows = {n: _rtn_rows(summary, by_name[prefix + n], lins[n].weight.detach()) for n in names}
-    owner = dict(zip(names, _owners([lins[n].weight.numel() if rows[n] else 0 for n in names], world)))
+    owner = dict(zip(names, distributed.owners([lins[n].weight.numel() if rows[n] else 0 for n in names], world)))
     owner.update({n: 0 for n in names if not rows[n]})
 
     def put(n, q):
@@ -233,15 +230,16 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     blocks alive at its peak (lowbit.nn.memtrace; result["memory_trace"]).
     Returns a summary: quantized / kept layers, seconds per layer, seconds per phase (setup,
     first_inputs, load, calibrate, quantize, write, finish, barrier: they add up to the wall
-    time), peak memory (RSS bytes over the start; on CUDA max_memory_allocated overall and per
+    time) and per layer (load, calibrate, quantize, write and, for GPTQ, gptq_hessian /
+    gptq_factor / gptq_solve / gptq_losses), peak memory (RSS bytes over the start; on CUDA max_memory_allocated overall and per
     phase, with the layer where each phase peaked and what was allocated when it began), one
     layer's bytes and the activation bytes."""
     import transformers
     from concurrent.futures import ThreadPoolExecutor
     from lowbit.io import ct_layout as L
     from lowbit.io.compressed_tensors import (DEFAULT_SHARD_BYTES, atomic_dir, build_quantization_config,
-                                              config_dict, describe_qlayer, module_tensors, read_json,
-                                              write_metadata)
+                                              config_dict, describe_qlayer, expand_deferred, module_tensors,
+                                              read_json, write_metadata)
     from lowbit.io.sharded import copy_side_files, k_multiple
     from lowbit.io.st_format import ShardedWriter
     from lowbit.nn import layer_loader, memtrace
@@ -355,7 +353,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
 
         def write(ts):
             t0 = time.time()
-            for n, t in ts:
+            for n, t in expand_deferred(ts):
                 writer.add(n, t)
             busy["write"] += time.time() - t0
 
@@ -417,6 +415,8 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
             from tqdm import tqdm
             bar = tqdm(total=len(blist), desc=f"layer by layer {r.name}", unit="layer")
         lap("first_inputs")
+        result["phase_seconds_per_layer"] = []
+        before = {**phases, **({"gptq_" + k: v for k, v in handle.timings.items()} if handle else {})}
 
         try:
             for i in range(len(blist)):
@@ -468,7 +468,12 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                         formats[prefix + n], layer_schemes[prefix + n], sidecar[prefix + n] = describe_qlayer(prefix + n, m)
                 del m
                 if writer is not None:
-                    out = [(n, _to_host(t, pin)) for n, t in module_tensors(layer, formats, set(), prefix[:-1])]
+                    # tensors on the device are copied to the host here (the layer is freed below);
+                    # the checkpoint layout of codes already on the host (GPTQ W4A16: int4 packed
+                    # into int32 words on the CPU, ~0.35 s for a Llama-8B layer) is made by the
+                    # writer thread while the next layer computes
+                    out = [(n, t if callable(t) else _to_host(t, pin))
+                           for n, t in module_tensors(layer, formats, set(), prefix[:-1], defer_host=True)]
                     if written is not None:
                         written.result()       # one layer waits on the host at most (and errors surface)
                     written = io[1].submit(write, out)
@@ -479,6 +484,12 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                 if tracing is not None:
                     result["memory_trace"] = {"layer": i, **(memtrace.stop(device, tracing) or {})}
                 result["seconds_per_layer"].append(time.time() - t0)
+                # this layer's share of the phase totals (the first layer also holds one-off costs:
+                # kernel compilation, first allocations), from which a steady state can be read
+                now = {**phases, **({"gptq_" + k: v for k, v in handle.timings.items()} if handle else {})}
+                result["phase_seconds_per_layer"].append({k: v - before.get(k, 0.0) for k, v in now.items()
+                                                          if k in _LAYER_PHASES or k.startswith("gptq_")})
+                before = now
                 if bar is not None:
                     bar.update(1)
         finally:
