@@ -33,7 +33,7 @@ BEST: dict[str, Best] = {
                   "SmoothQuant 0.5 + GPTQ on the NVFP4 weights + the 10 worst sites by block SQNR (4.8% of "
                   "Linears) in bf16: +23.57% perplexity (KL 0.2349, top-1 77.83%) on 8,192 tokens vs +29.58% "
                   "(KL 0.2798) without GPTQ and +55.93% plain (docs/perplexity.md, 'fp8 and nvfp4: rotation, "
-                  "GPTQ, MSE scales and their combinations')"),
+                  "GPTQ and its damping, with SmoothQuant and overrides')"),
     "mxfp4": Best({"smoothquant": 0.5, "override_worst": 0.05},
                   "SmoothQuant 0.5 + the 10 worst sites (4.8% of Linears) in bf16: +122.17% perplexity "
                   "vs +387.04% plain (docs/perplexity.md)"),
