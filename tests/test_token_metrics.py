@@ -150,3 +150,27 @@ def test_measure_resume_measures_only_missing_rows(tmp_path, monkeypatch):
     assert sorted(r["key"] for r in rows) == sorted(first + calls)
     table = [ln for ln in out.read_text().splitlines() if ln.startswith("| ") and not ln.startswith("| recipe")]
     assert len(table) == len(rows)
+
+
+def test_measure_key_selects_configurations(tmp_path, monkeypatch):
+    """--key measures exactly the named configurations (plus the float row, the KL baseline); an
+    unknown key stops the driver before anything is measured, naming the flag."""
+    from dataclasses import asdict
+
+    from lowbit.nn import measure
+    calls = []
+
+    def fake(tokens, calib_tokens, threads, cache, cfg):
+        calls.append(cfg.key())
+        return {"key": cfg.key(), "config": asdict(cfg), "measures": cfg.measures(), "perplexity": 10.0 + len(calls),
+                "kl": 0.01, "kl_max": 0.1, "top1": 0.9, "tokens": 7, "bytes": 2**20, "overrides": [],
+                "calib_s": 1.0, "total_s": 2.0}
+    monkeypatch.setattr(measure, "_worker", fake)
+    picked = [measure.CONFIGS[-1].key(), measure.CONFIGS[3].key()]
+    out = tmp_path / "k.md"
+    assert measure.main(["--out", str(out), "--tokens", "64", "--key", picked[0], "--key", picked[1]]) == 0
+    assert calls == [c.key() for c in measure.CONFIGS if c.recipe == "float" or c.key() in picked]
+    calls.clear()
+    with pytest.raises(SystemExit, match="--key"):
+        measure.main(["--out", str(tmp_path / "u.md"), "--tokens", "64", "--key", "w8a8-fp8 | no such measure"])
+    assert calls == []

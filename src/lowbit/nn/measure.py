@@ -68,10 +68,11 @@ CONFIGS = [
     Config("float"),
     _c("w8a8-int8"), _c("w8a8-fp8"), _c("w4a16"), _c("w4a16-g32"), _c("nvfp4"), _c("mxfp4"),
     _c("w4a16", "gptq"), _c("w8a8-fp8", "ov"), _c("w4a16", "gptq", "mse"), _c("nvfp4", "sq", "ov"),
-    _c("w4a16-g32", "gptq"), _c("w8a8-int8", "sq", "ov"), _c("mxfp4", "sq", "ov"), _c("w8a8-fp8", "gptq", "ov"),
-    _c("w8a8-fp8", "gptq", "ovkl"), _c("w8a8-fp8", "ovkl"),
+    _c("nvfp4", "sq", "gptq", "ov"), _c("w4a16-g32", "gptq"), _c("w8a8-int8", "sq", "ov"), _c("mxfp4", "sq", "ov"),
+    _c("w8a8-fp8", "gptq", "ov"), _c("w8a8-fp8", "gptq", "ovkl"), _c("w8a8-fp8", "ovkl"),
     _c("w4a16", "mse"), _c("w4a16-g32", "gptq", "mse"), _c("nvfp4", "sq", "ov", "mse"), _c("mxfp4", "sq", "ov", "mse"),
-    _c("w4a16", "awq", "gptq"), _c("w8a8-fp8", "rot", "ov"), _c("w8a8-int8", "rot", "sq"), _c("nvfp4", "gptq"),
+    _c("w4a16", "awq", "gptq"), _c("w8a8-fp8", "rot", "ov"), _c("w8a8-fp8", "rot", "gptq", "ov"),
+    _c("w8a8-int8", "rot", "sq"), _c("nvfp4", "gptq"),
     _c("mxfp4", "gptq"), _c("w8a8-int8", "rot"), _c("w8a8-fp8", "rot"), _c("w8a8-int8", "sq"),
     _c("w4a16-g32", "awq", "gptq"), _c("w4a16", "awq"), _c("w4a16", "rot", "gptq"), _c("w8a8-fp8", "rot", "gptq"),
     _c("w8a8-int8", "rot", "gptq"), _c("nvfp4", "rot"), _c("mxfp4", "rot"), _c("nvfp4", "rot", "gptq"),
@@ -134,6 +135,8 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="configurations measured in parallel (one process each, "
                     "each holding the model and the float log-probabilities: ~5 GB at 8,192 tokens)")
     ap.add_argument("--only", default=None, help="comma-separated recipes to measure (default: all configs)")
+    ap.add_argument("--key", action="append", default=None, help="measure only this configuration (its table key, "
+                    "e.g. 'w8a8-fp8 | GPTQ, worst 5%% of sites kept in bf16'; repeatable)")
     ap.add_argument("--methods", default=None, help="comma-separated methods to measure: rtn, gptq (default: all)")
     ap.add_argument("--cache", default=str(Path.home() / ".cache" / "lowbit"), help="directory keeping the float "
                     "model's reference logits between runs (safetensors, 4 x vocabulary bytes per token; keyed by "
@@ -160,8 +163,13 @@ def main(argv=None) -> int:
     done = {r["key"] for r in rows}
     only = None if args.only is None else set(args.only.split(","))
     methods = None if args.methods is None else set(args.methods.split(","))
+    keys = set(args.key or ())
+    unknown = keys - {c.key() for c in CONFIGS}
+    if unknown:
+        raise SystemExit(f"--key {sorted(unknown)}: not a configuration of this table; the keys are the table's "
+                         "'recipe | measures' columns, e.g. " + repr(CONFIGS[8].key()))
     todo = [c for c in CONFIGS if c.key() not in done and (c.recipe == "float" or (
-        (not only or c.recipe in only) and (not methods or c.method in methods)))]
+        (not only or c.recipe in only) and (not methods or c.method in methods) and (not keys or c.key() in keys)))]
     print(f"{len(todo)} configurations to measure ({len(done)} kept from {jpath})", flush=True)
 
     def record(row):
