@@ -36,7 +36,6 @@ COPY_ELEMS = 512 * 2**20                 # bf16: 1 GiB read + 1 GiB written, far
 SILU_SHAPES = ((8192, 14336),)           # tokens, intermediate size (input is [T, 2H])
 W4_NK = ((8192, 8192), (28672, 8192))
 W4_MS = (1, 16, 64)
-
 SPARSE_SHAPES = ((8192, 8192, 8192), (2048, 14336, 4096), (2048, 4096, 14336), (16, 14336, 4096))
 EPS = 1e-6
 DEV = "cuda"  # the device every operand lives on (a CPU dry run of the plumbing sets "cpu")

@@ -120,19 +120,17 @@ def prepare_w4(wq: QTensor, layout: str = "auto") -> W4Weight:
     if K % 2:
         raise ValueError(f"prepare_w4: K = {K} must be even (two codes per byte)")
     if layout == "auto":
-        g = wq.scheme.group_size
-        layout = "pairs" if kind in ("int4", "uint4") and K % 128 == 0 and (g < 128 or g % 128 == 0) else "planar_chunks"
+        layout = "pairs" if _pairs_fit(kind, K, wq.scheme.group_size) else "planar_chunks"
     if layout == "planar8":
         if kind not in ("int4", "uint4"):
             raise NotImplementedError(f"prepare_w4: layout 'planar8' takes int4 / uint4 weights, got {kind}; "
                                       "use layout='planar_chunks'")
         packed, chunk = _planar8(wq.codes, kind, wq.scheme.group_size), wq.scheme.group_size
     elif layout == "pairs":
-        g = wq.scheme.group_size
-        if kind not in ("int4", "uint4") or K % 128 or (g > 128 and g % 128):
+        if not _pairs_fit(kind, K, wq.scheme.group_size):
             raise NotImplementedError(f"prepare_w4: layout 'pairs' takes int4 / uint4 weights with K a multiple "
                                       f"of 128 and group 32, 64 or a multiple of 128, got {kind} K = {K} "
-                                      f"group {g}; use layout='planar_chunks'")
+                                      f"group {wq.scheme.group_size}; use layout='planar_chunks'")
         packed, chunk = _pairs_words(wq.codes, kind), 128
     else:
         packed, chunk = _planar(wq.codes, kind, wq.scheme.group_size)
@@ -186,6 +184,13 @@ def _planar8(codes: torch.Tensor, kind: str, group: int) -> torch.Tensor:
     # int32 -> 4 bytes, little-endian (the kernel reads int32 words on little-endian GPUs)
     b = torch.stack([(words >> (8 * i)) & 0xFF for i in range(4)], dim=-1).to(torch.uint8)
     return b.reshape(N, K // 2).contiguous()
+
+
+def _pairs_fit(kind: str, K: int, group: int) -> bool:
+    """Whether the "pairs" layout holds this weight: int4 / uint4, K a multiple of 128 (its chunk)
+    and a group of 32 or 64 (whole groups per plane) or a multiple of 128 (whole chunks per group;
+    _kind already requires a power of two >= 32)."""
+    return kind in ("int4", "uint4") and K % 128 == 0 and (group < 128 or group % 128 == 0)
 
 
 def _pairs_words(codes: torch.Tensor, kind: str) -> torch.Tensor:
@@ -271,8 +276,8 @@ def pick_config_gemv8(M: int, N: int, K: int, group: int, *, interpret: bool = F
 
 
 def pick_config_pairs(M: int, N: int, K: int, group: int, *, interpret: bool = False) -> dict:
-    """Tiles of the "pairs" kernel (lowbit/ops/triton/w4a16.py), reasoned from sm_90 SASS
-    counts (~2.2 instructions per weight in the K loop at 1..16 rows, ~2.8 at 64):
+    """Tiles of the "pairs" kernel (lowbit/ops/triton/w4a16.py), from sm_90 SASS counts (2.3 /
+    2.7 / 3.2 instructions per weight in the K loop at 1 / 16 / 64 rows) and H200 sweeps:
     BLOCK_M = M rounded up to a power of two (1..8: mma v2, x padded to 8 columns; 16..64:
     wgmma), BLOCK_N 128 with 4 warps (the row relabelling assumes BLOCK_N % (16 * warps) == 0),
     BLOCK_K 256 codes (two chunks; the next step's words are loaded while this one computes),
