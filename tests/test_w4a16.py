@@ -40,19 +40,23 @@ def _numpy_dequant(w4) -> np.ndarray:
     p = p.reshape(N, -1, C // 2)
     lo, hi = (p & 0xF).astype(np.int64), (p >> 4).astype(np.int64)
     codes = np.concatenate([lo, hi], axis=-1).reshape(N, -1)
+    return _code_values(codes, w4)
+
+
+def _code_values(codes: np.ndarray, w4, tensor_scale: bool = True) -> np.ndarray:
+    """float64 [N, K] weights of 4-bit codes [N, K] (as stored: int4 offset-binary) with w4's
+    scales: numpy for the integers, ml_dtypes for e2m1 values and e4m3 scales (NVFP4: times
+    the tensor scale unless tensor_scale=False)."""
     G = w4.group_size
     if w4.kind in ("int4", "uint4"):
-        q = codes - 8 if w4.kind == "int4" else codes
-        if w4.zero_point is not None:
-            q = q - np.repeat(w4.zero_point.cpu().numpy().astype(np.int64), G, axis=1)
-        return q * np.repeat(w4.scale.cpu().numpy().astype(np.float64), G, axis=1)
+        return _int4_values(codes, w4)
     vals = codes.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
     sc = w4.scale_codes.cpu().numpy()
     if w4.kind == "mxfp4":
         s = np.exp2(sc.astype(np.float64) - 127)
     else:
         # QTensor's effective scale is float32(e4m3 value * tensor scale)
-        g = np.float32(w4.global_scale.cpu().numpy().reshape(()))
+        g = np.float32(w4.global_scale.cpu().numpy().reshape(()) if tensor_scale else 1.0)
         s = (sc.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * g).astype(np.float64)
     return vals * np.repeat(s, G, axis=1)
 
@@ -160,22 +164,29 @@ def _numpy_dequant_planar8(w4) -> np.ndarray:
     return _int4_values(nib.reshape(N, -1), w4)
 
 
-@pytest.mark.parametrize("name", ["int4_g128", "int4_g128_asym", "int4_g32", "uint4_g64_asym"])
+@pytest.mark.parametrize("name", ["int4_g128", "int4_g128_asym", "int4_g32", "uint4_g64_asym", "mxfp4", "nvfp4"])
 def test_w4a16_pairs_against_numpy_reference(name, device, rng):
     """The "pairs" kernel (tensor cores fed from registers; its words relabelled in-kernel to the
     mma operand order, x relabelled to match for the mma v2 tiles) against the numpy
     dequantization of its own words: M = 1 and 3 (mma v2 order, x relabelled), 17 (wgmma
     order on the GPU), split-K, fp16, a 64-row tile with 4 warps (the GPU's row relabelling),
     N not a tile multiple, a zero output channel. Same error bound as the other kernels
-    (exact q - z, exact products, float32 accumulation, one scale product per group)."""
+    (exact q - z, exact products, float32 accumulation, one scale product per group). fp4
+    (bf16 activations only): e2m1 values built in packed bf16 on the GPU, MXFP4's block = one
+    plane, NVFP4's two blocks per plane as two K = 16 dots, NVFP4's tensor scale at the end."""
     scheme = SCHEMES[name] if name in SCHEMES else QuantScheme("uint4", "group", group_size=64, symmetric=False)
     N, K = 40, 256
     w4, w64 = _prepared_words(scheme, N, K, 6, "pairs", _numpy_dequant_pairs, device, rng)
-    # the prefill path's dequantization: (q - z) * s rounded to float32, then once to bf16
-    assert torch.equal(dequantize_w4(w4, torch.bfloat16).cpu(), w64.float().to(torch.bfloat16))
+    fp4 = scheme.format == "fp4_e2m1fn"
+    if fp4:  # the prefill path's dequantization: e2m1 * block scale, exact in bf16 (no tensor scale)
+        blocks = _numpy_dequant_pairs(w4, tensor_scale=False)
+        assert torch.equal(dequantize_w4(w4, torch.bfloat16).cpu().double(), torch.from_numpy(blocks))
+    else:  # (q - z) * s rounded to float32, then once to bf16
+        assert torch.equal(dequantize_w4(w4, torch.bfloat16).cpu(), w64.float().to(torch.bfloat16))
+    half = torch.bfloat16 if fp4 else torch.float16  # fp4 weights take bf16 activations only
     cases = [(torch.bfloat16, 1, {}), (torch.bfloat16, 3, {"split": 2}), (torch.bfloat16, 17, {"BLOCK_K": 256}),
-             (torch.float16, 2, {"BLOCK_N": 64, "num_warps": 4}), (torch.bfloat16, 5, {"BLOCK_N": 64, "num_warps": 4,
-                                                                                   "BLOCK_M": 16})]
+             (half, 2, {"BLOCK_N": 64, "num_warps": 4}), (torch.bfloat16, 5, {"BLOCK_N": 64, "num_warps": 4,
+                                                                              "BLOCK_M": 16})]
     for dtype, M, cfg in cases:
         x = (torch.randn(M, K, generator=rng) * 2).to(dtype)
         out = w4a16_linear(x.to(device), w4, backend="triton", config=cfg or None)
@@ -190,7 +201,7 @@ def test_w4a16_pairs_against_numpy_reference(name, device, rng):
             assert torch.equal(w4a16_linear(x.to(device), w4, backend="triton", config=cfg), out)
 
 
-def _numpy_dequant_pairs(w4) -> np.ndarray:
+def _numpy_dequant_pairs(w4, tensor_scale: bool = True) -> np.ndarray:
     """float64 [N, K] from "pairs" bytes without lowbit: little-endian int32 words, 16 per chunk
     of 128 codes; word w holds, for plane i (codes 32i..32i+31 of the chunk), code 2P of the
     plane in nibble i and code 2P + 1 in nibble i + 4, P = w2 + 2 w3 + 4 w0 + 8 w1."""
@@ -204,13 +215,13 @@ def _numpy_dequant_pairs(w4) -> np.ndarray:
         for i in range(4):
             codes[:, :, 32 * i + 2 * P] = (words[:, :, w] >> (4 * i)) & 15
             codes[:, :, 32 * i + 2 * P + 1] = (words[:, :, w] >> (16 + 4 * i)) & 15
-    return _int4_values(codes.reshape(N, -1), w4)
+    return _code_values(codes.reshape(N, -1), w4, tensor_scale)
 
 
 def test_w4a16_pairs_errors(rng):
     wq = quantize(torch.randn(16, 128, generator=rng), SCHEMES["int4_g128"])
     with pytest.raises(NotImplementedError, match="'pairs'"):
-        prepare_w4(quantize(torch.randn(16, 128, generator=rng), SCHEMES["mxfp4"]), layout="pairs")
+        prepare_w4(quantize(torch.randn(16, 160, generator=rng), SCHEMES["mxfp4"]), layout="pairs")
     with pytest.raises(NotImplementedError, match="multiple of 128"):
         prepare_w4(quantize(torch.randn(16, 96, generator=rng), SCHEMES["int4_g32"]), layout="pairs")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -349,21 +360,23 @@ def test_kernels_compile_for_sm90():
 
 
 def test_mxfp4_scale_range(device, rng):
-    """The kernel forms e2m1 value * 2^-14 and scale * 2^14 (both exact): MXFP4 scales up to
-    2^113 (e8m0 code 240) run within the same bound as any weight; one code more is refused at
-    prepare time instead of overflowing to inf."""
+    """The planar kernel forms e2m1 value * 2^-14 and scale * 2^14 (both exact): MXFP4 scales up
+    to 2^113 (e8m0 code 240) run within the same bound as any weight; one code more is refused
+    at prepare time instead of overflowing to inf. The pairs kernel (the default layout at K %
+    128 == 0) scales its float32 dots by 2^(code - 127): no limit below the NaN code."""
     N, K = 24, 128
     w = torch.randn(N, K, generator=rng)
     w[:, 0] = 3.0  # an amax in [3, 4) in every row: the largest code is known relative to `base`
     base = int(quantize(w, SCHEMES["mxfp4"]).scale_codes.max())
-    wq = quantize(w * 2.0 ** (240 - base), SCHEMES["mxfp4"])  # scales times a power of two: codes shift
-    assert int(wq.scale_codes.max()) == 240
-    w4 = prepare_w4(wq.to(device))
-    w64 = torch.from_numpy(_numpy_dequant(w4))
-    x = (torch.randn(3, K, generator=rng) * 2.0 ** -100).to(torch.bfloat16)  # outputs stay finite in bf16
-    out = w4a16_linear(x.to(device), w4, backend="triton").cpu().double()
-    ref = x.double() @ w64.T
-    assert torch.isfinite(out).all() and torch.all((out - ref).abs() <= _bound(x.double(), w64, ref, K, 32, 1,
-                                                                              torch.bfloat16))
+    for top, layout, numpy_dequant in ((240, "planar_chunks", _numpy_dequant), (250, "pairs", _numpy_dequant_pairs)):
+        wq = quantize(w * 2.0 ** (top - base), SCHEMES["mxfp4"])  # scales times a power of two: codes shift
+        assert int(wq.scale_codes.max()) == top
+        w4 = prepare_w4(wq.to(device), layout=layout)
+        w64 = torch.from_numpy(numpy_dequant(w4))
+        x = (torch.randn(3, K, generator=rng) * 2.0 ** -(100 + top - 240)).to(torch.bfloat16)  # finite outputs
+        out = w4a16_linear(x.to(device), w4, backend="triton").cpu().double()
+        ref = x.double() @ w64.T
+        assert torch.isfinite(out).all() and torch.all((out - ref).abs() <= _bound(x.double(), w64, ref, K, 32, 1,
+                                                                                  torch.bfloat16)), layout
     with pytest.raises(ValueError, match="beyond the kernel's exact range"):
-        prepare_w4(quantize(w * 2.0 ** (241 - base), SCHEMES["mxfp4"]))
+        prepare_w4(quantize(w * 2.0 ** (241 - base), SCHEMES["mxfp4"]), layout="planar_chunks")

@@ -216,26 +216,32 @@ def sass_rows_gemv8() -> list[dict]:
     # the "pairs" kernel (layout="pairs") at the heuristic's choice for every M, and in fp16
     variants += [(M, has_z, "*bf16", pick_config_pairs(M, N, K, 128)) for M in W4_MS for has_z in (False, True)]
     variants += [(1, False, "*fp16", pick_config_pairs(1, N, K, 128))]
-    for M, has_z, xt, cfg in variants:
+    variants = [v + ("int4",) for v in variants]
+    # fp4 weights in the pairs kernel (MXFP4: one block per plane; NVFP4: two K = 16 dots per plane)
+    variants += [(M, False, "*bf16", pick_config_pairs(M, N, K, G), kind)
+                 for kind, G in (("mxfp4", 32), ("nvfp4", 16)) for M in W4_MS]
+    for M, has_z, xt, cfg, kind in variants:
         fn = {"gemv8": w4._w4a16_gemv8_kernel, "dot8": w4._w4a16_dot8_kernel,
               "pairs": w4._w4a16_pairs_kernel}[cfg["kernel"]]
         sig = {"X": xt, "W": "*i32", "S": "*fp32", "Z": "*i8", "BIAS": "*fp32",
                "OUT": "*fp32" if cfg["split"] > 1 else "*bf16", "M": "i32", "N": "i32", "K": "i32",
                "K_SPLIT": "i32", "s_xm": "i32", "s_wn": "i32", "s_sn": "i32", "s_om": "i32"}
-        consts = dict(SIGNED=True, HAS_Z=has_z, HAS_BIAS=False, C=128, BLOCK_M=cfg["BLOCK_M"],
+        consts = dict(SIGNED=kind == "int4", HAS_Z=has_z, HAS_BIAS=False, C=128, BLOCK_M=cfg["BLOCK_M"],
                       BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], ATOMIC=cfg["split"] > 1, INTERP=False)
         if cfg["kernel"] == "gemv8":
             consts.update(EVEN_N=True, EVEN_M=M % cfg["BLOCK_M"] == 0)
         elif cfg["kernel"] == "pairs":
-            del consts["C"], consts["ATOMIC"]
-            consts.update(G=128, SPLIT=cfg["split"], WARPS=cfg["num_warps"], V3=cfg["BLOCK_M"] >= 16)
-            sig = dict(sig, OUT=xt, PART="*fp32", LOCK="*i32")
-            sig = {k: sig[k] for k in ("X", "W", "S", "Z", "BIAS", "OUT", "PART", "LOCK", "M", "N", "K", "K_SPLIT",
-                                       "s_xm", "s_wn", "s_sn", "s_om")}
+            del consts["C"], consts["ATOMIC"], consts["SIGNED"]
+            consts.update(WFMT=w4.WFMT[kind], G={"int4": 128, "mxfp4": 32, "nvfp4": 16}[kind], SPLIT=cfg["split"],
+                          WARPS=cfg["num_warps"], V3=cfg["BLOCK_M"] >= 16)
+            sig = dict(sig, OUT=xt, PART="*fp32", LOCK="*i32", GS="*fp32", S="*fp32" if kind == "int4" else "*i32")
+            sig = {k: sig[k] for k in ("X", "W", "S", "Z", "GS", "BIAS", "OUT", "PART", "LOCK", "M", "N", "K",
+                                       "K_SPLIT", "s_xm", "s_wn", "s_sn", "s_om")}
         else:
             consts.update(UNPACK=cfg.get("unpack", 0))
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a not in ("M", "N")}
-        row = dict(kernel=f"w4a16 {cfg['kernel']} int4 g128" + (" asym" if has_z else "") + f" x {xt[1:]}",
+        row = dict(kernel=f"w4a16 {cfg['kernel']} {kind if kind != 'int4' else 'int4 g128'}" + (" asym" if has_z else "")
+                   + f" x {xt[1:]}",
                    variant=f"M{M} {cfg}")
         try:
             c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),

@@ -102,9 +102,9 @@ def _kind(wq: QTensor) -> str:
 def prepare_w4(wq: QTensor, layout: str = "auto") -> W4Weight:
     """Lay out a quantized weight [N, K] for w4a16_linear (done once, at load time).
 
-    layout "auto" (default): "pairs" where it applies (int4 / uint4, K a multiple of 128,
-    group 32, 64 or a multiple of 128: faster at decode sizes on the H200, docs/benchmarks-
-    memory.md), else "planar_chunks" (kernels "dot" and "gemv"; every scheme); "planar8"
+    layout "auto" (default): "pairs" where it applies (K a multiple of 128; int4 / uint4 with
+    group 32, 64 or a multiple of 128, MXFP4, NVFP4: faster at decode sizes on the H200,
+    docs/benchmarks-memory.md), else "planar_chunks" (kernels "dot" and "gemv"; every scheme); "planar8"
     (int4 / uint4; kernels "gemv8", the decode GEMV, and "dot8"): see the module docstring
     and lowbit/ops/triton/w4a16.py."""
     if layout not in ("auto", "planar_chunks", "planar8", "pairs"):
@@ -128,13 +128,15 @@ def prepare_w4(wq: QTensor, layout: str = "auto") -> W4Weight:
         packed, chunk = _planar8(wq.codes, kind, wq.scheme.group_size), wq.scheme.group_size
     elif layout == "pairs":
         if not _pairs_fit(kind, K, wq.scheme.group_size):
-            raise NotImplementedError(f"prepare_w4: layout 'pairs' takes int4 / uint4 weights with K a multiple "
-                                      f"of 128 and group 32, 64 or a multiple of 128, got {kind} K = {K} "
+            raise NotImplementedError(f"prepare_w4: layout 'pairs' takes weights with K a multiple of 128: MXFP4, "
+                                      f"NVFP4, int4 / uint4 with group 32, 64 or a multiple of 128, got {kind} K = {K} "
                                       f"group {wq.scheme.group_size}; use layout='planar_chunks'")
         packed, chunk = _pairs_words(wq.codes, kind), 128
     else:
         packed, chunk = _planar(wq.codes, kind, wq.scheme.group_size)
-    top = int(wq.scale_codes.max()) if kind == "mxfp4" and wq.scale_codes is not None and wq.scale_codes.numel() else 0
+    # the planar kernel forms scale * 2^14 (the pairs kernel scales its float32 dots: no limit)
+    top = (int(wq.scale_codes.max()) if layout == "planar_chunks" and kind == "mxfp4" and wq.scale_codes is not None
+           and wq.scale_codes.numel() else 0)
     if top > MXFP4_MAX_SCALE_CODE:
         raise ValueError(f"prepare_w4: an MXFP4 weight scale of 2^{top - 127} is beyond the "
                          f"kernel's exact range (e8m0 codes <= {MXFP4_MAX_SCALE_CODE}, scales <= 2^113: it forms "
@@ -187,10 +189,13 @@ def _planar8(codes: torch.Tensor, kind: str, group: int) -> torch.Tensor:
 
 
 def _pairs_fit(kind: str, K: int, group: int) -> bool:
-    """Whether the "pairs" layout holds this weight: int4 / uint4, K a multiple of 128 (its chunk)
-    and a group of 32 or 64 (whole groups per plane) or a multiple of 128 (whole chunks per group;
-    _kind already requires a power of two >= 32)."""
-    return kind in ("int4", "uint4") and K % 128 == 0 and (group < 128 or group % 128 == 0)
+    """Whether the "pairs" layout holds this weight: K a multiple of 128 (its chunk); int4 / uint4
+    with a group of 32 or 64 (whole groups per plane) or a multiple of 128 (whole chunks per
+    group; _kind already requires a power of two >= 32); MXFP4 (a plane is one 32-code block)
+    and NVFP4 (two 16-code blocks per plane)."""
+    if K % 128:
+        return False
+    return kind in ("mxfp4", "nvfp4") or (kind in ("int4", "uint4") and (group < 128 or group % 128 == 0))
 
 
 def _pairs_words(codes: torch.Tensor, kind: str) -> torch.Tensor:
@@ -396,7 +401,7 @@ def _launch(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> torch.
         raise ValueError(f"w4a16_linear: config kernel must be 'gemv' or 'dot', got {cfg['kernel']!r}")
     if cfg["kernel"] == "dot" and cfg["BLOCK_M"] < 16:
         cfg["BLOCK_M"] = 16  # tensor-core tiles have at least 16 rows (rows past M are masked)
-    wfmt = {"int4": k.W_INT4, "uint4": k.W_UINT4, "mxfp4": k.W_MXFP4, "nvfp4": k.W_NVFP4}[w.kind]
+    wfmt = k.WFMT[w.kind]
     atomic = split > 1
     dev = x2.device
     out = (torch.zeros if atomic else torch.empty)(M, N, device=dev,
@@ -435,16 +440,17 @@ def dequantize_w4(w: W4Weight, dtype: torch.dtype) -> torch.Tensor:
     if w.layout == "pairs":
         words = w.packed.view(torch.int32)
         bn = 16 if os.environ.get("TRITON_INTERPRET") == "1" else 64
-        launch(k._pairs_dequant_kernel, (triton.cdiv(N, bn), K // 128), words, w.scale,
-               w.zero_point if w.zero_point is not None else dummy, out, N, words.stride(0), w.scale.stride(0),
-               out.stride(0), SIGNED=w.kind == "int4", HAS_Z=w.zero_point is not None, G=w.group_size, BLOCK_N=bn,
+        per_group = w.scale if w.kind in ("int4", "uint4") else w.scale_codes
+        launch(k._pairs_dequant_kernel, (triton.cdiv(N, bn), K // 128), words, per_group,
+               w.zero_point if w.zero_point is not None else dummy, out, N, words.stride(0), per_group.stride(0),
+               out.stride(0), WFMT=k.WFMT[w.kind], HAS_Z=w.zero_point is not None, G=w.group_size, BLOCK_N=bn,
                num_warps=4)
         return out
     if w.layout != "planar_chunks":
         raise ValueError(f"dequantize_w4: layout {w.layout!r} has no dequantization kernel; prepare the weight "
                          "with layout='planar_chunks' or 'pairs'")
     per_group = w.scale if w.kind in ("int4", "uint4") else w.scale_codes
-    wfmt = {"int4": k.W_INT4, "uint4": k.W_UINT4, "mxfp4": k.W_MXFP4, "nvfp4": k.W_NVFP4}[w.kind]
+    wfmt = k.WFMT[w.kind]
     bn = 16 if os.environ.get("TRITON_INTERPRET") == "1" else 64
     launch(
         k._w4_dequant_kernel, (triton.cdiv(N, bn), K // w.chunk), w.packed, w.scale, w.zero_point if w.zero_point is not None else dummy,
@@ -508,10 +514,14 @@ def _launch_pairs(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> 
     else:
         part = locks = torch.empty(1, device=dev, dtype=torch.float32)
     words = w.packed.view(torch.int32)  # [N, K/8]
+    fp4 = w.kind in ("mxfp4", "nvfp4")
+    # fp4: the uint8 block-scale codes [N, K/G] read as int32 words (K/G is a multiple of 4)
+    per_group = w.scale_codes.view(torch.int32) if fp4 else w.scale
     launch(k._w4a16_pairs_kernel, grid,
-           x2, words, w.scale, w.zero_point if w.zero_point is not None else part, bias if bias is not None else part,
-           out, part, locks, M, N, K, K // split, x2.stride(0), words.stride(0), w.scale.stride(0), out.stride(0),
-           SIGNED=w.kind == "int4", HAS_Z=w.zero_point is not None, HAS_BIAS=bias is not None,
+           x2, words, per_group, w.zero_point if w.zero_point is not None else part,
+           w.global_scale if w.global_scale is not None else part, bias if bias is not None else part,
+           out, part, locks, M, N, K, K // split, x2.stride(0), words.stride(0), per_group.stride(0), out.stride(0),
+           WFMT=k.WFMT[w.kind], HAS_Z=w.zero_point is not None, HAS_BIAS=bias is not None,
            G=w.group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, WARPS=warps, V3=bm >= 16,
            INTERP=interp, num_warps=warps, num_stages=cfg["num_stages"])
     return out

@@ -32,10 +32,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import decode_e4m3fn
+from .common import decode_e4m3fn, decode_e8m0
 from .fused_quant import round_to
 
 W_INT4, W_UINT4, W_MXFP4, W_NVFP4 = 0, 1, 2, 3
+WFMT = {"int4": W_INT4, "uint4": W_UINT4, "mxfp4": W_MXFP4, "nvfp4": W_NVFP4}  # W4Weight.kind -> WFMT
 
 
 @triton.jit
@@ -624,6 +625,91 @@ def _pairs_chunk(acc, wd, kc, kx, X_ROWS, S, Z, z_row, w_ok, n64, n_ok, m_ok, s_
     return acc
 
 
+# fp4 weights (MXFP4, NVFP4) in the same words: nibble = the e2m1 code (s e1 e0 m) as stored.
+# On the GPU a plane's pair is built in packed bf16: the magnitude bits shifted to bits 8..6 and
+# 24..22 (exponent field e, top mantissa bit m) and the signs to bits 15 / 31 read as the bf16
+# number value * 2^-126 (subnormal for e = 0, exactly as e2m1's own subnormal), and one packed
+# multiplication by 2^126 makes it the exact e2m1 value (5 instructions per 2 weights; a layout
+# that needs one shift per plane does not exist: the sign sits 9 bits above the magnitude field
+# in bf16, and four such 4-bit patterns cannot tile a 16-bit half). The block scales multiply
+# the float32 dot of their group once (MXFP4: a plane = one 32-code group; NVFP4: each plane's
+# two 16-code halves are separate K = 16 dots), as the int4 groups do; the exact products are
+# e2m1 * x, so the error bound is the int4 kernels' one.
+@triton.jit
+def _fp4_plane(wd, i: tl.constexpr, INTERP: tl.constexpr):
+    """Plane i of fp4 words wd [R, C] (relabelled): [R, 2C] exact e2m1 values (bfloat16 on the
+    GPU, float32 in the interpreter), pairs 2P, 2P + 1 side by side."""
+    if INTERP:
+        lo = _e2m1_value((wd >> (4 * i)) & 15)
+        hi = _e2m1_value((wd >> (16 + 4 * i)) & 15)
+    else:
+        # magnitude bits of nibbles i / i + 4 to bits 8..6 / 24..22, their signs to bits 15 / 31
+        if i < 2:
+            mag = wd << (6 - 4 * i)
+        else:
+            mag = wd >> (4 * i - 6)
+        if i < 3:
+            sgn = wd << (12 - 4 * i)
+        else:
+            sgn = wd
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 a, t, c; and.b32 a, $2, 0x01C001C0; lop3.b32 t, $3, 0x80008000, a, 0xEA; "
+            "mov.b32 c, 0x7E807E80; mul.rn.bf16x2 t, t, c; mov.b32 {$0, $1}, t; }",
+            "=h,=h,r,r", [mag, sgn], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+    return tl.reshape(tl.join(lo, hi), (wd.shape[0], 2 * wd.shape[1]))
+
+
+@triton.jit
+def _halves(t):
+    """t [R, 2C] -> (t[:, :C], t[:, C:]): for NVFP4 a plane's two blocks (logical pairs 0-7 and
+    8-15 hold codes 0-15 and 16-31 of the plane in both operand orders, see _pairs_relabel)."""
+    return tl.split(tl.permute(tl.reshape(t, (t.shape[0], 2, t.shape[1] // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _scaled_dot(acc, f, xp, s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
+    """acc [BN, BM] + s[:, None] * (f [BN, k] @ xp[BM, k]^T): one block's float32 dot, scaled once."""
+    part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if INTERP:  # the interpreter has no bf16 dot: float32 operands (exact values)
+        part = tl.dot(f, tl.trans(xp.to(tl.float32)), part)
+    else:
+        part = tl.dot(f, tl.trans(xp), part)
+    return acc + part * s[:, None]
+
+
+@triton.jit
+def _pairs_chunk_fp4(acc, wd, kc, kx, X_ROWS, SCW, n64, n_ok, m_ok, s_sw, WFMT: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARPS: tl.constexpr, V3: tl.constexpr,
+                     INTERP: tl.constexpr):
+    """_pairs_chunk for fp4 words: SCW = the block-scale codes (uint8 [N, K/G]) read as int32
+    words, row stride s_sw -- the chunk's 4 e8m0 codes (MXFP4, one per plane) or 8 e4m3 codes
+    (NVFP4, two per plane) are one or two loads per row."""
+    wd = _pairs_relabel(wd, BLOCK_N, WARPS, V3)
+    if WFMT == 2:
+        sw = tl.load(SCW + n64 * s_sw + kc // 128, mask=n_ok, other=0)
+    if WFMT == 3:
+        sw0 = tl.load(SCW + n64 * s_sw + kc // 64, mask=n_ok, other=0)
+        sw1 = tl.load(SCW + n64 * s_sw + kc // 64 + 1, mask=n_ok, other=0)
+        wd0, wd1 = _halves(wd)  # the words of each plane's two blocks (whole registers: no data moves)
+    for i in tl.static_range(4):
+        xp = _pairs_x(tl.load(X_ROWS + (kx + 32 * i), mask=m_ok[:, None], other=0.0), BLOCK_M, V3)   # [BM, 32]
+        if WFMT == 2:
+            f = _fp4_plane(wd, i, INTERP)
+            acc = _scaled_dot(acc, f, xp, decode_e8m0((sw >> (8 * i)) & 255), BLOCK_M, BLOCK_N, INTERP)
+        else:
+            if i < 2:
+                sw = sw0
+            else:
+                sw = sw1
+            f0 = _fp4_plane(wd0, i, INTERP)
+            f1 = _fp4_plane(wd1, i, INTERP)
+            x0, x1 = _halves(xp)
+            acc = _scaled_dot(acc, f0, x0, decode_e4m3fn((sw >> (16 * (i % 2))) & 255), BLOCK_M, BLOCK_N, INTERP)
+            acc = _scaled_dot(acc, f1, x1, decode_e4m3fn((sw >> (16 * (i % 2) + 8)) & 255), BLOCK_M, BLOCK_N,
+                              INTERP)
+    return acc
+
+
 @triton.jit
 def _fence_gpu(v):
     """A gpu-scope acquire-release fence in every thread (v: any int32 tensor, returned): the
@@ -635,15 +721,17 @@ def _fence_gpu(v):
 
 @triton.jit
 def _w4a16_pairs_kernel(
-    X, W, S, Z, BIAS, OUT, PART, LOCK, M, N, K, K_SPLIT, s_xm, s_wn, s_sn, s_om,
-    SIGNED: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, G: tl.constexpr,
+    X, W, S, Z, GS, BIAS, OUT, PART, LOCK, M, N, K, K_SPLIT, s_xm, s_wn, s_sn, s_om,
+    WFMT: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     WARPS: tl.constexpr, V3: tl.constexpr, INTERP: tl.constexpr,
 ):
     """Grid (cdiv(N, BLOCK_N), SPLIT, cdiv(M, BLOCK_M)); each program covers K_SPLIT codes (a
     multiple of BLOCK_K = 128 or 256, itself a multiple of G) from pid_k * K_SPLIT for BLOCK_M
-    rows of x. X [M, K] bf16/fp16; W int32 [N, K/8] ("pairs"); S fp32 [N, K/G]; Z int8
-    [N, K/G]; OUT [M, N] in x's dtype. BLOCK_N a multiple of 16 * WARPS (WARPS = num_warps);
+    rows of x. X [M, K] bf16/fp16; W int32 [N, K/8] ("pairs"); WFMT 0 / 1 (int4 / uint4): S fp32
+    [N, K/G], Z int8 [N, K/G]; WFMT 2 / 3 (MXFP4 / NVFP4, bf16 x): S the uint8 scale codes
+    [N, K/G] as int32 words [N, K/(4G)] (s_sn in words), GS the NVFP4 tensor scale (fp32 [1]);
+    OUT [M, N] in x's dtype. BLOCK_N a multiple of 16 * WARPS (WARPS = num_warps);
     V3: the dot is a wgmma (BLOCK_M >= 16), which orders K differently.
     The next step's words are loaded before the current step is computed (registers: the
     loads are in flight while the tensor cores work; Triton's num_stages pipelining goes
@@ -683,11 +771,18 @@ def _w4a16_pairs_kernel(
             nb = tl.load(w_ptr + BLOCK_K // 8 + 16, mask=more, other=0, eviction_policy="evict_first")
         else:
             nb = na
-        acc = _pairs_chunk(acc, wa, k_lo + kk, kk, x_rows, S, Z, z_row, w_ok, n64, n_ok, m_ok, s_sn,
-                           SIGNED, HAS_Z, G, BLOCK_M, BLOCK_N, WARPS, V3, HALF, INTERP)
-        if BLOCK_K == 256:
-            acc = _pairs_chunk(acc, wb, k_lo + kk + 128, kk + 128, x_rows, S, Z, z_row, w_ok, n64, n_ok, m_ok,
-                               s_sn, SIGNED, HAS_Z, G, BLOCK_M, BLOCK_N, WARPS, V3, HALF, INTERP)
+        if WFMT >= 2:
+            acc = _pairs_chunk_fp4(acc, wa, k_lo + kk, kk, x_rows, S, n64, n_ok, m_ok, s_sn, WFMT, BLOCK_M,
+                                   BLOCK_N, WARPS, V3, INTERP)
+            if BLOCK_K == 256:
+                acc = _pairs_chunk_fp4(acc, wb, k_lo + kk + 128, kk + 128, x_rows, S, n64, n_ok, m_ok, s_sn,
+                                       WFMT, BLOCK_M, BLOCK_N, WARPS, V3, INTERP)
+        else:
+            acc = _pairs_chunk(acc, wa, k_lo + kk, kk, x_rows, S, Z, z_row, w_ok, n64, n_ok, m_ok, s_sn,
+                               WFMT == 0, HAS_Z, G, BLOCK_M, BLOCK_N, WARPS, V3, HALF, INTERP)
+            if BLOCK_K == 256:
+                acc = _pairs_chunk(acc, wb, k_lo + kk + 128, kk + 128, x_rows, S, Z, z_row, w_ok, n64, n_ok,
+                                   m_ok, s_sn, WFMT == 0, HAS_Z, G, BLOCK_M, BLOCK_N, WARPS, V3, HALF, INTERP)
         wa = na
         wb = nb
         w_ptr += BLOCK_K // 8
@@ -707,23 +802,29 @@ def _w4a16_pairs_kernel(
             acc = tl.load(PART + p_off, mask=o_ok, other=0.0, cache_modifier=".cg")
             for r in tl.static_range(1, SPLIT):
                 acc += tl.load(PART + r * M * N + p_off, mask=o_ok, other=0.0, cache_modifier=".cg")
+            if WFMT == 3:
+                acc = acc * tl.load(GS)
             if HAS_BIAS:
                 acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
             tl.store(OUT + o_off, round_to(acc, OUT.dtype.element_ty), mask=o_ok)
             tl.atomic_xchg(LOCK + tile, 0, sem="relaxed", scope="gpu")
     else:
+        if WFMT == 3:
+            acc = acc * tl.load(GS)
         if HAS_BIAS:
             acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         tl.store(OUT + o_off, round_to(acc, OUT.dtype.element_ty), mask=o_ok)
 
 
 @triton.jit
-def _pairs_dequant_kernel(W, S, Z, OUT, N, s_wn, s_sn, s_on, SIGNED: tl.constexpr, HAS_Z: tl.constexpr,
+def _pairs_dequant_kernel(W, S, Z, OUT, N, s_wn, s_sn, s_on, WFMT: tl.constexpr, HAS_Z: tl.constexpr,
                           G: tl.constexpr, BLOCK_N: tl.constexpr):
     """Dequantize one chunk of 128 codes of BLOCK_N rows of a "pairs" weight to OUT's dtype
     (prefill: the weight for a bf16 GEMM). Word w's pair index P = w2 + 2 w3 + 4 w0 + 8 w1
-    (weight_only._pairs_words); value (q - z) * s in float32, one rounding to the output dtype,
-    as _w4_dequant_kernel. Grid (cdiv(N, BLOCK_N), K / 128)."""
+    (weight_only._pairs_words); value (q - z) * s (int4 / uint4: S fp32 scales) or e2m1 * block
+    scale (fp4: S the uint8 scale codes; NVFP4's tensor scale NOT applied) in float32, one
+    rounding to the output dtype (none for fp4 in bf16: exact), as _w4_dequant_kernel.
+    Grid (cdiv(N, BLOCK_N), K / 128)."""
     pid_n = tl.program_id(0)
     kc = tl.program_id(1) * 128
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -734,13 +835,22 @@ def _pairs_dequant_kernel(W, S, Z, OUT, N, s_wn, s_sn, s_on, SIGNED: tl.constexp
     pair = ((w >> 2) & 1) + 2 * ((w >> 3) & 1) + 4 * (w & 1) + 8 * ((w >> 1) & 1)
     ty = OUT.dtype.element_ty
     for i in tl.static_range(4):
-        g = n64 * s_sn + (kc + 32 * i) // G
-        off = 8.0 if SIGNED else 0.0
-        if HAS_Z:
-            off += tl.load(Z + g, mask=n_ok, other=0).to(tl.float32)
-        s = tl.load(S + g, mask=n_ok, other=0.0)
-        lo = (((wd >> (4 * i)) & 15).to(tl.float32) - off) * s
-        hi = (((wd >> (16 + 4 * i)) & 15).to(tl.float32) - off) * s
         col = kc + 32 * i + 2 * pair[None, :]
+        if WFMT >= 2:  # a pair never straddles a block (G >= 16, even columns)
+            sc = tl.load(S + n64 * s_sn + col // G, mask=n_ok, other=0).to(tl.int32)
+            if WFMT == 2:
+                s = decode_e8m0(sc)
+            else:
+                s = decode_e4m3fn(sc)
+            lo = _e2m1_value((wd >> (4 * i)) & 15) * s
+            hi = _e2m1_value((wd >> (16 + 4 * i)) & 15) * s
+        else:
+            g = n64 * s_sn + (kc + 32 * i) // G
+            off = 8.0 if WFMT == 0 else 0.0
+            if HAS_Z:
+                off += tl.load(Z + g, mask=n_ok, other=0).to(tl.float32)
+            s = tl.load(S + g, mask=n_ok, other=0.0)
+            lo = (((wd >> (4 * i)) & 15).to(tl.float32) - off) * s
+            hi = (((wd >> (16 + 4 * i)) & 15).to(tl.float32) - off) * s
         tl.store(OUT + n64 * s_on + col, round_to(lo, ty), mask=n_ok)
         tl.store(OUT + n64 * s_on + col + 1, round_to(hi, ty), mask=n_ok)
