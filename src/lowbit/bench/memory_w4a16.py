@@ -99,7 +99,7 @@ def w4a16_section(b, quick: bool, sweep: bool = True) -> None:
                 ws[name] = [prepare_w4(q) for q in qs]
                 if name in ("int4_g128", "int4_g128_asym"):  # the same weights in the gemv8 layout
                     ws8[name] = [prepare_w4(q, layout="planar8") for q in qs]
-                if name.startswith("int4"):  # ... and in the planar-chunks layout (the earlier default)
+                if ws[name][0].layout == "pairs":  # ... and in the planar-chunks layout (the earlier default)
                     wsp[name] = [prepare_w4(q, layout="planar_chunks") for q in qs]
                 del qs
         wb = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02
