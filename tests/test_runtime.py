@@ -117,6 +117,22 @@ def test_decode_graph_replay_matches_direct_launches(rng, recipe):
     assert all(torch.equal(a, b) for a, b in ys)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("recipe", ["w4a16", "mxfp4", "nvfp4"])
+def test_reduce_overhead_compile_with_split_k(rng, recipe):
+    """torch.compile(mode="reduce-overhead") records the W4A16 pairs kernel with split-K (K =
+    4096: two programs per tile, their counters in a buffer) into torch's CUDA-graph trees: no
+    allocation may outlive the recording (the persistent counter buffer once did: "tensor(s) in
+    the cudagraph pool not tracked as outputs"), and every replay gives the eager output bit for
+    bit (the split-K partials are summed in a fixed order)."""
+    q, _ = _layer(rng, 200, 4096, recipe, "cuda")
+    compiled = torch.compile(q, mode="reduce-overhead", dynamic=False)
+    for _ in range(4):  # warm-up, recording, replays
+        x = _acts(rng, 1, 4096).cuda()
+        want = q(x).clone()
+        assert torch.equal(compiled(x).clone(), want)
+
+
 def test_fast_path_keeps_operand_formats_and_no_float_copy(rng, kernel_device):
     """.to(bfloat16) converts neither fp8 codes nor fp32 scales; a 4-bit layer holds packed
     codes (half a byte per weight) on its device and never a dequantized float weight."""

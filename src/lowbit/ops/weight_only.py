@@ -464,10 +464,15 @@ _SPLIT_LOCKS: dict = {}
 
 
 def _split_locks(device: torch.device, tiles: int) -> torch.Tensor:
-    """A zeroed int32 counter per output tile for the pairs kernel's split-K (one buffer per
-    device and stream; each call's last program per tile resets its counter to 0). Grown, never
-    shrunk; allocated on first use (a call inside CUDA-graph capture after an eager warm-up
-    finds it made)."""
+    """A zeroed int32 counter per output tile for the pairs kernel's split-K (each call's last
+    program per tile resets its counter to 0). Outside CUDA-graph capture: one buffer per device
+    and stream (kernels on two streams never share counters), grown, never shrunk. During
+    capture: a fresh zeroed buffer for this call (a memset node in the graph, freed with the
+    call's other temporaries) -- a persistent buffer made inside capture would live in the
+    graph's memory pool, which torch.compile's CUDA graphs refuse ("tensor(s) in the cudagraph
+    pool not tracked as outputs"), and the capture stream is not the eager one."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(tiles, dtype=torch.int32, device=device)
     key = (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
     buf = _SPLIT_LOCKS.get(key)
     if buf is None or buf.numel() < tiles:
