@@ -142,6 +142,10 @@ def prepare_w4(wq: QTensor, layout: str = "auto") -> W4Weight:
                          f"kernel's exact range (e8m0 codes <= {MXFP4_MAX_SCALE_CODE}, scales <= 2^113: it forms "
                          "value * 2^-14 and scale * 2^14); such weights are not real model weights -- check "
                          "the checkpoint, or dequantize it with QTensor.dequantize()")
+    if layout == "pairs" and wq.codes.is_cuda and not torch.cuda.is_current_stream_capturing():
+        # the split-K counters made now, outside any CUDA-graph memory pool (see _split_locks),
+        # for up to 256 rows of x at BLOCK_N 128
+        _split_locks(wq.codes.device, 4 * -(-N // 128))
     zp = None
     if wq.zero_point is not None:
         zp = wq.zero_point.to(torch.int8).contiguous()  # z lies in [qmin, qmax]: exact
@@ -465,19 +469,22 @@ _SPLIT_LOCKS: dict = {}
 
 def _split_locks(device: torch.device, tiles: int) -> torch.Tensor:
     """A zeroed int32 counter per output tile for the pairs kernel's split-K (each call's last
-    program per tile resets its counter to 0). Outside CUDA-graph capture: one buffer per device
-    and stream (kernels on two streams never share counters), grown, never shrunk. During
-    capture: a fresh zeroed buffer for this call (a memset node in the graph, freed with the
-    call's other temporaries) -- a persistent buffer made inside capture would live in the
-    graph's memory pool, which torch.compile's CUDA graphs refuse ("tensor(s) in the cudagraph
-    pool not tracked as outputs"), and the capture stream is not the eager one."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    program per tile resets its counter to 0). On a device's default stream, outside CUDA-graph
+    capture: one persistent buffer per device, grown, never shrunk. On any other stream, and
+    during capture: a fresh zeroed buffer for this call (one memset; freed with the call's
+    other temporaries), because
+      - kernels on two streams may run at once and must not share counters;
+      - torch.compile's CUDA graphs warm up and record on a side stream with allocations going
+        to the graph's memory pool, where a buffer that outlives the call is refused ("tensor(s)
+        in the cudagraph pool not tracked as outputs"; the persistent buffer per stream did that).
+    """
+    if device.type == "cuda" and (torch.cuda.is_current_stream_capturing()
+                                  or torch.cuda.current_stream(device) != torch.cuda.default_stream(device)):
         return torch.zeros(tiles, dtype=torch.int32, device=device)
-    key = (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    buf = _SPLIT_LOCKS.get(key)
+    buf = _SPLIT_LOCKS.get(str(device))
     if buf is None or buf.numel() < tiles:
         buf = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
-        _SPLIT_LOCKS[key] = buf
+        _SPLIT_LOCKS[str(device)] = buf
     return buf
 
 
