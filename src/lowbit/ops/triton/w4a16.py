@@ -493,8 +493,8 @@ def _w4_dequant_kernel(W, S, Z, SC, OUT, N, K, s_wn, s_sn, s_on,
 
 # ------------------------------------------------------------------------------------------
 # "pairs": tensor cores fed straight from registers, for every M (decode and up to 64 rows),
-# int4 / uint4 at group 32, 64 or a multiple of 128 (lowbit.ops.weight_only.prepare_w4(wq,
-# layout="pairs")). Little-endian int32 words [N, K / 8]; a chunk of 128 codes is 16 words
+# int4 / uint4 at group 32, 64 or a multiple of 128, MXFP4 and NVFP4 (the fp4 part below,
+# _pairs_chunk_fp4) (lowbit.ops.weight_only.prepare_w4(wq, layout="pairs")). Little-endian int32 words [N, K / 8]; a chunk of 128 codes is 16 words
 # and 4 planes of 32 codes (plane i: codes 32i .. 32i + 31 of the chunk, a contiguous run of
 # x). Word w holds, for each plane i, the two ADJACENT codes 2P and 2P + 1 of pair P of the
 # plane: code 2P in nibble i (bits 4i..4i+3), code 2P + 1 in nibble i + 4 (bits 16+4i..). So one
