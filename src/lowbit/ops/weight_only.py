@@ -288,7 +288,8 @@ def pick_config_pairs(M: int, N: int, K: int, group: int, *, interpret: bool = F
     """Tiles of the "pairs" kernel (lowbit/ops/triton/w4a16.py), from sm_90 SASS counts (2.3 /
     2.7 / 3.2 instructions per weight in the K loop at 1 / 16 / 64 rows) and H200 sweeps:
     BLOCK_M = M rounded up to a power of two (1..8: mma v2, x padded to 8 columns; 16..64:
-    wgmma), BLOCK_N 128 with 4 warps (the row relabelling assumes BLOCK_N % (16 * warps) == 0),
+    wgmma), BLOCK_N 128 (64 at 16 rows) with 4 warps (the row relabelling assumes BLOCK_N %
+    (16 * warps) == 0),
     BLOCK_K 256 codes (two chunks; the next step's words are loaded while this one computes),
     128 at 64 rows;
     split-K by K (below)."""
@@ -296,7 +297,10 @@ def pick_config_pairs(M: int, N: int, K: int, group: int, *, interpret: bool = F
     while bm < min(M, 64):
         bm *= 2
     warps = 1 if interpret else 4
-    bn = 16 if interpret else 128
+    # BLOCK_N 64 at 16 rows: the H200 sweep of docs/bench-memory-fp4-pairs.json, 24.4 / 66.7 us
+    # against 26.0 / 71.4 us at BLOCK_N 128 (N = 8192 / 28672, K = 8192; at 1 and 64 rows 128 was
+    # the best or within 1%)
+    bn = 16 if interpret else (64 if bm == 16 else 128)
     # 64 rows: one chunk per step (two spill: 255 registers, local loads in the sm_90 K loop)
     bk = 128 if interpret or K % 256 or bm >= 64 else 256
     steps = K // bk
