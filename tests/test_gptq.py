@@ -330,3 +330,13 @@ def test_rotated_gptq_checkpoint_loads_in_transformers(rng, tmp_path):
             assert torch.equal(hf.get_submodule(name).weight.data, m.weight_q.dequantize(hf.get_submodule(name).weight.dtype))
             n += 1
     assert n == 14
+
+
+def test_fit_rows_are_the_rows_a_mask_keeps(seed):
+    from lowbit.nn.gptq import _fit_rows
+    g = torch.Generator().manual_seed(seed)
+    for rows in (0, 1, 3, 4, 5, 17, 64):
+        x = torch.randn(rows, 3, generator=g)
+        for holdout in (0, 2, 3, 4, 7):
+            keep = torch.ones(rows, dtype=torch.bool) if not holdout else torch.arange(rows) % holdout != holdout - 1
+            assert torch.equal(_fit_rows(x, holdout), x[keep]), (rows, holdout)

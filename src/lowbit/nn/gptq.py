@@ -690,10 +690,12 @@ def gptq_model(model: torch.nn.Module, recipe, calib, *, ignore=None, overrides=
 
 def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, damp: float = 0.1,
                  block_size: int = 128, act_order: bool = True, static_groups: bool = False, holdout: int = 4,
-                 backend: str = "auto", mse: bool = False):
+                 backend: str = "auto", mse: bool = False, host_twin: bool = True):
     """The lowbit.nn.sequential handler that replaces a group of Linears sharing one input by their
     GPTQ QuantLinears (gptq_model's options; `summary` from quantize_model.plan). Used by
-    gptq_model on a whole model and by lowbit.nn.layerwise one decoder layer at a time."""
+    gptq_model on a whole model and by lowbit.nn.layerwise one decoder layer at a time.
+    host_twin: QuantLinear's (4-bit codes' exact twin on the host, or left on the device, where
+    lowbit.nn.layerwise packs them for the checkpoint without the host copy of every code)."""
     from lowbit.nn.quant_linear import QuantLinear
     from lowbit.nn.quantize_model import layer_act
     if holdout < 0 or holdout == 1:
@@ -710,7 +712,7 @@ def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, dam
         return w64, qt.dequantize(torch.float64), rtn.dequantize(torch.float64)
 
 
-    timings = {"hessian": 0.0, "factor": 0.0, "solve": 0.0, "losses": 0.0}
+    timings = {"hessian": 0.0, "factor": 0.0, "solve": 0.0, "losses": 0.0, "build": 0.0}
     clock = [0.0]
 
     def lap(phase, dev):     # seconds per phase (device queue drained), read by layerwise's summary
@@ -797,7 +799,8 @@ def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, dam
             act, scale = layer_act(d, r, act_static_scales)
             bias = None if lin.bias is None else lin.bias.detach().float()
             out[n] = QuantLinear(qt, r.weight, act, bias=bias, act_static_scale=scale,
-                                 backend=backend).to(lin.weight.device)
+                                 backend=backend, host_twin=host_twin).to(lin.weight.device)
+        lap("build", dev)
         return out
 
     handle.timings = timings

@@ -203,6 +203,17 @@ def _rtn_split(layer: torch.nn.Module, names: list[str], by_name: dict, summary,
         del full
 
 
+class _Dropping(dict):
+    """run_stage's record of the Linears it replaced, which frees each one's weight instead of
+    keeping the module (nothing restores a layer here: it is written and freed): the float
+    weights of a layer's quantized Linears are not alive beside the later groups' Hessians."""
+
+    def __setitem__(self, name, module) -> None:
+        w = getattr(module, "weight", None)
+        if isinstance(w, torch.Tensor):
+            w.data = w.data.new_empty(0)
+
+
 def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
     """t on the host (page-locked when pin: a GPU's copy runs at full speed)."""
     if not pin or t.device.type == "cpu":
@@ -408,7 +419,10 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
         scales: dict[str, torch.Tensor] = {}
         layer_schemes, sidecar = {}, {}
         static = scales if need_s else None      # filled layer by layer, before each layer is quantized
-        handle = gptq_handler(model, summary, static, **(method_options or {})) if need_q else None
+        # GPTQ's W4A16 layers keep their codes on the device (no host twin): rank 0 packs them
+        # there for the checkpoint and copies the packed words (half the bytes) to the host
+        handle = gptq_handler(model, summary, static, host_twin=False, **(method_options or {})) if need_q else None
+        groups_of: dict[tuple, list] = {}     # execution groups by the layer's Linear names (Llama layers: one entry)
         result["activation_bytes"] = sum(_stream_bytes(s) for s in streams.values())
         bar = None
         if progress:
@@ -451,7 +465,9 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                         scales[prefix + n] = scale_from_absmax(a, act)
                 if need_q:               # GPTQ on the quantized model's activations
                     lap("calibrate")
-                    run_stage(layer, streams["Q"], mine, handle, {}, prefix, None)
+                    key = (type(layer).__name__, tuple(mine))
+                    groups_of[key] = run_stage(layer, streams["Q"], mine, handle, _Dropping(), prefix, None,
+                                               groups=groups_of.get(key))
                     lap("quantize")
                     if not last:
                         _advance(layer, streams["Q"])
