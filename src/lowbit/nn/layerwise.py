@@ -203,6 +203,29 @@ def _rtn_split(layer: torch.nn.Module, names: list[str], by_name: dict, summary,
         del full
 
 
+def _profile_start(cuda: bool):
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    prof = torch.profiler.profile(activities=acts)
+    prof.start()
+    return prof
+
+
+def _profile_stop(prof, rows: int = 30) -> dict:
+    """The profiled layer's operators: the top `rows` by self device time and by self CPU time
+    (microseconds, counts), and the seconds the profiler saw in all."""
+    prof.stop()
+    ev = prof.key_averages()
+    dev = lambda e: float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))  # noqa: E731
+    row = lambda e: {"op": e.key, "count": int(e.count), "self_device_us": dev(e),  # noqa: E731
+                     "self_cpu_us": float(e.self_cpu_time_total)}
+    return {"by_device_time": [row(e) for e in sorted(ev, key=dev, reverse=True)[:rows]],
+            "by_cpu_time": [row(e) for e in sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)[:rows]],
+            "total_self_device_s": sum(dev(e) for e in ev) / 1e6,
+            "total_self_cpu_s": sum(float(e.self_cpu_time_total) for e in ev) / 1e6,
+            "launches": int(sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                                   "cudaLaunchKernelExC", "cuLaunchKernelEx")))}
+
+
 class _Dropping(dict):
     """run_stage's record of the Linears it replaced, which frees each one's weight instead of
     keeping the module (nothing restores a layer here: it is written and freed): the float
@@ -228,7 +251,8 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                        method: str = "rtn", smoothquant: float | None = None, static_scales: bool = False,
                        ignore=None, device="cpu", dtype: torch.dtype = torch.float32, overwrite: bool = False,
                        max_shard_bytes: int | None = None, method_options: dict | None = None,
-                       progress: bool = False, memory_trace_layer: int | None = None) -> dict:
+                       progress: bool = False, memory_trace_layer: int | None = None,
+                       profile_layer: int | None = None) -> dict:
     """Quantize the Llama-family checkpoint in `in_dir` one decoder layer at a time and write a
     compressed-tensors checkpoint to `out_dir` (rank 0 only under torch.distributed; None writes
     nothing, e.g. to measure).
@@ -239,6 +263,9 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     dtype the layers run (float32 on the CPU reproduces the whole-model path of `lowbit quantize`).
     memory_trace_layer: on CUDA, record the allocator's trace over that layer and name the
     blocks alive at its peak (lowbit.nn.memtrace; result["memory_trace"]).
+    profile_layer: run torch.profiler over that layer (CPU and CUDA activity) and put its top
+    operators by self device time and by self CPU time in result["profile"] (a diagnostic: the
+    profiler slows the layer).
     Returns a summary: quantized / kept layers, seconds per layer, seconds per phase (setup,
     first_inputs, load, calibrate, quantize, write, finish, barrier: they add up to the wall
     time) and per layer (load, calibrate, quantize, write and, for GPTQ, gptq_hessian /
@@ -444,6 +471,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                 t0 = time.time()
                 where[0] = i
                 tracing = memtrace.start(device) if memory_trace_layer == i else None
+                prof = _profile_start(cuda) if profile_layer == i else None
                 prefix = f"{bname}.{i}."
                 skeleton = blist[i]
                 # the meta copy in the compute dtype first: the device then holds the layer once,
@@ -507,6 +535,8 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                 lap("write")
                 if tracing is not None:
                     result["memory_trace"] = {"layer": i, **(memtrace.stop(device, tracing) or {})}
+                if prof is not None:
+                    result["profile"] = {"layer": i, **_profile_stop(prof)}
                 result["seconds_per_layer"].append(time.time() - t0)
                 # this layer's share of the phase totals (the first layer also holds one-off costs:
                 # kernel compilation, first allocations), from which a steady state can be read
