@@ -210,10 +210,9 @@ def _profile_start(cuda: bool):
     return prof
 
 
-def _profile_stop(prof, rows: int = 30) -> dict:
-    """The profiled layer's operators: the top `rows` by self device time and by self CPU time
-    (microseconds, counts), and the seconds the profiler saw in all."""
-    prof.stop()
+def _profile_summary(prof, rows: int = 30) -> dict:
+    """The profiled layer's operators (prof stopped): the top `rows` by self device time and by
+    self CPU time (microseconds, counts), and the seconds the profiler saw in all."""
     ev = prof.key_averages()
     dev = lambda e: float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))  # noqa: E731
     row = lambda e: {"op": e.key, "count": int(e.count), "self_device_us": dev(e),  # noqa: E731
@@ -464,6 +463,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
             bar = tqdm(total=len(blist), desc=f"layer by layer {r.name}", unit="layer")
         lap("first_inputs")
         result["phase_seconds_per_layer"] = []
+        profiled = None
         before = {**phases, **({"gptq_" + k: v for k, v in handle.timings.items()} if handle else {})}
 
         try:
@@ -536,7 +536,8 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                 if tracing is not None:
                     result["memory_trace"] = {"layer": i, **(memtrace.stop(device, tracing) or {})}
                 if prof is not None:
-                    result["profile"] = {"layer": i, **_profile_stop(prof)}
+                    prof.stop()          # summarized after the loop (seconds of CPU work, not the layer's)
+                    profiled = (i, prof)
                 result["seconds_per_layer"].append(time.time() - t0)
                 # this layer's share of the phase totals (the first layer also holds one-off costs:
                 # kernel compilation, first allocations), from which a steady state can be read
@@ -552,6 +553,8 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
         where[0] = None
         if bar is not None:
             bar.close()
+        if profiled is not None:
+            result["profile"] = {"layer": profiled[0], **_profile_summary(profiled[1])}
         for fut in (written, rested):
             if fut is not None:
                 fut.result()
