@@ -183,8 +183,8 @@ res = {"nproc": nproc, "steps": (work / "steps.txt").read_text().splitlines(),
        "machine": [l for l in (out / "distributed_steps.log").read_text().split("=====")[1].splitlines()[1:] if l]}
 rows, lines = [], []
 for key, label, nl in (("gptq", "GPTQ W4A16 (g128)", glayers), ("sq", "SmoothQuant W8A8 + static", layers),
-                       ("gptq_big", "GPTQ W4A16 (g128), 4x tokens", blayers),
-                       ("sq_big", "SmoothQuant W8A8 + static, 4x tokens", layers)):
+                       ("gptq_big", "GPTQ W4A16 (g128)", blayers),
+                       ("sq_big", "SmoothQuant W8A8 + static", layers)):
     one, many = ranks(f"{key}_1"), ranks(f"{key}_2")
     if not one and not many:
         continue
@@ -258,10 +258,14 @@ for p in ("sq_trace_1", "sq_trace_2"):
             f"(layer + act); alive then: " + "; ".join(f"{x['where']} {x['bytes'] / 2**20:.0f} MiB"
                                                        for x in tr["live_at_peak"][:8])))
 (out / "distributed.json").write_text(json.dumps(res, indent=1))
+# the details first, then the table and the verdict lines: the last lines are what a tail shows
+detail = lambda x: (x.startswith(" ") and not x.lstrip().startswith("extrapolated")) or x.startswith(("profile", "memory trace"))  # noqa: E731
+print("\n".join(x for x in lines if detail(x)))
+print()
 print(f"| run | layers | 1 GPU s | {nproc} GPUs s | ratio | s/layer 1 / {nproc} (ratio) | peak/GPU GiB 1 / {nproc} "
       f"| layer + activations GiB (1 / {nproc}) | peak / (layer + act) 1 / {nproc} | checkpoint identical |")
 print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
 print("\n".join(rows))
 print()
-print("\n".join(lines))
+print("\n".join(x for x in lines if not detail(x)))
 PY
