@@ -23,11 +23,13 @@ Peak device memory (measured in the result, stated in docs/distributed.md):
   + the streams' activations: streams x tokens x hidden x dtype bytes (each stream advances in
     place, one batch at a time; + one group's Linear inputs, tokens x K, while GPTQ calibrates)
   + one batch's forward temporaries and one 4M-element chunk's quantization temporaries
-  + for GPTQ: the Hessian and its factors, 3 x K^2 x 8 bytes for the largest K (one Linear
-    group at a time; ranks > 0 also keep their batches' Hessian terms, K^2 x 8 bytes each,
-    until the ordered sum reaches them).
-Reading the next layer (host) and writing the last one (host, W4A16's int4 packing included)
-run in two threads meanwhile.
+  + for GPTQ: the Hessian and its factor, 2 x K^2 x 8 bytes for the largest K (one Linear
+    group at a time; the factor is made in place in one matrix), and on ranks > 0 at the
+    Hessian's chain the total so far + their chunk sums (distributed.ChunkedSum: ~CHAIN_CHUNKS
+    / world of them, K^2 x 8 bytes each).
+Reading the next layer (host), writing the last one (host) and copying the tensors outside the
+layers into shards of their own run in three threads meanwhile (GPTQ's W4A16 codes are packed
+on the device and only the packed words come to the host).
 Under torch.distributed each rank holds its share of the tokens and reads its share of every
 layer (the pieces are broadcast: layer_loader), the statistics are reduced (lowbit.nn.distributed;
 one collective per statistic kind and layer), each rank quantizes a share of the Linears
