@@ -233,11 +233,11 @@ class OrderedSum:
             self._sum = None
         else:
             run = torch.zeros(tuple(shape), dtype=torch.float64, device=dev)
-            dist.recv(run, src=r - 1)
+            _pass_on(run, r - 1, r, r)
             while self._terms:       # in batch order, each freed once added
                 run += self._terms.pop(0).to(dev)
         if r < w - 1:
-            dist.send(run, dst=r + 1)
+            _pass_on(run, r, r + 1, r)
         dist.broadcast(run, src=w - 1)
         self._count = 0
         return run.to(out_dev)
