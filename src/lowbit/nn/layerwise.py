@@ -83,6 +83,12 @@ def _advance(layer: torch.nn.Module, stream: list) -> None:
 _LAYER_PHASES = ("load", "calibrate", "quantize", "write")
 
 
+# Layers whose tensors may wait on the host for the writer thread (each up to one quantized
+# layer: 218 MB for a W8A8 Llama-8B layer): 2 absorbs a slow write without stalling the layer loop
+# (the 2-GPU SmoothQuant run produced a layer every ~0.08 s against ~0.07 s to write one).
+WRITE_QUEUE = 2
+
+
 # Elements per float32 temporary while a weight is quantized (row chunks; see _rtn_codes).
 _CHUNK = 1 << 22
 
@@ -435,7 +441,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
         # working in order, so the files are the same bytes; a third thread copies the tensors
         # outside the layers into their own shards meanwhile (before, the first layer's write
         # waited behind that copy: 0.3 s on rank 0 of the 2-GPU SmoothQuant run).
-        written = rested = None
+        written, rested = [], None        # the layers' write futures, oldest first
         if writer is not None:       # the tensors outside the layers, streamed (never on the device)
             def copy_rest():
                 t0 = time.time()
@@ -528,9 +534,9 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                     # writer thread while the next layer computes
                     out = [(n, t if callable(t) else _to_host(t, pin))
                            for n, t in module_tensors(layer, formats, set(), prefix[:-1], defer_host=True)]
-                    if written is not None:
-                        written.result()       # one layer waits on the host at most (and errors surface)
-                    written = io[1].submit(write, out)
+                    while len(written) >= WRITE_QUEUE:   # at most WRITE_QUEUE layers wait on the host
+                        written.pop(0).result()            # (and a writer's error surfaces here)
+                    written.append(io[1].submit(write, out))
                     del out
                 blist[i] = skeleton      # the layer is freed
                 del layer
@@ -557,7 +563,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
             bar.close()
         if profiled is not None:
             result["profile"] = {"layer": profiled[0], **_profile_summary(profiled[1])}
-        for fut in (written, rested):
+        for fut in (*written, rested):
             if fut is not None:
                 fut.result()
         if handle is not None:
