@@ -142,7 +142,7 @@ def run(a) -> None:
         dist.barrier()
     t0 = time.time()
     res = quantize_layerwise(a.ckpt, a.out, a.recipe, mine, device=dev, dtype=DTYPES[a.dtype], overwrite=True,
-                             memory_trace_layer=a.memory_trace_layer, **opts)
+                             memory_trace_layer=a.memory_trace_layer, profile_layer=a.profile_layer, **opts)
     wall = time.time() - t0
     res.update(wall_s=wall, rank=D.rank(), device=str(dev), batches=len(mine), tokens=sum(b.numel() for b in mine),
                gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
@@ -161,6 +161,12 @@ def run(a) -> None:
           + ("; peak GiB by phase " + ", ".join(f"{k} {v['peak'] / 2**30:.2f} (layer {v['layer']})"
                                                for k, v in res["phase_peak_bytes"].items())
              if "phase_peak_bytes" in res else ""), flush=True)
+    pr = res.get("profile")
+    if pr:
+        print(f"rank {D.rank()}/{D.world_size()} profile of layer {pr['layer']}: device {pr['total_self_device_s']:.3f} s, "
+              f"CPU {pr['total_self_cpu_s']:.3f} s, {pr['launches']} launches; top by device time: "
+              + "; ".join(f"{x['op'][:40]} x{x['count']} {x['self_device_us'] / 1e3:.1f} ms"
+                          for x in pr["by_device_time"][:12]), flush=True)
     tr = res.get("memory_trace")
     if tr:
         print(f"rank {D.rank()}/{D.world_size()} memory trace of layer {tr.get('layer')}: "
@@ -228,6 +234,8 @@ def main(argv=None) -> int:
     r.add_argument("--threads", type=int, default=1, help="torch CPU threads per process (CPU runs)")
     r.add_argument("--memory-trace-layer", type=int, default=None,
                    help="CUDA: record the allocator's trace over this layer and name what is alive at its peak")
+    r.add_argument("--profile-layer", type=int, default=None,
+                   help="torch.profiler over this layer: top operators by device and CPU time in the JSON")
     r.add_argument("--terms-on-host", action="store_true",
                    help="ranks > 0 keep their Hessian terms in host memory (lowbit.nn.distributed.TERMS_ON_HOST)")
     c = sub.add_parser("compare")

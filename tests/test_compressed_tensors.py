@@ -127,6 +127,35 @@ def test_int32_packing_matches_compressed_tensors(rng):
             assert torch.equal(unpack_from_int32(mine, bits, codes.shape, packed_dim=dim), codes)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="packing where the codes are: the GPU")
+def test_int32_packing_on_the_gpu_is_the_host_packing(rng):
+    # lowbit.nn.layerwise packs GPTQ's W4A16 codes on the device (QuantLinear(host_twin=False))
+    for bits in (2, 4, 8):
+        lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+        codes = torch.randint(lo, hi + 1, (300, 263), generator=rng, dtype=torch.int8)
+        for dim in (0, 1):
+            assert torch.equal(L.pack_int32(codes.cuda(), bits, dim=dim).cpu(), L.pack_int32(codes, bits, dim=dim))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the 4-bit host twin exists on the GPU only")
+def test_w4a16_tensors_without_the_host_twin_are_the_same(rng):
+    from lowbit.io.compressed_tensors import describe_qlayer, expand_deferred, module_tensors
+    from lowbit.nn.quant_linear import QuantLinear
+    scheme = RECIPES["w4a16"].weight
+    w = torch.randn(96, 512, generator=rng).to(torch.bfloat16).cuda()
+    qt = quantize(w.float(), scheme)
+    a = QuantLinear(qt, scheme, None)                   # the exact twin on the host
+    b = QuantLinear(qt, scheme, None, host_twin=False)  # left on the device
+    assert a.weight_q.codes.device.type == "cpu" and b.weight_q.codes.device.type == "cuda"
+    got = []
+    for m in (a, b):
+        fmt = {"": describe_qlayer("x", m)[0]}
+        got.append({n: t.cpu() for n, t in expand_deferred(module_tensors(m, fmt, set(), "", defer_host=True))})
+    assert sorted(got[0]) == sorted(got[1])
+    for n in got[0]:
+        assert got[0][n].dtype == got[1][n].dtype and torch.equal(got[0][n], got[1][n]), n
+
+
 # ------------------------------------------------------------------ whole checkpoints
 def tiny_llama(seed_gen, tie=False):
     cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,

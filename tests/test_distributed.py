@@ -96,11 +96,17 @@ def _worker(rank: int, tmp: str, seed: int):
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD)
     try:
         torch.set_num_threads(1)       # the same matmul kernels as the single-process run
-        from lowbit.nn.distributed import OrderedSum, shard
+        from lowbit.nn.distributed import ChunkedSum, OrderedSum, counts, shard
         acc = OrderedSum()
         for t in shard(_terms(seed)):
             acc.add(t)
         total = acc.total((300,))
+        # chunks of 2 batches (5 batches, 4 chunks): rank 1's first batch (3) continues the chunk
+        # [2, 4) that rank 0 began, on the chain
+        chunked = ChunkedSum(counts(len(shard(_terms(seed)))), (300,), "cpu")
+        for t in shard(_terms(seed)):
+            chunked.add(lambda s, t=t: s.add_(t))
+        chunked_total = chunked.total()
         model, batches = _setup(seed)
         sites = _pipeline(model, shard(batches), Path(tmp) / "dist" if rank == 0 else None)
         _layerwise(Path(tmp) / "float", shard(batches), Path(tmp) / "dist" / "layerwise")
@@ -109,6 +115,7 @@ def _worker(rank: int, tmp: str, seed: int):
             (Path(tmp) / "factor.f64").write_bytes(factor)
             (Path(tmp) / "sites.json").write_text(json.dumps(sites))
             (Path(tmp) / "ordered_sum.f64").write_bytes(total.numpy().tobytes())
+            (Path(tmp) / "chunked_sum.f64").write_bytes(chunked_total.numpy().tobytes())
     finally:
         dist.destroy_process_group()
 
@@ -153,6 +160,16 @@ def test_two_gloo_ranks_write_the_single_process_checkpoints(seed, tmp_path, mon
     split = (torch.zeros(300, dtype=torch.float64) + terms[0] + terms[1] + terms[2]) + (
         torch.zeros(300, dtype=torch.float64) + terms[3] + terms[4])
     assert not torch.equal(split, one)     # why the order matters: ranks' partial sums added differ
+    # ChunkedSum's canonical order: chunks of ceil(5 / CHAIN_CHUNKS) = 2 batches, each from zero,
+    # the chunks' sums added in order
+    from lowbit.nn.distributed import CHAIN_CHUNKS
+    c = -(-N_BATCHES // CHAIN_CHUNKS)
+    sums = [sum(terms[a:a + c], torch.zeros(300, dtype=torch.float64)) for a in range(0, N_BATCHES, c)]
+    want = sums[0]
+    for x in sums[1:]:
+        want = want + x
+    two = torch.frombuffer(bytearray((tmp_path / "chunked_sum.f64").read_bytes()), dtype=torch.float64)
+    assert torch.equal(two, want), "ChunkedSum over 2 ranks is not its 1-process order"
     got = json.loads((tmp_path / "sites.json").read_text())
     assert got.pop("tokens") == sites.pop("tokens")
     assert got.pop("gptq_reasons") == sites.pop("gptq_reasons")     # the same losses, to the printed digit
@@ -206,6 +223,14 @@ def test_reductions_are_identity_without_a_group():
     assert torch.equal(s.total((5,)), torch.zeros(5, dtype=torch.float64) + t + t)
     with pytest.raises(TypeError, match="float64"):
         s.add(t.float())
+    # one process: chunks of ceil(3 / CHAIN_CHUNKS) terms, each summed from zero, then added in order
+    c = D.ChunkedSum(D.counts(3), (5,), "cpu", chunks=2)
+    u = [torch.randn(5, dtype=torch.float64) for _ in range(3)]
+    for x in u:
+        c.add(lambda acc, x=x: acc.add_(x))
+    assert torch.equal(c.total(), (torch.zeros(5, dtype=torch.float64) + u[0] + u[1]) + (torch.zeros(5, dtype=torch.float64) + u[2]))
+    with pytest.raises(RuntimeError, match="more terms"):
+        c.add(lambda acc: acc.add_(u[0]))
     with pytest.raises(RuntimeError, match="torchrun"):
         for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             os.environ.pop(k, None)

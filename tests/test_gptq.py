@@ -330,3 +330,35 @@ def test_rotated_gptq_checkpoint_loads_in_transformers(rng, tmp_path):
             assert torch.equal(hf.get_submodule(name).weight.data, m.weight_q.dequantize(hf.get_submodule(name).weight.dtype))
             n += 1
     assert n == 14
+
+
+def test_fit_rows_are_the_rows_a_mask_keeps(seed):
+    from lowbit.nn.gptq import _fit_rows
+    g = torch.Generator().manual_seed(seed)
+    for rows in (0, 1, 3, 4, 5, 17, 64):
+        x = torch.randn(rows, 3, generator=g)
+        for holdout in (0, 2, 3, 4, 7):
+            keep = torch.ones(rows, dtype=torch.bool) if not holdout else torch.arange(rows) % holdout != holdout - 1
+            assert torch.equal(_fit_rows(x, holdout), x[keep]), (rows, holdout)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuSOLVER's in-place factorization")
+def test_factor_in_place_on_the_gpu_is_the_out_of_place_one(rng, monkeypatch):
+    # gptq._factor factors J Hp J in place (cholesky_ex(A, out=(A, info)), A column-major): the
+    # same bits as cholesky_ex into a new matrix, then the same in-place inverse
+    from lowbit.nn import gptq
+    monkeypatch.setattr(gptq, "FACTOR_PANEL", 64)          # 5 panels for K = 300
+    K = 300
+    x = torch.randn(400, K, generator=rng, dtype=torch.float64) * torch.rand(K, generator=rng, dtype=torch.float64)
+    x[:, 5] = 0
+    h = (x.T @ x / 400).cuda()
+    fac = gptq._factor(h, 0.01, True, h.device)
+    d = torch.diagonal(h).clone()
+    d = torch.where(d == 0, torch.ones_like(d), d)
+    perm = torch.argsort(d, descending=True, stable=True)
+    rev = perm.flip(0)
+    A = h[rev[:, None], rev]
+    A.diagonal().copy_(d[rev] + 0.01 * d[perm].mean())
+    L, info = torch.linalg.cholesky_ex(A)
+    assert int(info) == 0 and torch.equal(fac.perm, perm)
+    assert torch.equal(fac.hinv, gptq._reversed_inverse_(L))

@@ -241,3 +241,29 @@ def test_group_that_does_not_divide_k_is_refused_up_front(rng, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["in"]
     s = quantize_checkpoint(tmp_path / "in", tmp_path / "out", "w4a16", targets=["*.proj"], ignore=["b.proj"])
     assert s["quantized"] == ["a.proj"] and s["kept"] == ["b.proj"]
+
+
+def test_two_writers_finish_as_one_checkpoint(rng, tmp_path):
+    # two tagged writers fill one directory (as two threads do in lowbit.nn.layerwise) and finish
+    # as one checkpoint: the first writer's shards, then the second's, one index
+    ts = random_tensors(rng)
+    a = ShardedWriter(tmp_path, max_shard_bytes=4096, tag="rest")
+    b = ShardedWriter(tmp_path, max_shard_bytes=4096, header_reserve=1 << 12)
+    for i, (k, v) in enumerate(sorted(ts.items())):
+        (a if i % 3 == 0 else b).add(k, v)
+    with pytest.raises(ValueError, match="letters and digits"):
+        ShardedWriter(tmp_path, tag="a/b")
+    names = a.finish(b)
+    assert len(names) > 2 and not [f for f in os.listdir(tmp_path) if f.startswith(".")]
+    where = checkpoint_files(tmp_path)
+    assert set(where) == set(ts)
+    assert where[sorted(ts)[0]].endswith(names[0])      # the first writer's shard comes first
+    for k, v in ts.items():
+        with safe_open(where[k], framework="pt") as f:
+            assert torch.equal(_bits(f.get_tensor(k)), _bits(v)), k
+    c, d = ShardedWriter(tmp_path / "x", tag="c"), ShardedWriter(tmp_path / "x")
+    (tmp_path / "x").mkdir()
+    c.add("same", torch.zeros(2))
+    d.add("same", torch.ones(2))
+    with pytest.raises(ValueError, match="written by two writers"):
+        c.finish(d)

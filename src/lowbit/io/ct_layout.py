@@ -143,9 +143,10 @@ def pack_int32(codes: torch.Tensor, bits: int, dim: int = 1) -> torch.Tensor:
     src = codes.t() if dim == 0 else codes
     per = 32 // bits
     rows, cols = src.shape
-    shifts = torch.arange(per, dtype=torch.int64) * bits
-    out = torch.empty(rows, -(-cols // per), dtype=torch.int32)
-    step = max(1, (1 << 20) // max(cols, 1))  # int64 temporaries of ~8 MiB at most, whatever the size
+    shifts = torch.arange(per, dtype=torch.int64, device=codes.device) * bits
+    out = torch.empty(rows, -(-cols // per), dtype=torch.int32, device=codes.device)
+    # int64 temporaries of ~8 MiB at most on the host, ~128 MiB on a GPU (fewer launches)
+    step = max(1, (1 << (20 if codes.device.type == "cpu" else 24)) // max(cols, 1))
     for r0 in range(0, rows, step):
         v = src[r0:r0 + step].to(torch.int64) + (1 << (bits - 1))
         v = torch.nn.functional.pad(v, (0, -cols % per)).reshape(v.shape[0], -1, per)

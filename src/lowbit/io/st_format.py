@@ -212,7 +212,7 @@ class ShardedWriter:
     """
 
     def __init__(self, directory: str | os.PathLike, max_shard_bytes: int = 5 << 30,
-                 metadata: dict[str, str] | None = None, header_reserve: int = 0):
+                 metadata: dict[str, str] | None = None, header_reserve: int = 0, tag: str = ""):
         if max_shard_bytes <= 0:
             raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
         if header_reserve < 0 or header_reserve % 8:
@@ -222,6 +222,11 @@ class ShardedWriter:
         # instead of copying every byte of the shard behind a header; a header that does not
         # fit falls back to the copy. 0: the compact files of before (no padding).
         self.header_reserve = int(header_reserve)
+        # tag: in the names of the shard files while they are written, so that several writers
+        # can fill one directory at once (e.g. from two threads) and finish(*others) as one checkpoint
+        if not tag.isalnum() and tag:
+            raise ValueError(f"tag={tag!r}: letters and digits only")
+        self.tag = tag
         self.dir = os.fspath(directory)
         self.max_shard_bytes = int(max_shard_bytes)
         self.metadata = {"format": "pt", **(metadata or {})}
@@ -233,7 +238,7 @@ class ShardedWriter:
         self.total_bytes = 0
 
     def _open(self):
-        path = os.path.join(self.dir, f".shard{len(self._shards):05d}.data")
+        path = os.path.join(self.dir, f".shard{self.tag}{len(self._shards):05d}.data")
         self._data = open(path, "wb")
         if self.header_reserve:
             self._data.write(b"\0" * (8 + self.header_reserve))
@@ -300,20 +305,29 @@ class ShardedWriter:
             self._data.close()
             self._data = None
 
-    def finish(self) -> list[str]:
-        self._close_data()
-        if not self._shards:
+    def finish(self, *others: "ShardedWriter") -> list[str]:
+        """Close the shards and name them (this writer's, then each of `others`', whose tensors
+        were written into the same directory under other tags): one checkpoint, one index."""
+        writers = (self, *others)
+        for w in writers:
+            w._close_data()
+            if w.dir != self.dir or w.metadata != self.metadata:
+                raise ValueError("finish(*others): the writers must share the directory and the metadata")
+        shards = [(sh, w) for w in writers for sh in w._shards]
+        if len({n for w in writers for n in w._names}) != sum(len(w._names) for w in writers):
+            raise ValueError("finish(*others): a tensor name was written by two writers")
+        if not shards:
             raise ValueError("no tensors were written; a checkpoint needs at least one")
-        n = len(self._shards)
+        n = len(shards)
         names = (["model.safetensors"] if n == 1 else
                  [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
         weight_map = {}
-        for (data_path, header), fname in zip(self._shards, names):
+        for ((data_path, header), w), fname in zip(shards, names):
             blob = json.dumps({"__metadata__": self.metadata, **header}, separators=(",", ":")).encode()
             blob += b" " * (-len(blob) % 8)  # the spec allows space padding; aligns the data
-            if self.header_reserve and len(blob) <= self.header_reserve:
+            if w.header_reserve and len(blob) <= w.header_reserve:
                 # the header in the space kept for it: the data bytes are not copied
-                blob += b" " * (self.header_reserve - len(blob))
+                blob += b" " * (w.header_reserve - len(blob))
                 with open(data_path, "r+b") as out:
                     out.write(struct.pack("<Q", len(blob)))
                     out.write(blob)
@@ -322,13 +336,13 @@ class ShardedWriter:
                 with open(os.path.join(self.dir, fname), "wb") as out, open(data_path, "rb") as src:
                     out.write(struct.pack("<Q", len(blob)))
                     out.write(blob)
-                    if self.header_reserve:      # it did not fit: skip the kept space
-                        src.seek(8 + self.header_reserve)
+                    if w.header_reserve:      # it did not fit: skip the kept space
+                        src.seek(8 + w.header_reserve)
                     shutil.copyfileobj(src, out, _COPY_CHUNK)
                 os.remove(data_path)
             weight_map.update({k: fname for k in header})
         if n > 1:
-            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+            index = {"metadata": {"total_size": sum(w.total_bytes for w in writers)}, "weight_map": weight_map}
             with open(os.path.join(self.dir, "model.safetensors.index.json"), "w") as f:
                 json.dump(index, f, indent=2, sort_keys=True)
         return names

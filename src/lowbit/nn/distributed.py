@@ -110,6 +110,12 @@ def owners(costs: Sequence[float], world: int) -> list[int]:
     return own
 
 
+def comm_device() -> torch.device:
+    """The device the process group's backend communicates on (this rank's GPU for NCCL, else the
+    CPU); the CPU without a group."""
+    return _comm_device() if active() else torch.device("cpu")
+
+
 def _comm_device() -> torch.device:
     import torch.distributed as dist
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -227,11 +233,156 @@ class OrderedSum:
             self._sum = None
         else:
             run = torch.zeros(tuple(shape), dtype=torch.float64, device=dev)
-            dist.recv(run, src=r - 1)
+            _pass_on(run, r - 1, r, r)
             while self._terms:       # in batch order, each freed once added
                 run += self._terms.pop(0).to(dev)
         if r < w - 1:
-            dist.send(run, dst=r + 1)
+            _pass_on(run, r, r + 1, r)
         dist.broadcast(run, src=w - 1)
         self._count = 0
         return run.to(out_dev)
+
+
+def counts(n: int) -> list[int]:
+    """Every rank's count `n` (e.g. its number of calibration batches), in rank order: [n] in one
+    process; under torch.distributed a collective (one all_gather of one int64)."""
+    if not active():
+        return [int(n)]
+    import torch.distributed as dist
+    mine = torch.tensor([int(n)], dtype=torch.int64, device=_comm_device())
+    got = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(got, mine)
+    return [int(t) for t in got]
+
+
+# Chunks of a ChunkedSum: the batches are cut into CHAIN_CHUNKS runs of C = ceil(n / CHAIN_CHUNKS)
+# consecutive batches (n: all ranks' batches), whatever the number of ranks. A rank > 0 then holds
+# about CHAIN_CHUNKS / world chunk sums until the chain reaches it (2 for 2 ranks: 3.1 GB for
+# K = 14336) instead of one term per batch (8 in the 2 x H200 script: 12.2 GiB); with more
+# ranks than chunks, or shares that chunks do not line up with, a chunk spans ranks and the later
+# rank adds its first batches' terms when the chain reaches it (correct, but on the chain).
+CHAIN_CHUNKS = 4
+
+
+def _pass_on(t: torch.Tensor, src: int, dst: int, me: int) -> None:
+    """Rank src's t to rank dst (in place on dst): a broadcast for two ranks (the group's own
+    communicator: no NCCL point-to-point communicator to start), send / recv otherwise."""
+    import torch.distributed as dist
+    if dist.get_world_size() == 2:
+        dist.broadcast(t, src)
+    elif me == src:
+        dist.send(t, dst=dst)
+    else:
+        dist.recv(t, src=src)
+
+
+class ChunkedSum:
+    """A float64 sum of per-batch terms in a canonical order that does not depend on the number of
+    ranks, holding few partial sums on any rank.
+
+    The batches are numbered across ranks (rank r's first is the sum of the counts before it:
+    `counts` from the function of that name, with shard's contiguous shares) and cut into chunks
+    of C = ceil(n / CHAIN_CHUNKS) consecutive batches. A chunk's sum starts at zero and takes its
+    batches' terms in order, each term accumulated INTO it by the caller's function (e.g.
+    `lambda s: s.addmm_(x.T, x)`: the product is never a separate K x K matrix); the total is
+    S_0 + S_1 + ... added in chunk order. One process and N ranks perform exactly these
+    operations on the same operands, so the total is bit-identical for any number of ranks
+    (given the same device kind and libraries). Each rank fills its chunks as its batches come;
+    rank 0 adds its chunks to the total at once. total() is the chain: rank r receives the total
+    so far (and the sum of a chunk begun on an earlier rank, which it continues with its first
+    batches' terms), adds its closed chunks in order and passes them on; the last rank
+    broadcasts the total. A collective: every rank calls it, in the same order.
+    add(into): one batch's term; into(s) adds it into the float64 tensor s in place."""
+
+    def __init__(self, counts: list[int], shape, device, chunks: int | None = None):
+        self._counts = [int(c) for c in counts]
+        self._world = len(self._counts)
+        self._me = rank() if self._world > 1 else 0
+        if self._world != world_size():
+            raise ValueError(f"counts has {self._world} entries for {world_size()} rank(s): pass distributed.counts(n)")
+        self._first = sum(self._counts[:self._me])
+        self._end = self._first + self._counts[self._me]
+        self._n = sum(self._counts)
+        self._c = max(1, -(-self._n // (chunks or CHAIN_CHUNKS)))
+        self._shape, self._device = tuple(shape), torch.device(device)
+        self._next = self._first          # the global index of the next term
+        self._lead: list = []             # terms of a chunk begun on an earlier rank (added on the chain)
+        self._closed: list[torch.Tensor] = []   # ranks > 0: closed chunk sums, in order
+        self._total: torch.Tensor | None = None  # rank 0: the closed chunks' running total
+        self._open: torch.Tensor | None = None   # the chunk being filled
+
+    def _zeros(self) -> torch.Tensor:
+        return torch.zeros(self._shape, dtype=torch.float64, device=self._device)
+
+    def _ends(self, i: int) -> bool:
+        """Whether global batch i is the last of its chunk."""
+        return (i + 1) % self._c == 0 or i + 1 == self._n
+
+    def add(self, into) -> None:
+        i = self._next
+        if i >= self._end:
+            raise RuntimeError(f"ChunkedSum: more terms than the {self._end - self._first} this rank announced")
+        self._next += 1
+        if i - i % self._c < self._first:     # its chunk began on an earlier rank
+            self._lead.append(into)
+            return
+        if self._open is None:
+            self._open = self._zeros()
+        into(self._open)
+        if self._ends(i):
+            s, self._open = self._open, None
+            if self._first == 0:              # rank 0 (or one process): chunks come in order
+                self._total = s if self._total is None else self._total.add_(s)
+            else:
+                self._closed.append(s)
+
+    def total(self) -> torch.Tensor | None:
+        """The sum over all ranks' terms (float64, on the device given), or None when n == 0."""
+        if self._next != self._end:
+            raise RuntimeError(f"ChunkedSum: {self._next - self._first} terms added, "
+                               f"{self._end - self._first} announced")
+        if self._n == 0:
+            return None
+        if self._world == 1:
+            return self._total
+        import torch.distributed as dist
+        dev, me, c = _comm_device(), self._me, self._c
+        total, part = self._total, None
+        if total is not None:
+            total = total.to(dev)
+        if me > 0:       # the total so far (chunks closed before my first batch), a chunk begun earlier
+            if self._first >= c:
+                total = torch.empty(self._shape, dtype=torch.float64, device=dev)
+                _pass_on(total, me - 1, me, me)
+            if self._first % c and self._first < self._n:
+                part = torch.empty(self._shape, dtype=torch.float64, device=dev)
+                _pass_on(part, me - 1, me, me)
+            for into in self._lead:           # my first batches continue that chunk
+                into(part)
+            self._lead = []
+            if part is not None and self._lead_closes():
+                total = part if total is None else total.add_(part)
+                part = None
+            while self._closed:
+                s = self._closed.pop(0).to(dev)
+                total = s if total is None else total.add_(s)
+        if self._open is not None:            # my last chunk goes on on the next rank
+            if part is not None:
+                raise AssertionError("ChunkedSum: two open chunks")
+            part = self._open.to(dev)
+            self._open = None
+        if me < self._world - 1:
+            if self._end >= c:
+                _pass_on(total, me, me + 1, me)
+            if self._end % c and self._end < self._n:
+                _pass_on(part, me, me + 1, me)
+        if total is None:
+            total = torch.empty(self._shape, dtype=torch.float64, device=dev)
+        dist.broadcast(total, src=self._world - 1)
+        self._total = None
+        return total.to(self._device)
+
+    def _lead_closes(self) -> bool:
+        """Whether the chunk begun on an earlier rank ends within this rank's batches."""
+        c0 = self._first - self._first % self._c
+        return min(c0 + self._c, self._n) <= self._end

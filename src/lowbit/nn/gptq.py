@@ -42,7 +42,7 @@ import torch
 
 from lowbit.formats import decode
 from lowbit.nn import distributed
-from lowbit.nn.distributed import OrderedSum
+from lowbit.nn.distributed import ChunkedSum, OrderedSum
 from lowbit.quantize import (QTensor, Scales, compute_scale, encode_scaled, expand_scale, quantize, reduce_amax,
                              reduce_minmax)
 from lowbit.scheme import QuantScheme
@@ -53,30 +53,60 @@ class HessianAccumulator:
 
     The sum lives on the inputs' device (`device` overrides). Under torch.distributed each rank
     adds its own batches and `hessian()` returns the Hessian of ALL ranks' batches, bit-identical
-    to one process adding them in order (lowbit.nn.distributed.OrderedSum); it is then a
-    collective call that every rank makes."""
+    to one process adding them in order; it is then a collective call that every rank makes.
+    counts: None -- one term X_b^T X_b per batch, added in batch order (lowbit.nn.distributed.
+    OrderedSum: ranks > 0 hold one K x K term per batch until the chain reaches them); or every
+    rank's number of add() calls (distributed.counts(len(batches)), a collective) -- the batches'
+    products accumulated in place (addmm_) into chunks of consecutive batches, the chunks added in
+    order (distributed.ChunkedSum): no K x K term per batch, and ranks > 0 hold a few chunk sums.
+    The two orders give different bits; each is the same for any number of ranks."""
 
-    def __init__(self, in_features: int, device=None):
+    def __init__(self, in_features: int, device=None, counts: list[int] | None = None):
         self.in_features = in_features
         self.device = device
-        self._sum = OrderedSum()
+        self._counts = counts
+        self._sum = OrderedSum() if counts is None else None
         self.n = 0
         self._dist = distributed.active()
         self._total = None              # the ranks' combined sum, once reduce() ran (distributed)
 
-    def add(self, x: torch.Tensor) -> None:
-        if self._total is not None:
-            raise RuntimeError("HessianAccumulator.add after hessian(): the ranks' sums were already combined")
+    def _prep(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.detach().reshape(-1, x.shape[-1]).to(device=self.device or x.device, dtype=torch.float64)
         if x2.shape[1] != self.in_features:
             raise ValueError(f"calibration input has {x2.shape[1]} features, the layer has {self.in_features}")
-        self._sum.add(x2.T @ x2)
-        self.n += x2.shape[0]
+        return x2
+
+    def add(self, x: torch.Tensor) -> None:
+        if self._total is not None:
+            raise RuntimeError("HessianAccumulator.add after hessian(): the ranks' sums were already combined")
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"calibration input has {x.shape[-1]} features, the layer has {self.in_features}")
+        if self._counts is None:
+            x2 = self._prep(x)
+            self._sum.add(x2.T @ x2)
+        else:
+            if self._sum is None:
+                dev = self.device or x.device
+                self._sum = ChunkedSum(self._counts, (self.in_features, self.in_features), dev)
+
+            def into(s, x=x):             # on the chain for a batch whose chunk began on an earlier rank
+                x2 = self._prep(x)
+                s.addmm_(x2.T, x2)
+            self._sum.add(into)
+        self.n += x.reshape(-1, x.shape[-1]).shape[0]
+
+    def _combined(self) -> torch.Tensor | None:
+        if self._counts is None:
+            return self._sum.total((self.in_features, self.in_features), self.device)
+        if self._sum is None:           # no batch on this rank (a collective all the same)
+            self._sum = ChunkedSum(self._counts, (self.in_features, self.in_features),
+                                   self.device or distributed.comm_device())
+        return self._sum.total()
 
     def reduce(self) -> None:
         """Combine the ranks' sums (a collective; a no-op in one process); idempotent."""
         if self._dist and self._total is None:
-            total = self._sum.total((self.in_features, self.in_features), self.device)
+            total = self._combined()
             self.n = distributed.all_count(self.n)
             self._total = total if total is not None else torch.zeros(
                 self.in_features, self.in_features, dtype=torch.float64, device=self.device)
@@ -87,7 +117,7 @@ class HessianAccumulator:
         if self._dist:
             self.reduce()
             return self._total
-        s = self._sum.total((self.in_features, self.in_features))
+        s = self._combined() if self._sum is not None else None
         return torch.zeros(self.in_features, self.in_features, dtype=torch.float64, device=self.device) if s is None else s
 
     def hessian(self) -> torch.Tensor:
@@ -160,11 +190,22 @@ def held_out_losses(inputs, holdout: int, deltas: list[torch.Tensor]) -> torch.T
     acc = OrderedSum()
     for x in inputs:
         x2 = x.reshape(-1, x.shape[-1])
-        sel = torch.arange(x2.shape[0], device=x2.device) % holdout == holdout - 1
-        if bool(sel.any()):
-            xv = x2[sel].to(torch.float64)
+        if x2.shape[0] >= holdout:       # rows holdout-1, 2 holdout-1, ...: a strided view
+            xv = x2[holdout - 1::holdout].to(torch.float64)
             acc.add(torch.stack([(xv @ d.T).square().sum() for d in deltas]))
     return acc.total((len(deltas),), deltas[0].device)
+
+
+def _fit_rows(x2: torch.Tensor, holdout: int) -> torch.Tensor:
+    """The rows of x2 [rows, K] that are not held out (all but every holdout-th: row r is held out
+    when r % holdout == holdout - 1), in order; all rows when holdout is 0. One gather by an
+    index computed on the device (the j-th fit row is row j + j // (holdout - 1)): the rows a
+    boolean mask would select, without its host synchronization."""
+    if not holdout:
+        return x2
+    nfit = x2.shape[0] - x2.shape[0] // holdout
+    j = torch.arange(nfit, device=x2.device)
+    return x2.index_select(0, j + j // (holdout - 1))
 
 
 def _scales_of(qt: QTensor) -> Scales:
@@ -223,38 +264,58 @@ def _factor(h: torch.Tensor, damp: float, act_order: bool, dev, world: int = 1, 
     J Hp J = L L^T (lower Cholesky) gives Hp^-1 = (J L^-1 J)^T (J L^-1 J), and J L^-1 J is upper
     triangular with a positive diagonal, so it is U. Cost: one Cholesky (K^3 / 3 flop, on every
     rank) and one triangular inverse (K^3 / 3, by column panels shared out over the `world`
-    ranks: _reversed_inverse). The paper's way (Cholesky, cholesky_inverse, a second Cholesky)
+    ranks: _reversed_inverse_). The paper's way (Cholesky, cholesky_inverse, a second Cholesky)
     is ~4/3 K^3 on the CPU, ~8/3 K^3 on CUDA (where PyTorch's cholesky_inverse solves against
-    the identity), all of it on every rank, with ~5 K x K matrices alive; here at most h, Hp
-    and L (then L and U)."""
+    the identity), all of it on every rank, with ~5 K x K matrices alive. Here ONE K x K matrix
+    besides h: J Hp J is gathered into it, factored in place into L, inverted in place into
+    L^-1 and turned into U in place (the same values as computing each into a new matrix)."""
     K = h.shape[0]
     d = torch.diagonal(h).to(device=dev, dtype=torch.float64)
     d = torch.where(d == 0, torch.ones_like(d), d)     # no input reaches a dead column: H_jj = 1
     perm = torch.argsort(d, descending=True, stable=True) if act_order else torch.arange(K, device=dev)
     rev = perm.flip(0)
-    # J Hp J in one gather (one K x K allocation), its diagonal damped by a fraction of the mean
-    A = h.to(device=dev, dtype=torch.float64)[rev[:, None], rev]
-    A.diagonal().copy_(d[rev] + damp * d[perm].mean())
-    L, info = torch.linalg.cholesky_ex(A)
+
+    def reversed_damped():
+        """J Hp J in one gather (one K x K allocation), its diagonal damped by a fraction of the
+        mean, in the column-major layout that LAPACK / cuSOLVER factor in place (and that
+        cholesky_ex returns): the row-major gather of its transpose, viewed transposed (h need
+        not be bit-symmetric: a product X^T X's two triangles may round differently)."""
+        m = h.to(device=dev, dtype=torch.float64).mT[rev[:, None], rev].mT
+        m.diagonal().copy_(d[rev] + damp * d[perm].mean())
+        return m
+    A = reversed_damped()
+    info = torch.zeros((), dtype=torch.int32, device=A.device)
+    try:
+        torch.linalg.cholesky_ex(A, out=(A, info))     # in place: A holds L (its upper triangle zeroed)
+    except RuntimeError:      # a torch that refuses the aliased out=: the same factorization into a new matrix
+        A, info = torch.linalg.cholesky_ex(reversed_damped())
     if info:
         raise ValueError(f"the damped Hessian is not positive definite (damp={damp}); raise damp (e.g. 0.1) "
                          "or give more calibration tokens")
-    del A
-    hinv = _reversed_inverse(L, world, me)     # rows: [H_F^-1]_{j,F} / sqrt(.)
+    _reversed_inverse_(A, world, me)     # rows: [H_F^-1]_{j,F} / sqrt(.)
     # host copy of the order: the column loop indexes it without a device sync
-    return _Factor(perm, perm.tolist(), hinv)
+    return _Factor(perm, perm.tolist(), A)
 
 
-def _reversed_inverse(L: torch.Tensor, world: int = 1, me: int = 0) -> torch.Tensor:
-    """J L^-1 J [K, K] (upper triangular) of a lower-triangular L [K, K] with a positive diagonal.
+# Columns per step of the in-place reversal of L^-1 into U (a step's temporaries: 2 x columns x K
+# float64; L is column-major, as cholesky_ex makes it, so a column block is one contiguous run).
+_ROT_ROWS = 256
+
+
+def _reversed_inverse_(L: torch.Tensor, world: int = 1, me: int = 0) -> torch.Tensor:
+    """L [K, K] (lower triangular, positive diagonal, zeros above) replaced in place by
+    J L^-1 J (upper triangular); returns L.
 
     L^-1 by column panels of FACTOR_PANEL columns: panel j holds D_j^-1 on its diagonal block
     (D_i: L's diagonal block i, inverted by a triangular solve) and, below it, block row after
     block row, X_ij = -D_i^-1 (L[i, j:i] @ X[j:i, j]): matrix products on whole blocks, K^3 / 3
-    flop in all. Panels are independent of each other: with world > 1 each rank computes its
-    share (distributed.owners by cost, ~(panels after j)^2) and the panels are broadcast from
-    their owners; one process computes every panel with the same operations, so the bits do
-    not depend on the number of ranks (a collective when world > 1)."""
+    flop in all. Panel j reads only L's columns from j on, so once computed it is stored in
+    place of L's column block j (panels in increasing order). L's layout (column-major from
+    cholesky_ex) is kept, so every product sees the operands and strides it saw before. Panels are independent of each
+    other: with world > 1 each rank computes its share (distributed.owners by cost,
+    ~(panels after j)^2) and the panels are broadcast from their owners; one process computes
+    every panel with the same operations, so the bits do not depend on the number of ranks (a
+    collective when world > 1). Then J L^-1 J by swapping row r with row K-1-r reversed."""
     K = L.shape[0]
     edges = list(range(0, K, FACTOR_PANEL)) + [K]
     nb = len(edges) - 1
@@ -263,7 +324,6 @@ def _reversed_inverse(L: torch.Tensor, world: int = 1, me: int = 0) -> torch.Ten
     eye = torch.eye(min(FACTOR_PANEL, K), dtype=L.dtype, device=L.device)
     dinv = {i: torch.linalg.solve_triangular(L[a:b, a:b], eye[:b - a, :b - a], upper=False)
             for i, (a, b) in enumerate(zip(edges, edges[1:])) if i >= first}
-    U = torch.zeros_like(L)
     for j in range(nb):
         if owner[j] != me:
             continue
@@ -273,14 +333,23 @@ def _reversed_inverse(L: torch.Tensor, world: int = 1, me: int = 0) -> torch.Ten
         for i in range(j + 1, nb):
             c, e = edges[i], edges[i + 1]
             X[c - a:e - a] = -(dinv[i] @ (L[c:e, a:c] @ X[:c - a]))
-        U[:K - a, K - b:K - a] = X.flip(0, 1)     # (J L^-1 J)[K-1-r, K-1-c] = L^-1[r, c]
+        L[a:, a:b] = X            # rows above a stay L's zeros, as L^-1's
         del X
     del dinv
     if world > 1:       # after every rank computed its panels, in panel order
         for j in range(nb):
             a, b = edges[j], edges[j + 1]
-            distributed.broadcast_(U[:K - a, K - b:K - a], src=owner[j])
-    return U
+            distributed.broadcast_(L[a:, a:b], src=owner[j])
+    half = K // 2         # (J L^-1 J)[r, c] = L^-1[K-1-r, K-1-c]: exact copies, column c with K-1-c
+    for a in range(0, half, _ROT_ROWS):
+        b = min(a + _ROT_ROWS, half)
+        left = L[:, a:b].clone()
+        L[:, a:b] = L[:, K - b:K - a].flip(0, 1)
+        L[:, K - b:K - a] = left.flip(0, 1)
+        del left
+    if K % 2:
+        L[:, half] = L[:, half].flip(0)
+    return L
 
 
 # The column loop of a block: "auto" runs the Triton kernel (lowbit.nn.gptq_block: one launch per
@@ -441,10 +510,6 @@ def _rows_of(n: int, world: int, r: int) -> tuple[int, int]:
     return min(lo * PANEL_ROWS, n), min(hi * PANEL_ROWS, n)
 
 
-def _slice_rows(sc: Scales, lo: int, hi: int) -> Scales:
-    return Scales(*(None if t is None else t[lo:hi].clone() for t in sc[:3]), sc.global_scale)
-
-
 def gptq_quantize_group(ws: list[torch.Tensor], h: torch.Tensor, schemes: list[QuantScheme], *,
                         damp: float = 0.01, block_size: int = 128, act_order: bool = False,
                         static_groups: bool = False, split: bool | None = None,
@@ -485,51 +550,87 @@ def gptq_quantize_group(ws: list[torch.Tensor], h: torch.Tensor, schemes: list[Q
             jobs[-1].append(i)
         else:
             jobs.append([i])
-    # round to nearest's scales (under the fixed scales where given): the scales of every group
-    # that has no dynamic scales
-    rtn = [quantize(w.detach().double().float(), s, pad=True, scales=sc) for w, s, sc in zip(ws, schemes, scales)]
     out: list[QTensor | None] = [None] * len(ws)
     for ji, job in enumerate(jobs):
         scheme = schemes[job[0]]
         fixed = scales[job[0]] is not None      # the same for every weight of the job
         dynamic_groups = scheme.strategy == "group" and not (act_order or static_groups or fixed)
         bs = -(-block_size // scheme.group_size) * scheme.group_size if dynamic_groups else block_size
-        full = Scales(*(None if all(_scales_of(rtn[i])[f] is None for i in job) else
-                        torch.cat([_scales_of(rtn[i])[f] for i in job]) for f in range(3)),
-                      rtn[job[0]].global_scale)
-        w64 = torch.cat([ws[i].detach().double() for i in job]) if len(job) > 1 else ws[job[0]].detach().double()
-        n, kp = w64.shape[0], rtn[job[0]].codes.shape[1]
-        if world == 1:
-            U = _solve(w64, fac, scheme, full, dynamic_groups, bs, kp)
-        elif _row_split(scheme):
-            U = torch.empty(n, w64.shape[1], dtype=torch.float32, device=dev)
-            lo, hi = _rows_of(n, world, me)
-            if hi > lo:
-                mine = _slice_rows(full, lo, hi)
-                U[lo:hi] = _solve(w64[lo:hi], fac, scheme, mine, dynamic_groups, bs, kp)
-                for dst, src in zip(full[:3], mine[:3]):
-                    if dst is not None:
-                        dst[lo:hi] = src
-            for r in range(world):      # every rank gets every rank's rows (and their scales)
-                a, b = _rows_of(n, world, r)
-                if b > a:
-                    for t in (U, *full[:3]):
-                        if t is not None:
-                            distributed.broadcast_(t[a:b], src=r)
-        else:
-            owner = ji % world
-            U = _solve(w64, fac, scheme, full, dynamic_groups, bs, kp) if me == owner else \
-                torch.empty(n, w64.shape[1], dtype=torch.float32, device=dev)
-            for t in (U, *full[:3]):
-                if t is not None:
-                    distributed.broadcast_(t, src=owner)
-        start = 0
-        for i in job:
-            m = ws[i].shape[0]
-            rows = Scales(*(None if t is None else t[start:start + m] for t in full[:3]), full.global_scale)
-            out[i] = _finish(U[start:start + m].contiguous(), rows, scheme)
-            start += m
+        if world == 1 or (_row_split(scheme) and not scheme.two_level):
+            for i, qt in zip(job, _solve_rows(ws, job, scheme, scales, fac, dynamic_groups, bs, world, me)):
+                out[i] = qt
+            continue
+        # a weight whose scales are not per row, or with a tensor scale of its own (two-level):
+        # solved whole by one rank, U and the scales broadcast, every rank stores the codes
+        i = job[0]
+        rtn = quantize(ws[i].detach().double().float(), scheme, pad=True, scales=scales[i])
+        full = _scales_of(rtn)
+        w64 = ws[i].detach().double()
+        owner = ji % world
+        U = _solve(w64, fac, scheme, full, dynamic_groups, bs, rtn.codes.shape[1]) if me == owner else \
+            torch.empty(w64.shape, dtype=torch.float32, device=dev)
+        for t in (U, *full[:3]):
+            if t is not None:
+                distributed.broadcast_(t, src=owner)
+        out[i] = _finish(U, full, scheme)
     return out
+
+
+_QFIELDS = ("codes", "scale", "zero_point", "scale_codes")
+
+
+def _solve_rows(ws: list[torch.Tensor], job: list[int], scheme: QuantScheme, scales: list, fac: _Factor,
+                dynamic_groups: bool, bs: int, world: int, me: int) -> list[QTensor]:
+    """GPTQ of the weights ws[job] (one per-row scheme: solved as one concatenated weight), this
+    rank's rows only: round to nearest's scales of those rows (per-row scales: the rows' values
+    in the whole weight's), the column loop, the stored codes and their check (_finish); then
+    every rank's codes and scales are broadcast (one byte per weight for integer and 8-bit
+    codes) and every rank returns every weight's QTensor. With world == 1 the rows are all rows
+    (any scheme, two-level included: its global scale from the whole weight). A collective when
+    world > 1. The codes are those of solving each weight whole (rows are independent)."""
+    sizes = [ws[i].shape[0] for i in job]
+    starts = [sum(sizes[:k]) for k in range(len(job))]
+    n, K, dev = sum(sizes), ws[job[0]].shape[1], ws[job[0]].device
+    lo, hi = _rows_of(n, world, me) if world > 1 else (0, n)
+    pieces = [(i, max(lo, st) - st, min(hi, st + m) - st) for i, st, m in zip(job, starts, sizes)
+              if min(hi, st + m) > max(lo, st)]
+    # round to nearest's scales of my rows (under the fixed scales where given)
+    rtn = [quantize(ws[i][a:b].detach().double().float(), scheme, pad=True, scales=_row_scales(scales[i], a, b))
+           for i, a, b in pieces]
+    probe = rtn[0] if rtn else quantize(ws[job[0]][:1].detach().float(), scheme, pad=True,
+                                        scales=_row_scales(scales[job[0]], 0, 1))
+    kp = probe.codes.shape[1]
+    full = {f: None if getattr(probe, f) is None else
+            getattr(probe, f).new_empty((n,) + tuple(getattr(probe, f).shape[1:])) for f in _QFIELDS}
+    gscale = probe.global_scale if world == 1 else None
+    if hi > lo:
+        mine = Scales(*(None if getattr(probe, f) is None else torch.cat([getattr(q, f) for q in rtn])
+                        for f in _QFIELDS[1:]), gscale)
+        del rtn
+        w64 = torch.cat([ws[i][a:b].detach().double() for i, a, b in pieces])
+        qt = _finish(_solve(w64, fac, scheme, mine, dynamic_groups, bs, kp), mine, scheme)
+        del w64
+        if world == 1:
+            full = {f: getattr(qt, f) for f in _QFIELDS}
+        else:
+            for f in _QFIELDS:
+                if full[f] is not None:
+                    full[f][lo:hi] = getattr(qt, f)
+        del qt
+    for r in range(world if world > 1 else 0):     # every rank gets every rank's rows
+        a, b = _rows_of(n, world, r)
+        if b > a:
+            for f in _QFIELDS:
+                if full[f] is not None:
+                    distributed.broadcast_(full[f][a:b], src=r)
+    return [QTensor(*(None if full[f] is None else full[f][st:st + m] for f in _QFIELDS[:3]), scheme, (m, K),
+                    None if full["scale_codes"] is None else full["scale_codes"][st:st + m], gscale)
+            for st, m in zip(starts, sizes)]
+
+
+def _row_scales(sc: Scales | None, a: int, b: int) -> Scales | None:
+    """Rows [a, b) of per-row fixed scales (None stays None)."""
+    return None if sc is None else Scales(*(None if t is None else t[a:b] for t in sc[:3]), sc.global_scale)
 
 
 def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, *, damp: float = 0.01,
@@ -589,10 +690,12 @@ def gptq_model(model: torch.nn.Module, recipe, calib, *, ignore=None, overrides=
 
 def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, damp: float = 0.1,
                  block_size: int = 128, act_order: bool = True, static_groups: bool = False, holdout: int = 4,
-                 backend: str = "auto", mse: bool = False):
+                 backend: str = "auto", mse: bool = False, host_twin: bool = True):
     """The lowbit.nn.sequential handler that replaces a group of Linears sharing one input by their
     GPTQ QuantLinears (gptq_model's options; `summary` from quantize_model.plan). Used by
-    gptq_model on a whole model and by lowbit.nn.layerwise one decoder layer at a time."""
+    gptq_model on a whole model and by lowbit.nn.layerwise one decoder layer at a time.
+    host_twin: QuantLinear's (4-bit codes' exact twin on the host, or left on the device, where
+    lowbit.nn.layerwise packs them for the checkpoint without the host copy of every code)."""
     from lowbit.nn.quant_linear import QuantLinear
     from lowbit.nn.quantize_model import layer_act
     if holdout < 0 or holdout == 1:
@@ -609,7 +712,7 @@ def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, dam
         return w64, qt.dequantize(torch.float64), rtn.dequantize(torch.float64)
 
 
-    timings = {"hessian": 0.0, "factor": 0.0, "solve": 0.0, "losses": 0.0}
+    timings = {"hessian": 0.0, "factor": 0.0, "solve": 0.0, "losses": 0.0, "build": 0.0}
     clock = [0.0]
 
     def lap(phase, dev):     # seconds per phase (device queue drained), read by layerwise's summary
@@ -621,16 +724,13 @@ def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, dam
         clock[0] = now
 
     def hessian(inputs, K):
-        """X^T X / n of the fit tokens (all but every holdout-th), all ranks' (a collective). The
-        accumulator is dropped on return: only H stays alive."""
-        acc = HessianAccumulator(K)
+        """X^T X / n of the fit tokens (all but every holdout-th), all ranks' (a collective): the
+        batches' products accumulated in chunks (HessianAccumulator with counts: no K x K term per
+        batch; ranks > 0 hold a few chunk sums). The accumulator is dropped on return: only H
+        stays alive."""
+        acc = HessianAccumulator(K, counts=distributed.counts(len(inputs)))
         for x in inputs:
-            x2 = x.reshape(-1, K)
-            if not holdout:
-                acc.add(x2)
-                continue
-            sel = torch.arange(x2.shape[0], device=x2.device) % holdout == holdout - 1
-            acc.add(x2[~sel])
+            acc.add(_fit_rows(x.reshape(-1, K), holdout))
         acc.reduce()      # a collective: every rank, same order
         return acc.hessian()
 
@@ -699,7 +799,8 @@ def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, dam
             act, scale = layer_act(d, r, act_static_scales)
             bias = None if lin.bias is None else lin.bias.detach().float()
             out[n] = QuantLinear(qt, r.weight, act, bias=bias, act_static_scale=scale,
-                                 backend=backend).to(lin.weight.device)
+                                 backend=backend, host_twin=host_twin).to(lin.weight.device)
+        lap("build", dev)
         return out
 
     handle.timings = timings

@@ -23,11 +23,13 @@ Peak device memory (measured in the result, stated in docs/distributed.md):
   + the streams' activations: streams x tokens x hidden x dtype bytes (each stream advances in
     place, one batch at a time; + one group's Linear inputs, tokens x K, while GPTQ calibrates)
   + one batch's forward temporaries and one 4M-element chunk's quantization temporaries
-  + for GPTQ: the Hessian and its factors, 3 x K^2 x 8 bytes for the largest K (one Linear
-    group at a time; ranks > 0 also keep their batches' Hessian terms, K^2 x 8 bytes each,
-    until the ordered sum reaches them).
-Reading the next layer (host) and writing the last one (host, W4A16's int4 packing included)
-run in two threads meanwhile.
+  + for GPTQ: the Hessian and its factor, 2 x K^2 x 8 bytes for the largest K (one Linear
+    group at a time; the factor is made in place in one matrix), and on ranks > 0 at the
+    Hessian's chain the total so far + their chunk sums (distributed.ChunkedSum: ~CHAIN_CHUNKS
+    / world of them, K^2 x 8 bytes each).
+Reading the next layer (host), writing the last one (host) and copying the tensors outside the
+layers into shards of their own run in three threads meanwhile (GPTQ's W4A16 codes are packed
+on the device and only the packed words come to the host).
 Under torch.distributed each rank holds its share of the tokens and reads its share of every
 layer (the pieces are broadcast: layer_loader), the statistics are reduced (lowbit.nn.distributed;
 one collective per statistic kind and layer), each rank quantizes a share of the Linears
@@ -79,6 +81,12 @@ def _advance(layer: torch.nn.Module, stream: list) -> None:
 
 # The phases of quantize_layerwise that belong to one layer (result["phase_seconds_per_layer"]).
 _LAYER_PHASES = ("load", "calibrate", "quantize", "write")
+
+
+# Layers whose tensors may wait on the host for the writer thread (each up to one quantized
+# layer: 218 MB for a W8A8 Llama-8B layer): 2 absorbs a slow write without stalling the layer loop
+# (the 2-GPU SmoothQuant run produced a layer every ~0.08 s against ~0.07 s to write one).
+WRITE_QUEUE = 2
 
 
 # Elements per float32 temporary while a weight is quantized (row chunks; see _rtn_codes).
@@ -203,6 +211,39 @@ def _rtn_split(layer: torch.nn.Module, names: list[str], by_name: dict, summary,
         del full
 
 
+def _profile_start(cuda: bool):
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    prof = torch.profiler.profile(activities=acts)
+    prof.start()
+    return prof
+
+
+def _profile_summary(prof, rows: int = 30) -> dict:
+    """The profiled layer's operators (prof stopped): the top `rows` by self device time and by
+    self CPU time (microseconds, counts), and the seconds the profiler saw in all."""
+    ev = prof.key_averages()
+    dev = lambda e: float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))  # noqa: E731
+    row = lambda e: {"op": e.key, "count": int(e.count), "self_device_us": dev(e),  # noqa: E731
+                     "self_cpu_us": float(e.self_cpu_time_total)}
+    return {"by_device_time": [row(e) for e in sorted(ev, key=dev, reverse=True)[:rows]],
+            "by_cpu_time": [row(e) for e in sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)[:rows]],
+            "total_self_device_s": sum(dev(e) for e in ev) / 1e6,
+            "total_self_cpu_s": sum(float(e.self_cpu_time_total) for e in ev) / 1e6,
+            "launches": int(sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                                   "cudaLaunchKernelExC", "cuLaunchKernelEx")))}
+
+
+class _Dropping(dict):
+    """run_stage's record of the Linears it replaced, which frees each one's weight instead of
+    keeping the module (nothing restores a layer here: it is written and freed): the float
+    weights of a layer's quantized Linears are not alive beside the later groups' Hessians."""
+
+    def __setitem__(self, name, module) -> None:
+        w = getattr(module, "weight", None)
+        if isinstance(w, torch.Tensor):
+            w.data = w.data.new_empty(0)
+
+
 def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
     """t on the host (page-locked when pin: a GPU's copy runs at full speed)."""
     if not pin or t.device.type == "cpu":
@@ -217,7 +258,8 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                        method: str = "rtn", smoothquant: float | None = None, static_scales: bool = False,
                        ignore=None, device="cpu", dtype: torch.dtype = torch.float32, overwrite: bool = False,
                        max_shard_bytes: int | None = None, method_options: dict | None = None,
-                       progress: bool = False, memory_trace_layer: int | None = None) -> dict:
+                       progress: bool = False, memory_trace_layer: int | None = None,
+                       profile_layer: int | None = None) -> dict:
     """Quantize the Llama-family checkpoint in `in_dir` one decoder layer at a time and write a
     compressed-tensors checkpoint to `out_dir` (rank 0 only under torch.distributed; None writes
     nothing, e.g. to measure).
@@ -228,6 +270,9 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     dtype the layers run (float32 on the CPU reproduces the whole-model path of `lowbit quantize`).
     memory_trace_layer: on CUDA, record the allocator's trace over that layer and name the
     blocks alive at its peak (lowbit.nn.memtrace; result["memory_trace"]).
+    profile_layer: run torch.profiler over that layer (CPU and CUDA activity) and put its top
+    operators by self device time and by self CPU time in result["profile"] (a diagnostic: the
+    profiler slows the layer).
     Returns a summary: quantized / kept layers, seconds per layer, seconds per phase (setup,
     first_inputs, load, calibrate, quantize, write, finish, barrier: they add up to the wall
     time) and per layer (load, calibrate, quantize, write and, for GPTQ, gptq_hessian /
@@ -338,10 +383,15 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
         writer = (ShardedWriter(tmp, max_shard_bytes or DEFAULT_SHARD_BYTES,
                                 header_reserve=-(-256 * 6 * len(ckpt.files) // 8) * 8)
                   if tmp is not None else None)
+        # the tensors outside the layers go to shards of their own, written by a thread of their
+        # own from the start (embedding and lm_head: 2 GB for Llama-8B), beside the layers'
+        rest_writer = (ShardedWriter(tmp, max_shard_bytes or DEFAULT_SHARD_BYTES, tag="rest",
+                                     header_reserve=-(-256 * len(ckpt.files) // 8) * 8)
+                       if tmp is not None else None)
         lap("setup")
         # the first layer's share is read (reader thread) while the first inputs are computed
-        io = ThreadPoolExecutor(max_workers=1), ThreadPoolExecutor(max_workers=1)
-        chunks = ThreadPoolExecutor(max_workers=layer_loader.READ_THREADS)
+        io = ThreadPoolExecutor(max_workers=1), ThreadPoolExecutor(max_workers=1), ThreadPoolExecutor(max_workers=1)
+        chunks = ThreadPoolExecutor(max_workers=layer_loader.read_threads())
         pin = cuda
         pin_for = device if pin else None
 
@@ -388,8 +438,10 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
             raise
         # Reading layer i + 1 from the shards (host) overlaps layer i's work, and writing layer
         # i's tensors (host) overlaps layer i + 1's: one reader and one writer thread, each
-        # working in order, so the files are the same bytes.
-        written = None
+        # working in order, so the files are the same bytes; a third thread copies the tensors
+        # outside the layers into their own shards meanwhile (before, the first layer's write
+        # waited behind that copy: 0.3 s on rank 0 of the 2-GPU SmoothQuant run).
+        written, rested = [], None        # the layers' write futures, oldest first
         if writer is not None:       # the tensors outside the layers, streamed (never on the device)
             def copy_rest():
                 t0 = time.time()
@@ -397,18 +449,21 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                     if n not in own:
                         path, begin, fdtype, shape = ckpt.span(n)
                         if fdtype.is_floating_point and fdtype != dtype:
-                            writer.add(n, ckpt.get(n).to(dtype))
+                            rest_writer.add(n, ckpt.get(n).to(dtype))
                         else:        # bytes as they are: copied file to file by the kernel
-                            writer.add_from_file(n, fdtype, shape, path, begin)
+                            rest_writer.add_from_file(n, fdtype, shape, path, begin)
                 busy["copy_rest"] += time.time() - t0
-            written = io[1].submit(copy_rest)
+            rested = io[2].submit(copy_rest)
         # each stream its own list (they share the first layer's inputs), advanced in place
         streams = {k: list(first) for k, want in (("F", need_f), ("S", need_s), ("Q", need_q)) if want}
         del first
         scales: dict[str, torch.Tensor] = {}
         layer_schemes, sidecar = {}, {}
         static = scales if need_s else None      # filled layer by layer, before each layer is quantized
-        handle = gptq_handler(model, summary, static, **(method_options or {})) if need_q else None
+        # GPTQ's W4A16 layers keep their codes on the device (no host twin): rank 0 packs them
+        # there for the checkpoint and copies the packed words (half the bytes) to the host
+        handle = gptq_handler(model, summary, static, host_twin=False, **(method_options or {})) if need_q else None
+        groups_of: dict[tuple, list] = {}     # execution groups by the layer's Linear names (Llama layers: one entry)
         result["activation_bytes"] = sum(_stream_bytes(s) for s in streams.values())
         bar = None
         if progress:
@@ -416,6 +471,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
             bar = tqdm(total=len(blist), desc=f"layer by layer {r.name}", unit="layer")
         lap("first_inputs")
         result["phase_seconds_per_layer"] = []
+        profiled = None
         before = {**phases, **({"gptq_" + k: v for k, v in handle.timings.items()} if handle else {})}
 
         try:
@@ -423,6 +479,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                 t0 = time.time()
                 where[0] = i
                 tracing = memtrace.start(device) if memory_trace_layer == i else None
+                prof = _profile_start(cuda) if profile_layer == i else None
                 prefix = f"{bname}.{i}."
                 skeleton = blist[i]
                 # the meta copy in the compute dtype first: the device then holds the layer once,
@@ -451,7 +508,9 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                         scales[prefix + n] = scale_from_absmax(a, act)
                 if need_q:               # GPTQ on the quantized model's activations
                     lap("calibrate")
-                    run_stage(layer, streams["Q"], mine, handle, {}, prefix, None)
+                    key = (type(layer).__name__, tuple(mine))
+                    groups_of[key] = run_stage(layer, streams["Q"], mine, handle, _Dropping(), prefix, None,
+                                               groups=groups_of.get(key))
                     lap("quantize")
                     if not last:
                         _advance(layer, streams["Q"])
@@ -468,21 +527,25 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                         formats[prefix + n], layer_schemes[prefix + n], sidecar[prefix + n] = describe_qlayer(prefix + n, m)
                 del m
                 if writer is not None:
-                    # tensors on the device are copied to the host here (the layer is freed below);
-                    # the checkpoint layout of codes already on the host (GPTQ W4A16: int4 packed
-                    # into int32 words on the CPU, ~0.35 s for a Llama-8B layer) is made by the
+                    # tensors on the device are copied to the host here (the layer is freed below;
+                    # GPTQ's W4A16 codes are packed into int32 words on the device first); the
+                    # checkpoint layout of codes already on the host (a QuantLinear with its host
+                    # twin: int4 packing on the CPU, ~0.35 s for a Llama-8B layer) is made by the
                     # writer thread while the next layer computes
                     out = [(n, t if callable(t) else _to_host(t, pin))
                            for n, t in module_tensors(layer, formats, set(), prefix[:-1], defer_host=True)]
-                    if written is not None:
-                        written.result()       # one layer waits on the host at most (and errors surface)
-                    written = io[1].submit(write, out)
+                    while len(written) >= WRITE_QUEUE:   # at most WRITE_QUEUE layers wait on the host
+                        written.pop(0).result()            # (and a writer's error surfaces here)
+                    written.append(io[1].submit(write, out))
                     del out
                 blist[i] = skeleton      # the layer is freed
                 del layer
                 lap("write")
                 if tracing is not None:
                     result["memory_trace"] = {"layer": i, **(memtrace.stop(device, tracing) or {})}
+                if prof is not None:
+                    prof.stop()          # summarized after the loop (seconds of CPU work, not the layer's)
+                    profiled = (i, prof)
                 result["seconds_per_layer"].append(time.time() - t0)
                 # this layer's share of the phase totals (the first layer also holds one-off costs:
                 # kernel compilation, first allocations), from which a steady state can be read
@@ -498,14 +561,17 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
         where[0] = None
         if bar is not None:
             bar.close()
-        if written is not None:
-            written.result()
+        if profiled is not None:
+            result["profile"] = {"layer": profiled[0], **_profile_summary(profiled[1])}
+        for fut in (*written, rested):
+            if fut is not None:
+                fut.result()
         if handle is not None:
             from lowbit.nn import gptq
             result["gptq_phase_seconds"] = dict(handle.timings)
             result["gptq_block_kernel"] = gptq.BLOCK_KERNEL_STATUS
         if writer is not None:
-            result["shards"] = writer.finish()
+            result["shards"] = rest_writer.finish(writer)     # the rest's shards first, as before
             out_cfg = dict(cfg)
             out_cfg["quantization_config"] = build_quantization_config(layer_schemes, sorted(result["kept"]))
             write_metadata(tmp, out_cfg, r.name, sidecar)

@@ -26,7 +26,7 @@ On CUDA a scheme no kernel supports runs the dequantized path with a one-time wa
 
 Memory: the prepared operands are the weight's only copy on the GPU (8-bit codes are shared
 with `weight_q`; for 4-bit weights, packed two per byte, `weight_q` -- the exact twin that
-verification and checkpoints read -- is kept on the host).
+verification and checkpoints read -- is kept on the host, unless host_twin=False).
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ class QuantLinear(torch.nn.Module):
 
     def __init__(self, weight_q: QTensor, weight_scheme: QuantScheme, act_scheme: QuantScheme | None,
                  bias: torch.Tensor | None = None, act_static_scale: torch.Tensor | None = None,
-                 backend: str = "auto", check: bool = False):
+                 backend: str = "auto", check: bool = False, host_twin: bool = True):
         super().__init__()
         if len(weight_q.shape) != 2:
             raise ValueError(f"weight_q must hold a 2-D [out_features, in_features] weight, got shape {tuple(weight_q.shape)}")
@@ -81,6 +81,10 @@ class QuantLinear(torch.nn.Module):
                                  "(lowbit.nn.calibration.calibrate_static_scales) or use a dynamic scheme")
         self._cache: dict = {}
         self.check = check
+        # 4-bit fast paths: whether `weight_q` (the exact twin of the packed kernel codes) moves to
+        # the host (default); False keeps it where it is (a caller that writes the codes from the
+        # device, or never reads them: lowbit.nn.layerwise's GPTQ)
+        self.host_twin = host_twin
         self.last_path: str | None = None
         self._warned = False
         # Clipping statistics of the static scale (calibration.clipping_report reads them).
@@ -102,7 +106,7 @@ class QuantLinear(torch.nn.Module):
         self.fast_spec, self._fast_json = prep.spec, prep.spec.to_json()
         self._fast_dtypes = runtime.input_dtypes(prep.spec)   # derived once, read on every call
         self._graphs = runtime.GraphCache()
-        if prep.spec.kind in ("w4a16", "fp4"):
+        if prep.spec.kind in ("w4a16", "fp4") and self.host_twin:
             # the packed codes are the GPU's copy; the exact twin (one code per byte) stays on the host
             self.weight_q = self.weight_q.to("cpu")
 

@@ -142,8 +142,14 @@ def as_kwargs(inputs: list[tuple[tuple, dict]]) -> list[dict]:
 Handler = Callable[[list[str], list[torch.Tensor]], dict[str, torch.nn.Module]]
 
 
-def run_stage(stage, inputs, names: list[str], handle: Handler, replaced: dict, prefix: str, bar) -> None:
-    for group in _execution_groups(stage, inputs, names):
+def run_stage(stage, inputs, names: list[str], handle: Handler, replaced: dict, prefix: str, bar,
+              groups: list[list[str]] | None = None) -> list[list[str]]:
+    """Replace the Linears `names` of `stage` group by group (handle), in execution order; returns
+    the groups. groups: the execution groups when known (e.g. from an identical earlier decoder
+    layer: lowbit.nn.layerwise), which saves the forward pass that finds them."""
+    if groups is None:
+        groups = _execution_groups(stage, inputs, names)
+    for group in groups:
         xs = _collect(stage, inputs, group[0])
         new = handle([prefix + n for n in group], xs)
         for n in group:
@@ -151,6 +157,7 @@ def run_stage(stage, inputs, names: list[str], handle: Handler, replaced: dict, 
             _set(stage, n, new[prefix + n])
         if bar is not None:
             bar.update(len(group))
+    return groups
 
 
 def calibrate_sequentially(model: torch.nn.Module, names: Iterable[str], batches: Iterable, handle: Handler,
