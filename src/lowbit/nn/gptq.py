@@ -34,6 +34,7 @@ level) calibrates each layer on the outputs of the layers before it that are alr
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -356,6 +357,27 @@ def _block_torch(W1, Err1, s1, z1, Hinv1, scheme: QuantScheme, full: Scales | No
         W1[:, i + 1:] -= Err1[:, i:i + 1] * Hinv1[i:i + 1, i + 1:]
 
 
+@contextlib.contextmanager
+def _one_thread(dev: torch.device):
+    """PyTorch's CPU ops on one thread for the duration (the previous count restored after).
+
+    The column loop runs ~13 small elementwise ops per column on [n] vectors and one [n, < block]
+    update; PyTorch splits the update (above its grain of 32,768 elements) over its intra-op
+    threads, which buys nothing at this size, and on the shared 2-core machine under load each
+    such split waited for a descheduled thread: measured at load ~8, one update of 1,536 x 127
+    took 18-28 ms with 2 threads and 0.2-0.4 ms with 1. Elementwise results do not depend on the
+    thread count, so the codes are the same. The count is process-wide while the loop runs."""
+    n = torch.get_num_threads()
+    if dev.type != "cpu" or n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 def _solve(w64: torch.Tensor, fac: _Factor, scheme: QuantScheme, full: Scales, dynamic_groups: bool,
            block_size: int, kp: int) -> torch.Tensor:
     """GPTQ's column loop on the rows w64 [n, K] (float64, original column order). full: the
@@ -388,7 +410,8 @@ def _solve(w64: torch.Tensor, fac: _Factor, scheme: QuantScheme, full: Scales, d
         if use_kernel:
             _block_kernel(W1, Err1, s1, z1, Hinv1, scheme)
         else:
-            _block_torch(W1, Err1, s1, z1, Hinv1, scheme, full if dynamic_groups else None, i1)
+            with _one_thread(W.device):
+                _block_torch(W1, Err1, s1, z1, Hinv1, scheme, full if dynamic_groups else None, i1)
         U[:, cols] = W1.float()
         if i2 < K:
             later = fac.hinv[i1:i2, i2:]
