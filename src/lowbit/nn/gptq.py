@@ -34,13 +34,14 @@ level) calibrates each layer on the outputs of the layers before it that are alr
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
 
 import torch
 
-from lowbit.formats import decode
+from lowbit.formats import decode, grid
 from lowbit.nn import distributed
 from lowbit.nn.distributed import ChunkedSum, OrderedSum
 from lowbit.quantize import (QTensor, Scales, compute_scale, encode_scaled, expand_scale, quantize, reduce_amax,
@@ -141,7 +142,12 @@ def _fake_quant(x: torch.Tensor, s: torch.Tensor, zp: torch.Tensor | None, s64: 
     """Dequantized float64 values of float32 `x` under its effective scales `s` (float32, x's
     shape or broadcastable; `s64` = s.double(), passed in so that a column loop converts once),
     zero points `zp` (int32 or None): the element step of lowbit.quantize (encode_scaled) and
-    QuantTensor.dequantize's arithmetic, elementwise, for one column or a whole block."""
+    QuantTensor.dequantize's arithmetic, elementwise, for one column or a whole block. Float
+    formats round on the format's value grid (lowbit.formats.grid: decode(encode()) bit for bit in
+    a few operations; the column loop calls this once per column, and encode's ~20 elementwise
+    passes were most of GPTQ's time under NVFP4)."""
+    if scheme.type == "float" and grid.supported(scheme.fmt):
+        return grid.nearest(x / s, scheme.fmt).double() * s64
     codes = encode_scaled(x / s, zp, scheme.fmt)
     vals = codes.double() if scheme.type == "int" else decode(codes, scheme.fmt).double()
     if zp is not None:
@@ -420,6 +426,27 @@ def _block_torch(W1, Err1, s1, z1, Hinv1, scheme: QuantScheme, full: Scales | No
         W1[:, i + 1:] -= Err1[:, i:i + 1] * Hinv1[i:i + 1, i + 1:]
 
 
+@contextlib.contextmanager
+def _one_thread(dev: torch.device):
+    """PyTorch's CPU ops on one thread for the duration (the previous count restored after).
+
+    The column loop runs ~13 small elementwise ops per column on [n] vectors and one [n, < block]
+    update; PyTorch splits the update (above its grain of 32,768 elements) over its intra-op
+    threads, which buys nothing at this size, and on the shared 2-core machine under load each
+    such split waited for a descheduled thread: measured at load ~8, one update of 1,536 x 127
+    took 18-28 ms with 2 threads and 0.2-0.4 ms with 1. Elementwise results do not depend on the
+    thread count, so the codes are the same. The count is process-wide while the loop runs."""
+    n = torch.get_num_threads()
+    if dev.type != "cpu" or n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 def _solve(w64: torch.Tensor, fac: _Factor, scheme: QuantScheme, full: Scales, dynamic_groups: bool,
            block_size: int, kp: int) -> torch.Tensor:
     """GPTQ's column loop on the rows w64 [n, K] (float64, original column order). full: the
@@ -452,7 +479,8 @@ def _solve(w64: torch.Tensor, fac: _Factor, scheme: QuantScheme, full: Scales, d
         if use_kernel:
             _block_kernel(W1, Err1, s1, z1, Hinv1, scheme)
         else:
-            _block_torch(W1, Err1, s1, z1, Hinv1, scheme, full if dynamic_groups else None, i1)
+            with _one_thread(W.device):
+                _block_torch(W1, Err1, s1, z1, Hinv1, scheme, full if dynamic_groups else None, i1)
         U[:, cols] = W1.float()
         if i2 < K:
             later = fac.hinv[i1:i2, i2:]
@@ -662,7 +690,8 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, 
 @torch.no_grad()
 def gptq_model(model: torch.nn.Module, recipe, calib, *, ignore=None, overrides=None, act_static_scales=None,
                damp: float = 0.1, block_size: int = 128, act_order: bool = True, static_groups: bool = False,
-               holdout: int = 4, backend: str = "auto", progress: bool = False, mse: bool = False):
+               holdout: int = 4, backend: str = "auto", progress: bool = False, mse: bool = False,
+               targets: str = "quantized"):
     """quantize_model with GPTQ weights: the same plan (recipe, ignore, overrides; lm_head and tied
     Linears stay float), each Linear replaced in execution order by a QuantLinear whose weight GPTQ
     chose on the inputs that the already-quantized model feeds it (lowbit.nn.sequential).
@@ -676,12 +705,21 @@ def gptq_model(model: torch.nn.Module, recipe, calib, *, ignore=None, overrides=
     mse: the fixed scales come from lowbit.nn.scale_search (MSE-optimal range per scale, weighted by
     the Hessian's diagonal) instead of round to nearest's; the held-out fallback uses them too.
     Every decision's `reason` gains the layer's loss relative to round-to-nearest and the choice.
+    targets: "quantized" (each layer fits its own float weight on its quantized-model inputs) or
+    "float" (each layer fits the FLOAT model's outputs: lowbit.nn.gptq_asym).
     Returns the QuantSummary; on error the model is left as it was."""
     from lowbit.nn.quantize_model import plan
     from lowbit.nn.sequential import calibrate_sequentially
     summary = plan(model, recipe, ignore, overrides)
     handle = gptq_handler(model, summary, act_static_scales, damp=damp, block_size=block_size, act_order=act_order,
                           static_groups=static_groups, holdout=holdout, backend=backend, mse=mse)
+    if targets not in ("quantized", "float"):
+        raise ValueError(f"targets={targets!r}: choose 'quantized' (plain GPTQ) or 'float' (the float model's outputs)")
+    if targets == "float":
+        from lowbit.nn.gptq_asym import float_target_handler
+        calib = list(calib)
+        handle = float_target_handler(model, [d.name for d in summary.quantized], calib, handle, damp=damp,
+                                      holdout=holdout)
     calibrate_sequentially(model, [d.name for d in summary.quantized], calib, handle, progress=progress,
                            desc=f"GPTQ {summary.recipe}")
     summary.method = "gptq"
