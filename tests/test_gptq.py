@@ -269,6 +269,23 @@ def tiny_llama(rng, layers=2, intermediate=80):
     return LlamaForCausalLM(cfg).eval()
 
 
+def linear_inputs(models, names, batches) -> list[dict]:
+    """For each model, {name: [the input of Linear `name`, one tensor per batch]}: forward hooks,
+    every model run on each batch in turn."""
+    seen = [{} for _ in models]
+    hooks = [m.get_submodule(n).register_forward_pre_hook(
+        lambda mod, a, n=n, s=s: s.setdefault(n, []).append(a[0].detach())) for m, s in zip(models, seen) for n in names]
+    try:
+        with torch.no_grad():
+            for b in batches:
+                for m in models:
+                    m(b)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
 def _batches(rng, n=2, t=24):
     return [torch.randint(0, 97, (1, t), generator=rng) for _ in range(n)]
 
@@ -293,18 +310,7 @@ def test_sequential_order(rng):
     calibrate_sequentially(model, names, batches, handle)
     assert order[:4] == [[f"model.layers.0.self_attn.{p}_proj" for p in "qkv"], ["model.layers.0.self_attn.o_proj"],
                          ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"], ["model.layers.0.mlp.down_proj"]]
-    seen = {}
-    hooks = [model.get_submodule(n).register_forward_pre_hook(
-        lambda m, a, n=n: seen.setdefault(n, []).append(a[0].detach())) for n in names]
-    float_seen = {}
-    hooks += [ref.get_submodule(n).register_forward_pre_hook(
-        lambda m, a, n=n: float_seen.setdefault(n, []).append(a[0].detach())) for n in names]
-    with torch.no_grad():
-        for b in batches:
-            model(b)
-            ref(b)
-    for h in hooks:
-        h.remove()
+    seen, float_seen = linear_inputs([model, ref], names, batches)
     for n in names:
         assert all(torch.equal(a, b) for a, b in zip(got[n], seen[n])), n
     q0 = "model.layers.0.self_attn.q_proj"

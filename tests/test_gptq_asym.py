@@ -12,7 +12,7 @@ import torch
 from lowbit.nn import gptq_asym
 from lowbit.nn.gptq import HessianAccumulator, gptq_model, gptq_quantize_group
 from lowbit.nn.recipes import get_recipe
-from test_gptq import _batches, tiny_llama
+from test_gptq import _batches, linear_inputs, tiny_llama
 
 U = 2.0 ** -53
 
@@ -90,17 +90,7 @@ def test_model_codes_are_gptq_of_the_corrected_weight(rng):
     summary = gptq_model(model, "w4a16-g32", batches, targets="float", **opts)
     gptq_model(plain, "w4a16-g32", batches, **opts)
     names = [d.name for d in summary.quantized]
-    seen_q, seen_f = {}, {}
-    hooks = [model.get_submodule(n).register_forward_pre_hook(
-        lambda m, a, n=n: seen_q.setdefault(n, []).append(a[0].detach())) for n in names]
-    hooks += [ref.get_submodule(n).register_forward_pre_hook(
-        lambda m, a, n=n: seen_f.setdefault(n, []).append(a[0].detach())) for n in names]
-    with torch.no_grad():
-        for b in batches:
-            model(b)
-            ref(b)
-    for hk in hooks:
-        hk.remove()
+    seen_q, seen_f = linear_inputs([model, ref], names, batches)
     scheme = get_recipe("w4a16-g32").weight
     groups = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
               ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
