@@ -16,8 +16,10 @@ if [[ $parts == *,suite,* ]]; then
   timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -n 12 -p no:cacheprovider tests \
       --ignore=tests/test_models_e2e.py >"$out/tests.log" 2>&1
   echo "suite rc=$? ($(( $(date +%s) - t0 )) s) :: $(grep -E '[0-9]+ (passed|failed)' "$out/tests.log" | tail -n 1)" | tee -a "$sum"
-  [ "${TILE_DIAG:-1}" = 1 ] && timeout 45 python3 scripts/gpu_tile_diag.py >>"$out/tests.log" 2>&1
-  echo "tile diag rc=$? :: $(grep -c ' 0 scales differ, 0 rows' "$out/tests.log") clean cases, mismatching: $(grep 'scales differ' "$out/tests.log" | grep -vc ' 0 scales differ, 0 rows')" | tee -a "$sum"
+  if [ "${TILE_DIAG:-1}" = 1 ]; then
+    timeout 45 python3 scripts/gpu_tile_diag.py >>"$out/tests.log" 2>&1
+    echo "tile diag rc=$? :: $(grep -c ' 0 scales differ, 0 rows' "$out/tests.log") clean cases, mismatching: $(grep 'scales differ' "$out/tests.log" | grep -vc ' 0 scales differ, 0 rows')" | tee -a "$sum"
+  fi
 fi
 if [[ $parts == *,tests,* ]]; then  # some test files only: TESTS="tests/test_a.py tests/test_b.py"
   timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -n 12 -p no:cacheprovider ${TESTS:-tests} >"$out/tests.log" 2>&1
