@@ -598,6 +598,14 @@ def _pairs_offset(Z, zidx, z_ok, SIGNED: tl.constexpr, HAS_Z: tl.constexpr, BLOC
 
 
 @triton.jit
+def _pairs_dot(f, xp, part, INTERP: tl.constexpr):
+    """part + f [BN, k] @ xp [BM, k]^T in float32 (the pairs kernels' one dot: weights as A)."""
+    if INTERP:  # the interpreter has no bf16 dot: float32 operands (exact values)
+        return tl.dot(f, tl.trans(xp.to(tl.float32)), part)
+    return tl.dot(f, tl.trans(xp), part)
+
+
+@triton.jit
 def _pairs_chunk(acc, wd, kc, kx, X_ROWS, S, Z, z_row, w_ok, n64, n_ok, m_ok, s_sn,
                  SIGNED: tl.constexpr, HAS_Z: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, WARPS: tl.constexpr, V3: tl.constexpr, HALF: tl.constexpr,
@@ -615,10 +623,7 @@ def _pairs_chunk(acc, wd, kc, kx, X_ROWS, S, Z, z_row, w_ok, n64, n_ok, m_ok, s_
             part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         f = _pairs_plane(wd, cpair, off.to(tl.float32), i, HALF, BLOCK_N, INTERP)
         xp = _pairs_x(tl.load(X_ROWS + (kx + 32 * i), mask=m_ok[:, None], other=0.0), BLOCK_M, V3)   # [BM, 32]
-        if INTERP:  # the interpreter has no bf16 dot: float32 operands (exact values)
-            part = tl.dot(f, tl.trans(xp.to(tl.float32)), part)
-        else:
-            part = tl.dot(f, tl.trans(xp), part)
+        part = _pairs_dot(f, xp, part, INTERP)
         if i % PG == PG - 1:                     # ... and ends here: scale it once
             s = tl.load(S + n64 * s_sn + (kc + 32 * i) // G, mask=n_ok, other=0.0)
             acc += part * s[:, None]
@@ -669,12 +674,7 @@ def _halves(t):
 @triton.jit
 def _scaled_dot(acc, f, xp, s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
     """acc [BN, BM] + s[:, None] * (f [BN, k] @ xp[BM, k]^T): one block's float32 dot, scaled once."""
-    part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if INTERP:  # the interpreter has no bf16 dot: float32 operands (exact values)
-        part = tl.dot(f, tl.trans(xp.to(tl.float32)), part)
-    else:
-        part = tl.dot(f, tl.trans(xp), part)
-    return acc + part * s[:, None]
+    return acc + _pairs_dot(f, xp, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), INTERP) * s[:, None]
 
 
 @triton.jit
