@@ -5,6 +5,7 @@
 #   bash scripts/gpu_final.sh audit,distributed     `lowbit audit` on the GPU, the 1-vs-2-GPU calibration run
 #   MODEL_RECIPES=w4a16,mxfp4 bash scripts/gpu_final.sh model   the model benchmark (bf16 vs those recipes)
 #   TESTS="tests/test_x.py" bash scripts/gpu_final.sh tests,memory   some test files, then the memory rows
+#   bash scripts/gpu_final.sh profile   the CUDA kernels of one quantized Linear call (scripts/gpu_profile_linear.py)
 # Logs and JSON under $OUT (at most 8 files come back: each part writes one or two); a short
 # table last. Runs from source (PYTHONPATH=src): nothing is installed on the device.
 source "$(dirname "$0")/gpu_env.sh"
@@ -54,6 +55,10 @@ if [[ $parts == *,model,* ]]; then  # what a user runs: 4 Llama-3-8B layers, bf1
       --json "$out/bench-model-final.json" --plot "$out/bench-model-final.png" >"$out/bench_model.log" 2>&1
   echo "model rc=$?" | tee -a "$sum"
 fi
+if [[ $parts == *,profile,* ]]; then  # the kernels of one quantized Linear call (PROFILE_RECIPES, PROFILE_M)
+  timeout "${PROFILE_TIMEOUT:-120}" python3 scripts/gpu_profile_linear.py >"$out/profile.log" 2>&1
+  echo "profile rc=$?" | tee -a "$sum"
+fi
 if [[ $parts == *,audit,* ]]; then
   timeout "${AUDIT_TIMEOUT:-120}" python3 -m lowbit.cli audit --json "$out/audit_h200.json" \
       --png "$out/audit_h200.png" >"$out/audit_h200.txt" 2>&1
@@ -76,6 +81,7 @@ fi
 [ -f "$out/gemm.log" ] && grep -E "lowbit_int8|bf16 |int_mm |lowbit_fp8_row |scaled_row |sweep" "$out/gemm.log" | head -n 30
 [ -f "$out/bench_memory.log" ] && sed -n '/# memory-bound kernels/,$p' "$out/bench_memory.log" | grep -E "norm_quant|quant_|g128 |gemv8 |pairs|g32|mxfp4|nvfp4" | head -n 60
 [ -f "$out/bench_model.log" ] && sed -n '/# lowbit bench model/,$p' "$out/bench_model.log" | head -n 30
+[ -f "$out/profile.log" ] && grep -vE "Warning|warn" "$out/profile.log" | tail -n 60
 [ -f "$out/audit_h200.txt" ] && tail -n 30 "$out/audit_h200.txt"
 [ -f "$out/distributed.log" ] && tail -n 30 "$out/distributed.log"
 cat "$sum"

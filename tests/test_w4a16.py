@@ -380,3 +380,30 @@ def test_mxfp4_scale_range(device, rng):
                                                                                   torch.bfloat16)), layout
     with pytest.raises(ValueError, match="beyond the kernel's exact range"):
         prepare_w4(quantize(w * 2.0 ** (241 - base), SCHEMES["mxfp4"]), layout="planar_chunks")
+
+
+def test_mxfp4_folded_scales_range(device, rng):
+    """MXFP4 in the pairs kernel folds each block's 2^(E - 127) into the bf16 weights through one
+    offset D per tensor (W4Weight.fp4_exp_offset): every block must keep E + D <= 254 and every
+    block with a nonzero code E + D >= 128, else (scales spread over more than 2^126) D is None and
+    the kernel scales each block's float32 dot instead. Both paths against the numpy reference,
+    rows scaled by 2^-75 .. 2^75 (every product and output a normal float32)."""
+    N, K = 24, 256
+    for spread, folded in ((40, True), (150, False)):
+        w = torch.randn(N, K, generator=rng)
+        w[5] = 0                                     # an all-zero row: its blocks may break the >= 128 rule
+        f = torch.linspace(-spread / 2, spread / 2, N).round()
+        wq = quantize(w * torch.exp2(f)[:, None], SCHEMES["mxfp4"])
+        w4 = prepare_w4(wq.to(device), layout="pairs")
+        assert (w4.fp4_exp_offset is not None) == folded, (spread, w4.fp4_exp_offset)
+        if folded:
+            e = wq.scale_codes.to(torch.int64) + w4.fp4_exp_offset
+            nz = (wq.codes.to(torch.int64) & 7).reshape(N, K // 32, 32).amax(dim=2) > 0
+            assert int(e.max()) <= 254 and int(e[nz].min()) >= 128 and w4.fp4_exp_offset <= 252
+        w64 = torch.from_numpy(_numpy_dequant_pairs(w4))
+        x = torch.randn(3, K, generator=rng).to(torch.bfloat16)
+        for cfg in (None, {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4}):
+            out = w4a16_linear(x.to(device), w4, backend="triton", config=cfg).cpu().double()
+            ref = x.double() @ w64.T
+            assert torch.isfinite(out).all() and torch.all(out[:, 5] == 0)
+            assert torch.all((out - ref).abs() <= _bound(x.double(), w64, ref, K, 32, 8, torch.bfloat16)), (spread, cfg)

@@ -217,9 +217,11 @@ def sass_rows_gemv8() -> list[dict]:
     variants += [(M, has_z, "*bf16", pick_config_pairs(M, N, K, 128)) for M in W4_MS for has_z in (False, True)]
     variants += [(1, False, "*fp16", pick_config_pairs(1, N, K, 128))]
     variants = [v + ("int4",) for v in variants]
-    # fp4 weights in the pairs kernel (MXFP4: one block per plane; NVFP4: two K = 16 dots per plane)
+    # fp4 weights in the pairs kernel, block scales folded into the bf16 weights (MXFP4: one block
+    # per plane; NVFP4: two K = 16 dots per plane), and MXFP4's unfolded fallback at one row
     variants += [(M, False, "*bf16", pick_config_pairs(M, N, K, G), kind)
                  for kind, G in (("mxfp4", 32), ("nvfp4", 16)) for M in W4_MS]
+    variants += [(1, False, "*bf16", pick_config_pairs(1, N, K, 32), "mxfp4 unfolded")]
     for M, has_z, xt, cfg, kind in variants:
         fn = {"gemv8": w4._w4a16_gemv8_kernel, "dot8": w4._w4a16_dot8_kernel,
               "pairs": w4._w4a16_pairs_kernel}[cfg["kernel"]]
@@ -232,14 +234,16 @@ def sass_rows_gemv8() -> list[dict]:
             consts.update(EVEN_N=True, EVEN_M=M % cfg["BLOCK_M"] == 0)
         elif cfg["kernel"] == "pairs":
             del consts["C"], consts["ATOMIC"], consts["SIGNED"]
-            consts.update(WFMT=w4.WFMT[kind], G={"int4": 128, "mxfp4": 32, "nvfp4": 16}[kind], SPLIT=cfg["split"],
-                          WARPS=cfg["num_warps"], V3=cfg["BLOCK_M"] >= 16)
-            sig = dict(sig, OUT=xt, PART="*fp32", LOCK="*i32", GS="*fp32", S="*fp32" if kind == "int4" else "*i32")
+            wk = kind.split()[0]
+            consts.update(WFMT=w4.WFMT[wk], FOLD=kind in ("mxfp4", "nvfp4"), G={"int4": 128, "mxfp4": 32, "nvfp4": 16}[wk],
+                          SPLIT=cfg["split"], WARPS=cfg["num_warps"], V3=cfg["BLOCK_M"] >= 16)
+            sig = dict(sig, OUT=xt, PART="*fp32", LOCK="*i32", GS="*fp32", DEXP="i32",
+                       S="*fp32" if kind == "int4" else "*i32")
             sig = {k: sig[k] for k in ("X", "W", "S", "Z", "GS", "BIAS", "OUT", "PART", "LOCK", "M", "N", "K",
-                                       "K_SPLIT", "s_xm", "s_wn", "s_sn", "s_om")}
+                                       "K_SPLIT", "DEXP", "s_xm", "s_wn", "s_sn", "s_om")}
         else:
             consts.update(UNPACK=cfg.get("unpack", 0))
-        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a not in ("M", "N")}
+        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a not in ("M", "N", "DEXP")}
         row = dict(kernel=f"w4a16 {cfg['kernel']} {kind if kind != 'int4' else 'int4 g128'}" + (" asym" if has_z else "")
                    + f" x {xt[1:]}",
                    variant=f"M{M} {cfg}")

@@ -69,6 +69,7 @@ class Spec:
     group: int = 0
     chunk: int = 0
     layout: str = "planar_chunks"   # w4a16: the W4Weight layout of "packed" (prepare_w4's choice)
+    fp4_exp_offset: int | None = None  # MXFP4 pairs: W4Weight.fp4_exp_offset (the folded scales' D)
     operands: tuple[str, ...] = ()  # names of the prepared tensors, in the op's order
 
     def to_json(self) -> str:
@@ -191,7 +192,8 @@ def prepare(weight_q: QTensor, act_scheme: QuantScheme | None,
         if getattr(w4, name) is not None:
             t[name] = getattr(w4, name)
     return Prepared(Spec(kind, N, K, act=act_json if kind == "fp4" else None, w4kind=w4.kind,
-                         group=w4.group_size, chunk=w4.chunk, layout=w4.layout, operands=tuple(t)), t)
+                         group=w4.group_size, chunk=w4.chunk, layout=w4.layout, fp4_exp_offset=w4.fp4_exp_offset,
+                         operands=tuple(t)), t)
 
 
 def _row_vector(scale: torch.Tensor, N: int) -> torch.Tensor:
@@ -278,7 +280,7 @@ def _w4(spec, ops, global_scale=None):
 
     return W4Weight(ops["packed"], ops["scale"], ops.get("zero_point"), ops.get("scale_codes"),
                     ops.get("global_scale") if global_scale is None else global_scale,
-                    spec.w4kind, spec.group, spec.chunk, (spec.N, spec.K), None, spec.layout)
+                    spec.w4kind, spec.group, spec.chunk, (spec.N, spec.K), None, spec.layout, spec.fp4_exp_offset)
 
 
 def _run_w4a16(spec, x2, ops, bias, global_scale=None):

@@ -62,6 +62,7 @@ class W4Weight:
     shape: tuple[int, int]
     qtensor: QTensor                     # the source, for references and checkpoints
     layout: str = "planar_chunks"        # or "planar8" (kernels "gemv8" / "dot8") or "pairs" (kernel "pairs")
+    fp4_exp_offset: int | None = None    # MXFP4 "pairs": D of the folded block scales (_mxfp4_exp_offset)
 
     def metadata(self) -> dict:
         """The layout the kernel expects, for checkpoints and reports."""
@@ -146,13 +147,30 @@ def prepare_w4(wq: QTensor, layout: str = "auto") -> W4Weight:
         # the split-K counters made now, outside any CUDA-graph memory pool (see _split_locks),
         # for up to 256 rows of x at BLOCK_N 128
         _split_locks(wq.codes.device, 4 * -(-N // 128))
+    dexp = _mxfp4_exp_offset(wq.scale_codes, wq.codes) if layout == "pairs" and kind == "mxfp4" else None
     zp = None
     if wq.zero_point is not None:
         zp = wq.zero_point.to(torch.int8).contiguous()  # z lies in [qmin, qmax]: exact
     return W4Weight(packed, wq.scale.to(torch.float32).contiguous(), zp,
                     None if wq.scale_codes is None else wq.scale_codes.contiguous(),
                     None if wq.global_scale is None else wq.global_scale.to(torch.float32).reshape(1).contiguous(),
-                    kind, wq.scheme.group_size, chunk, (N, K), wq, layout)
+                    kind, wq.scheme.group_size, chunk, (N, K), wq, layout, dexp)
+
+
+def _mxfp4_exp_offset(scale_codes: torch.Tensor, codes: torch.Tensor) -> int | None:
+    """D for MXFP4 weights in the pairs kernel (lowbit/ops/triton/w4a16.py, "folded" scales): the
+    kernel multiplies each e2m1 pair by the bf16 K = 2^(E + D - 127), E the block's e8m0 code, which
+    must be a normal bf16 whose products value * 2^(E + D - 253) are normal too: E + D <= 254 for
+    every block, >= 128 for every block holding a nonzero code (all-zero blocks give 0 anyway); D
+    <= 252 keeps the epilogue's 2^(126 - D) a normal float32. None where no D fits (the nonzero
+    blocks' scales span more than 2^126): the kernel then scales each block's float32 dot."""
+    if scale_codes is None or scale_codes.numel() == 0:
+        return None
+    e = scale_codes.to(torch.int32)
+    nonzero = (codes.to(torch.int32) & 7).reshape(e.shape[0], e.shape[1], -1).amax(dim=2) > 0
+    d = min(254 - int(e.max()), 252)
+    lo = int(torch.where(nonzero, e, torch.full_like(e, 255)).min())
+    return d if lo + d >= 128 else None
 
 
 def _planar(codes: torch.Tensor, kind: str, group: int) -> tuple[torch.Tensor, int]:
@@ -536,8 +554,10 @@ def _launch_pairs(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> 
     launch(k._w4a16_pairs_kernel, grid,
            x2, words, per_group, w.zero_point if w.zero_point is not None else part,
            w.global_scale if w.global_scale is not None else part, bias if bias is not None else part,
-           out, part, locks, M, N, K, K // split, x2.stride(0), words.stride(0), per_group.stride(0), out.stride(0),
-           WFMT=k.WFMT[w.kind], HAS_Z=w.zero_point is not None, HAS_BIAS=bias is not None,
+           out, part, locks, M, N, K, K // split, w.fp4_exp_offset or 0, x2.stride(0), words.stride(0),
+           per_group.stride(0), out.stride(0), WFMT=k.WFMT[w.kind],
+           FOLD=w.kind == "nvfp4" or w.fp4_exp_offset is not None, HAS_Z=w.zero_point is not None,
+           HAS_BIAS=bias is not None,
            G=w.group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, WARPS=warps, V3=bm >= 16,
            INTERP=interp, num_warps=warps, num_stages=cfg["num_stages"])
     return out

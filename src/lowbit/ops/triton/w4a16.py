@@ -633,20 +633,33 @@ def _pairs_chunk(acc, wd, kc, kx, X_ROWS, S, Z, z_row, w_ok, n64, n_ok, m_ok, s_
 # fp4 weights (MXFP4, NVFP4) in the same words: nibble = the e2m1 code (s e1 e0 m) as stored.
 # On the GPU a plane's pair is built in packed bf16: the magnitude bits shifted to bits 8..6 and
 # 24..22 (exponent field e, top mantissa bit m) and the signs to bits 15 / 31 read as the bf16
-# number value * 2^-126 (subnormal for e = 0, exactly as e2m1's own subnormal), and one packed
-# multiplication by 2^126 makes it the exact e2m1 value (5 instructions per 2 weights; a layout
-# that needs one shift per plane does not exist: the sign sits 9 bits above the magnitude field
-# in bf16, and four such 4-bit patterns cannot tile a 16-bit half). The block scales multiply
-# the float32 dot of their group once (MXFP4: a plane = one 32-code group; NVFP4: each plane's
-# two 16-code halves are separate K = 16 dots), as the int4 groups do; the exact products are
-# e2m1 * x, so the error bound is the int4 kernels' one.
+# number t = value * 2^-126 (subnormal for e = 0, exactly as e2m1's own subnormal), and one packed
+# multiplication t * K by a bf16 pair (K, K) makes the weight (5 instructions per 2 weights; a
+# layout that needs one shift per plane does not exist: the sign sits 9 bits above the magnitude
+# field in bf16, and four such 4-bit patterns cannot tile a 16-bit half).
+# K carries the block scale ("folded" scales): the tensor cores then get value * scale * 2^c,
+# and every plane's dot accumulates straight into the one float32 accumulator (no per-block
+# float32 partial to zero, scale and add: at 64 rows of x that was more work than the dot);
+# the constant 2^-c comes back with the epilogue's one multiplication.
+#   NVFP4: K = s * 2^118 (s the e4m3 scale; <= 448 * 2^118 < 2^127), f = t * K = value * s * 2^-8.
+#     e2m1 (2 significant bits) * e4m3 (4 bits) fits bf16's 8 exactly, >= 2^-19 (normal). K from
+#     the code: its 7 magnitude bits at bf16 bits 10..4 read as s * 2^-120 (e4m3 subnormals
+#     included: both formats' subnormals sit 120 binades apart), times 2^119 twice.
+#   MXFP4: K = 2^(E + D - 127) (E the e8m0 code, D = W4Weight.fp4_exp_offset, per tensor), f =
+#     value * 2^(E + D - 253); prepare_w4 picks D so that every block holding a nonzero code has
+#     128 <= E + D <= 254: K is a normal bf16 (bits (E + D) << 7: one add) and so is f. Where the
+#     tensor's scales span more than 2^126 (no such D; not real weights), D is None and each
+#     plane's dot is scaled in float32 as before (K = 2^126: f = the e2m1 value).
+# Products f * x are exact in float32 (<= 14 significant bits) unless they fall below 2^-126
+# (|x| < 2^-107 for the smallest weight): the error bound is the int4 kernels' one.
 @triton.jit
-def _fp4_plane(wd, i: tl.constexpr, INTERP: tl.constexpr):
-    """Plane i of fp4 words wd [R, C] (relabelled): [R, 2C] exact e2m1 values (bfloat16 on the
-    GPU, float32 in the interpreter), pairs 2P, 2P + 1 side by side."""
+def _fp4_plane(wd, i: tl.constexpr, mult, INTERP: tl.constexpr):
+    """Plane i of fp4 words wd [R, C] (relabelled) times the multiplier (broadcast to [R, C]):
+    [R, 2C], pairs 2P, 2P + 1 side by side. GPU: bfloat16 t * K, mult = the packed bf16 pair (K, K)
+    (int32); interpreter: float32 value * mult, mult = K * 2^-126 (float32): the same numbers."""
     if INTERP:
-        lo = _e2m1_value((wd >> (4 * i)) & 15)
-        hi = _e2m1_value((wd >> (16 + 4 * i)) & 15)
+        lo = _e2m1_value((wd >> (4 * i)) & 15) * mult
+        hi = _e2m1_value((wd >> (16 + 4 * i)) & 15) * mult
     else:
         # magnitude bits of nibbles i / i + 4 to bits 8..6 / 24..22, their signs to bits 15 / 31
         if i < 2:
@@ -658,17 +671,70 @@ def _fp4_plane(wd, i: tl.constexpr, INTERP: tl.constexpr):
         else:
             sgn = wd
         lo, hi = tl.inline_asm_elementwise(
-            "{ .reg .b32 a, t, c; and.b32 a, $2, 0x01C001C0; lop3.b32 t, $3, 0x80008000, a, 0xEA; "
-            "mov.b32 c, 0x7E807E80; mul.rn.bf16x2 t, t, c; mov.b32 {$0, $1}, t; }",
-            "=h,=h,r,r", [mag, sgn], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+            "{ .reg .b32 a, t; and.b32 a, $2, 0x01C001C0; lop3.b32 t, $3, 0x80008000, a, 0xEA; "
+            "mul.rn.bf16x2 t, t, $4; mov.b32 {$0, $1}, t; }",
+            "=h,=h,r,r,r", [mag, sgn, tl.broadcast_to(mult, wd.shape)], dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True, pack=1)
     return tl.reshape(tl.join(lo, hi), (wd.shape[0], 2 * wd.shape[1]))
 
 
 @triton.jit
-def _halves(t):
-    """t [R, 2C] -> (t[:, :C], t[:, C:]): for NVFP4 a plane's two blocks (logical pairs 0-7 and
-    8-15 hold codes 0-15 and 16-31 of the plane in both operand orders, see _pairs_relabel)."""
-    return tl.split(tl.permute(tl.reshape(t, (t.shape[0], 2, t.shape[1] // 2)), (0, 2, 1)))
+def _fp4_unit(shape, INTERP: tl.constexpr):
+    """The multiplier K = 2^126 (f = the e2m1 value) for the planes of unfolded MXFP4 scales."""
+    if INTERP:
+        return tl.full(shape, 1.0, tl.float32)
+    return tl.full(shape, 0x7E807E80, tl.int32)
+
+
+@triton.jit
+def _fp4_mults(sw, WFMT: tl.constexpr, dexp, INTERP: tl.constexpr):
+    """The multipliers K (see above) of the 4 blocks whose scale codes are the bytes of sw (int32
+    tile; byte j = block j): a tuple of 4 tiles like sw. GPU: packed bf16 pairs (K, K) from both
+    halves at once -- bytes 0 / 2 to the low / high half, bytes 1 / 3 likewise, one prmt each to
+    duplicate a half; interpreter: float32 K * 2^-126. dexp = D (MXFP4)."""
+    if INTERP:
+        if WFMT == 3:
+            return (decode_e4m3fn(sw & 255) * 0.00390625, decode_e4m3fn((sw >> 8) & 255) * 0.00390625,
+                    decode_e4m3fn((sw >> 16) & 255) * 0.00390625, decode_e4m3fn((sw >> 24) & 255) * 0.00390625)
+        e0 = (sw & 255) + dexp - 126        # float32 exponent field of 2^(E + D - 253); blocks with
+        e1 = ((sw >> 8) & 255) + dexp - 126  # E + D < 127 hold only zero codes (prepare_w4): K = 0
+        e2 = ((sw >> 16) & 255) + dexp - 126
+        e3 = ((sw >> 24) & 255) + dexp - 126
+        return (tl.where(e0 > 0, e0 << 23, 0).to(tl.float32, bitcast=True),
+                tl.where(e1 > 0, e1 << 23, 0).to(tl.float32, bitcast=True),
+                tl.where(e2 > 0, e2 << 23, 0).to(tl.float32, bitcast=True),
+                tl.where(e3 > 0, e3 << 23, 0).to(tl.float32, bitcast=True))
+    if WFMT == 3:
+        # (b0, b2) and (b1, b3): magnitude bits to 10..4 / 26..20, signs to 15 / 31 (s * 2^-120 in
+        # bf16), then two multiplications by 2^119 (0x7B00)
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 a, b, t; shl.b32 a, $4, 4; shl.b32 t, $4, 8; and.b32 t, t, 0x80008000; "
+            "lop3.b32 a, a, 0x07F007F0, t, 0xEA; shr.b32 b, $4, 4; and.b32 t, $4, 0x80008000; "
+            "lop3.b32 b, b, 0x07F007F0, t, 0xEA; mov.b32 t, 0x7B007B00; "
+            "mul.rn.bf16x2 a, a, t; mul.rn.bf16x2 a, a, t; mul.rn.bf16x2 b, b, t; mul.rn.bf16x2 b, b, t; "
+            "prmt.b32 $0, a, a, 0x1010; prmt.b32 $1, b, b, 0x1010; prmt.b32 $2, a, a, 0x3232; "
+            "prmt.b32 $3, b, b, 0x3232; }",
+            "=r,=r,=r,=r,r", [sw], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    # MXFP4: (E + D) << 7 per half, E0 / E2 and E1 / E3 at once
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 a, b; shl.b32 a, $4, 7; and.b32 a, a, 0x7F807F80; add.u32 a, a, $5; "
+        "shr.b32 b, $4, 1; and.b32 b, b, 0x7F807F80; add.u32 b, b, $5; "
+        "prmt.b32 $0, a, a, 0x1010; prmt.b32 $1, b, b, 0x1010; prmt.b32 $2, a, a, 0x3232; "
+        "prmt.b32 $3, b, b, 0x3232; }",
+        "=r,=r,=r,=r,r,r", [sw, tl.zeros(sw.shape, tl.int32) + (dexp << 7) * 65537],
+        dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _plane_mults(ka, kb, BLOCK_N: tl.constexpr, WARPS: tl.constexpr, V3: tl.constexpr):
+    """The multipliers of one plane's words: ka for logical pairs 0-7 (the plane's codes 0-15), kb
+    for pairs 8-15 (codes 16-31; NVFP4's second block; MXFP4 passes ka twice). ka, kb [BN, 1] per
+    PHYSICAL row in the words' load layout; a word's pair P has bit 3 = bit 1 of its column w in
+    both operand orders (_pairs_relabel), so the choice is by column before the relabelling
+    (known per register at compile time: a thread's 4 words are columns 4j..4j+3), which then
+    moves no data (as _pairs_offset's)."""
+    w = tl.arange(0, 16)[None, :]
+    return _pairs_relabel(tl.where((w & 2) != 0, kb, ka), BLOCK_N, WARPS, V3)
 
 
 @triton.jit
@@ -678,35 +744,63 @@ def _scaled_dot(acc, f, xp, s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT
 
 
 @triton.jit
-def _pairs_chunk_fp4(acc, wd, kc, kx, X_ROWS, SCW, n64, n_ok, m_ok, s_sw, WFMT: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARPS: tl.constexpr, V3: tl.constexpr,
-                     INTERP: tl.constexpr):
+def _pairs_chunk_fp4(acc, wd, kc, kx, X_ROWS, SCW, sc_phys, p_ok, sc_log, n_ok, m_ok, dexp,
+                     WFMT: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     WARPS: tl.constexpr, V3: tl.constexpr, INTERP: tl.constexpr):
     """_pairs_chunk for fp4 words: SCW = the block-scale codes (uint8 [N, K/G]) read as int32
-    words, row stride s_sw -- the chunk's 4 e8m0 codes (MXFP4, one per plane) or 8 e4m3 codes
-    (NVFP4, two per plane) are one or two loads per row."""
+    words; sc_phys / sc_log [BN] = the first word of each row's codes (physical rows / logical
+    rows). The chunk's 4 e8m0 codes (MXFP4, one per plane) or 8 e4m3 codes (NVFP4, two per plane)
+    are one or two words per row. FOLD: the scales go into the multipliers K (above; the words
+    loaded in the words' own layout, _row_value) and each plane is one K = 32 dot into the
+    accumulator; else (MXFP4 only) each plane's float32 dot is scaled by its block's scale."""
     wd = _pairs_relabel(wd, BLOCK_N, WARPS, V3)
-    if WFMT == 2:
-        sw = tl.load(SCW + n64 * s_sw + kc // 128, mask=n_ok, other=0)
-    if WFMT == 3:
-        sw0 = tl.load(SCW + n64 * s_sw + kc // 64, mask=n_ok, other=0)
-        sw1 = tl.load(SCW + n64 * s_sw + kc // 64 + 1, mask=n_ok, other=0)
-        wd0, wd1 = _halves(wd)  # the words of each plane's two blocks (whole registers: no data moves)
+    if FOLD:
+        t = tl.arange(0, 16)
+        if WFMT == 3:
+            m0, m1, m2, m3 = _fp4_mults(_row_value(SCW, sc_phys + kc // 64, p_ok, t, False), WFMT, dexp, INTERP)
+            n0, n1, n2, n3 = _fp4_mults(_row_value(SCW, sc_phys + kc // 64 + 1, p_ok, t, False), WFMT, dexp,
+                                        INTERP)
+        else:
+            m0, m1, m2, m3 = _fp4_mults(_row_value(SCW, sc_phys + kc // 128, p_ok, t, False), WFMT, dexp, INTERP)
+    else:
+        unit = _fp4_unit(wd.shape, INTERP)
+        sw = tl.load(SCW + sc_log + kc // 128, mask=n_ok, other=0)
     for i in tl.static_range(4):
         xp = _pairs_x(tl.load(X_ROWS + (kx + 32 * i), mask=m_ok[:, None], other=0.0), BLOCK_M, V3)   # [BM, 32]
-        if WFMT == 2:
-            f = _fp4_plane(wd, i, INTERP)
-            acc = _scaled_dot(acc, f, xp, decode_e8m0((sw >> (8 * i)) & 255), BLOCK_M, BLOCK_N, INTERP)
+        if FOLD:
+            if WFMT == 3:  # blocks 2i, 2i + 1
+                if i == 0:
+                    k = _plane_mults(m0, m1, BLOCK_N, WARPS, V3)
+                if i == 1:
+                    k = _plane_mults(m2, m3, BLOCK_N, WARPS, V3)
+                if i == 2:
+                    k = _plane_mults(n0, n1, BLOCK_N, WARPS, V3)
+                if i == 3:
+                    k = _plane_mults(n2, n3, BLOCK_N, WARPS, V3)
+            else:  # block i
+                if i == 0:
+                    k = _plane_mults(m0, m0, BLOCK_N, WARPS, V3)
+                if i == 1:
+                    k = _plane_mults(m1, m1, BLOCK_N, WARPS, V3)
+                if i == 2:
+                    k = _plane_mults(m2, m2, BLOCK_N, WARPS, V3)
+                if i == 3:
+                    k = _plane_mults(m3, m3, BLOCK_N, WARPS, V3)
+            acc = _pairs_dot(_fp4_plane(wd, i, k, INTERP), xp, acc, INTERP)
         else:
-            if i < 2:
-                sw = sw0
-            else:
-                sw = sw1
-            f0 = _fp4_plane(wd0, i, INTERP)
-            f1 = _fp4_plane(wd1, i, INTERP)
-            x0, x1 = _halves(xp)
-            acc = _scaled_dot(acc, f0, x0, decode_e4m3fn((sw >> (16 * (i % 2))) & 255), BLOCK_M, BLOCK_N, INTERP)
-            acc = _scaled_dot(acc, f1, x1, decode_e4m3fn((sw >> (16 * (i % 2) + 8)) & 255), BLOCK_M, BLOCK_N,
-                              INTERP)
+            acc = _scaled_dot(acc, _fp4_plane(wd, i, unit, INTERP), xp, decode_e8m0((sw >> (8 * i)) & 255),
+                              BLOCK_M, BLOCK_N, INTERP)
+    return acc
+
+
+@triton.jit
+def _fp4_epilogue(acc, GS, dexp, WFMT: tl.constexpr, FOLD: tl.constexpr):
+    """The folded scales' constant back (and NVFP4's tensor scale): NVFP4 acc * g * 2^8, folded
+    MXFP4 acc * 2^(126 - D) (prepare_w4 keeps D <= 252: a normal float32); powers of two are exact."""
+    if WFMT == 3:
+        acc = acc * (tl.load(GS) * 256.0)
+    if WFMT == 2 and FOLD:
+        acc = acc * ((253 - dexp) << 23).to(tl.float32, bitcast=True)
     return acc
 
 
@@ -721,8 +815,8 @@ def _fence_gpu(v):
 
 @triton.jit
 def _w4a16_pairs_kernel(
-    X, W, S, Z, GS, BIAS, OUT, PART, LOCK, M, N, K, K_SPLIT, s_xm, s_wn, s_sn, s_om,
-    WFMT: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, G: tl.constexpr,
+    X, W, S, Z, GS, BIAS, OUT, PART, LOCK, M, N, K, K_SPLIT, DEXP, s_xm, s_wn, s_sn, s_om,
+    WFMT: tl.constexpr, FOLD: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     WARPS: tl.constexpr, V3: tl.constexpr, INTERP: tl.constexpr,
 ):
@@ -731,7 +825,9 @@ def _w4a16_pairs_kernel(
     rows of x. X [M, K] bf16/fp16; W int32 [N, K/8] ("pairs"); WFMT 0 / 1 (int4 / uint4): S fp32
     [N, K/G], Z int8 [N, K/G]; WFMT 2 / 3 (MXFP4 / NVFP4, bf16 x): S the uint8 scale codes
     [N, K/G] as int32 words [N, K/(4G)] (s_sn in words), GS the NVFP4 tensor scale (fp32 [1]);
-    OUT [M, N] in x's dtype. BLOCK_N a multiple of 16 * WARPS (WARPS = num_warps);
+    FOLD: the fp4 block scales folded into the bf16 weights (NVFP4 always; MXFP4 with DEXP = D,
+    W4Weight.fp4_exp_offset, see _fp4_mults). OUT [M, N] in x's dtype. BLOCK_N a multiple of
+    16 * WARPS (WARPS = num_warps);
     V3: the dot is a wgmma (BLOCK_M >= 16), which orders K differently.
     The next step's words are loaded before the current step is computed (registers: the
     loads are in flight while the tensor cores work; Triton's num_stages pipelining goes
@@ -755,8 +851,11 @@ def _w4a16_pairs_kernel(
     t = tl.arange(0, 16)
     k_lo = tl.multiple_of(pid_k * K_SPLIT, 128)
     w_ptr = W + phys.to(tl.int64)[:, None] * s_wn + (tl.multiple_of(k_lo // 8, 16) + t)[None, :]
-    w_ok = (phys < N)[:, None]
+    p_ok = phys < N
+    w_ok = p_ok[:, None]
     z_row = phys.to(tl.int64)[:, None] * s_sn + t[None, :]         # [BN, 16] zero-point index (+ column), physical rows
+    sc_phys = phys.to(tl.int64) * s_sn                             # fp4: the rows' scale words (physical rows)
+    sc_log = n64 * s_sn                                             # ... and logical rows
     x_rows = X + offs_m.to(tl.int64)[:, None] * s_xm + (k_lo + tl.arange(0, 32))[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     wa = tl.load(w_ptr, mask=w_ok, other=0, eviction_policy="evict_first")
@@ -772,11 +871,11 @@ def _w4a16_pairs_kernel(
         else:
             nb = na
         if WFMT >= 2:
-            acc = _pairs_chunk_fp4(acc, wa, k_lo + kk, kk, x_rows, S, n64, n_ok, m_ok, s_sn, WFMT, BLOCK_M,
-                                   BLOCK_N, WARPS, V3, INTERP)
+            acc = _pairs_chunk_fp4(acc, wa, k_lo + kk, kk, x_rows, S, sc_phys, p_ok, sc_log, n_ok, m_ok, DEXP,
+                                   WFMT, FOLD, BLOCK_M, BLOCK_N, WARPS, V3, INTERP)
             if BLOCK_K == 256:
-                acc = _pairs_chunk_fp4(acc, wb, k_lo + kk + 128, kk + 128, x_rows, S, n64, n_ok, m_ok, s_sn,
-                                       WFMT, BLOCK_M, BLOCK_N, WARPS, V3, INTERP)
+                acc = _pairs_chunk_fp4(acc, wb, k_lo + kk + 128, kk + 128, x_rows, S, sc_phys, p_ok, sc_log, n_ok,
+                                       m_ok, DEXP, WFMT, FOLD, BLOCK_M, BLOCK_N, WARPS, V3, INTERP)
         else:
             acc = _pairs_chunk(acc, wa, k_lo + kk, kk, x_rows, S, Z, z_row, w_ok, n64, n_ok, m_ok, s_sn,
                                WFMT == 0, HAS_Z, G, BLOCK_M, BLOCK_N, WARPS, V3, HALF, INTERP)
@@ -802,15 +901,13 @@ def _w4a16_pairs_kernel(
             acc = tl.load(PART + p_off, mask=o_ok, other=0.0, cache_modifier=".cg")
             for r in tl.static_range(1, SPLIT):
                 acc += tl.load(PART + r * M * N + p_off, mask=o_ok, other=0.0, cache_modifier=".cg")
-            if WFMT == 3:
-                acc = acc * tl.load(GS)
+            acc = _fp4_epilogue(acc, GS, DEXP, WFMT, FOLD)
             if HAS_BIAS:
                 acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
             tl.store(OUT + o_off, round_to(acc, OUT.dtype.element_ty), mask=o_ok)
             tl.atomic_xchg(LOCK + tile, 0, sem="relaxed", scope="gpu")
     else:
-        if WFMT == 3:
-            acc = acc * tl.load(GS)
+        acc = _fp4_epilogue(acc, GS, DEXP, WFMT, FOLD)
         if HAS_BIAS:
             acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         tl.store(OUT + o_off, round_to(acc, OUT.dtype.element_ty), mask=o_ok)
