@@ -462,3 +462,38 @@ def test_global_scale_refusals(device, rng):
     g = torch.full((1,), 0.01, device=device)
     qt = fused.quantize_rows(x, SCHEMES["nvfp4"], backend="triton", global_scale=g, check_finite=False)
     assert torch.equal(qt.global_scale.reshape(1).cpu(), g.cpu())
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "mxfp4_even", "nvfp4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_qdq_rows_equals_canonical(name, dtype, device, rng):
+    """qdq_rows (the W4A4 emulation's activation at decode sizes: quantize and dequantize in one
+    kernel) against lowbit.quantize: every value e2m1 * block scale, decoded here with ml_dtypes
+    from the canonical codes and scale codes, bit for bit; NVFP4's product of tensor scales
+    = weight scale * the canonical tensor scale (one float32 product). One row (NVFP4: the row's
+    own amax is the tensor's) and several (the absmax launch first), K a tile multiple or not."""
+    scheme = SCHEMES[name]
+    for M, K in ((1, 256), (5, 160), (3, 384)):
+        x = _rand(rng, (M, K), dtype, device, zero_row=1 if M > 1 else None)
+        wg = (torch.rand(1, generator=rng) + 0.5).to(device)
+        xd, gs = fused.qdq_rows(x, scheme, wg if name == "nvfp4" else None)
+        ref = canonical_quantize(x.cpu(), scheme)
+        vals = ref.codes.numpy().astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+        sc = ref.scale_codes.numpy().astype(np.uint8)
+        s = (sc.view(ml_dtypes.float8_e4m3fn).astype(np.float64) if name == "nvfp4"
+             else np.exp2(sc.astype(np.float64) - 127))
+        want = vals * np.repeat(s, scheme.group_size, axis=1)
+        assert xd.dtype == torch.bfloat16 and xd.shape == (M, K)
+        assert np.array_equal(xd.cpu().double().numpy(), want), (M, K)
+        if name == "nvfp4":
+            assert torch.equal(gs.cpu(), wg.cpu() * ref.global_scale.reshape(1).float())
+        else:
+            assert gs is None
+
+
+def test_qdq_rows_refusals(device, rng):
+    x = torch.randn(2, 96, generator=rng).to(device)
+    with pytest.raises(ValueError, match="MXFP4 / NVFP4"):
+        fused.qdq_rows(x, SCHEMES["mxfp8"])
+    with pytest.raises(ValueError, match="at most"):
+        fused.qdq_rows(torch.randn(fused.QDQ_MAX_ROWS + 1, 64, generator=rng).to(device), SCHEMES["nvfp4"])

@@ -303,11 +303,16 @@ def _run_w4a16(spec, x2, ops, bias, global_scale=None):
 
 def _run_fp4(spec, x2, ops, bias):
     """fp4 x fp4, emulated exactly: the activation's codes times its block scale (exact in
-    bf16) into the W4A16 kernel; NVFP4's two per-tensor scales multiply the accumulator."""
-    from lowbit.ops.fused import quantize_rows
+    bf16) into the W4A16 kernel; NVFP4's two per-tensor scales multiply the accumulator.
+    Decode sizes: one kernel quantizes and dequantizes (fused.qdq_rows; NVFP4 two up to
+    QDQ_MAX_ROWS rows, and the product of the tensor scales comes with it)."""
+    from lowbit.ops.fused import QDQ_MAX_ROWS, qdq_rows, quantize_rows
     from lowbit.ops.triton.dequant import dequantize_groups
 
     scheme = spec.act_scheme
+    if x2.shape[0] <= QDQ_MAX_ROWS:
+        xd, gs = qdq_rows(x2, scheme, ops.get("global_scale"))
+        return _run_w4a16(spec, xd, ops, bias, gs).to(x2.dtype)
     qt = quantize_rows(x2, scheme, check_finite=False)
     xd = dequantize_groups(qt.codes, qt.scale_codes.reshape(x2.shape[0], -1), scheme.group_size, "e2m1",
                            "e8m0" if scheme.scale_format == "e8m0" else "e4m3")

@@ -172,28 +172,14 @@ def _launch(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int, *, 
     NG, Gt = (1, block) if G == K else (block // G, G)
     ngroups = K // G
     fmt = scheme.fmt
-    qmax = float(fmt.qmax if fmt.kind == "int" else fmt.max)
-    emax = math.frexp(float(fmt.max))[1] - 1 if fmt.kind == "float" else 0  # floor(log2 max)
-    mbits = int(getattr(fmt, "mbits", 0) or 0)
-    scale_kind = {"fp32": 0, "e8m0": 1, "fp8_e4m3fn": 2}[scheme.scale_format]
-    if fp8_encoder not in ("auto", "hw", "int"):
-        raise ValueError(f"fp8_encoder must be 'auto', 'hw' or 'int', got {fp8_encoder!r}")
-    hw = x2.is_cuda and fp8_encoder != "int" and os.environ.get("TRITON_INTERPRET") != "1"
     warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
-    g_div = 1.0
-    if scale_kind == 2:  # NVFP4's tensor-scale divisor: scale format max * element max (448 * 6)
-        from lowbit.formats import get_format
-
-        g_div = float(get_format(scheme.scale_format).max) * float(fmt.max)
     dummy = torch.empty(1, device=dev, dtype=torch.float32)
     w = weight if weight is not None else dummy
     r_in = res2 if res2 is not None else dummy
     r_out = res_out if res_out is not None else dummy
-    common = dict(PRE=pre, HAS_RES=res2 is not None, FMT=_FMT_CODES[scheme.format], SCALE_KIND=scale_kind,
-                  E8M0_ROUND=_ROUND_CODES.get(scheme.scale_rounding or "floor", 0), QMAX=qmax, EMAX=emax,
-                  MBITS=mbits, HW_FP8=hw, FAST_DIV=x2.is_cuda and not interp, G_DIV=g_div, NG=NG, G=Gt,
+    common = dict(PRE=pre, HAS_RES=res2 is not None, **_format_meta(scheme, x2, fp8_encoder), NG=NG, G=Gt,
                   EVEN=NG * Gt == K, G_GIVEN=global_scale is not None, num_warps=warps)
+    scale_kind = common["SCALE_KIND"]
     if tile is not None:  # the tile kernel's group variant
         return _launch_groups(x2, K, G, tile, common, w, eps, res2, res_out, store_y, pack, global_scale)
     tamax = gscale = global_scale  # a calibrated tensor scale: one pass, g = global_scale
@@ -216,6 +202,28 @@ def _launch(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int, *, 
         tamax if tamax is not None else dummy, gscale if gscale is not None else dummy, dummy, K, ngroups, eps,
         STORE_Y=store_y, AMAX_ONLY=False, **common)
     return codes, scale, (scodes if scale_kind else None), gscale, (y if store_y else None)
+
+def _format_meta(scheme: QuantScheme, x2: torch.Tensor, fp8_encoder: str = "auto") -> dict:
+    """The fused kernels' compile-time description of `scheme` (element format, scale kind and
+    rounding, the element's max / qmax, exponent and mantissa widths, NVFP4's tensor-scale divisor)
+    and of where they run (hardware fp8 encoder, fast division: GPU only)."""
+    fmt = scheme.fmt
+    scale_kind = {"fp32": 0, "e8m0": 1, "fp8_e4m3fn": 2}[scheme.scale_format]
+    if fp8_encoder not in ("auto", "hw", "int"):
+        raise ValueError(f"fp8_encoder must be 'auto', 'hw' or 'int', got {fp8_encoder!r}")
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    g_div = 1.0
+    if scale_kind == 2:  # NVFP4's tensor-scale divisor: scale format max * element max (448 * 6)
+        from lowbit.formats import get_format
+
+        g_div = float(get_format(scheme.scale_format).max) * float(fmt.max)
+    return dict(FMT=_FMT_CODES[scheme.format], SCALE_KIND=scale_kind,
+                E8M0_ROUND=_ROUND_CODES.get(scheme.scale_rounding or "floor", 0),
+                QMAX=float(fmt.qmax if fmt.kind == "int" else fmt.max),
+                EMAX=math.frexp(float(fmt.max))[1] - 1 if fmt.kind == "float" else 0,  # floor(log2 max)
+                MBITS=int(getattr(fmt, "mbits", 0) or 0), HW_FP8=x2.is_cuda and fp8_encoder != "int" and not interp,
+                FAST_DIV=x2.is_cuda and not interp, G_DIV=g_div)
+
 
 def _launch_groups(x2, K, G, tile, common, w, eps, res2, res_out, store_y, pack, global_scale=None):
     """_group_tile_kernel over x2 with the row kernel's meta-parameters `common` (same scale and
@@ -507,6 +515,46 @@ def quantize_rows(x: torch.Tensor, scheme: QuantScheme, *, backend: str | None =
     codes, scale, sc, gs, _ = _run(0, _rows(x, K), K, scheme, G, where, "", kernel, tile, pack,
                                    fp8_encoder=fp8_encoder, global_scale=g)
     return _assemble(codes, scale, sc, gs, scheme, tuple(x.shape[:-1]), K, check_finite, where, pack)
+
+
+QDQ_MAX_ROWS = 64  # qdq_rows' NVFP4 launch reads all rows' absmax in every program: decode sizes
+
+
+def qdq_rows(x2: torch.Tensor, scheme: QuantScheme, weight_scale: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """MXFP4 / NVFP4 dynamic quantization of x2 [M, K] (bf16 / fp16 / fp32, unit stride along K,
+    M <= QDQ_MAX_ROWS for NVFP4) returned dequantized: (xd bf16 [M, K] = e2m1 * block scale, exact;
+    NVFP4: weight_scale * g as float32 [1], g the activation's tensor scale; MXFP4: None). The same
+    numbers as quantize_rows(x2, scheme) decoded by dequantize_groups (the runtime's W4A4
+    emulation), in one kernel (two for NVFP4 with M > 1: the rows' absmax first). No argument
+    checks beyond the shapes: lowbit.nn.runtime's fast path calls it (CUDA-graph safe: no host sync)."""
+    import triton
+
+    from lowbit.ops.triton.dequant import _qdq_rows_kernel
+
+    M, K = x2.shape
+    G = scheme.group_size
+    meta = _format_meta(scheme, x2)
+    nv = meta["SCALE_KIND"] == 2
+    if scheme.format != "fp4_e2m1fn" or meta["SCALE_KIND"] == 0 or K % G:
+        raise ValueError(f"qdq_rows: MXFP4 / NVFP4 schemes with K a multiple of the group, got {scheme}, K = {K}")
+    if nv and M > QDQ_MAX_ROWS:
+        raise ValueError(f"qdq_rows: NVFP4 takes at most {QDQ_MAX_ROWS} rows, got {M}; use quantize_rows")
+    block = max(16, triton.next_power_of_2(K))
+    dev = x2.device
+    out = torch.empty((M, K), dtype=torch.bfloat16, device=dev)
+    gprod = torch.empty(1, dtype=torch.float32, device=dev) if nv else None
+    amax = torch.empty(M, dtype=torch.float32, device=dev) if nv and M > 1 else out
+    warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
+    args = dict(meta, NG=block // G, G=G, EVEN=block == K, ONE=M == 1, MP2=max(2, triton.next_power_of_2(M)),
+                num_warps=warps)
+    wg = weight_scale if weight_scale is not None else out
+    if nv and M > 1:
+        _qdq_rows_kernel[(M,)](x2, x2.stride(0), out, out.stride(0), amax, wg, out, M, K, K // G,
+                               AMAX_ONLY=True, **args)
+    _qdq_rows_kernel[(M,)](x2, x2.stride(0), out, out.stride(0), amax, wg, gprod if nv else out, M, K, K // G,
+                           AMAX_ONLY=False, **args)
+    return out, gprod
 
 
 def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, scheme: QuantScheme,

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .common import decode_e4m3fn, interpreting, launch
-from .fused_quant import round_to
+from .fused_quant import _absmax, _codes, _group_scales, _ld, _st, nvfp4_block_scales, round_to, tensor_scale
 from .w4a16 import _e2m1_value, block_scale
 
 E4M3, E2M1 = 0, 1
@@ -55,3 +55,43 @@ def dequantize_groups(codes: torch.Tensor, scale_codes: torch.Tensor, group: int
            EFMT=E4M3 if element == "e4m3" else E2M1, SFMT=E8M0 if scale == "e8m0" else SCALE_E4M3, G=group,
            BLOCK_R=br, BLOCK_K=bk, num_warps=4)
     return out
+
+
+@triton.jit
+def _qdq_rows_kernel(X, s_x, OUT, s_o, AMAX, WG, GPROD, M, K, NGROUPS,
+                     FMT: tl.constexpr, SCALE_KIND: tl.constexpr, E8M0_ROUND: tl.constexpr, QMAX: tl.constexpr,
+                     EMAX: tl.constexpr, MBITS: tl.constexpr, HW_FP8: tl.constexpr, FAST_DIV: tl.constexpr,
+                     G_DIV: tl.constexpr, NG: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr,
+                     AMAX_ONLY: tl.constexpr, ONE: tl.constexpr, MP2: tl.constexpr):
+    """Dynamic fp4 (MXFP4 / NVFP4) quantization of row pid of x [M, K] straight to its dequantized
+    value (e2m1 * block scale, exact in bf16; NVFP4's tensor scale NOT applied): what
+    fused.quantize_rows + dequantize_groups compute, one kernel instead of two (NVFP4: instead of
+    five), from the same helpers, so the same codes and scales (lowbit.quantize's). The row is an
+    [NG, G] tile. NVFP4: the tensor amax is the max of the rows' absmax -- this row's own (ONE: M
+    = 1), else AMAX [M] from an AMAX_ONLY launch (MP2 = next power of two >= M) --; program 0
+    writes GPROD = WG * g (the weight's tensor scale times the activation's: the W4A16 kernel's
+    one scale of the accumulator)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, NG)[:, None] * G + tl.arange(0, G)[None, :]
+    mask = cols < K
+    y = _ld(X + row * s_x + cols, mask, EVEN).to(tl.float32)
+    amax = _absmax(y)                                                   # [NG], NaN counted as +inf
+    if AMAX_ONLY:
+        tl.store(AMAX + row, tl.max(amax, axis=0))
+        return
+    if SCALE_KIND == 2:
+        if ONE:
+            gs = tensor_scale(tl.max(amax, axis=0), G_DIV)
+        else:
+            r = tl.arange(0, MP2)
+            gs = tensor_scale(tl.max(tl.load(AMAX + r, mask=r < M, other=0.0), axis=0), G_DIV)
+        if tl.program_id(0) == 0:
+            tl.store(GPROD, tl.load(WG) * gs)
+    amax = tl.where(amax == float("inf"), float("nan"), amax)
+    if SCALE_KIND == 2:
+        s, code = nvfp4_block_scales(amax, gs, QMAX)
+    else:
+        s, code = _group_scales(amax, AMAX, SCALE_KIND, E8M0_ROUND, QMAX, EMAX, MBITS, G_DIV)
+    codes = _codes(y, s[:, None], FMT, SCALE_KIND, QMAX, HW_FP8, FAST_DIV, LEAN=True)
+    v = _e2m1_value(codes.to(tl.int32)) * block_scale((code & 255)[:, None], E8M0 if SCALE_KIND == 1 else SCALE_E4M3)
+    _st(OUT + row * s_o + cols, round_to(v, OUT.dtype.element_ty), mask, EVEN)

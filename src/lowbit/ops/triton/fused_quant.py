@@ -186,8 +186,7 @@ def _codes(y, s, FMT: tl.constexpr, SCALE_KIND: tl.constexpr, QMAX: tl.constexpr
 def _store_tensor_scale(GSCALE, GOUT, G_DIV: tl.constexpr):
     """NVFP4: publish the tensor scale g = amax / G_DIV (1.0 when that is 0), as
     quantize.two_level_global_scale; one program calls it."""
-    g0 = tl.math.div_rn(tl.load(GSCALE), G_DIV)
-    tl.store(GOUT, tl.where(g0 == 0.0, 1.0, g0))
+    tl.store(GOUT, tensor_scale(tl.load(GSCALE), G_DIV))
 
 
 @triton.jit
@@ -220,17 +219,30 @@ def _group_scales(amax, GSCALE, SCALE_KIND: tl.constexpr, E8M0_ROUND: tl.constex
         s = (e << 23).to(tl.float32, bitcast=True)
         code = tl.where(amax != amax, 255, e)
         s = tl.where(amax != amax, float("nan"), s)
-    else:  # NVFP4: e4m3 block scale of (amax / max) / g, clamped to [2^-6, 448]
+    else:  # NVFP4
         if G_GIVEN:
             gs = tl.load(GSCALE)
         else:
-            gs = tl.math.div_rn(tl.load(GSCALE), G_DIV)
-            gs = tl.where(gs == 0.0, 1.0, gs)
-        rel = tl.math.div_rn(tl.math.div_rn(amax, QMAX), gs)
-        code = encode_e4m3fn(tl.maximum(rel, 0.015625)).to(tl.int32)
-        s = decode_e4m3fn(code) * gs
-        s = tl.where(amax != amax, float("nan"), s)
+            gs = tensor_scale(tl.load(GSCALE), G_DIV)
+        s, code = nvfp4_block_scales(amax, gs, QMAX)
     return s, code
+
+
+@triton.jit
+def tensor_scale(tamax, G_DIV: tl.constexpr):
+    """NVFP4's tensor scale g = tamax / G_DIV (1.0 when that is 0), as quantize.two_level_global_scale."""
+    g0 = tl.math.div_rn(tamax, G_DIV)
+    return tl.where(g0 == 0.0, 1.0, g0)
+
+
+@triton.jit
+def nvfp4_block_scales(amax, gs, QMAX: tl.constexpr):
+    """(effective scale e4m3 * g, e4m3 code as int32) of NVFP4 blocks with absmax amax under the
+    tensor scale gs: the e4m3 value of (amax / QMAX) / g, clamped to [2^-6, 448]; NaN for a NaN amax."""
+    rel = tl.math.div_rn(tl.math.div_rn(amax, QMAX), gs)
+    code = encode_e4m3fn(tl.maximum(rel, 0.015625)).to(tl.int32)
+    s = decode_e4m3fn(code) * gs
+    return tl.where(amax != amax, float("nan"), s), code
 
 
 @triton.jit

@@ -744,24 +744,45 @@ def _scaled_dot(acc, f, xp, s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT
 
 
 @triton.jit
-def _pairs_chunk_fp4(acc, wd, kc, kx, X_ROWS, SCW, sc_phys, p_ok, sc_log, n_ok, m_ok, dexp,
+def _fp4_scale_words(SCW, idx, ok, WFMT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The folded path's scale-code words of one K step (BLOCK_K codes from code index `idx`'s
+    word: idx [BN] per PHYSICAL row, ok [BN]): (first chunk's, second chunk's), each a pair
+    (a, b) of [BN, 1] words in the words' load layout (_row_value) -- MXFP4 one word per chunk
+    (b = a), NVFP4 two. Loaded one K step ahead by the kernel's loop, like the weights (a load
+    in the step that uses it went through Triton's shared-memory pipelining: slower at 16 rows)."""
+    t = tl.arange(0, 16)
+    a0 = _row_value(SCW, idx, ok, t, False)
+    if WFMT == 3:
+        b0 = _row_value(SCW, idx + 1, ok, t, False)
+    else:
+        b0 = a0
+    a1 = a0
+    b1 = b0
+    if BLOCK_K == 256:
+        if WFMT == 3:
+            a1 = _row_value(SCW, idx + 2, ok, t, False)
+            b1 = _row_value(SCW, idx + 3, ok, t, False)
+        else:
+            a1 = _row_value(SCW, idx + 1, ok, t, False)
+            b1 = a1
+    return (a0, b0), (a1, b1)
+
+
+@triton.jit
+def _pairs_chunk_fp4(acc, wd, kc, kx, X_ROWS, SCW, scw, sc_log, n_ok, m_ok, dexp,
                      WFMT: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      WARPS: tl.constexpr, V3: tl.constexpr, INTERP: tl.constexpr):
-    """_pairs_chunk for fp4 words: SCW = the block-scale codes (uint8 [N, K/G]) read as int32
-    words; sc_phys / sc_log [BN] = the first word of each row's codes (physical rows / logical
-    rows). The chunk's 4 e8m0 codes (MXFP4, one per plane) or 8 e4m3 codes (NVFP4, two per plane)
-    are one or two words per row. FOLD: the scales go into the multipliers K (above; the words
-    loaded in the words' own layout, _row_value) and each plane is one K = 32 dot into the
-    accumulator; else (MXFP4 only) each plane's float32 dot is scaled by its block's scale."""
+    """_pairs_chunk for fp4 words. The chunk's 4 e8m0 codes (MXFP4, one per plane) or 8 e4m3 codes
+    (NVFP4, two per plane) are one or two int32 words per row of SCW (the uint8 block-scale
+    codes [N, K/G]). FOLD: scw = this chunk's words (_fp4_scale_words), the scales go into the
+    multipliers K (above) and each plane is one K = 32 dot into the accumulator; else (MXFP4
+    only) each plane's float32 dot is scaled by its block's scale (sc_log [BN]: the rows' first
+    scale word, logical rows)."""
     wd = _pairs_relabel(wd, BLOCK_N, WARPS, V3)
     if FOLD:
-        t = tl.arange(0, 16)
+        m0, m1, m2, m3 = _fp4_mults(scw[0], WFMT, dexp, INTERP)
         if WFMT == 3:
-            m0, m1, m2, m3 = _fp4_mults(_row_value(SCW, sc_phys + kc // 64, p_ok, t, False), WFMT, dexp, INTERP)
-            n0, n1, n2, n3 = _fp4_mults(_row_value(SCW, sc_phys + kc // 64 + 1, p_ok, t, False), WFMT, dexp,
-                                        INTERP)
-        else:
-            m0, m1, m2, m3 = _fp4_mults(_row_value(SCW, sc_phys + kc // 128, p_ok, t, False), WFMT, dexp, INTERP)
+            n0, n1, n2, n3 = _fp4_mults(scw[1], WFMT, dexp, INTERP)
     else:
         unit = _fp4_unit(wd.shape, INTERP)
         sw = tl.load(SCW + sc_log + kc // 128, mask=n_ok, other=0)
@@ -863,6 +884,10 @@ def _w4a16_pairs_kernel(
         wb = tl.load(w_ptr + 16, mask=w_ok, other=0, eviction_policy="evict_first")
     else:
         wb = wa
+    WDIV: tl.constexpr = 128 if WFMT == 2 else 64                  # fp4: codes per scale word
+    sw = ((t, t), (t, t))
+    if WFMT >= 2 and FOLD:
+        sw = _fp4_scale_words(S, sc_phys + k_lo // WDIV, p_ok, WFMT, BLOCK_K)
     for kk in range(0, K_SPLIT, BLOCK_K):
         more = w_ok & (kk + BLOCK_K < K_SPLIT)
         na = tl.load(w_ptr + BLOCK_K // 8, mask=more, other=0, eviction_policy="evict_first")
@@ -871,11 +896,16 @@ def _w4a16_pairs_kernel(
         else:
             nb = na
         if WFMT >= 2:
-            acc = _pairs_chunk_fp4(acc, wa, k_lo + kk, kk, x_rows, S, sc_phys, p_ok, sc_log, n_ok, m_ok, DEXP,
+            if FOLD:  # the next step's scale words, loaded now like its weights
+                nsw = _fp4_scale_words(S, sc_phys + (k_lo + kk + BLOCK_K) // WDIV, p_ok & (kk + BLOCK_K < K_SPLIT),
+                                       WFMT, BLOCK_K)
+            acc = _pairs_chunk_fp4(acc, wa, k_lo + kk, kk, x_rows, S, sw[0], sc_log, n_ok, m_ok, DEXP,
                                    WFMT, FOLD, BLOCK_M, BLOCK_N, WARPS, V3, INTERP)
             if BLOCK_K == 256:
-                acc = _pairs_chunk_fp4(acc, wb, k_lo + kk + 128, kk + 128, x_rows, S, sc_phys, p_ok, sc_log, n_ok,
+                acc = _pairs_chunk_fp4(acc, wb, k_lo + kk + 128, kk + 128, x_rows, S, sw[1], sc_log, n_ok,
                                        m_ok, DEXP, WFMT, FOLD, BLOCK_M, BLOCK_N, WARPS, V3, INTERP)
+            if FOLD:
+                sw = nsw
         else:
             acc = _pairs_chunk(acc, wa, k_lo + kk, kk, x_rows, S, Z, z_row, w_ok, n64, n_ok, m_ok, s_sn,
                                WFMT == 0, HAS_Z, G, BLOCK_M, BLOCK_N, WARPS, V3, HALF, INTERP)
