@@ -136,6 +136,18 @@ def sass_report() -> list[dict]:
                                 num_warps=W)
         rows.append(dict(kernel="group_tile", variant=f"{name} K=4096 ROWS={R} warps={W}", sass_static=n,
                          per_element=round(n / (R * 4096 / (32 * W)), 1), shared=smem, **regs[0]))
+    # the W4A4 emulation's activation at decode sizes (fused.qdq_rows): both launches, MXFP4 and NVFP4
+    from lowbit.ops.triton.dequant import _qdq_rows_kernel
+
+    qsig = {"X": "*bf16", "s_x": "i32", "OUT": "*bf16", "s_o": "i32", "AMAX": "*fp32", "WG": "*fp32",
+            "GPROD": "*fp32", "M": "i32", "K": "i32", "NGROUPS": "i32"}
+    for name, extra in (("mxfp4", dict(SCALE_KIND=1, E8M0_ROUND=0, G=32, NG=128)),
+                        ("nvfp4", dict(SCALE_KIND=2, G_DIV=2688.0, G=16, NG=256)),
+                        ("nvfp4 absmax", dict(SCALE_KIND=2, G_DIV=2688.0, G=16, NG=256, AMAX_ONLY=True))):
+        consts = {**dict(FMT=2, E8M0_ROUND=0, QMAX=6.0, EMAX=2, MBITS=1, HW_FP8=True, FAST_DIV=True, G_DIV=1.0,
+                         EVEN=True, AMAX_ONLY=False, ONE=False, MP2=16), **extra}
+        n, smem = compile_count(_qdq_rows_kernel, qsig, consts, ("M", "K", "NGROUPS"), num_warps=8)
+        rows.append(dict(kernel="qdq_rows", variant=f"{name} K=4096", sass_static=n, shared=smem, **regs[0]))
     sig = {"X": "*bf16", "W": "*u8", "S": "*fp32", "Z": "*i8", "SC": "*u8", "GS": "*fp32", "BIAS": "*fp32",
            "OUT": "*bf16", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32", "s_xm": "i32", "s_wn": "i32",
            "s_sn": "i32", "s_om": "i32"}

@@ -21,7 +21,7 @@ from .fused_quant import _absmax, _codes, _group_scales, _ld, _st, nvfp4_block_s
 from .w4a16 import _e2m1_value, block_scale
 
 E4M3, E2M1 = 0, 1
-E8M0, SCALE_E4M3 = 2, 3   # block_scale's codes (w4a16.py: MXFP4 = 2, NVFP4 = 3)
+E8M0, SCALE_E4M3 = 2, 3   # block_scale's codes (w4a16.py: MXFP4 = 2, NVFP4 = 3; SCALE_KIND + 1)
 
 
 @triton.jit
@@ -93,5 +93,5 @@ def _qdq_rows_kernel(X, s_x, OUT, s_o, AMAX, WG, GPROD, M, K, NGROUPS,
     else:
         s, code = _group_scales(amax, AMAX, SCALE_KIND, E8M0_ROUND, QMAX, EMAX, MBITS, G_DIV)
     codes = _codes(y, s[:, None], FMT, SCALE_KIND, QMAX, HW_FP8, FAST_DIV, LEAN=True)
-    v = _e2m1_value(codes.to(tl.int32)) * block_scale((code & 255)[:, None], E8M0 if SCALE_KIND == 1 else SCALE_E4M3)
+    v = _e2m1_value(codes.to(tl.int32)) * block_scale((code & 255)[:, None], 1 + SCALE_KIND)  # e8m0 / e4m3
     _st(OUT + row * s_o + cols, round_to(v, OUT.dtype.element_ty), mask, EVEN)

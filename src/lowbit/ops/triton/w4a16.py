@@ -769,17 +769,20 @@ def _fp4_scale_words(SCW, idx, ok, WFMT: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _pairs_chunk_fp4(acc, wd, kc, kx, X_ROWS, SCW, scw, sc_log, n_ok, m_ok, dexp,
+def _pairs_chunk_fp4(acc, wd, kc, kx, X_ROWS, SCW, scw, sc_phys, p_ok, sc_log, n_ok, m_ok, dexp,
                      WFMT: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      WARPS: tl.constexpr, V3: tl.constexpr, INTERP: tl.constexpr):
     """_pairs_chunk for fp4 words. The chunk's 4 e8m0 codes (MXFP4, one per plane) or 8 e4m3 codes
     (NVFP4, two per plane) are one or two int32 words per row of SCW (the uint8 block-scale
-    codes [N, K/G]). FOLD: scw = this chunk's words (_fp4_scale_words), the scales go into the
-    multipliers K (above) and each plane is one K = 32 dot into the accumulator; else (MXFP4
-    only) each plane's float32 dot is scaled by its block's scale (sc_log [BN]: the rows' first
-    scale word, logical rows)."""
+    codes [N, K/G]). FOLD: the scales go into the multipliers K (above) and each plane is one
+    K = 32 dot into the accumulator; scw = this chunk's words, prefetched by the loop for the
+    wgmma tiles (V3), else loaded here (sc_phys [BN]: the rows' first scale word, physical rows;
+    at one row of x the prefetch's registers cost more than the load). Else (MXFP4 only) each
+    plane's float32 dot is scaled by its block's scale (sc_log: as sc_phys, logical rows)."""
     wd = _pairs_relabel(wd, BLOCK_N, WARPS, V3)
     if FOLD:
+        if not V3:
+            scw = _fp4_scale_words(SCW, sc_phys + kc // (128 if WFMT == 2 else 64), p_ok, WFMT, 128)[0]
         m0, m1, m2, m3 = _fp4_mults(scw[0], WFMT, dexp, INTERP)
         if WFMT == 3:
             n0, n1, n2, n3 = _fp4_mults(scw[1], WFMT, dexp, INTERP)
@@ -886,7 +889,7 @@ def _w4a16_pairs_kernel(
         wb = wa
     WDIV: tl.constexpr = 128 if WFMT == 2 else 64                  # fp4: codes per scale word
     sw = ((t, t), (t, t))
-    if WFMT >= 2 and FOLD:
+    if WFMT >= 2 and FOLD and V3:
         sw = _fp4_scale_words(S, sc_phys + k_lo // WDIV, p_ok, WFMT, BLOCK_K)
     for kk in range(0, K_SPLIT, BLOCK_K):
         more = w_ok & (kk + BLOCK_K < K_SPLIT)
@@ -896,15 +899,15 @@ def _w4a16_pairs_kernel(
         else:
             nb = na
         if WFMT >= 2:
-            if FOLD:  # the next step's scale words, loaded now like its weights
+            if FOLD and V3:  # the next step's scale words, loaded now like its weights
                 nsw = _fp4_scale_words(S, sc_phys + (k_lo + kk + BLOCK_K) // WDIV, p_ok & (kk + BLOCK_K < K_SPLIT),
                                        WFMT, BLOCK_K)
-            acc = _pairs_chunk_fp4(acc, wa, k_lo + kk, kk, x_rows, S, sw[0], sc_log, n_ok, m_ok, DEXP,
-                                   WFMT, FOLD, BLOCK_M, BLOCK_N, WARPS, V3, INTERP)
+            acc = _pairs_chunk_fp4(acc, wa, k_lo + kk, kk, x_rows, S, sw[0], sc_phys, p_ok, sc_log, n_ok, m_ok,
+                                   DEXP, WFMT, FOLD, BLOCK_M, BLOCK_N, WARPS, V3, INTERP)
             if BLOCK_K == 256:
-                acc = _pairs_chunk_fp4(acc, wb, k_lo + kk + 128, kk + 128, x_rows, S, sw[1], sc_log, n_ok,
-                                       m_ok, DEXP, WFMT, FOLD, BLOCK_M, BLOCK_N, WARPS, V3, INTERP)
-            if FOLD:
+                acc = _pairs_chunk_fp4(acc, wb, k_lo + kk + 128, kk + 128, x_rows, S, sw[1], sc_phys, p_ok, sc_log,
+                                       n_ok, m_ok, DEXP, WFMT, FOLD, BLOCK_M, BLOCK_N, WARPS, V3, INTERP)
+            if FOLD and V3:
                 sw = nsw
         else:
             acc = _pairs_chunk(acc, wa, k_lo + kk, kk, x_rows, S, Z, z_row, w_ok, n64, n_ok, m_ok, s_sn,
