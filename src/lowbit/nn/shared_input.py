@@ -106,7 +106,13 @@ def share_inputs(model: torch.nn.Module, groups=GROUPS) -> list[str]:
                 bias = torch.cat([b.detach().float().to(dev) if b is not None
                                   else torch.zeros(m.out_features, device=dev) for b, m in zip(biases, layers)])
             n_total = sum(m.out_features for m in layers)
-            shared = SharedGEMM(runtime.Spec(**{**spec.__dict__, "N": n_total}), tensors, bias, len(layers))
+            merged = {"N": n_total}
+            if spec.fp4_exp_offset is not None or (spec.w4kind == "mxfp4" and spec.layout == "pairs"):
+                # the folded MXFP4 scales' D belongs to the merged weight (the members' may differ)
+                from lowbit.ops.weight_only import pairs_fp4_exp_offset
+
+                merged["fp4_exp_offset"] = pairs_fp4_exp_offset(tensors["packed"], tensors["scale_codes"])
+            shared = SharedGEMM(runtime.Spec(**{**spec.__dict__, **merged}), tensors, bias, len(layers))
             parent.add_module("lowbit_shared_" + "_".join(n.split("_")[0] for n in names), shared)
             start = 0
             for m in layers:

@@ -147,7 +147,7 @@ def prepare_w4(wq: QTensor, layout: str = "auto") -> W4Weight:
         # the split-K counters made now, outside any CUDA-graph memory pool (see _split_locks),
         # for up to 256 rows of x at BLOCK_N 128
         _split_locks(wq.codes.device, 4 * -(-N // 128))
-    dexp = _mxfp4_exp_offset(wq.scale_codes, wq.codes) if layout == "pairs" and kind == "mxfp4" else None
+    dexp = pairs_fp4_exp_offset(packed, wq.scale_codes) if layout == "pairs" and kind == "mxfp4" else None
     zp = None
     if wq.zero_point is not None:
         zp = wq.zero_point.to(torch.int8).contiguous()  # z lies in [qmin, qmax]: exact
@@ -157,17 +157,23 @@ def prepare_w4(wq: QTensor, layout: str = "auto") -> W4Weight:
                     kind, wq.scheme.group_size, chunk, (N, K), wq, layout, dexp)
 
 
-def _mxfp4_exp_offset(scale_codes: torch.Tensor, codes: torch.Tensor) -> int | None:
-    """D for MXFP4 weights in the pairs kernel (lowbit/ops/triton/w4a16.py, "folded" scales): the
-    kernel multiplies each e2m1 pair by the bf16 K = 2^(E + D - 127), E the block's e8m0 code, which
-    must be a normal bf16 whose products value * 2^(E + D - 253) are normal too: E + D <= 254 for
-    every block, >= 128 for every block holding a nonzero code (all-zero blocks give 0 anyway); D
-    <= 252 keeps the epilogue's 2^(126 - D) a normal float32. None where no D fits (the nonzero
-    blocks' scales span more than 2^126): the kernel then scales each block's float32 dot."""
+def pairs_fp4_exp_offset(packed: torch.Tensor, scale_codes: torch.Tensor) -> int | None:
+    """D of an MXFP4 weight in the "pairs" layout (packed: its bytes [N, K/2]; scale_codes uint8
+    [N, K/32]) for the pairs kernel's folded scales (lowbit/ops/triton/w4a16.py): the kernel
+    multiplies each e2m1 pair by the bf16 K = 2^(E + D - 127), E the block's e8m0 code, which must
+    be a normal bf16 whose products value * 2^(E + D - 253) are normal too: E + D <= 254 for every
+    block, >= 128 for every block holding a nonzero code (all-zero blocks give 0 anyway); D <= 252
+    keeps the epilogue's 2^(126 - D) a normal float32. None where no D fits (the nonzero blocks'
+    scales span more than 2^126): the kernel then scales each block's float32 dot. Computed
+    from the packed words, so weights merged along N (lowbit.nn.shared_input) get their own D."""
     if scale_codes is None or scale_codes.numel() == 0:
         return None
+    N = packed.shape[0]
+    words = packed.contiguous().view(torch.int32).reshape(N, -1, 16)      # [N, chunks, 16 words]
+    # block 4c + i = plane i of chunk c: magnitude bits of nibbles i and i + 4 of the chunk's words
+    nonzero = torch.stack([(words & ((7 << (4 * i)) | (7 << (16 + 4 * i)))).ne(0).any(dim=2) for i in range(4)],
+                          dim=2).reshape(N, -1)
     e = scale_codes.to(torch.int32)
-    nonzero = (codes.to(torch.int32) & 7).reshape(e.shape[0], e.shape[1], -1).amax(dim=2) > 0
     d = min(254 - int(e.max()), 252)
     lo = int(torch.where(nonzero, e, torch.full_like(e, 255)).min())
     return d if lo + d >= 128 else None
