@@ -169,14 +169,16 @@ def _tiny_llama(rng, hidden=128, inter=256, layers=2, dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize("recipe,spread", [("w8a8-int8", 0), ("w8a8-int8-tensor", 0), ("w8a8-fp8", 0), ("w4a16", 0),
-                                           ("mxfp4", 20), ("mxfp4", 70)])
+                                           ("mxfp4", 20), ("mxfp4", 70), ("nvfp4", 20)])
 def test_shared_inputs_match_per_layer_path(rng, kernel_device, recipe, spread):
     """q/k/v and gate/up merged into one GEMM each. Every member's output is checked against the
     float64 reference within _bound (so per-layer and shared differ by at most twice it), and
     for int8 (exact integer accumulation, same codes) the whole model's logits are identical.
     MXFP4: q_proj's weights scaled by 2^-spread and k_proj's by 2^spread, so the members' folded
-    scale offsets D differ and the merged weight needs its own (spread 70: none fits, unfolded)."""
-    hidden = 128 if recipe in ("w4a16", "mxfp4") else 64   # whole chunks of 128; else small for the interpreter
+    scale offsets D differ and the merged weight needs its own (spread 70: none fits, unfolded).
+    NVFP4: the members' weight tensor scales differ (by 2^40 here), so the merged GEMM takes them
+    per output row and the activation's tensor scale separately."""
+    hidden = 128 if recipe in ("w4a16", "mxfp4", "nvfp4") else 64   # whole chunks of 128; else small
     model = _tiny_llama(rng, hidden=hidden, inter=128, layers=1)
     if spread:
         with torch.no_grad():
@@ -188,8 +190,10 @@ def test_shared_inputs_match_per_layer_path(rng, kernel_device, recipe, spread):
     prepare_model(shared)
     merged = [m for m in shared.modules() if type(m).__name__ == "SharedGEMM"]
     assert merged
-    if spread:
+    if recipe == "mxfp4":
         assert (merged[0].spec.fp4_exp_offset is None) == (spread == 70), merged[0].spec
+    if recipe == "nvfp4":
+        assert merged[0].fast_global_scale.numel() == merged[0].spec.N      # one per row: the scales differ
     per_layer.to(kernel_device), shared.to(kernel_device)
     r = get_recipe(recipe)
     x = _acts(rng, 5, hidden).to(kernel_device)

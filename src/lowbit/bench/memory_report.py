@@ -145,7 +145,7 @@ def sass_report() -> list[dict]:
                         ("nvfp4", dict(SCALE_KIND=2, G_DIV=2688.0, G=16, NG=256)),
                         ("nvfp4 absmax", dict(SCALE_KIND=2, G_DIV=2688.0, G=16, NG=256, AMAX_ONLY=True))):
         consts = {**dict(FMT=2, E8M0_ROUND=0, QMAX=6.0, EMAX=2, MBITS=1, HW_FP8=True, FAST_DIV=True, G_DIV=1.0,
-                         EVEN=True, AMAX_ONLY=False, ONE=False, MP2=16), **extra}
+                         EVEN=True, AMAX_ONLY=False, ONE=False, MP2=16, HAS_WG=True), **extra}
         n, smem = compile_count(_qdq_rows_kernel, qsig, consts, ("M", "K", "NGROUPS"), num_warps=8)
         rows.append(dict(kernel="qdq_rows", variant=f"{name} K=4096", sass_static=n, shared=smem, **regs[0]))
     sig = {"X": "*bf16", "W": "*u8", "S": "*fp32", "Z": "*i8", "SC": "*u8", "GS": "*fp32", "BIAS": "*fp32",

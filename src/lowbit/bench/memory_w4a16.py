@@ -222,6 +222,8 @@ def sass_rows_gemv8() -> list[dict]:
     variants += [(M, False, "*bf16", pick_config_pairs(M, N, K, G), kind)
                  for kind, G in (("mxfp4", 32), ("nvfp4", 16)) for M in W4_MS]
     variants += [(1, False, "*bf16", pick_config_pairs(1, N, K, 32), "mxfp4 unfolded")]
+    # NVFP4 layers merged along N (lowbit.nn.shared_input): per-row weight and activation tensor scales
+    variants += [(M, False, "*bf16", pick_config_pairs(M, N, K, 16), "nvfp4 merged") for M in (1, 16)]
     for M, has_z, xt, cfg, kind in variants:
         fn = {"gemv8": w4._w4a16_gemv8_kernel, "dot8": w4._w4a16_dot8_kernel,
               "pairs": w4._w4a16_pairs_kernel}[cfg["kernel"]]
@@ -235,11 +237,12 @@ def sass_rows_gemv8() -> list[dict]:
         elif cfg["kernel"] == "pairs":
             del consts["C"], consts["ATOMIC"], consts["SIGNED"]
             wk = kind.split()[0]
-            consts.update(WFMT=w4.WFMT[wk], FOLD=kind in ("mxfp4", "nvfp4"), G={"int4": 128, "mxfp4": 32, "nvfp4": 16}[wk],
+            consts.update(WFMT=w4.WFMT[wk], FOLD="unfolded" not in kind, GS_ROWS="merged" in kind, HAS_GX="merged" in kind,
+                          G={"int4": 128, "mxfp4": 32, "nvfp4": 16}[wk],
                           SPLIT=cfg["split"], WARPS=cfg["num_warps"], V3=cfg["BLOCK_M"] >= 16)
-            sig = dict(sig, OUT=xt, PART="*fp32", LOCK="*i32", GS="*fp32", DEXP="i32",
+            sig = dict(sig, OUT=xt, PART="*fp32", LOCK="*i32", GS="*fp32", GX="*fp32", DEXP="i32",
                        S="*fp32" if kind == "int4" else "*i32")
-            sig = {k: sig[k] for k in ("X", "W", "S", "Z", "GS", "BIAS", "OUT", "PART", "LOCK", "M", "N", "K",
+            sig = {k: sig[k] for k in ("X", "W", "S", "Z", "GS", "GX", "BIAS", "OUT", "PART", "LOCK", "M", "N", "K",
                                        "K_SPLIT", "DEXP", "s_xm", "s_wn", "s_sn", "s_om")}
         else:
             consts.update(UNPACK=cfg.get("unpack", 0))

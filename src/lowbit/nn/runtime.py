@@ -283,13 +283,16 @@ def _w4(spec, ops, global_scale=None):
                     spec.w4kind, spec.group, spec.chunk, (spec.N, spec.K), None, spec.layout, spec.fp4_exp_offset)
 
 
-def _run_w4a16(spec, x2, ops, bias, global_scale=None):
+def _run_w4a16(spec, x2, ops, bias, global_scale=None, act_scale=None):
+    """global_scale: NVFP4's accumulator scale instead of the weight's; act_scale (decode sizes):
+    the activation's tensor scale, multiplied into the weight's by the kernel (W4A4 NVFP4 layers
+    merged along N, whose weight tensor scales are one per output row)."""
     from lowbit.ops.triton.common import interpreting
     from lowbit.ops.weight_only import _launch, dequantize_w4
 
     w = _w4(spec, ops, global_scale)
     if x2.shape[0] < DEQUANT_MIN_M:
-        return _launch(x2, w, bias, None, interpreting())
+        return _launch(x2, w, bias, None, interpreting(), act_scale)
     y = torch.nn.functional.linear(x2, dequantize_w4(w, x2.dtype))
     if w.global_scale is None and bias is None:
         return y
@@ -311,7 +314,11 @@ def _run_fp4(spec, x2, ops, bias):
 
     scheme = spec.act_scheme
     if x2.shape[0] <= QDQ_MAX_ROWS:
-        xd, gs = qdq_rows(x2, scheme, ops.get("global_scale"))
+        wg = ops.get("global_scale")
+        if wg is not None and wg.numel() > 1:  # merged layers: per-row weight scales, g_w * g_x in the kernel
+            xd, gx = qdq_rows(x2, scheme)
+            return _run_w4a16(spec, xd, ops, bias, act_scale=gx).to(x2.dtype)
+        xd, gs = qdq_rows(x2, scheme, wg)
         return _run_w4a16(spec, xd, ops, bias, gs).to(x2.dtype)
     qt = quantize_rows(x2, scheme, check_finite=False)
     xd = dequantize_groups(qt.codes, qt.scale_codes.reshape(x2.shape[0], -1), scheme.group_size, "e2m1",

@@ -16,8 +16,9 @@ calls would go unnoticed (transformers' Llama code never does that).
 Merging keeps the arithmetic of every column: per-channel and per-group weight scales are
 per row of W, so concatenating rows changes no product, scale or rounding; per-token
 activation scales are computed from the same x. Groups whose members differ in scheme, hold
-per-tensor state (static activation scales, NVFP4 weight tensor scales that differ, per-tensor
-weight scales) or have no fast path are left alone.
+per-tensor state (static activation scales, per-tensor weight scales; NVFP4 weight tensor scales
+that differ, except in the "pairs" W4A16 layout, where they become one scale per output row) or
+have no fast path are left alone.
 """
 from __future__ import annotations
 
@@ -79,7 +80,9 @@ def _mergeable(layers: list) -> bool:
     if not same:
         return False
     gs = [getattr(m, "fast_global_scale", None) for m in layers]
-    return gs[0] is None or all(torch.equal(g, gs[0]) for g in gs)
+    # NVFP4 tensor scales that differ: one per output row in the merged GEMM (the pairs kernel's
+    # epilogue takes a row vector; the other W4A16 layouts take one scale)
+    return gs[0] is None or all(torch.equal(g, gs[0]) for g in gs) or first.fast_spec.layout == "pairs"
 
 
 def share_inputs(model: torch.nn.Module, groups=GROUPS) -> list[str]:
@@ -98,7 +101,10 @@ def share_inputs(model: torch.nn.Module, groups=GROUPS) -> list[str]:
             tensors = {}
             for op in spec.operands:
                 parts = [getattr(m, "fast_" + op) for m in layers]
-                tensors[op] = parts[0] if op in runtime.PER_LAYER_OPERANDS else torch.cat(parts, 0)
+                if op == "global_scale" and not all(torch.equal(p, parts[0]) for p in parts):
+                    tensors[op] = torch.cat([p.reshape(1).expand(m.out_features) for p, m in zip(parts, layers)])
+                else:
+                    tensors[op] = parts[0] if op in runtime.PER_LAYER_OPERANDS else torch.cat(parts, 0)
             biases = [m.bias for m in layers]
             bias = None
             if any(b is not None for b in biases):

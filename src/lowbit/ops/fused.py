@@ -524,7 +524,8 @@ def qdq_rows(x2: torch.Tensor, scheme: QuantScheme, weight_scale: torch.Tensor |
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """MXFP4 / NVFP4 dynamic quantization of x2 [M, K] (bf16 / fp16 / fp32, unit stride along K,
     M <= QDQ_MAX_ROWS for NVFP4) returned dequantized: (xd bf16 [M, K] = e2m1 * block scale, exact;
-    NVFP4: weight_scale * g as float32 [1], g the activation's tensor scale; MXFP4: None). The same
+    NVFP4: weight_scale * g as float32 [1], g the activation's tensor scale -- g itself without a
+    weight_scale; MXFP4: None). The same
     numbers as quantize_rows(x2, scheme) decoded by dequantize_groups (the runtime's W4A4
     emulation), in one kernel (two for NVFP4 with M > 1: the rows' absmax first). No argument
     checks beyond the shapes: lowbit.nn.runtime's fast path calls it (CUDA-graph safe: no host sync)."""
@@ -547,7 +548,7 @@ def qdq_rows(x2: torch.Tensor, scheme: QuantScheme, weight_scale: torch.Tensor |
     amax = torch.empty(M, dtype=torch.float32, device=dev) if nv and M > 1 else out
     warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
     args = dict(meta, NG=block // G, G=G, EVEN=block == K, ONE=M == 1, MP2=max(2, triton.next_power_of_2(M)),
-                num_warps=warps)
+                HAS_WG=weight_scale is not None, num_warps=warps)
     wg = weight_scale if weight_scale is not None else out
     if nv and M > 1:
         _qdq_rows_kernel[(M,)](x2, x2.stride(0), out, out.stride(0), amax, wg, out, M, K, K // G,

@@ -410,7 +410,9 @@ def w4a16_linear(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None,
     return _launch(x2.contiguous(), w, bias, config, interp).reshape(lead + (N,))
 
 
-def _launch(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> torch.Tensor:
+def _launch(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool, act_scale=None) -> torch.Tensor:
+    """act_scale (pairs layout, NVFP4): float32 [1], the activation's tensor scale, multiplied
+    into w.global_scale ([1] or per row [N]) in the kernel's epilogue."""
     import triton
 
     from lowbit.ops.triton import w4a16 as k
@@ -418,10 +420,12 @@ def _launch(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> torch.
 
     M, K = x2.shape
     N = w.shape[0]
+    if w.layout == "pairs" or (config or {}).get("kernel") == "pairs":
+        return _launch_pairs(x2, w, bias, config, interp, act_scale)
+    if act_scale is not None or (w.global_scale is not None and w.global_scale.numel() != 1):
+        raise ValueError("w4a16_linear: per-row or activation tensor scales need the 'pairs' layout")
     if w.layout == "planar8" or (config or {}).get("kernel") in ("gemv8", "dot8"):
         return _launch_planar8(x2, w, bias, config, interp)
-    if w.layout == "pairs" or (config or {}).get("kernel") == "pairs":
-        return _launch_pairs(x2, w, bias, config, interp)
     cfg = dict(pick_config(M, N, K, w.kind, w.group_size, w.chunk, interpret=interp))
     if config:
         cfg.update(config)
@@ -516,7 +520,7 @@ def _split_locks(device: torch.device, tiles: int) -> torch.Tensor:
     return buf
 
 
-def _launch_pairs(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> torch.Tensor:
+def _launch_pairs(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool, act_scale=None) -> torch.Tensor:
     """The "pairs" kernel on a weight prepared with layout="pairs" (lowbit/ops/triton/w4a16.py)."""
     import triton
 
@@ -559,10 +563,13 @@ def _launch_pairs(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> 
     per_group = w.scale_codes.view(torch.int32) if fp4 else w.scale
     launch(k._w4a16_pairs_kernel, grid,
            x2, words, per_group, w.zero_point if w.zero_point is not None else part,
-           w.global_scale if w.global_scale is not None else part, bias if bias is not None else part,
+           w.global_scale if w.global_scale is not None else part, act_scale if act_scale is not None else part,
+           bias if bias is not None else part,
            out, part, locks, M, N, K, K // split, w.fp4_exp_offset or 0, x2.stride(0), words.stride(0),
            per_group.stride(0), out.stride(0), WFMT=k.WFMT[w.kind],
-           FOLD=w.kind == "nvfp4" or w.fp4_exp_offset is not None, HAS_Z=w.zero_point is not None,
+           FOLD=w.kind == "nvfp4" or w.fp4_exp_offset is not None,
+           GS_ROWS=w.global_scale is not None and w.global_scale.numel() > 1, HAS_GX=act_scale is not None,
+           HAS_Z=w.zero_point is not None,
            HAS_BIAS=bias is not None,
            G=w.group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, WARPS=warps, V3=bm >= 16,
            INTERP=interp, num_warps=warps, num_stages=cfg["num_stages"])

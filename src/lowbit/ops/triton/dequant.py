@@ -62,15 +62,15 @@ def _qdq_rows_kernel(X, s_x, OUT, s_o, AMAX, WG, GPROD, M, K, NGROUPS,
                      FMT: tl.constexpr, SCALE_KIND: tl.constexpr, E8M0_ROUND: tl.constexpr, QMAX: tl.constexpr,
                      EMAX: tl.constexpr, MBITS: tl.constexpr, HW_FP8: tl.constexpr, FAST_DIV: tl.constexpr,
                      G_DIV: tl.constexpr, NG: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr,
-                     AMAX_ONLY: tl.constexpr, ONE: tl.constexpr, MP2: tl.constexpr):
+                     AMAX_ONLY: tl.constexpr, ONE: tl.constexpr, MP2: tl.constexpr, HAS_WG: tl.constexpr):
     """Dynamic fp4 (MXFP4 / NVFP4) quantization of row pid of x [M, K] straight to its dequantized
     value (e2m1 * block scale, exact in bf16; NVFP4's tensor scale NOT applied): what
     fused.quantize_rows + dequantize_groups compute, one kernel instead of two (NVFP4: instead of
     five), from the same helpers, so the same codes and scales (lowbit.quantize's). The row is an
     [NG, G] tile. NVFP4: the tensor amax is the max of the rows' absmax -- this row's own (ONE: M
     = 1), else AMAX [M] from an AMAX_ONLY launch (MP2 = next power of two >= M) --; program 0
-    writes GPROD = WG * g (the weight's tensor scale times the activation's: the W4A16 kernel's
-    one scale of the accumulator)."""
+    writes GPROD = WG * g (HAS_WG: the weight's tensor scale times the activation's, the W4A16
+    kernel's one scale of the accumulator) or g itself."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, NG)[:, None] * G + tl.arange(0, G)[None, :]
     mask = cols < K
@@ -86,7 +86,10 @@ def _qdq_rows_kernel(X, s_x, OUT, s_o, AMAX, WG, GPROD, M, K, NGROUPS,
             r = tl.arange(0, MP2)
             gs = tensor_scale(tl.max(tl.load(AMAX + r, mask=r < M, other=0.0), axis=0), G_DIV)
         if tl.program_id(0) == 0:
-            tl.store(GPROD, tl.load(WG) * gs)
+            if HAS_WG:
+                tl.store(GPROD, tl.load(WG) * gs)
+            else:
+                tl.store(GPROD, gs)
     amax = tl.where(amax == float("inf"), float("nan"), amax)
     if SCALE_KIND == 2:
         s, code = nvfp4_block_scales(amax, gs, QMAX)

@@ -818,11 +818,21 @@ def _pairs_chunk_fp4(acc, wd, kc, kx, X_ROWS, SCW, scw, sc_phys, p_ok, sc_log, n
 
 
 @triton.jit
-def _fp4_epilogue(acc, GS, dexp, WFMT: tl.constexpr, FOLD: tl.constexpr):
-    """The folded scales' constant back (and NVFP4's tensor scale): NVFP4 acc * g * 2^8, folded
-    MXFP4 acc * 2^(126 - D) (prepare_w4 keeps D <= 252: a normal float32); powers of two are exact."""
+def _fp4_epilogue(acc, GS, GX, offs_n, n_ok, dexp, WFMT: tl.constexpr, FOLD: tl.constexpr, GS_ROWS: tl.constexpr,
+                  HAS_GX: tl.constexpr):
+    """The folded scales' constant back (and NVFP4's tensor scale): NVFP4 acc * (g * 2^8) with g =
+    GS[0] or, GS_ROWS (layers merged along N with their own tensor scales), GS[n] per output
+    row, times GX[0] (HAS_GX: the activation's tensor scale, g_w * g_x formed here as the unmerged
+    path forms it before the launch: the same float32 product); folded MXFP4 acc * 2^(126 - D)
+    (prepare_w4 keeps D <= 252: a normal float32); powers of two are exact."""
     if WFMT == 3:
-        acc = acc * (tl.load(GS) * 256.0)
+        if GS_ROWS:
+            g = tl.load(GS + offs_n, mask=n_ok, other=0.0)[:, None]
+        else:
+            g = tl.load(GS)
+        if HAS_GX:
+            g = g * tl.load(GX)
+        acc = acc * (g * 256.0)
     if WFMT == 2 and FOLD:
         acc = acc * ((253 - dexp) << 23).to(tl.float32, bitcast=True)
     return acc
@@ -839,8 +849,9 @@ def _fence_gpu(v):
 
 @triton.jit
 def _w4a16_pairs_kernel(
-    X, W, S, Z, GS, BIAS, OUT, PART, LOCK, M, N, K, K_SPLIT, DEXP, s_xm, s_wn, s_sn, s_om,
-    WFMT: tl.constexpr, FOLD: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, G: tl.constexpr,
+    X, W, S, Z, GS, GX, BIAS, OUT, PART, LOCK, M, N, K, K_SPLIT, DEXP, s_xm, s_wn, s_sn, s_om,
+    WFMT: tl.constexpr, FOLD: tl.constexpr, GS_ROWS: tl.constexpr, HAS_GX: tl.constexpr,
+    HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     WARPS: tl.constexpr, V3: tl.constexpr, INTERP: tl.constexpr,
 ):
@@ -848,7 +859,8 @@ def _w4a16_pairs_kernel(
     multiple of BLOCK_K = 128 or 256, itself a multiple of G) from pid_k * K_SPLIT for BLOCK_M
     rows of x. X [M, K] bf16/fp16; W int32 [N, K/8] ("pairs"); WFMT 0 / 1 (int4 / uint4): S fp32
     [N, K/G], Z int8 [N, K/G]; WFMT 2 / 3 (MXFP4 / NVFP4, bf16 x): S the uint8 scale codes
-    [N, K/G] as int32 words [N, K/(4G)] (s_sn in words), GS the NVFP4 tensor scale (fp32 [1]);
+    [N, K/G] as int32 words [N, K/(4G)] (s_sn in words), GS the NVFP4 tensor scale (fp32 [1], or
+    [N] with GS_ROWS), GX the activation's (fp32 [1], HAS_GX; see _fp4_epilogue);
     FOLD: the fp4 block scales folded into the bf16 weights (NVFP4 always; MXFP4 with DEXP = D,
     W4Weight.fp4_exp_offset, see _fp4_mults). OUT [M, N] in x's dtype. BLOCK_N a multiple of
     16 * WARPS (WARPS = num_warps);
@@ -934,13 +946,13 @@ def _w4a16_pairs_kernel(
             acc = tl.load(PART + p_off, mask=o_ok, other=0.0, cache_modifier=".cg")
             for r in tl.static_range(1, SPLIT):
                 acc += tl.load(PART + r * M * N + p_off, mask=o_ok, other=0.0, cache_modifier=".cg")
-            acc = _fp4_epilogue(acc, GS, DEXP, WFMT, FOLD)
+            acc = _fp4_epilogue(acc, GS, GX, offs_n, n_ok, DEXP, WFMT, FOLD, GS_ROWS, HAS_GX)
             if HAS_BIAS:
                 acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
             tl.store(OUT + o_off, round_to(acc, OUT.dtype.element_ty), mask=o_ok)
             tl.atomic_xchg(LOCK + tile, 0, sem="relaxed", scope="gpu")
     else:
-        acc = _fp4_epilogue(acc, GS, DEXP, WFMT, FOLD)
+        acc = _fp4_epilogue(acc, GS, GX, offs_n, n_ok, DEXP, WFMT, FOLD, GS_ROWS, HAS_GX)
         if HAS_BIAS:
             acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         tl.store(OUT + o_off, round_to(acc, OUT.dtype.element_ty), mask=o_ok)
