@@ -62,3 +62,35 @@ for M in Ms:
         print(f"-- {r}: graph {gu:.2f} us ({bf / gu:.2f}x bf16); kernels per call:")
         for e in ev[:8]:
             print(f"   {e.count / 10:4.1f} x {e.device_time_total / e.count:8.2f} us  {e.key[:90]}")
+
+if os.environ.get("PROFILE_DEQUANT") == "1":
+    # the large-M path's weight dequantization (pairs layout) under a few (BLOCK_N, chunks, warps)
+    from lowbit.ops import weight_only as wo
+    from lowbit.quantize import quantize
+    from lowbit.scheme import get_preset
+
+    def ev_us(fn, reps=50):
+        fn()
+        torch.cuda.synchronize()
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        for _ in range(reps):
+            fn()
+        t1.record()
+        torch.cuda.synchronize()
+        return t0.elapsed_time(t1) * 1000 / reps
+
+    base_cfg = wo.PAIRS_DEQUANT
+    for kind in ("int4_g128", "nvfp4"):
+        for n, k in ((14336, 4096), (4096, 14336)):
+            w4 = wo.prepare_w4(quantize(torch.randn(n, k, device=dev) * 0.02, get_preset(kind)))
+            ref = wo.dequantize_w4(w4, torch.bfloat16)
+            nbytes = n * k * 2 + w4.packed.numel() + w4.scale.numel() * 4
+            line = []
+            for cfg in ((64, 1, 4), (64, 4, 4), (128, 1, 4), (128, 2, 8), (32, 4, 4), (64, 2, 8), (128, 4, 8)):
+                wo.PAIRS_DEQUANT = cfg
+                ok = torch.equal(wo.dequantize_w4(w4, torch.bfloat16), ref)
+                us = ev_us(lambda: wo.dequantize_w4(w4, torch.bfloat16))
+                line.append(f"{cfg}: {us:7.1f} us {nbytes / us / 1e3:6.0f} GB/s{'' if ok else ' MISMATCH'}")
+            wo.PAIRS_DEQUANT = base_cfg
+            print(f"dequant {kind} {n}x{k}: " + " | ".join(line))

@@ -407,3 +407,38 @@ def test_mxfp4_folded_scales_range(device, rng):
             ref = x.double() @ w64.T
             assert torch.isfinite(out).all() and torch.all(out[:, 5] == 0)
             assert torch.all((out - ref).abs() <= _bound(x.double(), w64, ref, K, 32, 8, torch.bfloat16)), (spread, cfg)
+
+
+def test_scale_output_matches_torch(device, rng):
+    """scale_output (the large-M path's NVFP4 tensor scale, one pass) equals the torch sequence it
+    replaces -- y.float() * s (+ bias.float()), rounded once to y's dtype -- bit for bit: one scale
+    or one per column, with and without bias, bf16 and fp16, a shape that is no tile multiple."""
+    from lowbit.ops.weight_only import scale_output
+
+    M, N = 37, 300
+    for dtype in (torch.bfloat16, torch.float16):
+        y = (torch.randn(M, N, generator=rng) * 4).to(dtype)
+        for s in (torch.rand(1, generator=rng) + 0.5, torch.rand(N, generator=rng) * 3):
+            for bias in (None, torch.randn(N, generator=rng).to(dtype)):
+                want = y.float() * s
+                if bias is not None:
+                    want = want + bias.float()
+                got = scale_output(y.to(device), s.to(device), None if bias is None else bias.to(device))
+                assert got.dtype == dtype and torch.equal(got.cpu(), want.to(dtype))
+
+
+@pytest.mark.parametrize("name", ["int4_g128_asym", "nvfp4"])
+def test_pairs_dequant_chunks_per_program(name, device, rng, monkeypatch):
+    """The pairs dequantization with several 128-code chunks per program (weight_only.PAIRS_DEQUANT)
+    gives the same bits as one chunk per program, and as the numpy dequantization of the words
+    (int4: rounded once to bf16; fp4: exact); K = 640 = 5 chunks, so 4 per program falls back to 1."""
+    from lowbit.ops import weight_only as wo
+
+    N, K = 24, 640
+    w4, w64 = _prepared_words(SCHEMES[name], N, K, 3, "pairs", _numpy_dequant_pairs, device, rng)
+    want = torch.from_numpy(_numpy_dequant_pairs(w4, tensor_scale=False)).float().to(torch.bfloat16)
+    for chunks in (1, 4, 5):
+        cfg = (16, chunks, 4)
+        monkeypatch.setattr(wo, "PAIRS_DEQUANT_INTERP", cfg)
+        monkeypatch.setattr(wo, "PAIRS_DEQUANT", (64, chunks, 4))
+        assert torch.equal(dequantize_w4(w4, torch.bfloat16).cpu(), want), cfg

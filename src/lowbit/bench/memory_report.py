@@ -148,6 +148,21 @@ def sass_report() -> list[dict]:
                          EVEN=True, AMAX_ONLY=False, ONE=False, MP2=16, HAS_WG=True), **extra}
         n, smem = compile_count(_qdq_rows_kernel, qsig, consts, ("M", "K", "NGROUPS"), num_warps=8)
         rows.append(dict(kernel="qdq_rows", variant=f"{name} K=4096", sass_static=n, shared=smem, **regs[0]))
+    # the large-M W4A16 path's passes: the pairs dequantization (at PAIRS_DEQUANT) and the NVFP4 output scale
+    from lowbit.ops.weight_only import PAIRS_DEQUANT
+
+    bn, chunks, warps = PAIRS_DEQUANT
+    dsig = {"W": "*i32", "S": "*fp32", "Z": "*i8", "OUT": "*bf16", "N": "i32", "s_wn": "i32", "s_sn": "i32",
+            "s_on": "i32"}
+    for name, wf, G in (("int4 g128", 0, 128), ("mxfp4", 2, 32), ("nvfp4", 3, 16)):
+        n, smem = compile_count(w4._pairs_dequant_kernel, dict(dsig, S="*fp32" if wf == 0 else "*u8"),
+                                dict(WFMT=wf, HAS_Z=False, G=G, BLOCK_N=bn, CHUNKS=chunks), ("N",), num_warps=warps)
+        rows.append(dict(kernel="pairs_dequant", variant=f"{name} {PAIRS_DEQUANT}", sass_static=n, shared=smem,
+                         **regs[0]))
+    n, smem = compile_count(w4._scale_output_kernel, {"Y": "*bf16", "S": "*fp32", "BIAS": "*bf16", "OUT": "*bf16",
+                                                      "M": "i32", "N": "i32", "s_y": "i32", "s_o": "i32"},
+                            dict(ROWS=True, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=256), ("M", "N"), num_warps=4)
+    rows.append(dict(kernel="scale_output", variant="per-row scale + bias", sass_static=n, shared=smem, **regs[0]))
     sig = {"X": "*bf16", "W": "*u8", "S": "*fp32", "Z": "*i8", "SC": "*u8", "GS": "*fp32", "BIAS": "*fp32",
            "OUT": "*bf16", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32", "s_xm": "i32", "s_wn": "i32",
            "s_sn": "i32", "s_om": "i32"}

@@ -288,20 +288,15 @@ def _run_w4a16(spec, x2, ops, bias, global_scale=None, act_scale=None):
     the activation's tensor scale, multiplied into the weight's by the kernel (W4A4 NVFP4 layers
     merged along N, whose weight tensor scales are one per output row)."""
     from lowbit.ops.triton.common import interpreting
-    from lowbit.ops.weight_only import _launch, dequantize_w4
+    from lowbit.ops.weight_only import _launch, dequantize_w4, scale_output
 
     w = _w4(spec, ops, global_scale)
     if x2.shape[0] < DEQUANT_MIN_M:
         return _launch(x2, w, bias, None, interpreting(), act_scale)
     y = torch.nn.functional.linear(x2, dequantize_w4(w, x2.dtype))
-    if w.global_scale is None and bias is None:
-        return y
-    y = y.float()
-    if w.global_scale is not None:
-        y = y * w.global_scale
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x2.dtype)
+    if w.global_scale is None:
+        return y if bias is None else (y.float() + bias.float()).to(x2.dtype)
+    return scale_output(y, w.global_scale, bias)  # y * g (+ bias) in float32, one pass
 
 
 def _run_fp4(spec, x2, ops, bias):

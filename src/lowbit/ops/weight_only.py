@@ -475,12 +475,14 @@ def dequantize_w4(w: W4Weight, dtype: torch.dtype) -> torch.Tensor:
     dummy = torch.empty(1, device=w.packed.device, dtype=torch.float32)
     if w.layout == "pairs":
         words = w.packed.view(torch.int32)
-        bn = 16 if os.environ.get("TRITON_INTERPRET") == "1" else 64
+        bn, chunks, warps = PAIRS_DEQUANT_INTERP if os.environ.get("TRITON_INTERPRET") == "1" else PAIRS_DEQUANT
+        while (K // 128) % chunks:
+            chunks //= 2
         per_group = w.scale if w.kind in ("int4", "uint4") else w.scale_codes
-        launch(k._pairs_dequant_kernel, (triton.cdiv(N, bn), K // 128), words, per_group,
+        launch(k._pairs_dequant_kernel, (triton.cdiv(N, bn), K // (128 * chunks)), words, per_group,
                w.zero_point if w.zero_point is not None else dummy, out, N, words.stride(0), per_group.stride(0),
                out.stride(0), WFMT=k.WFMT[w.kind], HAS_Z=w.zero_point is not None, G=w.group_size, BLOCK_N=bn,
-               num_warps=4)
+               CHUNKS=chunks, num_warps=warps)
         return out
     if w.layout != "planar_chunks":
         raise ValueError(f"dequantize_w4: layout {w.layout!r} has no dequantization kernel; prepare the weight "
@@ -493,6 +495,29 @@ def dequantize_w4(w: W4Weight, dtype: torch.dtype) -> torch.Tensor:
         w.scale_codes if w.scale_codes is not None else dummy, out, N, K,
         w.packed.stride(0), per_group.stride(0), out.stride(0),
         WFMT=wfmt, HAS_Z=w.zero_point is not None, G=w.group_size, C=w.chunk, BLOCK_N=bn, num_warps=4)
+    return out
+
+
+# (BLOCK_N, chunks of 128 codes per program, num_warps) of the pairs dequantization on the GPU
+PAIRS_DEQUANT = (64, 1, 4)
+PAIRS_DEQUANT_INTERP = (16, 1, 4)  # in Triton's interpreter (small tiles: every program runs in Python)
+
+
+def scale_output(y: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """round(float32(y) * scale [+ bias]) to y's dtype in one pass (y [M, N] bf16 / fp16, scale
+    float32 [1] or [N], bias [N] or None): the large-M W4A16 path's NVFP4 tensor scale, the same
+    float32 operations as y.float() * scale + bias.float() then .to(y.dtype), which took three passes."""
+    import triton
+
+    from lowbit.ops.triton import w4a16 as k
+    from lowbit.ops.triton.common import launch
+
+    M, N = y.shape
+    out = torch.empty_like(y)
+    bm, bn = (16, 64) if os.environ.get("TRITON_INTERPRET") == "1" else (16, 256)
+    launch(k._scale_output_kernel, (triton.cdiv(M, bm), triton.cdiv(N, bn)), y, scale,
+           bias if bias is not None else scale, out, M, N, y.stride(0), out.stride(0),
+           ROWS=scale.numel() > 1, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
     return out
 
 

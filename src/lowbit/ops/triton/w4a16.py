@@ -960,15 +960,14 @@ def _w4a16_pairs_kernel(
 
 @triton.jit
 def _pairs_dequant_kernel(W, S, Z, OUT, N, s_wn, s_sn, s_on, WFMT: tl.constexpr, HAS_Z: tl.constexpr,
-                          G: tl.constexpr, BLOCK_N: tl.constexpr):
+                          G: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr):
     """Dequantize one chunk of 128 codes of BLOCK_N rows of a "pairs" weight to OUT's dtype
     (prefill: the weight for a bf16 GEMM). Word w's pair index P = w2 + 2 w3 + 4 w0 + 8 w1
     (weight_only._pairs_words); value (q - z) * s (int4 / uint4: S fp32 scales) or e2m1 * block
     scale (fp4: S the uint8 scale codes; NVFP4's tensor scale NOT applied) in float32, one
     rounding to the output dtype (none for fp4 in bf16: exact), as _w4_dequant_kernel.
-    Grid (cdiv(N, BLOCK_N), K / 128)."""
+    Grid (cdiv(N, BLOCK_N), K / (128 CHUNKS)): CHUNKS consecutive chunks per program."""
     pid_n = tl.program_id(0)
-    kc = tl.program_id(1) * 128
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = (offs_n < N)[:, None]
     n64 = offs_n.to(tl.int64)[:, None]
@@ -977,27 +976,47 @@ def _pairs_dequant_kernel(W, S, Z, OUT, N, s_wn, s_sn, s_on, WFMT: tl.constexpr,
     # storing each code at its own column halves the store width and was ~10x slower on the H200)
     P = tl.arange(0, 16)
     w = ((P >> 2) & 1) + 2 * ((P >> 3) & 1) + 4 * (P & 1) + 8 * ((P >> 1) & 1)
-    wd = tl.load(W + n64 * s_wn + (kc // 8 + w)[None, :], mask=n_ok, other=0)                  # [BN, 16 pairs]
-    ty = OUT.dtype.element_ty
-    for i in tl.static_range(4):
-        col = kc + 32 * i + tl.arange(0, 32)[None, :]
-        lo_c = (wd >> (4 * i)) & 15
-        hi_c = (wd >> (16 + 4 * i)) & 15
-        if WFMT >= 2:  # a pair never straddles a block (G >= 16, even columns)
-            sc = tl.load(S + n64 * s_sn + (kc + 32 * i + 2 * P[None, :]) // G, mask=n_ok, other=0).to(tl.int32)
-            if WFMT == 2:
-                s = decode_e8m0(sc)
+    for c in tl.static_range(CHUNKS):
+        kc = (tl.program_id(1) * CHUNKS + c) * 128
+        wd = tl.load(W + n64 * s_wn + (kc // 8 + w)[None, :], mask=n_ok, other=0)                  # [BN, 16 pairs]
+        ty = OUT.dtype.element_ty
+        for i in tl.static_range(4):
+            col = kc + 32 * i + tl.arange(0, 32)[None, :]
+            lo_c = (wd >> (4 * i)) & 15
+            hi_c = (wd >> (16 + 4 * i)) & 15
+            if WFMT >= 2:  # a pair never straddles a block (G >= 16, even columns)
+                sc = tl.load(S + n64 * s_sn + (kc + 32 * i + 2 * P[None, :]) // G, mask=n_ok, other=0).to(tl.int32)
+                if WFMT == 2:
+                    s = decode_e8m0(sc)
+                else:
+                    s = decode_e4m3fn(sc)
+                lo = _e2m1_value(lo_c) * s
+                hi = _e2m1_value(hi_c) * s
             else:
-                s = decode_e4m3fn(sc)
-            lo = _e2m1_value(lo_c) * s
-            hi = _e2m1_value(hi_c) * s
-        else:
-            g = n64 * s_sn + (kc + 32 * i) // G
-            off = 8.0 if WFMT == 0 else 0.0
-            if HAS_Z:
-                off += tl.load(Z + g, mask=n_ok, other=0).to(tl.float32)
-            s = tl.load(S + g, mask=n_ok, other=0.0)
-            lo = (lo_c.to(tl.float32) - off) * s
-            hi = (hi_c.to(tl.float32) - off) * s
-        v = tl.reshape(tl.join(round_to(lo, ty), round_to(hi, ty)), (BLOCK_N, 32))
-        tl.store(OUT + n64 * s_on + col, v, mask=n_ok)
+                g = n64 * s_sn + (kc + 32 * i) // G
+                off = 8.0 if WFMT == 0 else 0.0
+                if HAS_Z:
+                    off += tl.load(Z + g, mask=n_ok, other=0).to(tl.float32)
+                s = tl.load(S + g, mask=n_ok, other=0.0)
+                lo = (lo_c.to(tl.float32) - off) * s
+                hi = (hi_c.to(tl.float32) - off) * s
+            v = tl.reshape(tl.join(round_to(lo, ty), round_to(hi, ty)), (BLOCK_N, 32))
+            tl.store(OUT + n64 * s_on + col, v, mask=n_ok)
+
+
+@triton.jit
+def _scale_output_kernel(Y, S, BIAS, OUT, M, N, s_y, s_o, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """OUT = round(float32(Y) * S [+ BIAS]) (weight_only.scale_output): S float32 [1] or [N] (ROWS)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (rows < M)[:, None] & (cols < N)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    y = tl.load(Y + r64 * s_y + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    if ROWS:
+        y = y * tl.load(S + cols, mask=cols < N, other=0.0)[None, :]
+    else:
+        y = y * tl.load(S)
+    if HAS_BIAS:
+        y = y + tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(OUT + r64 * s_o + cols[None, :], round_to(y, OUT.dtype.element_ty), mask=ok)
