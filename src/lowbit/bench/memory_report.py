@@ -161,7 +161,7 @@ def sass_report() -> list[dict]:
                          **regs[0]))
     n, smem = compile_count(w4._scale_output_kernel, {"Y": "*bf16", "S": "*fp32", "BIAS": "*bf16", "OUT": "*bf16",
                                                       "M": "i32", "N": "i32", "s_y": "i32", "s_o": "i32"},
-                            dict(ROWS=True, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=256), ("M", "N"), num_warps=4)
+                            dict(ROWS=True, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=256, INTERP=False), ("M", "N"), num_warps=4)
     rows.append(dict(kernel="scale_output", variant="per-row scale + bias", sass_static=n, shared=smem, **regs[0]))
     sig = {"X": "*bf16", "W": "*u8", "S": "*fp32", "Z": "*i8", "SC": "*u8", "GS": "*fp32", "BIAS": "*fp32",
            "OUT": "*bf16", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32", "s_xm": "i32", "s_wn": "i32",

@@ -517,7 +517,8 @@ def scale_output(y: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
     bm, bn = (16, 64) if os.environ.get("TRITON_INTERPRET") == "1" else (16, 256)
     launch(k._scale_output_kernel, (triton.cdiv(M, bm), triton.cdiv(N, bn)), y, scale,
            bias if bias is not None else scale, out, M, N, y.stride(0), out.stride(0),
-           ROWS=scale.numel() > 1, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
+           ROWS=scale.numel() > 1, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
+           INTERP=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4)
     return out
 
 
