@@ -783,33 +783,19 @@ def _pairs_chunk_fp4(acc, wd, kc, kx, X_ROWS, SCW, scw, sc_phys, p_ok, sc_log, n
     if FOLD:
         if not V3:
             scw = _fp4_scale_words(SCW, sc_phys + kc // (128 if WFMT == 2 else 64), p_ok, WFMT, 128)[0]
-        m0, m1, m2, m3 = _fp4_mults(scw[0], WFMT, dexp, INTERP)
+        mults = _fp4_mults(scw[0], WFMT, dexp, INTERP)      # blocks 0-3 of the chunk ...
         if WFMT == 3:
-            n0, n1, n2, n3 = _fp4_mults(scw[1], WFMT, dexp, INTERP)
+            mults = mults + _fp4_mults(scw[1], WFMT, dexp, INTERP)  # ... and NVFP4's 4-7
     else:
         unit = _fp4_unit(wd.shape, INTERP)
         sw = tl.load(SCW + sc_log + kc // 128, mask=n_ok, other=0)
     for i in tl.static_range(4):
         xp = _pairs_x(tl.load(X_ROWS + (kx + 32 * i), mask=m_ok[:, None], other=0.0), BLOCK_M, V3)   # [BM, 32]
-        if FOLD:
-            if WFMT == 3:  # blocks 2i, 2i + 1
-                if i == 0:
-                    k = _plane_mults(m0, m1, BLOCK_N, WARPS, V3)
-                if i == 1:
-                    k = _plane_mults(m2, m3, BLOCK_N, WARPS, V3)
-                if i == 2:
-                    k = _plane_mults(n0, n1, BLOCK_N, WARPS, V3)
-                if i == 3:
-                    k = _plane_mults(n2, n3, BLOCK_N, WARPS, V3)
-            else:  # block i
-                if i == 0:
-                    k = _plane_mults(m0, m0, BLOCK_N, WARPS, V3)
-                if i == 1:
-                    k = _plane_mults(m1, m1, BLOCK_N, WARPS, V3)
-                if i == 2:
-                    k = _plane_mults(m2, m2, BLOCK_N, WARPS, V3)
-                if i == 3:
-                    k = _plane_mults(m3, m3, BLOCK_N, WARPS, V3)
+        if FOLD:  # plane i: NVFP4 blocks 2i and 2i + 1, MXFP4 block i
+            if WFMT == 3:
+                k = _plane_mults(mults[2 * i], mults[2 * i + 1], BLOCK_N, WARPS, V3)
+            else:
+                k = _plane_mults(mults[i], mults[i], BLOCK_N, WARPS, V3)
             acc = _pairs_dot(_fp4_plane(wd, i, k, INTERP), xp, acc, INTERP)
         else:
             acc = _scaled_dot(acc, _fp4_plane(wd, i, unit, INTERP), xp, decode_e8m0((sw >> (8 * i)) & 255),
