@@ -113,7 +113,7 @@ def share_inputs(model: torch.nn.Module, groups=GROUPS) -> list[str]:
                                   else torch.zeros(m.out_features, device=dev) for b, m in zip(biases, layers)])
             n_total = sum(m.out_features for m in layers)
             merged = {"N": n_total}
-            if spec.fp4_exp_offset is not None or (spec.w4kind == "mxfp4" and spec.layout == "pairs"):
+            if spec.w4kind == "mxfp4" and spec.layout == "pairs":
                 # the folded MXFP4 scales' D belongs to the merged weight (the members' may differ)
                 from lowbit.ops.weight_only import pairs_fp4_exp_offset
 

@@ -203,6 +203,7 @@ def _launch(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int, *, 
         STORE_Y=store_y, AMAX_ONLY=False, **common)
     return codes, scale, (scodes if scale_kind else None), gscale, (y if store_y else None)
 
+
 def _format_meta(scheme: QuantScheme, x2: torch.Tensor, fp8_encoder: str = "auto") -> dict:
     """The fused kernels' compile-time description of `scheme` (element format, scale kind and
     rounding, the element's max / qmax, exponent and mantissa widths, NVFP4's tensor-scale divisor)
