@@ -62,7 +62,7 @@ class W4Weight:
     shape: tuple[int, int]
     qtensor: QTensor                     # the source, for references and checkpoints
     layout: str = "planar_chunks"        # or "planar8" (kernels "gemv8" / "dot8") or "pairs" (kernel "pairs")
-    fp4_exp_offset: int | None = None    # MXFP4 "pairs": D of the folded block scales (_mxfp4_exp_offset)
+    fp4_exp_offset: int | None = None    # MXFP4 "pairs": D of the folded block scales (pairs_fp4_exp_offset)
 
     def metadata(self) -> dict:
         """The layout the kernel expects, for checkpoints and reports."""
