@@ -173,7 +173,7 @@ def test_w4a16_pairs_against_numpy_reference(name, device, rng):
     N not a tile multiple, a zero output channel. Same error bound as the other kernels
     (exact q - z, exact products, float32 accumulation, one scale product per group). fp4
     (bf16 activations only): e2m1 values built in packed bf16 on the GPU, MXFP4's block = one
-    plane, NVFP4's two blocks per plane as two K = 16 dots, NVFP4's tensor scale at the end."""
+    plane, NVFP4's two blocks per plane, both folded into the bf16 weights, NVFP4's tensor scale at the end."""
     scheme = SCHEMES[name] if name in SCHEMES else QuantScheme("uint4", "group", group_size=64, symmetric=False)
     N, K = 40, 256
     w4, w64 = _prepared_words(scheme, N, K, 6, "pairs", _numpy_dequant_pairs, device, rng)

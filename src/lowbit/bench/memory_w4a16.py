@@ -218,7 +218,7 @@ def sass_rows_gemv8() -> list[dict]:
     variants += [(1, False, "*fp16", pick_config_pairs(1, N, K, 128))]
     variants = [v + ("int4",) for v in variants]
     # fp4 weights in the pairs kernel, block scales folded into the bf16 weights (MXFP4: one block
-    # per plane; NVFP4: two K = 16 dots per plane), and MXFP4's unfolded fallback at one row
+    # per plane; NVFP4: two), and MXFP4's unfolded fallback at one row
     variants += [(M, False, "*bf16", pick_config_pairs(M, N, K, G), kind)
                  for kind, G in (("mxfp4", 32), ("nvfp4", 16)) for M in W4_MS]
     variants += [(1, False, "*bf16", pick_config_pairs(1, N, K, 32), "mxfp4 unfolded")]

@@ -650,8 +650,10 @@ def _pairs_chunk(acc, wd, kc, kx, X_ROWS, S, Z, z_row, w_ok, n64, n_ok, m_ok, s_
 #     128 <= E + D <= 254: K is a normal bf16 (bits (E + D) << 7: one add) and so is f. Where the
 #     tensor's scales span more than 2^126 (no such D; not real weights), D is None and each
 #     plane's dot is scaled in float32 as before (K = 2^126: f = the e2m1 value).
-# Products f * x are exact in float32 (<= 14 significant bits) unless they fall below 2^-126
-# (|x| < 2^-107 for the smallest weight): the error bound is the int4 kernels' one.
+# Products f * x are exact in float32 (<= 14 significant bits) unless they fall below 2^-126 in
+# this scaled domain; such a product errs by < 2^-149 there, a float32 rounding's worth of the
+# largest product as long as the activations are above ~2^-100 (the largest block's f is >= 1:
+# MXFP4's D makes it so; NVFP4's smallest f is 2^-19): the int4 kernels' error bound holds.
 @triton.jit
 def _fp4_plane(wd, i: tl.constexpr, mult, INTERP: tl.constexpr):
     """Plane i of fp4 words wd [R, C] (relabelled) times the multiplier (broadcast to [R, C]):
