@@ -9,9 +9,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Best:
-    """Measures for one recipe (keyword arguments of pipeline.run_recipe) and why."""
+    """Measures for one recipe (keyword arguments of pipeline.run_recipe) and why. calib_tokens:
+    the calibration tokens the measurement used, when `lowbit quantize`'s default (1,024) is not
+    what was measured; the CLI uses them unless --calib-tokens is given."""
     options: dict
     why: str
+    calib_tokens: int | None = None
 
 
 BEST: dict[str, Best] = {
