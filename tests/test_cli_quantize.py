@@ -192,7 +192,7 @@ def test_killing_a_save_midway_leaves_the_previous_checkpoint(tmp_path, seed, si
 
 def test_best_measures_bring_their_calibration_tokens(tiny, tmp_path, monkeypatch, capsys):
     """A recipe's best measures run on the calibration tokens they were measured with (lowbit.nn.best's
-    calib_tokens) unless --calib-tokens is given; --plain and measure flags keep the given / default count."""
+    calib_tokens) unless --calib-tokens is given; --plain (like any measure flag: the same branch) keeps the default."""
     from lowbit.nn import best, cli_quantize, pipeline
     asked = []
     texts = pipeline.prepare_texts                       # the tiny fixture's stand-in
@@ -201,7 +201,7 @@ def test_best_measures_bring_their_calibration_tokens(tiny, tmp_path, monkeypatc
     monkeypatch.setitem(best.BEST, "w8a8-int8", best.Best({"override_worst": 0.05}, "test entry", calib_tokens=96))
     base = [a for i, a in enumerate(tiny) if a != "--calib-tokens" and tiny[i - 1] != "--calib-tokens"]
     cases = [([], [cli_quantize.CALIB_TOKENS, 96]), (["--calib-tokens", "64"], [64]),
-             (["--plain"], [cli_quantize.CALIB_TOKENS]), (["--smoothquant"], [cli_quantize.CALIB_TOKENS])]
+             (["--plain"], [cli_quantize.CALIB_TOKENS])]
     for i, (extra, want) in enumerate(cases):
         asked.clear()
         assert main([*base, *extra, "--no-save", "--out", str(tmp_path / f"q{i}")]) == 0
