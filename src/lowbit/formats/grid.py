@@ -1,6 +1,8 @@
 """Round to nearest onto a float format's value grid by table lookup: the values
-decode(encode(x, fmt, saturate=True)) of float32 x, for the float formats of <= 8 bits, in a handful
-of elementwise tensor operations instead of encode's ~20 plus decode's lookup.
+decode(encode(x, fmt, saturate=True)) of float32 x (nearest) and the codes encode(x, fmt,
+saturate=True) themselves (nearest_code, lowbit.quantize's element step for these formats), for the
+float formats of <= 8 bits, in a handful of elementwise tensor operations instead of encode's ~20
+(float64) plus decode's lookup.
 
 For loops that fake-quantize small vectors many times, where the per-call overhead is the cost:
 GPTQ's column loop (lowbit.nn.gptq) quantizes one weight column per call, ~150,000 calls for
