@@ -188,3 +188,22 @@ def test_killing_a_save_midway_leaves_the_previous_checkpoint(tmp_path, seed, si
                                timeout=600)
         assert again.returncode == 0 and "done" in again.stdout, again.stderr
         assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_best_measures_bring_their_calibration_tokens(tiny, tmp_path, monkeypatch, capsys):
+    """A recipe's best measures run on the calibration tokens they were measured with (lowbit.nn.best's
+    calib_tokens) unless --calib-tokens is given; --plain (like any measure flag: the same branch) keeps the default."""
+    from lowbit.nn import best, cli_quantize, pipeline
+    asked = []
+    texts = pipeline.prepare_texts                       # the tiny fixture's stand-in
+    monkeypatch.setattr(pipeline, "prepare_texts", lambda loaded, tokens, calib, window: asked.append(calib)
+                        or texts(loaded, tokens, calib, window))
+    monkeypatch.setitem(best.BEST, "w8a8-int8", best.Best({"override_worst": 0.05}, "test entry", calib_tokens=96))
+    base = [a for i, a in enumerate(tiny) if a != "--calib-tokens" and tiny[i - 1] != "--calib-tokens"]
+    cases = [([], [cli_quantize.CALIB_TOKENS, 96]), (["--calib-tokens", "64"], [64]),
+             (["--plain"], [cli_quantize.CALIB_TOKENS])]
+    for i, (extra, want) in enumerate(cases):
+        asked.clear()
+        assert main([*base, *extra, "--no-save", "--out", str(tmp_path / f"q{i}")]) == 0
+        assert asked == want, extra
+    assert "on 96 calibration tokens" in capsys.readouterr().out

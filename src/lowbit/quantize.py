@@ -336,7 +336,7 @@ def compute_scale(amax: torch.Tensor, scheme: QuantScheme, *, amin: torch.Tensor
             global_scale.to(torch.float32).reshape(())
         # torchao nvfp4_quantize: block scales relative to g, clamped into e4m3's normal range.
         rel = torch.clamp(_div(amax, float(fmt.max)) / g, min=float(sfmt.min_normal), max=float(sfmt.max))
-        codes = F.encode(rel, sfmt, saturate=True)
+        codes = _encode_float(rel, sfmt)
         return Scales(scale_from_codes(codes, scheme, g), None, codes, g)
     qmax = fmt.qmax if fmt.kind == "int" else fmt.max
     return Scales(_nonzero_scale(_div(amax, float(qmax))), None, None, None)
@@ -467,7 +467,17 @@ def encode_scaled(scaled: torch.Tensor, zero_point: torch.Tensor | None, fmt) ->
         else:
             q = torch.clamp(q + zero_point, fmt.qmin, fmt.qmax)
         return q.to(torch.int8 if fmt.signed else torch.uint8)
-    return _formats().encode(scaled, fmt, saturate=True)
+    return _encode_float(scaled, fmt)
+
+
+def _encode_float(x: torch.Tensor, fmt) -> torch.Tensor:
+    """encode(x, fmt, saturate=True) of a float tensor: by grid.nearest_code's table lookup (the same
+    codes bit for bit, tests/test_format_grid.py) for float32 x in an <= 8-bit float format, else by
+    encode (float64 arithmetic)."""
+    from lowbit.formats import grid
+    if x.dtype == torch.float32 and grid.supported(fmt):
+        return grid.nearest_code(x, fmt)
+    return _formats().encode(x, fmt, saturate=True)
 
 
 def _check_scales(sc, scheme: QuantScheme, shape: tuple[int, ...], device) -> Scales:

@@ -1,6 +1,8 @@
 """Round to nearest onto a float format's value grid by table lookup: the values
-decode(encode(x, fmt, saturate=True)) of float32 x, for the float formats of <= 8 bits, in a handful
-of elementwise tensor operations instead of encode's ~20 plus decode's lookup.
+decode(encode(x, fmt, saturate=True)) of float32 x (nearest) and the codes encode(x, fmt,
+saturate=True) themselves (nearest_code, lowbit.quantize's element step for these formats), for the
+float formats of <= 8 bits, in a handful of elementwise tensor operations instead of encode's ~20
+(float64) plus decode's lookup.
 
 For loops that fake-quantize small vectors many times, where the per-call overhead is the cost:
 GPTQ's column loop (lowbit.nn.gptq) quantizes one weight column per call, ~150,000 calls for
@@ -54,10 +56,13 @@ def _f32_bits(v: float) -> int:
     return int(torch.tensor(v, dtype=torch.float32).view(torch.int32))
 
 
-def _table(f: Format, device: torch.device) -> torch.Tensor:
-    """float32 [2 * 2^(31 - LOW_BITS)]: entry 2 key + above is the rounded magnitude of a
-    non-negative float32 with that key (bits >> LOW_BITS) that is above (1) or equal to (0) the
-    first float32 of the key's range; on `device`."""
+def _tables(f: Format, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8, values float32), each [2 * 2^(31 - LOW_BITS)], on `device`: entry 2 key + above
+    is the magnitude code (encode's, sign bit clear) and the value of a non-negative float32 with that
+    key (bits >> LOW_BITS) that is above (1) or equal to (0) the first float32 of the key's range.
+    NaN's keys (exponent all ones, fraction not 0: all entries of the keys above +inf's, and the
+    "above" entry of +inf's own key) hold the format's NaN magnitude code (its largest finite one
+    when it has none: nearest_code refuses NaN there) and, in the values, v_M."""
     key = (f.name, str(device))
     hit = _CACHE.get(key)
     if hit is not None:
@@ -75,30 +80,60 @@ def _table(f: Format, device: torch.device) -> torch.Tensor:
             raise RuntimeError(f"{f.name}: boundary {b!r} has more than 5 significant bits; nearest() does not apply")
         starts[bits >> LOW_BITS] = (k + 1) % 2 == 0      # tie to the even code: k + 1 when it is even
     n_keys = 1 << (31 - LOW_BITS)
-    table = []
+    inf_key = _f32_bits(float("inf")) >> LOW_BITS
+    nan_code = M if spec._nan_magcode is None else spec._nan_magcode
+    codes = []
     base = 0
     for k in range(n_keys):
         has = k in starts
-        table += [vals[min(base + int(has and starts[k]), M)], vals[min(base + int(has), M)]]
+        codes += [min(base + int(has and starts[k]), M), min(base + int(has), M)]
         base += int(has)
-    out = torch.tensor(table, dtype=torch.float32, device=device)
+    codes[2 * inf_key + 1:] = [nan_code] * (2 * n_keys - 2 * inf_key - 1)
+    out = (torch.tensor(codes, dtype=torch.uint8, device=device),
+           torch.tensor([vals[min(c, M)] for c in codes], dtype=torch.float32, device=device))
     _CACHE[key] = out
     return out
+
+
+def _index(x: torch.Tensor, f: Format, what: str) -> torch.Tensor:
+    """int32 table index of |x| (2 key + above) for float32 x, after checking f and x."""
+    if not supported(f):
+        raise ValueError(f"{what}: {f.name} is not a float format of <= 8 bits with policy in {POLICIES}; "
+                         "use decode(encode(x, fmt)) for it")
+    if x.dtype != torch.float32:
+        raise TypeError(f"{what}: x must be float32 (the rounding of a float32 value), got {x.dtype}")
+    bits = x.view(torch.int32) & 0x7FFFFFFF          # sign bit cleared: non-negative
+    return ((bits >> LOW_BITS) << 1) | ((bits & ((1 << LOW_BITS) - 1)) != 0).to(torch.int32)
 
 
 def nearest(x: torch.Tensor, fmt: str | Format) -> torch.Tensor:
     """float32 tensor of x's shape: decode(encode(x, fmt, saturate=True)) for float32 x (finite
     or +-inf; NaN unspecified) in a float format of <= 8 bits (supported(fmt))."""
     f = get_format(fmt)
-    if not supported(f):
-        raise ValueError(f"nearest: {f.name} is not a float format of <= 8 bits with policy in {POLICIES}; "
-                         "use decode(encode(x, fmt)) for it")
-    if x.dtype != torch.float32:
-        raise TypeError(f"nearest: x must be float32 (the rounding of a float32 value), got {x.dtype}")
-    table = _table(f, x.device)
-    bits = x.abs().view(torch.int32)          # sign bit cleared: non-negative
-    idx = ((bits >> LOW_BITS) << 1) | ((bits & ((1 << LOW_BITS) - 1)) != 0).to(torch.int32)
-    q = torch.copysign(table[idx], x)
+    idx = _index(x, f, "nearest")
+    q = torch.copysign(_tables(f, x.device)[1][idx], x)
     if f.policy == "fnuz":
         q = q + 0.0     # -0.0 + 0.0 = +0.0 (round to nearest); every other value unchanged
     return q
+
+
+def nearest_code(x: torch.Tensor, fmt: str | Format) -> torch.Tensor:
+    """uint8 tensor of x's shape: encode(x, fmt, saturate=True) bit for bit for every float32 x
+    (finite, +-inf to +-max, NaN to the format's NaN code with x's sign bit as encode gives it) in a
+    float format of <= 8 bits (supported(fmt)); NaN in a format without a NaN code raises ValueError,
+    as encode does. lowbit.quantize's element step for float formats: ~10 int32 passes instead of
+    encode's float64 ones. The sign bit is x's, except that fnuz has no negative zero (its 0x80 is
+    NaN): a magnitude code 0 stays 0x00 there, and its NaN code 0x80 already is the sign bit."""
+    f = get_format(fmt)
+    idx = _index(x, f, "nearest_code")
+    spec = f.spec
+    if spec._nan_magcode is None:
+        nan = torch.isnan(x)
+        if bool(nan.any()):
+            raise ValueError(f"x holds {int(nan.sum())} NaN value(s) and this format has no NaN "
+                             "encoding: remove them, or pass saturate=False to get ml_dtypes' zeros")
+    mag = _tables(f, x.device)[0][idx]
+    code = mag | (torch.signbit(x).to(torch.uint8) << (spec.bits - 1))
+    if f.policy == "fnuz":
+        code = torch.where(mag == 0, mag, code)
+    return code

@@ -5,6 +5,7 @@ compressed-tensors checkpoint plus a report (markdown + PNG).
 Defaults: the embedded SmolLM2-135M-Instruct, Wikipedia text, recipe w8a8-int8."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import sys
@@ -25,7 +26,9 @@ def register(p) -> None:
                         "the ones there, none of which is deleted or replaced")
     p.add_argument("--tokens", type=int, default=8192, help="evaluation tokens (perplexity windows of --window)")
     p.add_argument("--window", type=int, default=512, help="perplexity window (non-overlapping)")
-    p.add_argument("--calib-tokens", type=int, default=1024, help="calibration / per-site report tokens (separate text)")
+    p.add_argument("--calib-tokens", type=int, default=None,
+                   help=f"calibration / per-site report tokens (separate text; default {CALIB_TOKENS}, or the count "
+                        "the recipe's best measures were measured with when they are applied)")
     p.add_argument("--smoothquant", nargs="?", type=float, const=0.5, default=None, metavar="ALPHA",
                    help="fold SmoothQuant factors (alpha, default 0.5) before quantizing")
     p.add_argument("--override-worst", type=float, default=0.0, metavar="FRACTION",
@@ -67,10 +70,14 @@ def register(p) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
-def _measures(args, recipe: str, kind: str) -> dict:
-    """The measures for one recipe: the flags given, or (no measure flag, no --plain, a causal
-    decoder: where they were measured) the best measured ones from lowbit.nn.best, printed with
-    the reason."""
+CALIB_TOKENS = 1024        # --calib-tokens when neither the flag nor the recipe's best measures give a count
+
+
+def _measures(args, recipe: str, kind: str) -> tuple[dict, int]:
+    """The measures for one recipe and its calibration tokens: the flags given, or (no measure flag,
+    no --plain, a causal decoder: where they were measured) the best measured ones from
+    lowbit.nn.best, printed with the reason, on the calibration tokens they were measured with
+    unless --calib-tokens is given."""
     given = {"smoothquant": args.smoothquant, "override_worst": args.override_worst or 0.0,
              "method": args.method or "rtn", "awq": args.awq, "rotate": args.rotate, "mse": args.mse}
     flagged = (args.smoothquant is not None or args.override_worst or args.method or args.awq or args.rotate
@@ -78,15 +85,19 @@ def _measures(args, recipe: str, kind: str) -> dict:
     if args.plain or flagged:
         if args.plain and flagged:
             raise ValueError("--plain means round to nearest alone; drop it or the measure flags")
-        return given
+        return given, args.calib_tokens
     from lowbit.nn.best import best_options
     best = best_options(recipe) if kind == "causal" else None
     if best is None:
         print(f"{recipe}: no measured improvement on file; plain round to nearest", flush=True)
-        return given
+        return given, args.calib_tokens
     print(f"{recipe}: applying the best measured measures {best.options} ({best.why}); --plain for "
           "round to nearest alone", flush=True)
-    return {**given, **best.options}
+    n = args.calib_tokens if args.calib_tokens_given or not best.calib_tokens else best.calib_tokens
+    if n != args.calib_tokens:
+        print(f"{recipe}: on {n} calibration tokens, what they were measured with (--calib-tokens sets them)",
+              flush=True)
+    return {**given, **best.options}, n
 
 
 def _save(model, out: Path, recipe, tokenizer) -> str | None:
@@ -120,6 +131,9 @@ def validate(args) -> tuple[list[str], dict, dict[str, Path]]:
     overrides = A.overrides(args.override)
     override_to = A.recipe_or_skip(args.override_to, "--override-to")
     A.text_sizes(args.tokens, args.window)
+    args.calib_tokens_given = args.calib_tokens is not None
+    if args.calib_tokens is None:
+        args.calib_tokens = CALIB_TOKENS
     A.text_sizes(args.calib_tokens, args.window, "--calib-tokens")
     A.positive(args.threads, "--threads", allow_none=True)
     A.fraction(args.override_worst, "--override-worst", 0.5)
@@ -184,8 +198,10 @@ def run(args) -> int:
           f" ({time.time() - t0:.0f} s)", flush=True)
     table = []
     for recipe in recipes:
-        opts = _measures(args, recipe, loaded.kind)
-        run_ = run_recipe(loaded, texts, recipe, override_to=args.override_to, ignore=args.ignore,
+        opts, n_calib = _measures(args, recipe, loaded.kind)
+        rtexts = texts if n_calib == args.calib_tokens else dataclasses.replace(
+            texts, calib=D.shard(prepare_texts(loaded, args.tokens, n_calib, args.window).calib))
+        run_ = run_recipe(loaded, rtexts, recipe, override_to=args.override_to, ignore=args.ignore,
                           overrides=overrides, static=args.static_scales, window=args.window,
                           reference=loaded.model if loaded.kind == "causal" else None, **opts)
         print(run_.sites_before)
