@@ -30,11 +30,13 @@ BEST: dict[str, Best] = {
                      calib_tokens=4096),
     "w4a16-g32": Best({"method": "gptq"},
                       "GPTQ (damp 0.1, act-order, held-out check), 2,048 calibration tokens: +23.01% perplexity "
-                      "vs +40.20% round to nearest (docs/perplexity.md)"),
+                      "vs +40.20% round to nearest (docs/perplexity.md)",
+                      calib_tokens=2048),
     "w4a16": Best({"method": "gptq", "mse": True},
                   "GPTQ (damp 0.1, act-order, held-out check) on MSE-optimal group scales (weighted by the "
                   "Hessian diagonal), 2,048 calibration tokens: +30.28% perplexity (KL 0.282) vs +38.01% for "
-                  "GPTQ alone and +72.47% round to nearest (docs/perplexity.md)"),
+                  "GPTQ alone and +72.47% round to nearest (docs/perplexity.md)",
+                  calib_tokens=2048),
     "nvfp4": Best({"smoothquant": 0.5, "method": "gptq", "override_worst": 0.05},
                   "SmoothQuant 0.5 + GPTQ on the NVFP4 weights + the 10 worst sites by block SQNR (4.8% of "
                   "Linears) in bf16: +23.57% perplexity (KL 0.2349, top-1 77.83%) on 8,192 tokens vs +29.58% "
