@@ -140,13 +140,13 @@ def sass_report() -> list[dict]:
     from lowbit.ops.triton.dequant import _qdq_rows_kernel
 
     qsig = {"X": "*bf16", "s_x": "i32", "OUT": "*bf16", "s_o": "i32", "AMAX": "*fp32", "WG": "*fp32",
-            "GPROD": "*fp32", "M": "i32", "K": "i32", "NGROUPS": "i32"}
+            "GPROD": "*fp32", "M": "i32", "K": "i32"}
     for name, extra in (("mxfp4", dict(SCALE_KIND=1, E8M0_ROUND=0, G=32, NG=128)),
                         ("nvfp4", dict(SCALE_KIND=2, G_DIV=2688.0, G=16, NG=256)),
                         ("nvfp4 absmax", dict(SCALE_KIND=2, G_DIV=2688.0, G=16, NG=256, AMAX_ONLY=True))):
         consts = {**dict(FMT=2, E8M0_ROUND=0, QMAX=6.0, EMAX=2, MBITS=1, HW_FP8=True, FAST_DIV=True, G_DIV=1.0,
                          EVEN=True, AMAX_ONLY=False, ONE=False, MP2=16, HAS_WG=True), **extra}
-        n, smem = compile_count(_qdq_rows_kernel, qsig, consts, ("M", "K", "NGROUPS"), num_warps=8)
+        n, smem = compile_count(_qdq_rows_kernel, qsig, consts, ("M", "K"), num_warps=8)
         rows.append(dict(kernel="qdq_rows", variant=f"{name} K=4096", sass_static=n, shared=smem, **regs[0]))
     # the large-M W4A16 path's passes: the pairs dequantization (at PAIRS_DEQUANT) and the NVFP4 output scale
     from lowbit.ops.weight_only import PAIRS_DEQUANT

@@ -172,7 +172,7 @@ def _launch(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int, *, 
     NG, Gt = (1, block) if G == K else (block // G, G)
     ngroups = K // G
     fmt = scheme.fmt
-    warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
+    warps = _row_warps(block)
     dummy = torch.empty(1, device=dev, dtype=torch.float32)
     w = weight if weight is not None else dummy
     r_in = res2 if res2 is not None else dummy
@@ -202,6 +202,11 @@ def _launch(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int, *, 
         tamax if tamax is not None else dummy, gscale if gscale is not None else dummy, dummy, K, ngroups, eps,
         STORE_Y=store_y, AMAX_ONLY=False, **common)
     return codes, scale, (scodes if scale_kind else None), gscale, (y if store_y else None)
+
+
+def _row_warps(block: int) -> int:
+    """num_warps of a kernel holding one row of `block` elements in registers (row quantizer, qdq_rows)."""
+    return 4 if block <= 1024 else (8 if block <= 4096 else 16)
 
 
 def _format_meta(scheme: QuantScheme, x2: torch.Tensor, fp8_encoder: str = "auto") -> dict:
@@ -547,14 +552,14 @@ def qdq_rows(x2: torch.Tensor, scheme: QuantScheme, weight_scale: torch.Tensor |
     out = torch.empty((M, K), dtype=torch.bfloat16, device=dev)
     gprod = torch.empty(1, dtype=torch.float32, device=dev) if nv else None
     amax = torch.empty(M, dtype=torch.float32, device=dev) if nv and M > 1 else out
-    warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
+    warps = _row_warps(block)
     args = dict(meta, NG=block // G, G=G, EVEN=block == K, ONE=M == 1, MP2=max(2, triton.next_power_of_2(M)),
                 HAS_WG=weight_scale is not None, num_warps=warps)
     wg = weight_scale if weight_scale is not None else out
     if nv and M > 1:
-        _qdq_rows_kernel[(M,)](x2, x2.stride(0), out, out.stride(0), amax, wg, out, M, K, K // G,
+        _qdq_rows_kernel[(M,)](x2, x2.stride(0), out, out.stride(0), amax, wg, out, M, K,
                                AMAX_ONLY=True, **args)
-    _qdq_rows_kernel[(M,)](x2, x2.stride(0), out, out.stride(0), amax, wg, gprod if nv else out, M, K, K // G,
+    _qdq_rows_kernel[(M,)](x2, x2.stride(0), out, out.stride(0), amax, wg, gprod if nv else out, M, K,
                            AMAX_ONLY=False, **args)
     return out, gprod
 

@@ -58,7 +58,7 @@ def dequantize_groups(codes: torch.Tensor, scale_codes: torch.Tensor, group: int
 
 
 @triton.jit
-def _qdq_rows_kernel(X, s_x, OUT, s_o, AMAX, WG, GPROD, M, K, NGROUPS,
+def _qdq_rows_kernel(X, s_x, OUT, s_o, AMAX, WG, GPROD, M, K,
                      FMT: tl.constexpr, SCALE_KIND: tl.constexpr, E8M0_ROUND: tl.constexpr, QMAX: tl.constexpr,
                      EMAX: tl.constexpr, MBITS: tl.constexpr, HW_FP8: tl.constexpr, FAST_DIV: tl.constexpr,
                      G_DIV: tl.constexpr, NG: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr,
@@ -66,7 +66,7 @@ def _qdq_rows_kernel(X, s_x, OUT, s_o, AMAX, WG, GPROD, M, K, NGROUPS,
     """Dynamic fp4 (MXFP4 / NVFP4) quantization of row pid of x [M, K] straight to its dequantized
     value (e2m1 * block scale, exact in bf16; NVFP4's tensor scale NOT applied): what
     fused.quantize_rows + dequantize_groups compute, one kernel instead of two (NVFP4: instead of
-    five), from the same helpers, so the same codes and scales (lowbit.quantize's). The row is an
+    six with the torch max and product), from the same helpers, so the same codes and scales (lowbit.quantize's). The row is an
     [NG, G] tile. NVFP4: the tensor amax is the max of the rows' absmax -- this row's own (ONE: M
     = 1), else AMAX [M] from an AMAX_ONLY launch (MP2 = next power of two >= M) --; program 0
     writes GPROD = WG * g (HAS_WG: the weight's tensor scale times the activation's, the W4A16
