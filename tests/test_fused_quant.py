@@ -471,9 +471,10 @@ def test_qdq_rows_equals_canonical(name, dtype, device, rng):
     kernel) against lowbit.quantize: every value e2m1 * block scale, decoded here with ml_dtypes
     from the canonical codes and scale codes, bit for bit; NVFP4's product of tensor scales
     = weight scale * the canonical tensor scale (one float32 product). One row (NVFP4: the row's
-    own amax is the tensor's) and several (the absmax launch first), K a tile multiple or not."""
+    own amax is the tensor's), several (the absmax launch first) and more than QDQ_MAX_ROWS (their
+    max reduced by torch first: prefill sizes), K a tile multiple or not."""
     scheme = SCHEMES[name]
-    for M, K in ((1, 256), (5, 160), (3, 384)):
+    for M, K in ((1, 256), (5, 160), (3, 384), (fused.QDQ_MAX_ROWS + 7, 96)):
         x = _rand(rng, (M, K), dtype, device, zero_row=1 if M > 1 else None)
         wg = (torch.rand(1, generator=rng) + 0.5).to(device)
         xd, gs = fused.qdq_rows(x, scheme, wg if name == "nvfp4" else None)
@@ -495,5 +496,4 @@ def test_qdq_rows_refusals(device, rng):
     x = torch.randn(2, 96, generator=rng).to(device)
     with pytest.raises(ValueError, match="MXFP4 / NVFP4"):
         fused.qdq_rows(x, SCHEMES["mxfp8"])
-    with pytest.raises(ValueError, match="at most"):
-        fused.qdq_rows(torch.randn(fused.QDQ_MAX_ROWS + 1, 64, generator=rng).to(device), SCHEMES["nvfp4"])
+

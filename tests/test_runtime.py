@@ -76,9 +76,12 @@ def test_fast_path_matches_reference(rng, kernel_device, recipe):
 @pytest.mark.parametrize("recipe", ["w4a16", "w4a16-asym", "mxfp4", "nvfp4", "mxfp8"])
 def test_large_m_dequantized_weight_path(rng, kernel_device, recipe, monkeypatch):
     """From DEQUANT_MIN_M rows on, 4-bit and MXFP8 weights are dequantized per call and multiplied
-    by a bf16 GEMM (lowered to 1 row here so the interpreter runs it at a small shape)."""
+    by a bf16 GEMM (lowered to 1 row here so the interpreter runs it at a small shape); the fp4
+    activations past fused.QDQ_MAX_ROWS (lowered to 2: NVFP4's tensor absmax reduced by torch first)."""
     from lowbit.nn import runtime
+    from lowbit.ops import fused
     monkeypatch.setattr(runtime, "DEQUANT_MIN_M", 1)
+    monkeypatch.setattr(fused, "QDQ_MAX_ROWS", 2)
     M, K, N = 6, 256, 40
     q, r = _layer(rng, N, K, recipe, kernel_device)
     x = _acts(rng, M, K)

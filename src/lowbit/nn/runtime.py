@@ -301,26 +301,18 @@ def _run_w4a16(spec, x2, ops, bias, global_scale=None, act_scale=None):
 
 def _run_fp4(spec, x2, ops, bias):
     """fp4 x fp4, emulated exactly: the activation's codes times its block scale (exact in
-    bf16) into the W4A16 kernel; NVFP4's two per-tensor scales multiply the accumulator.
-    Decode sizes: one kernel quantizes and dequantizes (fused.qdq_rows; NVFP4 two up to
-    QDQ_MAX_ROWS rows, and the product of the tensor scales comes with it)."""
-    from lowbit.ops.fused import QDQ_MAX_ROWS, qdq_rows, quantize_rows
-    from lowbit.ops.triton.dequant import dequantize_groups
+    bf16) into the W4A16 kernel; NVFP4's two per-tensor scales multiply the accumulator. One
+    kernel quantizes and dequantizes the activation (fused.qdq_rows; NVFP4: two, three above
+    QDQ_MAX_ROWS rows), and the product of the tensor scales comes with it."""
+    from lowbit.ops.fused import qdq_rows
 
-    scheme = spec.act_scheme
-    if x2.shape[0] <= QDQ_MAX_ROWS:
-        wg = ops.get("global_scale")
-        if wg is not None and wg.numel() > 1:  # merged layers: per-row weight scales, g_w * g_x in the kernel
-            xd, gx = qdq_rows(x2, scheme)
+    wg = ops.get("global_scale")
+    if wg is not None and wg.numel() > 1:  # merged layers: per-row weight scales
+        xd, gx = qdq_rows(x2, spec.act_scheme)
+        if x2.shape[0] < DEQUANT_MIN_M:  # g_w * g_x in the kernel
             return _run_w4a16(spec, xd, ops, bias, act_scale=gx).to(x2.dtype)
-        xd, gs = qdq_rows(x2, scheme, wg)
-        return _run_w4a16(spec, xd, ops, bias, gs).to(x2.dtype)
-    qt = quantize_rows(x2, scheme, check_finite=False)
-    xd = dequantize_groups(qt.codes, qt.scale_codes.reshape(x2.shape[0], -1), scheme.group_size, "e2m1",
-                           "e8m0" if scheme.scale_format == "e8m0" else "e4m3")
-    gs = None
-    if qt.global_scale is not None:
-        gs = (ops["global_scale"] * qt.global_scale.reshape(1)).contiguous()
+        return _run_w4a16(spec, xd, ops, bias, (wg * gx).contiguous()).to(x2.dtype)
+    xd, gs = qdq_rows(x2, spec.act_scheme, wg)
     return _run_w4a16(spec, xd, ops, bias, gs).to(x2.dtype)
 
 

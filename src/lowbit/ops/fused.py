@@ -523,17 +523,22 @@ def quantize_rows(x: torch.Tensor, scheme: QuantScheme, *, backend: str | None =
     return _assemble(codes, scale, sc, gs, scheme, tuple(x.shape[:-1]), K, check_finite, where, pack)
 
 
-QDQ_MAX_ROWS = 64  # qdq_rows' NVFP4 launch reads all rows' absmax in every program: decode sizes
+# Up to this many rows, qdq_rows' NVFP4 programs each reduce all rows' absmax themselves (decode
+# sizes: no extra launch); above it torch reduces them to the tensor's absmax first (one small
+# reduction kernel) and every program reads that one value (an M-wide tile per program would
+# not fit its registers at prefill sizes).
+QDQ_MAX_ROWS = 64
 
 
 def qdq_rows(x2: torch.Tensor, scheme: QuantScheme, weight_scale: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """MXFP4 / NVFP4 dynamic quantization of x2 [M, K] (bf16 / fp16 / fp32, unit stride along K,
-    M <= QDQ_MAX_ROWS for NVFP4) returned dequantized: (xd bf16 [M, K] = e2m1 * block scale, exact;
+    """MXFP4 / NVFP4 dynamic quantization of x2 [M, K] (bf16 / fp16 / fp32, unit stride along K)
+    returned dequantized: (xd bf16 [M, K] = e2m1 * block scale, exact;
     NVFP4: weight_scale * g as float32 [1], g the activation's tensor scale -- g itself without a
     weight_scale; MXFP4: None). The same
     numbers as quantize_rows(x2, scheme) decoded by dequantize_groups (the runtime's W4A4
-    emulation), in one kernel (two for NVFP4 with M > 1: the rows' absmax first). No argument
+    emulation), in one kernel (NVFP4 with M > 1: the rows' absmax first, and above QDQ_MAX_ROWS
+    rows their maximum by torch: three). No argument
     checks beyond the shapes: lowbit.nn.runtime's fast path calls it (CUDA-graph safe: no host sync)."""
     import triton
 
@@ -545,22 +550,23 @@ def qdq_rows(x2: torch.Tensor, scheme: QuantScheme, weight_scale: torch.Tensor |
     nv = meta["SCALE_KIND"] == 2
     if scheme.format != "fp4_e2m1fn" or meta["SCALE_KIND"] == 0 or K % G:
         raise ValueError(f"qdq_rows: MXFP4 / NVFP4 schemes with K a multiple of the group, got {scheme}, K = {K}")
-    if nv and M > QDQ_MAX_ROWS:
-        raise ValueError(f"qdq_rows: NVFP4 takes at most {QDQ_MAX_ROWS} rows, got {M}; use quantize_rows")
     block = max(16, triton.next_power_of_2(K))
     dev = x2.device
     out = torch.empty((M, K), dtype=torch.bfloat16, device=dev)
     gprod = torch.empty(1, dtype=torch.float32, device=dev) if nv else None
     amax = torch.empty(M, dtype=torch.float32, device=dev) if nv and M > 1 else out
     warps = _row_warps(block)
-    args = dict(meta, NG=block // G, G=G, EVEN=block == K, ONE=M == 1, MP2=max(2, triton.next_power_of_2(M)),
-                HAS_WG=weight_scale is not None, num_warps=warps)
+    args = dict(meta, NG=block // G, G=G, EVEN=block == K, ONE=M == 1, HAS_WG=weight_scale is not None,
+                num_warps=warps)
     wg = weight_scale if weight_scale is not None else out
+    rows_amax = M  # how many entries of amax the quantizing programs reduce
     if nv and M > 1:
         _qdq_rows_kernel[(M,)](x2, x2.stride(0), out, out.stride(0), amax, wg, out, M, K,
-                               AMAX_ONLY=True, **args)
-    _qdq_rows_kernel[(M,)](x2, x2.stride(0), out, out.stride(0), amax, wg, gprod if nv else out, M, K,
-                           AMAX_ONLY=False, **args)
+                               AMAX_ONLY=True, MP2=2, **args)
+        if M > QDQ_MAX_ROWS:  # the max is exact: the same tensor scale as the programs' own reduction
+            amax, rows_amax = amax.amax().reshape(1), 1
+    _qdq_rows_kernel[(M,)](x2, x2.stride(0), out, out.stride(0), amax, wg, gprod if nv else out, rows_amax, K,
+                           AMAX_ONLY=False, MP2=max(2, triton.next_power_of_2(rows_amax)), **args)
     return out, gprod
 
 

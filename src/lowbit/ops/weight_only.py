@@ -498,8 +498,12 @@ def dequantize_w4(w: W4Weight, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-# (BLOCK_N, chunks of 128 codes per program, num_warps) of the pairs dequantization on the GPU
-PAIRS_DEQUANT = (64, 1, 4)
+# (BLOCK_N, chunks of 128 codes per program, num_warps) of the pairs dequantization on the GPU:
+# the H200 sweep of 2026-12-01 (scripts/gpu_profile_linear.py, PROFILE_DEQUANT=1, after the fp4
+# scales were loaded once per row and block) timed (128, 1, 4) fastest for int4 g128 and NVFP4 at
+# 14336 x 4096 and 4096 x 14336: 65 / 66 us and 75 / 77 us against 78 / 68 and 88 / 87 us at
+# (64, 1, 4); every configuration gives the same bits
+PAIRS_DEQUANT = (128, 1, 4)
 PAIRS_DEQUANT_INTERP = (16, 1, 4)  # in Triton's interpreter (small tiles: every program runs in Python)
 
 

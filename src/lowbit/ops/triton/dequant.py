@@ -68,7 +68,8 @@ def _qdq_rows_kernel(X, s_x, OUT, s_o, AMAX, WG, GPROD, M, K,
     fused.quantize_rows + dequantize_groups compute, one kernel instead of two (NVFP4: instead of
     six with the torch max and product), from the same helpers, so the same codes and scales (lowbit.quantize's). The row is an
     [NG, G] tile. NVFP4: the tensor amax is the max of the rows' absmax -- this row's own (ONE: M
-    = 1), else AMAX [M] from an AMAX_ONLY launch (MP2 = next power of two >= M) --; program 0
+    = 1), else the first M entries of AMAX from an AMAX_ONLY launch (the rows' absmax, or above
+    fused.QDQ_MAX_ROWS rows their max alone, M = 1; MP2 = next power of two >= M) --; program 0
     writes GPROD = WG * g (HAS_WG: the weight's tensor scale times the activation's, the W4A16
     kernel's one scale of the accumulator) or g itself."""
     row = tl.program_id(0).to(tl.int64)
