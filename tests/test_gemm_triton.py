@@ -214,6 +214,41 @@ def test_mxfp8_e8m0_per_32(rng, codes, tma):
     assert torch.all((got - ref).abs() <= tol), f"max excess {((got - ref).abs() - tol).max()}"
 
 
+@pytest.mark.parametrize("out_dtype,with_bias", [(torch.bfloat16, False), (torch.bfloat16, True),
+                                                   (torch.float32, True)])
+def test_mxfp8_dequant_path(rng, monkeypatch, out_dtype, with_bias):
+    """mxfp8_gemm from MX_DEQUANT_MIN_M rows (lowered to 1 here): both operands dequantized to
+    bf16 (the kernel's operand values: exact over the codes 10..245 it states) and one bf16 GEMM.
+    Products exact, a K-long fp32 sum: |error| <= K * 2u32 * sum |products| (2u32: one ulp per
+    addition, for tensor cores that truncate the aligned addends), then the bias add and the
+    output rounding (_epilogue_tol); plus (K + 1) * 2**-126 absolute: a library GEMM may flush
+    subnormal products and results to zero (seen: oneDNN's bf16 GEMM on the CPU returned 0 for
+    a ~1e-38 result of the 2**-117-scaled rows), each losing less than fp32's smallest normal."""
+    from lowbit.ops.triton import gemm_blockscaled as gb
+    monkeypatch.setattr(gb, "MX_DEQUANT_MIN_M", 1)
+    M, N, K = _shape(rng, 2, 5)
+    K = 32 * K
+    a, b = _fp8(rng, M, K), _fp8(rng, N, K)
+    ea = torch.randint(110, 140, (M, K // 32), generator=rng, dtype=torch.uint8)
+    eb = torch.randint(110, 140, (N, K // 32), generator=rng, dtype=torch.uint8)
+    ea[0, 0] = 10
+    ea[:, -1], eb[-1, -1] = 10, 245
+    bias = torch.randn(N, generator=rng) * 4 if with_bias else None
+    calls = []
+    real = gb.mxfp8_dequant_gemm
+    monkeypatch.setattr(gb, "mxfp8_dequant_gemm", lambda *args: calls.append(1) or real(*args))
+    y = mxfp8_gemm(a.to(DEV), b.to(DEV), ea.to(DEV), eb.to(DEV), out_dtype=out_dtype,
+                   bias=None if bias is None else bias.to(DEV))
+    assert calls and y.dtype == out_dtype and y.shape == (M, N)
+    got = y.cpu().double()
+    ref, S = _blockscaled_oracle(a, b, torch.exp2(ea.double() - 127), torch.exp2(eb.double() - 127), 32, 1)
+    bias_abs = 0.0
+    if bias is not None:
+        ref, bias_abs = ref + bias.double(), bias.double().abs()
+    tol = _epilogue_tol(S, bias_abs, ref, out_dtype, acc_err=K * 2 * U32 * S) + (K + 1) * 2.0 ** -126
+    assert torch.all((got - ref).abs() <= tol), f"max excess {((got - ref).abs() - tol).max()}"
+
+
 def test_blockscaled_bad_input_errors(rng):
     a, b = _fp8(rng, 3, 96).to(DEV), _fp8(rng, 24, 96).to(DEV)
     with pytest.raises(ValueError, match="not a multiple of the scale group size 128"):

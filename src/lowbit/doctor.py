@@ -98,8 +98,10 @@ def path_for(x_preset: str | None, w_preset: str, capability, has_triton: bool) 
     if native[need]:
         return "native", f"Triton kernel '{kernel}' on the {need} path"
     if kernel == "mxfp8" and native["fp8 MMA"]:
+        from lowbit.ops.triton.gemm_blockscaled import MX_DEQUANT_MIN_M
         return "emulated", ("Triton kernel 'mxfp8': fp8 tiles times their e8m0 scales fed exactly to the "
-                            "bf16 tensor cores (no MX datapath before sm_100)")
+                            f"bf16 tensor cores; from {MX_DEQUANT_MIN_M} rows both operands dequantized to bf16 "
+                            "and one cuBLAS GEMM (no MX datapath before sm_100)")
     return "none", f"Triton kernel '{kernel}' needs the {need} path (this GPU lacks it); use backend='reference'"
 
 

@@ -319,20 +319,16 @@ def _run_fp4(spec, x2, ops, bias):
 def _run_mxfp8(spec, x2, ops, bias):
     """MXFP8 x MXFP8, emulated exactly: below DEQUANT_MIN_M rows the MX GEMM (e8m0 scales
     applied to the operands in each tile); from there both operands dequantized to bf16 (exact)
-    and one cuBLAS GEMM (fp32 accumulation, bf16 output; a bias is added in fp32 after it)."""
+    and one cuBLAS GEMM (gemm_blockscaled.mxfp8_dequant_gemm: fp32 accumulation; a bias is
+    added in fp32 after it)."""
     from lowbit.ops.fused import quantize_rows
-    from lowbit.ops.triton.dequant import dequantize_groups
-    from lowbit.ops.triton.gemm_blockscaled import mxfp8_gemm
+    from lowbit.ops.triton.gemm_blockscaled import mxfp8_dequant_gemm, mxfp8_gemm
 
     qt = quantize_rows(x2, spec.act_scheme, check_finite=False)
     sx = qt.scale_codes.reshape(x2.shape[0], -1)
     if x2.shape[0] < DEQUANT_MIN_M:
         return mxfp8_gemm(qt.codes, ops["w"], sx, ops["w_scale_codes"], bias=bias, out_dtype=x2.dtype)
-    y = torch.nn.functional.linear(dequantize_groups(qt.codes, sx, 32, "e4m3", "e8m0"),
-                                   dequantize_groups(ops["w"], ops["w_scale_codes"], 32, "e4m3", "e8m0"))
-    if bias is not None:
-        y = y.float() + bias.float()
-    return y.to(x2.dtype)
+    return mxfp8_dequant_gemm(qt.codes, ops["w"], sx, ops["w_scale_codes"], bias, x2.dtype)
 
 
 _RUN = {"w8a8": _run_w8a8, "w8a16": _run_w8a16, "w4a16": _run_w4a16, "fp4": _run_fp4, "mxfp8": _run_mxfp8}

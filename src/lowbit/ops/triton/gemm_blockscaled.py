@@ -254,6 +254,35 @@ def fp8_block_gemm(a, b, a_scale, b_scale, *, bias=None, out_dtype=torch.bfloat1
                             out_dtype=out_dtype, config=config)
 
 
+# From this many rows on (and without a forced config) mxfp8_gemm dequantizes both operands to
+# bf16 and runs one cuBLAS bf16 GEMM instead of the Triton kernel: the kernel's per-tile
+# scaling runs on the CUDA cores between the bf16 MMAs (~270-300 TFLOP/s at M >= 2048 on the
+# H200, 0.22x of _scaled_mm row-wise), while the dequantization is two memory-bound passes
+# (3 bytes per element moved) and the GEMM then runs at bf16 speed. The same threshold as
+# lowbit.nn.runtime.DEQUANT_MIN_M, whose large-M MXFP8 path is this function.
+MX_DEQUANT_MIN_M = 256
+
+
+def mxfp8_dequant_gemm(a, b, a_scale, b_scale, bias=None, out_dtype=torch.bfloat16):
+    """MXFP8 (e8m0 codes) by dequantization: a, b to bf16 (a_scale, b_scale applied; exact in the
+    range mxfp8_gemm states: the same operand values as its kernel), then one bf16 GEMM with
+    fp32 accumulation: straight to bf16 (one rounding of the fp32 sum) without a bias, else
+    float32 out (torch.mm out_dtype on CUDA), the bias added in fp32 and one rounding. Caveat:
+    the bf16-output GEMM is cuBLAS's, which PyTorch lets reduce split-K partial sums in bf16
+    unless torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is False. Operands
+    as mxfp8_gemm's, unchecked (mxfp8_gemm and lowbit.nn.runtime check them)."""
+    from .dequant import dequantize_groups
+
+    A = dequantize_groups(a.view(torch.uint8), a_scale, 32, "e4m3", "e8m0")
+    B = dequantize_groups(b.view(torch.uint8), b_scale, 32, "e4m3", "e8m0")
+    if bias is None and out_dtype == torch.bfloat16:
+        return A @ B.t()
+    y = torch.mm(A, B.t(), out_dtype=torch.float32) if A.is_cuda else A.float() @ B.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
 def mxfp8_gemm(a, b, a_scale, b_scale, *, bias=None, out_dtype=torch.bfloat16, config=None):
     """MXFP8: fp8 e4m3fn [M, K] x [N, K] with e8m0 scales per 32 values on both operands.
 
@@ -262,7 +291,9 @@ def mxfp8_gemm(a, b, a_scale, b_scale, *, bias=None, out_dtype=torch.bfloat16, c
     as bf16 to the bf16 tensor cores (fp32 accumulation). This is exact while every scaled
     element is zero or a normal bf16 number: codes >= 10 on elements >= 2**-9 (e4m3's smallest
     subnormal) and scaled magnitudes < 2**128, which holds for every code lowbit.quantize makes
-    from finite float32 data with group amax >= 2**-108. fp32 scales (any values) go through
+    from finite float32 data with group amax >= 2**-108. From MX_DEQUANT_MIN_M rows on (config
+    None) the same bf16 operands are made by a dequantization pass and multiplied by cuBLAS
+    (mxfp8_dequant_gemm). fp32 scales (any values) go through
     blockscaled_gemm(group=32), which rescales fp8 partial products per 32-wide K step instead.
     """
     if not isinstance(a_scale, torch.Tensor) or a_scale.dtype != torch.uint8 or \
@@ -276,6 +307,8 @@ def mxfp8_gemm(a, b, a_scale, b_scale, *, bias=None, out_dtype=torch.bfloat16, c
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return c
+    if config is None and M >= MX_DEQUANT_MIN_M:
+        return mxfp8_dequant_gemm(a, b, sa, sb, bias, out_dtype)
     cfg = _grouped_config(config, M, N, K, 32, "mx")
     grid, opts, a_arg, b_arg = prepare_launch(cfg, a, b)
     _mx_kernel[grid](a_arg, b_arg, c, sa, sb, bias if bias is not None else c,
