@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The closing H200 run of a session, in parts that each fit one 10-minute device command:
 #   bash scripts/gpu_final.sh suite,gemm,memory     the CUDA test suite, GEMM rows, memory-bound rows
-#     (GEMM_SHAPES=MxNxK,... and MEMORY_ONLY=name,... narrow the two benchmarks)
+#     (GEMM_SHAPES=MxNxK,... or all, GEMM_ONLY=kernel, GEMM_SWEEP=0 and MEMORY_ONLY=name,... narrow the
+#     two benchmarks)
 #   bash scripts/gpu_final.sh audit,distributed     `lowbit audit` on the GPU, the 1-vs-2-GPU calibration run
 #   MODEL_RECIPES=w4a16,mxfp4 bash scripts/gpu_final.sh model   the model benchmark (bf16 vs those recipes)
 #   TESTS="tests/test_x.py" bash scripts/gpu_final.sh tests,memory   some test files, then the memory rows
@@ -28,13 +29,21 @@ if [[ $parts == *,tests,* ]]; then  # some test files only: TESTS="tests/test_a.
 fi
 if [[ $parts == *,gemm,* ]]; then
   timeout "${GEMM_TIMEOUT:-100}" python3 - >"$out/gemm.log" 2>&1 <<'PY'
-import json, os
-from lowbit.bench.gemm import run_shape
-rows = []
-for M, N, K in [tuple(map(int, s.split("x"))) for s in os.environ.get("GEMM_SHAPES", "128x4096x14336").split(",")]:
-    print(f"shape M={M} N={N} K={K}", flush=True)
-    rows += run_shape(M, N, K)
-    json.dump(rows, open(os.path.join(os.environ["OUT"], "bench-gemm-final.json"), "w"), indent=1, default=str)
+import json, os, sys
+from lowbit.bench.gemm import run, run_shape
+only = os.environ.get("GEMM_ONLY") or None  # lowbit kernels whose name contains it (baselines always run)
+dump = lambda rows: json.dump(rows, open(os.path.join(os.environ["OUT"], "bench-gemm-final.json"), "w"),
+                              indent=1, default=str)
+if os.environ.get("GEMM_SHAPES") == "all":  # the bench's own shapes (lowbit bench --only gemm)
+    dump(run(only))
+else:
+    rows = []
+    for M, N, K in [tuple(map(int, s.split("x"))) for s in os.environ.get("GEMM_SHAPES", "128x4096x14336").split(",")]:
+        print(f"shape M={M} N={N} K={K}", flush=True)
+        rows += run_shape(M, N, K, only)
+        dump(rows)
+if os.environ.get("GEMM_SWEEP", "1") != "1":
+    sys.exit(0)
 # the skinny fp8 shape under the int8 winner's tiles (64 rows, BLOCK_K 256) and the current default
 from lowbit.bench.gemm import sweep
 c = lambda bm, bn, bk, w, s, **kw: dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=w, num_stages=s, **kw)
@@ -78,7 +87,7 @@ if [[ $parts == *,distributed,* ]]; then
   fi
 fi
 [ -f "$out/tests.log" ] && grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -n 20
-[ -f "$out/gemm.log" ] && grep -E "lowbit_int8|bf16 |int_mm |lowbit_fp8_row |scaled_row |sweep" "$out/gemm.log" | head -n 30
+[ -f "$out/gemm.log" ] && grep -E "lowbit_int8|bf16 |int_mm |lowbit_fp8_row |lowbit_mxfp8|scaled_row |sweep" "$out/gemm.log" | head -n 40
 [ -f "$out/bench_memory.log" ] && sed -n '/# memory-bound kernels/,$p' "$out/bench_memory.log" | grep -E "norm_quant|quant_|g128 |gemv8 |pairs|g32|mxfp4|nvfp4" | head -n 60
 [ -f "$out/bench_model.log" ] && sed -n '/# lowbit bench model/,$p' "$out/bench_model.log" | head -n 30
 [ -f "$out/profile.log" ] && grep -vE "Warning|warn" "$out/profile.log" | tail -n 60

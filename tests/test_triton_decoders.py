@@ -75,3 +75,27 @@ def test_fp4_folded_scale_byte_routing(rng):
     bb = (sw >> np.uint32(1)) & 0x7F807F80
     assert np.array_equal(lo(a), b[0] << 7) and np.array_equal(hi(a), b[2] << 7)
     assert np.array_equal(lo(bb), b[1] << 7) and np.array_equal(hi(bb), b[3] << 7)
+
+
+def test_dequantize_groups_tiles(kernel_device, rng):
+    """dequantize_groups over rows and groups that span several programs with ragged edges (R not a
+    multiple of the row tile, more groups than one program holds, a last program with fewer), for
+    MXFP8 (e4m3 x e8m0) and NVFP4 (e2m1 x e4m3) codes, against ml_dtypes' decodings times the
+    scales in float64: equal (the products are exact in bf16 over these codes)."""
+    for element, scale, G in (("e4m3", "e8m0", 32), ("e2m1", "e4m3", 16)):
+        R = int(torch.randint(17, 41, (1,), generator=rng))
+        K = G * int(torch.randint(3, 21, (1,), generator=rng))
+        hi = 256 if element == "e4m3" else 16
+        c = torch.randint(0, hi, (R, K), generator=rng, dtype=torch.uint8)
+        if element == "e4m3":
+            c[(c & 0x7F) == 0x7F] = 0x7E                      # NaN codes are never produced
+            sc = torch.randint(110, 141, (R, K // G), generator=rng, dtype=torch.uint8)
+            vals = c.numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+            s = np.exp2(sc.numpy().astype(np.float64) - 127)
+        else:
+            sc = torch.randint(8, 0x7F, (R, K // G), generator=rng, dtype=torch.uint8)  # positive normals
+            vals = c.numpy().view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+            s = sc.numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+        got = dequantize_groups(c.to(kernel_device), sc.to(kernel_device), G, element, scale)
+        assert got.dtype == torch.bfloat16 and got.shape == (R, K)
+        assert np.array_equal(got.cpu().double().numpy(), vals * np.repeat(s, G, axis=1)), (element, R, K)

@@ -148,6 +148,17 @@ def sass_report() -> list[dict]:
                          EVEN=True, AMAX_ONLY=False, ONE=False, MP2=16, HAS_WG=True), **extra}
         n, smem = compile_count(_qdq_rows_kernel, qsig, consts, ("M", "K"), num_warps=8)
         rows.append(dict(kernel="qdq_rows", variant=f"{name} K=4096", sass_static=n, shared=smem, **regs[0]))
+    # the group dequantization (MXFP8 operands from 256 rows, gemm_blockscaled.mxfp8_dequant_gemm), as
+    # dequantize_groups launches it; per_element = static instructions / codes per thread
+    from lowbit.ops.triton.dequant import _group_dequant_kernel
+
+    gdsig = {"C": "*u8", "SC": "*u8", "OUT": "*bf16", "R": "i32", "K": "i32", "s_c": "i32", "s_sc": "i32",
+             "s_o": "i32"}
+    for name, ef, sf, G in (("mxfp8 e4m3 x e8m0", 0, 2, 32), ("nvfp4 e2m1 x e4m3", 1, 3, 16)):
+        n, smem = compile_count(_group_dequant_kernel, gdsig, dict(EFMT=ef, SFMT=sf, G=G, BLOCK_R=16, GROUPS=256 // G),
+                                ("R",), num_warps=4)
+        rows.append(dict(kernel="group_dequant", variant=f"{name} 16 x 256", sass_static=n,
+                         per_element=round(n / (16 * 256 / 128), 1), shared=smem, **regs[0]))
     # the large-M W4A16 path's passes: the pairs dequantization (at PAIRS_DEQUANT) and the NVFP4 output scale
     from lowbit.ops.weight_only import PAIRS_DEQUANT
 
