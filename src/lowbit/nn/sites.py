@@ -134,6 +134,11 @@ def site_report(model: torch.nn.Module, batches: Iterable, recipe: str | Recipe,
         wdb[n] = sqnr_db(float(w.pow(2).sum()), float((w - q.weight_dequantized()).pow(2).sum()))
         qlayers[n] = q
     busy = [False]                                  # True while a block is re-run with one site quantized
+    # The float pass's input and output of each site of the block being run, and its quantized
+    # output (forward_2d, what QuantLinear's CPU path returns): a block re-run for site n reuses
+    # them for every site whose input is unchanged (those that do not read n's output), so only
+    # what lies downstream of n is computed again. Equality of the input is checked, not assumed.
+    seen: dict[str, tuple] = {}
 
     def make(name):
         def hook(mod, args):
@@ -142,6 +147,8 @@ def site_report(model: torch.nn.Module, batches: Iterable, recipe: str | Recipe,
             x = args[0].detach().float().reshape(-1, mod.in_features)
             q, st = qlayers[name], stats[name]
             yq, deq = q.forward_2d(x)
+            if block:
+                seen[name] = (args[0], yq)
             if q.act_scheme is not None:
                 if deq is None:                      # kernel path: quantize once more to see the input
                     deq = q.quantize_input(x)[2]
@@ -154,6 +161,30 @@ def site_report(model: torch.nn.Module, batches: Iterable, recipe: str | Recipe,
             st[6] = cm if st[6] is None else torch.maximum(st[6], cm)
         return hook
 
+    def make_out(name):
+        def hook(mod, args, output):
+            if not busy[0] and name in seen:
+                seen[name] = seen[name] + (output,)
+        return hook
+
+    def replay(name, quantized):
+        """A stand-in forward for site `name` in a re-run: on the float pass's input, its float
+        output or (quantized) its quantized one, without computing either again."""
+        lin = layers[name]
+        x0, yq, *out = seen[name]
+        q = qlayers[name]
+
+        def fwd(x):
+            if x.shape == x0.shape and torch.equal(x, x0) and not (quantized and q._fast_ok(x)):
+                if quantized:
+                    return yq.reshape(*x.shape[:-1], q.out_features).to(x.dtype)
+                if out:
+                    return out[0]
+            if quantized:
+                return q(x).to(x.dtype)
+            return type(lin).forward(lin, x)
+        return fwd
+
     def make_block(names):
         def hook(mod, args, kwargs, output):
             if busy[0]:
@@ -162,19 +193,25 @@ def site_report(model: torch.nn.Module, batches: Iterable, recipe: str | Recipe,
             busy[0] = True
             try:
                 for n in names:
-                    q = qlayers[n]
-                    swap = layers[n].register_forward_hook(lambda m, a, o, q=q: q(a[0]).to(o.dtype))
+                    for m in names:
+                        if m in seen:
+                            layers[m].forward = replay(m, m == n)
                     try:
                         out = _first_tensor(mod(*args, **kwargs)).float()
                     finally:
-                        swap.remove()
+                        for m in names:
+                            layers[m].__dict__.pop("forward", None)
                     stats[n][4] += float(ref.pow(2).sum())
                     stats[n][5] += float((out - ref).pow(2).sum())
             finally:
                 busy[0] = False
+                for m in names:
+                    seen.pop(m, None)
         return hook
 
     hooks = [lin.register_forward_pre_hook(make(n)) for n, (lin, _) in sites.items()]
+    if block:
+        hooks += [lin.register_forward_hook(make_out(n)) for n, (lin, _) in sites.items()]
     blocks: dict[str, list[str]] = {}
     if block:
         for n in sites:
@@ -198,6 +235,7 @@ def site_report(model: torch.nn.Module, batches: Iterable, recipe: str | Recipe,
     finally:
         for h in hooks:
             h.remove()
+        seen.clear()
     if distributed.active():
         # this rank ran its share of the batches: the SQNR sums are all ranks' (float64 SUM, equal
         # to one process's up to float64 rounding), the channel maxima MAX (exact)
