@@ -304,11 +304,11 @@ def mxfp8_gemm(a, b, a_scale, b_scale, *, bias=None, out_dtype=torch.bfloat16, c
     sa = _check_scales("a_scale", a_scale, M, K // 32, "(M, K/32)")
     sb = _check_scales("b_scale", b_scale, N, K // 32, "(N, K/32)")
     bias = check_bias(bias, N)
+    if M and N and config is None and M >= MX_DEQUANT_MIN_M:
+        return mxfp8_dequant_gemm(a, b, sa, sb, bias, out_dtype)
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return c
-    if config is None and M >= MX_DEQUANT_MIN_M:
-        return mxfp8_dequant_gemm(a, b, sa, sb, bias, out_dtype)
     cfg = _grouped_config(config, M, N, K, 32, "mx")
     grid, opts, a_arg, b_arg = prepare_launch(cfg, a, b)
     _mx_kernel[grid](a_arg, b_arg, c, sa, sb, bias if bias is not None else c,
