@@ -187,3 +187,23 @@ def test_budget_and_a_broken_cuda_context_end_in_rows_not_a_crash(monkeypatch):
     assert by[("w8a8-int8", "decode", 1)]["skipped"] == "not run: the CUDA context broke"
     assert all(r["skipped"].startswith("CUDA context broken by an earlier error")
                for r in rows if r["variant"] == "w4a16")
+
+
+def test_memory_plot_from_a_run(tmp_path):
+    """`python -m lowbit.bench.memory --plot JSON PNG` draws a committed H200 run (docs/bench-memory-s8.json)
+    without a GPU: a PNG whose height grows with the number of quantizer rows."""
+    import json
+    import os
+    import struct
+
+    from lowbit.bench.memory_report import plot
+    src = os.path.join(os.path.dirname(__file__), "..", "docs", "bench-memory-s8.json")
+    rows = json.load(open(src))["rows"]
+    sizes = []
+    for keep in (rows, [r for r in rows if "8192x8192" not in r["shape"]]):
+        out = tmp_path / f"m{len(keep)}.png"
+        plot(keep, str(out))
+        head = out.read_bytes()[:24]
+        assert head[:8] == b"\x89PNG\r\n\x1a\n"
+        sizes.append(struct.unpack(">II", head[16:24]))            # IHDR width, height
+    assert sizes[0][0] == sizes[1][0] and sizes[0][1] > sizes[1][1], sizes

@@ -9,8 +9,10 @@ from lowbit.bench.memory import W4_MS
 
 
 def plot(rows: list[dict], path: str) -> None:
-    """PNG of a run: bandwidth of the fused kernels next to their baselines (left), W4A16
-    speed-ups over bf16 torch.mm and tinygemm (right)."""
+    """PNG of a run, horizontal bars with one readable label each: the activation quantizers'
+    bandwidth as % of the Triton copy (left; each kernel with torch.compile's row beside it where
+    the run timed one; the tile sweep's variants stay in the JSON), and the default W4A16 kernels'
+    speed-up over bf16 torch.mm per weight format and decode shape (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -18,41 +20,43 @@ def plot(rows: list[dict], path: str) -> None:
 
     by = {(r["name"], r["shape"]): r for r in rows if r.get("ms")}
     copy = max((r["GBps"] for r in rows if r["name"].startswith("copy") and r.get("GBps")), default=None)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 6))
-    labels, series = [], {"lowbit (fused)": [], "torch.compile": [], "eager": []}
-    for r in rows:
-        n = r["name"]
-        if (not r.get("ms") or not n.startswith("lowbit_") or n.startswith(("lowbit_w4a16", "lowbit_sparse"))
-                or "_tile_r" in n or "_tile_p" in n):  # the tile sweep stays in the JSON; the plot shows the heuristic tile
-            continue
-        label = n[len("lowbit_"):]
-        base = label.removesuffix("_tile")  # the "tile" kernel's row has the "row" kernel's baselines
-        labels.append(f"{label}\n{r['shape']}")
-        series["lowbit (fused)"].append(r["GBps"])
-        for key, pre in (("torch.compile", "compile_"), ("eager", "eager_")):
-            b = by.get((pre + base, r["shape"]))
-            series[key].append(b["GBps"] if b else 0.0)
-    x = range(len(labels))
-    for i, (key, vals) in enumerate(series.items()):
-        ax1.bar([v + (i - 1) * 0.27 for v in x], vals, width=0.27, label=key)
-    if copy:
-        ax1.axhline(copy, color="k", ls="--", lw=1, label=f"copy, this run ({copy:.0f} GB/s)")
-    ax1.set_xticks(list(x), labels, rotation=70, fontsize=7)
-    ax1.set_ylabel("GB/s (bytes that must move / time)")
-    ax1.set_title("activation quantizers: fused vs unfused")
-    ax1.legend(fontsize=8)
-    w4 = [r for r in rows if r["name"].startswith("lowbit_w4a16_int4_g128") and r.get("ms")
-          and not r["name"].endswith("asym")]
-    lab2 = [f"{r['name'][len('lowbit_w4a16_'):]}\n{r['shape']}" for r in w4]
-    x2 = range(len(w4))
-    ax2.bar([v - 0.2 for v in x2], [r.get("vs_bf16", 0) for r in w4], width=0.4, label="vs bf16 torch.mm")
-    ax2.bar([v + 0.2 for v in x2], [r.get("vs_tinygemm", 0) for r in w4], width=0.4, label="vs tinygemm")
-    ax2.axhline(1.0, color="k", lw=1)
-    ax2.axhline(2.5, color="r", ls=":", lw=1, label="target at M=1 (2.5x bf16)")
-    ax2.set_xticks(list(x2), lab2, rotation=70, fontsize=7)
-    ax2.set_ylabel("speed-up (baseline time / lowbit time)")
-    ax2.set_title("W4A16 int4 g128 decode GEMM")
-    ax2.legend(fontsize=8)
+    quant = [r for r in rows if r.get("ms") and r["name"].startswith("lowbit_")
+             and not r["name"].startswith(("lowbit_w4a16", "lowbit_sparse"))
+             and "_tile_r" not in r["name"] and "_tile_p" not in r["name"]]
+    w4_kinds = [k for k in ("int4_g128", "int4_g128_asym", "int4_g32", "mxfp4", "nvfp4")
+                if any(r["name"] == "lowbit_w4a16_" + k for r in rows)]
+    w4_shapes = list(dict.fromkeys(r["shape"] for r in rows if r["name"].startswith("lowbit_w4a16_") and r.get("ms")))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, max(6.0, 0.22 * len(quant) + 1.5)),
+                                   gridspec_kw={"width_ratios": [1.15, 1]})
+    ref = copy or 1.0
+    y = list(range(len(quant)))[::-1]
+    labels, lows, comps = [], [], []
+    for r in quant:
+        label = r["name"][len("lowbit_"):]
+        labels.append(f"{label}  {r['shape']}")
+        lows.append(100 * r["GBps"] / ref)
+        b = by.get(("compile_" + label.removesuffix("_tile"), r["shape"]))
+        comps.append(100 * b["GBps"] / ref if b else 0.0)
+    ax1.barh([v + 0.2 for v in y], lows, height=0.4, label="lowbit (fused)")
+    ax1.barh([v - 0.2 for v in y], comps, height=0.4, label="torch.compile")
+    ax1.axvline(100, color="k", lw=1)
+    ax1.axvline(80, color="r", ls=":", lw=1, label="80% (int8 / fp8 target)")
+    ax1.set_yticks(y, labels, fontsize=7)
+    ax1.set_xlabel(f"% of the Triton copy ({ref:.0f} GB/s; bytes that must move / time)")
+    ax1.set_title("activation quantizers (_tile: the tile kernel, unsuffixed: the row kernel;\n"
+                  "fused.DEFAULT_KERNEL picks per entry point)", fontsize=10)
+    ax1.legend(fontsize=8, loc="lower right")
+    n = max(1, len(w4_kinds))
+    y2 = list(range(len(w4_shapes)))[::-1]
+    for i, k in enumerate(w4_kinds):
+        vals = [by.get(("lowbit_w4a16_" + k, sh), {}).get("vs_bf16", 0.0) for sh in w4_shapes]
+        ax2.barh([v + (i - (n - 1) / 2) * 0.8 / n for v in y2], vals, height=0.8 / n, label=k)
+    ax2.axvline(1.0, color="k", lw=1)
+    ax2.axvline(2.5, color="r", ls=":", lw=1, label="2.5x (int4 target at M = 1)")
+    ax2.set_yticks(y2, w4_shapes, fontsize=8)
+    ax2.set_xlabel("speed-up over bf16 torch.mm (baseline time / lowbit time)")
+    ax2.set_title("W4A16 decode GEMMs, default kernel per weight format")
+    ax2.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
