@@ -106,10 +106,27 @@ def _index(x: torch.Tensor, f: Format, what: str) -> torch.Tensor:
     return ((bits >> LOW_BITS) << 1) | ((bits & ((1 << LOW_BITS) - 1)) != 0).to(torch.int32)
 
 
+def _torch_cast(f: Format, x: torch.Tensor) -> bool:
+    """fp8 e4m3fn from float32 on the CPU: torch's own cast gives the table's codes (below) in 2 passes
+    instead of ~10 (512 x 1536: 0.7 ms against 6.2 ms for the codes, 3.0 against 7.1 ms for the values).
+    Not on CUDA, whose conversion instruction is not checked here for NaN's sign bit."""
+    return f.name == "fp8_e4m3fn" and x.dtype == torch.float32 and x.device.type == "cpu"
+
+
+def _e4m3fn(x: torch.Tensor) -> torch.Tensor:
+    """x as torch.float8_e4m3fn, saturated: torch's cast rounds to nearest even, subnormals included,
+    keeps NaN's sign bit in the NaN codes 0x7F / 0xFF and turns only |x| >= 480 into NaN, so after the
+    clamp (NaN passes through it, +-inf saturate) the codes are encode(x, saturate=True)'s
+    (tests/test_format_grid.py: every table key, its neighbours and both signs)."""
+    return torch.clamp(x, -448.0, 448.0).to(torch.float8_e4m3fn)
+
+
 def nearest(x: torch.Tensor, fmt: str | Format) -> torch.Tensor:
     """float32 tensor of x's shape: decode(encode(x, fmt, saturate=True)) for float32 x (finite
     or +-inf; NaN unspecified) in a float format of <= 8 bits (supported(fmt))."""
     f = get_format(fmt)
+    if _torch_cast(f, x):
+        return _e4m3fn(x).to(torch.float32)
     idx = _index(x, f, "nearest")
     q = torch.copysign(_tables(f, x.device)[1][idx], x)
     if f.policy == "fnuz":
@@ -125,6 +142,8 @@ def nearest_code(x: torch.Tensor, fmt: str | Format) -> torch.Tensor:
     encode's float64 ones. The sign bit is x's, except that fnuz has no negative zero (its 0x80 is
     NaN): a magnitude code 0 stays 0x00 there, and its NaN code 0x80 already is the sign bit."""
     f = get_format(fmt)
+    if _torch_cast(f, x):
+        return _e4m3fn(x).view(torch.uint8)
     idx = _index(x, f, "nearest_code")
     spec = f.spec
     if spec._nan_magcode is None:
