@@ -7,6 +7,7 @@
 #   MODEL_RECIPES=w4a16,mxfp4 bash scripts/gpu_final.sh model   the model benchmark (bf16 vs those recipes)
 #   TESTS="tests/test_x.py" bash scripts/gpu_final.sh tests,memory   some test files, then the memory rows
 #   bash scripts/gpu_final.sh profile   the CUDA kernels of one quantized Linear call (scripts/gpu_profile_linear.py)
+#   bash scripts/gpu_final.sh w4probe   the W4A16 pairs kernel's weight loads alone vs the kernel (lowbit.bench.w4_probe)
 # Logs and JSON under $OUT (at most 8 files come back: each part writes one or two); a short
 # table last. Runs from source (PYTHONPATH=src): nothing is installed on the device.
 source "$(dirname "$0")/gpu_env.sh"
@@ -68,6 +69,10 @@ if [[ $parts == *,profile,* ]]; then  # the kernels of one quantized Linear call
   timeout "${PROFILE_TIMEOUT:-120}" python3 scripts/gpu_profile_linear.py >"$out/profile.log" 2>&1
   echo "profile rc=$?" | tee -a "$sum"
 fi
+if [[ $parts == *,w4probe,* ]]; then  # the W4A16 pairs kernel's weight loads alone (lowbit/bench/w4_probe.py)
+  timeout "${W4PROBE_TIMEOUT:-150}" python3 -m lowbit.bench.w4_probe "$out/w4probe.json" >"$out/w4probe.log" 2>&1
+  echo "w4probe rc=$?" | tee -a "$sum"
+fi
 if [[ $parts == *,audit,* ]]; then
   timeout "${AUDIT_TIMEOUT:-120}" python3 -m lowbit.cli audit --json "$out/audit_h200.json" \
       --png "$out/audit_h200.png" >"$out/audit_h200.txt" 2>&1
@@ -91,6 +96,7 @@ fi
 [ -f "$out/bench_memory.log" ] && sed -n '/# memory-bound kernels/,$p' "$out/bench_memory.log" | grep -E "norm_quant|quant_|g128 |gemv8 |pairs|g32|mxfp4|nvfp4" | head -n 60
 [ -f "$out/bench_model.log" ] && sed -n '/# lowbit bench model/,$p' "$out/bench_model.log" | head -n 30
 [ -f "$out/profile.log" ] && grep -vE "Warning|warn" "$out/profile.log" | tail -n 60
+[ -f "$out/w4probe.log" ] && grep -vE "Warning|warn" "$out/w4probe.log" | tail -n 20
 [ -f "$out/audit_h200.txt" ] && tail -n 30 "$out/audit_h200.txt"
 [ -f "$out/distributed.log" ] && tail -n 30 "$out/distributed.log"
 cat "$sum"

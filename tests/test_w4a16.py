@@ -442,3 +442,16 @@ def test_pairs_dequant_chunks_per_program(name, device, rng, monkeypatch):
         monkeypatch.setattr(wo, "PAIRS_DEQUANT_INTERP", cfg)
         monkeypatch.setattr(wo, "PAIRS_DEQUANT", (64, chunks, 4))
         assert torch.equal(dequantize_w4(w4, torch.bfloat16).cpu(), want), cfg
+
+
+@pytest.mark.parametrize("block_k,split,prefetch", [(128, 1, True), (256, 2, True), (512, 1, False)])
+def test_pairs_load_probe_reads_every_word(rng, device, block_k, split, prefetch):
+    """lowbit.bench.w4_probe (the pairs kernel's weight-load pattern alone, for the GPU's bandwidth
+    question) folds exactly the words it claims: each row's XOR over each split of K, against numpy,
+    at N that is no multiple of the tile and the words' full int32 range."""
+    from lowbit.bench.w4_probe import probe
+    N, K = 37, 1024
+    words = torch.randint(-2**31, 2**31 - 1, (N, K // 8), generator=rng, dtype=torch.int64).to(torch.int32)
+    got = probe(words.to(device), 16, block_k, split, prefetch, num_warps=1).cpu().numpy()
+    want = np.bitwise_xor.reduce(words.numpy().reshape(N, split, -1), axis=2).T
+    assert got.shape == (split, N) and np.array_equal(got, want)
