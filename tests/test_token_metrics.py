@@ -174,3 +174,29 @@ def test_measure_key_selects_configurations(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="--key"):
         measure.main(["--out", str(tmp_path / "u.md"), "--tokens", "64", "--key", "w8a8-fp8 | no such measure"])
     assert calls == []
+
+
+def test_measure_goes_on_after_any_configuration_error(tmp_path, monkeypatch, capsys):
+    """A configuration that raises anything (here a TypeError, which the driver once let escape: in a
+    process pool that made the pool's exit wait for every other configuration and drop their rows) is
+    reported with its traceback; the rows after it are measured and written, and the exit code is 1."""
+    import json
+    from dataclasses import asdict
+
+    from lowbit.nn import measure
+    keys = [c.key() for c in measure.CONFIGS if c.recipe == "nvfp4" and c.method == "rtn"]
+    bad = keys[1]
+
+    def fake(tokens, calib_tokens, threads, cache, cfg):
+        if cfg.key() == bad:
+            raise TypeError("unsupported operand in a stubbed measure")
+        return {"key": cfg.key(), "config": asdict(cfg), "measures": cfg.measures(), "perplexity": 11.0,
+                "kl": 0.01, "kl_max": 0.1, "top1": 0.9, "tokens": 7, "bytes": 2**20, "overrides": [],
+                "calib_s": 1.0, "total_s": 2.0}
+    monkeypatch.setattr(measure, "_worker", fake)
+    out = tmp_path / "e.md"
+    assert measure.main(["--out", str(out), "--tokens", "64", "--only", "nvfp4", "--methods", "rtn"]) == 1
+    printed = capsys.readouterr().out
+    assert f"{bad}" in printed and "FAILED: TypeError: unsupported operand" in printed and "Traceback" in printed
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert sorted(r["key"] for r in rows) == sorted(["float | none"] + [k for k in keys if k != bad])

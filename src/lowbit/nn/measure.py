@@ -178,19 +178,29 @@ def main(argv=None) -> int:
         rise = f" ({100 * (row['perplexity'] / base - 1):+.2f}%)" if base else ""
         print(f"{row['key']:70s} ppl {row['perplexity']:.4f}{rise} KL {row['kl']:.5f} top-1 {row['top1']:.4f} "
               f"calib {row['calib_s']:.0f} s, total {row['total_s']:.0f} s", flush=True)
-        write(out, head, rows)
+        try:
+            write(out, head, rows)
+        except Exception:  # noqa: BLE001 -- the rows stay in memory: the next write holds them all
+            import traceback
+            print(f"writing {out} failed (the run goes on):\n{traceback.format_exc().rstrip()}", flush=True)
 
     failed = []
 
-    def failure(cfg, err):   # one configuration's error must not cost the rows after it
+    def failure(cfg, err):
+        """One configuration's error must not cost the rows after it (nor, in a pool, the rows that
+        finish after it: an exception leaving the loop would make the pool's exit wait for every
+        other configuration and then drop their results), so every Exception is reported here with
+        its traceback, and the run goes on."""
+        import traceback
         failed.append(cfg.key())
-        print(f"{cfg.key():70s} FAILED: {type(err).__name__}: {err}", flush=True)
+        tb = "".join(traceback.format_exception(err)).rstrip()
+        print(f"{cfg.key():70s} FAILED: {type(err).__name__}: {err}\n{tb}", flush=True)
 
     if args.jobs == 1:
         for cfg in todo:
             try:
                 row = _worker(args.tokens, args.calib_tokens, args.threads, cache, cfg)
-            except (ValueError, RuntimeError, NotImplementedError, FloatingPointError) as err:
+            except Exception as err:  # noqa: BLE001 -- reported with its traceback (failure)
                 failure(cfg, err)
                 continue
             record(row)
@@ -202,7 +212,7 @@ def main(argv=None) -> int:
             for f in as_completed(futs):
                 try:
                     row = f.result()
-                except (ValueError, RuntimeError, NotImplementedError, FloatingPointError) as err:
+                except Exception as err:  # noqa: BLE001 -- reported with its traceback (failure)
                     failure(futs[f], err)
                     continue
                 record(row)
