@@ -95,7 +95,11 @@ def cached_reference_logits(model: torch.nn.Module, ids: torch.Tensor, window: i
             return list(stacked.unbind(0))
     logits = reference_logits(model, ids, window)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    # a temporary name of this process's own: the measure driver's parallel jobs all compute the same
+    # reference at start, and with one shared name a job's rename could take away the file another was
+    # about to rename (FileNotFoundError), which cost a whole table run once
+    import os
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     save_file({"logits": torch.stack(logits)}, str(tmp), metadata={"key": key, "window": str(window)})
     tmp.replace(path)
     return logits
