@@ -4,6 +4,7 @@ cosine for encoders, stored bytes, and tokens/s on CUDA."""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -98,7 +99,6 @@ def cached_reference_logits(model: torch.nn.Module, ids: torch.Tensor, window: i
     # a temporary name of this process's own: the measure driver's parallel jobs all compute the same
     # reference at start, and with one shared name a job's rename could take away the file another was
     # about to rename (FileNotFoundError), which cost a whole table run once
-    import os
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     save_file({"logits": torch.stack(logits)}, str(tmp), metadata={"key": key, "window": str(window)})
     tmp.replace(path)
