@@ -30,10 +30,11 @@ BEST: dict[str, Best] = {
                      "evaluation's standard error (~0.25 points) and the KL pick costs ~11 minutes of calibration "
                      "on 2 cores against ~2.5 (docs/perplexity.md)",
                      calib_tokens=2048),
-    "w4a16-g32": Best({"method": "gptq", "mse": True},
-                      "GPTQ (damp 0.1, act-order, held-out check) on MSE-optimal group scales, 2,048 calibration "
-                      "tokens: +19.12% perplexity (KL 0.192, top-1 79.24%; the one-command table, 2026-12-01) vs "
-                      "+23.01% (KL 0.291) for GPTQ alone and +40.20% round to nearest (docs/perplexity.md)",
+    "w4a16-g32": Best({"awq": True, "method": "gptq"},
+                      "AWQ scales folded, then GPTQ (damp 0.1, act-order, held-out check), 2,048 calibration "
+                      "tokens: +18.42% perplexity (KL 0.174, top-1 80.30%; the one-command table, 2026-12-01) vs "
+                      "+19.12% (KL 0.192) for GPTQ on MSE-optimal scales, +23.01% (KL 0.291) for GPTQ alone and "
+                      "+40.20% round to nearest (docs/perplexity.md)",
                       calib_tokens=2048),
     "w4a16": Best({"method": "gptq", "mse": True},
                   "GPTQ (damp 0.1, act-order, held-out check) on MSE-optimal group scales (weighted by the "
