@@ -468,14 +468,14 @@ def dequantize_w4(w: W4Weight, dtype: torch.dtype) -> torch.Tensor:
     import triton
 
     from lowbit.ops.triton import w4a16 as k
-    from lowbit.ops.triton.common import launch
+    from lowbit.ops.triton.common import interpreting, launch
 
     N, K = w.shape
     out = torch.empty((N, K), dtype=dtype, device=w.packed.device)
     dummy = torch.empty(1, device=w.packed.device, dtype=torch.float32)
     if w.layout == "pairs":
         words = w.packed.view(torch.int32)
-        bn, chunks, warps = PAIRS_DEQUANT_INTERP if os.environ.get("TRITON_INTERPRET") == "1" else PAIRS_DEQUANT
+        bn, chunks, warps = PAIRS_DEQUANT_INTERP if interpreting() else PAIRS_DEQUANT
         while (K // 128) % chunks:
             chunks //= 2
         per_group = w.scale if w.kind in ("int4", "uint4") else w.scale_codes
@@ -514,15 +514,16 @@ def scale_output(y: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
     import triton
 
     from lowbit.ops.triton import w4a16 as k
-    from lowbit.ops.triton.common import launch
+    from lowbit.ops.triton.common import interpreting, launch
 
     M, N = y.shape
     out = torch.empty_like(y)
-    bm, bn = (16, 64) if os.environ.get("TRITON_INTERPRET") == "1" else (16, 256)
+    interp = interpreting()
+    bm, bn = (16, 64) if interp else (16, 256)
     launch(k._scale_output_kernel, (triton.cdiv(M, bm), triton.cdiv(N, bn)), y, scale,
            bias if bias is not None else scale, out, M, N, y.stride(0), out.stride(0),
            ROWS=scale.numel() > 1, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
-           INTERP=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4)
+           INTERP=interp, num_warps=4)
     return out
 
 
