@@ -8,6 +8,7 @@
 #   TESTS="tests/test_x.py" bash scripts/gpu_final.sh tests,memory   some test files, then the memory rows
 #   bash scripts/gpu_final.sh profile   the CUDA kernels of one quantized Linear call (scripts/gpu_profile_linear.py)
 #   bash scripts/gpu_final.sh w4probe   the W4A16 pairs kernel's weight loads alone vs the kernel (lowbit.bench.w4_probe)
+#   bash scripts/gpu_final.sh w4configs the W4A16 pairs kernel under a few configurations vs bf16 (scripts/gpu_w4_configs.py)
 # Logs and JSON under $OUT (at most 8 files come back: each part writes one or two); a short
 # table last. Runs from source (PYTHONPATH=src): nothing is installed on the device.
 source "$(dirname "$0")/gpu_env.sh"
@@ -72,6 +73,11 @@ fi
 if [[ $parts == *,w4probe,* ]]; then  # the W4A16 pairs kernel's weight loads alone (lowbit/bench/w4_probe.py)
   timeout "${W4PROBE_TIMEOUT:-150}" python3 -m lowbit.bench.w4_probe "$out/w4probe.json" >"$out/w4probe.log" 2>&1
   echo "w4probe rc=$?" | tee -a "$sum"
+fi
+if [[ $parts == *,w4configs,* ]]; then
+  timeout "${W4CONFIGS_TIMEOUT:-300}" python3 scripts/gpu_w4_configs.py "$out/w4configs.json" >"$out/w4configs.log" 2>&1
+  echo "w4configs rc=$?" | tee -a "$sum"
+  grep '^==' "$out/w4configs.log" | tee -a "$sum"
 fi
 if [[ $parts == *,audit,* ]]; then
   timeout "${AUDIT_TIMEOUT:-120}" python3 -m lowbit.cli audit --json "$out/audit_h200.json" \

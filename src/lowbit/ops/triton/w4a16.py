@@ -574,21 +574,46 @@ def _pairs_plane(wd, cpair, off, i: tl.constexpr, HALF: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
-def _pairs_offset(Z, zidx, z_ok, SIGNED: tl.constexpr, HAS_Z: tl.constexpr, BLOCK_N: tl.constexpr,
+def _pairs_raw(P, idx, ok, NC: tl.constexpr):
+    """P[idx] for the columns < NC of idx [BN, 16] (per PHYSICAL row: the row's first per-group
+    element of a K step plus the column), zero elsewhere: one K step's scales / zero points / fp4
+    scale words. A load whose pointers run along the words' 16 columns takes their register layout
+    (a 1-D load gets a layout of its own, and meeting the dot's result layout then costs a shared-
+    memory round trip and two barriers per group, which stalls every warp of the program); the
+    kernel loads these tiles with the weights, ahead of the step that uses them."""
+    col = tl.arange(0, 16)[None, :]
+    return tl.load(P + idx, mask=ok & (col < NC), other=0)
+
+
+@triton.jit
+def _pairs_pick(raw, c: tl.constexpr):
+    """Column c of a raw tile as [BN, 1] in the words' load layout (the other columns add exact zeros)."""
+    col = tl.arange(0, 16)[None, :]
+    return tl.sum(tl.where(col == c, raw, 0), axis=1, keep_dims=True)
+
+
+@triton.jit
+def _pairs_row_scale(sraw, c: tl.constexpr, BLOCK_N: tl.constexpr, WARPS: tl.constexpr, V3: tl.constexpr):
+    """Column c of a raw float32 tile per LOGICAL row, [BN, 1], in the rows' layout of the dot's
+    result: broadcast along the words' columns, relabelled like the words (no data moves), reduced
+    (a max of equal values: warp shuffles, no shared memory)."""
+    v = tl.broadcast_to(_pairs_pick(sraw, c), (BLOCK_N, 16))
+    return tl.max(_pairs_relabel(v, BLOCK_N, WARPS, V3), axis=1, keep_dims=True)
+
+
+@triton.jit
+def _pairs_offset(zraw, c: tl.constexpr, SIGNED: tl.constexpr, HAS_Z: tl.constexpr, BLOCK_N: tl.constexpr,
                   HALF: tl.constexpr, WARPS: tl.constexpr, V3: tl.constexpr):
     """(offset [BN, 16] int32, packed 16-bit pair of 2^e + offset [BN, 16]) for one group, in the
-    relabelled words' order: offset = 8 (int4 offset binary) or 0, plus the zero point, loaded
-    per PHYSICAL row (zidx [BN, 16]: the row's zero-point index plus the column, only column 0
-    read: a load whose pointers run along the words' 16 columns takes their register layout,
-    see _row_value) and broadcast along the columns before the relabelling, which then moves
-    no data (a 1-D load would be shuffled into place); 2^e = 128 (bf16) / 1024 (fp16)."""
+    relabelled words' order: offset = 8 (int4 offset binary) or 0, plus the zero point (column c
+    of the raw int8 tile zraw, per PHYSICAL row), broadcast along the columns before the
+    relabelling, which then moves no data; 2^e = 128 (bf16) / 1024 (fp16)."""
     if SIGNED:
         off = tl.full((BLOCK_N, 16), 8, tl.int32)
     else:
         off = tl.zeros((BLOCK_N, 16), tl.int32)
     if HAS_Z:
-        col = tl.arange(0, 16)[None, :]
-        z = tl.sum(tl.load(Z + zidx, mask=z_ok & (col == 0), other=0).to(tl.int32), axis=1, keep_dims=True)
+        z = _pairs_pick(zraw.to(tl.int32), c)
         off += _pairs_relabel(tl.broadcast_to(z, (BLOCK_N, 16)), BLOCK_N, WARPS, V3)
     if HALF == 1:
         bits = 0x4300 | off
@@ -606,27 +631,27 @@ def _pairs_dot(f, xp, part, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _pairs_chunk(acc, wd, kc, kx, X_ROWS, S, Z, z_row, w_ok, n64, n_ok, m_ok, s_sn,
+def _pairs_chunk(acc, wd, c: tl.constexpr, kx, X_ROWS, sraw, zraw, m_ok,
                  SIGNED: tl.constexpr, HAS_Z: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, WARPS: tl.constexpr, V3: tl.constexpr, HALF: tl.constexpr,
                  INTERP: tl.constexpr):
-    """acc [BN, BM] + the chunk of 128 codes starting at code kc (words wd [BN, 16] as loaded;
-    x at X_ROWS [BM, 32] pointers + kx, the chunk's offset in this program's K range): four
-    planes, one dot each, each scale group's partial scaled once (PG planes per group)."""
+    """acc [BN, BM] + chunk c (0 or 1) of a K step: 128 codes (words wd [BN, 16] as loaded; x at
+    X_ROWS [BM, 32] pointers + kx, the chunk's offset in this program's K range; sraw / zraw the
+    step's raw scale / zero-point tiles, _pairs_raw): four planes, one dot each, each scale
+    group's partial scaled once (PG planes per group)."""
     PG: tl.constexpr = G // 32 if G < 128 else 4
     wd = _pairs_relabel(wd, BLOCK_N, WARPS, V3)
     part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for i in tl.static_range(4):
+        q = (128 * c + 32 * i) // G    # (a constant) the group's column in the step's raw tiles
         if i % PG == 0:                          # a scale group starts at this plane
-            off, cpair = _pairs_offset(Z, z_row + (kc + 32 * i) // G, w_ok, SIGNED, HAS_Z, BLOCK_N, HALF,
-                                       WARPS, V3)
+            off, cpair = _pairs_offset(zraw, q, SIGNED, HAS_Z, BLOCK_N, HALF, WARPS, V3)
             part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         f = _pairs_plane(wd, cpair, off.to(tl.float32), i, HALF, BLOCK_N, INTERP)
         xp = _pairs_x(tl.load(X_ROWS + (kx + 32 * i), mask=m_ok[:, None], other=0.0), BLOCK_M, V3)   # [BM, 32]
         part = _pairs_dot(f, xp, part, INTERP)
         if i % PG == PG - 1:                     # ... and ends here: scale it once
-            s = tl.load(S + n64 * s_sn + (kc + 32 * i) // G, mask=n_ok, other=0.0)
-            acc += part * s[:, None]
+            acc += part * _pairs_row_scale(sraw, q, BLOCK_N, WARPS, V3)
     return acc
 
 
@@ -746,48 +771,23 @@ def _scaled_dot(acc, f, xp, s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT
 
 
 @triton.jit
-def _fp4_scale_words(SCW, idx, ok, WFMT: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The folded path's scale-code words of one K step (BLOCK_K codes from code index `idx`'s
-    word: idx [BN] per PHYSICAL row, ok [BN]): (first chunk's, second chunk's), each a pair
-    (a, b) of [BN, 1] words in the words' load layout (_row_value) -- MXFP4 one word per chunk
-    (b = a), NVFP4 two. Loaded one K step ahead by the kernel's loop, like the weights (a load
-    in the step that uses it went through Triton's shared-memory pipelining: slower at 16 rows)."""
-    t = tl.arange(0, 16)
-    a0 = _row_value(SCW, idx, ok, t, False)
-    if WFMT == 3:
-        b0 = _row_value(SCW, idx + 1, ok, t, False)
-    else:
-        b0 = a0
-    a1 = a0
-    b1 = b0
-    if BLOCK_K == 256:
-        if WFMT == 3:
-            a1 = _row_value(SCW, idx + 2, ok, t, False)
-            b1 = _row_value(SCW, idx + 3, ok, t, False)
-        else:
-            a1 = _row_value(SCW, idx + 1, ok, t, False)
-            b1 = a1
-    return (a0, b0), (a1, b1)
-
-
-@triton.jit
-def _pairs_chunk_fp4(acc, wd, kc, kx, X_ROWS, SCW, scw, sc_phys, p_ok, sc_log, n_ok, m_ok, dexp,
+def _pairs_chunk_fp4(acc, wd, c: tl.constexpr, kc, kx, X_ROWS, SCW, scraw, sc_log, n_ok, m_ok, dexp,
                      WFMT: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      WARPS: tl.constexpr, V3: tl.constexpr, INTERP: tl.constexpr):
-    """_pairs_chunk for fp4 words. The chunk's 4 e8m0 codes (MXFP4, one per plane) or 8 e4m3 codes
-    (NVFP4, two per plane) are one or two int32 words per row of SCW (the uint8 block-scale
-    codes [N, K/G]). FOLD: the scales go into the multipliers K (above) and each plane is one
-    K = 32 dot into the accumulator; scw = this chunk's words, prefetched by the loop for the
-    wgmma tiles (V3), else loaded here (sc_phys [BN]: the rows' first scale word, physical rows;
-    at one row of x the prefetch's registers cost more than the load). Else (MXFP4 only) each
-    plane's float32 dot is scaled by its block's scale (sc_log: as sc_phys, logical rows)."""
+    """_pairs_chunk for fp4 words (chunk c of a K step starting at code kc). The chunk's 4 e8m0
+    codes (MXFP4, one per plane) or 8 e4m3 codes (NVFP4, two per plane) are one or two int32 words
+    per row of SCW (the uint8 block-scale codes [N, K/G]): columns c (MXFP4) or 2c, 2c + 1 (NVFP4)
+    of the step's raw tile scraw (_pairs_raw, loaded ahead with the weights). FOLD: the scales go
+    into the multipliers K (above) and each plane is one K = 32 dot into the accumulator. Else
+    (MXFP4 only, scales spanning more than 2^126) each plane's float32 dot is scaled by its block's
+    scale (sc_log: the rows' first scale word, logical rows)."""
     wd = _pairs_relabel(wd, BLOCK_N, WARPS, V3)
     if FOLD:
-        if not V3:
-            scw = _fp4_scale_words(SCW, sc_phys + kc // (128 if WFMT == 2 else 64), p_ok, WFMT, 128)[0]
-        mults = _fp4_mults(scw[0], WFMT, dexp, INTERP)      # blocks 0-3 of the chunk ...
         if WFMT == 3:
-            mults = mults + _fp4_mults(scw[1], WFMT, dexp, INTERP)  # ... and NVFP4's 4-7
+            mults = _fp4_mults(_pairs_pick(scraw, 2 * c), WFMT, dexp, INTERP) + \
+                _fp4_mults(_pairs_pick(scraw, 2 * c + 1), WFMT, dexp, INTERP)   # blocks 0-3, 4-7
+        else:
+            mults = _fp4_mults(_pairs_pick(scraw, c), WFMT, dexp, INTERP)
     else:
         unit = _fp4_unit(wd.shape, INTERP)
         sw = tl.load(SCW + sc_log + kc // 128, mask=n_ok, other=0)
@@ -841,7 +841,7 @@ def _w4a16_pairs_kernel(
     WFMT: tl.constexpr, FOLD: tl.constexpr, GS_ROWS: tl.constexpr, HAS_GX: tl.constexpr,
     HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    WARPS: tl.constexpr, V3: tl.constexpr, INTERP: tl.constexpr,
+    WARPS: tl.constexpr, V3: tl.constexpr, INTERP: tl.constexpr, AHEAD: tl.constexpr = 1,
 ):
     """Grid (cdiv(N, BLOCK_N), SPLIT, cdiv(M, BLOCK_M)); each program covers K_SPLIT codes (a
     multiple of BLOCK_K = 128 or 256, itself a multiple of G) from pid_k * K_SPLIT for BLOCK_M
@@ -853,9 +853,11 @@ def _w4a16_pairs_kernel(
     W4Weight.fp4_exp_offset, see _fp4_mults). OUT [M, N] in x's dtype. BLOCK_N a multiple of
     16 * WARPS (WARPS = num_warps);
     V3: the dot is a wgmma (BLOCK_M >= 16), which orders K differently.
-    The next step's words are loaded before the current step is computed (registers: the
-    loads are in flight while the tensor cores work; Triton's num_stages pipelining goes
-    through shared memory and was slower on the H200).
+    The words and per-group data of the step AHEAD steps on (1 or 2; 2 with BLOCK_K = 128) are
+    loaded before the current step is computed (registers: the loads are in flight while the
+    tensor cores work; Triton's num_stages pipelining goes through shared memory and was slower
+    on the H200). Two steps of one chunk keep the next load a whole step ahead even where
+    ptxas sinks it to the end of the loop body (it does, to save registers).
     Split-K (SPLIT > 1) without atomics on the output and without extra kernels: each program
     stores its float32 partial in PART [SPLIT, M, N]; the last of a tile's SPLIT programs
     (a counter in LOCK [tiles] int32, zero between calls: the last program resets it) adds
@@ -877,46 +879,67 @@ def _w4a16_pairs_kernel(
     w_ptr = W + phys.to(tl.int64)[:, None] * s_wn + (tl.multiple_of(k_lo // 8, 16) + t)[None, :]
     p_ok = phys < N
     w_ok = p_ok[:, None]
-    z_row = phys.to(tl.int64)[:, None] * s_sn + t[None, :]         # [BN, 16] zero-point index (+ column), physical rows
-    sc_phys = phys.to(tl.int64) * s_sn                             # fp4: the rows' scale words (physical rows)
-    sc_log = n64 * s_sn                                             # ... and logical rows
+    # per-group data per physical row: [BN, 16] index tiles (the row's element + the column) of one
+    # K step's scales and zero points (int4) or fp4 scale-code words (_pairs_raw)
+    g_row = phys.to(tl.int64)[:, None] * s_sn + t[None, :]
+    GW: tl.constexpr = 4 * G if WFMT >= 2 else G                   # codes per raw element (fp4: per scale word)
+    NC: tl.constexpr = BLOCK_K // GW if BLOCK_K >= GW else 1       # raw-tile columns per step
+    sc_log = n64 * s_sn                                            # unfolded MXFP4: logical rows' scale words
     x_rows = X + offs_m.to(tl.int64)[:, None] * s_xm + (k_lo + tl.arange(0, 32))[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # the first AHEAD steps: words (chunk a, chunk b = a at BLOCK_K 128) and raw per-group tiles
     wa = tl.load(w_ptr, mask=w_ok, other=0, eviction_policy="evict_first")
+    wb = wa
     if BLOCK_K == 256:
         wb = tl.load(w_ptr + 16, mask=w_ok, other=0, eviction_policy="evict_first")
-    else:
-        wb = wa
-    WDIV: tl.constexpr = 128 if WFMT == 2 else 64                  # fp4: codes per scale word
-    sw = ((t, t), (t, t))
-    if WFMT >= 2 and FOLD and V3:
-        sw = _fp4_scale_words(S, sc_phys + k_lo // WDIV, p_ok, WFMT, BLOCK_K)
+    sr = _pairs_raw(S, g_row + k_lo // GW, w_ok, NC)
+    zr = sr
+    if HAS_Z:
+        zr = _pairs_raw(Z, g_row + k_lo // GW, w_ok, NC)
+    w2 = wa
+    s2 = sr
+    z2 = zr
+    if AHEAD == 2:  # BLOCK_K == 128: the second step too
+        ok2 = w_ok & (BLOCK_K < K_SPLIT)
+        w2 = tl.load(w_ptr + 16, mask=ok2, other=0, eviction_policy="evict_first")
+        s2 = _pairs_raw(S, g_row + (k_lo + BLOCK_K) // GW, ok2, NC)
+        if HAS_Z:
+            z2 = _pairs_raw(Z, g_row + (k_lo + BLOCK_K) // GW, ok2, NC)
     for kk in range(0, K_SPLIT, BLOCK_K):
-        more = w_ok & (kk + BLOCK_K < K_SPLIT)
-        na = tl.load(w_ptr + BLOCK_K // 8, mask=more, other=0, eviction_policy="evict_first")
+        kn = kk + AHEAD * BLOCK_K                                  # the step loaded now
+        more = w_ok & (kn < K_SPLIT)
+        na = tl.load(w_ptr + AHEAD * BLOCK_K // 8, mask=more, other=0, eviction_policy="evict_first")
+        nb = na
         if BLOCK_K == 256:
-            nb = tl.load(w_ptr + BLOCK_K // 8 + 16, mask=more, other=0, eviction_policy="evict_first")
-        else:
-            nb = na
+            nb = tl.load(w_ptr + AHEAD * BLOCK_K // 8 + 16, mask=more, other=0, eviction_policy="evict_first")
+        ns = _pairs_raw(S, g_row + (k_lo + kn) // GW, more, NC)
+        nz = ns
+        if HAS_Z:
+            nz = _pairs_raw(Z, g_row + (k_lo + kn) // GW, more, NC)
         if WFMT >= 2:
-            if FOLD and V3:  # the next step's scale words, loaded now like its weights
-                nsw = _fp4_scale_words(S, sc_phys + (k_lo + kk + BLOCK_K) // WDIV, p_ok & (kk + BLOCK_K < K_SPLIT),
-                                       WFMT, BLOCK_K)
-            acc = _pairs_chunk_fp4(acc, wa, k_lo + kk, kk, x_rows, S, sw[0], sc_phys, p_ok, sc_log, n_ok, m_ok,
+            acc = _pairs_chunk_fp4(acc, wa, 0, k_lo + kk, kk, x_rows, S, sr, sc_log, n_ok, m_ok,
                                    DEXP, WFMT, FOLD, BLOCK_M, BLOCK_N, WARPS, V3, INTERP)
             if BLOCK_K == 256:
-                acc = _pairs_chunk_fp4(acc, wb, k_lo + kk + 128, kk + 128, x_rows, S, sw[1], sc_phys, p_ok, sc_log,
+                acc = _pairs_chunk_fp4(acc, wb, 1, k_lo + kk + 128, kk + 128, x_rows, S, sr, sc_log,
                                        n_ok, m_ok, DEXP, WFMT, FOLD, BLOCK_M, BLOCK_N, WARPS, V3, INTERP)
-            if FOLD and V3:
-                sw = nsw
         else:
-            acc = _pairs_chunk(acc, wa, k_lo + kk, kk, x_rows, S, Z, z_row, w_ok, n64, n_ok, m_ok, s_sn,
-                               WFMT == 0, HAS_Z, G, BLOCK_M, BLOCK_N, WARPS, V3, HALF, INTERP)
+            acc = _pairs_chunk(acc, wa, 0, kk, x_rows, sr, zr, m_ok, WFMT == 0, HAS_Z, G, BLOCK_M, BLOCK_N,
+                               WARPS, V3, HALF, INTERP)
             if BLOCK_K == 256:
-                acc = _pairs_chunk(acc, wb, k_lo + kk + 128, kk + 128, x_rows, S, Z, z_row, w_ok, n64, n_ok,
-                                   m_ok, s_sn, WFMT == 0, HAS_Z, G, BLOCK_M, BLOCK_N, WARPS, V3, HALF, INTERP)
-        wa = na
-        wb = nb
+                acc = _pairs_chunk(acc, wb, 1, kk + 128, x_rows, sr, zr, m_ok, WFMT == 0, HAS_Z, G, BLOCK_M,
+                                   BLOCK_N, WARPS, V3, HALF, INTERP)
+        if AHEAD == 2:
+            wa = w2
+            sr = s2
+            zr = z2
+            w2 = na
+            s2 = ns
+            z2 = nz
+        else:
+            wa = na
+            wb = nb
+            sr = ns
+            zr = nz
         w_ptr += BLOCK_K // 8
     o_off = offs_m[None, :].to(tl.int64) * s_om + offs_n[:, None]
     o_ok = n_ok[:, None] & m_ok[None, :]
