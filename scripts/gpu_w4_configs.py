@@ -9,6 +9,7 @@ the split-K order: a relative difference above 1e-2 of the output's scale is rep
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -21,14 +22,25 @@ from lowbit.scheme import QuantScheme, get_preset
 
 KINDS = {"int4_g128": get_preset("int4_g128"), "int4_g32": QuantScheme("int4", "group", group_size=32),
          "mxfp4": get_preset("mxfp4"), "nvfp4": get_preset("nvfp4")}
+# W4CONFIGS_KINDS=int4_g128,nvfp4 / W4CONFIGS_MS=1 narrow the run
+KINDS = {k: v for k, v in KINDS.items() if k in os.environ.get("W4CONFIGS_KINDS", ",".join(KINDS)).split(",")}
+MS = tuple(int(m) for m in os.environ.get("W4CONFIGS_MS", ",".join(map(str, W4_MS))).split(","))
 
 
 def configs(M: int, N: int, K: int, G: int) -> dict:
     """The default (pick_config_pairs) and one-chunk steps loaded two ahead under a few tiles / splits."""
     if M == 1:
-        cand = [(128, 4, s, 1) for s in (2, 4, 8)] + [(256, 8, 4, 1), (128, 8, 4, 1)]
+        out = {"default": {}}
+        for split in (4, 8):
+            for r in (128, 96):
+                out[f"a1/BK256/s{split}/r{r}"] = dict(split=split, maxnreg=r)
+                out[f"a2/BK128/s{split}/r{r}"] = dict(BLOCK_K=128, ahead=2, split=split, maxnreg=r)
+        out["a2/BK128/BN256/w8/s4/r128"] = dict(BLOCK_K=128, ahead=2, split=4, BLOCK_N=256, num_warps=8, maxnreg=128)
+        out["a1/BK256/BN256/w8/s4/r128"] = dict(split=4, BLOCK_N=256, num_warps=8, maxnreg=128)
+        return out
     elif M <= 16:
-        cand = [(64, 4, 4, 1), (64, 4, 4, 2), (128, 4, 4, 1), (128, 4, 4, 2)]
+        return {"default": {}, "r128": dict(maxnreg=128), "r96": dict(maxnreg=96), "s8": dict(split=8),
+                "s8/r128": dict(split=8, maxnreg=128)}
     else:
         cand = [(128, 4, 4, 1), (128, 4, 4, 2), (64, 4, 4, 1)]
     out = {"default": {}}
@@ -47,7 +59,7 @@ def main(path: str) -> None:
             n = rotating_count(N * K // 2)
             ws = [prepare_w4(quantize(torch.randn(N, K, device="cuda") * 0.02, sch), layout="pairs") for _ in range(n)]
             G = ws[0].group_size
-            for M in W4_MS:
+            for M in MS:
                 xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(max(n, len(wb)))]
                 t_bf = bench_ms(lambda x, w: torch.mm(x, w.t()), [(xs[i], wb[i]) for i in range(len(wb))],
                                 cuda_graph=True)

@@ -607,7 +607,8 @@ def _launch_pairs(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool, act
            HAS_Z=w.zero_point is not None,
            HAS_BIAS=bias is not None,
            G=w.group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, WARPS=warps, V3=bm >= 16,
-           INTERP=interp, AHEAD=ahead, num_warps=warps, num_stages=cfg["num_stages"])
+           INTERP=interp, AHEAD=ahead, num_warps=warps, num_stages=cfg["num_stages"],
+           **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not interp else {}))
     return out
 
 
