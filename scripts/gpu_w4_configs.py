@@ -28,27 +28,15 @@ MS = tuple(int(m) for m in os.environ.get("W4CONFIGS_MS", ",".join(map(str, W4_M
 
 
 def configs(M: int, N: int, K: int, G: int) -> dict:
-    """The default (pick_config_pairs) and one-chunk steps loaded two ahead under a few tiles / splits."""
+    """The default (pick_config_pairs) against a few registers-per-thread caps, splits and tiles."""
     if M == 1:
-        out = {"default": {}}
-        for split in (4, 8):
-            for r in (128, 96):
-                out[f"a1/BK256/s{split}/r{r}"] = dict(split=split, maxnreg=r)
-                out[f"a2/BK128/s{split}/r{r}"] = dict(BLOCK_K=128, ahead=2, split=split, maxnreg=r)
-        out["a2/BK128/BN256/w8/s4/r128"] = dict(BLOCK_K=128, ahead=2, split=4, BLOCK_N=256, num_warps=8, maxnreg=128)
-        out["a1/BK256/BN256/w8/s4/r128"] = dict(split=4, BLOCK_N=256, num_warps=8, maxnreg=128)
-        return out
-    elif M <= 16:
-        return {"default": {}, "r128": dict(maxnreg=128), "r96": dict(maxnreg=96), "s8": dict(split=8),
-                "s8/r128": dict(split=8, maxnreg=128)}
-    else:
-        cand = [(128, 4, 4, 1), (128, 4, 4, 2), (64, 4, 4, 1)]
-    out = {"default": {}}
-    for bn, w, split, st in cand:
-        if K % (128 * split) == 0:
-            out[f"a2/BN{bn}/w{w}/s{split}/st{st}"] = dict(BLOCK_K=128, ahead=2, split=split, BLOCK_N=bn,
-                                                          num_warps=w, num_stages=st)
-    return out
+        return {"default": {}, "r168": dict(maxnreg=168), "r128": dict(maxnreg=128), "s8": dict(split=8),
+                "s8/r168": dict(split=8, maxnreg=168), "s2": dict(split=2), "BK128": dict(BLOCK_K=128),
+                "BN256/w8/r168": dict(BLOCK_N=256, num_warps=8, maxnreg=168)}
+    if M <= 16:
+        return {"default": {}, "r128": dict(maxnreg=128), "BK128": dict(BLOCK_K=128), "BN128": dict(BLOCK_N=128),
+                "st1": dict(num_stages=1)}
+    return {"default": {}, "BK256": dict(BLOCK_K=256), "st1": dict(num_stages=1), "BN64": dict(BLOCK_N=64)}
 
 
 def main(path: str) -> None:
