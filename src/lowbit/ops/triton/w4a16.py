@@ -582,7 +582,7 @@ def _pairs_raw(P, idx, ok, NC: tl.constexpr):
     memory round trip and two barriers per group, which stalls every warp of the program); the
     kernel loads these tiles with the weights, ahead of the step that uses them."""
     col = tl.arange(0, 16)[None, :]
-    return tl.load(P + idx, mask=ok & (col < NC))
+    return tl.load(P + idx, mask=ok & (col < NC), other=0)
 
 
 @triton.jit
@@ -595,11 +595,10 @@ def _pairs_pick(raw, c: tl.constexpr):
 @triton.jit
 def _pairs_row_scale(sraw, c: tl.constexpr, BLOCK_N: tl.constexpr, WARPS: tl.constexpr, V3: tl.constexpr):
     """Column c of a raw float32 tile per LOGICAL row, [BN, 1], in the rows' layout of the dot's
-    result: the tile and its column indices relabelled like the words (no data moves), then one
-    sum along the columns (the others add exact zeros; warp shuffles, no shared memory)."""
-    col = _pairs_relabel(tl.broadcast_to(tl.arange(0, 16)[None, :], (BLOCK_N, 16)), BLOCK_N, WARPS, V3)
-    v = _pairs_relabel(sraw, BLOCK_N, WARPS, V3)
-    return tl.sum(tl.where(col == c, v, 0.0), axis=1, keep_dims=True)
+    result: broadcast along the words' columns, relabelled like the words (no data moves), reduced
+    (a max of equal values: warp shuffles, no shared memory)."""
+    v = tl.broadcast_to(_pairs_pick(sraw, c), (BLOCK_N, 16))
+    return tl.max(_pairs_relabel(v, BLOCK_N, WARPS, V3), axis=1, keep_dims=True)
 
 
 @triton.jit
@@ -632,7 +631,7 @@ def _pairs_dot(f, xp, part, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _pairs_chunk(acc, wd, c: tl.constexpr, kx, X_ROWS, sraw, zraw,
+def _pairs_chunk(acc, wd, c: tl.constexpr, kx, X_ROWS, sraw, zraw, m_ok,
                  SIGNED: tl.constexpr, HAS_Z: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, WARPS: tl.constexpr, V3: tl.constexpr, HALF: tl.constexpr,
                  INTERP: tl.constexpr):
@@ -649,7 +648,7 @@ def _pairs_chunk(acc, wd, c: tl.constexpr, kx, X_ROWS, sraw, zraw,
             off, cpair = _pairs_offset(zraw, q, SIGNED, HAS_Z, BLOCK_N, HALF, WARPS, V3)
             part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         f = _pairs_plane(wd, cpair, off.to(tl.float32), i, HALF, BLOCK_N, INTERP)
-        xp = _pairs_x(tl.load(X_ROWS + (kx + 32 * i)), BLOCK_M, V3)   # [BM, 32] (rows past M: row M - 1's)
+        xp = _pairs_x(tl.load(X_ROWS + (kx + 32 * i), mask=m_ok[:, None], other=0.0), BLOCK_M, V3)   # [BM, 32]
         part = _pairs_dot(f, xp, part, INTERP)
         if i % PG == PG - 1:                     # ... and ends here: scale it once
             acc += part * _pairs_row_scale(sraw, q, BLOCK_N, WARPS, V3)
@@ -772,7 +771,7 @@ def _scaled_dot(acc, f, xp, s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT
 
 
 @triton.jit
-def _pairs_chunk_fp4(acc, wd, c: tl.constexpr, kc, kx, X_ROWS, SCW, scraw, sc_log, n_ok, dexp,
+def _pairs_chunk_fp4(acc, wd, c: tl.constexpr, kc, kx, X_ROWS, SCW, scraw, sc_log, n_ok, m_ok, dexp,
                      WFMT: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      WARPS: tl.constexpr, V3: tl.constexpr, INTERP: tl.constexpr):
     """_pairs_chunk for fp4 words (chunk c of a K step starting at code kc). The chunk's 4 e8m0
@@ -793,7 +792,7 @@ def _pairs_chunk_fp4(acc, wd, c: tl.constexpr, kc, kx, X_ROWS, SCW, scraw, sc_lo
         unit = _fp4_unit(wd.shape, INTERP)
         sw = tl.load(SCW + sc_log + kc // 128, mask=n_ok, other=0)
     for i in tl.static_range(4):
-        xp = _pairs_x(tl.load(X_ROWS + (kx + 32 * i)), BLOCK_M, V3)   # [BM, 32] (rows past M: row M - 1's)
+        xp = _pairs_x(tl.load(X_ROWS + (kx + 32 * i), mask=m_ok[:, None], other=0.0), BLOCK_M, V3)   # [BM, 32]
         if FOLD:  # plane i: NVFP4 blocks 2i and 2i + 1, MXFP4 block i
             if WFMT == 3:
                 k = _plane_mults(mults[2 * i], mults[2 * i + 1], BLOCK_N, WARPS, V3)
@@ -837,50 +836,12 @@ def _fence_gpu(v):
 
 
 @triton.jit
-def _pairs_load_step(w_ptr, S, Z, gidx, ok, HAS_Z: tl.constexpr, NC: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One K step's loads: (words of chunk a [BN, 16], of chunk b (= a at BLOCK_K 128), the raw
-    per-group tile of S, of Z (= S's without zero points)); rows / steps masked off by `ok` read
-    nothing and hold undefined values (never used: no registers zeroed for them)."""
-    wa = tl.load(w_ptr, mask=ok, eviction_policy="evict_first")
-    wb = wa
-    if BLOCK_K == 256:
-        wb = tl.load(w_ptr + 16, mask=ok, eviction_policy="evict_first")
-    sr = _pairs_raw(S, gidx, ok, NC)
-    zr = sr
-    if HAS_Z:
-        zr = _pairs_raw(Z, gidx, ok, NC)
-    return wa, wb, sr, zr
-
-
-@triton.jit
-def _pairs_step(acc, buf, kc, kx, x_rows, S, sc_log, n_ok, DEXP, WFMT: tl.constexpr, FOLD: tl.constexpr,
-                HAS_Z: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, WARPS: tl.constexpr, V3: tl.constexpr, HALF: tl.constexpr,
-                INTERP: tl.constexpr):
-    """acc + one K step (buf from _pairs_load_step; codes kc.. of the weight, kx.. of this program's range)."""
-    wa, wb, sr, zr = buf
-    if WFMT >= 2:
-        acc = _pairs_chunk_fp4(acc, wa, 0, kc, kx, x_rows, S, sr, sc_log, n_ok, DEXP, WFMT, FOLD, BLOCK_M, BLOCK_N,
-                               WARPS, V3, INTERP)
-        if BLOCK_K == 256:
-            acc = _pairs_chunk_fp4(acc, wb, 1, kc + 128, kx + 128, x_rows, S, sr, sc_log, n_ok, DEXP, WFMT, FOLD,
-                                   BLOCK_M, BLOCK_N, WARPS, V3, INTERP)
-    else:
-        acc = _pairs_chunk(acc, wa, 0, kx, x_rows, sr, zr, WFMT == 0, HAS_Z, G, BLOCK_M, BLOCK_N, WARPS, V3, HALF,
-                           INTERP)
-        if BLOCK_K == 256:
-            acc = _pairs_chunk(acc, wb, 1, kx + 128, x_rows, sr, zr, WFMT == 0, HAS_Z, G, BLOCK_M, BLOCK_N, WARPS,
-                               V3, HALF, INTERP)
-    return acc
-
-
-@triton.jit
 def _w4a16_pairs_kernel(
     X, W, S, Z, GS, GX, BIAS, OUT, PART, LOCK, M, N, K, K_SPLIT, DEXP, s_xm, s_wn, s_sn, s_om,
     WFMT: tl.constexpr, FOLD: tl.constexpr, GS_ROWS: tl.constexpr, HAS_GX: tl.constexpr,
     HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    WARPS: tl.constexpr, V3: tl.constexpr, INTERP: tl.constexpr, PAIRED: tl.constexpr = False,
+    WARPS: tl.constexpr, V3: tl.constexpr, INTERP: tl.constexpr, AHEAD: tl.constexpr = 1,
 ):
     """Grid (cdiv(N, BLOCK_N), SPLIT, cdiv(M, BLOCK_M)); each program covers K_SPLIT codes (a
     multiple of BLOCK_K = 128 or 256, itself a multiple of G) from pid_k * K_SPLIT for BLOCK_M
@@ -892,12 +853,11 @@ def _w4a16_pairs_kernel(
     W4Weight.fp4_exp_offset, see _fp4_mults). OUT [M, N] in x's dtype. BLOCK_N a multiple of
     16 * WARPS (WARPS = num_warps);
     V3: the dot is a wgmma (BLOCK_M >= 16), which orders K differently.
-    The words and per-group data of the next step are loaded before the current step is
-    computed (registers: the loads are in flight while the tensor cores work; Triton's
-    num_stages pipelining goes through shared memory and was slower on the H200). PAIRED (an
-    even number of steps per program): two steps per loop iteration, the buffers alternating,
-    so no registers are copied from the next step's buffer to the current one (sm_90: 40
-    moves per 256-code step otherwise).
+    The words and per-group data of the step AHEAD steps on (1 or 2; 2 with BLOCK_K = 128) are
+    loaded before the current step is computed (registers: the loads are in flight while the
+    tensor cores work; Triton's num_stages pipelining goes through shared memory and was slower
+    on the H200). Two steps of one chunk keep the next load a whole step ahead even where
+    ptxas sinks it to the end of the loop body (it does, to save registers).
     Split-K (SPLIT > 1) without atomics on the output and without extra kernels: each program
     stores its float32 partial in PART [SPLIT, M, N]; the last of a tile's SPLIT programs
     (a counter in LOCK [tiles] int32, zero between calls: the last program resets it) adds
@@ -925,33 +885,62 @@ def _w4a16_pairs_kernel(
     GW: tl.constexpr = 4 * G if WFMT >= 2 else G                   # codes per raw element (fp4: per scale word)
     NC: tl.constexpr = BLOCK_K // GW if BLOCK_K >= GW else 1       # raw-tile columns per step
     sc_log = n64 * s_sn                                            # unfolded MXFP4: logical rows' scale words
-    # rows of x past M read row M - 1 (their outputs are not stored): no masks, so no registers zeroed
-    # before each predicated load of x (2 instructions per 2 loads in the sm_90 K loop)
-    x_rows = X + tl.minimum(offs_m, M - 1).to(tl.int64)[:, None] * s_xm + (k_lo + tl.arange(0, 32))[None, :]
+    x_rows = X + offs_m.to(tl.int64)[:, None] * s_xm + (k_lo + tl.arange(0, 32))[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    # the first step's words (chunk a; chunk b = a at BLOCK_K 128) and raw per-group tiles
-    cur = _pairs_load_step(w_ptr, S, Z, g_row + k_lo // GW, w_ok, HAS_Z, NC, BLOCK_K)
-    if PAIRED:
-        for kk in range(0, K_SPLIT, 2 * BLOCK_K):
-            nxt = _pairs_load_step(w_ptr + BLOCK_K // 8, S, Z, g_row + (k_lo + kk + BLOCK_K) // GW, w_ok, HAS_Z,
-                                   NC, BLOCK_K)
-            acc = _pairs_step(acc, cur, k_lo + kk, kk, x_rows, S, sc_log, n_ok, DEXP, WFMT, FOLD, HAS_Z, G,
-                              BLOCK_M, BLOCK_N, BLOCK_K, WARPS, V3, HALF, INTERP)
-            more = w_ok & (kk + 2 * BLOCK_K < K_SPLIT)
-            cur = _pairs_load_step(w_ptr + BLOCK_K // 4, S, Z, g_row + (k_lo + kk + 2 * BLOCK_K) // GW, more, HAS_Z,
-                                   NC, BLOCK_K)
-            acc = _pairs_step(acc, nxt, k_lo + kk + BLOCK_K, kk + BLOCK_K, x_rows, S, sc_log, n_ok, DEXP, WFMT,
-                              FOLD, HAS_Z, G, BLOCK_M, BLOCK_N, BLOCK_K, WARPS, V3, HALF, INTERP)
-            w_ptr += BLOCK_K // 4
-    else:
-        for kk in range(0, K_SPLIT, BLOCK_K):
-            more = w_ok & (kk + BLOCK_K < K_SPLIT)
-            nxt = _pairs_load_step(w_ptr + BLOCK_K // 8, S, Z, g_row + (k_lo + kk + BLOCK_K) // GW, more, HAS_Z,
-                                   NC, BLOCK_K)
-            acc = _pairs_step(acc, cur, k_lo + kk, kk, x_rows, S, sc_log, n_ok, DEXP, WFMT, FOLD, HAS_Z, G,
-                              BLOCK_M, BLOCK_N, BLOCK_K, WARPS, V3, HALF, INTERP)
-            cur = nxt
-            w_ptr += BLOCK_K // 8
+    # the first AHEAD steps: words (chunk a, chunk b = a at BLOCK_K 128) and raw per-group tiles
+    wa = tl.load(w_ptr, mask=w_ok, other=0, eviction_policy="evict_first")
+    wb = wa
+    if BLOCK_K == 256:
+        wb = tl.load(w_ptr + 16, mask=w_ok, other=0, eviction_policy="evict_first")
+    sr = _pairs_raw(S, g_row + k_lo // GW, w_ok, NC)
+    zr = sr
+    if HAS_Z:
+        zr = _pairs_raw(Z, g_row + k_lo // GW, w_ok, NC)
+    w2 = wa
+    s2 = sr
+    z2 = zr
+    if AHEAD == 2:  # BLOCK_K == 128: the second step too
+        ok2 = w_ok & (BLOCK_K < K_SPLIT)
+        w2 = tl.load(w_ptr + 16, mask=ok2, other=0, eviction_policy="evict_first")
+        s2 = _pairs_raw(S, g_row + (k_lo + BLOCK_K) // GW, ok2, NC)
+        if HAS_Z:
+            z2 = _pairs_raw(Z, g_row + (k_lo + BLOCK_K) // GW, ok2, NC)
+    for kk in range(0, K_SPLIT, BLOCK_K):
+        kn = kk + AHEAD * BLOCK_K                                  # the step loaded now
+        more = w_ok & (kn < K_SPLIT)
+        na = tl.load(w_ptr + AHEAD * BLOCK_K // 8, mask=more, other=0, eviction_policy="evict_first")
+        nb = na
+        if BLOCK_K == 256:
+            nb = tl.load(w_ptr + AHEAD * BLOCK_K // 8 + 16, mask=more, other=0, eviction_policy="evict_first")
+        ns = _pairs_raw(S, g_row + (k_lo + kn) // GW, more, NC)
+        nz = ns
+        if HAS_Z:
+            nz = _pairs_raw(Z, g_row + (k_lo + kn) // GW, more, NC)
+        if WFMT >= 2:
+            acc = _pairs_chunk_fp4(acc, wa, 0, k_lo + kk, kk, x_rows, S, sr, sc_log, n_ok, m_ok,
+                                   DEXP, WFMT, FOLD, BLOCK_M, BLOCK_N, WARPS, V3, INTERP)
+            if BLOCK_K == 256:
+                acc = _pairs_chunk_fp4(acc, wb, 1, k_lo + kk + 128, kk + 128, x_rows, S, sr, sc_log,
+                                       n_ok, m_ok, DEXP, WFMT, FOLD, BLOCK_M, BLOCK_N, WARPS, V3, INTERP)
+        else:
+            acc = _pairs_chunk(acc, wa, 0, kk, x_rows, sr, zr, m_ok, WFMT == 0, HAS_Z, G, BLOCK_M, BLOCK_N,
+                               WARPS, V3, HALF, INTERP)
+            if BLOCK_K == 256:
+                acc = _pairs_chunk(acc, wb, 1, kk + 128, x_rows, sr, zr, m_ok, WFMT == 0, HAS_Z, G, BLOCK_M,
+                                   BLOCK_N, WARPS, V3, HALF, INTERP)
+        if AHEAD == 2:
+            wa = w2
+            sr = s2
+            zr = z2
+            w2 = na
+            s2 = ns
+            z2 = nz
+        else:
+            wa = na
+            wb = nb
+            sr = ns
+            zr = nz
+        w_ptr += BLOCK_K // 8
     o_off = offs_m[None, :].to(tl.int64) * s_om + offs_n[:, None]
     o_ok = n_ok[:, None] & m_ok[None, :]
     if SPLIT > 1:
