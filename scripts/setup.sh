@@ -18,7 +18,7 @@ pip() { "$venv/bin/python" -m pip "$@" >>"$log" 2>&1 || { tail -n 40 "$log"; exi
 pip install -q --upgrade pip
 # torch first and alone, so no later requirement can pull a CUDA build (its CPU wheel is on disk).
 pip install -q "torch==2.13.0"
-pip install -q "numpy<2.3" "ml_dtypes>=0.5" "safetensors>=0.4" "triton==3.6.0" \
+pip install -q "numpy<2.3" "ml_dtypes==0.7.0" "safetensors>=0.4" "triton==3.6.0" \
     "pytest>=8" "pytest-xdist" "hypothesis>=6" "matplotlib>=3.8" "tqdm" \
     "transformers>=5,<6" "gguf>=0.17" "compressed-tensors==0.20.0" "torch==2.13.0"
 # Embedded real data: their declared dependencies are heavy and unused.

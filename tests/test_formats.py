@@ -40,8 +40,18 @@ def nbits(name):
     return {"fp6_e2m3fn": 6, "fp6_e3m2fn": 6, "fp4_e2m1fn": 4}.get(name, 8)
 
 
+# ml_dtypes before 0.7 rounded every e8m0 input in (2^-127, 2^-126) up to 2^-126 (the binade
+# rule applied to float32's subnormal bits); 0.7 rounds to the nearer of the two, as lowbit does.
+_SUBNORMAL_E8M0_ROUNDED_UP = int(np.array([7e-39], np.float32).astype(ml_dtypes.float8_e8m0fnu).view(np.uint8)[0]) == 1
+
+
 def ml_encode(x: np.ndarray, name: str) -> np.ndarray:
     """ml_dtypes' astype as uint8 bit patterns (x float32: ml_dtypes casts float64 via float32)."""
+    if name == "e8m0fnu" and _SUBNORMAL_E8M0_ROUNDED_UP:
+        a = np.abs(np.asarray(x, np.float64))
+        if bool(((a > 2.0**-127) & (a < 2.0**-126)).any()):
+            pytest.skip(f"ml_dtypes {ml_dtypes.__version__} rounds e8m0 inputs in (2^-127, 2^-126) up: "
+                        "the oracle needs ml_dtypes>=0.7 (scripts/setup.sh pins it)")
     with np.errstate(all="ignore"):
         return x.astype(ML[name]).view(np.uint8)
 
@@ -174,7 +184,7 @@ def test_float64_input_is_rounded_once(name, rng):
     float32 and round twice; lowbit must round the exact value once."""
     nrng = np_rng(rng)
     v = np.unique(ml_values(name)[np.isfinite(ml_values(name))])
-    v = v[(v > 0) & (v >= 2.0**-100)] if name == "e8m0fnu" else v[v > 0]
+    v = v[v > 0]
     idx = nrng.integers(0, v.size - 1, size=12)
     mid = (v[idx] + v[idx + 1]) / 2
     hair = mid * 2.0**-40 * nrng.choice([-1.0, 1.0], size=idx.size)

@@ -239,7 +239,7 @@ def sass_rows_gemv8() -> list[dict]:
             wk = kind.split()[0]
             consts.update(WFMT=w4.WFMT[wk], FOLD="unfolded" not in kind, GS_ROWS="merged" in kind, HAS_GX="merged" in kind,
                           G={"int4": 128, "mxfp4": 32, "nvfp4": 16}[wk],
-                          SPLIT=cfg["split"], WARPS=cfg["num_warps"], V3=cfg["BLOCK_M"] >= 16, AHEAD=cfg.get("ahead", 1))
+                          SPLIT=cfg["split"], WARPS=cfg["num_warps"], V3=cfg["BLOCK_M"] >= 16)
             sig = dict(sig, OUT=xt, PART="*fp32", LOCK="*i32", GS="*fp32", GX="*fp32", DEXP="i32",
                        S="*fp32" if kind == "int4" else "*i32")
             sig = {k: sig[k] for k in ("X", "W", "S", "Z", "GS", "GX", "BIAS", "OUT", "PART", "LOCK", "M", "N", "K",

@@ -213,8 +213,9 @@ def _encode_finite(x: torch.Tensor, spec: MinifloatSpec) -> torch.Tensor:
 
 def _encode_e8m0(x: torch.Tensor, spec: MinifloatSpec, saturate: bool) -> torch.Tensor:
     """e8m0 (2^(code-127)): nearest power of two, ties upward (ml_dtypes: 3 -> 4, 0.75 -> 1).
-    Positive values up to 2^-127 go to code 0 (no zero exists); values in (2^-127, 2^-126)
-    go to 2^-126, as in ml_dtypes and torch. saturate=False: zero, negatives,
+    Positive values below the midpoint 1.5 * 2^-127 go to code 0 (2^-127: no zero exists), as
+    in ml_dtypes >= 0.7 (earlier ml_dtypes and torch 2.13 round all of (2^-127, 2^-126) up to
+    2^-126, by applying the binade rule to float32's subnormal bits). saturate=False: zero, negatives,
     inf, NaN and overflow give 0xFF (NaN) as in ml_dtypes. saturate=True: clamp to
     [2^-127, 2^127] (zero -> code 0, +inf -> 2^127), NaN stays NaN, negatives raise."""
     nan_code = spec._nan_magcode
@@ -229,11 +230,7 @@ def _encode_e8m0(x: torch.Tensor, spec: MinifloatSpec, saturate: bool) -> torch.
     a = torch.where(pos & torch.isfinite(x), x, torch.ones((), dtype=x.dtype, device=x.device))
     m, e2 = torch.frexp(a)  # a = m * 2^e2, m in [0.5, 1); the midpoint 1.5 * 2^(e2-1) is m = 0.75
     k = e2.to(torch.int64) - 1 + (m >= 0.75).to(torch.int64)
-    code = torch.clamp(k + spec.bias, min=0)
-    # Below 2^(1-bias) both ml_dtypes and torch round every value above 2^-bias UP to 2^(1-bias)
-    # (they apply the binade rule to float32's subnormal bits); kept so codes match bit for bit.
-    lowest = spec.decode_code(0)
-    code = torch.where(a < 2 * lowest, (a > lowest).to(code.dtype), code)
+    code = torch.clamp(k + spec.bias, min=0)  # frexp normalises float32 subnormals exactly
     code = torch.where(code > top, torch.full_like(code, top if saturate else nan_code), code)
     code = torch.where(torch.isinf(x) & pos, torch.full_like(code, top if saturate else nan_code), code)
     if saturate:

@@ -563,6 +563,10 @@ def _launch_pairs(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool, act
     if w.layout != "pairs":
         raise ValueError("w4a16_linear: kernel 'pairs' needs a weight prepared with prepare_w4(wq, layout='pairs')")
     cfg = dict(pick_config_pairs(M, N, K, w.group_size, interpret=interp))
+    unknown = sorted(set(config or {}) - set(cfg) - {"maxnreg"})
+    if unknown:
+        raise ValueError(f"w4a16_linear: pairs config keys {unknown} are not known; the keys are "
+                         f"{sorted(set(cfg) | {'maxnreg'})}")
     if config:
         cfg.update(config)
         if "split" in config and "BLOCK_K" not in config and K % (cfg["BLOCK_K"] * cfg["split"]):
@@ -577,10 +581,6 @@ def _launch_pairs(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool, act
                          f"and BLOCK_K * split must divide K = {K}")
     if bm & (bm - 1) or bm > 64:
         raise ValueError(f"w4a16_linear: pairs BLOCK_M must be a power of two <= 64, got {bm}")
-    ahead = cfg.get("ahead", 1)
-    if ahead not in (1, 2) or (ahead == 2 and bk != 128):
-        raise ValueError(f"w4a16_linear: pairs config ahead={ahead}: the steps loaded ahead must be 1, or 2 with "
-                         f"BLOCK_K 128 (got BLOCK_K={bk})")
     if bn % (16 * warps) or bn & (bn - 1):
         raise ValueError(f"w4a16_linear: pairs BLOCK_N must be a power of two and a multiple of 16 * num_warps "
                          f"(the row relabelling), got BLOCK_N={bn}, num_warps={warps}")
@@ -607,7 +607,7 @@ def _launch_pairs(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool, act
            HAS_Z=w.zero_point is not None,
            HAS_BIAS=bias is not None,
            G=w.group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, WARPS=warps, V3=bm >= 16,
-           INTERP=interp, AHEAD=ahead, num_warps=warps, num_stages=cfg["num_stages"],
+           INTERP=interp, num_warps=warps, num_stages=cfg["num_stages"],
            **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not interp else {}))
     return out
 

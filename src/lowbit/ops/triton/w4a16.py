@@ -841,7 +841,7 @@ def _w4a16_pairs_kernel(
     WFMT: tl.constexpr, FOLD: tl.constexpr, GS_ROWS: tl.constexpr, HAS_GX: tl.constexpr,
     HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    WARPS: tl.constexpr, V3: tl.constexpr, INTERP: tl.constexpr, AHEAD: tl.constexpr = 1,
+    WARPS: tl.constexpr, V3: tl.constexpr, INTERP: tl.constexpr,
 ):
     """Grid (cdiv(N, BLOCK_N), SPLIT, cdiv(M, BLOCK_M)); each program covers K_SPLIT codes (a
     multiple of BLOCK_K = 128 or 256, itself a multiple of G) from pid_k * K_SPLIT for BLOCK_M
@@ -853,11 +853,10 @@ def _w4a16_pairs_kernel(
     W4Weight.fp4_exp_offset, see _fp4_mults). OUT [M, N] in x's dtype. BLOCK_N a multiple of
     16 * WARPS (WARPS = num_warps);
     V3: the dot is a wgmma (BLOCK_M >= 16), which orders K differently.
-    The words and per-group data of the step AHEAD steps on (1 or 2; 2 with BLOCK_K = 128) are
-    loaded before the current step is computed (registers: the loads are in flight while the
-    tensor cores work; Triton's num_stages pipelining goes through shared memory and was slower
-    on the H200). Two steps of one chunk keep the next load a whole step ahead even where
-    ptxas sinks it to the end of the loop body (it does, to save registers).
+    The words and per-group data of the next step are loaded before the current step is
+    computed (registers: the loads are in flight while the tensor cores work; Triton's
+    num_stages pipelining goes through shared memory and was slower on the H200; loading two
+    steps ahead was no faster at M = 1 and ~2x slower at M >= 16, measured on the H200).
     Split-K (SPLIT > 1) without atomics on the output and without extra kernels: each program
     stores its float32 partial in PART [SPLIT, M, N]; the last of a tile's SPLIT programs
     (a counter in LOCK [tiles] int32, zero between calls: the last program resets it) adds
@@ -887,7 +886,7 @@ def _w4a16_pairs_kernel(
     sc_log = n64 * s_sn                                            # unfolded MXFP4: logical rows' scale words
     x_rows = X + offs_m.to(tl.int64)[:, None] * s_xm + (k_lo + tl.arange(0, 32))[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    # the first AHEAD steps: words (chunk a, chunk b = a at BLOCK_K 128) and raw per-group tiles
+    # the first step: words (chunk a, chunk b = a at BLOCK_K 128) and raw per-group tiles
     wa = tl.load(w_ptr, mask=w_ok, other=0, eviction_policy="evict_first")
     wb = wa
     if BLOCK_K == 256:
@@ -896,22 +895,13 @@ def _w4a16_pairs_kernel(
     zr = sr
     if HAS_Z:
         zr = _pairs_raw(Z, g_row + k_lo // GW, w_ok, NC)
-    w2 = wa
-    s2 = sr
-    z2 = zr
-    if AHEAD == 2:  # BLOCK_K == 128: the second step too
-        ok2 = w_ok & (BLOCK_K < K_SPLIT)
-        w2 = tl.load(w_ptr + 16, mask=ok2, other=0, eviction_policy="evict_first")
-        s2 = _pairs_raw(S, g_row + (k_lo + BLOCK_K) // GW, ok2, NC)
-        if HAS_Z:
-            z2 = _pairs_raw(Z, g_row + (k_lo + BLOCK_K) // GW, ok2, NC)
     for kk in range(0, K_SPLIT, BLOCK_K):
-        kn = kk + AHEAD * BLOCK_K                                  # the step loaded now
+        kn = kk + BLOCK_K                                  # the step loaded now
         more = w_ok & (kn < K_SPLIT)
-        na = tl.load(w_ptr + AHEAD * BLOCK_K // 8, mask=more, other=0, eviction_policy="evict_first")
+        na = tl.load(w_ptr + BLOCK_K // 8, mask=more, other=0, eviction_policy="evict_first")
         nb = na
         if BLOCK_K == 256:
-            nb = tl.load(w_ptr + AHEAD * BLOCK_K // 8 + 16, mask=more, other=0, eviction_policy="evict_first")
+            nb = tl.load(w_ptr + BLOCK_K // 8 + 16, mask=more, other=0, eviction_policy="evict_first")
         ns = _pairs_raw(S, g_row + (k_lo + kn) // GW, more, NC)
         nz = ns
         if HAS_Z:
@@ -928,18 +918,10 @@ def _w4a16_pairs_kernel(
             if BLOCK_K == 256:
                 acc = _pairs_chunk(acc, wb, 1, kk + 128, x_rows, sr, zr, m_ok, WFMT == 0, HAS_Z, G, BLOCK_M,
                                    BLOCK_N, WARPS, V3, HALF, INTERP)
-        if AHEAD == 2:
-            wa = w2
-            sr = s2
-            zr = z2
-            w2 = na
-            s2 = ns
-            z2 = nz
-        else:
-            wa = na
-            wb = nb
-            sr = ns
-            zr = nz
+        wa = na
+        wb = nb
+        sr = ns
+        zr = nz
         w_ptr += BLOCK_K // 8
     o_off = offs_m[None, :].to(tl.int64) * s_om + offs_n[:, None]
     o_ok = n_ok[:, None] & m_ok[None, :]
