@@ -69,34 +69,14 @@ def sass_report() -> list[dict]:
     divisible by 16, as Triton specializes them at launch. `reg` / `local`: registers per thread
     and spill bytes, from the fused quantizers' compiles. The static count includes paths
     rarely taken (the IEEE-division fallback for subnormal scales)."""
-    import os
-    import re
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    from lowbit.bench.sm90 import compile_sm90
     from lowbit.ops.triton import fused_quant as fq
     from lowbit.ops.triton import w4a16 as w4
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    target = GPUTarget("cuda", 90, 32)
-
     def compile_count(fn, sig, consts, no_div, **opts):
-        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in sig if n not in no_div}
-        c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=target,
-                           options=opts)
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(c.asm["cubin"])
-            f.flush()
-            sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-            res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-        n = sum(1 for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line))
-        # registers per thread and local memory (spills) in bytes, as ptxas allotted them
-        regs[0] = {k.lower(): int(v) for k, v in re.findall(r"\b(REG|LOCAL):(\d+)", res)}
-        return n, c.metadata.shared
+        r = compile_sm90(fn, sig, consts, no_div, **opts)
+        regs[0] = {k: r[k] for k in ("reg", "local") if r[k] is not None}
+        return r["sass"], r["shared"]
 
     rows, regs = [], [{}]
     sig = {"X": "*bf16", "X_stride": "i32", "W": "*bf16", "R": "*bf16", "R_stride": "i32", "R_OUT": "*bf16",

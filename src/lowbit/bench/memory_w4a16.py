@@ -193,20 +193,12 @@ def sass_rows_gemv8() -> list[dict]:
     how close the unpack + FMA work is to the design's ~3 per weight. Rows for
     `python -m lowbit.bench.memory --sass` (which the CI test checks: compiles, fits)."""
     import collections
-    import os
-    import re
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from lowbit.bench.memory import W4_MS, W4_NK
+    from lowbit.bench.sm90 import SHARED_LIMIT, compile_sm90
     from lowbit.ops.triton import w4a16 as w4
     from lowbit.ops.weight_only import pick_config_pairs, pick_config_planar8
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     rows = []
     N, K = W4_NK[0]
     # the heuristic's choice at each M, then dot8's packed-pair unpacking (inline PTX) at 16 rows
@@ -246,28 +238,20 @@ def sass_rows_gemv8() -> list[dict]:
                                        "K_SPLIT", "DEXP", "s_xm", "s_wn", "s_sn", "s_om")}
         else:
             consts.update(UNPACK=cfg.get("unpack", 0))
-        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a not in ("M", "N", "DEXP")}
         row = dict(kernel=f"w4a16 {cfg['kernel']} {kind if kind != 'int4' else 'int4 g128'}" + (" asym" if has_z else "")
                    + f" x {xt[1:]}",
                    variant=f"M{M} {cfg}")
         try:
-            c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                               target=GPUTarget("cuda", 90, 32),
-                               options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(c.asm["cubin"])
-                f.flush()
-                sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-                res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+            c = compile_sm90(fn, sig, consts, ("M", "N", "DEXP"), num_warps=cfg["num_warps"],
+                             num_stages=cfg["num_stages"])
         except Exception as exc:  # noqa: BLE001 -- reported (the CI test then fails on it)
             rows.append(dict(row, sass_static=None, shared=f"{type(exc).__name__}: {str(exc)[:200]}"))
             continue
-        loop = _inner_loop(sass)
+        loop = _inner_loop(c["sass_text"])
         # weights one thread handles per loop step: BLOCK_N x BLOCK_K over the threads
         per_step = cfg["BLOCK_N"] * cfg["BLOCK_K"] // (32 * cfg["num_warps"])
-        row.update(sass_static=sum(1 for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)),
-                   shared=c.metadata.shared, fits=c.metadata.shared <= 232448,
-                   **{k.lower(): int(v) for k, v in re.findall(r"\b(REG|LOCAL):(\d+)", res)},
+        row.update(sass_static=c["sass"], shared=c["shared"], fits=c["shared"] <= SHARED_LIMIT,
+                   **{k: c[k] for k in ("reg", "local") if c[k] is not None},
                    # gemv8 handles BLOCK_M rows of x per weight (instructions per weight and row)
                    loop_instr=len(loop), loop_instr_per_weight=round(
                        len(loop) / per_step / (cfg["BLOCK_M"] if cfg["kernel"] == "gemv8" else 1), 2),

@@ -305,16 +305,31 @@ def num_sms() -> int:
 
 
 def split_launch_options(cfg: dict, K: int, elem_bytes: int, tensors) -> tuple[dict, bool]:
-    """Kernel keyword arguments from a config (TMA / PERSISTENT become constexpr flags) and
+    """Kernel keyword arguments from a config (TMA / PERSISTENT / WS become constexpr flags) and
     whether the operands may be read through TMA descriptors: the bulk-copy engine needs
     16-byte aligned bases and row strides (K * elem_bytes % 16 == 0); otherwise the pointer
-    path runs (the same arithmetic, only the loads differ)."""
+    path runs (the same arithmetic, only the loads differ). WS: the K loop warp-specialized
+    (`tl.range(..., warp_specialize=True)`): on sm_90 Triton 3.6 splits it into a producer
+    warpgroup issuing the TMA copies and two consumer warpgroups running the MMAs and the
+    epilogue, with registers moved from producer to consumers (setmaxnreg) -- the structure of
+    cuBLAS's / CUTLASS's Hopper GEMMs. The arithmetic is the same loop's."""
     cfg = dict(cfg)
     want_tma = bool(cfg.pop("TMA", False))
     persistent = bool(cfg.pop("PERSISTENT", False))
+    ws = bool(cfg.pop("WS", False))
+    if ws and not want_tma:
+        raise ValueError("config WS=True (warp-specialized K loop) needs TMA=True: the producer warps "
+                         "issue the bulk tensor copies; add TMA=True or drop WS")
+    if ws and cfg.get("num_warps", 4) != 4:
+        raise ValueError(f"config WS=True needs num_warps=4 (got {cfg['num_warps']}): Triton 3.6 "
+                         "warp-specializes an sm_90 K loop only from 4 warps (then 12: one producer "
+                         "and two consumer warpgroups) and compiles any other count as a plain loop")
     tma = want_tma and (K * elem_bytes) % 16 == 0 and all(
         t.data_ptr() % 16 == 0 and (t.stride(0) * elem_bytes) % 16 == 0 for t in tensors)
+    # without TMA (unaligned operands) the pointer path runs, as for TMA alone: same arithmetic
     cfg.update(USE_TMA=tma, PERSISTENT=persistent, NUM_SMS=num_sms())
+    if ws and tma:  # only then: the kernels that take no WS (MXFP8) keep their launch arguments
+        cfg["WS"] = True
     return cfg, tma
 
 
@@ -342,21 +357,22 @@ def prepare_launch(cfg: dict, a: torch.Tensor, b: torch.Tensor, box_k: int | Non
 def mainloop(a_ptr, b_ptr, off_m, off_n, M, N, K, stride_am, stride_bn,
              ACC_INT: tl.constexpr, PRECISE: tl.constexpr, USE_TMA: tl.constexpr, EVEN_K: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             PROMOTE_K: tl.constexpr = 128):
+             PROMOTE_K: tl.constexpr = 128, WS: tl.constexpr = False):
     """acc[BLOCK_M, BLOCK_N] = A[off_m:, :] @ B[off_n:, :].T for K-major 8-bit A [M, K], B [N, K].
 
     ACC_INT: int32 accumulation (int8 operands), else fp32 (fp8). PRECISE (fp8 on sm_90):
     promote the tensor cores' partial sum into the fp32 accumulator every PROMOTE_K products
     (min(BLOCK_K, 128): the host passes it).
     USE_TMA: a_ptr / b_ptr are TensorDescriptors (bulk tensor copies; out-of-range rows and K
-    are zero-filled by the copy engine), else plain pointers with masks on K.
+    are zero-filled by the copy engine), else plain pointers with masks on K. WS (with USE_TMA):
+    the K loop warp-specialized (split_launch_options).
     """
     if ACC_INT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if USE_TMA:
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WS):
             a = a_ptr.load([off_m, k0])
             b = b_ptr.load([off_n, k0])
             if ACC_INT:

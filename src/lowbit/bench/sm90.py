@@ -1,0 +1,41 @@
+"""Compile a Triton kernel for sm_90 (H100 / H200) without a GPU: Triton's own ptxas and
+cuobjdump make the cubin and its SASS, so compile errors, shared memory, registers and the
+shape of the machine code can be checked on a CPU-only machine (CI included). Run in a process
+without TRITON_INTERPRET (the callers' tests start a subprocess)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90
+
+
+def compile_sm90(fn, sig: dict, consts: dict, no_div: tuple = (), **opts) -> dict:
+    """Compile `fn` (a @triton.jit function) for sm_90 with signature `sig` (name -> Triton type
+    string), constexprs `consts` and launch options `opts` (num_warps, num_stages, ...). Integer
+    and pointer arguments are marked divisible by 16, as Triton specializes them at launch,
+    except those named in `no_div`. Returns sass (static instruction count), shared (bytes),
+    reg / local (registers per thread and spill bytes, as ptxas allotted them), warps (after
+    warp specialization, which adds warps), warp_specialized (the loop was split into
+    producer / consumer partitions) and sass_text."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
+             if n not in no_div and (t.startswith("*") or t in ("i32", "i64"))}
+    c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=opts)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(c.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    usage = {k.lower(): int(v) for k, v in re.findall(r"\b(REG|LOCAL):(\d+)", res)}
+    return dict(sass=sum(1 for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)),
+                shared=c.metadata.shared, reg=usage.get("reg"), local=usage.get("local"),
+                warps=c.metadata.num_warps, warp_specialized="ttg.warp_specialize" in c.asm["ttgir"],
+                sass_text=sass)
