@@ -151,6 +151,36 @@ def test_warp_specialized_config_errors(rng):
         mxfp8_gemm(a.view(torch.float8_e4m3fn), b.view(torch.float8_e4m3fn), e3, e24, config=dict(SMALL, TMA=True, WS=True))
 
 
+def _no_interpreter_env(**extra):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LOWBIT_GEMM_WS")}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
+                                         env.get("PYTHONPATH", "")])
+    return dict(env, **extra)
+
+
+@pytest.mark.parametrize("ws", ["0", "1"])
+def test_large_m_ws_switch(ws):
+    """LOWBIT_GEMM_WS=1 makes pick_config take the warp-specialized configs from 2048 rows on for
+    int8, fp8 and 1x128 / 128x128 block-scaled GEMMs, and nothing else; unset, no config is."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json; from lowbit.ops.triton.common import pick_config as p; print(json.dumps(["
+            "p(8192, 8192, 8192), p(2048, 4096, 14336, kind='fp8'), p(8192, 8192, 8192, block_k_multiple=128, "
+            "kind='block128'), p(2047, 8192, 8192, kind='fp8'), p(16, 8192, 8192), "
+            "p(8192, 8192, 8192, block_k_multiple=32, kind='mx')]))")
+    proc = subprocess.run([sys.executable, "-c", code], env=_no_interpreter_env(LOWBIT_GEMM_WS=ws),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cfgs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [bool(c.get("WS")) for c in cfgs] == [ws == "1"] * 3 + [False] * 3, cfgs
+    for c in cfgs[:3] if ws == "1" else ():
+        assert c["num_warps"] == 4 and c["TMA"], c
+
+
 def test_gemm_configs_compile_for_sm90():
     """The large-M GEMM configs compiled for sm_90 without a GPU (lowbit.bench.gemm_sass, in a
     process without TRITON_INTERPRET): every one compiles and fits the 232448 bytes of shared
@@ -159,15 +189,11 @@ def test_gemm_configs_compile_for_sm90():
     are not. Triton keeps `warp_specialize=True` on loops it then compiles plainly, so only the
     compiled kernel tells."""
     import json
-    import os
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
-                                         env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-m", "lowbit.bench.gemm_sass"], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "lowbit.bench.gemm_sass"], env=_no_interpreter_env(),
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert {r["kernel"] for r in rows if r["config"].get("WS")} == {"int8", "fp8", "block"}, proc.stdout[-2000:]

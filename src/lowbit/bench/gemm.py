@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from lowbit.bench.timing import bench_ms, rotating_count
+from lowbit.ops.triton.common import WS_CONFIGS
 
 PEAK_8BIT = 1979.0  # H100/H200 SXM dense int8 / fp8 tensor-core peak, TOPS / TFLOP/s
 PEAK_BF16 = 989.0
@@ -30,15 +31,7 @@ MS = (1, 16, 128, 2048, 8192)
 NK = ((14336, 4096), (4096, 14336), (8192, 8192))
 QUICK_MS = (16, 2048, 8192)
 GRAPH_MAX_M = 128
-# Warp-specialized launch configs (common.split_launch_options: TMA producer warpgroup, two MMA
-# consumer warpgroups, 4 warps -> 12) timed next to the default configs from WS_MIN_M rows on:
-# the tiles of the defaults (int8 128x256, fp8 256x128, block-scaled 128x128) with 4 stages,
-# which fit the H200's 232448 bytes of shared memory per block (offline sm_90 compile:
-# python -m lowbit.bench.gemm_sass). Not yet the defaults: that waits for the GPU rows.
-_WS = dict(BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4, TMA=True, WS=True)
-WS_CONFIGS = {"int8": dict(_WS, BLOCK_M=128, BLOCK_N=256), "fp8": dict(_WS, BLOCK_M=256, BLOCK_N=128),
-              "block": dict(_WS, BLOCK_M=128, BLOCK_N=128)}
-WS_MIN_M = 2048
+WS_MIN_M = 2048  # the *_ws rows (WS_CONFIGS: 128- / 256-row tiles) from this many rows on
 
 
 def _inputs(M: int, N: int, K: int, count: int, dev: str = "cuda") -> list[dict]:
@@ -151,7 +144,7 @@ def run_shape(M: int, N: int, K: int, only: str | None = None, log=print) -> lis
         is_base = family in ("bf16", "base8")
         if only and not is_base and only not in name:
             continue
-        if name.endswith("_ws") and M < WS_MIN_M:  # 128- / 256-row tiles: the large-M configs only
+        if name.endswith("_ws") and M < WS_MIN_M:
             continue
         row = dict(name=name, shape=f"{M}x{N}x{K}", M=M, N=N, K=K, family=family, cuda_graph=graph)
         if name.startswith("int_mm") and M <= 16:

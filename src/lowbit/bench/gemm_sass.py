@@ -1,6 +1,6 @@
 """The large-M GEMM kernels compiled for sm_90 without a GPU (`python -m lowbit.bench.gemm_sass`):
 one JSON line per kernel and launch config -- the configs pick_config chooses from 2048 rows on
-and the warp-specialized ones the benchmark times next to them (lowbit.bench.gemm.WS_CONFIGS) --
+and the warp-specialized ones the benchmark times next to them (lowbit.ops.triton.common.WS_CONFIGS) --
 with static SASS size, shared memory, registers, warps after specialization and whether the K
 loop really was split into producer and consumer warpgroups. Triton accepts
 `warp_specialize=True` on loops it then compiles as plain loops (a flattened persistent loop,
@@ -41,9 +41,8 @@ def _kernel_and_signature(kind: str, cfg: dict):
 
 
 def sass_rows() -> list[dict]:
-    from lowbit.bench.gemm import WS_CONFIGS
     from lowbit.bench.sm90 import SHARED_LIMIT, compile_sm90
-    from lowbit.ops.triton.common import interpreting, pick_config
+    from lowbit.ops.triton.common import WS_CONFIGS, interpreting, pick_config
 
     if interpreting():
         raise RuntimeError("compile for sm_90 in a process without TRITON_INTERPRET (pick_config "

@@ -226,6 +226,18 @@ def _cfg(bm, bn, bk, warps, stages, group_m=8):
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages)
 
 
+# Warp-specialized large-M configs (split_launch_options: a TMA producer warpgroup, two MMA
+# consumer warpgroups; 4 warps become 12): the tiles of the default configs below (int8
+# 128x256, fp8 256x128, block-scaled 128x128) with 4 stages, which fit the H200's 232448 bytes
+# of shared memory (offline sm_90 compile: python -m lowbit.bench.gemm_sass). lowbit bench times
+# them next to the defaults; pick_config takes them from 2048 rows on only with
+# LOWBIT_GEMM_WS=1 in the environment (read once, at import) until GPU rows show them faster.
+_WS = dict(BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4, TMA=True, WS=True)
+WS_CONFIGS = {"int8": dict(_WS, BLOCK_M=128, BLOCK_N=256), "fp8": dict(_WS, BLOCK_M=256, BLOCK_N=128),
+              "block": dict(_WS, BLOCK_M=128, BLOCK_N=128)}
+LARGE_M_WS = os.environ.get("LOWBIT_GEMM_WS", "0") == "1"
+
+
 def pick_config(M: int, N: int, K: int, *, block_k_multiple: int = 1, kind: str = "int8") -> dict:
     """Tile sizes for an 8-bit GEMM with K-major operands on an H100/H200-class GPU.
 
@@ -237,7 +249,8 @@ def pick_config(M: int, N: int, K: int, *, block_k_multiple: int = 1, kind: str 
       tile, BLOCK_N 128/64/32 so that >= 120 programs stream the weights once.
     - M < 2048: 64-row tiles, BLOCK_N 128 or 64 for the same occupancy reason.
     - M >= 2048: 128x256 (int8) / 256x128 (fp8) / 128x128 (block-scaled) tiles, 8 warps,
-      3 stages, operands through TMA descriptors, GROUP_M swizzle for L2 reuse.
+      3 stages, operands through TMA descriptors, GROUP_M swizzle for L2 reuse (with
+      LOWBIT_GEMM_WS=1: the same tiles warp-specialized, WS_CONFIGS).
     kind: "int8", "fp8", "block128", "block32" / "block64" (fp32 group scales) or "mx". In the interpreter, small tiles keep
     the tests fast and exercise the masking.
     """
@@ -269,6 +282,8 @@ def pick_config(M: int, N: int, K: int, *, block_k_multiple: int = 1, kind: str 
     if M < 2048:
         bn = 128 if triton.cdiv(M, 64) * triton.cdiv(N, 128) >= sms else 64
         return _cfg(64, bn, max(128, block_k_multiple), 4, 4)
+    if LARGE_M_WS and kind in ("int8", "fp8", "block128") and block_k_multiple <= 128:
+        return dict(WS_CONFIGS["block" if kind == "block128" else kind])
     if kind == "fp8":
         cfg = _cfg(256, 128, 128, 8, 3)
     elif kind.startswith("block") or kind == "mx":
