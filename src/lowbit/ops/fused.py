@@ -258,7 +258,8 @@ def _launch_groups(x2, K, G, tile, common, w, eps, res2, res_out, store_y, pack,
         inv = torch.empty(rows, device=dev, dtype=torch.float32) if common["PRE"] == 1 else dummy
         fq._group_tile_kernel[grid](x2, x2.stride(0), Y=dummy, CODES=dummy, SCALE=dummy, SCALE_CODES=dummy,
                                     GSCALE=dummy, GOUT=dummy, AMAX=amax, INV=inv, n_rows=rows, K=K,
-                                    NGROUPS=ngroups, eps=eps, STORE_Y=False, AMAX_ONLY=True, **rin, **meta)
+                                    NGROUPS=ngroups, eps=eps, STORE_Y=False, AMAX_ONLY=True, TWO_PASS=True,
+                                    **rin, **meta)
         tamax = amax.max().reshape(1)
         gscale = torch.empty(1, device=dev, dtype=torch.float32)
     codes = torch.empty(rows, K // 2 if pack else K, device=dev,
@@ -269,7 +270,8 @@ def _launch_groups(x2, K, G, tile, common, w, eps, res2, res_out, store_y, pack,
     fq._group_tile_kernel[grid](x2, x2.stride(0), Y=y, CODES=codes, SCALE=scale, SCALE_CODES=scodes,
                                 GSCALE=tamax if tamax is not None else dummy,
                                 GOUT=gscale if gscale is not None else dummy, AMAX=dummy, INV=inv, n_rows=rows, K=K,
-                                NGROUPS=ngroups, eps=eps, STORE_Y=store_y, AMAX_ONLY=False, **rin, **meta)
+                                NGROUPS=ngroups, eps=eps, STORE_Y=store_y, AMAX_ONLY=False,
+                                TWO_PASS=kind == 2 and global_scale is None, **rin, **meta)
     return codes, scale, (scodes if kind else None), gscale, (y if store_y else None)
 
 
