@@ -534,7 +534,8 @@ def _group_tile_kernel(
     else:
         h = _ld_policy(x_ptr, mask, EVEN, EVICT).to(tl.float32)
         if HAS_RES:
-            hr = round_to(h + _ld_policy(R + rr * R_stride + cols, mask, EVEN, EVICT).to(tl.float32), R_OUT.dtype.element_ty)
+            r = _ld_policy(R + rr * R_stride + cols, mask, EVEN, EVICT).to(tl.float32)
+            hr = round_to(h + r, R_OUT.dtype.element_ty)
             if not AMAX_ONLY:
                 _st(R_OUT + rr * R_OUT_stride + cols, hr, mask, EVEN)
             h = hr.to(tl.float32)

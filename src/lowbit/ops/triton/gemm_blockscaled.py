@@ -96,7 +96,8 @@ def _blockscaled_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr,
                         NUM_SMS: tl.constexpr, WS: tl.constexpr = False):
     if PERSISTENT:
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=not WS):  # Triton does not warp-specialize a flattened nest
+        # not flattened under WS: Triton does not warp-specialize a K loop in a flattened nest
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=not WS):
             pid_m, pid_n = swizzled_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             _blockscaled_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m, pid_n,
                               M, N, K, stride_am, stride_bn, stride_cm, stride_sam, stride_sbn,

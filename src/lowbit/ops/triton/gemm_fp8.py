@@ -47,7 +47,8 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr,
                      WS: tl.constexpr = False):
     if PERSISTENT:
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=not WS):  # Triton does not warp-specialize a flattened nest
+        # not flattened under WS: Triton does not warp-specialize a K loop in a flattened nest
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=not WS):
             pid_m, pid_n = swizzled_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             _fp8_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m, pid_n,
                       M, N, K, stride_am, stride_bn, stride_cm, stride_sa, stride_sb,

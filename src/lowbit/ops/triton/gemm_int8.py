@@ -62,7 +62,8 @@ def _int8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, za_ptr, colsum_ptr, b
         # One program per SM walks the tiles; the flattened loop lets the pipeliner prefetch the
         # next tile's operands during this tile's epilogue.
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=not WS):  # Triton does not warp-specialize a flattened nest
+        # not flattened under WS: Triton does not warp-specialize a K loop in a flattened nest
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=not WS):
             pid_m, pid_n = swizzled_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             _int8_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, za_ptr, colsum_ptr, bias_ptr, pid_m, pid_n,
                        M, N, K, stride_am, stride_bn, stride_cm, stride_sa, stride_sb, stride_za,
