@@ -413,6 +413,42 @@ def test_e2m1_encoder_at_every_rounding_boundary(device, rng):
                                   np.clip(sat.numpy(), -6, 6).astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF)
 
 
+@pytest.mark.parametrize("name,kernel", [("int8_token", "row"), ("int8_token", "tile"), ("mxfp8", "row"),
+                                         ("mxfp8", "tile"), ("mxfp4", "tile"), ("nvfp4", "row"), ("nvfp4", "tile")])
+def test_non_finite_groups_get_nan_scales(name, kernel, device, rng):
+    """A NaN, +inf or -inf makes its group's scale NaN (what check_finite=True refuses) and leaves
+    every other group as lowbit.quantize makes it from the finite values: a group's absmax counts
+    a NaN as +inf, however the kernel reduces (a NaN-propagating max, mapped once per group).
+    NVFP4 with a given tensor scale, so that groups are independent (the live amax would be inf)."""
+    from lowbit.quantize import compute_scale, reduce_amax
+
+    scheme = SCHEMES[name]
+    M, K = 7, _hidden(scheme)
+    G = K if scheme.strategy == "token" else scheme.group_size
+    x = _rand(rng, (M, K), torch.bfloat16, "cpu", zero_row=None)
+    rows = torch.randperm(M, generator=rng)[:3]
+    cols = torch.randint(0, K, (3,), generator=rng)
+    for r, c, v in zip(rows.tolist(), cols.tolist(), (math.nan, math.inf, -math.inf)):
+        x[r, c] = v
+    bad = torch.zeros(M, K // G, dtype=torch.bool)
+    bad[rows, cols // G] = True
+    clean = torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+    kw, ref_kw = {}, {}
+    if name == "nvfp4":
+        g = torch.tensor([float(clean.float().abs().max()) / 2688.0])
+        kw = dict(global_scale=g.to(device))
+        ref_kw = dict(scales=compute_scale(reduce_amax(clean, scheme), scheme, global_scale=g))
+    qt = fused.quantize_rows(x.to(device), scheme, backend="triton", kernel=kernel, check_finite=False,
+                             **kw).to("cpu")
+    assert torch.equal(torch.isnan(qt.scale), bad)
+    ref = canonical_quantize(clean, scheme, **ref_kw)
+    assert torch.equal(qt.scale[~bad], ref.scale[~bad])
+    ok = (~bad).repeat_interleave(G, 1)  # the elements of the finite groups
+    assert torch.equal(qt.codes[ok], ref.codes[ok])
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        fused.quantize_rows(x.to(device), scheme, backend="triton", kernel=kernel, **kw)
+
+
 @pytest.mark.parametrize("kernel", ["row", "tile"])
 def test_nvfp4_with_calibrated_tensor_scale(kernel, device, rng):
     """global_scale: NVFP4 block scales relative to a given (calibrated) tensor scale g, one pass.

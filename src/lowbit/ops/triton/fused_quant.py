@@ -125,10 +125,17 @@ def _silu_mul(g, u):
 
 
 @triton.jit
+def _max_nan(a, b):
+    """max(a, b), NaN if either is NaN (PTX max.NaN: one instruction on sm_80 and later)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _absmax(y):
-    """max |y| along axis 1; a NaN counts as +inf (max alone would skip it)."""
-    a = tl.abs(y)
-    return tl.max(tl.where(a == a, a, float("inf")), axis=1)
+    """max |y| along axis 1; a NaN counts as +inf (max alone would skip it): the NaN-propagating
+    max reduces, and only the per-row result is mapped NaN -> inf, instead of every element."""
+    m = tl.reduce(tl.abs(y), 1, _max_nan)
+    return tl.where(m == m, m, float("inf"))
 
 
 @triton.jit
