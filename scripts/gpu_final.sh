@@ -7,7 +7,6 @@
 #   MODEL_RECIPES=w4a16,mxfp4 bash scripts/gpu_final.sh model   the model benchmark (bf16 vs those recipes)
 #   TESTS="tests/test_x.py" bash scripts/gpu_final.sh tests,memory   some test files, then the memory rows
 #   bash scripts/gpu_final.sh profile   the CUDA kernels of one quantized Linear call (scripts/gpu_profile_linear.py)
-#   bash scripts/gpu_final.sh gemmws    the warp-specialized GEMMs (config WS) beside the defaults and cuBLAS, WS tiles
 #   bash scripts/gpu_final.sh w4probe   the W4A16 pairs kernel's weight loads alone vs the kernel (lowbit.bench.w4_probe)
 #   bash scripts/gpu_final.sh w4configs the W4A16 pairs kernel under a few configurations vs bf16 (scripts/gpu_w4_configs.py)
 # Logs and JSON under $OUT (at most 8 files come back: each part writes one or two); a short
@@ -16,7 +15,7 @@ source "$(dirname "$0")/gpu_env.sh"
 parts=",${1:-suite,gemm,memory},"
 sum="$out/summary.txt"
 { nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader; git rev-parse --short HEAD 2>/dev/null; } | tee -a "$sum"
-# a hung kernel (new warp-specialized code can deadlock on a barrier) fails its test after
+# a hung kernel (a deadlocked barrier, as Triton 3.6's warp-specialized code showed) fails its test after
 # PER_TEST_TIMEOUT s instead of eating the whole call, where pytest-timeout is installed (the
 # device image has it; CI does not need it)
 per_test=()
@@ -60,28 +59,6 @@ sweep({"fp8_row": [c(128, 32, 128, 4, 4, TMA=True), c(64, 64, 256, 4, 4), c(64, 
       shapes=((128, 4096, 14336),))
 PY
   echo "gemm rc=$?" | tee -a "$sum"
-fi
-if [[ $parts == *,gemmws,* ]]; then  # warp-specialized GEMMs (config WS) next to the defaults and cuBLAS, then WS tiles
-  timeout "${GEMMWS_TIMEOUT:-240}" python3 - >"$out/gemmws.log" 2>&1 <<'PY'
-import json, os
-from lowbit.bench.gemm import run_shape, sweep
-path = os.path.join(os.environ["OUT"], "bench-gemm-ws.json")
-rows = []
-for M, N, K in ((8192, 8192, 8192), (8192, 14336, 4096), (2048, 8192, 8192)):
-    print(f"shape M={M} N={N} K={K}", flush=True)
-    rows += run_shape(M, N, K)  # every kernel: the *_ws rows beside the default-config rows and cuBLAS
-    json.dump(rows, open(path, "w"), indent=1, default=str)
-ws = lambda bm, bn, s, **kw: dict(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=s,
-                                       TMA=True, WS=True), **kw)
-# every one compiles for sm_90 within the 232448 bytes of shared memory (offline, 2026-12-01)
-rows += sweep({"fp8_row": [ws(256, 128, 3), ws(256, 128, 4), ws(128, 256, 4), ws(128, 128, 5),
-                           ws(256, 128, 6, BLOCK_K=64), ws(128, 256, 6, BLOCK_K=64), ws(256, 128, 4, PERSISTENT=True)],
-               "int8": [ws(128, 256, 4), ws(256, 128, 4), ws(128, 256, 3), ws(128, 256, 6, BLOCK_K=64),
-                        ws(128, 256, 4, PERSISTENT=True)],
-               "fp8_block": [ws(128, 128, 4), ws(256, 128, 3), ws(128, 256, 3)]}, shapes=((8192, 8192, 8192),))
-json.dump(rows, open(path, "w"), indent=1, default=str)
-PY
-  echo "gemmws rc=$?" | tee -a "$sum"
 fi
 if [[ $parts == *,memory,* ]]; then
   timeout "${BENCH_TIMEOUT:-160}" python3 -m lowbit.bench.memory \
@@ -127,7 +104,6 @@ if [[ $parts == *,distributed,* ]]; then
   fi
 fi
 [ -f "$out/tests.log" ] && grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -n 20
-[ -f "$out/gemmws.log" ] && grep -E "shape|lowbit_int8|lowbit_fp8_row|lowbit_fp8_block|int_mm |scaled_row|sweep" "$out/gemmws.log" | head -n 60
 [ -f "$out/gemm.log" ] && grep -E "lowbit_int8|bf16 |int_mm |lowbit_fp8_row |lowbit_mxfp8|scaled_row |sweep" "$out/gemm.log" | head -n 40
 [ -f "$out/bench_memory.log" ] && sed -n '/# memory-bound kernels/,$p' "$out/bench_memory.log" | grep -E "norm_quant|quant_|g128 |gemv8 |pairs|g32|mxfp4|nvfp4" | head -n 60
 [ -f "$out/bench_model.log" ] && sed -n '/# lowbit bench model/,$p' "$out/bench_model.log" | head -n 30

@@ -33,14 +33,7 @@ SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2, num_warps=4, num_sta
 # TMA descriptors (zero-filled out-of-range boxes) in a persistent grid: K is rounded to a
 # multiple of 16 for these (the bulk-copy engine needs 16-byte rows), not of BLOCK_K.
 TMA_PERSISTENT = dict(SMALL, TMA=True, PERSISTENT=True)
-# The warp-specialized K loop (producer / consumer warpgroups, common.split_launch_options). The
-# interpreter runs it as the plain loop (it checks the launch plumbing); on CUDA a tile with
-# wgmma-sized warpgroups, where the loop is really split (tests/test_gemm_triton.py's offline
-# compile test checks that it is).
-WS = (dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=2, num_warps=4, num_stages=3, TMA=True, WS=True)
-      if DEV == "cuda" else dict(SMALL, TMA=True, WS=True))
-WS_PERSISTENT = dict(WS, PERSISTENT=True)
-CONFIGS = [None, SMALL, TMA_PERSISTENT, WS, WS_PERSISTENT]
+CONFIGS = [None, SMALL, TMA_PERSISTENT]
 
 
 def _shape(rng, k_lo=64, k_hi=160, config=None):
@@ -133,76 +126,6 @@ def test_int8_bad_input_errors(rng):
         int8_gemm(a, b, s3, s24, a_zero=torch.zeros(3, dtype=torch.int32, device=DEV))
     with pytest.raises(ValueError, match="out_dtype"):
         int8_gemm(a, b, s3, s24, out_dtype=torch.int8)
-
-
-def test_warp_specialized_config_errors(rng):
-    """WS=True is refused where Triton would compile a plain loop instead (no TMA producer, or a
-    warp count it does not specialize), with the fix in the message."""
-    a, b = _int8(rng, 3, 64).to(DEV), _int8(rng, 24, 64).to(DEV)
-    s3, s24 = torch.ones(3, device=DEV), torch.ones(24, device=DEV)
-    with pytest.raises(ValueError, match="needs TMA=True"):
-        int8_gemm(a, b, s3, s24, config=dict(SMALL, WS=True))
-    with pytest.raises(ValueError, match="needs num_warps=4"):
-        fp8_gemm(a.view(torch.float8_e4m3fn), b.view(torch.float8_e4m3fn), s3, s24,
-                 config=dict(SMALL, TMA=True, WS=True, num_warps=8))
-    e3, e24 = torch.full((3, 2), 127, dtype=torch.uint8, device=DEV), torch.full((24, 2), 127, dtype=torch.uint8,
-                                                                                   device=DEV)
-    with pytest.raises(ValueError, match="not available for the MXFP8 kernel"):  # Triton's pass fails on it
-        mxfp8_gemm(a.view(torch.float8_e4m3fn), b.view(torch.float8_e4m3fn), e3, e24, config=dict(SMALL, TMA=True, WS=True))
-
-
-def _no_interpreter_env(**extra):
-    import os
-
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LOWBIT_GEMM_WS")}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
-                                         env.get("PYTHONPATH", "")])
-    return dict(env, **extra)
-
-
-@pytest.mark.parametrize("ws", ["0", "1"])
-def test_large_m_ws_switch(ws):
-    """LOWBIT_GEMM_WS=1 makes pick_config take the warp-specialized configs from 2048 rows on for
-    int8, fp8 and 1x128 / 128x128 block-scaled GEMMs, and nothing else; unset, no config is."""
-    import json
-    import subprocess
-    import sys
-
-    code = ("import json; from lowbit.ops.triton.common import pick_config as p; print(json.dumps(["
-            "p(8192, 8192, 8192), p(2048, 4096, 14336, kind='fp8'), p(8192, 8192, 8192, block_k_multiple=128, "
-            "kind='block128'), p(2047, 8192, 8192, kind='fp8'), p(16, 8192, 8192), "
-            "p(8192, 8192, 8192, block_k_multiple=32, kind='mx')]))")
-    proc = subprocess.run([sys.executable, "-c", code], env=_no_interpreter_env(LOWBIT_GEMM_WS=ws),
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    cfgs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert [bool(c.get("WS")) for c in cfgs] == [ws == "1"] * 3 + [False] * 3, cfgs
-    for c in cfgs[:3] if ws == "1" else ():
-        assert c["num_warps"] == 4 and c["TMA"], c
-
-
-def test_gemm_configs_compile_for_sm90():
-    """The large-M GEMM configs compiled for sm_90 without a GPU (lowbit.bench.gemm_sass, in a
-    process without TRITON_INTERPRET): every one compiles and fits the 232448 bytes of shared
-    memory, and every WS=True config really is warp-specialized -- 12 warps (a producer and two
-    consumer warpgroups) with register reallocation (setmaxnreg) -- while the default configs
-    are not. Triton keeps `warp_specialize=True` on loops it then compiles plainly, so only the
-    compiled kernel tells."""
-    import json
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-m", "lowbit.bench.gemm_sass"], env=_no_interpreter_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert {r["kernel"] for r in rows if r["config"].get("WS")} == {"int8", "fp8", "block"}, proc.stdout[-2000:]
-    for r in rows:
-        assert isinstance(r["sass_static"], int) and r["fits"], r
-        if r["config"].get("WS"):
-            assert r["warp_specialized"] and r["warps"] == 12 and r["setmaxnreg"] > 0, r
-        else:
-            assert not r["warp_specialized"] and r["warps"] == r["config"]["num_warps"], r
     # K * 127 * 127 >= 2**31 would overflow the int32 accumulator: refused before launch.
     k_big = 2**31 // (127 * 127) + 1
     with pytest.raises(ValueError, match="too large for exact int32"):
@@ -245,8 +168,7 @@ def _blockscaled_oracle(a, b, sa, sb, group, rows_per_scale):
     return A @ B.T, A.abs() @ B.abs().T
 
 
-@pytest.mark.parametrize("config", [None, dict(SMALL, BLOCK_K=128), dict(TMA_PERSISTENT, BLOCK_K=128),
-                                    dict(WS, BLOCK_K=128), dict(WS_PERSISTENT, BLOCK_K=128)])
+@pytest.mark.parametrize("config", [None, dict(SMALL, BLOCK_K=128), dict(TMA_PERSISTENT, BLOCK_K=128)])
 def test_fp8_block_1x128_128x128(rng, config):
     M, N, _ = _shape(rng)
     N = N + 128  # two 128-row weight blocks, the second partial

@@ -9,9 +9,7 @@ Shapes are LLM linear layers: M (tokens) in 1, 16, 128, 2048, 8192 against (N, K
   scaled_ten   torch._scaled_mm fp8, tensor-wise scales
   scaled_row_fast  the row-wise one with use_fast_accum=True (no fp32 promotion in the MMA)
   lowbit_int8, lowbit_fp8_row, lowbit_fp8_tensor, lowbit_fp8_block, lowbit_mxfp8, and
-  lowbit_fp8_row_fast (precise=False, compared with scaled_row_fast only), and from M = 2048 on
-  the warp-specialized twins lowbit_int8_ws, lowbit_fp8_row_ws, lowbit_fp8_row_fast_ws and
-  lowbit_fp8_block_ws (WS_CONFIGS: one producer and two consumer warpgroups, same arithmetic)
+  lowbit_fp8_row_fast (precise=False, compared with scaled_row_fast only)
 and reports TFLOP/s, the fraction of the dense 8-bit peak (1979) and the ratio to each
 baseline (baseline ms / kernel ms: > 1 means lowbit is faster). Operands rotate through enough
 input sets to defeat the 60 MiB L2; M <= 128 runs inside CUDA graphs so launch overhead does
@@ -23,7 +21,6 @@ from __future__ import annotations
 import torch
 
 from lowbit.bench.timing import bench_ms, rotating_count
-from lowbit.ops.triton.common import WS_CONFIGS
 
 PEAK_8BIT = 1979.0  # H100/H200 SXM dense int8 / fp8 tensor-core peak, TOPS / TFLOP/s
 PEAK_BF16 = 989.0
@@ -31,7 +28,6 @@ MS = (1, 16, 128, 2048, 8192)
 NK = ((14336, 4096), (4096, 14336), (8192, 8192))
 QUICK_MS = (16, 2048, 8192)
 GRAPH_MAX_M = 128
-WS_MIN_M = 2048  # the *_ws rows (WS_CONFIGS: 128- / 256-row tiles) from this many rows on
 
 
 def _inputs(M: int, N: int, K: int, count: int, dev: str = "cuda") -> list[dict]:
@@ -90,27 +86,16 @@ def kernels():
         "lowbit_fp8_row_fast": (lambda s: fp8_gemm(s["af"], s["bf"], s["sa"], s["sb"], precise=False), "fp8"),
         "lowbit_fp8_block": (lambda s: fp8_block_gemm(s["af"], s["bf"], s["sa_blk"], s["sb_blk"]), "fp8"),
         "lowbit_mxfp8": (lambda s: mxfp8_gemm(s["af"], s["bf"], s["ea"], s["eb"]), "fp8"),
-        "lowbit_int8_ws": (lambda s: int8_gemm(s["a8"], s["b8"], s["sa"], s["sb"], config=WS_CONFIGS["int8"]),
-                           "int8"),
-        "lowbit_fp8_row_ws": (lambda s: fp8_gemm(s["af"], s["bf"], s["sa"], s["sb"], config=WS_CONFIGS["fp8"]),
-                              "fp8"),
-        "lowbit_fp8_row_fast_ws": (lambda s: fp8_gemm(s["af"], s["bf"], s["sa"], s["sb"], precise=False,
-                                                      config=WS_CONFIGS["fp8"]), "fp8"),
-        "lowbit_fp8_block_ws": (lambda s: fp8_block_gemm(s["af"], s["bf"], s["sa_blk"], s["sb_blk"],
-                                                         config=WS_CONFIGS["block"]), "fp8"),
     }
 
 
 # lowbit kernel -> the baseline whose output it must reproduce (for the `check` column)
 _CHECK_AGAINST = {"lowbit_int8": "int_mm+epi", "lowbit_fp8_row": "scaled_row",
-                  "lowbit_fp8_tensor": "scaled_ten", "lowbit_fp8_row_fast": "scaled_row_fast",
-                  "lowbit_int8_ws": "int_mm+epi", "lowbit_fp8_row_ws": "scaled_row",
-                  "lowbit_fp8_row_fast_ws": "scaled_row_fast"}
+                  "lowbit_fp8_tensor": "scaled_ten", "lowbit_fp8_row_fast": "scaled_row_fast"}
 _RATIOS = {"int8": ("bf16", "int_mm", "int_mm+epi"),
            "fp8": ("bf16", "scaled_row", "scaled_ten")}
 # fast accumulation (no fp32 promotion inside the fp8 MMA) compares with its cuBLAS twin
-_RATIOS_BY_NAME = {"lowbit_fp8_row_fast": ("bf16", "scaled_row_fast"),
-                   "lowbit_fp8_row_fast_ws": ("bf16", "scaled_row_fast")}
+_RATIOS_BY_NAME = {"lowbit_fp8_row_fast": ("bf16", "scaled_row_fast")}
 
 
 def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -122,7 +107,7 @@ def _blockscaled_check(name: str, s: dict, out: torch.Tensor) -> float:
     """Block-scaled kernels have no torch baseline: compare with the dequantized fp32 product."""
     A = s["af"].float()
     B = s["bf"].float()
-    if name.startswith("lowbit_fp8_block"):
+    if name == "lowbit_fp8_block":
         A = A * s["sa_blk"].repeat_interleave(128, 1)
         B = B * s["sb_blk"].repeat_interleave(128, 1).repeat_interleave(128, 0)[: B.shape[0]]
     else:
@@ -144,8 +129,6 @@ def run_shape(M: int, N: int, K: int, only: str | None = None, log=print) -> lis
         is_base = family in ("bf16", "base8")
         if only and not is_base and only not in name:
             continue
-        if name.endswith("_ws") and M < WS_MIN_M:
-            continue
         row = dict(name=name, shape=f"{M}x{N}x{K}", M=M, N=N, K=K, family=family, cuda_graph=graph)
         if name.startswith("int_mm") and M <= 16:
             row.update(ms=None, note="torch._int_mm refuses M <= 16")
@@ -159,7 +142,7 @@ def run_shape(M: int, N: int, K: int, only: str | None = None, log=print) -> lis
                 row["check"] = _rel_l2(out, ref)
             elif name in _CHECK_AGAINST:
                 row["check"] = _rel_l2(out, table[_CHECK_AGAINST[name]][0](sets[0]))
-            elif name in ("lowbit_fp8_block", "lowbit_fp8_block_ws", "lowbit_mxfp8") and M * N * K <= 2**36:
+            elif name in ("lowbit_fp8_block", "lowbit_mxfp8") and M * N * K <= 2**36:
                 row["check"] = _blockscaled_check(name, sets[0], out)
             del out
             ms = bench_ms(fn, [(s,) for s in sets], cuda_graph=graph)
@@ -256,13 +239,12 @@ def plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    kern = ["lowbit_int8", "lowbit_fp8_row", "lowbit_fp8_tensor", "lowbit_fp8_block", "lowbit_mxfp8",
-            "lowbit_int8_ws", "lowbit_fp8_row_ws", "lowbit_fp8_block_ws"]
+    kern = ["lowbit_int8", "lowbit_fp8_row", "lowbit_fp8_tensor", "lowbit_fp8_block", "lowbit_mxfp8"]
     shapes = list(dict.fromkeys(r["shape"] for r in rows if r.get("name") in kern))
     fig, axes = plt.subplots(1, 2, figsize=(15, 5.5))
     for ax, base_of, title in (
             (axes[0], lambda n: "vs_bf16", "ratio to bf16 torch.mm (same shape)"),
-            (axes[1], lambda n: "vs_int_mm" if n.startswith("lowbit_int8") else "vs_scaled_row",
+            (axes[1], lambda n: "vs_int_mm" if n == "lowbit_int8" else "vs_scaled_row",
              "ratio to torch._int_mm (int8) / torch._scaled_mm rowwise (fp8)")):
         width = 0.8 / len(kern)
         for i, k in enumerate(kern):

@@ -226,18 +226,6 @@ def _cfg(bm, bn, bk, warps, stages, group_m=8):
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages)
 
 
-# Warp-specialized large-M configs (split_launch_options: a TMA producer warpgroup, two MMA
-# consumer warpgroups; 4 warps become 12): the tiles of the default configs below (int8
-# 128x256, fp8 256x128, block-scaled 128x128) with 4 stages, which fit the H200's 232448 bytes
-# of shared memory (offline sm_90 compile: python -m lowbit.bench.gemm_sass). lowbit bench times
-# them next to the defaults; pick_config takes them from 2048 rows on only with
-# LOWBIT_GEMM_WS=1 in the environment (read once, at import) until GPU rows show them faster.
-_WS = dict(BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4, TMA=True, WS=True)
-WS_CONFIGS = {"int8": dict(_WS, BLOCK_M=128, BLOCK_N=256), "fp8": dict(_WS, BLOCK_M=256, BLOCK_N=128),
-              "block": dict(_WS, BLOCK_M=128, BLOCK_N=128)}
-LARGE_M_WS = os.environ.get("LOWBIT_GEMM_WS", "0") == "1"
-
-
 def pick_config(M: int, N: int, K: int, *, block_k_multiple: int = 1, kind: str = "int8") -> dict:
     """Tile sizes for an 8-bit GEMM with K-major operands on an H100/H200-class GPU.
 
@@ -249,8 +237,7 @@ def pick_config(M: int, N: int, K: int, *, block_k_multiple: int = 1, kind: str 
       tile, BLOCK_N 128/64/32 so that >= 120 programs stream the weights once.
     - M < 2048: 64-row tiles, BLOCK_N 128 or 64 for the same occupancy reason.
     - M >= 2048: 128x256 (int8) / 256x128 (fp8) / 128x128 (block-scaled) tiles, 8 warps,
-      3 stages, operands through TMA descriptors, GROUP_M swizzle for L2 reuse (with
-      LOWBIT_GEMM_WS=1: the same tiles warp-specialized, WS_CONFIGS).
+      3 stages, operands through TMA descriptors, GROUP_M swizzle for L2 reuse.
     kind: "int8", "fp8", "block128", "block32" / "block64" (fp32 group scales) or "mx". In the interpreter, small tiles keep
     the tests fast and exercise the masking.
     """
@@ -282,8 +269,6 @@ def pick_config(M: int, N: int, K: int, *, block_k_multiple: int = 1, kind: str 
     if M < 2048:
         bn = 128 if triton.cdiv(M, 64) * triton.cdiv(N, 128) >= sms else 64
         return _cfg(64, bn, max(128, block_k_multiple), 4, 4)
-    if LARGE_M_WS and kind in ("int8", "fp8", "block128") and block_k_multiple <= 128:
-        return dict(WS_CONFIGS["block" if kind == "block128" else kind])
     if kind == "fp8":
         cfg = _cfg(256, 128, 128, 8, 3)
     elif kind.startswith("block") or kind == "mx":
@@ -320,31 +305,16 @@ def num_sms() -> int:
 
 
 def split_launch_options(cfg: dict, K: int, elem_bytes: int, tensors) -> tuple[dict, bool]:
-    """Kernel keyword arguments from a config (TMA / PERSISTENT / WS become constexpr flags) and
+    """Kernel keyword arguments from a config (TMA / PERSISTENT become constexpr flags) and
     whether the operands may be read through TMA descriptors: the bulk-copy engine needs
     16-byte aligned bases and row strides (K * elem_bytes % 16 == 0); otherwise the pointer
-    path runs (the same arithmetic, only the loads differ). WS: the K loop warp-specialized
-    (`tl.range(..., warp_specialize=True)`): on sm_90 Triton 3.6 splits it into a producer
-    warpgroup issuing the TMA copies and two consumer warpgroups running the MMAs and the
-    epilogue, with registers moved from producer to consumers (setmaxnreg) -- the structure of
-    cuBLAS's / CUTLASS's Hopper GEMMs. The arithmetic is the same loop's."""
+    path runs (the same arithmetic, only the loads differ)."""
     cfg = dict(cfg)
     want_tma = bool(cfg.pop("TMA", False))
     persistent = bool(cfg.pop("PERSISTENT", False))
-    ws = bool(cfg.pop("WS", False))
-    if ws and not want_tma:
-        raise ValueError("config WS=True (warp-specialized K loop) needs TMA=True: the producer warps "
-                         "issue the bulk tensor copies; add TMA=True or drop WS")
-    if ws and cfg.get("num_warps", 4) != 4:
-        raise ValueError(f"config WS=True needs num_warps=4 (got {cfg['num_warps']}): Triton 3.6 "
-                         "warp-specializes an sm_90 K loop only from 4 warps (then 12: one producer "
-                         "and two consumer warpgroups) and compiles any other count as a plain loop")
     tma = want_tma and (K * elem_bytes) % 16 == 0 and all(
         t.data_ptr() % 16 == 0 and (t.stride(0) * elem_bytes) % 16 == 0 for t in tensors)
-    # without TMA (unaligned operands) the pointer path runs, as for TMA alone: same arithmetic
     cfg.update(USE_TMA=tma, PERSISTENT=persistent, NUM_SMS=num_sms())
-    if ws and tma:  # only then: the kernels that take no WS (MXFP8) keep their launch arguments
-        cfg["WS"] = True
     return cfg, tma
 
 
@@ -372,22 +342,21 @@ def prepare_launch(cfg: dict, a: torch.Tensor, b: torch.Tensor, box_k: int | Non
 def mainloop(a_ptr, b_ptr, off_m, off_n, M, N, K, stride_am, stride_bn,
              ACC_INT: tl.constexpr, PRECISE: tl.constexpr, USE_TMA: tl.constexpr, EVEN_K: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             PROMOTE_K: tl.constexpr = 128, WS: tl.constexpr = False):
+             PROMOTE_K: tl.constexpr = 128):
     """acc[BLOCK_M, BLOCK_N] = A[off_m:, :] @ B[off_n:, :].T for K-major 8-bit A [M, K], B [N, K].
 
     ACC_INT: int32 accumulation (int8 operands), else fp32 (fp8). PRECISE (fp8 on sm_90):
     promote the tensor cores' partial sum into the fp32 accumulator every PROMOTE_K products
     (min(BLOCK_K, 128): the host passes it).
     USE_TMA: a_ptr / b_ptr are TensorDescriptors (bulk tensor copies; out-of-range rows and K
-    are zero-filled by the copy engine), else plain pointers with masks on K. WS (with USE_TMA):
-    the K loop warp-specialized (split_launch_options).
+    are zero-filled by the copy engine), else plain pointers with masks on K.
     """
     if ACC_INT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if USE_TMA:
-        for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WS):
+        for k0 in range(0, K, BLOCK_K):
             a = a_ptr.load([off_m, k0])
             b = b_ptr.load([off_n, k0])
             if ACC_INT:

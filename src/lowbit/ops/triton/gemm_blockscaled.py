@@ -42,7 +42,7 @@ def _blockscaled_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m, pid_
                       M, N, K, stride_am, stride_bn, stride_cm, stride_sam, stride_sbn,
                       G: tl.constexpr, R: tl.constexpr, E8M0: tl.constexpr, HAS_BIAS: tl.constexpr,
                       USE_TMA: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WS: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     SUB: tl.constexpr = BLOCK_K // G
     # One weight scale for the whole tile when the tile sits inside one R-row scale block.
     SB_UNIFORM: tl.constexpr = (R > 1) and (R % BLOCK_N == 0)
@@ -66,7 +66,7 @@ def _blockscaled_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m, pid_
     else:
         sb_ptrs = sb_ptr + (rows_b // R).to(tl.int64) * stride_sbn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WS):  # WS: common.split_launch_options
+    for k0 in range(0, K, BLOCK_K):
         for s in tl.static_range(SUB):
             kk = k0 + s * G
             ok = kk < K  # K is a multiple of G: a group is wholly inside K or wholly past it
@@ -93,20 +93,19 @@ def _blockscaled_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr,
                         G: tl.constexpr, R: tl.constexpr, E8M0: tl.constexpr, HAS_BIAS: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_M: tl.constexpr, USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
-                        NUM_SMS: tl.constexpr, WS: tl.constexpr = False):
+                        NUM_SMS: tl.constexpr):
     if PERSISTENT:
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        # not flattened under WS: Triton does not warp-specialize a K loop in a flattened nest
-        for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=not WS):
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
             pid_m, pid_n = swizzled_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             _blockscaled_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m, pid_n,
                               M, N, K, stride_am, stride_bn, stride_cm, stride_sam, stride_sbn,
-                              G, R, E8M0, HAS_BIAS, USE_TMA, BLOCK_M, BLOCK_N, BLOCK_K, WS)
+                              G, R, E8M0, HAS_BIAS, USE_TMA, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         pid_m, pid_n = swizzled_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         _blockscaled_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m, pid_n,
                           M, N, K, stride_am, stride_bn, stride_cm, stride_sam, stride_sbn,
-                          G, R, E8M0, HAS_BIAS, USE_TMA, BLOCK_M, BLOCK_N, BLOCK_K, WS)
+                          G, R, E8M0, HAS_BIAS, USE_TMA, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -311,10 +310,6 @@ def mxfp8_gemm(a, b, a_scale, b_scale, *, bias=None, out_dtype=torch.bfloat16, c
     if M == 0 or N == 0:
         return c
     cfg = _grouped_config(config, M, N, K, 32, "mx")
-    if cfg.get("WS"):
-        raise ValueError("config WS=True is not available for the MXFP8 kernel: Triton 3.6's sm_90 warp "
-                         "specialization pass fails on its in-loop scaling to bf16; drop WS (from "
-                         f"{MX_DEQUANT_MIN_M} rows on, config=None takes the dequantize + cuBLAS path)")
     grid, opts, a_arg, b_arg = prepare_launch(cfg, a, b)
     _mx_kernel[grid](a_arg, b_arg, c, sa, sb, bias if bias is not None else c,
                      M, N, K, a.stride(0), b.stride(0), c.stride(0), sa.stride(0), sb.stride(0),

@@ -27,11 +27,10 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 def _fp8_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m, pid_n,
               M, N, K, stride_am, stride_bn, stride_cm, stride_sa, stride_sb,
               HAS_BIAS: tl.constexpr, PRECISE: tl.constexpr, USE_TMA: tl.constexpr, EVEN_K: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROMOTE_K: tl.constexpr,
-              WS: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROMOTE_K: tl.constexpr):
     """One output tile: the fp32-accumulated contraction, then (acc * sa[m]) * sb[n] + bias[n]."""
     acc = mainloop(a_ptr, b_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_am, stride_bn,
-                   False, PRECISE, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PROMOTE_K, WS)
+                   False, PRECISE, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PROMOTE_K)
     offs_m, offs_n, m_ok, n_ok = tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N)
     y = rowcol_scale(acc, offs_m, offs_n, m_ok, n_ok, sa_ptr, sb_ptr, stride_sa, stride_sb)
     bias_store_tile(y, offs_m, offs_n, m_ok, n_ok, c_ptr, stride_cm, bias_ptr, HAS_BIAS)
@@ -43,21 +42,19 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr,
                      HAS_BIAS: tl.constexpr, PRECISE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
-                     PERSISTENT: tl.constexpr, NUM_SMS: tl.constexpr, PROMOTE_K: tl.constexpr,
-                     WS: tl.constexpr = False):
+                     PERSISTENT: tl.constexpr, NUM_SMS: tl.constexpr, PROMOTE_K: tl.constexpr):
     if PERSISTENT:
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        # not flattened under WS: Triton does not warp-specialize a K loop in a flattened nest
-        for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=not WS):
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
             pid_m, pid_n = swizzled_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             _fp8_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m, pid_n,
                       M, N, K, stride_am, stride_bn, stride_cm, stride_sa, stride_sb,
-                      HAS_BIAS, PRECISE, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PROMOTE_K, WS)
+                      HAS_BIAS, PRECISE, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PROMOTE_K)
     else:
         pid_m, pid_n = swizzled_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         _fp8_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, pid_m, pid_n,
                   M, N, K, stride_am, stride_bn, stride_cm, stride_sa, stride_sb,
-                  HAS_BIAS, PRECISE, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PROMOTE_K, WS)
+                  HAS_BIAS, PRECISE, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PROMOTE_K)
 
 
 def as_fp8(name: str, t: torch.Tensor) -> torch.Tensor:

@@ -31,10 +31,10 @@ def _int8_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, za_ptr, colsum_ptr, bias_ptr
                M, N, K, stride_am, stride_bn, stride_cm, stride_sa, stride_sb, stride_za,
                HAS_SCALES: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
                USE_TMA: tl.constexpr, EVEN_K: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WS: tl.constexpr):
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One output tile: the int32 contraction, then the epilogue in the module docstring's order."""
     acc = mainloop(a_ptr, b_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_am, stride_bn,
-                   True, False, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, WS=WS)
+                   True, False, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
     offs_m, offs_n, m_ok, n_ok = tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N)
     c_ptrs = kmajor_ptrs(c_ptr, offs_m, stride_cm, offs_n)
     if HAS_SCALES:
@@ -57,22 +57,21 @@ def _int8_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, za_ptr, colsum_ptr, b
                       HAS_SCALES: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
-                      PERSISTENT: tl.constexpr, NUM_SMS: tl.constexpr, WS: tl.constexpr = False):
+                      PERSISTENT: tl.constexpr, NUM_SMS: tl.constexpr):
     if PERSISTENT:
         # One program per SM walks the tiles; the flattened loop lets the pipeliner prefetch the
         # next tile's operands during this tile's epilogue.
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        # not flattened under WS: Triton does not warp-specialize a K loop in a flattened nest
-        for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=not WS):
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
             pid_m, pid_n = swizzled_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             _int8_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, za_ptr, colsum_ptr, bias_ptr, pid_m, pid_n,
                        M, N, K, stride_am, stride_bn, stride_cm, stride_sa, stride_sb, stride_za,
-                       HAS_SCALES, HAS_ZP, HAS_BIAS, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, WS)
+                       HAS_SCALES, HAS_ZP, HAS_BIAS, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         pid_m, pid_n = swizzled_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         _int8_tile(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, za_ptr, colsum_ptr, bias_ptr, pid_m, pid_n,
                    M, N, K, stride_am, stride_bn, stride_cm, stride_sa, stride_sb, stride_za,
-                   HAS_SCALES, HAS_ZP, HAS_BIAS, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, WS)
+                   HAS_SCALES, HAS_ZP, HAS_BIAS, USE_TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 def check_int8_k(K: int, asymmetric: bool) -> None:
