@@ -420,7 +420,7 @@ def test_non_finite_groups_get_nan_scales(name, kernel, device, rng):
     every other group as lowbit.quantize makes it from the finite values: a group's absmax counts
     a NaN as +inf, however the kernel reduces (a NaN-propagating max, mapped once per group).
     NVFP4 with a given tensor scale, so that groups are independent (the live amax would be inf)."""
-    from lowbit.quantize import compute_scale, reduce_amax
+    from lowbit.quantize import compute_scale, reduce_amax, two_level_global_scale
 
     scheme = SCHEMES[name]
     M, K = 7, _hidden(scheme)
@@ -435,7 +435,7 @@ def test_non_finite_groups_get_nan_scales(name, kernel, device, rng):
     clean = torch.where(torch.isfinite(x), x, torch.zeros_like(x))
     kw, ref_kw = {}, {}
     if name == "nvfp4":
-        g = torch.tensor([float(clean.float().abs().max()) / 2688.0])
+        g = two_level_global_scale(clean.float().abs().max(), scheme).reshape(1)
         kw = dict(global_scale=g.to(device))
         ref_kw = dict(scales=compute_scale(reduce_amax(clean, scheme), scheme, global_scale=g))
     qt = fused.quantize_rows(x.to(device), scheme, backend="triton", kernel=kernel, check_finite=False,

@@ -253,12 +253,13 @@ def _launch_groups(x2, K, G, tile, common, w, eps, res2, res_out, store_y, pack,
     grid = (triton.cdiv(rows, R),)
     tamax = gscale = global_scale  # a calibrated tensor scale: one pass, g = global_scale
     inv = dummy
-    if kind == 2 and global_scale is None:  # NVFP4: the tensor scale from the amax of the y this kernel computes
+    two_pass = kind == 2 and global_scale is None
+    if two_pass:  # NVFP4: the tensor scale from the amax of the y this kernel computes
         amax = torch.empty(rows, device=dev, dtype=torch.float32)
         inv = torch.empty(rows, device=dev, dtype=torch.float32) if common["PRE"] == 1 else dummy
         fq._group_tile_kernel[grid](x2, x2.stride(0), Y=dummy, CODES=dummy, SCALE=dummy, SCALE_CODES=dummy,
                                     GSCALE=dummy, GOUT=dummy, AMAX=amax, INV=inv, n_rows=rows, K=K,
-                                    NGROUPS=ngroups, eps=eps, STORE_Y=False, AMAX_ONLY=True, TWO_PASS=True,
+                                    NGROUPS=ngroups, eps=eps, STORE_Y=False, AMAX_ONLY=True, TWO_PASS=two_pass,
                                     **rin, **meta)
         tamax = amax.max().reshape(1)
         gscale = torch.empty(1, device=dev, dtype=torch.float32)
@@ -271,7 +272,7 @@ def _launch_groups(x2, K, G, tile, common, w, eps, res2, res_out, store_y, pack,
                                 GSCALE=tamax if tamax is not None else dummy,
                                 GOUT=gscale if gscale is not None else dummy, AMAX=dummy, INV=inv, n_rows=rows, K=K,
                                 NGROUPS=ngroups, eps=eps, STORE_Y=store_y, AMAX_ONLY=False,
-                                TWO_PASS=kind == 2 and global_scale is None, **rin, **meta)
+                                TWO_PASS=two_pass, **rin, **meta)
     return codes, scale, (scodes if kind else None), gscale, (y if store_y else None)
 
 

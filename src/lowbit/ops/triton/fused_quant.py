@@ -81,21 +81,19 @@ def _copy_sign_bit(v, y):
 
 
 @triton.jit
-def _ld(ptr, mask, EVEN: tl.constexpr):
-    """Load a row tile; EVEN (the tile is exactly the row) drops the mask."""
-    if EVEN:
-        return tl.load(ptr)
-    else:
-        return tl.load(ptr, mask=mask, other=0.0)
-
-
-@triton.jit
 def _ld_policy(ptr, mask, EVEN: tl.constexpr, EVICT: tl.constexpr):
-    """_ld with an L2 eviction policy: EVICT "" (Triton's default), "evict_last" or "evict_first"."""
+    """Load a row tile; EVEN (the tile is exactly the row) drops the mask. EVICT: the L2 eviction
+    policy, "" (Triton's default), "evict_last" or "evict_first"."""
     if EVEN:
         return tl.load(ptr, eviction_policy=EVICT)
     else:
         return tl.load(ptr, mask=mask, other=0.0, eviction_policy=EVICT)
+
+
+@triton.jit
+def _ld(ptr, mask, EVEN: tl.constexpr):
+    """_ld_policy with Triton's default eviction policy."""
+    return _ld_policy(ptr, mask, EVEN, "")
 
 
 @triton.jit
