@@ -22,7 +22,7 @@ per_test=()
 python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout "${PER_TEST_TIMEOUT:-240}" --timeout-method thread)
 if [[ $parts == *,suite,* ]]; then
   t0=$(date +%s)
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -n 12 -p no:cacheprovider ${per_test[@]+"${per_test[@]}"} tests \
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -n "${PYTEST_WORKERS:-12}" -p no:cacheprovider ${per_test[@]+"${per_test[@]}"} tests \
       --ignore=tests/test_models_e2e.py >"$out/tests.log" 2>&1
   echo "suite rc=$? ($(( $(date +%s) - t0 )) s) :: $(grep -E '[0-9]+ (passed|failed)' "$out/tests.log" | tail -n 1)" | tee -a "$sum"
   if [ "${TILE_DIAG:-1}" = 1 ]; then
@@ -31,7 +31,7 @@ if [[ $parts == *,suite,* ]]; then
   fi
 fi
 if [[ $parts == *,tests,* ]]; then  # some test files only: TESTS="tests/test_a.py tests/test_b.py"
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -n 12 -p no:cacheprovider ${per_test[@]+"${per_test[@]}"} ${TESTS:-tests} \
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -n "${PYTEST_WORKERS:-12}" -p no:cacheprovider ${per_test[@]+"${per_test[@]}"} ${TESTS:-tests} \
       >"$out/tests.log" 2>&1
   echo "tests rc=$? :: $(grep -E '[0-9]+ (passed|failed)' "$out/tests.log" | tail -n 1)" | tee -a "$sum"
 fi

@@ -22,13 +22,18 @@ from lowbit.scheme import QuantScheme, get_preset
 
 KINDS = {"int4_g128": get_preset("int4_g128"), "int4_g32": QuantScheme("int4", "group", group_size=32),
          "mxfp4": get_preset("mxfp4"), "nvfp4": get_preset("nvfp4")}
-# W4CONFIGS_KINDS=int4_g128,nvfp4 / W4CONFIGS_MS=1 narrow the run
+# W4CONFIGS_KINDS=int4_g128,nvfp4 / W4CONFIGS_MS=1 narrow the run; W4CONFIGS_SET=xpf: the x prefetch's set
 KINDS = {k: v for k, v in KINDS.items() if k in os.environ.get("W4CONFIGS_KINDS", ",".join(KINDS)).split(",")}
 MS = tuple(int(m) for m in os.environ.get("W4CONFIGS_MS", ",".join(map(str, W4_MS))).split(","))
 
 
 def configs(M: int, N: int, K: int, G: int) -> dict:
     """The default (pick_config_pairs) against a few registers-per-thread caps, splits and tiles."""
+    if os.environ.get("W4CONFIGS_SET") == "xpf":  # the L1 prefetch of x on / off, and a split around it
+        if M > 16:
+            return {"default": {}, "xpf": dict(xpf=1)}
+        return {"default": {}, "no-xpf": dict(xpf=0), "s8": dict(split=8),
+                f"BN{64 if M == 1 else 128}": dict(BLOCK_N=64 if M == 1 else 128)}
     if M == 1:
         return {"default": {}, "r168": dict(maxnreg=168), "r128": dict(maxnreg=128), "s8": dict(split=8),
                 "s8/r168": dict(split=8, maxnreg=168), "s2": dict(split=2), "BK128": dict(BLOCK_K=128),

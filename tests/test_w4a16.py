@@ -187,7 +187,10 @@ def test_w4a16_pairs_against_numpy_reference(name, device, rng):
     cases = [(torch.bfloat16, 1, {}), (torch.bfloat16, 3, {"split": 2}), (torch.bfloat16, 17, {"BLOCK_K": 256}),
              (half, 2, {"BLOCK_N": 64, "num_warps": 4}), (torch.bfloat16, 5, {"BLOCK_N": 64, "num_warps": 4,
                                                                               "BLOCK_M": 16}),
-             (torch.bfloat16, 2, {"BLOCK_K": 128, "split": 2}), (half, 17, {"BLOCK_K": 128})]
+             (torch.bfloat16, 2, {"BLOCK_K": 128, "split": 2}), (half, 17, {"BLOCK_K": 128}),
+             # the L1 prefetch of the next step's x (GPU only; the interpreter runs without it): rows
+             # past M clamped to the last real one, at an mma v2 and a 64-row wgmma tile
+             (torch.bfloat16, 5, {"xpf": 1}), (half, 33, {"xpf": 1, "split": 2})]
     for dtype, M, cfg in cases:
         x = (torch.randn(M, K, generator=rng) * 2).to(dtype)
         out = w4a16_linear(x.to(device), w4, backend="triton", config=cfg or None)
@@ -273,24 +276,26 @@ def test_w4a16_split_k_bias_and_batch_dims(device, rng):
 
 
 def test_w4a16_decode_sizes_on_gpu(device, rng):
-    """The decode shapes of the benchmark, scaled down, with the GPU's own heuristics."""
+    """The decode shapes of the benchmark, scaled down, with the GPU's own heuristics (the pairs
+    kernel for every format: per-format tiles, register caps and the x prefetch at 64 rows; 40 rows
+    = a 64-row tile with padding rows)."""
     if device != "cuda":
         pytest.skip("full-size tiles and split-K heuristics are exercised on CUDA only")
     N, K = 2048, 4096
-    for name in ("int4_g128", "int4_g128_asym", "mxfp4", "nvfp4"):
+    for name in ("int4_g128", "int4_g128_asym", "int4_g32", "mxfp4", "nvfp4"):
         wq = quantize(torch.randn(N, K, generator=rng).cuda() * 0.02, SCHEMES[name])
         w4 = prepare_w4(wq, layout="planar_chunks")
         w64 = torch.from_numpy(_numpy_dequant(w4))
-        w8 = prepare_w4(wq, layout="planar8") if name.startswith("int4") else None
-        wp = prepare_w4(wq, layout="pairs") if name.startswith("int4") else None
-        for M in (1, 16, 64):
+        w8 = prepare_w4(wq, layout="planar8") if name.startswith("int4_g128") else None
+        wp = prepare_w4(wq, layout="pairs")
+        for M in (1, 16, 40, 64):
             x = torch.randn(M, K, generator=rng).to(torch.bfloat16)
             ref = x.double() @ w64.T
             bound = _bound(x.double(), w64, ref, K, w4.group_size, 8, torch.bfloat16)
             out = w4a16_linear(x.cuda(), w4)
             assert torch.all((out.cpu().double() - ref).abs() <= bound), (name, M)
             if wp is not None:  # the "pairs" kernel with its heuristic (mma v2 at M = 1, wgmma at 16 / 64)
-                for xs in (x, x.to(torch.float16)):
+                for xs in (x, x.to(torch.float16)) if name.startswith("int4") else (x,):  # fp4: bf16 x only
                     refp = xs.double() @ w64.T
                     outp = w4a16_linear(xs.cuda(), wp)
                     bp = _bound(xs.double(), w64, refp, K, w4.group_size, 8, xs.dtype)

@@ -129,7 +129,7 @@ def w4a16_section(b, quick: bool, sweep: bool = True) -> None:
                 ref = torch.mm(xs[0], w0.qtensor.dequantize(torch.bfloat16).t())
                 sets = [(xs[i], wl[i]) for i in range(n)]
                 r = b.time(f"lowbit_w4a16_{name}", shape, lambda x, w: w4a16_linear(x, w), sets, nbytes,
-                           layout=w0.layout, config=pick_config_pairs(M, N, K, G) if w0.layout == "pairs"
+                           layout=w0.layout, config=pick_config_pairs(M, N, K, G, kind=w0.kind) if w0.layout == "pairs"
                            else pick_config(M, N, K, w0.kind, G, w0.chunk))
                 b.ratios(r, bases)
                 if r and r.get("ms"):  # against bf16 torch.mm on the dequantized weight
@@ -150,7 +150,7 @@ def w4a16_section(b, quick: bool, sweep: bool = True) -> None:
                     if rp and rp.get("ms"):
                         rp["check"] = _rel(w4a16_linear(xs[0], wsp[name][0]), ref)
                     if sweep and name == "int4_g128" and w0.layout == "pairs":
-                        base = pick_config_pairs(M, N, K, G)
+                        base = pick_config_pairs(M, N, K, G, kind=w0.kind)
                         cfgs = {}
                         for bn, bk, warps, sp, st in PAIRS_SWEEP:
                             c = dict(base, BLOCK_N=bn, num_warps=warps, num_stages=base["num_stages"] if st is None else st)
@@ -211,11 +211,11 @@ def sass_rows_gemv8() -> list[dict]:
     variants = [v + ("int4",) for v in variants]
     # fp4 weights in the pairs kernel, block scales folded into the bf16 weights (MXFP4: one block
     # per plane; NVFP4: two), and MXFP4's unfolded fallback at one row
-    variants += [(M, False, "*bf16", pick_config_pairs(M, N, K, G), kind)
+    variants += [(M, False, "*bf16", pick_config_pairs(M, N, K, G, kind=kind), kind)
                  for kind, G in (("mxfp4", 32), ("nvfp4", 16)) for M in W4_MS]
-    variants += [(1, False, "*bf16", pick_config_pairs(1, N, K, 32), "mxfp4 unfolded")]
+    variants += [(1, False, "*bf16", pick_config_pairs(1, N, K, 32, kind="mxfp4"), "mxfp4 unfolded")]
     # NVFP4 layers merged along N (lowbit.nn.shared_input): per-row weight and activation tensor scales
-    variants += [(M, False, "*bf16", pick_config_pairs(M, N, K, 16), "nvfp4 merged") for M in (1, 16)]
+    variants += [(M, False, "*bf16", pick_config_pairs(M, N, K, 16, kind="nvfp4"), "nvfp4 merged") for M in (1, 16)]
     for M, has_z, xt, cfg, kind in variants:
         fn = {"gemv8": w4._w4a16_gemv8_kernel, "dot8": w4._w4a16_dot8_kernel,
               "pairs": w4._w4a16_pairs_kernel}[cfg["kernel"]]
@@ -231,7 +231,8 @@ def sass_rows_gemv8() -> list[dict]:
             wk = kind.split()[0]
             consts.update(WFMT=w4.WFMT[wk], FOLD="unfolded" not in kind, GS_ROWS="merged" in kind, HAS_GX="merged" in kind,
                           G={"int4": 128, "mxfp4": 32, "nvfp4": 16}[wk],
-                          SPLIT=cfg["split"], WARPS=cfg["num_warps"], V3=cfg["BLOCK_M"] >= 16)
+                          SPLIT=cfg["split"], WARPS=cfg["num_warps"], V3=cfg["BLOCK_M"] >= 16,
+                          XPF=bool(cfg.get("xpf")))
             sig = dict(sig, OUT=xt, PART="*fp32", LOCK="*i32", GS="*fp32", GX="*fp32", DEXP="i32",
                        S="*fp32" if kind == "int4" else "*i32")
             sig = {k: sig[k] for k in ("X", "W", "S", "Z", "GS", "GX", "BIAS", "OUT", "PART", "LOCK", "M", "N", "K",
@@ -243,7 +244,7 @@ def sass_rows_gemv8() -> list[dict]:
                    variant=f"M{M} {cfg}")
         try:
             c = compile_sm90(fn, sig, consts, ("M", "N", "DEXP"), num_warps=cfg["num_warps"],
-                             num_stages=cfg["num_stages"])
+                             num_stages=cfg["num_stages"], **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
         except Exception as exc:  # noqa: BLE001 -- reported (the CI test then fails on it)
             rows.append(dict(row, sass_static=None, shared=f"{type(exc).__name__}: {str(exc)[:200]}"))
             continue

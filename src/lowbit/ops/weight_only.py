@@ -308,7 +308,7 @@ def pick_config_gemv8(M: int, N: int, K: int, group: int, *, interpret: bool = F
             "split": split, "num_warps": 4, "num_stages": 1}
 
 
-def pick_config_pairs(M: int, N: int, K: int, group: int, *, interpret: bool = False) -> dict:
+def pick_config_pairs(M: int, N: int, K: int, group: int, *, kind: str = "int4", interpret: bool = False) -> dict:
     """Tiles of the "pairs" kernel (lowbit/ops/triton/w4a16.py), from sm_90 SASS counts (2.3 /
     2.7 / 3.2 instructions per weight in the K loop at 1 / 16 / 64 rows) and H200 sweeps:
     BLOCK_M = M rounded up to a power of two (1..8: mma v2, x padded to 8 columns; 16..64:
@@ -316,7 +316,9 @@ def pick_config_pairs(M: int, N: int, K: int, group: int, *, interpret: bool = F
     (16 * warps) == 0),
     BLOCK_K 256 codes (two chunks; the next step's words are loaded while this one computes),
     128 at 64 rows;
-    split-K by K (below)."""
+    split-K by K (below); per-kind register caps and tiles from the H200 sweep of
+    scripts/gpu_w4_configs.py (below); xpf: the next step's x prefetched into L1 (_prefetch_l1).
+    kind: the weight's format, W4Weight.kind ("int4", "uint4", "mxfp4", "nvfp4")."""
     bm = 1
     while bm < min(M, 64):
         bm *= 2
@@ -325,8 +327,10 @@ def pick_config_pairs(M: int, N: int, K: int, group: int, *, interpret: bool = F
     # against 26.0 / 71.4 us at BLOCK_N 128 (N = 8192 / 28672, K = 8192; at 1 and 64 rows 128 was
     # the best or within 1%)
     bn = 16 if interpret else (64 if bm == 16 else 128)
-    # 64 rows: one chunk per step (two spill: 255 registers, local loads in the sm_90 K loop)
-    bk = 128 if interpret or K % 256 or bm >= 64 else 256
+    # 64 rows: one chunk per step for integer weights (two spill: 255 registers, local loads in the
+    # sm_90 K loop); NVFP4's folded scales leave room for two (H200, 2026-12-01: 41.8 / 122.8 us
+    # against 45.2 / 141.4 us at N = 8192 / 28672, K = 8192)
+    bk = 128 if interpret or K % 256 or (bm >= 64 and kind != "nvfp4") else 256
     steps = K // bk
     split = 1
     if not interpret:
@@ -339,8 +343,22 @@ def pick_config_pairs(M: int, N: int, K: int, group: int, *, interpret: bool = F
         split = max(split, _split_k(-(-N // bn) * -(-M // bm) * split, steps // split, _SMS) * split)
     # wgmma tiles (16+ rows): Triton's 2-stage pipelining on top (the H200 sweep at M = 16:
     # 35 / 71 us against 51 / 128 us with one stage, N = 8192 / 28672)
+    # groups below 128 codes (two to four scale tiles per step): a register cap that lets ptxas keep
+    # more programs per SM (H200, 2026-12-01, int4 g32 at N = 8192 / 28672, K = 8192: one row 168
+    # registers, 31.9 -> 28.1 / 85.5 -> 75.1 us; 16 rows 128, 41.0 -> 31.7 / 96.8 -> 91.5 us; at
+    # g128 the same caps were no faster or slower)
+    maxnreg = 0
+    if group < 128 and kind in ("int4", "uint4") and not interpret:
+        maxnreg = {1: 168, 16: 128}.get(bm, 0)
+    # the next step's x prefetched into L1 (_prefetch_l1): at 64 rows (64 rows of x per step, 16-32 KB)
+    # (H200, 2026-12-01, N = 8192 / 28672, K = 8192: int4 g128 42.9 -> 38.9 / 129.4 -> 125.9 us, MXFP4
+    # 42.1 -> 38.7 / 124.4 -> 124.0 us); at 1 and 16 rows it was 1-20% slower (one or a few 128-byte lines
+    # of x per step: their L2 latency was not what held those kernels back), NVFP4 10-12% slower at 64
+    # rows, int4 g32 no faster
+    xpf = int(bm >= 64 and kind != "nvfp4" and (group >= 128 or kind == "mxfp4") and not interpret)
     return {"kernel": "pairs", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "split": split,
-            "num_warps": warps, "num_stages": 2 if bm >= 16 and not interpret else 1}
+            "num_warps": warps, "num_stages": 2 if bm >= 16 and not interpret else 1,
+            "maxnreg": maxnreg, "xpf": xpf}
 
 
 def pick_config(M: int, N: int, K: int, kind: str, group: int, chunk: int, *, interpret: bool = False) -> dict:
@@ -562,11 +580,10 @@ def _launch_pairs(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool, act
     N = w.shape[0]
     if w.layout != "pairs":
         raise ValueError("w4a16_linear: kernel 'pairs' needs a weight prepared with prepare_w4(wq, layout='pairs')")
-    cfg = dict(pick_config_pairs(M, N, K, w.group_size, interpret=interp))
-    unknown = sorted(set(config or {}) - set(cfg) - {"maxnreg"})
+    cfg = dict(pick_config_pairs(M, N, K, w.group_size, kind=w.kind, interpret=interp))
+    unknown = sorted(set(config or {}) - set(cfg))
     if unknown:
-        raise ValueError(f"w4a16_linear: pairs config keys {unknown} are not known; the keys are "
-                         f"{sorted(set(cfg) | {'maxnreg'})}")
+        raise ValueError(f"w4a16_linear: pairs config keys {unknown} are not known; the keys are {sorted(cfg)}")
     if config:
         cfg.update(config)
         if "split" in config and "BLOCK_K" not in config and K % (cfg["BLOCK_K"] * cfg["split"]):
@@ -607,7 +624,7 @@ def _launch_pairs(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool, act
            HAS_Z=w.zero_point is not None,
            HAS_BIAS=bias is not None,
            G=w.group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, WARPS=warps, V3=bm >= 16,
-           INTERP=interp, num_warps=warps, num_stages=cfg["num_stages"],
+           XPF=bool(cfg["xpf"]), INTERP=interp, num_warps=warps, num_stages=cfg["num_stages"],
            **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not interp else {}))
     return out
 
