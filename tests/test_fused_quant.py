@@ -333,6 +333,23 @@ def test_clear_errors(device, rng):
         fused.quantize_rows(bad, get_preset("mxfp8"), backend="triton")
 
 
+@pytest.mark.parametrize("name", ["mxfp4", "mxfp8", "nvfp4"])
+def test_default_tile_at_4096(name, device, rng):
+    """The default tile at K = 4096: MX scales (e8m0) take one row and 2 warps (64 elements per
+    thread), NVFP4 and the per-token path keep 4 warps; quantize and RMSNorm + quantize under it give
+    lowbit.quantize's codes and scales (3 rows, one of them zero; a masked tail for none: K is a power of two)."""
+    scheme = SCHEMES[name]
+    mx = scheme.scale_format == "e8m0"
+    assert fused.tile_config(4096, 0, mx=mx) == ((1, 2) if mx else (1, 4))
+    assert fused.tile_config(4096, 1, residual=True, mx=mx) == (2, 4)  # a residual keeps 2 rows, 4 warps
+    x = _rand(rng, (3, 4096), torch.bfloat16, device)
+    _assert_same_quant(fused.quantize_rows(x, scheme, backend="triton", kernel="tile").to("cpu"),
+                       canonical_quantize(x.cpu(), scheme))
+    w = (1 + 0.2 * torch.randn(4096, generator=rng)).to(torch.bfloat16).to(device)
+    qt, _, y = fused.rmsnorm_quant(x, w, 1e-6, scheme, backend="triton", return_normalized=True, kernel="tile")
+    _assert_same_quant(qt.to("cpu"), canonical_quantize(y.cpu(), scheme))
+
+
 def test_tile_one_row_one_warp_is_refused(device, rng):
     """tile=(1, 1) gave per-token scales that differ from lowbit.quantize on the H200 (codes
     equal; cause not found): the kernel refuses it and the heuristic never picks it."""
@@ -341,7 +358,8 @@ def test_tile_one_row_one_warp_is_refused(device, rng):
     x = _rand(rng, (3, 1000), torch.bfloat16, device)
     with pytest.raises(ValueError, match=r"tile=\(1, 1\)"):
         fused.quantize_rows(x, SCHEMES["int8_token"], backend="triton", kernel="tile", tile=(1, 1))
-    assert all(tile_config(K, 0) != (1, 1) for K in (64, 513, 768, 1000, 1024, 4095, 8192))
+    assert all(tile_config(K, 0, mx=mx) != (1, 1) for K in (64, 513, 768, 1000, 1024, 4095, 8192)
+               for mx in (False, True))
 
 
 @pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "mxfp4_even"])

@@ -172,14 +172,14 @@ def _copy(b: _Bench, name: str = "copy") -> None:
 
 
 def _tile_variants(K: int, pre: int, quick: bool, residual: bool = False,
-                   persist: bool = False) -> list[tuple[str, tuple[int, ...] | None]]:
+                   persist: bool = False, mx: bool = False) -> list[tuple[str, tuple[int, ...] | None]]:
     """Row-name suffixes and tiles of the fused quantizer's "tile" kernel: "_tile" = its heuristic
     (fused.tile_config), then "_tile_r{ROWS}w{WARPS}" for 32 / 64 elements per thread with one row
     per program and 64 with two rows (16 per thread is the "row" kernel's shape), so a run shows
     which configuration to make the default. Each new tile is one more Triton compile (~1-2 s)."""
     from lowbit.ops.fused import tile_config
 
-    out, seen = [("_tile", None)], {tile_config(K, pre, residual)}
+    out, seen = [("_tile", None)], {tile_config(K, pre, residual, mx=mx)}
     for R, W in ((1, K // 1024), (1, K // 2048), (2, K // 1024)):
         t = (R, max(1, min(16, W)))
         if not quick and t not in seen:
@@ -192,13 +192,13 @@ def _tile_variants(K: int, pre: int, quick: bool, residual: bool = False,
 
 
 def _time_tiles(b: _Bench, stem: str, shape: str, K: int, pre: int, quick: bool, make, sets, nbytes,
-                bases: dict, row_out, out_of, residual: bool = False, persist: bool = False) -> None:
+                bases: dict, row_out, out_of, residual: bool = False, persist: bool = False, mx: bool = False) -> None:
     """Time the "tile" kernel's variants next to the "row" kernel's row (`bases["row"]`); `make(tile)`
     returns the timed function, `out_of(result)` the QTensor; `codes_diff_vs_row` is the fraction of
     its codes that differ from the row kernel's `row_out` on the same input (same arithmetic; only
     a last-bit difference of y from another summation order of the RMSNorm may flip a rounding,
     so this is 0 or tiny; tests/test_fused_quant.py checks both kernels against lowbit.quantize)."""
-    for suffix, tile in _tile_variants(K, pre, quick, residual, persist):
+    for suffix, tile in _tile_variants(K, pre, quick, residual, persist, mx):
         fn = make(tile)
         r = b.time(f"{stem}{suffix}", shape, fn, sets, nbytes, kernel="tile",
                    tile=list(tile) if tile else "heuristic (fused.tile_config)")
@@ -213,7 +213,7 @@ def _group_tiles(b: _Bench, stem: str, shape: str, K: int, pre: int, quick: bool
     (`call(scheme, **kwargs)` returns the timed function), and for fp4 the same with the codes
     packed two per byte ("_packed": half a byte per element written, counted as such)."""
     _time_tiles(b, stem, shape, K, pre, quick, lambda t: call(sch, kernel="tile", tile=t), sets, nbytes,
-                {"row": r_row}, out_of(row_fn(*sets[0])), out_of)
+                {"row": r_row}, out_of(row_fn(*sets[0])), out_of, mx=sch.scale_format == "e8m0")
     if sch.two_level:  # NVFP4 with a calibrated tensor scale (compressed-tensors' input_global_scale): one pass
         g = out_of(row_fn(*sets[0])).global_scale.reshape(1).contiguous()
         r = b.time(f"{stem}_static_g", shape, call(sch, global_scale=g), sets, nbytes, kernel="tile",

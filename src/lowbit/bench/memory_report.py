@@ -113,7 +113,6 @@ def sass_report() -> list[dict]:
     gsig = dict(sig, CODES="*u8", INV="*fp32", n_rows="i32")
     gbase = {**base, "PRE": 0, "FMT": 2, "SCALE_KIND": 1, "QMAX": 6.0, "EMAX": 2, "MBITS": 1, "NG": 128, "G": 32,
              "PACK": False}
-    R, W = tile_config(4096, 0)
     nv = dict(SCALE_KIND=2, G=16, NG=256, G_DIV=2688.0)
     for name, extra in (("quant_mxfp4", {}), ("quant_mxfp4 packed", dict(PACK=True)), ("norm_mxfp4", dict(PRE=1)),
                         ("quant_mxfp8", dict(FMT=1, QMAX=448.0, EMAX=8, MBITS=3)),
@@ -122,6 +121,7 @@ def sass_report() -> list[dict]:
                         ("quant_nvfp4 given scale", dict(nv, G_GIVEN=True)),
                         ("quant_nvfp4 pass 1", dict(nv, AMAX_ONLY=True, TWO_PASS=True)),
                         ("quant_nvfp4 pass 2", dict(nv, TWO_PASS=True))):
+        R, W = tile_config(4096, 0, mx=extra.get("SCALE_KIND", 1) == 1)  # the default tile of each format
         n, smem = compile_count(fq._group_tile_kernel, gsig, {**gbase, **extra, "ROWS": R}, ("eps", "NGROUPS"),
                                 num_warps=W)
         rows.append(dict(kernel="group_tile", variant=f"{name} K=4096 ROWS={R} warps={W}", sass_static=n,

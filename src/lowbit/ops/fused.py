@@ -284,7 +284,7 @@ def tile_supports(scheme: QuantScheme) -> bool:
             and scheme.scale_format == "fp32")
 
 
-def tile_config(K: int, pre: int, residual: bool = False, fp8: bool = False) -> tuple[int, ...]:
+def tile_config(K: int, pre: int, residual: bool = False, fp8: bool = False, mx: bool = False) -> tuple[int, ...]:
     """(ROWS, num_warps) of the "tile" kernel for rows of K elements: 32 elements of a row per
     thread (num_warps = next_pow2(K) / 1024, at most 16; 64 per thread from 8192 on), and rows stacked up to 32 elements per
     thread when a row is shorter than 1024. From the sm_90 SASS (python -m lowbit.bench.memory
@@ -295,14 +295,19 @@ def tile_config(K: int, pre: int, residual: bool = False, fp8: bool = False) -> 
     fp8 (per-token fp8_e4m3fn on the token fast path), no residual, K >= 8192: (ROWS, num_warps, 2),
     the persistent form with 2 programs per SM (H200, RMSNorm + fp8 at 8192 x 8192: 79.9% / 78.5%
     of copy with 2 / 4 programs per SM against 74.9% one program per tile; for int8 it lost:
-    79.8% against 85.1%, and at 4096 both lost)."""
+    79.8% against 85.1%, and at 4096 both lost).
+    mx (the group kernel with e8m0 scales, MXFP4 / MXFP8), no residual: 64 per thread from 4096 on."""
     import triton
 
     block = max(16, triton.next_power_of_2(K))
     # rows of 8192 and more: 64 per thread (H200, 8192 x 8192: 84.9% of the copy ceiling
     # against 76.7% at 32 per thread for int8, 76.5% / 74.8% for fp8); at 4096, 32 per
     # thread stays ahead (77.5% against 74.9%). docs/benchmarks-memory.md has the rows.
-    warps = min(16, max(1, block // (2048 if block >= 8192 else 1024)))
+    # MX group scales at 4096 (no residual): 64 per thread as well (H200, 2026-12-01, 8192 x 4096, one
+    # row and 2 warps against 4: quantize MXFP4 73.4% / 69.5% of copy, RMSNorm + MXFP8 78.2% / 74.6%,
+    # RMSNorm + MXFP4 64.6% / 63.8%, quantize MXFP8 81.8% / 82.4%; NVFP4 lost 1-2 points: unchanged)
+    wide = block >= 8192 or (mx and not residual and block >= 4096)
+    warps = min(16, max(1, block // (2048 if wide else 1024)))
     rows = 1
     while rows * block < 32 * 32 * warps and rows < 8:
         rows *= 2
@@ -386,7 +391,8 @@ def _launch_tile(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int
                          "(the row lives in registers); use backend='torch'")
     if tile is None:
         tile = tile_config(K, pre, residual=res2 is not None,
-                           fp8=tile_supports(scheme) and scheme.format == "fp8_e4m3fn")
+                           fp8=tile_supports(scheme) and scheme.format == "fp8_e4m3fn",
+                           mx=scheme.scale_format == "e8m0")
     if not isinstance(tile, (tuple, list)) or len(tile) not in (2, 3) or not all(isinstance(t, int) for t in tile):
         raise ValueError(f"tile must be (rows, num_warps) or (rows, num_warps, programs per SM), got {tile!r}")
     R, warps, persist = (tuple(tile) + (0,))[:3]
