@@ -74,11 +74,11 @@ def sass_report() -> list[dict]:
     from lowbit.ops.triton import w4a16 as w4
 
     def compile_count(fn, sig, consts, no_div, **opts):
+        """(static SASS instructions, shared bytes, {reg, local} as ptxas allotted them)"""
         r = compile_sm90(fn, sig, consts, no_div, **opts)
-        regs[0] = {k: r[k] for k in ("reg", "local") if r[k] is not None}
-        return r["sass"], r["shared"]
+        return r["sass"], r["shared"], {k: r[k] for k in ("reg", "local") if r[k] is not None}
 
-    rows, regs = [], [{}]
+    rows = []
     sig = {"X": "*bf16", "X_stride": "i32", "W": "*bf16", "R": "*bf16", "R_stride": "i32", "R_OUT": "*bf16",
            "R_OUT_stride": "i32", "Y": "*fp32", "CODES": "*i8", "SCALE": "*fp32", "SCALE_CODES": "*u8",
            "GSCALE": "*fp32", "GOUT": "*fp32", "AMAX": "*fp32", "K": "i32", "NGROUPS": "i32", "eps": "fp32"}
@@ -88,9 +88,9 @@ def sass_report() -> list[dict]:
                         ("norm_res_int8 K=4096", dict(HAS_RES=True)), ("silu_int8 H=4096", dict(PRE=2)),
                         ("quant_mxfp8 K=4096", dict(PRE=0, FMT=1, QMAX=448.0, SCALE_KIND=1, EMAX=8, MBITS=3,
                                                     NG=128, G=32))):
-        n, smem = compile_count(fq._row_quant_kernel, sig, {**base, **extra}, ("eps", "NGROUPS"), num_warps=8)
+        n, smem, regs = compile_count(fq._row_quant_kernel, sig, {**base, **extra}, ("eps", "NGROUPS"), num_warps=8)
         # static count: the rarely taken IEEE-division fallback for subnormal scales is included
-        rows.append(dict(kernel="row_quant", variant=name, sass_static=n, shared=smem, **regs[0]))
+        rows.append(dict(kernel="row_quant", variant=name, sass_static=n, shared=smem, **regs))
     # the "tile" kernel at the tiles fused.tile_config picks for the benchmark's hidden sizes
     from lowbit.ops.fused import tile_config
 
@@ -104,10 +104,10 @@ def sass_report() -> list[dict]:
                            ("norm_res_int8", 4096, dict(HAS_RES=True))):
         R, W, *P = tile_config(K, 1, fp8=extra.get("FMT") == 1)
         nprog = 528 if P else 0  # persistent: 2 programs on each of the H200's 132 SMs (a constexpr)
-        n, smem = compile_count(fq._token_tile_kernel, tsig, {**tbase, **extra, "ROWS": R, "BLOCK": K,
-                                                              "NPROG": nprog // 2 if P else 0}, ("eps",), num_warps=W)
+        consts = {**tbase, **extra, "ROWS": R, "BLOCK": K, "NPROG": nprog // 2 if P else 0}
+        n, smem, regs = compile_count(fq._token_tile_kernel, tsig, consts, ("eps",), num_warps=W)
         rows.append(dict(kernel="token_tile", variant=f"{name} K={K} ROWS={R} warps={W}" + (" persistent" if P else ""),
-                         sass_static=n, per_element=round(n / (R * K / (32 * W)), 1), shared=smem, **regs[0]))
+                         sass_static=n, per_element=round(n / (R * K / (32 * W)), 1), shared=smem, **regs))
     # the group variant (MX / NVFP4) at the 8192 x 4096 benchmark's tile; per_element = static
     # instructions / elements per thread (the rare subnormal-scale branch included)
     gsig = dict(sig, CODES="*u8", INV="*fp32", n_rows="i32")
@@ -122,10 +122,10 @@ def sass_report() -> list[dict]:
                         ("quant_nvfp4 pass 1", dict(nv, AMAX_ONLY=True, TWO_PASS=True)),
                         ("quant_nvfp4 pass 2", dict(nv, TWO_PASS=True))):
         R, W = tile_config(4096, 0, mx=extra.get("SCALE_KIND", 1) == 1)  # the default tile of each format
-        n, smem = compile_count(fq._group_tile_kernel, gsig, {**gbase, **extra, "ROWS": R}, ("eps", "NGROUPS"),
-                                num_warps=W)
+        n, smem, regs = compile_count(fq._group_tile_kernel, gsig, {**gbase, **extra, "ROWS": R}, ("eps", "NGROUPS"),
+                                      num_warps=W)
         rows.append(dict(kernel="group_tile", variant=f"{name} K=4096 ROWS={R} warps={W}", sass_static=n,
-                         per_element=round(n / (R * 4096 / (32 * W)), 1), shared=smem, **regs[0]))
+                         per_element=round(n / (R * 4096 / (32 * W)), 1), shared=smem, **regs))
     # the W4A4 emulation's activation at decode sizes (fused.qdq_rows): both launches, MXFP4 and NVFP4
     from lowbit.ops.triton.dequant import _qdq_rows_kernel
 
@@ -136,8 +136,8 @@ def sass_report() -> list[dict]:
                         ("nvfp4 absmax", dict(SCALE_KIND=2, G_DIV=2688.0, G=16, NG=256, AMAX_ONLY=True))):
         consts = {**dict(FMT=2, E8M0_ROUND=0, QMAX=6.0, EMAX=2, MBITS=1, HW_FP8=True, FAST_DIV=True, G_DIV=1.0,
                          EVEN=True, AMAX_ONLY=False, ONE=False, MP2=16, HAS_WG=True), **extra}
-        n, smem = compile_count(_qdq_rows_kernel, qsig, consts, ("M", "K"), num_warps=8)
-        rows.append(dict(kernel="qdq_rows", variant=f"{name} K=4096", sass_static=n, shared=smem, **regs[0]))
+        n, smem, regs = compile_count(_qdq_rows_kernel, qsig, consts, ("M", "K"), num_warps=8)
+        rows.append(dict(kernel="qdq_rows", variant=f"{name} K=4096", sass_static=n, shared=smem, **regs))
     # the group dequantization (MXFP8 operands from 256 rows, gemm_blockscaled.mxfp8_dequant_gemm), as
     # dequantize_groups launches it; per_element = static instructions / codes per thread
     from lowbit.ops.triton.dequant import _group_dequant_kernel
@@ -145,10 +145,10 @@ def sass_report() -> list[dict]:
     gdsig = {"C": "*u8", "SC": "*u8", "OUT": "*bf16", "R": "i32", "K": "i32", "s_c": "i32", "s_sc": "i32",
              "s_o": "i32"}
     for name, ef, sf, G in (("mxfp8 e4m3 x e8m0", 0, 2, 32), ("nvfp4 e2m1 x e4m3", 1, 3, 16)):
-        n, smem = compile_count(_group_dequant_kernel, gdsig, dict(EFMT=ef, SFMT=sf, G=G, BLOCK_R=16, GROUPS=256 // G),
-                                ("R",), num_warps=4)
+        n, smem, regs = compile_count(_group_dequant_kernel, gdsig,
+                                      dict(EFMT=ef, SFMT=sf, G=G, BLOCK_R=16, GROUPS=256 // G), ("R",), num_warps=4)
         rows.append(dict(kernel="group_dequant", variant=f"{name} 16 x 256", sass_static=n,
-                         per_element=round(n / (16 * 256 / 128), 1), shared=smem, **regs[0]))
+                         per_element=round(n / (16 * 256 / 128), 1), shared=smem, **regs))
     # the large-M W4A16 path's passes: the pairs dequantization (at PAIRS_DEQUANT) and the NVFP4 output scale
     from lowbit.ops.weight_only import PAIRS_DEQUANT
 
@@ -156,14 +156,17 @@ def sass_report() -> list[dict]:
     dsig = {"W": "*i32", "S": "*fp32", "Z": "*i8", "OUT": "*bf16", "N": "i32", "s_wn": "i32", "s_sn": "i32",
             "s_on": "i32"}
     for name, wf, G in (("int4 g128", 0, 128), ("mxfp4", 2, 32), ("nvfp4", 3, 16)):
-        n, smem = compile_count(w4._pairs_dequant_kernel, dict(dsig, S="*fp32" if wf == 0 else "*u8"),
-                                dict(WFMT=wf, HAS_Z=False, G=G, BLOCK_N=bn, CHUNKS=chunks), ("N",), num_warps=warps)
+        n, smem, regs = compile_count(w4._pairs_dequant_kernel, dict(dsig, S="*fp32" if wf == 0 else "*u8"),
+                                      dict(WFMT=wf, HAS_Z=False, G=G, BLOCK_N=bn, CHUNKS=chunks), ("N",),
+                                      num_warps=warps)
         rows.append(dict(kernel="pairs_dequant", variant=f"{name} {PAIRS_DEQUANT}", sass_static=n, shared=smem,
-                         **regs[0]))
-    n, smem = compile_count(w4._scale_output_kernel, {"Y": "*bf16", "S": "*fp32", "BIAS": "*bf16", "OUT": "*bf16",
-                                                      "M": "i32", "N": "i32", "s_y": "i32", "s_o": "i32"},
-                            dict(ROWS=True, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=256, INTERP=False), ("M", "N"), num_warps=4)
-    rows.append(dict(kernel="scale_output", variant="per-row scale + bias", sass_static=n, shared=smem, **regs[0]))
+                         **regs))
+    osig = {"Y": "*bf16", "S": "*fp32", "BIAS": "*bf16", "OUT": "*bf16", "M": "i32", "N": "i32", "s_y": "i32",
+            "s_o": "i32"}
+    n, smem, regs = compile_count(w4._scale_output_kernel, osig,
+                                  dict(ROWS=True, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=256, INTERP=False), ("M", "N"),
+                                  num_warps=4)
+    rows.append(dict(kernel="scale_output", variant="per-row scale + bias", sass_static=n, shared=smem, **regs))
     sig = {"X": "*bf16", "W": "*u8", "S": "*fp32", "Z": "*i8", "SC": "*u8", "GS": "*fp32", "BIAS": "*fp32",
            "OUT": "*bf16", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32", "s_xm": "i32", "s_wn": "i32",
            "s_sn": "i32", "s_om": "i32"}
@@ -180,8 +183,8 @@ def sass_report() -> list[dict]:
             if consts["ATOMIC"]:
                 sig = dict(sig, OUT="*fp32")
             try:
-                n, smem = compile_count(w4._w4a16_kernel, sig, consts, ("M", "N"), num_warps=cfg["num_warps"],
-                                        num_stages=cfg["num_stages"])
+                n, smem, _ = compile_count(w4._w4a16_kernel, sig, consts, ("M", "N"), num_warps=cfg["num_warps"],
+                                           num_stages=cfg["num_stages"])
             except Exception as exc:  # noqa: BLE001 -- reported
                 n, smem = None, f"{type(exc).__name__}: {str(exc)[-400:]}"
             sig = dict(sig, OUT="*bf16")

@@ -315,7 +315,7 @@ def pick_config_pairs(M: int, N: int, K: int, group: int, *, kind: str = "int4",
     wgmma), BLOCK_N 128 (64 at 16 rows) with 4 warps (the row relabelling assumes BLOCK_N %
     (16 * warps) == 0),
     BLOCK_K 256 codes (two chunks; the next step's words are loaded while this one computes),
-    128 at 64 rows;
+    128 at 64 rows except for NVFP4;
     split-K by K (below); per-kind register caps and tiles from the H200 sweep of
     scripts/gpu_w4_configs.py (below); xpf: the next step's x prefetched into L1 (_prefetch_l1).
     kind: the weight's format, W4Weight.kind ("int4", "uint4", "mxfp4", "nvfp4")."""

@@ -829,11 +829,11 @@ def _fp4_epilogue(acc, GS, GX, offs_n, n_ok, dexp, WFMT: tl.constexpr, FOLD: tl.
 @triton.jit
 def _prefetch_l1(ptrs):
     """Start bringing the lines at ptrs into this SM's L1 (prefetch.global.L1: a hint, nothing
-    waits on it, no register is held). The pairs kernel does this for the next K step's x while
-    the current step computes, so the step's x loads hit L1 (~30 cycles) instead of paying an L2
-    round trip (~600 cycles) on the dot's critical path; its weights are already prefetched into
-    registers. The addresses must lie inside x (the caller clamps them): a prefetch does not
-    fault, but we do not lean on that."""
+    waits on it, no register is held). The pairs kernel can do this for the next K step's x while
+    the current step computes (XPF), so the step's x loads hit L1 instead of paying an L2 round
+    trip; its weights are already prefetched into registers. On the H200 that paid at 64 rows of x
+    only (weight_only.pick_config_pairs has the numbers). The addresses must lie inside x (the
+    caller clamps them): a prefetch does not fault, but we do not lean on that."""
     tl.inline_asm_elementwise("prefetch.global.L1 [$1]; mov.b32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
 
