@@ -339,9 +339,8 @@ def test_default_tile_at_4096(name, device, rng):
     thread), NVFP4 and the per-token path keep 4 warps; quantize and RMSNorm + quantize under it give
     lowbit.quantize's codes and scales (3 rows, one of them zero; a masked tail for none: K is a power of two)."""
     scheme = SCHEMES[name]
-    mx = scheme.scale_format == "e8m0"
-    assert fused.tile_config(4096, 0, mx=mx) == ((1, 2) if mx else (1, 4))
-    assert fused.tile_config(4096, 1, residual=True, mx=mx) == (2, 4)  # a residual keeps 2 rows, 4 warps
+    assert fused.default_tile(scheme, 4096, 0) == ((1, 2) if name.startswith("mx") else (1, 4))
+    assert fused.default_tile(scheme, 4096, 1, residual=True) == (2, 4)  # a residual keeps 2 rows, 4 warps
     x = _rand(rng, (3, 4096), torch.bfloat16, device)
     _assert_same_quant(fused.quantize_rows(x, scheme, backend="triton", kernel="tile").to("cpu"),
                        canonical_quantize(x.cpu(), scheme))

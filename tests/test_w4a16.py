@@ -294,12 +294,12 @@ def test_w4a16_decode_sizes_on_gpu(device, rng):
             bound = _bound(x.double(), w64, ref, K, w4.group_size, 8, torch.bfloat16)
             out = w4a16_linear(x.cuda(), w4)
             assert torch.all((out.cpu().double() - ref).abs() <= bound), (name, M)
-            if wp is not None:  # the "pairs" kernel with its heuristic (mma v2 at M = 1, wgmma at 16 / 64)
-                for xs in (x, x.to(torch.float16)) if name.startswith("int4") else (x,):  # fp4: bf16 x only
-                    refp = xs.double() @ w64.T
-                    outp = w4a16_linear(xs.cuda(), wp)
-                    bp = _bound(xs.double(), w64, refp, K, w4.group_size, 8, xs.dtype)
-                    assert torch.all((outp.cpu().double() - refp).abs() <= bp), (name, M, "pairs", xs.dtype)
+            # the "pairs" kernel with its heuristic (mma v2 at M = 1, wgmma at 16 / 64)
+            for xs in (x, x.to(torch.float16)) if name.startswith("int4") else (x,):  # fp4: bf16 x only
+                refp = xs.double() @ w64.T
+                outp = w4a16_linear(xs.cuda(), wp)
+                bp = _bound(xs.double(), w64, refp, K, w4.group_size, 8, xs.dtype)
+                assert torch.all((outp.cpu().double() - refp).abs() <= bp), (name, M, "pairs", xs.dtype)
             if w8 is not None:  # gemv8 (M = 1) / dot8 (16, 64) with their heuristic (inline-PTX lop3)
                 out = w4a16_linear(x.cuda(), w8)
                 assert torch.all((out.cpu().double() - ref).abs() <= bound), (name, M, "planar8")

@@ -171,34 +171,34 @@ def _copy(b: _Bench, name: str = "copy") -> None:
                 r["frac_copy"] = r["GBps"] / best
 
 
-def _tile_variants(K: int, pre: int, quick: bool, residual: bool = False,
-                   persist: bool = False, mx: bool = False) -> list[tuple[str, tuple[int, ...] | None]]:
+def _tile_variants(K: int, pre: int, quick: bool, scheme, residual: bool = False,
+                   persist: bool = False) -> list[tuple[str, tuple[int, ...] | None]]:
     """Row-name suffixes and tiles of the fused quantizer's "tile" kernel: "_tile" = its heuristic
-    (fused.tile_config), then "_tile_r{ROWS}w{WARPS}" for 32 / 64 elements per thread with one row
+    (fused.default_tile for `scheme`), then "_tile_r{ROWS}w{WARPS}" for 32 / 64 elements per thread with one row
     per program and 64 with two rows (16 per thread is the "row" kernel's shape), so a run shows
     which configuration to make the default. Each new tile is one more Triton compile (~1-2 s)."""
-    from lowbit.ops.fused import tile_config
+    from lowbit.ops.fused import default_tile
 
-    out, seen = [("_tile", None)], {tile_config(K, pre, residual, mx=mx)}
+    heur = tuple(default_tile(scheme, K, pre, residual)[:2])  # (a third entry: the persistent form's programs per SM)
+    out, seen = [("_tile", None)], {heur}
     for R, W in ((1, K // 1024), (1, K // 2048), (2, K // 1024)):
         t = (R, max(1, min(16, W)))
         if not quick and t not in seen:
             seen.add(t)
             out.append((f"_tile_r{t[0]}w{t[1]}", t))
     if persist:  # the per-token kernel's persistent form: P programs per SM, each prefetching its next tile
-        R, W = tile_config(K, pre, residual)
-        out += [(f"_tile_p{P}", (R, W, P)) for P in (2, 3, 4)]
+        out += [(f"_tile_p{P}", heur + (P,)) for P in (2, 3, 4)]
     return out
 
 
-def _time_tiles(b: _Bench, stem: str, shape: str, K: int, pre: int, quick: bool, make, sets, nbytes,
-                bases: dict, row_out, out_of, residual: bool = False, persist: bool = False, mx: bool = False) -> None:
+def _time_tiles(b: _Bench, stem: str, shape: str, K: int, pre: int, quick: bool, scheme, make, sets, nbytes,
+                bases: dict, row_out, out_of, residual: bool = False, persist: bool = False) -> None:
     """Time the "tile" kernel's variants next to the "row" kernel's row (`bases["row"]`); `make(tile)`
     returns the timed function, `out_of(result)` the QTensor; `codes_diff_vs_row` is the fraction of
     its codes that differ from the row kernel's `row_out` on the same input (same arithmetic; only
     a last-bit difference of y from another summation order of the RMSNorm may flip a rounding,
     so this is 0 or tiny; tests/test_fused_quant.py checks both kernels against lowbit.quantize)."""
-    for suffix, tile in _tile_variants(K, pre, quick, residual, persist, mx):
+    for suffix, tile in _tile_variants(K, pre, quick, scheme, residual, persist):
         fn = make(tile)
         r = b.time(f"{stem}{suffix}", shape, fn, sets, nbytes, kernel="tile",
                    tile=list(tile) if tile else "heuristic (fused.tile_config)")
@@ -212,8 +212,8 @@ def _group_tiles(b: _Bench, stem: str, shape: str, K: int, pre: int, quick: bool
     """Group-scaled schemes (MX, NVFP4): the "tile" kernel's group variant next to the "row" kernel
     (`call(scheme, **kwargs)` returns the timed function), and for fp4 the same with the codes
     packed two per byte ("_packed": half a byte per element written, counted as such)."""
-    _time_tiles(b, stem, shape, K, pre, quick, lambda t: call(sch, kernel="tile", tile=t), sets, nbytes,
-                {"row": r_row}, out_of(row_fn(*sets[0])), out_of, mx=sch.scale_format == "e8m0")
+    _time_tiles(b, stem, shape, K, pre, quick, sch, lambda t: call(sch, kernel="tile", tile=t), sets, nbytes,
+                {"row": r_row}, out_of(row_fn(*sets[0])), out_of)
     if sch.two_level:  # NVFP4 with a calibrated tensor scale (compressed-tensors' input_global_scale): one pass
         g = out_of(row_fn(*sets[0])).global_scale.reshape(1).contiguous()
         r = b.time(f"{stem}_static_g", shape, call(sch, global_scale=g), sets, nbytes, kernel="tile",
@@ -252,7 +252,7 @@ def _norm_quant(b: _Bench, quick: bool) -> None:
             (q, s), _ = base(x, w)
             if r_l and r_l.get("ms"):
                 r_l["check"] = _rel_l2(qt.dequantize(), _deq(q, s))
-            _time_tiles(b, f"lowbit_norm_quant_{fmt}", shape, K, 1, quick,
+            _time_tiles(b, f"lowbit_norm_quant_{fmt}", shape, K, 1, quick, sch,
                         lambda t, s=sch: lambda x, w: rmsnorm_quant(x, w, EPS, s, check_finite=False, kernel="tile",
                                                                     tile=t),
                         sets, nbytes, {"eager": r_e, "compile": r_c, "row": r_l}, qt, lambda o: o[0], persist=True)
@@ -268,7 +268,7 @@ def _norm_quant(b: _Bench, quick: bool) -> None:
             r_e = b.time("eager_norm_quant_res_int8", shape, base, sets_r, nbytes)
             r_c = b.time("compile_norm_quant_res_int8", shape, comp, sets_r, nbytes)
             b.ratios(r_l, {"eager": r_e, "compile": r_c})
-            _time_tiles(b, "lowbit_norm_quant_res_int8", shape, K, 1, True,  # heuristic tile only
+            _time_tiles(b, "lowbit_norm_quant_res_int8", shape, K, 1, True, sch,  # heuristic tile only
                         lambda t: lambda x, w, r: rmsnorm_quant(x, w, EPS, sch, residual=r, check_finite=False,
                                                                 kernel="tile", tile=t),
                         sets_r, nbytes, {"eager": r_e, "compile": r_c, "row": r_l}, fused(*sets_r[0])[0],
@@ -313,7 +313,7 @@ def _silu_quant(b: _Bench, quick: bool) -> None:
             qt = fused(sets[0][0])
             if r_l and r_l.get("ms"):
                 r_l["check"] = _rel_l2(qt.dequantize(), _deq(*base(sets[0][0])))
-            _time_tiles(b, f"lowbit_silu_quant_{fmt}", shape, H, 2, True,
+            _time_tiles(b, f"lowbit_silu_quant_{fmt}", shape, H, 2, True, sch,
                         lambda t, s=sch: lambda x: silu_mul_quant(x, s, check_finite=False, kernel="tile", tile=t),
                         sets, nbytes, {"eager": r_e, "compile": r_c, "row": r_l}, qt, lambda o: o)
         del sets
@@ -346,7 +346,7 @@ def _quant(b: _Bench, quick: bool) -> None:
             r_e = b.time(f"eager_quant_{fmt}", shape, base, sets, nbytes)
             r_c = b.time(f"compile_quant_{fmt}", shape, torch.compile(base, dynamic=False), sets, nbytes)
             b.ratios(r_l, {"eager": r_e, "compile": r_c})
-            _time_tiles(b, f"lowbit_quant_{fmt}", shape, K, 0, True,
+            _time_tiles(b, f"lowbit_quant_{fmt}", shape, K, 0, True, sch,
                         lambda t, s=sch: lambda x: quantize_rows(x, s, check_finite=False, kernel="tile", tile=t),
                         sets, nbytes, {"eager": r_e, "compile": r_c, "row": r_l}, fused(sets[0][0]), lambda o: o,
                         persist=True)

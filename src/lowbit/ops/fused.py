@@ -318,6 +318,13 @@ def tile_config(K: int, pre: int, residual: bool = False, fp8: bool = False, mx:
     return rows, warps
 
 
+def default_tile(scheme: QuantScheme, K: int, pre: int, residual: bool = False) -> tuple[int, ...]:
+    """The tile the "tile" kernel takes for `scheme` when none is given: tile_config with the
+    scheme's flags (fp8 on the per-token fast path; mx for e8m0 group scales)."""
+    return tile_config(K, pre, residual=residual, fp8=tile_supports(scheme) and scheme.format == "fp8_e4m3fn",
+                       mx=scheme.scale_format == "e8m0")
+
+
 def _resolve_kernel(kernel: str | None, scheme: QuantScheme, where: str, variant: str = "",
                     pack: bool = False) -> str:
     """The kernel an entry point runs: `kernel`, or DEFAULT_KERNEL[where + variant] for None
@@ -390,9 +397,7 @@ def _launch_tile(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int
         raise ValueError(f"hidden size K = {K} exceeds the fused kernel's {fq.MAX_BLOCK} elements per row "
                          "(the row lives in registers); use backend='torch'")
     if tile is None:
-        tile = tile_config(K, pre, residual=res2 is not None,
-                           fp8=tile_supports(scheme) and scheme.format == "fp8_e4m3fn",
-                           mx=scheme.scale_format == "e8m0")
+        tile = default_tile(scheme, K, pre, residual=res2 is not None)
     if not isinstance(tile, (tuple, list)) or len(tile) not in (2, 3) or not all(isinstance(t, int) for t in tile):
         raise ValueError(f"tile must be (rows, num_warps) or (rows, num_warps, programs per SM), got {tile!r}")
     R, warps, persist = (tuple(tile) + (0,))[:3]
