@@ -3,7 +3,8 @@
 Input channels that carry large activations matter most for the output; scaling their weight
 columns up by s_j (and the activations down by 1/s_j, folded into the op that produces them)
 gives those columns a finer share of the weight grid. For each fold group (a norm or Linear
-whose output feeds some Linears, lowbit.algorithms.smoothquant.fold_groups) and calibration inputs X:
+whose output feeds some Linears, lowbit.algorithms.smoothquant.fold_plan, read from the decoder map
+lowbit.archs.decoders; a family where one norm feeds attention and MLP in parallel is refused) and calibration inputs X:
     s(alpha) = mean|X_j|^alpha, normalised by sqrt(max s * min s)
     loss(alpha) = sum over consumers  tr((W - Q(W s) / s) H (W - Q(W s) / s)^T),  H = X^T X / n
 with Q the recipe's weight quantizer (lowbit.quantize, round to nearest); alpha is searched on
@@ -17,11 +18,14 @@ SmoothQuant, whose factors target the activations).
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from lowbit.algorithms.distributed import OrderedSum
 from lowbit.algorithms.gptq.core import HessianAccumulator, output_loss
-from lowbit.algorithms.smoothquant import FoldGroup, fold, fold_groups
+from lowbit.algorithms.smoothquant import FoldGroup, fold, fold_plan
+from lowbit.archs.decoders import UnsupportedArchitecture, decoder_for
 from lowbit.quantize import quantize
 from lowbit.scheme import QuantScheme
 
@@ -72,7 +76,15 @@ def awq_model(model: torch.nn.Module, recipe, calib, *, grid=GRID, progress: boo
     if r.act is not None:
         raise ValueError(f"AWQ is for weight-only recipes; {r.name} also quantizes activations "
                          "(use SmoothQuant for those, or a w4a16 / w8a16 recipe)")
-    groups = fold_groups(model)
+    d = decoder_for(model)
+    if d.parallel:
+        raise UnsupportedArchitecture(
+            f"AWQ on {d.family}: one norm feeds attention and MLP in parallel ({', '.join(d.feeds[0].linears)}), "
+            "but sequential calibration reaches them as separate groups, so one factor cannot be searched "
+            "on all its consumers; use SmoothQuant or GPTQ alone for this family")
+    groups, why = fold_plan(model)
+    for w in why:
+        warnings.warn("AWQ: " + w, stacklevel=2)
     by_first: dict[str, FoldGroup] = {g.consumers[0]: g for g in groups}
     chosen: dict[str, float] = {}
 
@@ -82,7 +94,7 @@ def awq_model(model: torch.nn.Module, recipe, calib, *, grid=GRID, progress: boo
             if set(g.consumers) != set(names):
                 raise ValueError(f"fold group {g.consumers} does not match the Linears sharing one input {names}")
             s, alpha, _ = search_scale([model.get_submodule(c).weight for c in g.consumers], xs, r.weight, grid)
-            fold(model, g, s)
+            fold(model, g, s)  # s may be limited on 1 + w norms (smoothquant.offset_gain_limit)
             chosen[g.producer] = alpha
         return {n: model.get_submodule(n) for n in names}
 

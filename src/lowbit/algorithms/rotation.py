@@ -8,8 +8,11 @@ stream r is replaced by r Q:
     readers (q/k/v, gate/up, lm_head): W -> W Q        (y = r W^T = (r Q)(W Q)^T)
     writers (o_proj, down_proj):       W -> Q^T W      (their output is added to r)
 RMSNorm commutes with Q only when its gain is 1 (rms(r Q) = rms(r), since ||r Q|| = ||r||), so
-every norm gain is first absorbed into the readers' columns (W -> W diag(g), g -> 1), the final
-norm into lm_head. lm_head then differs from the embedding: a tied lm_head is untied (the
+every norm gain is first absorbed into the readers' columns (W -> W diag(g), g -> 1; a Gemma-style
+gain 1 + w likewise, w -> 0), the final norm into lm_head. Which norm feeds which readers and which
+Linears write the stream come from lowbit.archs.decoders. Refused (not exact): post-norms on a
+branch's output (Gemma 2/3, OLMo 2: the gain applies after the normalization, no Linear can take
+it) and LayerNorm (Cohere: the mean subtraction does not commute with Q). lm_head then differs from the embedding: a tied lm_head is untied (the
 checkpoint's config says tie_word_embeddings=false; lm_head stays in high precision).
 Outlier channels of the residual stream are spread over all d channels, which is what per-token
 activation quantization and per-group weight quantization want.
@@ -20,6 +23,8 @@ op in front to fold into; a loader would have to apply it at run time).
 from __future__ import annotations
 
 import torch
+
+from lowbit.archs.decoders import UnsupportedArchitecture, decoder_for
 
 
 def _paley(q: int) -> torch.Tensor:
@@ -63,59 +68,71 @@ def random_hadamard(n: int, generator: torch.Generator | None = None) -> torch.T
     return hadamard(n) * signs[None, :] / n ** 0.5
 
 
-def _decoder_parts(model):
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    need = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
-    if layers is None or not all(all(hasattr(l, a) for a in need) for l in layers) or \
-            not hasattr(inner, "embed_tokens") or not hasattr(inner, "norm") or not hasattr(model, "lm_head"):
-        raise ValueError(f"rotation needs a pre-norm decoder (model.model.layers[i].input_layernorm / "
-                         f"post_attention_layernorm / self_attn / mlp, model.model.norm, lm_head); "
-                         f"{type(model).__name__} is not one (post-norm encoders have no exact fold)")
-    for l in layers:
-        for n in ("input_layernorm", "post_attention_layernorm"):
-            if getattr(getattr(l, n), "bias", None) is not None:
-                raise ValueError(f"rotation folds RMSNorm gains; {n} has a bias (LayerNorm): not supported")
-    return inner, layers
+def _plan(model):
+    """The family entry, its decoder layers and the model-level modules; UnsupportedArchitecture
+    where the rotation would not be exact."""
+    d = decoder_for(model)
+    why = []
+    if d.post_norms:
+        why.append(f"{', '.join(d.post_norms)} normalize a branch's output before it joins the residual "
+                   "stream; their gain multiplies after the normalization, so it can be absorbed into no "
+                   "Linear and the rotated stream would be scaled channel by channel")
+    if d.norm != "rms":
+        why.append("its LayerNorm subtracts the channel mean, which does not commute with a rotation")
+    if why:
+        raise UnsupportedArchitecture(f"rotation is not exact for {d.family}: " + "; ".join(why))
+    try:
+        inner = {k: model.get_submodule(getattr(d, k)) for k in ("embed", "final_norm", "lm_head")}
+        layers = model.get_submodule(d.layers)
+    except AttributeError as err:
+        raise UnsupportedArchitecture(f"rotation needs the {d.family} causal LM ({d.layers}, {d.embed}, "
+                                      f"{d.final_norm}, {d.lm_head}); {type(model).__name__}: {err}") from None
+    if getattr(inner["final_norm"], "bias", None) is not None:
+        raise UnsupportedArchitecture(f"{d.family}: {d.final_norm} has a bias; rotation folds gains only")
+    return d, layers, inner
 
 
 def _scale_cols(lin: torch.nn.Linear, g: torch.Tensor) -> None:
     lin.weight.copy_((lin.weight.double() * g.double()[None, :]).to(lin.weight.dtype))
 
 
+def _absorb(norm: torch.nn.Module, readers, offset: float) -> None:
+    """Move the gain offset + w into the readers' columns and leave the norm with gain 1."""
+    g = norm.weight.double() + offset
+    for r in readers:
+        _scale_cols(r, g)
+    norm.weight.fill_(1.0 - offset)
+
+
 @torch.no_grad()
 def rotate_model(model: torch.nn.Module, seed: int = 0) -> torch.Tensor:
-    """Absorb norm gains and rotate the residual stream of a Llama-style decoder in place by a
-    random Hadamard Q (seeded: the same seed gives the same model). Run it before SmoothQuant /
-    GPTQ / quantize_model. Returns Q (float64 [d, d])."""
-    inner, layers = _decoder_parts(model)
-    d = inner.embed_tokens.weight.shape[1]
-    Q = random_hadamard(d, torch.Generator().manual_seed(seed))
+    """Absorb norm gains and rotate the residual stream of a decoder in place by a random Hadamard
+    Q (seeded: the same seed gives the same model). The family's layout comes from
+    lowbit.archs.decoders; families where the rotation cannot be exact (post-norms, LayerNorm) are
+    refused with the reason. Run it before SmoothQuant / GPTQ / quantize_model. Returns Q (float64 [d, d])."""
+    d, layers, inner = _plan(model)
+    embed, final, head = inner["embed"], inner["final_norm"], inner["lm_head"]
+    dim = embed.weight.shape[1]
+    Q = random_hadamard(dim, torch.Generator().manual_seed(seed))
     Qf = lambda w: w.to(torch.float64)  # noqa: E731
-    if model.lm_head.weight is inner.embed_tokens.weight or \
-            model.lm_head.weight.data_ptr() == inner.embed_tokens.weight.data_ptr():
-        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone(), requires_grad=False)
+    if head.weight is embed.weight or head.weight.data_ptr() == embed.weight.data_ptr():
+        head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
         if getattr(model, "config", None) is not None:
             model.config.tie_word_embeddings = False
             getattr(model.config, "get_text_config", lambda: model.config)().tie_word_embeddings = False
+    sub = lambda l, names: [l.get_submodule(n) for n in names]  # noqa: E731
     for l in layers:
-        a, m = l.self_attn, l.mlp
-        for norm, readers in ((l.input_layernorm, (a.q_proj, a.k_proj, a.v_proj)),
-                              (l.post_attention_layernorm, (m.gate_proj, m.up_proj))):
-            for r in readers:
-                _scale_cols(r, norm.weight)
-            norm.weight.fill_(1.0)
-    _scale_cols(model.lm_head, inner.norm.weight)
-    inner.norm.weight.fill_(1.0)
-    e = inner.embed_tokens.weight
+        for f in d.feeds:
+            _absorb(l.get_submodule(f.norm), sub(l, f.linears), d.gain_offset)
+    _absorb(final, [head], d.gain_offset)
+    e = embed.weight
     e.copy_((Qf(e) @ Q).to(e.dtype))
     for l in layers:
-        a, m = l.self_attn, l.mlp
-        for r in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj):
+        for r in sub(l, d.readers()):
             r.weight.copy_((Qf(r.weight) @ Q).to(r.weight.dtype))
-        for w in (a.o_proj, m.down_proj):
+        for w in sub(l, d.writers):
             w.weight.copy_((Q.T @ Qf(w.weight)).to(w.weight.dtype))
             if w.bias is not None:
                 w.bias.copy_((Qf(w.bias) @ Q).to(w.bias.dtype))
-    model.lm_head.weight.copy_((Qf(model.lm_head.weight) @ Q).to(model.lm_head.weight.dtype))
+    head.weight.copy_((Qf(head.weight) @ Q).to(head.weight.dtype))
     return Q

@@ -26,6 +26,7 @@ from lowbit.recipes.presets import Recipe, get_recipe
 GOOD_DB = 30.0
 SITE_KINDS = {"q_proj": "q/k/v", "k_proj": "q/k/v", "v_proj": "q/k/v", "o_proj": "o",
               "gate_proj": "gate/up", "up_proj": "gate/up", "down_proj": "down",
+              "qkv_proj": "q/k/v", "gate_up_proj": "gate/up",              # Phi-3's fused projections
               "query": "q/k/v", "key": "q/k/v", "value": "q/k/v"}
 
 

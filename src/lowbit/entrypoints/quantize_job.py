@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +53,7 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
     from lowbit.recipes.plan import linear_layers
     from lowbit.pipelines.quantize_model import quantize_model
     from lowbit.diagnosis.sites import override_count, pick_overrides, site_report
-    from lowbit.algorithms.smoothquant import smooth_model
+    from lowbit.algorithms.smoothquant import fold_plan, smooth_model
     r = get_recipe(recipe)
     if override_by not in ("block", "kl"):
         raise ValueError(f"override_by={override_by!r}: choose 'block' (block SQNR) or 'kl' (measured KL)")
@@ -72,7 +73,19 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
         if sites else None
     sites_after = None
     if smoothquant is not None:
-        smooth_model(m, texts.calib, alpha=smoothquant, progress=progress)
+        # the decoder map says where the fold is exact: a family it does not know is refused here
+        # (before anything is folded), Linears without a fold point are named and left unsmoothed
+        from lowbit.archs.decoders import UnsupportedArchitecture
+        try:
+            _, why = fold_plan(m)
+        except UnsupportedArchitecture as err:
+            raise ValueError(f"SmoothQuant (alpha {smoothquant}, the flag or the recipe's best measures) refused: "
+                             f"{err}. Run with --plain, or with other measure flags and no --smoothquant") from None
+        for w in why:
+            print(f"{r.name}: SmoothQuant: {w}", flush=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="SmoothQuant: ")   # printed above
+            smooth_model(m, texts.calib, alpha=smoothquant, progress=progress)
         if want:
             sites_after = site_report(m, texts.calib, r, ignore=ignore, overrides=overrides, progress=progress)
     elif want and sites_before is None:

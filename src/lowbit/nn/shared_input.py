@@ -87,7 +87,9 @@ def _mergeable(layers: list) -> bool:
 
 def share_inputs(model: torch.nn.Module, groups=GROUPS) -> list[str]:
     """Merge every group of sibling QuantLinears named in `groups` (default: Llama's q/k/v and
-    gate/up) into a SharedGEMM; returns the names of the parents changed. Idempotent."""
+    gate/up; the pipelines pass the family's from lowbit.archs.decoders.sibling_groups, this
+    runtime module sits below the map) into a SharedGEMM; returns the names of the parents
+    changed. Idempotent."""
     done = []
     for pname, parent in list(model.named_modules()):
         for names in groups:
@@ -129,10 +131,11 @@ def share_inputs(model: torch.nn.Module, groups=GROUPS) -> list[str]:
 
 
 def prepare_model(model: torch.nn.Module, *, device=None, dtype: torch.dtype | None = None,
-                  share: bool = True) -> torch.nn.Module:
+                  share: bool = True, groups=GROUPS) -> torch.nn.Module:
     """Ready a quantized model to serve: move it to `device`, cast what is not quantized to
     `dtype` (QuantLinear's kernel operands keep their own formats), and (share=True) merge the
-    layers that read one input (share_inputs above). Returns the model (changed in place)."""
+    layers that read one input (share_inputs above; groups: the sibling names, from the caller's
+    architecture map, lowbit.archs.decoders.sibling_groups). Returns the model (changed in place)."""
     if dtype is not None:
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"dtype={dtype} is not a model dtype; use torch.bfloat16, float16 or float32")
@@ -140,5 +143,5 @@ def prepare_model(model: torch.nn.Module, *, device=None, dtype: torch.dtype | N
     if device is not None:
         model.to(device)
     if share:
-        share_inputs(model)
+        share_inputs(model, groups)
     return model

@@ -304,8 +304,11 @@ class CompressedCheckpoint:
             missing = [k for k in missing if not k.endswith("lm_head.weight")]
         if missing or unexpected:
             raise CheckpointError(f"checkpoint does not fit {arch}: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        from lowbit.nn.shared_input import prepare_model
-        return prepare_model(model, device=device, dtype=dtype, share=share_inputs)
+        from lowbit.archs.decoders import sibling_groups
+        from lowbit.nn.shared_input import GROUPS, prepare_model
+        groups = sibling_groups(model)
+        return prepare_model(model, device=device, dtype=dtype, share=share_inputs,
+                             groups=GROUPS if groups is None else groups)
 
 
 def read_json(path: Path, what: str) -> dict:

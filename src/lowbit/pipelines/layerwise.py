@@ -293,7 +293,8 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     from lowbit.recipes.plan import plan
     from lowbit.recipes.presets import get_recipe
     from lowbit.algorithms.sequential import capture_block_inputs, run_stage
-    from lowbit.algorithms.smoothquant import fold_from_stats, fold_groups
+    from lowbit.algorithms.smoothquant import fold_from_stats, fold_plan
+    from lowbit.archs.decoders import decoder_for
 
     t_start = time.time()
     rss0 = memtrace.rss_bytes()
@@ -349,8 +350,10 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     config = transformers.AutoConfig.for_model(**cfg)
     with torch.device("meta"):
         model = getattr(transformers, arch)(config).eval()
+    fam = decoder_for(model)            # a family not in lowbit.archs.decoders is refused by name
     inner = getattr(model, "model", None)
-    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+    if fam.layers != "model.layers" or fam.embed != "model.embed_tokens" or inner is None or \
+            not hasattr(inner, "rotary_emb"):
         raise NotImplementedError(f"{arch}: layer-by-layer quantization knows the Llama layout (model.embed_tokens, "
                                   "model.layers, model.norm, model.rotary_emb); quantize it whole instead")
     bname, blist = "model.layers", inner.layers
@@ -497,7 +500,10 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                 mine = [d.name[len(prefix):] for d in summary.quantized if d.name.startswith(prefix)]
                 last = i + 1 == len(blist)
                 if need_f:               # SmoothQuant's maxima on the float model as loaded
-                    groups = fold_groups(layer)
+                    groups, why = fold_plan(layer)
+                    if i == 0:
+                        for w in why:
+                            print("SmoothQuant: " + w, flush=True)
                     amax = _observe(layer, streams["F"], [c for g in groups for c in g.consumers], True, not last)
                     fold_from_stats(layer, groups, amax, smoothquant)
                     del amax

@@ -40,6 +40,15 @@ def quantize_layer(d: LayerDecision, summary: QuantSummary, linear: torch.nn.Lin
                         f"Keep it in high precision with ignore=[{d.name!r}] or override it.") from err
 
 
+def _share(model: torch.nn.Module) -> None:
+    """Merge the quantized siblings reading one input: the family's groups from the decoder map,
+    shared_input's default for a model the map does not know (merging is exact for any model)."""
+    from lowbit.archs.decoders import sibling_groups
+    from lowbit.nn.shared_input import GROUPS, share_inputs
+    groups = sibling_groups(model)
+    share_inputs(model, GROUPS if groups is None else groups)
+
+
 @torch.no_grad()
 def quantize_model(model: torch.nn.Module, recipe: str | Recipe, *, ignore=None, overrides=None,
                    act_static_scales: dict[str, torch.Tensor] | None = None, backend: str = "auto",
@@ -65,8 +74,7 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe, *, ignore=None,
                              act_static_scales=act_static_scales, progress=progress,
                              **{**(method_options or {}), **({"mse": True} if mse else {})})
         if share_inputs:
-            from lowbit.nn.shared_input import share_inputs as share
-            share(model)
+            _share(model)
         return summary
     summary = plan(model, recipe, ignore, overrides)
     layers = linear_layers(model)
@@ -79,6 +87,5 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe, *, ignore=None,
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, q.to(layers[name].weight.device))
     if share_inputs:
-        from lowbit.nn.shared_input import share_inputs as share
-        share(model)
+        _share(model)
     return summary
