@@ -19,13 +19,13 @@ def _sharded(rng, tmp_path):
 
 
 def _whole_model(d, recipe, batches, out, *, smoothquant=None, static=False, method="rtn"):
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
     from lowbit.pipelines.checkpoint import save_compressed
     from lowbit.algorithms.static_scales import calibrate_static_scales
     from lowbit.pipelines.quantize_model import quantize_model
     from lowbit.recipes.presets import get_recipe
     from lowbit.algorithms.smoothquant import smooth_model
-    m = LlamaForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     if smoothquant is not None:
         smooth_model(m, batches, alpha=smoothquant)
     scales = calibrate_static_scales(m, batches, get_recipe(recipe).act) if static else None
@@ -133,3 +133,36 @@ def test_layer_is_allocated_in_the_compute_dtype(rng, tmp_path, monkeypatch):
 def _layer_params(d):
     from transformers import LlamaForCausalLM
     return list(LlamaForCausalLM.from_pretrained(d, dtype=torch.float32).model.layers[0].parameters())
+
+
+def test_layerwise_smoothquant_phi3(rng, tmp_path):
+    """SmoothQuant layer by layer reads the decoder map too: Phi-3's fused projections (its up half
+    of gate_up_proj folded into down_proj) give the whole-model path's checkpoint bit for bit."""
+    from family_fixtures import tiny_decoder
+    from lowbit.pipelines.layerwise import quantize_layerwise
+    d = tmp_path / "float"
+    tiny_decoder("phi3", rng).float().save_pretrained(d, max_shard_size="40KB")
+    batches = [torch.randint(0, 97, (2, 17), generator=rng) for _ in range(2)]
+    _whole_model(d, "w8a8-int8", batches, tmp_path / "whole", smoothquant=0.5)
+    quantize_layerwise(d, tmp_path / "layerwise", "w8a8-int8", batches, smoothquant=0.5)
+    _assert_same(tmp_path / "whole", tmp_path / "layerwise")
+
+
+def test_layerwise_refuses_gemma_embedding(rng, tmp_path):
+    from family_fixtures import tiny_decoder
+    from lowbit.pipelines.layerwise import quantize_layerwise
+    tiny_decoder("gemma2", rng).float().save_pretrained(tmp_path / "float")
+    with pytest.raises(NotImplementedError, match=r"Gemma 2: .*\['model.embed_tokens.embed_scale'\] are set at"):
+        quantize_layerwise(tmp_path / "float", tmp_path / "o", "w4a16", [torch.randint(0, 97, (1, 8))])
+    assert not (tmp_path / "o").exists()
+
+
+def test_layerwise_refuses_unmapped_family(rng, tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from lowbit.archs.decoders import UnsupportedArchitecture
+    from lowbit.pipelines.layerwise import quantize_layerwise
+    GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=2, n_positions=32)).save_pretrained(
+        tmp_path / "float")
+    with pytest.raises(UnsupportedArchitecture, match="model_type='gpt2'"):
+        quantize_layerwise(tmp_path / "float", tmp_path / "o", "w4a16", [torch.randint(0, 97, (1, 8))])
+    assert not (tmp_path / "o").exists()

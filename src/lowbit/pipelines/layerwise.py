@@ -357,6 +357,10 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
         raise NotImplementedError(f"{arch}: layer-by-layer quantization knows the Llama layout (model.embed_tokens, "
                                   "model.layers, model.norm, model.rotary_emb); quantize it whole instead")
     bname, blist = "model.layers", inner.layers
+    built = [f"model.embed_tokens.{n}" for n, _ in inner.embed_tokens.named_buffers()]
+    if built:      # e.g. Gemma's embed_scale: set at construction, on the meta device here
+        raise NotImplementedError(f"{fam.family}: layer-by-layer quantization rebuilds the embedding from its "
+                                  f"weight alone, but {built} are set at construction; quantize it whole instead")
     summary = plan(model, r, ignore)
     outside = [d.name for d in summary.quantized if not d.name.startswith(bname + ".")]
     if outside:

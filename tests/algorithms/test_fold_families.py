@@ -1,0 +1,78 @@
+"""SmoothQuant, AWQ and rotation on every decoder family of lowbit.archs.decoders, with the real
+transformers classes in float64 and random norm gains: each leaves the float model's logits
+unchanged within the bound below, or refuses with the documented reason."""
+import copy
+import warnings
+
+import pytest
+import torch
+from family_fixtures import FAMILIES, ids, tiny_decoder
+
+from lowbit.algorithms.awq import awq_model
+from lowbit.algorithms.rotation import rotate_model
+from lowbit.algorithms.smoothquant import fold_plan, smooth_model
+from lowbit.archs.decoders import UnsupportedArchitecture
+
+ROTATION_REFUSED = {"gemma2": "post_attention_layernorm, post_feedforward_layernorm normalize",
+                    "gemma3_text": "post_attention_layernorm, post_feedforward_layernorm normalize",
+                    "olmo2": "post_attention_layernorm, post_feedforward_layernorm normalize",
+                    "cohere": "LayerNorm subtracts the channel mean"}
+AWQ_REFUSED = {"cohere": "in parallel"}
+
+
+def _logits(model, x):
+    with torch.no_grad():
+        return model(x).logits
+
+
+def _bound(model, x):
+    """(reference logits, bound on a fold's change of them). The float64 models still round to
+    float32 where transformers casts (inside every norm, the softmax, the rotary tables); a fold or
+    a rotation changes only which values are rounded there (its own float64 arithmetic adds
+    ~ depth x K x 2^-52 relative, 2^-40 here, negligible), so its change is a sum of float32
+    roundings at a subset of the places where the float32 model rounds, amplified by the same
+    network: at most the float32 model's deviation from the float64 one, times 2 (the reference's
+    rounding and the folded model's, drawn independently at each place)."""
+    a = _logits(model, x)
+    a32 = _logits(copy.deepcopy(model).float(), x).double()
+    bound = 2 * (a - a32).abs().max()
+    # not vacuous: the bound is far below the logits' scale, where the mis-folds showed (60 %)
+    assert bound <= 2.0 ** -12 * a.abs().max()
+    return a, bound
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fold_and_rotation_exact_or_refused(family, rng):
+    model = tiny_decoder(family, rng)
+    x = ids(rng)
+    calib = [ids(rng, 1, 24) for _ in range(2)]
+    a, bound = _bound(model, x)
+
+    m = copy.deepcopy(model)
+    groups, why = fold_plan(m)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        s = smooth_model(m, calib, alpha=0.5)
+    assert [str(x.message) for x in w] == ["SmoothQuant: " + y for y in why]
+    assert bool(why) == (family == "olmo2")       # OLMo 2's q/k/v, gate/up read the residual stream
+    assert len(s) == len(groups) and any((v != 1).any() for v in s.values())
+    assert (_logits(m, x) - a).abs().max() <= bound
+
+    m = copy.deepcopy(model)
+    if family in ROTATION_REFUSED:
+        with pytest.raises(UnsupportedArchitecture, match=ROTATION_REFUSED[family]):
+            rotate_model(m)
+    else:
+        rotate_model(m, seed=int(torch.randint(0, 1000, (1,), generator=rng)))
+        assert (_logits(m, x) - a).abs().max() <= bound
+
+    m = copy.deepcopy(model)
+    if family in AWQ_REFUSED:
+        with pytest.raises(UnsupportedArchitecture, match=AWQ_REFUSED[family]):
+            awq_model(m, "w4a16-g32", calib)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            chosen = awq_model(m, "w4a16-g32", calib)
+        assert len(chosen) == len(groups)
+        assert (_logits(m, x) - a).abs().max() <= bound
