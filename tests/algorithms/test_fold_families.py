@@ -76,3 +76,27 @@ def test_fold_and_rotation_exact_or_refused(family, rng):
             chosen = awq_model(m, "w4a16-g32", calib)
         assert len(chosen) == len(groups)
         assert (_logits(m, x) - a).abs().max() <= bound
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_smoothed_quantized_error_in_range(family, rng):
+    """W8A8 int8 after SmoothQuant: the quantized model's logit error stays within twice plain W8A8's.
+    alpha = 0.5 splits each channel's range evenly between activations and weights; a Linear's
+    quantization noise is the sum of the two sides', so migrating range can at most double it
+    (the side that had none takes half). A mis-fold instead moves the float logits by 60 % and more."""
+    from lowbit.diagnosis.sites import site_report
+    from lowbit.pipelines.quantize_model import quantize_model
+    model = tiny_decoder(family, rng).float()
+    x, calib = ids(rng), [ids(rng, 1, 24) for _ in range(2)]
+    a = _logits(model, x).double()
+    rel = lambda m: float((_logits(m, x).double() - a).norm() / a.norm())  # noqa: E731
+    plain = copy.deepcopy(model)
+    quantize_model(plain, "w8a8-int8")
+    smoothed = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        smooth_model(smoothed, calib, alpha=0.5)
+    report = site_report(smoothed, calib, "w8a8-int8")
+    assert {r.kind for r in report.rows} == {"q/k/v", "o", "gate/up", "down"}
+    quantize_model(smoothed, "w8a8-int8")
+    assert rel(smoothed) <= 2 * rel(plain)
