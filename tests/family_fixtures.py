@@ -3,7 +3,7 @@ classes: 2 layers, hidden 64, float64, every norm gain randomized (so a fold tha
 or a post-norm as a pre-norm, changes the logits at the scale of the logits themselves)."""
 import torch
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "granite", "gemma2", "gemma3_text", "phi3", "olmo2", "cohere")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "granite", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "cohere")
 
 _COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
@@ -23,6 +23,8 @@ def config(model_type: str):
     if model_type == "granite":
         return T.GraniteConfig(**_COMMON, embedding_multiplier=3.0, residual_multiplier=0.5,
                                attention_multiplier=0.2, logits_scaling=2.0)
+    if model_type == "gemma":
+        return T.GemmaConfig(**_COMMON, head_dim=16)
     if model_type == "gemma2":
         return T.Gemma2Config(**_COMMON, head_dim=16, attn_logit_softcapping=20.0, final_logit_softcapping=10.0)
     if model_type == "gemma3_text":

@@ -18,8 +18,8 @@ def test_partial_family_names_what_is_left(rng, capsys):
     loaded = Loaded("olmo2", tiny_decoder("olmo2", rng).float(), None, "causal")
     run = run_recipe(loaded, _texts(rng), "w8a8-int8", smoothquant=0.5, sites=False, progress=False, window=32)
     out = capsys.readouterr().out
-    assert "w8a8-int8: SmoothQuant: OLMo 2: model.layers.0.self_attn.q_proj" in out
-    assert "left unsmoothed" in out and run.value > 0
+    assert "w8a8-int8: SmoothQuant: OLMo 2: self_attn.q_proj, self_attn.k_proj" in out
+    assert "of each of the 2 decoder layers" in out and "left unsmoothed" in out and run.value > 0
 
 
 def test_unmapped_family_is_refused(rng):

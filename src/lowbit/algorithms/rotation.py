@@ -12,8 +12,9 @@ every norm gain is first absorbed into the readers' columns (W -> W diag(g), g -
 gain 1 + w likewise, w -> 0), the final norm into lm_head. Which norm feeds which readers and which
 Linears write the stream come from lowbit.archs.decoders. Refused (not exact): post-norms on a
 branch's output (Gemma 2/3, OLMo 2: the gain applies after the normalization, no Linear can take
-it) and LayerNorm (Cohere: the mean subtraction does not commute with Q). lm_head then differs from the embedding: a tied lm_head is untied (the
-checkpoint's config says tie_word_embeddings=false; lm_head stays in high precision).
+it) and LayerNorm (Cohere: the mean subtraction does not commute with Q). lm_head then differs
+from the embedding: a tied lm_head is untied (the checkpoint's config says
+tie_word_embeddings=false; lm_head stays in high precision).
 Outlier channels of the residual stream are spread over all d channels, which is what per-token
 activation quantization and per-group weight quantization want.
 

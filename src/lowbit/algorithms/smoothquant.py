@@ -16,8 +16,8 @@ fold into: they are left unsmoothed and named (fold_plan). A family not in the m
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 import warnings
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -42,8 +42,8 @@ def fold_plan(model: torch.nn.Module, include_down: bool = True) -> tuple[list[F
     """(the exact fold points of a mapped decoder model or decoder layer, why the other Linears
     reading the residual stream have none). UnsupportedArchitecture for a family not in the map."""
     d = decoder_for(model)
-    groups, left = [], []
-    for name, layer in decoder_layers(model, d):
+    groups, layers = [], decoder_layers(model, d)
+    for name, layer in layers:
         pre = f"{name}." if name else ""
         for f in d.feeds:
             groups.append(FoldGroup(pre + f.norm, [pre + c for c in f.linears], "norm", d.gain_offset))
@@ -53,10 +53,10 @@ def fold_plan(model: torch.nn.Module, include_down: bool = True) -> tuple[list[F
                 n = layer.get_submodule(d.gated.producer).out_features
                 rows = (n // 2, n)
             groups.append(FoldGroup(pre + d.gated.producer, [pre + d.gated.consumer], "linear", rows=rows))
-        left += [pre + c for u in d.unfed for c in u]
-    why = [f"{d.family}: {', '.join(left)} read the residual stream without a norm in front (the family "
-           f"normalizes branch outputs: {', '.join(d.post_norms)}): no op to fold 1/s into, left unsmoothed"] \
-        if left else []
+    left = [c for u in d.unfed for c in u]
+    why = [f"{d.family}: {', '.join(left)} of each of the {len(layers)} decoder layers read the residual stream "
+           f"without a norm in front (the family normalizes branch outputs: {', '.join(d.post_norms)}): no op "
+           "to fold 1/s into, left unsmoothed"] if left and layers else []
     return groups, why
 
 

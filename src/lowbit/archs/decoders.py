@@ -74,9 +74,9 @@ _WRITERS = ("self_attn.o_proj", "mlp.down_proj")
 _UP_DOWN = Gated("mlp.up_proj", "all", "mlp.down_proj")
 
 
-def _llama_like(family: str, model_types: tuple[str, ...], layer: str, **kw) -> Decoder:
+def _llama_like(family: str, model_types: tuple[str, ...], layer: str, gain: str = "w", **kw) -> Decoder:
     """Pre-norm decoder: input_layernorm -> q/k/v, post_attention_layernorm -> gate/up (the MLP's input norm)."""
-    return Decoder(family, model_types, (layer,), "rms", "w",
+    return Decoder(family, model_types, (layer,), "rms", gain,
                    (Feed("input_layernorm", _QKV), Feed("post_attention_layernorm", _GU)),
                    _UP_DOWN, _WRITERS, shared=(_QKV, _GU), **kw)
 
@@ -97,6 +97,8 @@ DECODERS: tuple[Decoder, ...] = (
     _llama_like("Granite", ("granite",), "GraniteDecoderLayer",
                 notes=("embedding / residual / attention multipliers and logits_scaling are scalars: they commute "
                        "with every fold",)),
+    # Gemma (1): Llama's layout with x_hat * (1 + w) norms and a scaled embedding (a scalar)
+    _llama_like("Gemma", ("gemma",), "GemmaDecoderLayer", gain="1+w"),
     _gemma("Gemma 2", ("gemma2",), "Gemma2DecoderLayer"),
     _gemma("Gemma 3", ("gemma3_text", "gemma3"), "Gemma3DecoderLayer",
            qk_norms=("self_attn.q_norm", "self_attn.k_norm")),
