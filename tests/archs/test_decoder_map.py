@@ -80,3 +80,19 @@ def test_mismatched_layer_is_refused(rng):
 def test_sibling_groups(rng):
     assert sibling_groups(tiny_decoder("llama", rng)) == (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
     assert sibling_groups(tiny_decoder("phi3", rng)) == ()
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3", "gemma2", "olmo2", "cohere"])
+def test_shared_groups_are_gptqs_execution_groups(family, rng):
+    """GPTQ (lowbit.algorithms.sequential) groups Linears by the very input tensor they receive; the
+    map's sibling groups must be exactly such groups (and Phi-3's fused projections have none)."""
+    from lowbit.algorithms.sequential import _execution_groups, capture_block_inputs
+    model = tiny_decoder(family, rng)
+    d = decoder_for(model)
+    _, layer = decoder_layers(model, d)[0]
+    inputs = capture_block_inputs(model, layer, [ids(rng, 1, 9)])
+    names = [n for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)]
+    groups = _execution_groups(layer, inputs, names)
+    assert sorted(n for g in groups for n in g) == sorted(names)
+    assert all(list(s) in groups for s in d.shared)
+    assert [g for g in groups if len(g) > 1] == [list(s) for s in d.shared]
