@@ -75,3 +75,22 @@ def _norms_in_float64(model):
         l.post_attention_layernorm = _RMSNorm64(l.post_attention_layernorm)
     model.model.norm = _RMSNorm64(model.model.norm)
     return model
+
+
+def test_identity_q_absorbs_the_gains_only(rng):
+    model = _norms_in_float64(tiny_llama(rng).double())
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 97, (2, 17), generator=rng)
+    with pytest.raises(ValueError, match="q must be an orthogonal"):
+        rotate_model(copy.deepcopy(model), q=2 * torch.eye(48, dtype=torch.float64))
+    rotate_model(model, q=torch.eye(48, dtype=torch.float64))
+    assert torch.equal(model.model.embed_tokens.weight, ref.model.embed_tokens.weight)
+    g = ref.model.layers[0].input_layernorm.weight
+    # W diag(g) rounded once in float64: exact up to one rounding of each product
+    torch.testing.assert_close(model.model.layers[0].self_attn.q_proj.weight,
+                               ref.model.layers[0].self_attn.q_proj.weight * g[None, :], rtol=2.0 ** -53, atol=0)
+    with torch.no_grad():
+        a, b = ref(ids).logits, model(ids).logits
+    # float64 throughout (_norms_in_float64): one extra rounding per weight and per product, each
+    # of relative 2^-53, through 2 layers of K <= 80 sums: far below 2^-40 of the logits' scale
+    assert (a - b).abs().max() <= 2.0 ** -40 * a.abs().max()

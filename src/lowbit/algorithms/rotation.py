@@ -106,15 +106,18 @@ def _absorb(norm: torch.nn.Module, readers, offset: float) -> None:
 
 
 @torch.no_grad()
-def rotate_model(model: torch.nn.Module, seed: int = 0) -> torch.Tensor:
+def rotate_model(model: torch.nn.Module, seed: int = 0, q: torch.Tensor | None = None) -> torch.Tensor:
     """Absorb norm gains and rotate the residual stream of a decoder in place by a random Hadamard
     Q (seeded: the same seed gives the same model). The family's layout comes from
     lowbit.archs.decoders; families where the rotation cannot be exact (post-norms, LayerNorm) are
-    refused with the reason. Run it before SmoothQuant / GPTQ / quantize_model. Returns Q (float64 [d, d])."""
+    refused with the reason. Run it before SmoothQuant / GPTQ / quantize_model. q: an orthogonal
+    float64 [d, d] to use instead (the identity absorbs the gains alone). Returns Q (float64 [d, d])."""
     d, layers, inner = _plan(model)
     embed, final, head = inner["embed"], inner["final_norm"], inner["lm_head"]
     dim = embed.weight.shape[1]
-    Q = random_hadamard(dim, torch.Generator().manual_seed(seed))
+    Q = random_hadamard(dim, torch.Generator().manual_seed(seed)) if q is None else q.to(torch.float64)
+    if Q.shape != (dim, dim) or not torch.allclose(Q @ Q.T, torch.eye(dim, dtype=torch.float64), atol=dim * 2.0 ** -40):
+        raise ValueError(f"q must be an orthogonal [{dim}, {dim}] matrix (Q Q^T = I); got shape {tuple(Q.shape)}")
     Qf = lambda w: w.to(torch.float64)  # noqa: E731
     if head.weight is embed.weight or head.weight.data_ptr() == embed.weight.data_ptr():
         head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
