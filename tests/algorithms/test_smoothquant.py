@@ -89,3 +89,28 @@ def test_smoothing_improves_int8_sites_and_logits(rng):
     smooth_q = copy.deepcopy(smoothed)
     quantize_model(smooth_q, "w8a8-int8")
     assert logit_sqnr(model, smooth_q) > logit_sqnr(model, plain_q) + 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_plus_w_fold_keeps_the_gain(rng, dtype):
+    """A 1 + w gain folded as w' = (1 + w) / s - 1: s is limited (offset_gain_limit) so the stored w'
+    keeps the realized gain within u A of its target, and the consumer receives the very s used."""
+    from lowbit.algorithms.smoothquant import FoldGroup, fold, offset_gain_limit
+    K = 40
+    m = torch.nn.Module()
+    m.norm = torch.nn.Module()
+    m.norm.weight = torch.nn.Parameter((torch.rand(K, generator=rng, dtype=torch.float64) - 0.5).to(dtype))
+    m.lin = torch.nn.Linear(K, 24, bias=False).to(dtype)
+    g = m.norm.weight.double() + 1
+    w_before = m.lin.weight.double().clone()
+    s = torch.exp2(torch.rand(K, generator=rng) * 20 - 6)            # 2^-6 .. 2^14: some far past the limit
+    used = fold(m, FoldGroup("norm", ["lin"], "norm", gain_offset=1.0), s)
+    limit = offset_gain_limit(g, dtype)
+    assert torch.equal(used, torch.minimum(s.double(), limit).float()) and (s.double() > limit).any()
+    u = torch.finfo(dtype).eps / 2
+    A = max(4.0, 2.0 ** -16 / u)
+    realized = m.norm.weight.double() + 1
+    assert torch.all((realized - g / used.double()).abs() <= u * A * (g / used.double()).abs())
+    # the consumer's columns carry the same s: W' = W diag(s) up to one rounding of its dtype
+    target = w_before * used.double()[None, :]
+    assert torch.all((m.lin.weight.double() - target).abs() <= u * target.abs())
