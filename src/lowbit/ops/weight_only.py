@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lowbit.ops.dispatch import w4a16_kind
 from lowbit.quantize import QTensor
 
 MXFP4_MAX_SCALE_CODE = 240  # e8m0 2^113: the W4A16 kernel's scale * 2^14 stays finite (see w4a16.py)
@@ -80,24 +81,7 @@ class W4Weight:
 
 
 def _kind(wq: QTensor) -> str:
-    sch = wq.scheme
-    if sch.strategy != "group":
-        raise NotImplementedError(f"W4A16: weight scheme {sch} is not per-group; the kernel takes group "
-                                  "scales (int4 g32/g128, MXFP4, NVFP4)")
-    g = sch.group_size
-    if sch.format in ("int4", "uint4") and sch.scale_format == "fp32":
-        if g < 32 or g & (g - 1):
-            raise NotImplementedError(f"W4A16: int4 group_size {g} ({sch}); the kernel takes powers of "
-                                      "two >= 32 (32 and 128 are the tuned ones)")
-        if sch.format == "uint4" and sch.symmetric:
-            raise NotImplementedError(f"W4A16: {sch}: uint4 without a zero point is not a weight scheme")
-        return sch.format
-    if sch.format == "fp4_e2m1fn" and sch.scale_format == "e8m0" and g == 32:
-        return "mxfp4"
-    if sch.format == "fp4_e2m1fn" and sch.scale_format == "fp8_e4m3fn" and g == 16:
-        return "nvfp4"
-    raise NotImplementedError(f"W4A16: weight scheme {sch} has no kernel; supported: int4/uint4 group "
-                              "(fp32 scales), MXFP4 (group 32, e8m0), NVFP4 (group 16, fp8_e4m3fn)")
+    return w4a16_kind(wq.scheme)
 
 
 def prepare_w4(wq: QTensor, layout: str = "auto") -> W4Weight:
