@@ -307,7 +307,7 @@ def pick_config_pairs(M: int, N: int, K: int, group: int, *, kind: str = "int4",
     while bm < min(M, 64):
         bm *= 2
     warps = 1 if interpret else 4
-    # BLOCK_N 64 at 16 rows: the H200 sweep of docs/bench-memory-fp4-pairs.json, 24.4 / 66.7 us
+    # BLOCK_N 64 at 16 rows: the H200 sweep bench-memory-fp4-pairs.json (in git history), 24.4 / 66.7 us
     # against 26.0 / 71.4 us at BLOCK_N 128 (N = 8192 / 28672, K = 8192; at 1 and 64 rows 128 was
     # the best or within 1%)
     bn = 16 if interpret else (64 if bm == 16 else 128)
