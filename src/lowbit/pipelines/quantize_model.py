@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import torch
 
+from lowbit.algorithms.gptq.core import gptq_model
+from lowbit.algorithms.scale_search import search_scales
 from lowbit.nn.quant_linear import QuantLinear
+from lowbit.nn.shared_input import share_inputs as share
 from lowbit.recipes.plan import (DEFAULT_KEEP, LayerDecision, QuantSummary, layer_act, linear_layers,  # noqa: F401
                                  match, plan)
 from lowbit.recipes.presets import Recipe
@@ -31,7 +34,6 @@ def quantize_layer(d: LayerDecision, summary: QuantSummary, linear: torch.nn.Lin
     try:
         scales = None
         if mse:
-            from lowbit.algorithms.scale_search import search_scales
             scales = search_scales(linear.weight.detach(), r.weight)
         return QuantLinear.from_linear(linear, r.weight, act, act_static_scale=scale, backend=backend, pad=True,
                                        scales=scales)
@@ -41,11 +43,12 @@ def quantize_layer(d: LayerDecision, summary: QuantSummary, linear: torch.nn.Lin
 
 
 @torch.no_grad()
-def quantize_model(model: torch.nn.Module, recipe: str | Recipe, *, ignore=None, overrides=None,
+def quantize_model(model: torch.nn.Module, recipe: str | Recipe | QuantSummary, *, ignore=None, overrides=None,
                    act_static_scales: dict[str, torch.Tensor] | None = None, backend: str = "auto",
                    progress: bool = False, share_inputs: bool = True, method: str = "rtn", calib=None,
                    method_options: dict | None = None, mse: bool = False) -> QuantSummary:
-    """Replace nn.Linear layers of `model` (in place) by QuantLinear under `recipe`; returns the
+    """Replace nn.Linear layers of `model` (in place) by QuantLinear under `recipe` (a name, a Recipe or
+    a plan made by lowbit.recipes.plan.plan for this model, used as it is); returns the
     QuantSummary. act_static_scales: {layer name: float32 scale} from
     calibration.calibrate_static_scales, to use one calibrated per-tensor activation scale per
     layer instead of dynamic scales (every quantized layer with activations needs one).
@@ -55,20 +58,17 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe, *, ignore=None,
     input-id tensors [B, T] or dicts of model kwargs; method_options: its keyword arguments such
     as damp, act_order). mse: MSE-optimal weight scales (lowbit.algorithms.scale_search) instead of round to
     nearest's: unweighted for "rtn", weighted by each layer's Hessian diagonal for "gptq"."""
-    if method != "rtn":
-        if method != "gptq":
-            raise ValueError(f"method={method!r}; choose 'rtn' (round to nearest) or 'gptq' (needs calib=batches)")
-        if calib is None:
-            raise ValueError("method='gptq' needs calibration inputs: pass calib=[input-id tensors or dicts]")
-        from lowbit.algorithms.gptq.core import gptq_model
-        summary = gptq_model(model, recipe, calib, ignore=ignore, overrides=overrides,
-                             act_static_scales=act_static_scales, progress=progress,
-                             **{**(method_options or {}), **({"mse": True} if mse else {})})
+    if method not in ("rtn", "gptq"):
+        raise ValueError(f"method={method!r}; choose 'rtn' (round to nearest) or 'gptq' (needs calib=batches)")
+    if method == "gptq" and calib is None:
+        raise ValueError("method='gptq' needs calibration inputs: pass calib=[input-id tensors or dicts]")
+    summary = plan(model, recipe, ignore, overrides)
+    if method == "gptq":
+        gptq_model(model, summary, calib, act_static_scales=act_static_scales, progress=progress,
+                   **{**(method_options or {}), **({"mse": True} if mse else {})})
         if share_inputs:
-            from lowbit.nn.shared_input import share_inputs as share
             share(model)
         return summary
-    summary = plan(model, recipe, ignore, overrides)
     layers = linear_layers(model)
     todo = summary.quantized
     if progress:
@@ -79,6 +79,5 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe, *, ignore=None,
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, q.to(layers[name].weight.device))
     if share_inputs:
-        from lowbit.nn.shared_input import share_inputs as share
         share(model)
     return summary

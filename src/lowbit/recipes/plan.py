@@ -91,7 +91,20 @@ def _tied_to_embedding(model: torch.nn.Module, linear: torch.nn.Linear) -> bool:
 
 
 def plan(model: torch.nn.Module, recipe: str | Recipe, ignore=None, overrides=None) -> QuantSummary:
-    """Decide, without changing the model, what quantize_model would do with every Linear."""
+    """Decide, without changing the model, what quantize_model would do with every Linear.
+    recipe: a name, a Recipe, or a QuantSummary made by an earlier plan() of this model, which is
+    returned as it is (checked against the model's Linears), so a pipeline resolves it once."""
+    if isinstance(recipe, QuantSummary):
+        if ignore or overrides:
+            raise ValueError("recipe is already a plan (QuantSummary) with its own ignore / overrides: "
+                             "give them to the plan() call that made it")
+        names = set(linear_layers(model)) | {d.name for d in recipe.quantized if _is_quant_linear(model, d.name)}
+        planned = {d.name for d in recipe.layers}
+        if planned != names:
+            raise ValueError(f"the plan (QuantSummary of recipe {recipe.recipe}) was made for another model: "
+                             f"{len(planned ^ names)} Linear names differ (e.g. {sorted(planned ^ names)[:3]}); "
+                             "call plan() on this model")
+        return recipe
     base = get_recipe(recipe)
     ignore = list(ignore or [])
     overrides = {p: (r if r == "skip" else get_recipe(r)) for p, r in (overrides or {}).items()}
@@ -148,3 +161,12 @@ def layer_act(d: LayerDecision, r: Recipe, act_static_scales: dict | None):
     if d.name not in act_static_scales:
         raise ValueError(f"act_static_scales has no scale for layer {d.name}: calibrate every quantized layer")
     return static_scheme(r.act), act_static_scales[d.name]
+
+
+def _is_quant_linear(model: torch.nn.Module, name: str) -> bool:
+    """Whether `name` is a Linear the plan already replaced (a QuantLinear is no nn.Linear)."""
+    try:
+        mod = model.get_submodule(name)
+    except AttributeError:
+        return False
+    return not isinstance(mod, torch.nn.Linear) and hasattr(mod, "weight_q")
