@@ -78,6 +78,21 @@ def match(pattern: str, name: str) -> bool:
     return fnmatch.fnmatchcase(name, pattern)
 
 
+def check_patterns(patterns, names) -> None:
+    """Every user pattern must match some Linear name: a pattern matching nothing is a typo."""
+    names = list(names)
+    for p in patterns:
+        if not any(match(p, n) for n in names):
+            near = ", ".join(sorted(names)[:3])
+            raise ValueError(f"pattern {p!r} matches no Linear layer (names look like: {near}, ...); "
+                             "fix the pattern (globs: *, re: prefix for regex) or drop it")
+
+
+def kept_by_default(name: str) -> bool:
+    """Whether a Linear stays in high precision unless an override names it (the logits)."""
+    return any(match(p, name) for p in DEFAULT_KEEP)
+
+
 def linear_layers(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
     """name -> nn.Linear (QuantLinears already in the model are not listed)."""
     return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
@@ -111,11 +126,7 @@ def plan(model: torch.nn.Module, recipe: str | Recipe, ignore=None, overrides=No
     layers = linear_layers(model)
     if not layers:
         raise ValueError(f"model ({type(model).__name__}) has no torch.nn.Linear layers: nothing to quantize")
-    for p in ignore + list(overrides):
-        if not any(match(p, n) for n in layers):
-            near = ", ".join(list(layers)[:3])
-            raise ValueError(f"pattern {p!r} matches no Linear layer (names look like: {near}, ...); "
-                             "fix the pattern (globs: *, re: prefix for regex) or drop it")
+    check_patterns(ignore + list(overrides), list(layers))
     summary = QuantSummary(base.name, recipes={base.name: base})
     for r in overrides.values():
         if r != "skip":
@@ -139,7 +150,7 @@ def plan(model: torch.nn.Module, recipe: str | Recipe, ignore=None, overrides=No
             else:
                 summary.layers.append(LayerDecision(name, shape, "quantized", r.name, f"override {p!r}"))
             continue
-        if any(match(p, name) for p in DEFAULT_KEEP):
+        if kept_by_default(name):
             summary.layers.append(LayerDecision(name, shape, "skipped", None, "logits (lm_head) stay high precision"))
         elif _tied_to_embedding(model, lin):
             summary.layers.append(LayerDecision(name, shape, "skipped", None, "weight tied to an embedding"))
