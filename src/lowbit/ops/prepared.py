@@ -51,8 +51,8 @@ from lowbit.scheme import QuantScheme
 PER_LAYER_OPERANDS = ("global_scale", "act_qmax", "act_scale")
 # From this many rows on, 4-bit and MXFP8 weights are dequantized to bf16 (one Triton pass per
 # call, never kept) and multiplied by cuBLAS: the tensor cores then run at bf16 speed, where
-# unpacking codes in every tile of a large-M GEMM cost 1.1-3.7x (H200, bench/layers.py, M =
-# 2048). int4 weights get one rounding to bf16 each on this path; fp4 / fp8 values are exact.
+# unpacking codes in every tile of a large-M GEMM costs 1.1-3.7x (python -m lowbit.bench.layers,
+# M = 2048). int4 weights get one rounding to bf16 each on this path; fp4 / fp8 values are exact.
 DEQUANT_MIN_M = 256
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -356,9 +356,9 @@ def _replay(spec, x2, operands, bias, graphs):
         xs = x2.clone()
         run(spec, xs, ops, bias)              # compiles every kernel outside the capture
         g = torch.cuda.CUDAGraph()
-        # each graph has its own memory pool (the default): a pool handle shared by all layers hit
-        # a CUDA caching-allocator assert on the H200 (torch 2.11) once the graphs first holding
-        # it were freed; a private pool reserves one small segment per layer and M instead
+        # each graph has its own memory pool (the default): a pool handle shared by all layers hits
+        # a CUDA caching-allocator assert once the graphs first holding it are freed; a private
+        # pool reserves one small segment per layer and M instead
         with torch.cuda.graph(g):
             ys = run(spec, xs, ops, bias)
         entry = graphs[key] = (g, xs, ys)

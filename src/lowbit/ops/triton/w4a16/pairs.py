@@ -351,8 +351,8 @@ def _prefetch_l1(ptrs):
     """Start bringing the lines at ptrs into this SM's L1 (prefetch.global.L1: a hint, nothing
     waits on it, no register is held). The pairs kernel can do this for the next K step's x while
     the current step computes (XPF), so the step's x loads hit L1 instead of paying an L2 round
-    trip; its weights are already prefetched into registers. On the H200 that paid at 64 rows of x
-    only (weight_only.pick_config_pairs has the numbers). The addresses must lie inside x (the
+    trip; its weights are already prefetched into registers. That pays at 64 rows of x only
+    (pick_config_pairs says why). The addresses must lie inside x (the
     caller clamps them): a prefetch does not fault, but we do not lean on that."""
     tl.inline_asm_elementwise("prefetch.global.L1 [$1]; mov.b32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
@@ -388,8 +388,8 @@ def _w4a16_pairs_kernel(
     The words and per-group data of the next step are loaded before the current step is
     computed (registers: the loads are in flight while the tensor cores work; XPF: the next
     step's x lines are prefetched into L1 at the same time, _prefetch_l1; Triton's
-    num_stages pipelining goes through shared memory and was slower on the H200; loading two
-    steps ahead was no faster at M = 1 and ~2x slower at M >= 16, measured on the H200).
+    num_stages pipelining goes through shared memory and is slower; loading two steps ahead is
+    no faster at M = 1 and ~2x slower at M >= 16).
     Split-K (SPLIT > 1) without atomics on the output and without extra kernels: each program
     stores its float32 partial in PART [SPLIT, M, N]; the last of a tile's SPLIT programs
     (a counter in LOCK [tiles] int32, zero between calls: the last program resets it) adds
