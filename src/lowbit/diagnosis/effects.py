@@ -35,7 +35,7 @@ def algorithm_effect(model: torch.nn.Module, calib: list, report_batches: list, 
     before = site_report(model, report_batches, r, progress=progress)
     m = copy.deepcopy(model)
     if algorithm == "gptq":
-        from lowbit.algorithms.gptq.core import gptq_model
+        from lowbit.algorithms.gptq.model import gptq_model
         gptq_model(m, r, calib, progress=progress)
         layers = {n: mod for n, mod in m.named_modules() if isinstance(mod, QuantLinear)}
         return before, site_report(model, report_batches, r, progress=progress, quantized=layers)

@@ -39,7 +39,7 @@ def register(p) -> None:
     p.add_argument("--override", action="append", default=None, metavar="PATTERN=RECIPE",
                    help="another recipe (or skip) for matching Linears")
     p.add_argument("--method", choices=("rtn", "gptq"), default=None,
-                   help="how weight codes are chosen: rtn (round to nearest) or gptq (calibrated, lowbit.algorithms.gptq.core)")
+                   help="how weight codes are chosen: rtn (round to nearest) or gptq (calibrated, lowbit.algorithms.gptq)")
     p.add_argument("--plain", action="store_true",
                    help="round to nearest and nothing else; without --plain or any measure flag, the recipe's best "
                         "measured measures are applied (lowbit.recipes.best, docs/perplexity.md)")

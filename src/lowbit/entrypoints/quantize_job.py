@@ -39,7 +39,7 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
     """Quantize a copy of loaded.model by `recipe` and evaluate it. smoothquant: alpha or None;
     override_worst: fraction of Linear layers (<= 0.05 by the issue's rule) whose worst output
     SQNR sends them to `override_to` ("skip" = high precision, or a recipe name).
-    method: "rtn" or "gptq" (lowbit.algorithms.gptq.core, calibrated on texts.calib); awq: fold AWQ scales
+    method: "rtn" or "gptq" (lowbit.algorithms.gptq, calibrated on texts.calib); awq: fold AWQ scales
     (lowbit.algorithms.awq, weight-only recipes) after SmoothQuant and before quantizing; rotate:
     "hadamard" rotates the residual stream first (lowbit.algorithms.rotation) or None; reference: the float
     model, or evaluate.reference_logits of it on texts.eval_ids (causal models), to report the

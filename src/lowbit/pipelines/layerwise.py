@@ -288,7 +288,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     from lowbit.pipelines import layer_loader
     from lowbit.profiling import memtrace
     from lowbit.quantize import scale_from_absmax, static_scheme
-    from lowbit.algorithms.gptq.core import gptq_handler
+    from lowbit.algorithms.gptq.model import gptq_handler
     from lowbit.nn.quant_linear import QuantLinear
     from lowbit.recipes.plan import plan
     from lowbit.recipes.presets import get_recipe
@@ -566,7 +566,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
             if fut is not None:
                 fut.result()
         if handle is not None:
-            from lowbit.algorithms.gptq import core as gptq
+            from lowbit.algorithms.gptq import solver as gptq
             result["gptq_phase_seconds"] = dict(handle.timings)
             result["gptq_block_kernel"] = gptq.BLOCK_KERNEL_STATUS
         if writer is not None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.algorithms.gptq.core import gptq_model
+from lowbit.algorithms.gptq.model import gptq_model
 from lowbit.algorithms.scale_search import search_scales
 from lowbit.nn.quant_linear import QuantLinear
 from lowbit.nn.shared_input import share_inputs as share
@@ -54,7 +54,7 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe | QuantSummary, 
     layer instead of dynamic scales (every quantized layer with activations needs one).
     share_inputs: merge the quantized layers that read one input (Llama's q/k/v, gate/up) so
     the fast path quantizes each activation once (lowbit.nn.shared_input).
-    method: "rtn" (round to nearest) or "gptq" (lowbit.algorithms.gptq.core.gptq_model on `calib`, a list of
+    method: "rtn" (round to nearest) or "gptq" (lowbit.algorithms.gptq.model.gptq_model on `calib`, a list of
     input-id tensors [B, T] or dicts of model kwargs; method_options: its keyword arguments such
     as damp, act_order). mse: MSE-optimal weight scales (lowbit.algorithms.scale_search) instead of round to
     nearest's: unweighted for "rtn", weighted by each layer's Hessian diagonal for "gptq"."""
