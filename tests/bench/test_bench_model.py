@@ -1,7 +1,7 @@
 """`lowbit bench model` on the CPU at the tiny shape: the rows' structure, the weight-byte count,
 the logits' relative error of a recipe against a bound derived from int8 rounding, and the
 decode step (KV cache filled, one token, rewound) against a full forward pass. CPU timings are
-not asserted (they mean nothing); the GPU run is scripts/gpu_model_bench.sh."""
+not asserted (they mean nothing); the GPU run is `bash scripts/gpu.sh model`."""
 import json
 import math
 

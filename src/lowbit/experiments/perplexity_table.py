@@ -24,8 +24,9 @@ import torch
 
 @dataclass(frozen=True)
 class Config:
-    """One row: a recipe and the measures applied before quantizing it (pipeline.run_recipe's
-    keyword arguments). recipe "float" is the unquantized model (its KL is exactly 0: a live check)."""
+    """One row: a recipe and the measures applied before quantizing it (the keyword arguments of
+    lowbit.entrypoints.quantize_job.run_recipe). recipe "float" is the unquantized model (its KL is
+    exactly 0: a live check)."""
     recipe: str
     rotate: str | None = None
     smoothquant: float | None = None

@@ -251,11 +251,11 @@ def _run_w4a16(spec, x2, ops, bias, global_scale=None, act_scale=None):
     the activation's tensor scale, multiplied into the weight's by the kernel (W4A4 NVFP4 layers
     merged along N, whose weight tensor scales are one per output row)."""
     from lowbit.ops.triton.common import interpreting
-    from lowbit.ops.weight_only import _launch, dequantize_w4, scale_output
+    from lowbit.ops.w4a16.launch import dequantize_w4, launch_w4a16, scale_output
 
     w = _w4(spec, ops, global_scale)
     if x2.shape[0] < DEQUANT_MIN_M:
-        return _launch(x2, w, bias, None, interpreting(), act_scale)
+        return launch_w4a16(x2, w, bias, None, interpreting(), act_scale)
     y = torch.nn.functional.linear(x2, dequantize_w4(w, x2.dtype))
     if w.global_scale is None:
         return y if bias is None else (y.float() + bias.float()).to(x2.dtype)

@@ -34,7 +34,7 @@ SCALE_FP32, SCALE_E8M0, SCALE_NV = 0, 1, 2
 # e8m0 rounding modes (torchao's names)
 ROUND_FLOOR, ROUND_RCEIL, ROUND_CEIL, ROUND_EVEN = 0, 1, 2, 3
 
-MAX_BLOCK = 32768  # elements a program holds in registers; larger rows raise in fused.py
+MAX_BLOCK = 32768  # elements a program holds in registers; larger rows raise in lowbit.ops.fused_launch
 
 
 @triton.jit

@@ -29,7 +29,7 @@ roundings either way).
 
 The kernels live by layout: codes (decoders shared by all), planar (planar chunks: DOT / GEMV
 and the dequantization for large M), planar8 (gemv8, dot8) and pairs. This package's names are
-those the launchers in lowbit.ops.weight_only use.
+those the launchers in lowbit.ops.w4a16.launch use.
 """
 from .codes import WFMT, W_INT4, W_MXFP4, W_NVFP4, W_UINT4, _e2m1_value, _scale_output_kernel, block_scale  # noqa: F401
 from .pairs import _pairs_dequant_kernel, _w4a16_pairs_kernel  # noqa: F401

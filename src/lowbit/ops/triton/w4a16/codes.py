@@ -102,7 +102,7 @@ def _product(xa, wa, xb, wb, acc, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
 @triton.jit
 def _scale_output_kernel(Y, S, BIAS, OUT, M, N, s_y, s_o, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
-    """OUT = round(float32(Y) * S [+ BIAS]) (weight_only.scale_output): S float32 [1] or [N] (ROWS).
+    """OUT = round(float32(Y) * S [+ BIAS]) (lowbit.ops.w4a16.launch.scale_output): S float32 [1] or [N] (ROWS).
     The product is rounded before the bias is added (mul.rn: the compiler would fuse an FMA, one
     rounding instead of torch's two)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)

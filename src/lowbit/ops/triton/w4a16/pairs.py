@@ -34,7 +34,7 @@ from .codes import WFMT, _e2m1_value
 #   - loads per-row data (scales, zero points) and stores outputs at the rows' physical
 #     indices (_pairs_row_perm);
 #   - the words' content makes logical pair P of the wgmma order (M >= 16) hold codes 2P,
-#     2P + 1 of the plane (the layout's word order, weight_only._pairs_words), so x -- many
+#     2P + 1 of the plane (the layout's word order, lowbit.ops.w4a16.layout.pairs_bytes), so x -- many
 #     rows there -- is read contiguously; for mma v2 (M <= 8: a different K order, one to
 #     eight rows of x) x is relabelled too (_pairs_x).
 # The permutation is pure index arithmetic: correctness never depends on Triton's layout
@@ -497,7 +497,7 @@ def _pairs_dequant_kernel(W, S, Z, OUT, N, s_wn, s_sn, s_on, WFMT: tl.constexpr,
                           G: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr):
     """Dequantize one chunk of 128 codes of BLOCK_N rows of a "pairs" weight to OUT's dtype
     (prefill: the weight for a bf16 GEMM). Word w's pair index P = w2 + 2 w3 + 4 w0 + 8 w1
-    (weight_only._pairs_words); value (q - z) * s (int4 / uint4: S fp32 scales) or e2m1 * block
+    (lowbit.ops.w4a16.layout.pairs_bytes); value (q - z) * s (int4 / uint4: S fp32 scales) or e2m1 * block
     scale (fp4: S the uint8 scale codes; NVFP4's tensor scale NOT applied) in float32, one
     rounding to the output dtype (none for fp4 in bf16: exact), as _w4_dequant_kernel.
     Grid (cdiv(N, BLOCK_N), K / (128 CHUNKS)): CHUNKS consecutive chunks per program."""
