@@ -163,6 +163,9 @@ class KVQuant:
         """Bytes as stored here (int4 codes one per byte) plus the scales."""
         return self.codes.numel() * self.codes.element_size() + self.scale.numel() * 4
 
+    def to(self, device) -> "KVQuant":
+        return KVQuant(self.codes.to(device), self.scale.to(device), self.scheme)
+
     def select_tokens(self, sl: slice) -> "KVQuant":
         s = self.scale[:, :, sl] if self.scheme.dynamic else self.scale
         return KVQuant(self.codes[:, :, sl], s, self.scheme)
