@@ -1,0 +1,192 @@
+"""A quantized KV cache for transformers' `generate` and lowbit's attention.
+
+    kv = calibrate_kv_cache(model, batches, "fp8")          # static scales need calibration data
+    out = model.generate(ids, past_key_values=kv.new_cache(), ...)
+
+Each layer stores its keys and values as lowbit.ops.kv_quant.KVQuant (codes and scales; the
+arithmetic is lowbit.quantize's). `update` quantizes the new states, appends them, and returns
+the whole cache dequantized in the states' dtype, so any attention implementation reads exactly
+the values the cache holds; lowbit.ops.attention reads the codes directly (`layer.quantized()`).
+Prefill states are quantized too (unlike transformers' Fp8QuantizedLayer, which attends the first
+chunk unquantized): a cached run and a full forward through a fresh cache see the same values.
+
+Refused: NaN/Inf states (a clear error naming the layer, batch, head, token), a static scheme
+without calibrated scales, scales whose shape disagrees with the scheme (a per-tensor scale where
+per-head was declared).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from lowbit.ops.kv_quant import KVQuant, KVScheme, cat_tokens, observe_amax, quantize_kv, static_scale
+
+
+@dataclass
+class KVCacheQuant:
+    """A model's KV-cache quantization: the scheme and, for static schemes, per-layer scales
+    (k_scales[i], v_scales[i]: float32 [1,1,1,1] or [1,H,1,1])."""
+
+    scheme: KVScheme
+    num_layers: int
+    k_scales: list[torch.Tensor] | None = None
+    v_scales: list[torch.Tensor] | None = None
+
+    def __post_init__(self):
+        self.scheme = KVScheme.parse(self.scheme)
+        if self.scheme.dynamic:
+            if self.k_scales is not None or self.v_scales is not None:
+                raise ValueError(f"{self.scheme} scales are dynamic; k_scales / v_scales must be None")
+            return
+        for name in ("k_scales", "v_scales"):
+            s = getattr(self, name)
+            if s is None or len(s) != self.num_layers:
+                raise ValueError(f"KVCacheQuant: {self.scheme} is static and needs {name} for all {self.num_layers} "
+                                 "layers (calibrate_kv_cache computes them)")
+
+    def new_cache(self) -> "LowbitKVCache":
+        return LowbitKVCache(self)
+
+    def layer_scales(self, i: int):
+        if self.scheme.dynamic:
+            return None, None
+        return self.k_scales[i], self.v_scales[i]
+
+
+class LowbitKVLayer(DynamicLayer):
+    """One layer's quantized keys and values (see module docstring)."""
+
+    is_croppable = True
+
+    def __init__(self, scheme: KVScheme, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                 layer_idx: int | None = None):
+        super().__init__()
+        self.scheme, self.k_scale, self.v_scale, self.layer_idx = scheme, k_scale, v_scale, layer_idx
+        self.qk: KVQuant | None = None
+        self.qv: KVQuant | None = None
+        self.cumulative_length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        where = f"layer {self.layer_idx} " if self.layer_idx is not None else ""
+        kq = quantize_kv(key_states, self.scheme, self._scale(self.k_scale, key_states), name=f"{where}key states")
+        vq = quantize_kv(value_states, self.scheme, self._scale(self.v_scale, value_states),
+                         name=f"{where}value states")
+        self.qk, self.qv = cat_tokens(self.qk, kq), cat_tokens(self.qv, vq)
+        self.cumulative_length += key_states.shape[-2]
+        return self.qk.dequantize(key_states.dtype), self.qv.dequantize(value_states.dtype)
+
+    def _scale(self, s, like):
+        return None if s is None else s.to(like.device)
+
+    def quantized(self) -> tuple[KVQuant, KVQuant]:
+        """The cache as stored (what lowbit.ops.attention and the Triton kernel read)."""
+        if self.qk is None:
+            raise ValueError("the cache layer is empty: run a forward pass first")
+        return self.qk, self.qv
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def nbytes(self) -> int:
+        return 0 if self.qk is None else self.qk.nbytes() + self.qv.nbytes()
+
+    def reset(self) -> None:
+        self.qk = self.qv = None
+        self.cumulative_length = 0
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number: the tokens to remove from the end")
+        if tokens_to_remove == 0 or self.qk is None:
+            return
+        keep = slice(0, self.cumulative_length + tokens_to_remove)
+        self.qk, self.qv = self.qk.select_tokens(keep), self.qv.select_tokens(keep)
+        self.cumulative_length += tokens_to_remove
+
+    def _map_batch(self, fn) -> None:
+        if self.qk is None:
+            return
+        for name in ("qk", "qv"):
+            t = getattr(self, name)
+            scale = fn(t.scale) if t.scheme.dynamic else t.scale
+            setattr(self, name, KVQuant(fn(t.codes), scale, t.scheme))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices])
+
+    def offload(self):
+        self._map_batch(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self):
+        if self.qk is not None and self.qk.codes.device != self.device:
+            self._map_batch(lambda t: t.to(self.device, non_blocking=True))
+
+
+class LowbitKVCache(Cache):
+    """A transformers Cache of LowbitKVLayer, one per decoder layer."""
+
+    def __init__(self, quant: KVCacheQuant):
+        layers = [LowbitKVLayer(quant.scheme, *quant.layer_scales(i), layer_idx=i) for i in range(quant.num_layers)]
+        super().__init__(layers=layers)
+        self.quant = quant
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
+
+
+class _ObserverLayer(DynamicLayer):
+    """Calibration: keeps states unquantized (as DynamicLayer) and records the amax a static
+    scheme's scale covers."""
+
+    def __init__(self, scheme: KVScheme, stats: dict, layer_idx: int):
+        super().__init__()
+        self.scheme, self.stats, self.layer_idx = scheme, stats, layer_idx
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        for side, x in (("k", key_states), ("v", value_states)):
+            a = observe_amax(x, self.scheme, f"layer {self.layer_idx} {'key' if side == 'k' else 'value'} states")
+            key = (side, self.layer_idx)
+            self.stats[key] = a if key not in self.stats else torch.maximum(self.stats[key], a)
+        return super().update(key_states, value_states, *args, **kwargs)
+
+
+def num_decoder_layers(model) -> int:
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    return int(cfg.num_hidden_layers)
+
+
+@torch.no_grad()
+def calibrate_kv_cache(model, batches, scheme) -> KVCacheQuant:
+    """KVCacheQuant for `model`: static schemes take max |state| per layer (per head for "head")
+    over the calibration batches (token id tensors [B, T]); dynamic schemes need no data."""
+    scheme = KVScheme.parse(scheme)
+    n = num_decoder_layers(model)
+    if scheme.dynamic:
+        return KVCacheQuant(scheme, n)
+    stats: dict = {}
+    seen = 0
+    for ids in batches:
+        cache = Cache(layers=[_ObserverLayer(scheme, stats, i) for i in range(n)])
+        model(input_ids=ids.to(next(model.parameters()).device), cache=cache, use_cache=True)
+        seen += 1
+    if seen == 0 or len(stats) != 2 * n:
+        raise ValueError(f"calibrate_kv_cache: {scheme} needs calibration batches that reach every one of the "
+                         f"{n} layers (got {seen} batch(es), {len(stats) // 2} layer(s) observed)")
+    k = [static_scale(stats[("k", i)], scheme) for i in range(n)]
+    v = [static_scale(stats[("v", i)], scheme) for i in range(n)]
+    return KVCacheQuant(scheme, n, k, v)
