@@ -173,16 +173,20 @@ def num_decoder_layers(model) -> int:
 @torch.no_grad()
 def calibrate_kv_cache(model, batches, scheme) -> KVCacheQuant:
     """KVCacheQuant for `model`: static schemes take max |state| per layer (per head for "head")
-    over the calibration batches (token id tensors [B, T]); dynamic schemes need no data."""
+    over the calibration batches (token id tensors [B, T], or dicts of model keyword arguments);
+    dynamic schemes need no data. A model with a quantized cache attached is observed unquantized."""
     scheme = KVScheme.parse(scheme)
     n = num_decoder_layers(model)
     if scheme.dynamic:
         return KVCacheQuant(scheme, n)
     stats: dict = {}
     seen = 0
-    for ids in batches:
+    device = next(model.parameters()).device
+    for batch in batches:
         cache = Cache(layers=[_ObserverLayer(scheme, stats, i) for i in range(n)])
-        model(input_ids=ids.to(next(model.parameters()).device), cache=cache, use_cache=True)
+        kwargs = dict(batch) if isinstance(batch, dict) else {"input_ids": batch}
+        kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        model(**kwargs, cache=cache, use_cache=True)
         seen += 1
     if seen == 0 or len(stats) != 2 * n:
         raise ValueError(f"calibrate_kv_cache: {scheme} needs calibration batches that reach every one of the "
@@ -190,3 +194,125 @@ def calibrate_kv_cache(model, batches, scheme) -> KVCacheQuant:
     k = [static_scale(stats[("k", i)], scheme) for i in range(n)]
     v = [static_scale(stats[("v", i)], scheme) for i in range(n)]
     return KVCacheQuant(scheme, n, k, v)
+
+
+# ---------------------------------------------------------------- a model that quantizes its own cache
+def attention_modules(model) -> dict[int, tuple[str, torch.nn.Module]]:
+    """{layer index: (module name, attention module)}: the modules transformers gives a
+    `layer_idx` and k/v projections (where compressed-tensors and vLLM keep k_scale / v_scale)."""
+    found = {}
+    for name, m in model.named_modules():
+        if hasattr(m, "layer_idx") and hasattr(m, "k_proj") and hasattr(m, "v_proj"):
+            if m.layer_idx in found:
+                raise ValueError(f"two attention modules claim layer {m.layer_idx}: {found[m.layer_idx][0]} and {name}")
+            found[m.layer_idx] = (name, m)
+    return found
+
+
+def _ct_shape(scale: torch.Tensor, scheme: KVScheme) -> torch.Tensor:
+    # compressed-tensors' shapes: [1] (tensor), [H, 1, 1] (attn_head)
+    return scale.reshape(1) if scheme.granularity == "tensor" else scale.reshape(-1, 1, 1)
+
+
+def _lowbit_shape(scale: torch.Tensor, scheme: KVScheme) -> torch.Tensor:
+    return scale.reshape(1, 1, 1, 1) if scheme.granularity == "tensor" else scale.reshape(1, -1, 1, 1)
+
+
+def _use_quantized_cache(module, args, kwargs):
+    from transformers.cache_utils import DynamicCache
+    kv = getattr(module, "lowbit_kv_cache", None)
+    if kv is None or not getattr(module, "lowbit_kv_enabled", True):
+        return None
+    given = kwargs.get("cache", kwargs.get("past_key_values"))
+    if given is None or (type(given) is DynamicCache and given.get_seq_length() == 0):
+        kwargs.pop("past_key_values", None)
+        kwargs["cache"] = kv.new_cache()       # generate's fresh DynamicCache is swapped for a quantized one
+        kwargs["use_cache"] = True
+    return args, kwargs
+
+
+def attach_kv_cache(model, kv: KVCacheQuant) -> None:
+    """Make `model` quantize its KV cache: every forward without a cache (and generate's fresh
+    one) gets kv.new_cache(); static scales are registered as `k_scale` / `v_scale` buffers on
+    each attention module, the names and shapes compressed-tensors and vLLM load."""
+    mods = attention_modules(model)
+    if sorted(mods) != list(range(kv.num_layers)):
+        raise ValueError(f"the model's attention modules have layer indices {sorted(mods)[:8]}, the KV-cache "
+                         f"quantization covers {kv.num_layers} layers: they were calibrated on another model")
+    for i, (_, m) in mods.items():
+        for side in ("k", "v"):
+            if f"{side}_scale" in m._buffers:
+                del m._buffers[f"{side}_scale"]
+        if not kv.scheme.dynamic:
+            ks, vs = kv.layer_scales(i)
+            m.register_buffer("k_scale", _ct_shape(ks, kv.scheme).clone())
+            m.register_buffer("v_scale", _ct_shape(vs, kv.scheme).clone())
+    model.lowbit_kv_cache = kv
+    if getattr(model, "_lowbit_kv_hook", None) is None:
+        model._lowbit_kv_hook = model.register_forward_pre_hook(_use_quantized_cache, with_kwargs=True)
+
+
+class kv_cache_disabled:
+    """with kv_cache_disabled(model): forwards run with transformers' own (unquantized) cache."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        self.model.lowbit_kv_enabled = False
+        return self.model
+
+    def __exit__(self, *exc):
+        self.model.lowbit_kv_enabled = True
+
+
+def kv_cache_from_tensors(ct_args: dict | None, tensors: dict, num_layers: int, num_kv_heads: int | None,
+                          where: str) -> KVCacheQuant | None:
+    """The KVCacheQuant a checkpoint describes (kv_cache_scheme + `*.k_scale` / `*.v_scale`
+    tensors, which are removed from `tensors`); None when it quantizes no cache. Raises
+    ValueError when the scales disagree with the scheme (missing, extra, per-tensor where
+    per-head was declared, not finite and positive)."""
+    names = {side: sorted((n for n in tensors if n.endswith(f".{side}_scale")), key=_layer_number)
+             for side in ("k", "v")}
+    if ct_args is None:
+        if names["k"] or names["v"]:
+            raise ValueError(f"{where}: tensors {(names['k'] + names['v'])[:3]} hold KV-cache scales but "
+                             "quantization_config.kv_cache_scheme is null: the files and the config disagree")
+        return None
+    try:
+        scheme = KVScheme.from_ct_args(ct_args)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where}: kv_cache_scheme: {e}") from e
+    if scheme.dynamic:
+        if names["k"] or names["v"]:
+            raise ValueError(f"{where}: kv_cache_scheme is dynamic ({scheme}) but the files hold static scales "
+                             f"{(names['k'] + names['v'])[:3]}")
+        return KVCacheQuant(scheme, num_layers)
+    out = {}
+    for side in ("k", "v"):
+        if len(names[side]) != num_layers:
+            raise ValueError(f"{where}: kv_cache_scheme {scheme} is static and needs one {side}_scale per layer "
+                             f"({num_layers}); found {len(names[side])}")
+        if [_layer_number(n) for n in names[side]] != list(range(num_layers)):
+            raise ValueError(f"{where}: {side}_scale tensors {names[side][:4]} do not name layers 0..{num_layers - 1} "
+                             "once each")
+        want = (1,) if scheme.granularity == "tensor" else (num_kv_heads, 1, 1)
+        scales = []
+        for n in names[side]:
+            t = tensors.pop(n)
+            if tuple(t.shape) != want or not t.is_floating_point():
+                raise ValueError(f"{where}: {n} has dtype {t.dtype} shape {list(t.shape)}; kv_cache_scheme {scheme} "
+                                 f"needs a float tensor of shape {list(want)}")
+            t = t.to(torch.float32)
+            if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
+                raise ValueError(f"{where}: {n} must be finite and positive, got {t.flatten()[:4].tolist()}")
+            scales.append(_lowbit_shape(t, scheme))
+        out[side] = scales
+    return KVCacheQuant(scheme, num_layers, out["k"], out["v"])
+
+
+def _layer_number(name: str) -> int:
+    nums = [int(p) for p in name.split(".") if p.isdigit()]
+    if not nums:
+        raise ValueError(f"KV scale tensor {name!r} has no layer index in its name")
+    return nums[-1]
