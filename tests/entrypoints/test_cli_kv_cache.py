@@ -46,7 +46,8 @@ def test_kv_cache_run_reports_both_and_saves_the_scheme(tiny, tmp_path, capsys):
     printed = capsys.readouterr().out
     line = next(ln for ln in printed.splitlines() if ln.startswith("KV cache fp8-head:"))
     assert "with the KV cache unquantized" in line and line.count("top-1 agreement") == 2
-    assert line in (out / "lowbit_report.md").read_text()
+    report = (out / "lowbit_report.md").read_text()
+    assert line in report and "Attention sites (KV cache" in report and "| layer | K SQNR dB |" in report
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["kv_cache_scheme"]["strategy"] == "attn_head"
     from lowbit.pipelines.checkpoint import load_compressed

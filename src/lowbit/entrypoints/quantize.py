@@ -245,6 +245,10 @@ def run(args) -> int:
         if run_.without_kv is not None:
             res.extra.append(_kv_line(args.kv_cache, mname, run_))
             print(res.extra[-1], flush=True)
+            from lowbit.diagnosis.attention_sites import attention_site_report
+            att = attention_site_report(run_.model, texts.calib[0], run_.summary.kv_cache)
+            print(att)
+            res.sites_markdown.append(("Attention sites (KV cache; first calibration batch)", att.to_markdown()))
         out = outs[recipe]
         if D.rank() != 0:
             continue

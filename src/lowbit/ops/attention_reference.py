@@ -148,10 +148,12 @@ class AttnReference:
     out: torch.Tensor
     gate: torch.Tensor
     p_zero_fraction: float      # allowed P entries whose code is 0 (the softmax tail lost)
+    p: torch.Tensor | None = None   # with return_p: the normalized weights [B, Hq, Tq, Tk] O is made of
 
 
 def attention_reference(q_hat: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.Tensor, spec: AttnSpec, *,
-                        variant: str | None = None, out_dtype: torch.dtype = torch.float32) -> AttnReference:
+                        variant: str | None = None, out_dtype: torch.dtype = torch.float32,
+                        return_p: bool = False) -> AttnReference:
     """The quantization-aware reference (module docstring) of already dequantized operands
     q_hat [B, Hq, Tq, D], k_hat / v_hat [B, Hkv, Tk, D] (float32 values; used exactly in float64).
 
@@ -259,10 +261,10 @@ def attention_reference(q_hat: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.T
         sum_w += w.sum(dim=-1, keepdim=True)
         sum_D += Dj.sum(dim=-1, keepdim=True)
         wabs_v += (w + Dj) @ Vb.abs()
-        blocks.append((Dj, Vb))
+        blocks.append((Dj, Vb, w if return_p else None))
     out = acc / l
     o_ref = out
-    for Dj, Vb in blocks:
+    for Dj, Vb, _ in blocks:
         # sum_j D_j |V_jd - O_d| without a [.., Tq, Tk, D] intermediate: split |V - O| per key block
         dev_num += torch.einsum("bhqk,bhqkd->bhqd", Dj, (Vb.unsqueeze(2) - o_ref.unsqueeze(3)).abs())
     den = sum_w - sum_D
@@ -278,7 +280,8 @@ def attention_reference(q_hat: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.T
     u_out, eta_out = _OUT_UNITS[out_dtype]
     gate = kern + u_out * (out.abs() + kern) + eta_out / 2
     gate = torch.where(safe, gate, inf)
-    return AttnReference(out, gate, zero_codes / max(n_allowed, 1))
+    p = torch.cat([w for *_, w in blocks], dim=-1) / sum_w if return_p else None
+    return AttnReference(out, gate, zero_codes / max(n_allowed, 1), p)
 
 
 def sdpa_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
