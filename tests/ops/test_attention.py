@@ -147,3 +147,14 @@ def test_triton_cuda_within_gate(rng, scheme, shape):
         out = attention(q, kq, vq, spec, backend="triton", out_dtype=torch.float32)
         _check(out, q.float(), kq, vq, spec)
         assert math.isfinite(float(out.float().abs().max()))
+
+
+def test_triton_packed_gqa_tiles_within_and_across_heads(rng):
+    """Rows are (query head, token) pairs of one KV head; with 16-row tiles over Tq = 40 some tiles
+    lie inside one head (their key loop stops at the causal limit) and some straddle two."""
+    from lowbit.ops.triton.attention import flash_attention
+    kq, vq = _cache(rng, 1, 1, 45, 24, KVScheme("fp8", "token"))
+    q = torch.randn(1, 2, 40, 24, generator=rng)
+    spec = ar.AttnSpec(q_format=None, p_block=16, causal=True)
+    out = flash_attention(q, kq, vq, spec, block_m=16)
+    _check(out, q, kq, vq, spec)

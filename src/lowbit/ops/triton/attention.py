@@ -1,6 +1,7 @@
 """Flash attention over a quantized KV cache (prefill and decode), Triton.
 
-One program per (block of BLOCK_M queries, batch x query head). It reads the cache's codes and
+One program per (block of BLOCK_M query rows, batch x KV head); the rows are the GQA group's
+query heads packed with their tokens, so each K / V tile is loaded once per group. It reads the cache's codes and
 scales directly (fp8 e4m3 bit patterns or int8 / int4 values, one scale per tensor, head, token
 or head-dim group, broadcast through zero strides) and dequantizes each tile in registers: no
 dequantized copy of the cache exists. GQA: query head h reads KV head h // (Hq // Hkv). Causal
@@ -53,26 +54,32 @@ def _load_tile(ptr, s_ptr, b, h, offs_t, offs_d, T, D, st_b, st_h, st_t, st_d, s
 @triton.jit
 def _flash_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, Tq, Tk, D, G, c,
                   sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sks_b, sks_h, sks_t, sks_g, K_GS,
-                  sv_b, sv_h, sv_t, sv_d, svs_b, svs_h, svs_t, svs_g, V_GS, so_b, so_h, so_t, so_d, Hq,
+                  sv_b, sv_h, sv_t, sv_d, svs_b, svs_h, svs_t, svs_g, V_GS, so_b, so_h, so_t, so_d, Hkv,
                   K_KIND: tl.constexpr, V_KIND: tl.constexpr, P_MODE: tl.constexpr, FMAX: tl.constexpr,
                   CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   OUT_TY: tl.constexpr):
+    # rows are the G query heads of one KV head packed with their tokens (row = g * Tq + i), so each
+    # K / V tile is read once for the whole group
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // Hq
-    h = pid_bh % Hq
-    hk = h // G
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    b = pid_bh // Hkv
+    hk = pid_bh % Hkv
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    h = hk * G + rows // Tq
+    offs_m = rows % Tq
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    q_ok = (offs_m < Tq)[:, None] & (offs_d < D)[None, :]
-    q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :] * sq_d, mask=q_ok, other=0.0)
+    q_ok = (rows < G * Tq)[:, None] & (offs_d < D)[None, :]
+    q_off = b * sq_b + h[:, None] * sq_h + offs_m[:, None] * sq_t + offs_d[None, :] * sq_d
+    q = tl.load(q_ptr + q_off, mask=q_ok, other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     hi = Tk
     if CAUSAL:
-        hi = tl.minimum(Tk, (pid_m + 1) * BLOCK_M + Tk - Tq)
+        first = (pid_m * BLOCK_M) % Tq
+        if first + BLOCK_M <= Tq:               # the tile holds one head's queries first .. first + BLOCK_M - 1
+            hi = tl.minimum(Tk, first + BLOCK_M + Tk - Tq)
     for start in range(0, hi, BLOCK_N):
         offs_k = start + offs_n
         kt = _load_tile(k_ptr, ks_ptr, b, hk, offs_k, offs_d, Tk, D, sk_b, sk_h, sk_t, sk_d,
@@ -104,8 +111,8 @@ def _flash_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, Tq, Tk, D, G, c,
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = tl.where(m_new > float("-inf"), m_new, m_i)
     out = tl.math.div_rn(acc, tl.where(l_i > 0, l_i, 1.0)[:, None])
-    tl.store(o_ptr + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :] * so_d, cast_out(out, OUT_TY),
-             mask=q_ok)
+    tl.store(o_ptr + b * so_b + h[:, None] * so_h + offs_m[:, None] * so_t + offs_d[None, :] * so_d,
+             cast_out(out, OUT_TY), mask=q_ok)
 
 
 def _operand(t, name: str, B: int, H: int, T: int, D: int):
@@ -146,12 +153,13 @@ def flash_attention(q_hat: torch.Tensor, k, v, spec: ar.AttnSpec, *, out_dtype: 
     kc, ks, kgs, kk = _operand(k, "k", B, Hkv, Tk, D)
     vc, vs, vgs, vk = _operand(v, "v", B, Hkv, Tk, D)
     out = torch.empty(B, Hq, Tq, D, dtype=out_dtype, device=q_hat.device)
-    bm = block_m or (16 if Tq <= 16 else 64)
+    rows = G * Tq
+    bm = block_m or (16 if rows <= 16 else 64)
     bd = max(16, triton.next_power_of_2(D))
     c = float(torch.tensor(spec.scale_for(D) * ar.LOG2E, dtype=torch.float32))
-    grid = (triton.cdiv(Tq, bm), B * Hq)
+    grid = (triton.cdiv(rows, bm), B * Hkv)
     launch(_flash_kernel, grid, q_hat, kc, ks, vc, vs, out, Tq, Tk, D, G, c,
-           *q_hat.stride(), *kc.stride(), *ks.stride(), kgs, *vc.stride(), *vs.stride(), vgs, *out.stride(), Hq,
+           *q_hat.stride(), *kc.stride(), *ks.stride(), kgs, *vc.stride(), *vs.stride(), vgs, *out.stride(), Hkv,
            K_KIND=kk, V_KIND=vk, P_MODE=_P_MODE[spec.p_format], FMAX=float(spec.p_max), CAUSAL=spec.causal,
            BLOCK_M=bm, BLOCK_N=spec.p_block, BLOCK_D=bd, OUT_TY=_OUT[out_dtype], num_warps=4)
     return out
