@@ -156,5 +156,23 @@ def test_triton_packed_gqa_tiles_within_and_across_heads(rng):
     kq, vq = _cache(rng, 1, 1, 45, 24, KVScheme("fp8", "token"))
     q = torch.randn(1, 2, 40, 24, generator=rng)
     spec = ar.AttnSpec(q_format=None, p_block=16, causal=True)
-    out = flash_attention(q, kq, vq, spec, block_m=16)
+    out = flash_attention(q, kq, vq, spec, block_m=16, mma=False)
     _check(out, q, kq, vq, spec)
+
+
+@pytest.mark.parametrize("scheme", [KVScheme("fp8", "head"), KVScheme("int8", "tensor")], ids=str)
+@pytest.mark.parametrize("pf", ["fp8_e4m3fn", "int8"])
+def test_triton_tensor_core_mode_within_gate(rng, scheme, pf):
+    """The bf16-codes mode (scales after the dots) against the same reference gate, both with Q as
+    codes and Q given in bf16; and its refusal where it would not be exact."""
+    from lowbit.ops.triton.attention import flash_attention
+    kq, vq = _cache(rng, 1, 2, 37, 40, scheme)
+    q = torch.randn(1, 4, 5, 40, generator=rng)
+    spec = ar.AttnSpec(p_format=pf, p_block=16, causal=True)
+    vals, scale = ar.quantize_q_parts(q, spec.q_format)
+    _check(flash_attention(vals, kq, vq, spec, q_scale=scale, mma=True), q, kq, vq, spec)
+    qb = q.to(torch.bfloat16)
+    spec_b = ar.AttnSpec(q_format=None, p_format=pf, p_block=16, causal=True)
+    _check(flash_attention(qb, kq, vq, spec_b, mma=True), qb.float(), kq, vq, spec_b)
+    with pytest.raises(ValueError, match="mma=True needs"):
+        flash_attention(vals, kq, vq, ar.AttnSpec(p_format=None, p_block=16), q_scale=scale, mma=True)

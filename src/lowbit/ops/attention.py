@@ -104,10 +104,12 @@ def attention(q: torch.Tensor, k, v, spec: ar.AttnSpec | None = None, *, backend
     ar.check_shapes(tuple(q.shape), _shape(k), _shape(v))
     if backend == "auto":
         backend = "triton" if q.is_cuda else "torch"
-    q_hat = ar.quantize_q(q, spec.q_format)
     if backend == "triton":
         from lowbit.ops.triton.attention import flash_attention
-        return flash_attention(q_hat, k, v, spec, out_dtype=out_dtype)
+        vals, scale = ar.quantize_q_parts(q, spec.q_format)
+        return flash_attention(q if scale is None and q.dtype == torch.bfloat16 else vals, k, v, spec,
+                               q_scale=scale, out_dtype=out_dtype)
+    q_hat = ar.quantize_q(q, spec.q_format)
     if backend == "reference":
         kd = k.dequantize(torch.float32) if isinstance(k, KVQuant) else k.float()
         vd = v.dequantize(torch.float32) if isinstance(v, KVQuant) else v.float()

@@ -83,6 +83,16 @@ class AttnSpec:
         return 1.0 if self.p_format is None else float(get_format(self.p_format).max)
 
 
+def quantize_q_parts(q: torch.Tensor, fmt: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(code values fp32 [B, Hq, Tq, D], scale fp32 [B, Hq, Tq, 1]) of Q's per-(token, head)
+    quantization, or (q in float32, None) when fmt is None. quantize_q is their product."""
+    quantize_q(q, None)                                       # the shape / finiteness checks
+    if fmt is None:
+        return q.to(torch.float32), None
+    qt = Q.quantize(q.reshape(-1, q.shape[-1]), QuantScheme(format=fmt, strategy="token", dynamic=True))
+    return qt.decoded().reshape(q.shape), qt.scale.reshape(*q.shape[:-1], 1)
+
+
 def quantize_q(q: torch.Tensor, fmt: str | None) -> torch.Tensor:
     """Q_hat as float32 [B, Hq, Tq, D]: q's per-(token, head) codes times their scale (one float32
     rounding, as a kernel dequantizing in registers), or q itself in float32 when fmt is None."""

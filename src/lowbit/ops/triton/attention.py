@@ -9,8 +9,11 @@ masks are bottom-right aligned (key j seen by query i when j <= i + Tk - Tq); th
 at the tile's last visible key. Head dims and lengths need not be tile multiples (masked loads).
 
 Arithmetic, in this order (lowbit.ops.attention_reference derives the gate from it):
-  k = decode(code) * scale (fp32, one rounding; likewise v; q arrives dequantized in fp32)
+  k = decode(code) * scale (fp32, one rounding; likewise v and q)
   t = (q . k) * c, c = fp32(sm_scale * log2 e), fp32 dot (input_precision="ieee": no tf32)
+  or, in the tensor-core mode (MMA), t = (qcodes . kcodes) * q_scale * k_scale * c: the codes are
+  exact in bf16, so the bf16 dot's products are exact and its sums fp32; likewise
+  p @ v = (Pcodes @ vcodes) * (block factor * v_scale). Same rounding count, so the same gate.
   masked t = -inf; mb = row max of the block; m_new = max(m, mb)
   P codes = grid(fmt_max * exp2(t - mb)) -- per (row, key block) scale, RNE (fp8 by the exact
             encode_e4m3fn, int8 by rint and clamp [0, 127]); p = codes * (exp2(mb - m_new) / fmt_max)
@@ -26,7 +29,7 @@ import triton.language as tl
 from lowbit.ops import attention_reference as ar
 from lowbit.ops.kv_quant import KVQuant
 
-from .common import cast_out, check_device, decode_e4m3fn, encode_e4m3fn, launch, rint
+from .common import cast_out, check_device, decode_e4m3fn, encode_e4m3fn, interpreting, launch, rint
 
 _KIND = {"fp8_e4m3fn": 0, "int8": 1, "int4": 1}      # code kinds the kernel decodes; 2 = a float cache
 _P_MODE = {"fp8_e4m3fn": 0, "int8": 1, None: 2}
@@ -36,8 +39,9 @@ MAX_HEAD_DIM = 256
 
 @triton.jit
 def _load_tile(ptr, s_ptr, b, h, offs_t, offs_d, T, D, st_b, st_h, st_t, st_d, ss_b, ss_h, ss_t, ss_g, GS,
-               KIND: tl.constexpr):
-    """[BLOCK_N, BLOCK_D] fp32 dequantized tile of one KV head (zeros outside T x D)."""
+               KIND: tl.constexpr, SCALED: tl.constexpr):
+    """[BLOCK_N, BLOCK_D] fp32 tile of one KV head (zeros outside T x D): the code values, times
+    their scale when SCALED."""
     ok = (offs_t < T)[:, None] & (offs_d < D)[None, :]
     raw = tl.load(ptr + b * st_b + h * st_h + offs_t[:, None] * st_t + offs_d[None, :] * st_d, mask=ok, other=0)
     if KIND == 2:
@@ -46,18 +50,37 @@ def _load_tile(ptr, s_ptr, b, h, offs_t, offs_d, T, D, st_b, st_h, st_t, st_d, s
         val = decode_e4m3fn(raw.to(tl.int32))
     else:
         val = raw.to(tl.float32)
-    s = tl.load(s_ptr + b * ss_b + h * ss_h + offs_t[:, None] * ss_t + (offs_d // GS)[None, :] * ss_g,
-                mask=ok, other=0.0)
-    return val * s
+    if SCALED:
+        s = tl.load(s_ptr + b * ss_b + h * ss_h + offs_t[:, None] * ss_t + (offs_d // GS)[None, :] * ss_g,
+                    mask=ok, other=0.0)
+        val = val * s
+    return val
 
 
 @triton.jit
-def _flash_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, Tq, Tk, D, G, c,
-                  sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sks_b, sks_h, sks_t, sks_g, K_GS,
+def _dot_in(x, DOT_BF16: tl.constexpr):
+    # Triton 3.6's interpreter multiplies bf16 operands wrongly; there the same exact values stay fp32
+    if DOT_BF16:
+        return x.to(tl.bfloat16)
+    return x
+
+
+@triton.jit
+def _dot(a, b, DOT_BF16: tl.constexpr):
+    if DOT_BF16:
+        return tl.dot(a, b)
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _flash_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, Tq, Tk, D, G, c,
+                  sq_b, sq_h, sq_t, sq_d, sqs_b, sqs_h, sqs_t,
+                  sk_b, sk_h, sk_t, sk_d, sks_b, sks_h, sks_t, sks_g, K_GS,
                   sv_b, sv_h, sv_t, sv_d, svs_b, svs_h, svs_t, svs_g, V_GS, so_b, so_h, so_t, so_d, Hkv,
                   K_KIND: tl.constexpr, V_KIND: tl.constexpr, P_MODE: tl.constexpr, FMAX: tl.constexpr,
-                  CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  OUT_TY: tl.constexpr):
+                  CAUSAL: tl.constexpr, MMA: tl.constexpr, DOT_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr, OUT_TY: tl.constexpr):
     # rows are the G query heads of one KV head packed with their tokens (row = g * Tq + i), so each
     # K / V tile is read once for the whole group
     pid_m = tl.program_id(0)
@@ -69,9 +92,16 @@ def _flash_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, Tq, Tk, D, G, c,
     offs_m = rows % Tq
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    q_ok = (rows < G * Tq)[:, None] & (offs_d < D)[None, :]
+    row_ok = rows < G * Tq
+    q_ok = row_ok[:, None] & (offs_d < D)[None, :]
     q_off = b * sq_b + h[:, None] * sq_h + offs_m[:, None] * sq_t + offs_d[None, :] * sq_d
     q = tl.load(q_ptr + q_off, mask=q_ok, other=0.0)
+    qs = tl.load(qs_ptr + b * sqs_b + h * sqs_h + offs_m * sqs_t, mask=row_ok, other=1.0)
+    if MMA:
+        q_in = _dot_in(q, DOT_BF16)         # code values: exact in bf16; the scale comes after the dot
+        v_head_scale = tl.load(vs_ptr + b * svs_b + hk * svs_h)
+    else:
+        q_in = q * qs[:, None]
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -83,8 +113,12 @@ def _flash_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, Tq, Tk, D, G, c,
     for start in range(0, hi, BLOCK_N):
         offs_k = start + offs_n
         kt = _load_tile(k_ptr, ks_ptr, b, hk, offs_k, offs_d, Tk, D, sk_b, sk_h, sk_t, sk_d,
-                        sks_b, sks_h, sks_t, sks_g, K_GS, K_KIND)
-        t = tl.dot(q, tl.trans(kt), input_precision="ieee") * c
+                        sks_b, sks_h, sks_t, sks_g, K_GS, K_KIND, not MMA)
+        if MMA:
+            ks = tl.load(ks_ptr + b * sks_b + hk * sks_h + offs_k * sks_t, mask=offs_k < Tk, other=0.0)
+            t = _dot(q_in, tl.trans(_dot_in(kt, DOT_BF16)), DOT_BF16) * qs[:, None] * ks[None, :] * c
+        else:
+            t = tl.dot(q_in, tl.trans(kt), input_precision="ieee") * c
         seen = (offs_k < Tk)[None, :] & (offs_m >= 0)[:, None]
         if CAUSAL:
             seen = seen & (offs_k[None, :] <= offs_m[:, None] + (Tk - Tq))
@@ -103,12 +137,18 @@ def _flash_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, Tq, Tk, D, G, c,
         else:
             codes = v
         f = tl.where(ok, tl.math.div_rn(tl.exp2(mb0 - m_new0), FMAX), 0.0)
-        p = codes * f[:, None]
         alpha = tl.where(m_i > float("-inf"), tl.exp2(m_i - m_new0), 0.0)
         vt = _load_tile(v_ptr, vs_ptr, b, hk, offs_k, offs_d, Tk, D, sv_b, sv_h, sv_t, sv_d,
-                        svs_b, svs_h, svs_t, svs_g, V_GS, V_KIND)
-        acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+                        svs_b, svs_h, svs_t, svs_g, V_GS, V_KIND, not MMA)
+        if MMA:
+            # P codes and V codes are exact in bf16: tensor-core products, fp32 sums; scales after
+            pv = _dot(_dot_in(codes, DOT_BF16), _dot_in(vt, DOT_BF16), DOT_BF16) * (f * v_head_scale)[:, None]
+            acc = acc * alpha[:, None] + pv
+            l_i = l_i * alpha + tl.sum(codes, axis=1) * f
+        else:
+            p = codes * f[:, None]
+            acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
+            l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = tl.where(m_new > float("-inf"), m_new, m_i)
     out = tl.math.div_rn(acc, tl.where(l_i > 0, l_i, 1.0)[:, None])
     tl.store(o_ptr + b * so_b + h[:, None] * so_h + offs_m[:, None] * so_t + offs_d[None, :] * so_d,
@@ -133,15 +173,31 @@ def _operand(t, name: str, B: int, H: int, T: int, D: int):
     return t, dummy, D, 2
 
 
-def flash_attention(q_hat: torch.Tensor, k, v, spec: ar.AttnSpec, *, out_dtype: torch.dtype = torch.float32,
-                    block_m: int | None = None) -> torch.Tensor:
-    """q_hat: fp32 [B, Hq, Tq, D] (already quantized and dequantized by lowbit.ops.attention);
-    k, v: KVQuant or float [B, Hkv, Tk, D]. Returns [B, Hq, Tq, D] in out_dtype."""
-    if q_hat.dtype != torch.float32:
-        raise TypeError(f"q_hat must be float32 (lowbit.ops.attention passes it so), got {q_hat.dtype}")
-    check_device("q", q_hat)
-    G = ar.check_shapes(tuple(q_hat.shape), tuple(k.shape), tuple(v.shape))
-    B, Hq, Tq, D = q_hat.shape
+def _mma_ok(q_vals: torch.Tensor, q_exact: bool, k, v, spec: ar.AttnSpec) -> bool:
+    """The tensor-core mode needs every dot operand exact in bf16 and the scales outside the dots:
+    Q, K, V and P as codes (or bf16 values), K scaled per token / head / tensor (not per head-dim
+    group), V scaled per head / tensor (constant along the keys the P.V dot sums over)."""
+    if not q_exact or spec.p_format is None:
+        return False
+    for t, static_only in ((k, False), (v, True)):
+        if isinstance(t, KVQuant):
+            if t.scheme.granularity == "group" or (static_only and t.scheme.dynamic):
+                return False
+        elif t.dtype != torch.bfloat16:
+            return False
+    return True
+
+
+def flash_attention(q_vals: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: torch.Tensor | None = None,
+                    out_dtype: torch.dtype = torch.float32, block_m: int | None = None, mma: bool | None = None
+                    ) -> torch.Tensor:
+    """q_vals: fp32 [B, Hq, Tq, D], Q's code values (lowbit.ops.attention.quantize_q's parts) with
+    q_scale [B, Hq, Tq, 1] fp32, or Q itself with q_scale None; k, v: KVQuant or float
+    [B, Hkv, Tk, D]. mma: the bf16 tensor-core mode (module docstring); None = wherever it is exact
+    (Q as codes, or Q given in bf16). Returns [B, Hq, Tq, D] in out_dtype."""
+    check_device("q", q_vals)
+    G = ar.check_shapes(tuple(q_vals.shape), tuple(k.shape), tuple(v.shape))
+    B, Hq, Tq, D = q_vals.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     if D > MAX_HEAD_DIM:
         raise ValueError(f"head_dim {D} > {MAX_HEAD_DIM}: the kernel keeps a query tile of the whole head in "
@@ -150,18 +206,30 @@ def flash_attention(q_hat: torch.Tensor, k, v, spec: ar.AttnSpec, *, out_dtype: 
         raise ValueError(f"out_dtype must be one of {list(_OUT)}, got {out_dtype}")
     if spec.causal and Tk < Tq:
         ar.allowed_mask(Tq, Tk, True)                          # raises the reference's error
+    q_exact = q_scale is not None or q_vals.dtype == torch.bfloat16
+    if q_scale is None:
+        q_scale = torch.ones(1, 1, 1, 1, dtype=torch.float32, device=q_vals.device).expand(B, Hq, Tq, 1)
+    elif q_scale.shape != (B, Hq, Tq, 1) or q_scale.dtype != torch.float32:
+        raise ValueError(f"q_scale must be float32 [B, Hq, Tq, 1] = {(B, Hq, Tq, 1)}, got {q_scale.dtype} "
+                         f"{tuple(q_scale.shape)}")
+    use_mma = _mma_ok(q_vals, q_exact, k, v, spec) if mma is None else mma
+    if use_mma and not _mma_ok(q_vals, q_exact, k, v, spec):
+        raise ValueError("mma=True needs Q as codes (q_scale) or bf16, P quantized, K not per head-dim group and "
+                         "V scaled per head or tensor; pass mma=None to choose automatically")
+    q32 = q_vals.to(torch.float32)
     kc, ks, kgs, kk = _operand(k, "k", B, Hkv, Tk, D)
     vc, vs, vgs, vk = _operand(v, "v", B, Hkv, Tk, D)
-    out = torch.empty(B, Hq, Tq, D, dtype=out_dtype, device=q_hat.device)
+    out = torch.empty(B, Hq, Tq, D, dtype=out_dtype, device=q_vals.device)
     rows = G * Tq
     bm = block_m or (16 if rows <= 16 else 64)
     bd = max(16, triton.next_power_of_2(D))
     c = float(torch.tensor(spec.scale_for(D) * ar.LOG2E, dtype=torch.float32))
     grid = (triton.cdiv(rows, bm), B * Hkv)
-    launch(_flash_kernel, grid, q_hat, kc, ks, vc, vs, out, Tq, Tk, D, G, c,
-           *q_hat.stride(), *kc.stride(), *ks.stride(), kgs, *vc.stride(), *vs.stride(), vgs, *out.stride(), Hkv,
+    launch(_flash_kernel, grid, q32, q_scale, kc, ks, vc, vs, out, Tq, Tk, D, G, c,
+           *q32.stride(), *q_scale.stride()[:3], *kc.stride(), *ks.stride(), kgs, *vc.stride(), *vs.stride(), vgs,
+           *out.stride(), Hkv,
            K_KIND=kk, V_KIND=vk, P_MODE=_P_MODE[spec.p_format], FMAX=float(spec.p_max), CAUSAL=spec.causal,
-           BLOCK_M=bm, BLOCK_N=spec.p_block, BLOCK_D=bd, OUT_TY=_OUT[out_dtype], num_warps=4)
+           MMA=bool(use_mma), DOT_BF16=not interpreting(), BLOCK_M=bm, BLOCK_N=spec.p_block, BLOCK_D=bd, OUT_TY=_OUT[out_dtype], num_warps=4)
     return out
 
 
