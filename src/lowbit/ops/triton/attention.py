@@ -58,27 +58,12 @@ def _load_tile(ptr, s_ptr, b, h, offs_t, offs_d, T, D, st_b, st_h, st_t, st_d, s
 
 
 @triton.jit
-def _dot_in(x, DOT_BF16: tl.constexpr):
-    # Triton 3.6's interpreter multiplies bf16 operands wrongly; there the same exact values stay fp32
-    if DOT_BF16:
-        return x.to(tl.bfloat16)
-    return x
-
-
-@triton.jit
-def _dot(a, b, DOT_BF16: tl.constexpr):
-    if DOT_BF16:
-        return tl.dot(a, b)
-    return tl.dot(a, b, input_precision="ieee")
-
-
-@triton.jit
 def _flash_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, Tq, Tk, D, G, c,
                   sq_b, sq_h, sq_t, sq_d, sqs_b, sqs_h, sqs_t,
                   sk_b, sk_h, sk_t, sk_d, sks_b, sks_h, sks_t, sks_g, K_GS,
                   sv_b, sv_h, sv_t, sv_d, svs_b, svs_h, svs_t, svs_g, V_GS, so_b, so_h, so_t, so_d, Hkv,
                   K_KIND: tl.constexpr, V_KIND: tl.constexpr, P_MODE: tl.constexpr, FMAX: tl.constexpr,
-                  CAUSAL: tl.constexpr, MMA: tl.constexpr, DOT_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
+                  CAUSAL: tl.constexpr, MMA: tl.constexpr, DOT_TY: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr,
                   BLOCK_D: tl.constexpr, OUT_TY: tl.constexpr):
     # rows are the G query heads of one KV head packed with their tokens (row = g * Tq + i), so each
@@ -97,15 +82,17 @@ def _flash_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, Tq, Tk, D,
     q_off = b * sq_b + h[:, None] * sq_h + offs_m[:, None] * sq_t + offs_d[None, :] * sq_d
     q = tl.load(q_ptr + q_off, mask=q_ok, other=0.0)
     qs = tl.load(qs_ptr + b * sqs_b + h * sqs_h + offs_m * sqs_t, mask=row_ok, other=1.0)
+    # Triton 3.6's interpreter multiplies bf16 dot operands wrongly: there DOT_TY is fp32, holding
+    # the same exact values (and "ieee": no tf32); on the GPU bf16 ("tf32" is ignored for bf16)
     if MMA:
-        q_in = _dot_in(q, DOT_BF16)         # code values: exact in bf16; the scale comes after the dot
+        q_in = q.to(DOT_TY)                 # code values: exact in bf16; the scale comes after the dot
         v_head_scale = tl.load(vs_ptr + b * svs_b + hk * svs_h)
     else:
         q_in = q * qs[:, None]
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    hi = Tk
+    hi = tl.zeros([], tl.int32) + Tk        # a tensor even when Triton specializes Tk == 1 to a constant
     if CAUSAL:
         first = (pid_m * BLOCK_M) % Tq
         if first + BLOCK_M <= Tq:               # the tile holds one head's queries first .. first + BLOCK_M - 1
@@ -116,7 +103,7 @@ def _flash_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, Tq, Tk, D,
                         sks_b, sks_h, sks_t, sks_g, K_GS, K_KIND, not MMA)
         if MMA:
             ks = tl.load(ks_ptr + b * sks_b + hk * sks_h + offs_k * sks_t, mask=offs_k < Tk, other=0.0)
-            t = _dot(q_in, tl.trans(_dot_in(kt, DOT_BF16)), DOT_BF16) * qs[:, None] * ks[None, :] * c
+            t = tl.dot(q_in, tl.trans(kt.to(DOT_TY)), input_precision=DOT_PREC) * qs[:, None] * ks[None, :] * c
         else:
             t = tl.dot(q_in, tl.trans(kt), input_precision="ieee") * c
         seen = (offs_k < Tk)[None, :] & (offs_m >= 0)[:, None]
@@ -142,7 +129,7 @@ def _flash_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, Tq, Tk, D,
                         svs_b, svs_h, svs_t, svs_g, V_GS, V_KIND, not MMA)
         if MMA:
             # P codes and V codes are exact in bf16: tensor-core products, fp32 sums; scales after
-            pv = _dot(_dot_in(codes, DOT_BF16), _dot_in(vt, DOT_BF16), DOT_BF16) * (f * v_head_scale)[:, None]
+            pv = tl.dot(codes.to(DOT_TY), vt.to(DOT_TY), input_precision=DOT_PREC) * (f * v_head_scale)[:, None]
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(codes, axis=1) * f
         else:
@@ -229,7 +216,8 @@ def flash_attention(q_vals: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: t
            *q32.stride(), *q_scale.stride()[:3], *kc.stride(), *ks.stride(), kgs, *vc.stride(), *vs.stride(), vgs,
            *out.stride(), Hkv,
            K_KIND=kk, V_KIND=vk, P_MODE=_P_MODE[spec.p_format], FMAX=float(spec.p_max), CAUSAL=spec.causal,
-           MMA=bool(use_mma), DOT_BF16=not interpreting(), BLOCK_M=bm, BLOCK_N=spec.p_block, BLOCK_D=bd, OUT_TY=_OUT[out_dtype], num_warps=4)
+           MMA=bool(use_mma), DOT_TY=tl.float32 if interpreting() else tl.bfloat16,
+           DOT_PREC="ieee" if interpreting() else "tf32", BLOCK_M=bm, BLOCK_N=spec.p_block, BLOCK_D=bd, OUT_TY=_OUT[out_dtype], num_warps=4)
     return out
 
 
