@@ -66,6 +66,12 @@ def test_bad_input_is_refused(rng):
         quantize_kv(x, KVScheme("int4", "group", 16))
     with pytest.raises(ValueError, match="needs a group size"):
         KVScheme.parse("int4")
+    from lowbit.ops.kv_quant import KVQuant
+    good = quantize_kv(x, KVScheme("fp8", "token"))
+    with pytest.raises(ValueError, match="codes must be a 4-D torch.uint8"):
+        KVQuant(good.codes.to(torch.int8), good.scale, good.scheme)       # int8 codes under an fp8 scheme
+    with pytest.raises(ValueError, match="disagrees with the declared scheme"):
+        KVQuant(good.codes, good.scale[:, :1], good.scheme)               # one scale per token was declared
     with pytest.raises(ValueError, match="needs k_scales"):
         KVCacheQuant(KVScheme("fp8"), 2)
 

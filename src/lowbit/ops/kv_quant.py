@@ -135,6 +135,20 @@ class KVQuant:
     scale: torch.Tensor
     scheme: KVScheme
 
+    def __post_init__(self):
+        c, s, sch = self.codes, self.scale, self.scheme
+        want_dt = torch.uint8 if sch.fmt.kind == "float" else torch.int8
+        if not isinstance(c, torch.Tensor) or c.ndim != 4 or c.dtype != want_dt:
+            raise ValueError(f"KVQuant: {sch} codes must be a 4-D {want_dt} tensor [B, H, T, D], got "
+                             f"{getattr(c, 'dtype', type(c).__name__)} {tuple(getattr(c, 'shape', ()))}")
+        B, H, T, D = c.shape
+        want = {"tensor": (1, 1, 1, 1), "head": (1, H, 1, 1), "token": (B, H, T, 1),
+                "group": (B, H, T, D // sch.group_size if sch.group_size else 0)}[sch.granularity]
+        if not isinstance(s, torch.Tensor) or tuple(s.shape) != want or s.dtype != torch.float32:
+            raise ValueError(f"KVQuant: {sch} with codes {tuple(c.shape)} needs a float32 scale of shape {want}, got "
+                             f"{getattr(s, 'dtype', type(s).__name__)} {tuple(getattr(s, 'shape', ()))} (a scale "
+                             "that disagrees with the declared scheme)")
+
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.codes.shape)
