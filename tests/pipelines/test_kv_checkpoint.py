@@ -120,3 +120,13 @@ def test_kv_cache_from_tensors_checks():
     with pytest.raises(ValueError, match="dynamic"):
         kv_cache_from_tensors(KVScheme.parse("fp8-token").to_ct_args(), dict(good), 1, 2, "ckpt")
     assert kv_cache_from_tensors(None, {}, 1, 2, "ckpt") is None
+
+
+def test_generate_on_a_quantized_model_uses_the_quantized_cache(kv_model, rng):
+    from lowbit.nn.kv_cache import LowbitKVCache
+    model, _ = kv_model
+    ids = torch.randint(1, 96, (1, 6), generator=rng)
+    model.generation_config.eos_token_id = None
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                         return_dict_in_generate=True, pad_token_id=0)
+    assert isinstance(out.past_key_values, LowbitKVCache) and out.past_key_values.get_seq_length() == 8
