@@ -44,6 +44,7 @@ EXP2_ERR = 2.0 ** -20
 P_FORMATS = ("fp8_e4m3fn", "int8", None)
 Q_FORMATS = ("fp8_e4m3fn", "int8", None)
 VARIANTS = (None, "p_per_tensor", "acc_bf16", "acc_fp16", "rescale_skipped", "rescale_wrong_acc", "causal_after_p")
+_NO_RESCALE_O = ("rescale_skipped", "rescale_wrong_acc")
 _LOW = {"acc_bf16": (torch.bfloat16, 2.0 ** -8), "acc_fp16": (torch.float16, 2.0 ** -11)}
 _OUT_UNITS = {torch.float32: (2.0 ** -24, 2.0 ** -149), torch.float16: (2.0 ** -11, 2.0 ** -24),
               torch.bfloat16: (2.0 ** -8, 2.0 ** -133), torch.float64: (U64, 0.0)}
@@ -186,7 +187,10 @@ def attention_reference(q_hat: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.T
        to (sum (w + D)|V| + |O| (L + sum D)) / (L - sum D), the output rounding u_out (|O| +
        that) + eta_out / 2, and exp2's flush of arguments below -126 (2^-120 Tk max|V| / L).
     The low-precision-O variants add 2 u_low nb sum (w + D)|V| / (L - sum D): one rounding of O
-    per block that the bugged kernel may resolve to the other neighbour.
+    per block that the bugged kernel may resolve to the other neighbour. The skipped-rescale
+    variants take their own weights (relative to the running max, where the rescale is missing),
+    add twice the running max's error to zeta, and rescale_wrong_acc, whose O is no weighted mean,
+    bounds the deviation by sum_j Da_j |V_j| + |O| sum_j Dd_j instead of sum_j D_j |V_j - O|.
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
@@ -262,21 +266,32 @@ def attention_reference(q_hat: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.T
             acc = acc.to(torch.float32).to(_LOW[variant][0]).to(torch.float64)
         l = l * a_l + wt.sum(dim=-1, keepdim=True)
         m_prev = torch.where(torch.isfinite(mnew), mnew, m_prev)
-        # 3. gate pieces relative to the final max M
-        to_M = torch.exp2(torch.where(torch.isfinite(ref_max), ref_max, M) - M)
-        w = codes / fmax * to_M
-        zeta = Eb + (2 * nb + 4) * EXP2_ERR + U32 * ((M - ref0).abs() + (M - Mb[..., :1]).abs())
+        # 3. gate pieces: the weights O's numerator and l are made of, relative to the final max M
+        #    (a skipped rescale leaves them relative to the running max at their block instead)
+        ref_fin = torch.where(torch.isfinite(ref_max), ref_max, M)
+        run_max = torch.where(torch.isfinite(mnew), mnew, M)
+        num_rel = torch.exp2(ref_fin - (run_max if variant in _NO_RESCALE_O else M))
+        den_rel = torch.exp2(ref_fin - (run_max if variant == "rescale_skipped" else M))
+        # with the rescale skipped, the running max's error no longer cancels between O and l
+        extra = 2 * E_run[..., -1:] if variant in _NO_RESCALE_O else 0.0
+        zeta = Eb + extra + (2 * nb + 4) * EXP2_ERR + U32 * ((M - ref0).abs() + (M - Mb[..., :1]).abs())
         eta = torch.exp2(zeta) - 1
-        Dj = w * eta + dc * (1 + eta) * to_M / fmax
-        sum_w += w.sum(dim=-1, keepdim=True)
-        sum_D += Dj.sum(dim=-1, keepdim=True)
-        wabs_v += (w + Dj) @ Vb.abs()
-        blocks.append((Dj, Vb, w if return_p else None))
+        a_w, d_w = codes / fmax * num_rel, codes / fmax * den_rel
+        Da = a_w * eta + dc * (1 + eta) * num_rel / fmax
+        Dd = d_w * eta + dc * (1 + eta) * den_rel / fmax
+        sum_w += d_w.sum(dim=-1, keepdim=True)
+        sum_D += Dd.sum(dim=-1, keepdim=True)
+        wabs_v += (a_w + Da) @ Vb.abs()
+        if variant == "rescale_wrong_acc":           # numerator and l weigh differently: no weighted mean
+            dev_num += Da @ Vb.abs()
+        blocks.append((Dd, Vb, d_w if return_p else None))
     out = acc / l
-    o_ref = out
-    for Dj, Vb, _ in blocks:
-        # sum_j D_j |V_jd - O_d| without a [.., Tq, Tk, D] intermediate: split |V - O| per key block
-        dev_num += torch.einsum("bhqk,bhqkd->bhqd", Dj, (Vb.unsqueeze(2) - o_ref.unsqueeze(3)).abs())
+    if variant == "rescale_wrong_acc":
+        dev_num += out.abs() * sum_D
+    else:
+        for Dj, Vb, _ in blocks:
+            # sum_j D_j |V_jd - O_d| without a [.., Tq, Tk, D] intermediate: split |V - O| per key block
+            dev_num += torch.einsum("bhqk,bhqkd->bhqd", Dj, (Vb.unsqueeze(2) - out.unsqueeze(3)).abs())
     den = sum_w - sum_D
     inf = torch.tensor(math.inf, dtype=torch.float64)
     safe = den > 0
