@@ -5,8 +5,9 @@
 
 Each layer stores its keys and values as lowbit.ops.kv_quant.KVQuant (codes and scales; the
 arithmetic is lowbit.quantize's). `update` quantizes the new states, appends them, and returns
-the whole cache dequantized in the states' dtype, so any attention implementation reads exactly
-the values the cache holds; lowbit.ops.attention reads the codes directly (`layer.quantized()`).
+the whole cache dequantized in the states' dtype, so any attention implementation reads the
+values the cache holds (exactly in a float32 model; a bf16 model rounds them to bf16, as its own
+attention would); lowbit.ops.attention reads the codes directly (`layer.quantized()`).
 Prefill states are quantized too (unlike transformers' Fp8QuantizedLayer, which attends the first
 chunk unquantized): a cached run and a full forward through a fresh cache see the same values.
 

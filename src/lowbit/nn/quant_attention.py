@@ -4,7 +4,7 @@
 
 Every attention module then computes lowbit.ops.attention (Q quantized per token and head, P per
 (row, key block), O in fp32 across the online-softmax rescales) on the keys and values its cache
-returns (a LowbitKVCache's dequantized values: exactly what the cache holds). Causal masks only:
+returns (a LowbitKVCache's dequantized values, in the model's dtype). Causal masks only:
 a padding mask is refused (NotImplementedError), never ignored.
 """
 from __future__ import annotations
