@@ -99,7 +99,7 @@ if [[ $parts == *,audit,* ]]; then
   timeout "${AUDIT_TIMEOUT:-120}" python3 -m lowbit.entrypoints.main audit --json "$out/audit_h200.json" \
       --png "$out/audit_h200.png" >"$out/audit_h200.txt" 2>&1
   echo "audit rc=$?" | tee -a "$sum"
-  # the accumulator probe (data for verify/accumulate.py's fp8 model; docs/fastaccum_probe_h200.npz)
+  # the accumulator probe (data for verify/accumulate.py's fp8 model; benchmarks/results/fastaccum_probe_h200.npz)
   [ "${PROBE:-0}" = 1 ] && timeout 60 python3 scripts/gpu_fastaccum_probe.py 2>&1 | tee -a "$sum"
 fi
 if [[ $parts == *,probe,* ]]; then  # the fp8 accumulator probe alone (PROBE_M rows: 1 = cuBLAS's one-row path)

@@ -1,4 +1,4 @@
-"""What each calibration algorithm does to the sites (issue 12, item 4): the per-site report
+"""What each calibration algorithm does to the sites: the per-site report
 (lowbit.diagnosis.sites: weight, layer-output and block SQNR) of round-to-nearest on the float model
 ("before") beside the report after the algorithm ("after"), on text no algorithm saw.
 

@@ -61,7 +61,7 @@ def _c(recipe, *measures):
                   "kl" if "ovkl" in m else "block")
 
 
-# In the order they are measured: the plain recipes, then the issue's targets' best candidates (one
+# In the order they are measured: the plain recipes, then the target recipes' best candidates (one
 # row per target first: w4a16 g128, fp8, nvfp4, GPTQ w4a16 g32, int8, MXFP4), then their alternatives,
 # then the rest -- so a stopped run has the rows that matter.
 CONFIGS = [

@@ -51,22 +51,19 @@ from lowbit.scheme import QuantScheme
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FMT_CODES = {"int8": 0, "fp8_e4m3fn": 1, "fp4_e2m1fn": 2}
 _ROUND_CODES = {"floor": 0, "rceil": 1, "ceil": 2, "even": 3}
-# Kernel variants (issue 5 performance work): "row" = one row per program, any scheme (the kernel
-# measured on the H200 in docs/benchmarks-memory.md); "tile" = ROWS rows per program, per-token
-# int8 / fp8 with fp32 scales only, 32-64 elements per thread. Same arithmetic, same codes.
-# DEFAULT_KERNEL is what kernel=None picks, per entry point, from the H200 runs of issue 10:
-# "tile" for quantize_rows (1.16x / 1.25x the row kernel, int8 / fp8 at 8192 x 4096) and for
-# RMSNorm without a residual (1.15-1.41x); "row" for RMSNorm with a residual (the tile kernel
-# is no faster there, 0.97-0.99x, and gave non-canonical scales on sm_90 at ROWS = 1) and for
-# SiLU-mul (fp8 tile 0.79x).
+# Kernel variants: "row" = one row per program, any scheme; "tile" = ROWS rows per program
+# (a per-token int8 / fp8 fast path and a group variant), 32-64 elements per thread. Same
+# arithmetic, same codes. DEFAULT_KERNEL (what kernel=None picks) takes the faster one per entry
+# point on the H200 (benchmarks/results/bench-memory.json): "tile" for quantize_rows and RMSNorm
+# without a residual; "row" for RMSNorm with a residual (the tile kernel is no faster there) and
+# for SiLU-mul (the tile kernel is slower for fp8).
 KERNELS = ("row", "tile")
 DEFAULT_KERNEL = {"quantize_rows": "tile", "rmsnorm_quant": "tile", "rmsnorm_quant+residual": "row",
                   "silu_mul_quant": "row"}
 # Schemes outside the per-token fast path (groups, MX, NVFP4, fp4 per token): ":group" entries
-# choose between the row kernel and the tile kernel's group variant. H200, 2026-11-30 (bench rows in
-# docs/benchmarks-memory.md): the group variant is 1.16-1.21x the row kernel for MXFP4 quantize_rows
-# at 8192 x 4096, 1.19-1.47x for RMSNorm + MXFP4 (8192 x 4096 / 8192), 1.06-1.17x for MXFP8 and
-# 1.00-1.10x for NVFP4; with a residual and for SiLU-mul it was not timed, so those stay "row".
+# choose between the row kernel and the tile kernel's group variant, which is 1.0-1.5x the row
+# kernel for quantize_rows and RMSNorm (bench-memory.json); with a residual and for SiLU-mul the
+# group variant is untimed, so those stay "row".
 DEFAULT_KERNEL.update({k + ":group": "row" for k in list(DEFAULT_KERNEL)})
 DEFAULT_KERNEL.update({"quantize_rows:group": "tile", "rmsnorm_quant:group": "tile"})
 
@@ -287,25 +284,20 @@ def tile_supports(scheme: QuantScheme) -> bool:
 def tile_config(K: int, pre: int, residual: bool = False, fp8: bool = False, mx: bool = False) -> tuple[int, ...]:
     """(ROWS, num_warps) of the "tile" kernel for rows of K elements: 32 elements of a row per
     thread (num_warps = next_pow2(K) / 1024, at most 16; 64 per thread from 8192 on), and rows stacked up to 32 elements per
-    thread when a row is shorter than 1024. From the sm_90 SASS (python -m lowbit.bench.memory
-    --sass), not from timings: 64 per thread takes 16.6 instead of 19.2 instructions per
-    element on the RMSNorm + int8 fast path but ~140 registers instead of ~72 (half the warps
-    per SM); the benchmark times 32 and 64 per thread side by side (`pre` is unused so far).
+    thread when a row is shorter than 1024. 64 per thread takes fewer instructions per element
+    (python -m lowbit.bench.memory --sass) but about twice the registers (half the warps per SM);
+    the benchmark times both side by side (`pre` is unused so far).
     With a `residual`, at least 2 rows per program (one row gave non-canonical scales on sm_90).
     fp8 (per-token fp8_e4m3fn on the token fast path), no residual, K >= 8192: (ROWS, num_warps, 2),
-    the persistent form with 2 programs per SM (H200, RMSNorm + fp8 at 8192 x 8192: 79.9% / 78.5%
-    of copy with 2 / 4 programs per SM against 74.9% one program per tile; for int8 it lost:
-    79.8% against 85.1%, and at 4096 both lost).
+    the persistent form with 2 programs per SM, which moves more of copy bandwidth there than one
+    program per tile (for int8, and at K = 4096, it is slower; bench-memory.json).
     mx (the group kernel with e8m0 scales, MXFP4 / MXFP8), no residual: 64 per thread from 4096 on."""
     import triton
 
     block = max(16, triton.next_power_of_2(K))
-    # rows of 8192 and more: 64 per thread (H200, 8192 x 8192: 84.9% of the copy ceiling
-    # against 76.7% at 32 per thread for int8, 76.5% / 74.8% for fp8); at 4096, 32 per
-    # thread stays ahead (77.5% against 74.9%). docs/benchmarks-memory.md has the rows.
-    # MX group scales at 4096 (no residual): 64 per thread as well (H200, 2026-12-01, 8192 x 4096, one
-    # row and 2 warps against 4: quantize MXFP4 73.4% / 69.5% of copy, RMSNorm + MXFP8 78.2% / 74.6%,
-    # RMSNorm + MXFP4 64.6% / 63.8%, quantize MXFP8 81.8% / 82.4%; NVFP4 lost 1-2 points: unchanged)
+    # 64 elements per thread from K = 8192 (at 4096, 32 per thread reaches more of copy bandwidth),
+    # and from 4096 for MX group scales without a residual (not NVFP4: slower there); the rows are
+    # in benchmarks/results/bench-memory.json
     wide = block >= 8192 or (mx and not residual and block >= 4096)
     warps = min(16, max(1, block // (2048 if wide else 1024)))
     rows = 1
@@ -407,16 +399,14 @@ def _launch_tile(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int
         raise ValueError(f"tile={tuple(tile)}: the third entry (persistent programs per SM, >= 1) is for the "
                          f"per-token int8 / fp8 fast path only, not {scheme}")
     if (R, warps) == (1, 1):
-        # Seen on the H200 (torch 2.11, triton 3.6): with one row and one warp per program the
-        # per-token scales differed from lowbit.quantize on the kernel's own output (codes
-        # equal); not understood yet, so the configuration is refused rather than trusted.
+        # on sm_90, one row and one warp per program gave per-token scales that differ from
+        # lowbit.quantize of the kernel's own output (codes equal); unexplained, so refused
         raise ValueError("tile=(1, 1) gave non-canonical scales on sm_90 and is refused; use ROWS >= 2 "
                          "or num_warps >= 2 (tile=None picks a valid one)")
     if res2 is not None and R == 1:
-        # Seen on the H200 in three runs (scripts/gpu_tile_diag.py): with a residual and one row per
-        # program, per-token scales came out one or two ulps off RN(max |y| / qmax) of the stored
-        # y (codes equal), also with amax reduced from y itself -- as if the compiler evaluated the
-        # RMSNorm twice with two summation orders; ROWS >= 2 was canonical in every run.
+        # on sm_90, a residual with one row per program gave per-token scales one or two ulps off
+        # RN(max |y| / qmax) of the stored y (codes equal), as if the RMSNorm were evaluated twice
+        # in two summation orders; ROWS >= 2 is canonical
         raise ValueError(f"tile={tuple(tile)} with a residual: one row per program gave non-canonical scales "
                          "on sm_90 and is refused; use ROWS >= 2 (tile=None picks a valid one)")
     if not tile_supports(scheme):  # (pack=True is fp4: never on the per-token fast path)

@@ -17,7 +17,11 @@ from __future__ import annotations
 
 import torch
 
+from lowbit.algorithms.gptq.core import gptq_model
+from lowbit.algorithms.scale_search import search_scales
 from lowbit.nn.quant_linear import QuantLinear
+from lowbit.nn.shared_input import share_inputs as share
+from lowbit.ops.kv_quant import KVScheme
 from lowbit.recipes.plan import (DEFAULT_KEEP, LayerDecision, QuantSummary, layer_act, linear_layers,  # noqa: F401
                                  match, plan)
 from lowbit.recipes.presets import Recipe
@@ -31,7 +35,6 @@ def quantize_layer(d: LayerDecision, summary: QuantSummary, linear: torch.nn.Lin
     try:
         scales = None
         if mse:
-            from lowbit.algorithms.scale_search import search_scales
             scales = search_scales(linear.weight.detach(), r.weight)
         return QuantLinear.from_linear(linear, r.weight, act, act_static_scale=scale, backend=backend, pad=True,
                                        scales=scales)
@@ -41,12 +44,13 @@ def quantize_layer(d: LayerDecision, summary: QuantSummary, linear: torch.nn.Lin
 
 
 @torch.no_grad()
-def quantize_model(model: torch.nn.Module, recipe: str | Recipe, *, ignore=None, overrides=None,
+def quantize_model(model: torch.nn.Module, recipe: str | Recipe | QuantSummary, *, ignore=None, overrides=None,
                    act_static_scales: dict[str, torch.Tensor] | None = None, backend: str = "auto",
                    progress: bool = False, share_inputs: bool = True, method: str = "rtn", calib=None,
                    method_options: dict | None = None, mse: bool = False, kv_cache=None,
                    kv_calib=None) -> QuantSummary:
-    """Replace nn.Linear layers of `model` (in place) by QuantLinear under `recipe`; returns the
+    """Replace nn.Linear layers of `model` (in place) by QuantLinear under `recipe` (a name, a Recipe or
+    a plan made by lowbit.recipes.plan.plan for this model, used as it is); returns the
     QuantSummary. act_static_scales: {layer name: float32 scale} from
     calibration.calibrate_static_scales, to use one calibrated per-tensor activation scale per
     layer instead of dynamic scales (every quantized layer with activations needs one).
@@ -62,7 +66,6 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe, *, ignore=None,
     quantizes its cache in every forward and generate, and save_compressed writes kv_cache_scheme."""
     kv_scheme = None
     if kv_cache is not None:
-        from lowbit.ops.kv_quant import KVScheme
         kv_scheme = KVScheme.parse(kv_cache)           # a bad name fails before any layer changes
         kv_calib = calib if kv_calib is None else kv_calib
         if not kv_scheme.dynamic and not kv_calib:
@@ -73,7 +76,7 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe, *, ignore=None,
                                 share_inputs=share_inputs, method=method, calib=calib,
                                 method_options=method_options, mse=mse)
     if kv_scheme is not None:
-        from lowbit.nn.kv_cache import attach_kv_cache, calibrate_kv_cache
+        from lowbit.nn.kv_cache import attach_kv_cache, calibrate_kv_cache   # needs transformers: only here
         kv = calibrate_kv_cache(model, kv_calib or [], kv_scheme)
         attach_kv_cache(model, kv)
         summary.kv_cache = kv
@@ -82,20 +85,17 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe, *, ignore=None,
 
 def _quantize_linears(model, recipe, *, ignore, overrides, act_static_scales, backend, progress, share_inputs,
                       method, calib, method_options, mse) -> QuantSummary:
-    if method != "rtn":
-        if method != "gptq":
-            raise ValueError(f"method={method!r}; choose 'rtn' (round to nearest) or 'gptq' (needs calib=batches)")
-        if calib is None:
-            raise ValueError("method='gptq' needs calibration inputs: pass calib=[input-id tensors or dicts]")
-        from lowbit.algorithms.gptq.core import gptq_model
-        summary = gptq_model(model, recipe, calib, ignore=ignore, overrides=overrides,
-                             act_static_scales=act_static_scales, progress=progress,
-                             **{**(method_options or {}), **({"mse": True} if mse else {})})
+    if method not in ("rtn", "gptq"):
+        raise ValueError(f"method={method!r}; choose 'rtn' (round to nearest) or 'gptq' (needs calib=batches)")
+    if method == "gptq" and calib is None:
+        raise ValueError("method='gptq' needs calibration inputs: pass calib=[input-id tensors or dicts]")
+    summary = plan(model, recipe, ignore, overrides)
+    if method == "gptq":
+        gptq_model(model, summary, calib, act_static_scales=act_static_scales, progress=progress,
+                   **{**(method_options or {}), **({"mse": True} if mse else {})})
         if share_inputs:
-            from lowbit.nn.shared_input import share_inputs as share
             share(model)
         return summary
-    summary = plan(model, recipe, ignore, overrides)
     layers = linear_layers(model)
     todo = summary.quantized
     if progress:
@@ -106,6 +106,5 @@ def _quantize_linears(model, recipe, *, ignore, overrides, act_static_scales, ba
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, q.to(layers[name].weight.device))
     if share_inputs:
-        from lowbit.nn.shared_input import share_inputs as share
         share(model)
     return summary

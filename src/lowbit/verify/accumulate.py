@@ -12,14 +12,15 @@ Accumulators simulated (unit roundoff u; "trunc" = rounding toward zero, whose e
 - fp16 (u = 2^-11), bf16 (u = 2^-8): round to nearest even after every addition;
 - fp32 (u = 2^-24): for kernels that promise an exact int32 accumulation;
 - fp8_fast: Hopper's fp8 tensor-core accumulator (DeepSeek-V3 report §3.3, deepseek-ai/DeepSeek-V3#750;
-  NVIDIA/cutlass#1329). Measured on an H200 (scripts/gpu_fastaccum_probe.py, docs/fastaccum_probe_h200.npz,
-  docs/diagnosis.md): each 32-wide MMA step aligns its 32 products and the running accumulator to the
-  largest exponent among them, keeps 13 fraction bits below it (14 significant bits; the rest
-  truncated toward zero) and adds them exactly. This reproduces torch._scaled_mm(use_fast_accum=True)
-  bit for bit at K = 4096 (512 of 512 same-sign outputs; 99.4% of mixed-sign ones) and its loss of
-  6.9% of a same-sign sum. Without fast accumulation cuBLAS promotes the partial into an fp32
-  accumulator every 128 K elements (the same step, restarted from zero): simulated loss 1.07e-4 of a
-  same-sign sum at every K, measured 1.22e-4. At K = 16384 cuBLAS splits K (~6 slices, partials in fp32).
+  NVIDIA/cutlass#1329). Measured on an H200 (scripts/gpu_fastaccum_probe.py,
+  benchmarks/results/fastaccum_probe_h200.npz, docs/diagnosis.md): each 32-wide MMA step aligns its 32
+  products and the running accumulator to the largest exponent among them, keeps 13 fraction bits below it
+  (14 significant bits; the rest truncated toward zero) and adds them exactly. This reproduces
+  torch._scaled_mm(use_fast_accum=True) bit for bit at K = 4096 (512 of 512 same-sign outputs; 99.4% of
+  mixed-sign ones) and its loss of 6.9% of a same-sign sum. Without fast accumulation cuBLAS promotes the
+  partial into an fp32 accumulator every 128 K elements (the same step, restarted from zero): simulated
+  loss 1.07e-4 of a same-sign sum at every K, measured 1.22e-4. At K = 16384 cuBLAS splits K (~6 slices,
+  partials in fp32).
 Shapes: out/ref [M, N] float64; the simulation runs on at most SAMPLE rows x SAMPLE columns.
 """
 from __future__ import annotations

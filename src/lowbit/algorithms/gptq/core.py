@@ -432,9 +432,8 @@ def _one_thread(dev: torch.device):
 
     The column loop runs ~13 small elementwise ops per column on [n] vectors and one [n, < block]
     update; PyTorch splits the update (above its grain of 32,768 elements) over its intra-op
-    threads, which buys nothing at this size, and on the shared 2-core machine under load each
-    such split waited for a descheduled thread: measured at load ~8, one update of 1,536 x 127
-    took 18-28 ms with 2 threads and 0.2-0.4 ms with 1. Elementwise results do not depend on the
+    threads, which buys nothing at this size, and on a loaded machine each such split waits for a
+    descheduled thread (up to ~50x slower than one thread). Elementwise results do not depend on the
     thread count, so the codes are the same. The count is process-wide while the loop runs."""
     n = torch.get_num_threads()
     if dev.type != "cpu" or n == 1:

@@ -6,7 +6,7 @@ Each program owns one row, holds it in registers as a [NG, G] tile (NG groups of
 elements; per-token scaling is NG = 1, G = the padded row), and reads and writes device
 memory once: that is what makes fusion pay (seed 004).
 
-The quantizer reproduces lowbit.quantize's canonical arithmetic (docs/ARCHITECTURE.md):
+The quantizer reproduces lowbit.quantize's canonical arithmetic (docs/formats.md):
 the scale from the group's absmax in float32, IEEE division `y / s` (tl.math.div_rn),
 round-half-even, clamp after rounding, a zero group gets the documented zero-group scale.
 The float element encoders use exact float32 / integer arithmetic (encode_e4m3fn comes
