@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from lowbit.diagnosis.attention_sites import attention_site_report
-from lowbit.nn.kv_cache import attach_kv_cache, calibrate_kv_cache
-from lowbit.nn.quant_attention import enable_quantized_attention
+from lowbit.nn.kv_cache import attach_kv_cache, calibrate_kv_cache, enable_quantized_attention
 from lowbit.ops import attention_reference as ar
 
 transformers = pytest.importorskip("transformers")

@@ -9,9 +9,11 @@ causal ("true" | "false"), sm_scale (absent = 1/sqrt(D)). Exit 0 pass, 1 fail, 2
 """
 from __future__ import annotations
 
-from lowbit.entrypoints.check import BadCheckFile
-
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+class BadCheckFile(ValueError):
+    """An attention check file that cannot be checked (lowbit.entrypoints.main prints it, exit status 2)."""
 
 
 def _fmt(path, meta, key, default):
