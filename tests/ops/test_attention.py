@@ -136,7 +136,7 @@ def test_bad_input(rng):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("scheme", [KVScheme("fp8", "head"), KVScheme("fp8", "token"), KVScheme("int8", "tensor"),
-                                    KVScheme("int4", "group", 32)], ids=str)
+                                    KVScheme("int4", "group", 8)], ids=str)
 @pytest.mark.parametrize("shape", [(2, 32, 8, 1, 1000, 128), (1, 8, 2, 300, 300, 128), (1, 4, 4, 77, 513, 72)])
 def test_triton_cuda_within_gate(rng, scheme, shape):
     B, Hq, Hkv, Tq, Tk, D = shape
