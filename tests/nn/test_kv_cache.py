@@ -129,3 +129,9 @@ def test_cache_bytes_and_unquantized_differs(rng):
     assert cache.nbytes() == 2 * 2 * 2 * 9 * 24 + 2 * 2 * 4
     assert not torch.equal(q, plain)                               # the cache really is quantized
     assert isinstance(cache, LowbitKVCache) and cache.layers[0].quantized()[0].codes.dtype == torch.uint8
+
+
+def test_attach_refuses_a_model_without_decoder_attention():
+    from lowbit.nn.kv_cache import attach_kv_cache
+    with pytest.raises(ValueError, match="no decoder attention modules"):
+        attach_kv_cache(torch.nn.Sequential(torch.nn.Linear(4, 4)), KVCacheQuant(KVScheme.parse("fp8-token"), 1))

@@ -247,6 +247,9 @@ def attach_kv_cache(model, kv: KVCacheQuant) -> None:
     one) gets kv.new_cache(); static scales are registered as `k_scale` / `v_scale` buffers on
     each attention module, the names and shapes compressed-tensors and vLLM load."""
     mods = attention_modules(model)
+    if not mods:
+        raise ValueError(f"{type(model).__name__} has no decoder attention modules (with layer_idx, k_proj, v_proj) "
+                         "that keep a KV cache: --kv-cache / kv_cache= applies to causal decoders")
     if sorted(mods) != list(range(kv.num_layers)):
         raise ValueError(f"the model's attention modules have layer indices {sorted(mods)[:8]}, the KV-cache "
                          f"quantization covers {kv.num_layers} layers: they were calibrated on another model")
