@@ -50,6 +50,10 @@ def test_static_kv_cache_needs_calibration(rng):
         quantize_model(tiny_llama(rng), "w8a16-int8", kv_cache="fp8")
     with pytest.raises(ValueError, match="unknown format"):
         quantize_model(tiny_llama(rng), "w8a16-int8", kv_cache="fp7")
+    enc = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    with pytest.raises(ValueError, match="no decoder attention modules"):
+        quantize_model(enc, "w8a16-int8", kv_cache="fp8-token")
+    assert type(enc[0]) is torch.nn.Linear                          # refused before any layer changed
 
 
 def test_checkpoint_round_trip_through_lowbit(kv_model, rng, tmp_path):

@@ -65,18 +65,21 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe | QuantSummary, 
     Linears are quantized, on `kv_calib` (default `calib`: input-id tensors [B, T]); the model then
     quantizes its cache in every forward and generate, and save_compressed writes kv_cache_scheme."""
     kv_scheme = None
-    if kv_cache is not None:
-        kv_scheme = KVScheme.parse(kv_cache)           # a bad name fails before any layer changes
+    if kv_cache is not None:                           # every refusal before any layer changes
+        from lowbit.nn.kv_cache import attach_kv_cache, attention_modules, calibrate_kv_cache  # needs transformers
+        kv_scheme = KVScheme.parse(kv_cache)
         kv_calib = calib if kv_calib is None else kv_calib
         if not kv_scheme.dynamic and not kv_calib:
             raise ValueError(f"kv_cache={kv_cache!r} has static scales: pass kv_calib=[input-id tensors] to "
                              "calibrate them, or choose a dynamic scheme such as 'fp8-token'")
+        if not attention_modules(model):
+            raise ValueError(f"kv_cache={kv_cache!r}: {type(model).__name__} has no decoder attention modules that "
+                             "keep a KV cache (an encoder?); drop kv_cache")
     summary = _quantize_linears(model, recipe, ignore=ignore, overrides=overrides,
                                 act_static_scales=act_static_scales, backend=backend, progress=progress,
                                 share_inputs=share_inputs, method=method, calib=calib,
                                 method_options=method_options, mse=mse)
     if kv_scheme is not None:
-        from lowbit.nn.kv_cache import attach_kv_cache, calibrate_kv_cache   # needs transformers: only here
         kv = calibrate_kv_cache(model, kv_calib or [], kv_scheme)
         attach_kv_cache(model, kv)
         summary.kv_cache = kv
