@@ -4,6 +4,7 @@ The file holds tensors `out` [M, N], `x` [M, K], `w` [N, K] and optionally `bias
 metadata (string -> string) may hold `x_scheme` / `w_scheme` (QuantScheme JSON or a preset
 name; absent = that side unquantized) and `accumulator` ("int32" | "fp32" | "fp8_fast" | "fp16" | "bf16").
 Exit status 0 when the check passes, 1 when it fails, 2 on a bad file.
+A file whose metadata says kind=attention is an attention check (lowbit.entrypoints.check_attention).
 """
 from __future__ import annotations
 
@@ -70,9 +71,22 @@ def read_check_file(path: str) -> tuple[dict, dict]:
     return t, meta
 
 
+def _kind(path: str) -> str | None:
+    from lowbit.io.st_format import CheckpointError, TensorReader
+    try:
+        with TensorReader(path) as r:
+            meta = r.metadata
+    except CheckpointError as e:
+        raise BadCheckFile(str(e)) from e
+    return meta.get("kind") if isinstance(meta, dict) else None
+
+
 def run(args) -> int:
     from lowbit.verify import check_linear
 
+    if _kind(args.path) == "attention":     # lowbit.entrypoints.check_attention's file layout
+        from lowbit.entrypoints.check_attention import run as run_attention
+        return run_attention(args.path)
     t, meta = read_check_file(args.path)
     xs, ws = _scheme(args.path, meta, "x_scheme"), _scheme(args.path, meta, "w_scheme")
     acc = args.accumulator or meta.get("accumulator")

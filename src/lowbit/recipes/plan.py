@@ -40,6 +40,7 @@ class QuantSummary:
     layers: list[LayerDecision] = field(default_factory=list)
     recipes: dict[str, Recipe] = field(default_factory=dict, repr=False)   # name -> Recipe used
     method: str = "rtn"             # how the weights' codes were chosen: "rtn" | "gptq"
+    kv_cache: object = None         # lowbit.nn.kv_cache.KVCacheQuant when the KV cache is quantized too
 
     def recipe_of(self, d: LayerDecision) -> Recipe:
         """The Recipe object a quantized layer's decision names (custom Recipes included)."""
@@ -64,6 +65,9 @@ class QuantSummary:
     def __str__(self) -> str:
         lines = [f"recipe {self.recipe}{'' if self.method == 'rtn' else ' (' + self.method + ')'}: {len(self.quantized)} of {len(self.layers)} Linear layers quantized "
                  f"({', '.join(f'{k}: {v}' for k, v in self.counts().items())})"]
+        if self.kv_cache is not None:
+            lines.append(f"  KV cache: {self.kv_cache.scheme} "
+                         f"({'dynamic scales' if self.kv_cache.scheme.dynamic else 'calibrated static scales'})")
         for d in self.layers:
             if d.action == "skipped" or d.recipe != self.recipe:
                 lines.append(f"  {d.name} {d.shape[0]}x{d.shape[1]}: {d.action}"
