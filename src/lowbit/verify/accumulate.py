@@ -79,7 +79,12 @@ def _round_fn(name: str):
 @dataclass
 class Order:
     """One summation order: `inner` rounds after every `chunk` products inside a scale block
-    (or a `promote`-long stretch of K), `main` after adding each scaled block partial."""
+    (or a `promote`-long stretch of K), `main` after adding each scaled block partial.
+    product: each product is rounded to `inner` before it is added (no fused multiply-add);
+    tree: the stretch is summed pairwise (a reduction tree), rounding every node to `inner`;
+    dequant_first: the elements are multiplied by their scales (in fp32) and held in `inner`'s type
+    before the products, as a kernel that dequantizes and then runs a half-precision GEMM does; exact_only: the order is used to
+    reproduce an output, not to size an error statistically (see match_accumulators)."""
 
     label: str
     inner: str
@@ -87,10 +92,18 @@ class Order:
     main: str
     splits: int = 1
     promote: int = 0        # fp8 fast accumulation promoted into `main` every this many K (0: never)
+    product: bool = False
+    tree: bool = False
+    dequant_first: bool = False
+    exact_only: bool = False
 
 
-def orders_for(acc: str, nb: int, both_fp8: bool) -> list[Order]:
-    """Plausible summation orders of an accumulator `acc` for a GEMM with nb scale blocks along K."""
+KTILES = (32, 64, 128)      # K tiles whose partials a tiled kernel adds into its running sum
+
+
+def orders_for(acc: str, nb: int, both_fp8: bool, quantized: bool = False) -> list[Order]:
+    """Plausible summation orders of an accumulator `acc` for a GEMM with nb scale blocks along K;
+    quantized: some operand has scales (then the orders of a dequantize-first kernel are added)."""
     if acc == "fp8_fast":
         if not both_fp8:
             return []
@@ -102,18 +115,31 @@ def orders_for(acc: str, nb: int, both_fp8: bool) -> list[Order]:
            Order(f"{acc} partials of 4 split-K slices summed in fp32", acc, 16, acc, splits=4)]
     if nb > 1:
         out.append(Order(f"fp32 inside each scale block, block partials accumulated in {acc}", "fp32", 1, acc))
+    if acc in ("fp16", "bf16"):
+        extra = [Order(f"{acc}, each product rounded to {acc} and then added (no fused multiply-add)", acc, 1, acc,
+                       product=True, exact_only=True),
+                 Order(f"{acc}, products rounded to {acc} and summed pairwise (a reduction tree)", acc, 1, acc,
+                       product=True, tree=True, exact_only=True)]
+        extra += [Order(f"{acc}, {t}-wide K-tile partials (16-wide MMA steps from zero) added into a running "
+                        f"{acc} sum", acc, 16, acc, promote=t, exact_only=True) for t in KTILES]
+        if quantized:
+            extra += [Order(o.label.replace(f"{acc},", f"{acc} on dequantized elements,", 1), o.inner, o.chunk,
+                            o.main, product=o.product, tree=o.tree, dequant_first=True, exact_only=True)
+                      for o in out[:2] + extra[:2]]
+        out += extra
     return out
 
 
-def _segments(xo, wo, K: int, promote: int):
-    """K ranges on which both sides' scales are constant: (k0, k1, x scale col, w scale col)."""
-    gc = math.gcd(xo.group, wo.group)
+def _segments(gx: int, gw: int, K: int, promote: int):
+    """K ranges on which both sides' scales (groups of gx and gw elements) are constant:
+    (k0, k1, x scale col, w scale col)."""
+    gc = math.gcd(gx, gw)
     segs = []
     for j in range(K // gc):
         k0 = j * gc
         step = min(promote, gc) if promote else gc   # a promoted partial is scaled on its own
         for a in range(k0, k0 + gc, step):
-            segs.append((a, min(a + step, k0 + gc), k0 // xo.group, k0 // wo.group))
+            segs.append((a, min(a + step, k0 + gc), k0 // gx, k0 // gw))
     return segs
 
 
@@ -121,6 +147,23 @@ def _unit(q) -> float:
     if hasattr(q, "scheme") and q.scheme.fmt.kind == "float":
         return float(q.scheme.fmt.min_subnormal)
     return 1.0
+
+
+def _tree_step(rnd):
+    """Pairwise sum of x [R, k] * w [C, k] with every product and every node rounded by rnd."""
+    def step(part, x, w):
+        p = rnd(x[:, None, :] * w[None, :, :])
+        while p.shape[-1] > 1:
+            if p.shape[-1] % 2:
+                p = torch.cat([p, torch.zeros_like(p[..., :1])], dim=-1)
+            p = rnd(p[..., 0::2] + p[..., 1::2])
+        return rnd(part + p[..., 0])
+    return step
+
+
+def _product_step(rnd):
+    """One product at a time, the product rounded before the addition (no fused multiply-add)."""
+    return lambda part, x, w: rnd(part + rnd(x @ w.T))
 
 
 def simulate(xq, wq, order: Order, rows: torch.Tensor, cols: torch.Tensor, bias=None) -> torch.Tensor:
@@ -133,18 +176,31 @@ def simulate(xq, wq, order: Order, rows: torch.Tensor, cols: torch.Tensor, bias=
     SX = xo.scale[rows] / ux
     SW = wo.scale[cols] / uw
     K = X.shape[1]
-    step, main, f32 = _step_fn(order.inner), _round_fn(order.main), _round_fn("fp32")
-    segs = _segments(xo, wo, K, order.promote)
+    gx, gw = xo.group, wo.group
+    f32 = _round_fn("fp32")
+    if order.dequant_first:                      # elements times scales in fp32, held in the
+        held = _round_fn(order.inner)            # accumulator's type by a half-precision GEMM
+        X = held(f32(X * SX.repeat_interleave(gx, dim=1)))
+        W = held(f32(W * SW.repeat_interleave(gw, dim=1)))
+        SX, SW = torch.ones_like(SX[:, :1]), torch.ones_like(SW[:, :1])
+        gx = gw = K
+    step, main = _step_fn(order.inner), _round_fn(order.main)
+    if order.tree:
+        step = _tree_step(_round_fn(order.inner))
+    elif order.product:
+        step = _product_step(_round_fn(order.inner))
+    chunk = K if order.tree else order.chunk
+    segs = _segments(gx, gw, K, order.promote)
     per = -(-len(segs) // order.splits)
     total = torch.zeros(X.shape[0], W.shape[0], dtype=torch.float64)
     for s0 in range(0, len(segs), per):
         acc = torch.zeros_like(total)
-        for k0, k1, gx, gw in segs[s0:s0 + per]:
+        for k0, k1, sx, sw in segs[s0:s0 + per]:
             part = torch.zeros_like(total)
-            for a in range(k0, k1, order.chunk):
-                b = min(a + order.chunk, k1)
+            for a in range(k0, k1, chunk):
+                b = min(a + chunk, k1)
                 part = step(part, X[:, a:b], W[:, a:b])
-            scaled = f32(f32(part * SX[:, gx:gx + 1]) * SW[:, gw][None, :])
+            scaled = f32(f32(part * SX[:, sx:sx + 1]) * SW[:, sw][None, :])
             acc = main(acc + scaled)
         total = f32(total + acc) if order.splits > 1 else acc
     if bias is not None:
@@ -203,8 +259,9 @@ def match_accumulators(out: torch.Tensor, ref: torch.Tensor, gate: torch.Tensor,
     nb = K // math.gcd(xo.group, wo.group)
     both_fp8 = "fp8_fast" in candidates("fp32", xq, wq)
     found = []
+    quantized = hasattr(xq, "scheme") or hasattr(wq, "scheme")
     for acc in candidates(promised, xq, wq):
-        sims = [(od, simulate(xq, wq, od, rows, cols, bias)) for od in orders_for(acc, nb, both_fp8)]
+        sims = [(od, simulate(xq, wq, od, rows, cols, bias)) for od in orders_for(acc, nb, both_fp8, quantized)]
         if not sims:
             continue
         exact = [od for od, s in sims if _same(o, s, g)]
@@ -213,7 +270,7 @@ def match_accumulators(out: torch.Tensor, ref: torch.Tensor, gate: torch.Tensor,
             continue
         if not torch.isfinite(o).all():
             continue
-        es = [(od, s - r) for od, s in sims if torch.isfinite(s).all()]
+        es = [(od, s - r) for od, s in sims if torch.isfinite(s).all() and not od.exact_only]
         if not es:
             continue
         re = float(_rms(e))
