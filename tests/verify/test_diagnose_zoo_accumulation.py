@@ -144,13 +144,23 @@ def _sr_kernel(rng, M, K, N, rule):
     return out, x, w
 
 
-@pytest.mark.parametrize("rule,name", [("stochastic", "stochastic_rounding"), ("trunc", "quantizer_truncates")])
-def test_stochastic_rounding_is_named_and_truncation_stays_truncation(rng, rule, name):
-    out, x, w = _sr_kernel(rng, 32, 256, 40, rule)
+def test_truncation_at_a_larger_shape_is_truncation(rng):
+    out, x, w = _sr_kernel(rng, 32, 256, 40, "trunc")
     v = check_linear(out, x, w, x_scheme=I8T, w_scheme=I8C)
     assert not v.passed and v.kind == "logic", v.report()
-    assert v.causes[0].name == name and v.causes[0].confirmed, v.report()
-    assert not [c.name for c in v.causes if c.confirmed and c.name != name], v.report()
+    assert v.causes[0].name == "quantizer_truncates" and v.causes[0].confirmed, v.report()
+    assert not [c.name for c in v.causes if c.confirmed and c.name != "quantizer_truncates"], v.report()
+
+
+def test_stochastic_rounding_is_listed_as_consistent_never_as_reproduced(rng):
+    # a random process cannot be reproduced: the verdict stays unexplained, with stochastic
+    # rounding the first candidate, consistent in size
+    out, x, w = _sr_kernel(rng, 32, 256, 40, "stochastic")
+    v = check_linear(out, x, w, x_scheme=I8T, w_scheme=I8C)
+    assert not v.passed and v.kind == "logic", v.report()
+    assert v.causes[0].name == "unexplained_logic_error", v.report()
+    assert v.causes[1].name == "stochastic_rounding" and not v.causes[1].confirmed, v.report()
+    assert not [c for c in v.causes if c.confirmed], v.report()
 
 
 def test_stochastic_rounding_is_not_claimed_on_few_outputs(rng):

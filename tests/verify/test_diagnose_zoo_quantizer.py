@@ -101,6 +101,14 @@ def b_codes_wrapped_not_clamped(rng, M, K, N):
     return gemm(*ref_quant(x, I8T), W, s.expand_as(w)), x, w, I8T, I8C, None
 
 
+def b_scale_rule_differs(rng, M, K, N):
+    # torchao's symmetric int8 rule: scale amax / 127.5, codes round(x * (1 / s)) in [-128, 127]
+    x, w = inputs(rng, M, K, N)
+    s = x.abs().amax(dim=1, keepdim=True) / 127.5
+    X = torch.round(x * (1.0 / s)).clamp(-128, 127)
+    return gemm(X, s.expand_as(x), *ref_quant(w, I8C)), x, w, I8T, I8C, None
+
+
 def b_output_offset(rng, M, K, N):
     x, w = inputs(rng, M, K, N)
     return gemm(*ref_quant(x, I8T), *ref_quant(w, I8C)) + 1.0, x, w, I8T, I8C, None

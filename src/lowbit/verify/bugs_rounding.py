@@ -5,8 +5,9 @@ their storage type without a clamp (wrapped past qmax instead of saturated).
 Every edit re-runs lowbit.quantize's element step (x / s in float32, IEEE division, with the
 scheme's own scales and zero points) with one rule changed, so the edited codes differ from the
 reference's only where the rule does. Stochastic rounding is the one statistical hypothesis: its
-output is random, so it is simulated by its mean and a derived bound on its deviation, and named
-only when the kernel's error has the size that rounding gives (not round-to-nearest's, half of it).
+output is random, so it is simulated by its mean and a derived bound on its deviation, and listed
+(as consistent, never as reproduced: a quantizer on another grid errs by about as much) only when
+the kernel's error has the size that rounding gives (not round-to-nearest's, half of it).
 """
 from __future__ import annotations
 
@@ -174,7 +175,7 @@ def stochastic_rounding_hypotheses(sim: Sim):
         who = " and ".join(_side(s) for s in combo)
         yield Hyp("stochastic_rounding", f"{who}' codes rounded stochastically instead of to nearest even "
                   f"(the error is {ratio:.2f}x stochastic rounding's expected variance; round-to-nearest gives "
-                  f"~0.5x, truncation ~2x)", pred, gate + t, general=True)
+                  f"~0.5x, truncation ~2x)", pred, gate + t, general=True, exact=False)
 
 
 def wrapped_code_hypotheses(sim: Sim):
@@ -213,3 +214,58 @@ def wrapped_code_hypotheses(sim: Sim):
                               f"{fmt.qmax}) and codes stored without a clamp: the largest value of each "
                               f"{'row' if qt.scheme.strategy != 'group' else 'group'} rounds to {fmt.qmax + 1} "
                               f"and wraps to {base}", side, dataclasses.replace(edit, codes=wrap(q2)))
+
+
+def _rule_side(sim: Sim, side: str, qt, divisor: float, recip: bool):
+    """The side re-quantized with scale amax / divisor (float32, per the scheme's blocks), codes
+    round-half-even of x / s (or x * (1 / s)) clamped to the storage range [qmin, qmax]; None when
+    that is the reference's own quantization or the side cannot be re-quantized."""
+    fmt = qt.scheme.fmt
+    orig = sim.ctx.x if side == "x" else sim.ctx.w
+    if fmt.kind != "int" or not fmt.signed or qt.zero_point is not None or qt.scheme.scale_format != "fp32" \
+            or orig is None:
+        return None
+    xf = torch.as_tensor(orig).detach().cpu().to(torch.float32)
+    if tuple(xf.shape) != tuple(qt.codes.shape):
+        return None
+    amax = reduce_amax(xf, qt.scheme)
+    s = torch.where(amax > 0, amax / divisor, torch.ones_like(amax)).contiguous()
+    edit = dataclasses.replace(qt, scale=s)
+    se = edit.expanded_scale()
+    v = xf * (1.0 / se) if recip else xf / se
+    codes = torch.round(v).clamp(fmt.qmin, fmt.qmax).to(qt.codes.dtype)
+    if torch.equal(codes, qt.codes) and torch.equal(s, qt.scale):
+        return None
+    return dataclasses.replace(edit, codes=codes)
+
+
+def scale_rule_hypotheses(sim: Sim):
+    """A symmetric integer quantizer with another scale rule than the scheme's amax / qmax, codes
+    over the full storage range: amax / ((qmax - qmin) / 2) = amax / 127.5 for int8 (torchao's
+    choose_qparams_affine SYMMETRIC, which multiplies by 1 / scale), or amax / (qmax + 1); on one
+    side, or on both (one quantizer for both)."""
+    from lowbit.ops.reference import as_operand
+    qts = {side: qt for side, _other, qt in sides(sim)}
+    ints = [qt.scheme.fmt for qt in qts.values() if qt.scheme.fmt.kind == "int" and qt.scheme.fmt.signed]
+    if not ints:
+        return
+    fmt = ints[0]
+    rules = [((fmt.qmax - fmt.qmin) / 2, True, "x * (1 / s)"), ((fmt.qmax - fmt.qmin) / 2, False, "x / s"),
+             (float(fmt.qmax + 1), False, "x / s")]
+    for divisor, recip, how in rules:
+        edits = {}
+        for side, qt in qts.items():
+            q = qt.scheme.fmt
+            if q.kind == "int" and q.signed and q.bits == fmt.bits:
+                e = _rule_side(sim, side, qt, divisor, recip)
+                if e is not None:
+                    edits[side] = e
+        what = (f"scale amax / {divisor:g} (not / {fmt.qmax}) and codes round({how}) over the full range "
+                f"[{fmt.qmin}, {fmt.qmax}]{' (torchao choose_qparams_affine SYMMETRIC)' if recip else ''}: the "
+                f"kernel's quantizer is not the declared scheme's (declare a scheme with its rule, or quantize "
+                f"as the scheme says)")
+        for side, e in edits.items():
+            yield sim.hyp("scale_rule_differs", f"{_side(side)}' {what}", side, e)
+        if len(edits) == 2:
+            X, W = as_operand(edits["x"], "x").dequantized(), as_operand(edits["w"], "w").dequantized()
+            yield Hyp("scale_rule_differs", f"both sides' {what}", *sim.linear(X=X, W=W))
