@@ -11,13 +11,14 @@ imported when a test first uses the fixture.
         lowbit_check(my_kernel(x, w), x, w)          # schemes from the marker; keywords override
 
 A failing check raises AssertionError with the verdict; every verdict of a test is also attached to
-its report as a "lowbit" section (shown with -rA or on failure).
+its report as a "lowbit verdicts" section (shown with -rA / -rP, and on failure).
 """
 from __future__ import annotations
 
 import pytest
 
 _KEYS = ("x_scheme", "w_scheme", "accumulator", "bias", "out_dtype")
+_VERDICTS = pytest.StashKey[list]()      # the verdicts of the running test, for its report
 
 
 def pytest_configure(config):
@@ -36,7 +37,7 @@ def lowbit_check(request):
     unknown = sorted(set(defaults) - set(_KEYS))
     if unknown:
         raise pytest.UsageError(f"@pytest.mark.lowbit got unknown argument(s) {unknown}; use {', '.join(_KEYS)}")
-    lines = []
+    lines = request.node.stash.setdefault(_VERDICTS, [])
 
     def check(out, x, w, **kw):
         args = {**defaults, **kw}
@@ -52,6 +53,13 @@ def lowbit_check(request):
         lines.append(f"lowbit: {summary(v)}\n{v.report()}")
         return v
 
-    yield check
-    if lines:
-        request.node.add_report_section("call", "lowbit", "\n\n".join(lines))
+    return check
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Attach the test's verdicts to its call report (shown under -rA / -rP and on failure)."""
+    outcome = yield
+    lines = item.stash.get(_VERDICTS, None)
+    if call.when == "call" and lines:
+        outcome.get_result().sections.append(("lowbit verdicts", "\n\n".join(lines)))
