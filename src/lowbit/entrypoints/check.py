@@ -16,6 +16,8 @@ def register(parser) -> None:
     parser.add_argument("path", help="safetensors file with out, x, w (, bias) and schemes in metadata")
     parser.add_argument("--accumulator", choices=list(ACCUMULATORS),
                         help="what the kernel accumulates in (overrides the file's metadata)")
+    parser.add_argument("--probe", metavar="PATH",
+                        help="a `lowbit probe --json` table: its measured fp8 accumulators are simulated too")
 
 
 _TENSORS = {"out": "[M, N]", "x": "[M, K]", "w": "[N, K]", "bias": "[N]"}
@@ -71,10 +73,25 @@ def read_check_file(path: str) -> tuple[dict, dict]:
     return t, meta
 
 
+def _use_probe(path: str) -> None:
+    """Register a probe table's fp8 accumulators with the diagnosis (verify/accumulate.py)."""
+    import json
+
+    from lowbit.verify.accumulate import use_probe_table
+    try:
+        with open(path) as f:
+            table = json.load(f)
+        use_probe_table(table)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise BadCheckFile(f"{path}: not a `lowbit probe --json` table ({type(e).__name__}: {e})") from e
+
+
 def run(args) -> int:
     from lowbit.verify import check_linear
 
     t, meta = read_check_file(args.path)
+    if getattr(args, "probe", None):
+        _use_probe(args.probe)
     undeclared = [k for k in ("x_scheme", "w_scheme") if k not in meta]
     if undeclared:
         raise BadCheckFile(f"{args.path}: declare the schemes: metadata has no {' and '.join(undeclared)}; set "

@@ -43,23 +43,55 @@ LINE_FACTOR = 4.0 * RMS_FACTOR
 FIT_SLACK = 0.5      # half the error's energy: random roundings explain ~1/N of it per row
 
 
-def aligned_step(acc: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bits: int = FAST_ACC_BITS) -> torch.Tensor:
+ROUNDINGS = {"trunc": torch.trunc, "floor": torch.floor, "nearest": torch.round}   # of each aligned term
+
+
+def aligned_sum(terms: torch.Tensor, bits: int = FAST_ACC_BITS, rounding: str = "trunc") -> torch.Tensor:
+    """A fused multi-term adder: the terms [..., n] (exact float64) aligned to the largest exponent
+    among them, each rounded (`rounding`: toward zero, down, or to nearest even) to `bits` fraction
+    bits below it, then summed exactly (float64 holds n terms of bits + 1 significant bits)."""
+    top = torch.frexp(terms.abs().amax(dim=-1)).exponent - 1          # floor(log2 max|term|)
+    q = torch.ldexp(torch.ones_like(terms[..., 0]), top - bits)[..., None]   # the last bit kept
+    return (ROUNDINGS[rounding](terms / q) * q).sum(dim=-1)
+
+
+def aligned_step(acc: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bits: int = FAST_ACC_BITS,
+                 rounding: str = "trunc") -> torch.Tensor:
     """One Hopper fp8 MMA step: acc [R, C] + x [R, k] @ w [C, k].T with the k products and acc aligned
     to the largest exponent among them and truncated to `bits` fraction bits below it, then summed
-    exactly (float64 holds the aligned sum: k + 1 terms of bits + 1 significant bits)."""
+    exactly (aligned_sum)."""
     p = x[:, None, :] * w[None, :, :]                                 # [R, C, k], exact in float64
-    terms = torch.cat([acc[..., None], p], dim=-1)
-    top = torch.frexp(terms.abs().amax(dim=-1)).exponent - 1          # floor(log2 max|term|)
-    q = torch.ldexp(torch.ones_like(acc), top - bits)[..., None]     # the weight of the last bit kept
-    return (torch.trunc(terms / q) * q).sum(dim=-1)
+    return aligned_sum(torch.cat([acc[..., None], p], dim=-1), bits, rounding)
+
+
+# Accumulators measured by `lowbit probe` (verify/probe.py) and registered by use_probe_table:
+# label -> (bits, rounding, block, promote); simulated as further orders of "fp8_fast".
+PROBED: dict[str, tuple[int, str, int, int]] = {}
+
+
+def use_probe_table(table: dict) -> list[str]:
+    """Register the fp8 paths of a `lowbit probe` table (its JSON, parsed) as simulated orders of the
+    fp8_fast accumulator; returns their labels. Paths the probe could not fit are skipped."""
+    labels = []
+    for path, r in table.get("paths", {}).items():
+        if not path.startswith(("cublas_fp8", "triton_fp8")) or not r.get("fitted"):
+            continue
+        label = (f"{path} as probed on {table.get('device', 'a GPU')} ({r['bits']} fraction bits, {r['rounding']}, "
+                 f"{r['block']}-term steps, {'promoted every ' + str(r['promote']) + ' K' if r['promote'] else 'never promoted'})")
+        PROBED[label] = (int(r["bits"]), str(r["rounding"]), int(r["block"]), int(r["promote"]))
+        labels.append(label)
+    return labels
 
 
 def _step_fn(name: str):
     """One summation step of accumulator `name`: (partial, x [R, k], w [C, k]) -> the new partial.
-    Hopper's fp8 tensor core aligns and truncates inside the step (aligned_step); the others round
-    the exact step sum once."""
+    Hopper's fp8 tensor core aligns and truncates inside the step (aligned_step; "aligned:<bits>:
+    <rounding>" for a probed one); the others round the exact step sum once."""
     if name == "fp8_fast":
         return aligned_step
+    if name.startswith("aligned:"):
+        _, bits, rounding = name.split(":")
+        return lambda part, x, w: aligned_step(part, x, w, int(bits), rounding)
     rnd = _round_fn(name)
     return lambda part, x, w: rnd(part + x @ w.T)
 
@@ -109,7 +141,9 @@ def orders_for(acc: str, nb: int, both_fp8: bool, quantized: bool = False) -> li
             return []
         return [Order("fp8 fast accumulation (each 32-wide MMA step keeps 14 bits of the aligned sum, "
                       "never promoted)", "fp8_fast", 32, "exact"),
-                Order("fp8 accumulation promoted to fp32 every 128 K", "fp8_fast", 32, "fp32", promote=128)]
+                Order("fp8 accumulation promoted to fp32 every 128 K", "fp8_fast", 32, "fp32", promote=128)] + \
+            [Order(label, f"aligned:{b}:{r}", blk, "fp32" if pr else "exact", promote=pr)
+             for label, (b, r, blk, pr) in PROBED.items()]
     out = [Order(f"{acc}, one product at a time", acc, 1, acc),
            Order(f"{acc}, one 16-wide MMA step at a time", acc, 16, acc),
            Order(f"{acc} partials of 4 split-K slices summed in fp32", acc, 16, acc, splits=4)]
