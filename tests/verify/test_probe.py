@@ -97,3 +97,16 @@ def test_probe_on_this_gpu():
     if "hopper" in torch.cuda.get_device_name().lower() or torch.cuda.get_device_capability() == (9, 0):
         fast = paths["cublas_fp8_fast"]
         assert fast["fitted"] and (fast["bits"], fast["rounding"], fast["block"]) == (13, "trunc", 32), text
+
+
+def test_probe_command_without_cuda_says_why(capsys):
+    import argparse
+
+    from lowbit.entrypoints import probe as cli
+    parser = argparse.ArgumentParser()
+    cli.register(parser)
+    args = parser.parse_args(["--json", "table.json"])
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the command measures it (test_probe_on_this_gpu)")
+    assert cli.run(args) == 2
+    assert "no CUDA device" in capsys.readouterr().out

@@ -9,7 +9,10 @@ block with the block partials accumulated narrowly, split-K partials summed in f
 kernel's error is compared with the simulated one in size and spread.
 
 Accumulators simulated (unit roundoff u; "trunc" = rounding toward zero, whose error is up to 2u):
-- fp16 (u = 2^-11), bf16 (u = 2^-8): round to nearest even after every addition;
+- fp16 (u = 2^-11), bf16 (u = 2^-8): round to nearest even after every addition; besides the orders
+  used to size an error statistically, orders used only to reproduce an output exactly: each product
+  rounded before it is added (no FMA), a pairwise reduction tree, K-tile partials added into the
+  running sum, and those on elements dequantized first (a half-precision GEMM of dequantized values);
 - fp32 (u = 2^-24): for kernels that promise an exact int32 accumulation;
 - fp8_fast: Hopper's fp8 tensor-core accumulator (DeepSeek-V3 report §3.3, deepseek-ai/DeepSeek-V3#750;
   NVIDIA/cutlass#1329). Measured on an H200 (scripts/gpu_fastaccum_probe.py, docs/fastaccum_probe_h200.npz,
@@ -20,6 +23,7 @@ Accumulators simulated (unit roundoff u; "trunc" = rounding toward zero, whose e
   6.9% of a same-sign sum. Without fast accumulation cuBLAS promotes the partial into an fp32
   accumulator every 128 K elements (the same step, restarted from zero): simulated loss 1.07e-4 of a
   same-sign sum at every K, measured 1.22e-4. At K = 16384 cuBLAS splits K (~6 slices, partials in fp32).
+Accumulators measured by `lowbit probe` (verify/probe.py) join the fp8 orders via use_probe_table.
 Shapes: out/ref [M, N] float64; the simulation runs on at most SAMPLE rows x SAMPLE columns.
 """
 from __future__ import annotations
