@@ -169,3 +169,11 @@ def test_stochastic_rounding_is_not_claimed_on_few_outputs(rng):
     v = check_linear(out, x, w, x_scheme=I8T, w_scheme=I8C)
     assert not v.passed, v.report()
     assert "stochastic_rounding" not in [c.name for c in v.causes if c.confirmed], v.report()
+
+
+def test_round_half_rounds_float64_once(rng):
+    # numpy converts float64 to float16 directly (one rounding); torch goes through float32
+    from lowbit.verify.accumulate import round_half
+    t = torch.randn(100000, generator=rng, dtype=torch.float64) * 100
+    want = torch.from_numpy(t.numpy().astype(np.float16).astype(np.float64))
+    assert torch.equal(round_half(t, torch.float16), want)

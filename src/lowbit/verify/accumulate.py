@@ -100,11 +100,23 @@ def _step_fn(name: str):
     return lambda part, x, w: rnd(part + x @ w.T)
 
 
+def round_half(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float64 t rounded ONCE (to nearest even) to fp16 / bf16, as float64. torch converts float64 to
+    a half type through float32, which rounds twice; rounding to float32 by round-to-odd first keeps
+    the second rounding correct (float32's 24 bits >= the half type's 11 + 2)."""
+    f = t.to(torch.float32)
+    back = f.double()
+    inexact = back != t
+    f = torch.where(inexact & (back.abs() > t.abs()), torch.nextafter(f, torch.zeros_like(f)), f)
+    odd = torch.where(inexact, f.view(torch.int32) | 1, f.view(torch.int32)).view(torch.float32)
+    return odd.to(dtype).to(torch.float64)
+
+
 def _round_fn(name: str):
     if name == "fp16":
-        return lambda t: t.to(torch.float16).to(torch.float64)
+        return lambda t: round_half(t, torch.float16)
     if name == "bf16":
-        return lambda t: t.to(torch.bfloat16).to(torch.float64)
+        return lambda t: round_half(t, torch.bfloat16)
     if name == "fp32":
         return lambda t: t.to(torch.float32).to(torch.float64)
     if name == "exact":

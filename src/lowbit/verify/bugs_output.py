@@ -222,7 +222,8 @@ def half_operand_hypotheses(sim: Sim):
         return
     n, u = tol.rounding_count(sim.deq("x"), sim.deq("w"), "fp32", sim.bias is not None)
     for dt, nm in ((torch.float16, "fp16"), (torch.bfloat16, "bf16")):
-        rnd = {s: sim.deq(s).to(dt).double() for s in ("x", "w")}
+        # the kernel dequantizes in float32, then casts: two roundings, as written
+        rnd = {s: sim.deq(s).to(torch.float32).to(dt).double() for s in ("x", "w")}
         variants = [("every operand", ("x", "w"))] + [(f"the {_side(q)}", (q,)) for q in quant]
         for who, which in variants:
             Xr = rnd["x"] if "x" in which else sim.deq("x")
