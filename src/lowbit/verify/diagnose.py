@@ -16,7 +16,10 @@ Order of questions (each answer is a simulation, never a bound that almost anyth
    bound assumes round-to-nearest; a rounding toward zero somewhere doubles it.
 5. Otherwise: logic, `unexplained_logic_error`, with the evidence (where the error lives by row,
    column and K block, its size and sign, whether it is proportional to the output), followed by
-   the hypotheses that explain most of it, each with the share it explains. Never a wrong name.
+   random processes consistent with it (stochastic rounding: simulated by its mean and a bound,
+   never confirmed; an accumulator whose error merely has the right size is then listed, not
+   claimed) and the hypotheses that explain most of it, each with the share it explains. Never a
+   wrong name.
 """
 from __future__ import annotations
 
