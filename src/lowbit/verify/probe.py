@@ -241,7 +241,7 @@ def int8_exact() -> dict:
     a[:, -1] = 1
     b = torch.full((32, k), 127, dtype=torch.int8)
     b[:, -1] = 1
-    got = torch._int_mm(a.cuda(), b.t().contiguous().t().cuda()).cpu()
+    got = torch._int_mm(a.cuda(), b.cuda().t()).cpu()          # a [32, k] @ (b [32, k]).T
     want = 127 * 127 * (k - 1) + 1
     exact = bool((got == want).all())
     return {"fitted": exact, "exact_int32": exact, "sum": int(got[0, 0]), "expected": want}
