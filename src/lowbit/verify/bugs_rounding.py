@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from lowbit.formats import decode, encode
+from lowbit.ops.reference import as_operand
 from lowbit.quantize import reduce_amax
 from lowbit.verify.simulate import Hyp, Sim, _side, sides
 
@@ -46,7 +48,6 @@ def _scaled(sim: Sim, side: str, qt) -> torch.Tensor | None:
 
 def _grid(fmt) -> torch.Tensor:
     """The finite non-negative values of a float format, sorted, float64."""
-    from lowbit.formats import decode
     v = decode(torch.arange(1 << fmt.bits, dtype=torch.int64).to(torch.uint8), fmt).double()
     return torch.unique(v[torch.isfinite(v) & (v >= 0)])
 
@@ -78,7 +79,6 @@ def _codes(qt, vals: torch.Tensor):
     fmt = qt.scheme.fmt
     if fmt.kind == "int":
         return vals.round().to(qt.codes.dtype)
-    from lowbit.formats import encode
     if fmt.policy == "fnuz":
         vals = torch.where(vals == 0, torch.zeros_like(vals), vals)   # fnuz has no -0 (its 0x80 is NaN)
     return encode(vals, fmt).to(qt.codes.dtype).reshape(qt.codes.shape)
@@ -120,7 +120,6 @@ def rounding_rule_hypotheses(sim: Sim):
         for side, edit in edits.items():
             yield sim.hyp(name, f"{_side(side)}' {what}", side, edit)
         if len(edits) == 2:
-            from lowbit.ops.reference import as_operand
             X, W = as_operand(edits["x"], "x").dequantized(), as_operand(edits["w"], "w").dequantized()
             yield Hyp(name, f"both sides' {what}", *sim.linear(X=X, W=W))
 
@@ -244,7 +243,6 @@ def scale_rule_hypotheses(sim: Sim):
     over the full storage range: amax / ((qmax - qmin) / 2) = amax / 127.5 for int8 (torchao's
     choose_qparams_affine SYMMETRIC, which multiplies by 1 / scale), or amax / (qmax + 1); on one
     side, or on both (one quantizer for both)."""
-    from lowbit.ops.reference import as_operand
     qts = {side: qt for side, _other, qt in sides(sim)}
     ints = [qt.scheme.fmt for qt in qts.values() if qt.scheme.fmt.kind == "int" and qt.scheme.fmt.signed]
     if not ints:
