@@ -110,3 +110,15 @@ def test_probe_command_without_cuda_says_why(capsys):
         pytest.skip("this machine has CUDA: the command measures it (test_probe_on_this_gpu)")
     assert cli.run(args) == 2
     assert "no CUDA device" in capsys.readouterr().out
+
+
+def test_probe_dot_kernel(rng, kernel_device):
+    # the Triton GEMM the probe measures tl.dot with: small integers, so every order sums exactly
+    # (fp16: the CPU interpreter reads bfloat16 wrongly; on CUDA the probe runs bf16 and fp8)
+    from lowbit.ops.triton.probe_dot import dot_f32
+    a = torch.randint(-8, 9, (32, 64), generator=rng).float()
+    b = torch.randint(-8, 9, (16, 64), generator=rng).float()
+    got = dot_f32(a.to(kernel_device, torch.float16), b.to(kernel_device, torch.float16)).cpu()
+    assert torch.equal(got, a @ b.T)
+    with pytest.raises(ValueError, match="multiple"):
+        dot_f32(a[:, :48].to(kernel_device, torch.float16), b[:, :48].to(kernel_device, torch.float16))
