@@ -28,6 +28,7 @@ Shapes: out/ref [M, N] float64; the simulation runs on at most SAMPLE rows x SAM
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -87,7 +88,7 @@ def use_probe_table(table: dict) -> list[str]:
     return labels
 
 
-def _step_fn(name: str):
+def _step_fn(name: str, via_f32: bool = False):
     """One summation step of accumulator `name`: (partial, x [R, k], w [C, k]) -> the new partial.
     Hopper's fp8 tensor core aligns and truncates inside the step (aligned_step; "aligned:<bits>:
     <rounding>" for a probed one); the others round the exact step sum once."""
@@ -96,7 +97,7 @@ def _step_fn(name: str):
     if name.startswith("aligned:"):
         _, bits, rounding = name.split(":")
         return lambda part, x, w: aligned_step(part, x, w, int(bits), rounding)
-    rnd = _round_fn(name)
+    rnd = _round_fn(name, via_f32)
     return lambda part, x, w: rnd(part + x @ w.T)
 
 
@@ -112,11 +113,14 @@ def round_half(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return odd.to(dtype).to(torch.float64)
 
 
-def _round_fn(name: str):
-    if name == "fp16":
-        return lambda t: round_half(t, torch.float16)
-    if name == "bf16":
-        return lambda t: round_half(t, torch.bfloat16)
+def _round_fn(name: str, via_f32: bool = False):
+    """Rounding to accumulator `name` of float64 values; via_f32: fp16 / bf16 reached through float32
+    (two roundings, as a kernel that sums in float32 and casts, or torch's float64 cast, does)."""
+    if name in ("fp16", "bf16"):
+        dt = torch.float16 if name == "fp16" else torch.bfloat16
+        if via_f32:
+            return lambda t: t.to(torch.float32).to(dt).to(torch.float64)
+        return lambda t: round_half(t, dt)
     if name == "fp32":
         return lambda t: t.to(torch.float32).to(torch.float64)
     if name == "exact":
@@ -131,8 +135,9 @@ class Order:
     product: each product is rounded to `inner` before it is added (no fused multiply-add);
     tree: the stretch is summed pairwise (a reduction tree), rounding every node to `inner`;
     dequant_first: the elements are multiplied by their scales (in fp32) and held in `inner`'s type
-    before the products, as a kernel that dequantizes and then runs a half-precision GEMM does; exact_only: the order is used to
-    reproduce an output, not to size an error statistically (see match_accumulators)."""
+    before the products, as a kernel that dequantizes and then runs a half-precision GEMM does;
+    exact_only: the order is used to reproduce an output, not to size an error statistically (see
+    match_accumulators)."""
 
     label: str
     inner: str
@@ -144,6 +149,7 @@ class Order:
     tree: bool = False
     dequant_first: bool = False
     exact_only: bool = False
+    via_f32: bool = False   # fp16 / bf16 roundings through float32 (see _round_fn)
 
 
 KTILES = (32, 64, 128)      # K tiles whose partials a tiled kernel adds into its running sum
@@ -229,16 +235,16 @@ def simulate(xq, wq, order: Order, rows: torch.Tensor, cols: torch.Tensor, bias=
     gx, gw = xo.group, wo.group
     f32 = _round_fn("fp32")
     if order.dequant_first:                      # elements times scales in fp32, held in the
-        held = _round_fn(order.inner)            # accumulator's type by a half-precision GEMM
+        held = _round_fn(order.inner, order.via_f32)   # accumulator's type by a half-precision GEMM
         X = held(f32(X * SX.repeat_interleave(gx, dim=1)))
         W = held(f32(W * SW.repeat_interleave(gw, dim=1)))
         SX, SW = torch.ones_like(SX[:, :1]), torch.ones_like(SW[:, :1])
         gx = gw = K
-    step, main = _step_fn(order.inner), _round_fn(order.main)
+    step, main = _step_fn(order.inner, order.via_f32), _round_fn(order.main, order.via_f32)
     if order.tree:
-        step = _tree_step(_round_fn(order.inner))
+        step = _tree_step(_round_fn(order.inner, order.via_f32))
     elif order.product:
-        step = _product_step(_round_fn(order.inner))
+        step = _product_step(_round_fn(order.inner, order.via_f32))
     chunk = K if order.tree else order.chunk
     segs = _segments(gx, gw, K, order.promote)
     per = -(-len(segs) // order.splits)
@@ -315,6 +321,9 @@ def match_accumulators(out: torch.Tensor, ref: torch.Tensor, gate: torch.Tensor,
         if not sims:
             continue
         exact = [od for od, s in sims if _same(o, s, g)]
+        if not exact and acc in ("fp16", "bf16"):      # the same orders, rounding through float32
+            exact = [od for od, _ in sims
+                     if _same(o, simulate(xq, wq, dataclasses.replace(od, via_f32=True), rows, cols, bias), g)]
         if exact:
             found.append(AccumulatorMatch(acc, exact[0].label, True, 1.0, True))
             continue
