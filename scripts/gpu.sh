@@ -19,6 +19,8 @@
 #   w4configs    the W4A16 pairs kernel under a few configurations vs bf16 (scripts/gpu_w4_configs.py)
 #   audit        `lowbit audit` on the GPU (PROBE=1 adds the fp8 accumulator probe)
 #   probe        the fp8 accumulator probe alone (scripts/gpu_fastaccum_probe.py; PROBE_M=1: one row)
+#   mma          `lowbit probe`: this GPU's matrix-multiply accumulators from test vectors (mma-probe.json)
+#   attention    python -m lowbit.bench.attention: attention over a quantized KV cache vs bf16 SDPA
 #   distributed  1 vs 2 GPUs of one host: layer-by-layer calibration (scripts/gpu_distributed.sh;
 #                needs 2 GPUs; DEVICE=cpu rehearses it on the CPU at tiny size)
 # The suite needs a call of its own; memory + gemm + model fit one together.
@@ -27,9 +29,9 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 out="${OUT:-$root/out}"; mkdir -p "$out"
 export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-if [ $# -eq 0 ]; then sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 2; fi
+if [ $# -eq 0 ]; then sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 2; fi
 parts=",$1,"
-known=",suite,tests,doctor,gemm,memory,layers,model,profile,w4probe,w4configs,audit,probe,distributed,"
+known=",suite,tests,doctor,gemm,memory,layers,model,profile,w4probe,w4configs,audit,probe,mma,attention,distributed,"
 for p in ${1//,/ }; do
   [[ $known == *,$p,* ]] || { echo "scripts/gpu.sh: unknown part '$p'; parts: ${known:1:-1}" >&2; exit 2; }
 done
@@ -136,6 +138,15 @@ fi
 if [[ $parts == *,probe,* ]]; then
   timeout 60 python3 scripts/gpu_fastaccum_probe.py 2>&1 | tail -n 5 | tee -a "$sum"
 fi
+if [[ $parts == *,mma,* ]]; then
+  timeout "${MMA_TIMEOUT:-120}" python3 -m lowbit.entrypoints.main probe --json "$out/mma-probe.json" >"$out/mma.log" 2>&1
+  echo "mma rc=$?" | tee -a "$sum"
+fi
+if [[ $parts == *,attention,* ]]; then
+  timeout "${ATTN_TIMEOUT:-240}" python3 -m lowbit.bench.attention --json "$out/bench-attention.json" \
+      >"$out/bench_attention.log" 2>&1
+  echo "attention rc=$?" | tee -a "$sum"
+fi
 if [[ $parts == *,distributed,* ]]; then
   timeout "${DIST_TIMEOUT:-540}" bash scripts/gpu_distributed.sh >"$out/distributed.log" 2>&1
   echo "distributed rc=$?" | tee -a "$sum"
@@ -149,6 +160,8 @@ fi
 [ -f "$out/w4probe.log" ] && grep -vE "Warning|warn" "$out/w4probe.log" | tail -n 20
 [ -f "$out/audit_gpu.txt" ] && tail -n 30 "$out/audit_gpu.txt"
 [ -f "$out/distributed.log" ] && tail -n 30 "$out/distributed.log"
+[ -f "$out/mma.log" ] && tail -n 30 "$out/mma.log"
+[ -f "$out/bench_attention.log" ] && tail -n 30 "$out/bench_attention.log"
 cat "$sum"
 # few files come back from a device call: the logs go into one archive when there are many
 if [ "$(find "$out" -maxdepth 1 -type f | wc -l)" -gt 7 ]; then
