@@ -23,7 +23,7 @@ import warnings
 import torch
 
 from lowbit.algorithms.distributed import OrderedSum
-from lowbit.algorithms.gptq.core import HessianAccumulator, output_loss
+from lowbit.algorithms.gptq.hessian import HessianAccumulator, output_loss
 from lowbit.algorithms.smoothquant import FoldGroup, fold, fold_plan
 from lowbit.archs.decoders import UnsupportedArchitecture, decoder_for
 from lowbit.quantize import quantize

@@ -17,7 +17,12 @@ from __future__ import annotations
 
 import torch
 
+from lowbit.algorithms.gptq.model import gptq_model
+from lowbit.algorithms.scale_search import search_scales
 from lowbit.nn.quant_linear import QuantLinear
+from lowbit.archs.decoders import sibling_groups
+from lowbit.nn.shared_input import GROUPS, share_inputs as share
+from lowbit.ops.kv_quant import KVScheme
 from lowbit.recipes.plan import (DEFAULT_KEEP, LayerDecision, QuantSummary, layer_act, linear_layers,  # noqa: F401
                                  match, plan)
 from lowbit.recipes.presets import Recipe
@@ -31,7 +36,6 @@ def quantize_layer(d: LayerDecision, summary: QuantSummary, linear: torch.nn.Lin
     try:
         scales = None
         if mse:
-            from lowbit.algorithms.scale_search import search_scales
             scales = search_scales(linear.weight.detach(), r.weight)
         return QuantLinear.from_linear(linear, r.weight, act, act_static_scale=scale, backend=backend, pad=True,
                                        scales=scales)
@@ -43,40 +47,66 @@ def quantize_layer(d: LayerDecision, summary: QuantSummary, linear: torch.nn.Lin
 def _share(model: torch.nn.Module) -> None:
     """Merge the quantized siblings reading one input: the family's groups from the decoder map,
     shared_input's default for a model the map does not know (merging is exact for any model)."""
-    from lowbit.archs.decoders import sibling_groups
-    from lowbit.nn.shared_input import GROUPS, share_inputs
     groups = sibling_groups(model)
-    share_inputs(model, GROUPS if groups is None else groups)
+    share(model, GROUPS if groups is None else groups)
 
 
 @torch.no_grad()
-def quantize_model(model: torch.nn.Module, recipe: str | Recipe, *, ignore=None, overrides=None,
+def quantize_model(model: torch.nn.Module, recipe: str | Recipe | QuantSummary, *, ignore=None, overrides=None,
                    act_static_scales: dict[str, torch.Tensor] | None = None, backend: str = "auto",
                    progress: bool = False, share_inputs: bool = True, method: str = "rtn", calib=None,
-                   method_options: dict | None = None, mse: bool = False) -> QuantSummary:
-    """Replace nn.Linear layers of `model` (in place) by QuantLinear under `recipe`; returns the
+                   method_options: dict | None = None, mse: bool = False, kv_cache=None,
+                   kv_calib=None) -> QuantSummary:
+    """Replace nn.Linear layers of `model` (in place) by QuantLinear under `recipe` (a name, a Recipe or
+    a plan made by lowbit.recipes.plan.plan for this model, used as it is); returns the
     QuantSummary. act_static_scales: {layer name: float32 scale} from
     calibration.calibrate_static_scales, to use one calibrated per-tensor activation scale per
     layer instead of dynamic scales (every quantized layer with activations needs one).
     share_inputs: merge the quantized layers that read one input (Llama's q/k/v, gate/up) so
     the fast path quantizes each activation once (lowbit.nn.shared_input).
-    method: "rtn" (round to nearest) or "gptq" (lowbit.algorithms.gptq.core.gptq_model on `calib`, a list of
+    method: "rtn" (round to nearest) or "gptq" (lowbit.algorithms.gptq.model.gptq_model on `calib`, a list of
     input-id tensors [B, T] or dicts of model kwargs; method_options: its keyword arguments such
     as damp, act_order). mse: MSE-optimal weight scales (lowbit.algorithms.scale_search) instead of round to
-    nearest's: unweighted for "rtn", weighted by each layer's Hessian diagonal for "gptq"."""
-    if method != "rtn":
-        if method != "gptq":
-            raise ValueError(f"method={method!r}; choose 'rtn' (round to nearest) or 'gptq' (needs calib=batches)")
-        if calib is None:
-            raise ValueError("method='gptq' needs calibration inputs: pass calib=[input-id tensors or dicts]")
-        from lowbit.algorithms.gptq.core import gptq_model
-        summary = gptq_model(model, recipe, calib, ignore=ignore, overrides=overrides,
-                             act_static_scales=act_static_scales, progress=progress,
-                             **{**(method_options or {}), **({"mse": True} if mse else {})})
+    nearest's: unweighted for "rtn", weighted by each layer's Hessian diagonal for "gptq".
+    kv_cache: also quantize the KV cache ("fp8", "int8", "fp8-head", "int8-token", "int4-g32", or a
+    lowbit.ops.kv_quant.KVScheme; lowbit.nn.kv_cache): static schemes are calibrated, after the
+    Linears are quantized, on `kv_calib` (default `calib`: input-id tensors [B, T]); the model then
+    quantizes its cache in every forward and generate, and save_compressed writes kv_cache_scheme."""
+    kv_scheme = None
+    if kv_cache is not None:                           # every refusal before any layer changes
+        from lowbit.nn.kv_cache import attach_kv_cache, attention_modules, calibrate_kv_cache  # needs transformers
+        kv_scheme = KVScheme.parse(kv_cache)
+        kv_calib = calib if kv_calib is None else kv_calib
+        if not kv_scheme.dynamic and not kv_calib:
+            raise ValueError(f"kv_cache={kv_cache!r} has static scales: pass kv_calib=[input-id tensors] to "
+                             "calibrate them, or choose a dynamic scheme such as 'fp8-token'")
+        if not attention_modules(model):
+            raise ValueError(f"kv_cache={kv_cache!r}: {type(model).__name__} has no decoder attention modules that "
+                             "keep a KV cache (an encoder?); drop kv_cache")
+    summary = _quantize_linears(model, recipe, ignore=ignore, overrides=overrides,
+                                act_static_scales=act_static_scales, backend=backend, progress=progress,
+                                share_inputs=share_inputs, method=method, calib=calib,
+                                method_options=method_options, mse=mse)
+    if kv_scheme is not None:
+        kv = calibrate_kv_cache(model, kv_calib or [], kv_scheme)
+        attach_kv_cache(model, kv)
+        summary.kv_cache = kv
+    return summary
+
+
+def _quantize_linears(model, recipe, *, ignore, overrides, act_static_scales, backend, progress, share_inputs,
+                      method, calib, method_options, mse) -> QuantSummary:
+    if method not in ("rtn", "gptq"):
+        raise ValueError(f"method={method!r}; choose 'rtn' (round to nearest) or 'gptq' (needs calib=batches)")
+    if method == "gptq" and calib is None:
+        raise ValueError("method='gptq' needs calibration inputs: pass calib=[input-id tensors or dicts]")
+    summary = plan(model, recipe, ignore, overrides)
+    if method == "gptq":
+        gptq_model(model, summary, calib, act_static_scales=act_static_scales, progress=progress,
+                   **{**(method_options or {}), **({"mse": True} if mse else {})})
         if share_inputs:
             _share(model)
         return summary
-    summary = plan(model, recipe, ignore, overrides)
     layers = linear_layers(model)
     todo = summary.quantized
     if progress:
