@@ -22,7 +22,7 @@ class RecipeRun:
     sites_before: object
     sites_after: object | None
     overrides: dict
-    value: float
+    value: float | None         # None when not evaluated (evaluate=False)
     clipping: list
     tokens: object = None       # evaluate.TokenMetrics (KL / top-1 vs the reference) when a reference was given
     calib_s: float = 0.0        # seconds from the float copy to the quantized model (rotation, SmoothQuant, AWQ,
@@ -35,7 +35,7 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
                static: bool = False, window: int = 512, progress: bool = True, sites: bool = True,
                method: str = "rtn", awq: bool = False, rotate: str | None = None,
                reference: list | torch.nn.Module | None = None, mse: bool = False,
-               override_by: str = "block") -> RecipeRun:
+               override_by: str = "block", evaluate: bool = True) -> RecipeRun:
     """Quantize a copy of loaded.model by `recipe` and evaluate it. smoothquant: alpha or None;
     override_worst: fraction of Linear layers (<= 0.05 by the issue's rule) whose worst output
     SQNR sends them to `override_to` ("skip" = high precision, or a recipe name).
@@ -47,7 +47,8 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
     weight scales (lowbit.algorithms.scale_search) instead of round to nearest's, for RTN and GPTQ alike.
     override_by: how the override_worst sites are picked: "block" (worst block SQNR in the per-site
     report) or "kl" (largest measured drop of the next-token KL on texts.calib, greedy:
-    lowbit.diagnosis.site_kl; causal models), both on round to nearest's codes after the folds."""
+    lowbit.diagnosis.site_kl; causal models), both on round to nearest's codes after the folds.
+    evaluate=False: quantize only (RecipeRun.value None, no token metrics)."""
     from lowbit.algorithms.static_scales import calibrate_static_scales, clipping_report
     from lowbit.recipes.plan import linear_layers
     from lowbit.pipelines.quantize_model import quantize_model
@@ -104,8 +105,10 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
                              method=method, calib=texts.calib if method != "rtn" else None, mse=mse)
     clipping = clipping_report(m, texts.new) if static else []
     t1 = time.perf_counter()
-    tokens = None
-    if reference is not None and loaded.kind == "causal":
+    tokens, value = None, None
+    if not evaluate:
+        pass
+    elif reference is not None and loaded.kind == "causal":
         from lowbit.evaluation.evaluate import token_metrics
         tokens = token_metrics(m, texts.eval_ids, reference, window, progress=progress, desc=f"{r.name} eval")
         value = tokens.perplexity
