@@ -162,10 +162,10 @@ def validate(args) -> tuple[list[str], dict, dict[str, Path]]:
     A.positive(args.threads, "--threads", allow_none=True)
     A.fraction(args.override_worst, "--override-worst", 0.5)
     A.device(args.device)
-    A.text_file(args.calib_data, "--calib-data")
-    A.text_file(args.eval_data, "--eval-data")
     if args.no_eval and args.eval_data:
         raise ValueError("--eval-data is the evaluation text and --no-eval skips the evaluation: drop one")
+    A.text_file(args.calib_data, "--calib-data")
+    A.text_file(args.eval_data, "--eval-data")
     if args.smoothquant is not None:
         A.fraction(args.smoothquant, "--smoothquant ALPHA")
     with_act = [r for r in recipes if get_recipe(r).act is not None]
