@@ -63,7 +63,9 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if ("default" in text.lower() or action.default in (None, False, True, argparse.SUPPRESS)
+        d = action.default
+        if ("default" in text.lower() or d is None or isinstance(d, bool) or d is argparse.SUPPRESS
+                or (isinstance(d, (list, tuple, dict, str)) and not d)
                 or not action.option_strings or action.help == argparse.SUPPRESS):
             return text
         return text + " (default: %(default)s)"

@@ -21,14 +21,15 @@ def register(p) -> None:
                         "or .gguf)")
     p.add_argument("--recipe", default="w8a8-int8",
                    help=f"recipe, or several separated by commas (one table; any letter case): {', '.join(RECIPES)}")
-    p.add_argument("--out", default=None, help="checkpoint + report directory (default lowbit-out/<model>-<recipe>); "
+    p.add_argument("--out", default=None, metavar="DIR", help="checkpoint + report directory (default lowbit-out/<model>-<recipe>); "
                    "a non-empty directory lowbit did not write is refused unless --overwrite")
     p.add_argument("--overwrite", action="store_true",
                    help="write into a non-empty --out that lowbit did not write: lowbit's files are added next to "
                         "the ones there, none of which is deleted or replaced")
-    p.add_argument("--tokens", type=int, default=8192, help="evaluation tokens (perplexity over windows of --window)")
-    p.add_argument("--window", type=int, default=512, help="perplexity window in tokens (windows do not overlap)")
-    p.add_argument("--calib-tokens", type=int, default=None,
+    p.add_argument("--tokens", type=int, default=8192, metavar="N", help="evaluation tokens, read in windows of --window")
+    p.add_argument("--window", type=int, default=512, metavar="N",
+                   help="perplexity window in tokens; windows do not overlap")
+    p.add_argument("--calib-tokens", type=int, default=None, metavar="N",
                    help=f"calibration tokens (default {CALIB_TOKENS}, or as many as the recipe's best measures were "
                         "measured with when they are applied)")
     p.add_argument("--calib-data", metavar="FILE", default=None,
@@ -40,15 +41,15 @@ def register(p) -> None:
                    help="skip the before/after evaluation (perplexity / cosine): quantize, report and save only")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
                    help="dtype of the tensors kept in high precision (embeddings, norms, skipped Linears) in the "
-                        "checkpoint, and of the model evaluated. auto: what the source stores (config.json's dtype); "
-                        "bfloat16 for a GGUF file, the embedded SmolLM2 included (its dequantized values rounded to "
-                        "bf16; float32 keeps them exactly)")
+                        "checkpoint and in the model evaluated; by default (auto) what the source stores "
+                        "(config.json's dtype), and bfloat16 for a GGUF file, the embedded SmolLM2 included (its "
+                        "dequantized values rounded to bf16; float32 keeps them exactly)")
     p.add_argument("--smoothquant", nargs="?", type=float, const=0.5, default=None, metavar="ALPHA",
                    help="fold SmoothQuant factors (alpha, default 0.5) before quantizing")
     p.add_argument("--override-worst", type=float, default=0.0, metavar="FRACTION",
                    help="send the worst sites of the per-site report (at most this fraction of Linears, e.g. 0.05) "
                         "to --override-to")
-    p.add_argument("--override-to", default="skip",
+    p.add_argument("--override-to", default="skip", metavar="RECIPE",
                    help="'skip' (keep in high precision) or a recipe, for --override-worst")
     p.add_argument("--ignore", action="append", default=None, metavar="PATTERN",
                    help="keep matching Linears in high precision (glob, or re:REGEX)")
@@ -83,7 +84,7 @@ def register(p) -> None:
                         "(also on whenever torchrun's environment is present): calibration batches split across "
                         "processes, statistics summed (NCCL on GPUs, gloo on CPUs), the same checkpoint as one "
                         "process, written by rank 0 (the whole-model path evaluates on every rank)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: torch's choice)")
 
 
 # Files a quantize output may hold besides the checkpoint's safetensors: a user's file of one of
