@@ -64,14 +64,12 @@ def test_w4a16_on_the_embedded_model_is_refused_before_loading(monkeypatch, tmp_
                     "--no-save")
     assert os.listdir(tmp_path) == []
     # evaluating without a checkpoint needs no K multiple: not refused by this check
-    from lowbit.entrypoints.quantize import validate
-    from lowbit.entrypoints.main import main as _m  # noqa: F401
     import argparse
-    p = argparse.ArgumentParser()
     from lowbit.entrypoints import quantize
+    p = argparse.ArgumentParser()
     quantize.register(p)
     args = p.parse_args(["--recipe", "w4a16", "--no-save", "--out", str(tmp_path / "o")])
-    assert validate(args)[0] == ["w4a16"]
+    assert quantize.validate(args)[0] == ["w4a16"]
 
 
 def test_shapes_from_a_model_directorys_config(monkeypatch, tmp_path, capsys):
