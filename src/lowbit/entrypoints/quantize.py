@@ -21,12 +21,14 @@ def register(p) -> None:
                         "or .gguf)")
     p.add_argument("--recipe", default="w8a8-int8",
                    help=f"recipe, or several separated by commas (one table; any letter case): {', '.join(RECIPES)}")
-    p.add_argument("--out", default=None, metavar="DIR", help="checkpoint + report directory (default lowbit-out/<model>-<recipe>); "
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="checkpoint + report directory (default lowbit-out/<model>-<recipe>); "
                    "a non-empty directory lowbit did not write is refused unless --overwrite")
     p.add_argument("--overwrite", action="store_true",
                    help="write into a non-empty --out that lowbit did not write: lowbit's files are added next to "
                         "the ones there, none of which is deleted or replaced")
-    p.add_argument("--tokens", type=int, default=8192, metavar="N", help="evaluation tokens, read in windows of --window")
+    p.add_argument("--tokens", type=int, default=8192, metavar="N",
+                   help="evaluation tokens, read in windows of --window")
     p.add_argument("--window", type=int, default=512, metavar="N",
                    help="perplexity window in tokens; windows do not overlap")
     p.add_argument("--calib-tokens", type=int, default=None, metavar="N",
@@ -36,7 +38,8 @@ def register(p) -> None:
                    help="your calibration text instead of the embedded Wikipedia articles: .txt, .jsonl (a \"text\" "
                         "field per line) or .safetensors (one tensor of token ids)")
     p.add_argument("--eval-data", metavar="FILE", default=None,
-                   help="your evaluation text (same file kinds as --calib-data; keep it apart from the calibration text)")
+                   help="your evaluation text (same file kinds as --calib-data; keep it apart from the "
+                        "calibration text)")
     p.add_argument("--no-eval", action="store_true",
                    help="skip the before/after evaluation (perplexity / cosine): quantize, report and save only")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
