@@ -48,7 +48,7 @@ def tiny(monkeypatch, rng):
     model = transformers.LlamaForCausalLM(_tiny_config()).eval()
     ids = torch.randint(0, 64, (256,), generator=rng)
     monkeypatch.setattr(workload, "load_model", lambda spec: workload.Loaded(
-        "tiny", model, None, "causal", "float baseline: a random tiny Llama", torch.bfloat16))
+        "tiny", model, None, "causal", "a random tiny Llama", torch.bfloat16))
     monkeypatch.setattr(workload, "prepare_texts", lambda loaded, tokens, calib, window, **data: workload.Texts(
         ids[:tokens], [ids[None, :window]], [ids[None, -window:]]))
     return ["quantize", "--tokens", "64", "--calib-tokens", "32", "--window", "32", "--plain"], model, ids
@@ -193,7 +193,7 @@ def test_checkpoint_size_dtype_and_mode(tiny, tmp_path, capsys):
     assert torch.equal(ck.tensors["model.embed_tokens.weight"].float(), model.model.embed_tokens.weight)
     assert (out.stat().st_mode & 0o777) == 0o755
     md = (out / "lowbit_report.md").read_text()
-    assert "Baseline: float baseline: a random tiny Llama; float parts rounded to bfloat16" in md
+    assert "Float baseline: a random tiny Llama; float parts rounded to bfloat16" in md
     assert "the checkpoint on disk" in md
 
 

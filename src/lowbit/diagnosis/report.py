@@ -91,7 +91,7 @@ def write_report(result: QuantizeResult, out_dir: str | os.PathLike, sites_png: 
     mb = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
     lines = [f"# lowbit quantize: {result.model}, recipe {result.recipe}", "",
              f"Command: `{result.command}`  ", f"Machine: {result.machine}" + ("  " if result.baseline else ""),
-             *([f"Baseline: {result.baseline}"] if result.baseline else []), "",
+             *([f"Float baseline: {result.baseline}"] if result.baseline else []), "",
              "| | float | quantized | change |", "|---|---:|---:|---:|",
              f"| {result.metric} ({result.eval_tokens} tokens) | {result.before:.4f} | {result.after:.4f} | "
              f"{result.change()} |" if evaluated else f"| {result.metric} | not evaluated (--no-eval) | | |",

@@ -319,8 +319,8 @@ def run(args) -> int:
     dtype = save_dtype(args, loaded)
     round_float_parts(loaded.model, dtype)
     dname = str(dtype).replace("torch.", "")
-    print(loaded.origin + (f"; float parts rounded to {dname}, as the checkpoint stores them"
-                           if dtype != torch.float32 else ""), flush=True)
+    rounded = f"; float parts rounded to {dname}, as the checkpoint stores them" if dtype != torch.float32 else ""
+    print(f"float baseline: {loaded.origin or loaded.name}{rounded}", flush=True)
     data = {k: v for k, v in (("calib_data", args.calib_data), ("eval_data", args.eval_data)) if v}
     texts = prepare_texts(loaded, args.tokens, args.calib_tokens, args.window, **data)
     texts.calib = D.shard(texts.calib)           # all batches in one process
@@ -359,8 +359,7 @@ def run(args) -> int:
             tokens_per_s=(tps_before, tps) if tps else None,
             bytes_label=f"weight bytes (float parts in {dname}; quantized: "
                         f"{'estimated, not saved' if args.no_save else 'the checkpoint on disk'})",
-            baseline=loaded.origin + (f"; float parts rounded to {dname}, as the checkpoint stores them"
-                                      if dtype != torch.float32 else ""),
+            baseline=(loaded.origin or loaded.name) + rounded,
             sites_markdown=[("Worst sites" + (" before SmoothQuant" if run_.sites_after else ""),
                              run_.sites_before.to_markdown(10))]
             + ([("Worst sites after SmoothQuant", run_.sites_after.to_markdown(10))] if run_.sites_after else []))

