@@ -73,3 +73,20 @@ def test_nested_stage_output_has_no_marker(tmp_path):
         (stage / "report.md").write_text("r")
     assert sorted(os.listdir(out)) == [MANIFEST, "model.safetensors", "report.md"]
     assert sorted(os.listdir(tmp_path)) == ["report"]
+
+
+def test_output_directory_mode_follows_the_umask(tmp_path):
+    """A new output directory gets the mode mkdir would give it (0755 under umask 022), not the
+    staging directory's private 0700."""
+    for mask in (0o022, 0o077, 0o002):
+        old = os.umask(mask)
+        try:
+            out = tmp_path / f"out{mask:o}"
+            with staged(out) as stage:
+                (stage / "f.txt").write_text("x")
+            ref = tmp_path / f"ref{mask:o}"
+            ref.mkdir()
+        finally:
+            os.umask(old)
+        assert (out.stat().st_mode & 0o777) == (ref.stat().st_mode & 0o777) == 0o777 & ~mask
+        assert (out / "f.txt").read_text() == "x"

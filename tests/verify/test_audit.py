@@ -132,3 +132,24 @@ def test_torchao_rows(rng, capsys, tmp_path):
     rc = main(["audit", "--seed", str(seed), "--only", "torchao int8", "--case", "M=1",
                "--json", str(tmp_path / "t.json")])
     assert rc == 0 and len(json.loads((tmp_path / "t.json").read_text())["cells"]) == 2
+
+
+def test_padded_int8_rows_are_exact(rng, monkeypatch):
+    """The int8 rows pad their codes to torch._int_mm's CUDA shapes (M > 16, K, N multiples of 8):
+    forced here on the CPU, the padded calls must pass every plain case exactly as unpadded."""
+    from lowbit.verify import audit_torchao
+    seed = int(torch.randint(2 ** 31, (1,), generator=rng))
+    shapes = []
+
+    def cuda_shapes(M, K, N, device):
+        shapes.append((M, K, N))
+        return max(M, 17), -(-K // 8) * 8, -(-N // 8) * 8
+    monkeypatch.setattr(au, "int_mm_shape", cuda_shapes)
+    cases = [c for c in au.CASES if c.name in ("random", "M=1", "K not a tile multiple")]
+    specs = [s for s in au.discover("cpu", False) if s.name == "lowbit torch path (int8)"]
+    if audit_torchao.available():              # torchao's int8 W8A8 row pads the same way
+        monkeypatch.setattr(audit_torchao, "_int_mm_shape", cuda_shapes)
+        specs += [s for s in audit_torchao.specs("cpu") if s.name.startswith("torchao int8 W8A8")]
+    cells = au.audit(specs, cases, device="cpu", seed=seed)
+    assert cells and all(c.verdict == "pass" for c in cells), [c for c in cells if c.verdict != "pass"]
+    assert any(M <= 16 or K % 8 or N % 8 for M, K, N in shapes)      # padding really happened

@@ -20,9 +20,9 @@ def run(only: str | None = None, quick: bool = False, recipes=None, ms=(1, 16, 2
 
     from lowbit.profiling.timing import bench_ms
     from lowbit.nn import QuantLinear
-    from lowbit.recipes.presets import RECIPES
+    from lowbit.recipes.presets import RECIPES, get_recipe
 
-    names = list(recipes or RECIPES)
+    names = [get_recipe(r).name for r in recipes] if recipes else list(RECIPES)   # any letter case
     shapes = SHAPES[:2] if quick else SHAPES
     rows = []
     gen = torch.Generator().manual_seed(0)  # CPU: a failed graph capture cannot poison its state

@@ -95,6 +95,7 @@ def all_variants() -> list[str]:
 
 def check_variants(names: tuple[str, ...]) -> tuple[str, ...]:
     known = all_variants()
+    names = tuple(n.lower() for n in names)     # recipe names in any letter case (W4A16 as llm-compressor writes it)
     bad = [n for n in names if n not in known]
     if bad:
         raise ValueError(f"recipes={','.join(bad)} not known; choose from: {', '.join(known)}")

@@ -16,8 +16,8 @@ class QuantizeResult:
     model: str
     recipe: str
     metric: str
-    before: float
-    after: float
+    before: float | None        # None: not evaluated (--no-eval)
+    after: float | None
     bytes_before: int
     bytes_after: int
     eval_tokens: int
@@ -32,8 +32,12 @@ class QuantizeResult:
     checkpoint: str | None = None
     extra: list[str] = field(default_factory=list)
     tokens: object = None
+    bytes_label: str = "weight bytes (bf16 baseline)"
+    baseline: str = ""          # where the float model's weights come from (evaluation.workload.Loaded.origin)
 
     def change(self) -> str:
+        if self.before is None or self.after is None:
+            return "not evaluated"
         if self.metric == "perplexity":
             return f"{100 * (self.after / self.before - 1):+.2f}%"
         return f"{self.after - self.before:+.4f}"
@@ -82,13 +86,16 @@ def write_report(result: QuantizeResult, out_dir: str | os.PathLike, sites_png: 
     returns the markdown path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    metric_png = optional_png(plot_metric, result, out / "lowbit_metric.png")
+    evaluated = result.before is not None and result.after is not None
+    metric_png = optional_png(plot_metric, result, out / "lowbit_metric.png") if evaluated else None
     mb = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
     lines = [f"# lowbit quantize: {result.model}, recipe {result.recipe}", "",
-             f"Command: `{result.command}`  ", f"Machine: {result.machine}", "",
+             f"Command: `{result.command}`  ", f"Machine: {result.machine}" + ("  " if result.baseline else ""),
+             *([f"Float baseline: {result.baseline}"] if result.baseline else []), "",
              "| | float | quantized | change |", "|---|---:|---:|---:|",
-             f"| {result.metric} ({result.eval_tokens} tokens) | {result.before:.4f} | {result.after:.4f} | {result.change()} |",
-             f"| weight bytes (bf16 baseline) | {mb(result.bytes_before)} | {mb(result.bytes_after)} | "
+             f"| {result.metric} ({result.eval_tokens} tokens) | {result.before:.4f} | {result.after:.4f} | "
+             f"{result.change()} |" if evaluated else f"| {result.metric} | not evaluated (--no-eval) | | |",
+             f"| {result.bytes_label} | {mb(result.bytes_before)} | {mb(result.bytes_after)} | "
              f"x{result.bytes_before / max(result.bytes_after, 1):.2f} smaller |"]
     if result.tokens is not None:
         t = result.tokens
@@ -97,8 +104,8 @@ def write_report(result: QuantizeResult, out_dir: str | os.PathLike, sites_png: 
     if result.tokens_per_s:
         a, b = result.tokens_per_s
         lines.append(f"| tokens/s (CUDA prefill) | {a:.0f} | {b:.0f} | x{b / a:.2f} |")
-    lines += ["", f"![metric]({Path(metric_png).name})" if metric_png else "(no figures: matplotlib is not installed)",
-              ""]
+    lines += ["", f"![metric]({Path(metric_png).name})" if metric_png else
+              "(no figures: matplotlib is not installed)" if evaluated else "", ""]
     if result.smoothquant:
         lines += [f"SmoothQuant: {result.smoothquant}", ""]
     if result.overrides:

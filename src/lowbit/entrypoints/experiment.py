@@ -32,6 +32,10 @@ def run(args) -> int:
         except ValueError:
             print(f"--sizes must be comma-separated integers, got {args.sizes!r}", file=sys.stderr)
             return 2
+        if not all(s >= 2 for s in opts["sizes"]):
+            # M = K = N = S, and the 20x row is row S // 2 of at least two
+            print(f"--sizes {args.sizes}: every size must be at least 2 (M = K = N = size)", file=sys.stderr)
+            return 2
     if args.png and not hasattr(mod, "plot"):
         print(f"--png: the {args.name} experiment has no figure (matmul has one)", file=sys.stderr)
         return 2

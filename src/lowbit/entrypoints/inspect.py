@@ -56,6 +56,8 @@ class Report:
     format: str | None
     layers: list
     findings: list
+    ignore: list = field(default_factory=list)     # quantization_config.ignore, as written
+    dense_linears: list | None = None              # Linears of the architecture stored unquantized (None: unknown)
 
     @property
     def errors(self) -> list:
@@ -116,7 +118,7 @@ def inspect_checkpoint(path: str | Path) -> Report:
 
     # layers with quantized tensors, by module prefix
     qkeys = ("weight_scale", "weight_packed")
-    qlayers = sorted({n.rpartition(".")[0] for n in info if n.rpartition(".")[2] in qkeys})
+    qlayers = sorted({n.rpartition(".")[0] for n in info if n.rpartition(".")[2] in qkeys}, key=natural_key)
     by_layer: dict[str, dict] = {}
     for n, (dt, shape, _, _) in info.items():
         mod, _, local = n.rpartition(".")
@@ -163,9 +165,48 @@ def inspect_checkpoint(path: str | Path) -> Report:
                                     "and accumulates across layers"))
     if qc.get("kv_cache_scheme") is not None:
         findings.append(Finding(INFO, "-", "kv-cache", f"kv cache quantized: {describe_args(qc['kv_cache_scheme'])}"))
-    _check_dense(info, qlayers, groups, ignore, _linear_names(cfg), findings)
+    linears = _linear_names(cfg)
+    _check_dense(info, qlayers, groups, ignore, linears, findings)
     _check_fused(layers, findings)
-    return Report(str(d), top_fmt, layers, findings)
+    dense = None if linears is None else sorted(set(linears) - set(qlayers), key=natural_key)
+    return Report(str(d), top_fmt, layers, findings, list(ignore), dense)
+
+
+def natural_key(name: str) -> list:
+    """Sort key putting layers.2 before layers.10."""
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", name)]
+
+
+def _span(values: list[int]) -> str:
+    """{0..29} / {0..3,7}: a set of layer indices as runs."""
+    vs = sorted(set(values))
+    runs, start = [], vs[0]
+    for a, b in zip(vs, vs[1:] + [None]):
+        if b != a + 1:
+            runs.append(str(start) if start == a else f"{start}..{a}")
+            start = b
+    return "{" + ",".join(runs) + "}"
+
+
+def group_names(rows: list[tuple[str, tuple]]) -> list[tuple[str, tuple]]:
+    """(name, what) rows -> (pattern, what) rows: names that differ only in their numbers and
+    share `what` become one row (model.layers.{0..29}.mlp.down_proj), in first-seen order. A
+    pattern whose number sets do not cover every combination is left as separate rows."""
+    groups: dict[tuple, list[str]] = {}
+    for name, what in rows:
+        groups.setdefault((re.sub(r"\d+", "{}", name), what), []).append(name)
+    out = []
+    for (template, what), names in groups.items():
+        nums = [[int(v) for v in re.findall(r"\d+", n)] for n in names]
+        sets = [sorted({ns[i] for ns in nums}) for i in range(len(nums[0]))]
+        full = 1
+        for st in sets:
+            full *= len(st)
+        if len(names) == 1 or full != len(names):
+            out += [(n, what) for n in names]
+        else:
+            out.append((template.format(*[_span(st) for st in sets]), what))
+    return out
 
 
 def _dense_shape(name, t, files) -> list | None:
@@ -271,14 +312,25 @@ def _check_fused(layers: list, f: list) -> None:
 
 
 def format_report(r: Report) -> str:
+    """The text report: one row per group of layers with the same scheme and scale shapes (the
+    numbers in their names folded: model.layers.{0..29}.mlp.down_proj), the layers left in
+    high precision, then the findings (--json keeps every layer)."""
     lines = [f"{r.path}: compressed-tensors, format {r.format}, {len(r.layers)} quantized layers"]
-    w = max([len(li.name) for li in r.layers] + [5])
+    rows = group_names([(li.name, (li.weight, li.act, ", ".join(
+        f"{k}={v.split(' ', 1)[1]}" for k, v in li.tensors.items() if k.endswith(("scale", "zero_point")))))
+        for li in r.layers])
+    w = max([len(n) for n, _ in rows] + [5])
     cw = max([len(li.weight) for li in r.layers] + [len(li.act) for li in r.layers] + [11])
     lines.append(f"{'layer':<{w}}  {'weight':<{cw}} {'activations':<{cw}} scale shapes")
-    for li in r.layers:
-        shapes = ", ".join(f"{k}={v.split(' ', 1)[1]}" for k, v in li.tensors.items()
-                           if k.endswith(("scale", "zero_point")))
-        lines.append(f"{li.name:<{w}}  {li.weight:<{cw}} {li.act:<{cw}} {shapes}")
+    for name, (weight, act, shapes) in rows:
+        lines.append(f"{name:<{w}}  {weight:<{cw}} {act:<{cw}} {shapes}")
+    kept = ", ".join(n for n, _ in group_names([(x, ()) for x in r.ignore])) or "none"
+    lines.append(f"\nkept in high precision (quantization_config.ignore): {kept}")
+    if r.dense_linears is not None:
+        unlisted = [x for x in r.dense_linears if not any(_match(t, x) for t in r.ignore)]
+        if unlisted:
+            lines.append("Linears stored unquantized and not in ignore: "
+                         + ", ".join(n for n, _ in group_names([(x, ()) for x in unlisted])))
     if r.findings:
         lines.append("")
         # the same finding on many layers is printed once with the layers listed (--json keeps each)

@@ -30,8 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     # Import only the chosen command's module: the others may pull heavy dependencies.
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module_name, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text,
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
         if name == chosen:
             module = importlib.import_module(module_name)
             module.register(p)
@@ -42,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args.command is None else 2
     try:
         return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        # Ctrl-C: files being written were staged and are discarded (lowbit.io.outdir)
+        print(f"\nlowbit {args.command}: interrupted (Ctrl-C); an output being written was discarded", file=sys.stderr)
+        return 130
     except (ValueError, OSError, NotImplementedError) as err:
         # bad input (a wrong argument, an unreadable or missing file, a scheme with no path): the
         # message names the argument and the fix; a traceback would only hide it
@@ -53,6 +56,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lowbit {args.command}: error: this needs the package {err.name!r}, which is not installed "
               f"(pip install {err.name}, or the [models] extra)", file=sys.stderr)
         return 2
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help with "(default: X)" added only where it says something: not after a help
+    text that already names its default, nor for a switch (False) or an unset option (None)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        d = action.default
+        if ("default" in text.lower() or d is None or isinstance(d, bool) or d is argparse.SUPPRESS
+                or (isinstance(d, (list, tuple, dict, str)) and not d)
+                or not action.option_strings or action.help == argparse.SUPPRESS):
+            return text
+        return text + " (default: %(default)s)"
 
 
 def _one_line(err: BaseException) -> str:

@@ -16,41 +16,61 @@ from pathlib import Path
 def register(p) -> None:
     from lowbit.recipes.presets import RECIPES
     p.add_argument("--model", default="smollm2",
-                   help="smollm2 (embedded default), minilm (embedded encoder), or a model directory (HF or .gguf)")
+                   help="smollm2 (the embedded default: SmolLM2-135M-Instruct from a Q4_1 GGUF file, dequantized; "
+                        "that is its float baseline), minilm (embedded encoder), or a model directory (Hugging Face "
+                        "or .gguf)")
     p.add_argument("--recipe", default="w8a8-int8",
-                   help=f"recipe, or several separated by commas (one table): {', '.join(RECIPES)}")
-    p.add_argument("--out", default=None, help="checkpoint + report directory (default lowbit-out/<model>-<recipe>); "
+                   help=f"recipe, or several separated by commas (one table; any letter case): {', '.join(RECIPES)}")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="checkpoint + report directory (default lowbit-out/<model>-<recipe>); "
                    "a non-empty directory lowbit did not write is refused unless --overwrite")
     p.add_argument("--overwrite", action="store_true",
                    help="write into a non-empty --out that lowbit did not write: lowbit's files are added next to "
                         "the ones there, none of which is deleted or replaced")
-    p.add_argument("--tokens", type=int, default=8192, help="evaluation tokens (perplexity windows of --window)")
-    p.add_argument("--window", type=int, default=512, help="perplexity window (non-overlapping)")
-    p.add_argument("--calib-tokens", type=int, default=None,
-                   help=f"calibration / per-site report tokens (separate text; default {CALIB_TOKENS}, or the count "
-                        "the recipe's best measures were measured with when they are applied)")
+    p.add_argument("--tokens", type=int, default=8192, metavar="N",
+                   help="evaluation tokens, read in windows of --window")
+    p.add_argument("--window", type=int, default=512, metavar="N",
+                   help="perplexity window in tokens; windows do not overlap")
+    p.add_argument("--calib-tokens", type=int, default=None, metavar="N",
+                   help=f"calibration tokens (default {CALIB_TOKENS}, or as many as the recipe's best measures were "
+                        "measured with when they are applied)")
+    p.add_argument("--calib-data", metavar="FILE", default=None,
+                   help="your calibration text instead of the embedded Wikipedia articles: .txt, .jsonl (a \"text\" "
+                        "field per line) or .safetensors (one tensor of token ids)")
+    p.add_argument("--eval-data", metavar="FILE", default=None,
+                   help="your evaluation text (same file kinds as --calib-data; keep it apart from the "
+                        "calibration text)")
+    p.add_argument("--no-eval", action="store_true",
+                   help="skip the before/after evaluation (perplexity / cosine): quantize, report and save only")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
+                   help="dtype of the tensors kept in high precision (embeddings, norms, skipped Linears) in the "
+                        "checkpoint and in the model evaluated; by default (auto) what the source stores "
+                        "(config.json's dtype), and bfloat16 for a GGUF file, the embedded SmolLM2 included (its "
+                        "dequantized values rounded to bf16; float32 keeps them exactly)")
     p.add_argument("--smoothquant", nargs="?", type=float, const=0.5, default=None, metavar="ALPHA",
                    help="fold SmoothQuant factors (alpha, default 0.5) before quantizing")
     p.add_argument("--override-worst", type=float, default=0.0, metavar="FRACTION",
                    help="send the worst sites of the per-site report (at most this fraction of Linears, e.g. 0.05) "
                         "to --override-to")
-    p.add_argument("--override-to", default="skip", help="'skip' (high precision) or a recipe for --override-worst")
-    p.add_argument("--ignore", action="append", default=None, metavar="PATTERN", help="keep matching Linears in high precision")
+    p.add_argument("--override-to", default="skip", metavar="RECIPE",
+                   help="'skip' (keep in high precision) or a recipe, for --override-worst")
+    p.add_argument("--ignore", action="append", default=None, metavar="PATTERN",
+                   help="keep matching Linears in high precision (glob, or re:REGEX)")
     p.add_argument("--override", action="append", default=None, metavar="PATTERN=RECIPE",
                    help="another recipe (or skip) for matching Linears")
     p.add_argument("--method", choices=("rtn", "gptq"), default=None,
-                   help="how weight codes are chosen: rtn (round to nearest) or gptq (calibrated, lowbit.algorithms.gptq)")
+                   help="how weight codes are chosen: rtn (round to nearest) or gptq (calibrated)")
     p.add_argument("--plain", action="store_true",
                    help="round to nearest and nothing else; without --plain or any measure flag, the recipe's best "
-                        "measured measures are applied (lowbit.recipes.best, docs/perplexity.md)")
+                        "measured measures are applied (docs/perplexity.md)")
     p.add_argument("--gptq", dest="method", action="store_const", const="gptq", help="same as --method gptq")
     p.add_argument("--mse-scales", dest="mse", action="store_true",
-                   help="MSE-optimal weight scales (range searched per group/channel, lowbit.algorithms.scale_search) instead "
-                        "of round to nearest's; with --gptq weighted by each layer's Hessian diagonal")
+                   help="MSE-optimal weight scales (range searched per group/channel) instead of round to nearest's; "
+                        "with --gptq weighted by each layer's Hessian diagonal")
     p.add_argument("--awq", action="store_true",
                    help="fold activation-aware (AWQ) weight scales before quantizing (weight-only recipes)")
     p.add_argument("--rotate", nargs="?", const="hadamard", default=None, choices=("hadamard",),
-                   help="rotate the residual stream by a random Hadamard matrix first (folded exactly; lowbit.algorithms.rotation)")
+                   help="rotate the residual stream by a random Hadamard matrix first (folded exactly)")
     p.add_argument("--static-scales", action="store_true",
                    help="calibrated per-tensor activation scales instead of dynamic ones (+ clipping report on new text)")
     p.add_argument("--kv-cache", default=None, metavar="SCHEME",
@@ -62,17 +82,26 @@ def register(p) -> None:
     p.add_argument("--sequential", action="store_true",
                    help="layer by layer from the --model directory's (sharded) safetensors, Llama family: one decoder "
                         "layer in memory at a time, calibrated on cached activations, quantized, written, freed "
-                        "(lowbit.pipelines.layerwise; same codes as the whole-model path). Calibration text tokenized by the "
-                        "directory's tokenizer; only the measures flagged (--gptq, --smoothquant, --static-scales), "
-                        "no best-measured defaults; no evaluation")
+                        "(same codes as the whole-model path). Calibration text tokenized by the directory's "
+                        "tokenizer; only the measures flagged (--gptq, --smoothquant, --static-scales), no "
+                        "best-measured defaults; no evaluation")
     p.add_argument("--device", default=None,
-                   help="--sequential: where the layers run (default: cuda if available, else cpu)")
+                   help="--sequential: where the layers run, cpu or cuda[:N] (default: cuda if available, else cpu)")
     p.add_argument("--distributed", action="store_true",
                    help="data-parallel calibration under `torchrun --nproc-per-node N -m lowbit quantize ...` "
                         "(also on whenever torchrun's environment is present): calibration batches split across "
-                        "ranks, statistics all-reduced (lowbit.algorithms.distributed; NCCL on GPUs, gloo on CPUs), the "
-                        "same checkpoint as one process, written by rank 0 (the whole-model path evaluates on every rank)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+                        "processes, statistics summed (NCCL on GPUs, gloo on CPUs), the same checkpoint as one "
+                        "process, written by rank 0 (the whole-model path evaluates on every rank)")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: torch's choice)")
+
+
+# Files a quantize output may hold besides the checkpoint's safetensors: a user's file of one of
+# these names in --out is refused before the job starts, not after it.
+OUTPUT_FILES = {"config.json", "lowbit.json", "lowbit_report.md", "lowbit_sites.png", "lowbit_metric.png",
+                "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "added_tokens.json",
+                "generation_config.json"}
+REPORT_FILES = {"lowbit_report.md", "lowbit_sites.png", "lowbit_metric.png"}
 
 
 CALIB_TOKENS = 1024        # --calib-tokens when neither the flag nor the recipe's best measures give a count
@@ -105,14 +134,11 @@ def _measures(args, recipe: str, kind: str) -> tuple[dict, int]:
     return {**given, **best.options}, n
 
 
-def _save(model, out: Path, recipe, tokenizer) -> str | None:
-    """Write the checkpoint into `out` (a staging directory); None, or why it was not written."""
+def _save(model, out: Path, recipe, tokenizer, dtype) -> None:
+    """Write the checkpoint into `out` (a staging directory). What can be refused was refused
+    before calibration (validate, check_plan): an error here is an error of the run."""
     from lowbit.pipelines.checkpoint import save_compressed
-    try:
-        save_compressed(model, out, recipe, tokenizer=tokenizer, overwrite=True)
-    except (ValueError, NotImplementedError) as err:
-        return f"not written: {err}"
-    return None
+    save_compressed(model, out, recipe, tokenizer=tokenizer, overwrite=True, dtype=dtype)
 
 
 def _kv_line(kv_name: str, mname: str, run_) -> str:
@@ -142,9 +168,11 @@ def validate(args) -> tuple[list[str], dict, dict[str, Path]]:
     Raises ValueError naming the flag and the fix."""
     from lowbit.io.outdir import OutputDirError, check_out_dir
     from lowbit.entrypoints import quantize_args as A
+    from lowbit.recipes.presets import get_recipe
     recipes = A.recipe_names(args.recipe)
     overrides = A.overrides(args.override)
     override_to = A.recipe_or_skip(args.override_to, "--override-to")
+    args.override_to = override_to
     A.text_sizes(args.tokens, args.window)
     args.calib_tokens_given = args.calib_tokens is not None
     if args.calib_tokens is None:
@@ -156,24 +184,120 @@ def validate(args) -> tuple[list[str], dict, dict[str, Path]]:
         raise ValueError("--kv-cache is not available with --sequential (which writes layers without running the "
                          "whole model); drop one of them")
     A.fraction(args.override_worst, "--override-worst", 0.5)
+    A.device(args.device)
+    if args.no_eval and args.eval_data:
+        raise ValueError("--eval-data is the evaluation text and --no-eval skips the evaluation: drop one")
+    A.text_file(args.calib_data, "--calib-data")
+    A.text_file(args.eval_data, "--eval-data")
     if args.smoothquant is not None:
         A.fraction(args.smoothquant, "--smoothquant ALPHA")
+    with_act = [r for r in recipes if get_recipe(r).act is not None]
+    weight_only = [r for r in recipes if get_recipe(r).act is None]
+    if args.awq and with_act:
+        raise ValueError(f"--awq searches weight-only scales; recipe(s) {with_act} also quantize activations: drop "
+                         "--awq (--smoothquant moves outliers for those) or choose a w4a16 / w8a16 recipe")
     if args.static_scales:
-        from lowbit.recipes.presets import get_recipe
-        weight_only = [r for r in recipes if get_recipe(r).act is None]
         if weight_only:
             raise ValueError(f"--static-scales calibrates activation scales; recipe(s) {weight_only} quantize "
                              "weights only: drop --static-scales or choose a W8A8 recipe")
         if args.override_worst > 0 and override_to != "skip":
             raise ValueError("--static-scales are calibrated for the recipe's activation format; combine them "
                              "only with --override-to skip")
+    if args.model == "minilm":
+        _encoder_measures(args, "minilm is an encoder")
+    if not args.no_save:
+        _shapes_before_loading(args, recipes, overrides, override_to)
     outs = _out_dirs(args, recipes)
+    new_files = REPORT_FILES if args.no_save else OUTPUT_FILES | {"model.safetensors"}
     for out in outs.values():   # the report is written even with --no-save
         try:
-            check_out_dir(out, args.overwrite)
+            check_out_dir(out, args.overwrite, new_files=new_files)
         except OutputDirError as err:
             raise ValueError(str(err)) from err
     return recipes, overrides, outs
+
+
+def _encoder_measures(args, why: str) -> None:
+    """The folds that need a pre-norm decoder, refused for an encoder."""
+    bad = [f for f, on in (("--smoothquant", args.smoothquant is not None), ("--awq", args.awq),
+                           ("--rotate", args.rotate)) if on]
+    if bad:
+        raise ValueError(f"{' '.join(bad)} fold scales into a pre-norm decoder's norms; {why} (post-norm): drop "
+                         f"{' and '.join(bad)}")
+
+
+def _model_config(spec: str) -> dict | None:
+    """The config values that fix the Linears' K, known before loading: the embedded models' own,
+    or a Hugging Face directory's config.json (None for a GGUF directory or an unreadable one:
+    the exact check after loading covers those)."""
+    import json
+    from lowbit.recipes.compat import EMBEDDED_CONFIGS
+    if spec in EMBEDDED_CONFIGS:
+        return EMBEDDED_CONFIGS[spec]
+    path = Path(spec) / "config.json"
+    if not path.is_file() or any(Path(spec).glob("*.gguf")):
+        return None
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def _shapes_before_loading(args, recipes: list[str], overrides: dict, override_to: str) -> None:
+    """Refuse a recipe whose checkpoint cannot hold the model's shapes, from the config alone. With
+    --ignore / --override the layers in play are only known after loading (check_plan then)."""
+    from lowbit.recipes.compat import config_in_features, refusal
+    cfg = _model_config(args.model)
+    if cfg is None or args.ignore or overrides:
+        return
+    ks = config_in_features(cfg)
+    for r in recipes + ([override_to] if override_to != "skip" and args.override_worst > 0 else []):
+        why = refusal(r, ks)
+        if why:
+            raise ValueError(f"--recipe {r}: {why}" if r in recipes else f"--override-to {r}: {why}")
+
+
+def check_plan(args, model, recipe: str, overrides: dict) -> None:
+    """After loading, before any calibration: the exact plan's shapes against each recipe's
+    checkpoint format."""
+    from lowbit.recipes.compat import plan_refusal
+    from lowbit.recipes.plan import plan
+    if args.no_save:
+        return
+    extra = [args.override_to] if args.override_to != "skip" and args.override_worst > 0 else []
+    why = plan_refusal(plan(model, recipe, ignore=args.ignore, overrides=overrides), extra)
+    if why:
+        raise ValueError(f"--recipe {recipe}: {why}")
+
+
+def checkpoint_bytes(directory: Path) -> int:
+    """Bytes of the checkpoint's tensor files on disk (safetensors shards and their index)."""
+    return sum(f.stat().st_size for f in Path(directory).iterdir()
+               if f.name.endswith(".safetensors") or f.name.endswith(".safetensors.index.json"))
+
+
+def save_dtype(args, loaded):
+    """--dtype as a torch dtype ("auto": the source's storage dtype, float32 when unknown)."""
+    import torch
+    if args.dtype == "auto":
+        return loaded.dtype or torch.float32
+    return getattr(torch, args.dtype)
+
+
+def round_float_parts(model, dtype) -> None:
+    """Round every float parameter and persistent buffer to `dtype` in place (kept in their own
+    dtype): the model evaluated, quantized and saved is then the one the checkpoint holds."""
+    import torch
+    if dtype == torch.float32:
+        return
+    with torch.no_grad():
+        for m in model.modules():
+            ts = list(m._parameters.values()) + [b for k, b in m._buffers.items()
+                                                 if k not in m._non_persistent_buffers_set]
+            for t in ts:
+                if t is not None and t.is_floating_point() and t.dtype != dtype:
+                    t.copy_(t.to(dtype))
 
 
 def run(args) -> int:
@@ -207,23 +331,37 @@ def run(args) -> int:
     t0 = time.time()
     print(f"loading {args.model} ...", flush=True)
     loaded = load_model(args.model)
-    texts = prepare_texts(loaded, args.tokens, args.calib_tokens, args.window)
+    if loaded.kind != "causal":
+        _encoder_measures(args, f"{loaded.name} is an encoder")
+    for recipe in recipes:                       # before any calibration work
+        check_plan(args, loaded.model, recipe, overrides)
+    dtype = save_dtype(args, loaded)
+    round_float_parts(loaded.model, dtype)
+    dname = str(dtype).replace("torch.", "")
+    rounded = f"; float parts rounded to {dname}, as the checkpoint stores them" if dtype != torch.float32 else ""
+    print(f"float baseline: {loaded.origin or loaded.name}{rounded}", flush=True)
+    data = {k: v for k, v in (("calib_data", args.calib_data), ("eval_data", args.eval_data)) if v}
+    texts = prepare_texts(loaded, args.tokens, args.calib_tokens, args.window, **data)
     texts.calib = D.shard(texts.calib)           # all batches in one process
-    before = metric(loaded, loaded.model, None, texts, args.window, True, "float eval")
+    evaluate = not args.no_eval
+    before = metric(loaded, loaded.model, None, texts, args.window, True, "float eval") if evaluate else None
     mname = "perplexity" if loaded.kind == "causal" else "embedding cosine"
     ntok = args.tokens if loaded.kind == "causal" else len(texts.sentences)
-    bytes_before = model_bytes(loaded.model)
-    tps_before = tokens_per_second(loaded.model, texts.eval_ids) if texts.eval_ids is not None else None
-    print(f"{loaded.name}: float {mname} {before:.4f} on {ntok} {'tokens' if loaded.kind == 'causal' else 'sentences'}"
-          f" ({time.time() - t0:.0f} s)", flush=True)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    bytes_before = model_bytes(loaded.model, itemsize)
+    tps_before = tokens_per_second(loaded.model, texts.eval_ids) if texts.eval_ids is not None and evaluate \
+        else None
+    unit = "tokens" if loaded.kind == "causal" else "sentences"
+    if evaluate:
+        print(f"{loaded.name}: float {mname} {before:.4f} on {ntok} {unit} ({time.time() - t0:.0f} s)", flush=True)
     table = []
     for recipe in recipes:
         opts, n_calib = _measures(args, recipe, loaded.kind)
         rtexts = texts if n_calib == args.calib_tokens else dataclasses.replace(
-            texts, calib=D.shard(prepare_texts(loaded, args.tokens, n_calib, args.window).calib))
+            texts, calib=D.shard(prepare_texts(loaded, args.tokens, n_calib, args.window, **data).calib))
         run_ = run_recipe(loaded, rtexts, recipe, override_to=args.override_to, ignore=args.ignore,
-                          overrides=overrides, static=args.static_scales, window=args.window,
-                          reference=loaded.model if loaded.kind == "causal" else None,
+                          overrides=overrides, static=args.static_scales, window=args.window, evaluate=evaluate,
+                          reference=loaded.model if loaded.kind == "causal" and evaluate else None,
                           kv_cache=getattr(args, "kv_cache", None), **opts)
         print(run_.sites_before)
         if run_.sites_after is not None:
@@ -234,11 +372,14 @@ def run(args) -> int:
         tps = tokens_per_second(run_.model, texts.eval_ids) if tps_before else None
         res = QuantizeResult(
             model=loaded.name, recipe=recipe, metric=mname, before=before, after=run_.value,
-            bytes_before=bytes_before, bytes_after=model_bytes(run_.model), eval_tokens=ntok,
+            bytes_before=bytes_before, bytes_after=model_bytes(run_.model, itemsize), eval_tokens=ntok,
             command=command, machine=machine(),
             smoothquant=None if opts["smoothquant"] is None else f"alpha {opts['smoothquant']}",
             summary=str(run_.summary), overrides=run_.overrides, clipping=run_.clipping, tokens=run_.tokens,
             tokens_per_s=(tps_before, tps) if tps else None,
+            bytes_label=f"weight bytes (float parts in {dname}; quantized: "
+                        f"{'estimated, not saved' if args.no_save else 'the checkpoint on disk'})",
+            baseline=(loaded.origin or loaded.name) + rounded,
             sites_markdown=[("Worst sites" + (" before SmoothQuant" if run_.sites_after else ""),
                              run_.sites_before.to_markdown(10))]
             + ([("Worst sites after SmoothQuant", run_.sites_after.to_markdown(10))] if run_.sites_after else []))
@@ -254,8 +395,9 @@ def run(args) -> int:
             continue
         with staged(out, args.overwrite) as stage:   # Ctrl-C or an error leaves `out` as it was
             if not args.no_save:
-                why = _save(run_.model, stage, get_recipe(recipe), loaded.tokenizer)
-                res.checkpoint = why or str(out)
+                _save(run_.model, stage, get_recipe(recipe), loaded.tokenizer, dtype)
+                res.checkpoint = str(out)
+                res.bytes_after = checkpoint_bytes(stage)
             reps = [run_.sites_before] + ([run_.sites_after] if run_.sites_after else [])
             labels = [f"{recipe}"] + ([f"{recipe} + SmoothQuant"] if run_.sites_after else [])
             png = optional_png(plot_sites, reps, str(stage / "lowbit_sites.png"), labels=labels)
@@ -264,10 +406,15 @@ def run(args) -> int:
             print(f"checkpoint: {res.checkpoint}")
         md = out / "lowbit_report.md"
         mb = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
-        kl = "" if run_.tokens is None else \
-            f", KL from float {run_.tokens.kl:.4f} nats, top-1 agreement {100 * run_.tokens.top1:.2f}%"
-        print(f"{recipe}: {mname} {before:.4f} -> {run_.value:.4f} ({res.change()}){kl}, "
-              f"bytes {mb(res.bytes_before)} -> {mb(res.bytes_after)}; report {md}", flush=True)
+        size = (f"bytes {mb(res.bytes_before)} ({dname} float) -> {mb(res.bytes_after)} "
+                f"({'estimated' if args.no_save else 'on disk'})")
+        if evaluate:
+            kl = "" if run_.tokens is None else \
+                f", KL from float {run_.tokens.kl:.4f} nats, top-1 agreement {100 * run_.tokens.top1:.2f}%"
+            print(f"{recipe}: {mname} {before:.4f} -> {run_.value:.4f} ({res.change()}){kl}, {size}; report {md}",
+                  flush=True)
+        else:
+            print(f"{recipe}: not evaluated (--no-eval), {size}; report {md}", flush=True)
         if run_.clipping:
             worst = run_.clipping[0]
             print(f"static scales on new text: worst clipping {worst['clip_rate']:.2e} at {worst['name']} "
@@ -276,8 +423,9 @@ def run(args) -> int:
         del run_
     if len(table) > 1:
         print(f"\n| recipe | {mname} | change | bytes | overrides |\n|---|---:|---:|---:|---:|")
-        print(f"| float | {before:.3f} | | {bytes_before} | |")
+        v3 = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        print(f"| float | {v3(before)} | | {bytes_before} | |")
         for r, v, c, b, n in table:
-            print(f"| {r} | {v:.3f} | {c} | {b} | {n} |")
+            print(f"| {r} | {v3(v)} | {c} | {b} | {n} |")
     print(f"done in {time.time() - t0:.0f} s")
     return 0

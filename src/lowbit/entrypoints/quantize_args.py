@@ -22,8 +22,8 @@ def recipe_names(text: str, flag: str = "--recipe") -> list[str]:
 
 def recipe_or_skip(text: str, flag: str) -> str:
     """One recipe name, or "skip" (keep in high precision)."""
-    if text == "skip":
-        return text
+    if text.strip().lower() == "skip":
+        return "skip"
     if "," in text:
         raise ValueError(f"{flag} {text!r}: give one recipe (or skip), not a list")
     return recipe_names(text, flag)[0]
@@ -92,3 +92,39 @@ def kv_cache(text: str | None) -> str | None:
     except ValueError as err:
         raise ValueError(f"--kv-cache: {err}") from err
     return text
+
+
+def device(text: str | None, flag: str = "--device") -> None:
+    """A torch device lowbit can run on here: cpu, or cuda / cuda:N with that GPU visible."""
+    if text is None:
+        return
+    import torch
+    try:
+        d = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"{flag} {text!r} is not a device name; give cpu or cuda (cuda:N for one GPU)") from None
+    if d.type not in ("cpu", "cuda"):
+        raise ValueError(f"{flag} {text}: lowbit runs on cpu or cuda, not {d.type}")
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{flag} {text}: no CUDA GPU is visible on this machine (torch "
+                             f"{torch.__version__}, CUDA {torch.version.cuda or 'not built in'}); use --device cpu")
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            raise ValueError(f"{flag} {text}: this machine has {torch.cuda.device_count()} GPU(s), "
+                             f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+
+
+TEXT_SUFFIXES = (".txt", ".jsonl", ".safetensors")
+
+
+def text_file(path: str | None, flag: str) -> None:
+    """--calib-data / --eval-data: an existing .txt, .jsonl (a "text" field per line) or
+    .safetensors (token ids) file; its contents are read once the tokenizer is loaded."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.suffix.lower() not in TEXT_SUFFIXES:
+        raise ValueError(f"{flag} {path}: give a .txt file, a .jsonl file with a \"text\" field per line, or a "
+                         ".safetensors file of token ids")
+    if not p.is_file():
+        raise ValueError(f"{flag} {path}: no such file")

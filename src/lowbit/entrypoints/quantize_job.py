@@ -23,7 +23,7 @@ class RecipeRun:
     sites_before: object
     sites_after: object | None
     overrides: dict
-    value: float
+    value: float | None         # None when not evaluated (evaluate=False)
     clipping: list
     tokens: object = None       # evaluate.TokenMetrics (KL / top-1 vs the reference) when a reference was given
     calib_s: float = 0.0        # seconds from the float copy to the quantized model (rotation, SmoothQuant, AWQ,
@@ -37,7 +37,7 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
                static: bool = False, window: int = 512, progress: bool = True, sites: bool = True,
                method: str = "rtn", awq: bool = False, rotate: str | None = None,
                reference: list | torch.nn.Module | None = None, mse: bool = False,
-               override_by: str = "block", kv_cache: str | None = None) -> RecipeRun:
+               override_by: str = "block", kv_cache: str | None = None, evaluate: bool = True) -> RecipeRun:
     """Quantize a copy of loaded.model by `recipe` and evaluate it. smoothquant: alpha or None;
     override_worst: fraction of Linear layers (<= 0.05 by the issue's rule) whose worst output
     SQNR sends them to `override_to` ("skip" = high precision, or a recipe name).
@@ -51,7 +51,9 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
     report) or "kl" (largest measured drop of the next-token KL on texts.calib, greedy:
     lowbit.diagnosis.site_kl; causal models), both on round to nearest's codes after the folds.
     kv_cache: also quantize the KV cache (lowbit.nn.kv_cache; static scales calibrated on
-    texts.calib); the run is evaluated with it and again without it (RecipeRun.without_kv)."""
+    texts.calib); the run is evaluated with it and again without it (RecipeRun.without_kv).
+
+    evaluate=False: quantize only (RecipeRun.value None, no token metrics)."""
     from lowbit.algorithms.static_scales import calibrate_static_scales, clipping_report
     from lowbit.recipes.plan import linear_layers
     from lowbit.pipelines.quantize_model import quantize_model
@@ -121,15 +123,17 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
                              kv_cache=kv_cache, kv_calib=texts.calib if kv_cache else None)
     clipping = clipping_report(m, texts.new) if static else []
     t1 = time.perf_counter()
-    tokens = None
-    if reference is not None and loaded.kind == "causal":
+    tokens, value = None, None
+    if not evaluate:
+        pass
+    elif reference is not None and loaded.kind == "causal":
         from lowbit.evaluation.evaluate import token_metrics
         tokens = token_metrics(m, texts.eval_ids, reference, window, progress=progress, desc=f"{r.name} eval")
         value = tokens.perplexity
     else:
         value = metric(loaded, m, loaded.model, texts, window, progress, f"{r.name} eval")
     without_kv = None
-    if kv_cache is not None:
+    if kv_cache is not None and evaluate:
         from lowbit.nn.kv_cache import kv_cache_disabled
         with kv_cache_disabled(m):
             if reference is not None and loaded.kind == "causal":

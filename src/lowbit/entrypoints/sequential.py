@@ -22,15 +22,25 @@ def check(args) -> None:
         raise ValueError(f"--sequential reads a safetensors checkpoint directory; --model {args.model!r} is not one")
     if args.no_save:
         raise ValueError("--sequential writes the checkpoint as it goes; --no-save would leave nothing")
+    if getattr(args, "eval_data", None):
+        raise ValueError("--sequential does not evaluate the model; drop --eval-data")
+    if getattr(args, "dtype", "auto") != "auto":
+        raise ValueError("--sequential copies the tensors kept in high precision as the source stores them; "
+                         "drop --dtype")
 
 
-def calibration_windows(model_dir: str, tokens: int, window: int) -> list:
+def calibration_windows(model_dir: str, tokens: int, window: int, calib_data: str | None = None) -> list:
     """[1, window] id tensors of the calibration text (Wikipedia's calib split, as the whole-model
-    path), tokenized by the checkpoint's own tokenizer."""
+    path, or the --calib-data file), tokenized by the checkpoint's own tokenizer."""
     from lowbit.evaluation.embedded import _offline, wiki_token_ids, windows
+    from lowbit.evaluation import text_files as T
     _offline()
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_dir)
+    if calib_data is not None:
+        ids = T.first_tokens(T.read_token_ids(calib_data, tok, "--calib-data"), tokens, "--calib-data", calib_data,
+                             "--calib-tokens")
+        return windows(ids, window)
     return windows(wiki_token_ids(tok, tokens, split="calib"), window)
 
 
@@ -39,7 +49,8 @@ def run(args, recipes: list[str], outs: dict, device: str) -> int:
     import torch
     from lowbit.algorithms import distributed as D
     from lowbit.pipelines.layerwise import quantize_layerwise
-    calib = D.shard(calibration_windows(args.model, args.calib_tokens, args.window))
+    data = {"calib_data": args.calib_data} if getattr(args, "calib_data", None) else {}
+    calib = D.shard(calibration_windows(args.model, args.calib_tokens, args.window, **data))
     method = args.method or "rtn"
     say = print if D.rank() == 0 else (lambda *a, **k: None)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16

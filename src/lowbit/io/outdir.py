@@ -214,6 +214,13 @@ def clean_stale_stages(out: str | os.PathLike) -> list[Path]:
     return removed
 
 
+def _umask() -> int:
+    """The process's umask (read by setting it, the only portable way, and setting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _commit(stage: Path, out: Path, overwrite: bool, what: str) -> None:
     (stage / STAGE_MARKER).unlink(missing_ok=True)
     new = _files(stage) - {MANIFEST}
@@ -223,6 +230,7 @@ def _commit(stage: Path, out: Path, overwrite: bool, what: str) -> None:
         _write_manifest(stage, new)
         if out.exists():
             out.rmdir()  # empty (checked by _plan); rename cannot replace it on every platform
+        os.chmod(stage, 0o777 & ~_umask())   # mkdtemp made it 0700; the output gets mkdir's mode
         os.rename(stage, out)
         return
     clash = _conflicts(foreign, new)

@@ -142,7 +142,7 @@ def describe_qlayer(name: str, m) -> tuple[str, tuple, dict]:
 
 def save_compressed(model: torch.nn.Module, out_dir: str | os.PathLike, recipe=None, *, config=None,
                     tokenizer=None, ignore=None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                    overwrite: bool = False) -> Path:
+                    overwrite: bool = False, dtype: torch.dtype | None = None) -> Path:
     """Write `model` as a compressed-tensors checkpoint directory; returns its path.
 
     model:     a model whose Linear layers are lowbit QuantLinears (lowbit.pipelines.quantize_model),
@@ -153,6 +153,9 @@ def save_compressed(model: torch.nn.Module, out_dir: str | os.PathLike, recipe=N
                then not loadable by transformers, only by load_compressed).
     tokenizer: saved alongside (``tokenizer.save_pretrained``) when given.
     max_shard_bytes: safetensors shard size (bytes of tensor data per file).
+    dtype:     the dtype every float tensor kept in high precision (embeddings, norms, biases,
+               unquantized Linears) is stored in, and config.json's dtype; None keeps each
+               tensor's own (and the config's). Quantized codes and scales are never converted.
     Raises ValueError / UnsupportedScheme before anything is written when a layer's scheme
     has no compressed-tensors encoding.
     """
@@ -188,11 +191,15 @@ def save_compressed(model: torch.nn.Module, out_dir: str | os.PathLike, recipe=N
     if kv is not None:
         qconfig["kv_cache_scheme"] = kv.scheme.to_ct_args()
     cfg["quantization_config"] = qconfig
+    if dtype is not None:
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype={dtype}: the high-precision tensors need a float dtype (torch.bfloat16, ...)")
+        set_config_dtype(cfg, dtype)
 
     def write(tmp: Path):
         writer = ShardedWriter(tmp, max_shard_bytes)
         seen: set[int] = set()
-        for name, t in module_tensors(model, formats, seen):
+        for name, t in module_tensors(model, formats, seen, float_dtype=dtype):
             writer.add(name, t)
         writer.finish()
         write_metadata(tmp, cfg, recipe_name, sidecar_layers)
@@ -202,15 +209,28 @@ def save_compressed(model: torch.nn.Module, out_dir: str | os.PathLike, recipe=N
     return atomic_dir(Path(out_dir), overwrite, write)
 
 
+def set_config_dtype(cfg: dict, dtype: torch.dtype) -> None:
+    """config.json's record of the float dtype: `dtype` (transformers 5) and the older
+    `torch_dtype` where the config had it."""
+    name = str(dtype).replace("torch.", "")
+    cfg["dtype"] = name
+    if "torch_dtype" in cfg:
+        cfg["torch_dtype"] = name
+
+
 def module_tensors(root: torch.nn.Module, formats: dict[str, str], seen: set[int], prefix: str = "",
-                   defer_host: bool = False):
+                   defer_host: bool = False, float_dtype: torch.dtype | None = None):
     """(name, tensor) of everything save_compressed stores for `root` and its submodules, names
     prefixed by `prefix`: each QuantLinear's compressed-tensors tensors (`formats`: its ct format
     by full module name) + bias + input_scale; every other parameter and persistent buffer as it
     is. `prefix`: root's own module name ("" for a model). `seen` holds ids of tensors already given (a tied weight is stored once).
     defer_host: a QuantLinear whose codes are on the host (e.g. W4A16's exact twin) gives
     (prefix, callable) instead of its weight tensors; the callable returns them (for int4 that is
-    packing into int32 words on the CPU, which a writer thread can do: expand_deferred)."""
+    packing into int32 words on the CPU, which a writer thread can do: expand_deferred).
+    float_dtype: the dtype the float tensors kept in high precision (parameters, persistent
+    buffers, a QuantLinear's bias) are given in; None: as they are."""
+    def hp(t):
+        return t if float_dtype is None or not t.is_floating_point() else t.to(float_dtype)
     from lowbit.nn.quant_linear import QuantLinear
     for mname, m in root.named_modules():
         full = f"{prefix}.{mname}" if prefix and mname else (prefix or mname)
@@ -222,7 +242,7 @@ def module_tensors(root: torch.nn.Module, formats: dict[str, str], seen: set[int
             else:
                 yield from ((pre + k, v) for k, v in L.qtensor_to_ct(m.weight_q, formats[full]).items())
             if m.bias is not None:
-                yield pre + "bias", m.bias.detach()
+                yield pre + "bias", hp(m.bias.detach())
             if m.act_static_scale is not None:
                 yield pre + "input_scale", m.act_static_scale.detach().float().reshape(1)
             continue
@@ -233,7 +253,7 @@ def module_tensors(root: torch.nn.Module, formats: dict[str, str], seen: set[int
             if id(t) in seen:  # a tied weight (lm_head = embed_tokens): stored once
                 continue
             seen.add(id(t))
-            yield pre + k, t.detach()
+            yield pre + k, hp(t.detach())
 
 
 def expand_deferred(items):

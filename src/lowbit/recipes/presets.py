@@ -72,10 +72,11 @@ RECIPES: dict[str, Recipe] = _build()
 
 
 def get_recipe(name: str | Recipe) -> Recipe:
-    """The recipe called `name` (a Recipe passes through). Unknown names raise ValueError
-    listing the known ones."""
+    """The recipe called `name`, in any letter case (`W4A16` as llm-compressor writes it; a
+    Recipe passes through). Unknown names raise ValueError listing the known ones."""
     if isinstance(name, Recipe):
         return name
-    if name not in RECIPES:
+    key = name.strip().lower() if isinstance(name, str) else name
+    if key not in RECIPES:
         raise ValueError(f"recipe={name!r} is not a lowbit recipe; choose one of: {', '.join(RECIPES)}")
-    return RECIPES[name]
+    return RECIPES[key]

@@ -164,6 +164,33 @@ def _int_mm(xq, wq, bias):
     return out if bias is None else out + bias
 
 
+def _pad_q(q, rows: int, cols: int):
+    """A per-row-scaled QTensor padded with zero codes and unit scales to [rows, cols]."""
+    return dataclasses.replace(q, codes=_padded(q.codes, rows, cols),
+                               scale=_padded(q.scale.reshape(-1, 1).expand(q.codes.shape[0], 1), rows, 1, 1.0),
+                               shape=(rows, cols))
+
+
+def int_mm_shape(M: int, K: int, N: int, device) -> tuple[int, int, int]:
+    """The shapes torch._int_mm takes on CUDA (cuBLASLt's int8 GEMM): M > 16, K and N multiples of
+    8; on the CPU any."""
+    if torch.device(device).type != "cuda":
+        return M, K, N
+    return max(M, 17), _up(K, 8), _up(N, 8)
+
+
+def _torch_int8(xq, wq, bias):
+    """lowbit's torch path (torch._int_mm) with the codes padded, as a caller must on CUDA, to the
+    shapes torch._int_mm takes (int_mm_shape): exact, zero products; the padding is dropped."""
+    import lowbit
+    (M, K), N = xq.codes.shape, wq.codes.shape[0]
+    Mp, Kp, Np = int_mm_shape(M, K, N, xq.codes.device)
+    if (Mp, Kp, Np) != (M, K, N):
+        xq, wq = _pad_q(xq, Mp, Kp), _pad_q(wq, Np, Kp)
+        bias = None if bias is None else _padded(bias.reshape(1, -1), 1, Np).reshape(-1)
+    return lowbit.ops.linear(xq, wq, bias=bias, backend="torch", out_dtype=torch.float32)[:M, :N]
+
+
 def _scaled_mm(fast: bool):
     """torch._scaled_mm (cuBLAS's fp8 GEMM) with the schemes' tensor-wise or row-wise scales, fp32
     out. It needs row-major A, column-major B and K, N multiples of 16: the codes are copied into
@@ -224,8 +251,9 @@ def discover(device: str, triton_ok: bool) -> list[KernelSpec]:
     if hasattr(torch, "_int_mm"):
         specs.append(KernelSpec("torch._int_mm + fp32 epilogue", i8t, i8c, _int_mm, "int32",
                                 note="int8 x int8 -> exact int32, then (acc * s_x) * s_w in fp32"))
-        specs.append(KernelSpec("lowbit torch path (int8)", i8t, i8c, _linear("torch"), "int32",
-                                note="torch._int_mm, epilogue in float64"))
+        specs.append(KernelSpec("lowbit torch path (int8)", i8t, i8c, _torch_int8, "int32",
+                                note="torch._int_mm, epilogue in float64 (codes padded on CUDA to M > 16, "
+                                     "K, N multiples of 8)"))
     if scaled_mm_ok(device):
         specs += scaled_mm_specs()
     if triton_ok:

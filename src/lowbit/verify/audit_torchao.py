@@ -16,6 +16,12 @@ runs torchao's own `F.linear` implementation for its quantized weight tensor:
   its activation quantizer. torchao's config refuses CPUs; its tensor runs there through
   torch._scaled_mm's CPU kernel.
 A row torchao cannot run here is n/a with torchao's reason.
+
+The GEMMs under these rows take only some shapes: torch._scaled_mm (cuBLASLt's fp8 GEMM, and
+the CPU kernel of some builds) K and N multiples of 16, torch._int_mm on CUDA M > 16 and K, N
+multiples of 8. The adapters pad as a caller must (torchao's own pad_inner_dim for the fp8 K;
+zero codes with unit scales elsewhere): exact, since padded products are zero, and the padded
+rows and columns are sliced off before the check.
 """
 from __future__ import annotations
 
@@ -60,9 +66,31 @@ def _rows(scale: torch.Tensor, n: int) -> torch.Tensor:
     return scale.reshape(-1, 1).float().expand(n, 1).contiguous()
 
 
-def _int8_weight(ao, wq, act_kwargs=None, act_scale=None):
-    N, K = wq.codes.shape
-    return ao["Int8Tensor"](wq.codes.contiguous(), _rows(wq.scale, N), [1, K], torch.float32,
+def _up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _pad(t: torch.Tensor, rows: int, cols: int, fill=0) -> torch.Tensor:
+    """t [r, c] padded with `fill` to [rows, cols] (a fresh row-major tensor)."""
+    out = torch.full((rows, cols), fill, dtype=t.dtype, device=t.device)
+    out[: t.shape[0], : t.shape[1]] = t
+    return out
+
+
+def _pad_bias(bias, n: int):
+    return None if bias is None else torch.cat([bias, bias.new_zeros(n - bias.shape[0])])
+
+
+def _int_mm_shape(M: int, K: int, N: int, device) -> tuple[int, int, int]:
+    """torch._int_mm's shapes on CUDA (cuBLASLt int8): M > 16, K and N multiples of 8."""
+    if torch.device(device).type != "cuda":
+        return M, K, N
+    return max(M, 17), _up(K, 8), _up(N, 8)
+
+
+def _int8_weight(ao, codes, scale, act_kwargs=None, act_scale=None):
+    N, K = codes.shape
+    return ao["Int8Tensor"](codes.contiguous(), scale, [1, K], torch.float32,
                             act_quant_scale=act_scale, act_quant_kwargs=act_kwargs)
 
 
@@ -70,20 +98,29 @@ def int8_w8a8(xq, wq, bias):
     """torchao's int8 x int8 linear on lowbit's codes and scales (x as its float values on
     lowbit's grid, which torchao's quantizer maps back to the same codes with the given scales)."""
     ao = _quiet_import()
-    M = xq.codes.shape[0]
-    w = _int8_weight(ao, wq, ao["QuantizeTensorToInt8Kwargs"](granularity=ao["PerRow"]()), _rows(xq.scale, M))
-    return torch.nn.functional.linear(xq.dequantize(), w, bias)
+    (M, K), N = xq.codes.shape, wq.codes.shape[0]
+    Mp, Kp, Np = _int_mm_shape(M, K, N, xq.codes.device)
+    w = _int8_weight(ao, _pad(wq.codes, Np, Kp), _pad(_rows(wq.scale, N), Np, 1, 1.0),
+                     ao["QuantizeTensorToInt8Kwargs"](granularity=ao["PerRow"]()),
+                     _pad(_rows(xq.scale, M), Mp, 1, 1.0))
+    return torch.nn.functional.linear(_pad(xq.dequantize(), Mp, Kp), w, _pad_bias(bias, Np))[:M, :N]
 
 
 def int8_weight_only(x, wq, bias):
     """torchao's float x int8 linear (x unquantized, float32)."""
-    return torch.nn.functional.linear(x, _int8_weight(_quiet_import(), wq), bias)
+    N = wq.codes.shape[0]
+    return torch.nn.functional.linear(x, _int8_weight(_quiet_import(), wq.codes, _rows(wq.scale, N)), bias)
 
 
-def _fp8_weight(ao, wq, act_kwargs=None, fast=False):
+def _fp8_weight(ao, wq, act_kwargs=None, fast=False, n_pad: int | None = None):
+    """torchao's Float8Tensor of lowbit's codes and row scales; n_pad: rows padded with zero codes
+    (unit scales) to that count, for torch._scaled_mm's N multiple of 16."""
     N, K = wq.codes.shape
-    return ao["Float8Tensor"](wq.codes.contiguous().view(torch.float8_e4m3fn), _rows(wq.scale, N), [1, K],
-                              mm_config=ao["Float8MMConfig"](use_fast_accum=fast), act_quant_kwargs=act_kwargs,
+    Np = n_pad or N
+    codes = _pad(wq.codes.view(torch.uint8), Np, K).view(torch.float8_e4m3fn)
+    mm = ao["Float8MMConfig"](use_fast_accum=fast, pad_inner_dim=n_pad is not None)
+    return ao["Float8Tensor"](codes, _pad(_rows(wq.scale, N), Np, 1, 1.0), [1, K],
+                              mm_config=mm, act_quant_kwargs=act_kwargs,
                               kernel_preference=ao["KernelPreference"].TORCH, dtype=torch.float32)
 
 
@@ -94,12 +131,18 @@ def fp8_weight_only(x, wq, bias):
 
 def fp8_w8a8(fast: bool):
     def fn(x, wq, bias):
-        """torchao quantizes x (float) per row itself, then torch._scaled_mm."""
+        """torchao quantizes x (float) per row itself, then torch._scaled_mm: K padded by
+        torchao (pad_inner_dim: zero columns leave each row's amax, so its scale, unchanged),
+        N by zero weight rows sliced off."""
         ao = _quiet_import()
+        N = wq.codes.shape[0]
+        Np = _up(N, 16)
         act = ao["QuantizeTensorToFloat8Kwargs"](granularity=ao["PerRow"](),
-                                                 mm_config=ao["Float8MMConfig"](use_fast_accum=fast),
+                                                 mm_config=ao["Float8MMConfig"](use_fast_accum=fast,
+                                                                                pad_inner_dim=True),
                                                  kernel_preference=ao["KernelPreference"].TORCH)
-        return torch.nn.functional.linear(x, _fp8_weight(ao, wq, act, fast), bias)
+        w = _fp8_weight(ao, wq, act, fast, n_pad=Np)
+        return torch.nn.functional.linear(x, w, _pad_bias(bias, Np))[..., :N]
     return fn
 
 
