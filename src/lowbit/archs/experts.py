@@ -97,6 +97,13 @@ def check_spec(name: str, module: torch.nn.Module, spec: ExpertsSpec) -> None:
     if extra:
         raise ValueError(f"{name} ({spec.module_class}) holds 3-D parameters {extra} that the {spec.family} entry "
                          "does not name; add them to lowbit.archs.experts before quantizing")
+    # transformers' experts decorator records the same facts: a disagreement means the entry is stale
+    flags = {"is_transposed": spec.layout == "ekn", "is_concatenated": spec.glu_split == "chunk",
+             "has_bias": bool(spec.biases), "has_gate": True, "has_post_expert_norm": False}
+    wrong = {k: getattr(module, k) for k, v in flags.items() if hasattr(module, k) and getattr(module, k) != v}
+    if wrong:
+        raise ValueError(f"{name} ({spec.module_class}) says {wrong}, the {spec.family} entry of "
+                         f"lowbit.archs.experts assumes {({k: flags[k] for k in wrong})}; update the entry")
     gu, dn = params[spec.gate_up], params[spec.down]
     E = gu.shape[0]
     n2, k = (gu.shape[1], gu.shape[2]) if spec.layout == "enk" else (gu.shape[2], gu.shape[1])

@@ -155,11 +155,19 @@ class QuantExperts(torch.nn.Module):
 
     def sorted_forward(self, hidden_states: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Float64 [M_total, H]: each sorted row's expert output before the routing weight."""
+        return self.down_rows(self.glu(self.gate_up_rows(hidden_states, routing)), routing)
+
+    def gate_up_rows(self, hidden_states: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Float64 [M_total, 2I]: the first grouped GEMM (+ bias) of every sorted row; the
+        activations are quantized once, over all T tokens, then gathered."""
         x = hidden_states.detach()
         a1 = take_rows(self._quantize_act(x.float()) if self.act_scheme is not None else x.double(), routing.token)
-        h = grouped_reference(a1, routing.offsets.cpu(), self.weights_q("gate_up"), self.gate_up_bias)
-        a = self.glu(h)
-        a2 = self._quantize_act(a) if self.act_scheme is not None else a
+        return grouped_reference(a1, routing.offsets.cpu(), self.weights_q("gate_up"), self.gate_up_bias)
+
+    def down_rows(self, a: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Float64 [M_total, H]: the second grouped GEMM (+ bias) of the sorted intermediate a
+        [M_total, I], quantized once as one buffer."""
+        a2 = self._quantize_act(a) if self.act_scheme is not None else a.double()
         return grouped_reference(a2, routing.offsets.cpu(), self.weights_q("down"), self.down_bias)
 
 
