@@ -3,8 +3,8 @@
   make     a random-weight Llama checkpoint, one safetensors file per decoder layer (so that
            `view` can make a shorter model of the same layers without copying a byte)
   view     DIR with the first N layers of a `make` checkpoint (hard links + its own index)
-  run      lowbit.nn.layerwise.quantize_layerwise on random calibration ids; under torchrun
-           the ids are split across ranks (lowbit.nn.distributed.shard) and rank 0 writes;
+  run      lowbit.pipelines.layerwise.quantize_layerwise on random calibration ids; under torchrun
+           the ids are split across ranks (lowbit.algorithms.distributed.shard) and rank 0 writes;
            every rank writes its own JSON (wall time, peak memory)
   compare  whether two checkpoint directories are byte-identical (and, if not, which tensors
            and how many of their elements differ)
@@ -117,11 +117,11 @@ def run(a) -> None:
     # class lazily, on first use), so that the wall time is the quantization's
     import transformers
     transformers.AutoConfig, transformers.LlamaForCausalLM  # noqa: B018
-    import lowbit.nn.calibration, lowbit.nn.gptq, lowbit.nn.smoothquant, lowbit.io.compressed_tensors  # noqa: E401,F401
+    import lowbit.algorithms.static_scales, lowbit.algorithms.gptq.core, lowbit.algorithms.smoothquant, lowbit.pipelines.checkpoint  # noqa: E401,F401
     if a.device == "cuda":
-        import lowbit.nn.gptq_block  # noqa: F401  (triton)
-    from lowbit.nn import distributed as D
-    from lowbit.nn.layerwise import quantize_layerwise
+        import lowbit.algorithms.gptq.block  # noqa: F401  (triton)
+    from lowbit.algorithms import distributed as D
+    from lowbit.pipelines.layerwise import quantize_layerwise
     dev = "cpu"
     if D.launched_by_torchrun():
         dev = D.init_from_env(a.device)
@@ -237,7 +237,7 @@ def main(argv=None) -> int:
     r.add_argument("--profile-layer", type=int, default=None,
                    help="torch.profiler over this layer: top operators by device and CPU time in the JSON")
     r.add_argument("--terms-on-host", action="store_true",
-                   help="ranks > 0 keep their Hessian terms in host memory (lowbit.nn.distributed.TERMS_ON_HOST)")
+                   help="ranks > 0 keep their Hessian terms in host memory (lowbit.algorithms.distributed.TERMS_ON_HOST)")
     c = sub.add_parser("compare")
     c.add_argument("a")
     c.add_argument("b")

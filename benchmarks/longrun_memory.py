@@ -29,7 +29,7 @@ RECIPE = "w8a8-int8"
 
 def rss_mib() -> float:
     """Resident set size of this process in MiB (what the OS gives it now)."""
-    from lowbit.nn.memtrace import rss_bytes
+    from lowbit.profiling.memtrace import rss_bytes
 
     return rss_bytes() / 2**20
 
@@ -90,7 +90,7 @@ def quantize_rounds(model, rounds: int, device: str = "cpu", log=print,
                     tensors: bool = False) -> list[dict[str, float]]:
     """Quantize a deep copy of `model` (already on `device`) `rounds` times, dropping each copy;
     memory after each round."""
-    from lowbit.nn.quantize_model import quantize_model
+    from lowbit.pipelines.quantize_model import quantize_model
     out = []
     for i in range(rounds):
         m = copy.deepcopy(model)
@@ -188,7 +188,7 @@ def main() -> None:
     q = []
     if a.quantize:
         if a.model == "smollm2":
-            from lowbit.nn.embedded import load_smollm2
+            from lowbit.evaluation.embedded import load_smollm2
             model = load_smollm2()[0]
         else:
             model = tiny_llama()
@@ -196,7 +196,7 @@ def main() -> None:
         print(f"start: {fmt(sample(a.device))}", flush=True)
         q = quantize_rounds(model, a.quantize, a.device, log)
         del model
-    from lowbit.nn.quantize_model import quantize_model
+    from lowbit.pipelines.quantize_model import quantize_model
     small = tiny_llama()
     quantize_model(small, RECIPE)
     small.to(a.device)

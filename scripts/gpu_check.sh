@@ -13,9 +13,9 @@ t0=$(date +%s)
 timeout "${BENCH_TIMEOUT:-230}" python3 -m lowbit.bench.memory --json "$out/bench-memory.json" >"$out/bench_memory.log" 2>&1
 echo "bench memory rc=$? ($(( $(date +%s) - t0 )) s)" | tee "$out/summary.txt"
 t0=$(date +%s)
-timeout "${TEST_TIMEOUT:-220}" python3 -m pytest -n 12 -p no:cacheprovider tests --ignore=tests/test_models_e2e.py >"$out/tests.log" 2>&1
+timeout "${TEST_TIMEOUT:-220}" python3 -m pytest -n 12 -p no:cacheprovider tests --ignore=tests/pipelines/test_models_e2e.py >"$out/tests.log" 2>&1
 echo "tests rc=$? ($(( $(date +%s) - t0 )) s) :: $(grep -E '[0-9]+ (passed|failed)' "$out/tests.log" | tail -n 1)" | tee -a "$out/summary.txt"
-python3 -m lowbit.cli doctor >"$out/doctor.txt" 2>&1; echo "doctor rc=$?" | tee -a "$out/summary.txt"
+python3 -m lowbit.entrypoints.main doctor >"$out/doctor.txt" 2>&1; echo "doctor rc=$?" | tee -a "$out/summary.txt"
 grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -n 25
 sed -n '/# memory-bound kernels/,$p' "$out/bench_memory.log" | tail -n 70
 cat "$out/summary.txt"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 14 on 2 GPUs of one host, in one call (< 8 minutes): a random-weight Llama-8B-shaped
 # checkpoint (hidden 4096, intermediate 14336, 32 heads / 8 kv heads, LAYERS=32 layers), quantized
-# layer by layer (lowbit.nn.layerwise) on 1 GPU and on NPROC=2 GPUs (torchrun, NCCL; calibration
-# batches split across ranks, statistics reduced by lowbit.nn.distributed, rank 0 writes):
+# layer by layer (lowbit.pipelines.layerwise) on 1 GPU and on NPROC=2 GPUs (torchrun, NCCL; calibration
+# batches split across ranks, statistics reduced by lowbit.algorithms.distributed, rank 0 writes):
 #   gptq  GPTQ W4A16 on the first GPTQ_LAYERS layers, 32,768 tokens (16 batches of 2 x 1024)
 #   sq    SmoothQuant W8A8 + static scales on all LAYERS, 32,768 tokens (32 batches of 1 x 1024)
 #   big   the same two at 131,072 tokens (GPTQ on BIG_LAYERS layers): the per-token work then

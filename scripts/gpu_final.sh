@@ -33,7 +33,7 @@ summary() {
 if [[ $parts == *,suite,* ]]; then
   t0=$(date +%s)
   timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -n "${PYTEST_WORKERS:-16}" -p no:cacheprovider ${per_test[@]+"${per_test[@]}"} tests \
-      --ignore=tests/test_models_e2e.py >"$out/tests.log" 2>&1
+      --ignore=tests/pipelines/test_models_e2e.py >"$out/tests.log" 2>&1
   echo "suite rc=$? ($(( $(date +%s) - t0 )) s) :: $(summary "$out/tests.log")" | tee -a "$sum"
   if [ "${TILE_DIAG:-1}" = 1 ]; then
     timeout 45 python3 scripts/gpu_tile_diag.py >>"$out/tests.log" 2>&1
@@ -77,7 +77,7 @@ if [[ $parts == *,memory,* ]]; then
   echo "memory rc=$?" | tee -a "$sum"
 fi
 if [[ $parts == *,model,* ]]; then  # what a user runs: 4 Llama-3-8B layers, bf16 against MODEL_RECIPES
-  timeout "${MODEL_TIMEOUT:-200}" python3 -m lowbit.cli bench model --shape 8b --layers 4 \
+  timeout "${MODEL_TIMEOUT:-200}" python3 -m lowbit.entrypoints.main bench model --shape 8b --layers 4 \
       --recipes "${MODEL_RECIPES:-w4a16,mxfp4,nvfp4}" --budget "${MODEL_BUDGET:-15}" --time-limit $(( ${MODEL_TIMEOUT:-200} - 40 )) \
       --json "$out/bench-model-final.json" --plot "$out/bench-model-final.png" >"$out/bench_model.log" 2>&1
   echo "model rc=$?" | tee -a "$sum"
@@ -96,7 +96,7 @@ if [[ $parts == *,w4configs,* ]]; then
   grep '^==' "$out/w4configs.log" | tee -a "$sum"
 fi
 if [[ $parts == *,audit,* ]]; then
-  timeout "${AUDIT_TIMEOUT:-120}" python3 -m lowbit.cli audit --json "$out/audit_h200.json" \
+  timeout "${AUDIT_TIMEOUT:-120}" python3 -m lowbit.entrypoints.main audit --json "$out/audit_h200.json" \
       --png "$out/audit_h200.png" >"$out/audit_h200.txt" 2>&1
   echo "audit rc=$?" | tee -a "$sum"
   # the accumulator probe (data for verify/accumulate.py's fp8 model; docs/fastaccum_probe_h200.npz)

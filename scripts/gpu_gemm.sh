@@ -10,11 +10,11 @@ done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__)" | tee -a "$out/gpu.txt"
 if [ $tests = 1 ]; then
-  timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_gemm_triton.py \
-      tests/test_linear_dispatch.py tests/test_doctor.py >"$out/tests.log" 2>&1
+  timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/ops/test_gemm_triton.py \
+      tests/ops/test_linear_dispatch.py tests/entrypoints/test_doctor.py >"$out/tests.log" 2>&1
   echo "tests rc=$? :: $(tail -n 1 "$out/tests.log")" | tee "$out/summary.txt"
 fi
-python3 -m lowbit.cli doctor >"$out/doctor.txt" 2>&1; echo "doctor rc=$?" | tee -a "$out/summary.txt"
+python3 -m lowbit.entrypoints.main doctor >"$out/doctor.txt" 2>&1; echo "doctor rc=$?" | tee -a "$out/summary.txt"
 if [ $sweep = 1 ]; then
   timeout 150 python3 - >"$out/sweep.txt" 2>&1 <<'PY'
 import json, os
@@ -32,7 +32,7 @@ json.dump(rows, open(os.path.join(os.environ.get("OUT", "."), "sweep.json"), "w"
 PY
   echo "sweep rc=$?" | tee -a "$out/summary.txt"
 fi
-timeout 330 python3 -m lowbit.cli bench --only gemm $quick --json "$out/bench-gemm.json" >"$out/bench.txt" 2>&1
+timeout 330 python3 -m lowbit.entrypoints.main bench --only gemm $quick --json "$out/bench-gemm.json" >"$out/bench.txt" 2>&1
 echo "bench rc=$?" | tee -a "$out/summary.txt"
 grep -E "FAILED|ERROR|Error" "$out/tests.log" 2>/dev/null | head -n 25
 grep -E "sweep" "$out/sweep.txt" 2>/dev/null

@@ -6,8 +6,8 @@
 source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$out/summary.txt"
 t0=$(date +%s)
-timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -n 12 -p no:cacheprovider tests/test_fused_quant.py \
-    tests/test_w4a16.py >"$out/tests.log" 2>&1
+timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -n 12 -p no:cacheprovider tests/ops/test_fused_quant.py \
+    tests/ops/test_w4a16.py >"$out/tests.log" 2>&1
 echo "kernel tests rc=$? ($(( $(date +%s) - t0 )) s) :: $(grep -E '[0-9]+ (passed|failed)' "$out/tests.log" | tail -n 1)" | tee -a "$out/summary.txt"
 timeout 60 python3 scripts/gpu_tile_diag.py >"$out/tile_diag.txt" 2>&1
 echo "tile diag rc=$? :: $(tail -n 1 "$out/tile_diag.txt")" | tee -a "$out/summary.txt"

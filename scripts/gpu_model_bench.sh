@@ -21,12 +21,12 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', 
 git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /' | tee -a "$out/gpu.txt"
 # the CPU-logic test of the benchmark (seconds), so a broken plumbing shows before the long run
 t0=$(date +%s)
-timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider tests/test_bench_model.py >"$out/tests_model.log" 2>&1
+timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider tests/bench/test_bench_model.py >"$out/tests_model.log" 2>&1
 echo "tests rc=$? ($(( $(date +%s) - t0 )) s) :: $(tail -n 1 "$out/tests_model.log")" | tee "$out/summary_model.txt"
 # The run stops starting variants after TIME_LIMIT s; each gets --budget s (default 30) and one
 # step may overrun it, so BENCH_TIMEOUT leaves room for the last variant.
 t0=$(date +%s)
-cmd=(python3 -m lowbit.cli bench model --shape 8b --layers 4 --time-limit "${TIME_LIMIT:-420}"
+cmd=(python3 -m lowbit.entrypoints.main bench model --shape 8b --layers 4 --time-limit "${TIME_LIMIT:-420}"
      --json "$out/bench-model.json" --plot "$out/bench-model.png" "$@")
 echo "${cmd[*]}" | tee "$out/bench_model_command.txt"
 timeout "${BENCH_TIMEOUT:-540}" "${cmd[@]}" >"$out/bench_model.log" 2>&1

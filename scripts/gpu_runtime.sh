@@ -12,7 +12,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 if [ $tests = 1 ]; then
   t0=$(date +%s)
   timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -n 8 -p no:cacheprovider -W ignore::DeprecationWarning \
-    ${RUNTIME_TESTS:-tests/test_runtime.py tests/test_quant_linear.py tests/test_w4a16.py tests/test_fused_quant.py tests/test_gemm_triton.py tests/test_linear_dispatch.py} >"$out/tests.log" 2>&1
+    ${RUNTIME_TESTS:-tests/ops/test_runtime.py tests/nn/test_quant_linear.py tests/ops/test_w4a16.py tests/ops/test_fused_quant.py tests/ops/test_gemm_triton.py tests/ops/test_linear_dispatch.py} >"$out/tests.log" 2>&1
   echo "tests rc=$? ($(( $(date +%s) - t0 )) s) :: $(grep -E '[0-9]+ (passed|failed)' "$out/tests.log" | tail -n 1)" | tee -a "$out/summary.txt"
   grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -n 20
 fi
@@ -23,7 +23,7 @@ if [ $layers = 1 ]; then
 fi
 if [ $model = 1 ] && [ -f src/lowbit/bench/model.py ]; then
   t0=$(date +%s)
-  timeout "${MODEL_TIMEOUT:-300}" python3 -m lowbit.cli bench model --shape 8b --layers 4 --json "$out/bench-model.json" \
+  timeout "${MODEL_TIMEOUT:-300}" python3 -m lowbit.entrypoints.main bench model --shape 8b --layers 4 --json "$out/bench-model.json" \
     --plot "$out/bench-model.png" ${MODEL_ARGS:-} >"$out/bench_model.log" 2>&1
   echo "model rc=$? ($(( $(date +%s) - t0 )) s)" | tee -a "$out/summary.txt"
 fi

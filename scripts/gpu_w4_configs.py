@@ -15,7 +15,7 @@ import sys
 import torch
 
 from lowbit.bench.memory import W4_MS, W4_NK
-from lowbit.bench.timing import bench_ms, rotating_count
+from lowbit.profiling.timing import bench_ms, rotating_count
 from lowbit.ops.weight_only import pick_config_pairs, prepare_w4, w4a16_linear
 from lowbit.quantize import quantize
 from lowbit.scheme import QuantScheme, get_preset

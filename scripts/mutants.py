@@ -21,10 +21,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V = "src/lowbit/verify/"
-GATES = ["tests/test_tolerance.py", "tests/test_gate_teeth.py", "tests/test_check.py"]
-DIAG = ["tests/test_diagnose.py", "tests/test_diagnose_zoo.py"]
+GATES = ["tests/verify/test_tolerance.py", "tests/verify/test_gate_teeth.py", "tests/verify/test_check.py"]
+DIAG = ["tests/verify/test_diagnose.py", "tests/verify/test_diagnose_zoo.py"]
 T = "src/lowbit/ops/triton/"
-EPI = ["tests/test_epilogue_order.py", "tests/test_gemm_triton.py"]
+EPI = ["tests/ops/test_epilogue_order.py", "tests/ops/test_gemm_triton.py"]
 
 # (file, original text, mutated text, what the mutation means, tests that must kill it)
 MUTANTS = [

@@ -2,7 +2,7 @@
 # Soak: every randomized test (those taking the `seed` / `rng` fixture) over N fresh seeds
 # (default 50), to find assertions that hold only for lucky seeds. The summary lists each
 # failing seed with the one command that reproduces it. Extra arguments go to pytest, e.g.
-#   scripts/soak.sh 200 tests/test_smoothquant.py
+#   scripts/soak.sh 200 tests/algorithms/test_smoothquant.py
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 bash "$root/scripts/setup.sh"

@@ -43,12 +43,13 @@ _EXPORTS = {
     "decompress_2_4": "lowbit.sparsity",
     "save_qtensors": "lowbit.io.qtensor_file",
     "load_qtensors": "lowbit.io.qtensor_file",
-    "save_compressed": "lowbit.io.compressed_tensors",
-    "load_compressed": "lowbit.io.compressed_tensors",
-    "quantize_checkpoint": "lowbit.io.sharded",
+    "save_compressed": "lowbit.pipelines.checkpoint",
+    "load_compressed": "lowbit.pipelines.checkpoint",
+    "quantize_checkpoint": "lowbit.pipelines.tensorwise",
 }
-_SUBMODULES = {"formats", "scheme", "quantize", "packing", "sparsity", "ops", "verify", "nn", "io",
-               "experiments", "bench"}
+_SUBMODULES = {"formats", "scheme", "quantize", "packing", "sparsity", "profiling", "ops", "verify", "nn", "io",
+               "recipes", "algorithms", "pipelines", "diagnosis", "evaluation", "experiments", "bench",
+               "entrypoints"}
 
 
 def __getattr__(name: str):

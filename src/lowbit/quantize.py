@@ -22,6 +22,7 @@ float32, so the result does not depend on the input dtype beyond that rounding.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import types
@@ -118,8 +119,6 @@ class QTensor:
 def tensors_to(obj, device):
     """A copy of the dataclass `obj` (QTensor, fused.PackedQTensor) with every tensor field
     moved to `device` (other fields, and None, as they are)."""
-    import dataclasses
-
     return dataclasses.replace(obj, **{f.name: getattr(obj, f.name).to(device) for f in dataclasses.fields(obj)
                                        if isinstance(getattr(obj, f.name), torch.Tensor)})
 
@@ -459,7 +458,7 @@ def quantize(x, scheme: QuantScheme, *, nan_policy: str = "raise", pad: bool = F
 def encode_scaled(scaled: torch.Tensor, zero_point: torch.Tensor | None, fmt) -> torch.Tensor:
     """Codes of x / s (float32, already divided by the effective scale, IEEE division) with the
     zero point broadcast to its shape (int asymmetric) or None: the element step of `quantize`,
-    also used by algorithms that quantize a weight column by column (lowbit.nn.gptq)."""
+    also used by algorithms that quantize a weight column by column (lowbit.algorithms.gptq.core)."""
     if fmt.kind == "int":
         q = torch.round(scaled)  # round half to even
         if zero_point is None:
@@ -472,7 +471,7 @@ def encode_scaled(scaled: torch.Tensor, zero_point: torch.Tensor | None, fmt) ->
 
 def _encode_float(x: torch.Tensor, fmt) -> torch.Tensor:
     """encode(x, fmt, saturate=True) of a float tensor: by grid.nearest_code's table lookup (the same
-    codes bit for bit, tests/test_format_grid.py) for float32 x in an <= 8-bit float format, else by
+    codes bit for bit, tests/core/test_format_grid.py) for float32 x in an <= 8-bit float format, else by
     encode (float64 arithmetic)."""
     from lowbit.formats import grid
     if x.dtype == torch.float32 and grid.supported(fmt):
@@ -515,6 +514,41 @@ def _poison(sc: Scales, xf: torch.Tensor, scheme: QuantScheme) -> Scales:
     if codes is not None:  # only e8m0 reaches here (two-level is refused earlier)
         codes = torch.where(bad, torch.full_like(codes, 0xFF), codes)
     return Scales(scale, sc.zero_point, codes, sc.global_scale)
+
+
+
+# ------------------------------------------------------------------------------------------
+# Static (calibrated) per-tensor activation scales
+# ------------------------------------------------------------------------------------------
+def static_scheme(act: QuantScheme) -> QuantScheme:
+    """The per-tensor static twin of an activation scheme (same element format)."""
+    if act.scale_format != "fp32":
+        raise ValueError(f"static activation scales need an fp32-scale format; {act.format} with "
+                         f"{act.scale_format} scales (MX/NVFP4) is dynamic by construction")
+    return dataclasses.replace(act, strategy="tensor", group_size=None, block_size=None, dynamic=False)
+
+
+def scale_from_absmax(absmax: float | torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """float32 [1, 1] scale for a per-tensor scheme whose tensor maximum is `absmax`, by
+    lowbit.quantize.compute_scale (the one place of scale arithmetic)."""
+    a = torch.as_tensor(absmax, dtype=torch.float32).reshape(1, 1)
+    if not torch.isfinite(a).all():
+        raise ValueError(f"calibrated activation maximum is {float(a)}: the calibration text produced NaN/Inf")
+    return compute_scale(a, scheme).scale.reshape(1, 1).float()
+
+
+def quantize_static(x2d: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor):
+    """Quantize float32 [M, K] with a fixed per-tensor scale (float32 [1, 1]) by the canonical
+    element rounding (round-half-even, saturating). Returns (codes, scale, dequantized float32)."""
+    fmt = scheme.fmt
+    y = x2d / scale                     # IEEE division, as the canonical arithmetic prescribes
+    if fmt.kind == "int":
+        if not scheme.symmetric:
+            raise NotImplementedError("static asymmetric activation scales are not supported; use symmetric")
+        codes = torch.clamp(torch.round(y), -fmt.qmax, fmt.qmax)   # half-even, symmetric [-qmax, qmax]
+        return codes.to(torch.int8), scale, codes * scale
+    codes = _formats().encode(y, fmt, saturate=True)
+    return codes, scale, _formats().decode(codes, fmt).to(x2d.device) * scale
 
 
 class _CallableModule(types.ModuleType):

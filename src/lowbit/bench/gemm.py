@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.bench.timing import bench_ms, rotating_count
+from lowbit.bench.common import rel_l2
+from lowbit.profiling.timing import bench_ms, rotating_count
 
 PEAK_8BIT = 1979.0  # H100/H200 SXM dense int8 / fp8 tensor-core peak, TOPS / TFLOP/s
 PEAK_BF16 = 989.0
@@ -98,10 +99,6 @@ _RATIOS = {"int8": ("bf16", "int_mm", "int_mm+epi"),
 _RATIOS_BY_NAME = {"lowbit_fp8_row_fast": ("bf16", "scaled_row_fast")}
 
 
-def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
 
 def _blockscaled_check(name: str, s: dict, out: torch.Tensor) -> float:
     """Block-scaled kernels have no torch baseline: compare with the dequantized fp32 product."""
@@ -113,7 +110,7 @@ def _blockscaled_check(name: str, s: dict, out: torch.Tensor) -> float:
     else:
         A = A * torch.exp2(s["ea"].float() - 127).repeat_interleave(32, 1)
         B = B * torch.exp2(s["eb"].float() - 127).repeat_interleave(32, 1)
-    return _rel_l2(out, A @ B.t())
+    return rel_l2(out, A @ B.t())
 
 
 def run_shape(M: int, N: int, K: int, only: str | None = None, log=print) -> list[dict]:
@@ -139,9 +136,9 @@ def run_shape(M: int, N: int, K: int, only: str | None = None, log=print) -> lis
             if name == "lowbit_int8" and M <= 16:  # _int_mm refuses M <= 16: float64 product instead
                 s0 = sets[0]
                 ref = (s0["a8"].double() @ s0["b8"].double().t()) * s0["sa"].double()[:, None] * s0["sb"].double()
-                row["check"] = _rel_l2(out, ref)
+                row["check"] = rel_l2(out, ref)
             elif name in _CHECK_AGAINST:
-                row["check"] = _rel_l2(out, table[_CHECK_AGAINST[name]][0](sets[0]))
+                row["check"] = rel_l2(out, table[_CHECK_AGAINST[name]][0](sets[0]))
             elif name in ("lowbit_fp8_block", "lowbit_mxfp8") and M * N * K <= 2**36:
                 row["check"] = _blockscaled_check(name, sets[0], out)
             del out

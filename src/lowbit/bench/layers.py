@@ -18,9 +18,9 @@ def run(only: str | None = None, quick: bool = False, recipes=None, ms=(1, 16, 2
     import torch
     import torch.nn.functional as F
 
-    from lowbit.bench.timing import bench_ms
+    from lowbit.profiling.timing import bench_ms
     from lowbit.nn import QuantLinear
-    from lowbit.nn.recipes import RECIPES
+    from lowbit.recipes.presets import RECIPES
 
     names = list(recipes or RECIPES)
     shapes = SHAPES[:2] if quick else SHAPES
@@ -73,8 +73,10 @@ def probe(n: int = 2000) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from lowbit.nn import QuantLinear, runtime
-    from lowbit.nn.recipes import RECIPES
+    from lowbit.nn import QuantLinear
+
+    from lowbit.ops import prepared as runtime
+    from lowbit.recipes.presets import RECIPES
     from lowbit.ops.triton.act_quant import launch_act_quant
     from lowbit.ops.triton.gemm_int8 import launch_int8_gemm
 

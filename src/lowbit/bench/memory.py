@@ -28,26 +28,16 @@ import time
 
 import torch
 
-from lowbit.bench.timing import bench_ms, rotating_count
+from lowbit.bench.common import log as _log, rel_l2 as _rel_l2
+from lowbit.profiling.timing import bench_ms, rotating_count
 
 NORM_SHAPES = ((8192, 4096), (8192, 8192))
 QUANT_SHAPE = (8192, 4096)
 COPY_ELEMS = 512 * 2**20                 # bf16: 1 GiB read + 1 GiB written, far past the L2
 SILU_SHAPES = ((8192, 14336),)           # tokens, intermediate size (input is [T, 2H])
-W4_NK = ((8192, 8192), (28672, 8192))
-W4_MS = (1, 16, 64)
 SPARSE_SHAPES = ((8192, 8192, 8192), (2048, 14336, 4096), (2048, 4096, 14336), (16, 14336, 4096))
 EPS = 1e-6
 DEV = "cuda"  # the device every operand lives on (a CPU dry run of the plumbing sets "cpu")
-
-
-def _log(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
 class _Bench:
@@ -197,7 +187,7 @@ def _time_tiles(b: _Bench, stem: str, shape: str, K: int, pre: int, quick: bool,
     returns the timed function, `out_of(result)` the QTensor; `codes_diff_vs_row` is the fraction of
     its codes that differ from the row kernel's `row_out` on the same input (same arithmetic; only
     a last-bit difference of y from another summation order of the RMSNorm may flip a rounding,
-    so this is 0 or tiny; tests/test_fused_quant.py checks both kernels against lowbit.quantize)."""
+    so this is 0 or tiny; tests/ops/test_fused_quant.py checks both kernels against lowbit.quantize)."""
     for suffix, tile in _tile_variants(K, pre, quick, scheme, residual, persist):
         fn = make(tile)
         r = b.time(f"{stem}{suffix}", shape, fn, sets, nbytes, kernel="tile",
@@ -357,7 +347,7 @@ def _w4a16(b: _Bench, quick: bool, sweep: bool = True) -> None:
     """W4A16 rows: lowbit/bench/memory_w4a16.py (default kernel and "gemv8" side by side)."""
     from lowbit.bench.memory_w4a16 import w4a16_section
 
-    w4a16_section(b, quick, sweep)
+    w4a16_section(b, quick, sweep, dev=DEV)
 
 
 def _sparse24(b: _Bench, quick: bool) -> None:
@@ -493,7 +483,7 @@ def main(argv=None) -> int:
     _PARTIAL_JSON = a.json
     rows = run(a.only, a.quick)
     if a.json:
-        from lowbit.bench.cli import environment
+        from lowbit.bench.common import environment
 
         env = environment()
         env["command"] = "python -m lowbit.bench.memory " + " ".join(sys.argv[1:] if argv is None else argv)

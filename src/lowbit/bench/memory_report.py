@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from lowbit.bench.memory import W4_MS
+from lowbit.bench.memory_w4a16 import W4_MS
 
 
 def plot(rows: list[dict], path: str) -> None:

@@ -23,6 +23,10 @@ from __future__ import annotations
 
 import torch
 
+from lowbit.bench.common import log as _log, rel_l2
+
+W4_NK = ((8192, 8192), (28672, 8192))   # (N, K): Llama-3-8B's square and MLP-up shapes
+W4_MS = (1, 16, 64)
 # pairs sweep (M = 1, 16, 64): (BLOCK_N, BLOCK_K, num_warps, split, num_stages); None = the heuristic's
 PAIRS_SWEEP = ((128, None, 4, None, None), (128, 128, 4, None, None), (128, None, 4, 4, None),
                (128, None, 4, 8, None), (128, 128, 4, 16, None), (128, None, 4, 16, None), (256, None, 8, None, None),
@@ -42,7 +46,6 @@ def _best_row(b, name, shape, nbytes, points: dict, swept: str, bases: dict, che
     """Append the fastest of `points` ({label: (ms, config)}) as one row; check(config), if
     given, is the winner's relative L2 difference to the bf16 baseline (a fast wrong
     configuration shows)."""
-    from lowbit.bench.memory import _log
 
     if not points:
         return
@@ -61,8 +64,7 @@ def _best_row(b, name, shape, nbytes, points: dict, swept: str, bases: dict, che
 
 def _sweep(sets, configs: dict) -> dict:
     """{label: (ms, config)} for each feasible config (short timings)."""
-    from lowbit.bench.memory import _log
-    from lowbit.bench.timing import bench_ms
+    from lowbit.profiling.timing import bench_ms
     from lowbit.ops.weight_only import w4a16_linear
 
     out = {}
@@ -76,21 +78,19 @@ def _sweep(sets, configs: dict) -> dict:
     return out
 
 
-def w4a16_section(b, quick: bool, sweep: bool = True) -> None:
+def w4a16_section(b, quick: bool, sweep: bool = True, dev: str = "cuda") -> None:
     """All W4A16 rows (module docstring) into the bench `b` (lowbit.bench.memory._Bench)."""
-    from lowbit.bench import memory as mem
-    from lowbit.bench.timing import rotating_count
+    from lowbit.profiling.timing import rotating_count
     from lowbit.ops.weight_only import pick_config, pick_config_pairs, pick_config_planar8, prepare_w4, w4a16_linear
     from lowbit.quantize import quantize
     from lowbit.scheme import QuantScheme, get_preset
 
-    dev = mem.DEV
     kinds = {"int4_g128": get_preset("int4_g128"), "int4_g128_asym": get_preset("int4_g128_asym"),
              "int4_g32": QuantScheme("int4", "group", group_size=32), "mxfp4": get_preset("mxfp4"),
              "nvfp4": get_preset("nvfp4")}
     if quick:
         kinds = {"int4_g128": kinds["int4_g128"]}
-    for (N, K) in mem.W4_NK[:1] if quick else mem.W4_NK:
+    for (N, K) in W4_NK[:1] if quick else W4_NK:
         n = rotating_count(N * K // 2)
         ws, ws8, wsp = {}, {}, {}
         for name, sch in kinds.items():
@@ -108,7 +108,7 @@ def w4a16_section(b, quick: bool, sweep: bool = True) -> None:
             tg, tg_err = [_tinygemm_inputs(N, K, dev) for _ in range(n)], None
         except Exception as exc:  # noqa: BLE001 -- reported in the tinygemm rows
             tg, tg_err = None, exc
-        for M in mem.W4_MS:
+        for M in W4_MS:
             shape = f"M{M} N{N} K{K}"
             xs = [torch.randn(M, K, device=dev, dtype=torch.bfloat16) for _ in range(max(len(wb), n))]
             io = M * K * 2 + M * N * 2
@@ -166,9 +166,7 @@ def w4a16_section(b, quick: bool, sweep: bool = True) -> None:
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    from lowbit.bench.memory import _rel_l2
-
-    return _rel_l2(a, b)
+    return rel_l2(a, b)
 
 
 def _inner_loop(sass: str) -> list[str]:
@@ -194,7 +192,6 @@ def sass_rows_gemv8() -> list[dict]:
     `python -m lowbit.bench.memory --sass` (which the CI test checks: compiles, fits)."""
     import collections
 
-    from lowbit.bench.memory import W4_MS, W4_NK
     from lowbit.bench.sm90 import SHARED_LIMIT, compile_sm90
     from lowbit.ops.triton import w4a16 as w4
     from lowbit.ops.weight_only import pick_config_pairs, pick_config_planar8

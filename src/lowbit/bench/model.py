@@ -2,7 +2,7 @@
 torchao's configs where torchao imports), in one process on one GPU.
 
 For each variant (the bf16 baseline first, then each recipe applied to a deep copy of it with
-lowbit.nn.quantize_model, followed by lowbit.nn.prepare_model where that exists):
+lowbit.pipelines.quantize_model, followed by lowbit.nn.prepare_model where that exists):
   prefill   2048 tokens, batch 1, no KV cache, logits of the last token only
   decode    one token per sequence at batch 1 and 16 against a KV cache holding 512 tokens
             (a transformers StaticCache; the same step is repeated, see lowbit.bench.llama)
@@ -14,7 +14,7 @@ each in two modes:
             so eager is compared with eager and compiled with compiled. A compile failure is
             that row's error; the run goes on.
 
-Timing: lowbit.bench.timing.bench_ms (triton.testing.do_bench median, L2 flushed between
+Timing: lowbit.profiling.timing.bench_ms (triton.testing.do_bench median, L2 flushed between
 calls) after warm-up calls; peak memory is read around one extra call, outside the timer (the
 timer's own L2-flush buffer would count otherwise). On the CPU (`--device cpu`, a dry run of
 the plumbing, what the tests use) a wall-clock median stands in; CPU times mean nothing.
@@ -89,7 +89,7 @@ class Options:
 
 
 def all_variants() -> list[str]:
-    from lowbit.nn.recipes import RECIPES
+    from lowbit.recipes.presets import RECIPES
     return list(RECIPES) + list(TORCHAO)
 
 
@@ -356,7 +356,7 @@ def options_from_args(args) -> Options:
 
 
 def environment(opts: Options) -> dict:
-    from lowbit.bench.cli import environment as base_env
+    from lowbit.bench.common import environment as base_env
     env = base_env()
     from importlib import metadata
     for dist in ("transformers", "torchao"):   # versions without importing (torchao takes seconds)

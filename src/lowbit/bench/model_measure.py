@@ -74,7 +74,7 @@ def sync(device: torch.device) -> None:
 
 def time_ms(call: Callable[[], object], device: torch.device, quick: bool) -> float:
     if device.type == "cuda":
-        from lowbit.bench.timing import bench_ms
+        from lowbit.profiling.timing import bench_ms
         return bench_ms(call, [()], warmup=10 if quick else 25, rep=40 if quick else 100)
     times = []
     for _ in range(1 if quick else 3):

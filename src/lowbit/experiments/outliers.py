@@ -3,7 +3,7 @@
 x [16, 4096] ~ N(0, 1) with (or without) channel 7 scaled 40x (a systematic outlier channel),
 w [1024, 4096] ~ 0.02 N(0, 1) quantized int8 per output channel; x quantized int8 per tensor or
 per token, and per token after SmoothQuant smoothing (x / s, w * s with
-s_j = max|x_j|^0.5 / max|w_j|^0.5, lowbit.nn.smoothquant.smoothing_factors). SQNR in dB of the
+s_j = max|x_j|^0.5 / max|w_j|^0.5, lowbit.algorithms.smoothquant.smoothing_factors). SQNR in dB of the
 quantized linear (lowbit's exact reference) against x @ w.T in float64.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ _W = lb.QuantScheme(format="int8", strategy="channel")
 
 
 def run(tokens: int = 16, K: int = 4096, N: int = 1024, alpha: float = 0.5, seed: int = 0, progress=None) -> dict:
-    from lowbit.nn.smoothquant import smoothing_factors
+    from lowbit.algorithms.smoothquant import smoothing_factors
 
     g = torch.Generator().manual_seed(seed)
     x0 = torch.randn(tokens, K, generator=g)

@@ -5,7 +5,7 @@ float formats of <= 8 bits, in a handful of elementwise tensor operations instea
 (float64) plus decode's lookup.
 
 For loops that fake-quantize small vectors many times, where the per-call overhead is the cost:
-GPTQ's column loop (lowbit.nn.gptq) quantizes one weight column per call, ~150,000 calls for
+GPTQ's column loop (lowbit.algorithms.gptq.core) quantizes one weight column per call, ~150,000 calls for
 SmolLM2-135M under NVFP4, and spent most of its time in encode's elementwise passes. Every
 operation here is elementwise (PyTorch runs vectors below its grain of 32,768 elements on one
 thread); torch.searchsorted, the obvious tool, splits even a 576-element search over the intra-op
@@ -29,7 +29,7 @@ tie goes up). One table of 2 x 4,096 values, indexed by 2 key + (low bits != 0),
 negative value that rounds to zero is -0.0, what its sign-bit code decodes to), except under fnuz,
 which has no negative zero (its 0x80 is NaN): there -0.0 becomes +0.0. NaN is not a value of the
 grid: the result of a NaN is unspecified (check finiteness where it can occur).
-tests/test_format_grid.py compares nearest() with decode(encode()) bit for bit on every boundary,
+tests/core/test_format_grid.py compares nearest() with decode(encode()) bit for bit on every boundary,
 its float32 neighbours, every grid value, and random values of every magnitude.
 """
 from __future__ import annotations
@@ -117,7 +117,7 @@ def _e4m3fn(x: torch.Tensor) -> torch.Tensor:
     """x as torch.float8_e4m3fn, saturated: torch's cast rounds to nearest even, subnormals included,
     keeps NaN's sign bit in the NaN codes 0x7F / 0xFF and turns only |x| >= 480 into NaN, so after the
     clamp (NaN passes through it, +-inf saturate) the codes are encode(x, saturate=True)'s
-    (tests/test_format_grid.py: every table key, its neighbours and both signs)."""
+    (tests/core/test_format_grid.py: every table key, its neighbours and both signs)."""
     return torch.clamp(x, -448.0, 448.0).to(torch.float8_e4m3fn)
 
 

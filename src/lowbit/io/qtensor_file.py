@@ -157,7 +157,7 @@ def _load(path, f, expect, device) -> dict:
     meta = f.metadata
     if "lowbit.tensors" not in meta:
         _fail(path, "not a lowbit QTensor file: no 'lowbit.tensors' metadata (model checkpoints are read by "
-                    "lowbit.io.compressed_tensors)")
+                    "lowbit.pipelines.checkpoint)")
     missing, extra = _META_KEYS - set(meta), set(meta) - _META_KEYS
     if missing or extra:
         _fail(path, f"metadata keys: missing {sorted(missing)}, unexpected {sorted(extra)}")

@@ -2,7 +2,7 @@
 
 The `safetensors` library writes a whole state dict at once and reads through a memory
 map; both hold far more than one tensor in memory for a large shard. Checkpoint streaming
-(lowbit.io.sharded) needs memory bounded by the largest tensor, so this module speaks the
+(lowbit.pipelines.tensorwise) needs memory bounded by the largest tensor, so this module speaks the
 format directly. The format (https://github.com/huggingface/safetensors):
 ``u64 little-endian N | N bytes of JSON header | raw little-endian tensor bytes``;
 the header maps each name to ``{"dtype", "shape", "data_offsets": [begin, end]}``

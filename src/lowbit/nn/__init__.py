@@ -1,31 +1,29 @@
-"""lowbit.nn: quantize real models. QuantLinear, named recipes, quantize_model, the per-site
-SQNR diagnosis, SmoothQuant, static-scale calibration, evaluation and the embedded model/data.
+"""lowbit.nn: the runtime modules a quantized model runs (QuantLinear, shared-input groups).
 
-Names resolve lazily so that `import lowbit.nn` does not pull transformers or matplotlib."""
+This package is also the public face of model quantization: the names below (quantize_model,
+recipes, the per-site diagnosis, SmoothQuant, calibration, evaluation) are defined in
+lowbit.pipelines, lowbit.recipes, lowbit.algorithms, lowbit.diagnosis and lowbit.evaluation and
+resolve lazily, so `import lowbit.nn` pulls neither those layers nor transformers."""
 from __future__ import annotations
 
 import importlib
-
-# The function shares its module's name: bind it now, or importing the submodule later would
-# leave `lowbit.nn.quantize_model` pointing at the module instead of the function.
-from lowbit.nn.quantize_model import QuantSummary, quantize_model  # noqa: E402,F401
 
 _EXPORTS = {
     "QuantLinear": "lowbit.nn.quant_linear",
     "prepare_model": "lowbit.nn.shared_input",
     "share_inputs": "lowbit.nn.shared_input",
-    "Recipe": "lowbit.nn.recipes",
-    "RECIPES": "lowbit.nn.recipes",
-    "get_recipe": "lowbit.nn.recipes",
-    "quantize_model": "lowbit.nn.quantize_model",
-    "QuantSummary": "lowbit.nn.quantize_model",
-    "site_report": "lowbit.nn.sites",
-    "smooth_model": "lowbit.nn.smoothquant",
-    "perplexity": "lowbit.nn.evaluate",
-    "embedding_cosine": "lowbit.nn.evaluate",
-    "model_bytes": "lowbit.nn.evaluate",
-    "calibrate_static_scales": "lowbit.nn.calibration",
-    "clipping_report": "lowbit.nn.calibration",
+    "Recipe": "lowbit.recipes.presets",
+    "RECIPES": "lowbit.recipes.presets",
+    "get_recipe": "lowbit.recipes.presets",
+    "quantize_model": "lowbit.pipelines.quantize_model",
+    "QuantSummary": "lowbit.recipes.plan",
+    "site_report": "lowbit.diagnosis.sites",
+    "smooth_model": "lowbit.algorithms.smoothquant",
+    "perplexity": "lowbit.evaluation.evaluate",
+    "embedding_cosine": "lowbit.evaluation.evaluate",
+    "model_bytes": "lowbit.evaluation.evaluate",
+    "calibrate_static_scales": "lowbit.algorithms.static_scales",
+    "clipping_report": "lowbit.algorithms.static_scales",
 }
 
 

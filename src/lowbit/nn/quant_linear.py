@@ -4,7 +4,7 @@ calibrated scale per tensor).
 
 Execution paths, chosen per call and recorded in `last_path` (eager calls only: under
 torch.compile the module's attributes are not written):
-- "fast:<kind>"  the prepared runtime (lowbit.nn.runtime): CUDA, or backend="kernel" in
+- "fast:<kind>"  the prepared runtime (lowbit.ops.prepared): CUDA, or backend="kernel" in
                  Triton's CPU interpreter, for bf16 / fp16 inputs (fp32 too for W8A8). The
                  kernel operands were laid out once, at construction (buffers `fast_*`, moved
                  by `.to()`); the call only launches kernels: no checks, no host sync, no
@@ -36,7 +36,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from lowbit.nn import runtime
+from lowbit.ops import prepared as runtime
 from lowbit.quantize import QTensor, quantize
 from lowbit.scheme import QuantScheme
 
@@ -78,12 +78,12 @@ class QuantLinear(torch.nn.Module):
             self.act_static_scale = None
             if act_scheme is not None and not act_scheme.dynamic:
                 raise ValueError("act_scheme has dynamic=False but no act_static_scale was given: calibrate one "
-                                 "(lowbit.nn.calibration.calibrate_static_scales) or use a dynamic scheme")
+                                 "(lowbit.algorithms.static_scales.calibrate_static_scales) or use a dynamic scheme")
         self._cache: dict = {}
         self.check = check
         # 4-bit fast paths: whether `weight_q` (the exact twin of the packed kernel codes) moves to
         # the host (default); False keeps it where it is (a caller that writes the codes from the
-        # device, or never reads them: lowbit.nn.layerwise's GPTQ)
+        # device, or never reads them: lowbit.pipelines.layerwise's GPTQ)
         self.host_twin = host_twin
         self.last_path: str | None = None
         self._warned = False
@@ -93,7 +93,7 @@ class QuantLinear(torch.nn.Module):
         self._prepare()
 
     def _prepare(self) -> None:
-        """Lay out the kernel operands once (lowbit.nn.runtime.prepare); a scheme pair with no
+        """Lay out the kernel operands once (lowbit.ops.prepared.prepare); a scheme pair with no
         fast path leaves `fast_spec` None and every call runs the exact path."""
         self.fast_spec: runtime.Spec | None = None
         if self.backend not in ("auto", "kernel"):
@@ -154,7 +154,7 @@ class QuantLinear(torch.nn.Module):
         (zero-padded, zeros never raise its amax; weight_q.codes then has the padded width).
         Raises ValueError on a non-Linear module, NaN/Inf weights or (pad=False) a K that the
         group size does not divide. scales: lowbit.quantize.Scales to quantize the weight with
-        (e.g. lowbit.nn.scale_search's) instead of the ones it would give."""
+        (e.g. lowbit.algorithms.scale_search's) instead of the ones it would give."""
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"linear must be a torch.nn.Linear, got {type(linear).__name__}")
         w = linear.weight.detach()
@@ -200,7 +200,7 @@ class QuantLinear(torch.nn.Module):
         """Quantize a float32 [M, K] input by the activation scheme. Returns (codes, scale, deq):
         codes as QTensor.codes, scale broadcastable to [M, K] groups, deq float32 [M, K]."""
         if self.act_static_scale is not None:
-            from lowbit.nn.calibration import quantize_static
+            from lowbit.quantize import quantize_static
             s = self.act_static_scale.to(x2d.device)
             if self.track_clipping:
                 # what the quantizer sees: |x / s| beyond fmt.max saturates

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.nn import runtime
+from lowbit.ops import prepared as runtime
 from lowbit.nn.quant_linear import QuantLinear
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))

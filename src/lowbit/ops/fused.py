@@ -32,7 +32,7 @@ and y is quantized with lowbit.quantize's canonical arithmetic. The kernel's cod
 scales equal lowbit.quantize(y_kernel, scheme) exactly; the twin's y may differ from the
 kernel's y in the last float32 bit (reduction order of mean(h^2); exp), which is the one
 documented source of differing codes between the backends. Both are checked against a
-float64 evaluation within the bound derived in tests/test_fused_quant.py.
+float64 evaluation within the bound derived in tests/ops/test_fused_quant.py.
 
 The residual stream itself is never quantized (seed 004): new_residual has residual's dtype.
 """
@@ -553,7 +553,7 @@ def qdq_rows(x2: torch.Tensor, scheme: QuantScheme, weight_scale: torch.Tensor |
     numbers as quantize_rows(x2, scheme) decoded by dequantize_groups (the runtime's W4A4
     emulation), in one kernel (NVFP4 with M > 1: the rows' absmax first, and above QDQ_MAX_ROWS
     rows their maximum by torch: three). No argument
-    checks beyond the shapes: lowbit.nn.runtime's fast path calls it (CUDA-graph safe: no host sync)."""
+    checks beyond the shapes: lowbit.ops.prepared's fast path calls it (CUDA-graph safe: no host sync)."""
     import triton
 
     from lowbit.ops.triton.dequant import _qdq_rows_kernel

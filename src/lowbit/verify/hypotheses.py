@@ -8,7 +8,7 @@ kernel's output within that gate everywhere.
 
 Each generator takes a Sim and yields Hyp objects lazily; the ones that do not apply to the
 operands (no zero point, no bias, an 8-bit format for a nibble bug, ...) yield nothing.
-Real bug reports behind the hypotheses are cited next to them and in tests/test_diagnose_zoo.py.
+Real bug reports behind the hypotheses are cited next to them and in tests/verify/test_diagnose_zoo.py.
 """
 from __future__ import annotations
 

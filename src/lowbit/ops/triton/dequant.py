@@ -52,7 +52,7 @@ def _group_dequant_kernel(C, SC, OUT, R, K, s_c, s_sc, s_o,
 def dequantize_groups(codes: torch.Tensor, scale_codes: torch.Tensor, group: int, element: str,
                       scale: str) -> torch.Tensor:
     """codes uint8 [R, K] (element "e4m3" or "e2m1"), scale_codes uint8 [R, K // group] (scale
-    "e8m0" or "e4m3") -> bf16 [R, K]. No argument checks: lowbit.nn.runtime checks at prepare
+    "e8m0" or "e4m3") -> bf16 [R, K]. No argument checks: lowbit.ops.prepared checks at prepare
     time; made per call, never kept."""
     R, K = codes.shape
     out = torch.empty((R, K), dtype=torch.bfloat16, device=codes.device)

@@ -5,7 +5,7 @@ accumulator:
 
     out[m, n] = sum_g  dot(a[m, g*G:(g+1)*G], b[n, g*G:(g+1)*G]) * (sa[m, g] * sb[n // R, g])
     (on the GPU each step acc + part * (sa * sb) is one FMA -- Triton contracts it --, in the
-    interpreter two roundings; tests/test_epilogue_order.py pins both)
+    interpreter two roundings; tests/ops/test_epilogue_order.py pins both)
 
 Two layouts use it:
 - DeepSeek-V3 style: activations with 1x128 blocks (sa: fp32 [M, K/128]) and weights with
@@ -259,7 +259,7 @@ def fp8_block_gemm(a, b, a_scale, b_scale, *, bias=None, out_dtype=torch.bfloat1
 # scaling runs on the CUDA cores between the bf16 MMAs (~270-300 TFLOP/s at M >= 2048 on the
 # H200, 0.22x of _scaled_mm row-wise), while the dequantization is two memory-bound passes
 # (3 bytes per element moved) and the GEMM then runs at bf16 speed. The same threshold as
-# lowbit.nn.runtime.DEQUANT_MIN_M, whose large-M MXFP8 path is this function.
+# lowbit.ops.prepared.DEQUANT_MIN_M, whose large-M MXFP8 path is this function.
 MX_DEQUANT_MIN_M = 256
 
 
@@ -270,7 +270,7 @@ def mxfp8_dequant_gemm(a, b, a_scale, b_scale, bias=None, out_dtype=torch.bfloat
     float32 out (torch.mm out_dtype on CUDA), the bias added in fp32 and one rounding. Caveat:
     the bf16-output GEMM is cuBLAS's, which PyTorch lets reduce split-K partial sums in bf16
     unless torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is False. Operands
-    as mxfp8_gemm's, unchecked (mxfp8_gemm and lowbit.nn.runtime check them)."""
+    as mxfp8_gemm's, unchecked (mxfp8_gemm and lowbit.ops.prepared check them)."""
     from .dequant import dequantize_groups
 
     A = dequantize_groups(a.view(torch.uint8), a_scale, 32, "e4m3", "e8m0")

@@ -9,7 +9,7 @@ quantizer and from the few fp32 roundings of the epilogue, in this fixed order:
     out   = y.to(out_dtype)               (one rounding to bf16/fp16, none for fp32)
 On the GPU the last two steps are one FMA, y = fma(acc_f * sa[m], sw[n], bias[n]) (Triton's
 default fp fusion contracts the multiply and the add; the H200 output matched exactly that,
-tests/test_epilogue_order.py); without a bias, and in Triton's interpreter, they round twice.
+tests/ops/test_epilogue_order.py); without a bias, and in Triton's interpreter, they round twice.
 With an asymmetric activation (zero point za per row) the correction za * colsum[n] is taken in
 int64 before the conversion, so it is exact too. Weights are K-major ([N, K]), symmetric.
 """

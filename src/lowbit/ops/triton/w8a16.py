@@ -70,7 +70,7 @@ def w8a16_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torc
                out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """x [M, K] bf16/fp16 (unit stride along K), q [N, K] int8 contiguous, scale fp32 [N]
     contiguous, bias [N] or None -> out [M, N] in x's dtype. No argument checks: callers
-    (lowbit.nn.runtime) check once at prepare time."""
+    (lowbit.ops.prepared) check once at prepare time."""
     M, K = x.shape
     N = q.shape[0]
     if out is None:

@@ -1,0 +1,91 @@
+"""AWQ (Lin et al., 2023): activation-aware per-channel weight scaling, folded exactly.
+
+Input channels that carry large activations matter most for the output; scaling their weight
+columns up by s_j (and the activations down by 1/s_j, folded into the op that produces them)
+gives those columns a finer share of the weight grid. For each fold group (a norm or Linear
+whose output feeds some Linears, lowbit.algorithms.smoothquant.fold_groups) and calibration inputs X:
+    s(alpha) = mean|X_j|^alpha, normalised by sqrt(max s * min s)
+    loss(alpha) = sum over consumers  tr((W - Q(W s) / s) H (W - Q(W s) / s)^T),  H = X^T X / n
+with Q the recipe's weight quantizer (lowbit.quantize, round to nearest); alpha is searched on
+a grid (default 0, 0.05, ..., 0.95; alpha = 0 is s = 1, no change) and the best s is folded with
+smoothquant.fold. The model stays a float model computing the same function; quantize it
+afterwards (quantize_model, RTN or GPTQ). Blocks are visited in order (lowbit.algorithms.sequential), so
+each group's X comes from the already-scaled layers before it. Runs wherever torch runs (CPU).
+
+Meant for weight-only recipes: the loss does not see activation quantization (for W8A8 use
+SmoothQuant, whose factors target the activations).
+"""
+from __future__ import annotations
+
+import torch
+
+from lowbit.algorithms.distributed import OrderedSum
+from lowbit.algorithms.gptq.core import HessianAccumulator, output_loss
+from lowbit.algorithms.smoothquant import FoldGroup, fold, fold_groups
+from lowbit.quantize import quantize
+from lowbit.scheme import QuantScheme
+
+GRID = tuple(i / 20 for i in range(20))
+
+
+def awq_factors(x_mean: torch.Tensor, alpha: float) -> torch.Tensor:
+    """s [K] = x_mean^alpha / sqrt(max * min) over the channels that are active (others keep 1)."""
+    s = x_mean.double().clamp(min=1e-8).pow(alpha)
+    s = s / (s.max() * s.min()).sqrt()
+    return torch.where(x_mean > 0, s, torch.ones_like(s)).float()
+
+
+def scaled_loss(weights: list[torch.Tensor], h: torch.Tensor, s: torch.Tensor, scheme: QuantScheme) -> float:
+    """sum over weights [N, K] of tr((W - Q(W s)/s) H (W - Q(W s)/s)^T) (float64)."""
+    total = 0.0
+    for w in weights:
+        ws = w.float() * s[None, :]
+        q = quantize(ws, scheme, pad=True).dequantize(torch.float64) / s.double()[None, :]
+        total += output_loss(w, q, h)
+    return total
+
+
+def search_scale(weights: list[torch.Tensor], xs: list[torch.Tensor], scheme: QuantScheme,
+                 grid=GRID) -> tuple[torch.Tensor, float, dict]:
+    """Best s over the grid for Linears with weights [N, K] fed by inputs xs ([..., K] each).
+    Returns (s [K] float32, best alpha, {alpha: loss})."""
+    K = weights[0].shape[1]
+    acc, x_sum = HessianAccumulator(K), OrderedSum()    # all ranks' batches under torch.distributed
+    for x in xs:
+        acc.add(x)
+        x_sum.add(x.detach().reshape(-1, K).double().abs().sum(0))
+    h = acc.hessian()
+    x_mean = (x_sum.total((K,)) / acc.n).float()
+    losses = {a: scaled_loss(weights, h, awq_factors(x_mean, a), scheme) for a in grid}
+    best = min(losses, key=losses.get)
+    return awq_factors(x_mean, best), best, losses
+
+
+@torch.no_grad()
+def awq_model(model: torch.nn.Module, recipe, calib, *, grid=GRID, progress: bool = False) -> dict[str, float]:
+    """Search and fold AWQ factors into every exact fold point of `model` (float, in place) for the
+    weight scheme of `recipe`. calib: input-id tensors [B, T] or dicts. Returns {producer: alpha}.
+    ValueError for recipes that quantize activations or models without fold points."""
+    from lowbit.recipes.presets import get_recipe
+    from lowbit.algorithms.sequential import calibrate_sequentially
+    r = get_recipe(recipe)
+    if r.act is not None:
+        raise ValueError(f"AWQ is for weight-only recipes; {r.name} also quantizes activations "
+                         "(use SmoothQuant for those, or a w4a16 / w8a16 recipe)")
+    groups = fold_groups(model)
+    by_first: dict[str, FoldGroup] = {g.consumers[0]: g for g in groups}
+    chosen: dict[str, float] = {}
+
+    def handle(names, xs):
+        g = by_first.get(names[0])
+        if g is not None:
+            if set(g.consumers) != set(names):
+                raise ValueError(f"fold group {g.consumers} does not match the Linears sharing one input {names}")
+            s, alpha, _ = search_scale([model.get_submodule(c).weight for c in g.consumers], xs, r.weight, grid)
+            fold(model, g, s)
+            chosen[g.producer] = alpha
+        return {n: model.get_submodule(n) for n in names}
+
+    names = [c for g in groups for c in g.consumers]
+    calibrate_sequentially(model, names, calib, handle, progress=progress, desc=f"AWQ {r.name}")
+    return chosen

@@ -1,0 +1,201 @@
+"""Sequential layer-wise calibration: each Linear is calibrated on the inputs it receives when every
+Linear before it has already been replaced by its quantized version (GPTQ's and AWQ's order).
+
+The model is walked block by block (the decoder layers: the first torch.nn.ModuleList whose
+members hold Linears). The inputs of the first block are captured once; within a block the
+Linears are visited in execution order, grouped by shared input (q/k/v, gate/up), and each group's
+inputs are collected by running the block with the already-replaced Linears and stopping as soon
+as the group's input is seen. The block's outputs, with all of its Linears replaced, are the next
+block's inputs. Linears outside the blocks are handled the same way on whole-model forwards,
+after the blocks. Cost: about (groups per block / 2 + 1) forwards of each block per batch.
+
+`calibrate_sequentially` is all-or-nothing: an error restores every replaced module.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+
+
+class _Stop(Exception):
+    """Raised by a hook to end a forward pass once the wanted input has been seen."""
+
+
+def decoder_blocks(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList] | None:
+    """(name, ModuleList) of the repeated blocks: the first ModuleList with >= 2 members that hold Linears."""
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.ModuleList) and len(m) >= 2 and all(
+                any(isinstance(c, torch.nn.Linear) for c in b.modules()) for b in m):
+            return name, m
+    return None
+
+
+def _no_cache(kwargs: dict) -> dict:
+    # A captured KV cache would grow every time a block is re-run: drop it.
+    out = {k: (None if "Cache" in type(v).__name__ else v) for k, v in kwargs.items()}
+    if "use_cache" in out:
+        out["use_cache"] = False
+    return out
+
+
+def _call(module: torch.nn.Module, args: tuple, kwargs: dict):
+    return module(*args, **kwargs)
+
+
+def _batch_call(b) -> tuple[tuple, dict]:
+    return ((), dict(b)) if isinstance(b, dict) else ((b,), {})
+
+
+@torch.no_grad()
+def capture_block_inputs(model, block, batches) -> list[tuple[tuple, dict]]:
+    seen = []
+
+    def hook(mod, args, kwargs):
+        seen.append((args, _no_cache(kwargs)))
+        raise _Stop
+
+    h = block.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        for b in batches:
+            a, k = _batch_call(b)
+            try:
+                _call(model, a, k)
+            except _Stop:
+                pass
+    finally:
+        h.remove()
+    if not seen:
+        raise ValueError("no calibration batch reached the model's first block: give at least one batch")
+    return seen
+
+
+def _execution_groups(stage, inputs, names: list[str]) -> list[list[str]]:
+    """Linears of `names` in the order the stage runs them, grouped by identical input tensor."""
+    order, last = [], [None]
+
+    def make(n):
+        def hook(mod, args):
+            x = args[0]
+            if order and last[0] is x:
+                order[-1].append(n)
+            else:
+                order.append([n])
+            last[0] = x
+        return hook
+
+    hs = [stage.get_submodule(n).register_forward_pre_hook(make(n)) for n in names]
+    try:
+        with torch.no_grad():
+            _call(stage, *inputs[0])
+    finally:
+        for h in hs:
+            h.remove()
+    done = {n for g in order for n in g}
+    missing = [n for n in names if n not in done]
+    if missing:
+        raise ValueError(f"Linear layers {missing} never ran on the calibration batches: they cannot be calibrated")
+    return order
+
+
+@torch.no_grad()
+def _collect(stage, inputs, name: str) -> list[torch.Tensor]:
+    """The inputs (one tensor [..., K] per batch) that `name` receives, stopping each forward there."""
+    got = []
+
+    def hook(mod, args):
+        got.append(args[0].detach())
+        raise _Stop
+
+    h = stage.get_submodule(name).register_forward_pre_hook(hook)
+    try:
+        for a, k in inputs:
+            try:
+                _call(stage, a, k)
+            except _Stop:
+                pass
+    finally:
+        h.remove()
+    return got
+
+
+def _set(root: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, attr, module)
+
+
+@torch.no_grad()
+def next_block_inputs(block: torch.nn.Module, inputs: list[tuple[tuple, dict]]) -> list[tuple[tuple, dict]]:
+    """The next block's inputs: `block` run on each (args, kwargs) of `inputs`, its output in
+    place of the hidden states (the other arguments, e.g. position embeddings, are shared)."""
+    outs = [_call(block, a, k) for a, k in inputs]
+    return [((o[0] if isinstance(o, tuple) else o,) + a[1:], k) if a else
+            (a, {**k, "hidden_states": o[0] if isinstance(o, tuple) else o})
+            for o, (a, k) in zip(outs, inputs)]
+
+
+def as_kwargs(inputs: list[tuple[tuple, dict]]) -> list[dict]:
+    """Block inputs as keyword dicts (hidden_states by name), the batch form calibration calls take."""
+    return [{"hidden_states": a[0], **k} if a else dict(k) for a, k in inputs]
+
+
+Handler = Callable[[list[str], list[torch.Tensor]], dict[str, torch.nn.Module]]
+
+
+def run_stage(stage, inputs, names: list[str], handle: Handler, replaced: dict, prefix: str, bar,
+              groups: list[list[str]] | None = None) -> list[list[str]]:
+    """Replace the Linears `names` of `stage` group by group (handle), in execution order; returns
+    the groups. groups: the execution groups when known (e.g. from an identical earlier decoder
+    layer: lowbit.pipelines.layerwise), which saves the forward pass that finds them."""
+    if groups is None:
+        groups = _execution_groups(stage, inputs, names)
+    for group in groups:
+        xs = _collect(stage, inputs, group[0])
+        new = handle([prefix + n for n in group], xs)
+        for n in group:
+            replaced[prefix + n] = stage.get_submodule(n)
+            _set(stage, n, new[prefix + n])
+        if bar is not None:
+            bar.update(len(group))
+    return groups
+
+
+def calibrate_sequentially(model: torch.nn.Module, names: Iterable[str], batches: Iterable, handle: Handler,
+                           *, progress: bool = False, desc: str = "calibrate") -> None:
+    """Replace the Linears `names` of `model` in place, in execution order. For each group of
+    Linears sharing one input, `handle(group_names, inputs)` gets the full names and the inputs
+    (one float tensor [..., K] per batch, produced by the model with every earlier Linear already
+    replaced) and returns {name: replacement module}. batches: input-id tensors [B, T] or dicts."""
+    names = list(names)
+    batches = list(batches)
+    if not batches:
+        raise ValueError("calibration needs at least one batch of inputs")
+    replaced: dict[str, torch.nn.Module] = {}
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(names), desc=desc, unit="layer")
+    try:
+        blocks = decoder_blocks(model)
+        todo = set(names)
+        if blocks is not None:
+            bname, blist = blocks
+            inputs = capture_block_inputs(model, blist[0], batches)
+            for i, block in enumerate(blist):
+                prefix = f"{bname}.{i}." if bname else f"{i}."
+                mine = [n[len(prefix):] for n in names if n.startswith(prefix)]
+                if mine:
+                    run_stage(block, inputs, mine, handle, replaced, prefix, bar)
+                todo -= {prefix + n for n in mine}
+                if i + 1 < len(blist):
+                    inputs = next_block_inputs(block, inputs)
+        rest = [n for n in names if n in todo]
+        if rest:
+            run_stage(model, [_batch_call(b) for b in batches], rest, handle, replaced, "", bar)
+    except BaseException:
+        for n, m in replaced.items():
+            _set(model, n, m)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()

@@ -1,0 +1,63 @@
+"""`lowbit` command line. Each subcommand lives next to the code it drives: a module
+that defines `register(parser)` (adds its arguments) and `run(args) -> int`.
+The table below is the only place that lists them."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS = {
+    "formats": ("lowbit.entrypoints.formats", "table of element formats computed from the codecs"),
+    "demo": ("lowbit.entrypoints.demo", "quick tour: format table and per-tensor vs per-channel int8"),
+    "check": ("lowbit.entrypoints.check", "verify a kernel's output stored in a safetensors file"),
+    "audit": ("lowbit.entrypoints.audit", "conformance table of every linear kernel on this machine"),
+    "experiment": ("lowbit.entrypoints.experiment", "the seeds' experiments as reproducible reports"),
+    "bench": ("lowbit.entrypoints.bench", "GPU benchmarks of lowbit kernels against baselines"),
+    "doctor": ("lowbit.entrypoints.doctor", "which formats run natively, emulated or on the CPU here"),
+    "quantize": ("lowbit.entrypoints.quantize", "quantize a model, evaluate it and write a checkpoint"),
+    "sites": ("lowbit.entrypoints.sites", "per-site SQNR diagnosis of a model under a recipe"),
+    "inspect": ("lowbit.entrypoints.inspect", "list a quantized checkpoint's schemes and flag problems"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lowbit", description="low-precision quantization you can verify")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Import only the chosen command's module: the others may pull heavy dependencies.
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module_name, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            module.register(p)
+            p.set_defaults(_run=module.run)
+    args = parser.parse_args(argv)
+    if getattr(args, "_run", None) is None:
+        parser.print_help()
+        return 0 if args.command is None else 2
+    try:
+        return int(args._run(args) or 0)
+    except (ValueError, OSError, NotImplementedError) as err:
+        # bad input (a wrong argument, an unreadable or missing file, a scheme with no path): the
+        # message names the argument and the fix; a traceback would only hide it
+        print(f"lowbit {args.command}: error: {_one_line(err)}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as err:
+        if (err.name or "lowbit").split(".")[0] == "lowbit":
+            raise  # lowbit's own module missing is a bug, not a setup step
+        print(f"lowbit {args.command}: error: this needs the package {err.name!r}, which is not installed "
+              f"(pip install {err.name}, or the [models] extra)", file=sys.stderr)
+        return 2
+
+
+def _one_line(err: BaseException) -> str:
+    """The error's message on one line (a JSON or OS message can carry newlines)."""
+    return " ".join(str(err).split())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Checks of `lowbit quantize` / `lowbit sites` arguments that run before any model is loaded:
+a mistake costs the user no minutes of loading and quantizing. Each raises ValueError naming
+the flag and the fix (lowbit.entrypoints.main prints it as one line, exit status 2)."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from lowbit.recipes.presets import get_recipe
+
+
+def recipe_names(text: str, flag: str = "--recipe") -> list[str]:
+    """A comma-separated recipe list, every name checked."""
+    names = [r.strip() for r in text.split(",") if r.strip()]
+    if not names:
+        raise ValueError(f"{flag} is empty; name a recipe")
+    try:
+        return [get_recipe(r).name for r in names]
+    except ValueError as err:
+        raise ValueError(f"{flag}: {err}") from err
+
+
+def recipe_or_skip(text: str, flag: str) -> str:
+    """One recipe name, or "skip" (keep in high precision)."""
+    if text == "skip":
+        return text
+    if "," in text:
+        raise ValueError(f"{flag} {text!r}: give one recipe (or skip), not a list")
+    return recipe_names(text, flag)[0]
+
+
+def overrides(items: list[str] | None) -> dict[str, str]:
+    """--override PATTERN=RECIPE items -> {pattern: recipe or "skip"}, every recipe checked."""
+    out = {}
+    for it in items or []:
+        pattern, sep, recipe = it.partition("=")
+        if not sep or not pattern or not recipe:
+            raise ValueError(f"--override {it!r}: write PATTERN=RECIPE (or PATTERN=skip)")
+        out[pattern] = recipe_or_skip(recipe, f"--override {it!r}")
+    return out
+
+
+def positive(value, flag: str, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value <= 0:
+        raise ValueError(f"{flag} must be a positive number, got {value}")
+
+
+def fraction(value: float, flag: str, hi: float = 1.0) -> None:
+    if not (math.isfinite(value) and 0.0 <= value <= hi):
+        raise ValueError(f"{flag} must lie in [0, {hi}], got {value}")
+
+
+def text_sizes(tokens: int, window: int, flag: str = "--tokens") -> None:
+    """Perplexity runs over whole non-overlapping windows: at least one must fit."""
+    positive(window, "--window")
+    if window < 2:
+        raise ValueError(f"--window {window}: a perplexity window needs at least 2 tokens")
+    positive(tokens, flag)
+    if tokens < window:
+        raise ValueError(f"{flag} {tokens} is less than one --window of {window}; give {flag} >= {window} "
+                         "or a smaller --window")
+
+
+def png_path(path: str, flag: str = "--png") -> None:
+    """A PNG destination in a directory that exists (or can be made) and is writable."""
+    if Path(path).suffix.lower() != ".png":
+        raise ValueError(f"{flag} {path}: the figure is a PNG; give a path ending in .png")
+    probe_writable_file(path, flag)
+
+
+def probe_writable_file(path: str, flag: str) -> None:
+    """A file destination (not a directory) in a writable directory."""
+    from lowbit.io.outdir import OutputDirError, probe_writable
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{flag} {path} is a directory; give a file path")
+    try:
+        probe_writable(p.parent, f"{flag} {path}")
+    except OutputDirError as err:
+        raise ValueError(str(err)) from err

@@ -1,0 +1,115 @@
+"""The quantize-and-evaluate job behind `lowbit quantize` (and the perplexity table of
+lowbit.experiments.perplexity_table): diagnose per-site SQNR, optionally rotate, SmoothQuant, AWQ
+and override the worst sites, quantize, evaluate before/after on the texts of
+lowbit.evaluation.workload."""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lowbit.evaluation.workload import Loaded, Texts, metric
+from lowbit.recipes.presets import get_recipe
+
+
+@dataclass
+class RecipeRun:
+    recipe: str
+    model: torch.nn.Module
+    summary: object
+    sites_before: object
+    sites_after: object | None
+    overrides: dict
+    value: float
+    clipping: list
+    tokens: object = None       # evaluate.TokenMetrics (KL / top-1 vs the reference) when a reference was given
+    calib_s: float = 0.0        # seconds from the float copy to the quantized model (rotation, SmoothQuant, AWQ,
+    eval_s: float = 0.0         # GPTQ, site reports, quantization); seconds evaluating it
+    kl_pick: object = None      # site_kl.KLPick when the overrides were picked by measured KL
+
+
+def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float | None = None,
+               override_worst: float = 0.0, override_to: str = "skip", ignore=None, overrides=None,
+               static: bool = False, window: int = 512, progress: bool = True, sites: bool = True,
+               method: str = "rtn", awq: bool = False, rotate: str | None = None,
+               reference: list | torch.nn.Module | None = None, mse: bool = False,
+               override_by: str = "block") -> RecipeRun:
+    """Quantize a copy of loaded.model by `recipe` and evaluate it. smoothquant: alpha or None;
+    override_worst: fraction of Linear layers (<= 0.05 by the issue's rule) whose worst output
+    SQNR sends them to `override_to` ("skip" = high precision, or a recipe name).
+    method: "rtn" or "gptq" (lowbit.algorithms.gptq.core, calibrated on texts.calib); awq: fold AWQ scales
+    (lowbit.algorithms.awq, weight-only recipes) after SmoothQuant and before quantizing; rotate:
+    "hadamard" rotates the residual stream first (lowbit.algorithms.rotation) or None; reference: the float
+    model, or evaluate.reference_logits of it on texts.eval_ids (causal models), to report the
+    next-token KL divergence and top-1 agreement beside perplexity (RecipeRun.tokens). mse: MSE-optimal
+    weight scales (lowbit.algorithms.scale_search) instead of round to nearest's, for RTN and GPTQ alike.
+    override_by: how the override_worst sites are picked: "block" (worst block SQNR in the per-site
+    report) or "kl" (largest measured drop of the next-token KL on texts.calib, greedy:
+    lowbit.diagnosis.site_kl; causal models), both on round to nearest's codes after the folds."""
+    from lowbit.algorithms.static_scales import calibrate_static_scales, clipping_report
+    from lowbit.recipes.plan import linear_layers
+    from lowbit.pipelines.quantize_model import quantize_model
+    from lowbit.diagnosis.sites import override_count, pick_overrides, site_report
+    from lowbit.algorithms.smoothquant import smooth_model
+    r = get_recipe(recipe)
+    if override_by not in ("block", "kl"):
+        raise ValueError(f"override_by={override_by!r}: choose 'block' (block SQNR) or 'kl' (measured KL)")
+    if override_by == "kl" and loaded.kind != "causal":
+        raise ValueError("override_by='kl' measures next-token distributions: it needs a causal language model; "
+                         "use override_by='block' for an encoder")
+    t0 = time.perf_counter()
+    m = copy.deepcopy(loaded.model)
+    if rotate is not None:
+        if rotate != "hadamard":
+            raise ValueError(f"rotate={rotate!r}: the rotation lowbit knows is 'hadamard'")
+        from lowbit.algorithms.rotation import rotate_model
+        rotate_model(m)
+    # sites=False skips the diagnosis when nothing depends on it (no overrides to pick).
+    want = sites or (override_worst > 0 and override_by == "block")
+    sites_before = site_report(m, texts.calib, r, ignore=ignore, overrides=overrides, progress=progress) \
+        if sites else None
+    sites_after = None
+    if smoothquant is not None:
+        smooth_model(m, texts.calib, alpha=smoothquant, progress=progress)
+        if want:
+            sites_after = site_report(m, texts.calib, r, ignore=ignore, overrides=overrides, progress=progress)
+    elif want and sites_before is None:
+        sites_before = site_report(m, texts.calib, r, ignore=ignore, overrides=overrides, progress=progress)
+    if awq:
+        from lowbit.algorithms.awq import awq_model
+        awq_model(m, r, texts.calib, progress=progress)
+    ov = dict(overrides or {})
+    picked, klp = {}, None
+    if override_worst > 0 and override_by == "kl":
+        from lowbit.diagnosis.site_kl import kl_pick
+        klp = kl_pick(m, texts.calib, r, override_count(len(linear_layers(m)), override_worst), to=override_to,
+                      ignore=ignore, overrides=overrides, progress=progress)
+        picked = {s: override_to for s in klp.picked}
+        ov.update(picked)
+    elif override_worst > 0:
+        final = sites_after or sites_before
+        picked = pick_overrides(final, len(linear_layers(m)), override_worst, override_to)
+        ov.update(picked)
+    scales = None
+    if static and override_to != "skip" and picked:
+        raise ValueError("static scales are calibrated for the recipe's activation format; combine them only "
+                         "with override_to='skip'")
+    if static:
+        if r.act is None:
+            raise ValueError(f"--static-scales needs a recipe with activation quantization; {r.name} is weight-only")
+        scales = calibrate_static_scales(m, texts.calib, r.act)
+    summary = quantize_model(m, r, ignore=ignore, overrides=ov or None, act_static_scales=scales, progress=progress,
+                             method=method, calib=texts.calib if method != "rtn" else None, mse=mse)
+    clipping = clipping_report(m, texts.new) if static else []
+    t1 = time.perf_counter()
+    tokens = None
+    if reference is not None and loaded.kind == "causal":
+        from lowbit.evaluation.evaluate import token_metrics
+        tokens = token_metrics(m, texts.eval_ids, reference, window, progress=progress, desc=f"{r.name} eval")
+        value = tokens.perplexity
+    else:
+        value = metric(loaded, m, loaded.model, texts, window, progress, f"{r.name} eval")
+    return RecipeRun(r.name, m, summary, sites_before, sites_after, picked, value, clipping, tokens,
+                     t1 - t0, time.perf_counter() - t1, klp)

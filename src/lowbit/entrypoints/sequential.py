@@ -1,0 +1,62 @@
+"""`lowbit quantize --sequential` (and `--distributed`): the command-line side of
+lowbit.pipelines.layerwise and lowbit.algorithms.distributed. The model is never whole in memory, so there
+is no before/after evaluation: the checkpoint is written and a summary printed."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+# Measures the layer-by-layer path does not do (yet): the flag and why.
+UNSUPPORTED = {"awq": "--awq", "rotate": "--rotate", "override_worst": "--override-worst", "override": "--override",
+               "mse": "--mse-scales"}
+
+
+def check(args) -> None:
+    """Flags that cannot combine with --sequential, before anything loads."""
+    bad = [flag for attr, flag in UNSUPPORTED.items() if getattr(args, attr, None)]
+    if bad:
+        raise ValueError(f"--sequential quantizes layer by layer without {', '.join(bad)}; drop them or quantize "
+                         "the whole model (without --sequential)")
+    if args.model in ("smollm2", "minilm") or not Path(args.model).is_dir():
+        raise ValueError(f"--sequential reads a safetensors checkpoint directory; --model {args.model!r} is not one")
+    if args.no_save:
+        raise ValueError("--sequential writes the checkpoint as it goes; --no-save would leave nothing")
+
+
+def calibration_windows(model_dir: str, tokens: int, window: int) -> list:
+    """[1, window] id tensors of the calibration text (Wikipedia's calib split, as the whole-model
+    path), tokenized by the checkpoint's own tokenizer."""
+    from lowbit.evaluation.embedded import _offline, wiki_token_ids, windows
+    _offline()
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return windows(wiki_token_ids(tok, tokens, split="calib"), window)
+
+
+def run(args, recipes: list[str], outs: dict, device: str) -> int:
+    """Quantize args.model layer by layer for each recipe; rank 0 writes under torch.distributed."""
+    import torch
+    from lowbit.algorithms import distributed as D
+    from lowbit.pipelines.layerwise import quantize_layerwise
+    calib = D.shard(calibration_windows(args.model, args.calib_tokens, args.window))
+    method = args.method or "rtn"
+    say = print if D.rank() == 0 else (lambda *a, **k: None)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    for recipe in recipes:
+        t0 = time.time()
+        say(f"{recipe}: layer by layer on {device} ({dtype}), {method}"
+            f"{'' if args.smoothquant is None else f', SmoothQuant alpha {args.smoothquant}'}"
+            f"{', static scales' if args.static_scales else ''}; {D.world_size()} rank(s), "
+            f"{len(calib)} calibration window(s) of {args.window} tokens on this rank", flush=True)
+        res = quantize_layerwise(args.model, outs[recipe] if D.rank() == 0 else None, recipe, calib, method=method,
+                                 smoothquant=args.smoothquant, static_scales=args.static_scales, ignore=args.ignore,
+                                 device=device, dtype=dtype, overwrite=args.overwrite, progress=D.rank() == 0)
+        peak = res.get("peak_device_bytes", res["peak_rss_over_start_bytes"])
+        say(f"{recipe}: checkpoint {outs[recipe]} ({len(res['quantized'])} Linears quantized) in "
+            f"{time.time() - t0:.0f} s; peak memory {peak / 2**20:.0f} MiB "
+            f"({'device' if 'peak_device_bytes' in res else 'RSS over the start'}), one layer "
+            f"{res['layer_bytes'] / 2**20:.0f} MiB, calibration activations {res['activation_bytes'] / 2**20:.0f} MiB",
+            flush=True)
+        say(json.dumps({k: v for k, v in res.items() if k not in ("quantized", "seconds_per_layer")}))
+    return 0

@@ -1,0 +1,66 @@
+"""`lowbit sites`: per-site SQNR diagnosis of a model under a recipe (seed 004, "Finding the
+site that hurts"): every Linear's input-activation, weight and output SQNR, worst first, with
+the suggested action, and a PNG of SQNR by layer and site (before/after SmoothQuant with
+--smoothquant)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def register(p) -> None:
+    from lowbit.recipes.presets import RECIPES
+    p.add_argument("--model", default="smollm2", help="smollm2 (embedded), minilm (embedded encoder) or a model directory")
+    p.add_argument("--recipe", default="w8a8-int8", help=f"one of: {', '.join(RECIPES)}")
+    p.add_argument("--tokens", type=int, default=1024, help="tokens of (calibration-split) Wikipedia text to run")
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--top", type=int, default=15, help="how many of the worst sites to print")
+    p.add_argument("--smoothquant", nargs="?", type=float, const=0.5, default=None, metavar="ALPHA",
+                   help="also report the sites after folding SmoothQuant factors (alpha, default 0.5)")
+    p.add_argument("--png", default="lowbit_sites.png", help="where to write the plot")
+    p.add_argument("--markdown", default=None, help="also write the table of worst sites as markdown here")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def run(args) -> int:
+    """Bad input raises ValueError / FileNotFoundError; lowbit.entrypoints.main prints it without a traceback."""
+    import torch
+    from lowbit.entrypoints import quantize_args as A
+    from lowbit.entrypoints.quantize_args import probe_writable_file
+    from lowbit.evaluation.workload import load_model, prepare_texts
+    from lowbit.diagnosis.report import optional_png
+    from lowbit.diagnosis.sites import plot_sites, site_report
+    from lowbit.algorithms.smoothquant import smooth_model
+
+    A.recipe_names(args.recipe)            # every check that needs no model comes first
+    if "," in args.recipe:
+        raise ValueError(f"--recipe {args.recipe!r}: lowbit sites takes one recipe")
+    A.text_sizes(args.tokens, args.window)
+    A.positive(args.top, "--top")
+    A.positive(args.threads, "--threads", allow_none=True)
+    if args.smoothquant is not None:
+        A.fraction(args.smoothquant, "--smoothquant ALPHA")
+    A.png_path(args.png)
+    if args.markdown:
+        probe_writable_file(args.markdown, "--markdown")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(args.model)
+    texts = prepare_texts(loaded, args.window, args.tokens, args.window)
+    reports = [site_report(loaded.model, texts.calib, args.recipe, progress=True)]
+    labels = [args.recipe]
+    if args.smoothquant is not None:
+        smooth_model(loaded.model, texts.calib, alpha=args.smoothquant, progress=True)
+        reports.append(site_report(loaded.model, texts.calib, args.recipe, progress=True))
+        labels.append(f"{args.recipe} + SmoothQuant (alpha {args.smoothquant})")
+    for rep, lab in zip(reports, labels):
+        print(f"== {lab}")
+        print(f"{len(rep.rows)} sites, {rep.tokens} tokens; worst {args.top}:")
+        print(rep.to_markdown(args.top))
+    png = optional_png(plot_sites, reports, args.png, labels)
+    if png:
+        print(f"plot: {png}")
+    if args.markdown:
+        Path(args.markdown).write_text("\n\n".join(f"## {lab}\n\n{rep.to_markdown(args.top)}"
+                                                   for rep, lab in zip(reports, labels)) + "\n")
+        print(f"markdown: {args.markdown}")
+    return 0

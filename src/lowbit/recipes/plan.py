@@ -1,0 +1,150 @@
+"""The plan: what a recipe does to each Linear of a model, decided once and before anything changes.
+
+`plan(model, recipe, ignore, overrides)` resolves a recipe (a name or a Recipe), the user's ignore
+patterns and per-site overrides into a QuantSummary: one LayerDecision per Linear, with the Recipe
+object each quantized layer uses. Every pipeline consumes this typed plan; none re-resolves names.
+
+Patterns are shell globs on module names (`model.layers.*.mlp.down_proj`) or, with a `re:`
+prefix, regular expressions (compressed-tensors' convention). A user pattern that matches no
+Linear is an error, as is a layer matched by two overrides that disagree.
+"""
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from lowbit.quantize import static_scheme
+from lowbit.recipes.presets import Recipe, get_recipe
+
+# Linears kept in high precision unless an override names them: the logits.
+DEFAULT_KEEP = ("lm_head", "*.lm_head")
+
+
+@dataclass
+class LayerDecision:
+    """What quantize_model did with one Linear: action "quantized" or "skipped", and why."""
+    name: str
+    shape: tuple[int, int]          # (out_features, in_features)
+    action: str
+    recipe: str | None
+    reason: str
+
+
+@dataclass
+class QuantSummary:
+    """Per-layer decisions of one quantize_model call."""
+    recipe: str
+    layers: list[LayerDecision] = field(default_factory=list)
+    recipes: dict[str, Recipe] = field(default_factory=dict, repr=False)   # name -> Recipe used
+    method: str = "rtn"             # how the weights' codes were chosen: "rtn" | "gptq"
+
+    def recipe_of(self, d: LayerDecision) -> Recipe:
+        """The Recipe object a quantized layer's decision names (custom Recipes included)."""
+        return self.recipes[d.recipe]
+
+    @property
+    def quantized(self) -> list[LayerDecision]:
+        return [d for d in self.layers if d.action == "quantized"]
+
+    @property
+    def skipped(self) -> list[LayerDecision]:
+        return [d for d in self.layers if d.action == "skipped"]
+
+    def counts(self) -> dict[str, int]:
+        """Number of Linears per recipe (quantized) plus "skipped"."""
+        out: dict[str, int] = {}
+        for d in self.layers:
+            key = d.recipe if d.action == "quantized" else "skipped"
+            out[key] = out.get(key, 0) + 1
+        return out
+
+    def __str__(self) -> str:
+        lines = [f"recipe {self.recipe}{'' if self.method == 'rtn' else ' (' + self.method + ')'}: {len(self.quantized)} of {len(self.layers)} Linear layers quantized "
+                 f"({', '.join(f'{k}: {v}' for k, v in self.counts().items())})"]
+        for d in self.layers:
+            if d.action == "skipped" or d.recipe != self.recipe:
+                lines.append(f"  {d.name} {d.shape[0]}x{d.shape[1]}: {d.action}"
+                             f"{'' if d.recipe is None else ' as ' + d.recipe} ({d.reason})")
+        return "\n".join(lines)
+
+
+def match(pattern: str, name: str) -> bool:
+    """Whether a module name matches a glob or `re:` pattern (full match)."""
+    if pattern.startswith("re:"):
+        return re.fullmatch(pattern[3:], name) is not None
+    return fnmatch.fnmatchcase(name, pattern)
+
+
+def linear_layers(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    """name -> nn.Linear (QuantLinears already in the model are not listed)."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def _tied_to_embedding(model: torch.nn.Module, linear: torch.nn.Linear) -> bool:
+    if linear.weight.is_meta:       # a skeleton (lowbit.pipelines.layerwise): no storage, ties are shared Parameters
+        return any(isinstance(m, torch.nn.Embedding) and m.weight is linear.weight for m in model.modules())
+    ptr = linear.weight.data_ptr()
+    return any(isinstance(m, torch.nn.Embedding) and m.weight.data_ptr() == ptr for m in model.modules())
+
+
+def plan(model: torch.nn.Module, recipe: str | Recipe, ignore=None, overrides=None) -> QuantSummary:
+    """Decide, without changing the model, what quantize_model would do with every Linear."""
+    base = get_recipe(recipe)
+    ignore = list(ignore or [])
+    overrides = {p: (r if r == "skip" else get_recipe(r)) for p, r in (overrides or {}).items()}
+    layers = linear_layers(model)
+    if not layers:
+        raise ValueError(f"model ({type(model).__name__}) has no torch.nn.Linear layers: nothing to quantize")
+    for p in ignore + list(overrides):
+        if not any(match(p, n) for n in layers):
+            near = ", ".join(list(layers)[:3])
+            raise ValueError(f"pattern {p!r} matches no Linear layer (names look like: {near}, ...); "
+                             "fix the pattern (globs: *, re: prefix for regex) or drop it")
+    summary = QuantSummary(base.name, recipes={base.name: base})
+    for r in overrides.values():
+        if r != "skip":
+            if summary.recipes.setdefault(r.name, r) != r:
+                raise ValueError(f"two different recipes are both called {r.name!r}; give them distinct names")
+    for name, lin in layers.items():
+        shape = (lin.out_features, lin.in_features)
+        hit = [p for p in ignore if match(p, name)]
+        if hit:
+            summary.layers.append(LayerDecision(name, shape, "skipped", None, f"ignore pattern {hit[0]!r}"))
+            continue
+        ov = {p: r for p, r in overrides.items() if match(p, name)}
+        choices = {r if r == "skip" else r.name for r in ov.values()}
+        if len(choices) > 1:
+            raise ValueError(f"layer {name} matches overrides {list(ov)} that disagree ({sorted(choices)}); "
+                             "make the patterns disjoint")
+        if ov:
+            p, r = next(iter(ov.items()))
+            if r == "skip":
+                summary.layers.append(LayerDecision(name, shape, "skipped", None, f"override {p!r} -> skip"))
+            else:
+                summary.layers.append(LayerDecision(name, shape, "quantized", r.name, f"override {p!r}"))
+            continue
+        if any(match(p, name) for p in DEFAULT_KEEP):
+            summary.layers.append(LayerDecision(name, shape, "skipped", None, "logits (lm_head) stay high precision"))
+        elif _tied_to_embedding(model, lin):
+            summary.layers.append(LayerDecision(name, shape, "skipped", None, "weight tied to an embedding"))
+        else:
+            summary.layers.append(LayerDecision(name, shape, "quantized", base.name, "recipe"))
+    for d in summary.quantized:
+        w = summary.recipe_of(d).weight
+        g = w.group_size if w.strategy == "group" else None
+        if g and d.shape[1] % g:
+            d.reason += f"; in_features {d.shape[1]} % group {g} = {d.shape[1] % g}: last weight group is short"
+    return summary
+
+
+def layer_act(d: LayerDecision, r: Recipe, act_static_scales: dict | None):
+    """(activation scheme, static scale or None) of one quantized layer: the recipe's dynamic
+    scheme, or its per-tensor static twin with the layer's calibrated scale."""
+    if act_static_scales is None or r.act is None:
+        return r.act, None
+    if d.name not in act_static_scales:
+        raise ValueError(f"act_static_scales has no scale for layer {d.name}: calibrate every quantized layer")
+    return static_scheme(r.act), act_static_scales[d.name]

@@ -1,0 +1,135 @@
+"""Layer-by-layer quantization from a sharded safetensors checkpoint (lowbit.pipelines.layerwise) gives the
+checkpoint the whole-model path gives: the same codes, scales, static activation scales and
+float tensors, bit for bit, for SmoothQuant + static scales + RTN and for GPTQ."""
+import copy
+
+import pytest
+import torch
+
+from llama_fixtures import outlier_llama
+
+
+def _sharded(rng, tmp_path):
+    model = outlier_llama(rng, intermediate_size=96)
+    d = tmp_path / "float"
+    model.save_pretrained(d, max_shard_size="40KB")      # several shards + index
+    assert (d / "model.safetensors.index.json").is_file()
+    batches = [torch.randint(0, 97, (2, 17), generator=rng) for _ in range(3)]
+    return d, batches
+
+
+def _whole_model(d, recipe, batches, out, *, smoothquant=None, static=False, method="rtn"):
+    from transformers import LlamaForCausalLM
+    from lowbit.pipelines.checkpoint import save_compressed
+    from lowbit.algorithms.static_scales import calibrate_static_scales
+    from lowbit.pipelines.quantize_model import quantize_model
+    from lowbit.recipes.presets import get_recipe
+    from lowbit.algorithms.smoothquant import smooth_model
+    m = LlamaForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    if smoothquant is not None:
+        smooth_model(m, batches, alpha=smoothquant)
+    scales = calibrate_static_scales(m, batches, get_recipe(recipe).act) if static else None
+    quantize_model(m, recipe, act_static_scales=scales, method=method, calib=batches if method != "rtn" else None)
+    save_compressed(m, out)
+
+
+def _assert_same(a, b):
+    from lowbit.pipelines.checkpoint import load_compressed
+    x, y = load_compressed(a), load_compressed(b)
+    assert sorted(x.qtensors) == sorted(y.qtensors) and x.qtensors
+    for n in x.qtensors:
+        p, q = x.qtensors[n], y.qtensors[n]
+        for f in ("codes", "scale", "zero_point", "scale_codes", "global_scale"):
+            u, v = getattr(p, f), getattr(q, f)
+            assert (u is None and v is None) or torch.equal(u, v), (n, f)
+        assert p.scheme == q.scheme and x.act_schemes[n] == y.act_schemes[n]
+    assert sorted(x.act_static_scales) == sorted(y.act_static_scales)
+    for n in x.act_static_scales:
+        assert torch.equal(x.act_static_scales[n], y.act_static_scales[n]), n
+    assert sorted(x.tensors) == sorted(y.tensors)
+    for n in x.tensors:
+        assert torch.equal(x.tensors[n], y.tensors[n]), n
+    assert x.quantization_config == y.quantization_config
+
+
+# Two cases cover both quantizers (RTN, GPTQ) and all three activation streams (F, S, Q).
+@pytest.mark.parametrize("recipe,opts", [
+    ("w8a8-int8", {"smoothquant": 0.5, "static": True}),
+    ("w8a8-int8", {"smoothquant": 0.5, "static": True, "method": "gptq"}),
+])
+def test_layerwise_equals_whole_model(rng, tmp_path, recipe, opts, monkeypatch):
+    from lowbit.pipelines import layerwise
+    from lowbit.algorithms import smoothquant
+    from lowbit.pipelines.layerwise import quantize_layerwise
+    d, batches = _sharded(rng, tmp_path)
+    _whole_model(d, recipe, batches, tmp_path / "whole", **opts)
+    # the layer-by-layer path's row chunks (quantization, SmoothQuant's maxima and folds) small
+    # enough that every weight is cut into several, some of one row
+    for mod in (layerwise, smoothquant):
+        monkeypatch.setattr(mod, "_CHUNK", int(torch.randint(1, 300, (1,), generator=rng)))
+    res = quantize_layerwise(d, tmp_path / "layerwise", recipe, batches, method=opts.get("method", "rtn"),
+                             smoothquant=opts.get("smoothquant"), static_scales=opts.get("static", False))
+    _assert_same(tmp_path / "whole", tmp_path / "layerwise")
+    assert res["layers"] == 2 and len(res["seconds_per_layer"]) == 2
+    assert res["layer_bytes"] > 0 and res["activation_bytes"] > 0
+
+
+def test_layerwise_refuses_bad_input(rng, tmp_path):
+    from lowbit.pipelines.layerwise import quantize_layerwise
+    d, batches = _sharded(rng, tmp_path)
+    with pytest.raises(ValueError, match="weight-only"):
+        quantize_layerwise(d, tmp_path / "o", "w4a16", batches, static_scales=True)
+    with pytest.raises(ValueError, match="calibration batches"):
+        quantize_layerwise(d, tmp_path / "o", "w4a16", [], method="gptq")
+    with pytest.raises(ValueError, match="method"):
+        quantize_layerwise(d, tmp_path / "o", "w4a16", batches, method="awq")
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_sequential(rng, tmp_path, capsys, monkeypatch):
+    """`lowbit quantize --sequential` on a tiny sharded Llama (random calibration windows in place of
+    tokenized text): the flags reach quantize_layerwise (static scales stored, SmoothQuant folded
+    into the norms), and flags it does not support are refused."""
+    from lowbit.entrypoints.main import main
+    from lowbit.pipelines.checkpoint import load_compressed
+    from lowbit.entrypoints import sequential as cli_sequential
+    d, _ = _sharded(rng, tmp_path)
+    ids = torch.randint(0, 97, (64,), generator=rng)
+    monkeypatch.setattr(cli_sequential, "calibration_windows", lambda m, tokens, window: [ids[None, :32], ids[None, 32:]])
+    out = tmp_path / "q"
+    rc = main(["quantize", "--model", str(d), "--sequential", "--recipe", "w8a8-int8", "--smoothquant", "0.5",
+               "--static-scales", "--calib-tokens", "64", "--window", "32", "--out", str(out), "--device", "cpu"])
+    assert rc == 0, capsys.readouterr().err
+    ck = load_compressed(out)
+    assert len(ck.qtensors) == 14 and len(ck.act_static_scales) == 14
+    from transformers import LlamaForCausalLM
+    orig = LlamaForCausalLM.from_pretrained(d, dtype=torch.float32).model.layers[0].input_layernorm.weight
+    assert not torch.equal(ck.tensors["model.layers.0.input_layernorm.weight"], orig.detach())
+    rc = main(["quantize", "--model", str(d), "--sequential", "--awq", "--out", str(tmp_path / "x")])
+    assert rc == 2 and "--awq" in capsys.readouterr().err
+
+
+def test_layer_is_allocated_in_the_compute_dtype(rng, tmp_path, monkeypatch):
+    """The meta model is float32 whatever config.json says; a layer allocated from it before the
+    cast held the layer in float32 (2x a bf16 layer: the 2-GPU run's memory excess)."""
+    from lowbit.pipelines.layerwise import quantize_layerwise
+    d, batches = _sharded(rng, tmp_path)
+    seen, to_empty = set(), torch.nn.Module.to_empty
+
+    def spy(self, *, device, recurse=True):
+        seen.update(p.dtype for p in self.parameters())
+        return to_empty(self, device=device, recurse=recurse)
+    monkeypatch.setattr(torch.nn.Module, "to_empty", spy)
+    res = quantize_layerwise(d, tmp_path / "q", "w8a8-int8", batches, smoothquant=0.5, static_scales=True,
+                             dtype=torch.bfloat16)
+    assert seen == {torch.bfloat16}
+    assert res["layer_bytes"] == sum(p.numel() * 2 for p in _layer_params(d))
+    assert set(res["phase_seconds"]) >= {"setup", "first_inputs", "load", "calibrate", "quantize", "write", "finish"}
+    # the phases are consecutive intervals from the start to the last boundary, and "seconds" is
+    # read just after it: they add up to the wall time (up to the clock reads between them)
+    assert abs(sum(res["phase_seconds"].values()) - res["seconds"]) < 0.05
+
+
+def _layer_params(d):
+    from transformers import LlamaForCausalLM
+    return list(LlamaForCausalLM.from_pretrained(d, dtype=torch.float32).model.layers[0].parameters())
