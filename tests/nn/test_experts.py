@@ -16,7 +16,7 @@ import torch
 
 from lowbit.archs.experts import find_experts, router_of
 from lowbit.nn.experts import QuantExperts
-from lowbit.nn.recipes import get_recipe
+from lowbit.recipes.presets import get_recipe
 from lowbit.ops.grouped import sort_tokens, take_rows
 from lowbit.quantize import quantize
 from lowbit.verify.tolerance import quantization_bounds

@@ -10,6 +10,17 @@ A weight whose in_features the recipe's group size does not divide gets a short 
 Patterns are shell globs or `re:` regular expressions on module names; the decisions come from
 lowbit.recipes.plan (one typed plan, made before anything changes).
 
+Mixture-of-experts blocks (lowbit.archs.experts: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3,
+gpt-oss): the fused experts module of each block becomes a lowbit.nn.experts.QuantExperts under
+the same recipe (per-expert codes and scales); ignore / override patterns may name experts
+modules as they name Linears. Routers and shared-expert gates stay in high precision; shared
+experts are plain Linears. A module with fused 3-D weights that the map does not know is refused.
+
+Coverage (lowbit.pipelines.coverage), never silent: before anything changes, every weight
+tensor of >= 2 dimensions holding >= 1% of the parameters must be planned for quantization or
+kept by a rule (embedding, norm, router, lm_head, ignore list); otherwise ValueError names them
+(on_untouched="warn" warns instead). `summary.coverage` reports the result, by rule and kind.
+
 The model is changed only after every layer has been quantized successfully: an error leaves
 it untouched.
 """
@@ -17,10 +28,13 @@ from __future__ import annotations
 
 import torch
 
+from lowbit.archs.experts import find_experts
 from lowbit.nn.quant_linear import QuantLinear
+from lowbit.pipelines.coverage import check_coverage, coverage
+from lowbit.pipelines.moe import build_experts, plan_experts, router_names, swap_in
 from lowbit.recipes.plan import (DEFAULT_KEEP, LayerDecision, QuantSummary, layer_act, linear_layers,  # noqa: F401
                                  match, plan)
-from lowbit.recipes.presets import Recipe
+from lowbit.recipes.presets import Recipe, get_recipe
 
 def quantize_layer(d: LayerDecision, summary: QuantSummary, linear: torch.nn.Linear,
                    act_static_scales: dict | None = None, backend: str = "auto", mse: bool = False) -> QuantLinear:
@@ -44,7 +58,8 @@ def quantize_layer(d: LayerDecision, summary: QuantSummary, linear: torch.nn.Lin
 def quantize_model(model: torch.nn.Module, recipe: str | Recipe, *, ignore=None, overrides=None,
                    act_static_scales: dict[str, torch.Tensor] | None = None, backend: str = "auto",
                    progress: bool = False, share_inputs: bool = True, method: str = "rtn", calib=None,
-                   method_options: dict | None = None, mse: bool = False) -> QuantSummary:
+                   method_options: dict | None = None, mse: bool = False, on_untouched: str = "raise",
+                   min_untouched_fraction: float = 0.01) -> QuantSummary:
     """Replace nn.Linear layers of `model` (in place) by QuantLinear under `recipe`; returns the
     QuantSummary. act_static_scales: {layer name: float32 scale} from
     calibration.calibrate_static_scales, to use one calibrated per-tensor activation scale per
@@ -54,31 +69,76 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe, *, ignore=None,
     method: "rtn" (round to nearest) or "gptq" (lowbit.algorithms.gptq.core.gptq_model on `calib`, a list of
     input-id tensors [B, T] or dicts of model kwargs; method_options: its keyword arguments such
     as damp, act_order). mse: MSE-optimal weight scales (lowbit.algorithms.scale_search) instead of round to
-    nearest's: unweighted for "rtn", weighted by each layer's Hessian diagonal for "gptq"."""
+    nearest's: unweighted for "rtn", weighted by each layer's Hessian diagonal for "gptq".
+    on_untouched / min_untouched_fraction: what an untouched large weight does ("raise", "warn",
+    "ignore"; see lowbit.pipelines.coverage.check_coverage)."""
+    experts = find_experts(model)       # raises on fused experts the map does not know
+    linear_ignore, linear_over, found, exp_decisions, resolved = _split_patterns(model, experts, recipe, ignore,
+                                                                                 overrides)
+    if method != "rtn" and any(d.action == "quantized" for d in exp_decisions):
+        raise NotImplementedError(f"method={method!r} does not quantize fused MoE experts ({exp_decisions[0].name}, "
+                                  "...): use method='rtn', or keep them in float with ignore=[...]")
+    summary = plan(model, recipe, linear_ignore, linear_over)
+    for r in resolved.values():                    # recipes that only experts overrides name
+        if r != "skip" and summary.recipes.setdefault(r.name, r) != r:
+            raise ValueError(f"two different recipes are both called {r.name!r}; give them distinct names")
+    summary.experts = exp_decisions
+    routers = router_names(model, found)
+    for d in summary.layers:                       # a Linear router / shared-expert gate
+        if d.name in routers and d.reason == "recipe":
+            d.action, d.recipe, d.reason = "skipped", None, "MoE router / gate stays high precision"
+    skipped = {d.name: d.reason for d in summary.skipped + [e for e in exp_decisions if e.action == "skipped"]}
+    planned = {d.name: d.recipe for d in summary.quantized + [e for e in exp_decisions if e.action == "quantized"]}
+    check_coverage(coverage(model, skipped, tuple(routers), planned), min_fraction=min_untouched_fraction,
+                   on_untouched=on_untouched)
     if method != "rtn":
         if method != "gptq":
             raise ValueError(f"method={method!r}; choose 'rtn' (round to nearest) or 'gptq' (needs calib=batches)")
         if calib is None:
             raise ValueError("method='gptq' needs calibration inputs: pass calib=[input-id tensors or dicts]")
+        if routers:
+            raise NotImplementedError("method='gptq' on an MoE model: its plan does not keep the routers / "
+                                      "shared-expert gates in high precision yet; use method='rtn'")
         from lowbit.algorithms.gptq.core import gptq_model
-        summary = gptq_model(model, recipe, calib, ignore=ignore, overrides=overrides,
-                             act_static_scales=act_static_scales, progress=progress,
-                             **{**(method_options or {}), **({"mse": True} if mse else {})})
+        gsum = gptq_model(model, recipe, calib, ignore=linear_ignore, overrides=linear_over,
+                          act_static_scales=act_static_scales, progress=progress,
+                          **{**(method_options or {}), **({"mse": True} if mse else {})})
         if share_inputs:
             from lowbit.nn.shared_input import share_inputs as share
             share(model)
-        return summary
-    summary = plan(model, recipe, ignore, overrides)
+        gsum.coverage = coverage(model, {d.name: d.reason for d in gsum.skipped})
+        return gsum
     layers = linear_layers(model)
     todo = summary.quantized
     if progress:
         from tqdm import tqdm
         todo = tqdm(todo, desc=f"quantize {summary.recipe}", unit="layer")
     new = {d.name: quantize_layer(d, summary, layers[d.name], act_static_scales, backend, mse) for d in todo}
+    new_experts = build_experts(model, found, exp_decisions, summary.recipes)
+    if act_static_scales is not None and new_experts:
+        raise NotImplementedError("act_static_scales: static activation scales are not supported for MoE experts; "
+                                  "use a dynamic recipe or ignore the experts")
     for name, q in new.items():                    # only now touch the model
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, q.to(layers[name].weight.device))
+    swap_in(model, new_experts)
     if share_inputs:
         from lowbit.nn.shared_input import share_inputs as share
         share(model)
+    summary.coverage = coverage(model, skipped, tuple(routers))
     return summary
+
+
+def _split_patterns(model, experts, recipe, ignore, overrides):
+    """(Linear ignore, Linear overrides, experts found, experts decisions, resolved overrides): a pattern that
+    matches experts modules and no Linear goes to the experts plan only (plan() refuses a
+    pattern that matches no Linear, and still does for one that matches nothing at all)."""
+    ignore, overrides = list(ignore or []), dict(overrides or {})
+    linears = linear_layers(model)
+    only_experts = {p for p in ignore + list(overrides)
+                    if any(match(p, n) for n in experts) and not any(match(p, n) for n in linears)}
+    base = get_recipe(recipe)
+    resolved = {p: (r if r == "skip" else get_recipe(r)) for p, r in overrides.items()}
+    found, decisions = plan_experts(model, base, ignore, resolved, match) if experts else ({}, [])
+    return ([p for p in ignore if p not in only_experts], {p: r for p, r in overrides.items() if p not in only_experts},
+            found, decisions, resolved)
