@@ -134,3 +134,12 @@ def test_coverage_of_a_dense_model_before_quantization(rng):
     assert any(r.name.endswith("down_proj.weight") for r in cov.untouched(0.01))
     with pytest.raises(ValueError, match="down_proj"):
         check_coverage(cov)
+
+
+def test_checkpoint_of_quantized_experts_is_refused_not_half_written(rng, tmp_path):
+    from lowbit.pipelines.checkpoint import save_compressed
+    model = tiny_moe("olmoe", rng, dtype=torch.float32)
+    quantize_model(model, "w8a8-int8")
+    with pytest.raises(NotImplementedError, match="MoE experts"):
+        save_compressed(model, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
