@@ -236,3 +236,45 @@ def test_dropped_slots_and_empty_experts(rng):
     full = q(x, index, w)
     alone = q(x, index[:, :1], w[:, :1])
     assert torch.equal(full, alone)
+
+
+@pytest.mark.parametrize("recipe", ["w8a8-int8", "w4a16-g32"])
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_grouped_kernel_path_matches_exact_path(family, recipe, rng):
+    """backend="kernel" (Triton's interpreter here, CUDA in service) against the exact path on
+    the same module, within the bound of the module docstring with the float32 unit (the kernel
+    path's accumulation, activation and routing sum) and, for W8A8, one activation step (the
+    float32 intermediate may round to the neighbouring int8 code, and its per-token scale may
+    move by the intermediate's own error)."""
+    model, name, spec, mod = _experts(family, rng, dtype=torch.float32)
+    r = get_recipe(recipe)
+    q = _quant(mod, spec, recipe)
+    q.backend = "kernel"
+    x = torch.randn(13, model.config.hidden_size, generator=rng)
+    index, weights = _route(model, name, spec, x)
+    got = q(x, index, weights)
+    assert q.last_path == "kernel:" + ("int8" if recipe == "w8a8-int8" else "w4a16")
+    q.backend = "exact"
+    want = q(x, index, weights)
+    assert q.last_path == "exact"
+    twin = copy.deepcopy(mod).double()
+    with torch.no_grad():
+        for p, proj in ((spec.gate_up, "gate_up"), (spec.down, "down")):
+            deq = q.weight_dequantized(proj, torch.float64)
+            getattr(twin, p).copy_(deq if spec.layout == "enk" else deq.transpose(1, 2))
+    zero = lambda w: torch.zeros_like(_enk(w.detach(), spec), dtype=torch.float64)  # noqa: E731
+    if r.act is None:
+        ea_fn = lambda a, d: 0  # noqa: E731
+    else:
+        ea_fn = lambda a, d: ((a + d).amax(-1, keepdim=True) / 127 + d.amax(-1, keepdim=True)) * (1 + 2 * U32)  # noqa
+    xd = x.double()
+    xin = xd if r.act is None else lb_quant_dequant(xd, r.act)
+    tol = _bound(twin, spec, xin, index, weights.double(), ex=torch.zeros_like(xd), eW1=zero(twin.gate_up_proj),
+                 eW2=zero(twin.down_proj), ea_fn=ea_fn, u=U32)
+    err = (got.double() - want.double()).abs()
+    assert (err <= tol).all(), float((err / tol).max())
+
+
+def lb_quant_dequant(x, scheme):
+    """What both paths multiply: the activations' dequantized values (identical codes and scales)."""
+    return quantize(x.float(), scheme).dequantize(torch.float64)

@@ -20,16 +20,27 @@ kernel's A operand does); each expert's block is the float64 reference
 lowbit.ops.grouped.grouped_reference; the activation (silu(gate) * up, gpt-oss's clamped
 swiglu) runs in float64; outputs are weighted by the routing weights and summed per token in
 float64, then cast to hidden_states' dtype once.
+
+Kernel path (CUDA with backend="auto", or backend="kernel" anywhere, e.g. Triton's CPU
+interpreter): the grouped Triton GEMMs of lowbit.ops.triton.grouped, one launch per projection
+for all experts -- W8A8 int8 (per-channel weights, per-token activations) and W4A16 int4
+(symmetric groups that are a multiple of 32). The activation, routing weights and the sum per
+token run in float32. A recipe with no grouped kernel runs the exact path, on CUDA with a
+one-time warning; `last_path` says which ran ("exact", "kernel:int8", "kernel:w4a16").
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 
 from lowbit.ops.grouped import Routing, grouped_reference, sort_tokens, take_rows
+from lowbit.packing import pack_int4
 from lowbit.quantize import QTensor, quantize
 from lowbit.scheme import QuantScheme
 
 PROJECTIONS = ("gate_up", "down")
+BACKENDS = ("auto", "exact", "kernel")
 _FIELDS = (("codes", "codes"), ("scale", "scale"), ("zero", "zero_point"), ("scale_codes", "scale_codes"))
 
 
@@ -48,8 +59,11 @@ class QuantExperts(torch.nn.Module):
 
     def __init__(self, stacked: dict[str, dict], biases: dict[str, torch.Tensor | None], weight_scheme: QuantScheme,
                  act_scheme: QuantScheme | None, *, glu_split: str, activation: str, act_fn=None,
-                 alpha: float | None = None, limit: float | None = None, family: str = ""):
+                 alpha: float | None = None, limit: float | None = None, family: str = "", backend: str = "auto"):
         super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}; choose one of {BACKENDS}")
+        self.backend = backend
         self.weight_scheme, self.act_scheme = weight_scheme, act_scheme
         self.glu_split, self.activation, self.family = glu_split, activation, family
         if activation == "act_fn" and act_fn is None:
@@ -66,13 +80,30 @@ class QuantExperts(torch.nn.Module):
         E, N2, H = self.gate_up_codes.shape
         self.num_experts, self.hidden_dim, self.intermediate_dim = int(E), int(H), int(N2) // 2
         self.last_path: str | None = None
+        self.kernel = self._kernel_kind()
+        self._warned = False
+        if self.kernel == "w4a16":   # the kernel's operand: two codes per byte, laid out once
+            for p in PROJECTIONS:
+                self.register_buffer(f"{p}_packed", pack_int4(getattr(self, f"{p}_codes")), persistent=False)
+
+    def _kernel_kind(self) -> str | None:
+        w, a = self.weight_scheme, self.act_scheme
+        if (w.format == "int8" and w.strategy == "channel" and w.symmetric and w.scale_format == "fp32"
+                and a is not None and a.format == "int8" and a.strategy == "token" and a.symmetric
+                and a.scale_format == "fp32"):
+            return "int8"
+        if (w.format == "int4" and w.strategy == "group" and w.symmetric and a is None
+                and w.group_size % 32 == 0):
+            return "w4a16"
+        return None
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_module(cls, module: torch.nn.Module, weight_scheme: QuantScheme, act_scheme: QuantScheme | None, *,
                     gate_up: str = "gate_up_proj", down: str = "down_proj", layout: str = "enk",
                     gate_up_bias: str | None = None, down_bias: str | None = None, glu_split: str = "chunk",
-                    activation: str = "act_fn", family: str = "", name: str = "experts") -> "QuantExperts":
+                    activation: str = "act_fn", family: str = "", name: str = "experts",
+                    backend: str = "auto") -> "QuantExperts":
         """Quantize the fused expert weights of `module` per expert (lowbit.archs.experts
         gives the keyword arguments for each family). Raises ValueError naming the module and
         parameter for a dynamic weight scheme, a dynamic-less (static) activation scheme,
@@ -97,7 +128,7 @@ class QuantExperts(torch.nn.Module):
         act_fn = getattr(module, "act_fn", None) if activation == "act_fn" else None
         return cls(stacked, biases, weight_scheme, act_scheme, glu_split=glu_split, activation=activation,
                    act_fn=act_fn, alpha=getattr(module, "alpha", None), limit=getattr(module, "limit", None),
-                   family=family)
+                   family=family, backend=backend)
 
     def weight_q(self, proj: str, e: int) -> QTensor:
         """Expert e's QTensor [N, K] of projection "gate_up" or "down" (views of the buffers)."""
@@ -146,12 +177,52 @@ class QuantExperts(torch.nn.Module):
             raise ValueError(f"top_k_index {tuple(top_k_index.shape)} and top_k_weights "
                              f"{tuple(top_k_weights.shape)} must both be [{T}, top_k]")
         routing = sort_tokens(top_k_index, self.num_experts)
+        if self._use_kernel(hidden_states):
+            return self._kernel_forward(hidden_states, routing, top_k_weights)
         y = self.sorted_forward(hidden_states, routing)
         w = top_k_weights[routing.token, routing.slot].to("cpu", torch.float64)
         out = torch.zeros(T, self.hidden_dim, dtype=torch.float64)
         out.index_add_(0, routing.token.cpu(), y * w[:, None])
         self.last_path = "exact"
         return out.to(hidden_states.device, hidden_states.dtype)
+
+    def _use_kernel(self, x: torch.Tensor) -> bool:
+        if self.backend == "exact" or not (x.is_cuda or self.backend == "kernel"):
+            return False
+        if self.kernel is None:
+            if self.backend == "kernel":
+                raise NotImplementedError(f"backend='kernel': no grouped kernel for weight {self.weight_scheme}, "
+                                          f"act {self.act_scheme} (int8 W8A8 per channel / token, int4 W4A16 "
+                                          "groups of 32k); use backend='auto' or 'exact'")
+            if not self._warned:
+                warnings.warn(f"QuantExperts: no grouped kernel for weight {self.weight_scheme}, act "
+                              f"{self.act_scheme}; running the exact float64 path", stacklevel=3)
+                self._warned = True
+            return False
+        return True
+
+    def _kernel_forward(self, hidden_states: torch.Tensor, routing: Routing, top_k_weights: torch.Tensor):
+        from lowbit.ops.triton.grouped import grouped_int8, grouped_w4a16
+        x = hidden_states.detach()
+        rows = Routing(torch.arange(routing.rows, device=routing.token.device), routing.slot, routing.offsets,
+                       routing.rows)                     # the down GEMM reads the sorted buffer itself
+        gs = self.weight_scheme.group_size
+        for proj, inp, rt in (("gate_up", x, routing), ("down", None, rows)):
+            bias = getattr(self, f"{proj}_bias")
+            if proj == "down":
+                inp = self.glu(h)
+            if self.kernel == "int8":
+                q = quantize(inp.float(), self.act_scheme)
+                h = grouped_int8(q.codes, q.scale, getattr(self, f"{proj}_codes"), getattr(self, f"{proj}_scale"),
+                                 rt, bias=bias)
+            else:
+                h = grouped_w4a16(inp.float(), getattr(self, f"{proj}_packed"), getattr(self, f"{proj}_scale"), rt,
+                                  group_size=gs, bias=bias)
+        w = top_k_weights[routing.token, routing.slot].float()
+        out = torch.zeros(hidden_states.shape[0], self.hidden_dim, dtype=torch.float32, device=x.device)
+        out.index_add_(0, routing.token, h * w[:, None])
+        self.last_path = "kernel:" + self.kernel
+        return out.to(hidden_states.dtype)
 
     def sorted_forward(self, hidden_states: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Float64 [M_total, H]: each sorted row's expert output before the routing weight."""
