@@ -143,3 +143,19 @@ def test_checkpoint_of_quantized_experts_is_refused_not_half_written(rng, tmp_pa
     with pytest.raises(NotImplementedError, match="MoE experts"):
         save_compressed(model, tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_model_bytes_counts_quantized_experts(rng):
+    """bf16 baseline 2 bytes per parameter; each quantized expert weight: int8 codes + one fp32
+    scale per row (E rows of N per projection)."""
+    from lowbit.nn import model_bytes
+    model = tiny_moe("mixtral", rng, dtype=torch.float32)
+    before = model_bytes(model)
+    s = quantize_model(model, "w8a8-int8", ignore=[n for n, m in model.named_modules()
+                                                   if isinstance(m, torch.nn.Linear)])
+    expect = before
+    for d in s.experts:
+        E, N2, H = d.shape
+        for n, k in ((N2, H), (H, N2 // 2)):
+            expect += -2 * E * n * k + E * n * k + 4 * E * n
+    assert model_bytes(model) == expect
