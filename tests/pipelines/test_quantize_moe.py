@@ -159,3 +159,17 @@ def test_model_bytes_counts_quantized_experts(rng):
         for n, k in ((N2, H), (H, N2 // 2)):
             expect += -2 * E * n * k + E * n * k + 4 * E * n
     assert model_bytes(model) == expect
+
+
+def test_layerwise_and_tensorwise_refuse_moe_checkpoints(rng, tmp_path):
+    """The checkpoint-to-checkpoint pipelines do not quantize fused experts yet: they refuse
+    an MoE checkpoint instead of writing its experts in float."""
+    from lowbit.pipelines.layerwise import quantize_layerwise
+    from lowbit.pipelines.tensorwise import quantize_checkpoint
+    model = tiny_moe("qwen3_moe", rng, dtype=torch.float32)
+    model.save_pretrained(tmp_path / "float")
+    with pytest.raises(NotImplementedError, match="fused MoE experts"):
+        quantize_checkpoint(tmp_path / "float", tmp_path / "q", "w8a16-int8")
+    with pytest.raises(NotImplementedError, match="fused MoE experts"):
+        quantize_layerwise(tmp_path / "float", tmp_path / "q2", "w8a16-int8", calib=[ids(rng, 4)])
+    assert not (tmp_path / "q").exists() and not (tmp_path / "q2").exists()

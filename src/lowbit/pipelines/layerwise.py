@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from lowbit.algorithms import distributed
+from lowbit.archs.experts import find_experts
 def _stream_bytes(inputs) -> int:
     """Bytes of a stream's hidden states (the shared kwargs such as position embeddings not counted)."""
     return sum((a[0] if a else k["hidden_states"]).numel() * (a[0] if a else k["hidden_states"]).element_size()
@@ -353,6 +354,11 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         raise NotImplementedError(f"{arch}: layer-by-layer quantization knows the Llama layout (model.embed_tokens, "
                                   "model.layers, model.norm, model.rotary_emb); quantize it whole instead")
+    moe = list(find_experts(model))
+    if moe:
+        raise NotImplementedError(f"{arch}: layer-by-layer quantization does not quantize fused MoE experts yet "
+                                  f"({moe[0]}, ...), and would leave them in float; load the model and use "
+                                  "lowbit.pipelines.quantize_model instead")
     bname, blist = "model.layers", inner.layers
     summary = plan(model, r, ignore)
     outside = [d.name for d in summary.quantized if not d.name.startswith(bname + ".")]
