@@ -1,7 +1,8 @@
 """QuantExperts on six transformers 5 MoE families: the family's own forward is the oracle.
 
-Every comparison uses an element-wise bound propagated through the experts' arithmetic
-(`_bound` below): h = x W1^T, a = glu(h), y = a W2^T, out = sum_j r_j y_j, with
+Each grouped GEMM is compared with the float GEMM within lowbit.verify.tolerance's
+quantization_bounds; whole-module comparisons use an element-wise bound propagated through the
+experts' arithmetic (`_bound` below): h = x W1^T, a = glu(h), y = a W2^T, out = sum_j r_j y_j, with
   |dh| <= ex |W1|^T + (|x| + ex) eW1^T + gamma_H (|x| + ex)(|W1| + eW1)^T
   |da| <= L |dg| (|u| + |du|) + |act(g)| |du| + ea      (L = max |silu'| = 1.0998; gpt-oss's
           g * sigmoid(alpha g) has derivative silu'(alpha g), and its clamps are 1-Lipschitz)
@@ -16,9 +17,9 @@ import torch
 
 from lowbit.archs.experts import find_experts, router_of
 from lowbit.nn.experts import QuantExperts
-from lowbit.recipes.presets import get_recipe
 from lowbit.ops.grouped import sort_tokens, take_rows
 from lowbit.quantize import quantize
+from lowbit.recipes.presets import get_recipe
 from lowbit.verify.tolerance import quantization_bounds
 from moe_fixtures import FAMILIES, tiny_moe
 
@@ -83,15 +84,6 @@ def _bound(mod, spec, x, index, weights, *, ex, eW1, eW2, ea_fn, u):
             dy = da @ W2[e].abs().T + aa @ eW2[e].T + gamma(I + 1, u) * (aa @ (W2[e].abs() + eW2[e]).T)
             out[t] += weights[t, j].abs().double() * dy
     return out + 4 * u * out.abs().max()
-
-
-def _int_step(w_enk, scheme):
-    """Per-element bound of |w_q - w| for round-to-nearest integer schemes: half a step,
-    step = amax / qmax of the element's group (row for per-channel)."""
-    qmax = 2 ** (scheme.fmt.bits - 1) - 1
-    g = w_enk.shape[-1] if scheme.strategy == "channel" else scheme.group_size
-    blocks = w_enk.double().abs().unflatten(-1, (-1, g)).amax(-1, keepdim=True)
-    return (blocks / qmax / 2).expand(*blocks.shape[:-1], g).flatten(-2) * (1 + 2 * U32)
 
 
 def _quant(mod, spec, recipe):
