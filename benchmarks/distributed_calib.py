@@ -117,7 +117,7 @@ def run(a) -> None:
     # class lazily, on first use), so that the wall time is the quantization's
     import transformers
     transformers.AutoConfig, transformers.LlamaForCausalLM  # noqa: B018
-    import lowbit.algorithms.static_scales, lowbit.algorithms.gptq.core, lowbit.algorithms.smoothquant, lowbit.pipelines.checkpoint  # noqa: E401,F401
+    import lowbit.algorithms.static_scales, lowbit.algorithms.gptq, lowbit.algorithms.smoothquant, lowbit.pipelines.checkpoint  # noqa: E401,F401
     if a.device == "cuda":
         import lowbit.algorithms.gptq.block  # noqa: F401  (triton)
     from lowbit.algorithms import distributed as D

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 14 on 2 GPUs of one host, in one call (< 8 minutes): a random-weight Llama-8B-shaped
+# Distributed calibration on 2 GPUs of one host, in one call (< 8 minutes; `bash scripts/gpu.sh
+# distributed` runs it): a random-weight Llama-8B-shaped
 # checkpoint (hidden 4096, intermediate 14336, 32 heads / 8 kv heads, LAYERS=32 layers), quantized
 # layer by layer (lowbit.pipelines.layerwise) on 1 GPU and on NPROC=2 GPUs (torchrun, NCCL; calibration
 # batches split across ranks, statistics reduced by lowbit.algorithms.distributed, rank 0 writes):
@@ -46,13 +47,13 @@ read -r S_BATCHES S_BATCH S_SEQ <<< "${SQ_CALIB:-32 1 1024}"
 # per-token work (Hessians, forwards, held-out errors) outweighs what does not divide over GPUs
 read -r GB_BATCHES GB_BATCH GB_SEQ <<< "${GPTQ_BIG_CALIB:-64 2 1024}"
 read -r SB_BATCHES SB_BATCH SB_SEQ <<< "${SQ_BIG_CALIB:-128 1 1024}"
-# torch's CPU threads: the host's cores shared out over the processes (the 2 x H200 machine lends
-# 4 cores: two ranks with 4 threads each, plus their reader threads, oversubscribed them)
+# torch's CPU threads: the host's cores shared out over the processes (on a host with few cores, two
+# ranks with 4 threads each plus their reader threads oversubscribe it)
 CORES=$(nproc 2>/dev/null || echo 4)
 T1=$(( CORES < 4 ? CORES : 4 )); TN=$(( CORES / NPROC )); TN=$(( TN < 1 ? 1 : (TN > 4 ? 4 : TN) ))
 DEADLINE="${DEADLINE:-470}"
 T0=$(date +%s)
-log="$out/distributed_steps.log"; : > "$log"   # not distributed.log: gpu_final.sh sends our stdout there
+log="$out/distributed_steps.log"; : > "$log"   # not distributed.log: scripts/gpu.sh sends our stdout there
 steps="$work/steps.txt"; : > "$steps"
 PY="${PYTHON:-python3}"   # the interpreter with torch (the rehearsal passes its venv)
 py=(env OMP_NUM_THREADS="$T1" "$PY" benchmarks/distributed_calib.py)

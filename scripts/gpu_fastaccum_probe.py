@@ -2,9 +2,9 @@
 same-sign fp8 inputs at several K, the codes, the outputs with and without fast accumulation and
 the exact float64 product to $OUT/fastaccum_probe.npz (numpy arrays, no pickles), so the
 accumulator model in lowbit/verify/accumulate.py can be fitted offline. GPU (sm_89+) only.
-The first H200 audit saw fast accumulation lose ~8% of a K = 4096 same-sign sum, which the
-model's 14-bits-per-32-wide-step truncation does not reproduce. PROBE_M sets the rows (default
-16; 1 probes the one-row path that erred once in test_audit, docs/diagnosis.md "A gap, seen once")."""
+On an H200 fast accumulation loses ~8% of a K = 4096 same-sign sum, more than a
+14-bits-per-32-wide-step truncation model reproduces. PROBE_M sets the rows (default
+16; 1 probes the one-row path, docs/diagnosis.md "The fp8 tensor-core accumulator")."""
 import os
 
 import numpy as np

@@ -2,7 +2,7 @@
 w4a16,mxfp4,nvfp4) and batch (PROFILE_M, default 1,16), the CUDA kernels of one eager forward of
 a 4096 -> 14336 Linear (Llama-3-8B's gate_proj) under torch.profiler, per call, beside bf16's
 one GEMM; then the CUDA-graph time of the same call (what a compiled decode pays). A device
-script (scripts/gpu_final.sh profile); prints one table per case."""
+script (bash scripts/gpu.sh profile); prints one table per case."""
 import os
 
 import torch
@@ -66,6 +66,7 @@ for M in Ms:
 if os.environ.get("PROFILE_DEQUANT") == "1":
     # the large-M path's weight dequantization (pairs layout) under a few (BLOCK_N, chunks, warps)
     from lowbit.ops import weight_only as wo
+    from lowbit.ops.w4a16 import configs
     from lowbit.quantize import quantize
     from lowbit.scheme import get_preset
 
@@ -80,7 +81,7 @@ if os.environ.get("PROFILE_DEQUANT") == "1":
         torch.cuda.synchronize()
         return t0.elapsed_time(t1) * 1000 / reps
 
-    base_cfg = wo.PAIRS_DEQUANT
+    base_cfg = configs.PAIRS_DEQUANT
     for kind in ("int4_g128", "nvfp4"):
         for n, k in ((14336, 4096), (4096, 14336)):
             w4 = wo.prepare_w4(quantize(torch.randn(n, k, device=dev) * 0.02, get_preset(kind)))
@@ -88,9 +89,9 @@ if os.environ.get("PROFILE_DEQUANT") == "1":
             nbytes = n * k * 2 + w4.packed.numel() + w4.scale.numel() * 4
             line = []
             for cfg in ((64, 1, 4), (64, 4, 4), (128, 1, 4), (128, 2, 8), (32, 4, 4), (64, 2, 8), (128, 4, 8)):
-                wo.PAIRS_DEQUANT = cfg
+                configs.PAIRS_DEQUANT = cfg
                 ok = torch.equal(wo.dequantize_w4(w4, torch.bfloat16), ref)
                 us = ev_us(lambda: wo.dequantize_w4(w4, torch.bfloat16))
                 line.append(f"{cfg}: {us:7.1f} us {nbytes / us / 1e3:6.0f} GB/s{'' if ok else ' MISMATCH'}")
-            wo.PAIRS_DEQUANT = base_cfg
+            configs.PAIRS_DEQUANT = base_cfg
             print(f"dequant {kind} {n}x{k}: " + " | ".join(line))

@@ -2,7 +2,7 @@
 process (the memory bench's timer: CUDA graphs, rotating weights so that no run reads the last
 one's from L2). Prints one line per (format, shape, M, config) and the best per row; writes JSON.
 
-    PYTHONPATH=src python scripts/gpu_w4_configs.py OUT.json          # (scripts/gpu_final.sh w4configs)
+    PYTHONPATH=src python scripts/gpu_w4_configs.py OUT.json          # (bash scripts/gpu.sh w4configs)
 
 Every configuration's output is compared with the default configuration's (the same sums up to
 the split-K order: a relative difference above 1e-2 of the output's scale is reported as WRONG)."""

@@ -2,7 +2,7 @@
 gate, a bound or a diagnosis rule, or changes an epilogue's rounding order; the tests named for
 it must fail ("killed"). Survivors are listed with the reason they live.
 
-    python scripts/mutants.py [--group verify|epilogues|all] [--out docs/mutation.md]
+    python scripts/mutants.py [--group verify|epilogues|all] [--out benchmarks/results/mutation.md]
 
 --group runs one group's mutants and rewrites only that group's section of --out.
 
@@ -171,7 +171,7 @@ def kept_sections(text: str) -> dict[str, str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--group", choices=[*GROUPS, "all"], default="all")
-    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "mutation.md"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "mutation.md"))
     args = ap.parse_args()
     groups = list(GROUPS) if args.group == "all" else [args.group]
     old = open(args.out).read() if os.path.exists(args.out) else ""

@@ -5,9 +5,10 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 venv="$root/.venv"
-# The stamp holds this script's hash: editing the pins re-runs the install.
+# The stamp holds the hash of this script and of pyproject.toml: editing the pins, the entry points
+# or the extras re-runs the install.
 stamp="$venv/.lowbit-setup"
-want="$(sha256sum "$0" | cut -d" " -f1)"
+want="$(cat "$0" "$root/pyproject.toml" | sha256sum | cut -d" " -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 log="$venv/setup.log"

@@ -458,7 +458,7 @@ def quantize(x, scheme: QuantScheme, *, nan_policy: str = "raise", pad: bool = F
 def encode_scaled(scaled: torch.Tensor, zero_point: torch.Tensor | None, fmt) -> torch.Tensor:
     """Codes of x / s (float32, already divided by the effective scale, IEEE division) with the
     zero point broadcast to its shape (int asymmetric) or None: the element step of `quantize`,
-    also used by algorithms that quantize a weight column by column (lowbit.algorithms.gptq.core)."""
+    also used by algorithms that quantize a weight column by column (lowbit.algorithms.gptq)."""
     if fmt.kind == "int":
         q = torch.round(scaled)  # round half to even
         if zero_point is None:

@@ -9,7 +9,7 @@ from llama_fixtures import outlier_llama
 
 import lowbit as lb
 from lowbit.algorithms.awq import awq_factors, awq_model, scaled_loss, search_scale
-from lowbit.algorithms.gptq.core import output_loss
+from lowbit.algorithms.gptq.hessian import output_loss
 from lowbit.recipes.presets import get_recipe
 from lowbit.quantize import quantize
 

@@ -85,7 +85,7 @@ def _factor_bytes(seed: int) -> bytes:
     """GPTQ's factor of H^-1 (gptq._factor) of a random K = 50 Hessian with a dead column, as
     raw float64 bytes: under torch.distributed each rank computes a share of its panels."""
     from lowbit.algorithms import distributed
-    from lowbit.algorithms.gptq import core as gptq
+    from lowbit.algorithms.gptq import factor as gptq
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(80, 50, generator=g, dtype=torch.float64)
     x[:, 7] = 0
@@ -131,9 +131,9 @@ def test_two_gloo_ranks_write_the_single_process_checkpoints(seed, tmp_path, mon
     # GPTQ's row panels small enough that every job (q/k/v 128 rows, gate/up 192, o and down 64)
     # is split between the two ranks, and H^-1's factor in 4 (K = 50, 64) or 6 (K = 96) column
     # panels, which the ranks share out (the forked ranks inherit the settings)
-    from lowbit.algorithms.gptq import core as gptq
-    monkeypatch.setattr(gptq, "PANEL_ROWS", 16)
-    monkeypatch.setattr(gptq, "FACTOR_PANEL", 16)
+    from lowbit.algorithms.gptq import factor, hessian
+    monkeypatch.setattr(hessian, "PANEL_ROWS", 16)
+    monkeypatch.setattr(factor, "FACTOR_PANEL", 16)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import lowbit as lb
-from lowbit.algorithms.gptq.core import (HessianAccumulator, gptq_model, gptq_quantize_weight, held_out_losses, output_loss,
-                            panel_losses)
+from lowbit.algorithms.gptq.hessian import HessianAccumulator, held_out_losses, output_loss, panel_losses
+from lowbit.algorithms.gptq.model import gptq_model
+from lowbit.algorithms.gptq.solver import gptq_quantize_weight
 from lowbit.nn.quant_linear import QuantLinear
 from lowbit.algorithms.sequential import calibrate_sequentially
 from lowbit.quantize import Scales, compute_scale, expand_scale, quantize, reduce_amax
@@ -89,7 +90,7 @@ def _layer_data(rng, N=7, K=45, n=60):
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("name", list(SCHEMES))
 def test_matches_float64_reference(rng, name, act_order, panel, monkeypatch):
-    from lowbit.algorithms.gptq import core as gptq
+    from lowbit.algorithms.gptq import factor as gptq
     monkeypatch.setattr(gptq, "FACTOR_PANEL", panel)
     scheme = SCHEMES[name]
     w, h, X = _layer_data(rng)
@@ -136,7 +137,7 @@ def test_held_out_losses_are_the_held_out_hessians(rng):
 def test_panel_losses_are_output_loss(rng, monkeypatch):
     """panel_losses (tr(D H D^T) as the exact sum of PANEL_ROWS-row panels' values) is output_loss
     up to float64 rounding, on panels that do not divide N."""
-    from lowbit.algorithms.gptq import core as gptq
+    from lowbit.algorithms.gptq import hessian as gptq
     monkeypatch.setattr(gptq, "PANEL_ROWS", 5)
     w, h, _ = _layer_data(rng, N=23)
     q = w.double() + 0.01 * torch.randn(w.shape, generator=rng, dtype=torch.float64)
@@ -208,8 +209,8 @@ def test_group_is_each_weight_alone(rng, monkeypatch):
     weights' own rows; each weight's codes and scales are bit for bit its own
     gptq_quantize_weight (GPTQ's rows are independent). NVFP4 (a per-weight global scale) and a
     per-tensor scale are solved alone within the group."""
-    from lowbit.algorithms.gptq import core as gptq
-    monkeypatch.setattr(gptq, "PANEL_ROWS", int(torch.randint(1, 9, (1,), generator=rng)))
+    from lowbit.algorithms.gptq import hessian, solver as gptq
+    monkeypatch.setattr(hessian, "PANEL_ROWS", int(torch.randint(1, 9, (1,), generator=rng)))
     w0, h, _ = _layer_data(rng, N=13, K=45)
     ws = [w0] + [torch.randn(n, 45, generator=rng) for n in (6, 9, 5, 7)]
     schemes = [SCHEMES[n] for n in ("int4-g8", "int4-g8", "nvfp4", "fp8-tensor", "int4-g8")]
@@ -227,7 +228,7 @@ def test_triton_block_kernel_is_the_torch_loop(rng, name, monkeypatch):
     interpreter on the CPU) gives the PyTorch loop's codes and losses bit for bit, at weight magnitudes from
     1e-3 to 1e2; and under BLOCK_KERNEL="auto" a kernel that disagrees at its first use is
     switched off and the PyTorch loop's values are kept."""
-    from lowbit.algorithms.gptq import core as gptq
+    from lowbit.algorithms.gptq import solver as gptq
     from lowbit.algorithms.gptq import block as gptq_block
     w, h, _ = _layer_data(rng, N=19, K=21)     # two blocks, the second short (the interpreter is slow)
     w = w * 10.0 ** float(torch.randint(-3, 3, (1,), generator=rng))
@@ -376,7 +377,7 @@ def test_rotated_gptq_checkpoint_loads_in_transformers(rng, tmp_path):
 
 
 def test_fit_rows_are_the_rows_a_mask_keeps(seed):
-    from lowbit.algorithms.gptq.core import _fit_rows
+    from lowbit.algorithms.gptq.hessian import _fit_rows
     g = torch.Generator().manual_seed(seed)
     for rows in (0, 1, 3, 4, 5, 17, 64):
         x = torch.randn(rows, 3, generator=g)
@@ -389,7 +390,7 @@ def test_fit_rows_are_the_rows_a_mask_keeps(seed):
 def test_factor_in_place_on_the_gpu_is_the_out_of_place_one(rng, monkeypatch):
     # gptq._factor factors J Hp J in place (cholesky_ex(A, out=(A, info)), A column-major): the
     # same bits as cholesky_ex into a new matrix, then the same in-place inverse
-    from lowbit.algorithms.gptq import core as gptq
+    from lowbit.algorithms.gptq import factor as gptq
     monkeypatch.setattr(gptq, "FACTOR_PANEL", 64)          # 5 panels for K = 300
     K = 300
     x = torch.randn(400, K, generator=rng, dtype=torch.float64) * torch.rand(K, generator=rng, dtype=torch.float64)

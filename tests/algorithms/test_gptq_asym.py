@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from lowbit.algorithms.gptq import asym as gptq_asym
-from lowbit.algorithms.gptq.core import HessianAccumulator, gptq_model, gptq_quantize_group
+from lowbit.algorithms.gptq.hessian import HessianAccumulator
+from lowbit.algorithms.gptq.model import gptq_model
+from lowbit.algorithms.gptq.solver import gptq_quantize_group
 from lowbit.recipes.presets import get_recipe
 from algorithms.test_gptq import _batches, linear_inputs, tiny_llama
 

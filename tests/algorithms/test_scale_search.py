@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from lowbit.algorithms.gptq.core import gptq_quantize_weight
+from lowbit.algorithms.gptq.solver import gptq_quantize_weight
 from lowbit.recipes.presets import get_recipe
 from lowbit.algorithms.scale_search import GRID, search_scales
 from lowbit.quantize import Scales, _reduce, quantize
@@ -97,8 +97,8 @@ def test_gptq_group_with_fixed_scales_is_each_weight_alone(rng, act_order, monke
     """gptq_quantize_group with fixed scales for some weights (no dynamic groups for those; weights
     with fixed scales concatenated with each other, scales concatenated along rows): each weight's
     codes and scales are bit for bit its own gptq_quantize_weight with the same scales."""
-    from lowbit.algorithms.gptq import core as gptq
-    monkeypatch.setattr(gptq, "PANEL_ROWS", 4)
+    from lowbit.algorithms.gptq import hessian, solver as gptq
+    monkeypatch.setattr(hessian, "PANEL_ROWS", 4)
     scheme = get_recipe("w4a16-g32").weight
     k = 80
     ws = [_weight(rng, n, k)[0] for n in (7, 5, 6, 9)]

@@ -1,7 +1,7 @@
 """`lowbit bench model` on the CPU at the tiny shape: the rows' structure, the weight-byte count,
 the logits' relative error of a recipe against a bound derived from int8 rounding, and the
 decode step (KV cache filled, one token, rewound) against a full forward pass. CPU timings are
-not asserted (they mean nothing); the GPU run is scripts/gpu_model_bench.sh."""
+not asserted (they mean nothing); the GPU run is `bash scripts/gpu.sh model`."""
 import json
 import math
 
@@ -191,14 +191,14 @@ def test_budget_and_a_broken_cuda_context_end_in_rows_not_a_crash(monkeypatch):
 
 
 def test_memory_plot_from_a_run(tmp_path):
-    """`python -m lowbit.bench.memory --plot JSON PNG` draws a committed H200 run (docs/bench-memory-s8.json)
+    """`python -m lowbit.bench.memory --plot JSON PNG` draws a committed H200 run (benchmarks/results/bench-memory.json)
     without a GPU: a PNG whose height grows with the number of quantizer rows."""
     import json
     import os
     import struct
 
     from lowbit.bench.memory_report import plot
-    src = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "bench-memory-s8.json")
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results", "bench-memory.json")
     rows = json.load(open(src))["rows"]
     sizes = []
     for keep in (rows, [r for r in rows if "8192x8192" not in r["shape"]]):

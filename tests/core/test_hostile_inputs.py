@@ -175,12 +175,14 @@ def test_check_refuses_files_that_lie_about_their_content(rng, tmp_path, capsys,
     assert why in one_line_error(capsys, p)
 
 
-def test_check_names_missing_metadata_keys(rng, tmp_path, capsys):
+def test_check_refuses_a_file_without_schemes(rng, tmp_path, capsys):
+    # a correct quantized kernel checked as an unquantized one would be blamed for its quantization
     from safetensors.torch import load
     p = tmp_path / "nometa.safetensors"
     save_file(load(check_file(rng)), str(p))
-    assert main(["check", str(p)]) == 1          # compared as an unquantized kernel: fails
-    assert "no x_scheme, w_scheme, accumulator" in capsys.readouterr().out
+    assert main(["check", str(p)]) == 2
+    msg = one_line_error(capsys, p)
+    assert "declare the schemes" in msg and "x_scheme and w_scheme" in msg and '"none"' in msg
 
 
 def test_not_a_regular_file(tmp_path, capsys):

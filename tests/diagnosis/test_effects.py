@@ -33,7 +33,7 @@ def test_gptq_effect_reports_the_stored_codes(rng):
     """The "after" weight SQNR of every site is that of the weight GPTQ stored (recomputed here from
     a second GPTQ run on the same inputs: GPTQ is deterministic), the model is not changed, and the
     summary counts over the sites both reports hold."""
-    from lowbit.algorithms.gptq.core import gptq_model
+    from lowbit.algorithms.gptq.model import gptq_model
     model = outlier_llama(rng, 72)
     ref = copy.deepcopy(model)
     calib, report = _batches(rng, 3), _batches(rng, 2)

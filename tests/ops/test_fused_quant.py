@@ -288,15 +288,17 @@ def test_kernel_choice(device, rng, monkeypatch):
     """kernel=None follows DEFAULT_KERNEL, per entry point and scheme kind (":group" for the
     schemes outside the per-token fast path); every choice gives the canonical result; pack=True
     takes the tile kernel and refuses an explicit "row"."""
+    from lowbit.ops.fused_configs import resolve_kernel
+
     x = _rand(rng, (4, 96), torch.bfloat16, device)
     for default in ("row", "tile"):
         monkeypatch.setitem(fused.DEFAULT_KERNEL, "quantize_rows", default)
         monkeypatch.setitem(fused.DEFAULT_KERNEL, "quantize_rows:group", default)
         for name in ("int8_token", "mxfp8"):
-            assert fused._resolve_kernel(None, SCHEMES[name], "quantize_rows") == default
+            assert resolve_kernel(None, SCHEMES[name], "quantize_rows") == default
             _assert_same_quant(fused.quantize_rows(x, SCHEMES[name], backend="triton").to("cpu"),
                                canonical_quantize(x.cpu(), SCHEMES[name]))
-    assert fused._resolve_kernel(None, SCHEMES["mxfp4"], "quantize_rows", pack=True) == "tile"
+    assert resolve_kernel(None, SCHEMES["mxfp4"], "quantize_rows", pack=True) == "tile"
     with pytest.raises(ValueError, match="only kernel='tile'"):
         fused.quantize_rows(x, SCHEMES["mxfp4"], backend="triton", kernel="row", pack=True)
     with pytest.raises(ValueError, match="kernel must be one of"):

@@ -437,18 +437,18 @@ def test_scale_output_matches_torch(device, rng):
 
 @pytest.mark.parametrize("name", ["int4_g128_asym", "nvfp4"])
 def test_pairs_dequant_chunks_per_program(name, device, rng, monkeypatch):
-    """The pairs dequantization with several 128-code chunks per program (weight_only.PAIRS_DEQUANT)
+    """The pairs dequantization with several 128-code chunks per program (w4a16.configs.PAIRS_DEQUANT)
     gives the same bits as one chunk per program, and as the numpy dequantization of the words
     (int4: rounded once to bf16; fp4: exact); K = 640 = 5 chunks, so 4 per program falls back to 1."""
-    from lowbit.ops import weight_only as wo
+    from lowbit.ops.w4a16 import configs
 
     N, K = 24, 640
     w4, w64 = _prepared_words(SCHEMES[name], N, K, 3, "pairs", _numpy_dequant_pairs, device, rng)
     want = torch.from_numpy(_numpy_dequant_pairs(w4, tensor_scale=False)).float().to(torch.bfloat16)
     for chunks in (1, 4, 5):
         cfg = (16, chunks, 4)
-        monkeypatch.setattr(wo, "PAIRS_DEQUANT_INTERP", cfg)
-        monkeypatch.setattr(wo, "PAIRS_DEQUANT", (64, chunks, 4))
+        monkeypatch.setattr(configs, "PAIRS_DEQUANT_INTERP", cfg)
+        monkeypatch.setattr(configs, "PAIRS_DEQUANT", (64, chunks, 4))
         assert torch.equal(dequantize_w4(w4, torch.bfloat16).cpu(), want), cfg
 
 

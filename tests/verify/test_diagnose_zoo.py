@@ -118,7 +118,8 @@ def b_scale_applied_twice(rng, M, K, N):
 
 def b_zero_block_scale_nan(rng, M, K, N):
     # an all-zero activation row quantized with the scale 0: 0/0 = NaN codes, a NaN output row
-    # (pytorch/ao#4713: torchao 0.18's Float8Tensor; `lowbit audit` shows it in docs/audit_cpu_torchao.txt)
+    # (pytorch/ao#4713: torchao 0.18's Float8Tensor; `lowbit audit` shows it in
+    # benchmarks/results/audit_cpu_torchao.txt)
     x, w = inputs(rng, M, K, N)
     x[M // 2] = 0.0
     xq, wq = lb.quantize(x, FP8R), lb.quantize(w, FP8R)
@@ -422,7 +423,7 @@ def test_fp16_accumulation_in_an_unsimulated_order_is_numerical_not_logic(rng, s
 
 
 def _hopper_fp8_mma(X, W, unit=2.0 ** -9, bits=14, promote=0):
-    """What an H200's fp8 tensor core does (measured: docs/fastaccum_probe_h200.npz), written with
+    """What an H200's fp8 tensor core does (measured: benchmarks/results/fastaccum_probe_h200.npz), written with
     integers and shifts: every 32-wide MMA step aligns its products and the running sum to the
     largest of them and keeps `bits` significant bits (truncated toward zero); with promote > 0 the
     running sum is added into an fp32 accumulator and restarted every `promote` K (cuBLAS without
@@ -497,7 +498,7 @@ def test_simulated_fp8_accumulator_reproduces_the_h200(rng):
     bits: an alignment detail at small exponents the model does not have). Without fast accumulation
     (promoted every 128 K) it reproduces every mixed-sign output and the same-sign loss within 15%."""
     from lowbit.verify import accumulate as A
-    d = np.load(Path(__file__).resolve().parents[2] / "docs" / "fastaccum_probe_h200.npz")
+    d = np.load(Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "fastaccum_probe_h200.npz")
     fast, precise = A.orders_for("fp8_fast", 1, True)
     dec = lambda k: torch.from_numpy(d[k].view(ml_dtypes.float8_e4m3fn).astype(np.float64))  # noqa: E731
     for K, same_min in ((256, 0.75), (1024, 0.9), (4096, 1.0)):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from lowbit.algorithms.distributed import OrderedSum
-from lowbit.algorithms.gptq.core import HessianAccumulator, output_loss
+from lowbit.algorithms.gptq.hessian import HessianAccumulator, output_loss
 from lowbit.algorithms.smoothquant import FoldGroup, fold, fold_groups
 from lowbit.quantize import quantize
 from lowbit.scheme import QuantScheme

@@ -258,7 +258,7 @@ def counts(n: int) -> list[int]:
 # Chunks of a ChunkedSum: the batches are cut into CHAIN_CHUNKS runs of C = ceil(n / CHAIN_CHUNKS)
 # consecutive batches (n: all ranks' batches), whatever the number of ranks. A rank > 0 then holds
 # about CHAIN_CHUNKS / world chunk sums until the chain reaches it (2 for 2 ranks: 3.1 GB for
-# K = 14336) instead of one term per batch (8 in the 2 x H200 script: 12.2 GiB); with more
+# K = 14336) instead of one term per batch (8 batches: 12.2 GiB); with more
 # ranks than chunks, or shares that chunks do not line up with, a chunk spans ranks and the later
 # rank adds its first batches' terms when the chain reaches it (correct, but on the chain).
 CHAIN_CHUNKS = 4

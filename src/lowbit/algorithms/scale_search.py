@@ -11,7 +11,7 @@ what `lowbit.quantize` stores for those scales (values beyond a shrunk range sat
 the checkpoint layout does not change. Two-level schemes (NVFP4) keep the tensor scale of the
 unshrunk weight; only the block scales are searched.
 
-Used by GPTQ (lowbit.algorithms.gptq.core, `mse=True`: the static group scales come from here) and by
+Used by GPTQ (lowbit.algorithms.gptq, `mse=True`: the static group scales come from here) and by
 round-to-nearest (`quantize_model(..., mse=True)`).
 """
 from __future__ import annotations

@@ -230,7 +230,7 @@ def markdown(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: str) -> None:
     """PNG: per shape, each lowbit kernel's ratio to its main baseline (bf16 for M <= 16,
-    torch._int_mm / torch._scaled_mm rowwise otherwise), with the issue's floors drawn."""
+    torch._int_mm / torch._scaled_mm rowwise otherwise), with each kernel family's target floor drawn."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -124,8 +124,8 @@ def _deq(q, s):
 # Sections
 # ------------------------------------------------------------------------------------------
 def _warm_up(seconds: float = 2.0) -> None:
-    """Run matrix products until the clocks have left idle (the first run here measured the copy
-    at 2.8 TB/s straight after start, below what later kernels reached)."""
+    """Run matrix products until the clocks have left idle (straight after start the copy runs
+    below what later kernels reach, which would flatter every row's frac_copy)."""
     a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
     t = time.time()
     while time.time() - t < seconds:
@@ -144,8 +144,8 @@ def _triton_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def _copy(b: _Bench, name: str = "copy") -> None:
-    """The ceiling: the faster of torch's copy_ and a plain vectorized Triton copy (the first
-    H200 runs measured copy_ at 2.75 TB/s while fused kernels here moved 3.6 TB/s)."""
+    """The ceiling: the faster of torch's copy_ and a plain vectorized Triton copy (torch's copy_
+    alone can be slower than the fused kernels here, which would put them above 100%)."""
     n = COPY_ELEMS
     src = torch.randn(n, device=DEV, dtype=torch.bfloat16)
     dst = torch.empty_like(src)

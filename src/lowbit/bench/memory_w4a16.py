@@ -14,8 +14,7 @@ Rows (shape "M{M} N{N} K{K}", M in W4_MS, (N, K) in W4_NK):
   lowbit_w4a16_int4_g128_asym_gemv8 / _dot8    the same with zero points
   lowbit_w4a16_int4_g128_pairs_best            best of a small sweep of the "pairs" kernel (tensor
                                                cores fed from registers) at M = 1, 16 and 64
-  (the sweeps of the planar-chunks "dot", "gemv8" and "dot8" kernels of earlier rounds are in
-  docs/benchmarks-memory.md and git history; `sweep_us` of a _best row holds every point)
+  (`sweep_us` of a _best row holds every point of its sweep)
 Each lowbit row has vs_bf16 / vs_tinygemm (baseline ms / ms) and `check`, the relative L2
 difference to bf16 torch.mm on the dequantized weight (bf16 rounding of that baseline, ~0.003).
 """

@@ -120,7 +120,7 @@ def _build_torchao(name: str, master: torch.nn.Module) -> tuple[torch.nn.Module,
         import torchao.quantization as tq
     except ImportError as exc:
         # exc.name is "torchao" or a submodule ("torchao.quantization") depending on where the
-        # import stopped (the H200 image's Python named the submodule)
+        # import stopped (some Python builds name the submodule)
         absent = isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "torchao"
         raise Skipped("torchao not installed" if absent else f"torchao not importable ({exc})") from None
     if name == "torchao-int8":

@@ -19,7 +19,7 @@ def compile_sm90(fn, sig: dict, consts: dict, no_div: tuple = (), **opts) -> dic
     except those named in `no_div`. Returns sass (static instruction count), shared (bytes),
     reg / local (registers per thread and spill bytes, as ptxas allotted them) and sass_text.
     The shared memory is the compiler's figure for this compile; Triton 3.6's warp-specialized
-    kernels asked the H200's driver for more at launch than it reports here (2026-12-01)."""
+    kernels can ask the driver for more at launch than it reports here."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

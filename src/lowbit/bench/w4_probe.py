@@ -8,7 +8,7 @@ physical row order, the same one-step register prefetch, every word folded into 
 load is dead. If the probe alone cannot go much faster than the kernel, the access pattern (bytes in
 flight per SM, tile shape, split) is the limit; if it can, the kernel's dependency chain is.
 
-    python -m lowbit.bench.w4_probe            # on a GPU: the table (also `scripts/gpu_final.sh w4probe`)
+    python -m lowbit.bench.w4_probe            # on a GPU: the table (also `bash scripts/gpu.sh w4probe`)
 
 The probe's result (each row's XOR over a program's words) is checked against numpy in the tests,
 so the probe reads exactly the words it claims to (Triton's interpreter runs it on the CPU)."""

@@ -1,4 +1,4 @@
-"""What each calibration algorithm does to the sites (issue 12, item 4): the per-site report
+"""What each calibration algorithm does to the sites: the per-site report
 (lowbit.diagnosis.sites: weight, layer-output and block SQNR) of round-to-nearest on the float model
 ("before") beside the report after the algorithm ("after"), on text no algorithm saw.
 
@@ -35,7 +35,7 @@ def algorithm_effect(model: torch.nn.Module, calib: list, report_batches: list, 
     before = site_report(model, report_batches, r, progress=progress)
     m = copy.deepcopy(model)
     if algorithm == "gptq":
-        from lowbit.algorithms.gptq.core import gptq_model
+        from lowbit.algorithms.gptq.model import gptq_model
         gptq_model(m, r, calib, progress=progress)
         layers = {n: mod for n, mod in m.named_modules() if isinstance(mod, QuantLinear)}
         return before, site_report(model, report_batches, r, progress=progress, quantized=layers)

@@ -1,9 +1,12 @@
 """`lowbit check out.safetensors`: verify a kernel's output written by any language.
 
 The file holds tensors `out` [M, N], `x` [M, K], `w` [N, K] and optionally `bias` [N]; its
-metadata (string -> string) may hold `x_scheme` / `w_scheme` (QuantScheme JSON or a preset
-name; absent = that side unquantized) and `accumulator` ("int32" | "fp32" | "fp8_fast" | "fp16" | "bf16").
+metadata (string -> string) must declare `x_scheme` and `w_scheme` (QuantScheme JSON, a preset name,
+or "none" for a side the kernel does not quantize: a file without them is refused, since checking a
+quantized kernel as an unquantized one would blame the quantization on its arithmetic) and may hold
+`accumulator` ("int32" | "fp32" | "fp8_fast" | "fp16" | "bf16").
 Exit status 0 when the check passes, 1 when it fails, 2 on a bad file.
+A file whose metadata says kind=attention is an attention check (lowbit.entrypoints.check_attention).
 """
 from __future__ import annotations
 
@@ -14,10 +17,11 @@ def register(parser) -> None:
     parser.add_argument("path", help="safetensors file with out, x, w (, bias) and schemes in metadata")
     parser.add_argument("--accumulator", choices=list(ACCUMULATORS),
                         help="what the kernel accumulates in (overrides the file's metadata)")
+    parser.add_argument("--probe", metavar="PATH",
+                        help="a `lowbit probe --json` table: its measured fp8 accumulators are simulated too")
 
 
 _TENSORS = {"out": "[M, N]", "x": "[M, K]", "w": "[N, K]", "bias": "[N]"}
-_META = ("x_scheme", "w_scheme", "accumulator")
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
@@ -70,20 +74,50 @@ def read_check_file(path: str) -> tuple[dict, dict]:
     return t, meta
 
 
+def _kind(path: str) -> str | None:
+    from lowbit.io.st_format import CheckpointError, TensorReader
+    try:
+        with TensorReader(path) as r:
+            meta = r.metadata
+    except CheckpointError as e:
+        raise BadCheckFile(str(e)) from e
+    return meta.get("kind") if isinstance(meta, dict) else None
+
+
+def _use_probe(path: str) -> None:
+    """Register a probe table's fp8 accumulators with the diagnosis (verify/accumulate.py)."""
+    import json
+
+    from lowbit.verify.accumulate import use_probe_table
+    try:
+        with open(path) as f:
+            table = json.load(f)
+        use_probe_table(table)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise BadCheckFile(f"{path}: not a `lowbit probe --json` table ({type(e).__name__}: {e})") from e
+
+
 def run(args) -> int:
     from lowbit.verify import check_linear
 
+    if _kind(args.path) == "attention":     # lowbit.entrypoints.check_attention's file layout
+        from lowbit.entrypoints.check_attention import run as run_attention
+        return run_attention(args.path)
     t, meta = read_check_file(args.path)
+    if getattr(args, "probe", None):
+        _use_probe(args.probe)
+    undeclared = [k for k in ("x_scheme", "w_scheme") if k not in meta]
+    if undeclared:
+        raise BadCheckFile(f"{args.path}: declare the schemes: metadata has no {' and '.join(undeclared)}; set "
+                           f"{' and '.join(undeclared)} to a preset name (e.g. int8_token / int8_channel), a "
+                           f"QuantScheme JSON, or \"none\" for a side the kernel does not quantize "
+                           f"(safetensors: save_file(..., metadata={{'x_scheme': ..., 'w_scheme': ...}}))")
     xs, ws = _scheme(args.path, meta, "x_scheme"), _scheme(args.path, meta, "w_scheme")
     acc = args.accumulator or meta.get("accumulator")
     if acc is not None and acc not in ACCUMULATORS:
         raise BadCheckFile(f"{args.path}: metadata accumulator={acc!r}; write one of {', '.join(ACCUMULATORS)}")
-    # absent keys have a meaning (that side unquantized, the accumulator from the schemes): say so
-    told = {"x_scheme": "x is checked unquantized", "w_scheme": "w is checked unquantized",
-            "accumulator": "the accumulator follows from the schemes"}
-    absent = [k for k in _META if k not in meta and not (k == "accumulator" and args.accumulator)]
-    if absent:
-        print(f"note: metadata has no {', '.join(absent)}: {'; '.join(told[k] for k in absent)}")
+    if "accumulator" not in meta and not args.accumulator:
+        print("note: metadata has no accumulator: the accumulator follows from the schemes")
     v = check_linear(t["out"], t["x"], t["w"], x_scheme=xs, w_scheme=ws, bias=t.get("bias"), accumulator=acc)
     print(v.report())
     return 0 if v.passed else 1

@@ -68,7 +68,7 @@ def path_for(x_preset: str | None, w_preset: str, capability, has_triton: bool) 
     """(path, detail) for a preset pairing on a GPU of `capability` (None: no GPU).
 
     path is one of "native", "emulated", "cpu", "none"."""
-    from lowbit.ops.linear import kernel_for
+    from lowbit.ops.dispatch import gemm_kernel, w4a16_kind
     from lowbit.scheme import get_preset
 
     ws = get_preset(w_preset)
@@ -76,17 +76,14 @@ def path_for(x_preset: str | None, w_preset: str, capability, has_triton: bool) 
     gpu = capability is not None and has_triton
     if x_preset is None:  # weight-only
         try:
-            from lowbit.ops.weight_only import _kind
-            kind = _kind(_Shim(ws))
+            kind = w4a16_kind(ws)
         except NotImplementedError as exc:
             return "none", str(exc)
-        except ImportError:
-            return "none", "lowbit.ops.weight_only is not available"
         if not gpu:
             return "cpu", f"W4A16 {kind}: dequantized fp32 matmul (torch)"
         return "emulated", (f"Triton W4A16 kernel: {kind} weights dequantized in registers to bf16 "
                             "MMA (weight-only schemes never use a 4-bit tensor-core path)")
-    kernel = kernel_for(get_preset(x_preset), ws)
+    kernel = gemm_kernel(get_preset(x_preset), ws)
     if kernel is None:
         if not gpu:
             return "cpu", "float64 reference (backend='reference'); no GPU kernel exists for it"
@@ -103,13 +100,6 @@ def path_for(x_preset: str | None, w_preset: str, capability, has_triton: bool) 
                             f"bf16 tensor cores; from {MX_DEQUANT_MIN_M} rows both operands dequantized to bf16 "
                             "and one cuBLAS GEMM (no MX datapath before sm_100)")
     return "none", f"Triton kernel '{kernel}' needs the {need} path (this GPU lacks it); use backend='reference'"
-
-
-class _Shim:
-    """Just enough of a QTensor for weight_only._kind, which reads only .scheme."""
-
-    def __init__(self, scheme):
-        self.scheme = scheme
 
 
 def report() -> dict:

@@ -13,6 +13,7 @@ COMMANDS = {
     "demo": ("lowbit.entrypoints.demo", "quick tour: format table and per-tensor vs per-channel int8"),
     "check": ("lowbit.entrypoints.check", "verify a kernel's output stored in a safetensors file"),
     "audit": ("lowbit.entrypoints.audit", "conformance table of every linear kernel on this machine"),
+    "probe": ("lowbit.entrypoints.probe", "measure this GPU's matrix-multiply accumulators (test vectors)"),
     "experiment": ("lowbit.entrypoints.experiment", "the seeds' experiments as reproducible reports"),
     "bench": ("lowbit.entrypoints.bench", "GPU benchmarks of lowbit kernels against baselines"),
     "doctor": ("lowbit.entrypoints.doctor", "which formats run natively, emulated or on the CPU here"),

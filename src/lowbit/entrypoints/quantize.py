@@ -39,7 +39,7 @@ def register(p) -> None:
     p.add_argument("--override", action="append", default=None, metavar="PATTERN=RECIPE",
                    help="another recipe (or skip) for matching Linears")
     p.add_argument("--method", choices=("rtn", "gptq"), default=None,
-                   help="how weight codes are chosen: rtn (round to nearest) or gptq (calibrated, lowbit.algorithms.gptq.core)")
+                   help="how weight codes are chosen: rtn (round to nearest) or gptq (calibrated, lowbit.algorithms.gptq)")
     p.add_argument("--plain", action="store_true",
                    help="round to nearest and nothing else; without --plain or any measure flag, the recipe's best "
                         "measured measures are applied (lowbit.recipes.best, docs/perplexity.md)")
@@ -53,6 +53,11 @@ def register(p) -> None:
                    help="rotate the residual stream by a random Hadamard matrix first (folded exactly; lowbit.algorithms.rotation)")
     p.add_argument("--static-scales", action="store_true",
                    help="calibrated per-tensor activation scales instead of dynamic ones (+ clipping report on new text)")
+    p.add_argument("--kv-cache", default=None, metavar="SCHEME",
+                   help="also quantize the KV cache: fp8 | int8 (static per tensor, calibrated), fp8-head | int8-head "
+                        "(static per KV head), fp8-token | int8-token (dynamic per token and head), int4-g32 (dynamic "
+                        "per 32 head-dim values); the report gives the metrics with and without it and the "
+                        "checkpoint carries compressed-tensors' kv_cache_scheme")
     p.add_argument("--no-save", action="store_true", help="evaluate only, write no checkpoint (report still written)")
     p.add_argument("--sequential", action="store_true",
                    help="layer by layer from the --model directory's (sharded) safetensors, Llama family: one decoder "
@@ -110,6 +115,16 @@ def _save(model, out: Path, recipe, tokenizer) -> str | None:
     return None
 
 
+def _kv_line(kv_name: str, mname: str, run_) -> str:
+    """One report line: the metrics with the quantized KV cache and without it."""
+    def fmt(v):
+        if hasattr(v, "kl"):
+            return f"{mname} {v.perplexity:.4f}, KL from float {v.kl:.4f} nats, top-1 agreement {100 * v.top1:.2f}%"
+        return f"{mname} {v:.4f}"
+    with_kv = run_.tokens if run_.tokens is not None else run_.value
+    return f"KV cache {kv_name}: {fmt(with_kv)}; with the KV cache unquantized: {fmt(run_.without_kv)}"
+
+
 def _out_dirs(args, recipes: list[str]) -> dict[str, Path]:
     """Each recipe's output directory (known before the model is loaded)."""
     name = args.model
@@ -136,6 +151,10 @@ def validate(args) -> tuple[list[str], dict, dict[str, Path]]:
         args.calib_tokens = CALIB_TOKENS
     A.text_sizes(args.calib_tokens, args.window, "--calib-tokens")
     A.positive(args.threads, "--threads", allow_none=True)
+    A.kv_cache(getattr(args, "kv_cache", None))
+    if getattr(args, "kv_cache", None) and args.sequential:
+        raise ValueError("--kv-cache is not available with --sequential (which writes layers without running the "
+                         "whole model); drop one of them")
     A.fraction(args.override_worst, "--override-worst", 0.5)
     if args.smoothquant is not None:
         A.fraction(args.smoothquant, "--smoothquant ALPHA")
@@ -204,7 +223,8 @@ def run(args) -> int:
             texts, calib=D.shard(prepare_texts(loaded, args.tokens, n_calib, args.window).calib))
         run_ = run_recipe(loaded, rtexts, recipe, override_to=args.override_to, ignore=args.ignore,
                           overrides=overrides, static=args.static_scales, window=args.window,
-                          reference=loaded.model if loaded.kind == "causal" else None, **opts)
+                          reference=loaded.model if loaded.kind == "causal" else None,
+                          kv_cache=getattr(args, "kv_cache", None), **opts)
         print(run_.sites_before)
         if run_.sites_after is not None:
             print("after SmoothQuant:\n" + str(run_.sites_after))
@@ -222,6 +242,13 @@ def run(args) -> int:
             sites_markdown=[("Worst sites" + (" before SmoothQuant" if run_.sites_after else ""),
                              run_.sites_before.to_markdown(10))]
             + ([("Worst sites after SmoothQuant", run_.sites_after.to_markdown(10))] if run_.sites_after else []))
+        if run_.without_kv is not None:
+            res.extra.append(_kv_line(args.kv_cache, mname, run_))
+            print(res.extra[-1], flush=True)
+            from lowbit.diagnosis.attention_sites import attention_site_report
+            att = attention_site_report(run_.model, texts.calib[0], run_.summary.kv_cache)
+            print(att)
+            res.sites_markdown.append(("Attention sites (KV cache; first calibration batch)", att.to_markdown()))
         out = outs[recipe]
         if D.rank() != 0:
             continue

@@ -80,3 +80,15 @@ def probe_writable_file(path: str, flag: str) -> None:
         probe_writable(p.parent, f"{flag} {path}")
     except OutputDirError as err:
         raise ValueError(str(err)) from err
+
+
+def kv_cache(text: str | None) -> str | None:
+    """--kv-cache NAME: checked against lowbit.ops.kv_quant.KVScheme.parse before any model loads."""
+    if text is None:
+        return None
+    from lowbit.ops.kv_quant import KVScheme
+    try:
+        KVScheme.parse(text)
+    except ValueError as err:
+        raise ValueError(f"--kv-cache: {err}") from err
+    return text

@@ -28,6 +28,7 @@ class RecipeRun:
     calib_s: float = 0.0        # seconds from the float copy to the quantized model (rotation, SmoothQuant, AWQ,
     eval_s: float = 0.0         # GPTQ, site reports, quantization); seconds evaluating it
     kl_pick: object = None      # site_kl.KLPick when the overrides were picked by measured KL
+    without_kv: object = None   # kv_cache: the same metrics with the KV cache left unquantized (value or TokenMetrics)
 
 
 def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float | None = None,
@@ -35,11 +36,11 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
                static: bool = False, window: int = 512, progress: bool = True, sites: bool = True,
                method: str = "rtn", awq: bool = False, rotate: str | None = None,
                reference: list | torch.nn.Module | None = None, mse: bool = False,
-               override_by: str = "block") -> RecipeRun:
+               override_by: str = "block", kv_cache: str | None = None) -> RecipeRun:
     """Quantize a copy of loaded.model by `recipe` and evaluate it. smoothquant: alpha or None;
     override_worst: fraction of Linear layers (<= 0.05 by the issue's rule) whose worst output
     SQNR sends them to `override_to` ("skip" = high precision, or a recipe name).
-    method: "rtn" or "gptq" (lowbit.algorithms.gptq.core, calibrated on texts.calib); awq: fold AWQ scales
+    method: "rtn" or "gptq" (lowbit.algorithms.gptq, calibrated on texts.calib); awq: fold AWQ scales
     (lowbit.algorithms.awq, weight-only recipes) after SmoothQuant and before quantizing; rotate:
     "hadamard" rotates the residual stream first (lowbit.algorithms.rotation) or None; reference: the float
     model, or evaluate.reference_logits of it on texts.eval_ids (causal models), to report the
@@ -47,7 +48,9 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
     weight scales (lowbit.algorithms.scale_search) instead of round to nearest's, for RTN and GPTQ alike.
     override_by: how the override_worst sites are picked: "block" (worst block SQNR in the per-site
     report) or "kl" (largest measured drop of the next-token KL on texts.calib, greedy:
-    lowbit.diagnosis.site_kl; causal models), both on round to nearest's codes after the folds."""
+    lowbit.diagnosis.site_kl; causal models), both on round to nearest's codes after the folds.
+    kv_cache: also quantize the KV cache (lowbit.nn.kv_cache; static scales calibrated on
+    texts.calib); the run is evaluated with it and again without it (RecipeRun.without_kv)."""
     from lowbit.algorithms.static_scales import calibrate_static_scales, clipping_report
     from lowbit.recipes.plan import linear_layers
     from lowbit.pipelines.quantize_model import quantize_model
@@ -101,7 +104,8 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
             raise ValueError(f"--static-scales needs a recipe with activation quantization; {r.name} is weight-only")
         scales = calibrate_static_scales(m, texts.calib, r.act)
     summary = quantize_model(m, r, ignore=ignore, overrides=ov or None, act_static_scales=scales, progress=progress,
-                             method=method, calib=texts.calib if method != "rtn" else None, mse=mse)
+                             method=method, calib=texts.calib if method != "rtn" else None, mse=mse,
+                             kv_cache=kv_cache, kv_calib=texts.calib if kv_cache else None)
     clipping = clipping_report(m, texts.new) if static else []
     t1 = time.perf_counter()
     tokens = None
@@ -111,5 +115,15 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
         value = tokens.perplexity
     else:
         value = metric(loaded, m, loaded.model, texts, window, progress, f"{r.name} eval")
+    without_kv = None
+    if kv_cache is not None:
+        from lowbit.nn.kv_cache import kv_cache_disabled
+        with kv_cache_disabled(m):
+            if reference is not None and loaded.kind == "causal":
+                from lowbit.evaluation.evaluate import token_metrics
+                without_kv = token_metrics(m, texts.eval_ids, reference, window, progress=progress,
+                                           desc=f"{r.name} eval, KV cache unquantized")
+            else:
+                without_kv = metric(loaded, m, loaded.model, texts, window, progress, f"{r.name} eval, KV unquantized")
     return RecipeRun(r.name, m, summary, sites_before, sites_after, picked, value, clipping, tokens,
-                     t1 - t0, time.perf_counter() - t1, klp)
+                     t1 - t0, time.perf_counter() - t1, klp, without_kv)

@@ -24,8 +24,9 @@ import torch
 
 @dataclass(frozen=True)
 class Config:
-    """One row: a recipe and the measures applied before quantizing it (pipeline.run_recipe's
-    keyword arguments). recipe "float" is the unquantized model (its KL is exactly 0: a live check)."""
+    """One row: a recipe and the measures applied before quantizing it (the keyword arguments of
+    lowbit.entrypoints.quantize_job.run_recipe). recipe "float" is the unquantized model (its KL is
+    exactly 0: a live check)."""
     recipe: str
     rotate: str | None = None
     smoothquant: float | None = None
@@ -61,7 +62,7 @@ def _c(recipe, *measures):
                   "kl" if "ovkl" in m else "block")
 
 
-# In the order they are measured: the plain recipes, then the issue's targets' best candidates (one
+# In the order they are measured: the plain recipes, then the target recipes' best candidates (one
 # row per target first: w4a16 g128, fp8, nvfp4, GPTQ w4a16 g32, int8, MXFP4), then their alternatives,
 # then the rest -- so a stopped run has the rows that matter.
 CONFIGS = [

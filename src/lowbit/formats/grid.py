@@ -5,11 +5,11 @@ float formats of <= 8 bits, in a handful of elementwise tensor operations instea
 (float64) plus decode's lookup.
 
 For loops that fake-quantize small vectors many times, where the per-call overhead is the cost:
-GPTQ's column loop (lowbit.algorithms.gptq.core) quantizes one weight column per call, ~150,000 calls for
+GPTQ's column loop (lowbit.algorithms.gptq) quantizes one weight column per call, ~150,000 calls for
 SmolLM2-135M under NVFP4, and spent most of its time in encode's elementwise passes. Every
 operation here is elementwise (PyTorch runs vectors below its grain of 32,768 elements on one
 thread); torch.searchsorted, the obvious tool, splits even a 576-element search over the intra-op
-threads, and on the loaded 2-core machine with 2 threads one call took 1.5-20 ms instead of ~30 us.
+threads, which on a loaded machine makes one call up to ~100x slower than on one thread.
 
 The arithmetic is encode's, restated on the grid. For the fn / ieee / fnuz policies under saturation
 the finite magnitude codes 0..M (M = max_finite_magcode) have increasing values v_0 = 0 < v_1 < ...

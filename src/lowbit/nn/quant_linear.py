@@ -36,16 +36,13 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from lowbit.ops import dispatch
 from lowbit.ops import prepared as runtime
-from lowbit.quantize import QTensor, quantize
+from lowbit.ops.linear import linear as ops_linear
+from lowbit.quantize import QTensor, quantize, quantize_static
 from lowbit.scheme import QuantScheme
 
 _BACKENDS = ("auto", "dequantized", "int8-intmm", "kernel")
-
-
-def _is_int8_sym(scheme: QuantScheme | None, strategies: tuple[str, ...]) -> bool:
-    return (scheme is not None and scheme.format == "int8" and scheme.symmetric
-            and scheme.strategy in strategies and scheme.scale_format == "fp32")
 
 
 class QuantLinear(torch.nn.Module):
@@ -97,6 +94,11 @@ class QuantLinear(torch.nn.Module):
         fast path leaves `fast_spec` None and every call runs the exact path."""
         self.fast_spec: runtime.Spec | None = None
         if self.backend not in ("auto", "kernel"):
+            return
+        if not dispatch.have_triton():
+            if self.backend == "kernel":
+                raise ValueError("backend='kernel' runs Triton kernels, and triton is not installed: "
+                                 "pip install 'lowbit[gpu]', or use backend='auto'")
             return
         prep = runtime.prepare(self.weight_q, self.act_scheme, self.act_static_scale)
         if prep is None:
@@ -200,7 +202,6 @@ class QuantLinear(torch.nn.Module):
         """Quantize a float32 [M, K] input by the activation scheme. Returns (codes, scale, deq):
         codes as QTensor.codes, scale broadcastable to [M, K] groups, deq float32 [M, K]."""
         if self.act_static_scale is not None:
-            from lowbit.quantize import quantize_static
             s = self.act_static_scale.to(x2d.device)
             if self.track_clipping:
                 # what the quantizer sees: |x / s| beyond fmt.max saturates
@@ -248,8 +249,7 @@ class QuantLinear(torch.nn.Module):
         if self.act_scheme is None:
             self.last_path = "dequantized"
             return x2d @ self._weight_operand("deq", x2d.device).t(), None
-        int_ok = (_is_int8_sym(self.act_scheme, ("token", "tensor"))
-                  and _is_int8_sym(self.weight_scheme, ("channel", "tensor")))
+        int_ok = dispatch.exact_path(self.weight_scheme, self.act_scheme) == "int8-intmm"
         want = self.backend
         if want == "auto":
             want = "kernel" if x2d.is_cuda else ("int8-intmm" if int_ok else "dequantized")
@@ -276,25 +276,29 @@ class QuantLinear(torch.nn.Module):
         return deq @ self._weight_operand("deq", x2d.device).t(), deq
 
     def _kernel(self, x2d: torch.Tensor) -> torch.Tensor | None:
-        """lowbit.ops.linear on the quantized operands; None (after one warning) when the kernels
-        do not cover this scheme, so the caller runs the dequantized emulation."""
-        try:
-            from lowbit.ops import linear as ops_linear
-            if self.act_static_scale is not None:
-                raise NotImplementedError("static activation scales are emulated")
-            xq = _quantize_activations(x2d, self.act_scheme)
-            wq = self._cache.get(("wq", str(x2d.device)))
-            if wq is None:
-                wq = self.weight_q.to(x2d.device)
-                self._cache[("wq", str(x2d.device))] = wq
-            return ops_linear(xq, wq, bias=None, out_dtype=torch.float32).float()
-        except (NotImplementedError, ImportError, AttributeError) as err:
+        """lowbit.ops.linear on the quantized operands; None (after one warning naming why) when no
+        kernel covers this layer, so the caller runs the dequantized emulation. The choice is made
+        by lowbit.ops.dispatch before the call: an error inside a kernel propagates."""
+        why = None
+        if self.act_static_scale is not None:
+            why = "static activation scales run the emulation"
+        elif dispatch.gemm_kernel(self.act_scheme, self.weight_scheme) is None:
+            why = "lowbit.ops.linear has no GEMM for this scheme pair"
+        elif not dispatch.have_triton():
+            why = "triton is not installed (pip install 'lowbit[gpu]')"
+        if why is not None:
             if not self._warned:
                 warnings.warn(f"QuantLinear: no kernel for act={_describe(self.act_scheme)}, "
-                              f"weight={_describe(self.weight_scheme)} ({err}); running the dequantized emulation",
+                              f"weight={_describe(self.weight_scheme)} ({why}); running the dequantized emulation",
                               stacklevel=3)
                 self._warned = True
             return None
+        xq = _quantize_activations(x2d, self.act_scheme)
+        wq = self._cache.get(("wq", str(x2d.device)))
+        if wq is None:
+            wq = self.weight_q.to(x2d.device)
+            self._cache[("wq", str(x2d.device))] = wq
+        return ops_linear(xq, wq, bias=None, out_dtype=torch.float32).float()
 
 
 def _check_static(act_scheme: QuantScheme | None, scale: torch.Tensor) -> None:

@@ -1,16 +1,10 @@
-"""Quantized matmuls: the float64 reference (here, always importable) and the dispatching
-`linear` (lowbit.ops.linear, imported on first use so that kernels are never loaded for the
-reference alone)."""
+"""Quantized matmuls: the float64 reference and the dispatching `linear` (lowbit.ops.linear; it
+imports no kernel until one runs, so importing it costs no Triton)."""
 from __future__ import annotations
 
+# The function shares its module's name: bound here, so that `lowbit.ops.linear` is the function
+# whether or not the submodule was imported first.
+from lowbit.ops.linear import linear
 from lowbit.ops.reference import qlinear_reference
 
 __all__ = ["qlinear_reference", "linear"]
-
-
-def __getattr__(name: str):
-    if name == "linear":
-        from lowbit.ops.linear import linear
-        globals()["linear"] = linear
-        return linear
-    raise AttributeError(f"module 'lowbit.ops' has no attribute {name!r}")

@@ -10,54 +10,18 @@ backend=None picks "triton" for CUDA tensors and, on the CPU, "torch" for int8 W
 "reference" for everything else. A scheme pair with no kernel on the chosen backend raises
 NotImplementedError naming the schemes.
 
-Kernel table (x scheme, w scheme -> kernel), see `kernel_for`:
-  int8  token|channel|tensor (sym or asym)   x  int8 channel|tensor (sym)      -> "int8"
-  fp8_e4m3fn token|channel|tensor (fp32)     x  fp8_e4m3fn channel|tensor      -> "fp8_rowwise"
-  fp8_e4m3fn block (1,128) or group 128      x  fp8_e4m3fn block (128,128)     -> "fp8_block"
-  fp8_e4m3fn group 32 e8m0 (MXFP8)           x  fp8_e4m3fn group 32 e8m0       -> "mxfp8"
+The kernel for a scheme pair is chosen by lowbit.ops.dispatch.gemm_kernel (its table is there).
 """
 from __future__ import annotations
 
 import torch
 
+from lowbit.ops.dispatch import GEMM_KERNELS as KERNELS
+from lowbit.ops.dispatch import gemm_kernel as kernel_for  # noqa: F401  (the public name of the choice)
+
 BACKENDS = ("triton", "torch", "reference")
-KERNELS = ("int8", "fp8_rowwise", "fp8_block", "mxfp8")
-_PER_ROW = ("token", "channel", "tensor")
-
-
 def _is_qtensor(t) -> bool:
     return hasattr(t, "codes") and hasattr(t, "scale") and hasattr(t, "scheme")
-
-
-def _per_row_fp32(s) -> bool:
-    return s.strategy in _PER_ROW and s.scale_format == "fp32"
-
-
-def kernel_for(x_scheme, w_scheme) -> str | None:
-    """Name of the lowbit kernel for this scheme pair, or None when there is none.
-
-    x_scheme None means the activations are not quantized (weight-only schemes): no W8A8
-    kernel applies."""
-    if x_scheme is None or w_scheme is None:
-        return None
-    xs, ws = x_scheme, w_scheme
-    if xs.format == "int8" and ws.format == "int8":
-        if _per_row_fp32(xs) and _per_row_fp32(ws) and ws.symmetric and ws.strategy != "token":
-            return "int8"
-        return None
-    if xs.format != "fp8_e4m3fn" or ws.format != "fp8_e4m3fn":
-        return None
-    if _per_row_fp32(xs) and _per_row_fp32(ws):
-        return "fp8_rowwise"
-    x_1x128 = xs.scale_format == "fp32" and (
-        (xs.strategy == "block" and xs.block_size == (1, 128))
-        or (xs.strategy == "group" and xs.group_size == 128))
-    if x_1x128 and ws.strategy == "block" and ws.block_size == (128, 128) and ws.scale_format == "fp32":
-        return "fp8_block"
-    mx = lambda s: s.strategy == "group" and s.group_size == 32 and s.scale_format == "e8m0"  # noqa: E731
-    if mx(xs) and mx(ws):
-        return "mxfp8"
-    return None
 
 
 def _scheme_name(t) -> str:

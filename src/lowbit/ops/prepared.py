@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lowbit.ops.dispatch import prepared_kind
 from lowbit.quantize import QTensor
 from lowbit.scheme import QuantScheme
 
@@ -50,8 +51,8 @@ from lowbit.scheme import QuantScheme
 PER_LAYER_OPERANDS = ("global_scale", "act_qmax", "act_scale")
 # From this many rows on, 4-bit and MXFP8 weights are dequantized to bf16 (one Triton pass per
 # call, never kept) and multiplied by cuBLAS: the tensor cores then run at bf16 speed, where
-# unpacking codes in every tile of a large-M GEMM cost 1.1-3.7x (H200, bench/layers.py, M =
-# 2048). int4 weights get one rounding to bf16 each on this path; fp4 / fp8 values are exact.
+# unpacking codes in every tile of a large-M GEMM costs 1.1-3.7x (python -m lowbit.bench.layers,
+# M = 2048). int4 weights get one rounding to bf16 each on this path; fp4 / fp8 values are exact.
 DEQUANT_MIN_M = 256
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -98,50 +99,12 @@ class Prepared:
     tensors: dict[str, torch.Tensor]   # name -> tensor, in spec.operands order
 
 
-def _per_row(s: QuantScheme | None, formats: tuple[str, ...]) -> bool:
-    return (s is not None and s.format in formats and s.strategy in ("token", "channel", "tensor")
-            and s.scale_format == "fp32")
-
-
-def kind_for(weight_scheme: QuantScheme, act_scheme: QuantScheme | None) -> str | None:
-    """The fast-path kind of a (weight, activation) scheme pair, or None (exact path only)."""
-    from lowbit.ops.weight_only import _kind as w4_kind
-
-    ws, xs = weight_scheme, act_scheme
-    if xs is None:
-        if _per_row(ws, ("int8",)) and ws.symmetric and ws.strategy != "token":
-            return "w8a16"
-        try:
-            w4_kind(_probe(ws))
-            return "w4a16"
-        except (NotImplementedError, ValueError):
-            return None
-    if ws.strategy != "token" and ws.symmetric and (
-            (_per_row(ws, ("int8",)) and _per_row(xs, ("int8",)))
-            or (_per_row(ws, ("fp8_e4m3fn",)) and _per_row(xs, ("fp8_e4m3fn",)) and xs.symmetric)):
-        return "w8a8"
-    mx = lambda s, f, g, sf: (s.format == f and s.strategy == "group" and s.group_size == g  # noqa: E731
-                              and s.scale_format == sf and s.symmetric)
-    if (mx(ws, "fp4_e2m1fn", 32, "e8m0") and mx(xs, "fp4_e2m1fn", 32, "e8m0")) or \
-            (mx(ws, "fp4_e2m1fn", 16, "fp8_e4m3fn") and mx(xs, "fp4_e2m1fn", 16, "fp8_e4m3fn")):
-        return "fp4"
-    if mx(ws, "fp8_e4m3fn", 32, "e8m0") and mx(xs, "fp8_e4m3fn", 32, "e8m0"):
-        return "mxfp8"
-    return None
-
-
-def _probe(ws: QuantScheme) -> QTensor:
-    """A 0-element stand-in QTensor, so weight_only's scheme check can be asked about a scheme."""
-    z = torch.zeros(0, 0)
-    return QTensor(z, z, None, ws, (0, 0))
-
-
 def prepare(weight_q: QTensor, act_scheme: QuantScheme | None,
             static_scale: torch.Tensor | None = None) -> Prepared | None:
     """The kernel operands of one layer, or None when its schemes have no fast path.
     weight_q: the layer's quantized weight [N, K] (unpadded along K for the 4-bit kinds)."""
     ws = weight_q.scheme
-    kind = kind_for(ws, act_scheme)
+    kind = prepared_kind(ws, act_scheme)
     if kind is None:
         return None
     N, K = int(weight_q.shape[0]), int(weight_q.shape[1])
@@ -288,11 +251,11 @@ def _run_w4a16(spec, x2, ops, bias, global_scale=None, act_scale=None):
     the activation's tensor scale, multiplied into the weight's by the kernel (W4A4 NVFP4 layers
     merged along N, whose weight tensor scales are one per output row)."""
     from lowbit.ops.triton.common import interpreting
-    from lowbit.ops.weight_only import _launch, dequantize_w4, scale_output
+    from lowbit.ops.w4a16.launch import dequantize_w4, launch_w4a16, scale_output
 
     w = _w4(spec, ops, global_scale)
     if x2.shape[0] < DEQUANT_MIN_M:
-        return _launch(x2, w, bias, None, interpreting(), act_scale)
+        return launch_w4a16(x2, w, bias, None, interpreting(), act_scale)
     y = torch.nn.functional.linear(x2, dequantize_w4(w, x2.dtype))
     if w.global_scale is None:
         return y if bias is None else (y.float() + bias.float()).to(x2.dtype)
@@ -393,9 +356,9 @@ def _replay(spec, x2, operands, bias, graphs):
         xs = x2.clone()
         run(spec, xs, ops, bias)              # compiles every kernel outside the capture
         g = torch.cuda.CUDAGraph()
-        # each graph has its own memory pool (the default): a pool handle shared by all layers hit
-        # a CUDA caching-allocator assert on the H200 (torch 2.11) once the graphs first holding
-        # it were freed; a private pool reserves one small segment per layer and M instead
+        # each graph has its own memory pool (the default): a pool handle shared by all layers hits
+        # a CUDA caching-allocator assert once the graphs first holding it are freed; a private
+        # pool reserves one small segment per layer and M instead
         with torch.cuda.graph(g):
             ys = run(spec, xs, ops, bias)
         entry = graphs[key] = (g, xs, ys)

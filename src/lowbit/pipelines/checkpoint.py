@@ -189,6 +189,9 @@ def save_compressed(model: torch.nn.Module, out_dir: str | os.PathLike, recipe=N
     unquantized = [n for n, m in model.named_modules()
                    if isinstance(m, torch.nn.Linear) and not isinstance(m, QuantLinear)]
     qconfig = build_quantization_config(layer_schemes, unquantized)
+    kv = getattr(model, "lowbit_kv_cache", None)     # lowbit.nn.kv_cache.attach_kv_cache: scales are buffers
+    if kv is not None:
+        qconfig["kv_cache_scheme"] = kv.scheme.to_ct_args()
     cfg["quantization_config"] = qconfig
 
     def write(tmp: Path):
@@ -267,6 +270,7 @@ class CompressedCheckpoint:
     config: dict
     recipe: str | None = None
     formats: dict[str, str] = field(default_factory=dict)
+    kv_cache: object = None       # lowbit.nn.kv_cache.KVCacheQuant from kv_cache_scheme + k_scale / v_scale
 
     @property
     def quantization_config(self) -> dict:
@@ -310,7 +314,11 @@ class CompressedCheckpoint:
         if missing or unexpected:
             raise CheckpointError(f"checkpoint does not fit {arch}: missing {missing[:5]}, unexpected {unexpected[:5]}")
         from lowbit.nn.shared_input import prepare_model
-        return prepare_model(model, device=device, dtype=dtype, share=share_inputs)
+        model = prepare_model(model, device=device, dtype=dtype, share=share_inputs)
+        if self.kv_cache is not None:
+            from lowbit.nn.kv_cache import attach_kv_cache
+            attach_kv_cache(model, self.kv_cache)
+        return model
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -546,10 +554,18 @@ def load_compressed(path: str | os.PathLike) -> CompressedCheckpoint:
                 raise CheckpointError(f"{d}: layer {layer}: input_scale must be one finite positive float, got "
                                       f"{s_in.dtype} {list(s_in.shape)}")
             statics[layer] = s_in.to(torch.float32).reshape(1, 1)
+    from lowbit.nn.kv_cache import kv_cache_from_tensors
+    text_cfg = config.get("text_config") or config
+    try:
+        kv = kv_cache_from_tensors(config["quantization_config"].get("kv_cache_scheme"), raw,
+                                   int(text_cfg.get("num_hidden_layers") or 0),
+                                   text_cfg.get("num_key_value_heads", text_cfg.get("num_attention_heads")), str(d))
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
     stray = sorted(k for k in raw if k.rpartition(".")[0] in qset and not k.endswith(".bias"))
     if stray:
         raise CheckpointError(f"{d}: unexpected tensors under quantized layers: {stray[:5]}")
     recipe = sidecar.get("recipe") if sidecar is not None else None
     if not isinstance(recipe, (str, type(None))):
         raise CheckpointError(f"{side_path}: recipe must be a name (string), got {str(recipe)[:60]}")
-    return CompressedCheckpoint(qtensors, acts, statics, raw, config, recipe, formats)
+    return CompressedCheckpoint(qtensors, acts, statics, raw, config, recipe, formats, kv)

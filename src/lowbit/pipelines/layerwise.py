@@ -17,7 +17,7 @@ per kind of statistic:
                                       outputs of the layers before it)
 Only the streams a recipe needs are kept. tests/pipelines/test_layerwise.py checks the equality.
 
-Peak device memory (measured in the result, stated in docs/distributed.md):
+Peak device memory (reported in the result; docs/distributed.md, "Layer by layer"):
   one decoder layer's weights in the compute dtype (allocated once, in that dtype, and filled in
     place; quantized Linears replace them one by one)
   + the streams' activations: streams x tokens x hidden x dtype bytes (each stream advances in
@@ -84,7 +84,7 @@ _LAYER_PHASES = ("load", "calibrate", "quantize", "write")
 
 # Layers whose tensors may wait on the host for the writer thread (each up to one quantized
 # layer: 218 MB for a W8A8 Llama-8B layer): 2 absorbs a slow write without stalling the layer loop
-# (the 2-GPU SmoothQuant run produced a layer every ~0.08 s against ~0.07 s to write one).
+# (on two GPUs a layer can be produced about as fast as one is written).
 WRITE_QUEUE = 2
 
 
@@ -153,8 +153,8 @@ def _rtn_split(layer: torch.nn.Module, names: list[str], by_name: dict, summary,
     to rank 0), and rank 0 alone puts QuantLinears into its layer (only rank 0 writes; nothing
     runs the quantized layer). Every rank drops a Linear's float weight once it is quantized or
     sent for (the layer is not run again; rank 0's QuantLinear holds only the codes): otherwise the
-    whole bf16 layer stays alive until the last Linear is done, beside half a layer of codes (the
-    H200 allocator trace of a Llama-8B layer: 416 + 208 MiB at the peak). A weight that needs quantize_layer whole
+    whole bf16 layer stays alive until the last Linear is done, beside half a layer of codes (for
+    a Llama-8B layer: 416 + 208 MiB at the peak). A weight that needs quantize_layer whole
     (_rtn_rows) is quantized on rank 0; every rank decides that the same way (the weights are the
     same on every rank). A collective."""
     from lowbit.quantize import quantize
@@ -289,7 +289,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     from lowbit.pipelines import layer_loader
     from lowbit.profiling import memtrace
     from lowbit.quantize import scale_from_absmax, static_scheme
-    from lowbit.algorithms.gptq.core import gptq_handler
+    from lowbit.algorithms.gptq.model import gptq_handler
     from lowbit.nn.quant_linear import QuantLinear
     from lowbit.recipes.plan import plan
     from lowbit.recipes.presets import get_recipe
@@ -304,7 +304,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     cuda = device.type == "cuda"
     if cuda:
         # the caching allocator starts lazily: before its first allocation, reset_peak_memory_stats
-        # raises "Invalid device argument" (the H200 1-GPU runs; under torchrun NCCL had allocated)
+        # raises "Invalid device argument" (in a single process; under torchrun NCCL allocates first)
         torch.empty(1, device=device)
         torch.cuda.reset_peak_memory_stats(device)
     # Seconds of every phase, each ended by lap(): together they are the whole call. On CUDA
@@ -444,8 +444,8 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
         # Reading layer i + 1 from the shards (host) overlaps layer i's work, and writing layer
         # i's tensors (host) overlaps layer i + 1's: one reader and one writer thread, each
         # working in order, so the files are the same bytes; a third thread copies the tensors
-        # outside the layers into their own shards meanwhile (before, the first layer's write
-        # waited behind that copy: 0.3 s on rank 0 of the 2-GPU SmoothQuant run).
+        # outside the layers into their own shards meanwhile (so the first layer's write does not
+        # wait behind that copy).
         written, rested = [], None        # the layers' write futures, oldest first
         if writer is not None:       # the tensors outside the layers, streamed (never on the device)
             def copy_rest():
@@ -572,7 +572,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
             if fut is not None:
                 fut.result()
         if handle is not None:
-            from lowbit.algorithms.gptq import core as gptq
+            from lowbit.algorithms.gptq import solver as gptq
             result["gptq_phase_seconds"] = dict(handle.timings)
             result["gptq_block_kernel"] = gptq.BLOCK_KERNEL_STATUS
         if writer is not None:

@@ -28,8 +28,12 @@ from __future__ import annotations
 
 import torch
 
+from lowbit.algorithms.gptq.model import gptq_model
+from lowbit.algorithms.scale_search import search_scales
 from lowbit.archs.experts import find_experts
 from lowbit.nn.quant_linear import QuantLinear
+from lowbit.nn.shared_input import share_inputs as share
+from lowbit.ops.kv_quant import KVScheme
 from lowbit.pipelines.coverage import check_coverage, coverage
 from lowbit.pipelines.moe import build_experts, plan_experts, router_names, swap_in
 from lowbit.recipes.plan import (DEFAULT_KEEP, LayerDecision, QuantSummary, layer_act, linear_layers,  # noqa: F401
@@ -45,7 +49,6 @@ def quantize_layer(d: LayerDecision, summary: QuantSummary, linear: torch.nn.Lin
     try:
         scales = None
         if mse:
-            from lowbit.algorithms.scale_search import search_scales
             scales = search_scales(linear.weight.detach(), r.weight)
         return QuantLinear.from_linear(linear, r.weight, act, act_static_scale=scale, backend=backend, pad=True,
                                        scales=scales)
@@ -55,30 +58,64 @@ def quantize_layer(d: LayerDecision, summary: QuantSummary, linear: torch.nn.Lin
 
 
 @torch.no_grad()
-def quantize_model(model: torch.nn.Module, recipe: str | Recipe, *, ignore=None, overrides=None,
+def quantize_model(model: torch.nn.Module, recipe: str | Recipe | QuantSummary, *, ignore=None, overrides=None,
                    act_static_scales: dict[str, torch.Tensor] | None = None, backend: str = "auto",
                    progress: bool = False, share_inputs: bool = True, method: str = "rtn", calib=None,
-                   method_options: dict | None = None, mse: bool = False, on_untouched: str = "raise",
-                   min_untouched_fraction: float = 0.01) -> QuantSummary:
-    """Replace nn.Linear layers of `model` (in place) by QuantLinear under `recipe`; returns the
+                   method_options: dict | None = None, mse: bool = False, kv_cache=None,
+                   kv_calib=None, on_untouched: str = "raise", min_untouched_fraction: float = 0.01) -> QuantSummary:
+    """Replace nn.Linear layers of `model` (in place) by QuantLinear under `recipe` (a name, a Recipe or
+    a plan made by lowbit.recipes.plan.plan for this model, used as it is); returns the
     QuantSummary. act_static_scales: {layer name: float32 scale} from
     calibration.calibrate_static_scales, to use one calibrated per-tensor activation scale per
     layer instead of dynamic scales (every quantized layer with activations needs one).
     share_inputs: merge the quantized layers that read one input (Llama's q/k/v, gate/up) so
     the fast path quantizes each activation once (lowbit.nn.shared_input).
-    method: "rtn" (round to nearest) or "gptq" (lowbit.algorithms.gptq.core.gptq_model on `calib`, a list of
+    method: "rtn" (round to nearest) or "gptq" (lowbit.algorithms.gptq.model.gptq_model on `calib`, a list of
     input-id tensors [B, T] or dicts of model kwargs; method_options: its keyword arguments such
     as damp, act_order). mse: MSE-optimal weight scales (lowbit.algorithms.scale_search) instead of round to
     nearest's: unweighted for "rtn", weighted by each layer's Hessian diagonal for "gptq".
+    kv_cache: also quantize the KV cache ("fp8", "int8", "fp8-head", "int8-token", "int4-g32", or a
+    lowbit.ops.kv_quant.KVScheme; lowbit.nn.kv_cache): static schemes are calibrated, after the
+    Linears are quantized, on `kv_calib` (default `calib`: input-id tensors [B, T]); the model then
+    quantizes its cache in every forward and generate, and save_compressed writes kv_cache_scheme.
     on_untouched / min_untouched_fraction: what an untouched large weight does ("raise", "warn",
     "ignore"; see lowbit.pipelines.coverage.check_coverage)."""
+    kv_scheme = None
+    if kv_cache is not None:                           # every refusal before any layer changes
+        from lowbit.nn.kv_cache import attach_kv_cache, attention_modules, calibrate_kv_cache  # needs transformers
+        kv_scheme = KVScheme.parse(kv_cache)
+        kv_calib = calib if kv_calib is None else kv_calib
+        if not kv_scheme.dynamic and not kv_calib:
+            raise ValueError(f"kv_cache={kv_cache!r} has static scales: pass kv_calib=[input-id tensors] to "
+                             "calibrate them, or choose a dynamic scheme such as 'fp8-token'")
+        if not attention_modules(model):
+            raise ValueError(f"kv_cache={kv_cache!r}: {type(model).__name__} has no decoder attention modules that "
+                             "keep a KV cache (an encoder?); drop kv_cache")
+    summary = _quantize_linears(model, recipe, ignore=ignore, overrides=overrides,
+                                act_static_scales=act_static_scales, backend=backend, progress=progress,
+                                share_inputs=share_inputs, method=method, calib=calib,
+                                method_options=method_options, mse=mse, on_untouched=on_untouched,
+                                min_fraction=min_untouched_fraction)
+    if kv_scheme is not None:
+        kv = calibrate_kv_cache(model, kv_calib or [], kv_scheme)
+        attach_kv_cache(model, kv)
+        summary.kv_cache = kv
+    return summary
+
+
+def _quantize_linears(model, recipe, *, ignore, overrides, act_static_scales, backend, progress, share_inputs,
+                      method, calib, method_options, mse, on_untouched, min_fraction) -> QuantSummary:
+    if method not in ("rtn", "gptq"):
+        raise ValueError(f"method={method!r}; choose 'rtn' (round to nearest) or 'gptq' (needs calib=batches)")
+    if method == "gptq" and calib is None:
+        raise ValueError("method='gptq' needs calibration inputs: pass calib=[input-id tensors or dicts]")
     experts = find_experts(model)       # raises on fused experts the map does not know
     linear_ignore, linear_over, found, exp_decisions, resolved = _split_patterns(model, experts, recipe, ignore,
                                                                                  overrides)
     if method != "rtn" and any(d.action == "quantized" for d in exp_decisions):
         raise NotImplementedError(f"method={method!r} does not quantize fused MoE experts ({exp_decisions[0].name}, "
                                   "...): use method='rtn', or keep them in float with ignore=[...]")
-    summary = plan(model, recipe, linear_ignore, linear_over)
+    summary = plan(model, recipe, linear_ignore or None, linear_over or None)
     for r in resolved.values():                    # recipes that only experts overrides name
         if r != "skip" and summary.recipes.setdefault(r.name, r) != r:
             raise ValueError(f"two different recipes are both called {r.name!r}; give them distinct names")
@@ -89,25 +126,15 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe, *, ignore=None,
             d.action, d.recipe, d.reason = "skipped", None, "MoE router / gate stays high precision"
     skipped = {d.name: d.reason for d in summary.skipped + [e for e in exp_decisions if e.action == "skipped"]}
     planned = {d.name: d.recipe for d in summary.quantized + [e for e in exp_decisions if e.action == "quantized"]}
-    check_coverage(coverage(model, skipped, tuple(routers), planned), min_fraction=min_untouched_fraction,
+    check_coverage(coverage(model, skipped, tuple(routers), planned), min_fraction=min_fraction,
                    on_untouched=on_untouched)
-    if method != "rtn":
-        if method != "gptq":
-            raise ValueError(f"method={method!r}; choose 'rtn' (round to nearest) or 'gptq' (needs calib=batches)")
-        if calib is None:
-            raise ValueError("method='gptq' needs calibration inputs: pass calib=[input-id tensors or dicts]")
-        if routers:
-            raise NotImplementedError("method='gptq' on an MoE model: its plan does not keep the routers / "
-                                      "shared-expert gates in high precision yet; use method='rtn'")
-        from lowbit.algorithms.gptq.core import gptq_model
-        gsum = gptq_model(model, recipe, calib, ignore=linear_ignore, overrides=linear_over,
-                          act_static_scales=act_static_scales, progress=progress,
-                          **{**(method_options or {}), **({"mse": True} if mse else {})})
+    if method == "gptq":
+        gptq_model(model, summary, calib, act_static_scales=act_static_scales, progress=progress,
+                   **{**(method_options or {}), **({"mse": True} if mse else {})})
         if share_inputs:
-            from lowbit.nn.shared_input import share_inputs as share
             share(model)
-        gsum.coverage = coverage(model, {d.name: d.reason for d in gsum.skipped})
-        return gsum
+        summary.coverage = coverage(model, skipped, tuple(routers))
+        return summary
     layers = linear_layers(model)
     todo = summary.quantized
     if progress:
@@ -123,22 +150,24 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe, *, ignore=None,
         setattr(model.get_submodule(parent) if parent else model, attr, q.to(layers[name].weight.device))
     swap_in(model, new_experts)
     if share_inputs:
-        from lowbit.nn.shared_input import share_inputs as share
         share(model)
     summary.coverage = coverage(model, skipped, tuple(routers))
     return summary
 
 
 def _split_patterns(model, experts, recipe, ignore, overrides):
-    """(Linear ignore, Linear overrides, experts found, experts decisions, resolved overrides): a pattern that
-    matches experts modules and no Linear goes to the experts plan only (plan() refuses a
-    pattern that matches no Linear, and still does for one that matches nothing at all)."""
+    """(Linear ignore, Linear overrides, experts found, experts decisions, resolved overrides): a
+    pattern that matches experts modules and no Linear goes to the experts plan only (plan()
+    refuses a pattern that matches no Linear, and still does for one that matches nothing at
+    all). A plan passed as the recipe keeps its own experts decisions when it has them."""
     ignore, overrides = list(ignore or []), dict(overrides or {})
     linears = linear_layers(model)
     only_experts = {p for p in ignore + list(overrides)
                     if any(match(p, n) for n in experts) and not any(match(p, n) for n in linears)}
-    base = get_recipe(recipe)
+    base = recipe.recipes[recipe.recipe] if isinstance(recipe, QuantSummary) else get_recipe(recipe)
     resolved = {p: (r if r == "skip" else get_recipe(r)) for p, r in overrides.items()}
     found, decisions = plan_experts(model, base, ignore, resolved, match) if experts else ({}, [])
+    if isinstance(recipe, QuantSummary) and recipe.experts:
+        decisions = recipe.experts
     return ([p for p in ignore if p not in only_experts], {p: r for p, r in overrides.items() if p not in only_experts},
             found, decisions, resolved)

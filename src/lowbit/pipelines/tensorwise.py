@@ -25,14 +25,10 @@ from lowbit.io import ct_layout as L
 from lowbit.pipelines.checkpoint import (atomic_dir, build_quantization_config, config_dict,
                                           sidecar_record, write_metadata, DEFAULT_SHARD_BYTES)
 from lowbit.io.st_format import CheckpointError, ShardedWriter, TensorReader, checkpoint_files
+from lowbit.recipes.plan import check_patterns, kept_by_default, match
 
 # Files of a checkpoint directory that are replaced, not copied.
 _REPLACED = ("config.json", "model.safetensors.index.json", "lowbit.json")
-
-
-def _match(pattern: str, name: str) -> bool:
-    from lowbit.recipes.plan import match  # one place for glob / re: matching
-    return match(pattern, name)
 
 
 def linear_names_from_config(cfg: dict) -> set[str]:
@@ -124,7 +120,7 @@ def quantize_checkpoint(in_dir: str | os.PathLike, out_dir: str | os.PathLike, r
         cfg = config_dict(raw_cfg)
     if targets is not None:
         candidates = {n[: -len(".weight")] for n in files if n.endswith(".weight")}
-        linears = {n for n in candidates if any(_match(t, n) for t in targets)}
+        linears = {n for n in candidates if any(match(t, n) for t in targets)}
         if not linears:
             raise ValueError(f"targets={list(targets)} match no '<name>.weight' tensor in {in_dir}")
     elif cfg:
@@ -133,11 +129,8 @@ def quantize_checkpoint(in_dir: str | os.PathLike, out_dir: str | os.PathLike, r
         raise ValueError(f"{in_dir} has no config.json to tell which tensors are Linear weights; "
                          "pass targets=[...] (e.g. ['re:.*_proj$'])")
     ignore = list(ignore or [])
-    for p in ignore:
-        if not any(_match(p, n) for n in linears):
-            raise ValueError(f"ignore pattern {p!r} matches no Linear layer; Linear layers look like "
-                             f"{sorted(linears)[:3]}")
-    keep = {n for n in linears if n == "lm_head" or n.endswith(".lm_head") or any(_match(p, n) for p in ignore)}
+    check_patterns(ignore, linears)
+    keep = {n for n in linears if kept_by_default(n) or any(match(p, n) for p in ignore)}
     todo = {n for n in linears if n not in keep and f"{n}.weight" in files}
     if not todo:
         raise ValueError(f"no Linear weight left to quantize in {in_dir} (all ignored or absent)")

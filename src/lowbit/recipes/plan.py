@@ -40,6 +40,7 @@ class QuantSummary:
     layers: list[LayerDecision] = field(default_factory=list)
     recipes: dict[str, Recipe] = field(default_factory=dict, repr=False)   # name -> Recipe used
     method: str = "rtn"             # how the weights' codes were chosen: "rtn" | "gptq"
+    kv_cache: object = None         # lowbit.nn.kv_cache.KVCacheQuant when the KV cache is quantized too
     experts: list = field(default_factory=list)   # MoE experts modules (lowbit.pipelines.moe.ExpertsDecision)
     coverage: object = None         # lowbit.pipelines.coverage.Coverage of the quantized model, when made
 
@@ -66,6 +67,9 @@ class QuantSummary:
     def __str__(self) -> str:
         lines = [f"recipe {self.recipe}{'' if self.method == 'rtn' else ' (' + self.method + ')'}: {len(self.quantized)} of {len(self.layers)} Linear layers quantized "
                  f"({', '.join(f'{k}: {v}' for k, v in self.counts().items())})"]
+        if self.kv_cache is not None:
+            lines.append(f"  KV cache: {self.kv_cache.scheme} "
+                         f"({'dynamic scales' if self.kv_cache.scheme.dynamic else 'calibrated static scales'})")
         for d in self.layers:
             if d.action == "skipped" or d.recipe != self.recipe:
                 lines.append(f"  {d.name} {d.shape[0]}x{d.shape[1]}: {d.action}"
@@ -89,6 +93,21 @@ def match(pattern: str, name: str) -> bool:
     return fnmatch.fnmatchcase(name, pattern)
 
 
+def check_patterns(patterns, names) -> None:
+    """Every user pattern must match some Linear name: a pattern matching nothing is a typo."""
+    names = list(names)
+    for p in patterns:
+        if not any(match(p, n) for n in names):
+            near = ", ".join(sorted(names)[:3])
+            raise ValueError(f"pattern {p!r} matches no Linear layer (names look like: {near}, ...); "
+                             "fix the pattern (globs: *, re: prefix for regex) or drop it")
+
+
+def kept_by_default(name: str) -> bool:
+    """Whether a Linear stays in high precision unless an override names it (the logits)."""
+    return any(match(p, name) for p in DEFAULT_KEEP)
+
+
 def linear_layers(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
     """name -> nn.Linear (QuantLinears already in the model are not listed)."""
     return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
@@ -102,18 +121,27 @@ def _tied_to_embedding(model: torch.nn.Module, linear: torch.nn.Linear) -> bool:
 
 
 def plan(model: torch.nn.Module, recipe: str | Recipe, ignore=None, overrides=None) -> QuantSummary:
-    """Decide, without changing the model, what quantize_model would do with every Linear."""
+    """Decide, without changing the model, what quantize_model would do with every Linear.
+    recipe: a name, a Recipe, or a QuantSummary made by an earlier plan() of this model, which is
+    returned as it is (checked against the model's Linears), so a pipeline resolves it once."""
+    if isinstance(recipe, QuantSummary):
+        if ignore or overrides:
+            raise ValueError("recipe is already a plan (QuantSummary) with its own ignore / overrides: "
+                             "give them to the plan() call that made it")
+        names = set(linear_layers(model)) | {d.name for d in recipe.quantized if _is_quant_linear(model, d.name)}
+        planned = {d.name for d in recipe.layers}
+        if planned != names:
+            raise ValueError(f"the plan (QuantSummary of recipe {recipe.recipe}) was made for another model: "
+                             f"{len(planned ^ names)} Linear names differ (e.g. {sorted(planned ^ names)[:3]}); "
+                             "call plan() on this model")
+        return recipe
     base = get_recipe(recipe)
     ignore = list(ignore or [])
     overrides = {p: (r if r == "skip" else get_recipe(r)) for p, r in (overrides or {}).items()}
     layers = linear_layers(model)
     if not layers:
         raise ValueError(f"model ({type(model).__name__}) has no torch.nn.Linear layers: nothing to quantize")
-    for p in ignore + list(overrides):
-        if not any(match(p, n) for n in layers):
-            near = ", ".join(list(layers)[:3])
-            raise ValueError(f"pattern {p!r} matches no Linear layer (names look like: {near}, ...); "
-                             "fix the pattern (globs: *, re: prefix for regex) or drop it")
+    check_patterns(ignore + list(overrides), list(layers))
     summary = QuantSummary(base.name, recipes={base.name: base})
     for r in overrides.values():
         if r != "skip":
@@ -137,7 +165,7 @@ def plan(model: torch.nn.Module, recipe: str | Recipe, ignore=None, overrides=No
             else:
                 summary.layers.append(LayerDecision(name, shape, "quantized", r.name, f"override {p!r}"))
             continue
-        if any(match(p, name) for p in DEFAULT_KEEP):
+        if kept_by_default(name):
             summary.layers.append(LayerDecision(name, shape, "skipped", None, "logits (lm_head) stay high precision"))
         elif _tied_to_embedding(model, lin):
             summary.layers.append(LayerDecision(name, shape, "skipped", None, "weight tied to an embedding"))
@@ -159,3 +187,12 @@ def layer_act(d: LayerDecision, r: Recipe, act_static_scales: dict | None):
     if d.name not in act_static_scales:
         raise ValueError(f"act_static_scales has no scale for layer {d.name}: calibrate every quantized layer")
     return static_scheme(r.act), act_static_scales[d.name]
+
+
+def _is_quant_linear(model: torch.nn.Module, name: str) -> bool:
+    """Whether `name` is a Linear the plan already replaced (a QuantLinear is no nn.Linear)."""
+    try:
+        mod = model.get_submodule(name)
+    except AttributeError:
+        return False
+    return not isinstance(mod, torch.nn.Linear) and hasattr(mod, "weight_q")

@@ -9,21 +9,27 @@ block with the block partials accumulated narrowly, split-K partials summed in f
 kernel's error is compared with the simulated one in size and spread.
 
 Accumulators simulated (unit roundoff u; "trunc" = rounding toward zero, whose error is up to 2u):
-- fp16 (u = 2^-11), bf16 (u = 2^-8): round to nearest even after every addition;
+- fp16 (u = 2^-11), bf16 (u = 2^-8): round to nearest even after every addition; besides the orders
+  used to size an error statistically, orders used only to reproduce an output exactly: each product
+  rounded before it is added (no FMA), a pairwise reduction tree, K-tile partials added into the
+  running sum, and those on elements dequantized first (a half-precision GEMM of dequantized values);
 - fp32 (u = 2^-24): for kernels that promise an exact int32 accumulation;
 - fp8_fast: Hopper's fp8 tensor-core accumulator (DeepSeek-V3 report §3.3, deepseek-ai/DeepSeek-V3#750;
-  NVIDIA/cutlass#1329). Measured on an H200 (scripts/gpu_fastaccum_probe.py, docs/fastaccum_probe_h200.npz,
-  docs/diagnosis.md): each 32-wide MMA step aligns its 32 products and the running accumulator to the
-  largest exponent among them, keeps 13 fraction bits below it (14 significant bits; the rest
-  truncated toward zero) and adds them exactly. This reproduces torch._scaled_mm(use_fast_accum=True)
-  bit for bit at K = 4096 (512 of 512 same-sign outputs; 99.4% of mixed-sign ones) and its loss of
-  6.9% of a same-sign sum. Without fast accumulation cuBLAS promotes the partial into an fp32
-  accumulator every 128 K elements (the same step, restarted from zero): simulated loss 1.07e-4 of a
-  same-sign sum at every K, measured 1.22e-4. At K = 16384 cuBLAS splits K (~6 slices, partials in fp32).
+  NVIDIA/cutlass#1329). Measured on an H200 (scripts/gpu_fastaccum_probe.py,
+  benchmarks/results/fastaccum_probe_h200.npz, docs/diagnosis.md): each 32-wide MMA step aligns its 32
+  products and the running accumulator to the largest exponent among them, keeps 13 fraction bits below it
+  (14 significant bits; the rest truncated toward zero) and adds them exactly. This reproduces
+  torch._scaled_mm(use_fast_accum=True) bit for bit at K = 4096 (512 of 512 same-sign outputs; 99.4% of
+  mixed-sign ones) and its loss of 6.9% of a same-sign sum. Without fast accumulation cuBLAS promotes the
+  partial into an fp32 accumulator every 128 K elements (the same step, restarted from zero): simulated
+  loss 1.07e-4 of a same-sign sum at every K, measured 1.22e-4. At K = 16384 cuBLAS splits K (~6 slices,
+  partials in fp32).
+Accumulators measured by `lowbit probe` (verify/probe.py) join the fp8 orders via use_probe_table.
 Shapes: out/ref [M, N] float64; the simulation runs on at most SAMPLE rows x SAMPLE columns.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -43,32 +49,79 @@ LINE_FACTOR = 4.0 * RMS_FACTOR
 FIT_SLACK = 0.5      # half the error's energy: random roundings explain ~1/N of it per row
 
 
-def aligned_step(acc: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bits: int = FAST_ACC_BITS) -> torch.Tensor:
+ROUNDINGS = {"trunc": torch.trunc, "floor": torch.floor, "nearest": torch.round}   # of each aligned term
+
+
+def aligned_sum(terms: torch.Tensor, bits: int = FAST_ACC_BITS, rounding: str = "trunc") -> torch.Tensor:
+    """A fused multi-term adder: the terms [..., n] (exact float64) aligned to the largest exponent
+    among them, each rounded (`rounding`: toward zero, down, or to nearest even) to `bits` fraction
+    bits below it, then summed exactly (float64 holds n terms of bits + 1 significant bits)."""
+    top = torch.frexp(terms.abs().amax(dim=-1)).exponent - 1          # floor(log2 max|term|)
+    q = torch.ldexp(torch.ones_like(terms[..., 0]), top - bits)[..., None]   # the last bit kept
+    return (ROUNDINGS[rounding](terms / q) * q).sum(dim=-1)
+
+
+def aligned_step(acc: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bits: int = FAST_ACC_BITS,
+                 rounding: str = "trunc") -> torch.Tensor:
     """One Hopper fp8 MMA step: acc [R, C] + x [R, k] @ w [C, k].T with the k products and acc aligned
     to the largest exponent among them and truncated to `bits` fraction bits below it, then summed
-    exactly (float64 holds the aligned sum: k + 1 terms of bits + 1 significant bits)."""
+    exactly (aligned_sum)."""
     p = x[:, None, :] * w[None, :, :]                                 # [R, C, k], exact in float64
-    terms = torch.cat([acc[..., None], p], dim=-1)
-    top = torch.frexp(terms.abs().amax(dim=-1)).exponent - 1          # floor(log2 max|term|)
-    q = torch.ldexp(torch.ones_like(acc), top - bits)[..., None]     # the weight of the last bit kept
-    return (torch.trunc(terms / q) * q).sum(dim=-1)
+    return aligned_sum(torch.cat([acc[..., None], p], dim=-1), bits, rounding)
 
 
-def _step_fn(name: str):
+# Accumulators measured by `lowbit probe` (verify/probe.py) and registered by use_probe_table:
+# label -> (bits, rounding, block, promote); simulated as further orders of "fp8_fast".
+PROBED: dict[str, tuple[int, str, int, int]] = {}
+
+
+def use_probe_table(table: dict) -> list[str]:
+    """Register the fp8 paths of a `lowbit probe` table (its JSON, parsed) as simulated orders of the
+    fp8_fast accumulator; returns their labels. Paths the probe could not fit are skipped."""
+    labels = []
+    for path, r in table.get("paths", {}).items():
+        if not path.startswith(("cublas_fp8", "triton_fp8")) or not r.get("fitted"):
+            continue
+        label = (f"{path} as probed on {table.get('device', 'a GPU')} ({r['bits']} fraction bits, {r['rounding']}, "
+                 f"{r['block']}-term steps, {'promoted every ' + str(r['promote']) + ' K' if r['promote'] else 'never promoted'})")
+        PROBED[label] = (int(r["bits"]), str(r["rounding"]), int(r["block"]), int(r["promote"]))
+        labels.append(label)
+    return labels
+
+
+def _step_fn(name: str, via_f32: bool = False):
     """One summation step of accumulator `name`: (partial, x [R, k], w [C, k]) -> the new partial.
-    Hopper's fp8 tensor core aligns and truncates inside the step (aligned_step); the others round
-    the exact step sum once."""
+    Hopper's fp8 tensor core aligns and truncates inside the step (aligned_step; "aligned:<bits>:
+    <rounding>" for a probed one); the others round the exact step sum once."""
     if name == "fp8_fast":
         return aligned_step
-    rnd = _round_fn(name)
+    if name.startswith("aligned:"):
+        _, bits, rounding = name.split(":")
+        return lambda part, x, w: aligned_step(part, x, w, int(bits), rounding)
+    rnd = _round_fn(name, via_f32)
     return lambda part, x, w: rnd(part + x @ w.T)
 
 
-def _round_fn(name: str):
-    if name == "fp16":
-        return lambda t: t.to(torch.float16).to(torch.float64)
-    if name == "bf16":
-        return lambda t: t.to(torch.bfloat16).to(torch.float64)
+def round_half(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float64 t rounded ONCE (to nearest even) to fp16 / bf16, as float64. torch converts float64 to
+    a half type through float32, which rounds twice; rounding to float32 by round-to-odd first keeps
+    the second rounding correct (float32's 24 bits >= the half type's 11 + 2)."""
+    f = t.to(torch.float32)
+    back = f.double()
+    inexact = back != t
+    f = torch.where(inexact & (back.abs() > t.abs()), torch.nextafter(f, torch.zeros_like(f)), f)
+    odd = torch.where(inexact, f.view(torch.int32) | 1, f.view(torch.int32)).view(torch.float32)
+    return odd.to(dtype).to(torch.float64)
+
+
+def _round_fn(name: str, via_f32: bool = False):
+    """Rounding to accumulator `name` of float64 values; via_f32: fp16 / bf16 reached through float32
+    (two roundings, as a kernel that sums in float32 and casts, or torch's float64 cast, does)."""
+    if name in ("fp16", "bf16"):
+        dt = torch.float16 if name == "fp16" else torch.bfloat16
+        if via_f32:
+            return lambda t: t.to(torch.float32).to(dt).to(torch.float64)
+        return lambda t: round_half(t, dt)
     if name == "fp32":
         return lambda t: t.to(torch.float32).to(torch.float64)
     if name == "exact":
@@ -79,7 +132,13 @@ def _round_fn(name: str):
 @dataclass
 class Order:
     """One summation order: `inner` rounds after every `chunk` products inside a scale block
-    (or a `promote`-long stretch of K), `main` after adding each scaled block partial."""
+    (or a `promote`-long stretch of K), `main` after adding each scaled block partial.
+    product: each product is rounded to `inner` before it is added (no fused multiply-add);
+    tree: the stretch is summed pairwise (a reduction tree), rounding every node to `inner`;
+    dequant_first: the elements are multiplied by their scales (in fp32) and held in `inner`'s type
+    before the products, as a kernel that dequantizes and then runs a half-precision GEMM does;
+    exact_only: the order is used to reproduce an output, not to size an error statistically (see
+    match_accumulators)."""
 
     label: str
     inner: str
@@ -87,33 +146,57 @@ class Order:
     main: str
     splits: int = 1
     promote: int = 0        # fp8 fast accumulation promoted into `main` every this many K (0: never)
+    product: bool = False
+    tree: bool = False
+    dequant_first: bool = False
+    exact_only: bool = False
+    via_f32: bool = False   # fp16 / bf16 roundings through float32 (see _round_fn)
 
 
-def orders_for(acc: str, nb: int, both_fp8: bool) -> list[Order]:
-    """Plausible summation orders of an accumulator `acc` for a GEMM with nb scale blocks along K."""
+KTILES = (32, 64, 128)      # K tiles whose partials a tiled kernel adds into its running sum
+
+
+def orders_for(acc: str, nb: int, both_fp8: bool, quantized: bool = False) -> list[Order]:
+    """Plausible summation orders of an accumulator `acc` for a GEMM with nb scale blocks along K;
+    quantized: some operand has scales (then the orders of a dequantize-first kernel are added)."""
     if acc == "fp8_fast":
         if not both_fp8:
             return []
         return [Order("fp8 fast accumulation (each 32-wide MMA step keeps 14 bits of the aligned sum, "
                       "never promoted)", "fp8_fast", 32, "exact"),
-                Order("fp8 accumulation promoted to fp32 every 128 K", "fp8_fast", 32, "fp32", promote=128)]
+                Order("fp8 accumulation promoted to fp32 every 128 K", "fp8_fast", 32, "fp32", promote=128)] + \
+            [Order(label, f"aligned:{b}:{r}", blk, "fp32" if pr else "exact", promote=pr)
+             for label, (b, r, blk, pr) in PROBED.items()]
     out = [Order(f"{acc}, one product at a time", acc, 1, acc),
            Order(f"{acc}, one 16-wide MMA step at a time", acc, 16, acc),
            Order(f"{acc} partials of 4 split-K slices summed in fp32", acc, 16, acc, splits=4)]
     if nb > 1:
         out.append(Order(f"fp32 inside each scale block, block partials accumulated in {acc}", "fp32", 1, acc))
+    if acc in ("fp16", "bf16"):
+        extra = [Order(f"{acc}, each product rounded to {acc} and then added (no fused multiply-add)", acc, 1, acc,
+                       product=True, exact_only=True),
+                 Order(f"{acc}, products rounded to {acc} and summed pairwise (a reduction tree)", acc, 1, acc,
+                       product=True, tree=True, exact_only=True)]
+        extra += [Order(f"{acc}, {t}-wide K-tile partials (16-wide MMA steps from zero) added into a running "
+                        f"{acc} sum", acc, 16, acc, promote=t, exact_only=True) for t in KTILES]
+        if quantized:
+            extra += [Order(o.label.replace(f"{acc},", f"{acc} on dequantized elements,", 1), o.inner, o.chunk,
+                            o.main, product=o.product, tree=o.tree, dequant_first=True, exact_only=True)
+                      for o in out[:2] + extra[:2]]
+        out += extra
     return out
 
 
-def _segments(xo, wo, K: int, promote: int):
-    """K ranges on which both sides' scales are constant: (k0, k1, x scale col, w scale col)."""
-    gc = math.gcd(xo.group, wo.group)
+def _segments(gx: int, gw: int, K: int, promote: int):
+    """K ranges on which both sides' scales (groups of gx and gw elements) are constant:
+    (k0, k1, x scale col, w scale col)."""
+    gc = math.gcd(gx, gw)
     segs = []
     for j in range(K // gc):
         k0 = j * gc
         step = min(promote, gc) if promote else gc   # a promoted partial is scaled on its own
         for a in range(k0, k0 + gc, step):
-            segs.append((a, min(a + step, k0 + gc), k0 // xo.group, k0 // wo.group))
+            segs.append((a, min(a + step, k0 + gc), k0 // gx, k0 // gw))
     return segs
 
 
@@ -121,6 +204,23 @@ def _unit(q) -> float:
     if hasattr(q, "scheme") and q.scheme.fmt.kind == "float":
         return float(q.scheme.fmt.min_subnormal)
     return 1.0
+
+
+def _tree_step(rnd):
+    """Pairwise sum of x [R, k] * w [C, k] with every product and every node rounded by rnd."""
+    def step(part, x, w):
+        p = rnd(x[:, None, :] * w[None, :, :])
+        while p.shape[-1] > 1:
+            if p.shape[-1] % 2:
+                p = torch.cat([p, torch.zeros_like(p[..., :1])], dim=-1)
+            p = rnd(p[..., 0::2] + p[..., 1::2])
+        return rnd(part + p[..., 0])
+    return step
+
+
+def _product_step(rnd):
+    """One product at a time, the product rounded before the addition (no fused multiply-add)."""
+    return lambda part, x, w: rnd(part + rnd(x @ w.T))
 
 
 def simulate(xq, wq, order: Order, rows: torch.Tensor, cols: torch.Tensor, bias=None) -> torch.Tensor:
@@ -133,18 +233,31 @@ def simulate(xq, wq, order: Order, rows: torch.Tensor, cols: torch.Tensor, bias=
     SX = xo.scale[rows] / ux
     SW = wo.scale[cols] / uw
     K = X.shape[1]
-    step, main, f32 = _step_fn(order.inner), _round_fn(order.main), _round_fn("fp32")
-    segs = _segments(xo, wo, K, order.promote)
+    gx, gw = xo.group, wo.group
+    f32 = _round_fn("fp32")
+    if order.dequant_first:                      # elements times scales in fp32, held in the
+        held = _round_fn(order.inner, order.via_f32)   # accumulator's type by a half-precision GEMM
+        X = held(f32(X * SX.repeat_interleave(gx, dim=1)))
+        W = held(f32(W * SW.repeat_interleave(gw, dim=1)))
+        SX, SW = torch.ones_like(SX[:, :1]), torch.ones_like(SW[:, :1])
+        gx = gw = K
+    step, main = _step_fn(order.inner, order.via_f32), _round_fn(order.main, order.via_f32)
+    if order.tree:
+        step = _tree_step(_round_fn(order.inner, order.via_f32))
+    elif order.product:
+        step = _product_step(_round_fn(order.inner, order.via_f32))
+    chunk = K if order.tree else order.chunk
+    segs = _segments(gx, gw, K, order.promote)
     per = -(-len(segs) // order.splits)
     total = torch.zeros(X.shape[0], W.shape[0], dtype=torch.float64)
     for s0 in range(0, len(segs), per):
         acc = torch.zeros_like(total)
-        for k0, k1, gx, gw in segs[s0:s0 + per]:
+        for k0, k1, sx, sw in segs[s0:s0 + per]:
             part = torch.zeros_like(total)
-            for a in range(k0, k1, order.chunk):
-                b = min(a + order.chunk, k1)
+            for a in range(k0, k1, chunk):
+                b = min(a + chunk, k1)
                 part = step(part, X[:, a:b], W[:, a:b])
-            scaled = f32(f32(part * SX[:, gx:gx + 1]) * SW[:, gw][None, :])
+            scaled = f32(f32(part * SX[:, sx:sx + 1]) * SW[:, sw][None, :])
             acc = main(acc + scaled)
         total = f32(total + acc) if order.splits > 1 else acc
     if bias is not None:
@@ -203,17 +316,21 @@ def match_accumulators(out: torch.Tensor, ref: torch.Tensor, gate: torch.Tensor,
     nb = K // math.gcd(xo.group, wo.group)
     both_fp8 = "fp8_fast" in candidates("fp32", xq, wq)
     found = []
+    quantized = hasattr(xq, "scheme") or hasattr(wq, "scheme")
     for acc in candidates(promised, xq, wq):
-        sims = [(od, simulate(xq, wq, od, rows, cols, bias)) for od in orders_for(acc, nb, both_fp8)]
+        sims = [(od, simulate(xq, wq, od, rows, cols, bias)) for od in orders_for(acc, nb, both_fp8, quantized)]
         if not sims:
             continue
         exact = [od for od, s in sims if _same(o, s, g)]
+        if not exact and acc in ("fp16", "bf16"):      # the same orders, rounding through float32
+            exact = [od for od, _ in sims
+                     if _same(o, simulate(xq, wq, dataclasses.replace(od, via_f32=True), rows, cols, bias), g)]
         if exact:
             found.append(AccumulatorMatch(acc, exact[0].label, True, 1.0, True))
             continue
         if not torch.isfinite(o).all():
             continue
-        es = [(od, s - r) for od, s in sims if torch.isfinite(s).all()]
+        es = [(od, s - r) for od, s in sims if torch.isfinite(s).all() and not od.exact_only]
         if not es:
             continue
         re = float(_rms(e))

@@ -28,19 +28,8 @@ from typing import Callable
 
 import torch
 
-
-@dataclass
-class KernelSpec:
-    """One kernel under audit. fn(xq, wq, bias) -> out [M, N]; schemes None = unquantized side."""
-
-    name: str
-    x_scheme: object
-    w_scheme: object
-    fn: Callable
-    accumulator: str | None = None     # what the kernel promises (None: lowbit's default)
-    note: str = ""
-    x_dtype: torch.dtype | None = None  # the kernel reads x in this dtype (W4A16: bf16)
-    float_x: bool = False               # the kernel quantizes x itself: it gets the float x, not xq
+from lowbit.verify import audit_torchao
+from lowbit.verify.kernel_spec import KernelSpec
 
 
 @dataclass
@@ -249,7 +238,6 @@ def discover(device: str, triton_ok: bool) -> list[KernelSpec]:
             specs.append(KernelSpec(f"lowbit triton w4a16 {w}", None, P(w), _w4a16, "fp32",
                                     note="bf16 activations (the check sees the same bf16 values)",
                                     x_dtype=torch.bfloat16))
-    from lowbit.verify import audit_torchao
     return specs + audit_torchao.specs(device)
 
 

@@ -23,6 +23,8 @@ import importlib.util
 
 import torch
 
+from lowbit.verify.kernel_spec import KernelSpec
+
 
 def available() -> bool:
     """torchao can be imported (without importing it)."""
@@ -106,7 +108,6 @@ def specs(device: str) -> list:
     if not available():
         return []
     import lowbit as lb
-    from lowbit.verify.audit import KernelSpec
     P = lb.get_preset
     fp8_token = lb.QuantScheme("fp8_e4m3fn", "token", dynamic=True)
     rows = [KernelSpec("torchao int8 W8A8 (Int8Tensor)", P("int8_token"), P("int8_channel"), int8_w8a8, "int32",

@@ -183,3 +183,58 @@ def _match_lines(out, ref, gate, dim: int):
     return p
 
 
+
+
+OFFSET_MIN_ROWS = 4   # a per-column offset is fitted from the rows: with fewer it absorbs any error
+
+
+def offset_hypotheses(sim: Sim):
+    """A constant, or one value per column, added to every output (a stray `+ 1`, an epilogue
+    adding a vector the caller did not pass, a bias the check was not told about): the offset is
+    fitted as the mean error, then the simulation must match within the gate everywhere."""
+    ctx = sim.ctx
+    e = ctx.out - ctx.ref
+    if not bool(torch.isfinite(e).all()):
+        return
+    X, W = sim.deq("x"), sim.deq("w")
+    T = X.abs() @ W.abs().T + (0 if sim.bias is None else sim.bias.abs())
+    # an offset within a bf16 rounding (2^-9) of the typical output is ulp-sized (simulate.Hyp): on
+    # same-sign outputs of one size a truncating accumulator's shrinkage is such an offset
+    small = 2.0 ** -9 * float(ctx.ref.abs().median())
+    c = float(e.mean())
+    if c != 0:
+        pred = ctx.ref + c
+        yield Hyp("output_offset", f"every output off by the same constant {c:+.6g} (a stray addend in the "
+                  f"epilogue)", pred, sim.gate(T + abs(c), pred), general=True, ulp_sized=abs(c) <= small)
+    if sim.M >= OFFSET_MIN_ROWS and sim.N > 1:
+        cn = e.mean(dim=0, keepdim=True)
+        pred = ctx.ref + cn
+        lead = ", ".join(f"{float(v):+.4g}" for v in cn[0, :4])
+        yield Hyp("output_offset_per_column", f"every column off by its own constant ({lead}, ...): a vector "
+                  f"added to the output that should not be (a bias the check was not told about, or the "
+                  f"wrong one)", pred, sim.gate(T + cn.abs(), pred), general=True,
+                  ulp_sized=float(cn.abs().max()) <= small)
+
+
+def half_operand_hypotheses(sim: Sim):
+    """Operands dequantized, rounded to fp16 / bf16 and multiplied by a float matmul (accumulating
+    in fp32) instead of the promised quantized GEMM: one quantized side, or every operand (an
+    unquantized side too, as a half-precision matmul takes both in half precision)."""
+    ctx = sim.ctx
+    quant = [s for s in ("x", "w") if _q(ctx.xq if s == "x" else ctx.wq)]
+    if not quant:
+        return
+    n, u = tol.rounding_count(sim.deq("x"), sim.deq("w"), "fp32", sim.bias is not None)
+    for dt, nm in ((torch.float16, "fp16"), (torch.bfloat16, "bf16")):
+        # the kernel dequantizes in float32, then casts: two roundings, as written
+        rnd = {s: sim.deq(s).to(torch.float32).to(dt).double() for s in ("x", "w")}
+        variants = [("every operand", ("x", "w"))] + [(f"the {_side(q)}", (q,)) for q in quant]
+        for who, which in variants:
+            Xr = rnd["x"] if "x" in which else sim.deq("x")
+            Wr = rnd["w"] if "w" in which else sim.deq("w")
+            pred, T = Xr @ Wr.T, Xr.abs() @ Wr.abs().T
+            if sim.bias is not None:
+                pred, T = pred + sim.bias, T + sim.bias.abs()
+            yield Hyp("dequantized_then_half_matmul", f"{who} dequantized and rounded to {nm}, then a float "
+                      f"matmul: the quantized GEMM was replaced by a {nm} matmul of dequantized values",
+                      pred, tol.gate_from_sum(T, pred, n, max(u, sim.u), ctx.out_dtype), kind="numerical")

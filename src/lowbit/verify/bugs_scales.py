@@ -130,6 +130,14 @@ def scale_layout_hypotheses(sim: Sim):
         if Rs == G and Rs > 1:
             yield sim.hyp("scale_grid_transposed", f"{what}' [{Rs}, {G}] scale grid read transposed "
                           f"(square grids hide it from shape checks)", side, _rescale(qt, s.T))
+        elif Rs > 1 and G > 1:
+            # a non-square grid read with the other layout's strides: element (r, g) fetched from
+            # flat index g * Rs + r (the reader thinks it is stored [G, Rs]), or a [G, Rs] grid
+            # (the writer transposed it) read as [Rs, G]
+            yield sim.hyp("scale_grid_transposed", f"{what}' [{Rs}, {G}] scales read as if stored "
+                          f"[{G}, {Rs}] (transposed strides)", side, _rescale(qt, s.reshape(G, Rs).T))
+            yield sim.hyp("scale_grid_transposed", f"{what}' scales stored transposed ([{G}, {Rs}]) and "
+                          f"read as [{Rs}, {G}]", side, _rescale(qt, s.T.reshape(Rs, G)))
 
 
 def both_sides_hoisted(sim: Sim):
@@ -177,6 +185,38 @@ def silent_fallback_hypotheses(sim: Sim):
         yield sim.hyp("silent_per_tensor_fallback",
                       f"{_side(side)} quantized with ONE scale instead of {qt.scheme.strategy} scales", side, alt,
                       ulp_sized=_alike(qt.scale, alt.scale))
+
+
+def scale_permutation_hypotheses(sim: Sim):
+    """One side's per-row scale vector read at the wrong indices (a permuted, reversed or shifted
+    scale vector): the index each output line uses is found from the line's ratio to the
+    reference, then the edited scales are simulated exactly."""
+    ctx = sim.ctx
+    b = 0 if sim.bias is None else sim.bias
+    base = ctx.ref - b
+    y = ctx.out - b
+    if not bool(torch.isfinite(y).all()):
+        return
+    for side, _other, qt in sides(sim):
+        s = qt.scale
+        if s.shape[1] != 1 or s.shape[0] < 2 or qt.scheme.strategy == "tensor":
+            continue
+        dim = 1 if side == "x" else 0          # x's scales act on output rows, w's on columns
+        num, den = (y * base).sum(dim), (base * base).sum(dim)
+        if s.shape[0] != num.numel() or not bool((den > 0).all()):
+            continue
+        sv = s[:, 0].double()
+        want = num / den * sv                  # the scale each line seems to use
+        p = (want[:, None] - sv[None, :]).abs().argmin(dim=1)
+        p = torch.where(sv[p] == sv, torch.arange(sv.numel()), p)   # equal scales: keep the line's own
+        moved = (p != torch.arange(sv.numel())).nonzero().flatten().tolist()
+        if not moved:
+            continue
+        line = "row" if side == "x" else "column"
+        yield sim.hyp("scales_permuted", f"{_side(side)}' per-{'token' if side == 'x' else 'channel'} scales "
+                      f"read at the wrong indices ({len(moved)} of {sv.numel()} {line}s, e.g. {line} {moved[0]} "
+                      f"uses the scale of {line} {int(p[moved[0]])}): a permuted or shifted scale vector",
+                      side, _rescale(qt, s[p]), ulp_sized=_alike(s[p], s))
 
 
 def scale_axis_hypotheses(sim: Sim):

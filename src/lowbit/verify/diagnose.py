@@ -16,7 +16,10 @@ Order of questions (each answer is a simulation, never a bound that almost anyth
    bound assumes round-to-nearest; a rounding toward zero somewhere doubles it.
 5. Otherwise: logic, `unexplained_logic_error`, with the evidence (where the error lives by row,
    column and K block, its size and sign, whether it is proportional to the output), followed by
-   the hypotheses that explain most of it, each with the share it explains. Never a wrong name.
+   random processes consistent with it (stochastic rounding: simulated by its mean and a bound,
+   never confirmed; an accumulator whose error merely has the right size is then listed, not
+   claimed) and the hypotheses that explain most of it, each with the share it explains. Never a
+   wrong name.
 """
 from __future__ import annotations
 
@@ -115,7 +118,9 @@ def _confirmed_causes(ctx: Context, sim: hy.Sim) -> tuple[list[Cause], list[tupl
     hits, partial = [], []
     for h in hy.all_hypotheses(sim):
         ok, share, worst = hy.explained(ctx.out, ctx.ref, h.pred, h.gate, h.mask)
-        if ok:
+        if ok and not h.exact:
+            partial.append((math.inf, h))      # consistent, not reproduced: listed first among the partials
+        elif ok:
             hits.append((worst, h))
         elif share >= PARTIAL:
             partial.append((share, h))
@@ -147,8 +152,10 @@ def _confirmed_causes(ctx: Context, sim: hy.Sim) -> tuple[list[Cause], list[tupl
     best = {}
     for share, h in sorted(partial, key=lambda t: -t[0]):
         best.setdefault(h.name, (share, h))
-    parts = [(s, Cause(h.name, f"{h.detail}: explains {s:.0%} of the error, not all of it", False))
-             for s, h in best.values()]
+    parts = [(s, Cause(h.name, f"{h.detail}: explains {s:.0%} of the error, not all of it" if h.exact else
+                       f"{h.detail}: consistent with the output within a bound (a random process is simulated by "
+                       f"its mean, never reproduced; a quantizer with another scale rule errs by about as much)",
+                       False)) for s, h in best.values()]
     return causes, parts, kind
 
 
@@ -341,8 +348,13 @@ def _diagnose(ctx: Context) -> tuple[str, list[Cause]]:
                                    f"see below); inputs of mixed sign tell them apart")
             return "numerical", [accumulator] + confirmed
         return kind, confirmed
-    if accumulator is not None:
+    # a random process consistent with the output (stochastic rounding) competes with an accumulator
+    # whose error merely has the right size: neither is claimed then, both are listed
+    random_fit = any(s == math.inf for s, _ in partial)
+    if accumulator is not None and (accumulator.confirmed or not random_fit):
         return "numerical", [accumulator]
+    if accumulator is not None:
+        partial.append((math.inf, accumulator))
     causes: list[Cause] = []
     if not finite:
         n = int((~torch.isfinite(ctx.out)).sum())

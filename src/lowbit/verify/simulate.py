@@ -31,6 +31,8 @@ class Hyp:
     general: bool = False         # a fitted family that contains more specific hypotheses
     ulp_sized: bool = False       # a scale off by a few units in its last place: on same-sign data
                                   # indistinguishable from a truncating accumulator's shrinkage
+    exact: bool = True            # False: a random process (stochastic rounding) simulated by its mean
+                                  # and a bound; it can be consistent with the output, never confirmed
 
 
 def _q(t) -> bool:

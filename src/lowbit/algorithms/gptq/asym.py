@@ -1,6 +1,6 @@
 """GPTQ toward the float model's outputs (asymmetric calibration, as in GPTAQ, Li et al. 2025).
 
-Sequential GPTQ (lowbit.algorithms.gptq.core) fits each Linear to its own float weight on the inputs x~ that
+Sequential GPTQ (lowbit.algorithms.gptq) fits each Linear to its own float weight on the inputs x~ that
 the already-quantized model feeds it: loss sum_t ||(W - Q) x~_t||^2. The error the earlier layers
 left in x~ is then kept, not corrected. Here the target is the FLOAT model's output of the layer,
 W x_t with x_t the layer's input in the float model, so the loss is
@@ -15,7 +15,7 @@ C^T w + lam w): lam > 0 keeps the correction from fitting the few tokens (K = 1,
 down_proj on ~1,500 fit tokens), at the price that W' H~ = W C, so the identity above, holds only
 as lam -> 0. Without quantization error upstream (x = x~: C = H~) W' = W, plain GPTQ. C and H~ use the
 same fit tokens as GPTQ's Hessian (every holdout-th token left out), so the held-out check of
-lowbit.algorithms.gptq.core stays on tokens the correction never saw; that check compares GPTQ's and round to
+lowbit.algorithms.gptq stays on tokens the correction never saw; that check compares GPTQ's and round to
 nearest's codes of W' by sum ||(W' - Q) x~||^2, L up to a cross term that vanishes on the fit
 tokens only (an approximation on the held-out ones).
 

@@ -1,5 +1,5 @@
 """GPTQ's column loop over one block of columns as ONE Triton kernel (integer formats, scales
-fixed before the loop: act_order or static_groups), bit for bit the loop of lowbit.algorithms.gptq.core._solve.
+fixed before the loop: act_order or static_groups), bit for bit the loop of lowbit.algorithms.gptq.solver._solve.
 
 Why: in PyTorch the loop is ~11 small kernels per column (the column's quantization, its error,
 the update of the block's later columns), so on a GPU it is bound by launches, not arithmetic:
@@ -64,7 +64,7 @@ def run_block(W1: torch.Tensor, Err1: torch.Tensor, s1: torch.Tensor, z1: torch.
     """The column loop of one block, in place: W1 [n, b] float64 contiguous (each column ends as it
     was when quantized; later columns updated), Err1 [n, b] float64 (the scaled errors), s1 [n, b]
     float32 effective scales, z1 [n, b] int32 zero points or None, Hinv1 [b, b] float64 (any
-    strides: a view of the factor). Same values as lowbit.algorithms.gptq.core._solve's PyTorch loop."""
+    strides: a view of the factor). Same values as lowbit.algorithms.gptq.solver._solve's PyTorch loop."""
     n, b = W1.shape
     if not (W1.is_contiguous() and Err1.is_contiguous() and s1.is_contiguous()):
         raise ValueError("gptq_block.run_block: W1, Err1 and s1 must be contiguous")

@@ -1,7 +1,7 @@
 """Dynamic per-token activation quantization on the GPU, feeding the W8A8 GEMMs.
 
 One program per row (token): a first pass over K finds the row's range, a second writes the
-codes. The arithmetic is lowbit.quantize's canonical one (docs/ARCHITECTURE.md), reproduced
+codes. The arithmetic is lowbit.quantize's canonical one (docs/formats.md), reproduced
 bit for bit: IEEE division (`div_rn`, not x * (1/s)), round-half-even, an all-zero row gets
 scale 1.0 (so no NaN), and
 - int8 symmetric:  s = absmax / 127,  q = clamp(rint(x / s), -127, 127)

@@ -230,10 +230,10 @@ def pick_config(M: int, N: int, K: int, *, block_k_multiple: int = 1, kind: str 
     """Tile sizes for an 8-bit GEMM with K-major operands on an H100/H200-class GPU.
 
     Chosen per M bucket (no run-time autotuning, so compile time stays bounded); the large-M
-    choices come from the sweep in scripts/gpu_gemm.sh (docs/benchmarks.md has the numbers):
+    choices come from timed alternatives on the H200 (docs/benchmarks.md has the numbers):
     - M <= 64: decode-like, bound by reading the weights; BLOCK_M just covers M and BLOCK_N is
       lowered until there are about as many programs as SMs (132) so every SM streams weights.
-    - M <= 128: int8 / fp8: 64-row tiles, BLOCK_K 256 (measured, see below); block-scaled: one 128-row
+    - M <= 128: int8 / fp8: 64-row tiles, BLOCK_K 256 (faster, see below); block-scaled: one 128-row
       tile, BLOCK_N 128/64/32 so that >= 120 programs stream the weights once.
     - M < 2048: 64-row tiles, BLOCK_N 128 or 64 for the same occupancy reason.
     - M >= 2048: 128x256 (int8) / 256x128 (fp8) / 128x128 (block-scaled) tiles, 8 warps,
@@ -253,10 +253,9 @@ def pick_config(M: int, N: int, K: int, *, block_k_multiple: int = 1, kind: str 
         bk = max(256, block_k_multiple)
         return _cfg(bm, bn, bk, 4, 4)
     if M <= 128 and kind in ("int8", "fp8"):
-        # H200 sweeps at 128 x 4096 x 14336 (scripts/gpu_kernels.sh, scripts/gpu_final.sh): two
-        # 64-row tiles with BLOCK_K 256 and 4 stages, no TMA, ran 426 TFLOP/s (int8) and 365 (fp8
-        # row-wise) against 304 and 259 for the one 128-row TMA tile below (the weights are read
-        # twice, but mostly from L2, and 128 programs stream K).
+        # two 64-row tiles with BLOCK_K 256 and 4 stages, no TMA: ~1.4x the one 128-row TMA tile
+        # below at 128 x 4096 x 14336 (int8 and fp8 row-wise; `scripts/gpu.sh gemm` times both): the
+        # weights are read twice, but mostly from L2, and 128 programs stream K.
         bn = 64 if triton.cdiv(M, 64) * triton.cdiv(N, 64) >= 120 else 32
         return _cfg(64, bn, max(256, block_k_multiple), 4, 4)
     if M <= 128:

@@ -6,7 +6,7 @@ Each program owns one row, holds it in registers as a [NG, G] tile (NG groups of
 elements; per-token scaling is NG = 1, G = the padded row), and reads and writes device
 memory once: that is what makes fusion pay (seed 004).
 
-The quantizer reproduces lowbit.quantize's canonical arithmetic (docs/ARCHITECTURE.md):
+The quantizer reproduces lowbit.quantize's canonical arithmetic (docs/formats.md):
 the scale from the group's absmax in float32, IEEE division `y / s` (tl.math.div_rn),
 round-half-even, clamp after rounding, a zero group gets the documented zero-group scale.
 The float element encoders use exact float32 / integer arithmetic (encode_e4m3fn comes
@@ -34,7 +34,7 @@ SCALE_FP32, SCALE_E8M0, SCALE_NV = 0, 1, 2
 # e8m0 rounding modes (torchao's names)
 ROUND_FLOOR, ROUND_RCEIL, ROUND_CEIL, ROUND_EVEN = 0, 1, 2, 3
 
-MAX_BLOCK = 32768  # elements a program holds in registers; larger rows raise in fused.py
+MAX_BLOCK = 32768  # elements a program holds in registers; larger rows raise in lowbit.ops.fused_launch
 
 
 @triton.jit

@@ -1,0 +1,171 @@
+#!/usr/bin/env bash
+# lowbit on a CUDA GPU, in parts that each fit one 10-minute device command. Runs from source
+# (PYTHONPATH=src: nothing is installed on the device machine); logs and JSON under $OUT (./out
+# elsewhere); a short table last.
+#   bash scripts/gpu.sh PART[,PART...]
+# Parts:
+#   suite        the whole test suite on CUDA (PYTEST_WORKERS, default 16; TEST_TIMEOUT, default
+#                420 s: a fresh machine compiles every Triton kernel first) and the tile-kernel
+#                scale check (scripts/gpu_tile_diag.py; TILE_DIAG=0 skips it)
+#   tests        some test files: TESTS="tests/ops/test_w4a16.py tests/ops/test_fused_quant.py"
+#   doctor       `lowbit doctor`
+#   gemm         `lowbit bench --only gemm` rows (GEMM_SHAPES=MxNxK,... or all; GEMM_ONLY=kernel)
+#                and the skinny fp8 shape under alternative tiles (GEMM_SWEEP=0 skips it)
+#   memory       python -m lowbit.bench.memory (MEMORY_ONLY=name,... narrows it)
+#   layers       python -m lowbit.bench.layers: QuantLinear vs bf16 F.linear (LAYER_ARGS)
+#   model        `lowbit bench model` on 4 Llama-3-8B layers, bf16 vs MODEL_RECIPES
+#   profile      the CUDA kernels of one quantized Linear call (scripts/gpu_profile_linear.py)
+#   w4probe      the W4A16 pairs kernel's weight loads alone vs the kernel (lowbit.bench.w4_probe)
+#   w4configs    the W4A16 pairs kernel under a few configurations vs bf16 (scripts/gpu_w4_configs.py)
+#   audit        `lowbit audit` on the GPU (PROBE=1 adds the fp8 accumulator probe)
+#   probe        the fp8 accumulator probe alone (scripts/gpu_fastaccum_probe.py; PROBE_M=1: one row)
+#   mma          `lowbit probe`: this GPU's matrix-multiply accumulators from test vectors (mma-probe.json)
+#   attention    python -m lowbit.bench.attention: attention over a quantized KV cache vs bf16 SDPA
+#   distributed  1 vs 2 GPUs of one host: layer-by-layer calibration (scripts/gpu_distributed.sh;
+#                needs 2 GPUs; DEVICE=cpu rehearses it on the CPU at tiny size)
+# The suite needs a call of its own; memory + gemm + model fit one together.
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+out="${OUT:-$root/out}"; mkdir -p "$out"
+export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if [ $# -eq 0 ]; then sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 2; fi
+parts=",$1,"
+known=",suite,tests,doctor,gemm,memory,layers,model,profile,w4probe,w4configs,audit,probe,mma,attention,distributed,"
+for p in ${1//,/ }; do
+  [[ $known == *,$p,* ]] || { echo "scripts/gpu.sh: unknown part '$p'; parts: ${known:1:-1}" >&2; exit 2; }
+done
+sum="$out/summary.txt"
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader | tee -a "$sum"
+fi
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" 2>&1 | tee -a "$sum"
+git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /' | tee -a "$sum"
+# a hung kernel (a deadlocked barrier) fails its test after PER_TEST_TIMEOUT s instead of eating the
+# whole call, where pytest-timeout is installed
+per_test=()
+python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout "${PER_TEST_TIMEOUT:-240}" --timeout-method thread)
+# pytest's summary line, or where a run stopped by its timeout got to (its progress lines: F / E marks)
+summary() {
+  local line; line=$(grep -E '[0-9]+ (passed|failed)' "$1" | tail -n 1)
+  [ -n "$line" ] && { echo "$line"; return; }
+  echo "no summary (stopped) at $(grep -oE '\[ *[0-9]+%\]' "$1" | tail -n 1): $(grep -E '^[.sxXFE]+( |$)' "$1" | tr -cd 'FE' | wc -c) F/E marks so far"
+}
+if [[ $parts == *,suite,* ]]; then
+  t0=$(date +%s)
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -n "${PYTEST_WORKERS:-16}" -p no:cacheprovider ${per_test[@]+"${per_test[@]}"} tests \
+      --ignore=tests/pipelines/test_models_e2e.py >"$out/tests.log" 2>&1
+  echo "suite rc=$? ($(( $(date +%s) - t0 )) s) :: $(summary "$out/tests.log")" | tee -a "$sum"
+  if [ "${TILE_DIAG:-1}" = 1 ]; then
+    timeout 45 python3 scripts/gpu_tile_diag.py >>"$out/tests.log" 2>&1
+    echo "tile diag rc=$? :: $(grep -c ' 0 scales differ, 0 rows' "$out/tests.log") clean cases, mismatching: $(grep 'scales differ' "$out/tests.log" | grep -vc ' 0 scales differ, 0 rows')" | tee -a "$sum"
+  fi
+fi
+if [[ $parts == *,tests,* ]]; then
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -n "${PYTEST_WORKERS:-12}" -p no:cacheprovider ${per_test[@]+"${per_test[@]}"} ${TESTS:-tests} \
+      >"$out/tests.log" 2>&1
+  echo "tests rc=$? :: $(summary "$out/tests.log")" | tee -a "$sum"
+fi
+if [[ $parts == *,doctor,* ]]; then
+  timeout 120 python3 -m lowbit.entrypoints.main doctor >"$out/doctor.txt" 2>&1
+  echo "doctor rc=$?" | tee -a "$sum"
+fi
+if [[ $parts == *,gemm,* ]]; then
+  timeout "${GEMM_TIMEOUT:-100}" python3 - >"$out/gemm.log" 2>&1 <<'PY'
+import json, os, sys
+from lowbit.bench.gemm import run, run_shape
+only = os.environ.get("GEMM_ONLY") or None  # lowbit kernels whose name contains it (baselines always run)
+dump = lambda rows: json.dump(rows, open(os.path.join(os.environ["OUT"], "bench-gemm.json"), "w"),
+                              indent=1, default=str)
+if os.environ.get("GEMM_SHAPES") == "all":  # the bench's own shapes (lowbit bench --only gemm)
+    dump(run(only))
+else:
+    rows = []
+    for M, N, K in [tuple(map(int, s.split("x"))) for s in os.environ.get("GEMM_SHAPES", "128x4096x14336").split(",")]:
+        print(f"shape M={M} N={N} K={K}", flush=True)
+        rows += run_shape(M, N, K, only)
+        dump(rows)
+if os.environ.get("GEMM_SWEEP", "1") != "1":
+    sys.exit(0)
+# the skinny fp8 shape under the one-128-row-TMA tile and the 64-row tiles ops.triton.common.pick_config takes
+from lowbit.bench.gemm import sweep
+c = lambda bm, bn, bk, w, s, **kw: dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=w, num_stages=s, **kw)
+sweep({"fp8_row": [c(128, 32, 128, 4, 4, TMA=True), c(64, 64, 256, 4, 4), c(64, 64, 128, 4, 4), c(64, 32, 256, 4, 4)]},
+      shapes=((128, 4096, 14336),))
+PY
+  echo "gemm rc=$?" | tee -a "$sum"
+fi
+if [[ $parts == *,memory,* ]]; then
+  only=(); [ -n "${MEMORY_ONLY:-}" ] && only=(--only "$MEMORY_ONLY")
+  timeout "${BENCH_TIMEOUT:-230}" python3 -m lowbit.bench.memory ${only[@]+"${only[@]}"} --json "$out/bench-memory.json" \
+      >"$out/bench_memory.log" 2>&1
+  echo "memory rc=$?" | tee -a "$sum"
+fi
+if [[ $parts == *,layers,* ]]; then
+  timeout "${LAYER_TIMEOUT:-200}" python3 -m lowbit.bench.layers --json "$out/bench-layers.json" ${LAYER_ARGS:-} \
+      >"$out/bench_layers.log" 2>&1
+  echo "layers rc=$?" | tee -a "$sum"
+fi
+if [[ $parts == *,model,* ]]; then  # what a user runs; the JSON is rewritten after every variant
+  timeout "${MODEL_TIMEOUT:-200}" python3 -m lowbit.entrypoints.main bench model --shape 8b --layers 4 \
+      --recipes "${MODEL_RECIPES:-w4a16,mxfp4,nvfp4}" --budget "${MODEL_BUDGET:-15}" --time-limit $(( ${MODEL_TIMEOUT:-200} - 40 )) \
+      --json "$out/bench-model.json" --plot "$out/bench-model.png" >"$out/bench_model.log" 2>&1
+  echo "model rc=$?" | tee -a "$sum"
+  if ! grep -q "^# lowbit bench model" "$out/bench_model.log" && [ -s "$out/bench-model.json" ]; then
+    python3 -m lowbit.bench.model_report "$out/bench-model.json" >>"$out/bench_model.log" 2>&1  # stopped: rows so far
+  fi
+fi
+if [[ $parts == *,profile,* ]]; then  # PROFILE_RECIPES, PROFILE_M
+  timeout "${PROFILE_TIMEOUT:-120}" python3 scripts/gpu_profile_linear.py >"$out/profile.log" 2>&1
+  echo "profile rc=$?" | tee -a "$sum"
+fi
+if [[ $parts == *,w4probe,* ]]; then
+  timeout "${W4PROBE_TIMEOUT:-150}" python3 -m lowbit.bench.w4_probe "$out/w4probe.json" >"$out/w4probe.log" 2>&1
+  echo "w4probe rc=$?" | tee -a "$sum"
+fi
+if [[ $parts == *,w4configs,* ]]; then
+  timeout "${W4CONFIGS_TIMEOUT:-300}" python3 scripts/gpu_w4_configs.py "$out/w4configs.json" >"$out/w4configs.log" 2>&1
+  echo "w4configs rc=$?" | tee -a "$sum"
+  grep '^==' "$out/w4configs.log" | tee -a "$sum"
+fi
+if [[ $parts == *,audit,* ]]; then
+  timeout "${AUDIT_TIMEOUT:-120}" python3 -m lowbit.entrypoints.main audit --json "$out/audit_gpu.json" \
+      --png "$out/audit_gpu.png" >"$out/audit_gpu.txt" 2>&1
+  echo "audit rc=$?" | tee -a "$sum"
+  # the data behind verify/accumulate.py's fp8 accumulator model (benchmarks/results/fastaccum_probe_h200.npz)
+  [ "${PROBE:-0}" = 1 ] && timeout 60 python3 scripts/gpu_fastaccum_probe.py 2>&1 | tee -a "$sum"
+fi
+if [[ $parts == *,probe,* ]]; then
+  timeout 60 python3 scripts/gpu_fastaccum_probe.py 2>&1 | tail -n 5 | tee -a "$sum"
+fi
+if [[ $parts == *,mma,* ]]; then
+  timeout "${MMA_TIMEOUT:-120}" python3 -m lowbit.entrypoints.main probe --json "$out/mma-probe.json" >"$out/mma.log" 2>&1
+  echo "mma rc=$?" | tee -a "$sum"
+fi
+if [[ $parts == *,attention,* ]]; then
+  timeout "${ATTN_TIMEOUT:-240}" python3 -m lowbit.bench.attention --json "$out/bench-attention.json" \
+      >"$out/bench_attention.log" 2>&1
+  echo "attention rc=$?" | tee -a "$sum"
+fi
+if [[ $parts == *,distributed,* ]]; then
+  timeout "${DIST_TIMEOUT:-540}" bash scripts/gpu_distributed.sh >"$out/distributed.log" 2>&1
+  echo "distributed rc=$?" | tee -a "$sum"
+fi
+[ -f "$out/tests.log" ] && grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -n 20
+[ -f "$out/gemm.log" ] && grep -E "lowbit_int8|bf16 |int_mm |lowbit_fp8_row |lowbit_mxfp8|scaled_row |sweep" "$out/gemm.log" | head -n 40
+[ -f "$out/bench_memory.log" ] && sed -n '/# memory-bound kernels/,$p' "$out/bench_memory.log" | head -n 70
+[ -f "$out/bench_layers.log" ] && sed -n '/# layer table/,$p' "$out/bench_layers.log" | tail -n 60
+[ -f "$out/bench_model.log" ] && sed -n '/# lowbit bench model/,$p' "$out/bench_model.log" | head -n 30
+[ -f "$out/profile.log" ] && grep -vE "Warning|warn" "$out/profile.log" | tail -n 60
+[ -f "$out/w4probe.log" ] && grep -vE "Warning|warn" "$out/w4probe.log" | tail -n 20
+[ -f "$out/audit_gpu.txt" ] && tail -n 30 "$out/audit_gpu.txt"
+[ -f "$out/distributed.log" ] && tail -n 30 "$out/distributed.log"
+[ -f "$out/mma.log" ] && tail -n 30 "$out/mma.log"
+[ -f "$out/bench_attention.log" ] && tail -n 30 "$out/bench_attention.log"
+cat "$sum"
+# few files come back from a device call: the logs go into one archive when there are many
+if [ "$(find "$out" -maxdepth 1 -type f | wc -l)" -gt 7 ]; then
+  (cd "$out" && tar czf logs.tgz --exclude=logs.tgz --exclude='*.json' --exclude='*.png' --exclude='*.npz' \
+      --exclude=summary.txt -- * && find . -maxdepth 1 -type f \( -name '*.log' -o -name '*.txt' -o -name '*.md' \) \
+      ! -name summary.txt -delete)
+fi

@@ -1,0 +1,177 @@
+"""check_attention: verify a quantized attention kernel's output and name the bug when it is wrong.
+
+    verdict = check_attention(out, q, k, v, spec)     # k, v: the cache as stored (KVQuant)
+    verdict.passed, verdict.kind, verdict.first_failure, verdict.metrics, verdict.causes
+
+The reference is lowbit.ops.attention_reference (float64, same codes and scales as the kernel);
+the gate is derived there. When the output fails, every bug below is simulated exactly (the
+float64 reference with that one edit, gated like a kernel with the bug) and the first whose
+simulation reproduces the output everywhere within its gate is named, most specific first:
+  k_scale_per_tensor / v_scale_per_tensor  per-head scales declared, head 0's read for every head
+  v_scale_missing                          V's scale never applied
+  kv_scale_wrong_layer                     K and V scales of another layer (other_layer_scales)
+  causal_mask_after_p                      block max and P codes taken before the causal mask
+  p_scale_per_tensor                       one scale for all of P: the softmax tail rounds to zero
+  rescale_skipped / rescale_wrong_accumulator   the online-softmax rescale of O missing
+  o_accumulated_fp16 / o_accumulated_bf16  O kept in a 16-bit accumulator across the rescales
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from lowbit.ops import attention_reference as ar
+from lowbit.ops.kv_quant import KVQuant
+from lowbit.verify import metrics as mt
+from lowbit.verify.diagnose import Cause
+from lowbit.verify.simulate import explained
+
+
+@dataclass
+class AttnVerdict:
+    """Result of check_attention (the fields of check_linear's Verdict).
+
+    first_failure: (batch, head, query, dim) of the first failing output, or None.
+    metrics: rel_l2 / max error vs the reference, mismatch ratio, worst err / gate, P zero
+             fraction, and (when the float k, v are given) SQNR against unquantized attention.
+    """
+
+    passed: bool
+    kind: str
+    first_failure: tuple[int, int, int, int] | None
+    metrics: dict
+    causes: list[Cause] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    details: dict = field(default_factory=dict)
+
+    def report(self) -> str:
+        m = self.metrics
+        lines = [f"check_attention: {'PASS' if self.passed else 'FAIL'} ({self.kind})  [q {m['shape']}, "
+                 f"Tk={m['Tk']}, K/V: {m['kv_scheme']}, {m['spec']}]",
+                 f"  vs quantization-aware reference: rel L2 {m['rel_l2']:.3e}, max |err| {m['max_abs_err']:.3e}, "
+                 f"{m['mismatch_ratio']:.2%} of outputs over the gate, worst err/gate {m['impl_gate_frac']:.3g}; "
+                 f"P codes at zero {m['p_zero_fraction']:.2%}"]
+        if "sqnr_db" in m:
+            lines.append(f"  vs unquantized attention of the original inputs: SQNR {m['sqnr_db']:.1f} dB")
+        if self.first_failure is not None:
+            d = self.details
+            lines.append(f"  first failure at {self.first_failure}: got {d['got']:.9g}, reference {d['ref']:.9g}, "
+                         f"gate {d['gate']:.3e}; worst (batch, head) {d['worst_bh']}, worst query {d['worst_query']}")
+        lines += [f"  cause: {c}" for c in self.causes]
+        lines += [f"  warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.report()
+
+
+def _deq(t) -> torch.Tensor:
+    return t.dequantize(torch.float32) if isinstance(t, KVQuant) else t.detach().float()
+
+
+def _with_scale(t: KVQuant, scale: torch.Tensor) -> torch.Tensor:
+    return dataclasses.replace(t, scale=scale.to(t.scale.device, torch.float32)).dequantize(torch.float32)
+
+
+def _hypotheses(q_hat, k, v, spec, other_layer_scales):
+    """(name, detail, kind, k_hat, v_hat, variant) for every applicable bug, most specific first."""
+    kd, vd = _deq(k), _deq(v)
+    for side, t in (("k", k), ("v", v)):
+        if isinstance(t, KVQuant) and t.scheme.granularity == "head" and t.scale.shape[1] > 1:
+            s0 = t.scale[:, :1].expand_as(t.scale)
+            if not torch.equal(s0, t.scale):
+                edited = _with_scale(t, s0)
+                yield (f"{side}_scale_per_tensor", f"{side.upper()} has one scale per KV head but the kernel read "
+                       f"head 0's for every head (a per-tensor scale load, stride 0)", "logic",
+                       edited if side == "k" else kd, edited if side == "v" else vd, None)
+    if isinstance(v, KVQuant):
+        yield ("v_scale_missing", "V's codes used without their scale (the output is off by 1/v_scale)", "logic",
+               kd, v.decoded(), None)
+    for i, (ks, vs) in enumerate(other_layer_scales):
+        if isinstance(k, KVQuant) and isinstance(v, KVQuant) and tuple(ks.shape) == tuple(k.scale.shape) \
+                and tuple(vs.shape) == tuple(v.scale.shape) and not (torch.equal(ks, k.scale) and torch.equal(vs, v.scale)):
+            yield ("kv_scale_wrong_layer", f"K and V dequantized with the scales of another layer (entry {i} of "
+                   "other_layer_scales): the layer index of the scale pointer is off", "logic",
+                   _with_scale(k, ks), _with_scale(v, vs), None)
+    if spec.causal:
+        yield ("causal_mask_after_p", "the causal mask applied after P was quantized: masked (future) scores set "
+               "the block max, so the seen keys' codes are coarser or zero, and are then zeroed", "logic",
+               kd, vd, "causal_after_p")
+    if spec.p_format is not None:
+        yield ("p_scale_per_tensor", f"P quantized with one scale (1/{spec.p_max:g} of the running max) instead of "
+               f"one per (row, block of {spec.p_block} keys): the softmax tail rounds to zero", "logic",
+               kd, vd, "p_per_tensor")
+    yield ("rescale_skipped", "the online-softmax rescale exp(m_old - m_new) never applied to O and l", "logic",
+           kd, vd, "rescale_skipped")
+    yield ("rescale_wrong_accumulator", "the online-softmax rescale applied to l but not to O", "logic",
+           kd, vd, "rescale_wrong_acc")
+    yield ("o_accumulated_fp16", "O accumulated in fp16 across the rescales (the accumulator must be fp32)",
+           "numerical", kd, vd, "acc_fp16")
+    yield ("o_accumulated_bf16", "O accumulated in bf16 across the rescales (the accumulator must be fp32)",
+           "numerical", kd, vd, "acc_bf16")
+
+
+def check_attention(out, q, k, v, spec: ar.AttnSpec | None = None, *, out_dtype: torch.dtype | None = None,
+                    k_float: torch.Tensor | None = None, v_float: torch.Tensor | None = None,
+                    other_layer_scales=(), diagnose_failures: bool = True) -> AttnVerdict:
+    """Verify `out` [B, Hq, Tq, D] of a quantized attention kernel.
+
+    q: the ORIGINAL float queries (quantized here by spec.q_format, canonically); k, v: the cache
+    as the kernel read it (KVQuant codes and scales) or float tensors (an unquantized cache).
+    out_dtype: the kernel's output rounding (default out's dtype). k_float / v_float: the float
+    states before quantization (only for the SQNR against unquantized attention).
+    other_layer_scales: [(k_scale, v_scale), ...] of other layers, for the wrong-layer hypothesis.
+    """
+    spec = spec or ar.AttnSpec()
+    out_t = torch.as_tensor(out).detach().cpu()
+    out_dtype = out_dtype or (out_t.dtype if out_t.is_floating_point() else torch.float32)
+    q = torch.as_tensor(q).detach().cpu()
+    ar.check_shapes(tuple(q.shape), tuple(k.shape), tuple(v.shape))
+    if tuple(out_t.shape) != tuple(q.shape):
+        raise ValueError(f"out has shape {tuple(out_t.shape)}; attention's output has q's shape {tuple(q.shape)}")
+    q_hat = ar.quantize_q(q, spec.q_format)
+    kc = k.to("cpu") if isinstance(k, KVQuant) else k.detach().cpu()
+    vc = v.to("cpu") if isinstance(v, KVQuant) else v.detach().cpu()
+    ref = ar.attention_reference(q_hat, _deq(kc), _deq(vc), spec, out_dtype=out_dtype)
+    o64 = out_t.double()
+    err = (o64 - ref.out).abs()
+    bad = ~(err <= ref.gate)
+    passed = not bool(bad.any())
+    emax, _ = mt.max_abs_err(o64.reshape(-1, o64.shape[-1]), ref.out.reshape(-1, o64.shape[-1]))
+    kv_scheme = str(kc.scheme) if isinstance(kc, KVQuant) else "unquantized"
+    metrics = {"shape": tuple(q.shape), "Tk": int(k.shape[2]), "kv_scheme": kv_scheme,
+               "spec": f"Q {spec.q_format}, P {spec.p_format} per {spec.p_block}-key block, "
+                       f"{'causal' if spec.causal else 'full'}",
+               "rel_l2": mt.rel_l2(o64.reshape(-1, o64.shape[-1]), ref.out.reshape(-1, o64.shape[-1])), "max_abs_err": emax,
+               "mismatch_ratio": float(bad.double().mean()),
+               "impl_gate_frac": float(torch.nan_to_num(err / ref.gate, nan=math.inf).max()),
+               "p_zero_fraction": ref.p_zero_fraction}
+    if k_float is not None and v_float is not None:
+        orig = ar.sdpa_float64(q.float(), torch.as_tensor(k_float).cpu().float(), torch.as_tensor(v_float).cpu().float(),
+                               spec.causal, spec.sm_scale)
+        metrics["sqnr_db"] = mt.sqnr_db(orig.reshape(-1, orig.shape[-1]), o64.reshape(-1, orig.shape[-1]))
+    first, details, kind, causes = None, {}, "ok", []
+    if not passed:
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        per_bh = torch.nan_to_num(err, nan=math.inf).amax(dim=(2, 3))
+        per_q = torch.nan_to_num(err, nan=math.inf).amax(dim=(0, 1, 3))
+        details = {"got": float(o64[first]), "ref": float(ref.out[first]), "gate": float(ref.gate[first]),
+                   "worst_bh": tuple(int(i) for i in divmod(int(per_bh.argmax()), per_bh.shape[1])),
+                   "worst_query": int(per_q.argmax())}
+        kind = "logic"
+        if diagnose_failures:
+            kind, causes = _diagnose(o64, ref.out, q_hat, kc, vc, spec, out_dtype, other_layer_scales)
+    return AttnVerdict(passed, kind, first, metrics, causes, [], details)
+
+
+def _diagnose(o64, ref_out, q_hat, k, v, spec, out_dtype, other_layer_scales):
+    for name, detail, kind, kd, vd, variant in _hypotheses(q_hat, k, v, spec, other_layer_scales):
+        sim = ar.attention_reference(q_hat, kd, vd, spec, variant=variant, out_dtype=out_dtype)
+        ok, share, worst = explained(o64, ref_out, sim.out, sim.gate)
+        if ok and share > 0:      # within its gate AND closer to the output than the reference is
+            return kind, [Cause(name, f"{detail} (explains {share:.1%} of the error energy)", True)]
+    return "logic", [Cause("unexplained", "no simulated attention bug reproduces the output; the error is "
+                           "beyond the derived gate (see the worst (batch, head) and query above)", False)]

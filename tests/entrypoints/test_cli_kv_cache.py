@@ -1,0 +1,54 @@
+"""`lowbit quantize --kv-cache`: refused before loading when misnamed; on a tiny random Llama the
+report gives the metrics with and without the quantized cache and the checkpoint carries it."""
+import json
+import os
+
+import pytest
+import torch
+
+from lowbit.entrypoints.main import main
+
+transformers = pytest.importorskip("transformers")
+
+
+def _no_model(*a, **k):
+    raise AssertionError("the model was loaded before the arguments were checked")
+
+
+@pytest.mark.parametrize("value, why", [("fp7", "--kv-cache: kv_cache='fp7': unknown format"),
+                                        ("int4", "--kv-cache: kv_cache='int4' needs a group size")])
+def test_bad_kv_cache_refused_before_loading(monkeypatch, tmp_path, capsys, value, why):
+    monkeypatch.setattr("lowbit.evaluation.workload.load_model", _no_model)
+    monkeypatch.chdir(tmp_path)
+    assert main(["quantize", "--kv-cache", value]) == 2
+    err = capsys.readouterr().err
+    assert why in err and err.count("\n") == 1, err
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.fixture
+def tiny(monkeypatch, rng):
+    from lowbit.evaluation import workload as pipeline
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=rng)))
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (128,), generator=rng)
+    monkeypatch.setattr(pipeline, "load_model", lambda spec: pipeline.Loaded("tiny", model, None, "causal"))
+    monkeypatch.setattr(pipeline, "prepare_texts", lambda loaded, tokens, calib, window: pipeline.Texts(
+        ids[:tokens], [ids[None, :window]], [ids[None, -window:]]))
+    return ["quantize", "--tokens", "64", "--calib-tokens", "32", "--window", "32", "--plain"]
+
+
+def test_kv_cache_run_reports_both_and_saves_the_scheme(tiny, tmp_path, capsys):
+    out = tmp_path / "q"
+    assert main([*tiny, "--kv-cache", "fp8-head", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    line = next(ln for ln in printed.splitlines() if ln.startswith("KV cache fp8-head:"))
+    assert "with the KV cache unquantized" in line and line.count("top-1 agreement") == 2
+    report = (out / "lowbit_report.md").read_text()
+    assert line in report and "Attention sites (KV cache" in report and "| layer | K SQNR dB |" in report
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["kv_cache_scheme"]["strategy"] == "attn_head"
+    from lowbit.pipelines.checkpoint import load_compressed
+    assert load_compressed(out).kv_cache.scheme.granularity == "head"
