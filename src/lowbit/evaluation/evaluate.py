@@ -202,7 +202,8 @@ def model_bytes(model: torch.nn.Module, float_bytes: int = 2) -> int:
     `float_bytes` per element (2: bf16, the usual serving baseline), tied parameters once; each
     QuantLinear as its element codes (bits per element / 8, int4/fp4 packed two per byte), its
     scales (fp32 4 bytes, e8m0/fp8 codes 1 byte, + a 4-byte global scale), zero points (1 byte)
-    and bias."""
+    and bias; each QuantExperts likewise per expert (its biases at `float_bytes`)."""
+    from lowbit.nn.experts import PROJECTIONS, QuantExperts
     from lowbit.nn.quant_linear import QuantLinear
     total = 0
     seen: set[int] = set()
@@ -214,6 +215,15 @@ def model_bytes(model: torch.nn.Module, float_bytes: int = 2) -> int:
             total += 4 if getattr(qt, "global_scale", None) is not None else 0
             total += 0 if getattr(qt, "zero_point", None) is None else qt.zero_point.numel()
             total += 0 if mod.act_static_scale is None else 4
+        if isinstance(mod, QuantExperts):
+            for p in PROJECTIONS:
+                codes, scale = getattr(mod, f"{p}_codes"), getattr(mod, f"{p}_scale")
+                total += math.ceil(codes.numel() * mod.weight_scheme.fmt.bits / 8)
+                total += scale.numel() * (1 if getattr(mod, f"{p}_scale_codes") is not None else 4)
+                g, z, b = getattr(mod, f"{p}_global"), getattr(mod, f"{p}_zero"), getattr(mod, f"{p}_bias")
+                total += 0 if g is None else 4 * g.numel()
+                total += 0 if z is None else z.numel()
+                total += 0 if b is None else b.numel() * float_bytes
         for p in mod.parameters(recurse=False):
             if p.data_ptr() not in seen:
                 seen.add(p.data_ptr())

@@ -1,4 +1,4 @@
-"""lowbit.nn: the runtime modules a quantized model runs (QuantLinear, shared-input groups).
+"""lowbit.nn: the runtime modules a quantized model runs (QuantLinear, QuantExperts, shared-input groups).
 
 This package is also the public face of model quantization: the names below (quantize_model,
 recipes, the per-site diagnosis, SmoothQuant, calibration, evaluation) are defined in
@@ -10,6 +10,7 @@ import importlib
 
 _EXPORTS = {
     "QuantLinear": "lowbit.nn.quant_linear",
+    "QuantExperts": "lowbit.nn.experts",
     "prepare_model": "lowbit.nn.shared_input",
     "share_inputs": "lowbit.nn.shared_input",
     "Recipe": "lowbit.recipes.presets",

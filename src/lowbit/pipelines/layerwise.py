@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from lowbit.algorithms import distributed
+from lowbit.archs.experts import find_experts
 def _stream_bytes(inputs) -> int:
     """Bytes of a stream's hidden states (the shared kwargs such as position embeddings not counted)."""
     return sum((a[0] if a else k["hidden_states"]).numel() * (a[0] if a else k["hidden_states"]).element_size()
@@ -356,6 +357,11 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
             not hasattr(inner, "rotary_emb"):
         raise NotImplementedError(f"{arch}: layer-by-layer quantization knows the Llama layout (model.embed_tokens, "
                                   "model.layers, model.norm, model.rotary_emb); quantize it whole instead")
+    moe = list(find_experts(model))
+    if moe:
+        raise NotImplementedError(f"{arch}: layer-by-layer quantization does not quantize fused MoE experts yet "
+                                  f"({moe[0]}, ...), and would leave them in float; load the model and use "
+                                  "lowbit.pipelines.quantize_model instead")
     bname, blist = "model.layers", inner.layers
     built = [f"model.embed_tokens.{n}" for n, _ in inner.embed_tokens.named_buffers()]
     if built:      # e.g. Gemma's embed_scale: set at construction, on the meta device here

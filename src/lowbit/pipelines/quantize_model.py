@@ -10,6 +10,17 @@ A weight whose in_features the recipe's group size does not divide gets a short 
 Patterns are shell globs or `re:` regular expressions on module names; the decisions come from
 lowbit.recipes.plan (one typed plan, made before anything changes).
 
+Mixture-of-experts blocks (lowbit.archs.experts: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3,
+gpt-oss): the fused experts module of each block becomes a lowbit.nn.experts.QuantExperts under
+the same recipe (per-expert codes and scales); ignore / override patterns may name experts
+modules as they name Linears. Routers and shared-expert gates stay in high precision; shared
+experts are plain Linears. A module with fused 3-D weights that the map does not know is refused.
+
+Coverage (lowbit.pipelines.coverage), never silent: before anything changes, every weight
+tensor of >= 2 dimensions holding >= 1% of the parameters must be planned for quantization or
+kept by a rule (embedding, norm, router, lm_head, ignore list); otherwise ValueError names them
+(on_untouched="warn" warns instead). `summary.coverage` reports the result, by rule and kind.
+
 The model is changed only after every layer has been quantized successfully: an error leaves
 it untouched.
 """
@@ -19,13 +30,16 @@ import torch
 
 from lowbit.algorithms.gptq.model import gptq_model
 from lowbit.algorithms.scale_search import search_scales
+from lowbit.archs.experts import find_experts
 from lowbit.nn.quant_linear import QuantLinear
 from lowbit.archs.decoders import sibling_groups
 from lowbit.nn.shared_input import GROUPS, share_inputs as share
 from lowbit.ops.kv_quant import KVScheme
+from lowbit.pipelines.coverage import check_coverage, coverage
+from lowbit.pipelines.moe import build_experts, plan_experts, router_names, swap_in
 from lowbit.recipes.plan import (DEFAULT_KEEP, LayerDecision, QuantSummary, layer_act, linear_layers,  # noqa: F401
                                  match, plan)
-from lowbit.recipes.presets import Recipe
+from lowbit.recipes.presets import Recipe, get_recipe
 
 def quantize_layer(d: LayerDecision, summary: QuantSummary, linear: torch.nn.Linear,
                    act_static_scales: dict | None = None, backend: str = "auto", mse: bool = False) -> QuantLinear:
@@ -56,7 +70,7 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe | QuantSummary, 
                    act_static_scales: dict[str, torch.Tensor] | None = None, backend: str = "auto",
                    progress: bool = False, share_inputs: bool = True, method: str = "rtn", calib=None,
                    method_options: dict | None = None, mse: bool = False, kv_cache=None,
-                   kv_calib=None) -> QuantSummary:
+                   kv_calib=None, on_untouched: str = "raise", min_untouched_fraction: float = 0.01) -> QuantSummary:
     """Replace nn.Linear layers of `model` (in place) by QuantLinear under `recipe` (a name, a Recipe or
     a plan made by lowbit.recipes.plan.plan for this model, used as it is); returns the
     QuantSummary. act_static_scales: {layer name: float32 scale} from
@@ -71,7 +85,9 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe | QuantSummary, 
     kv_cache: also quantize the KV cache ("fp8", "int8", "fp8-head", "int8-token", "int4-g32", or a
     lowbit.ops.kv_quant.KVScheme; lowbit.nn.kv_cache): static schemes are calibrated, after the
     Linears are quantized, on `kv_calib` (default `calib`: input-id tensors [B, T]); the model then
-    quantizes its cache in every forward and generate, and save_compressed writes kv_cache_scheme."""
+    quantizes its cache in every forward and generate, and save_compressed writes kv_cache_scheme.
+    on_untouched / min_untouched_fraction: what an untouched large weight does ("raise", "warn",
+    "ignore"; see lowbit.pipelines.coverage.check_coverage)."""
     kv_scheme = None
     if kv_cache is not None:                           # every refusal before any layer changes
         from lowbit.nn.kv_cache import attach_kv_cache, attention_modules, calibrate_kv_cache  # needs transformers
@@ -86,7 +102,8 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe | QuantSummary, 
     summary = _quantize_linears(model, recipe, ignore=ignore, overrides=overrides,
                                 act_static_scales=act_static_scales, backend=backend, progress=progress,
                                 share_inputs=share_inputs, method=method, calib=calib,
-                                method_options=method_options, mse=mse)
+                                method_options=method_options, mse=mse, on_untouched=on_untouched,
+                                min_fraction=min_untouched_fraction)
     if kv_scheme is not None:
         kv = calibrate_kv_cache(model, kv_calib or [], kv_scheme)
         attach_kv_cache(model, kv)
@@ -95,17 +112,36 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe | QuantSummary, 
 
 
 def _quantize_linears(model, recipe, *, ignore, overrides, act_static_scales, backend, progress, share_inputs,
-                      method, calib, method_options, mse) -> QuantSummary:
+                      method, calib, method_options, mse, on_untouched, min_fraction) -> QuantSummary:
     if method not in ("rtn", "gptq"):
         raise ValueError(f"method={method!r}; choose 'rtn' (round to nearest) or 'gptq' (needs calib=batches)")
     if method == "gptq" and calib is None:
         raise ValueError("method='gptq' needs calibration inputs: pass calib=[input-id tensors or dicts]")
-    summary = plan(model, recipe, ignore, overrides)
+    experts = find_experts(model)       # raises on fused experts the map does not know
+    linear_ignore, linear_over, found, exp_decisions, resolved = _split_patterns(model, experts, recipe, ignore,
+                                                                                 overrides)
+    if method != "rtn" and any(d.action == "quantized" for d in exp_decisions):
+        raise NotImplementedError(f"method={method!r} does not quantize fused MoE experts ({exp_decisions[0].name}, "
+                                  "...): use method='rtn', or keep them in float with ignore=[...]")
+    summary = plan(model, recipe, linear_ignore or None, linear_over or None)
+    for r in resolved.values():                    # recipes that only experts overrides name
+        if r != "skip" and summary.recipes.setdefault(r.name, r) != r:
+            raise ValueError(f"two different recipes are both called {r.name!r}; give them distinct names")
+    summary.experts = exp_decisions
+    routers = router_names(model, found)
+    for d in summary.layers:                       # a Linear router / shared-expert gate
+        if d.name in routers and d.reason == "recipe":
+            d.action, d.recipe, d.reason = "skipped", None, "MoE router / gate stays high precision"
+    skipped = {d.name: d.reason for d in summary.skipped + [e for e in exp_decisions if e.action == "skipped"]}
+    planned = {d.name: d.recipe for d in summary.quantized + [e for e in exp_decisions if e.action == "quantized"]}
+    check_coverage(coverage(model, skipped, tuple(routers), planned), min_fraction=min_fraction,
+                   on_untouched=on_untouched)
     if method == "gptq":
         gptq_model(model, summary, calib, act_static_scales=act_static_scales, progress=progress,
                    **{**(method_options or {}), **({"mse": True} if mse else {})})
         if share_inputs:
             _share(model)
+        summary.coverage = coverage(model, skipped, tuple(routers))
         return summary
     layers = linear_layers(model)
     todo = summary.quantized
@@ -113,9 +149,33 @@ def _quantize_linears(model, recipe, *, ignore, overrides, act_static_scales, ba
         from tqdm import tqdm
         todo = tqdm(todo, desc=f"quantize {summary.recipe}", unit="layer")
     new = {d.name: quantize_layer(d, summary, layers[d.name], act_static_scales, backend, mse) for d in todo}
+    new_experts = build_experts(model, found, exp_decisions, summary.recipes)
+    if act_static_scales is not None and new_experts:
+        raise NotImplementedError("act_static_scales: static activation scales are not supported for MoE experts; "
+                                  "use a dynamic recipe or ignore the experts")
     for name, q in new.items():                    # only now touch the model
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, q.to(layers[name].weight.device))
+    swap_in(model, new_experts)
     if share_inputs:
         _share(model)
+    summary.coverage = coverage(model, skipped, tuple(routers))
     return summary
+
+
+def _split_patterns(model, experts, recipe, ignore, overrides):
+    """(Linear ignore, Linear overrides, experts found, experts decisions, resolved overrides): a
+    pattern that matches experts modules and no Linear goes to the experts plan only (plan()
+    refuses a pattern that matches no Linear, and still does for one that matches nothing at
+    all). A plan passed as the recipe keeps its own experts decisions when it has them."""
+    ignore, overrides = list(ignore or []), dict(overrides or {})
+    linears = linear_layers(model)
+    only_experts = {p for p in ignore + list(overrides)
+                    if any(match(p, n) for n in experts) and not any(match(p, n) for n in linears)}
+    base = recipe.recipes[recipe.recipe] if isinstance(recipe, QuantSummary) else get_recipe(recipe)
+    resolved = {p: (r if r == "skip" else get_recipe(r)) for p, r in overrides.items()}
+    found, decisions = plan_experts(model, base, ignore, resolved, match) if experts else ({}, [])
+    if isinstance(recipe, QuantSummary) and recipe.experts:
+        decisions = recipe.experts
+    return ([p for p in ignore if p not in only_experts], {p: r for p, r in overrides.items() if p not in only_experts},
+            found, decisions, resolved)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from lowbit.archs.experts import find_experts
 from lowbit.io import ct_layout as L
 from lowbit.pipelines.checkpoint import (atomic_dir, build_quantization_config, config_dict,
                                           sidecar_record, write_metadata, DEFAULT_SHARD_BYTES)
@@ -41,6 +42,11 @@ def linear_names_from_config(cfg: dict) -> set[str]:
     config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "quantization_config"})
     with torch.device("meta"):
         model = getattr(transformers, arch)(config)
+    moe = list(find_experts(model))
+    if moe:
+        raise NotImplementedError(f"{arch}: tensor-wise quantization does not quantize fused MoE experts yet "
+                                  f"({moe[0]}, ...), and would copy them in float; load the model and use "
+                                  "lowbit.pipelines.quantize_model instead")
     return {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 

@@ -41,6 +41,8 @@ class QuantSummary:
     recipes: dict[str, Recipe] = field(default_factory=dict, repr=False)   # name -> Recipe used
     method: str = "rtn"             # how the weights' codes were chosen: "rtn" | "gptq"
     kv_cache: object = None         # lowbit.nn.kv_cache.KVCacheQuant when the KV cache is quantized too
+    experts: list = field(default_factory=list)   # MoE experts modules (lowbit.pipelines.moe.ExpertsDecision)
+    coverage: object = None         # lowbit.pipelines.coverage.Coverage of the quantized model, when made
 
     def recipe_of(self, d: LayerDecision) -> Recipe:
         """The Recipe object a quantized layer's decision names (custom Recipes included)."""
@@ -72,6 +74,15 @@ class QuantSummary:
             if d.action == "skipped" or d.recipe != self.recipe:
                 lines.append(f"  {d.name} {d.shape[0]}x{d.shape[1]}: {d.action}"
                              f"{'' if d.recipe is None else ' as ' + d.recipe} ({d.reason})")
+        if self.experts:
+            done = [e for e in self.experts if e.action == "quantized"]
+            lines.append(f"MoE: {len(done)} of {len(self.experts)} experts modules quantized "
+                         f"({self.experts[0].family}, E x 2I x H = {'x'.join(map(str, self.experts[0].shape))})")
+            for e in self.experts:
+                if e.action == "skipped" or e.recipe != self.recipe:
+                    lines.append(f"  {e.name}: {e.action}{'' if e.recipe is None else ' as ' + e.recipe} ({e.reason})")
+        if self.coverage is not None:
+            lines.append(str(self.coverage))
         return "\n".join(lines)
 
 

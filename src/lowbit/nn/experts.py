@@ -1,0 +1,262 @@
+"""QuantExperts: the routed experts of one MoE block with per-expert quantized weights.
+
+It replaces a family's experts module (transformers 5 keeps all experts of a block in fused
+3-D parameters: gate_up [E, 2I, H] and down [E, H, I], or their transposes) and keeps its
+forward contract, forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) ->
+[T, H] in hidden_states' dtype, so the family's own block (router, shared experts) calls it
+unchanged. The router is not part of it and stays in high precision.
+
+Per expert e and projection p (gate_up, down): codes [N, K] and scales quantized by
+lowbit.quantize with the weight scheme, exactly as QuantLinear quantizes an nn.Linear weight
+(two-level schemes such as NVFP4 get one tensor scale per expert). They are stacked into
+buffers `{p}_codes` [E, N, K], `{p}_scale` [E, N, G] (and `{p}_scale_codes`, `{p}_zero`,
+`{p}_global` [E] where the scheme has them); `weight_q(p, e)` gives expert e's QTensor.
+
+Exact path (every device): the tokens are sorted by expert (lowbit.ops.grouped.sort_tokens);
+activations are quantized once per input by the activation scheme (the hidden states before
+the gate_up GEMM, the whole sorted intermediate buffer before the down GEMM: per-token and
+per-group scales are row-local, a per-tensor scale spans the concatenated buffer as a grouped
+kernel's A operand does); each expert's block is the float64 reference
+lowbit.ops.grouped.grouped_reference; the activation (silu(gate) * up, gpt-oss's clamped
+swiglu) runs in float64; outputs are weighted by the routing weights and summed per token in
+float64, then cast to hidden_states' dtype once.
+
+Kernel path (CUDA with backend="auto", or backend="kernel" anywhere, e.g. Triton's CPU
+interpreter): the grouped Triton GEMMs of lowbit.ops.triton.grouped, one launch per projection
+for all experts -- W8A8 int8 (per-channel weights, per-token activations) and W4A16 int4
+(symmetric groups that are a multiple of 32). The activation, routing weights and the sum per
+token run in float32. A recipe with no grouped kernel runs the exact path, on CUDA with a
+one-time warning; `last_path` says which ran ("exact", "kernel:int8", "kernel:w4a16").
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from lowbit.ops.grouped import Routing, grouped_reference, sort_tokens, take_rows
+from lowbit.packing import pack_int4
+from lowbit.quantize import QTensor, quantize
+from lowbit.scheme import QuantScheme
+
+PROJECTIONS = ("gate_up", "down")
+BACKENDS = ("auto", "exact", "kernel")
+_FIELDS = (("codes", "codes"), ("scale", "scale"), ("zero", "zero_point"), ("scale_codes", "scale_codes"))
+
+
+def _as_enk(w: torch.Tensor, layout: str) -> torch.Tensor:
+    """[E, N, K] (out, in) view of a fused expert weight stored as `layout`."""
+    return w if layout == "enk" else w.transpose(1, 2)
+
+
+class QuantExperts(torch.nn.Module):
+    """Quantized routed experts (see the module docstring).
+
+    Attributes: num_experts, hidden_dim (H), intermediate_dim (I), weight_scheme, act_scheme
+    (None: weight-only), glu_split ("chunk" | "interleave"), activation ("act_fn" |
+    "gpt_oss"), act_fn (the replaced module's activation, for "act_fn"), alpha / limit
+    (gpt-oss), family, last_path ("exact")."""
+
+    def __init__(self, stacked: dict[str, dict], biases: dict[str, torch.Tensor | None], weight_scheme: QuantScheme,
+                 act_scheme: QuantScheme | None, *, glu_split: str, activation: str, act_fn=None,
+                 alpha: float | None = None, limit: float | None = None, family: str = "", backend: str = "auto"):
+        super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}; choose one of {BACKENDS}")
+        self.backend = backend
+        self.weight_scheme, self.act_scheme = weight_scheme, act_scheme
+        self.glu_split, self.activation, self.family = glu_split, activation, family
+        if activation == "act_fn" and act_fn is None:
+            raise ValueError("activation='act_fn' needs the replaced module's act_fn")
+        self.act_fn = act_fn
+        self.alpha, self.limit = alpha, limit
+        for p in PROJECTIONS:
+            for field, _ in _FIELDS:
+                t = stacked[p].get(field)
+                self.register_buffer(f"{p}_{field}", t)
+            self.register_buffer(f"{p}_global", stacked[p].get("global"))
+            b = biases.get(p)
+            self.register_buffer(f"{p}_bias", None if b is None else b.detach().float().clone())
+        E, N2, H = self.gate_up_codes.shape
+        self.num_experts, self.hidden_dim, self.intermediate_dim = int(E), int(H), int(N2) // 2
+        self.last_path: str | None = None
+        self.kernel = self._kernel_kind()
+        self._warned = False
+        if self.kernel == "w4a16":   # the kernel's operand: two codes per byte, laid out once
+            for p in PROJECTIONS:
+                self.register_buffer(f"{p}_packed", pack_int4(getattr(self, f"{p}_codes")), persistent=False)
+
+    def _kernel_kind(self) -> str | None:
+        w, a = self.weight_scheme, self.act_scheme
+        if (w.format == "int8" and w.strategy == "channel" and w.symmetric and w.scale_format == "fp32"
+                and a is not None and a.format == "int8" and a.strategy == "token" and a.symmetric
+                and a.scale_format == "fp32"):
+            return "int8"
+        if (w.format == "int4" and w.strategy == "group" and w.symmetric and a is None
+                and w.group_size % 32 == 0):
+            return "w4a16"
+        return None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_module(cls, module: torch.nn.Module, weight_scheme: QuantScheme, act_scheme: QuantScheme | None, *,
+                    gate_up: str = "gate_up_proj", down: str = "down_proj", layout: str = "enk",
+                    gate_up_bias: str | None = None, down_bias: str | None = None, glu_split: str = "chunk",
+                    activation: str = "act_fn", family: str = "", name: str = "experts",
+                    backend: str = "auto") -> "QuantExperts":
+        """Quantize the fused expert weights of `module` per expert (lowbit.archs.experts
+        gives the keyword arguments for each family). Raises ValueError naming the module and
+        parameter for a dynamic weight scheme, a dynamic-less (static) activation scheme,
+        NaN/Inf weights, or a K the weight / activation group size does not divide."""
+        if weight_scheme.dynamic:
+            raise ValueError(f"{name}: weight_scheme must be static (dynamic=False): expert weights are quantized once")
+        if act_scheme is not None and not act_scheme.dynamic:
+            raise ValueError(f"{name}: act_scheme must be dynamic; static (calibrated) activation scales are not "
+                             "supported for experts: use a dynamic recipe or keep the experts in high precision")
+        stacked, biases = {}, {}
+        for p, pname, bname in (("gate_up", gate_up, gate_up_bias), ("down", down, down_bias)):
+            w = _as_enk(getattr(module, pname).detach(), layout)
+            where = f"{name}.{pname} {tuple(getattr(module, pname).shape)}"
+            _check_k(w.shape[2], weight_scheme, f"{where}: K = {w.shape[2]} under the weight scheme")
+            if act_scheme is not None:
+                _check_k(w.shape[2], act_scheme, f"{where}: K = {w.shape[2]} under the activation scheme")
+            if not torch.isfinite(w).all():
+                raise ValueError(f"{where} holds {int((~torch.isfinite(w)).sum())} NaN/Inf values: fix the "
+                                 "checkpoint before quantizing")
+            stacked[p] = _quantize_stack(w, weight_scheme)
+            biases[p] = None if bname is None else getattr(module, bname).detach()
+        act_fn = getattr(module, "act_fn", None) if activation == "act_fn" else None
+        return cls(stacked, biases, weight_scheme, act_scheme, glu_split=glu_split, activation=activation,
+                   act_fn=act_fn, alpha=getattr(module, "alpha", None), limit=getattr(module, "limit", None),
+                   family=family, backend=backend)
+
+    def weight_q(self, proj: str, e: int) -> QTensor:
+        """Expert e's QTensor [N, K] of projection "gate_up" or "down" (views of the buffers)."""
+        if proj not in PROJECTIONS:
+            raise ValueError(f"proj={proj!r}; choose one of {PROJECTIONS}")
+        kw = {f: (None if getattr(self, f"{proj}_{b}") is None else getattr(self, f"{proj}_{b}")[e])
+              for b, f in _FIELDS}
+        g = getattr(self, f"{proj}_global")
+        return QTensor(scheme=self.weight_scheme, shape=tuple(kw["codes"].shape),
+                       global_scale=None if g is None else g[e], **kw)
+
+    def weights_q(self, proj: str) -> list[QTensor]:
+        return [self.weight_q(proj, e) for e in range(self.num_experts)]
+
+    def weight_dequantized(self, proj: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[E, N, K] dequantized weights of one projection (float64: exact)."""
+        return torch.stack([q.dequantize(dtype) for q in self.weights_q(proj)])
+
+    def extra_repr(self) -> str:
+        a = "none (weight-only)" if self.act_scheme is None else str(self.act_scheme)
+        return (f"family={self.family}, num_experts={self.num_experts}, hidden={self.hidden_dim}, "
+                f"intermediate={self.intermediate_dim}, weight={self.weight_scheme}, act={a}")
+
+    # ------------------------------------------------------------------ forward
+    def glu(self, h: torch.Tensor) -> torch.Tensor:
+        """The family's gated activation of the gate_up output h [M, 2I] -> [M, I]."""
+        if self.glu_split == "chunk":
+            gate, up = h.chunk(2, dim=-1)
+        else:
+            gate, up = h[..., ::2], h[..., 1::2]
+        if self.activation == "act_fn":
+            return self.act_fn(gate) * up
+        gate = gate.clamp(max=self.limit)               # gpt-oss: clamped swiglu with a +1 on up
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def _quantize_act(self, x: torch.Tensor):
+        return x if self.act_scheme is None else quantize(x, self.act_scheme)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                ) -> torch.Tensor:
+        T = hidden_states.shape[0]
+        if hidden_states.ndim != 2 or hidden_states.shape[1] != self.hidden_dim:
+            raise ValueError(f"hidden_states must be [tokens, {self.hidden_dim}], got {tuple(hidden_states.shape)}")
+        if top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != T:
+            raise ValueError(f"top_k_index {tuple(top_k_index.shape)} and top_k_weights "
+                             f"{tuple(top_k_weights.shape)} must both be [{T}, top_k]")
+        routing = sort_tokens(top_k_index, self.num_experts)
+        if self._use_kernel(hidden_states):
+            return self._kernel_forward(hidden_states, routing, top_k_weights)
+        y = self.sorted_forward(hidden_states, routing)
+        w = top_k_weights[routing.token, routing.slot].to("cpu", torch.float64)
+        out = torch.zeros(T, self.hidden_dim, dtype=torch.float64)
+        out.index_add_(0, routing.token.cpu(), y * w[:, None])
+        self.last_path = "exact"
+        return out.to(hidden_states.device, hidden_states.dtype)
+
+    def _use_kernel(self, x: torch.Tensor) -> bool:
+        if self.backend == "exact" or not (x.is_cuda or self.backend == "kernel"):
+            return False
+        if self.kernel is None:
+            if self.backend == "kernel":
+                raise NotImplementedError(f"backend='kernel': no grouped kernel for weight {self.weight_scheme}, "
+                                          f"act {self.act_scheme} (int8 W8A8 per channel / token, int4 W4A16 "
+                                          "groups of 32k); use backend='auto' or 'exact'")
+            if not self._warned:
+                warnings.warn(f"QuantExperts: no grouped kernel for weight {self.weight_scheme}, act "
+                              f"{self.act_scheme}; running the exact float64 path", stacklevel=3)
+                self._warned = True
+            return False
+        return True
+
+    def _kernel_forward(self, hidden_states: torch.Tensor, routing: Routing, top_k_weights: torch.Tensor):
+        from lowbit.ops.triton.grouped import grouped_int8, grouped_w4a16
+        x = hidden_states.detach()
+        rows = Routing(torch.arange(routing.rows, device=routing.token.device), routing.slot, routing.offsets,
+                       routing.rows)                     # the down GEMM reads the sorted buffer itself
+        gs = self.weight_scheme.group_size
+        for proj, inp, rt in (("gate_up", x, routing), ("down", None, rows)):
+            bias = getattr(self, f"{proj}_bias")
+            if proj == "down":
+                inp = self.glu(h)
+            if self.kernel == "int8":
+                q = quantize(inp.float(), self.act_scheme)
+                h = grouped_int8(q.codes, q.scale, getattr(self, f"{proj}_codes"), getattr(self, f"{proj}_scale"),
+                                 rt, bias=bias)
+            else:
+                h = grouped_w4a16(inp.float(), getattr(self, f"{proj}_packed"), getattr(self, f"{proj}_scale"), rt,
+                                  group_size=gs, bias=bias)
+        w = top_k_weights[routing.token, routing.slot].float()
+        out = torch.zeros(hidden_states.shape[0], self.hidden_dim, dtype=torch.float32, device=x.device)
+        out.index_add_(0, routing.token, h * w[:, None])
+        self.last_path = "kernel:" + self.kernel
+        return out.to(hidden_states.dtype)
+
+    def sorted_forward(self, hidden_states: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Float64 [M_total, H]: each sorted row's expert output before the routing weight."""
+        return self.down_rows(self.glu(self.gate_up_rows(hidden_states, routing)), routing)
+
+    def gate_up_rows(self, hidden_states: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Float64 [M_total, 2I]: the first grouped GEMM (+ bias) of every sorted row; the
+        activations are quantized once, over all T tokens, then gathered."""
+        x = hidden_states.detach()
+        a1 = take_rows(self._quantize_act(x.float()) if self.act_scheme is not None else x.double(), routing.token)
+        return grouped_reference(a1, routing.offsets.cpu(), self.weights_q("gate_up"), self.gate_up_bias)
+
+    def down_rows(self, a: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Float64 [M_total, H]: the second grouped GEMM (+ bias) of the sorted intermediate a
+        [M_total, I], quantized once as one buffer."""
+        a2 = self._quantize_act(a) if self.act_scheme is not None else a.double()
+        return grouped_reference(a2, routing.offsets.cpu(), self.weights_q("down"), self.down_bias)
+
+
+def _check_k(K: int, scheme: QuantScheme, where: str) -> None:
+    width = scheme.group_size if scheme.strategy == "group" else (
+        scheme.block_size[1] if scheme.strategy == "block" else None)
+    if width and K % width:
+        raise ValueError(f"{where} is not a multiple of the group size {width} ({scheme}): stacked expert scales "
+                         "need whole groups; choose a recipe whose group divides K, or keep these experts in high "
+                         "precision (ignore=[...])")
+
+
+def _quantize_stack(w: torch.Tensor, scheme: QuantScheme) -> dict[str, torch.Tensor | None]:
+    """Quantize each expert of w [E, N, K] on its own (per-expert tensor scales) and stack."""
+    qs = [quantize(w[e].float(), scheme) for e in range(w.shape[0])]
+    out = {}
+    for field, attr in _FIELDS:
+        vals = [getattr(q, attr) for q in qs]
+        out[field] = None if vals[0] is None else torch.stack(vals)
+    out["global"] = None if qs[0].global_scale is None else torch.stack([q.global_scale.reshape(()) for q in qs])
+    return out

@@ -1,0 +1,109 @@
+"""The MoE part of a whole-model quantization: plan which experts modules a recipe quantizes,
+build their QuantExperts, and name the routers that stay in high precision.
+
+Decisions are made for every experts module lowbit.archs.experts finds (an unknown fused one
+raises there), with the same per-site controls as the Linears: an ignore pattern or an
+override to "skip" keeps a module in float (and the coverage report says so), an override
+names another recipe. Nothing is swapped into the model until every module has been built.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from lowbit.archs.experts import ExpertsSpec, find_experts, router_of
+from lowbit.nn.experts import QuantExperts
+
+
+@dataclass
+class ExpertsDecision:
+    """What a quantization did with one experts module: "quantized" or "skipped", and why.
+    shape: (E, 2I, H) of gate_up as [E, N, K]."""
+    name: str
+    family: str
+    shape: tuple[int, int, int]
+    action: str
+    recipe: str | None
+    reason: str
+
+
+def _shape(model: torch.nn.Module, name: str, spec: ExpertsSpec) -> tuple[int, int, int]:
+    w = getattr(model.get_submodule(name), spec.gate_up)
+    return (int(w.shape[0]), int(w.shape[1]), int(w.shape[2])) if spec.layout == "enk" else \
+        (int(w.shape[0]), int(w.shape[2]), int(w.shape[1]))
+
+
+def plan_experts(model: torch.nn.Module, base, ignore: list[str], overrides: dict, match: Callable[[str, str], bool]
+                 ) -> tuple[dict[str, ExpertsSpec], list[ExpertsDecision]]:
+    """(name -> spec, decisions) for every experts module. base: the Recipe; overrides:
+    {pattern: Recipe | "skip"}; match(pattern, name) -> bool (quantize_model's matcher)."""
+    found = find_experts(model)
+    out = []
+    for name, spec in found.items():
+        shape = _shape(model, name, spec)
+        hit = [p for p in ignore if match(p, name)]
+        ov = {p: r for p, r in overrides.items() if match(p, name)}
+        choices = {r if r == "skip" else r.name for r in ov.values()}
+        if len(choices) > 1:
+            raise ValueError(f"experts {name} match overrides {list(ov)} that disagree ({sorted(choices)}); "
+                             "make the patterns disjoint")
+        if hit:
+            out.append(ExpertsDecision(name, spec.family, shape, "skipped", None, f"ignore pattern {hit[0]!r}"))
+        elif ov:
+            p, r = next(iter(ov.items()))
+            out.append(ExpertsDecision(name, spec.family, shape, "skipped", None, f"override {p!r} -> skip")
+                       if r == "skip" else ExpertsDecision(name, spec.family, shape, "quantized", r.name,
+                                                           f"override {p!r}"))
+        else:
+            out.append(ExpertsDecision(name, spec.family, shape, "quantized", base.name, "recipe"))
+    return found, out
+
+
+def router_names(model: torch.nn.Module, found: dict[str, ExpertsSpec]) -> list[str]:
+    """Names of the routers and shared-expert gates beside every experts module (kept in high
+    precision by rule, whether they are nn.Linear or a bare weight)."""
+    out = []
+    for name, spec in found.items():
+        r = router_of(model, name, spec)
+        if r is not None:
+            out.append(r[0])
+        if spec.shared_gate:
+            parent = name.rpartition(".")[0]
+            gate = f"{parent}.{spec.shared_gate}" if parent else spec.shared_gate
+            try:
+                model.get_submodule(gate)
+                out.append(gate)
+            except AttributeError:
+                pass
+    return out
+
+
+def build_experts(model: torch.nn.Module, found: dict[str, ExpertsSpec], decisions: list[ExpertsDecision],
+                  recipes: dict) -> dict[str, QuantExperts]:
+    """QuantExperts for every quantized decision (the model is not changed). recipes: name ->
+    Recipe. An error names the module and the way out."""
+    new = {}
+    for d in decisions:
+        if d.action != "quantized":
+            continue
+        spec, r = found[d.name], recipes[d.recipe]
+        try:
+            new[d.name] = QuantExperts.from_module(
+                model.get_submodule(d.name), r.weight, r.act, gate_up=spec.gate_up, down=spec.down,
+                layout=spec.layout, gate_up_bias=spec.gate_up_bias, down_bias=spec.down_bias,
+                glu_split=spec.glu_split, activation=spec.activation, family=spec.family, name=d.name)
+        except (ValueError, NotImplementedError) as err:
+            raise type(err)(f"experts {d.name} (E, 2I, H = {d.shape}) under recipe {r.name}: {err}. Keep them in "
+                            f"high precision with ignore=[{d.name!r}] or override them.") from err
+    return new
+
+
+def swap_in(model: torch.nn.Module, new: dict[str, torch.nn.Module]) -> None:
+    """Replace each named module by its new one (on the old one's device)."""
+    for name, q in new.items():
+        parent, _, attr = name.rpartition(".")
+        old = model.get_submodule(name)
+        dev = next(iter(old.parameters())).device
+        setattr(model.get_submodule(parent) if parent else model, attr, q.to(dev))

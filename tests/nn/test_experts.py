@@ -1,0 +1,272 @@
+"""QuantExperts on six transformers 5 MoE families: the family's own forward is the oracle.
+
+Each grouped GEMM is compared with the float GEMM within lowbit.verify.tolerance's
+quantization_bounds; whole-module comparisons use an element-wise bound propagated through the
+experts' arithmetic (`_bound` below): h = x W1^T, a = glu(h), y = a W2^T, out = sum_j r_j y_j, with
+  |dh| <= ex |W1|^T + (|x| + ex) eW1^T + gamma_H (|x| + ex)(|W1| + eW1)^T
+  |da| <= L |dg| (|u| + |du|) + |act(g)| |du| + ea      (L = max |silu'| = 1.0998; gpt-oss's
+          g * sigmoid(alpha g) has derivative silu'(alpha g), and its clamps are 1-Lipschitz)
+  |dy| <= da |W2|^T + (|a| + da) eW2^T + gamma_I (|a| + da)(|W2| + eW2)^T
+  |dout| <= sum_j |r_j| |dy_j|
+where ex / eW / ea are per-element bounds of what differs between the two sides (a rounding
+unit, a quantization step) and gamma_n = n u / (1 - n u) covers the accumulation order."""
+import copy
+
+import pytest
+import torch
+
+from lowbit.archs.experts import find_experts, router_of
+from lowbit.nn.experts import QuantExperts
+from lowbit.ops.grouped import sort_tokens, take_rows
+from lowbit.quantize import quantize
+from lowbit.recipes.presets import get_recipe
+from lowbit.verify.tolerance import quantization_bounds
+from moe_fixtures import FAMILIES, tiny_moe
+
+L_SILU = 1.0998       # max_z d/dz [z sigmoid(z)] (at z ~ 2.40), rounded up
+U64, U32 = 2.0 ** -53, 2.0 ** -24
+
+
+def gamma(n: int, u: float) -> float:
+    return n * u / (1 - n * u)
+
+
+def _experts(family, rng, **kw):
+    model = tiny_moe(family, rng, **kw)
+    name, spec = next(iter(find_experts(model).items()))
+    return model, name, spec, model.get_submodule(name)
+
+
+def _route(model, name, spec, x):
+    """top-k indices and weights from the family's own router on x."""
+    _, router = router_of(model, name, spec)
+    _, weights, index = router(x)
+    return index, weights.to(x.dtype)
+
+
+def _enk(w, spec):
+    return w if spec.layout == "enk" else w.transpose(1, 2)
+
+
+def _split(h, spec):
+    return h.chunk(2, dim=-1) if spec.glu_split == "chunk" else (h[..., ::2], h[..., 1::2])
+
+
+def _bound(mod, spec, x, index, weights, *, ex, eW1, eW2, ea_fn, u):
+    """Element-wise bound [T, H] on |out_1 - out_2| (module docstring); ea_fn(a_abs, da) -> extra
+    per-element error of the intermediate (its quantization), or 0."""
+    W1 = _enk(mod.gate_up_proj.detach(), spec).double()
+    W2 = _enk(mod.down_proj.detach(), spec).double()
+    b1 = getattr(mod, spec.gate_up_bias).detach().double() if spec.gate_up_bias else None
+    T, H = x.shape
+    I = W2.shape[2]
+    out = torch.zeros(T, H, dtype=torch.float64)
+    ax = x.abs().double()
+    for t in range(T):
+        for j in range(index.shape[1]):
+            e = int(index[t, j])
+            h = x[t].double() @ W1[e].T + (0 if b1 is None else b1[e])
+            axe = ax[t] + ex[t]
+            dh = ex[t] @ W1[e].abs().T + axe @ eW1[e].T + gamma(H + 1, u) * (axe @ (W1[e].abs() + eW1[e]).T)
+            g, up = _split(h, spec)
+            dg, du = _split(dh, spec)
+            if spec.activation == "act_fn":
+                act_g = torch.nn.functional.silu(g)
+                a = act_g * up
+                da = L_SILU * dg * (up.abs() + du) + act_g.abs() * du
+            else:
+                gc, uc = g.clamp(max=mod.limit), up.clamp(-mod.limit, mod.limit)
+                glu = gc * torch.sigmoid(gc * mod.alpha)
+                a = (uc + 1) * glu
+                da = L_SILU * dg * ((uc + 1).abs() + du) + glu.abs() * du
+            da = da + 4 * u * a.abs() + ea_fn(a.abs(), da)
+            aa = a.abs() + da
+            dy = da @ W2[e].abs().T + aa @ eW2[e].T + gamma(I + 1, u) * (aa @ (W2[e].abs() + eW2[e]).T)
+            out[t] += weights[t, j].abs().double() * dy
+    return out + 4 * u * out.abs().max()
+
+
+def _quant(mod, spec, recipe):
+    r = get_recipe(recipe)
+    return QuantExperts.from_module(mod, r.weight, r.act, gate_up=spec.gate_up, down=spec.down, layout=spec.layout,
+                                    gate_up_bias=spec.gate_up_bias, down_bias=spec.down_bias, glu_split=spec.glu_split,
+                                    activation=spec.activation, family=spec.family)
+
+
+def _input(model, rng, T):
+    return torch.randn(T, model.config.hidden_size, generator=rng, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("recipe", ["w8a16-int8", "w4a16-g32"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_forward_with_dequantized_weights_is_matched(family, recipe, rng):
+    """Weight-only: QuantExperts == the family's own experts forward (transformers' code, its
+    own routing loop and activation) run on the dequantized weights, up to float64 rounding."""
+    model, name, spec, mod = _experts(family, rng)
+    q = _quant(mod, spec, recipe)
+    x = _input(model, rng, 13)
+    index, weights = _route(model, name, spec, x)
+    ref = copy.deepcopy(mod)
+    with torch.no_grad():
+        for p, proj in ((spec.gate_up, "gate_up"), (spec.down, "down")):
+            deq = q.weight_dequantized(proj, torch.float64)     # exact: codes x float32 scales
+            getattr(ref, p).copy_(deq if spec.layout == "enk" else deq.transpose(1, 2))
+    got, want = q(x, index, weights), ref(x, index, weights)
+    zero = lambda w: torch.zeros_like(_enk(w.detach(), spec), dtype=torch.float64)  # noqa: E731
+    ex = torch.zeros_like(x)
+    # only the summation order differs: the bound with zero quantization error and u = 2^-53
+    tol = _bound(ref, spec, x, index, weights, ex=ex, eW1=zero(ref.gate_up_proj), eW2=zero(ref.down_proj),
+                 ea_fn=lambda a, d: 0, u=U64)
+    assert q.last_path == "exact"
+    assert ((got - want).abs() <= tol).all(), float(((got - want).abs() / tol).max())
+
+
+RECIPES = ["w8a16-int8", "w4a16-g32", "w8a8-int8", "w8a8-int8-tensor", "w8a8-fp8", "mxfp8", "mxfp4", "nvfp4"]
+
+
+def _gemm_check(got, x, w, b, xq, wq, E_wrong):
+    """got [M, N] (float64, QuantExperts' rows of one expert) against the float GEMM
+    x @ w.T + b within lowbit.verify.tolerance.quantization_bounds (the recipe's derived
+    per-element bound: sum_k E_x W + X E_w + E_x E_w), plus x's rounding to float32 before it is
+    quantized (u32 |x| |w|) and float64's own accumulation (gamma_K(u64) |x| |w|). Returns the
+    whether the same rows times another expert's weight would break the bound (its teeth)."""
+    want = x @ w.T + (0 if b is None else b)
+    det, _ = quantization_bounds(x.float().double(), w, xq, wq)
+    mag = x.abs() @ w.abs().T
+    tol = det + (U32 + gamma(x.shape[1] + 1, U64)) * mag * 2
+    err = (got - want).abs()
+    assert (err <= tol).all(), float((err / tol).max())
+    return bool(((x @ E_wrong.T + (0 if b is None else b) - want).abs() > tol).any())
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_grouped_gemm_within_the_recipes_bound_of_float(family, recipe, rng):
+    """Both grouped GEMMs of every expert against the float GEMM on the same rows, within the
+    bound derived from the recipe's schemes (weights per expert, activations quantized once
+    over the whole input / sorted intermediate buffer)."""
+    model, name, spec, mod = _experts(family, rng)
+    r = get_recipe(recipe)
+    q = _quant(mod, spec, recipe)
+    x = _input(model, rng, 11)
+    index, _ = _route(model, name, spec, x)
+    routing = sort_tokens(index, q.num_experts)
+    W1, W2 = _enk(mod.gate_up_proj.detach(), spec).double(), _enk(mod.down_proj.detach(), spec).double()
+    b1 = getattr(mod, spec.gate_up_bias).detach().double() if spec.gate_up_bias else None
+    b2 = getattr(mod, spec.down_bias).detach().double() if spec.down_bias else None
+    h = q.gate_up_rows(x, routing)
+    a = q.glu(h)
+    y = q.down_rows(a, routing)
+    xq_all = None if r.act is None else quantize(x.float(), r.act)
+    aq_all = None if r.act is None else quantize(a, r.act)
+    off = routing.offsets.tolist()
+    teeth = []
+    for e in range(q.num_experts):
+        rows = torch.arange(off[e], off[e + 1])
+        if not rows.numel():
+            continue
+        xe = x[routing.token[rows]]
+        other = (e + 1) % q.num_experts
+        teeth.append(_gemm_check(h[rows], xe, W1[e], None if b1 is None else b1[e],
+                                 None if xq_all is None else take_rows(xq_all, routing.token[rows]),
+                                 q.weight_q("gate_up", e), W1[other]))
+        teeth.append(_gemm_check(y[rows], a[rows], W2[e], None if b2 is None else b2[e],
+                                 None if aq_all is None else take_rows(aq_all, rows), q.weight_q("down", e),
+                                 W2[other]))
+    # A worst-case bound at K = 64 separates another expert's output from this one's for int8
+    # (u = 1/254); for fp8 (u = 2^-4) and 4-bit formats it does not, and the exact comparison with
+    # the family's own forward (the test above) is what catches a wrong expert there.
+    if max(r.weight.fmt.unit_roundoff, 0 if r.act is None else r.act.fmt.unit_roundoff) < 2 ** -7:
+        assert any(teeth)
+
+
+def test_bad_input_gets_clear_errors(rng):
+    model, name, spec, mod = _experts("mixtral", rng)
+    with pytest.raises(ValueError, match=r"gate_up_proj.*K = 64.*group size 128"):
+        _quant(mod, spec, "w4a16")                                  # K = 64, groups of 128
+    q = _quant(mod, spec, "w8a8-int8")
+    x = _input(model, rng, 5)
+    with pytest.raises(ValueError, match="0 tokens"):
+        q(x[:0], torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="top_k = 9"):
+        q(x, torch.zeros(5, 9, dtype=torch.long), torch.ones(5, 9, dtype=torch.float64))
+    with pytest.raises(ValueError, match="expert ids in"):
+        q(x, torch.full((5, 2), 11), torch.ones(5, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="hidden_states must be"):
+        q(x[:, :10], torch.zeros(5, 2, dtype=torch.long), torch.ones(5, 2, dtype=torch.float64))
+    with torch.no_grad():
+        mod.down_proj[3, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="down_proj.*NaN/Inf"):
+        _quant(mod, spec, "w8a8-int8")
+    with pytest.raises(ValueError, match="act_scheme must be dynamic"):
+        QuantExperts.from_module(mod, get_recipe("w8a8-int8").weight,
+                                 get_recipe("w8a8-int8").act.__class__(format="int8", strategy="tensor"))
+
+
+def test_unknown_fused_experts_module_is_refused():
+    class MyExperts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w_in = torch.nn.Parameter(torch.zeros(4, 16, 8))
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), MyExperts())
+    with pytest.raises(ValueError, match=r"1 \(MyExperts\).*no entry for MyExperts"):
+        find_experts(model)
+
+
+def test_dropped_slots_and_empty_experts(rng):
+    """Index E marks a dropped slot (no row); experts no token picked contribute nothing."""
+    r = sort_tokens(torch.tensor([[0, 3], [3, 4], [4, 0]]), 4)
+    assert r.token.tolist() == [0, 2, 0, 1] and r.slot.tolist() == [0, 1, 1, 0]
+    assert r.offsets.tolist() == [0, 2, 2, 2, 4]
+    model, name, spec, mod = _experts("qwen3_moe", rng)
+    q = _quant(mod, spec, "w8a16-int8")
+    x = _input(model, rng, 6)
+    index = torch.full((6, 2), 7)
+    index[:, 1] = 8                                                 # every second slot dropped
+    w = torch.rand(6, 2, generator=rng, dtype=torch.float64)
+    full = q(x, index, w)
+    alone = q(x, index[:, :1], w[:, :1])
+    assert torch.equal(full, alone)
+
+
+@pytest.mark.parametrize("recipe", ["w8a8-int8", "w4a16-g32"])
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_grouped_kernel_path_matches_exact_path(family, recipe, rng):
+    """backend="kernel" (Triton's interpreter here, CUDA in service) against the exact path on
+    the same module, within the bound of the module docstring with the float32 unit (the kernel
+    path's accumulation, activation and routing sum) and, for W8A8, one activation step (the
+    float32 intermediate may round to the neighbouring int8 code, and its per-token scale may
+    move by the intermediate's own error)."""
+    model, name, spec, mod = _experts(family, rng, dtype=torch.float32)
+    r = get_recipe(recipe)
+    q = _quant(mod, spec, recipe)
+    q.backend = "kernel"
+    x = torch.randn(13, model.config.hidden_size, generator=rng)
+    index, weights = _route(model, name, spec, x)
+    got = q(x, index, weights)
+    assert q.last_path == "kernel:" + ("int8" if recipe == "w8a8-int8" else "w4a16")
+    q.backend = "exact"
+    want = q(x, index, weights)
+    assert q.last_path == "exact"
+    twin = copy.deepcopy(mod).double()
+    with torch.no_grad():
+        for p, proj in ((spec.gate_up, "gate_up"), (spec.down, "down")):
+            deq = q.weight_dequantized(proj, torch.float64)
+            getattr(twin, p).copy_(deq if spec.layout == "enk" else deq.transpose(1, 2))
+    zero = lambda w: torch.zeros_like(_enk(w.detach(), spec), dtype=torch.float64)  # noqa: E731
+    if r.act is None:
+        ea_fn = lambda a, d: 0  # noqa: E731
+    else:
+        ea_fn = lambda a, d: ((a + d).amax(-1, keepdim=True) / 127 + d.amax(-1, keepdim=True)) * (1 + 2 * U32)  # noqa
+    xd = x.double()
+    xin = xd if r.act is None else lb_quant_dequant(xd, r.act)
+    tol = _bound(twin, spec, xin, index, weights.double(), ex=torch.zeros_like(xd), eW1=zero(twin.gate_up_proj),
+                 eW2=zero(twin.down_proj), ea_fn=ea_fn, u=U32)
+    err = (got.double() - want.double()).abs()
+    assert (err <= tol).all(), float((err / tol).max())
+
+
+def lb_quant_dequant(x, scheme):
+    """What both paths multiply: the activations' dequantized values (identical codes and scales)."""
+    return quantize(x.float(), scheme).dequantize(torch.float64)
