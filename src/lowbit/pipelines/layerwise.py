@@ -351,17 +351,18 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     config = transformers.AutoConfig.for_model(**cfg)
     with torch.device("meta"):
         model = getattr(transformers, arch)(config).eval()
+    # experts first: the more specific refusal (a MoE family is not in the dense decoder map either)
+    moe = list(find_experts(model))
+    if moe:
+        raise NotImplementedError(f"{arch}: layer-by-layer quantization does not quantize fused MoE experts yet "
+                                  f"({moe[0]}, ...), and would leave them in float; load the model and use "
+                                  "lowbit.pipelines.quantize_model instead")
     fam = decoder_for(model)            # a family not in lowbit.archs.decoders is refused by name
     inner = getattr(model, "model", None)
     if fam.layers != "model.layers" or fam.embed != "model.embed_tokens" or inner is None or \
             not hasattr(inner, "rotary_emb"):
         raise NotImplementedError(f"{arch}: layer-by-layer quantization knows the Llama layout (model.embed_tokens, "
                                   "model.layers, model.norm, model.rotary_emb); quantize it whole instead")
-    moe = list(find_experts(model))
-    if moe:
-        raise NotImplementedError(f"{arch}: layer-by-layer quantization does not quantize fused MoE experts yet "
-                                  f"({moe[0]}, ...), and would leave them in float; load the model and use "
-                                  "lowbit.pipelines.quantize_model instead")
     bname, blist = "model.layers", inner.layers
     built = [f"model.embed_tokens.{n}" for n, _ in inner.embed_tokens.named_buffers()]
     if built:      # e.g. Gemma's embed_scale: set at construction, on the meta device here
