@@ -54,6 +54,18 @@ def smem_bytes(bm: int, bn: int, bd: int, mma: bool, k_bytes: int, v_bytes: int,
     return base + (stages - 1) * ahead
 
 
+def pick_tiles(rows: int, mma: bool, block_m: int | None = None) -> tuple[int, int]:
+    """(BLOCK_M, num_warps). From the sm_90 SASS (tests/ops/test_attention_sm90.py): the fp32-dot
+    mode's FMA dot keeps each thread's operand rows across the whole head dim in registers, so it
+    takes 16-row tiles over 8 warps (at head_dim 128: ~140 local loads / stores against thousands
+    with 64 rows over 4 warps); the tensor-core mode spills nothing with 16 rows over 4 warps or 64
+    rows over 8."""
+    if mma:
+        bm = block_m or (16 if rows <= 16 else 64)
+        return bm, 4 if bm <= 16 else 8
+    return block_m or 16, 8
+
+
 def pick_stages(limit: int = SM90_SHARED, **tile) -> int:
     """The deepest pipelining (MAX_STAGES down to 1) whose smem_bytes(**tile) fits `limit`."""
     for stages in range(MAX_STAGES, 0, -1):
@@ -241,7 +253,7 @@ def flash_attention(q_vals: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: t
     vc, vs, vgs, vk = _operand(v, "v", B, Hkv, Tk, D)
     out = torch.empty(B, Hq, Tq, D, dtype=out_dtype, device=q_vals.device)
     rows = G * Tq
-    bm = block_m or (16 if rows <= 16 else 64)
+    bm, warps = pick_tiles(rows, bool(use_mma), block_m)
     bd = max(16, triton.next_power_of_2(D))
     limit = SM90_SHARED
     if not interpreting():
@@ -257,7 +269,8 @@ def flash_attention(q_vals: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: t
            K_KIND=kk, V_KIND=vk, K_GROUPED=kgs < D, V_GROUPED=vgs < D, P_MODE=_P_MODE[spec.p_format],
            FMAX=float(spec.p_max), CAUSAL=spec.causal, MMA=bool(use_mma),
            DOT_TY=tl.float32 if interpreting() else tl.bfloat16, DOT_PREC="ieee" if interpreting() else "tf32",
-           BLOCK_M=bm, BLOCK_N=spec.p_block, BLOCK_D=bd, OUT_TY=_OUT[out_dtype], num_warps=4, num_stages=stages)
+           BLOCK_M=bm, BLOCK_N=spec.p_block, BLOCK_D=bd, OUT_TY=_OUT[out_dtype], num_warps=warps,
+           num_stages=stages)
     return out
 
 
