@@ -22,6 +22,8 @@ Arithmetic, in this order (lowbit.ops.attention_reference derives the gate from 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -52,6 +54,13 @@ def smem_bytes(bm: int, bn: int, bd: int, mma: bool, k_bytes: int, v_bytes: int,
     ahead = bn * bd * (k_bytes + v_bytes) + 8 * bn
     ahead += sum(4 * bn * bd for g in (k_grouped, v_grouped) if g and not mma)
     return base + (stages - 1) * ahead
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_limit(device_index: int) -> int:
+    """Shared memory one block of this GPU may opt into (sm_90's where torch does not report it)."""
+    props = torch.cuda.get_device_properties(device_index)
+    return int(getattr(props, "shared_memory_per_block_optin", SM90_SHARED))
 
 
 def pick_tiles(rows: int, mma: bool, block_m: int | None = None) -> tuple[int, int]:
@@ -255,10 +264,7 @@ def flash_attention(q_vals: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: t
     rows = G * Tq
     bm, warps = pick_tiles(rows, bool(use_mma), block_m)
     bd = max(16, triton.next_power_of_2(D))
-    limit = SM90_SHARED
-    if not interpreting():
-        props = torch.cuda.get_device_properties(q_vals.device)
-        limit = int(getattr(props, "shared_memory_per_block_optin", SM90_SHARED))
+    limit = SM90_SHARED if interpreting() else _shared_limit(q_vals.device.index or 0)
     stages = pick_stages(limit, bm=bm, bn=spec.p_block, bd=bd, mma=bool(use_mma), k_bytes=kc.element_size(),
                          v_bytes=vc.element_size(), k_grouped=kgs < D, v_grouped=vgs < D)
     c = float(torch.tensor(spec.scale_for(D) * ar.LOG2E, dtype=torch.float32))
