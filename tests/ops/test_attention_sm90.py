@@ -1,10 +1,10 @@
 """The attention kernel compiles for sm_90 (H100 / H200) without a GPU: every mode the dispatch can
-pick, decode's specialized constants (Tq = Tk = G = 1), and prefill at head_dim 128 with the
-launch-time specializations the GPU gives (unit strides as constants, other ints marked divisible
-by 16 only where they are), within the shared memory the launcher's
-smem_bytes estimate promises at the pipelining depth it picks, at the tiles and warps pick_tiles
-chooses; the tensor-core mode without spilling registers (no local loads / stores in the SASS). Runs Triton's compiler in a
-subprocess (the test process has TRITON_INTERPRET set)."""
+pick, decode's specialized constants (Tq = Tk = G = 1), and prefill at head_dim 128 with the launch-
+time specializations the GPU gives (unit strides as constants, other ints marked divisible by 16
+only where they are), within the shared memory the launcher's smem_bytes estimate promises at the
+pipelining depth it picks, at the tiles and warps pick_tiles chooses; the tensor-core mode without
+spilling registers (no local loads / stores in the SASS). Runs Triton's compiler in a subprocess
+(the test process has TRITON_INTERPRET set)."""
 import json
 import os
 import subprocess

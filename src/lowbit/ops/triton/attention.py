@@ -116,9 +116,8 @@ def _flash_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, Tq, Tk, D,
                   sv_b, sv_h, sv_t, sv_d, svs_b, svs_h, svs_t, svs_g, V_GS, so_b, so_h, so_t, so_d, Hkv,
                   K_KIND: tl.constexpr, V_KIND: tl.constexpr, K_GROUPED: tl.constexpr, V_GROUPED: tl.constexpr,
                   P_MODE: tl.constexpr, FMAX: tl.constexpr,
-                  CAUSAL: tl.constexpr, MMA: tl.constexpr, DOT_TY: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr, OUT_TY: tl.constexpr):
+                  CAUSAL: tl.constexpr, MMA: tl.constexpr, DOT_TY: tl.constexpr, DOT_PREC: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, OUT_TY: tl.constexpr):
     # rows are the G query heads of one KV head packed with their tokens (row = g * Tq + i), so each
     # K / V tile is read once for the whole group
     pid_m = tl.program_id(0)
