@@ -24,7 +24,8 @@ def test_quick_rows(tmp_path):
 
 def test_rows_on_the_interpreter_with_tiny_shapes(monkeypatch):
     """The code path (caches, specs, kernel calls, row fields) on tiny shapes, timings stubbed."""
-    monkeypatch.setattr(attention, "DEVICE", "cpu")
+    # the GPU where there is one (the compiled kernels), else the CPU under TRITON_INTERPRET
+    monkeypatch.setattr(attention, "DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
     monkeypatch.setattr(attention, "HQ", 4)
     monkeypatch.setattr(attention, "HKV", 2)
     monkeypatch.setattr(attention, "D", 16)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from lowbit.nn.kv_cache import KVCacheQuant, LowbitKVCache, calibrate_kv_cache
+from lowbit.nn.kv_cache import KVCacheQuant, LowbitKVCache, cache_kwarg, calibrate_kv_cache
 from lowbit.ops.kv_quant import KVScheme, observe_amax, quantize_kv, static_scale
 
 
@@ -105,7 +105,7 @@ def test_generate_equals_uncached_quantized_forward(rng, name):
                          max_new_tokens=5, do_sample=False,
                          output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     seq = gen.sequences
-    full = model(input_ids=seq[:, :-1], cache=kv.new_cache(), use_cache=True).logits
+    full = model(input_ids=seq[:, :-1], **{cache_kwarg(model): kv.new_cache()}, use_cache=True).logits
     step_logits = torch.stack(gen.logits, dim=1)                   # [B, new, V]
     ref = full[:, ids.shape[1] - 1:]
     # Both runs hold the same codes; they differ by float64 rounding of different summation orders
@@ -122,7 +122,7 @@ def test_cache_bytes_and_unquantized_differs(rng):
     ids = torch.randint(0, 61, (1, 9), generator=rng)
     kv = calibrate_kv_cache(model, [ids], "fp8")
     cache = kv.new_cache()
-    q = model(input_ids=ids, cache=cache, use_cache=True).logits
+    q = model(input_ids=ids, **{cache_kwarg(model): cache}, use_cache=True).logits
     plain = model(input_ids=ids).logits
     assert cache.get_seq_length() == 9
     # 2 layers x (K, V) x 2 KV heads x 9 tokens x 24 dims, one byte each, plus 2 x 2 x 4 scale bytes

@@ -10,6 +10,9 @@ from lowbit.ops.attention import attention
 from lowbit.ops.kv_quant import KVScheme, observe_amax, quantize_kv, static_scale
 
 CUDA = torch.cuda.is_available()
+# the Triton backend runs compiled on the GPU where there is one; elsewhere conftest sets
+# TRITON_INTERPRET and the same calls run in the CPU interpreter
+DEV = "cuda" if CUDA else "cpu"
 
 
 def _cache(rng, B, Hkv, Tk, D, scheme, device="cpu"):
@@ -47,8 +50,9 @@ CASES = [  # B, Hq, Hkv, Tq, Tk, D, scheme, p_format, causal
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_attention_within_derived_gate(rng, case, backend):
     B, Hq, Hkv, Tq, Tk, D, scheme, pf, causal = case
-    kq, vq = _cache(rng, B, Hkv, Tk, D, scheme)
-    q = torch.randn(B, Hq, Tq, D, generator=rng) * 1.5
+    dev = DEV if backend == "triton" else "cpu"
+    kq, vq = _cache(rng, B, Hkv, Tk, D, scheme, device=dev)
+    q = (torch.randn(B, Hq, Tq, D, generator=rng) * 1.5).to(dev)
     spec = ar.AttnSpec(q_format="fp8_e4m3fn" if scheme is not None else None, p_format=pf, p_block=16, causal=causal)
     out = attention(q, kq, vq, spec, backend=backend)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -56,8 +60,8 @@ def test_attention_within_derived_gate(rng, case, backend):
 
 
 def test_triton_bf16_output_within_gate(rng):
-    kq, vq = _cache(rng, 1, 2, 29, 40, KVScheme("fp8", "head"))
-    q = torch.randn(1, 4, 3, 40, generator=rng)
+    kq, vq = _cache(rng, 1, 2, 29, 40, KVScheme("fp8", "head"), device=DEV)
+    q = torch.randn(1, 4, 3, 40, generator=rng).to(DEV)
     spec = ar.AttnSpec(p_block=16)
     out = attention(q, kq, vq, spec, backend="triton", out_dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16
@@ -129,8 +133,8 @@ def test_bad_input(rng):
     with pytest.raises(ValueError, match="NaN/Inf"):
         attention(q, k_nan, torch.randn(1, 2, 8, 24))
     with pytest.raises(ValueError, match="head_dim 320"):
-        kb, vb = _cache(rng, 1, 1, 4, 320, None)
-        attention(torch.randn(1, 1, 1, 320), kb, vb, backend="triton")
+        kb, vb = _cache(rng, 1, 1, 4, 320, None, device=DEV)
+        attention(torch.randn(1, 1, 1, 320, device=DEV), kb, vb, backend="triton")
 
 
 @pytest.mark.gpu
@@ -153,8 +157,8 @@ def test_triton_packed_gqa_tiles_within_and_across_heads(rng):
     """Rows are (query head, token) pairs of one KV head; with 16-row tiles over Tq = 40 some tiles
     lie inside one head (their key loop stops at the causal limit) and some straddle two."""
     from lowbit.ops.triton.attention import flash_attention
-    kq, vq = _cache(rng, 1, 1, 45, 24, KVScheme("fp8", "token"))
-    q = torch.randn(1, 2, 40, 24, generator=rng)
+    kq, vq = _cache(rng, 1, 1, 45, 24, KVScheme("fp8", "token"), device=DEV)
+    q = torch.randn(1, 2, 40, 24, generator=rng).to(DEV)
     spec = ar.AttnSpec(q_format=None, p_block=16, causal=True)
     out = flash_attention(q, kq, vq, spec, block_m=16, mma=False)
     _check(out, q, kq, vq, spec)
@@ -166,8 +170,8 @@ def test_triton_tensor_core_mode_within_gate(rng, scheme, pf):
     """The bf16-codes mode (scales after the dots) against the same reference gate, both with Q as
     codes and Q given in bf16; and its refusal where it would not be exact."""
     from lowbit.ops.triton.attention import flash_attention
-    kq, vq = _cache(rng, 1, 2, 37, 40, scheme)
-    q = torch.randn(1, 4, 5, 40, generator=rng)
+    kq, vq = _cache(rng, 1, 2, 37, 40, scheme, device=DEV)
+    q = torch.randn(1, 4, 5, 40, generator=rng).to(DEV)
     spec = ar.AttnSpec(p_format=pf, p_block=16, causal=True)
     vals, scale = ar.quantize_q_parts(q, spec.q_format)
     _check(flash_attention(vals, kq, vq, spec, q_scale=scale, mma=True), q, kq, vq, spec)

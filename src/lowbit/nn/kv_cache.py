@@ -2,6 +2,7 @@
 
     kv = calibrate_kv_cache(model, batches, "fp8")          # static scales need calibration data
     out = model.generate(ids, past_key_values=kv.new_cache(), ...)
+    logits = model(ids, **{cache_kwarg(model): kv.new_cache()}).logits   # 5.x: cache=, 4.x: past_key_values=
 
 Each layer stores its keys and values as lowbit.ops.kv_quant.KVQuant (codes and scales; the
 arithmetic is lowbit.quantize's). `update` quantizes the new states, appends them, and returns
@@ -24,6 +25,7 @@ per-head was declared).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -177,6 +179,13 @@ class _ObserverLayer(DynamicLayer):
         return super().update(key_states, value_states, *args, **kwargs)
 
 
+def cache_kwarg(model) -> str:
+    """The name under which `model.forward` takes its cache: "cache" (transformers 5.x) or
+    "past_key_values" (4.x). A name the forward does not declare would vanish into its **kwargs:
+    the model would then build its own unquantized cache and nothing would be observed."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def num_decoder_layers(model) -> int:
     cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     return int(cfg.num_hidden_layers)
@@ -194,15 +203,17 @@ def calibrate_kv_cache(model, batches, scheme) -> KVCacheQuant:
     stats: dict = {}
     seen = 0
     device = next(model.parameters()).device
+    cache_kw = cache_kwarg(model)
     for batch in batches:
         cache = Cache(layers=[_ObserverLayer(scheme, stats, i) for i in range(n)])
         kwargs = dict(batch) if isinstance(batch, dict) else {"input_ids": batch}
         kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        model(**kwargs, cache=cache, use_cache=True)
+        model(**kwargs, **{cache_kw: cache}, use_cache=True)
         seen += 1
     if seen == 0 or len(stats) != 2 * n:
         raise ValueError(f"calibrate_kv_cache: {scheme} needs calibration batches that reach every one of the "
-                         f"{n} layers (got {seen} batch(es), {len(stats) // 2} layer(s) observed)")
+                         f"{n} layers (got {seen} batch(es), {len(stats) // 2} layer(s) observed); the cache goes to "
+                         f"{type(model).__name__}.forward as {cache_kw}= and every decoder layer must write to it")
     k = [static_scale(stats[("k", i)], scheme) for i in range(n)]
     v = [static_scale(stats[("v", i)], scheme) for i in range(n)]
     return KVCacheQuant(scheme, n, k, v)
@@ -237,7 +248,8 @@ def _use_quantized_cache(module, args, kwargs):
     given = kwargs.get("cache", kwargs.get("past_key_values"))
     if given is None or (type(given) is DynamicCache and given.get_seq_length() == 0):
         kwargs.pop("past_key_values", None)
-        kwargs["cache"] = kv.new_cache()       # generate's fresh DynamicCache is swapped for a quantized one
+        kwargs.pop("cache", None)
+        kwargs[cache_kwarg(module)] = kv.new_cache()   # generate's fresh DynamicCache is swapped for a quantized one
         kwargs["use_cache"] = True
     return args, kwargs
 

@@ -22,6 +22,8 @@ Arithmetic, in this order (lowbit.ops.attention_reference derives the gate from 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -35,13 +37,59 @@ _KIND = {"fp8_e4m3fn": 0, "int8": 1, "int4": 1}      # code kinds the kernel dec
 _P_MODE = {"fp8_e4m3fn": 0, "int8": 1, None: 2}
 _OUT = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 MAX_HEAD_DIM = 256
+SM90_SHARED = 232448            # bytes one sm_90 block may opt into (227 KiB): the H100 / H200 limit
+MAX_STAGES = 3                  # Triton's default software-pipelining depth on sm_90
+
+
+def smem_bytes(bm: int, bn: int, bd: int, mma: bool, k_bytes: int, v_bytes: int, k_grouped: bool, v_grouped: bool,
+               stages: int) -> int:
+    """Shared memory the compiled kernel needs, an upper estimate (tests/ops/test_attention_sm90.py
+    checks it against Triton's own figure for sm_90): the dot operands staged once (Q [bm, bd],
+    K^T and V [bd, bn], P [bm, bn], 4 bytes each in the fp32-dot mode, 2 in the bf16 MMA mode), plus
+    for each of the stages - 1 key blocks the pipeliner loads ahead: the K and V code tiles, their
+    per-token scale vectors, and in the fp32-dot mode a 4-byte scale per element where the scale
+    varies along the head dim (per-group). 1 KiB covers the reductions' scratch."""
+    dot = 2 if mma else 4
+    base = dot * (bm * bd + 2 * bn * bd + bm * bn) + 1024
+    ahead = bn * bd * (k_bytes + v_bytes) + 8 * bn
+    ahead += sum(4 * bn * bd for g in (k_grouped, v_grouped) if g and not mma)
+    return base + (stages - 1) * ahead
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_limit(device_index: int) -> int:
+    """Shared memory one block of this GPU may opt into (sm_90's where torch does not report it)."""
+    props = torch.cuda.get_device_properties(device_index)
+    return int(getattr(props, "shared_memory_per_block_optin", SM90_SHARED))
+
+
+def pick_tiles(rows: int, mma: bool, block_m: int | None = None) -> tuple[int, int]:
+    """(BLOCK_M, num_warps). From the sm_90 SASS (tests/ops/test_attention_sm90.py): the fp32-dot
+    mode's FMA dot keeps each thread's operand rows across the whole head dim in registers, so it
+    takes 16-row tiles over 8 warps (at head_dim 128: ~140 local loads / stores against thousands
+    with 64 rows over 4 warps); the tensor-core mode spills nothing with 16 rows over 4 warps or 64
+    rows over 8."""
+    if mma:
+        bm = block_m or (16 if rows <= 16 else 64)
+        return bm, 4 if bm <= 16 else 8
+    return block_m or 16, 8
+
+
+def pick_stages(limit: int = SM90_SHARED, **tile) -> int:
+    """The deepest pipelining (MAX_STAGES down to 1) whose smem_bytes(**tile) fits `limit`."""
+    for stages in range(MAX_STAGES, 0, -1):
+        if smem_bytes(stages=stages, **tile) <= limit:
+            return stages
+    raise ValueError(f"attention tiles {tile} need {smem_bytes(stages=1, **tile)} bytes of shared memory even "
+                     f"unpipelined (limit {limit}): use a smaller head_dim or backend='torch'")
 
 
 @triton.jit
 def _load_tile(ptr, s_ptr, b, h, offs_t, offs_d, T, D, st_b, st_h, st_t, st_d, ss_b, ss_h, ss_t, ss_g, GS,
-               KIND: tl.constexpr, SCALED: tl.constexpr):
+               KIND: tl.constexpr, SCALED: tl.constexpr, GROUPED: tl.constexpr):
     """[BLOCK_N, BLOCK_D] fp32 tile of one KV head (zeros outside T x D): the code values, times
-    their scale when SCALED."""
+    their scale when SCALED. One scale per token row unless GROUPED (per head-dim group): a
+    [BLOCK_N] vector then, not a 4-byte scale per element loaded and staged in shared memory."""
     ok = (offs_t < T)[:, None] & (offs_d < D)[None, :]
     raw = tl.load(ptr + b * st_b + h * st_h + offs_t[:, None] * st_t + offs_d[None, :] * st_d, mask=ok, other=0)
     if KIND == 2:
@@ -51,9 +99,13 @@ def _load_tile(ptr, s_ptr, b, h, offs_t, offs_d, T, D, st_b, st_h, st_t, st_d, s
     else:
         val = raw.to(tl.float32)
     if SCALED:
-        s = tl.load(s_ptr + b * ss_b + h * ss_h + offs_t[:, None] * ss_t + (offs_d // GS)[None, :] * ss_g,
-                    mask=ok, other=0.0)
-        val = val * s
+        if GROUPED:
+            s = tl.load(s_ptr + b * ss_b + h * ss_h + offs_t[:, None] * ss_t + (offs_d // GS)[None, :] * ss_g,
+                        mask=ok, other=0.0)
+            val = val * s
+        else:
+            s = tl.load(s_ptr + b * ss_b + h * ss_h + offs_t * ss_t, mask=offs_t < T, other=0.0)
+            val = val * s[:, None]
     return val
 
 
@@ -62,10 +114,10 @@ def _flash_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, Tq, Tk, D,
                   sq_b, sq_h, sq_t, sq_d, sqs_b, sqs_h, sqs_t,
                   sk_b, sk_h, sk_t, sk_d, sks_b, sks_h, sks_t, sks_g, K_GS,
                   sv_b, sv_h, sv_t, sv_d, svs_b, svs_h, svs_t, svs_g, V_GS, so_b, so_h, so_t, so_d, Hkv,
-                  K_KIND: tl.constexpr, V_KIND: tl.constexpr, P_MODE: tl.constexpr, FMAX: tl.constexpr,
-                  CAUSAL: tl.constexpr, MMA: tl.constexpr, DOT_TY: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr, OUT_TY: tl.constexpr):
+                  K_KIND: tl.constexpr, V_KIND: tl.constexpr, K_GROUPED: tl.constexpr, V_GROUPED: tl.constexpr,
+                  P_MODE: tl.constexpr, FMAX: tl.constexpr,
+                  CAUSAL: tl.constexpr, MMA: tl.constexpr, DOT_TY: tl.constexpr, DOT_PREC: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, OUT_TY: tl.constexpr):
     # rows are the G query heads of one KV head packed with their tokens (row = g * Tq + i), so each
     # K / V tile is read once for the whole group
     pid_m = tl.program_id(0)
@@ -100,7 +152,7 @@ def _flash_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, Tq, Tk, D,
     for start in range(0, hi, BLOCK_N):
         offs_k = start + offs_n
         kt = _load_tile(k_ptr, ks_ptr, b, hk, offs_k, offs_d, Tk, D, sk_b, sk_h, sk_t, sk_d,
-                        sks_b, sks_h, sks_t, sks_g, K_GS, K_KIND, not MMA)
+                        sks_b, sks_h, sks_t, sks_g, K_GS, K_KIND, not MMA, K_GROUPED)
         if MMA:
             ks = tl.load(ks_ptr + b * sks_b + hk * sks_h + offs_k * sks_t, mask=offs_k < Tk, other=0.0)
             t = tl.dot(q_in, tl.trans(kt.to(DOT_TY)), input_precision=DOT_PREC) * qs[:, None] * ks[None, :] * c
@@ -126,7 +178,7 @@ def _flash_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, Tq, Tk, D,
         f = tl.where(ok, tl.math.div_rn(tl.exp2(mb0 - m_new0), FMAX), 0.0)
         alpha = tl.where(m_i > float("-inf"), tl.exp2(m_i - m_new0), 0.0)
         vt = _load_tile(v_ptr, vs_ptr, b, hk, offs_k, offs_d, Tk, D, sv_b, sv_h, sv_t, sv_d,
-                        svs_b, svs_h, svs_t, svs_g, V_GS, V_KIND, not MMA)
+                        svs_b, svs_h, svs_t, svs_g, V_GS, V_KIND, not MMA, V_GROUPED)
         if MMA:
             # P codes and V codes are exact in bf16: tensor-core products, fp32 sums; scales after
             pv = tl.dot(codes.to(DOT_TY), vt.to(DOT_TY), input_precision=DOT_PREC) * (f * v_head_scale)[:, None]
@@ -143,7 +195,8 @@ def _flash_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, Tq, Tk, D,
 
 
 def _operand(t, name: str, B: int, H: int, T: int, D: int):
-    """(codes / values tensor, scale tensor [B,H,T,G] with zero strides, group size, kind)."""
+    """(codes / values tensor, scale tensor [B,H,T,G] with zero strides, group size, kind); the
+    group size is D unless the scale varies along the head dim."""
     if isinstance(t, KVQuant):
         kind = _KIND.get(t.scheme.format)
         if kind is None:
@@ -208,16 +261,21 @@ def flash_attention(q_vals: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: t
     vc, vs, vgs, vk = _operand(v, "v", B, Hkv, Tk, D)
     out = torch.empty(B, Hq, Tq, D, dtype=out_dtype, device=q_vals.device)
     rows = G * Tq
-    bm = block_m or (16 if rows <= 16 else 64)
+    bm, warps = pick_tiles(rows, bool(use_mma), block_m)
     bd = max(16, triton.next_power_of_2(D))
+    limit = SM90_SHARED if interpreting() else _shared_limit(q_vals.device.index or 0)
+    stages = pick_stages(limit, bm=bm, bn=spec.p_block, bd=bd, mma=bool(use_mma), k_bytes=kc.element_size(),
+                         v_bytes=vc.element_size(), k_grouped=kgs < D, v_grouped=vgs < D)
     c = float(torch.tensor(spec.scale_for(D) * ar.LOG2E, dtype=torch.float32))
     grid = (triton.cdiv(rows, bm), B * Hkv)
     launch(_flash_kernel, grid, q32, q_scale, kc, ks, vc, vs, out, Tq, Tk, D, G, c,
            *q32.stride(), *q_scale.stride()[:3], *kc.stride(), *ks.stride(), kgs, *vc.stride(), *vs.stride(), vgs,
            *out.stride(), Hkv,
-           K_KIND=kk, V_KIND=vk, P_MODE=_P_MODE[spec.p_format], FMAX=float(spec.p_max), CAUSAL=spec.causal,
-           MMA=bool(use_mma), DOT_TY=tl.float32 if interpreting() else tl.bfloat16,
-           DOT_PREC="ieee" if interpreting() else "tf32", BLOCK_M=bm, BLOCK_N=spec.p_block, BLOCK_D=bd, OUT_TY=_OUT[out_dtype], num_warps=4)
+           K_KIND=kk, V_KIND=vk, K_GROUPED=kgs < D, V_GROUPED=vgs < D, P_MODE=_P_MODE[spec.p_format],
+           FMAX=float(spec.p_max), CAUSAL=spec.causal, MMA=bool(use_mma),
+           DOT_TY=tl.float32 if interpreting() else tl.bfloat16, DOT_PREC="ieee" if interpreting() else "tf32",
+           BLOCK_M=bm, BLOCK_N=spec.p_block, BLOCK_D=bd, OUT_TY=_OUT[out_dtype], num_warps=warps,
+           num_stages=stages)
     return out
 
 
