@@ -124,10 +124,19 @@ def test_torchao_rows(rng, capsys, tmp_path):
     assert [s.name for s in au.discover("cpu", False)][-4:] == [s.name for s in specs]
     cases = [c for c in au.CASES if c.name in ("random", "M=1", "K not a tile multiple")]
     cells = au.audit(specs, cases, device="cpu", seed=seed)
-    assert all(c.verdict == "pass" for c in cells), [c for c in cells if c.verdict != "pass"]
+    # torch builds whose CPU fp8 GEMM takes per-tensor scales only (torch 2.11) cannot run the
+    # row-wise fp8 row on the CPU: n/a with that reason, never a failure and never anything else
+    cpu_fp8_na = [c for c in cells if c.verdict == "n/a" and "fp8 W8A8" in c.kernel and "per-tensor scales" in c.detail]
+    assert all(c.verdict == "pass" for c in cells if c not in cpu_fp8_na), [c for c in cells if c.verdict != "pass"]
+    assert not cpu_fp8_na or len(cpu_fp8_na) == len(cases)
     zero = [c for c in au.CASES if c.name == "zero rows/cols/block"]
     fp8 = au.audit([s for s in specs if "fp8 W8A8" in s.name], zero, device="cpu", seed=seed)[0]
-    assert fp8.verdict == "logic" and fp8.cause == "zero_block_scale_nan", fp8
+    if not cpu_fp8_na:
+        assert fp8.verdict == "logic" and fp8.cause == "zero_block_scale_nan", fp8
+    if torch.cuda.is_available():     # the rows that matter on a GPU: padded to what torch._scaled_mm takes
+        gpu = audit_torchao.specs("cuda")
+        cells = au.audit(gpu, cases, device="cuda", seed=seed)
+        assert all(c.verdict == "pass" for c in cells), [c for c in cells if c.verdict != "pass"]
     # the CLI finds the rows too, and writes the table
     rc = main(["audit", "--seed", str(seed), "--only", "torchao int8", "--case", "M=1",
                "--json", str(tmp_path / "t.json")])
