@@ -244,7 +244,9 @@ def test_grouped_kernel_path_matches_exact_path(family, recipe, rng):
     q.backend = "kernel"
     x = torch.randn(13, model.config.hidden_size, generator=rng)
     index, weights = _route(model, name, spec, x)
-    got = q(x, index, weights)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"     # the kernels on the GPU where there is one
+    got = q.to(dev)(x.to(dev), index.to(dev), weights.to(dev)).cpu()
+    q.to("cpu")
     assert q.last_path == "kernel:" + ("int8" if recipe == "w8a8-int8" else "w4a16")
     q.backend = "exact"
     want = q(x, index, weights)

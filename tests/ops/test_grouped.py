@@ -9,6 +9,8 @@ from lowbit.ops.grouped import grouped_reference, sort_tokens, take_rows
 from lowbit.ops.triton.grouped import grouped_int8, grouped_w4a16
 from lowbit.verify.grouped import check_grouped_linear
 
+# the kernels run on the GPU where there is one (Triton's interpreter on the CPU otherwise)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 INT8_W = lb.QuantScheme(format="int8", strategy="channel")
 INT8_X = lb.QuantScheme(format="int8", strategy="token", dynamic=True)
 
@@ -42,17 +44,19 @@ def test_grouped_int8_accumulator_bit_exact_and_output_within_gate(E, kind, rng)
     x = torch.randn(T, K, generator=rng) * torch.exp(torch.randn(T, 1, generator=rng))
     w = torch.randn(E, N, K, generator=rng) * torch.exp(torch.randn(E, N, 1, generator=rng))
     bias = torch.randn(E, N, generator=rng)
-    routing = sort_tokens(_routing(rng, T, E, k, kind), E)
+    idx = _routing(rng, T, E, k, kind)
+    routing, on_dev = sort_tokens(idx, E), sort_tokens(idx.to(DEV), E)
     xq = lb.quantize(x, INT8_X)
     wq = [lb.quantize(w[e], INT8_W) for e in range(E)]
     codes = torch.stack([q.codes for q in wq])
     scales = torch.stack([q.scale for q in wq])
-    raw = grouped_int8(xq.codes, xq.scale, codes, scales, routing, raw=True)
+    args = [t.to(DEV) for t in (xq.codes, xq.scale, codes, scales)]
+    raw = grouped_int8(*args, on_dev, raw=True).cpu()
     rows_x = xq.codes[routing.token].to(torch.int64)
     e_of = routing.expert_of_rows()
     want = torch.einsum("mk,mnk->mn", rows_x, codes[e_of].to(torch.int64))      # exact integers
     assert torch.equal(raw.to(torch.int64), want)
-    out = grouped_int8(xq.codes, xq.scale, codes, scales, routing, bias=bias)
+    out = grouped_int8(*args, on_dev, bias=bias.to(DEV)).cpu()
     v = check_grouped_linear(out, x[routing.token], w, routing.offsets, x_scheme=INT8_X, w_scheme=INT8_W, bias=bias)
     assert v.passed, v.report()
     ref = grouped_reference(take_rows(xq, routing.token), routing.offsets, wq, bias)
@@ -66,11 +70,12 @@ def test_grouped_w4a16_within_gate(E, kind, group, rng):
     scheme = lb.QuantScheme(format="int4", strategy="group", group_size=group)
     x = torch.randn(T, K, generator=rng)
     w = torch.randn(E, N, K, generator=rng) * torch.exp(torch.randn(E, N, 1, generator=rng))
-    routing = sort_tokens(_routing(rng, T, E, k, kind), E)
+    idx = _routing(rng, T, E, k, kind)
+    routing = sort_tokens(idx, E)
     wq = [lb.quantize(w[e], scheme) for e in range(E)]
     packed = torch.stack([lb.pack_int4(q.codes) for q in wq])
     scales = torch.stack([q.scale for q in wq])
-    out = grouped_w4a16(x, packed, scales, routing, group_size=group)
+    out = grouped_w4a16(x.to(DEV), packed.to(DEV), scales.to(DEV), sort_tokens(idx.to(DEV), E), group_size=group).cpu()
     v = check_grouped_linear(out, x[routing.token], w, routing.offsets, w_scheme=scheme, accumulator="fp32")
     assert v.passed, v.report()
 

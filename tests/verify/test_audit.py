@@ -136,7 +136,11 @@ def test_torchao_rows(rng, capsys, tmp_path):
     if torch.cuda.is_available():     # the rows that matter on a GPU: padded to what torch._scaled_mm takes
         gpu = audit_torchao.specs("cuda")
         cells = au.audit(gpu, cases, device="cuda", seed=seed)
-        assert all(c.verdict == "pass" for c in cells), [c for c in cells if c.verdict != "pass"]
+        # every row runs (padded where torch._scaled_mm / _int_mm need it); cuBLAS's fp8 GEMM keeps
+        # fewer bits than the fp32 its rows declare, which the audit reports as numerical
+        assert all(c.verdict in ("pass", "numerical") for c in cells), [c for c in cells if c.verdict not in
+                                                                          ("pass", "numerical")]
+        assert all(c.verdict == "pass" for c in cells if "fp8 W8A8" not in c.kernel), cells
     # the CLI finds the rows too, and writes the table
     rc = main(["audit", "--seed", str(seed), "--only", "torchao int8", "--case", "M=1",
                "--json", str(tmp_path / "t.json")])
