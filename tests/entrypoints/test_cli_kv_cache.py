@@ -26,23 +26,9 @@ def test_bad_kv_cache_refused_before_loading(monkeypatch, tmp_path, capsys, valu
     assert os.listdir(tmp_path) == []
 
 
-@pytest.fixture
-def tiny(monkeypatch, rng):
-    from lowbit.evaluation import workload as pipeline
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=rng)))
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    ids = torch.randint(0, 64, (128,), generator=rng)
-    monkeypatch.setattr(pipeline, "load_model", lambda spec: pipeline.Loaded("tiny", model, None, "causal"))
-    monkeypatch.setattr(pipeline, "prepare_texts", lambda loaded, tokens, calib, window: pipeline.Texts(
-        ids[:tokens], [ids[None, :window]], [ids[None, -window:]]))
-    return ["quantize", "--tokens", "64", "--calib-tokens", "32", "--window", "32", "--plain"]
-
-
 def test_kv_cache_run_reports_both_and_saves_the_scheme(tiny, tmp_path, capsys):
     out = tmp_path / "q"
-    assert main([*tiny, "--kv-cache", "fp8-head", "--out", str(out)]) == 0
+    assert main([*tiny, "--plain", "--kv-cache", "fp8-head", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     line = next(ln for ln in printed.splitlines() if ln.startswith("KV cache fp8-head:"))
     assert "with the KV cache unquantized" in line and line.count("top-1 agreement") == 2

@@ -19,33 +19,26 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from lowbit.ops import attention_reference as ar
 from lowbit.ops.kv_quant import KVQuant
 from lowbit.verify import metrics as mt
+from lowbit.verify.check import Verdict
 from lowbit.verify.diagnose import Cause
 from lowbit.verify.simulate import explained
 
 
 @dataclass
-class AttnVerdict:
-    """Result of check_attention (the fields of check_linear's Verdict).
+class AttnVerdict(Verdict):
+    """Result of check_attention: check_linear's Verdict, its report for attention.
 
     first_failure: (batch, head, query, dim) of the first failing output, or None.
     metrics: rel_l2 / max error vs the reference, mismatch ratio, worst err / gate, P zero
              fraction, and (when the float k, v are given) SQNR against unquantized attention.
     """
-
-    passed: bool
-    kind: str
-    first_failure: tuple[int, int, int, int] | None
-    metrics: dict
-    causes: list[Cause] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    details: dict = field(default_factory=dict)
 
     def report(self) -> str:
         m = self.metrics
@@ -64,8 +57,6 @@ class AttnVerdict:
         lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
-    def __str__(self) -> str:
-        return self.report()
 
 
 def _deq(t) -> torch.Tensor:
