@@ -39,7 +39,7 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
                reference: list | torch.nn.Module | None = None, mse: bool = False,
                override_by: str = "block", kv_cache: str | None = None, evaluate: bool = True) -> RecipeRun:
     """Quantize a copy of loaded.model by `recipe` and evaluate it. smoothquant: alpha or None;
-    override_worst: fraction of Linear layers (<= 0.05 by the issue's rule) whose worst output
+    override_worst: fraction of Linear layers (at most 0.05: a handful of sites, not a different recipe) whose worst output
     SQNR sends them to `override_to` ("skip" = high precision, or a recipe name).
     method: "rtn" or "gptq" (lowbit.algorithms.gptq, calibrated on texts.calib); awq: fold AWQ scales
     (lowbit.algorithms.awq, weight-only recipes) after SmoothQuant and before quantizing; rotate:

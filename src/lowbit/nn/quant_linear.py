@@ -324,7 +324,7 @@ def linear_float(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _quantize_activations(x2d: torch.Tensor, scheme: QuantScheme):
     """The activation QTensor for the kernel path. On CUDA, per-row int8 / fp8 schemes use the
-    one-pass Triton quantizer (bit-identical to lowbit.quantize, tested on the H200), which
+    one-pass Triton quantizer (bit-identical to lowbit.quantize; its CUDA tests compare them), which
     avoids lowbit.quantize's several full-tensor passes; every other case is lowbit.quantize."""
     if x2d.is_cuda:
         from lowbit.ops.triton.act_quant import quantize_tokens
