@@ -9,12 +9,12 @@ names another recipe. Nothing is swapped into the model until every module has b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from lowbit.archs.experts import ExpertsSpec, find_experts, router_of
 from lowbit.nn.experts import QuantExperts
+from lowbit.recipes.plan import by_patterns
 
 
 @dataclass
@@ -35,27 +35,17 @@ def _shape(model: torch.nn.Module, name: str, spec: ExpertsSpec) -> tuple[int, i
         (int(w.shape[0]), int(w.shape[2]), int(w.shape[1]))
 
 
-def plan_experts(model: torch.nn.Module, base, ignore: list[str], overrides: dict, match: Callable[[str, str], bool]
+def plan_experts(model: torch.nn.Module, base, ignore: list[str], overrides: dict
                  ) -> tuple[dict[str, ExpertsSpec], list[ExpertsDecision]]:
     """(name -> spec, decisions) for every experts module. base: the Recipe; overrides:
-    {pattern: Recipe | "skip"}; match(pattern, name) -> bool (quantize_model's matcher)."""
+    {pattern: Recipe | "skip"}, decided by the plan's rule (lowbit.recipes.plan.by_patterns)."""
     found = find_experts(model)
     out = []
     for name, spec in found.items():
         shape = _shape(model, name, spec)
-        hit = [p for p in ignore if match(p, name)]
-        ov = {p: r for p, r in overrides.items() if match(p, name)}
-        choices = {r if r == "skip" else r.name for r in ov.values()}
-        if len(choices) > 1:
-            raise ValueError(f"experts {name} match overrides {list(ov)} that disagree ({sorted(choices)}); "
-                             "make the patterns disjoint")
-        if hit:
-            out.append(ExpertsDecision(name, spec.family, shape, "skipped", None, f"ignore pattern {hit[0]!r}"))
-        elif ov:
-            p, r = next(iter(ov.items()))
-            out.append(ExpertsDecision(name, spec.family, shape, "skipped", None, f"override {p!r} -> skip")
-                       if r == "skip" else ExpertsDecision(name, spec.family, shape, "quantized", r.name,
-                                                           f"override {p!r}"))
+        by_user = by_patterns(name, ignore, overrides, "experts")
+        if by_user is not None:
+            out.append(ExpertsDecision(name, spec.family, shape, *by_user))
         else:
             out.append(ExpertsDecision(name, spec.family, shape, "quantized", base.name, "recipe"))
     return found, out

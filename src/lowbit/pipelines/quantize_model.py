@@ -174,7 +174,7 @@ def _split_patterns(model, experts, recipe, ignore, overrides):
                     if any(match(p, n) for n in experts) and not any(match(p, n) for n in linears)}
     base = recipe.recipes[recipe.recipe] if isinstance(recipe, QuantSummary) else get_recipe(recipe)
     resolved = {p: (r if r == "skip" else get_recipe(r)) for p, r in overrides.items()}
-    found, decisions = plan_experts(model, base, ignore, resolved, match) if experts else ({}, [])
+    found, decisions = plan_experts(model, base, ignore, resolved) if experts else ({}, [])
     if isinstance(recipe, QuantSummary) and recipe.experts:
         decisions = recipe.experts
     return ([p for p in ignore if p not in only_experts], {p: r for p, r in overrides.items() if p not in only_experts},

@@ -103,6 +103,24 @@ def check_patterns(patterns, names) -> None:
                              "fix the pattern (globs: *, re: prefix for regex) or drop it")
 
 
+def by_patterns(name: str, ignore, overrides: dict, what: str = "layer") -> tuple[str, str | None, str] | None:
+    """(action, recipe name or None, reason) that the user's patterns decide for module `name`, or
+    None when no pattern names it. An ignore pattern wins; overrides {pattern: Recipe | "skip"}
+    that match and disagree are an error. Linears and MoE experts are decided by this one rule."""
+    hit = [p for p in ignore if match(p, name)]
+    if hit:
+        return "skipped", None, f"ignore pattern {hit[0]!r}"
+    ov = {p: r for p, r in overrides.items() if match(p, name)}
+    choices = {r if r == "skip" else r.name for r in ov.values()}
+    if len(choices) > 1:
+        raise ValueError(f"{what} {name} matches overrides {list(ov)} that disagree ({sorted(choices)}); "
+                         "make the patterns disjoint")
+    if not ov:
+        return None
+    p, r = next(iter(ov.items()))
+    return ("skipped", None, f"override {p!r} -> skip") if r == "skip" else ("quantized", r.name, f"override {p!r}")
+
+
 def kept_by_default(name: str) -> bool:
     """Whether a Linear stays in high precision unless an override names it (the logits)."""
     return any(match(p, name) for p in DEFAULT_KEEP)
@@ -149,21 +167,9 @@ def plan(model: torch.nn.Module, recipe: str | Recipe, ignore=None, overrides=No
                 raise ValueError(f"two different recipes are both called {r.name!r}; give them distinct names")
     for name, lin in layers.items():
         shape = (lin.out_features, lin.in_features)
-        hit = [p for p in ignore if match(p, name)]
-        if hit:
-            summary.layers.append(LayerDecision(name, shape, "skipped", None, f"ignore pattern {hit[0]!r}"))
-            continue
-        ov = {p: r for p, r in overrides.items() if match(p, name)}
-        choices = {r if r == "skip" else r.name for r in ov.values()}
-        if len(choices) > 1:
-            raise ValueError(f"layer {name} matches overrides {list(ov)} that disagree ({sorted(choices)}); "
-                             "make the patterns disjoint")
-        if ov:
-            p, r = next(iter(ov.items()))
-            if r == "skip":
-                summary.layers.append(LayerDecision(name, shape, "skipped", None, f"override {p!r} -> skip"))
-            else:
-                summary.layers.append(LayerDecision(name, shape, "quantized", r.name, f"override {p!r}"))
+        by_user = by_patterns(name, ignore, overrides, "layer")
+        if by_user is not None:
+            summary.layers.append(LayerDecision(name, shape, *by_user))
             continue
         if kept_by_default(name):
             summary.layers.append(LayerDecision(name, shape, "skipped", None, "logits (lm_head) stay high precision"))
