@@ -166,3 +166,24 @@ def test_padded_int8_rows_are_exact(rng, monkeypatch):
     cells = au.audit(specs, cases, device="cpu", seed=seed)
     assert cells and all(c.verdict == "pass" for c in cells), [c for c in cells if c.verdict != "pass"]
     assert any(M <= 16 or K % 8 or N % 8 for M, K, N in shapes)      # padding really happened
+
+
+def test_a_crash_is_an_error_not_a_refusal(rng):
+    """NotImplementedError / ValueError are a kernel's documented refusals (n/a); a TypeError is a
+    crash (a wrong call, a module where a function was meant) and must show as an error."""
+    from lowbit.verify.kernel_spec import KernelSpec
+    import lowbit as lb
+    seed = int(torch.randint(2 ** 31, (1,), generator=rng))
+
+    def crashes(xq, wq, bias):
+        raise TypeError("'module' object is not callable")
+
+    def refuses(xq, wq, bias):
+        raise NotImplementedError("K must be a multiple of 64")
+
+    specs = [KernelSpec("crashes", lb.get_preset("int8_token"), lb.get_preset("int8_channel"), crashes, "int32"),
+             KernelSpec("refuses", lb.get_preset("int8_token"), lb.get_preset("int8_channel"), refuses, "int32")]
+    case = [c for c in au.CASES if c.name == "random"]
+    crash, refusal = au.audit(specs, case, device="cpu", seed=seed)
+    assert (crash.verdict, crash.cause) == ("error", "TypeError")
+    assert (refusal.verdict, refusal.cause) == ("n/a", "NotImplementedError")
