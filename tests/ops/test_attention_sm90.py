@@ -12,7 +12,6 @@ import sys
 
 SCRIPT = r'''
 import json
-import re
 import triton.language as tl
 from lowbit.bench.sm90 import compile_sm90
 from lowbit.ops.triton.attention import _flash_kernel, pick_stages, pick_tiles, smem_bytes
@@ -53,9 +52,8 @@ for kdt, kind, grouped, mma, pm, rows, ones, spec_ints, ot in [
     tile = dict(bm=bm, bn=64, bd=128, mma=mma, k_bytes=1, v_bytes=1, k_grouped=grouped, v_grouped=grouped)
     stages = pick_stages(**tile)
     r = compile_sm90(_flash_kernel, sig, consts, no_div=no_div, num_warps=warps, num_stages=stages)
-    spills = len(re.findall(r"\b(?:LDL|STL)(?:\.[A-Z0-9]+)*\s", r["sass_text"]))   # local loads / stores
-    r = {k: v for k, v in r.items() if k != "sass_text"}
-    out.append({**r, "mma": mma, "spill_ops": spills, "stages": stages, "estimate": smem_bytes(stages=stages, **tile)})
+    r = {k: v for k, v in r.items() if k != "sass_text"}     # spill_ops: local loads / stores in the SASS
+    out.append({**r, "mma": mma, "stages": stages, "estimate": smem_bytes(stages=stages, **tile)})
 print(json.dumps(out))
 '''
 

@@ -17,7 +17,7 @@ def compile_sm90(fn, sig: dict, consts: dict, no_div: tuple = (), **opts) -> dic
     string), constexprs `consts` and launch options `opts` (num_warps, num_stages, ...). Integer
     and pointer arguments are marked divisible by 16, as Triton specializes them at launch,
     except those named in `no_div`. Returns sass (static instruction count), shared (bytes),
-    reg / local (registers per thread and spill bytes, as ptxas allotted them) and sass_text.
+    reg / local / stack (ptxas's figures), spill_ops (local loads / stores in the SASS) and sass_text.
     The shared memory is the compiler's figure for this compile; Triton 3.6's warp-specialized
     kernels can ask the driver for more at launch than it reports here."""
     import triton
@@ -34,6 +34,14 @@ def compile_sm90(fn, sig: dict, consts: dict, no_div: tuple = (), **opts) -> dic
         f.flush()
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
         res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-    usage = {k.lower(): int(v) for k, v in re.findall(r"\b(REG|LOCAL):(\d+)", res)}
-    return dict(sass=sum(1 for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)),
-                shared=c.metadata.shared, reg=usage.get("reg"), local=usage.get("local"), sass_text=sass)
+    usage = {k.lower(): int(v) for k, v in re.findall(r"\b(REG|LOCAL|STACK):(\d+)", res)}
+    # an instruction line starts with its address; past 0xffff the address has more than four digits
+    return dict(sass=sum(1 for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)),
+                shared=c.metadata.shared, reg=usage.get("reg"), local=usage.get("local"), stack=usage.get("stack"),
+                spill_ops=spill_ops(sass), sass_text=sass)
+
+
+def spill_ops(sass: str) -> int:
+    """Local-memory loads and stores in the SASS: register spills. ptxas's LOCAL figure can read 0
+    while the stack frame holds the spills, so the instructions are what to count."""
+    return len(re.findall(r"\b(?:LDL|STL)(?:\.[A-Z0-9]+)*\s", sass))
