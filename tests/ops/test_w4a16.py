@@ -275,42 +275,42 @@ def test_w4a16_split_k_bias_and_batch_dims(device, rng):
         assert torch.all((out.cpu().double().reshape(-1, N) - ref).abs() <= bound)
 
 
-def test_w4a16_decode_sizes_on_gpu(device, rng):
+@pytest.mark.parametrize("name", ["int4_g128", "int4_g128_asym", "int4_g32", "mxfp4", "nvfp4"])
+def test_w4a16_decode_sizes_on_gpu(device, rng, name):
     """The decode shapes of the benchmark, scaled down, with the GPU's own heuristics (the pairs
     kernel for every format: per-format tiles, register caps and the x prefetch at 64 rows; 40 rows
-    = a 64-row tile with padding rows)."""
+    = a 64-row tile with padding rows). One test per format: each compiles a dozen kernels."""
     if device != "cuda":
         pytest.skip("full-size tiles and split-K heuristics are exercised on CUDA only")
     N, K = 2048, 4096
-    for name in ("int4_g128", "int4_g128_asym", "int4_g32", "mxfp4", "nvfp4"):
-        wq = quantize(torch.randn(N, K, generator=rng).cuda() * 0.02, SCHEMES[name])
-        w4 = prepare_w4(wq, layout="planar_chunks")
-        w64 = torch.from_numpy(_numpy_dequant(w4))
-        w8 = prepare_w4(wq, layout="planar8") if name.startswith("int4_g128") else None
-        wp = prepare_w4(wq, layout="pairs")
-        for M in (1, 16, 40, 64):
-            x = torch.randn(M, K, generator=rng).to(torch.bfloat16)
-            ref = x.double() @ w64.T
-            bound = _bound(x.double(), w64, ref, K, w4.group_size, 8, torch.bfloat16)
-            out = w4a16_linear(x.cuda(), w4)
-            assert torch.all((out.cpu().double() - ref).abs() <= bound), (name, M)
-            # the "pairs" kernel with its heuristic (mma v2 at M = 1, wgmma at 16 / 64)
-            for xs in (x, x.to(torch.float16)) if name.startswith("int4") else (x,):  # fp4: bf16 x only
-                refp = xs.double() @ w64.T
-                outp = w4a16_linear(xs.cuda(), wp)
-                bp = _bound(xs.double(), w64, refp, K, w4.group_size, 8, xs.dtype)
-                assert torch.all((outp.cpu().double() - refp).abs() <= bp), (name, M, "pairs", xs.dtype)
-            if w8 is not None:  # gemv8 (M = 1) / dot8 (16, 64) with their heuristic (inline-PTX lop3)
-                out = w4a16_linear(x.cuda(), w8)
-                assert torch.all((out.cpu().double() - ref).abs() <= bound), (name, M, "planar8")
-                if M > 1:  # dot8 with packed 16-bit pair unpacking (inline PTX: GPU only)
-                    out = w4a16_linear(x.cuda(), w8, config={"kernel": "dot8", "unpack": 1})
-                    assert torch.all((out.cpu().double() - ref).abs() <= bound), (name, M, "dot8 unpack 1")
-                    xh = x.to(torch.float16)
-                    refh = xh.double() @ w64.T
-                    outh = w4a16_linear(xh.cuda(), w8, config={"kernel": "dot8", "unpack": 1})
-                    bh = _bound(xh.double(), w64, refh, K, w4.group_size, 8, torch.float16)
-                    assert torch.all((outh.cpu().double() - refh).abs() <= bh), (name, M, "dot8 unpack 1 fp16")
+    wq = quantize(torch.randn(N, K, generator=rng).cuda() * 0.02, SCHEMES[name])
+    w4 = prepare_w4(wq, layout="planar_chunks")
+    w64 = torch.from_numpy(_numpy_dequant(w4))
+    w8 = prepare_w4(wq, layout="planar8") if name.startswith("int4_g128") else None
+    wp = prepare_w4(wq, layout="pairs")
+    for M in (1, 16, 40, 64):
+        x = torch.randn(M, K, generator=rng).to(torch.bfloat16)
+        ref = x.double() @ w64.T
+        bound = _bound(x.double(), w64, ref, K, w4.group_size, 8, torch.bfloat16)
+        out = w4a16_linear(x.cuda(), w4)
+        assert torch.all((out.cpu().double() - ref).abs() <= bound), (name, M)
+        # the "pairs" kernel with its heuristic (mma v2 at M = 1, wgmma at 16 / 64)
+        for xs in (x, x.to(torch.float16)) if name.startswith("int4") else (x,):  # fp4: bf16 x only
+            refp = xs.double() @ w64.T
+            outp = w4a16_linear(xs.cuda(), wp)
+            bp = _bound(xs.double(), w64, refp, K, w4.group_size, 8, xs.dtype)
+            assert torch.all((outp.cpu().double() - refp).abs() <= bp), (name, M, "pairs", xs.dtype)
+        if w8 is not None:  # gemv8 (M = 1) / dot8 (16, 64) with their heuristic (inline-PTX lop3)
+            out = w4a16_linear(x.cuda(), w8)
+            assert torch.all((out.cpu().double() - ref).abs() <= bound), (name, M, "planar8")
+            if M > 1:  # dot8 with packed 16-bit pair unpacking (inline PTX: GPU only)
+                out = w4a16_linear(x.cuda(), w8, config={"kernel": "dot8", "unpack": 1})
+                assert torch.all((out.cpu().double() - ref).abs() <= bound), (name, M, "dot8 unpack 1")
+                xh = x.to(torch.float16)
+                refh = xh.double() @ w64.T
+                outh = w4a16_linear(xh.cuda(), w8, config={"kernel": "dot8", "unpack": 1})
+                bh = _bound(xh.double(), w64, refh, K, w4.group_size, 8, torch.float16)
+                assert torch.all((outh.cpu().double() - refh).abs() <= bh), (name, M, "dot8 unpack 1 fp16")
 
 
 def test_torch_backend_and_errors(rng):
