@@ -73,6 +73,9 @@ def build_moe(shape: str, layers: int, dtype: torch.dtype, device: str, seed: in
     with torch.device(device):
         model = Model(cfg)
     model = model.to(dtype=dtype).eval()
+    bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+    if bad:   # a transformers version that leaves fused experts uninitialised would time garbage
+        raise RuntimeError(f"{shape}: transformers' initialisation left NaN/Inf in {bad[:4]}")
     use_loop(model)
     return model
 
