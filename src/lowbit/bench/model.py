@@ -234,7 +234,9 @@ def measure_variant(name: str, kind: str, master: torch.nn.Module, inp: Inputs, 
         deadlines, spent = dict(eager=math.inf, compiled=math.inf), ""
     elif kind == "baseline":
         loop = opts.budget if opts.loop_budget is None else opts.loop_budget
-        deadlines, spent = dict(eager=math.inf, compiled=t0 + loop), f"loop budget ({loop:.0f} s) spent"
+        deadlines = dict(eager=math.inf, compiled=t0 + loop)
+        spent = (f"loop budget ({loop:.0f} s) spent" if loop > 0 else
+                 "not run: --loop-budget 0 (under torch.compile the loop breaks the graph and recompiles per expert)")
     else:
         deadlines = dict(eager=t0 + opts.budget, compiled=t0 + opts.budget)
         spent = f"variant time budget ({opts.budget:.0f} s) spent"
