@@ -101,7 +101,7 @@ def table(rows: list[dict]) -> str:
     head1 += f" {'experts MiB':>15s} {'weights MiB':>15s} {'peak MiB':>15s} {'logits':>8s}"
     head2 = f"{'':24s}" + " ".join(f"{'ms':>9s} {'vs grp':>7s} {'vs loop':>7s}" for _ in cols)
     head2 += f" {'':>15s} {'':>15s} {'':>15s} {'rel err':>8s}"
-    lines, notes, musts = [head1, head2], [], []
+    lines, notes, musts, paths = [head1, head2], [], [], []
     for variant, mode in dict.fromkeys((r["variant"], r["mode"]) for r in rows):
         cells = [by.get((variant, mode, p, b)) for p, b in cols]
         any_r = next((c for c in cells if c), {})
@@ -116,7 +116,13 @@ def table(rows: list[dict]) -> str:
         line += f" {peak['peak_bytes'] / 2**20:8.1f} {pr}" if peak else f" {'-':>15s}"
         err = any_r.get("logits_rel_err")
         line += f" {err:8.1e}" if err is not None else f" {'-':>8s}"
+        ran = [c for c in cells if c and "graph_breaks" in c]
+        if ran:   # torch.compile's own account: graph breaks, CUDA graphs not used
+            line += (f"  {sum(c['graph_breaks'] for c in ran)} graph breaks, "
+                     f"{sum(c.get('cudagraph_skips', 0) for c in ran)} cudagraph skips")
         lines.append(line)
+        if any_r.get("paths") and mode == "eager":
+            paths.append(f"  {variant}: {any_r['paths']}")
         for c in cells:
             if c and c.get("ms") is None and (c.get("error") or c.get("skipped")):
                 notes.append(f"  {c['variant']} {c['mode']}: {c.get('error') or c.get('skipped')}")
@@ -134,6 +140,8 @@ def table(rows: list[dict]) -> str:
                  "loop bf16 baseline)")
     if musts:
         lines += ["must targets:"] + musts
+    if paths:
+        lines += ["paths run (module last_path counts):"] + paths
     if notes:
         lines += ["not measured:"] + list(dict.fromkeys(notes))
     return "\n".join(lines)
