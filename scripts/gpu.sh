@@ -14,6 +14,11 @@
 #   memory       python -m lowbit.bench.memory (MEMORY_ONLY=name,... narrows it)
 #   layers       python -m lowbit.bench.layers: QuantLinear vs bf16 F.linear (LAYER_ARGS)
 #   model        `lowbit bench model` on 4 Llama-3-8B layers, bf16 vs MODEL_RECIPES
+#   moe          `lowbit bench model` on MOE_SHAPES (default mixtral and qwen3-30b-a3b, MOE_LAYERS=2 layers
+#                each): the expert loop and grouped bf16 baselines vs MOE_RECIPES, the must targets last;
+#                MOE_TIMEOUT s per shape (default 265: both fit one call), MOE_BUDGET s per recipe,
+#                MOE_LOOP_BUDGET s for the loop's compiled rows (default 0: eager rows only); MOE_ARGS more
+#                options (a CPU rehearsal: MOE_SHAPES=tiny-mixtral MOE_ARGS="--device cpu --no-compile --quick")
 #   profile      the CUDA kernels of one quantized Linear call (scripts/gpu_profile_linear.py)
 #   w4probe      the W4A16 pairs kernel's weight loads alone vs the kernel (lowbit.bench.w4_probe)
 #   w4configs    the W4A16 pairs kernel under a few configurations vs bf16 (scripts/gpu_w4_configs.py)
@@ -23,15 +28,15 @@
 #   attention    python -m lowbit.bench.attention: attention over a quantized KV cache vs bf16 SDPA
 #   distributed  1 vs 2 GPUs of one host: layer-by-layer calibration (scripts/gpu_distributed.sh;
 #                needs 2 GPUs; DEVICE=cpu rehearses it on the CPU at tiny size)
-# The suite needs a call of its own; memory + gemm + model fit one together.
+# The suite needs a call of its own; memory + gemm + model fit one together; moe takes a whole call.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 out="${OUT:-$root/out}"; mkdir -p "$out"
 export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-if [ $# -eq 0 ]; then sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 2; fi
+if [ $# -eq 0 ]; then sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; exit 2; fi
 parts=",$1,"
-known=",suite,tests,doctor,gemm,memory,layers,model,profile,w4probe,w4configs,audit,probe,mma,attention,distributed,"
+known=",suite,tests,doctor,gemm,memory,layers,model,moe,profile,w4probe,w4configs,audit,probe,mma,attention,distributed,"
 for p in ${1//,/ }; do
   [[ $known == *,$p,* ]] || { echo "scripts/gpu.sh: unknown part '$p'; parts: ${known:1:-1}" >&2; exit 2; }
 done
@@ -115,6 +120,22 @@ if [[ $parts == *,model,* ]]; then  # what a user runs; the JSON is rewritten af
     python3 -m lowbit.bench.model_report "$out/bench-model.json" >>"$out/bench_model.log" 2>&1  # stopped: rows so far
   fi
 fi
+if [[ $parts == *,moe,* ]]; then  # one process per shape; each JSON is rewritten after every variant
+  moe_t=${MOE_TIMEOUT:-265}; moe_b=${MOE_BUDGET:-40}
+  for shape in ${MOE_SHAPES:-mixtral qwen3-30b-a3b}; do
+    t0=$(date +%s)
+    timeout "$moe_t" python3 -m lowbit.entrypoints.main bench model --shape "$shape" --layers "${MOE_LAYERS:-2}" \
+        --recipes "${MOE_RECIPES:-w4a16,w8a8-int8,w8a8-fp8}" --budget "$moe_b" \
+        --loop-budget "${MOE_LOOP_BUDGET:-0}" --time-limit $(( moe_t - 45 - moe_b )) \
+        --json "$out/bench-moe-$shape.json" --plot "$out/bench-moe-$shape.png" ${MOE_ARGS:-} >"$out/bench_moe_$shape.log" 2>&1
+    echo "moe $shape rc=$? ($(( $(date +%s) - t0 )) s)" | tee -a "$sum"
+    if ! grep -q "^# lowbit bench model" "$out/bench_moe_$shape.log" && [ -s "$out/bench-moe-$shape.json" ]; then
+      { echo "# lowbit bench model (stopped by the timeout: the rows measured so far)"   # stopped: rows so far
+        python3 -m lowbit.bench.moe_report "$out/bench-moe-$shape.json" "$out/bench-moe-$shape.png"; } \
+          >>"$out/bench_moe_$shape.log" 2>&1
+    fi
+  done
+fi
 if [[ $parts == *,profile,* ]]; then  # PROFILE_RECIPES, PROFILE_M
   timeout "${PROFILE_TIMEOUT:-120}" python3 scripts/gpu_profile_linear.py >"$out/profile.log" 2>&1
   echo "profile rc=$?" | tee -a "$sum"
@@ -163,6 +184,11 @@ fi
 [ -f "$out/mma.log" ] && tail -n 30 "$out/mma.log"
 [ -f "$out/bench_attention.log" ] && tail -n 30 "$out/bench_attention.log"
 cat "$sum"
+for f in "$out"/bench_moe_*.log; do  # the short MoE tables last: rows, must targets, what did not run
+  [ -f "$f" ] || continue
+  echo "== $(basename "$f" .log)"
+  if grep -q "^# lowbit bench model" "$f"; then sed -n '/^# lowbit bench model/,$p' "$f" | head -n 50; else tail -n 25 "$f"; fi
+done
 # few files come back from a device call: the logs go into one archive when there are many
 if [ "$(find "$out" -maxdepth 1 -type f | wc -l)" -gt 7 ]; then
   (cd "$out" && tar czf logs.tgz --exclude=logs.tgz --exclude='*.json' --exclude='*.png' --exclude='*.npz' \

@@ -1,5 +1,6 @@
 """`lowbit bench model`: a whole Llama-shaped model, bf16 against every lowbit recipe (and
-torchao's configs where torchao imports), in one process on one GPU.
+torchao's configs where torchao imports), in one process on one GPU; or a mixture-of-experts
+model (`--shape mixtral | qwen3-30b-a3b`, lowbit.bench.moe_model) against two bf16 baselines.
 
 For each variant (the bf16 baseline first, then each recipe applied to a deep copy of it with
 lowbit.pipelines.quantize_model, followed by lowbit.nn.prepare_model where that exists):
@@ -37,6 +38,17 @@ has ms None and `error` or `skipped` saying why.
 torch.compile runs with torch's defaults (its recompile limit included: what a user gets);
 graph breaks and cudagraph skips are counted per row, so a model that falls back shows it.
 
+MoE shapes (lowbit.bench.moe_model): two baselines run first, transformers' expert loop
+("bf16", kind baseline: every other row's reference outputs and speedup / weights_ratio) and
+the grouped bf16 baseline ("bf16-grouped", kind grouped: torch._grouped_mm; its rows say n/a
+where torch has none). Rows add expert_bytes (the experts modules' own tensors), and
+lowbit.bench.moe_report adds vs_grouped, vs_loop, expert_ratio and the must targets. A recipe
+whose experts would run their exact float64 path on CUDA (no grouped kernel for it) is not
+timed: its rows are skipped with that reason. The loop baseline's eager rows always run (they
+are the reference); its compiled rows get `loop_budget` seconds from its start (default: the
+recipes' budget), since dynamo breaks the graph and recompiles per expert there, which can take
+minutes; the grouped baseline has no budget.
+
 Budget: each non-baseline variant gets `budget` seconds (default 30, so ten recipes stay near
 five minutes plus the baseline and overruns); the steps run in the order eager prefill, eager
 decode b1, b16, compiled decode b1, prefill, decode b16, and a step that would start after the
@@ -55,7 +67,7 @@ from typing import Callable
 
 import torch
 
-from lowbit.bench import llama
+from lowbit.bench import llama, moe_model
 from lowbit.bench.model_measure import (CACHE_SLACK, CUDA_BROKEN, Inputs, Skipped, allocated, describe_failure,
                                         free, quant_paths, rel_err, reset_compiler, run_step, weight_memory)
 
@@ -67,7 +79,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 class Options:
     """One run. Token counts are per sequence; batches are the decode batch sizes."""
     shape: str = "8b"
-    layers: int = 4
+    layers: int | None = None               # None: 4 (dense shapes), 2 (MoE shapes)
     dtype: str = "bf16"
     device: str = "cuda"
     seed: int = 0
@@ -78,9 +90,14 @@ class Options:
     variants: tuple[str, ...] = ()          # lowbit recipe / torchao names; () = all
     compile: bool = True
     budget: float = 30.0
+    loop_budget: float | None = None        # MoE: seconds for the expert loop's compiled rows (None: budget)
     time_limit: float | None = None         # seconds for the whole run; later variants are skipped
     quick: bool = False
     log: Callable[[str], None] = field(default=lambda msg: print(msg, flush=True))
+
+    def __post_init__(self):
+        if self.layers is None:
+            self.layers = 2 if moe_model.is_moe(self.shape) else 4
 
     @classmethod
     def quick_run(cls, **kw) -> "Options":
@@ -93,18 +110,24 @@ def all_variants() -> list[str]:
     return list(RECIPES) + list(TORCHAO)
 
 
-def check_variants(names: tuple[str, ...]) -> tuple[str, ...]:
-    known = all_variants()
+def check_variants(names: tuple[str, ...], moe: bool = False) -> tuple[str, ...]:
+    """The variants to run (all when `names` is empty); a MoE model runs lowbit recipes only
+    (torchao's configs quantize nn.Linear layers, not fused experts)."""
+    known = [v for v in all_variants() if not (moe and v in TORCHAO)]
     names = tuple(n.lower() for n in names)     # recipe names in any letter case (W4A16 as llm-compressor writes it)
     bad = [n for n in names if n not in known]
     if bad:
-        raise ValueError(f"recipes={','.join(bad)} not known; choose from: {', '.join(known)}")
+        raise ValueError(f"recipes={','.join(bad)} not known{' for a MoE shape' if moe else ''}; choose from: "
+                         f"{', '.join(known)}")
     return tuple(names) or tuple(known)
 
 
 # ------------------------------------------------------------------------------ variants
-def _build(name: str, master: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
-    """A deep copy of the baseline model quantized as `name`, and facts about how."""
+def _build(name: str, kind: str, master: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
+    """A deep copy of the baseline model quantized as `name` (or run by grouped GEMMs, kind
+    "grouped"), and facts about how."""
+    if kind == "grouped":
+        return moe_model.build_grouped(master), dict(experts_impl="torch._grouped_mm")
     if name in TORCHAO:
         return _build_torchao(name, master)
     import lowbit.nn as lnn
@@ -113,7 +136,13 @@ def _build(name: str, master: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
     prepare = getattr(lnn, "prepare_model", None)  # the GPU runtime's hook, where it exists
     if prepare is not None:
         prepare(model)
-    return model, dict(prepared=prepare is not None)
+    info = dict(prepared=prepare is not None, **moe_model.describe_experts(model))
+    untimed = moe_model.untimed_experts(model, next(master.parameters()).device)
+    if untimed:
+        del model
+        raise Skipped(f"experts would run the exact float64 path (no grouped kernel for {name}: "
+                      f"{info.get('expert_weight')}); a reference, not timed ({len(untimed)} modules)")
+    return model, info
 
 
 def _build_torchao(name: str, master: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
@@ -183,7 +212,8 @@ def _try_step(model, r: dict, inp: Inputs, opts: Options, ref: dict, eager_out: 
 def measure_variant(name: str, kind: str, master: torch.nn.Module, inp: Inputs, opts: Options,
                     ref: dict, state: dict) -> list[dict]:
     """Every row of one variant; `ref` holds the baseline's outputs (filled by the baseline),
-    `state` carries `cuda_broken` (why nothing can run any more) between variants."""
+    `state` carries `cuda_broken` (why nothing can run any more) between variants and
+    `experts` (the MoE experts modules' names; empty for a dense model)."""
     log, device = opts.log, inp.prefill.device
     plan = _plan(opts)
     rows = [_base_row(opts, name, kind, *p) for p in plan]
@@ -199,14 +229,26 @@ def measure_variant(name: str, kind: str, master: torch.nn.Module, inp: Inputs, 
     if state.get("cuda_broken"):
         return fail_all("skipped", f"CUDA context broken by an earlier error ({state['cuda_broken']})")
     t0 = time.perf_counter()
-    deadline = math.inf if kind == "baseline" else t0 + opts.budget
+    experts = state.get("experts") or []
+    if kind == "grouped" or (kind == "baseline" and not experts):   # see the module docstring
+        deadlines, spent = dict(eager=math.inf, compiled=math.inf), ""
+    elif kind == "baseline":
+        loop = opts.budget if opts.loop_budget is None else opts.loop_budget
+        deadlines = dict(eager=math.inf, compiled=t0 + loop)
+        spent = (f"loop budget ({loop:.0f} s) spent" if loop > 0 else
+                 "not run: --loop-budget 0 (under torch.compile the loop breaks the graph and recompiles per expert)")
+    else:
+        deadlines = dict(eager=t0 + opts.budget, compiled=t0 + opts.budget)
+        spent = f"variant time budget ({opts.budget:.0f} s) spent"
     mem0 = allocated(device)
     model, info = None, {}
     try:
         if kind == "baseline":
             model = copy.deepcopy(master)
+            if experts:
+                info["experts_impl"] = moe_model.experts_implementation(model) or "eager"
         else:
-            model, built = _build(name, master)
+            model, built = _build(name, kind, master)
             info.update(built)
         info["build_s"] = round(time.perf_counter() - t0, 2)
         log(f"  {name}: built in {info['build_s']:.1f} s")
@@ -220,19 +262,19 @@ def measure_variant(name: str, kind: str, master: torch.nn.Module, inp: Inputs, 
             for mode in dict.fromkeys(m for m, _, _ in plan):
                 if mode == "compiled" and not state.get("cuda_broken"):
                     # the eager model's memory, before compiled graphs hold their own
-                    info.update(weight_memory(model, device, mem0), paths=quant_paths(model))
+                    info.update(_memory(model, device, mem0, experts), paths=quant_paths(model))
                     reset_compiler()
                 for r, (m, phase, batch) in zip(rows, plan):
                     if m != mode or state.get("cuda_broken"):
                         continue
-                    if time.perf_counter() > deadline:
-                        r["skipped"] = f"variant time budget ({opts.budget:.0f} s) spent"
+                    if time.perf_counter() > deadlines[m]:
+                        r["skipped"] = spent
                         continue
                     _try_step(model, r, inp, opts, ref, eager_out, mem0, state)
             if state.get("cuda_broken"):   # nothing more can run in this process
                 fail_all("skipped", "not run: the CUDA context broke")
             elif "weight_bytes" not in info:
-                info.update(weight_memory(model, device, mem0), paths=quant_paths(model))
+                info.update(_memory(model, device, mem0, experts), paths=quant_paths(model))
     except Skipped as exc:
         fail_all("skipped", str(exc))
     except Exception as exc:
@@ -246,6 +288,14 @@ def measure_variant(name: str, kind: str, master: torch.nn.Module, inp: Inputs, 
     for r in rows:
         r.update(info)
     return rows
+
+
+def _memory(model: torch.nn.Module, device: torch.device, mem0: int | None, experts: list[str]) -> dict:
+    """weight_memory, and expert_bytes where the model has MoE experts."""
+    out = weight_memory(model, device, mem0)
+    if experts:
+        out["expert_bytes"] = moe_model.expert_bytes(model, experts, device)
+    return out
 
 
 def _progress(r: dict) -> str:
@@ -281,18 +331,20 @@ def run_bench(opts: Options, on_variant: Callable[[list[dict]], None] | None = N
         raise ValueError(f"dtype={opts.dtype!r}; choose one of {', '.join(DTYPES)}")
     if opts.context < 1 or opts.prefill < 1 or opts.error_tokens < 1 or not opts.batches or min(opts.batches) < 1:
         raise ValueError("prefill, context, error_tokens and every decode batch must be >= 1")
-    variants = check_variants(opts.variants)
+    moe = moe_model.is_moe(opts.shape)
+    variants = check_variants(opts.variants, moe)
     need = max(opts.prefill, opts.error_tokens, opts.context + CACHE_SLACK)
-    master = llama.build_llama(opts.shape, opts.layers, DTYPES[opts.dtype], opts.device, opts.seed,
-                               max_positions=max(8192, need))
+    build = moe_model.build_moe if moe else llama.build_llama
+    master = build(opts.shape, opts.layers, DTYPES[opts.dtype], opts.device, opts.seed, max_positions=max(8192, need))
     inp = Inputs.make(opts, master.config.vocab_size, device)
     opts.log(f"# model: {opts.shape} x {opts.layers} layers, {opts.dtype} on {device}; prefill {opts.prefill}, "
              f"decode at batch {','.join(map(str, opts.batches))} after {opts.context} tokens; "
              f"{'eager and compiled' if opts.compile else 'eager only'}")
     ref: dict = {}
-    state: dict = {}
+    state: dict = dict(experts=moe_model.expert_names(master) if moe else [])
     rows: list[dict] = []
-    todo = [(opts.dtype, "baseline")] + [(v, "torchao" if v in TORCHAO else "lowbit") for v in variants]
+    todo = [(opts.dtype, "baseline")] + ([(f"{opts.dtype}-grouped", "grouped")] if moe else [])
+    todo += [(v, "torchao" if v in TORCHAO else "lowbit") for v in variants]
     t0 = time.perf_counter()
     for i, (name, kind) in enumerate(todo):
         opts.log(f"[{i + 1}/{len(todo)}] {name}")
@@ -302,20 +354,29 @@ def run_bench(opts: Options, on_variant: Callable[[list[dict]], None] | None = N
             opts.log(f"  {name}: skipped ({why})")
             continue
         rows += measure_variant(name, kind, master, inp, opts, ref, state)
-        add_ratios(rows)
+        _ratios(rows, moe)
         if on_variant is not None:
             on_variant(rows)
-    add_ratios(rows)
+    _ratios(rows, moe)
     return rows
+
+
+def _ratios(rows: list[dict], moe: bool) -> None:
+    add_ratios(rows)
+    if moe:
+        from lowbit.bench.moe_report import add_moe_ratios
+        add_moe_ratios(rows)
 
 
 # ------------------------------------------------------------------------------ command line
 def register(p) -> None:
     """Arguments of `lowbit bench model`."""
     d = Options()
-    p.add_argument("--shape", choices=list(llama.SHAPES), default=d.shape,
-                   help="8b: Llama-3-8B layers, 1b: Llama-3.2-1B, smollm2: SmolLM2-135M, tiny: a CPU dry run")
-    p.add_argument("--layers", type=int, default=d.layers, help="decoder layers (default %(default)s)")
+    p.add_argument("--shape", choices=list(llama.SHAPES) + list(moe_model.SHAPES), default=d.shape,
+                   help="8b: Llama-3-8B layers, 1b: Llama-3.2-1B, smollm2: SmolLM2-135M, tiny: a CPU dry run; "
+                        "MoE: mixtral (Mixtral-8x7B layers), qwen3-30b-a3b (Qwen3-30B-A3B), tiny-mixtral and "
+                        "tiny-qwen3-moe (CPU dry runs)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default 4; 2 for MoE shapes)")
     p.add_argument("--recipes", default=None, metavar="A,B,...",
                    help="lowbit recipes and torchao-int8 / torchao-fp8-row / torchao-int4 to run (default: all); "
                         "the baseline always runs")
@@ -324,6 +385,9 @@ def register(p) -> None:
                    help="prefill 512, context 128, decode batch 1 only, 15 s per variant (a smoke run)")
     p.add_argument("--budget", type=float, default=None, metavar="S",
                    help=f"seconds per non-baseline variant (default {d.budget:.0f}; --quick 15)")
+    p.add_argument("--loop-budget", type=float, default=None, metavar="S",
+                   help="MoE shapes: seconds for the compiled rows of transformers' expert loop (default: --budget; "
+                        "0 runs its eager rows only)")
     p.add_argument("--time-limit", type=float, default=None, metavar="S",
                    help="seconds for the whole run: variants not started by then are skipped (default: none)")
     p.add_argument("--dtype", choices=list(DTYPES), default=d.dtype, help="the baseline's dtype")
@@ -345,7 +409,7 @@ def options_from_args(args) -> Options:
               compile=not args.no_compile)
     if args.recipes:
         kw["variants"] = tuple(x.strip() for x in args.recipes.split(",") if x.strip())
-    for name in ("prefill", "context", "budget", "error_tokens", "time_limit"):
+    for name in ("prefill", "context", "budget", "loop_budget", "error_tokens", "time_limit"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     if args.batches:
@@ -366,6 +430,9 @@ def environment(opts: Options) -> dict:
         except metadata.PackageNotFoundError:
             env[dist] = None
     env["options"] = {k: v for k, v in vars(opts).items() if k != "log"}
+    if moe_model.is_moe(opts.shape):
+        env["moe_shape"] = moe_model.SHAPES[opts.shape]
+        env["torch_grouped_mm"] = moe_model.grouped_mm_op() is not None
     return env
 
 
@@ -373,10 +440,11 @@ def main(args) -> int:
     """`lowbit bench model`: rows as they come, the table last; 1 if the baseline did not run."""
     import json
 
-    from lowbit.bench import model_report
+    from lowbit.bench import model_report, moe_report
 
     opts = options_from_args(args)
-    check_variants(opts.variants)
+    report = moe_report if moe_model.is_moe(opts.shape) else model_report
+    check_variants(opts.variants, moe_model.is_moe(opts.shape))
     if opts.device.startswith("cuda") and not torch.cuda.is_available():
         print("lowbit bench model: no CUDA GPU here; the benchmark times a model on the GPU "
               "(--device cpu runs the plumbing, with meaningless times).", file=sys.stderr)
@@ -395,12 +463,12 @@ def main(args) -> int:
         print(f"# wrote {args.json}")
     if args.plot:
         try:
-            model_report.plot(rows, args.plot)
+            report.plot(rows, args.plot)
             print(f"# wrote {args.plot}")
         except ImportError as exc:  # matplotlib is optional on the GPU machine
-            notes.append(f"# no plot ({exc}); redraw later: python -m lowbit.bench.model_report JSON PNG")
+            notes.append(f"# no plot ({exc}); redraw later: python -m {report.__name__} JSON PNG")
     print("\n# lowbit bench model")
-    print(model_report.table(rows))
+    print(report.table(rows))
     for n in notes:
         print(n)
     return 1 if any(r["kind"] == "baseline" and r["ms"] is None for r in rows) else 0

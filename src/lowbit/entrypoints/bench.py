@@ -16,7 +16,8 @@ def register(p) -> None:
     # `lowbit bench model [options]`: the end-to-end model benchmark with its own options
     from lowbit.bench import model
     model.register(p.add_subparsers(dest="bench", metavar="{model}").add_parser(
-        "model", help="a Llama-shaped model: bf16 vs every recipe, prefill and decode, eager and compiled"))
+        "model", help="a Llama-shaped or MoE (Mixtral, Qwen3-MoE) model: bf16 vs every recipe, prefill and "
+        "decode, eager and compiled"))
 
 
 def run(args) -> int:
