@@ -9,13 +9,22 @@ as the group's input is seen. The block's outputs, with all of its Linears repla
 block's inputs. Linears outside the blocks are handled the same way on whole-model forwards,
 after the blocks. Cost: about (groups per block / 2 + 1) forwards of each block per batch.
 
+MoE experts modules (lowbit.archs.experts: a family's fused experts, not Linears) may be named
+beside the Linears: each is a group of its own, and its handler gets, per batch, the module's
+call arguments (hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) as the block
+passes them, i.e. the router's own choice for every token.
+
 `calibrate_sequentially` is all-or-nothing: an error restores every replaced module.
 """
 from __future__ import annotations
 
 from typing import Callable, Iterable
 
+import inspect
+
 import torch
+
+from lowbit.archs.experts import spec_for
 
 
 class _Stop(Exception):
@@ -77,6 +86,10 @@ def _execution_groups(stage, inputs, names: list[str]) -> list[list[str]]:
     def make(n):
         def hook(mod, args):
             x = args[0]
+            if spec_for(mod) is not None:      # experts: a group of their own
+                order.append([n])
+                last[0] = None
+                return
             if order and last[0] is x:
                 order[-1].append(n)
             else:
@@ -100,14 +113,22 @@ def _execution_groups(stage, inputs, names: list[str]) -> list[list[str]]:
 
 @torch.no_grad()
 def _collect(stage, inputs, name: str) -> list[torch.Tensor]:
-    """The inputs (one tensor [..., K] per batch) that `name` receives, stopping each forward there."""
+    """The inputs (one tensor [..., K] per batch) that `name` receives, stopping each forward there
+    (an experts module: a tuple of its call arguments per batch)."""
     got = []
+    mod = stage.get_submodule(name)
+    experts = spec_for(mod) is not None
+    sig = inspect.signature(mod.forward) if experts else None
 
-    def hook(mod, args):
-        got.append(args[0].detach())
+    def hook(mod, args, kwargs):
+        if experts:         # every call argument, in the signature's order
+            bound = sig.bind(*args, **kwargs)
+            got.append(tuple(v.detach() if isinstance(v, torch.Tensor) else v for v in bound.arguments.values()))
+        else:
+            got.append(args[0].detach())
         raise _Stop
 
-    h = stage.get_submodule(name).register_forward_pre_hook(hook)
+    h = mod.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         for a, k in inputs:
             try:

@@ -27,6 +27,7 @@ class ExpertsDecision:
     action: str
     recipe: str | None
     reason: str
+    calibration: object = None      # lowbit.algorithms.gptq.experts.ExpertsCalibration when calibrated
 
 
 def _shape(model: torch.nn.Module, name: str, spec: ExpertsSpec) -> tuple[int, int, int]:
@@ -81,9 +82,7 @@ def build_experts(model: torch.nn.Module, found: dict[str, ExpertsSpec], decisio
         spec, r = found[d.name], recipes[d.recipe]
         try:
             new[d.name] = QuantExperts.from_module(
-                model.get_submodule(d.name), r.weight, r.act, gate_up=spec.gate_up, down=spec.down,
-                layout=spec.layout, gate_up_bias=spec.gate_up_bias, down_bias=spec.down_bias,
-                glu_split=spec.glu_split, activation=spec.activation, family=spec.family, name=d.name)
+                model.get_submodule(d.name), r.weight, r.act, name=d.name, **spec.module_kwargs())
         except (ValueError, NotImplementedError) as err:
             raise type(err)(f"experts {d.name} (E, 2I, H = {d.shape}) under recipe {r.name}: {err}. Keep them in "
                             f"high precision with ignore=[{d.name!r}] or override them.") from err

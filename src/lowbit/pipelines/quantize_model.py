@@ -120,9 +120,9 @@ def _quantize_linears(model, recipe, *, ignore, overrides, act_static_scales, ba
     experts = find_experts(model)       # raises on fused experts the map does not know
     linear_ignore, linear_over, found, exp_decisions, resolved = _split_patterns(model, experts, recipe, ignore,
                                                                                  overrides)
-    if method != "rtn" and any(d.action == "quantized" for d in exp_decisions):
-        raise NotImplementedError(f"method={method!r} does not quantize fused MoE experts ({exp_decisions[0].name}, "
-                                  "...): use method='rtn', or keep them in float with ignore=[...]")
+    if mse and any(d.action == "quantized" for d in exp_decisions):
+        raise NotImplementedError(f"mse=True: MSE-optimal scales are not searched for MoE experts "
+                                  f"({exp_decisions[0].name}, ...); drop mse, or keep them in float with ignore=[...]")
     summary = plan(model, recipe, linear_ignore or None, linear_over or None)
     for r in resolved.values():                    # recipes that only experts overrides name
         if r != "skip" and summary.recipes.setdefault(r.name, r) != r:
