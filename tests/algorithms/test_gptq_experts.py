@@ -1,0 +1,150 @@
+"""GPTQ per expert (lowbit.algorithms.gptq.experts): statistics from the tokens routed to each
+expert, checked against the routing the model's own router makes (captured independently, at
+the router), the few-token rule, and the refusals."""
+import math
+
+import pytest
+import torch
+
+from lowbit.algorithms.gptq.experts import ExpertsCalibration, gptq_experts
+from lowbit.archs.experts import spec_for
+from lowbit.nn.experts import QuantExperts
+from lowbit.pipelines.quantize_model import quantize_model
+from lowbit.quantize import quantize
+from lowbit.recipes.presets import get_recipe
+from moe_fixtures import ids, tiny_moe
+
+U64 = 2.0 ** -53
+
+
+def _router_io(model, batches):
+    """{router name: [(x [T, H] float64, top-k index [T, k])]} as each router sees them (a forward
+    hook on the router: its input and its returned indices, not lowbit's capture)."""
+    seen = {}
+    hooks = []
+    for n, m in model.named_modules():
+        if type(m).__name__.endswith(("TopKRouter", "TopkRouter")):
+            seen[n] = []
+            hooks.append(m.register_forward_hook(
+                lambda mod, a, out, n=n: seen[n].append((a[0].reshape(-1, a[0].shape[-1]).double(), out[-1]))))
+    try:
+        with torch.no_grad():
+            for b in batches:
+                model(b)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def _loss_and_bound(w, q, x):
+    """sum_t ||(W - Q) x_t||^2 / n in float64, and a bound on its rounding error: each output
+    entry is a K-term dot product (error <= gamma_K |D||x|), squared and summed over n N terms
+    (gamma_{nN}); with A = sum_t (|D||x_t|)^2 / n the total is <= (2K + nN + 2) u A."""
+    d = (w.double() - q.double())
+    y, a = x @ d.T, (x.abs() @ d.abs().T)
+    n = x.shape[0]
+    return float(y.square().sum() / n), (2 * x.shape[1] + n * d.shape[0] + 2) * U64 * float(a.square().sum() / n)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_each_expert_loss_on_its_routed_tokens_at_most_rtn(family, rng):
+    """quantize_model(method="gptq") on a MoE model: for every expert of every block, the output
+    loss of the stored codes on the tokens the router sent to it (the final model's router input
+    and choice: sequential GPTQ calibrates each block on the already-quantized blocks before it)
+    is at most round to nearest's -- for gate_up on those hidden states, for down on act(gate) *
+    up through the stored gate_up -- and the report's token counts are the router's."""
+    model = tiny_moe(family, rng, dtype=torch.float32)
+    float_experts = {n: (m.gate_up_proj.detach().clone(), m.down_proj.detach().clone())
+                     for n, m in model.named_modules() if spec_for(m) is not None}
+    calib = [ids(rng, 40), ids(rng, 33)]
+    summary = quantize_model(model, "w4a16-g32", method="gptq", calib=calib,
+                             method_options={"holdout": 0, "min_tokens": 6})
+    scheme = get_recipe("w4a16-g32").weight
+    io = _router_io(model, calib)
+    gptq_total = rtn_total = 0.0
+    for d in summary.experts:
+        q = model.get_submodule(d.name)
+        assert isinstance(q, QuantExperts) and isinstance(d.calibration, ExpertsCalibration)
+        x = torch.cat([a for a, _ in io[d.name.rpartition(".")[0] + ".gate"]])
+        idx = torch.cat([i for _, i in io[d.name.rpartition(".")[0] + ".gate"]])
+        w_gu, w_dn = float_experts[d.name]
+        for fit in d.calibration.experts:
+            e = fit.expert
+            rows = (idx == e).any(dim=1)
+            assert fit.tokens == int(rows.sum())
+            if fit.tokens < 6:
+                assert fit.choice == {"gate_up": "rtn: few tokens", "down": "rtn: few tokens"}
+            xe = x[rows]
+            q_gu = q.weight_q("gate_up", e).dequantize(torch.float64)
+            h = xe @ q_gu.T
+            gate, up = h.chunk(2, dim=-1)
+            xd = torch.nn.functional.silu(gate) * up
+            for w, qq, xin in ((w_gu[e], q_gu, xe), (w_dn[e], q.weight_q("down", e).dequantize(torch.float64), xd)):
+                r = quantize(w.float(), scheme).dequantize(torch.float64)
+                if xin.shape[0] == 0:
+                    assert torch.equal(qq, r)           # no token: round to nearest's codes exactly
+                    continue
+                lq, bq = _loss_and_bound(w, qq, xin)
+                lr, br = _loss_and_bound(w, r, xin)
+                assert lq <= lr + bq + br, (d.name, e, lq, lr)
+                gptq_total, rtn_total = gptq_total + lq, rtn_total + lr
+    assert gptq_total <= rtn_total
+    assert "GPTQ on" in str(summary) and "GPTQ per expert" in summary.experts[0].reason
+
+
+def test_zero_and_few_token_experts_keep_rtn_and_are_listed(rng):
+    """Expert 3 gets no token and expert 5 gets 4 (< min_tokens 8): both keep round to nearest's
+    codes exactly and the report lists them with their counts; the others run GPTQ."""
+    model = tiny_moe("mixtral", rng, dtype=torch.float32)
+    mod = model.model.layers[0].mlp.experts
+    T, E = 60, 8
+    choices = [e for e in range(E) if e not in (3, 5)]
+    first = torch.tensor([choices[t % len(choices)] for t in range(T)])
+    second = torch.tensor([choices[(t + 1) % len(choices)] for t in range(T)])
+    second[:4] = 5                                    # 4 tokens for expert 5
+    idx = torch.stack([first, second], dim=1)
+    x = torch.randn(T, 64, generator=rng)
+    inputs = [(x[:37], idx[:37], torch.full((37, 2), 0.5)), (x[37:], idx[37:], torch.full((23, 2), 0.5))]
+    r = get_recipe("w4a16-g32")
+    q, cal = gptq_experts(mod, spec_for(mod), r.weight, r.act, inputs, name="L0", holdout=0, min_tokens=8)
+    rtn = QuantExperts.from_module(mod, r.weight, r.act, **spec_for(mod).module_kwargs())
+    assert cal.few() == [(3, 0), (5, 4)]
+    for e in (3, 5):
+        assert cal.experts[e].choice == {"gate_up": "rtn: few tokens", "down": "rtn: few tokens"}
+        assert math.isnan(cal.experts[e].ratio["gate_up"])
+        for p in ("gate_up", "down"):
+            assert torch.equal(q.weight_q(p, e).codes, rtn.weight_q(p, e).codes)
+            assert torch.equal(q.weight_q(p, e).scale, rtn.weight_q(p, e).scale)
+    ran = [f for f in cal.experts if f.tokens >= 8]
+    assert len(ran) == 6 and all(f.ratio["gate_up"] <= 1.0 or f.choice["gate_up"] == "rtn: fit loss" for f in ran)
+    assert any(not torch.equal(q.weight_q("gate_up", f.expert).codes, rtn.weight_q("gate_up", f.expert).codes)
+               for f in ran)
+    assert "< 8 routed calibration tokens (expert: tokens) 3: 0, 5: 4" in str(cal)
+
+
+def test_refusals_name_the_experts(rng):
+    model = tiny_moe("qwen3_moe", rng, dtype=torch.float32)
+    calib = [ids(rng, 8)]
+    with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.mlp\.experts.*targets='float'"):
+        quantize_model(model, "w4a16-g32", method="gptq", calib=calib, method_options={"targets": "float"})
+    mod = model.model.layers[0].mlp.experts
+    r = get_recipe("w4a16-g32")
+    with pytest.raises(ValueError, match="min_tokens=0"):
+        gptq_experts(mod, spec_for(mod), r.weight, None, [(torch.zeros(2, 64), torch.zeros(2, 2, dtype=torch.long),
+                                                             torch.ones(2, 2))], min_tokens=0)
+    assert not any(isinstance(m, QuantExperts) for m in model.modules())
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_awq_and_smoothquant_refuse_experts_by_name(family, rng):
+    from lowbit.algorithms.awq import awq_model
+    from lowbit.algorithms.smoothquant import smooth_model
+    from lowbit.archs.decoders import UnsupportedArchitecture
+    model = tiny_moe(family, rng, dtype=torch.float32)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(UnsupportedArchitecture, match=r"AWQ on .*model\.layers\.0\.mlp\.experts.*router"):
+        awq_model(model, "w4a16-g32", [ids(rng, 8)])
+    with pytest.raises(UnsupportedArchitecture, match=r"SmoothQuant on .*experts.*top-k"):
+        smooth_model(model, [ids(rng, 8)])
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
