@@ -148,3 +148,19 @@ def test_awq_and_smoothquant_refuse_experts_by_name(family, rng):
     with pytest.raises(UnsupportedArchitecture, match=r"SmoothQuant on .*experts.*top-k"):
         smooth_model(model, [ids(rng, 8)])
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_distributed_gptq_of_experts_is_refused(rng, monkeypatch):
+    """Per-expert Hessians are not reduced across ranks: under torch.distributed the experts'
+    GPTQ is refused before any layer changes (the dense Linears' distributed GPTQ is unchanged)."""
+    from lowbit.algorithms import distributed
+    model = tiny_moe("mixtral", rng, dtype=torch.float32)
+    monkeypatch.setattr(distributed, "active", lambda: True)
+    with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.mlp\.experts.*torch\.distributed"):
+        quantize_model(model, "w4a16-g32", method="gptq", calib=[ids(rng, 8)])
+    assert not any(isinstance(m, QuantExperts) for m in model.modules())
+    mod = model.model.layers[0].mlp.experts
+    r = get_recipe("w4a16-g32")
+    with pytest.raises(NotImplementedError, match="torch.distributed"):
+        gptq_experts(mod, spec_for(mod), r.weight, None, [(torch.zeros(2, 64), torch.zeros(2, 2, dtype=torch.long),
+                                                             torch.ones(2, 2))])
