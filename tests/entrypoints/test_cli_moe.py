@@ -42,3 +42,19 @@ def test_sites_prints_routing_and_writes_its_png(moe_cli, tmp_path, capsys):   #
     assert (tmp_path / "s_routing.png").stat().st_size > 0
     md = mdp.read_text()
     assert "## MoE routing, w8a8-int8" in md and "(router quantized)" in md
+
+
+def test_quantize_awq_folds_the_experts_down_side_and_says_what_not(moe_cli, tmp_path, capsys):
+    out = tmp_path / "q"
+    assert main(["quantize", *moe_cli, "--recipe", "w4a16-g32", "--awq", "--no-save", "--no-eval",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "AWQ folded into the down side of" in printed and "gate_up, attention and shared experts are not" \
+        in printed
+
+
+def test_quantize_smoothquant_on_moe_is_refused_by_name(moe_cli, tmp_path, capsys):
+    assert main(["quantize", *moe_cli, "--recipe", "w8a8-int8", "--smoothquant", "0.5", "--no-save",
+                 "--out", str(tmp_path / "q")]) == 2
+    err = capsys.readouterr().err
+    assert "SmoothQuant" in err and "model.layers.0.mlp.experts" in err and "router" in err

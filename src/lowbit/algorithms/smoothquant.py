@@ -39,7 +39,7 @@ class FoldGroup:
     rows: tuple[int, int] | None = None
 
 
-def refuse_experts(model: torch.nn.Module, what: str) -> None:
+def refuse_experts(model: torch.nn.Module, what: str, hint: str | None = None) -> None:
     """UnsupportedArchitecture naming the fused MoE experts of `model`, if it has any: a fold for
     them is not exact. Their gate_up input is the post-attention norm's output, which the router
     (and shared experts) read too, and a norm gain carries one factor s for all of them, not one
@@ -53,8 +53,8 @@ def refuse_experts(model: torch.nn.Module, what: str) -> None:
             f"{what} on {spec.family}: the fused MoE experts ({name}, {len(moe)} modules) have no exact fold point -- "
             "their gate_up input is the post-attention norm's output, which the router also reads, and one norm "
             "gain cannot carry a factor per expert (folding it changes the router's input and can flip its top-k "
-            f"choice); {what} of the experts' down side is not implemented. Quantize without {what} (GPTQ per "
-            "expert: method='gptq'), or keep the experts in high precision with ignore=[...]")
+            f"choice). " + (hint or f"{what} of the experts' down side is not implemented.") + f" Quantize without "
+            f"{what} (GPTQ per expert: method='gptq'), or keep the experts in high precision with ignore=[...]")
 
 
 def fold_plan(model: torch.nn.Module, include_down: bool = True) -> tuple[list[FoldGroup], list[str]]:

@@ -96,8 +96,17 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
     elif want and sites_before is None:
         sites_before = site_report(m, texts.calib, r, ignore=ignore, overrides=overrides, progress=progress)
     if awq:
-        from lowbit.algorithms.awq import awq_model
-        awq_model(m, r, texts.calib, progress=progress)
+        from lowbit.archs.experts import find_experts
+        if find_experts(m):       # MoE: the one exact AWQ fold is each expert's down side
+            from lowbit.algorithms.awq_experts import awq_experts
+            done = awq_experts(m, r, texts.calib)
+            kept = sum(a is None for d in done.values() for a in d["alpha"])
+            print(f"{r.name}: AWQ folded into the down side of {sum(len(d['alpha']) for d in done.values()) - kept} "
+                  f"experts ({kept} with too few routed tokens kept s = 1); the experts' gate_up, attention and "
+                  "shared experts are not folded (no exact fold point for a MoE family)", flush=True)
+        else:
+            from lowbit.algorithms.awq import awq_model
+            awq_model(m, r, texts.calib, progress=progress)
     ov = dict(overrides or {})
     picked, klp = {}, None
     if override_worst > 0 and override_by == "kl":
