@@ -76,7 +76,7 @@ def awq_model(model: torch.nn.Module, recipe, calib, *, grid=GRID, progress: boo
     if r.act is not None:
         raise ValueError(f"AWQ is for weight-only recipes; {r.name} also quantizes activations "
                          "(use SmoothQuant for those, or a w4a16 / w8a16 recipe)")
-    refuse_experts(model, "AWQ", "lowbit.algorithms.awq_experts.awq_experts folds AWQ into the experts' down side, "
+    refuse_experts(model, "AWQ", "lowbit.algorithms.experts_fold.awq_experts folds AWQ into the experts' down side, "
                    "where it is exact per expert (lowbit quantize --awq does so for MoE models).")
     d = decoder_for(model)
     if d.parallel:

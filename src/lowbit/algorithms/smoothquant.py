@@ -140,7 +140,9 @@ def smooth_model(model: torch.nn.Module, batches: Iterable, alpha: float = 0.5, 
     factors in place. Run it BEFORE quantize_model. Returns {producer name: s [K]}.
     Linears must still be nn.Linear (not yet quantized). Linears with no fold point in their
     family (fold_plan) are named in a warning and left as they are."""
-    refuse_experts(model, "SmoothQuant")
+    refuse_experts(model, "SmoothQuant", "lowbit.algorithms.experts_fold.smooth_experts folds SmoothQuant into the "
+                   "experts' down side, where it is exact per expert (lowbit quantize --smoothquant does so for MoE "
+                   "models).")
     groups = fold_groups(model, include_down)
     for why in fold_plan(model, include_down)[1]:
         warnings.warn("SmoothQuant: " + why, stacklevel=2)

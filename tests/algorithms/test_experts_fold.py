@@ -1,4 +1,4 @@
-"""AWQ on the experts' down side (lowbit.algorithms.awq_experts): the fold leaves the model's
+"""AWQ and SmoothQuant on the experts' down side (lowbit.algorithms.experts_fold): the fold leaves the model's
 function unchanged, each expert's quantized down_proj output error on its routed tokens is no
 larger than without AWQ, too-few-token experts are left alone, and what cannot fold is refused."""
 import copy
@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from lowbit.algorithms.awq_experts import awq_experts
+from lowbit.algorithms.experts_fold import awq_experts, smooth_experts
 from lowbit.archs.decoders import UnsupportedArchitecture
 from lowbit.quantize import quantize
 from lowbit.recipes.presets import get_recipe
@@ -77,6 +77,40 @@ def test_fold_is_exact_and_down_error_not_larger(family, rng):
     assert moved > 0
 
 
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_smoothquant_balances_each_experts_down_input_and_weight(family, rng):
+    """alpha = 0.5: s_j = sqrt(max|a_j| / max|W_:,j|), so after the fold the expert's down input
+    and weight have the same maximum per channel, max|a_j| / s_j = max|W_:,j| s_j up to the
+    float32 arithmetic of s (lowbit.algorithms.smoothquant.smoothing_factors: the cast of max|a_j|,
+    two powers and a quotient, each <= 2 ulps of 2^-24, so s^2 is within ~12 * 2^-24 < 2^-19
+    relative of max|a_j| / max|W_:,j|); logits unchanged (bound as in the AWQ test)."""
+    model = tiny_moe(family, rng)
+    ref = copy.deepcopy(model)
+    batches = [ids(rng, 30), ids(rng, 25)]
+    done = smooth_experts(model, batches, alpha=0.5, min_tokens=3)
+    test_ids = ids(rng, 9)
+    with torch.no_grad():
+        a, b = ref(test_ids).logits, model(test_ids).logits
+    assert (a - b).abs().max() <= 2.0 ** -39 * a.abs().max()
+    routed = _routed(ref, batches)
+    checked = 0
+    for n, info in done.items():
+        x, idx = routed[n]
+        f, g = ref.get_submodule(n), model.get_submodule(n)
+        I = f.down_proj.shape[2]
+        for e, s in enumerate(info["s"]):
+            rows = (idx == e).any(dim=1)
+            assert info["tokens"][e] == int(rows.sum())
+            if s is None:
+                continue
+            h = x[rows] @ g.gate_up_proj[e].T                        # the folded expert's own down input
+            act = torch.nn.functional.silu(h[:, :I]) * h[:, I:]
+            amax, wmax = act.abs().amax(dim=0), g.down_proj[e].abs().amax(dim=0)
+            assert torch.allclose(amax, wmax, rtol=2.0 ** -19, atol=0), (n, e)
+            checked += 1
+    assert checked > 0
+
+
 def test_few_token_experts_untouched_and_refusals(rng):
     model = tiny_moe("mixtral", rng)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -88,6 +122,11 @@ def test_few_token_experts_untouched_and_refusals(rng):
     with pytest.raises(UnsupportedArchitecture, match=r"gpt_oss.*clamp"):
         awq_experts(tiny_moe("gpt_oss", rng), "w4a16-g32", [ids(rng, 8)])
     from lowbit.algorithms.awq import awq_model
+    from lowbit.algorithms.smoothquant import smooth_model
     with pytest.raises(UnsupportedArchitecture, match="awq_experts"):
         awq_model(model, "w4a16-g32", [ids(rng, 8)])
+    with pytest.raises(UnsupportedArchitecture, match="smooth_experts"):
+        smooth_model(model, [ids(rng, 8)])
+    with pytest.raises(UnsupportedArchitecture, match=r"SmoothQuant.*gpt_oss.*clamp"):
+        smooth_experts(tiny_moe("gpt_oss", rng), [ids(rng, 8)])
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
