@@ -1,6 +1,7 @@
 """GPTQ per expert (lowbit.algorithms.gptq.experts): statistics from the tokens routed to each
 expert, checked against the routing the model's own router makes (captured independently, at
 the router), the few-token rule, and the refusals."""
+import copy
 import math
 
 import pytest
@@ -164,3 +165,28 @@ def test_distributed_gptq_of_experts_is_refused(rng, monkeypatch):
     with pytest.raises(NotImplementedError, match="torch.distributed"):
         gptq_experts(mod, spec_for(mod), r.weight, None, [(torch.zeros(2, 64), torch.zeros(2, 2, dtype=torch.long),
                                                              torch.ones(2, 2))])
+
+
+def test_mse_scales_for_experts_never_worse_than_rtn(rng):
+    """mse=True: each expert's scales are lowbit.algorithms.scale_search's, which keep round to
+    nearest's range on ties and minimise each scale's squared weight error, so every expert's
+    weight error is <= round to nearest's (up to float64 summation order: the sums of N K squares
+    differ by at most N K u of their value). GPTQ with mse runs on them per expert."""
+    model = tiny_moe("qwen3_moe", rng, dtype=torch.float32)
+    ref = copy.deepcopy(model)
+    quantize_model(model, "w4a16-g32", mse=True)
+    scheme = get_recipe("w4a16-g32").weight
+    for n, f in ref.named_modules():
+        if spec_for(f) is None:
+            continue
+        q = model.get_submodule(n)
+        for p, w in (("gate_up", f.gate_up_proj), ("down", f.down_proj)):
+            for e in range(w.shape[0]):
+                we = w[e].detach().double()
+                em = float((we - q.weight_q(p, e).dequantize(torch.float64)).square().sum())
+                er = float((we - quantize(w[e].float(), scheme).dequantize(torch.float64)).square().sum())
+                assert em <= er * (1 + we.numel() * U64), (n, p, e, em, er)
+    g = copy.deepcopy(ref)
+    s = quantize_model(g, "w4a16-g32", method="gptq", mse=True, calib=[ids(rng, 40)],
+                       method_options={"min_tokens": 4})
+    assert all(isinstance(g.get_submodule(d.name), QuantExperts) and d.calibration is not None for d in s.experts)

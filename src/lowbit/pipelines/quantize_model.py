@@ -120,9 +120,6 @@ def _quantize_linears(model, recipe, *, ignore, overrides, act_static_scales, ba
     experts = find_experts(model)       # raises on fused experts the map does not know
     linear_ignore, linear_over, found, exp_decisions, resolved = _split_patterns(model, experts, recipe, ignore,
                                                                                  overrides)
-    if mse and any(d.action == "quantized" for d in exp_decisions):
-        raise NotImplementedError(f"mse=True: MSE-optimal scales are not searched for MoE experts "
-                                  f"({exp_decisions[0].name}, ...); drop mse, or keep them in float with ignore=[...]")
     summary = plan(model, recipe, linear_ignore or None, linear_over or None)
     for r in resolved.values():                    # recipes that only experts overrides name
         if r != "skip" and summary.recipes.setdefault(r.name, r) != r:
@@ -149,7 +146,7 @@ def _quantize_linears(model, recipe, *, ignore, overrides, act_static_scales, ba
         from tqdm import tqdm
         todo = tqdm(todo, desc=f"quantize {summary.recipe}", unit="layer")
     new = {d.name: quantize_layer(d, summary, layers[d.name], act_static_scales, backend, mse) for d in todo}
-    new_experts = build_experts(model, found, exp_decisions, summary.recipes)
+    new_experts = build_experts(model, found, exp_decisions, summary.recipes, mse=mse)
     if act_static_scales is not None and new_experts:
         raise NotImplementedError("act_static_scales: static activation scales are not supported for MoE experts; "
                                   "use a dynamic recipe or ignore the experts")

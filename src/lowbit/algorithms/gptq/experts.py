@@ -36,7 +36,8 @@ from lowbit.algorithms.gptq.solver import gptq_quantize_group
 from lowbit.archs.experts import ExpertsSpec
 from lowbit.nn.experts import QuantExperts, _as_enk
 from lowbit.ops.grouped import Routing, sort_tokens
-from lowbit.quantize import QTensor
+from lowbit.algorithms.scale_search import search_scales
+from lowbit.quantize import QTensor, quantize
 from lowbit.scheme import QuantScheme
 
 MIN_TOKENS = 32
@@ -82,16 +83,27 @@ class ExpertsCalibration:
         return s
 
 
+def mse_weights(module: torch.nn.Module, spec: ExpertsSpec, scheme: QuantScheme) -> dict[str, list[QTensor]]:
+    """Per projection, each expert's round-to-nearest QTensor on MSE-optimal (unweighted) scales
+    (lowbit.algorithms.scale_search), for QuantExperts.from_module(quantized=...)."""
+    out = {}
+    for p, n in zip(("gate_up", "down"), spec.weights):
+        w = _as_enk(getattr(module, n).detach(), spec.layout)
+        out[p] = [quantize(w[e].float(), scheme, pad=True, scales=search_scales(w[e], scheme)) for e in range(w.shape[0])]
+    return out
+
+
 def expert_rows(routing: Routing, e: int) -> torch.Tensor:
     """Rows of the sorted buffer that belong to expert e (a slice of positions)."""
     return torch.arange(int(routing.offsets[e]), int(routing.offsets[e + 1]), device=routing.token.device)
 
 
 def _solve(w: torch.Tensor, xs: list[list[torch.Tensor]], rtn: list[QTensor], scheme: QuantScheme,
-           tokens: list[int], fits: list[ExpertFit], proj: str, *, min_tokens: int, holdout: int, **opts
-           ) -> list[QTensor]:
+           tokens: list[int], fits: list[ExpertFit], proj: str, *, min_tokens: int, holdout: int, mse: bool,
+           **opts) -> list[QTensor]:
     """Per expert e of w [E, N, K]: GPTQ on xs[e] (its inputs, one [m, K] tensor per batch), or
-    round to nearest's rtn[e] under the rule of the module docstring; fills fits[e]."""
+    round to nearest's rtn[e] under the rule of the module docstring; fills fits[e]. mse: GPTQ and
+    its round-to-nearest comparison on MSE-optimal scales weighted by e's Hessian diagonal."""
     out = []
     for e in range(w.shape[0]):
         fit = fits[e]
@@ -106,8 +118,12 @@ def _solve(w: torch.Tensor, xs: list[list[torch.Tensor]], rtn: list[QTensor], sc
                 acc.add(_fit_rows(x.reshape(-1, K), holdout))
         h = acc.hessian()
         w64 = w[e].detach().double()
-        qg = gptq_quantize_group([w[e]], h, [scheme], split=False, **opts)[0]
-        dg, dr = w64 - qg.dequantize(torch.float64), w64 - rtn[e].dequantize(torch.float64)
+        sc, r_e = None, rtn[e]
+        if mse:
+            sc = search_scales(w[e].detach(), scheme, hdiag=torch.diagonal(h))
+            r_e = quantize(w[e].detach().float(), scheme, pad=True, scales=sc)
+        qg = gptq_quantize_group([w[e]], h, [scheme], split=False, scales=[sc], **opts)[0]
+        dg, dr = w64 - qg.dequantize(torch.float64), w64 - r_e.dequantize(torch.float64)
         lq, lr = output_loss(w64, w64 - dg, h), output_loss(w64, w64 - dr, h)
         fit.ratio[proj] = lq / lr if lr > 0 else 1.0
         hv = held_out_losses([x for x in xs[e] if x.shape[0]], holdout, [dg, dr]) if holdout else None
@@ -117,7 +133,7 @@ def _solve(w: torch.Tensor, xs: list[list[torch.Tensor]], rtn: list[QTensor], sc
             fit.choice[proj] = "rtn: held-out loss"
         else:
             fit.choice[proj] = "gptq"
-        out.append(qg if fit.choice[proj] == "gptq" else rtn[e])
+        out.append(qg if fit.choice[proj] == "gptq" else r_e)
     return out
 
 
@@ -126,12 +142,14 @@ def gptq_experts(module: torch.nn.Module, spec: ExpertsSpec, weight_scheme: Quan
                  act_scheme: QuantScheme | None, inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], *,
                  name: str = "experts", damp: float = 0.1, block_size: int = 128, act_order: bool = True,
                  static_groups: bool = False, holdout: int = 4, min_tokens: int = MIN_TOKENS,
-                 backend: str = "auto") -> tuple[QuantExperts, ExpertsCalibration]:
+                 backend: str = "auto", mse: bool = False) -> tuple[QuantExperts, ExpertsCalibration]:
     """GPTQ of every expert of `module` (a family's fused experts module, `spec` its entry of
     lowbit.archs.experts) on `inputs`: per calibration batch the module's own call arguments
     (hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]). Returns the QuantExperts
     and the per-expert report. Options as lowbit.algorithms.gptq.model.gptq_model; min_tokens:
-    the few-token rule (module docstring). The module is not changed."""
+    the few-token rule (module docstring); mse: MSE-optimal scales (lowbit.algorithms.scale_search),
+    weighted by each expert's Hessian diagonal for GPTQ, unweighted for the round-to-nearest experts
+    (as quantize_model's mse). The module is not changed."""
     if distributed.active():
         raise NotImplementedError(f"{name}: GPTQ of MoE experts under torch.distributed is not supported (per-expert "
                                   "Hessians are not reduced across ranks); run the calibration in one process, or "
@@ -144,22 +162,25 @@ def gptq_experts(module: torch.nn.Module, spec: ExpertsSpec, weight_scheme: Quan
     kw = dict(spec.module_kwargs(), name=name)
     rtn = QuantExperts.from_module(module, weight_scheme, act_scheme, backend="exact", **kw)
     E = rtn.num_experts
+    rtn_q = {p: rtn.weights_q(p) for p in ("gate_up", "down")}
+    if mse:
+        rtn_q = mse_weights(module, spec, weight_scheme)
     routings = [sort_tokens(idx, E) for _, idx, _ in inputs]
     tokens = [int(sum(int(r.counts()[e]) for r in routings)) for e in range(E)]
     fits = [ExpertFit(e, tokens[e]) for e in range(E)]
-    opts = dict(min_tokens=min_tokens, holdout=holdout, damp=damp, block_size=block_size, act_order=act_order,
+    opts = dict(min_tokens=min_tokens, holdout=holdout, mse=mse, damp=damp, block_size=block_size, act_order=act_order,
                 static_groups=static_groups)
     w_gu = _as_enk(getattr(module, spec.gate_up).detach(), spec.layout)
     xs = [[x.reshape(-1, x.shape[-1])[r.token[expert_rows(r, e)]] for (x, _, _), r in zip(inputs, routings)]
           for e in range(E)]
-    q_gu = _solve(w_gu, xs, rtn.weights_q("gate_up"), weight_scheme, tokens, fits, "gate_up", **opts)
+    q_gu = _solve(w_gu, xs, rtn_q["gate_up"], weight_scheme, tokens, fits, "gate_up", **opts)
     # down's inputs through the gate_up just chosen (with the recipe's activation quantization)
     mid = QuantExperts.from_module(module, weight_scheme, act_scheme, backend="exact", quantized={"gate_up": q_gu},
                                    **kw)
     acts = [mid.glu(mid.gate_up_rows(x.reshape(-1, x.shape[-1]), r)) for (x, _, _), r in zip(inputs, routings)]
     xs = [[a[expert_rows(r, e)] for a, r in zip(acts, routings)] for e in range(E)]
     w_dn = _as_enk(getattr(module, spec.down).detach(), spec.layout)
-    q_dn = _solve(w_dn, xs, rtn.weights_q("down"), weight_scheme, tokens, fits, "down", **opts)
+    q_dn = _solve(w_dn, xs, rtn_q["down"], weight_scheme, tokens, fits, "down", **opts)
     out = QuantExperts.from_module(module, weight_scheme, act_scheme, backend=backend,
                                    quantized={"gate_up": q_gu, "down": q_dn}, **kw)
     return out, ExpertsCalibration(name, min_tokens, fits)

@@ -36,7 +36,7 @@ def gptq_model(model: torch.nn.Module, recipe, calib, *, ignore=None, overrides=
     MoE experts modules the plan quantizes (summary.experts, a plan of lowbit.pipelines.quantize_model)
     are solved per expert on the tokens routed to each (lowbit.algorithms.gptq.experts; min_tokens: its
     few-token rule, default lowbit.algorithms.gptq.experts.MIN_TOKENS); each decision's `calibration`
-    holds the per-expert report. targets="float" and mse are refused for them.
+    holds the per-expert report. targets="float" is refused for them.
     Returns the QuantSummary; on error the model is left as it was."""
     from lowbit.recipes.plan import plan
     from lowbit.algorithms.sequential import calibrate_sequentially
@@ -44,9 +44,9 @@ def gptq_model(model: torch.nn.Module, recipe, calib, *, ignore=None, overrides=
     experts = [d.name for d in summary.experts if d.action == "quantized"]
     if targets not in ("quantized", "float"):
         raise ValueError(f"targets={targets!r}: choose 'quantized' (plain GPTQ) or 'float' (the float model's outputs)")
-    if experts and (targets == "float" or mse or act_static_scales is not None):
-        raise NotImplementedError(f"GPTQ of MoE experts ({experts[0]}, ...) supports neither targets='float', mse "
-                                  "nor act_static_scales; drop the option, or keep the experts in high precision "
+    if experts and (targets == "float" or act_static_scales is not None):
+        raise NotImplementedError(f"GPTQ of MoE experts ({experts[0]}, ...) supports neither targets='float' nor "
+                                  "act_static_scales; drop the option, or keep the experts in high precision "
                                   "with ignore=[...]")
     if experts and distributed.active():
         raise NotImplementedError(f"GPTQ of MoE experts ({experts[0]}, ...) under torch.distributed is not supported: "
@@ -90,7 +90,7 @@ def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, dam
             q, cal = gptq_experts(mod, spec_for(mod), r.weight, r.act, inputs, name=n, damp=damp,
                                   block_size=block_size, act_order=act_order, static_groups=static_groups,
                                   holdout=holdout, min_tokens=MIN_TOKENS if min_tokens is None else min_tokens,
-                                  backend=backend)
+                                  backend=backend, mse=mse)
         except ValueError as err:
             raise ValueError(f"GPTQ of experts {n} (E, 2I, H = {d.shape}): {err}") from err
         d.calibration = cal
