@@ -15,6 +15,9 @@ gpt-oss): the fused experts module of each block becomes a lowbit.nn.experts.Qua
 the same recipe (per-expert codes and scales); ignore / override patterns may name experts
 modules as they name Linears. Routers and shared-expert gates stay in high precision; shared
 experts are plain Linears. A module with fused 3-D weights that the map does not know is refused.
+method="gptq" calibrates each expert on the tokens routed to it (lowbit.algorithms.gptq.experts:
+experts with fewer than min_tokens routed tokens keep round to nearest, listed in the summary);
+mse=True gives each expert MSE-optimal scales.
 
 Coverage (lowbit.pipelines.coverage), never silent: before anything changes, every weight
 tensor of >= 2 dimensions holding >= 1% of the parameters must be planned for quantization or
