@@ -151,20 +151,56 @@ def test_awq_and_smoothquant_refuse_experts_by_name(family, rng):
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
-def test_distributed_gptq_of_experts_is_refused(rng, monkeypatch):
-    """Per-expert Hessians are not reduced across ranks: under torch.distributed the experts'
-    GPTQ is refused before any layer changes (the dense Linears' distributed GPTQ is unchanged)."""
-    from lowbit.algorithms import distributed
-    model = tiny_moe("mixtral", rng, dtype=torch.float32)
-    monkeypatch.setattr(distributed, "active", lambda: True)
-    with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.mlp\.experts.*torch\.distributed"):
-        quantize_model(model, "w4a16-g32", method="gptq", calib=[ids(rng, 8)])
-    assert not any(isinstance(m, QuantExperts) for m in model.modules())
-    mod = model.model.layers[0].mlp.experts
-    r = get_recipe("w4a16-g32")
-    with pytest.raises(NotImplementedError, match="torch.distributed"):
-        gptq_experts(mod, spec_for(mod), r.weight, None, [(torch.zeros(2, 64), torch.zeros(2, 2, dtype=torch.long),
-                                                             torch.ones(2, 2))])
+def _moe_gptq(model, batches):
+    """{buffer name: tensor} of every QuantExperts after GPTQ on `batches`, and the reports."""
+    s = quantize_model(model, "w4a16-g32", method="gptq", calib=batches, method_options={"min_tokens": 12})
+    bufs = {f"{n}.{b}": t for n, m in model.named_modules() if isinstance(m, QuantExperts)
+            for b, t in m.named_buffers() if t is not None}
+    return bufs, [str(d.calibration) for d in s.experts] + [
+        f"projections kept GPTQ: {sum(c == 'gptq' for d in s.experts for f in d.calibration.experts for c in f.choice.values())}"]
+
+
+def _dist_worker(rank: int, tmp: str, seed: int):
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from lowbit.algorithms.distributed import shard
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=2)
+    try:
+        torch.set_num_threads(1)
+        g = torch.Generator().manual_seed(seed)
+        model = tiny_moe("mixtral", g, dtype=torch.float32)
+        batches = [ids(g, 23) for _ in range(5)]
+        bufs, reports = _moe_gptq(model, shard(batches))
+        if rank == 0:
+            save_file({k: v.contiguous() for k, v in bufs.items()}, f"{tmp}/dist.safetensors")
+            with open(f"{tmp}/reports.txt", "w") as f:
+                f.write("\n".join(reports))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_give_the_single_process_experts(seed, tmp_path):
+    """Each rank holds its share of 5 batches (3 and 2): the routed token counts, every expert's
+    Hessian and held-out losses are reduced over the ranks in batch order, so every QuantExperts
+    buffer is bit-identical to one process's with all batches, and so is the few-token report."""
+    import torch.multiprocessing as mp
+    from safetensors.torch import load_file
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(seed)
+        model = tiny_moe("mixtral", g, dtype=torch.float32)
+        batches = [ids(g, 23) for _ in range(5)]
+        one, reports = _moe_gptq(model, batches)
+    finally:
+        torch.set_num_threads(threads)
+    mp.start_processes(_dist_worker, args=(str(tmp_path), seed), nprocs=2, join=True, start_method="fork")
+    two = load_file(str(tmp_path / "dist.safetensors"))
+    assert sorted(two) == sorted(one)
+    differ = [k for k in one if not torch.equal(one[k], two[k])]
+    assert not differ, f"buffers {differ} differ between 1 process and 2 ranks"
+    assert (tmp_path / "reports.txt").read_text().split("\n") == reports
+    assert reports[-1] != "projections kept GPTQ: 0"      # the comparison covers GPTQ's codes, not only RTN's
 
 
 def test_mse_scales_for_experts_never_worse_than_rtn(rng):

@@ -21,7 +21,10 @@ nearest's and, where it has held-out tokens, its summed squared output error on 
 otherwise round to nearest's codes (named in the report). So every expert's codes have an
 output loss on its own fit Hessian no larger than round to nearest's, by construction.
 
-One process only: per-expert Hessians are not reduced across torch.distributed ranks (refused).
+Under torch.distributed (each rank holding its share of the calibration batches) the routed
+token counts are summed over ranks before the rule applies, each expert's Hessian and held-out
+losses are the ranks' ordered sums (lowbit.algorithms.distributed: bit-identical to one process
+holding all batches), and every rank solves every expert (same Hessian, same codes).
 """
 from __future__ import annotations
 
@@ -100,10 +103,12 @@ def expert_rows(routing: Routing, e: int) -> torch.Tensor:
 
 def _solve(w: torch.Tensor, xs: list[list[torch.Tensor]], rtn: list[QTensor], scheme: QuantScheme,
            tokens: list[int], fits: list[ExpertFit], proj: str, *, min_tokens: int, holdout: int, mse: bool,
-           **opts) -> list[QTensor]:
+           counts: list[int], **opts) -> list[QTensor]:
     """Per expert e of w [E, N, K]: GPTQ on xs[e] (its inputs, one [m, K] tensor per batch), or
     round to nearest's rtn[e] under the rule of the module docstring; fills fits[e]. mse: GPTQ and
-    its round-to-nearest comparison on MSE-optimal scales weighted by e's Hessian diagonal."""
+    its round-to-nearest comparison on MSE-optimal scales weighted by e's Hessian diagonal.
+    tokens: every rank's routed tokens per expert (summed); counts: every rank's batch count
+    (one add per batch, empty ones included, so the ranks' chunked sums line up)."""
     out = []
     for e in range(w.shape[0]):
         fit = fits[e]
@@ -112,10 +117,10 @@ def _solve(w: torch.Tensor, xs: list[list[torch.Tensor]], rtn: list[QTensor], sc
             out.append(rtn[e])
             continue
         K = w.shape[2]
-        acc = HessianAccumulator(K)
+        acc = HessianAccumulator(K, counts=counts)
         for x in xs[e]:
-            if x.shape[0]:
-                acc.add(_fit_rows(x.reshape(-1, K), holdout))
+            acc.add(_fit_rows(x.reshape(-1, K), holdout))
+        acc.reduce()      # a collective: every rank, same experts, same order
         h = acc.hessian()
         w64 = w[e].detach().double()
         sc, r_e = None, rtn[e]
@@ -150,14 +155,10 @@ def gptq_experts(module: torch.nn.Module, spec: ExpertsSpec, weight_scheme: Quan
     the few-token rule (module docstring); mse: MSE-optimal scales (lowbit.algorithms.scale_search),
     weighted by each expert's Hessian diagonal for GPTQ, unweighted for the round-to-nearest experts
     (as quantize_model's mse). The module is not changed."""
-    if distributed.active():
-        raise NotImplementedError(f"{name}: GPTQ of MoE experts under torch.distributed is not supported (per-expert "
-                                  "Hessians are not reduced across ranks); run the calibration in one process, or "
-                                  "quantize the experts by round to nearest (method='rtn')")
     if min_tokens < 1:
         raise ValueError(f"min_tokens={min_tokens} must be >= 1 (experts with fewer routed tokens keep round to "
                          "nearest's codes)")
-    if not inputs:
+    if not inputs:          # (every rank holds at least one batch: lowbit.algorithms.distributed.shard)
         raise ValueError(f"{name}: no calibration batch reached the experts")
     kw = dict(spec.module_kwargs(), name=name)
     rtn = QuantExperts.from_module(module, weight_scheme, act_scheme, backend="exact", **kw)
@@ -166,9 +167,10 @@ def gptq_experts(module: torch.nn.Module, spec: ExpertsSpec, weight_scheme: Quan
     if mse:
         rtn_q = mse_weights(module, spec, weight_scheme)
     routings = [sort_tokens(idx, E) for _, idx, _ in inputs]
-    tokens = [int(sum(int(r.counts()[e]) for r in routings)) for e in range(E)]
+    local = torch.stack([r.counts().cpu() for r in routings]).sum(0)
+    tokens = distributed.all_sum(local.to(torch.int64)).tolist()      # every rank's tokens
     fits = [ExpertFit(e, tokens[e]) for e in range(E)]
-    opts = dict(min_tokens=min_tokens, holdout=holdout, mse=mse, damp=damp, block_size=block_size, act_order=act_order,
+    opts = dict(min_tokens=min_tokens, holdout=holdout, mse=mse, counts=distributed.counts(len(inputs)), damp=damp, block_size=block_size, act_order=act_order,
                 static_groups=static_groups)
     w_gu = _as_enk(getattr(module, spec.gate_up).detach(), spec.layout)
     xs = [[x.reshape(-1, x.shape[-1])[r.token[expert_rows(r, e)]] for (x, _, _), r in zip(inputs, routings)]

@@ -48,9 +48,6 @@ def gptq_model(model: torch.nn.Module, recipe, calib, *, ignore=None, overrides=
         raise NotImplementedError(f"GPTQ of MoE experts ({experts[0]}, ...) supports neither targets='float' nor "
                                   "act_static_scales; drop the option, or keep the experts in high precision "
                                   "with ignore=[...]")
-    if experts and distributed.active():
-        raise NotImplementedError(f"GPTQ of MoE experts ({experts[0]}, ...) under torch.distributed is not supported: "
-                                  "per-expert Hessians are not reduced across ranks; calibrate in one process")
     handle = gptq_handler(model, summary, act_static_scales, damp=damp, block_size=block_size, act_order=act_order,
                           static_groups=static_groups, holdout=holdout, backend=backend, mse=mse,
                           min_tokens=min_tokens)
