@@ -48,16 +48,25 @@ def _loss_and_bound(w, q, x):
     return float(y.square().sum() / n), (2 * x.shape[1] + n * d.shape[0] + 2) * U64 * float(a.square().sum() / n)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def _glu(fmod, h):
+    """The family's own activation of the gate_up output h (its module's code, not lowbit's)."""
+    if hasattr(fmod, "_apply_gate"):                     # gpt-oss: interleaved, clamped swiglu
+        return fmod._apply_gate(h)
+    gate, up = h.chunk(2, dim=-1)
+    return fmod.act_fn(gate) * up
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_each_expert_loss_on_its_routed_tokens_at_most_rtn(family, rng):
     """quantize_model(method="gptq") on a MoE model: for every expert of every block, the output
     loss of the stored codes on the tokens the router sent to it (the final model's router input
     and choice: sequential GPTQ calibrates each block on the already-quantized blocks before it)
-    is at most round to nearest's -- for gate_up on those hidden states, for down on act(gate) *
-    up through the stored gate_up -- and the report's token counts are the router's."""
+    is at most round to nearest's -- for gate_up on those hidden states, for down on the family's
+    activation of the stored gate_up's output (+ bias) -- and the report's token counts are the
+    router's."""
     model = tiny_moe(family, rng, dtype=torch.float32)
-    float_experts = {n: (m.gate_up_proj.detach().clone(), m.down_proj.detach().clone())
-                     for n, m in model.named_modules() if spec_for(m) is not None}
+    floats = {n: copy.deepcopy(m) for n, m in model.named_modules() if spec_for(m) is not None}
+    specs = {n: spec_for(m) for n, m in floats.items()}
     calib = [ids(rng, 40), ids(rng, 33)]
     summary = quantize_model(model, "w4a16-g32", method="gptq", calib=calib,
                              method_options={"holdout": 0, "min_tokens": 6})
@@ -65,11 +74,13 @@ def test_each_expert_loss_on_its_routed_tokens_at_most_rtn(family, rng):
     io = _router_io(model, calib)
     gptq_total = rtn_total = 0.0
     for d in summary.experts:
-        q = model.get_submodule(d.name)
+        q, fmod, spec = model.get_submodule(d.name), floats[d.name], specs[d.name]
         assert isinstance(q, QuantExperts) and isinstance(d.calibration, ExpertsCalibration)
-        x = torch.cat([a for a, _ in io[d.name.rpartition(".")[0] + ".gate"]])
-        idx = torch.cat([i for _, i in io[d.name.rpartition(".")[0] + ".gate"]])
-        w_gu, w_dn = float_experts[d.name]
+        router = d.name.rpartition(".")[0] + "." + spec.router
+        x = torch.cat([a for a, _ in io[router]])
+        idx = torch.cat([i for _, i in io[router]])
+        nk = (lambda w: w) if spec.layout == "enk" else (lambda w: w.T)        # as [N, K]
+        bias = getattr(fmod, spec.gate_up_bias).detach().double() if spec.gate_up_bias else None
         for fit in d.calibration.experts:
             e = fit.expert
             rows = (idx == e).any(dim=1)
@@ -78,10 +89,9 @@ def test_each_expert_loss_on_its_routed_tokens_at_most_rtn(family, rng):
                 assert fit.choice == {"gate_up": "rtn: few tokens", "down": "rtn: few tokens"}
             xe = x[rows]
             q_gu = q.weight_q("gate_up", e).dequantize(torch.float64)
-            h = xe @ q_gu.T
-            gate, up = h.chunk(2, dim=-1)
-            xd = torch.nn.functional.silu(gate) * up
-            for w, qq, xin in ((w_gu[e], q_gu, xe), (w_dn[e], q.weight_q("down", e).dequantize(torch.float64), xd)):
+            xd = _glu(fmod, xe @ q_gu.T + (0 if bias is None else bias[e]))
+            w_gu, w_dn = nk(fmod.gate_up_proj[e].detach()), nk(fmod.down_proj[e].detach())
+            for w, qq, xin in ((w_gu, q_gu, xe), (w_dn, q.weight_q("down", e).dequantize(torch.float64), xd)):
                 r = quantize(w.float(), scheme).dequantize(torch.float64)
                 if xin.shape[0] == 0:
                     assert torch.equal(qq, r)           # no token: round to nearest's codes exactly

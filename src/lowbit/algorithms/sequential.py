@@ -2,7 +2,9 @@
 Linear before it has already been replaced by its quantized version (GPTQ's and AWQ's order).
 
 The model is walked block by block (the decoder layers: the first torch.nn.ModuleList whose
-members hold Linears). The inputs of the first block are captured once; within a block the
+members hold Linears). The inputs of the first block are captured once (and, for a model whose
+blocks get different keyword arguments -- config.layer_types mixing sliding-window and full
+attention -- every block's own arguments: block_kwargs); within a block the
 Linears are visited in execution order, grouped by shared input (q/k/v, gate/up), and each group's
 inputs are collected by running the block with the already-replaced Linears and stopping as soon
 as the group's input is seen. The block's outputs, with all of its Linears replaced, are the next
@@ -77,6 +79,43 @@ def capture_block_inputs(model, block, batches) -> list[tuple[tuple, dict]]:
     if not seen:
         raise ValueError("no calibration batch reached the model's first block: give at least one batch")
     return seen
+
+
+def block_kwargs(model, blist, batches) -> list[list[dict]] | None:
+    """Per block, per batch, the keyword arguments the model passes that block, when they differ
+    between blocks: a model whose config.layer_types mixes attention types (gpt-oss, Gemma 2/3:
+    sliding-window layers get another attention mask than full-attention ones). None when every
+    block gets the same arguments (the first block's, captured once, serve all). One full forward
+    per batch; the masks are shared tensors, not copies per block."""
+    types = getattr(getattr(model, "config", None), "layer_types", None)
+    if not types or len(set(types)) < 2:
+        return None
+    seen: list[list[dict]] = [[] for _ in blist]
+    hooks = [b.register_forward_pre_hook(lambda m, a, k, i=i: seen[i].append(_no_cache(k)), with_kwargs=True)
+             for i, b in enumerate(blist)]
+    try:
+        with torch.no_grad():
+            for b in batches:
+                a, k = _batch_call(b)
+                _call(model, a, k)
+    finally:
+        for h in hooks:
+            h.remove()
+    if any(len(s) != len(list(batches)) for s in seen):
+        raise ValueError("a decoder block was not called once per calibration batch: cannot give each block "
+                         "its own arguments (attention masks)")
+    return seen
+
+
+def _with_kwargs(inputs: list[tuple[tuple, dict]], kwargs: list[dict]) -> list[tuple[tuple, dict]]:
+    """inputs with each batch's keyword arguments replaced by `kwargs` (the hidden states kept)."""
+    out = []
+    for (a, k), kw in zip(inputs, kwargs):
+        kw = dict(kw)
+        if "hidden_states" in k:
+            kw["hidden_states"] = k["hidden_states"]
+        out.append((a, kw))
+    return out
 
 
 def _execution_groups(stage, inputs, names: list[str]) -> list[list[str]]:
@@ -202,7 +241,10 @@ def calibrate_sequentially(model: torch.nn.Module, names: Iterable[str], batches
         if blocks is not None:
             bname, blist = blocks
             inputs = capture_block_inputs(model, blist[0], batches)
+            per_block = block_kwargs(model, blist, batches)
             for i, block in enumerate(blist):
+                if per_block is not None:      # this block's own attention mask (layer types differ)
+                    inputs = _with_kwargs(inputs, per_block[i])
                 prefix = f"{bname}.{i}." if bname else f"{i}."
                 mine = [n[len(prefix):] for n in names if n.startswith(prefix)]
                 if mine:
