@@ -167,17 +167,18 @@ def _sets(t: torch.Tensor) -> torch.Tensor:
 
 def _expert_sqnr(fmod, spec, q: QuantExperts, inputs) -> tuple[dict[str, list[float]], list[float]]:
     """Per-expert weight SQNR of both projections, and output SQNR on the inputs [(hidden, idx)]."""
-    ws = {p: _as_enk(getattr(fmod, n).detach(), spec.layout).double() for p, n in zip(PROJECTIONS, spec.weights)}
-    bs = {p: (None if n is None else getattr(fmod, n).detach().double())
+    # on the host, in float64, where QuantExperts' exact path computes its side
+    ws = {p: _as_enk(getattr(fmod, n).detach(), spec.layout).double().cpu() for p, n in zip(PROJECTIONS, spec.weights)}
+    bs = {p: (None if n is None else getattr(fmod, n).detach().double().cpu())
           for p, n in zip(PROJECTIONS, (spec.gate_up_bias, spec.down_bias))}
-    wdb = {p: [sqnr_db(ws[p][e], q.weight_q(p, e).dequantize(torch.float64)) for e in range(q.num_experts)]
+    wdb = {p: [sqnr_db(ws[p][e], q.weight_q(p, e).dequantize(torch.float64).cpu()) for e in range(q.num_experts)]
            for p in PROJECTIONS}
     sig, noise = [0.0] * q.num_experts, [0.0] * q.num_experts
     for x, idx in inputs:
         x = x.reshape(-1, x.shape[-1])
         r = sort_tokens(idx, q.num_experts)
-        yq = q.sorted_forward(x, r)
-        xs = x.double()[r.token.cpu()]
+        yq = q.sorted_forward(x, r).cpu()
+        xs = x.double().cpu()[r.token.cpu()]
         for e in range(q.num_experts):
             a, b = int(r.offsets[e]), int(r.offsets[e + 1])
             if b == a:

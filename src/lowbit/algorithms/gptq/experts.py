@@ -96,9 +96,9 @@ def mse_weights(module: torch.nn.Module, spec: ExpertsSpec, scheme: QuantScheme)
     return out
 
 
-def expert_rows(routing: Routing, e: int) -> torch.Tensor:
-    """Rows of the sorted buffer that belong to expert e (a slice of positions)."""
-    return torch.arange(int(routing.offsets[e]), int(routing.offsets[e + 1]), device=routing.token.device)
+def expert_rows(routing: Routing, e: int) -> slice:
+    """The rows of the sorted buffer that belong to expert e."""
+    return slice(int(routing.offsets[e]), int(routing.offsets[e + 1]))
 
 
 def _solve(w: torch.Tensor, xs: list[list[torch.Tensor]], rtn: list[QTensor], scheme: QuantScheme,
@@ -170,8 +170,8 @@ def gptq_experts(module: torch.nn.Module, spec: ExpertsSpec, weight_scheme: Quan
     local = torch.stack([r.counts().cpu() for r in routings]).sum(0)
     tokens = distributed.all_sum(local.to(torch.int64)).tolist()      # every rank's tokens
     fits = [ExpertFit(e, tokens[e]) for e in range(E)]
-    opts = dict(min_tokens=min_tokens, holdout=holdout, mse=mse, counts=distributed.counts(len(inputs)), damp=damp, block_size=block_size, act_order=act_order,
-                static_groups=static_groups)
+    opts = dict(min_tokens=min_tokens, holdout=holdout, mse=mse, counts=distributed.counts(len(inputs)), damp=damp,
+                block_size=block_size, act_order=act_order, static_groups=static_groups)
     w_gu = _as_enk(getattr(module, spec.gate_up).detach(), spec.layout)
     xs = [[x.reshape(-1, x.shape[-1])[r.token[expert_rows(r, e)]] for (x, _, _), r in zip(inputs, routings)]
           for e in range(E)]
@@ -179,9 +179,10 @@ def gptq_experts(module: torch.nn.Module, spec: ExpertsSpec, weight_scheme: Quan
     # down's inputs through the gate_up just chosen (with the recipe's activation quantization)
     mid = QuantExperts.from_module(module, weight_scheme, act_scheme, backend="exact", quantized={"gate_up": q_gu},
                                    **kw)
-    acts = [mid.glu(mid.gate_up_rows(x.reshape(-1, x.shape[-1]), r)) for (x, _, _), r in zip(inputs, routings)]
-    xs = [[a[expert_rows(r, e)] for a, r in zip(acts, routings)] for e in range(E)]
     w_dn = _as_enk(getattr(module, spec.down).detach(), spec.layout)
+    acts = [mid.glu(mid.gate_up_rows(x.reshape(-1, x.shape[-1]), r)).to(w_dn.device)   # the exact path: host
+            for (x, _, _), r in zip(inputs, routings)]
+    xs = [[a[expert_rows(r, e)] for a, r in zip(acts, routings)] for e in range(E)]
     q_dn = _solve(w_dn, xs, rtn_q["down"], weight_scheme, tokens, fits, "down", **opts)
     out = QuantExperts.from_module(module, weight_scheme, act_scheme, backend=backend,
                                    quantized={"gate_up": q_gu, "down": q_dn}, **kw)
