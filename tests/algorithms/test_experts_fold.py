@@ -130,3 +130,51 @@ def test_few_token_experts_untouched_and_refusals(rng):
     with pytest.raises(UnsupportedArchitecture, match=r"SmoothQuant.*gpt_oss.*clamp"):
         smooth_experts(tiny_moe("gpt_oss", rng), [ids(rng, 8)])
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def _folds(model, batches):
+    """Parameters of two copies of `model` after awq_experts and smooth_experts on `batches`."""
+    a, b = copy.deepcopy(model), copy.deepcopy(model)
+    awq_experts(a, "w4a16-g32", batches, min_tokens=8)
+    smooth_experts(b, batches, alpha=0.5, min_tokens=8)
+    return {**{"awq." + n: p.detach() for n, p in a.named_parameters()},
+            **{"sq." + n: p.detach() for n, p in b.named_parameters()}}
+
+
+def _dist_worker(rank: int, tmp: str, seed: int):
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from lowbit.algorithms.distributed import shard
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=2)
+    try:
+        torch.set_num_threads(1)
+        g = torch.Generator().manual_seed(seed)
+        model = tiny_moe("qwen3_moe", g)
+        batches = [ids(g, 17) for _ in range(5)]
+        params = _folds(model, shard(batches))
+        if rank == 0:
+            save_file({k: v.contiguous() for k, v in params.items()}, f"{tmp}/dist.safetensors")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_fold_what_one_process_folds(seed, tmp_path):
+    """Ranks holding 3 and 2 of 5 batches: token counts summed, SmoothQuant maxima and AWQ's
+    float64 sums reduced in batch order, so every folded parameter is bit-identical."""
+    import torch.multiprocessing as mp
+    from safetensors.torch import load_file
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(seed)
+        model = tiny_moe("qwen3_moe", g)
+        batches = [ids(g, 17) for _ in range(5)]
+        one = _folds(model, batches)
+    finally:
+        torch.set_num_threads(threads)
+    mp.start_processes(_dist_worker, args=(str(tmp_path), seed), nprocs=2, join=True, start_method="fork")
+    two = load_file(str(tmp_path / "dist.safetensors"))
+    assert sorted(two) == sorted(one)
+    differ = [k for k in one if not torch.equal(one[k], two[k])]
+    assert not differ, f"parameters {differ} differ between 1 process and 2 ranks"
+    assert not torch.equal(one["awq.model.layers.0.mlp.experts.down_proj"], model.model.layers[0].mlp.experts.down_proj)

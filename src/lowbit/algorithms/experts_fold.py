@@ -16,7 +16,10 @@ left as it is; gpt-oss's activation clamps up ((clamp(up) + 1) * ...): not linea
 Statistics: one forward pass of the float model over the calibration batches, each experts module's
 own call arguments captured (the router's choice per token). The folds are exact, so the inputs
 of later layers are those of the float model; no sequential pass is needed. An expert with fewer
-than `min_tokens` routed tokens keeps s = 1 (listed in the result, like GPTQ's rule).
+than `min_tokens` routed tokens keeps s = 1 (listed in the result, like GPTQ's rule). Under
+torch.distributed (each rank holding its share of the batches) the token counts are summed, the
+SmoothQuant maxima taken, and AWQ's sums added in batch order over the ranks: every rank folds
+the factors one process with all batches folds.
 """
 from __future__ import annotations
 
@@ -57,10 +60,7 @@ def _capture(model, names: list[str], batches) -> dict[str, list[tuple[torch.Ten
 
 def _down_inputs(model, calib, what: str):
     """{experts name: (spec, per expert: list of its down inputs [m, I] float64 per batch,
-    routed tokens per expert)} from the float model; the refusals of the module docstring."""
-    if distributed.active():
-        raise NotImplementedError(f"{what} of MoE experts under torch.distributed is not supported (per-expert "
-                                  "statistics are not reduced across ranks); run it in one process")
+    routed tokens per expert, all ranks')} from the float model; the refusals of the module docstring."""
     found = find_experts(model)
     if not found:
         raise ValueError(f"{type(model).__name__} has no fused MoE experts: use lowbit.algorithms.awq / smoothquant")
@@ -91,7 +91,7 @@ def _down_inputs(model, calib, what: str):
                     w = gu[e] if spec.layout == "enk" else gu[e].T      # [2I, H]
                     h = x[rows].double() @ w.double().T + (0 if bias is None else bias[e].double())
                     acts[e].append(mod.act_fn(h[:, up - 1] if spec.glu_split == "interleave" else h[:, :I]) * h[:, up])
-        out[n] = (spec, acts, tokens)
+        out[n] = (spec, acts, distributed.all_sum(torch.tensor(tokens, dtype=torch.int64)).tolist())
     return out
 
 
@@ -158,7 +158,10 @@ def smooth_experts(model: torch.nn.Module, calib, alpha: float = 0.5, *, min_tok
             if tokens[e] < min_tokens:
                 ss.append(None)
                 continue
-            amax = torch.cat(acts[e]).abs().amax(dim=0).float()
+            I = _down_weight(mod, spec, e).shape[1]
+            mine = torch.stack([a.abs().amax(dim=0) for a in acts[e]]).amax(dim=0) if acts[e] else \
+                torch.zeros(I, dtype=torch.float64, device=_down_weight(mod, spec, e).device)
+            amax = distributed.all_max(mine).float()          # a collective: every rank, same experts
             s = smoothing_factors(amax, [_down_weight(mod, spec, e)], alpha)
             _fold(mod, spec, e, s)
             ss.append(s)
