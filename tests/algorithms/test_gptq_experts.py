@@ -236,3 +236,22 @@ def test_mse_scales_for_experts_never_worse_than_rtn(rng):
     s = quantize_model(g, "w4a16-g32", method="gptq", mse=True, calib=[ids(rng, 40)],
                        method_options={"min_tokens": 4})
     assert all(isinstance(g.get_submodule(d.name), QuantExperts) and d.calibration is not None for d in s.experts)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the experts' GPTQ and routing report on the device")
+def test_gptq_experts_and_routing_report_on_cuda(rng):
+    """A CUDA model: GPTQ per expert and the routing report run with the model on the device
+    (the exact path's float64 buffers on the host) and give the CPU run's token counts."""
+    from lowbit.diagnosis.routing_report import routing_report
+    model = tiny_moe("mixtral", rng, dtype=torch.float32)
+    calib = [ids(rng, 40), ids(rng, 33)]
+    cpu = copy.deepcopy(model)
+    s_cpu = quantize_model(cpu, "w4a16-g32", method="gptq", calib=calib, method_options={"min_tokens": 6})
+    dev = copy.deepcopy(model).cuda()
+    s_dev = quantize_model(dev, "w4a16-g32", method="gptq", calib=[c.cuda() for c in calib],
+                           method_options={"min_tokens": 6})
+    assert [[f.tokens for f in d.calibration.experts] for d in s_dev.experts] == \
+        [[f.tokens for f in d.calibration.experts] for d in s_cpu.experts]
+    rep = routing_report(model.cuda(), dev, [c.cuda() for c in calib])
+    assert all(L.tokens == 73 for L in rep.layers)
+    assert torch.isfinite(dev(ids(rng, 9).cuda()).logits).all()
