@@ -230,7 +230,7 @@ def test_mse_scales_for_experts_never_worse_than_rtn(rng):
             for e in range(w.shape[0]):
                 we = w[e].detach().double()
                 em = float((we - q.weight_q(p, e).dequantize(torch.float64)).square().sum())
-                er = float((we - quantize(w[e].float(), scheme).dequantize(torch.float64)).square().sum())
+                er = float((we - quantize(we.float(), scheme).dequantize(torch.float64)).square().sum())
                 assert em <= er * (1 + we.numel() * U64), (n, p, e, em, er)
     g = copy.deepcopy(ref)
     s = quantize_model(g, "w4a16-g32", method="gptq", mse=True, calib=[ids(rng, 40)],
