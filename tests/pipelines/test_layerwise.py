@@ -166,3 +166,14 @@ def test_layerwise_refuses_unmapped_family(rng, tmp_path):
     with pytest.raises(UnsupportedArchitecture, match="model_type='gpt2'"):
         quantize_layerwise(tmp_path / "float", tmp_path / "o", "w4a16", [torch.randint(0, 97, (1, 8))])
     assert not (tmp_path / "o").exists()
+
+
+def test_layerwise_refuses_moe_experts_by_name(rng, tmp_path):
+    from moe_fixtures import tiny_moe
+    from lowbit.pipelines.layerwise import quantize_layerwise
+    tiny_moe("mixtral", rng, dtype=torch.float32).save_pretrained(tmp_path / "float")
+    with pytest.raises(NotImplementedError, match=r"MixtralForCausalLM: .*MoE experts yet \(model\.layers\.0\.mlp\."
+                                                  r"experts, \.\.\.\).*quantize_model.*method='gptq'"):
+        quantize_layerwise(tmp_path / "float", tmp_path / "o", "w4a16-g32", [torch.randint(0, 97, (1, 8))],
+                           method="gptq")
+    assert not (tmp_path / "o").exists()

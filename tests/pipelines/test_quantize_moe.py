@@ -93,8 +93,6 @@ def test_bad_recipe_for_experts_leaves_model_untouched(rng):
     with pytest.raises(ValueError, match=r"experts model\.layers\.0\.mlp\.experts.*group size 128.*ignore="):
         quantize_model(model, "w4a16")                     # H = I = 64: groups of 128 do not fit
     assert not any(isinstance(m, (QuantLinear, QuantExperts)) for m in model.modules())
-    with pytest.raises(NotImplementedError, match="fused MoE experts"):
-        quantize_model(model, "w8a8-int8", method="gptq", calib=[ids(rng, 4)])
 
 
 class _Hidden(torch.nn.Module):

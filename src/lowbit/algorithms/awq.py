@@ -24,7 +24,7 @@ import torch
 
 from lowbit.algorithms.distributed import OrderedSum
 from lowbit.algorithms.gptq.hessian import HessianAccumulator, output_loss
-from lowbit.algorithms.smoothquant import FoldGroup, fold, fold_plan
+from lowbit.algorithms.smoothquant import FoldGroup, fold, fold_plan, refuse_experts
 from lowbit.archs.decoders import UnsupportedArchitecture, decoder_for
 from lowbit.quantize import quantize
 from lowbit.scheme import QuantScheme
@@ -76,6 +76,8 @@ def awq_model(model: torch.nn.Module, recipe, calib, *, grid=GRID, progress: boo
     if r.act is not None:
         raise ValueError(f"AWQ is for weight-only recipes; {r.name} also quantizes activations "
                          "(use SmoothQuant for those, or a w4a16 / w8a16 recipe)")
+    refuse_experts(model, "AWQ", "lowbit.algorithms.experts_fold.awq_experts folds AWQ into the experts' down side, "
+                   "where it is exact per expert (lowbit quantize --awq does so for MoE models).")
     d = decoder_for(model)
     if d.parallel:
         raise UnsupportedArchitecture(

@@ -2,12 +2,19 @@
 Linear before it has already been replaced by its quantized version (GPTQ's and AWQ's order).
 
 The model is walked block by block (the decoder layers: the first torch.nn.ModuleList whose
-members hold Linears). The inputs of the first block are captured once; within a block the
+members hold Linears). The inputs of the first block are captured once (and, for a model whose
+blocks get different keyword arguments -- config.layer_types mixing sliding-window and full
+attention -- every block's own arguments: block_kwargs); within a block the
 Linears are visited in execution order, grouped by shared input (q/k/v, gate/up), and each group's
 inputs are collected by running the block with the already-replaced Linears and stopping as soon
 as the group's input is seen. The block's outputs, with all of its Linears replaced, are the next
 block's inputs. Linears outside the blocks are handled the same way on whole-model forwards,
 after the blocks. Cost: about (groups per block / 2 + 1) forwards of each block per batch.
+
+MoE experts modules (lowbit.archs.experts: a family's fused experts, not Linears) may be named
+beside the Linears: each is a group of its own, and its handler gets, per batch, the module's
+call arguments (hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) as the block
+passes them, i.e. the router's own choice for every token.
 
 `calibrate_sequentially` is all-or-nothing: an error restores every replaced module.
 """
@@ -15,7 +22,11 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
+import inspect
+
 import torch
+
+from lowbit.archs.experts import spec_for
 
 
 class _Stop(Exception):
@@ -70,6 +81,43 @@ def capture_block_inputs(model, block, batches) -> list[tuple[tuple, dict]]:
     return seen
 
 
+def block_kwargs(model, blist, batches) -> list[list[dict]] | None:
+    """Per block, per batch, the keyword arguments the model passes that block, when they differ
+    between blocks: a model whose config.layer_types mixes attention types (gpt-oss, Gemma 2/3:
+    sliding-window layers get another attention mask than full-attention ones). None when every
+    block gets the same arguments (the first block's, captured once, serve all). One full forward
+    per batch; the masks are shared tensors, not copies per block."""
+    types = getattr(getattr(model, "config", None), "layer_types", None)
+    if not types or len(set(types)) < 2:
+        return None
+    seen: list[list[dict]] = [[] for _ in blist]
+    hooks = [b.register_forward_pre_hook(lambda m, a, k, i=i: seen[i].append(_no_cache(k)), with_kwargs=True)
+             for i, b in enumerate(blist)]
+    try:
+        with torch.no_grad():
+            for b in batches:
+                a, k = _batch_call(b)
+                _call(model, a, k)
+    finally:
+        for h in hooks:
+            h.remove()
+    if any(len(s) != len(list(batches)) for s in seen):
+        raise ValueError("a decoder block was not called once per calibration batch: cannot give each block "
+                         "its own arguments (attention masks)")
+    return seen
+
+
+def _with_kwargs(inputs: list[tuple[tuple, dict]], kwargs: list[dict]) -> list[tuple[tuple, dict]]:
+    """inputs with each batch's keyword arguments replaced by `kwargs` (the hidden states kept)."""
+    out = []
+    for (a, k), kw in zip(inputs, kwargs):
+        kw = dict(kw)
+        if "hidden_states" in k:
+            kw["hidden_states"] = k["hidden_states"]
+        out.append((a, kw))
+    return out
+
+
 def _execution_groups(stage, inputs, names: list[str]) -> list[list[str]]:
     """Linears of `names` in the order the stage runs them, grouped by identical input tensor."""
     order, last = [], [None]
@@ -77,6 +125,10 @@ def _execution_groups(stage, inputs, names: list[str]) -> list[list[str]]:
     def make(n):
         def hook(mod, args):
             x = args[0]
+            if spec_for(mod) is not None:      # experts: a group of their own
+                order.append([n])
+                last[0] = None
+                return
             if order and last[0] is x:
                 order[-1].append(n)
             else:
@@ -100,14 +152,22 @@ def _execution_groups(stage, inputs, names: list[str]) -> list[list[str]]:
 
 @torch.no_grad()
 def _collect(stage, inputs, name: str) -> list[torch.Tensor]:
-    """The inputs (one tensor [..., K] per batch) that `name` receives, stopping each forward there."""
+    """The inputs (one tensor [..., K] per batch) that `name` receives, stopping each forward there
+    (an experts module: a tuple of its call arguments per batch)."""
     got = []
+    mod = stage.get_submodule(name)
+    experts = spec_for(mod) is not None
+    sig = inspect.signature(mod.forward) if experts else None
 
-    def hook(mod, args):
-        got.append(args[0].detach())
+    def hook(mod, args, kwargs):
+        if experts:         # every call argument, in the signature's order
+            bound = sig.bind(*args, **kwargs)
+            got.append(tuple(v.detach() if isinstance(v, torch.Tensor) else v for v in bound.arguments.values()))
+        else:
+            got.append(args[0].detach())
         raise _Stop
 
-    h = stage.get_submodule(name).register_forward_pre_hook(hook)
+    h = mod.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         for a, k in inputs:
             try:
@@ -181,7 +241,10 @@ def calibrate_sequentially(model: torch.nn.Module, names: Iterable[str], batches
         if blocks is not None:
             bname, blist = blocks
             inputs = capture_block_inputs(model, blist[0], batches)
+            per_block = block_kwargs(model, blist, batches)
             for i, block in enumerate(blist):
+                if per_block is not None:      # this block's own attention mask (layer types differ)
+                    inputs = _with_kwargs(inputs, per_block[i])
                 prefix = f"{bname}.{i}." if bname else f"{i}."
                 mine = [n[len(prefix):] for n in names if n.startswith(prefix)]
                 if mine:

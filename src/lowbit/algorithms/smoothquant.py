@@ -23,7 +23,8 @@ from typing import Iterable
 import torch
 
 from lowbit.algorithms.static_scales import calibrate_act_absmax
-from lowbit.archs.decoders import decoder_for, decoder_layers
+from lowbit.archs.decoders import UnsupportedArchitecture, decoder_for, decoder_layers
+from lowbit.archs.experts import find_experts
 
 
 @dataclass
@@ -38,9 +39,29 @@ class FoldGroup:
     rows: tuple[int, int] | None = None
 
 
+def refuse_experts(model: torch.nn.Module, what: str, hint: str | None = None) -> None:
+    """UnsupportedArchitecture naming the fused MoE experts of `model`, if it has any: a fold for
+    them is not exact. Their gate_up input is the post-attention norm's output, which the router
+    (and shared experts) read too, and a norm gain carries one factor s for all of them, not one
+    per expert: folding 1/s into it changes the router's input, and rescaling the router's
+    columns to compensate changes its logits' rounding, so a token's top-k choice can flip (a
+    discrete error). Only the down side (each expert's up rows / down columns) folds exactly."""
+    moe = find_experts(model)
+    if moe:
+        name, spec = next(iter(moe.items()))
+        raise UnsupportedArchitecture(
+            f"{what} on {spec.family}: the fused MoE experts ({name}, {len(moe)} modules) have no exact fold point -- "
+            "their gate_up input is the post-attention norm's output, which the router also reads, and one norm "
+            "gain cannot carry a factor per expert (folding it changes the router's input and can flip its top-k "
+            f"choice). " + (hint or f"{what} of the experts' down side is not implemented.") + f" Quantize without "
+            f"{what} (GPTQ per expert: method='gptq'), or keep the experts in high precision with ignore=[...]")
+
+
 def fold_plan(model: torch.nn.Module, include_down: bool = True) -> tuple[list[FoldGroup], list[str]]:
     """(the exact fold points of a mapped decoder model or decoder layer, why the other Linears
-    reading the residual stream have none). UnsupportedArchitecture for a family not in the map."""
+    reading the residual stream have none). UnsupportedArchitecture for a family not in the map,
+    and for a model with fused MoE experts (refuse_experts says why)."""
+    refuse_experts(model, "SmoothQuant / AWQ")
     d = decoder_for(model)
     groups, layers = [], decoder_layers(model, d)
     for name, layer in layers:
@@ -119,6 +140,9 @@ def smooth_model(model: torch.nn.Module, batches: Iterable, alpha: float = 0.5, 
     factors in place. Run it BEFORE quantize_model. Returns {producer name: s [K]}.
     Linears must still be nn.Linear (not yet quantized). Linears with no fold point in their
     family (fold_plan) are named in a warning and left as they are."""
+    refuse_experts(model, "SmoothQuant", "lowbit.algorithms.experts_fold.smooth_experts folds SmoothQuant into the "
+                   "experts' down side, where it is exact per expert (lowbit quantize --smoothquant does so for MoE "
+                   "models).")
     groups = fold_groups(model, include_down)
     for why in fold_plan(model, include_down)[1]:
         warnings.warn("SmoothQuant: " + why, stacklevel=2)

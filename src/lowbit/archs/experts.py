@@ -58,6 +58,12 @@ class ExpertsSpec:
     def biases(self) -> tuple[str, ...]:
         return tuple(b for b in (self.gate_up_bias, self.down_bias) if b)
 
+    def module_kwargs(self) -> dict:
+        """The keyword arguments of lowbit.nn.experts.QuantExperts.from_module for this family."""
+        return dict(gate_up=self.gate_up, down=self.down, layout=self.layout, gate_up_bias=self.gate_up_bias,
+                    down_bias=self.down_bias, glu_split=self.glu_split, activation=self.activation,
+                    family=self.family)
+
 
 EXPERTS: dict[str, ExpertsSpec] = {s.module_class: s for s in (
     ExpertsSpec("mixtral", "MixtralExperts"),

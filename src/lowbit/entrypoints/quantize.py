@@ -310,6 +310,8 @@ def run(args) -> int:
     from lowbit.recipes.presets import get_recipe
     from lowbit.diagnosis.report import QuantizeResult, optional_png, write_report
     from lowbit.diagnosis.sites import plot_sites
+    from lowbit.archs.experts import find_experts
+    from lowbit.diagnosis.routing_report import plot_routing, routing_report
 
     recipes, overrides, outs = validate(args)   # before anything slow
     if args.threads:
@@ -390,6 +392,12 @@ def run(args) -> int:
             att = attention_site_report(run_.model, texts.calib[0], run_.summary.kv_cache)
             print(att)
             res.sites_markdown.append(("Attention sites (KV cache; first calibration batch)", att.to_markdown()))
+        routing = None
+        if find_experts(loaded.model):      # MoE: routing flips, expert load and per-expert SQNR vs float
+            routing = routing_report(loaded.model, run_.model, rtexts.calib)
+            print(routing.to_markdown(), flush=True)
+            res.sites_markdown.append(("MoE routing (calibration batches, against the float model)",
+                                       routing.to_markdown()))
         out = outs[recipe]
         if D.rank() != 0:
             continue
@@ -401,6 +409,10 @@ def run(args) -> int:
             reps = [run_.sites_before] + ([run_.sites_after] if run_.sites_after else [])
             labels = [f"{recipe}"] + ([f"{recipe} + SmoothQuant"] if run_.sites_after else [])
             png = optional_png(plot_sites, reps, str(stage / "lowbit_sites.png"), labels=labels)
+            if routing is not None:
+                rpng = optional_png(plot_routing, routing, str(stage / "lowbit_routing.png"))
+                if rpng:
+                    res.extra += ["![MoE routing: flips and expert load](lowbit_routing.png)", ""]
             write_report(res, stage, png)
         if res.checkpoint:
             print(f"checkpoint: {res.checkpoint}")

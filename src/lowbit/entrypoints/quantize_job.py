@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lowbit.archs.experts import find_experts
 from lowbit.evaluation.workload import Loaded, Texts, metric
 from lowbit.recipes.presets import get_recipe
 
@@ -77,7 +78,18 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
     sites_before = site_report(m, texts.calib, r, ignore=ignore, overrides=overrides, progress=progress) \
         if sites else None
     sites_after = None
-    if smoothquant is not None:
+    moe = bool(find_experts(m))
+    if smoothquant is not None and moe:     # MoE: the one exact fold is each expert's down side
+        from lowbit.algorithms.experts_fold import smooth_experts
+        done = smooth_experts(m, texts.calib, alpha=smoothquant)
+        kept = sum(s is None for d in done.values() for s in d["s"])
+        print(f"{r.name}: SmoothQuant (alpha {smoothquant}) folded into the down side of "
+              f"{sum(len(d['s']) for d in done.values()) - kept} experts ({kept} with too few routed tokens kept "
+              "s = 1); the experts' gate_up, attention and shared experts are not smoothed (no exact fold point for "
+              "a MoE family)", flush=True)
+        if want:
+            sites_after = site_report(m, texts.calib, r, ignore=ignore, overrides=overrides, progress=progress)
+    elif smoothquant is not None:
         # the decoder map says where the fold is exact: a family it does not know is refused here
         # (before anything is folded), Linears without a fold point are named and left unsmoothed
         from lowbit.archs.decoders import UnsupportedArchitecture
@@ -96,8 +108,16 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
     elif want and sites_before is None:
         sites_before = site_report(m, texts.calib, r, ignore=ignore, overrides=overrides, progress=progress)
     if awq:
-        from lowbit.algorithms.awq import awq_model
-        awq_model(m, r, texts.calib, progress=progress)
+        if moe:       # MoE: the one exact AWQ fold is each expert's down side
+            from lowbit.algorithms.experts_fold import awq_experts
+            done = awq_experts(m, r, texts.calib)
+            kept = sum(a is None for d in done.values() for a in d["alpha"])
+            print(f"{r.name}: AWQ folded into the down side of {sum(len(d['alpha']) for d in done.values()) - kept} "
+                  f"experts ({kept} with too few routed tokens kept s = 1); the experts' gate_up, attention and "
+                  "shared experts are not folded (no exact fold point for a MoE family)", flush=True)
+        else:
+            from lowbit.algorithms.awq import awq_model
+            awq_model(m, r, texts.calib, progress=progress)
     ov = dict(overrides or {})
     picked, klp = {}, None
     if override_worst > 0 and override_by == "kl":

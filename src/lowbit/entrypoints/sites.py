@@ -1,7 +1,10 @@
 """`lowbit sites`: per-site SQNR diagnosis of a model under a recipe (seed 004, "Finding the
 site that hurts"): every Linear's input-activation, weight and output SQNR, worst first, with
 the suggested action, and a PNG of SQNR by layer and site (before/after SmoothQuant with
---smoothquant)."""
+--smoothquant). A mixture-of-experts model also gets the routing report
+(lowbit.diagnosis.routing_report: top-k flips per MoE layer with the router in high precision and
+quantized, expert load, per-expert SQNR) against a round-to-nearest copy under the recipe, and
+its PNG beside --png (<stem>_routing.png)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -30,6 +33,7 @@ def run(args) -> int:
     from lowbit.diagnosis.report import optional_png
     from lowbit.diagnosis.sites import plot_sites, site_report
     from lowbit.algorithms.smoothquant import smooth_model
+    from lowbit.diagnosis.routing_report import moe_routing
 
     A.recipe_names(args.recipe)            # every check that needs no model comes first
     if "," in args.recipe:
@@ -59,8 +63,22 @@ def run(args) -> int:
     png = optional_png(plot_sites, reports, args.png, labels)
     if png:
         print(f"plot: {png}")
+    sections = [(lab, rep.to_markdown(args.top)) for rep, lab in zip(reports, labels)]
+    routing = moe_routing(loaded.model, args.recipe, texts.calib, routing_png(args.png))
+    if routing is not None:
+        print(f"== MoE routing, {args.recipe} (round to nearest) against the float model")
+        print(routing[0])
+        sections.append((f"MoE routing, {args.recipe}", routing[0]))
+        if routing[1]:
+            print(f"routing plot: {routing[1]}")
     if args.markdown:
-        Path(args.markdown).write_text("\n\n".join(f"## {lab}\n\n{rep.to_markdown(args.top)}"
-                                                   for rep, lab in zip(reports, labels)) + "\n")
+        Path(args.markdown).write_text("\n\n".join(f"## {lab}\n\n{md}" for lab, md in sections) + "\n")
         print(f"markdown: {args.markdown}")
     return 0
+
+
+def routing_png(png: str) -> str:
+    """Where the routing plot goes: beside the sites plot, <stem>_routing.png."""
+    p = Path(png)
+    return str(p.with_name(p.stem + "_routing.png"))
+

@@ -103,11 +103,13 @@ class QuantExperts(torch.nn.Module):
                     gate_up: str = "gate_up_proj", down: str = "down_proj", layout: str = "enk",
                     gate_up_bias: str | None = None, down_bias: str | None = None, glu_split: str = "chunk",
                     activation: str = "act_fn", family: str = "", name: str = "experts",
-                    backend: str = "auto") -> "QuantExperts":
+                    backend: str = "auto", quantized: dict[str, list[QTensor]] | None = None) -> "QuantExperts":
         """Quantize the fused expert weights of `module` per expert (lowbit.archs.experts
         gives the keyword arguments for each family). Raises ValueError naming the module and
         parameter for a dynamic weight scheme, a dynamic-less (static) activation scheme,
-        NaN/Inf weights, or a K the weight / activation group size does not divide."""
+        NaN/Inf weights, or a K the weight / activation group size does not divide.
+        quantized: {"gate_up" | "down": one QTensor [N, K] per expert under weight_scheme} that
+        a calibration chose (lowbit.algorithms.gptq.experts) instead of round to nearest's codes."""
         if weight_scheme.dynamic:
             raise ValueError(f"{name}: weight_scheme must be static (dynamic=False): expert weights are quantized once")
         if act_scheme is not None and not act_scheme.dynamic:
@@ -123,7 +125,9 @@ class QuantExperts(torch.nn.Module):
             if not torch.isfinite(w).all():
                 raise ValueError(f"{where} holds {int((~torch.isfinite(w)).sum())} NaN/Inf values: fix the "
                                  "checkpoint before quantizing")
-            stacked[p] = _quantize_stack(w, weight_scheme)
+            given = (quantized or {}).get(p)
+            stacked[p] = _quantize_stack(w, weight_scheme) if given is None else \
+                _stack_given(given, tuple(w.shape), weight_scheme, where)
             biases[p] = None if bname is None else getattr(module, bname).detach()
         act_fn = getattr(module, "act_fn", None) if activation == "act_fn" else None
         return cls(stacked, biases, weight_scheme, act_scheme, glu_split=glu_split, activation=activation,
@@ -253,7 +257,20 @@ def _check_k(K: int, scheme: QuantScheme, where: str) -> None:
 
 def _quantize_stack(w: torch.Tensor, scheme: QuantScheme) -> dict[str, torch.Tensor | None]:
     """Quantize each expert of w [E, N, K] on its own (per-expert tensor scales) and stack."""
-    qs = [quantize(w[e].float(), scheme) for e in range(w.shape[0])]
+    return _stack([quantize(w[e].float(), scheme) for e in range(w.shape[0])])
+
+
+def _stack_given(qs: list[QTensor], shape: tuple[int, int, int], scheme: QuantScheme, where: str):
+    """Stack per-expert QTensors a calibration chose, checked against the weight [E, N, K]."""
+    E, N, K = shape
+    bad = [e for e, q in enumerate(qs) if q.scheme != scheme or tuple(q.codes.shape) != (N, K)]
+    if len(qs) != E or bad:
+        raise ValueError(f"{where}: quantized= needs {E} QTensors [{N}, {K}] under {scheme}; got {len(qs)}, "
+                         f"experts {bad} differ")
+    return _stack(qs)
+
+
+def _stack(qs: list[QTensor]) -> dict[str, torch.Tensor | None]:
     out = {}
     for field, attr in _FIELDS:
         vals = [getattr(q, attr) for q in qs]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lowbit.algorithms.gptq.experts import mse_weights
 from lowbit.archs.experts import ExpertsSpec, find_experts, router_of
 from lowbit.nn.experts import QuantExperts
 from lowbit.recipes.plan import by_patterns
@@ -27,6 +28,7 @@ class ExpertsDecision:
     action: str
     recipe: str | None
     reason: str
+    calibration: object = None      # lowbit.algorithms.gptq.experts.ExpertsCalibration when calibrated
 
 
 def _shape(model: torch.nn.Module, name: str, spec: ExpertsSpec) -> tuple[int, int, int]:
@@ -71,19 +73,20 @@ def router_names(model: torch.nn.Module, found: dict[str, ExpertsSpec]) -> list[
 
 
 def build_experts(model: torch.nn.Module, found: dict[str, ExpertsSpec], decisions: list[ExpertsDecision],
-                  recipes: dict) -> dict[str, QuantExperts]:
+                  recipes: dict, mse: bool = False) -> dict[str, QuantExperts]:
     """QuantExperts for every quantized decision (the model is not changed). recipes: name ->
-    Recipe. An error names the module and the way out."""
+    Recipe; mse: each expert on MSE-optimal scales (lowbit.algorithms.gptq.experts.mse_weights)
+    instead of round to nearest's. An error names the module and the way out."""
     new = {}
     for d in decisions:
         if d.action != "quantized":
             continue
         spec, r = found[d.name], recipes[d.recipe]
         try:
+            mod = model.get_submodule(d.name)
             new[d.name] = QuantExperts.from_module(
-                model.get_submodule(d.name), r.weight, r.act, gate_up=spec.gate_up, down=spec.down,
-                layout=spec.layout, gate_up_bias=spec.gate_up_bias, down_bias=spec.down_bias,
-                glu_split=spec.glu_split, activation=spec.activation, family=spec.family, name=d.name)
+                mod, r.weight, r.act, name=d.name, quantized=mse_weights(mod, spec, r.weight) if mse else None,
+                **spec.module_kwargs())
         except (ValueError, NotImplementedError) as err:
             raise type(err)(f"experts {d.name} (E, 2I, H = {d.shape}) under recipe {r.name}: {err}. Keep them in "
                             f"high precision with ignore=[{d.name!r}] or override them.") from err

@@ -15,6 +15,9 @@ gpt-oss): the fused experts module of each block becomes a lowbit.nn.experts.Qua
 the same recipe (per-expert codes and scales); ignore / override patterns may name experts
 modules as they name Linears. Routers and shared-expert gates stay in high precision; shared
 experts are plain Linears. A module with fused 3-D weights that the map does not know is refused.
+method="gptq" calibrates each expert on the tokens routed to it (lowbit.algorithms.gptq.experts:
+experts with fewer than min_tokens routed tokens keep round to nearest, listed in the summary);
+mse=True gives each expert MSE-optimal scales.
 
 Coverage (lowbit.pipelines.coverage), never silent: before anything changes, every weight
 tensor of >= 2 dimensions holding >= 1% of the parameters must be planned for quantization or
@@ -120,9 +123,6 @@ def _quantize_linears(model, recipe, *, ignore, overrides, act_static_scales, ba
     experts = find_experts(model)       # raises on fused experts the map does not know
     linear_ignore, linear_over, found, exp_decisions, resolved = _split_patterns(model, experts, recipe, ignore,
                                                                                  overrides)
-    if method != "rtn" and any(d.action == "quantized" for d in exp_decisions):
-        raise NotImplementedError(f"method={method!r} does not quantize fused MoE experts ({exp_decisions[0].name}, "
-                                  "...): use method='rtn', or keep them in float with ignore=[...]")
     summary = plan(model, recipe, linear_ignore or None, linear_over or None)
     for r in resolved.values():                    # recipes that only experts overrides name
         if r != "skip" and summary.recipes.setdefault(r.name, r) != r:
@@ -149,7 +149,7 @@ def _quantize_linears(model, recipe, *, ignore, overrides, act_static_scales, ba
         from tqdm import tqdm
         todo = tqdm(todo, desc=f"quantize {summary.recipe}", unit="layer")
     new = {d.name: quantize_layer(d, summary, layers[d.name], act_static_scales, backend, mse) for d in todo}
-    new_experts = build_experts(model, found, exp_decisions, summary.recipes)
+    new_experts = build_experts(model, found, exp_decisions, summary.recipes, mse=mse)
     if act_static_scales is not None and new_experts:
         raise NotImplementedError("act_static_scales: static activation scales are not supported for MoE experts; "
                                   "use a dynamic recipe or ignore the experts")

@@ -81,6 +81,8 @@ class QuantSummary:
             for e in self.experts:
                 if e.action == "skipped" or e.recipe != self.recipe:
                     lines.append(f"  {e.name}: {e.action}{'' if e.recipe is None else ' as ' + e.recipe} ({e.reason})")
+                if getattr(e, "calibration", None) is not None:    # GPTQ per expert: the few-token rule's list
+                    lines.append(f"  {e.calibration}")
         if self.coverage is not None:
             lines.append(str(self.coverage))
         return "\n".join(lines)

@@ -17,7 +17,7 @@ from lowbit.quantize import quantize
 def gptq_model(model: torch.nn.Module, recipe, calib, *, ignore=None, overrides=None, act_static_scales=None,
                damp: float = 0.1, block_size: int = 128, act_order: bool = True, static_groups: bool = False,
                holdout: int = 4, backend: str = "auto", progress: bool = False, mse: bool = False,
-               targets: str = "quantized"):
+               targets: str = "quantized", min_tokens: int | None = None):
     """quantize_model with GPTQ weights: the same plan (recipe, ignore, overrides; lm_head and tied
     Linears stay float), each Linear replaced in execution order by a QuantLinear whose weight GPTQ
     chose on the inputs that the already-quantized model feeds it (lowbit.algorithms.sequential).
@@ -33,20 +33,30 @@ def gptq_model(model: torch.nn.Module, recipe, calib, *, ignore=None, overrides=
     Every decision's `reason` gains the layer's loss relative to round-to-nearest and the choice.
     targets: "quantized" (each layer fits its own float weight on its quantized-model inputs) or
     "float" (each layer fits the FLOAT model's outputs: lowbit.algorithms.gptq.asym).
+    MoE experts modules the plan quantizes (summary.experts, a plan of lowbit.pipelines.quantize_model)
+    are solved per expert on the tokens routed to each (lowbit.algorithms.gptq.experts; min_tokens: its
+    few-token rule, default lowbit.algorithms.gptq.experts.MIN_TOKENS); each decision's `calibration`
+    holds the per-expert report. targets="float" is refused for them.
     Returns the QuantSummary; on error the model is left as it was."""
     from lowbit.recipes.plan import plan
     from lowbit.algorithms.sequential import calibrate_sequentially
     summary = plan(model, recipe, ignore, overrides)
-    handle = gptq_handler(model, summary, act_static_scales, damp=damp, block_size=block_size, act_order=act_order,
-                          static_groups=static_groups, holdout=holdout, backend=backend, mse=mse)
+    experts = [d.name for d in summary.experts if d.action == "quantized"]
     if targets not in ("quantized", "float"):
         raise ValueError(f"targets={targets!r}: choose 'quantized' (plain GPTQ) or 'float' (the float model's outputs)")
+    if experts and (targets == "float" or act_static_scales is not None):
+        raise NotImplementedError(f"GPTQ of MoE experts ({experts[0]}, ...) supports neither targets='float' nor "
+                                  "act_static_scales; drop the option, or keep the experts in high precision "
+                                  "with ignore=[...]")
+    handle = gptq_handler(model, summary, act_static_scales, damp=damp, block_size=block_size, act_order=act_order,
+                          static_groups=static_groups, holdout=holdout, backend=backend, mse=mse,
+                          min_tokens=min_tokens)
     if targets == "float":
         from lowbit.algorithms.gptq.asym import float_target_handler
         calib = list(calib)
         handle = float_target_handler(model, [d.name for d in summary.quantized], calib, handle, damp=damp,
                                       holdout=holdout)
-    calibrate_sequentially(model, [d.name for d in summary.quantized], calib, handle, progress=progress,
+    calibrate_sequentially(model, [d.name for d in summary.quantized] + experts, calib, handle, progress=progress,
                            desc=f"GPTQ {summary.recipe}")
     summary.method = "gptq"
     return summary
@@ -54,7 +64,7 @@ def gptq_model(model: torch.nn.Module, recipe, calib, *, ignore=None, overrides=
 
 def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, damp: float = 0.1,
                  block_size: int = 128, act_order: bool = True, static_groups: bool = False, holdout: int = 4,
-                 backend: str = "auto", mse: bool = False, host_twin: bool = True):
+                 backend: str = "auto", mse: bool = False, host_twin: bool = True, min_tokens: int | None = None):
     """The lowbit.algorithms.sequential handler that replaces a group of Linears sharing one input by their
     GPTQ QuantLinears (gptq_model's options; `summary` from lowbit.recipes.plan.plan). Used by
     gptq_model on a whole model and by lowbit.pipelines.layerwise one decoder layer at a time.
@@ -65,6 +75,25 @@ def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, dam
     if holdout < 0 or holdout == 1:
         raise ValueError(f"holdout={holdout}: give 0 (no validation) or n >= 2 (every n-th token validates)")
     decisions = {d.name: d for d in summary.quantized}
+    experts = {d.name: d for d in summary.experts if d.action == "quantized"}
+
+    def experts_handle(n, inputs):
+        """The GPTQ QuantExperts of one experts module (lowbit.algorithms.gptq.experts)."""
+        from lowbit.algorithms.gptq.experts import MIN_TOKENS, gptq_experts
+        from lowbit.archs.experts import spec_for
+        d, mod = experts[n], model.get_submodule(n)
+        r = summary.recipes[d.recipe]
+        try:
+            q, cal = gptq_experts(mod, spec_for(mod), r.weight, r.act, inputs, name=n, damp=damp,
+                                  block_size=block_size, act_order=act_order, static_groups=static_groups,
+                                  holdout=holdout, min_tokens=MIN_TOKENS if min_tokens is None else min_tokens,
+                                  backend=backend, mse=mse)
+        except ValueError as err:
+            raise ValueError(f"GPTQ of experts {n} (E, 2I, H = {d.shape}): {err}") from err
+        d.calibration = cal
+        d.reason += "; GPTQ per expert"
+        dev = next(iter(mod.parameters())).device
+        return {n: q.to(dev)}
 
     def weights(n, qt, sc):
         """The float64 weight [N, K] and the dequantized GPTQ and round-to-nearest weights (round
@@ -99,6 +128,8 @@ def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, dam
         return acc.hessian()
 
     def handle(names, inputs):
+        if names[0] in experts:
+            return experts_handle(names[0], inputs)
         K = model.get_submodule(names[0]).in_features
         dev = model.get_submodule(names[0]).weight.device
         lap(None, dev)
