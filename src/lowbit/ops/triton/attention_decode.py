@@ -40,7 +40,8 @@ from lowbit.ops import attention_reference as ar
 from lowbit.ops.dispatch import kv_kind
 from lowbit.ops.kv_quant import KVQuant
 
-from .common import cast_out, check_device, decode_e4m3fn, encode_e4m3fn, interpreting, launch, num_sms, rint
+from .attention import code_tile, p_codes
+from .common import cast_out, check_device, decode_e4m3fn, interpreting, launch, num_sms
 from .fused_quant import _codes as _quant_codes
 from .fused_quant import _group_scales
 
@@ -52,22 +53,6 @@ STAGES = 3
 _P_MODE = {"fp8_e4m3fn": 0, "int8": 1, None: 2}
 _Q_FMT = {"int8": 0, "fp8_e4m3fn": 1}      # fused_quant's element-format numbers; 2 = Q given
 _OUT = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-@triton.jit
-def _codes(ptr, b, h, offs_t, offs_d, T, D, st_b, st_h, st_t, st_d, KIND: tl.constexpr, FAST_FP8: tl.constexpr,
-           EVEN_D: tl.constexpr, DOT_TY: tl.constexpr):
-    """[BLOCK_N, BLOCK_D] tile of one KV head's codes in DOT_TY (exact), zeros outside T x D."""
-    if EVEN_D:
-        ok = (offs_t < T)[:, None]
-    else:
-        ok = (offs_t < T)[:, None] & (offs_d < D)[None, :]
-    raw = tl.load(ptr + b * st_b + h * st_h + offs_t[:, None] * st_t + offs_d[None, :] * st_d, mask=ok, other=0)
-    if KIND == 0:
-        if FAST_FP8:                       # the GPU's own e4m3 -> f16 conversion (exact), two per instruction
-            return raw.to(tl.float8e4nv, bitcast=True).to(DOT_TY)
-        return decode_e4m3fn(raw.to(tl.int32)).to(DOT_TY)
-    return raw.to(DOT_TY)
 
 
 @triton.jit
@@ -118,7 +103,7 @@ def _split_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, op_ptr, mp
     for start in range(lo, hi, BLOCK_N):
         offs_k = start + offs_n
         k_ok = offs_k < Tk
-        kt = _codes(k_ptr, b, hk, offs_k, offs_d, Tk, D, sk_b, sk_h, sk_t, sk_d, K_KIND, FAST_FP8, EVEN_D, QK_TY)
+        kt = code_tile(k_ptr, b, hk, offs_k, offs_d, Tk, D, sk_b, sk_h, sk_t, sk_d, K_KIND, FAST_FP8, EVEN_D, QK_TY)
         t = tl.dot(q_in, tl.trans(kt), input_precision=DOT_PREC) * rf[:, None]
         if K_TOKEN:
             ks = tl.load(ks_ptr + b * sks_b + hk * sks_h + offs_k * sks_t, mask=k_ok, other=0.0)
@@ -134,15 +119,10 @@ def _split_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, op_ptr, mp
         m_new0 = tl.where(m_new > float("-inf"), m_new, mb0)
         x = tl.where(seen, tl.exp2(t - mb0[:, None]), 0.0)
         pvals = x * FMAX
-        if P_MODE == 0:
-            codes = decode_e4m3fn(encode_e4m3fn(pvals).to(tl.int32))
-        elif P_MODE == 1:
-            codes = tl.minimum(tl.maximum(rint(pvals), 0.0), 127.0)
-        else:
-            codes = pvals
+        codes = p_codes(pvals, P_MODE, FAST_FP8)
         f = tl.where(ok, tl.math.div_rn(tl.exp2(mb0 - m_new0), FMAX), 0.0)
         alpha = tl.where(m_i > float("-inf"), tl.exp2(m_i - m_new0), 0.0)
-        vt = _codes(v_ptr, b, hk, offs_k, offs_d, Tk, D, sv_b, sv_h, sv_t, sv_d, V_KIND, FAST_FP8, EVEN_D, PV_TY)
+        vt = code_tile(v_ptr, b, hk, offs_k, offs_d, Tk, D, sv_b, sv_h, sv_t, sv_d, V_KIND, FAST_FP8, EVEN_D, PV_TY)
         if PV_SPLIT:
             w = codes
             if V_TOKEN:
@@ -200,6 +180,12 @@ def _merge_kernel(op_ptr, mp_ptr, lp_ptr, o_ptr, Hq, Tq, D, NSPLIT, so_b, so_h, 
     tl.store(o_ptr + b * so_b + h * so_h + qi * so_t + offs_d * so_d, cast_out(out, OUT_TY), mask=offs_d < D)
 
 
+def launch_warps(block_m: int) -> int:
+    """Warps of a split program: 4 for a 16-row tile, 8 above (read off the sm_90 SASS: no
+    register spills at head_dim 128 in any mode, tests/ops/test_attention_sm90.py)."""
+    return 4 if block_m <= 16 else 8
+
+
 def pick_splits(B: int, Hkv: int, Tk: int, block_n: int, sms: int) -> tuple[int, int]:
     """(keys per split, splits): enough splits that B * Hkv * splits reaches PROGRAMS_PER_SM
     programs per SM, each split at least MIN_BLOCKS_PER_SPLIT key blocks and a whole number of
@@ -227,12 +213,13 @@ def _operand(t, name: str, B: int, H: int, T: int):
 
 
 def split_kv_attention(q: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: torch.Tensor | None = None,
-                       out_dtype: torch.dtype = torch.float32, splits: int | None = None) -> torch.Tensor:
+                       out_dtype: torch.dtype = torch.float32, splits: int | None = None,
+                       warps: int | None = None) -> torch.Tensor:
     """q [B, Hq, Tq, D]: the float queries, quantized in the kernel per (token, head) by
     spec.q_format exactly as lowbit.quantize does (bf16 when q_format is None); or, with q_scale
     [B, Hq, Tq, 1] fp32, Q's code values. k, v: KVQuant (scales per tensor / head / token) or bf16
     [B, Hkv, Tk, D]. Needs G * Tq <= MAX_ROWS. splits: None = pick_splits. Returns [B, Hq, Tq, D]
-    in out_dtype."""
+    in out_dtype. warps: the split program's warps (None = launch_warps; benchmarks sweep it)."""
     check_device("q", q)
     G = ar.check_shapes(tuple(q.shape), tuple(k.shape), tuple(v.shape))
     B, Hq, Tq, D = q.shape
@@ -295,7 +282,7 @@ def split_kv_attention(q: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: tor
            P_MODE=_P_MODE[spec.p_format], FMAX=float(spec.p_max), CAUSAL=spec.causal, PV_SPLIT=pv_split,
            FINAL=ns == 1, FAST_FP8=not interp, SPLIT3=not interp, QK_TY=qk_ty, PV_TY=pv_ty,
            DOT_PREC="ieee" if interp else "tf32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, EVEN_D=D == bd,
-           OUT_TY=_OUT[out_dtype], num_warps=4 if bm <= 16 else 8, num_stages=STAGES)
+           OUT_TY=_OUT[out_dtype], num_warps=warps or launch_warps(bm), num_stages=STAGES)
     if ns > 1:
         launch(_merge_kernel, (B * Hq * Tq,), opart, mpart, lpart, out, Hq, Tq, D, ns, *out.stride(),
                BLOCK_S=max(2, triton.next_power_of_2(ns)), BLOCK_D=bd, OUT_TY=_OUT[out_dtype], num_warps=4)
