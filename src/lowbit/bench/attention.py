@@ -98,11 +98,11 @@ def _decode_rows(only, quick) -> list[dict]:
     from lowbit.ops.triton.common import num_sms
 
     rows = []
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
     for B, T in (DECODE[:2] if quick else DECODE):
-        k = torch.randn(B, HKV, T, D, generator=gen).to(DEVICE, torch.bfloat16)
-        v = torch.randn(B, HKV, T, D, generator=gen).to(DEVICE, torch.bfloat16)
-        q = torch.randn(B, HQ, 1, D, generator=gen).to(DEVICE, torch.bfloat16)
+        k = torch.randn(B, HKV, T, D, generator=gen, device=DEVICE).to(torch.bfloat16)
+        v = torch.randn(B, HKV, T, D, generator=gen, device=DEVICE).to(torch.bfloat16)
+        q = torch.randn(B, HQ, 1, D, generator=gen, device=DEVICE).to(torch.bfloat16)
         kv_bf16 = 2 * k.numel() * 2
         base_row = dict(bench="decode", B=B, T=T, kv_bytes=kv_bf16)
         sd = []
@@ -136,35 +136,45 @@ def _decode_rows(only, quick) -> list[dict]:
     return rows
 
 
+def _weight_bytes(w) -> int:
+    if hasattr(w, "packed"):                      # a prepared w4a16 weight: codes, scales, zero points
+        return sum(t.numel() * t.element_size() for t in (w.packed, w.scale, w.zero_point) if t is not None)
+    return w.numel() * w.element_size()
+
+
 class _Layers:
     """STEP_LAYERS Llama-3-8B-shaped decoder layers (no norms or rotary: the same in both runs),
-    weights bf16 or w4a16 (int4, groups of 128), and a KV cache of T tokens per layer: bf16 (read by
+    weights bf16 or w4a16 (int4, groups of 128; built once by `weights`, shared), and a KV cache of T tokens per layer: bf16 (read by
     SDPA) or fp8 per tensor (read by lowbit's kernel). step(x) writes the new token's K / V into
     slot T - 1 (quantized for fp8) and attends over all T."""
 
-    def __init__(self, B: int, T: int, weights: str, kv: str, gen):
+    def __init__(self, B: int, T: int, weights: list, kind: str, kv: str, gen):
         import torch
 
         from lowbit.ops import attention_reference as ar
         self.B, self.T, self.kv = B, T, kv
         self.spec = ar.AttnSpec(**FP8_SPEC)
-        shapes = [(HQ * D + 2 * HKV * D, HIDDEN), (HIDDEN, HQ * D), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
         self.layers = []
-        self.weight_bytes = 0
-        for _ in range(STEP_LAYERS):
-            ws = [(torch.randn(n, kk, generator=gen) * kk ** -0.5).to(DEVICE, torch.bfloat16) for n, kk in shapes]
-            if weights == "w4a16":
-                ws = [self._w4(w) for w in ws]
-                self.weight_bytes += sum(t.numel() * t.element_size() for w in ws
-                                         for t in (w.packed, w.scale, w.zero_point) if t is not None)
-            else:
-                self.weight_bytes += sum(w.numel() * 2 for w in ws)
-            k = torch.randn(B, HKV, T, D, generator=gen).to(DEVICE, torch.bfloat16)
-            v = torch.randn(B, HKV, T, D, generator=gen).to(DEVICE, torch.bfloat16)
+        for ws in weights:
+            k = torch.randn(B, HKV, T, D, generator=gen, device=DEVICE).to(torch.bfloat16)
+            v = torch.randn(B, HKV, T, D, generator=gen, device=DEVICE).to(torch.bfloat16)
             cache = (k, v) if kv == "bf16" else _cache("fp8", k.float(), v.float())
             del k, v
             self.layers.append((ws, cache))
-        self.linear = self._linear_w4 if weights == "w4a16" else self._linear_bf16
+        self.weight_bytes = sum(_weight_bytes(w) for ws in weights for w in ws)
+        self.linear = self._linear_w4 if kind == "w4a16" else self._linear_bf16
+
+    @staticmethod
+    def weights(kind: str, gen) -> list:
+        """STEP_LAYERS layers' [q/k/v, o, gate/up, down] weights, bf16 or prepared w4a16."""
+        import torch
+        shapes = [(HQ * D + 2 * HKV * D, HIDDEN), (HIDDEN, HQ * D), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
+        out = []
+        for _ in range(STEP_LAYERS):
+            ws = [(torch.randn(n, kk, generator=gen, device=DEVICE) * kk ** -0.5).to(torch.bfloat16)
+                  for n, kk in shapes]
+            out.append([_Layers._w4(w) for w in ws] if kind == "w4a16" else ws)
+        return out
 
     @staticmethod
     def _w4(w):
@@ -214,15 +224,22 @@ class _Layers:
 def _step_rows(quick) -> list[dict]:
     import torch
     rows = []
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    weights = {}
+    for kind in ("bf16", "w4a16"):
+        try:
+            weights[kind] = _Layers.weights(kind, gen)
+        except (RuntimeError, ValueError, NotImplementedError, TypeError) as exc:
+            rows.append(dict(bench="step", B=0, T=0, layers=STEP_LAYERS, weights=kind, kv="-",
+                             error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"))
     for B, T in (STEP[:1] if quick else STEP):
-        for weights in ("bf16", "w4a16"):
+        for kind, ws in weights.items():
             got = {}
             for kv in ("bf16", "fp8"):
-                row = dict(bench="step", B=B, T=T, layers=STEP_LAYERS, weights=weights, kv=kv)
+                row = dict(bench="step", B=B, T=T, layers=STEP_LAYERS, weights=kind, kv=kv)
                 try:
-                    m = _Layers(B, T, weights, kv, gen)
-                    x = (torch.randn(B, HIDDEN, generator=gen) * 0.1).to(DEVICE, torch.bfloat16)
+                    m = _Layers(B, T, ws, kind, kv, gen)
+                    x = (torch.randn(B, HIDDEN, generator=gen, device=DEVICE) * 0.1).to(torch.bfloat16)
                     ms = _time(m.step, (x,), warmup=10, rep=40)
                 except (RuntimeError, ValueError, NotImplementedError, TypeError) as exc:
                     rows.append({**row, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"})
@@ -234,8 +251,8 @@ def _step_rows(quick) -> list[dict]:
                     torch.cuda.empty_cache()
             if len(got) == 2:
                 (t16, w, kv16), (t8, _, kv8) = got["bf16"], got["fp8"]
-                rows[-1].update(vs_bf16=t16 / t8, bound=(w + kv16) / (w + kv8),
-                                of_bound=(t16 / t8 - 1) / max((w + kv16) / (w + kv8) - 1, 1e-9))
+                bound = (w + kv16) / (w + kv8)
+                rows[-1].update(vs_bf16=t16 / t8, bound=bound, of_bound=(t16 / t8 - 1) / max(bound - 1, 1e-9))
     return rows
 
 
@@ -246,11 +263,11 @@ def _prefill_rows(quick) -> list[dict]:
     from lowbit.ops.triton.attention import flash_attention
 
     rows = []
-    gen = torch.Generator().manual_seed(2)
+    gen = torch.Generator(device=DEVICE).manual_seed(2)
     for B, T in (PREFILL[:1] if quick else PREFILL):
-        k = torch.randn(B, HKV, T, D, generator=gen).to(DEVICE, torch.bfloat16)
-        v = torch.randn(B, HKV, T, D, generator=gen).to(DEVICE, torch.bfloat16)
-        q = torch.randn(B, HQ, T, D, generator=gen).to(DEVICE, torch.bfloat16)
+        k = torch.randn(B, HKV, T, D, generator=gen, device=DEVICE).to(torch.bfloat16)
+        v = torch.randn(B, HKV, T, D, generator=gen, device=DEVICE).to(torch.bfloat16)
+        q = torch.randn(B, HQ, T, D, generator=gen, device=DEVICE).to(torch.bfloat16)
         flops = 4 * B * HQ * T * T * D / 2          # causal: half of QK^T and PV
         base_row = dict(bench="prefill", B=B, T=T)
         sd = []
