@@ -105,7 +105,10 @@ def test_pick_splits_boundaries_on_p_blocks(B, Hkv, Tk, bn, sms):
     assert split % bn == 0                      # a split boundary is a P block boundary
     assert (ns - 1) * split < Tk <= ns * split  # every key in exactly one split, no split empty
     nblocks = math.ceil(Tk / bn)
-    assert ns == 1 or split // bn >= 4 or nblocks < 8
+    assert ns == 1 or split // bn >= 4                       # enough loop trips to pipeline
+    assert B * Hkv * ns <= max(3 * sms, B * Hkv)              # one wave of resident programs
+    if B * Hkv * 2 <= 3 * sms and nblocks >= 8:
+        assert ns >= 2                                        # a small batch is split
 
 
 def test_dispatch_picks_split_kv_for_decode():

@@ -7,7 +7,7 @@ once for the whole group and the scores are one [BLOCK_M, D] x [D, BLOCK_N] tens
 Split s covers keys [s * SPLIT, min((s + 1) * SPLIT, Tk)) with SPLIT a multiple of BLOCK_N =
 p_block: a split boundary is always a P block boundary, so every P block (the reference's
 per-(row, key block) scale) lies inside one split and its codes are the reference's. The number
-of splits fills the GPU (pick_splits); a second small kernel merges them.
+of splits fills one wave of the GPU (pick_splits); a second small kernel merges them.
 
 The cache is read as stored: fp8 e4m3 bit patterns or int8 values, one scale per tensor, KV head
 or (batch, head, token) (zero-stride views), or a bf16 cache. Codes are exact in bf16, so the dots
@@ -48,7 +48,7 @@ from .fused_quant import _group_scales
 MAX_ROWS = 64                   # G * Tq rows one program holds; more goes to the prefill kernel
 MAX_HEAD_DIM = 256
 MIN_BLOCKS_PER_SPLIT = 4        # keys per split >= 4 p_blocks: enough loop trips to pipeline the loads
-PROGRAMS_PER_SM = 4             # splits are chosen so B * Hkv * splits reaches this many programs per SM
+PROGRAMS_PER_SM = 3             # resident split programs per SM (registers); pick_splits fills one wave
 STAGES = 3
 _P_MODE = {"fp8_e4m3fn": 0, "int8": 1, None: 2}
 _Q_FMT = {"int8": 0, "fp8_e4m3fn": 1}      # fused_quant's element-format numbers; 2 = Q given
@@ -187,12 +187,12 @@ def launch_warps(block_m: int) -> int:
 
 
 def pick_splits(B: int, Hkv: int, Tk: int, block_n: int, sms: int) -> tuple[int, int]:
-    """(keys per split, splits): enough splits that B * Hkv * splits reaches PROGRAMS_PER_SM
-    programs per SM, each split at least MIN_BLOCKS_PER_SPLIT key blocks and a whole number of
-    them (a split boundary is a P block boundary); no split is empty."""
+    """(keys per split, splits): as many splits as one wave of resident programs holds
+    (PROGRAMS_PER_SM per SM: a 4-warp program takes ~168 registers per thread on sm_90, so three
+    fit an SM), so no second, partly empty wave follows; each split a whole number of key blocks
+    (a split boundary is a P block boundary) and at least MIN_BLOCKS_PER_SPLIT of them, none empty."""
     nblocks = triton.cdiv(Tk, block_n)
-    want = triton.cdiv(PROGRAMS_PER_SM * sms, B * Hkv)
-    s = max(1, min(want, nblocks // MIN_BLOCKS_PER_SPLIT))
+    s = max(1, min(PROGRAMS_PER_SM * sms // (B * Hkv), nblocks // MIN_BLOCKS_PER_SPLIT))
     per = triton.cdiv(nblocks, s)
     return per * block_n, triton.cdiv(nblocks, per)
 
