@@ -94,7 +94,7 @@ def _decode_rows(only, quick) -> list[dict]:
     from lowbit.ops import attention_reference as ar
     from lowbit.ops.attention import attention_triton
     from lowbit.ops.triton.attention import cache_bytes
-    from lowbit.ops.triton.attention_decode import pick_splits, split_kv_attention
+    from lowbit.ops.triton.attention_decode import RESIDENT, launch_warps, pick_splits, split_kv_attention
     from lowbit.ops.triton.common import num_sms
 
     rows = []
@@ -120,15 +120,15 @@ def _decode_rows(only, quick) -> list[dict]:
                 rows.append(dict(bench="decode", B=B, T=T, kv=name, attn=label, kv_bytes=cache_bytes(kq, vq),
                                  us=ms * 1e3, vs_bf16=base / ms, bytes_vs_bf16=cache_bytes(kq, vq) / kv_bf16))
             if name == "fp8":
-                _, auto = pick_splits(B, HKV, T, FP8_SPEC["p_block"], num_sms())
                 for warps in ((4,) if quick else (1, 2, 4)):
+                    _, auto = pick_splits(B, HKV, T, FP8_SPEC["p_block"], num_sms(), RESIDENT[warps])
                     for splits in sorted({max(1, auto // 2), auto, 2 * auto}):
                         spec = specs[0][1]
                         ms = _time(lambda a: split_kv_attention(a, kq, vq, spec, out_dtype=torch.bfloat16,
                                                                 splits=splits, warps=warps), (q,))
                         rows.append(dict(bench="sweep", B=B, T=T, kv=name, attn=specs[0][0], warps=warps,
-                                         splits=splits, default=(warps == 4 and splits == auto), us=ms * 1e3,
-                                         vs_bf16=base / ms))
+                                         splits=splits, default=(warps == launch_warps(16) and splits == auto),
+                                         us=ms * 1e3, vs_bf16=base / ms))
             del kq, vq
         del k, v
         if DEVICE == "cuda":

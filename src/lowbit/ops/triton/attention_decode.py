@@ -48,7 +48,9 @@ from .fused_quant import _group_scales
 MAX_ROWS = 64                   # G * Tq rows one program holds; more goes to the prefill kernel
 MAX_HEAD_DIM = 256
 MIN_BLOCKS_PER_SPLIT = 4        # keys per split >= 4 p_blocks: enough loop trips to pipeline the loads
-PROGRAMS_PER_SM = 3             # resident split programs per SM (registers); pick_splits fills one wave
+# split programs resident per SM by warps, from the sm_90 compile at head_dim 128 (registers, shared
+# memory): 1 warp 255 registers / 37 KB -> 6; 2 warps 255 / 39 KB -> 4; 4 warps 168 / 39 KB -> 3
+RESIDENT = {1: 6, 2: 4, 4: 3, 8: 1}
 STAGES = 3
 _P_MODE = {"fp8_e4m3fn": 0, "int8": 1, None: 2}
 _Q_FMT = {"int8": 0, "fp8_e4m3fn": 1}      # fused_quant's element-format numbers; 2 = Q given
@@ -186,13 +188,13 @@ def launch_warps(block_m: int) -> int:
     return 4 if block_m <= 16 else 8
 
 
-def pick_splits(B: int, Hkv: int, Tk: int, block_n: int, sms: int) -> tuple[int, int]:
-    """(keys per split, splits): as many splits as one wave of resident programs holds
-    (PROGRAMS_PER_SM per SM: a 4-warp program takes ~168 registers per thread on sm_90, so three
-    fit an SM), so no second, partly empty wave follows; each split a whole number of key blocks
-    (a split boundary is a P block boundary) and at least MIN_BLOCKS_PER_SPLIT of them, none empty."""
+def pick_splits(B: int, Hkv: int, Tk: int, block_n: int, sms: int, per_sm: int = RESIDENT[4]) -> tuple[int, int]:
+    """(keys per split, splits): as many splits as one wave of resident programs holds (per_sm
+    per SM, RESIDENT), so no second, partly empty wave follows; each split a whole number of key
+    blocks (a split boundary is a P block boundary) and at least MIN_BLOCKS_PER_SPLIT of them,
+    none empty."""
     nblocks = triton.cdiv(Tk, block_n)
-    s = max(1, min(PROGRAMS_PER_SM * sms // (B * Hkv), nblocks // MIN_BLOCKS_PER_SPLIT))
+    s = max(1, min(per_sm * sms // (B * Hkv), nblocks // MIN_BLOCKS_PER_SPLIT))
     per = triton.cdiv(nblocks, s)
     return per * block_n, triton.cdiv(nblocks, per)
 
@@ -250,8 +252,10 @@ def split_kv_attention(q: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: tor
     v_token = kv_kind(v) == "token"
     pv_split = v_token or spec.p_format is None
     bn = spec.p_block
+    bm = max(16, triton.next_power_of_2(G * Tq))
+    warps = warps or launch_warps(bm)
     if splits is None:
-        split, ns = pick_splits(B, Hkv, Tk, bn, num_sms())
+        split, ns = pick_splits(B, Hkv, Tk, bn, num_sms(), RESIDENT.get(warps, 1))
     else:
         if not isinstance(splits, int) or splits < 1:
             raise ValueError(f"splits must be a positive int, got {splits!r}")
@@ -263,7 +267,6 @@ def split_kv_attention(q: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: tor
     # there fp32 holds the same exact values
     qk_ty = tl.float32 if interp else tl.bfloat16 if kk == 2 or q_bf16 else tl.float16
     pv_ty = tl.float32 if interp else tl.bfloat16 if vk == 2 or pv_split else tl.float16
-    bm = max(16, triton.next_power_of_2(G * Tq))
     bd = max(16, triton.next_power_of_2(D))
     out = torch.empty(B, Hq, Tq, D, dtype=out_dtype, device=q.device)
     if ns > 1:
@@ -282,7 +285,7 @@ def split_kv_attention(q: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: tor
            P_MODE=_P_MODE[spec.p_format], FMAX=float(spec.p_max), CAUSAL=spec.causal, PV_SPLIT=pv_split,
            FINAL=ns == 1, FAST_FP8=not interp, SPLIT3=not interp, QK_TY=qk_ty, PV_TY=pv_ty,
            DOT_PREC="ieee" if interp else "tf32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, EVEN_D=D == bd,
-           OUT_TY=_OUT[out_dtype], num_warps=warps or launch_warps(bm), num_stages=STAGES)
+           OUT_TY=_OUT[out_dtype], num_warps=warps, num_stages=STAGES)
     if ns > 1:
         launch(_merge_kernel, (B * Hq * Tq,), opart, mpart, lpart, out, Hq, Tq, D, ns, *out.stride(),
                BLOCK_S=max(2, triton.next_power_of_2(ns)), BLOCK_D=bd, OUT_TY=_OUT[out_dtype], num_warps=4)
