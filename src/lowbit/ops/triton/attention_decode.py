@@ -10,20 +10,25 @@ per-(row, key block) scale) lies inside one split and its codes are the referenc
 of splits fills one wave of the GPU (pick_splits); a second small kernel merges them.
 
 The cache is read as stored: fp8 e4m3 bit patterns or int8 values, one scale per tensor, KV head
-or (batch, head, token) (zero-stride views), or a bf16 cache. Codes are exact in bf16, so the dots
+or (batch, head, token) (zero-stride views), or a bf16 cache. Codes are exact in fp16 (the dots'
+operand type where every operand is a code; bf16 where Q or the cache is bf16 data), so the dots
 take them as they are and the scales come after: K's on the scores, V's per tensor / head on each
-split's O. Arithmetic, in this order (lowbit.ops.attention_reference derives the gate):
+split's O. Q is quantized here, per (token, head) = per row, as lowbit.quantize does (absmax
+scale, IEEE division, round-half-even), unless its codes are handed over.
+Arithmetic, in this order (lowbit.ops.attention_reference derives the gate):
   t = dot(q codes, k codes) * (q_scale * c [* k_scale per tensor / head]) [* k_scale per token]:
       D exact products summed in fp32 plus three multiplies (the gate's gamma_{D+4} counts D + 4)
   masked t = -inf; mb = row max of the block; P codes = grid(fmt_max * exp2(t - mb)) (RNE;
-      fp8 by encode_e4m3fn, int8 by rint and clamp), f = exp2(mb - m_new) / fmt_max
+      fp8 by the GPU's cvt.rn.satfinite or, in the interpreter, encode_e4m3fn; int8 by rint and
+      clamp), f = exp2(mb - m_new) / fmt_max
   pv = dot(P codes, v codes) (exact products, fp32 sums); where V is scaled per token or P is
       kept in fp32, the weights w = P * v_scale (fp32, the one rounding the reference's V_hat
       has) are split into three bf16 pieces hi + mid + lo (each fp32 subtraction exact; the
       residual is below 2^-26 |w|) and pv is three dots into one fp32 accumulator
   O = O * alpha + pv * f, l = l * alpha + sum(P codes) * f, alpha = exp2(m_old - m_new) (fp32)
   end of split: O *= v_scale (per tensor / head); one split: out = O / l, rounded once (RNE)
-  merge: M = max_s m_s, e_s = exp2(m_s - M), out = (sum_s e_s O_s) / (sum_s e_s l_s) (fp32)
+  merge: M = max_s m_s, e_s = exp2(m_s - M) (0 for a split no key of the row reached: causal
+      rows of a query block), out = (sum_s e_s O_s) / (sum_s e_s l_s) (fp32)
 Against the reference's gate: a weight passes through at most nb + 1 exp2 factors (its block's f,
 the rescales inside its split, e_s) whose arguments telescope to M - mb, the same factors reach O
 and l, and its O term takes at most BLOCK_N + 2 nb + 6 fp32 roundings (dot sums, the three dots'
@@ -37,7 +42,7 @@ import triton
 import triton.language as tl
 
 from lowbit.ops import attention_reference as ar
-from lowbit.ops.dispatch import kv_kind
+from lowbit.ops.dispatch import SPLIT_KV_MAX_ROWS, kv_kind
 from lowbit.ops.kv_quant import KVQuant
 
 from .attention import code_tile, p_codes
@@ -45,7 +50,7 @@ from .common import cast_out, check_device, decode_e4m3fn, interpreting, launch,
 from .fused_quant import _codes as _quant_codes
 from .fused_quant import _group_scales
 
-MAX_ROWS = 64                   # G * Tq rows one program holds; more goes to the prefill kernel
+MAX_ROWS = SPLIT_KV_MAX_ROWS      # G * Tq rows one program holds; more goes to the prefill kernel
 MAX_HEAD_DIM = 256
 MIN_BLOCKS_PER_SPLIT = 4        # keys per split >= 4 p_blocks: enough loop trips to pipeline the loads
 # split programs resident per SM by warps, from the sm_90 compile at head_dim 128 (registers, shared
