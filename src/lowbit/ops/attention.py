@@ -92,19 +92,23 @@ def _grid32(v: torch.Tensor, p_format: str | None) -> torch.Tensor:
     return decode(encode(v, p_format, saturate=True), p_format)
 
 
-def attention_triton(q_vals: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: torch.Tensor | None = None,
+def attention_triton(q: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: torch.Tensor | None = None,
                      out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The Triton path on Q's code values (fp32, with q_scale [B, Hq, Tq, 1]) or on Q itself (q_scale
-    None); k, v as `attention` takes them. lowbit.ops.dispatch.attention_kernel picks the kernel:
-    split-KV (flash-decoding) for decode steps and short query blocks, the prefill kernel otherwise.
-    Q is not checked for NaN/Inf here (no host synchronisation): `attention` does that."""
+    """The Triton path. q: the float queries [B, Hq, Tq, D], quantized per spec.q_format (inside the
+    split-KV kernel, or on the host for the prefill kernel), or with q_scale [B, Hq, Tq, 1] fp32 Q's
+    code values; k, v as `attention` takes them. lowbit.ops.dispatch.attention_kernel picks the
+    kernel: split-KV (flash-decoding) for decode steps and short query blocks, the prefill kernel
+    otherwise. q is not checked for NaN/Inf here (no host synchronisation): `attention` does that."""
     from lowbit.ops.triton.attention import flash_attention
     from lowbit.ops.triton.attention_decode import split_kv_attention
-    G = ar.check_shapes(tuple(q_vals.shape), _shape(k), _shape(v))
-    q_exact = q_scale is not None or q_vals.dtype == torch.bfloat16
-    kernel = dispatch.attention_kernel(q_vals.shape[2], G, q_exact, dispatch.kv_kind(k), dispatch.kv_kind(v))
-    run = split_kv_attention if kernel == "split_kv" else flash_attention
-    return run(q_vals, k, v, spec, q_scale=q_scale, out_dtype=out_dtype)
+    G = ar.check_shapes(tuple(q.shape), _shape(k), _shape(v))
+    q_exact = q_scale is not None or spec.q_format is not None or q.dtype == torch.bfloat16
+    kernel = dispatch.attention_kernel(q.shape[2], G, q_exact, dispatch.kv_kind(k), dispatch.kv_kind(v))
+    if kernel == "split_kv":
+        return split_kv_attention(q, k, v, spec, q_scale=q_scale, out_dtype=out_dtype)
+    if q_scale is None and spec.q_format is not None:
+        q, q_scale = ar.quantize_q_parts(q, spec.q_format)
+    return flash_attention(q, k, v, spec, q_scale=q_scale, out_dtype=out_dtype)
 
 
 def attention(q: torch.Tensor, k, v, spec: ar.AttnSpec | None = None, *, backend: str = "auto",
@@ -122,9 +126,8 @@ def attention(q: torch.Tensor, k, v, spec: ar.AttnSpec | None = None, *, backend
     if backend == "auto":
         backend = "triton" if q.is_cuda else "torch"
     if backend == "triton":
-        vals, scale = ar.quantize_q_parts(q, spec.q_format)
-        return attention_triton(q if scale is None and q.dtype == torch.bfloat16 else vals, k, v, spec,
-                                q_scale=scale, out_dtype=out_dtype)
+        ar.quantize_q(q, None)                          # q's shape and finiteness, checked once here
+        return attention_triton(q, k, v, spec, out_dtype=out_dtype)
     q_hat = ar.quantize_q(q, spec.q_format)
     if backend == "reference":
         kd = k.dequantize(torch.float32) if isinstance(k, KVQuant) else k.float()
