@@ -88,7 +88,8 @@ INTS = ["Tq", "Tk", "D", "G", "SPLIT", "NSPLIT", "sq_b", "sq_h", "sq_t", "sq_d",
         "svs_t", "so_b", "so_h", "so_t", "so_d", "Hq", "Hkv"]
 CONST = ["Q_FMT", "QMAX", "K_KIND", "V_KIND", "K_TOKEN", "V_TOKEN", "P_MODE", "FMAX", "CAUSAL", "PV_SPLIT", "FINAL",
          "FAST_FP8", "SPLIT3", "QK_TY", "PV_TY", "DOT_PREC", "BLOCK_M", "BLOCK_N", "BLOCK_D", "EVEN_D", "OUT_TY"]
-T = 32768   # a Llama-3-8B decode step: B=16, Hq=32, Hkv=8, Tq=1, D=128, bf16 q and output, 4 splits
+T = 32768   # a Llama-3-8B decode step: B=16, Hq=32, Hkv=8, Tq=1, D=128, bf16 q and output, 4 splits; one
+# query per row sees every key, so the launcher passes CAUSAL=False at Tq = 1
 BASE = dict(Tq=1, Tk=T, D=128, G=4, SPLIT=T // 4, NSPLIT=4, sq_b=4096, sq_h=128, sq_t=128, sq_d=1, sqs_b=0,
             sqs_h=0, sqs_t=0, sk_b=8 * T * 128, sk_h=T * 128, sk_t=128, sk_d=1, sks_b=0, sks_h=1, sks_t=0,
             sv_b=8 * T * 128, sv_h=T * 128, sv_t=128, sv_d=1, svs_b=0, svs_h=1, svs_t=0,
@@ -106,7 +107,7 @@ for name, kdt, kind, token, qf, pm in [("fp8 head, Q fp8, P fp8", "*u8", 0, Fals
            "o_ptr": "*bf16", "op_ptr": "*fp32", "mp_ptr": "*fp32", "lp_ptr": "*fp32", "c": "fp32",
            **{n: "i32" for n in INTS}, **{n: "constexpr" for n in CONST}}
     consts = dict(Q_FMT=qf, QMAX={0: 127.0, 1: 448.0, 2: 0.0}[qf], K_KIND=kind, V_KIND=kind, K_TOKEN=token,
-                  V_TOKEN=token, P_MODE=pm, FMAX={0: 448.0, 1: 127.0, 2: 1.0}[pm], CAUSAL=True, PV_SPLIT=pv_split,
+                  V_TOKEN=token, P_MODE=pm, FMAX={0: 448.0, 1: 127.0, 2: 1.0}[pm], CAUSAL=False, PV_SPLIT=pv_split,
                   FINAL=False, FAST_FP8=True, SPLIT3=True, QK_TY=tl.bfloat16 if qf == 2 else tl.float16,
                   PV_TY=tl.bfloat16 if pv_split else tl.float16, DOT_PREC="tf32", BLOCK_M=16, BLOCK_N=64,
                   BLOCK_D=128, EVEN_D=True, OUT_TY=tl.bfloat16)

@@ -110,7 +110,9 @@ def _decode_rows(only, quick) -> list[dict]:
         rows += sd
         specs = [("fp8 Q, fp8 P", ar.AttnSpec(**FP8_SPEC)),
                  ("bf16 Q, fp8 P", ar.AttnSpec(**{**FP8_SPEC, "q_format": None})),
-                 ("fp8 Q, fp32 P", ar.AttnSpec(**{**FP8_SPEC, "p_format": None}))]
+                 ("fp8 Q, fp32 P", ar.AttnSpec(**{**FP8_SPEC, "p_format": None})),
+                 # coarser P blocks (one scale per 128 keys): half the per-block softmax bookkeeping
+                 ("fp8 Q, fp8 P/128", ar.AttnSpec(**{**FP8_SPEC, "p_block": 2 * FP8_SPEC["p_block"]}))]
         for name in KV_SCHEMES:
             if only and only not in name:
                 continue

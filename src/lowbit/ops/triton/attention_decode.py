@@ -115,9 +115,11 @@ def _split_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, op_ptr, mp
         if K_TOKEN:
             ks = tl.load(ks_ptr + b * sks_b + hk * sks_h + offs_k * sks_t, mask=k_ok, other=0.0)
             t = t * ks[None, :]
-        seen = k_ok[None, :] & row_ok[:, None]
+        # padding rows (q = 0) run a harmless softmax of their own and are never stored
         if CAUSAL:
-            seen = seen & (offs_k[None, :] <= qi[:, None] + (Tk - Tq))
+            seen = offs_k[None, :] <= qi[:, None] + (Tk - Tq)       # implies offs_k < Tk
+        else:
+            seen = k_ok[None, :] & (qi >= 0)[:, None]
         t = tl.where(seen, t, float("-inf"))
         mb = tl.max(t, axis=1)
         ok = mb > float("-inf")
@@ -287,7 +289,7 @@ def split_kv_attention(q: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: tor
            Tq, Tk, D, G, c, split, ns, *q_in.stride(), *q_scale.stride()[:3],
            *kc.stride(), *ks.stride()[:3], *vc.stride(), *vs.stride()[:3], *out.stride(), Hq, Hkv,
            Q_FMT=q_fmt, QMAX=qmax, K_KIND=kk, V_KIND=vk, K_TOKEN=k_token, V_TOKEN=v_token,
-           P_MODE=_P_MODE[spec.p_format], FMAX=float(spec.p_max), CAUSAL=spec.causal, PV_SPLIT=pv_split,
+           P_MODE=_P_MODE[spec.p_format], FMAX=float(spec.p_max), CAUSAL=spec.causal and Tq > 1, PV_SPLIT=pv_split,
            FINAL=ns == 1, FAST_FP8=not interp, SPLIT3=not interp, QK_TY=qk_ty, PV_TY=pv_ty,
            DOT_PREC="ieee" if interp else "tf32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, EVEN_D=D == bd,
            OUT_TY=_OUT[out_dtype], num_warps=warps, num_stages=STAGES)
