@@ -164,3 +164,26 @@ def test_split_kv_cuda_within_gate(rng, scheme, shape):
         out = split_kv_attention(q.cuda(), _to(kq, "cuda"), _to(vq, "cuda"), spec)
         worst = _worst(out, q.float() if qf else q, kq, vq, spec)
         assert worst <= 1.0, f"{qf} / {pf}: worst err/gate {worst:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_split_kv_cache_past_2_to_31_bytes():
+    """A cache whose batch offset passes 2^31 bytes (batch 2 of [3, 1, 2^23, 128] fp8 codes): the
+    last sequence's output equals the kernel's on that sequence alone (same splits: the same
+    arithmetic, bit for bit); 32-bit offsets would read another sequence's keys."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    B, T, D = 3, 2 ** 23, 128
+    sch = KVScheme("fp8", "tensor")
+    # random finite e4m3 bit patterns (0x7F / 0xFF are NaN)
+    k = torch.randint(0, 0x7E, (B, 1, T, D), generator=gen, device="cuda", dtype=torch.uint8)
+    k |= torch.randint(0, 2, k.shape, generator=gen, device="cuda", dtype=torch.uint8) << 7
+    v = torch.randint(0, 0x7E, (B, 1, T, D), generator=gen, device="cuda", dtype=torch.uint8)
+    scale = torch.full((1, 1, 1, 1), 2.0 ** -8, device="cuda")
+    from lowbit.ops.kv_quant import KVQuant
+    kq, vq = KVQuant(k, scale, sch), KVQuant(v, scale, sch)
+    q = torch.randn(B, 2, 1, D, generator=gen, device="cuda").to(torch.bfloat16)
+    spec = ar.AttnSpec(p_block=64)
+    full = split_kv_attention(q, kq, vq, spec, splits=64)
+    last = split_kv_attention(q[2:], KVQuant(k[2:], scale, sch), KVQuant(v[2:], scale, sch), spec, splits=64)
+    assert torch.equal(full[2:], last)

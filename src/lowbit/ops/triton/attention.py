@@ -155,7 +155,7 @@ def _flash_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, Tq, Tk, D,
     # K / V tile is read once for the whole group
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // Hkv
+    b = (pid_bh // Hkv).to(tl.int64)        # batch offsets in 64 bits: a cache past 2^31 bytes per layer
     hk = pid_bh % Hkv
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     h = hk * G + rows // Tq

@@ -77,7 +77,7 @@ def _split_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, op_ptr, mp
                   BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, OUT_TY: tl.constexpr):
     pid_bh = tl.program_id(0)
     sid = tl.program_id(1)
-    b = pid_bh // Hkv
+    b = (pid_bh // Hkv).to(tl.int64)        # batch offsets in 64 bits: a cache past 2^31 bytes per layer
     hk = pid_bh % Hkv
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < G * Tq
