@@ -47,6 +47,16 @@ def _time(fn, args, **kw):
     return timing.bench_ms(fn, [args], cuda_graph=DEVICE == "cuda", **kw)
 
 
+def _timed(row: dict, base_ms: float, fn, args, **kw) -> dict:
+    """row with its time (us) and ratio to the bf16 base, or with the error that stopped it: one
+    failing configuration is reported as such and the others still run."""
+    try:
+        ms = _time(fn, args, **kw)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        return {**row, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+    return {**row, "us": ms * 1e3, "vs_bf16": base_ms / ms}
+
+
 def _sdpa_backends():
     """[(name, context factory)] of torch's SDPA backends to try; 'sdpa' is torch's own choice."""
     import contextlib
@@ -118,19 +128,19 @@ def _decode_rows(only, quick) -> list[dict]:
                 continue
             kq, vq = _cache(name, k.float(), v.float())
             for label, spec in (specs if name == "fp8" else specs[:1]):
-                ms = _time(lambda a: attention_triton(a, kq, vq, spec, out_dtype=torch.bfloat16), (q,))
-                rows.append(dict(bench="decode", B=B, T=T, kv=name, attn=label, kv_bytes=cache_bytes(kq, vq),
-                                 us=ms * 1e3, vs_bf16=base / ms, bytes_vs_bf16=cache_bytes(kq, vq) / kv_bf16))
+                row = dict(bench="decode", B=B, T=T, kv=name, attn=label, kv_bytes=cache_bytes(kq, vq),
+                           bytes_vs_bf16=cache_bytes(kq, vq) / kv_bf16)
+                rows.append(_timed(row, base, lambda a: attention_triton(a, kq, vq, spec, out_dtype=torch.bfloat16),
+                                   (q,)))
             if name == "fp8":
                 for warps in ((4,) if quick else (1, 2, 4)):
                     _, auto = pick_splits(B, HKV, T, FP8_SPEC["p_block"], num_sms(), RESIDENT[warps])
                     for splits in sorted({max(1, auto // 2), auto, 2 * auto}):
                         spec = specs[0][1]
-                        ms = _time(lambda a: split_kv_attention(a, kq, vq, spec, out_dtype=torch.bfloat16,
-                                                                splits=splits, warps=warps), (q,))
-                        rows.append(dict(bench="sweep", B=B, T=T, kv=name, attn=specs[0][0], warps=warps,
-                                         splits=splits, default=(warps == launch_warps(16) and splits == auto),
-                                         us=ms * 1e3, vs_bf16=base / ms))
+                        row = dict(bench="sweep", B=B, T=T, kv=name, attn=specs[0][0], warps=warps, splits=splits,
+                                   default=(warps == launch_warps(16) and splits == auto))
+                        rows.append(_timed(row, base, lambda a: split_kv_attention(
+                            a, kq, vq, spec, out_dtype=torch.bfloat16, splits=splits, warps=warps), (q,)))
             del kq, vq
         del k, v
         if DEVICE == "cuda":
@@ -281,10 +291,12 @@ def _prefill_rows(quick) -> list[dict]:
         kq, vq = _cache("fp8", k.float(), v.float())
         q_vals, q_scale = ar.quantize_q_parts(q, "fp8_e4m3fn")
         spec = ar.AttnSpec(**FP8_SPEC)
-        ms = _time(lambda a: flash_attention(a, kq, vq, spec, q_scale=q_scale, out_dtype=torch.bfloat16),
-                   (q_vals,), warmup=5, rep=20)
-        rows.append(dict(bench="prefill", B=B, T=T, kv="fp8", attn="fp8 Q, fp8 P", us=ms * 1e3,
-                         tflops=flops / ms / 1e9, vs_bf16=base / ms))
+        row = _timed(dict(bench="prefill", B=B, T=T, kv="fp8", attn="fp8 Q, fp8 P"), base,
+                     lambda a: flash_attention(a, kq, vq, spec, q_scale=q_scale, out_dtype=torch.bfloat16),
+                     (q_vals,), warmup=5, rep=20)
+        if "us" in row:
+            row["tflops"] = flops / row["us"] / 1e6
+        rows.append(row)
         del k, v, q
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
