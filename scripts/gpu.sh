@@ -164,7 +164,7 @@ if [[ $parts == *,mma,* ]]; then
   echo "mma rc=$?" | tee -a "$sum"
 fi
 if [[ $parts == *,attention,* ]]; then
-  timeout "${ATTN_TIMEOUT:-240}" python3 -m lowbit.bench.attention --json "$out/bench-attention.json" \
+  timeout "${ATTN_TIMEOUT:-540}" python3 -m lowbit.bench.attention --json "$out/bench-attention.json" \
       >"$out/bench_attention.log" 2>&1
   echo "attention rc=$?" | tee -a "$sum"
 fi

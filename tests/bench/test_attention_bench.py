@@ -17,9 +17,10 @@ def test_refuses_without_cuda(capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_quick_rows(tmp_path):
     rows = attention.run(None, quick=True)
-    dec = [r for r in rows if r["bench"] == "decode" and r["kv"] == "fp8"]
+    dec = [r for r in rows if r["bench"] == "decode" and r.get("kv") == "fp8"]
     assert dec and all(r["bytes_vs_bf16"] < 0.51 for r in dec)       # one byte per value + 2 scales vs two
-    assert all(r["us"] > 0 for r in rows)
+    assert all(r["us"] > 0 for r in rows if "us" in r)
+    assert any(r["bench"] == "step" and "vs_bf16" in r for r in rows), [r for r in rows if r["bench"] == "step"]
 
 
 def test_rows_on_the_interpreter_with_tiny_shapes(monkeypatch):
@@ -28,9 +29,14 @@ def test_rows_on_the_interpreter_with_tiny_shapes(monkeypatch):
     monkeypatch.setattr(attention, "DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
     monkeypatch.setattr(attention, "HQ", 4)
     monkeypatch.setattr(attention, "HKV", 2)
-    monkeypatch.setattr(attention, "D", 16)
+    monkeypatch.setattr(attention, "D", 32)             # HQ * D = 128: the o projection's K
     monkeypatch.setattr(attention, "DECODE", [(2, 40), (1, 40)])
     monkeypatch.setattr(attention, "PREFILL", [(1, 20)])
+    monkeypatch.setattr(attention, "STEP", [(2, 40)])
+    monkeypatch.setattr(attention, "STEP_LAYERS", 2)
+    monkeypatch.setattr(attention, "HIDDEN", 128)      # w4a16's groups of 128 along every K
+    monkeypatch.setattr(attention, "INTER", 128)
+    monkeypatch.setattr(attention, "FP8_SPEC", {**attention.FP8_SPEC, "p_block": 16})
     calls = []
 
     def once(fn, inputs, **kw):
@@ -38,7 +44,17 @@ def test_rows_on_the_interpreter_with_tiny_shapes(monkeypatch):
         return 1.0
     monkeypatch.setattr("lowbit.profiling.timing.bench_ms", once)
     rows = attention.run(None, quick=True)
-    assert {r["bench"] for r in rows} == {"decode", "prefill"}
+    assert {r["bench"] for r in rows} == {"decode", "sweep", "step", "prefill", "must"}
     assert all(torch.isfinite(c.float()).all() for c in calls)
-    fp8 = [r for r in rows if r["kv"] == "fp8" and r["bench"] == "decode"]
+    fp8 = [r for r in rows if r.get("kv") == "fp8" and r["bench"] == "decode"]
     assert fp8 and all(r["bytes_vs_bf16"] < 0.51 for r in fp8)
+    step = [r for r in rows if r["bench"] == "step"]
+    assert {(r["weights"], r["kv"]) for r in step} == {("bf16", "bf16"), ("bf16", "fp8"), ("w4a16", "bf16"),
+                                                       ("w4a16", "fp8")}, step
+    assert all("error" not in r for r in step), step
+    ratio = [r for r in step if "bound" in r]
+    assert len(ratio) == 2 and all(1.0 < r["bound"] < 2.0 for r in ratio)     # (W + 2 KV8) / (W + KV8)
+    must = {r["target"]: r for r in rows if r["bench"] == "must"}
+    assert must["KV bytes fp8 vs bf16"]["status"] == "met"
+    assert must["KV bytes int4-g32 (scales included) vs bf16"]["status"] == "missed"   # one code per byte
+    assert all(r["status"] in ("met", "missed", "not measured") for r in must.values())

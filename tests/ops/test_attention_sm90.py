@@ -19,7 +19,7 @@ INTS = ["Tq", "Tk", "D", "G", "sq_b", "sq_h", "sq_t", "sq_d", "sqs_b", "sqs_h", 
         "sk_d", "sks_b", "sks_h", "sks_t", "sks_g", "K_GS", "sv_b", "sv_h", "sv_t", "sv_d", "svs_b", "svs_h",
         "svs_t", "svs_g", "V_GS", "so_b", "so_h", "so_t", "so_d", "Hkv"]
 CONST = ["K_KIND", "V_KIND", "K_GROUPED", "V_GROUPED", "P_MODE", "FMAX", "CAUSAL", "MMA", "DOT_TY", "DOT_PREC",
-         "BLOCK_M", "BLOCK_N", "BLOCK_D", "OUT_TY"]
+         "FAST_FP8", "BLOCK_M", "BLOCK_N", "BLOCK_D", "OUT_TY"]
 # B=1, Hq=8, Hkv=2, Tq=Tk=300, D=128 (q fp32, out fp32): one scale per token, or int4 per group of 8
 PREFILL = dict(Tq=300, Tk=300, D=128, G=4, sq_b=307200, sq_h=38400, sq_t=128, sq_d=1, sqs_b=0, sqs_h=0, sqs_t=0,
                sk_b=76800, sk_h=38400, sk_t=128, sk_d=1, sv_b=76800, sv_h=38400, sv_t=128, sv_d=1,
@@ -35,7 +35,7 @@ for kdt, kind, grouped, mma, pm, rows, ones, spec_ints, ot in [
     sig = {"q_ptr": "*fp32", "qs_ptr": "*fp32", "k_ptr": kdt, "ks_ptr": "*fp32", "v_ptr": kdt, "vs_ptr": "*fp32",
            "o_ptr": ot, "c": "fp32", **{n: "i32" for n in INTS}, **{n: "constexpr" for n in CONST}}
     consts = dict(K_KIND=kind, V_KIND=kind, K_GROUPED=grouped, V_GROUPED=grouped, P_MODE=pm, FMAX=448.0,
-                  CAUSAL=True, MMA=mma, DOT_TY=tl.bfloat16, DOT_PREC="tf32", BLOCK_M=bm, BLOCK_N=64, BLOCK_D=128,
+                  CAUSAL=True, MMA=mma, DOT_TY=tl.float16, DOT_PREC="tf32", FAST_FP8=True, BLOCK_M=bm, BLOCK_N=64, BLOCK_D=128,
                   OUT_TY=tl.float32 if ot == "*fp32" else tl.bfloat16)
     no_div = ()
     if ones:
@@ -76,3 +76,68 @@ def test_attention_kernel_compiles_for_sm90():
     for r in rows:
         if r["mma"]:
             assert r["local"] == 0 and r["spill_ops"] == 0, r
+
+
+SPLIT_SCRIPT = r'''
+import json
+import triton.language as tl
+from lowbit.bench.sm90 import compile_sm90
+from lowbit.ops.triton.attention_decode import STAGES, _merge_kernel, _split_kernel, launch_warps
+INTS = ["Tq", "Tk", "D", "G", "SPLIT", "NSPLIT", "sq_b", "sq_h", "sq_t", "sq_d", "sqs_b", "sqs_h", "sqs_t",
+        "sk_b", "sk_h", "sk_t", "sk_d", "sks_b", "sks_h", "sks_t", "sv_b", "sv_h", "sv_t", "sv_d", "svs_b", "svs_h",
+        "svs_t", "so_b", "so_h", "so_t", "so_d", "Hq", "Hkv"]
+CONST = ["Q_FMT", "QMAX", "K_KIND", "V_KIND", "K_TOKEN", "V_TOKEN", "P_MODE", "FMAX", "CAUSAL", "PV_SPLIT", "FINAL",
+         "FAST_FP8", "SPLIT3", "QK_TY", "PV_TY", "DOT_PREC", "BLOCK_M", "BLOCK_N", "BLOCK_D", "EVEN_D", "OUT_TY"]
+T = 32768   # a Llama-3-8B decode step: B=16, Hq=32, Hkv=8, Tq=1, D=128, bf16 q and output, 4 splits; one
+# query per row sees every key, so the launcher passes CAUSAL=False at Tq = 1
+BASE = dict(Tq=1, Tk=T, D=128, G=4, SPLIT=T // 4, NSPLIT=4, sq_b=4096, sq_h=128, sq_t=128, sq_d=1, sqs_b=0,
+            sqs_h=0, sqs_t=0, sk_b=8 * T * 128, sk_h=T * 128, sk_t=128, sk_d=1, sks_b=0, sks_h=1, sks_t=0,
+            sv_b=8 * T * 128, sv_h=T * 128, sv_t=128, sv_d=1, svs_b=0, svs_h=1, svs_t=0,
+            so_b=4096, so_h=128, so_t=128, so_d=1, Hq=32, Hkv=8)
+TOKEN = dict(sks_b=8 * T, sks_h=T, sks_t=1, svs_b=8 * T, svs_h=T, svs_t=1)
+out = []
+# (name, K/V code type, kind, per-token scales, Q format (2: bf16 Q), P mode)
+for name, kdt, kind, token, qf, pm in [("fp8 head, Q fp8, P fp8", "*u8", 0, False, 1, 0),
+                                       ("int8 head, Q int8, P int8", "*i8", 1, False, 0, 1),
+                                       ("fp8 token, Q fp8, P fp8", "*u8", 0, True, 1, 0),
+                                       ("fp8 head, bf16 Q, P fp32", "*u8", 0, False, 2, 2)]:
+    vals = {**BASE, **(TOKEN if token else {})}
+    pv_split = token or pm == 2
+    sig = {"q_ptr": "*bf16", "qs_ptr": "*fp32", "k_ptr": kdt, "ks_ptr": "*fp32", "v_ptr": kdt, "vs_ptr": "*fp32",
+           "o_ptr": "*bf16", "op_ptr": "*fp32", "mp_ptr": "*fp32", "lp_ptr": "*fp32", "c": "fp32",
+           **{n: "i32" for n in INTS}, **{n: "constexpr" for n in CONST}}
+    consts = dict(Q_FMT=qf, QMAX={0: 127.0, 1: 448.0, 2: 0.0}[qf], K_KIND=kind, V_KIND=kind, K_TOKEN=token,
+                  V_TOKEN=token, P_MODE=pm, FMAX={0: 448.0, 1: 127.0, 2: 1.0}[pm], CAUSAL=False, PV_SPLIT=pv_split,
+                  FINAL=False, FAST_FP8=True, SPLIT3=True, QK_TY=tl.bfloat16 if qf == 2 else tl.float16,
+                  PV_TY=tl.bfloat16 if pv_split else tl.float16, DOT_PREC="tf32", BLOCK_M=16, BLOCK_N=64,
+                  BLOCK_D=128, EVEN_D=True, OUT_TY=tl.bfloat16)
+    for n, v in vals.items():
+        if v == 1:
+            sig[n] = "constexpr"
+            consts[n] = 1
+    no_div = tuple(n for n, v in vals.items() if v != 1 and v % 16)
+    r = compile_sm90(_split_kernel, sig, consts, no_div=no_div, num_warps=launch_warps(16), num_stages=STAGES)
+    out.append({**{k: v for k, v in r.items() if k != "sass_text"}, "name": name})
+msig = {"op_ptr": "*fp32", "mp_ptr": "*fp32", "lp_ptr": "*fp32", "o_ptr": "*bf16", "Hq": "i32", "Tq": "constexpr",
+        "D": "i32", "NSPLIT": "i32", "so_b": "i32", "so_h": "i32", "so_t": "i32", "so_d": "constexpr",
+        "BLOCK_S": "constexpr", "BLOCK_D": "constexpr", "OUT_TY": "constexpr"}
+r = compile_sm90(_merge_kernel, msig, dict(Tq=1, so_d=1, BLOCK_S=64, BLOCK_D=128, OUT_TY=tl.bfloat16), num_warps=4)
+out.append({**{k: v for k, v in r.items() if k != "sass_text"}, "name": "merge"})
+print(json.dumps(out))
+'''
+
+
+def test_split_kv_kernel_compiles_for_sm90_without_spills():
+    """The decode kernel at a Llama-3-8B decode step's shapes and launch options, in each mode the
+    dispatch can give it, and the merge kernel: compiled for sm_90, within one block's shared
+    memory, no local loads / stores (register spills) in the SASS."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
+    env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", SPLIT_SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(rows) == 5
+    for r in rows:
+        assert r["shared"] <= 232448, r
+        assert r["local"] == 0 and r["spill_ops"] == 0, r

@@ -19,6 +19,7 @@ import torch
 
 from lowbit.formats import decode, encode
 from lowbit.ops import attention_reference as ar
+from lowbit.ops import dispatch
 from lowbit.ops.kv_quant import KVQuant
 
 BACKENDS = ("auto", "torch", "triton", "reference")
@@ -91,10 +92,30 @@ def _grid32(v: torch.Tensor, p_format: str | None) -> torch.Tensor:
     return decode(encode(v, p_format, saturate=True), p_format)
 
 
+def attention_triton(q: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: torch.Tensor | None = None,
+                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The Triton path. q: the float queries [B, Hq, Tq, D], quantized per spec.q_format (inside the
+    split-KV kernel, or on the host for the prefill kernel), or with q_scale [B, Hq, Tq, 1] fp32 Q's
+    code values; k, v as `attention` takes them. lowbit.ops.dispatch.attention_kernel picks the
+    kernel: split-KV (flash-decoding) for decode steps and short query blocks, the prefill kernel
+    otherwise. q is not checked for NaN/Inf here (no host synchronisation): `attention` does that."""
+    from lowbit.ops.triton.attention import flash_attention
+    from lowbit.ops.triton.attention_decode import split_kv_attention
+    G = ar.check_shapes(tuple(q.shape), _shape(k), _shape(v))
+    q_exact = q_scale is not None or spec.q_format is not None or q.dtype == torch.bfloat16
+    kernel = dispatch.attention_kernel(q.shape[2], G, q_exact, dispatch.kv_kind(k), dispatch.kv_kind(v))
+    if kernel == "split_kv":
+        return split_kv_attention(q, k, v, spec, q_scale=q_scale, out_dtype=out_dtype)
+    if q_scale is None and spec.q_format is not None:
+        q, q_scale = ar.quantize_q_parts(q, spec.q_format)
+    return flash_attention(q, k, v, spec, q_scale=q_scale, out_dtype=out_dtype)
+
+
 def attention(q: torch.Tensor, k, v, spec: ar.AttnSpec | None = None, *, backend: str = "auto",
               out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Quantized attention (module docstring). backend: "auto" (Triton on CUDA, torch elsewhere),
-    "torch", "triton", or "reference" (the float64 reference, cast). Returns [B, Hq, Tq, D] in
+    "torch", "triton" (attention_triton: the kernel lowbit.ops.dispatch picks), or "reference"
+    (the float64 reference, cast). Returns [B, Hq, Tq, D] in
     out_dtype (default q.dtype)."""
     spec = spec or ar.AttnSpec()
     if backend not in BACKENDS:
@@ -105,10 +126,8 @@ def attention(q: torch.Tensor, k, v, spec: ar.AttnSpec | None = None, *, backend
     if backend == "auto":
         backend = "triton" if q.is_cuda else "torch"
     if backend == "triton":
-        from lowbit.ops.triton.attention import flash_attention
-        vals, scale = ar.quantize_q_parts(q, spec.q_format)
-        return flash_attention(q if scale is None and q.dtype == torch.bfloat16 else vals, k, v, spec,
-                               q_scale=scale, out_dtype=out_dtype)
+        ar.quantize_q(q, None)                          # q's shape and finiteness, checked once here
+        return attention_triton(q, k, v, spec, out_dtype=out_dtype)
     q_hat = ar.quantize_q(q, spec.q_format)
     if backend == "reference":
         kd = k.dequantize(torch.float32) if isinstance(k, KVQuant) else k.float()

@@ -1,11 +1,13 @@
 """Kernel choice: the one place that maps a (weight, activation) scheme pair to a kernel.
 
-Three questions, each answered here and nowhere else:
+Four questions, each answered here and nowhere else:
 - `gemm_kernel(x, w)`: which GEMM of `lowbit.ops.linear` multiplies two quantized operands
   (both QTensors; W8A8 int8 / fp8 and block-scaled fp8);
 - `w4a16_kind(w)`: which 4-bit weight-only layout `lowbit.ops.weight_only` uses for a weight;
 - `prepared_kind(w, x)`: which prepared fast path (`lowbit.ops.prepared`) a QuantLinear runs,
-  and `exact_path(w, x)`, the exact path it runs where there is none.
+  and `exact_path(w, x)`, the exact path it runs where there is none;
+- `attention_kernel(...)`: which Triton attention kernel reads a KV cache (split-KV decode or
+  the prefill kernel).
 A pair with no kernel gets None (or NotImplementedError naming the schemes): callers decide
 visibly what to do, nothing here falls back silently.
 
@@ -19,6 +21,9 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
+from lowbit.ops.kv_quant import KVQuant
 from lowbit.scheme import QuantScheme
 
 GEMM_KERNELS = ("int8", "fp8_rowwise", "fp8_block", "mxfp8")
@@ -132,3 +137,29 @@ def exact_path(weight_scheme: QuantScheme, act_scheme: QuantScheme | None) -> st
     if _int8_sym(act_scheme, ("token", "tensor")) and _int8_sym(weight_scheme, ("channel", "tensor")):
         return "int8-intmm"
     return "dequantized"
+
+
+# ---------------------------------------------------------------- attention over a (quantized) KV cache
+
+ATTENTION_KERNELS = ("split_kv", "flash")
+SPLIT_KV_MAX_ROWS = 64          # G * Tq rows per KV head the split-KV kernel holds in one tile
+_SPLIT_KV_KINDS = ("bf16", "tensor", "head", "token")
+
+
+def kv_kind(t) -> str:
+    """How a cache operand is stored, the fact attention kernels are chosen by: 'bf16', 'float'
+    (fp32 / fp16 values), or its KV scheme's granularity ('tensor', 'head', 'token', 'group')."""
+    if isinstance(t, KVQuant):
+        return t.scheme.granularity
+    return "bf16" if t.dtype == torch.bfloat16 else "float"
+
+
+def attention_kernel(Tq: int, G: int, q_exact: bool, k_kind: str, v_kind: str) -> str:
+    """The Triton attention kernel for a call: "split_kv" (lowbit.ops.triton.attention_decode:
+    flash-decoding, the keys split across programs so a decode step fills the GPU) where the rows
+    of one KV head (G query heads x Tq tokens) fit its tile, Q is exact in bf16 (codes with a
+    scale, or bf16) and K, V are bf16 or codes scaled per tensor / head / token; "flash"
+    (lowbit.ops.triton.attention: one program per query block, the prefill kernel) otherwise."""
+    if G * Tq <= SPLIT_KV_MAX_ROWS and q_exact and k_kind in _SPLIT_KV_KINDS and v_kind in _SPLIT_KV_KINDS:
+        return "split_kv"
+    return "flash"

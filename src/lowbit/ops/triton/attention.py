@@ -110,6 +110,38 @@ def _load_tile(ptr, s_ptr, b, h, offs_t, offs_d, T, D, st_b, st_h, st_t, st_d, s
 
 
 @triton.jit
+def code_tile(ptr, b, h, offs_t, offs_d, T, D, st_b, st_h, st_t, st_d, KIND: tl.constexpr, FAST_FP8: tl.constexpr,
+              EVEN_D: tl.constexpr, DOT_TY: tl.constexpr):
+    """[BLOCK_N, BLOCK_D] tile of one KV head's codes (or bf16 values, KIND 2) in DOT_TY, exact,
+    zeros outside T x D; the scales are applied after the dots. FAST_FP8 (the GPU): e4m3 -> f16 by
+    the hardware's conversion, two per instruction; the interpreter decodes the bits (decode_e4m3fn)."""
+    if EVEN_D:
+        ok = (offs_t < T)[:, None]
+    else:
+        ok = (offs_t < T)[:, None] & (offs_d < D)[None, :]
+    raw = tl.load(ptr + b * st_b + h * st_h + offs_t[:, None] * st_t + offs_d[None, :] * st_d, mask=ok, other=0)
+    if KIND == 0:
+        if FAST_FP8:
+            return raw.to(tl.float8e4nv, bitcast=True).to(DOT_TY)
+        return decode_e4m3fn(raw.to(tl.int32)).to(DOT_TY)
+    return raw.to(DOT_TY)
+
+
+@triton.jit
+def p_codes(v, P_MODE: tl.constexpr, FAST_FP8: tl.constexpr):
+    """P's code values (fp32) of v = fmt_max * exp2(t - mb) in [0, fmt_max]: fp8 e4m3 RNE (on the
+    GPU its cvt.rn.satfinite, two per instruction; in the interpreter the exact bit encoder), int8
+    by rint and clamp to [0, 127], or v itself (P kept in fp32)."""
+    if P_MODE == 0:
+        if FAST_FP8:
+            return v.to(tl.float8e4nv).to(tl.float32)
+        return decode_e4m3fn(encode_e4m3fn(v).to(tl.int32))
+    elif P_MODE == 1:
+        return tl.minimum(tl.maximum(rint(v), 0.0), 127.0)
+    return v
+
+
+@triton.jit
 def _flash_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, Tq, Tk, D, G, c,
                   sq_b, sq_h, sq_t, sq_d, sqs_b, sqs_h, sqs_t,
                   sk_b, sk_h, sk_t, sk_d, sks_b, sks_h, sks_t, sks_g, K_GS,
@@ -117,12 +149,13 @@ def _flash_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, Tq, Tk, D,
                   K_KIND: tl.constexpr, V_KIND: tl.constexpr, K_GROUPED: tl.constexpr, V_GROUPED: tl.constexpr,
                   P_MODE: tl.constexpr, FMAX: tl.constexpr,
                   CAUSAL: tl.constexpr, MMA: tl.constexpr, DOT_TY: tl.constexpr, DOT_PREC: tl.constexpr,
+                  FAST_FP8: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, OUT_TY: tl.constexpr):
     # rows are the G query heads of one KV head packed with their tokens (row = g * Tq + i), so each
     # K / V tile is read once for the whole group
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // Hkv
+    b = (pid_bh // Hkv).to(tl.int64)        # batch offsets in 64 bits: a cache past 2^31 bytes per layer
     hk = pid_bh % Hkv
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     h = hk * G + rows // Tq
@@ -151,12 +184,13 @@ def _flash_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, Tq, Tk, D,
             hi = tl.minimum(Tk, first + BLOCK_M + Tk - Tq)
     for start in range(0, hi, BLOCK_N):
         offs_k = start + offs_n
-        kt = _load_tile(k_ptr, ks_ptr, b, hk, offs_k, offs_d, Tk, D, sk_b, sk_h, sk_t, sk_d,
-                        sks_b, sks_h, sks_t, sks_g, K_GS, K_KIND, not MMA, K_GROUPED)
         if MMA:
+            kt = code_tile(k_ptr, b, hk, offs_k, offs_d, Tk, D, sk_b, sk_h, sk_t, sk_d, K_KIND, FAST_FP8, False, DOT_TY)
             ks = tl.load(ks_ptr + b * sks_b + hk * sks_h + offs_k * sks_t, mask=offs_k < Tk, other=0.0)
-            t = tl.dot(q_in, tl.trans(kt.to(DOT_TY)), input_precision=DOT_PREC) * qs[:, None] * ks[None, :] * c
+            t = tl.dot(q_in, tl.trans(kt), input_precision=DOT_PREC) * qs[:, None] * ks[None, :] * c
         else:
+            kt = _load_tile(k_ptr, ks_ptr, b, hk, offs_k, offs_d, Tk, D, sk_b, sk_h, sk_t, sk_d,
+                            sks_b, sks_h, sks_t, sks_g, K_GS, K_KIND, True, K_GROUPED)
             t = tl.dot(q_in, tl.trans(kt), input_precision="ieee") * c
         seen = (offs_k < Tk)[None, :] & (offs_m >= 0)[:, None]
         if CAUSAL:
@@ -169,22 +203,18 @@ def _flash_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, Tq, Tk, D,
         m_new0 = tl.where(m_new > float("-inf"), m_new, mb0)
         x = tl.where(seen, tl.exp2(t - mb0[:, None]), 0.0)
         v = x * FMAX
-        if P_MODE == 0:
-            codes = decode_e4m3fn(encode_e4m3fn(v).to(tl.int32))
-        elif P_MODE == 1:
-            codes = tl.minimum(tl.maximum(rint(v), 0.0), 127.0)
-        else:
-            codes = v
+        codes = p_codes(v, P_MODE, FAST_FP8)
         f = tl.where(ok, tl.math.div_rn(tl.exp2(mb0 - m_new0), FMAX), 0.0)
         alpha = tl.where(m_i > float("-inf"), tl.exp2(m_i - m_new0), 0.0)
-        vt = _load_tile(v_ptr, vs_ptr, b, hk, offs_k, offs_d, Tk, D, sv_b, sv_h, sv_t, sv_d,
-                        svs_b, svs_h, svs_t, svs_g, V_GS, V_KIND, not MMA, V_GROUPED)
         if MMA:
-            # P codes and V codes are exact in bf16: tensor-core products, fp32 sums; scales after
-            pv = tl.dot(codes.to(DOT_TY), vt.to(DOT_TY), input_precision=DOT_PREC) * (f * v_head_scale)[:, None]
+            vt = code_tile(v_ptr, b, hk, offs_k, offs_d, Tk, D, sv_b, sv_h, sv_t, sv_d, V_KIND, FAST_FP8, False, DOT_TY)
+            # P codes and V codes are exact in DOT_TY: tensor-core products, fp32 sums; scales after
+            pv = tl.dot(codes.to(DOT_TY), vt, input_precision=DOT_PREC) * (f * v_head_scale)[:, None]
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(codes, axis=1) * f
         else:
+            vt = _load_tile(v_ptr, vs_ptr, b, hk, offs_k, offs_d, Tk, D, sv_b, sv_h, sv_t, sv_d,
+                            svs_b, svs_h, svs_t, svs_g, V_GS, V_KIND, True, V_GROUPED)
             p = codes * f[:, None]
             acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
             l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -267,13 +297,18 @@ def flash_attention(q_vals: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: t
     stages = pick_stages(limit, bm=bm, bn=spec.p_block, bd=bd, mma=bool(use_mma), k_bytes=kc.element_size(),
                          v_bytes=vc.element_size(), k_grouped=kgs < D, v_grouped=vgs < D)
     c = float(torch.tensor(spec.scale_for(D) * ar.LOG2E, dtype=torch.float32))
+    # the dots' operand type: fp16 holds every code exactly (and e4m3 converts to it in one instruction
+    # per pair); bf16 where Q or the cache is bf16 data; Triton 3.6's interpreter multiplies 16-bit dot
+    # operands wrongly, so there fp32 holds the same exact values
+    codes_only = q_vals.dtype != torch.bfloat16 and kk != 2 and vk != 2
+    dot_ty = tl.float32 if interpreting() else tl.float16 if codes_only else tl.bfloat16
     grid = (triton.cdiv(rows, bm), B * Hkv)
     launch(_flash_kernel, grid, q32, q_scale, kc, ks, vc, vs, out, Tq, Tk, D, G, c,
            *q32.stride(), *q_scale.stride()[:3], *kc.stride(), *ks.stride(), kgs, *vc.stride(), *vs.stride(), vgs,
            *out.stride(), Hkv,
            K_KIND=kk, V_KIND=vk, K_GROUPED=kgs < D, V_GROUPED=vgs < D, P_MODE=_P_MODE[spec.p_format],
            FMAX=float(spec.p_max), CAUSAL=spec.causal, MMA=bool(use_mma),
-           DOT_TY=tl.float32 if interpreting() else tl.bfloat16, DOT_PREC="ieee" if interpreting() else "tf32",
+           DOT_TY=dot_ty, DOT_PREC="ieee" if interpreting() else "tf32", FAST_FP8=not interpreting(),
            BLOCK_M=bm, BLOCK_N=spec.p_block, BLOCK_D=bd, OUT_TY=_OUT[out_dtype], num_warps=warps,
            num_stages=stages)
     return out
