@@ -126,8 +126,8 @@ GROUPED_KERNELS = ("int8", "fp8", "w8a16", "w4a16", "fp4", "mxfp8")
 
 def grouped_kind(weight_scheme: QuantScheme, act_scheme: QuantScheme | None) -> str | None:
     """The grouped MoE kernel of an experts scheme pair (lowbit.ops.grouped_run), or None:
-      int8 / fp8   int8 x int8 / fp8 e4m3 x fp8 e4m3: per-channel symmetric weights, per-token or
-                   per-tensor symmetric activations, fp32 scales
+      int8 / fp8   int8 x int8 / fp8 e4m3 x fp8 e4m3: per-channel symmetric weights, per-row
+                   (token / channel) or per-tensor symmetric activations, fp32 scales
       w8a16        int8 per-channel symmetric weights, float activations
       w4a16        int4 groups (symmetric or with zero points; w4a16_kind's group sizes), MXFP4,
                    NVFP4 weights, float activations
@@ -139,7 +139,7 @@ def grouped_kind(weight_scheme: QuantScheme, act_scheme: QuantScheme | None) -> 
             return "w8a16"
         return "w4a16" if _has_w4a16(ws) and ws.format != "uint4" else None
     if (ws.strategy == "channel" and ws.symmetric and ws.scale_format == "fp32" and xs.symmetric
-            and xs.strategy in ("token", "tensor") and xs.scale_format == "fp32"
+            and xs.strategy in _PER_ROW and xs.scale_format == "fp32"
             and ws.format == xs.format and ws.format in ("int8", "fp8_e4m3fn")):
         return "int8" if ws.format == "int8" else "fp8"
     if (_mx(ws, "fp4_e2m1fn", 32, "e8m0") and _mx(xs, "fp4_e2m1fn", 32, "e8m0")) or \
