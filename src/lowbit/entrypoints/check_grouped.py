@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 
-ROUTINGS = ("uniform", "hot", "sparse", "dropped")
 
 
 def register(parser) -> None:
@@ -32,29 +31,9 @@ def register(parser) -> None:
     g.add_argument("--top-k", type=int, default=2, help="experts per token (default 2)")
     g.add_argument("--n", type=int, default=96, help="N, output features per expert (default 96)")
     g.add_argument("--k", type=int, default=256, help="K, input features (default 256)")
+    from lowbit.verify.audit_grouped import ROUTINGS
     g.add_argument("--routing", choices=ROUTINGS, default="uniform", help="token distribution (default uniform)")
     g.add_argument("--seed", type=int, help="seed of the random data (default: fresh, printed)")
-
-
-def _routing(gen, T: int, E: int, k: int, kind: str):
-    import torch
-    idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
-    if kind == "hot":
-        hot = int(torch.randint(0, E, (1,), generator=gen))
-        for t in range(T):
-            row = [e for e in idx[t].tolist() if e != hot]
-            idx[t] = torch.tensor([hot] + row[:k - 1])
-    elif kind == "sparse":
-        pair = torch.randperm(E, generator=gen)[:2]
-        idx[:, 0] = pair[torch.arange(T) % 2]
-        if k > 1:
-            idx[:, 1] = pair[(torch.arange(T) + 1) % 2]
-            idx[:, 2:] = E                      # the other slots dropped: every other expert stays empty
-    elif kind == "dropped" and k > 1:           # every token keeps its first slot
-        drop = torch.rand(T, k, generator=gen) < 0.4
-        drop[:, 0] = False
-        idx[drop] = E
-    return idx
 
 
 def run_recipe(args) -> int:
@@ -67,6 +46,7 @@ def run_recipe(args) -> int:
     from lowbit.ops.grouped_run import prepare_grouped, run_grouped
     from lowbit.quantize import quantize
     from lowbit.recipes.presets import get_recipe
+    from lowbit.verify.audit_grouped import random_top_k
     from lowbit.verify.grouped import check_grouped_linear
 
     r = get_recipe(args.grouped)
@@ -85,7 +65,7 @@ def run_recipe(args) -> int:
     x = torch.randn(T, K, generator=gen) * torch.exp(torch.randn(T, 1, generator=gen))
     w = torch.randn(E, N, K, generator=gen) * torch.exp(torch.randn(E, N, 1, generator=gen))
     bias = torch.randn(E, N, generator=gen)
-    idx = _routing(gen, T, E, k, args.routing)
+    idx = random_top_k(gen, T, E, k, args.routing)
     routing = sort_tokens(idx, E)
     qs = [quantize(w[e], r.weight) for e in range(E)]
     stacked = {f: (None if getattr(qs[0], a) is None else torch.stack([getattr(q, a) for q in qs]))
