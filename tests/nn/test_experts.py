@@ -300,3 +300,24 @@ def _act_requant(scheme, buffer_amax):
 def lb_quant_dequant(x, scheme):
     """What both paths multiply: the activations' dequantized values (identical codes and scales)."""
     return quantize(x.float(), scheme).dequantize(torch.float64)
+
+
+def test_kernel_forward_compiles_without_graph_breaks(rng):
+    """torch.compile(fullgraph=True) of the kernel path: routing on the device with fixed shapes and
+    the grouped GEMMs as the lowbit::grouped_gemm custom op; a host sync or a data-dependent
+    shape would be a graph break, which fullgraph=True turns into an error. Same numbers as eager."""
+    E, H, I, T, k = 3, 64, 32, 5, 2
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    m = torch.nn.Module()
+    m.gate_up_proj = torch.nn.Parameter(torch.randn(E, 2 * I, H, generator=rng))
+    m.down_proj = torch.nn.Parameter(torch.randn(E, H, I, generator=rng))
+    m.act_fn = torch.nn.SiLU()
+    r = get_recipe("w8a8-int8")
+    q = QuantExperts.from_module(m, r.weight, r.act, backend="kernel").to(dev)
+    x = torch.randn(T, H, generator=rng).to(dev)
+    idx = torch.stack([torch.randperm(E, generator=rng)[:k] for _ in range(T)])
+    idx[1, 1] = E                                               # a dropped slot
+    w = torch.rand(T, k, generator=rng).to(dev)
+    got = torch.compile(q, fullgraph=True, backend="eager")(x, idx.to(dev), w)
+    assert q.last_path == "kernel:int8"
+    assert torch.equal(got, q(x, idx.to(dev), w))

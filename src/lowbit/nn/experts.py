@@ -39,9 +39,9 @@ import warnings
 
 import torch
 
-from lowbit.ops.dispatch import grouped_kind
+from lowbit.ops.dispatch import grouped_kind, have_triton
 from lowbit.ops.grouped import Routing, grouped_reference, route_fixed, sort_tokens, take_rows
-from lowbit.ops.grouped_run import prepare_grouped, run_grouped
+from lowbit.ops.grouped_run import grouped_forward, grouped_spec, prepare_grouped
 from lowbit.quantize import QTensor, quantize
 from lowbit.scheme import QuantScheme
 
@@ -86,17 +86,26 @@ class QuantExperts(torch.nn.Module):
         E, N2, H = self.gate_up_codes.shape
         self.num_experts, self.hidden_dim, self.intermediate_dim = int(E), int(H), int(N2) // 2
         self.last_path: str | None = None
-        self.kernel = grouped_kind(weight_scheme, act_scheme)
+        # no Triton (the CPU-only install): every call runs the exact path
+        self.kernel = grouped_kind(weight_scheme, act_scheme) if have_triton() else None
         self._warned = False
-        self._ops: dict[str, list[str]] = {}
+        self._ops: dict[str, dict[str, str]] = {}      # projection -> operand -> buffer name
+        self._specs: dict[str, str] = {}
         if self.kernel is not None:     # the kernel's operands, laid out once (not saved: derived)
             for p in PROJECTIONS:
                 fields = {f: getattr(self, f"{p}_{f}") for f, _ in _FIELDS}
                 fields["global"] = getattr(self, f"{p}_global")
-                ops = prepare_grouped(self.kernel, weight_scheme, fields)
-                for k, t in ops.items():
-                    self.register_buffer(f"{p}_k_{k}", t, persistent=False)
-                self._ops[p] = list(ops)
+                names = {}
+                for k, t in prepare_grouped(self.kernel, weight_scheme, fields).items():
+                    same = [f"{p}_{f}" for f, v in fields.items() if v is t]
+                    if same:            # the stacked buffer itself: one copy on every device
+                        names[k] = same[0]
+                    else:
+                        names[k] = f"{p}_k_{k}"
+                        self.register_buffer(names[k], t, persistent=False)
+                self._ops[p] = names
+                self._specs[p] = grouped_spec(self.kernel, weight_scheme, act_scheme, list(names),
+                                              getattr(self, f"{p}_codes").shape[1], identity=p == "down")
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -206,10 +215,10 @@ class QuantExperts(torch.nn.Module):
         x = hidden_states.detach()
         h = None
         for proj in PROJECTIONS:
-            ops = {k: getattr(self, f"{proj}_k_{k}") for k in self._ops[proj]}
+            ops = {k: getattr(self, b) for k, b in self._ops[proj].items()}
             inp, identity = (x, False) if proj == "gate_up" else (self.glu(h), True)
-            h = run_grouped(self.kernel, ops, self.weight_scheme, self.act_scheme, inp, routing,
-                            bias=getattr(self, f"{proj}_bias"), identity=identity)
+            h = grouped_forward(self.kernel, ops, self.weight_scheme, self.act_scheme, inp, routing,
+                                bias=getattr(self, f"{proj}_bias"), identity=identity, spec=self._specs[proj])
         w = top_k_weights[routing.token, routing.slot].float()
         out = torch.zeros(hidden_states.shape[0], self.hidden_dim, dtype=torch.float32, device=x.device)
         out.index_add_(0, routing.token, h * w[:, None])

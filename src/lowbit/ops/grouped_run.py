@@ -12,16 +12,20 @@ torch.compile capture it). Which kernel runs is lowbit.ops.dispatch.grouped_kind
                                                                         two tensor scales multiply
                                                                         the accumulator
   mxfp8   MXFP8, scale codes laid out as SFA words over the sorted rows grouped_mxfp8
+Under torch.compile the call is one opaque custom op, lowbit::grouped_gemm (grouped_forward), as
+lowbit.ops.prepared's lowbit::qlinear is for a Linear.
 Activation codes equal lowbit.quantize's (lowbit.ops.fused.quantize_rows / qdq_rows on CUDA; the
 CPU runs their torch twins); a per-tensor scale spans all rows of the operand, as a grouped
 kernel's A operand over the concatenated M does.
 """
 from __future__ import annotations
 
+import json
+
 import torch
 
 from lowbit.ops.dispatch import w4a16_kind
-from lowbit.ops.grouped import Routing
+from lowbit.ops.grouped import Routing, sfb_words
 from lowbit.packing import pack_fp4, pack_int4
 from lowbit.quantize import compute_scale, encode_scaled, expand_scale, quantize, reduce_amax
 from lowbit.scheme import QuantScheme
@@ -46,8 +50,7 @@ def prepare_grouped(kind: str, weight_scheme: QuantScheme, stacked: dict) -> dic
             ops["g"] = stacked["global"].reshape(E).float().contiguous()
         return ops
     if kind == "mxfp8":
-        from lowbit.ops.triton.grouped_mx import sfb_for_experts
-        return {"w": codes.contiguous(), "sfb": sfb_for_experts(stacked["scale_codes"])}
+        return {"w": codes.contiguous(), "sfb": sfb_words(stacked["scale_codes"]).view(torch.int32)}
     raise ValueError(f"kind={kind!r} is not a grouped kernel (lowbit.ops.dispatch.GROUPED_KERNELS)")
 
 
@@ -110,3 +113,40 @@ def run_grouped(kind: str, ops: dict, weight_scheme: QuantScheme, act_scheme: Qu
         sfa = sfa_for_tokens(scale_codes.reshape(x.shape[0], -1), routing, identity)
         return grouped_mxfp8(codes, sfa, ops["w"], ops["sfb"], routing, bias=bias, identity=identity)
     raise ValueError(f"kind={kind!r} is not a grouped kernel (lowbit.ops.dispatch.GROUPED_KERNELS)")
+
+
+# ---------------------------------------------------------------------------- custom op
+def grouped_spec(kind: str, weight_scheme: QuantScheme, act_scheme: QuantScheme | None, names: list[str], N: int,
+                 identity: bool) -> str:
+    """The op's static description (JSON): everything but tensors and their shapes."""
+    return json.dumps({"kind": kind, "w": weight_scheme.to_json(), "a": None if act_scheme is None else act_scheme.to_json(),
+                       "names": list(names), "N": int(N), "identity": bool(identity)})
+
+
+@torch.library.custom_op("lowbit::grouped_gemm", mutates_args=())
+def grouped_gemm_op(x: torch.Tensor, operands: list[torch.Tensor], token: torch.Tensor, slot: torch.Tensor,
+                    offsets: torch.Tensor, bias: torch.Tensor | None, spec: str) -> torch.Tensor:
+    """run_grouped as one opaque op for torch.compile / CUDA graphs (spec: grouped_spec)."""
+    sp = json.loads(spec)
+    a = None if sp["a"] is None else QuantScheme.from_json(sp["a"])
+    return run_grouped(sp["kind"], dict(zip(sp["names"], operands)), QuantScheme.from_json(sp["w"]), a, x,
+                       Routing(token, slot, offsets, x.shape[0]), bias=bias, identity=sp["identity"])
+
+
+@grouped_gemm_op.register_fake
+def _(x, operands, token, slot, offsets, bias, spec):
+    return x.new_empty((token.shape[0], json.loads(spec)["N"]), dtype=torch.float32)
+
+
+def grouped_forward(kind: str, ops: dict, weight_scheme: QuantScheme, act_scheme: QuantScheme | None,
+                    x: torch.Tensor, routing: Routing, *, bias: torch.Tensor | None = None,
+                    identity: bool = False, spec: str | None = None) -> torch.Tensor:
+    """run_grouped, eagerly; under torch.compile the lowbit::grouped_gemm op (spec: grouped_spec,
+    made once per layer by the caller, or here)."""
+    if not torch.compiler.is_compiling():
+        return run_grouped(kind, ops, weight_scheme, act_scheme, x, routing, bias=bias, identity=identity)
+    names = list(ops)
+    if spec is None:
+        N = ops["w"].shape[1]
+        spec = grouped_spec(kind, weight_scheme, act_scheme, names, N, identity)
+    return grouped_gemm_op(x, [ops[n] for n in names], routing.token, routing.slot, routing.offsets, bias, spec)
