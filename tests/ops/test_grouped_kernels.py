@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import lowbit as lb
-from lowbit.ops.grouped import route_fixed, sfb_words, sort_tokens
+from lowbit.ops.grouped import route_fixed, scale_words_int32, sfa_words, sfb_words, sort_tokens
 from lowbit.ops.triton.grouped import grouped_fp8, grouped_int8, grouped_w4a16, grouped_w8a16
 from lowbit.ops.triton.grouped_mx import grouped_mxfp8, sfa_for_tokens, sfb_for_experts
 from lowbit.ops.triton.grouped_schedule import block_schedule, max_tiles
@@ -63,6 +63,16 @@ def test_grouped_mxfp8_within_gate(E, kind, K, rng):
                         dr).cpu()
     v = check_grouped_linear(out, x[routing.token], w, routing.offsets, x_scheme=mx, w_scheme=mx)
     assert v.passed, v.report()
+
+
+@pytest.mark.parametrize("G", [3, 8, 10])
+def test_int32_scale_words_are_the_packed_words(G, rng):
+    """The kernel's int32 words (bytes moved, no uint32 arithmetic) equal lowbit.packing's
+    group-major uint32 words bit for bit: SFA over rows, SFB over (E, N); G % 4 != 0 padded."""
+    a = torch.randint(0, 256, (13, G), generator=rng, dtype=torch.uint8)
+    b = torch.randint(0, 256, (3, 5, G), generator=rng, dtype=torch.uint8)
+    assert torch.equal(scale_words_int32(a), sfa_words(a).view(torch.int32))
+    assert torch.equal(sfb_for_experts(b), sfb_words(b).view(torch.int32))
 
 
 def test_mxfp8_kernel_reads_the_seed_layouts(rng):

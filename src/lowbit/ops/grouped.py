@@ -180,6 +180,16 @@ def sfb_words(scale_codes: torch.Tensor) -> torch.Tensor:
     return pack_scales(scale_codes.reshape(E * N, G), "group_major", pad=True).reshape(-1)
 
 
+def scale_words_int32(scale_codes: torch.Tensor) -> torch.Tensor:
+    """The group-major words of pack_scales(scale_codes [R, G], "group_major", pad=True), flat
+    [ceil(G / 4) * R], as int32 bit patterns, made by moving bytes (word g * R + r holds codes
+    r, 4g..4g+3, low byte first: a little-endian word's bytes in memory order), so no uint32
+    arithmetic runs (CUDA's uint32 support is partial). Equal to sfa_words(codes).view(int32)."""
+    R, G = scale_codes.shape
+    c = torch.nn.functional.pad(scale_codes, (0, (-G) % 4)) if G % 4 else scale_codes
+    return c.reshape(R, -1, 4).permute(1, 0, 2).contiguous().reshape(-1).view(torch.int32)
+
+
 def read_sfa(words: torch.Tensor, M_total: int, G: int) -> torch.Tensor:
     """Inverse of sfa_words: uint8 [M_total, G]."""
     return unpack_scales(words.reshape(-1, M_total), "group_major", M_total, G)

@@ -25,7 +25,7 @@ import json
 import torch
 
 from lowbit.ops.dispatch import w4a16_kind
-from lowbit.ops.grouped import Routing, sfb_words
+from lowbit.ops.grouped import Routing, scale_words_int32
 from lowbit.packing import pack_fp4, pack_int4
 from lowbit.quantize import compute_scale, encode_scaled, expand_scale, quantize, reduce_amax
 from lowbit.scheme import QuantScheme
@@ -50,7 +50,8 @@ def prepare_grouped(kind: str, weight_scheme: QuantScheme, stacked: dict) -> dic
             ops["g"] = stacked["global"].reshape(E).float().contiguous()
         return ops
     if kind == "mxfp8":
-        return {"w": codes.contiguous(), "sfb": sfb_words(stacked["scale_codes"]).view(torch.int32)}
+        sc = stacked["scale_codes"]
+        return {"w": codes.contiguous(), "sfb": scale_words_int32(sc.reshape(E * N, sc.shape[2]))}
     raise ValueError(f"kind={kind!r} is not a grouped kernel (lowbit.ops.dispatch.GROUPED_KERNELS)")
 
 

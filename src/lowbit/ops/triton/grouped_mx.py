@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit.ops.grouped import Routing, sfa_words, sfb_words
+from lowbit.ops.grouped import Routing, scale_words_int32
 from lowbit.ops.triton.common import interpreting
 from lowbit.ops.triton.gemm_blockscaled import _bf16_dot, _scaled_bf16
 from lowbit.ops.triton.grouped_schedule import check_bias, check_routing, schedule_args, store_rows, tile_rows
@@ -64,7 +64,7 @@ def sfa_for_tokens(scale_codes: torch.Tensor, routing: Routing, identity: bool =
     """SFA words (int32 bit patterns, flat [ceil(G / 4) * R]) of per-row scale codes uint8 [T, G]
     laid out over the sorted buffer's R rows: row m gets the codes of its token (identity: of row m)."""
     codes = scale_codes if identity else scale_codes[routing.token]
-    return sfa_words(codes).view(torch.int32)
+    return scale_words_int32(codes)
 
 
 def grouped_mxfp8(a_codes: torch.Tensor, sfa: torch.Tensor, w_codes: torch.Tensor, sfb: torch.Tensor,
@@ -109,5 +109,7 @@ def grouped_mxfp8(a_codes: torch.Tensor, sfa: torch.Tensor, w_codes: torch.Tenso
 
 
 def sfb_for_experts(scale_codes: torch.Tensor) -> torch.Tensor:
-    """SFB words (int32 bit patterns) of stacked expert scale codes uint8 [E, N, G]."""
-    return sfb_words(scale_codes).view(torch.int32)
+    """SFB words (int32 bit patterns, flat [ceil(G / 4) * E * N]) of stacked expert scale codes
+    uint8 [E, N, G]: word g * E * N + e * N + n (sfb_words' layout)."""
+    E, N, G = scale_codes.shape
+    return scale_words_int32(scale_codes.reshape(E * N, G))
