@@ -72,7 +72,7 @@ def run_recipe(args) -> int:
                for f, a in (("codes", "codes"), ("scale", "scale"), ("zero", "zero_point"),
                             ("scale_codes", "scale_codes"))}
     stacked["global"] = None if qs[0].global_scale is None else torch.stack([q.global_scale.reshape(()) for q in qs])
-    ops = {n: t.to(dev) for n, t in prepare_grouped(kind, r.weight, stacked).items()}
+    ops = {n: t.to(dev) for n, t in prepare_grouped(kind, r.weight, stacked, r.act).items()}
     on_dev = sort_tokens(idx.to(dev), E)
     x_sorted = x[routing.token]
     print(f"lowbit check --grouped {r.name}: kernel {kind}, E={E}, T={T}, top-k={k}, N={N}, K={K}, routing "

@@ -96,7 +96,7 @@ class QuantExperts(torch.nn.Module):
                 fields = {f: getattr(self, f"{p}_{f}") for f, _ in _FIELDS}
                 fields["global"] = getattr(self, f"{p}_global")
                 names = {}
-                for k, t in prepare_grouped(self.kernel, weight_scheme, fields).items():
+                for k, t in prepare_grouped(self.kernel, weight_scheme, fields, act_scheme).items():
                     same = [f"{p}_{f}" for f, v in fields.items() if v is t]
                     if same:            # the stacked buffer itself: one copy on every device
                         names[k] = same[0]

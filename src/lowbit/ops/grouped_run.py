@@ -27,17 +27,23 @@ import torch
 from lowbit.ops.dispatch import w4a16_kind
 from lowbit.ops.grouped import Routing, scale_words_int32
 from lowbit.packing import pack_fp4, pack_int4
-from lowbit.quantize import compute_scale, encode_scaled, expand_scale, quantize, reduce_amax
+from lowbit.ops.prepared import quantize_tensor_int8
+from lowbit.quantize import quantize
 from lowbit.scheme import QuantScheme
 
 
-def prepare_grouped(kind: str, weight_scheme: QuantScheme, stacked: dict) -> dict[str, torch.Tensor]:
-    """The kernel's weight operands from stacked per-expert fields ("codes" [E, N, K], "scale"
+def prepare_grouped(kind: str, weight_scheme: QuantScheme, stacked: dict, act_scheme: QuantScheme | None = None
+                    ) -> dict[str, torch.Tensor]:
+    """The kernel's operands (weights; act_qmax for per-tensor int8 activations) from stacked per-expert fields ("codes" [E, N, K], "scale"
     [E, N, G], "zero", "scale_codes", "global" [E]; None where the scheme has none)."""
     codes, scale = stacked["codes"], stacked["scale"]
     E, N = codes.shape[:2]
     if kind in ("int8", "fp8", "w8a16"):
-        return {"w": codes.contiguous(), "s": scale.reshape(E, N).float().contiguous()}
+        ops = {"w": codes.contiguous(), "s": scale.reshape(E, N).float().contiguous()}
+        if act_scheme is not None and act_scheme.strategy == "tensor" and act_scheme.format == "int8":
+            # the divisor as a device tensor (lowbit.ops.prepared.quantize_tensor_int8)
+            ops["act_qmax"] = torch.full((1,), float(act_scheme.fmt.qmax), dtype=torch.float32, device=codes.device)
+        return ops
     if kind in ("w4a16", "fp4"):
         w4 = w4a16_kind(weight_scheme)
         if w4 == "int4":
@@ -55,15 +61,18 @@ def prepare_grouped(kind: str, weight_scheme: QuantScheme, stacked: dict) -> dic
     raise ValueError(f"kind={kind!r} is not a grouped kernel (lowbit.ops.dispatch.GROUPED_KERNELS)")
 
 
-def _rows_quantized(x: torch.Tensor, scheme: QuantScheme):
+def _rows_quantized(x: torch.Tensor, scheme: QuantScheme, ops: dict):
     """(codes [R, K], per-row fp32 scales [R], scale codes or None) of x [R, K], dynamically quantized
-    by `scheme` with lowbit.quantize's arithmetic and no host synchronisation."""
+    by `scheme` with lowbit.quantize's arithmetic. No host synchronisation for per-row / per-group
+    schemes (lowbit.ops.fused.quantize_rows) and per-tensor int8 (quantize_tensor_int8); other
+    per-tensor schemes go through lowbit.quantize, which checks the input on the host."""
     R = x.shape[0]
-    if scheme.strategy == "tensor":                         # one scale over all rows (quantize's steps)
-        xf = x.float()
-        sc = compute_scale(reduce_amax(xf, scheme), scheme)
-        codes = encode_scaled(xf / expand_scale(sc.scale, scheme, tuple(xf.shape)), None, scheme.fmt)
-        return codes, sc.scale.reshape(1).expand(R).contiguous(), None
+    if scheme.strategy == "tensor":                         # one scale over all rows
+        if "act_qmax" in ops:
+            codes, s = quantize_tensor_int8(x.float(), ops["act_qmax"])
+            return codes, s.expand(R), None
+        q = quantize(x.float(), scheme)
+        return q.codes, q.scale.reshape(1).expand(R).contiguous(), None
     if x.is_cuda:
         from lowbit.ops.fused import quantize_rows
         q = quantize_rows(x, scheme, check_finite=False)
@@ -95,7 +104,7 @@ def run_grouped(kind: str, ops: dict, weight_scheme: QuantScheme, act_scheme: Qu
     from lowbit.ops.triton.grouped_mx import grouped_mxfp8, sfa_for_tokens
 
     if kind in ("int8", "fp8"):
-        codes, sa, _ = _rows_quantized(x, act_scheme)
+        codes, sa, _ = _rows_quantized(x, act_scheme, ops)
         fn = gk.grouped_int8 if kind == "int8" else gk.grouped_fp8
         return fn(codes, sa, ops["w"], ops["s"], routing, bias=bias, identity=identity)
     if kind == "w8a16":
@@ -110,7 +119,7 @@ def run_grouped(kind: str, ops: dict, weight_scheme: QuantScheme, act_scheme: Qu
         return gk.grouped_w4a16(x, ops["w"], ops["s"], routing, kind=w4, w_zero=ops.get("z"), w_global=g,
                                 group_size=weight_scheme.group_size, bias=bias, identity=identity)
     if kind == "mxfp8":
-        codes, _, scale_codes = _rows_quantized(x, act_scheme)
+        codes, _, scale_codes = _rows_quantized(x, act_scheme, ops)
         sfa = sfa_for_tokens(scale_codes.reshape(x.shape[0], -1), routing, identity)
         return grouped_mxfp8(codes, sfa, ops["w"], ops["sfb"], routing, bias=bias, identity=identity)
     raise ValueError(f"kind={kind!r} is not a grouped kernel (lowbit.ops.dispatch.GROUPED_KERNELS)")

@@ -106,7 +106,7 @@ def _lowbit(x_scheme, w_scheme):
                    "scale_codes": pick("scale_codes"),
                    "global": None if qs[0].global_scale is None else torch.stack([q.global_scale.reshape(())
                                                                                   for q in qs])}
-        ops = prepare_grouped(kind, w_scheme, stacked)
+        ops = prepare_grouped(kind, w_scheme, stacked, x_scheme)
         return run_grouped(kind, ops, w_scheme, x_scheme, x, sort_tokens(idx, E), bias=bias)
     return fn
 
