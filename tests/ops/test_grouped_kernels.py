@@ -221,3 +221,37 @@ def test_quant_experts_kernel_forward_has_no_host_sync(recipe, rng):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert q.last_path.startswith("kernel:") and out.shape == (T, H) and torch.isfinite(out.float()).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+@pytest.mark.parametrize("recipe", ["w8a8-int8", "w8a8-fp8", "w4a16-g32", "mxfp8", "nvfp4"])
+def test_quant_experts_kernel_forward_replays_in_a_cuda_graph(recipe, rng):
+    """Captured once, replayed on new hidden states, routings and weights: the eager call's numbers
+    (top-2: each token's float32 sum of two terms is the same in any order)."""
+    from lowbit.nn.experts import QuantExperts
+    E, H, I, T, k = 5, 64, 96, 9, 2
+    module = torch.nn.Module()
+    module.gate_up_proj = torch.nn.Parameter(torch.randn(E, 2 * I, H, generator=rng))
+    module.down_proj = torch.nn.Parameter(torch.randn(E, H, I, generator=rng))
+    module.act_fn = torch.nn.SiLU()
+    r = get_recipe(recipe)
+    q = QuantExperts.from_module(module, r.weight, r.act).cuda()
+
+    def inputs(kind):
+        return (torch.randn(T, H, generator=rng).cuda().to(torch.bfloat16), top_k_index(rng, T, E, k, kind).cuda(),
+                torch.rand(T, k, generator=rng).cuda())
+    static = [t.clone() for t in inputs("uniform")]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        q(*static)                                      # compile the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = q(*static)
+    for kind in ("hot", "dropped"):
+        new = inputs(kind)
+        for s, t in zip(static, new):
+            s.copy_(t)
+        graph.replay()
+        assert torch.equal(out, q(*new)), kind
