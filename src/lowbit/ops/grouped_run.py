@@ -34,8 +34,9 @@ from lowbit.scheme import QuantScheme
 
 def prepare_grouped(kind: str, weight_scheme: QuantScheme, stacked: dict, act_scheme: QuantScheme | None = None
                     ) -> dict[str, torch.Tensor]:
-    """The kernel's operands (weights; act_qmax for per-tensor int8 activations) from stacked per-expert fields ("codes" [E, N, K], "scale"
-    [E, N, G], "zero", "scale_codes", "global" [E]; None where the scheme has none)."""
+    """The kernel's operands (weights; act_qmax for per-tensor int8 activations) from stacked
+    per-expert fields ("codes" [E, N, K], "scale" [E, N, G], "zero", "scale_codes", "global" [E];
+    None where the scheme has none)."""
     codes, scale = stacked["codes"], stacked["scale"]
     E, N = codes.shape[:2]
     if kind in ("int8", "fp8", "w8a16"):
@@ -129,7 +130,8 @@ def run_grouped(kind: str, ops: dict, weight_scheme: QuantScheme, act_scheme: Qu
 def grouped_spec(kind: str, weight_scheme: QuantScheme, act_scheme: QuantScheme | None, names: list[str], N: int,
                  identity: bool) -> str:
     """The op's static description (JSON): everything but tensors and their shapes."""
-    return json.dumps({"kind": kind, "w": weight_scheme.to_json(), "a": None if act_scheme is None else act_scheme.to_json(),
+    a = None if act_scheme is None else act_scheme.to_json()
+    return json.dumps({"kind": kind, "w": weight_scheme.to_json(), "a": a,
                        "names": list(names), "N": int(N), "identity": bool(identity)})
 
 

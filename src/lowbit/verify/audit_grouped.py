@@ -172,7 +172,8 @@ def discover(device: str, triton_ok: bool) -> list[GroupedSpec]:
     P = lb.get_preset
     specs = []
     if triton_ok:
-        pairs = [("int8", P("int8_token"), P("int8_channel"), None), ("fp8 rowwise", P("fp8_row"), P("fp8_row"), "fp32"),
+        pairs = [("int8", P("int8_token"), P("int8_channel"), None),
+                 ("fp8 rowwise", P("fp8_row"), P("fp8_row"), "fp32"),
                  ("w8a16 int8", None, P("int8_channel"), "fp32"), ("w4a16 int4_g128", None, P("int4_g128"), "fp32"),
                  ("w4a16 int4_g128_asym", None, P("int4_g128_asym"), "fp32"), ("w4a16 mxfp4", None, P("mxfp4"), "fp32"),
                  ("w4a16 nvfp4", None, P("nvfp4"), "fp32"), ("mxfp8", P("mxfp8"), P("mxfp8"), "fp32"),
