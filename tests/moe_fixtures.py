@@ -49,3 +49,22 @@ def tiny_moe(family: str, rng: torch.Generator, dtype=torch.float64, **kw):
 
 def ids(rng: torch.Generator, n: int, vocab: int = 97) -> torch.Tensor:
     return torch.randint(0, vocab, (1, n), generator=rng)
+
+
+def top_k_index(rng: torch.Generator, T: int, E: int, k: int, kind: str) -> torch.Tensor:
+    """Random top-k expert ids [T, k] (distinct per token): "uniform"; "hot" (every token's first
+    choice is one expert); "sparse" (only two experts ever chosen, the rest empty; k <= 2);
+    "dropped" (about 30% of the slots = E, the expert-parallel marker)."""
+    idx = torch.stack([torch.randperm(E, generator=rng)[:k] for _ in range(T)])
+    if kind == "hot":
+        hot = int(torch.randint(0, E, (1,), generator=rng))
+        for t in range(T):
+            row = [e for e in idx[t].tolist() if e != hot]
+            idx[t] = torch.tensor([hot] + row[:k - 1])
+    elif kind == "sparse":
+        a, b = torch.randperm(E, generator=rng)[:2].tolist()
+        idx = torch.tensor([[a, b] if t % 2 else [b, a] for t in range(T)])[:, :k]
+    elif kind == "dropped":
+        idx[torch.rand(T, k, generator=rng) < 0.3] = E
+        idx[0, 0] = 0
+    return idx

@@ -20,7 +20,8 @@ from lowbit.nn.experts import QuantExperts
 from lowbit.ops.grouped import sort_tokens, take_rows
 from lowbit.quantize import quantize
 from lowbit.recipes.presets import get_recipe
-from lowbit.verify.tolerance import quantization_bounds
+from lowbit.ops.dispatch import grouped_kind
+from lowbit.verify.tolerance import element_error_bound, quantization_bounds
 from moe_fixtures import FAMILIES, tiny_moe
 
 L_SILU = 1.0998       # max_z d/dz [z sigmoid(z)] (at z ~ 2.40), rounded up
@@ -230,14 +231,16 @@ def test_dropped_slots_and_empty_experts(rng):
     assert torch.equal(full, alone)
 
 
-@pytest.mark.parametrize("recipe", ["w8a8-int8", "w4a16-g32"])
-@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+KERNEL_CASES = [("mixtral", r) for r in RECIPES] + [("gpt_oss", "w8a8-int8"), ("gpt_oss", "w4a16-g32")]
+
+
+@pytest.mark.parametrize("family,recipe", KERNEL_CASES)
 def test_grouped_kernel_path_matches_exact_path(family, recipe, rng):
     """backend="kernel" (Triton's interpreter here, CUDA in service) against the exact path on
-    the same module, within the bound of the module docstring with the float32 unit (the kernel
-    path's accumulation, activation and routing sum) and, for W8A8, one activation step (the
-    float32 intermediate may round to the neighbouring int8 code, and its per-token scale may
-    move by the intermediate's own error)."""
+    the same module, for every recipe (each has a grouped kernel: lowbit.ops.dispatch.grouped_kind),
+    within the bound of the module docstring with the float32 unit (the kernel path's
+    accumulation, activation and routing sum) and, with quantized activations, the quantization
+    of the intermediate on both sides (_act_requant)."""
     model, name, spec, mod = _experts(family, rng, dtype=torch.float32)
     r = get_recipe(recipe)
     q = _quant(mod, spec, recipe)
@@ -247,7 +250,7 @@ def test_grouped_kernel_path_matches_exact_path(family, recipe, rng):
     dev = "cuda" if torch.cuda.is_available() else "cpu"     # the kernels on the GPU where there is one
     got = q.to(dev)(x.to(dev), index.to(dev), weights.to(dev)).cpu()
     q.to("cpu")
-    assert q.last_path == "kernel:" + ("int8" if recipe == "w8a8-int8" else "w4a16")
+    assert q.last_path == "kernel:" + grouped_kind(r.weight, r.act)
     q.backend = "exact"
     want = q(x, index, weights)
     assert q.last_path == "exact"
@@ -257,10 +260,7 @@ def test_grouped_kernel_path_matches_exact_path(family, recipe, rng):
             deq = q.weight_dequantized(proj, torch.float64)
             getattr(twin, p).copy_(deq if spec.layout == "enk" else deq.transpose(1, 2))
     zero = lambda w: torch.zeros_like(_enk(w.detach(), spec), dtype=torch.float64)  # noqa: E731
-    if r.act is None:
-        ea_fn = lambda a, d: 0  # noqa: E731
-    else:
-        ea_fn = lambda a, d: ((a + d).amax(-1, keepdim=True) / 127 + d.amax(-1, keepdim=True)) * (1 + 2 * U32)  # noqa
+    ea_fn = (lambda a, d: 0) if r.act is None else _act_requant(r.act, _buffer_amax(q, x, index))  # noqa: E731
     xd = x.double()
     xin = xd if r.act is None else lb_quant_dequant(xd, r.act)
     tol = _bound(twin, spec, xin, index, weights.double(), ex=torch.zeros_like(xd), eW1=zero(twin.gate_up_proj),
@@ -269,6 +269,55 @@ def test_grouped_kernel_path_matches_exact_path(family, recipe, rng):
     assert (err <= tol).all(), float((err / tol).max())
 
 
+def _buffer_amax(q, x, index):
+    """max |a| over the whole sorted intermediate (a per-tensor activation scale spans it)."""
+    routing = sort_tokens(index, q.num_experts)
+    return float(q.glu(q.gate_up_rows(x, routing)).abs().max())
+
+
+def _act_requant(scheme, buffer_amax):
+    """Extra error of the intermediate a when both paths quantize it but the kernel's float32 a
+    differs from the exact one by up to d: |Q(a + d') - Q(a)| <= d + E(a) + E_k, with E the
+    quantization error bound of lowbit.verify.tolerance.element_error_bound (per scale group;
+    a per-tensor scheme's one group is the whole buffer, represented by its amax).
+    The kernel side's groups have amax <= that of |a| + d and a scale at most twice that
+    envelope's (an e8m0 scale rounds to powers of two): E_k <= 2 E(|a| + d)."""
+    def err(v):
+        v = v.reshape(1, -1)
+        if scheme.strategy == "tensor":
+            v = torch.cat([v, torch.full((1, 1), buffer_amax, dtype=v.dtype)], 1) * (1 + 4 * U32)
+        b = element_error_bound(v, quantize(v.float(), scheme)).err
+        return b.repeat_interleave(v.shape[1] // b.shape[1], dim=1).reshape(-1)[:a_len]
+
+    def fn(a, d):
+        nonlocal a_len
+        a_len = a.numel()
+        return (err(a) + 2 * err(a + d)) * (1 + 2 * U32)
+    a_len = 0
+    return fn
+
+
 def lb_quant_dequant(x, scheme):
     """What both paths multiply: the activations' dequantized values (identical codes and scales)."""
     return quantize(x.float(), scheme).dequantize(torch.float64)
+
+
+def test_kernel_forward_compiles_without_graph_breaks(rng):
+    """torch.compile(fullgraph=True) of the kernel path: routing on the device with fixed shapes and
+    the grouped GEMMs as the lowbit::grouped_gemm custom op; a host sync or a data-dependent
+    shape would be a graph break, which fullgraph=True turns into an error. Same numbers as eager."""
+    E, H, I, T, k = 3, 64, 32, 5, 2
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    m = torch.nn.Module()
+    m.gate_up_proj = torch.nn.Parameter(torch.randn(E, 2 * I, H, generator=rng))
+    m.down_proj = torch.nn.Parameter(torch.randn(E, H, I, generator=rng))
+    m.act_fn = torch.nn.SiLU()
+    r = get_recipe("w8a8-int8")
+    q = QuantExperts.from_module(m, r.weight, r.act, backend="kernel").to(dev)
+    x = torch.randn(T, H, generator=rng).to(dev)
+    idx = torch.stack([torch.randperm(E, generator=rng)[:k] for _ in range(T)])
+    idx[1, 1] = E                                               # a dropped slot
+    w = torch.rand(T, k, generator=rng).to(dev)
+    got = torch.compile(q, fullgraph=True, backend="eager")(x, idx.to(dev), w)
+    assert q.last_path == "kernel:int8"
+    assert torch.equal(got, q(x, idx.to(dev), w))

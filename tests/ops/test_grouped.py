@@ -8,6 +8,7 @@ import lowbit as lb
 from lowbit.ops.grouped import grouped_reference, sort_tokens, take_rows
 from lowbit.ops.triton.grouped import grouped_int8, grouped_w4a16
 from lowbit.verify.grouped import check_grouped_linear
+from moe_fixtures import top_k_index
 
 # the kernels run on the GPU where there is one (Triton's interpreter on the CPU otherwise)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -16,23 +17,7 @@ INT8_X = lb.QuantScheme(format="int8", strategy="token", dynamic=True)
 
 
 def _routing(rng, T, E, k, kind):
-    """top-k indices [T, k]: "uniform", "hot" (every token's first choice is one expert),
-    "sparse" (only two experts ever chosen, the rest empty), "dropped" (some slots = E)."""
-    idx = torch.stack([torch.randperm(E, generator=rng)[:k] for _ in range(T)])
-    if kind == "hot":
-        hot = int(torch.randint(0, E, (1,), generator=rng))
-        for t in range(T):
-            row = idx[t].tolist()
-            if hot in row:
-                row.remove(hot)
-            idx[t] = torch.tensor([hot] + row[:k - 1])
-    elif kind == "sparse":
-        a, b = torch.randperm(E, generator=rng)[:2].tolist()
-        idx = torch.tensor([[a, b] if t % 2 else [b, a] for t in range(T)])[:, :k]
-    elif kind == "dropped":
-        idx[torch.rand(T, k, generator=rng) < 0.3] = E
-        idx[0, 0] = 0
-    return idx
+    return top_k_index(rng, T, E, k, kind)
 
 
 CASES = [(5, "uniform"), (7, "hot"), (5, "sparse"), (3, "dropped")]

@@ -5,6 +5,7 @@ import torch
 
 from lowbit.entrypoints.main import main
 from lowbit.verify import audit as au
+from lowbit.verify import audit_grouped as ag
 
 
 def correct_w8a8(xq, wq, bias):
@@ -69,8 +70,11 @@ def test_only_matches_whole_words(capsys, monkeypatch):
     monkeypatch.setattr(au, "discover", lambda device, triton_ok: [au.KernelSpec(n, None, None, None, "fp32")
                                                                    for n in names])
     monkeypatch.setattr(au, "audit", lambda specs, cases, **kw: seen.extend(s.name for s in specs) or [])
+    grouped = ["torch._grouped_mm (bf16)", "lowbit grouped int8"]
+    monkeypatch.setattr(ag, "discover", lambda device, triton_ok: [ag.GroupedSpec(n, None, None, None) for n in grouped])
+    monkeypatch.setattr(ag, "audit", lambda specs, cases, **kw: seen.extend(s.name for s in specs) or [])
     main(["audit", "--only", "torch"])
-    assert seen == names[:2], seen
+    assert seen == names[:2] + grouped[:1], seen
 
 
 def test_bad_arguments_are_refused(capsys):

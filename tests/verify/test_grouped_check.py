@@ -13,6 +13,9 @@ from lowbit.verify.grouped import check_grouped_linear
 MX = lb.get_preset("mxfp8")
 INT8_W = lb.QuantScheme(format="int8", strategy="channel")
 INT8_X = lb.QuantScheme(format="int8", strategy="token", dynamic=True)
+FP8_ROW = lb.get_preset("fp8_row")
+INT4_G32 = lb.QuantScheme(format="int4", strategy="group", group_size=32)
+SCHEMES = {"mx": (MX, MX), "int8": (INT8_X, INT8_W), "fp8": (FP8_ROW, FP8_ROW), "w4a16": (None, INT4_G32)}
 
 
 def _counts(rng, E, hot=True, empty=True):
@@ -48,9 +51,10 @@ def emulate(x, w, offsets, xs, ws, bug=None, bm=32):
     E, N, K = w.shape
     M = x.shape[0]
     counts = (offsets[1:] - offsets[:-1]).tolist()
-    xq = lb.quantize(x.float(), xs)
+    xq = lb.quantize(x.float(), xs) if xs is not None else None
     wq = [lb.quantize(w[e].float(), ws) for e in range(E)]
-    xd, wd = _decode(xq.codes, xs), torch.stack([_decode(q.codes, ws) for q in wq])
+    xd = _decode(xq.codes, xs) if xs is not None else None
+    wd = torch.stack([_decode(q.codes, ws) for q in wq])
     expert = torch.repeat_interleave(torch.arange(E), torch.tensor(counts))
     k_of = list(range(E))
     if bug == "empty_expert_shift":
@@ -59,7 +63,7 @@ def emulate(x, w, offsets, xs, ws, bug=None, bm=32):
         k_of = [k_of.get(e, e) for e in range(E)]
     k_row = torch.tensor([k_of[int(e)] for e in expert], dtype=torch.int64)
     m = torch.arange(M)
-    if xs.scale_format == "e8m0":
+    if xs is not None and xs.scale_format == "e8m0":
         G = K // 32
         A, B = sfa_words(xq.scale_codes), sfb_words(torch.stack([q.scale_codes for q in wq]))
         m_e = torch.tensor(counts)[expert]
@@ -83,6 +87,23 @@ def emulate(x, w, offsets, xs, ws, bug=None, bm=32):
         wg = wd[k_row].reshape(M, N, G, 32)
         part = torch.einsum("mgk,mngk->mng", xg, wg)
         y = (part * sa[:, None, :] * sb).sum(-1)
+    elif xs is None:                    # weight-only groups: fp32 scales, one unit each, flat group-major
+        gs = ws.group_size
+        G = K // gs
+        flat = torch.stack([q.scale.reshape(N, G) for q in wq]).permute(2, 0, 1).reshape(-1).double()
+        n_, e_ = torch.arange(N)[None, :], k_row[:, None]
+        sb = torch.zeros(M, N, G, dtype=torch.float64)
+        for g in range(G):
+            if bug == "sfb_expert_axis":
+                ib = g * E * N + n_ * E + e_
+            elif bug == "sfb_row_major":
+                ib = (e_ * N + n_) * G + g
+            else:
+                e_s = {"scales_of_next": (e_ + 1) % E, "scales_of_prev": (e_ - 1) % E}.get(bug, e_)
+                ib = g * E * N + e_s * N + n_
+            sb[:, :, g] = flat[ib]
+        part = torch.einsum("mgk,mngk->mng", x.double().reshape(M, G, gs), wd[k_row].reshape(M, N, G, gs))
+        y = (part * sb).sum(-1)
     else:                               # per-token x per-channel fp32 scales: SFB is the flat [E * N] buffer
         flat = torch.stack([q.scale.reshape(N) for q in wq]).reshape(E * N).double()
         n = torch.arange(N)[None, :]
@@ -113,29 +134,35 @@ def _case(rng, E, N, K, **kw):
     return x, w, off
 
 
-@pytest.mark.parametrize("schemes", ["mx", "int8"])
+@pytest.mark.parametrize("schemes", list(SCHEMES))
 def test_correct_grouped_kernel_passes(schemes, rng):
-    xs, ws = (MX, MX) if schemes == "mx" else (INT8_X, INT8_W)
+    xs, ws = SCHEMES[schemes]
     x, w, off = _case(rng, 7, 24, 256)
     y = emulate(x, w, off, xs, ws)
-    v = check_grouped_linear(y.float(), x, w, off, x_scheme=xs, w_scheme=ws)
+    v = check_grouped_linear(y.float(), x, w, off, x_scheme=xs, w_scheme=ws, accumulator=_acc(schemes))
     assert v.passed and v.kind == "ok", v.report()
+
+
+def _acc(schemes):
+    return "fp32" if schemes in ("fp8", "w4a16") else None
 
 
 MX_BUGS = ["sfb_expert_axis", "sfa_local_m", "sfa_row_major", "sfb_row_major", "scales_of_next", "scales_of_prev",
            "empty_expert_shift", "padding_leak"]
-INT8_BUGS = ["sfb_expert_axis", "scales_of_next", "scales_of_prev", "empty_expert_shift", "padding_leak"]
+ROW_BUGS = ["sfb_expert_axis", "scales_of_next", "scales_of_prev", "empty_expert_shift", "padding_leak"]
+BUGS = {"mx": MX_BUGS, "int8": ROW_BUGS, "fp8": ROW_BUGS, "w4a16": ROW_BUGS + ["sfb_row_major"]}
 
 
-@pytest.mark.parametrize("bug,schemes", [(b, "mx") for b in MX_BUGS] + [(b, "int8") for b in INT8_BUGS])
+@pytest.mark.parametrize("bug,schemes", [(b, s) for s, bugs in BUGS.items() for b in bugs])
 def test_planted_bug_is_named_first(bug, schemes, rng):
     """Odd expert counts (5, 7), N not a multiple of E, one empty and one hot expert; K = 256 so
-    MX scales span two words (with one word group row- and group-major coincide)."""
-    xs, ws = (MX, MX) if schemes == "mx" else (INT8_X, INT8_W)
+    MX scales span two words (with one word group row- and group-major coincide) and int4 groups
+    of 32 eight fp32 scale units."""
+    xs, ws = SCHEMES[schemes]
     E = 5 if bug != "empty_expert_shift" else 7
     x, w, off = _case(rng, E, 24, 256)
     y = emulate(x, w, off, xs, ws, bug=bug, bm=16)
-    v = check_grouped_linear(y.float(), x, w, off, x_scheme=xs, w_scheme=ws)
+    v = check_grouped_linear(y.float(), x, w, off, x_scheme=xs, w_scheme=ws, accumulator=_acc(schemes))
     assert not v.passed and v.kind == "logic"
     want = "padding_leak_bm16" if bug == "padding_leak" else bug
     assert v.causes and v.causes[0][0] == want, v.report()

@@ -1,4 +1,5 @@
-"""`lowbit audit`: a conformance table of every linear kernel on this machine (verify/audit.py).
+"""`lowbit audit`: a conformance table of every linear kernel on this machine (verify/audit.py), and
+one of every grouped (MoE) GEMM (verify/audit_grouped.py).
 
     lowbit audit                                  # all kernels found, all cases, table on stdout
     lowbit audit --only triton --json a.json --png a.png
@@ -44,6 +45,7 @@ def run(args) -> int:
     if device == "cpu":   # the Triton kernels run in the interpreter; set before triton is imported
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from lowbit.verify import audit as au
+    from lowbit.verify import audit_grouped as ag
 
     try:
         import triton  # noqa: F401
@@ -51,35 +53,44 @@ def run(args) -> int:
     except ImportError:
         triton_ok = False
     specs = [] if args.no_builtin else au.discover(device, triton_ok)
+    gspecs = [] if args.no_builtin else ag.discover(device, triton_ok)
     for k in args.kernel:
         specs.append(au.user_kernel(k, _scheme(args.x_scheme), _scheme(args.w_scheme), args.accumulator))
     if args.only:
         word = re.compile(rf"(?<!\w){re.escape(args.only)}(?!\w)")
         specs = [s for s in specs if word.search(s.name)]
-    cases = au.CASES
+        gspecs = [s for s in gspecs if word.search(s.name)]
+    cases, gcases = au.CASES, ag.CASES
     if args.case:
-        names = {c.name for c in cases}
+        names = {c.name for c in cases} | {c.name for c in gcases}
         unknown = [c for c in args.case if c not in names]
         if unknown:
             raise ValueError(f"--case {unknown[0]!r} is not a case; choose from {sorted(names)}")
         cases = [c for c in cases if c.name in args.case]
-    if not specs:
-        raise ValueError("no kernel to audit: drop --only / --no-builtin or pass --kernel MODULE:FUNCTION")
+        gcases = [c for c in gcases if c.name in args.case]
+    if not (specs and cases) and not (gspecs and gcases):
+        raise ValueError("no kernel to audit: drop --only / --no-builtin / --case or pass --kernel MODULE:FUNCTION")
     env = au.environment(device)
     print(f"lowbit audit on {env.get('gpu', 'CPU')} (torch {env['torch']}"
-          f"{', Triton interpreter' if env['triton_interpreter'] else ''}): {len(specs)} kernels x {len(cases)} cases",
-          file=sys.stderr)
-    cells = au.audit(specs, cases, device=device, seed=args.seed, progress=lambda s: print(s, file=sys.stderr))
-    print(au.table(cells))
-    for c in cells:
+          f"{', Triton interpreter' if env['triton_interpreter'] else ''}): {len(specs)} kernels x {len(cases)} cases, "
+          f"{len(gspecs)} grouped kernels x {len(gcases)} cases", file=sys.stderr)
+    progress = lambda s: print(s, file=sys.stderr)  # noqa: E731
+    cells = au.audit(specs, cases, device=device, seed=args.seed, progress=progress) if specs else []
+    gcells = ag.audit(gspecs, gcases, device=device, seed=args.seed, progress=progress) if gspecs else []
+    for part in (cells, gcells):
+        if part:
+            print(au.table(part))
+    for c in cells + gcells:
         if c.verdict in ("numerical", "logic", "error"):
             print(f"\n{c.kernel} / {c.case}: {c.verdict}: {c.detail}")
     if args.json:
+        describe = lambda s: {"name": s.name, "x_scheme": str(s.x_scheme), "w_scheme": str(s.w_scheme),  # noqa: E731
+                              "accumulator": s.accumulator, "note": s.note}
         with open(args.json, "w") as f:
             json.dump({"environment": env, "cases": [c.name for c in cases],
-                       "kernels": [{"name": s.name, "x_scheme": str(s.x_scheme), "w_scheme": str(s.w_scheme),
-                                    "accumulator": s.accumulator, "note": s.note} for s in specs],
-                       "cells": [c.__dict__ for c in cells]}, f, indent=1)
+                       "grouped_cases": [c.name for c in gcases],
+                       "kernels": [describe(s) for s in specs], "grouped_kernels": [describe(s) for s in gspecs],
+                       "cells": [c.__dict__ for c in cells + gcells]}, f, indent=1)
     if args.png:
-        au.plot(cells, args.png, f"lowbit audit: {env.get('gpu', 'CPU')}")
-    return 0 if all(c.verdict in ("pass", "n/a") for c in cells) else 1
+        au.plot(cells + gcells, args.png, f"lowbit audit: {env.get('gpu', 'CPU')}")
+    return 0 if all(c.verdict in ("pass", "n/a") for c in cells + gcells) else 1

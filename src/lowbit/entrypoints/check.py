@@ -6,7 +6,9 @@ or "none" for a side the kernel does not quantize: a file without them is refuse
 quantized kernel as an unquantized one would blame the quantization on its arithmetic) and may hold
 `accumulator` ("int32" | "fp32" | "fp8_fast" | "fp16" | "bf16").
 Exit status 0 when the check passes, 1 when it fails, 2 on a bad file.
-A file whose metadata says kind=attention is an attention check (lowbit.entrypoints.check_attention).
+A file whose metadata says kind=attention is an attention check (lowbit.entrypoints.check_attention),
+kind=grouped a grouped (MoE) GEMM check; `lowbit check --grouped RECIPE` checks lowbit's own grouped
+kernel (lowbit.entrypoints.check_grouped).
 """
 from __future__ import annotations
 
@@ -14,11 +16,14 @@ from lowbit.verify.tolerance import ACCUMULATORS
 
 
 def register(parser) -> None:
-    parser.add_argument("path", help="safetensors file with out, x, w (, bias) and schemes in metadata")
+    parser.add_argument("path", nargs="?", help="safetensors file with out, x, w (, bias) and schemes in metadata "
+                                                "(kind=attention / kind=grouped: see those checks)")
     parser.add_argument("--accumulator", choices=list(ACCUMULATORS),
                         help="what the kernel accumulates in (overrides the file's metadata)")
     parser.add_argument("--probe", metavar="PATH",
                         help="a `lowbit probe --json` table: its measured fp8 accumulators are simulated too")
+    from lowbit.entrypoints import check_grouped
+    check_grouped.register(parser)
 
 
 _TENSORS = {"out": "[M, N]", "x": "[M, K]", "w": "[N, K]", "bias": "[N]"}
@@ -98,11 +103,22 @@ def _use_probe(path: str) -> None:
 
 
 def run(args) -> int:
+    from lowbit.entrypoints import check_grouped
     from lowbit.verify import check_linear
 
-    if _kind(args.path) == "attention":     # lowbit.entrypoints.check_attention's file layout
+    if getattr(args, "grouped", None):
+        if args.path:
+            raise ValueError(f"give either a file ({args.path}) or --grouped {args.grouped}, not both")
+        return check_grouped.run_recipe(args)
+    if not args.path:
+        raise ValueError("nothing to check: give a safetensors file, or --grouped RECIPE to check lowbit's grouped "
+                         "kernel")
+    kind = _kind(args.path)
+    if kind == "attention":     # lowbit.entrypoints.check_attention's file layout
         from lowbit.entrypoints.check_attention import run as run_attention
         return run_attention(args.path)
+    if kind == "grouped":
+        return check_grouped.run_file(args.path, _scheme, args.accumulator, BadCheckFile)
     t, meta = read_check_file(args.path)
     if getattr(args, "probe", None):
         _use_probe(args.probe)

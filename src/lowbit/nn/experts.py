@@ -22,11 +22,16 @@ swiglu) runs in float64; outputs are weighted by the routing weights and summed 
 float64, then cast to hidden_states' dtype once.
 
 Kernel path (CUDA with backend="auto", or backend="kernel" anywhere, e.g. Triton's CPU
-interpreter): the grouped Triton GEMMs of lowbit.ops.triton.grouped, one launch per projection
-for all experts -- W8A8 int8 (per-channel weights, per-token activations) and W4A16 int4
-(symmetric groups that are a multiple of 32). The activation, routing weights and the sum per
-token run in float32. A recipe with no grouped kernel runs the exact path, on CUDA with a
-one-time warning; `last_path` says which ran ("exact", "kernel:int8", "kernel:w4a16").
+interpreter): one grouped Triton launch per projection for all experts (lowbit.ops.grouped_run;
+lowbit.ops.dispatch.grouped_kind picks it): W8A8 int8 / fp8 (per-channel weights, per-token or
+per-tensor activations), W8A16 int8, W4A16 int4 (groups, zero points) / MXFP4 / NVFP4 weights,
+MXFP4 / NVFP4 activations and weights, MXFP8 (scales read through the SFA / SFB words). Its
+weight operands are laid out once, when the module is built. The tokens are sorted on the device
+(lowbit.ops.grouped.route_fixed: shapes fixed by T, top_k and E), so the path does no host
+synchronisation and CUDA graphs / torch.compile capture it; it trusts the router's expert ids
+(the exact path checks their range). The activation, routing weights and the sum per token run
+in float32. A scheme pair with no grouped kernel runs the exact path, on CUDA with a one-time
+warning; `last_path` says which ran ("exact" or "kernel:<kind>").
 """
 from __future__ import annotations
 
@@ -34,8 +39,9 @@ import warnings
 
 import torch
 
-from lowbit.ops.grouped import Routing, grouped_reference, sort_tokens, take_rows
-from lowbit.packing import pack_int4
+from lowbit.ops.dispatch import grouped_kind, have_triton
+from lowbit.ops.grouped import Routing, grouped_reference, route_fixed, sort_tokens, take_rows
+from lowbit.ops.grouped_run import grouped_forward, grouped_spec, prepare_grouped
 from lowbit.quantize import QTensor, quantize
 from lowbit.scheme import QuantScheme
 
@@ -80,22 +86,26 @@ class QuantExperts(torch.nn.Module):
         E, N2, H = self.gate_up_codes.shape
         self.num_experts, self.hidden_dim, self.intermediate_dim = int(E), int(H), int(N2) // 2
         self.last_path: str | None = None
-        self.kernel = self._kernel_kind()
+        # no Triton (the CPU-only install): every call runs the exact path
+        self.kernel = grouped_kind(weight_scheme, act_scheme) if have_triton() else None
         self._warned = False
-        if self.kernel == "w4a16":   # the kernel's operand: two codes per byte, laid out once
+        self._ops: dict[str, dict[str, str]] = {}      # projection -> operand -> buffer name
+        self._specs: dict[str, str] = {}
+        if self.kernel is not None:     # the kernel's operands, laid out once (not saved: derived)
             for p in PROJECTIONS:
-                self.register_buffer(f"{p}_packed", pack_int4(getattr(self, f"{p}_codes")), persistent=False)
-
-    def _kernel_kind(self) -> str | None:
-        w, a = self.weight_scheme, self.act_scheme
-        if (w.format == "int8" and w.strategy == "channel" and w.symmetric and w.scale_format == "fp32"
-                and a is not None and a.format == "int8" and a.strategy == "token" and a.symmetric
-                and a.scale_format == "fp32"):
-            return "int8"
-        if (w.format == "int4" and w.strategy == "group" and w.symmetric and a is None
-                and w.group_size % 32 == 0):
-            return "w4a16"
-        return None
+                fields = {f: getattr(self, f"{p}_{f}") for f, _ in _FIELDS}
+                fields["global"] = getattr(self, f"{p}_global")
+                names = {}
+                for k, t in prepare_grouped(self.kernel, weight_scheme, fields, act_scheme).items():
+                    same = [f"{p}_{f}" for f, v in fields.items() if v is t]
+                    if same:            # the stacked buffer itself: one copy on every device
+                        names[k] = same[0]
+                    else:
+                        names[k] = f"{p}_k_{k}"
+                        self.register_buffer(names[k], t, persistent=False)
+                self._ops[p] = names
+                self._specs[p] = grouped_spec(self.kernel, weight_scheme, act_scheme, list(names),
+                                              getattr(self, f"{p}_codes").shape[1], identity=p == "down")
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -180,9 +190,9 @@ class QuantExperts(torch.nn.Module):
         if top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != T:
             raise ValueError(f"top_k_index {tuple(top_k_index.shape)} and top_k_weights "
                              f"{tuple(top_k_weights.shape)} must both be [{T}, top_k]")
-        routing = sort_tokens(top_k_index, self.num_experts)
         if self._use_kernel(hidden_states):
-            return self._kernel_forward(hidden_states, routing, top_k_weights)
+            return self._kernel_forward(hidden_states, route_fixed(top_k_index, self.num_experts), top_k_weights)
+        routing = sort_tokens(top_k_index, self.num_experts)
         y = self.sorted_forward(hidden_states, routing)
         w = top_k_weights[routing.token, routing.slot].to("cpu", torch.float64)
         out = torch.zeros(T, self.hidden_dim, dtype=torch.float64)
@@ -196,8 +206,8 @@ class QuantExperts(torch.nn.Module):
         if self.kernel is None:
             if self.backend == "kernel":
                 raise NotImplementedError(f"backend='kernel': no grouped kernel for weight {self.weight_scheme}, "
-                                          f"act {self.act_scheme} (int8 W8A8 per channel / token, int4 W4A16 "
-                                          "groups of 32k); use backend='auto' or 'exact'")
+                                          f"act {self.act_scheme} (lowbit.ops.dispatch.grouped_kind lists them); "
+                                          "use backend='auto' or 'exact'")
             if not self._warned:
                 warnings.warn(f"QuantExperts: no grouped kernel for weight {self.weight_scheme}, act "
                               f"{self.act_scheme}; running the exact float64 path", stacklevel=3)
@@ -206,22 +216,13 @@ class QuantExperts(torch.nn.Module):
         return True
 
     def _kernel_forward(self, hidden_states: torch.Tensor, routing: Routing, top_k_weights: torch.Tensor):
-        from lowbit.ops.triton.grouped import grouped_int8, grouped_w4a16
         x = hidden_states.detach()
-        rows = Routing(torch.arange(routing.rows, device=routing.token.device), routing.slot, routing.offsets,
-                       routing.rows)                     # the down GEMM reads the sorted buffer itself
-        gs = self.weight_scheme.group_size
-        for proj, inp, rt in (("gate_up", x, routing), ("down", None, rows)):
-            bias = getattr(self, f"{proj}_bias")
-            if proj == "down":
-                inp = self.glu(h)
-            if self.kernel == "int8":
-                q = quantize(inp.float(), self.act_scheme)
-                h = grouped_int8(q.codes, q.scale, getattr(self, f"{proj}_codes"), getattr(self, f"{proj}_scale"),
-                                 rt, bias=bias)
-            else:
-                h = grouped_w4a16(inp.float(), getattr(self, f"{proj}_packed"), getattr(self, f"{proj}_scale"), rt,
-                                  group_size=gs, bias=bias)
+        h = None
+        for proj in PROJECTIONS:
+            ops = {k: getattr(self, b) for k, b in self._ops[proj].items()}
+            inp, identity = (x, False) if proj == "gate_up" else (self.glu(h), True)
+            h = grouped_forward(self.kernel, ops, self.weight_scheme, self.act_scheme, inp, routing,
+                                bias=getattr(self, f"{proj}_bias"), identity=identity, spec=self._specs[proj])
         w = top_k_weights[routing.token, routing.slot].float()
         out = torch.zeros(hidden_states.shape[0], self.hidden_dim, dtype=torch.float32, device=x.device)
         out.index_add_(0, routing.token, h * w[:, None])

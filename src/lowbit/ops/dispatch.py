@@ -8,6 +8,7 @@ Four questions, each answered here and nowhere else:
   and `exact_path(w, x)`, the exact path it runs where there is none;
 - `attention_kernel(...)`: which Triton attention kernel reads a KV cache (split-KV decode or
   the prefill kernel).
+- `grouped_kind(w, x)`: which grouped MoE kernel (`lowbit.ops.grouped_run`) QuantExperts runs.
 A pair with no kernel gets None (or NotImplementedError naming the schemes): callers decide
 visibly what to do, nothing here falls back silently.
 
@@ -117,6 +118,35 @@ def prepared_kind(weight_scheme: QuantScheme, act_scheme: QuantScheme | None) ->
             or (_per_row_fp32(ws) and ws.format == "fp8_e4m3fn" and _per_row_fp32(xs)
                 and xs.format == "fp8_e4m3fn" and xs.symmetric)):
         return "w8a8"
+    if (_mx(ws, "fp4_e2m1fn", 32, "e8m0") and _mx(xs, "fp4_e2m1fn", 32, "e8m0")) or \
+            (_mx(ws, "fp4_e2m1fn", 16, "fp8_e4m3fn") and _mx(xs, "fp4_e2m1fn", 16, "fp8_e4m3fn")):
+        return "fp4"
+    if _mx(ws, "fp8_e4m3fn", 32, "e8m0") and _mx(xs, "fp8_e4m3fn", 32, "e8m0"):
+        return "mxfp8"
+    return None
+
+
+GROUPED_KERNELS = ("int8", "fp8", "w8a16", "w4a16", "fp4", "mxfp8")
+
+
+def grouped_kind(weight_scheme: QuantScheme, act_scheme: QuantScheme | None) -> str | None:
+    """The grouped MoE kernel of an experts scheme pair (lowbit.ops.grouped_run), or None:
+      int8 / fp8   int8 x int8 / fp8 e4m3 x fp8 e4m3: per-channel symmetric weights, per-row
+                   (token / channel) or per-tensor symmetric activations, fp32 scales
+      w8a16        int8 per-channel symmetric weights, float activations
+      w4a16        int4 groups (symmetric or with zero points; w4a16_kind's group sizes), MXFP4,
+                   NVFP4 weights, float activations
+      fp4          MXFP4 x MXFP4, NVFP4 x NVFP4 (activations dequantized exactly into w4a16)
+      mxfp8        MXFP8 x MXFP8 (e8m0 scales through the SFA / SFB words)"""
+    ws, xs = weight_scheme, act_scheme
+    if xs is None:
+        if ws.format == "int8" and ws.strategy == "channel" and ws.symmetric and ws.scale_format == "fp32":
+            return "w8a16"
+        return "w4a16" if _has_w4a16(ws) and ws.format != "uint4" else None
+    if (ws.strategy == "channel" and ws.symmetric and ws.scale_format == "fp32" and xs.symmetric
+            and xs.strategy in _PER_ROW and xs.scale_format == "fp32"
+            and ws.format == xs.format and ws.format in ("int8", "fp8_e4m3fn")):
+        return "int8" if ws.format == "int8" else "fp8"
     if (_mx(ws, "fp4_e2m1fn", 32, "e8m0") and _mx(xs, "fp4_e2m1fn", 32, "e8m0")) or \
             (_mx(ws, "fp4_e2m1fn", 16, "fp8_e4m3fn") and _mx(xs, "fp4_e2m1fn", 16, "fp8_e4m3fn")):
         return "fp4"

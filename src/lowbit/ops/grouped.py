@@ -34,10 +34,12 @@ from lowbit.quantize import QTensor
 class Routing:
     """The sorted token buffer of one MoE call.
 
-    token:   int64 [M_total], the token (row of hidden_states) of each sorted row.
-    slot:    int64 [M_total], its top-k position (which routing weight applies).
+    token:   int64 [R], the token (row of hidden_states) of each sorted row.
+    slot:    int64 [R], its top-k position (which routing weight applies).
     offsets: int64 [E + 1], rows of expert e are offsets[e]:offsets[e + 1].
     num_tokens: T, rows of hidden_states.
+    R = offsets[-1] (= M_total) from sort_tokens; route_fixed's buffer has R = T * top_k rows,
+    those past offsets[-1] (dropped slots) owned by no expert.
     """
     token: torch.Tensor
     slot: torch.Tensor
@@ -91,6 +93,32 @@ def sort_tokens(top_k_index: torch.Tensor, num_experts: int) -> Routing:
     return Routing(order // k, order % k, offsets, T)
 
 
+def route_fixed(top_k_index: torch.Tensor, num_experts: int) -> Routing:
+    """sort_tokens for the fast path: device operations only, no host synchronisation, every
+    shape fixed by (T, top_k, E), so CUDA graphs and torch.compile capture it. The buffer has
+    capacity R = T * top_k rows: the kept (token, slot) pairs sorted by expert (stable), then the
+    dropped slots (index == num_experts) after offsets[E], which no expert owns (a grouped kernel
+    leaves their rows zero). Only the shape is checked (2-D integer, T >= 1, top_k <= E): expert
+    ids are trusted here; lowbit.ops.grouped.sort_tokens (the exact path) checks their range."""
+    if top_k_index.ndim != 2 or top_k_index.is_floating_point():
+        raise ValueError(f"top_k_index must be an integer tensor [tokens, top_k], got {top_k_index.dtype} "
+                         f"{tuple(top_k_index.shape)}")
+    T, k = top_k_index.shape
+    if T == 0:
+        raise ValueError("top_k_index has 0 tokens: a grouped GEMM of an empty batch has nothing to route; "
+                         "skip the MoE call for an empty batch")
+    if k < 1 or k > num_experts:
+        raise ValueError(f"top_k = {k} must be in [1, num_experts = {num_experts}]: a token cannot pick more "
+                         "distinct experts than exist; fix num_experts_per_tok")
+    flat = top_k_index.reshape(-1).to(torch.int64)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    offsets[1:] = torch.cumsum(counts[:num_experts], 0)
+    return Routing(order // k, order % k, offsets, T)
+
+
 def take_rows(q, rows: torch.Tensor):
     """Rows `rows` of an activation operand: a plain [M, K] tensor, or a QTensor whose scales
     are one row per code row (token / group strategies) or one for all rows (tensor)."""
@@ -138,18 +166,28 @@ def grouped_reference(a, offsets: torch.Tensor, weights: Sequence, bias: torch.T
 
 # ---------------------------------------------------------------------- scale layouts
 def sfa_words(scale_codes: torch.Tensor) -> torch.Tensor:
-    """uint32 flat SFA of the sorted buffer's scale codes uint8 [M_total, G] (G % 4 == 0):
-    word (g, m) at g * M_total + m."""
-    return pack_scales(scale_codes, "group_major").reshape(-1)
+    """uint32 flat SFA of the sorted buffer's scale codes uint8 [M_total, G]: word (g, m) at
+    g * M_total + m (G not a multiple of 4: the last word group is padded with zero bytes)."""
+    return pack_scales(scale_codes, "group_major", pad=True).reshape(-1)
 
 
 def sfb_words(scale_codes: torch.Tensor) -> torch.Tensor:
     """uint32 flat SFB of stacked expert scale codes uint8 [E, N, G]: word (g, e, n) at
-    g * E * N + e * N + n."""
+    g * E * N + e * N + n (the last word group zero-padded as in sfa_words)."""
     if scale_codes.ndim != 3:
         raise ValueError(f"sfb_words needs [E, N, G] scale codes, got {tuple(scale_codes.shape)}")
     E, N, G = scale_codes.shape
-    return pack_scales(scale_codes.reshape(E * N, G), "group_major").reshape(-1)
+    return pack_scales(scale_codes.reshape(E * N, G), "group_major", pad=True).reshape(-1)
+
+
+def scale_words_int32(scale_codes: torch.Tensor) -> torch.Tensor:
+    """The group-major words of pack_scales(scale_codes [R, G], "group_major", pad=True), flat
+    [ceil(G / 4) * R], as int32 bit patterns, made by moving bytes (word g * R + r holds codes
+    r, 4g..4g+3, low byte first: a little-endian word's bytes in memory order), so no uint32
+    arithmetic runs (CUDA's uint32 support is partial). Equal to sfa_words(codes).view(int32)."""
+    R, G = scale_codes.shape
+    c = torch.nn.functional.pad(scale_codes, (0, (-G) % 4)) if G % 4 else scale_codes
+    return c.reshape(R, -1, 4).permute(1, 0, 2).contiguous().reshape(-1).view(torch.int32)
 
 
 def read_sfa(words: torch.Tensor, M_total: int, G: int) -> torch.Tensor:

@@ -202,6 +202,16 @@ def _run_w8a8(spec, x2, ops, bias):
     return launch_int8_gemm(q, ops["w"], out, s, ops["w_scale"], z, ops.get("w_colsum"), bias)
 
 
+def quantize_tensor_int8(xf: torch.Tensor, qmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric per-tensor int8 of float32 xf on its device, lowbit.quantize's arithmetic
+    without a host synchronisation: s = amax / qmax (IEEE division by the device tensor qmax, float32
+    [1]; a zero amax gives s = 1), codes = clamp(rint(xf / s), -qmax, qmax). Returns (int8 codes, s [1])."""
+    s = xf.abs().amax().reshape(1) / qmax
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    codes = torch.maximum(torch.minimum(torch.round(xf / s), qmax), -qmax).to(torch.int8)
+    return codes, s
+
+
 def _quantize_whole(spec, x2, ops):
     """Per-tensor activations (dynamic or a static calibrated scale) by lowbit.quantize's
     arithmetic; returns codes [M, K], a stride-0 fp32 scale vector [M], zero points or None.
@@ -219,10 +229,7 @@ def _quantize_whole(spec, x2, ops):
         codes, s, _ = quantize_static(xf, scheme, ops["act_scale"].reshape(1, 1))
         return codes, s.reshape(1).expand(M), None
     if "act_qmax" in ops:
-        s = xf.abs().amax().reshape(1) / ops["act_qmax"]
-        s = torch.where(s == 0, torch.ones_like(s), s)
-        qmax = float(scheme.fmt.qmax)
-        codes = torch.clamp(torch.round(xf / s), -qmax, qmax).to(torch.int8)
+        codes, s = quantize_tensor_int8(xf, ops["act_qmax"])
         return codes, s.expand(M), None
     qt = quantize(xf, scheme, nan_policy="propagate")
     z = None if qt.zero_point is None else qt.zero_point.reshape(1).to(torch.int32).expand(M)

@@ -157,9 +157,10 @@ def hypotheses(g: _Grouped):
     wq0 = g.wqs[0]
     N = wq0.shape[0]
     counts = (g.offsets[1:] - g.offsets[:-1])
-    wscale = torch.stack([q.scale.reshape(N, -1) for q in g.wqs])                 # [E, N, Gw]
+    quantized_w = isinstance(wq0, QTensor)            # unquantized weights have no scales to misread
+    wscale = torch.stack([q.scale.reshape(N, -1) for q in g.wqs]) if quantized_w else torch.ones(E, N, 1)
     Gw = wscale.shape[2]
-    wword = _word(wq0)
+    wword = _word(wq0) if quantized_w else 1
 
     def w_hyp(name, detail, new_scale, valid=None):
         wqs = [_with_scale(q, new_scale[e].reshape(q.scale.shape)) for e, q in enumerate(g.wqs)]
@@ -169,20 +170,21 @@ def hypotheses(g: _Grouped):
             mask = valid[g.expert][:, None].expand(M, N)
         return name, detail, pred, gate, mask
 
-    if E > 1 and N > 1:
+    if quantized_w and E > 1 and N > 1:
         flat = wscale.reshape(E * N, Gw)
         s, ok = _regather(flat, wword, lambda gg, r: gg * E * N + (r % N) * E + r // N)
         yield w_hyp("sfb_expert_axis", "SFB indexed g*E*N + n*E + e (expert along the wrong axis) instead of "
                     "g*E*N + e*N + n", s.reshape(E, N, Gw), ok.reshape(E, N).all(1))
-    if Gw // wword >= 2:
+    if quantized_w and Gw // wword >= 2:
         flat = wscale.reshape(E * N, Gw)
         s, ok = _regather(flat, wword, lambda gg, r: r * (Gw // wword) + gg)
         yield w_hyp("sfb_row_major", "SFB scale words read row-major ((e*N + n)*G + g) instead of group-major "
                     "(g*E*N + e*N + n)", s.reshape(E, N, Gw), ok.reshape(E, N).all(1))
     if E > 1:
         for step, name in ((1, "scales_of_next"), (-1, "scales_of_prev")):
-            s = wscale[[(e + step) % E for e in range(E)]]
-            yield w_hyp(name, f"expert e's rows multiplied with expert e{step:+d}'s weight scales", s)
+            if quantized_w:
+                s = wscale[[(e + step) % E for e in range(E)]]
+                yield w_hyp(name, f"expert e's rows multiplied with expert e{step:+d}'s weight scales", s)
         nonempty = [e for e in range(E) if counts[e] > 0]
         if len(nonempty) < E:
             expert_of = {e: k for k, e in enumerate(nonempty)}
