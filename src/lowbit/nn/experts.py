@@ -130,6 +130,34 @@ class QuantExperts(torch.nn.Module):
                    act_fn=act_fn, alpha=getattr(module, "alpha", None), limit=getattr(module, "limit", None),
                    family=family, backend=backend)
 
+    @classmethod
+    def from_qtensors(cls, module: torch.nn.Module, gate_up: list[QTensor], down: list[QTensor],
+                      act_scheme: QuantScheme | None, *, gate_up_bias: str | None = None,
+                      down_bias: str | None = None, glu_split: str = "chunk", activation: str = "act_fn",
+                      family: str = "", name: str = "experts", backend: str = "auto") -> "QuantExperts":
+        """Rebuild quantized experts from per-expert QTensors (gate_up [2I, H] and down [H, I] of
+        each expert, e.g. read from a checkpoint), stacked as from_module stacks them; `module`
+        (the family's float experts module being replaced) gives the activation and the biases.
+        Raises ValueError naming `name` when the experts disagree in scheme or shape."""
+        if len(gate_up) != len(down) or not gate_up:
+            raise ValueError(f"{name}: {len(gate_up)} gate_up and {len(down)} down weights; one of each per expert")
+        scheme = gate_up[0].scheme
+        stacked = {}
+        for p, qs in (("gate_up", gate_up), ("down", down)):
+            bad = [e for e, q in enumerate(qs) if q.scheme != scheme or tuple(q.shape) != tuple(qs[0].shape)
+                   or q.padded]
+            if bad:
+                raise ValueError(f"{name}: expert {bad[0]}'s {p} is {qs[bad[0]].scheme} {tuple(qs[bad[0]].shape)}, "
+                                 f"expert 0's gate_up is {scheme} {tuple(qs[0].shape)}; experts of one block share "
+                                 "one scheme and shape")
+            stacked[p] = _stack(qs)
+        biases = {p: None if b is None else getattr(module, b).detach()
+                  for p, b in (("gate_up", gate_up_bias), ("down", down_bias))}
+        act_fn = getattr(module, "act_fn", None) if activation == "act_fn" else None
+        return cls(stacked, biases, scheme, act_scheme, glu_split=glu_split, activation=activation, act_fn=act_fn,
+                   alpha=getattr(module, "alpha", None), limit=getattr(module, "limit", None), family=family,
+                   backend=backend)
+
     def weight_q(self, proj: str, e: int) -> QTensor:
         """Expert e's QTensor [N, K] of projection "gate_up" or "down" (views of the buffers)."""
         if proj not in PROJECTIONS:
@@ -253,7 +281,11 @@ def _check_k(K: int, scheme: QuantScheme, where: str) -> None:
 
 def _quantize_stack(w: torch.Tensor, scheme: QuantScheme) -> dict[str, torch.Tensor | None]:
     """Quantize each expert of w [E, N, K] on its own (per-expert tensor scales) and stack."""
-    qs = [quantize(w[e].float(), scheme) for e in range(w.shape[0])]
+    return _stack([quantize(w[e].float(), scheme) for e in range(w.shape[0])])
+
+
+def _stack(qs: list[QTensor]) -> dict[str, torch.Tensor | None]:
+    """The stacked buffers ({field: [E, ...]}) of one QTensor per expert."""
     out = {}
     for field, attr in _FIELDS:
         vals = [getattr(q, attr) for q in qs]
