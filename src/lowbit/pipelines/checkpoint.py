@@ -349,7 +349,7 @@ class CompressedCheckpoint:
         config = transformers.AutoConfig.for_model(**cfg)
         model = getattr(transformers, arch)(config).float().eval()
         experts, fused, used, table = MC.assemble(model, self.qtensors, self.act_schemes, self.tensors,
-                                                  str(arch), backend)
+                                                  str(arch), backend, cfg)
         sites_ckpt = {s.ckpt for s in MC.experts_sites(model).values()}
         stray = MC.stray_expert_names([n for n in list(self.qtensors) + list(self.tensors) if n not in used],
                                       sites_ckpt)

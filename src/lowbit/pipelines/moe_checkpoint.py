@@ -85,10 +85,17 @@ def rename(name: str, table: dict[str, str]) -> str:
     return name
 
 
-def expert_count(config: dict, spec: ExpertsSpec) -> int | None:
+COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")   # transformers' names, one per family
+
+
+def expert_count(config: dict) -> tuple[str, int] | None:
+    """(key, value) of the routed-expert count in a config dict, or None."""
     text = config.get("text_config") or config
-    v = text.get(spec.count_key)
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
+    for k in COUNT_KEYS:
+        v = text.get(k)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return k, v
+    return None
 
 
 def check_savable(site: ExpertsSite, config: dict) -> None:
@@ -107,10 +114,10 @@ def check_savable(site: ExpertsSite, config: dict) -> None:
     if s.strategy == "block" and qe.intermediate_dim % s.block_size[0]:
         raise ValueError(f"{site.name}: {s} blocks of {s.block_size[0]} rows straddle gate and up (I = "
                          f"{qe.intermediate_dim}); a per-expert checkpoint needs I to be a multiple of the block rows")
-    want = expert_count(config, spec)
-    if want is not None and want != qe.num_experts:
+    want = expert_count(config)
+    if want is not None and want[1] != qe.num_experts:
         raise ValueError(f"{site.name}: the model holds {qe.num_experts} experts but the config says "
-                         f"{spec.count_key} = {want}; pass the model's own config")
+                         f"{want[0]} = {want[1]}; pass the model's own config")
 
 
 def _rows(qt: QTensor, a: int, b: int) -> QTensor:
@@ -182,20 +189,21 @@ def _indices(names, ckpt: str, projs: tuple[str, ...], suffix: str = "") -> dict
     return out
 
 
-def _count_error(where: str, site: ExpertsSite, found: set[int], E: int) -> CheckpointError:
+def _count_error(where: str, site: ExpertsSite, found: set[int], E: int, key: str) -> CheckpointError:
     return CheckpointError(
-        f"{where}: {site.ckpt} holds {len(found)} experts (indices {sorted(found)[:4]}...{max(found)}) but the "
-        f"config says {site.spec.count_key} = {E}; the checkpoint and config.json disagree on the expert count")
+        f"{where}: {site.ckpt} holds {len(found)} experts (indices {min(found)}..{max(found)}) but config.json says "
+        f"{key} = {E}; the checkpoint and its config disagree on the expert count")
 
 
 def assemble(model: torch.nn.Module, qtensors: dict[str, QTensor], act_schemes: dict, tensors: dict,
-             where: str, backend: str = "auto"):
+             where: str, backend: str = "auto", config: dict | None = None):
     """Rebuild the experts of a model made from config.json out of a checkpoint's per-expert
     layers. Returns (QuantExperts by model name, {model parameter name: fused float tensor} for
     float per-expert weights, checkpoint names consumed, {model prefix: checkpoint prefix}).
     Raises CheckpointError when a block holds another number of experts than the config says,
     misses a projection of some expert, or mixes quantized and float experts."""
-    sites = {n: ExpertsSite(s.name, s.ckpt, s.spec, s.module) for n, s in experts_sites(model).items()}
+    sites = experts_sites(model)
+    key = (expert_count(config or {}) or ("the experts dimension",))[0]
     find_experts(model)      # a module with 3-D weights the map does not know is refused by name
     new, dense, used = {}, {}, set()
     for name, site in sites.items():
@@ -214,7 +222,7 @@ def assemble(model: torch.nn.Module, qtensors: dict[str, QTensor], act_schemes: 
         if not found:
             continue            # the fused parameters, if any, load by their own names
         if found != set(range(E)):
-            raise _count_error(where, site, found, E)
+            raise _count_error(where, site, found, E, key)
         missing = [(e, p) for p in spec.ckpt_projs for e in range(E) if e not in idx[p]]
         if missing:
             raise CheckpointError(f"{where}: {site.ckpt} has no {missing[0][1]} for expert {missing[0][0]} "
