@@ -282,3 +282,42 @@ def test_vllm_mixed_schemes_still_name_every_expert(rng, tmp_path):
     t = ids(rng, 7)
     with torch.no_grad():
         assert torch.equal(back(t).logits, twin(t).logits)
+
+
+# ------------------------------------------------------------------ tensor by tensor
+@pytest.mark.parametrize("family,recipe", [("mixtral", "w4a16-g32"), ("qwen3_moe", "w8a8-int8"),
+                                           ("deepseek_v3", "mxfp4")])
+def test_tensorwise_writes_what_the_whole_model_path_writes(family, recipe, rng, tmp_path):
+    """The float checkpoint transformers writes (per-expert weights) quantized tensor by tensor
+    gives the same files as quantizing the loaded model: per-channel / per-group scales are
+    row-local, so each expert's gate and up quantized alone are the rows of its gate_up."""
+    from lowbit.pipelines.tensorwise import quantize_checkpoint
+    m = tiny_moe(family, rng, dtype=torch.float32, experts=4)
+    m.save_pretrained(tmp_path / "float")
+    quantize_checkpoint(tmp_path / "float", tmp_path / "tw", recipe)
+    quantize_model(m, recipe)
+    save_compressed(m, tmp_path / "whole", recipe)
+    a, b = checkpoint_files(tmp_path / "tw"), checkpoint_files(tmp_path / "whole")
+    assert set(a) == set(b)
+    ta, tb = _tensors(tmp_path / "tw", sorted(a)), _tensors(tmp_path / "whole", sorted(b))
+    for n in ta:
+        assert ta[n].dtype == tb[n].dtype and torch.equal(ta[n], tb[n]), n
+    qa = json.loads((tmp_path / "tw" / "config.json").read_text())["quantization_config"]
+    qb = json.loads((tmp_path / "whole" / "config.json").read_text())["quantization_config"]
+    assert qa["ignore"] == qb["ignore"] and qa["config_groups"] == qb["config_groups"]
+    back = load_compressed(tmp_path / "tw").to_model()
+    t = ids(rng, 7)
+    with torch.no_grad():
+        assert torch.equal(back(t).logits, m(t).logits)
+
+
+def test_tensorwise_refuses_one_scale_per_expert(rng, tmp_path):
+    from lowbit.pipelines.tensorwise import quantize_checkpoint
+    tiny_moe("olmoe", rng, dtype=torch.float32, experts=4).save_pretrained(tmp_path / "float")
+    with pytest.raises(ValueError, match="nvfp4.*gate and up would get one each"):
+        quantize_checkpoint(tmp_path / "float", tmp_path / "q", "nvfp4")
+    assert not (tmp_path / "q").exists()
+    tiny_moe("gpt_oss", rng, dtype=torch.float32, experts=4).save_pretrained(tmp_path / "oss")
+    with pytest.raises(NotImplementedError, match="fused"):
+        quantize_checkpoint(tmp_path / "oss", tmp_path / "q", "w8a16-int8")
+    assert not (tmp_path / "q").exists()

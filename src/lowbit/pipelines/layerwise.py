@@ -355,8 +355,9 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     moe = list(find_experts(model))
     if moe:
         raise NotImplementedError(f"{arch}: layer-by-layer quantization does not quantize fused MoE experts yet "
-                                  f"({moe[0]}, ...), and would leave them in float; load the model and use "
-                                  "lowbit.pipelines.quantize_model instead")
+                                  f"({moe[0]}, ...), and would leave them in float; quantize the checkpoint tensor "
+                                  "by tensor (lowbit.pipelines.tensorwise.quantize_checkpoint, round to nearest) "
+                                  "or load the model and use lowbit.pipelines.quantize_model + save_compressed")
     fam = decoder_for(model)            # a family not in lowbit.archs.decoders is refused by name
     inner = getattr(model, "model", None)
     if fam.layers != "model.layers" or fam.embed != "model.embed_tokens" or inner is None or \
