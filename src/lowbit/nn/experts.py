@@ -86,6 +86,20 @@ class QuantExperts(torch.nn.Module):
             for p in PROJECTIONS:
                 self.register_buffer(f"{p}_packed", pack_int4(getattr(self, f"{p}_codes")), persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        """`.to(device)` moves the codes, scales and biases; `.to(dtype)` / `.half()` never
+        convert them (int codes, fp32 scales and biases are the arithmetic's formats, not the
+        model's dtype): each buffer goes only where fn sends a probe of its own dtype."""
+        bufs = {n: b for n, b in self._buffers.items() if b is not None}
+        for n in bufs:
+            del self._buffers[n]
+        try:
+            out = super()._apply(fn, recurse)
+        finally:
+            for n, b in bufs.items():
+                self._buffers[n] = b.to(fn(torch.empty(0, dtype=b.dtype, device=b.device)).device)
+        return out
+
     def _kernel_kind(self) -> str | None:
         w, a = self.weight_scheme, self.act_scheme
         if (w.format == "int8" and w.strategy == "channel" and w.symmetric and w.scale_format == "fp32"
