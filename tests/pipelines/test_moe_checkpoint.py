@@ -363,3 +363,16 @@ def test_serving_dtype_leaves_expert_codes_and_scales_alone(rng, tmp_path):
                 assert b[k].dtype == v.dtype and torch.equal(b[k], v), (n, k)
     with torch.no_grad():
         assert back(ids(rng, 5)).logits.dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the prepared GPU path needs CUDA")
+@pytest.mark.parametrize("recipe,kernel", [("w8a8-int8", "kernel:int8"), ("w4a16-g32", "kernel:w4a16")])
+def test_to_model_on_the_gpu_serves_the_experts_with_grouped_kernels(recipe, kernel, rng, tmp_path):
+    m = _model("qwen3_moe", recipe, rng)
+    out = save_compressed(m, tmp_path / "ck", recipe)
+    back = load_compressed(out).to_model(device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        logits = back(ids(rng, 9).cuda()).logits
+    assert torch.isfinite(logits).all()
+    experts = [x for x in back.modules() if isinstance(x, QuantExperts)]
+    assert experts and all(x.last_path == kernel and x.gate_up_codes.is_cuda for x in experts)
