@@ -10,6 +10,7 @@ expert's tensors; transformers 5 loads the directory with CompressedTensorsConfi
 merging the per-expert tensors into its fused parameters with its own conversion mapping."""
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -218,7 +219,10 @@ def test_float_experts_are_written_per_expert_and_ignored(rng, tmp_path):
     assert {f"model.layers.{i}.block_sparse_moe.experts.{e}.{p}.weight" for i in (0, 1) for e in range(3)
             for p in ("w1", "w2", "w3")} <= names
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert "model.layers.0.block_sparse_moe.experts.2.w3" in qc["ignore"]
+    # ignored under Mixtral's names and under those vLLM looks a MoE layer's scheme up by
+    for n in ("model.layers.0.block_sparse_moe.experts.2.w3", "model.layers.1.block_sparse_moe.experts.0.gate_proj"):
+        assert _targeted(n, qc["ignore"]), n
+    assert not _targeted("model.layers.0.self_attn.q_proj", qc["ignore"])
     back = load_compressed(out).to_model()
     back.set_experts_implementation("eager")      # the float experts run as the original's do
     for n in experts:
@@ -268,15 +272,31 @@ def test_gpt_oss_experts_refused_by_name(rng, tmp_path):
     assert not (tmp_path / "ck").exists()
 
 
-def test_vllm_mixed_schemes_still_name_every_expert(rng, tmp_path):
-    """An override on one experts module: one config group per scheme, each naming its layers."""
-    m = tiny_moe("qwen3_moe", rng, dtype=torch.float32, experts=3)
+def _targeted(name, targets):
+    """compressed-tensors' rule: an exact name, or a ``re:`` pattern matching from the start."""
+    return any(t == name or (t.startswith("re:") and re.match(t[3:], name)) for t in targets)
+
+
+def _bits(name, qc):
+    hits = [g["weights"]["num_bits"] for g in qc["config_groups"].values() if _targeted(name, g["targets"])]
+    assert len(hits) == 1, (name, hits)
+    return hits[0]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_mixed_schemes_target_every_expert_as_vllm_looks_it_up(family, rng, tmp_path):
+    """An override on one experts module: one config group per scheme. vLLM looks a MoE layer's
+    scheme up by ``<experts>.0.gate_proj`` / ``up_proj`` / ``down_proj`` whatever the family
+    calls them; each group's targets must name the experts both ways."""
+    m = tiny_moe(family, rng, dtype=torch.float32, experts=3)
     quantize_model(m, "w8a16-int8", overrides={"model.layers.1.mlp.experts": "w4a16-g32"})
     out = save_compressed(m, tmp_path / "ck")
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
-    by_target = {t: g["weights"]["num_bits"] for g in qc["config_groups"].values() for t in g["targets"]}
-    assert by_target["model.layers.1.mlp.experts.2.down_proj"] == 4
-    assert by_target["model.layers.0.mlp.experts.0.gate_proj"] == 8
+    block, *projs = VLLM_NAMES[family]
+    for p in set(projs) | {"gate_proj", "up_proj", "down_proj"}:
+        assert _bits(f"model.layers.1.{block}.experts.2.{p}", qc) == 4
+        assert _bits(f"model.layers.0.{block}.experts.0.{p}", qc) == 8
+    assert _bits("model.layers.0.self_attn.q_proj", qc) == 8
     twin = copy.deepcopy(m)
     back = load_compressed(out).to_model()
     t = ids(rng, 7)

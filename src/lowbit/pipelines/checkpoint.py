@@ -43,13 +43,15 @@ def _group_key(weight: QuantScheme, act: QuantScheme | None) -> tuple:
 
 
 def build_quantization_config(layers: dict[str, tuple[QuantScheme, QuantScheme | None]],
-                              unquantized_linears: list[str]) -> dict:
+                              unquantized_linears: list[str], targets: dict[str, str] | None = None) -> dict:
     """The ``quantization_config`` dict for layers {name: (weight scheme, act scheme)}.
 
     One scheme for all -> targets ["Linear"] with every unquantized Linear in ``ignore``;
-    several -> one config group per scheme pair, targeting its layers by exact name, and
-    format "mixed-precision" when their formats differ.
+    several -> one config group per scheme pair, targeting its layers by exact name (or by
+    targets[name], e.g. one pattern for all experts of a block), and format "mixed-precision"
+    when their formats differ.
     """
+    targets = targets or {}
     if not layers:
         raise ValueError("no quantized layers: a compressed-tensors checkpoint needs at least one")
     groups: dict[tuple, list[str]] = {}
@@ -59,7 +61,7 @@ def build_quantization_config(layers: dict[str, tuple[QuantScheme, QuantScheme |
     config_groups = {}
     for i, ((w, a, fmt), names) in enumerate(groups.items()):
         config_groups[f"group_{i}"] = {
-            "targets": ["Linear"] if single else sorted(names),
+            "targets": ["Linear"] if single else sorted({targets.get(n, n) for n in names}),
             "weights": L.scheme_to_args(w),
             "input_activations": None if a is None else L.scheme_to_args(a),
             "output_activations": None,
@@ -191,7 +193,7 @@ def save_compressed(model: torch.nn.Module, out_dir: str | os.PathLike, recipe=N
     # the compressed tensors themselves are made one layer at a time while writing.
     sites = MC.experts_sites(model)
     table = MC.renames(sites)
-    layer_schemes, formats, sidecar_layers = {}, {}, {}
+    layer_schemes, formats, sidecar_layers, targets = {}, {}, {}, {}
     for name, m in qlayers.items():
         if isinstance(m, QuantLinear):
             key = MC.rename(name, table)
@@ -201,14 +203,14 @@ def save_compressed(model: torch.nn.Module, out_dir: str | os.PathLike, recipe=N
         for lname, qt in MC.expert_qtensors(sites[name]):
             formats[name], layer_schemes[lname], sidecar_layers[lname] = describe_qtensor(
                 lname, qt, m.weight_scheme, m.act_scheme)
+            targets[lname] = MC.block_pattern(sites[name])
     unquantized = [MC.rename(n, table) for n, m in model.named_modules()
                    if isinstance(m, torch.nn.Linear) and not isinstance(m, QuantLinear)]
     from lowbit.pipelines.moe import router_names
     unquantized += [MC.rename(n, table) for n in router_names(model, {n: s.spec for n, s in sites.items()})]
-    for site in sites.values():     # float experts: their per-expert Linears
-        if not site.quantized and site.spec.ckpt_projs is not None:
-            unquantized += [n[: -len(".weight")] for n, _ in MC.float_expert_weights(site)]
-    qconfig = build_quantization_config(layer_schemes, sorted(set(unquantized)))
+    unquantized += [MC.block_pattern(s) for s in sites.values()     # float experts, per expert in the files
+                    if not s.quantized and s.spec.ckpt_projs is not None]
+    qconfig = build_quantization_config(layer_schemes, sorted(set(unquantized)), targets)
     kv = getattr(model, "lowbit_kv_cache", None)     # lowbit.nn.kv_cache.attach_kv_cache: scales are buffers
     if kv is not None:
         qconfig["kv_cache_scheme"] = kv.scheme.to_ct_args()

@@ -46,6 +46,19 @@ class ExpertsSite:
         return f"{self.ckpt}.{e}.{self.spec.ckpt_projs[proj]}"
 
 
+# The names vLLM looks a fused-MoE layer's scheme up by (``<experts>.0.gate_proj`` ...), whatever
+# the family's checkpoints call its projections.
+VLLM_LOOKUP = ("gate_proj", "up_proj", "down_proj")
+
+
+def block_pattern(site: ExpertsSite) -> str:
+    """A compressed-tensors ``re:`` target naming every expert projection of one block, under the
+    family's names and under the names vLLM looks the block's scheme up by (for config groups of
+    mixed-scheme checkpoints and the ignore list: one entry per block, not 3 E)."""
+    names = "|".join(dict.fromkeys(site.spec.ckpt_projs + VLLM_LOOKUP))
+    return rf"re:^{re.escape(site.ckpt)}\.\d+\.({names})$"
+
+
 def _spec(module: torch.nn.Module) -> ExpertsSpec | None:
     if isinstance(module, QuantExperts):
         return BY_FAMILY.get(module.family)
