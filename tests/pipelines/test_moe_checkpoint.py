@@ -337,6 +337,14 @@ def test_tensorwise_refuses_one_scale_per_expert(rng, tmp_path):
     with pytest.raises(ValueError, match="nvfp4.*gate and up would get one each"):
         quantize_checkpoint(tmp_path / "float", tmp_path / "q", "nvfp4")
     assert not (tmp_path / "q").exists()
+    from safetensors.torch import save_file
+    m = tiny_moe("qwen3_moe", rng, dtype=torch.float32, experts=4)
+    m.save_pretrained(tmp_path / "fused")        # then the experts stored fused, under the module's names
+    save_file({k: v.contiguous() for k, v in m.state_dict().items()}, str(tmp_path / "fused" / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"no per-expert weight model\.layers\.0\.mlp\.experts\.0\.down_proj"):
+        quantize_checkpoint(tmp_path / "fused", tmp_path / "q", "w8a16-int8")
+    assert not (tmp_path / "q").exists()
     tiny_moe("gpt_oss", rng, dtype=torch.float32, experts=4).save_pretrained(tmp_path / "oss")
     with pytest.raises(NotImplementedError, match="fused"):
         quantize_checkpoint(tmp_path / "oss", tmp_path / "q", "w8a16-int8")

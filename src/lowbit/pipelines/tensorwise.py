@@ -155,6 +155,11 @@ def quantize_checkpoint(in_dir: str | os.PathLike, out_dir: str | os.PathLike, r
     ignore = list(ignore or [])
     check_patterns(ignore, linears)
     keep = {n for n in linears if kept_by_default(n) or any(match(p, n) for p in ignore)}
+    absent = sorted(n for n in experts if n not in keep and f"{n}.weight" not in files)
+    if absent:     # e.g. experts stored fused under the module's names: they would be copied in float
+        raise ValueError(f"{in_dir} has no per-expert weight {absent[0]}.weight ({len(absent)} expert projections "
+                         "absent); tensor-wise quantization reads the experts one Linear per expert, as the "
+                         "family's checkpoints (and transformers' save_pretrained) store them")
     todo = {n for n in linears if n not in keep and f"{n}.weight" in files}
     if not todo:
         raise ValueError(f"no Linear weight left to quantize in {in_dir} (all ignored or absent)")
