@@ -404,3 +404,11 @@ def test_to_model_on_the_gpu_serves_the_experts_with_grouped_kernels(recipe, ker
     assert torch.isfinite(logits).all()
     experts = [x for x in back.modules() if isinstance(x, QuantExperts)]
     assert experts and all(x.last_path == kernel and x.gate_up_codes.is_cuda for x in experts)
+
+
+def test_experts_of_no_known_family_are_refused(rng, tmp_path):
+    m = _model("olmoe", "w8a16-int8", rng, experts=3)
+    m.model.layers[0].mlp.experts.family = "mystery"
+    with pytest.raises(ValueError, match="'mystery'"):
+        save_compressed(m, tmp_path / "ck", "w8a16-int8")
+    assert not (tmp_path / "ck").exists()

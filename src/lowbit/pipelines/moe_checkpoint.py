@@ -70,6 +70,10 @@ def experts_sites(model: torch.nn.Module) -> dict[str, ExpertsSite]:
     out = {}
     for name, m in model.named_modules():
         spec = _spec(m)
+        if spec is None and isinstance(m, QuantExperts):
+            raise ValueError(f"{name}: QuantExperts of family {m.family!r}, which lowbit.archs.experts does not map; "
+                             "its checkpoint names are unknown (build it with QuantExperts.from_module(..., "
+                             "family=<a mapped family>))")
         if spec is None:
             continue
         parent, _, leaf = name.rpartition(".")
