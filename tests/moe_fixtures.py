@@ -5,30 +5,32 @@ default grouped_mm does not take float64), so a test can compare against the fam
 import torch
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
-COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+_COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64)
 
 
-def _config(family: str, experts: int = 8, top_k: int = 2):
+def _config(family: str, experts: int = 8, top_k: int = 2, width: int = 64):
+    """width: hidden size and expert intermediate size (64; 128 for groups of 128)."""
     import transformers as T
+    COMMON = {**_COMMON, "hidden_size": width}
     if family == "mixtral":
-        return T.MixtralConfig(num_local_experts=experts, num_experts_per_tok=top_k, intermediate_size=64, **COMMON)
+        return T.MixtralConfig(num_local_experts=experts, num_experts_per_tok=top_k, intermediate_size=width, **COMMON)
     if family == "qwen2_moe":
-        return T.Qwen2MoeConfig(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=64,
+        return T.Qwen2MoeConfig(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=width,
                                 shared_expert_intermediate_size=96, intermediate_size=96, **COMMON)
     if family == "qwen3_moe":
-        return T.Qwen3MoeConfig(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=64,
+        return T.Qwen3MoeConfig(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=width,
                                 intermediate_size=96, head_dim=16, **COMMON)
     if family == "olmoe":
-        return T.OlmoeConfig(num_experts=experts, num_experts_per_tok=top_k, intermediate_size=64,
+        return T.OlmoeConfig(num_experts=experts, num_experts_per_tok=top_k, intermediate_size=width,
                              eos_token_id=None, pad_token_id=None, **COMMON)
     if family == "deepseek_v3":
-        return T.DeepseekV3Config(n_routed_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=64,
+        return T.DeepseekV3Config(n_routed_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=width,
                                   intermediate_size=96, n_group=2, topk_group=1, first_k_dense_replace=1,
                                   q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
                                   v_head_dim=16, n_shared_experts=1, rope_scaling=None, **COMMON)
     if family == "gpt_oss":
-        return T.GptOssConfig(num_local_experts=experts, num_experts_per_tok=top_k, intermediate_size=64,
+        return T.GptOssConfig(num_local_experts=experts, num_experts_per_tok=top_k, intermediate_size=width,
                               head_dim=16, layer_types=["sliding_attention", "full_attention"], sliding_window=8,
                               rope_scaling=None, **COMMON)
     raise ValueError(family)

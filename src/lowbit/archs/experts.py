@@ -12,7 +12,13 @@ parameters) in float. Each entry says, for one experts module class:
   own act_fn(gate) * up; "gpt_oss": clamped swiglu, (up + 1) * gate * sigmoid(alpha * gate));
 - the attribute names of the router / shared experts / shared-expert gate on the parent block
   (for coverage: the router stays in high precision by rule; shared experts are plain
-  Linears that QuantLinear handles).
+  Linears that QuantLinear handles);
+- how the family's Hugging Face checkpoints name the experts, which is what vLLM's MoE loader
+  reads (``FusedMoE.make_expert_params_mapping``: ``<block>.experts.<e>.<gate|up|down>.<tensor>``
+  go to ``w13_<tensor>`` / ``w2_<tensor>``): the per-expert Linear names (gate, up, down), the
+  block's attribute name where the checkpoint's differs from the module's (Mixtral:
+  ``block_sparse_moe`` for ``mlp``). A family whose checkpoints keep the experts fused
+  (gpt-oss) has no per-expert names.
 
 `find_experts(model)` returns every experts module with its entry; a module that holds 3-D
 weight parameters and is not in the map raises, naming its class and what the map lacks:
@@ -44,6 +50,8 @@ class ExpertsSpec:
     router: str = "gate"                     # attribute of the parent block
     shared_experts: str | None = None        # attribute of the parent block (a dense MLP)
     shared_gate: str | None = None           # attribute of the parent block (Linear [1, H])
+    ckpt_projs: tuple[str, str, str] | None = ("gate_proj", "up_proj", "down_proj")   # gate, up, down
+    ckpt_block: str | None = None            # the parent block's name in checkpoints, when it differs
 
     def __post_init__(self):
         if self.layout not in LAYOUTS or self.glu_split not in GLU_SPLITS or self.activation not in ACTIVATIONS:
@@ -66,14 +74,16 @@ class ExpertsSpec:
 
 
 EXPERTS: dict[str, ExpertsSpec] = {s.module_class: s for s in (
-    ExpertsSpec("mixtral", "MixtralExperts"),
+    ExpertsSpec("mixtral", "MixtralExperts", ckpt_projs=("w1", "w3", "w2"), ckpt_block="block_sparse_moe"),
     ExpertsSpec("qwen2_moe", "Qwen2MoeExperts", shared_experts="shared_expert", shared_gate="shared_expert_gate"),
     ExpertsSpec("qwen3_moe", "Qwen3MoeExperts"),
     ExpertsSpec("olmoe", "OlmoeExperts"),
     ExpertsSpec("deepseek_v3", "DeepseekV3Experts", shared_experts="shared_experts"),
     ExpertsSpec("gpt_oss", "GptOssExperts", layout="ekn", gate_up_bias="gate_up_proj_bias",
-                down_bias="down_proj_bias", glu_split="interleave", activation="gpt_oss", router="router"),
+                down_bias="down_proj_bias", glu_split="interleave", activation="gpt_oss", router="router",
+                ckpt_projs=None),
 )}
+BY_FAMILY: dict[str, ExpertsSpec] = {s.family: s for s in EXPERTS.values()}
 
 # Router modules (not nn.Linear in transformers 5: a bare [E, H] weight Parameter) kept in high
 # precision by rule: a changed top-k choice is a discrete error, not a small one (seed 002, 6.2).

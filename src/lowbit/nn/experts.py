@@ -107,6 +107,20 @@ class QuantExperts(torch.nn.Module):
                 self._specs[p] = grouped_spec(self.kernel, weight_scheme, act_scheme, list(names),
                                               getattr(self, f"{p}_codes").shape[1], identity=p == "down")
 
+    def _apply(self, fn, recurse=True):
+        """`.to(device)` moves the codes, scales and biases; `.to(dtype)` / `.half()` never
+        convert them (int codes, fp32 scales and biases are the arithmetic's formats, not the
+        model's dtype): each buffer goes only where fn sends a probe of its own dtype."""
+        bufs = {n: b for n, b in self._buffers.items() if b is not None}
+        for n in bufs:
+            del self._buffers[n]
+        try:
+            out = super()._apply(fn, recurse)
+        finally:
+            for n, b in bufs.items():
+                self._buffers[n] = b.to(fn(torch.empty(0, dtype=b.dtype, device=b.device)).device)
+        return out
+
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_module(cls, module: torch.nn.Module, weight_scheme: QuantScheme, act_scheme: QuantScheme | None, *,
@@ -143,6 +157,34 @@ class QuantExperts(torch.nn.Module):
         return cls(stacked, biases, weight_scheme, act_scheme, glu_split=glu_split, activation=activation,
                    act_fn=act_fn, alpha=getattr(module, "alpha", None), limit=getattr(module, "limit", None),
                    family=family, backend=backend)
+
+    @classmethod
+    def from_qtensors(cls, module: torch.nn.Module, gate_up: list[QTensor], down: list[QTensor],
+                      act_scheme: QuantScheme | None, *, gate_up_bias: str | None = None,
+                      down_bias: str | None = None, glu_split: str = "chunk", activation: str = "act_fn",
+                      family: str = "", name: str = "experts", backend: str = "auto") -> "QuantExperts":
+        """Rebuild quantized experts from per-expert QTensors (gate_up [2I, H] and down [H, I] of
+        each expert, e.g. read from a checkpoint), stacked as from_module stacks them; `module`
+        (the family's float experts module being replaced) gives the activation and the biases.
+        Raises ValueError naming `name` when the experts disagree in scheme or shape."""
+        if len(gate_up) != len(down) or not gate_up:
+            raise ValueError(f"{name}: {len(gate_up)} gate_up and {len(down)} down weights; one of each per expert")
+        scheme = gate_up[0].scheme
+        stacked = {}
+        for p, qs in (("gate_up", gate_up), ("down", down)):
+            bad = [e for e, q in enumerate(qs) if q.scheme != scheme or tuple(q.shape) != tuple(qs[0].shape)
+                   or q.padded]
+            if bad:
+                raise ValueError(f"{name}: expert {bad[0]}'s {p} is {qs[bad[0]].scheme} {tuple(qs[bad[0]].shape)}, "
+                                 f"expert 0's gate_up is {scheme} {tuple(qs[0].shape)}; experts of one block share "
+                                 "one scheme and shape")
+            stacked[p] = _stack(qs)
+        biases = {p: None if b is None else getattr(module, b).detach()
+                  for p, b in (("gate_up", gate_up_bias), ("down", down_bias))}
+        act_fn = getattr(module, "act_fn", None) if activation == "act_fn" else None
+        return cls(stacked, biases, scheme, act_scheme, glu_split=glu_split, activation=activation, act_fn=act_fn,
+                   alpha=getattr(module, "alpha", None), limit=getattr(module, "limit", None), family=family,
+                   backend=backend)
 
     def weight_q(self, proj: str, e: int) -> QTensor:
         """Expert e's QTensor [N, K] of projection "gate_up" or "down" (views of the buffers)."""
@@ -272,6 +314,7 @@ def _stack_given(qs: list[QTensor], shape: tuple[int, int, int], scheme: QuantSc
 
 
 def _stack(qs: list[QTensor]) -> dict[str, torch.Tensor | None]:
+    """The stacked buffers ({field: [E, ...]}) of one QTensor per expert."""
     out = {}
     for field, attr in _FIELDS:
         vals = [getattr(q, attr) for q in qs]

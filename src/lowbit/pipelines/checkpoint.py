@@ -28,6 +28,7 @@ import torch
 
 from lowbit.io import ct_layout as L
 from lowbit.io.st_format import CheckpointError, ShardedWriter, TensorReader, checkpoint_files, loads_strict
+from lowbit.pipelines import moe_checkpoint as MC
 from lowbit.quantize import QTensor
 from lowbit.scheme import QuantScheme
 
@@ -42,13 +43,15 @@ def _group_key(weight: QuantScheme, act: QuantScheme | None) -> tuple:
 
 
 def build_quantization_config(layers: dict[str, tuple[QuantScheme, QuantScheme | None]],
-                              unquantized_linears: list[str]) -> dict:
+                              unquantized_linears: list[str], targets: dict[str, str] | None = None) -> dict:
     """The ``quantization_config`` dict for layers {name: (weight scheme, act scheme)}.
 
     One scheme for all -> targets ["Linear"] with every unquantized Linear in ``ignore``;
-    several -> one config group per scheme pair, targeting its layers by exact name, and
-    format "mixed-precision" when their formats differ.
+    several -> one config group per scheme pair, targeting its layers by exact name (or by
+    targets[name], e.g. one pattern for all experts of a block), and format "mixed-precision"
+    when their formats differ.
     """
+    targets = targets or {}
     if not layers:
         raise ValueError("no quantized layers: a compressed-tensors checkpoint needs at least one")
     groups: dict[tuple, list[str]] = {}
@@ -58,7 +61,7 @@ def build_quantization_config(layers: dict[str, tuple[QuantScheme, QuantScheme |
     config_groups = {}
     for i, ((w, a, fmt), names) in enumerate(groups.items()):
         config_groups[f"group_{i}"] = {
-            "targets": ["Linear"] if single else sorted(names),
+            "targets": ["Linear"] if single else sorted({targets.get(n, n) for n in names}),
             "weights": L.scheme_to_args(w),
             "input_activations": None if a is None else L.scheme_to_args(a),
             "output_activations": None,
@@ -124,20 +127,24 @@ def describe_qlayer(name: str, m) -> tuple[str, tuple, dict]:
     """(ct format, (weight scheme, act scheme), lowbit.json record) of one QuantLinear, after
     every check that can fail on the scheme side (so nothing is written for a layer that cannot
     be stored)."""
-    fmt = L.ct_format(m.weight_scheme, m.act_scheme)
-    if m.weight_q.scheme != m.weight_scheme:
-        raise ValueError(f"{name}: weight_q was quantized with {m.weight_q.scheme} but the layer says "
-                         f"{m.weight_scheme}")
+    if m.act_scheme is not None and not m.act_scheme.dynamic and m.act_static_scale is None:
+        raise ValueError(f"{name}: static activation scheme without act_static_scale")
+    return describe_qtensor(name, m.weight_q, m.weight_scheme, m.act_scheme)
+
+
+def describe_qtensor(name: str, qt: QTensor, weight: QuantScheme, act: QuantScheme | None) -> tuple[str, tuple, dict]:
+    """describe_qlayer for one quantized weight (a Linear's, or one expert's projection)."""
+    fmt = L.ct_format(weight, act)
+    if qt.scheme != weight:
+        raise ValueError(f"{name}: weight_q was quantized with {qt.scheme} but the layer says {weight}")
     try:
-        L.check_encodable(m.weight_q)
+        L.check_encodable(qt)
     except (ValueError, NotImplementedError) as e:
         raise type(e)(f"layer {name}: {e}; keep it in high precision (ignore=[...]) or choose a "
                       "scheme compressed-tensors can store") from e
-    if m.act_scheme is not None:
-        L.scheme_to_args(m.act_scheme)
-        if not m.act_scheme.dynamic and m.act_static_scale is None:
-            raise ValueError(f"{name}: static activation scheme without act_static_scale")
-    return fmt, (m.weight_scheme, m.act_scheme), sidecar_record(m.weight_q, m.act_scheme, fmt)
+    if act is not None:
+        L.scheme_to_args(act)
+    return fmt, (weight, act), sidecar_record(qt, act, fmt)
 
 
 def save_compressed(model: torch.nn.Module, out_dir: str | os.PathLike, recipe=None, *, config=None,
@@ -159,21 +166,19 @@ def save_compressed(model: torch.nn.Module, out_dir: str | os.PathLike, recipe=N
     Raises ValueError / UnsupportedScheme before anything is written when a layer's scheme
     has no compressed-tensors encoding.
     """
+    from lowbit.nn.experts import QuantExperts
     from lowbit.nn.quant_linear import QuantLinear
 
-    qlayers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    def quantized():
+        return {n: m for n, m in model.named_modules() if isinstance(m, (QuantLinear, QuantExperts))}
+    qlayers = quantized()
     if not qlayers:
         if recipe is None:
             raise ValueError("model has no QuantLinear layers: quantize it first (lowbit.pipelines.quantize_model) "
                              "or pass recipe=... to quantize it here")
         from lowbit.pipelines.quantize_model import quantize_model
         quantize_model(model, recipe, ignore=ignore)
-        qlayers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
-    from lowbit.nn.experts import QuantExperts
-    moe = [n for n, m in model.named_modules() if isinstance(m, QuantExperts)]
-    if moe:     # their per-expert tensors would be written under lowbit's buffer names, unreadable to vLLM
-        raise NotImplementedError(f"save_compressed does not write quantized MoE experts yet ({moe[0]}, ...): "
-                                  "quantize with ignore=[<experts modules>] to save, or keep the model in memory")
+        qlayers = quantized()
     if config is None:
         config = getattr(model, "config", None)
         if config is None:
@@ -186,12 +191,26 @@ def save_compressed(model: torch.nn.Module, out_dir: str | os.PathLike, recipe=N
 
     # Everything that can fail on the scheme side is checked before any file is written;
     # the compressed tensors themselves are made one layer at a time while writing.
-    layer_schemes, formats, sidecar_layers = {}, {}, {}
+    sites = MC.experts_sites(model)
+    table = MC.renames(sites)
+    layer_schemes, formats, sidecar_layers, targets = {}, {}, {}, {}
     for name, m in qlayers.items():
-        formats[name], layer_schemes[name], sidecar_layers[name] = describe_qlayer(name, m)
-    unquantized = [n for n, m in model.named_modules()
+        if isinstance(m, QuantLinear):
+            key = MC.rename(name, table)
+            formats[name], layer_schemes[key], sidecar_layers[key] = describe_qlayer(key, m)
+            continue
+        MC.check_savable(sites[name], cfg)
+        for lname, qt in MC.expert_qtensors(sites[name]):
+            formats[name], layer_schemes[lname], sidecar_layers[lname] = describe_qtensor(
+                lname, qt, m.weight_scheme, m.act_scheme)
+            targets[lname] = MC.block_pattern(sites[name])
+    unquantized = [MC.rename(n, table) for n, m in model.named_modules()
                    if isinstance(m, torch.nn.Linear) and not isinstance(m, QuantLinear)]
-    qconfig = build_quantization_config(layer_schemes, unquantized)
+    from lowbit.pipelines.moe import router_names
+    unquantized += [MC.rename(n, table) for n in router_names(model, {n: s.spec for n, s in sites.items()})]
+    unquantized += [MC.block_pattern(s) for s in sites.values()     # float experts, per expert in the files
+                    if not s.quantized and s.spec.ckpt_projs is not None]
+    qconfig = build_quantization_config(layer_schemes, sorted(set(unquantized)), targets)
     kv = getattr(model, "lowbit_kv_cache", None)     # lowbit.nn.kv_cache.attach_kv_cache: scales are buffers
     if kv is not None:
         qconfig["kv_cache_scheme"] = kv.scheme.to_ct_args()
@@ -204,8 +223,8 @@ def save_compressed(model: torch.nn.Module, out_dir: str | os.PathLike, recipe=N
     def write(tmp: Path):
         writer = ShardedWriter(tmp, max_shard_bytes)
         seen: set[int] = set()
-        for name, t in module_tensors(model, formats, seen, float_dtype=dtype):
-            writer.add(name, t)
+        for name, t in module_tensors(model, formats, seen, float_dtype=dtype, experts=sites):
+            writer.add(MC.rename(name, table), t)
         writer.finish()
         write_metadata(tmp, cfg, recipe_name, sidecar_layers)
         if tokenizer is not None:
@@ -224,7 +243,7 @@ def set_config_dtype(cfg: dict, dtype: torch.dtype) -> None:
 
 
 def module_tensors(root: torch.nn.Module, formats: dict[str, str], seen: set[int], prefix: str = "",
-                   defer_host: bool = False, float_dtype: torch.dtype | None = None):
+                   defer_host: bool = False, float_dtype: torch.dtype | None = None, experts: dict | None = None):
     """(name, tensor) of everything save_compressed stores for `root` and its submodules, names
     prefixed by `prefix`: each QuantLinear's compressed-tensors tensors (`formats`: its ct format
     by full module name) + bias + input_scale; every other parameter and persistent buffer as it
@@ -233,13 +252,24 @@ def module_tensors(root: torch.nn.Module, formats: dict[str, str], seen: set[int
     (prefix, callable) instead of its weight tensors; the callable returns them (for int4 that is
     packing into int32 words on the CPU, which a writer thread can do: expand_deferred).
     float_dtype: the dtype the float tensors kept in high precision (parameters, persistent
-    buffers, a QuantLinear's bias) are given in; None: as they are."""
+    buffers, a QuantLinear's bias) are given in; None: as they are.
+    experts: lowbit.pipelines.moe_checkpoint.experts_sites(root) by full name: those modules are
+    written one Linear per expert and projection, under their checkpoint names."""
     def hp(t):
         return t if float_dtype is None or not t.is_floating_point() else t.to(float_dtype)
     from lowbit.nn.quant_linear import QuantLinear
+    experts = experts or {}
     for mname, m in root.named_modules():
         full = f"{prefix}.{mname}" if prefix and mname else (prefix or mname)
         pre = f"{full}." if full else ""
+        site = experts.get(full)
+        if site is not None and site.quantized:
+            for lname, qt in MC.expert_qtensors(site):
+                yield from ((f"{lname}.{k}", v) for k, v in L.qtensor_to_ct(qt, formats[full]).items())
+            continue
+        if site is not None and site.spec.ckpt_projs is not None:
+            yield from ((n, hp(w)) for n, w in MC.float_expert_weights(site))
+            continue
         if isinstance(m, QuantLinear):
             if defer_host and m.weight_q.codes.device.type == "cpu":
                 yield pre, lambda qt=m.weight_q, fmt=formats[full], pre=pre: [
@@ -296,12 +326,13 @@ class CompressedCheckpoint:
     def quantization_config(self) -> dict:
         return self.config["quantization_config"]
 
-    def quant_linears(self, backend: str = "auto") -> dict:
-        """{layer: lowbit.nn.QuantLinear} rebuilt from the stored codes and scales."""
+    def quant_linears(self, backend: str = "auto", skip=()) -> dict:
+        """{layer: lowbit.nn.QuantLinear} rebuilt from the stored codes and scales (layers in
+        `skip`, e.g. the per-expert ones to_model stacks into QuantExperts, left out)."""
         from lowbit.nn.quant_linear import QuantLinear
         return {n: QuantLinear(qt, qt.scheme, self.act_schemes[n], bias=self.tensors.get(f"{n}.bias"),
                                act_static_scale=self.act_static_scales.get(n), backend=backend)
-                for n, qt in self.qtensors.items()}
+                for n, qt in self.qtensors.items() if n not in skip}
 
     def to_model(self, backend: str = "auto", *, device=None, dtype: torch.dtype | None = None,
                  share_inputs: bool = True) -> torch.nn.Module:
@@ -319,15 +350,24 @@ class CompressedCheckpoint:
             raise CheckpointError(f"config.json names architecture {arch!r}, which transformers does not have")
         config = transformers.AutoConfig.for_model(**cfg)
         model = getattr(transformers, arch)(config).float().eval()
-        qls = self.quant_linears(backend)
-        for name, ql in qls.items():
+        experts, fused, used, table = MC.assemble(model, self.qtensors, self.act_schemes, self.tensors,
+                                                  str(arch), backend, cfg)
+        sites_ckpt = {s.ckpt for s in MC.experts_sites(model).values()}
+        stray = MC.stray_expert_names([n for n in list(self.qtensors) + list(self.tensors) if n not in used],
+                                      sites_ckpt)
+        if stray:
+            raise CheckpointError(f"checkpoint holds per-expert tensors of no experts module of {arch}: {stray[:3]}")
+        back = {v: k for k, v in table.items()}     # checkpoint block names -> the model's
+        qls = {MC.rename(n, back): ql for n, ql in self.quant_linears(backend, skip=used).items()}
+        for name, ql in list(qls.items()) + list(experts.items()):
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, child, ql)
-        dense = {k: v for k, v in self.tensors.items()
-                 if not (k.rpartition(".")[0] in qls and k.endswith(".bias"))}
+        dense = {MC.rename(k, back): v for k, v in self.tensors.items() if k not in used}
+        dense = {k: v for k, v in dense.items() if not (k.rpartition(".")[0] in qls and k.endswith(".bias"))}
+        dense.update(fused)
         missing, unexpected = model.load_state_dict(dense, strict=False)
-        missing = [k for k in missing if k.rpartition(".")[0] not in qls]
+        missing = [k for k in missing if k.rpartition(".")[0] not in qls and k.rpartition(".")[0] not in experts]
         if getattr(config, "tie_word_embeddings", False):
             model.tie_weights()
             missing = [k for k in missing if not k.endswith("lm_head.weight")]

@@ -356,8 +356,9 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     if moe:
         raise NotImplementedError(f"{arch}: layer-by-layer quantization does not quantize fused MoE experts yet "
                                   f"({moe[0]}, ...), and would leave them in float: its decoder-layer loader knows "
-                                  "the dense Llama layout only and the checkpoint writer has no per-expert tensors; "
-                                  "load the model and use lowbit.pipelines.quantize_model instead (method='gptq' "
+                                  "the dense Llama layout only; quantize the checkpoint tensor by tensor "
+                                  "(lowbit.pipelines.tensorwise.quantize_checkpoint, round to nearest) or load the "
+                                  "model and use lowbit.pipelines.quantize_model + save_compressed (method='gptq' "
                                   "calibrates the experts per expert)")
     fam = decoder_for(model)            # a family not in lowbit.archs.decoders is refused by name
     inner = getattr(model, "model", None)

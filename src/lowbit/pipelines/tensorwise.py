@@ -10,7 +10,10 @@ quantization_config, shards + index, lowbit.json), written atomically.
 
 Which tensors are Linear weights comes from the architecture: with a config.json naming
 a transformers architecture, the model is built on the meta device (no memory) and its
-nn.Linear modules are listed. Without one, pass ``targets`` (patterns naming the layers).
+nn.Linear modules are listed, with each MoE expert's projections as the family's checkpoints
+name them (``<block>.experts.<e>.<gate|up|down>``: they are per-expert Linears there, quantized
+like any other; the routers stay in high precision). Without one, pass ``targets`` (patterns
+naming the layers).
 """
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ from lowbit.io import ct_layout as L
 from lowbit.pipelines.checkpoint import (atomic_dir, build_quantization_config, config_dict,
                                           sidecar_record, write_metadata, DEFAULT_SHARD_BYTES)
 from lowbit.io.st_format import CheckpointError, ShardedWriter, TensorReader, checkpoint_files
+from lowbit.pipelines import moe_checkpoint as MC
+from lowbit.pipelines.moe import router_names
 from lowbit.recipes.plan import check_patterns, kept_by_default, match
 
 # Files of a checkpoint directory that are replaced, not copied.
@@ -33,7 +38,17 @@ _REPLACED = ("config.json", "model.safetensors.index.json", "lowbit.json")
 
 def linear_names_from_config(cfg: dict) -> set[str]:
     """Module names of every nn.Linear in the transformers model that config.json describes,
-    found by building the model on the meta device (no weights are allocated)."""
+    found by building the model on the meta device (no weights are allocated), and for a MoE
+    family each expert's projection under its checkpoint name (lowbit.pipelines.moe_checkpoint:
+    ``<block>.experts.<e>.<gate|up|down>``, the per-expert Linears of its checkpoints)."""
+    linears, experts, _ = checkpoint_layout(cfg)
+    return linears | experts
+
+
+def checkpoint_layout(cfg: dict) -> tuple[set[str], set[str], list[str]]:
+    """(Linear names, per-expert layer names, router names) of the architecture in config.json,
+    all as its checkpoints name them. Raises for a MoE family whose checkpoints keep the
+    experts fused (they cannot be quantized tensor by tensor into per-expert tensors)."""
     import transformers
     arch = (cfg.get("architectures") or [None])[0]
     if arch is None or not hasattr(transformers, arch):
@@ -42,12 +57,19 @@ def linear_names_from_config(cfg: dict) -> set[str]:
     config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "quantization_config"})
     with torch.device("meta"):
         model = getattr(transformers, arch)(config)
-    moe = list(find_experts(model))
-    if moe:
-        raise NotImplementedError(f"{arch}: tensor-wise quantization does not quantize fused MoE experts yet "
-                                  f"({moe[0]}, ...), and would copy them in float; load the model and use "
-                                  "lowbit.pipelines.quantize_model instead")
-    return {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    find_experts(model)                   # an unknown fused-experts module is refused by name
+    sites = MC.experts_sites(model)
+    fused = [s.name for s in sites.values() if s.spec.ckpt_projs is None]
+    if fused:
+        raise NotImplementedError(f"{arch}: its checkpoints keep the experts fused ({fused[0]}, ...), which "
+                                  "tensor-wise quantization cannot split per expert; load the model and use "
+                                  "lowbit.pipelines.quantize_model + save_compressed instead")
+    table = MC.renames(sites)
+    linears = {MC.rename(n, table) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    experts = {s.layer(e, p) for s in sites.values()
+               for e in range(int(getattr(s.module, s.spec.gate_up).shape[0])) for p in range(3)}
+    routers = [MC.rename(n, table) for n in router_names(model, {n: s.spec for n, s in sites.items()})]
+    return linears - experts, experts, routers
 
 
 def copy_side_files(in_dir: Path, out_dir: Path) -> None:
@@ -108,6 +130,7 @@ def quantize_checkpoint(in_dir: str | os.PathLike, out_dir: str | os.PathLike, r
         raise ValueError(f"recipe {recipe.name} has static activation scales, which need calibration on a "
                          "loaded model; use lowbit.pipelines.quantize_model + save_compressed for it")
     in_dir = Path(in_dir)
+    experts, routers = set(), []
     files = checkpoint_files(in_dir)  # validates every header (truncation, index coverage)
     cfg_path = in_dir / "config.json"
     cfg = {}
@@ -124,16 +147,26 @@ def quantize_checkpoint(in_dir: str | os.PathLike, out_dir: str | os.PathLike, r
         if not linears:
             raise ValueError(f"targets={list(targets)} match no '<name>.weight' tensor in {in_dir}")
     elif cfg:
-        linears = linear_names_from_config(cfg)
+        linears, experts, routers = checkpoint_layout(cfg)
+        linears |= experts
     else:
         raise ValueError(f"{in_dir} has no config.json to tell which tensors are Linear weights; "
                          "pass targets=[...] (e.g. ['re:.*_proj$'])")
     ignore = list(ignore or [])
     check_patterns(ignore, linears)
     keep = {n for n in linears if kept_by_default(n) or any(match(p, n) for p in ignore)}
+    absent = sorted(n for n in experts if n not in keep and f"{n}.weight" not in files)
+    if absent:     # e.g. experts stored fused under the module's names: they would be copied in float
+        raise ValueError(f"{in_dir} has no per-expert weight {absent[0]}.weight ({len(absent)} expert projections "
+                         "absent); tensor-wise quantization reads the experts one Linear per expert, as the "
+                         "family's checkpoints (and transformers' save_pretrained) store them")
     todo = {n for n in linears if n not in keep and f"{n}.weight" in files}
     if not todo:
         raise ValueError(f"no Linear weight left to quantize in {in_dir} (all ignored or absent)")
+    if todo & experts and (recipe.weight.strategy == "tensor" or recipe.weight.two_level):
+        raise ValueError(f"recipe {recipe.name}: one weight scale per tensor is one per expert in lowbit (gate and "
+                         "up share it), but tensor by tensor gate and up would get one each; quantize the loaded "
+                         "model (lowbit.pipelines.quantize_model + save_compressed) or ignore the experts")
     fmt = L.ct_format(recipe.weight, recipe.act)
     L.scheme_to_args(recipe.weight)  # unsupported schemes fail before anything is written
     if recipe.act is not None:
@@ -181,7 +214,7 @@ def quantize_checkpoint(in_dir: str | os.PathLike, out_dir: str | os.PathLike, r
             bar.close()
         out_cfg = dict(cfg)
         out_cfg["quantization_config"] = build_quantization_config(
-            {n: (recipe.weight, recipe.act) for n in todo}, sorted(linears - todo))
+            {n: (recipe.weight, recipe.act) for n in todo}, sorted((linears - todo) | set(routers)))
         write_metadata(tmp, out_cfg, recipe.name, layers)
         copy_side_files(in_dir, tmp)
 
