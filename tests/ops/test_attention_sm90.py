@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+from lowbit.ops.triton.attention_decode import launch_warps
+
 SCRIPT = r'''
 import json
 import triton.language as tl
@@ -97,10 +99,12 @@ BASE = dict(Tq=1, Tk=T, D=128, G=4, SPLIT=T // 4, NSPLIT=4, sq_b=4096, sq_h=128,
 TOKEN = dict(sks_b=8 * T, sks_h=T, sks_t=1, svs_b=8 * T, svs_h=T, svs_t=1)
 out = []
 # (name, K/V code type, kind, per-token scales, Q format (2: bf16 Q), P mode)
-for name, kdt, kind, token, qf, pm in [("fp8 head, Q fp8, P fp8", "*u8", 0, False, 1, 0),
-                                       ("int8 head, Q int8, P int8", "*i8", 1, False, 0, 1),
-                                       ("fp8 token, Q fp8, P fp8", "*u8", 0, True, 1, 0),
-                                       ("fp8 head, bf16 Q, P fp32", "*u8", 0, False, 2, 2)]:
+# (the 2-warp launch, which B * Hkv >= 64 gets, checked in the first mode; 4 warps in every mode)
+for name, kdt, kind, token, qf, pm, warps in [("fp8 head, Q fp8, P fp8", "*u8", 0, False, 1, 0, 4),
+                                              ("fp8 head, Q fp8, P fp8, 2 warps", "*u8", 0, False, 1, 0, 2),
+                                              ("int8 head, Q int8, P int8", "*i8", 1, False, 0, 1, 4),
+                                              ("fp8 token, Q fp8, P fp8", "*u8", 0, True, 1, 0, 4),
+                                              ("fp8 head, bf16 Q, P fp32", "*u8", 0, False, 2, 2, 4)]:
     vals = {**BASE, **(TOKEN if token else {})}
     pv_split = token or pm == 2
     sig = {"q_ptr": "*bf16", "qs_ptr": "*fp32", "k_ptr": kdt, "ks_ptr": "*fp32", "v_ptr": kdt, "vs_ptr": "*fp32",
@@ -116,7 +120,7 @@ for name, kdt, kind, token, qf, pm in [("fp8 head, Q fp8, P fp8", "*u8", 0, Fals
             sig[n] = "constexpr"
             consts[n] = 1
     no_div = tuple(n for n, v in vals.items() if v != 1 and v % 16)
-    r = compile_sm90(_split_kernel, sig, consts, no_div=no_div, num_warps=launch_warps(16), num_stages=STAGES)
+    r = compile_sm90(_split_kernel, sig, consts, no_div=no_div, num_warps=warps, num_stages=STAGES)
     out.append({**{k: v for k, v in r.items() if k != "sass_text"}, "name": name})
 msig = {"op_ptr": "*fp32", "mp_ptr": "*fp32", "lp_ptr": "*fp32", "o_ptr": "*bf16", "Hq": "i32", "Tq": "constexpr",
         "D": "i32", "NSPLIT": "i32", "so_b": "i32", "so_h": "i32", "so_t": "i32", "so_d": "constexpr",
@@ -137,7 +141,8 @@ def test_split_kv_kernel_compiles_for_sm90_without_spills():
     res = subprocess.run([sys.executable, "-c", SPLIT_SCRIPT], capture_output=True, text=True, env=env, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(res.stdout.strip().splitlines()[-1])
-    assert len(rows) == 5
+    assert len(rows) == 6
+    assert launch_warps(16, 8) == 4 and launch_warps(16, 128) == 2 and launch_warps(32, 128) == 8
     for r in rows:
         assert r["shared"] <= 232448, r
         assert r["local"] == 0 and r["spill_ops"] == 0, r

@@ -189,10 +189,15 @@ def _merge_kernel(op_ptr, mp_ptr, lp_ptr, o_ptr, Hq, Tq, D, NSPLIT, so_b, so_h, 
     tl.store(o_ptr + b * so_b + h * so_h + qi * so_t + offs_d * so_d, cast_out(out, OUT_TY), mask=offs_d < D)
 
 
-def launch_warps(block_m: int) -> int:
-    """Warps of a split program: 4 for a 16-row tile, 8 above (read off the sm_90 SASS: no
-    register spills at head_dim 128 in any mode, tests/ops/test_attention_sm90.py)."""
-    return 4 if block_m <= 16 else 8
+def launch_warps(block_m: int, programs: int = 1) -> int:
+    """Warps of a split program: 8 above a 16-row tile; at 16 rows 4, or 2 once the (batch x KV
+    head) programs alone fill half the SMs' slots (B * Hkv >= 64): on the H200 at 32k keys, B=16
+    x 8 KV heads ran 1.57x bf16 SDPA at 2 warps against 1.40x at 4, while B=1 ran best at 4
+    (1.31x vs 1.27x): more, smaller programs per SM hide the cache loads' latency once there are
+    enough of them. No register spills at head_dim 128 either way (tests/ops/test_attention_sm90.py)."""
+    if block_m > 16:
+        return 8
+    return 2 if programs >= 64 else 4
 
 
 def pick_splits(B: int, Hkv: int, Tk: int, block_n: int, sms: int, per_sm: int = RESIDENT[4]) -> tuple[int, int]:
@@ -260,7 +265,7 @@ def split_kv_attention(q: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: tor
     pv_split = v_token or spec.p_format is None
     bn = spec.p_block
     bm = max(16, triton.next_power_of_2(G * Tq))
-    warps = warps or launch_warps(bm)
+    warps = warps or launch_warps(bm, B * Hkv)
     if splits is None:
         split, ns = pick_splits(B, Hkv, Tk, bn, num_sms(), RESIDENT.get(warps, 1))
     else:
