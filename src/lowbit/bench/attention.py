@@ -168,6 +168,7 @@ class _Layers:
 
         from lowbit.ops import attention_reference as ar
         self.B, self.T, self.kv = B, T, kv
+        self.pos = torch.full((1,), T - 1, dtype=torch.int32, device=DEVICE)   # the new token's slot
         self.spec = ar.AttnSpec(**FP8_SPEC)
         self.layers = []
         for ws in weights:
@@ -215,6 +216,7 @@ class _Layers:
         import torch.nn.functional as F
 
         from lowbit.ops.attention import attention_triton
+        from lowbit.ops.triton.kv_append import append_kv
         B, t = self.B, self.T - 1
         for (wqkv, wo, wgu, wd), (kc, vc) in self.layers:
             qkv = self.linear(x, wqkv)
@@ -227,9 +229,8 @@ class _Layers:
                 with self.sdpa_ctx():
                     a = F.scaled_dot_product_attention(q, kc, vc, enable_gqa=True)
             else:
-                for c, n in ((kc, kn), (vc, vn)):        # static per-tensor scale: RNE, saturated
-                    c.codes[:, :, t:t + 1] = (n.float() / c.scale).clamp(-448, 448).to(
-                        torch.float8_e4m3fn).view(torch.uint8)
+                append_kv(kc, kn, self.pos)              # one launch each: quantize and store at pos
+                append_kv(vc, vn, self.pos)
                 a = attention_triton(q, kc, vc, self.spec, out_dtype=torch.bfloat16)
             h = x + self.linear(a.reshape(B, HQ * D), wo)
             gu = self.linear(h, wgu)

@@ -1,0 +1,63 @@
+"""append_kv (Triton; the interpreter here, CUDA on a GPU) writes one token's quantized states into a
+preallocated cache bit for bit as lowbit.ops.kv_quant.quantize_kv quantizes them, at a position
+read from a device tensor, and touches nothing else; fp8 codes are also checked against torch's own
+float8_e4m3fn cast (an independent encoder)."""
+import pytest
+import torch
+
+from lowbit.ops.kv_quant import KVQuant, KVScheme, observe_amax, quantize_kv, static_scale
+from lowbit.ops.triton.kv_append import append_kv
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _states(rng, B, H, D, dtype):
+    x = torch.randn(B, H, 1, D, generator=rng) * torch.rand(B, H, 1, 1, generator=rng) * 4
+    x[0, 0] = 0.0                                   # an all-zero head: scale 1.0 (dynamic), codes 0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp8-head", "fp8-token", "int8", "int8-head", "int8-token"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_append_equals_quantize_kv(rng, name, dtype):
+    sch = KVScheme.parse(name)
+    B, H, T, D = 2, 3, 7, 40                        # D not a power of two: a masked tile
+    calib = torch.randn(B, H, 5, D, generator=rng)
+    base = quantize_kv(calib[:, :, :1].expand(B, H, T, D).contiguous(), sch,
+                       None if sch.dynamic else static_scale(observe_amax(calib, sch), sch))
+    cache = KVQuant(base.codes.clone().to(DEV), base.scale.clone().to(DEV), sch)
+    x = _states(rng, B, H, D, dtype)
+    if not sch.dynamic:
+        x[1, -1, 0, :3] *= 1e3                      # beyond the static scale's range: saturated / clamped
+    pos = int(torch.randint(0, T, (1,), generator=rng))
+    append_kv(cache, x.to(DEV), torch.tensor([pos], dtype=torch.int32, device=DEV))
+    want = quantize_kv(x, sch, None if sch.dynamic else base.scale)
+    got_codes, got_scale = cache.codes.cpu(), cache.scale.cpu()
+    assert torch.equal(got_codes[:, :, pos:pos + 1], want.codes)
+    keep = [t for t in range(T) if t != pos]
+    assert torch.equal(got_codes[:, :, keep], base.codes[:, :, keep])        # nothing else written
+    if sch.dynamic:
+        assert torch.equal(got_scale[:, :, pos:pos + 1], want.scale)
+        assert torch.equal(got_scale[:, :, keep], base.scale[:, :, keep])
+        assert torch.equal(got_scale[0, 0, pos], torch.ones(1))               # the zero head
+    else:
+        assert torch.equal(got_scale, base.scale)
+    if sch.format == "fp8_e4m3fn":                  # torch's cast, saturated, as the independent encoder
+        s = got_scale[:, :, pos:pos + 1] if sch.dynamic else got_scale
+        ref = (x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+        assert torch.equal(got_codes[:, :, pos:pos + 1], ref)
+
+
+def test_append_refuses_bad_input(rng):
+    sch = KVScheme.parse("fp8")
+    cache = quantize_kv(torch.randn(1, 2, 4, 8, generator=rng), sch, torch.ones(1, 1, 1, 1))
+    pos = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="one token"):
+        append_kv(cache, torch.randn(1, 2, 2, 8), pos)
+    with pytest.raises(ValueError, match="does not fit"):
+        append_kv(cache, torch.randn(1, 3, 1, 8), pos)
+    with pytest.raises(TypeError, match="pos must be"):
+        append_kv(cache, torch.randn(1, 2, 1, 8), 0)
+    g = quantize_kv(torch.randn(1, 2, 4, 32, generator=rng), KVScheme.parse("int4-g32"))
+    with pytest.raises(ValueError, match="quantize_kv"):
+        append_kv(g, torch.randn(1, 2, 1, 32), pos)
