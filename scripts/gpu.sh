@@ -46,6 +46,7 @@ if command -v nvidia-smi >/dev/null; then
 fi
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" 2>&1 | tee -a "$sum"
 git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /' | tee -a "$sum"
+# (the test timeouts send SIGINT: pytest then prints its failures so far before it stops)
 # a hung kernel (a deadlocked barrier) fails its test after PER_TEST_TIMEOUT s instead of eating the
 # whole call, where pytest-timeout is installed
 per_test=()
@@ -58,7 +59,7 @@ summary() {
 }
 if [[ $parts == *,suite,* ]]; then
   t0=$(date +%s)
-  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -n "${PYTEST_WORKERS:-16}" -p no:cacheprovider ${per_test[@]+"${per_test[@]}"} tests \
+  timeout -s INT -k 30 "${TEST_TIMEOUT:-420}" python3 -m pytest -n "${PYTEST_WORKERS:-16}" -p no:cacheprovider ${per_test[@]+"${per_test[@]}"} tests \
       --ignore=tests/pipelines/test_models_e2e.py >"$out/tests.log" 2>&1
   echo "suite rc=$? ($(( $(date +%s) - t0 )) s) :: $(summary "$out/tests.log")" | tee -a "$sum"
   if [ "${TILE_DIAG:-1}" = 1 ]; then
@@ -67,7 +68,7 @@ if [[ $parts == *,suite,* ]]; then
   fi
 fi
 if [[ $parts == *,tests,* ]]; then
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -n "${PYTEST_WORKERS:-12}" -p no:cacheprovider ${per_test[@]+"${per_test[@]}"} ${TESTS:-tests} \
+  timeout -s INT -k 30 "${TEST_TIMEOUT:-240}" python3 -m pytest -n "${PYTEST_WORKERS:-12}" -p no:cacheprovider ${per_test[@]+"${per_test[@]}"} ${TESTS:-tests} \
       >"$out/tests.log" 2>&1
   echo "tests rc=$? :: $(summary "$out/tests.log")" | tee -a "$sum"
 fi
