@@ -249,5 +249,7 @@ def decode(codes: torch.Tensor, spec: MinifloatSpec) -> torch.Tensor:
     key = (spec, str(codes.device))
     table = _TABLE_CACHE.get(key)
     if table is None:
-        table = _TABLE_CACHE[key] = spec.table.to(codes.device)
+        # under torch.compile the cached property's lock cannot be traced: build the table directly
+        values = type(spec).table.func(spec) if torch.compiler.is_compiling() else spec.table
+        table = _TABLE_CACHE[key] = values.to(codes.device)
     return table[codes.to(torch.int64)]
