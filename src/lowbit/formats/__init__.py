@@ -10,7 +10,6 @@ below is derived by enumerating the codes through that codec's decoder, never ty
 """
 from __future__ import annotations
 
-from functools import lru_cache
 
 import numpy as np
 import torch
@@ -47,8 +46,19 @@ _TORCH_DTYPES = {"fp8_e4m3fn": "float8_e4m3fn", "fp8_e4m3fnuz": "float8_e4m3fnuz
                  "e8m0fnu": "float8_e8m0fnu", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
-@lru_cache(maxsize=None)
+_BUILT: dict[str, Format] = {}
+
+
 def _build(name: str) -> Format:
+    """The Format of `name`, built once (a plain dict, not functools.lru_cache: torch.compile reads a
+    dict entry, where it traces through an lru_cache-wrapped function and rebuilds the Format)."""
+    f = _BUILT.get(name)
+    if f is None:
+        f = _BUILT[name] = _make(name)
+    return f
+
+
+def _make(name: str) -> Format:
     spec = _SPECS[name]
     if isinstance(spec, IntSpec):
         return derive_int(name, spec)
