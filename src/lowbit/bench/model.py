@@ -6,13 +6,17 @@ lowbit.pipelines.quantize_model, followed by lowbit.nn.prepare_model where that 
   prefill   2048 tokens, batch 1, no KV cache, logits of the last token only
   decode    one token per sequence at batch 1 and 16 against a KV cache holding 512 tokens
             (a transformers StaticCache; the same step is repeated, see lowbit.bench.llama)
-each in two modes:
-  eager     the model as transformers runs it (no CUDA graph: decode is launch-bound here)
-  compiled  torch.compile(dynamic=False): mode "default" for prefill; mode "reduce-overhead"
-            for decode, i.e. inductor's CUDA graphs (cudagraph trees) around the whole step.
-            That is the only way CUDA graphs enter: an eager model is never captured by hand,
-            so eager is compared with eager and compiled with compiled. A compile failure is
-            that row's error; the run goes on.
+in three modes (`modes`; each compared with the baseline in the same mode):
+  eager     the model as transformers runs it (lowbit's own per-layer decode graphs included,
+            lowbit.ops.prepared: what a user gets without compiling)
+  compile   torch.compile(dynamic=False), mode "default": prefill and decode
+  graphs    torch.compile(dynamic=False), mode "reduce-overhead", i.e. inductor's CUDA graphs
+            (cudagraph trees) around the whole decode step (decode only)
+A compile failure is that row's error; the run goes on.
+Variants: lowbit recipes, `RECIPE+lm_head=KIND` (the recipe with quantize_model's quantized LM
+head, KIND int8 / fp8 / w4a16) and torchao's configs (torchao-int4: int4 weight-only, groups of
+128; torchao-int8wo: int8 weight-only; torchao-int8: int8 dynamic; torchao-fp8-row: fp8 dynamic
+per row), the last where torchao imports.
 
 Timing: lowbit.profiling.timing.bench_ms (triton.testing.do_bench median, L2 flushed between
 calls) after warm-up calls; peak memory is read around one extra call, outside the timer (the
@@ -31,18 +35,21 @@ peak_ratio, logits_rel_err (||logits - logits_baseline|| / ||logits_baseline|| o
 positions of a fixed 256-token prompt, eager), out_rel_err (the timed call's own output
 against the baseline's eager output for the same inputs), vs_eager_rel (compiled rows: against
 the same variant's eager output), compile_s, graph_breaks, cudagraph_skips, build_s,
-prepared, paths (QuantLinear.last_path counts), cache (static|dynamic); a row that did not run
-has ms None and `error` or `skipped` saying why.
+prepared, paths (QuantLinear.last_path counts), cache (static|dynamic); decode rows:
+bytes_per_step and roof (lowbit.bench.model_targets: the step's bytes per second over the copy
+bandwidth measured at the start, `copy_bw` in the environment); must / met and weights_must /
+weights_met at the targets' shape (model_targets); a row that did not run has ms None and
+`error` or `skipped` saying why.
 
 torch.compile runs with torch's defaults (its recompile limit included: what a user gets);
 graph breaks and cudagraph skips are counted per row, so a model that falls back shows it.
 
-Budget: each non-baseline variant gets `budget` seconds (default 30, so ten recipes stay near
-five minutes plus the baseline and overruns); the steps run in the order eager prefill, eager
-decode b1, b16, compiled decode b1, prefill, decode b16, and a step that would start after the
-budget is spent is skipped with that reason. A step is not interrupted: one slow compile can
-overrun. The baseline has no budget (every ratio needs it). `time_limit` bounds the whole run:
-variants not started by then are skipped.
+Budget: each non-baseline variant gets `budget` seconds (default 30); with a `time_limit` for the
+whole run, at most an equal share of the time left when it starts (so every variant gets its
+turn inside one call). Steps run in the order of `_plan` (eager decode b1 first, graphs decode
+b1 next: the rows that decide a recipe), and a step that would start after the budget is spent
+is skipped with that reason. A step is not interrupted: one slow compile can overrun. The
+baseline has no budget (every ratio needs it); variants not started by the time limit are skipped.
 """
 from __future__ import annotations
 
@@ -58,8 +65,10 @@ import torch
 from lowbit.bench import llama
 from lowbit.bench.model_measure import (CACHE_SLACK, CUDA_BROKEN, Inputs, Skipped, allocated, describe_failure,
                                         free, quant_paths, rel_err, reset_compiler, run_step, weight_memory)
+from lowbit.bench.model_targets import add_musts, add_roofline, copy_bandwidth, decode_bytes
 
-TORCHAO = ("torchao-int8", "torchao-fp8-row", "torchao-int4")
+TORCHAO = ("torchao-int4", "torchao-int8wo", "torchao-int8", "torchao-fp8-row")
+MODES = ("eager", "compile", "graphs")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -67,7 +76,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 class Options:
     """One run. Token counts are per sequence; batches are the decode batch sizes."""
     shape: str = "8b"
-    layers: int = 4
+    layers: int = 32                        # full depth: Llama-3-8B's 32 layers fit an H200 with room
     dtype: str = "bf16"
     device: str = "cuda"
     seed: int = 0
@@ -76,7 +85,8 @@ class Options:
     batches: tuple[int, ...] = (1, 16)
     error_tokens: int = 256
     variants: tuple[str, ...] = ()          # lowbit recipe / torchao names; () = all
-    compile: bool = True
+    modes: tuple[str, ...] = MODES
+    compile_backend: str = "inductor"       # another torch.compile backend (aot_eager): CPU dry runs
     budget: float = 30.0
     time_limit: float | None = None         # seconds for the whole run; later variants are skipped
     quick: bool = False
@@ -93,13 +103,37 @@ def all_variants() -> list[str]:
     return list(RECIPES) + list(TORCHAO)
 
 
+def split_variant(name: str) -> tuple[str, str | None]:
+    """("w4a16", "int8") for "w4a16+lm_head=int8"; (name, None) without a suffix."""
+    base, plus, head = name.partition("+")
+    if not plus:
+        return name, None
+    key, eq, kind = head.partition("=")
+    if key != "lm_head" or not eq:
+        raise ValueError(f"recipes={name}: write RECIPE+lm_head=KIND (KIND int8, fp8 or w4a16)")
+    return base, kind
+
+
 def check_variants(names: tuple[str, ...]) -> tuple[str, ...]:
+    from lowbit.recipes.presets import LM_HEAD
     known = all_variants()
     names = tuple(n.lower() for n in names)     # recipe names in any letter case (W4A16 as llm-compressor writes it)
-    bad = [n for n in names if n not in known]
+    bad = []
+    for n in names:
+        base, head = split_variant(n)
+        if base not in known or (head is not None and (head not in LM_HEAD or base in TORCHAO)):
+            bad.append(n)
     if bad:
-        raise ValueError(f"recipes={','.join(bad)} not known; choose from: {', '.join(known)}")
+        raise ValueError(f"recipes={','.join(bad)} not known; choose from: {', '.join(known)} (a lowbit recipe may "
+                         f"add +lm_head=KIND, KIND one of {', '.join(LM_HEAD)})")
     return tuple(names) or tuple(known)
+
+
+def check_modes(modes: tuple[str, ...]) -> tuple[str, ...]:
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise ValueError(f"modes={','.join(modes)}: choose from {', '.join(MODES)}")
+    return tuple(dict.fromkeys(modes))
 
 
 # ------------------------------------------------------------------------------ variants
@@ -109,7 +143,8 @@ def _build(name: str, master: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
         return _build_torchao(name, master)
     import lowbit.nn as lnn
     model = copy.deepcopy(master)
-    lnn.quantize_model(model, name)
+    recipe, head = split_variant(name)
+    lnn.quantize_model(model, recipe, lm_head=head)
     prepare = getattr(lnn, "prepare_model", None)  # the GPU runtime's hook, where it exists
     if prepare is not None:
         prepare(model)
@@ -126,6 +161,8 @@ def _build_torchao(name: str, master: torch.nn.Module) -> tuple[torch.nn.Module,
         raise Skipped("torchao not installed" if absent else f"torchao not importable ({exc})") from None
     if name == "torchao-int8":
         cfg = tq.Int8DynamicActivationInt8WeightConfig()
+    elif name == "torchao-int8wo":
+        cfg = tq.Int8WeightOnlyConfig()
     elif name == "torchao-fp8-row":
         per_row = getattr(tq, "PerRow", None) or __import__("torchao.quantization.granularity",
                                                             fromlist=["PerRow"]).PerRow
@@ -139,18 +176,20 @@ def _build_torchao(name: str, master: torch.nn.Module) -> tuple[torch.nn.Module,
 
 
 # ------------------------------------------------------------------------------ one variant
-STEPS = {"eager": (("prefill", 1), ("decode", None)), "compiled": (("decode", 1), ("prefill", 1), ("decode", None))}
+# (mode, phase, batch) in the order they run; batch None: every decode batch of the run
+ORDER = (("eager", "decode", 1), ("graphs", "decode", 1), ("eager", "prefill", 1), ("compile", "decode", 1),
+         ("graphs", "decode", None), ("compile", "prefill", 1), ("eager", "decode", None), ("compile", "decode", None))
 
 
 def _plan(opts: Options) -> list[tuple[str, str, int]]:
     """(mode, phase, batch) in the order they run (see the module docstring)."""
     out = []
-    for mode in ("eager", "compiled") if opts.compile else ("eager",):
-        for phase, b in STEPS[mode]:
-            if b is None:   # the decode batches not yet listed for this mode
-                out += [(mode, phase, x) for x in opts.batches if (mode, phase, x) not in out]
-            elif phase == "prefill" or b in opts.batches:
-                out.append((mode, phase, b))
+    for mode, phase, b in ORDER:
+        if mode not in opts.modes:
+            continue
+        for x in ([b] if b is not None else opts.batches):
+            if (phase == "prefill" or x in opts.batches) and (mode, phase, x) not in out:
+                out.append((mode, phase, x))
     return out
 
 
@@ -176,14 +215,15 @@ def _try_step(model, r: dict, inp: Inputs, opts: Options, ref: dict, eager_out: 
         opts.log(f"  {r['name']}: FAILED {r['error']}")
         if any(s in str(exc) for s in CUDA_BROKEN):
             state["cuda_broken"] = r["error"]
-        elif r["mode"] == "compiled":
+        elif r["mode"] != "eager":
             reset_compiler()
 
 
 def measure_variant(name: str, kind: str, master: torch.nn.Module, inp: Inputs, opts: Options,
-                    ref: dict, state: dict) -> list[dict]:
+                    ref: dict, state: dict, budget: float | None = None) -> list[dict]:
     """Every row of one variant; `ref` holds the baseline's outputs (filled by the baseline),
-    `state` carries `cuda_broken` (why nothing can run any more) between variants."""
+    `state` carries `cuda_broken` (why nothing can run any more) between variants; budget:
+    seconds for this variant (default opts.budget)."""
     log, device = opts.log, inp.prefill.device
     plan = _plan(opts)
     rows = [_base_row(opts, name, kind, *p) for p in plan]
@@ -199,7 +239,8 @@ def measure_variant(name: str, kind: str, master: torch.nn.Module, inp: Inputs, 
     if state.get("cuda_broken"):
         return fail_all("skipped", f"CUDA context broken by an earlier error ({state['cuda_broken']})")
     t0 = time.perf_counter()
-    deadline = math.inf if kind == "baseline" else t0 + opts.budget
+    budget = opts.budget if budget is None else budget
+    deadline = math.inf if kind == "baseline" else t0 + budget
     mem0 = allocated(device)
     model, info = None, {}
     try:
@@ -217,22 +258,26 @@ def measure_variant(name: str, kind: str, master: torch.nn.Module, inp: Inputs, 
             info["logits_rel_err"] = rel_err(logits, ref["logits"])
             del logits
             eager_out: dict = {}
-            for mode in dict.fromkeys(m for m, _, _ in plan):
-                if mode == "compiled" and not state.get("cuda_broken"):
+            for r, (mode, phase, batch) in zip(rows, plan):
+                if state.get("cuda_broken"):
+                    continue
+                if mode != "eager" and "weight_bytes" not in info:
                     # the eager model's memory, before compiled graphs hold their own
                     info.update(weight_memory(model, device, mem0), paths=quant_paths(model))
+                if time.perf_counter() > deadline:
+                    r["skipped"] = f"variant time budget ({budget:.0f} s) spent"
+                    continue
+                if mode != "eager":
                     reset_compiler()
-                for r, (m, phase, batch) in zip(rows, plan):
-                    if m != mode or state.get("cuda_broken"):
-                        continue
-                    if time.perf_counter() > deadline:
-                        r["skipped"] = f"variant time budget ({opts.budget:.0f} s) spent"
-                        continue
-                    _try_step(model, r, inp, opts, ref, eager_out, mem0, state)
+                _try_step(model, r, inp, opts, ref, eager_out, mem0, state)
             if state.get("cuda_broken"):   # nothing more can run in this process
                 fail_all("skipped", "not run: the CUDA context broke")
             elif "weight_bytes" not in info:
                 info.update(weight_memory(model, device, mem0), paths=quant_paths(model))
+            if "weight_bytes" in info:
+                for r in rows:
+                    if r["phase"] == "decode":
+                        r["bytes_per_step"] = decode_bytes(info["weight_bytes"], model, r["batch"], opts.context)
     except Skipped as exc:
         fail_all("skipped", str(exc))
     except Exception as exc:
@@ -272,23 +317,28 @@ def add_ratios(rows: list[dict]) -> None:
                 r[key] = num / den
 
 
-def run_bench(opts: Options, on_variant: Callable[[list[dict]], None] | None = None) -> list[dict]:
+def run_bench(opts: Options, on_variant: Callable[[list[dict], float], None] | None = None) -> list[dict]:
     """Build the baseline model, measure it and every variant in `opts.variants`; rows with
-    ratios. on_variant(rows so far) runs after each variant (main writes the JSON there, so a
-    run killed from outside keeps what it measured)."""
+    ratios. on_variant(rows so far, copy bandwidth in B/s) runs first and after each variant
+    (main writes the JSON there, so a run killed from outside keeps what it measured)."""
     device = torch.device(opts.device)
     if opts.dtype not in DTYPES:
         raise ValueError(f"dtype={opts.dtype!r}; choose one of {', '.join(DTYPES)}")
     if opts.context < 1 or opts.prefill < 1 or opts.error_tokens < 1 or not opts.batches or min(opts.batches) < 1:
         raise ValueError("prefill, context, error_tokens and every decode batch must be >= 1")
     variants = check_variants(opts.variants)
+    check_modes(opts.modes)
     need = max(opts.prefill, opts.error_tokens, opts.context + CACHE_SLACK)
     master = llama.build_llama(opts.shape, opts.layers, DTYPES[opts.dtype], opts.device, opts.seed,
                                max_positions=max(8192, need))
     inp = Inputs.make(opts, master.config.vocab_size, device)
     opts.log(f"# model: {opts.shape} x {opts.layers} layers, {opts.dtype} on {device}; prefill {opts.prefill}, "
              f"decode at batch {','.join(map(str, opts.batches))} after {opts.context} tokens; "
-             f"{'eager and compiled' if opts.compile else 'eager only'}")
+             f"modes {', '.join(opts.modes)}")
+    copy_bw = copy_bandwidth(device)
+    opts.log(f"# copy bandwidth (device to device, read + write): {copy_bw / 1e9:.0f} GB/s")
+    if on_variant is not None:
+        on_variant([], copy_bw)
     ref: dict = {}
     state: dict = {}
     rows: list[dict] = []
@@ -301,12 +351,21 @@ def run_bench(opts: Options, on_variant: Callable[[list[dict]], None] | None = N
             rows += [dict(_base_row(opts, name, kind, *p), skipped=why) for p in _plan(opts)]
             opts.log(f"  {name}: skipped ({why})")
             continue
-        rows += measure_variant(name, kind, master, inp, opts, ref, state)
-        add_ratios(rows)
+        budget = opts.budget
+        if opts.time_limit and kind != "baseline":   # an equal share of what is left, so every variant gets a turn
+            budget = min(budget, (opts.time_limit - (time.perf_counter() - t0)) / (len(todo) - i))
+        rows += measure_variant(name, kind, master, inp, opts, ref, state, budget=budget)
+        _finish(rows, opts, copy_bw)
         if on_variant is not None:
-            on_variant(rows)
-    add_ratios(rows)
+            on_variant(rows, copy_bw)
+    _finish(rows, opts, copy_bw)
     return rows
+
+
+def _finish(rows: list[dict], opts: Options, copy_bw: float) -> None:
+    add_ratios(rows)
+    add_roofline(rows, copy_bw)
+    add_musts(rows, opts.shape, opts.layers)
 
 
 # ------------------------------------------------------------------------------ command line
@@ -317,9 +376,14 @@ def register(p) -> None:
                    help="8b: Llama-3-8B layers, 1b: Llama-3.2-1B, smollm2: SmolLM2-135M, tiny: a CPU dry run")
     p.add_argument("--layers", type=int, default=d.layers, help="decoder layers (default %(default)s)")
     p.add_argument("--recipes", default=None, metavar="A,B,...",
-                   help="lowbit recipes and torchao-int8 / torchao-fp8-row / torchao-int4 to run (default: all); "
-                        "the baseline always runs")
-    p.add_argument("--no-compile", action="store_true", help="eager rows only")
+                   help="lowbit recipes (RECIPE+lm_head=int8|fp8|w4a16: with the quantized LM head) and "
+                        f"{' / '.join(TORCHAO)} to run (default: every recipe and torchao's); the baseline always runs")
+    p.add_argument("--modes", default=None, metavar="M,M",
+                   help=f"of {', '.join(MODES)} (default: all): eager, torch.compile's default mode, its "
+                        "reduce-overhead mode (CUDA graphs, decode only)")
+    p.add_argument("--no-compile", action="store_true", help="eager rows only (--modes eager)")
+    p.add_argument("--compile-backend", default=None, metavar="NAME",
+                   help="torch.compile backend (default inductor; aot_eager for a CPU dry run without a C++ compiler)")
     p.add_argument("--quick", action="store_true",
                    help="prefill 512, context 128, decode batch 1 only, 15 s per variant (a smoke run)")
     p.add_argument("--budget", type=float, default=None, metavar="S",
@@ -341,8 +405,14 @@ def register(p) -> None:
 
 
 def options_from_args(args) -> Options:
-    kw = dict(shape=args.shape, layers=args.layers, dtype=args.dtype, device=args.device, seed=args.seed,
-              compile=not args.no_compile)
+    kw = dict(shape=args.shape, layers=args.layers, dtype=args.dtype, device=args.device, seed=args.seed)
+    if args.no_compile and args.modes:
+        raise ValueError("--no-compile means --modes eager: give one of them")
+    if args.no_compile or args.modes:
+        kw["modes"] = check_modes(("eager",) if args.no_compile else
+                                  tuple(m.strip() for m in args.modes.split(",") if m.strip()))
+    if args.compile_backend:
+        kw["compile_backend"] = args.compile_backend
     if args.recipes:
         kw["variants"] = tuple(x.strip() for x in args.recipes.split(",") if x.strip())
     for name in ("prefill", "context", "budget", "error_tokens", "time_limit"):
@@ -383,7 +453,9 @@ def main(args) -> int:
         return 2
     env = environment(opts)
 
-    def write_json(rows: list[dict]) -> None:
+    def write_json(rows: list[dict], copy_bw: float | None = None) -> None:
+        if copy_bw is not None:
+            env["copy_bw"] = copy_bw
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(environment=env, rows=rows), f, indent=1, default=str)
@@ -403,11 +475,12 @@ def main(args) -> int:
     print(model_report.table(rows))
     for n in notes:
         print(n)
+    print(model_report.targets(rows, opts.shape, opts.layers))
     return 1 if any(r["kind"] == "baseline" and r["ms"] is None for r in rows) else 0
 
 
 def run(only: str | None = None, quick: bool = False, log=print) -> list[dict]:
-    """The `lowbit bench` hook: the default model run (8b, 4 layers; --quick as above); `only`
+    """The `lowbit bench` hook: the default model run (8b, 32 layers; --quick as above); `only`
     keeps the variants whose name contains one of its comma-separated parts."""
     from lowbit.bench import model_report
 
