@@ -46,8 +46,8 @@ graph breaks and cudagraph skips are counted per row, so a model that falls back
 
 Budget: each non-baseline variant gets `budget` seconds (default 30); with a `time_limit` for the
 whole run, at most an equal share of the time left when it starts (so every variant gets its
-turn inside one call). Steps run in the order of `_plan` (eager decode b1 first, graphs decode
-b1 next: the rows that decide a recipe), and a step that would start after the budget is spent
+turn inside one call). Steps run in the order of `_plan` (the eager rows, then graphs decode b1
+and compile decode b1: the rows that decide a recipe), and a step that would start after the budget is spent
 is skipped with that reason. A step is not interrupted: one slow compile can overrun. The
 baseline has no budget (every ratio needs it); variants not started by the time limit are skipped.
 """
@@ -177,8 +177,9 @@ def _build_torchao(name: str, master: torch.nn.Module) -> tuple[torch.nn.Module,
 
 # ------------------------------------------------------------------------------ one variant
 # (mode, phase, batch) in the order they run; batch None: every decode batch of the run
-ORDER = (("eager", "decode", 1), ("graphs", "decode", 1), ("eager", "prefill", 1), ("compile", "decode", 1),
-         ("graphs", "decode", None), ("compile", "prefill", 1), ("eager", "decode", None), ("compile", "decode", None))
+# (eager first: no compile, seconds, and every compiled row is then checked against its eager output)
+ORDER = (("eager", "decode", 1), ("eager", "decode", None), ("eager", "prefill", 1), ("graphs", "decode", 1),
+         ("compile", "decode", 1), ("graphs", "decode", None), ("compile", "prefill", 1), ("compile", "decode", None))
 
 
 def _plan(opts: Options) -> list[tuple[str, str, int]]:
