@@ -44,9 +44,9 @@ weights_met at the targets' shape (model_targets); a row that did not run has ms
 torch.compile runs with torch's defaults (its recompile limit included: what a user gets);
 graph breaks and cudagraph skips are counted per row, so a model that falls back shows it.
 
-Budget: each non-baseline variant gets `budget` seconds (default 30); with a `time_limit` for the
-whole run, at most an equal share of the time left when it starts (so every variant gets its
-turn inside one call). Steps run in the order of `_plan` (the eager rows, then graphs decode b1
+Budget: each non-baseline variant gets `budget` seconds; with a `time_limit` for the whole run, at
+most an equal share of the time left when it starts (so every variant gets its turn inside one
+call), and that share alone when no budget is given (default without a time limit: 30 s). Steps run in the order of `_plan` (the eager rows, then graphs decode b1
 and compile decode b1: the rows that decide a recipe), and a step that would start after the budget is spent
 is skipped with that reason. A step is not interrupted: one slow compile can overrun. The
 baseline has no budget (every ratio needs it); variants not started by the time limit are skipped.
@@ -69,6 +69,7 @@ from lowbit.bench.model_targets import add_musts, add_roofline, copy_bandwidth, 
 
 TORCHAO = ("torchao-int4", "torchao-int8wo", "torchao-int8", "torchao-fp8-row")
 MODES = ("eager", "compile", "graphs")
+DEFAULT_BUDGET = 30.0
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -87,7 +88,7 @@ class Options:
     variants: tuple[str, ...] = ()          # lowbit recipe / torchao names; () = all
     modes: tuple[str, ...] = MODES
     compile_backend: str = "inductor"       # another torch.compile backend (aot_eager): CPU dry runs
-    budget: float = 30.0
+    budget: float | None = None             # seconds per variant; None: see the module docstring
     time_limit: float | None = None         # seconds for the whole run; later variants are skipped
     quick: bool = False
     log: Callable[[str], None] = field(default=lambda msg: print(msg, flush=True))
@@ -172,7 +173,13 @@ def _build_torchao(name: str, master: torch.nn.Module) -> tuple[torch.nn.Module,
     model = copy.deepcopy(master)
     # the layers lowbit quantizes: every Linear but the LM head
     tq.quantize_(model, cfg, filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and fqn != "lm_head")
-    return model, dict(torchao_config=type(cfg).__name__)
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    targets = [m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    done = sum(is_traceable_wrapper_subclass(m.weight) for m in targets)
+    if not done:   # some configs leave a dtype / device they do not support as it was, silently
+        raise RuntimeError(f"torchao's {type(cfg).__name__} left all {len(targets)} Linears unquantized "
+                           f"({master.dtype if hasattr(master, 'dtype') else ''} on {targets[0].weight.device})")
+    return model, dict(torchao_config=type(cfg).__name__, torchao_quantized=f"{done}/{len(targets)}")
 
 
 # ------------------------------------------------------------------------------ one variant
@@ -240,7 +247,7 @@ def measure_variant(name: str, kind: str, master: torch.nn.Module, inp: Inputs, 
     if state.get("cuda_broken"):
         return fail_all("skipped", f"CUDA context broken by an earlier error ({state['cuda_broken']})")
     t0 = time.perf_counter()
-    budget = opts.budget if budget is None else budget
+    budget = (opts.budget or DEFAULT_BUDGET) if budget is None else budget
     deadline = math.inf if kind == "baseline" else t0 + budget
     mem0 = allocated(device)
     model, info = None, {}
@@ -352,9 +359,10 @@ def run_bench(opts: Options, on_variant: Callable[[list[dict], float], None] | N
             rows += [dict(_base_row(opts, name, kind, *p), skipped=why) for p in _plan(opts)]
             opts.log(f"  {name}: skipped ({why})")
             continue
-        budget = opts.budget
+        budget = opts.budget or DEFAULT_BUDGET
         if opts.time_limit and kind != "baseline":   # an equal share of what is left, so every variant gets a turn
-            budget = min(budget, (opts.time_limit - (time.perf_counter() - t0)) / (len(todo) - i))
+            share = (opts.time_limit - (time.perf_counter() - t0)) / (len(todo) - i)
+            budget = share if opts.budget is None else min(opts.budget, share)
         rows += measure_variant(name, kind, master, inp, opts, ref, state, budget=budget)
         _finish(rows, opts, copy_bw)
         if on_variant is not None:
@@ -388,7 +396,8 @@ def register(p) -> None:
     p.add_argument("--quick", action="store_true",
                    help="prefill 512, context 128, decode batch 1 only, 15 s per variant (a smoke run)")
     p.add_argument("--budget", type=float, default=None, metavar="S",
-                   help=f"seconds per non-baseline variant (default {d.budget:.0f}; --quick 15)")
+                   help=f"seconds per non-baseline variant (default {DEFAULT_BUDGET:.0f}, --quick 15; with --time-limit: "
+                        "at most an equal share of the time left, and that share without --budget)")
     p.add_argument("--time-limit", type=float, default=None, metavar="S",
                    help="seconds for the whole run: variants not started by then are skipped (default: none)")
     p.add_argument("--dtype", choices=list(DTYPES), default=d.dtype, help="the baseline's dtype")
