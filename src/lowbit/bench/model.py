@@ -46,10 +46,11 @@ graph breaks and cudagraph skips are counted per row, so a model that falls back
 
 Budget: each non-baseline variant gets `budget` seconds; with a `time_limit` for the whole run, at
 most an equal share of the time left when it starts (so every variant gets its turn inside one
-call), and that share alone when no budget is given (default without a time limit: 30 s). Steps run in the order of `_plan` (the eager rows, then graphs decode b1
-and compile decode b1: the rows that decide a recipe), and a step that would start after the budget is spent
-is skipped with that reason. A step is not interrupted: one slow compile can overrun. The
-baseline has no budget (every ratio needs it); variants not started by the time limit are skipped.
+call), and that share alone when no budget is given (default without a time limit: 30 s). Steps
+run in the order of `_plan` (the eager rows, then graphs decode b1 and compile decode b1: the rows
+that decide a recipe), and a step that would start after the budget is spent is skipped with that
+reason. A step is not interrupted: one slow compile can overrun. The baseline has no budget (every
+ratio needs it); variants not started by the time limit are skipped.
 """
 from __future__ import annotations
 

@@ -176,10 +176,10 @@ def _quantize_linears(model, recipe, *, ignore, overrides, act_static_scales, ba
 
 
 def untie_embeddings(model: torch.nn.Module, names: list[str]) -> None:
-    """Record that the output layer no longer shares the input embedding's weight (it was
-    replaced by a QuantLinear; `names`: those layers): config.tie_word_embeddings (and the text
-    config's) False and their entries dropped from transformers' tie map, so a later tie_weights() or a checkpoint reader does not put
-    the embedding's float weight back into the quantized head."""
+    """Record that the output layers `names` no longer share the input embedding's weight (each
+    was replaced by a QuantLinear): config.tie_word_embeddings (and the text config's) False and
+    their entries dropped from transformers' tie map, so a later tie_weights() or a checkpoint
+    reader does not put the embedding's float weight back into a quantized head."""
     cfg = getattr(model, "config", None)
     configs = [cfg] + ([cfg.get_text_config()] if hasattr(cfg, "get_text_config") else [])
     for c in configs:
