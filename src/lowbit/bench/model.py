@@ -248,7 +248,8 @@ def measure_variant(name: str, kind: str, master: torch.nn.Module, inp: Inputs, 
     if state.get("cuda_broken"):
         return fail_all("skipped", f"CUDA context broken by an earlier error ({state['cuda_broken']})")
     t0 = time.perf_counter()
-    budget = (opts.budget or DEFAULT_BUDGET) if budget is None else budget
+    if budget is None:
+        budget = DEFAULT_BUDGET if opts.budget is None else opts.budget
     deadline = math.inf if kind == "baseline" else t0 + budget
     mem0 = allocated(device)
     model, info = None, {}
@@ -360,7 +361,7 @@ def run_bench(opts: Options, on_variant: Callable[[list[dict], float], None] | N
             rows += [dict(_base_row(opts, name, kind, *p), skipped=why) for p in _plan(opts)]
             opts.log(f"  {name}: skipped ({why})")
             continue
-        budget = opts.budget or DEFAULT_BUDGET
+        budget = DEFAULT_BUDGET if opts.budget is None else opts.budget
         if opts.time_limit and kind != "baseline":   # an equal share of what is left, so every variant gets a turn
             share = (opts.time_limit - (time.perf_counter() - t0)) / (len(todo) - i)
             budget = share if opts.budget is None else min(opts.budget, share)
