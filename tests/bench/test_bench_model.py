@@ -208,3 +208,24 @@ def test_memory_plot_from_a_run(tmp_path):
         assert head[:8] == b"\x89PNG\r\n\x1a\n"
         sizes.append(struct.unpack(">II", head[16:24]))            # IHDR width, height
     assert sizes[0][0] == sizes[1][0] and sizes[0][1] > sizes[1][1], sizes
+
+
+def test_time_limit_shares_the_time_left(monkeypatch):
+    """Without --budget, each variant gets an equal share of what the time limit leaves when it
+    starts: about half of it for the first of two, all that is left for the last (the baseline
+    is never cut short)."""
+    from lowbit.bench import model as bm
+    seen = []
+    real = bm.measure_variant
+
+    def spy(name, kind, master, inp, opts, ref, state, budget=None):
+        seen.append((name, budget))
+        return real(name, kind, master, inp, opts, ref, state, budget=budget)
+    monkeypatch.setattr(bm, "measure_variant", spy)
+    opts = bm.Options(shape="tiny", layers=1, dtype="fp32", device="cpu", modes=("eager",), prefill=9, context=7,
+                      batches=(1,), error_tokens=5, quick=True, budget=None, time_limit=1e6,
+                      variants=("w4a16", "w8a8-int8"), log=lambda m: None)
+    bm.run_bench(opts)
+    assert seen[0] == ("fp32", 30.0)           # the baseline: measured whatever the budget says
+    assert [n for n, _ in seen[1:]] == ["w4a16", "w8a8-int8"]
+    assert 1e6 / 2 * 0.99 < seen[1][1] <= 1e6 / 2 and 1e6 * 0.99 < seen[2][1] <= 1e6   # 2 left, then 1 left
