@@ -13,7 +13,9 @@
 #                and the skinny fp8 shape under alternative tiles (GEMM_SWEEP=0 skips it)
 #   memory       python -m lowbit.bench.memory (MEMORY_ONLY=name,... narrows it)
 #   layers       python -m lowbit.bench.layers: QuantLinear vs bf16 F.linear (LAYER_ARGS)
-#   model        `lowbit bench model` on 4 Llama-3-8B layers, bf16 vs MODEL_RECIPES
+#   model        `lowbit bench model`: 32 Llama-3-8B layers (MODEL_LAYERS), bf16 vs MODEL_RECIPES in
+#                MODEL_MODES (eager,compile,graphs); MODEL_TIMEOUT (default 560 s) bounds it, the
+#                variants share the time; the targets table is printed last
 #   moe          `lowbit bench model` on MOE_SHAPES (default mixtral and qwen3-30b-a3b, MOE_LAYERS=2 layers
 #                each): the expert loop and grouped bf16 baselines vs MOE_RECIPES, the must targets last;
 #                MOE_TIMEOUT s per shape (default 265: both fit one call), MOE_BUDGET s per recipe,
@@ -28,13 +30,13 @@
 #   attention    python -m lowbit.bench.attention: attention over a quantized KV cache vs bf16 SDPA
 #   distributed  1 vs 2 GPUs of one host: layer-by-layer calibration (scripts/gpu_distributed.sh;
 #                needs 2 GPUs; DEVICE=cpu rehearses it on the CPU at tiny size)
-# The suite needs a call of its own; memory + gemm + model fit one together; moe takes a whole call.
+# The suite and model each need a call of their own; memory + gemm fit one together; moe takes a whole call.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 out="${OUT:-$root/out}"; mkdir -p "$out"
 export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-if [ $# -eq 0 ]; then sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; exit 2; fi
+if [ $# -eq 0 ]; then sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; exit 2; fi
 parts=",$1,"
 known=",suite,tests,doctor,gemm,memory,layers,model,moe,profile,w4probe,w4configs,audit,probe,mma,attention,distributed,"
 for p in ${1//,/ }; do
@@ -113,8 +115,13 @@ if [[ $parts == *,layers,* ]]; then
   echo "layers rc=$?" | tee -a "$sum"
 fi
 if [[ $parts == *,model,* ]]; then  # what a user runs; the JSON is rewritten after every variant
-  timeout "${MODEL_TIMEOUT:-200}" python3 -m lowbit.entrypoints.main bench model --shape 8b --layers 4 \
-      --recipes "${MODEL_RECIPES:-w4a16,mxfp4,nvfp4}" --budget "${MODEL_BUDGET:-15}" --time-limit $(( ${MODEL_TIMEOUT:-200} - 40 )) \
+  # torchao rows where its wheel was brought along (pip install --no-deps WHEEL into $TORCHAO_DIR)
+  [ -n "${TORCHAO_DIR:-}" ] && export PYTHONPATH="$PYTHONPATH:$TORCHAO_DIR"
+  mt=${MODEL_TIMEOUT:-560}
+  budget=(); [ -n "${MODEL_BUDGET:-}" ] && budget=(--budget "$MODEL_BUDGET")
+  timeout "$mt" python3 -m lowbit.entrypoints.main bench model --shape 8b --layers "${MODEL_LAYERS:-32}" \
+      --recipes "${MODEL_RECIPES:-w4a16,w8a16-int8,w8a8-int8,w8a8-fp8}" --modes "${MODEL_MODES:-eager,compile,graphs}" \
+      ${budget[@]+"${budget[@]}"} --time-limit $(( mt - 60 )) ${MODEL_ARGS:-} \
       --json "$out/bench-model.json" --plot "$out/bench-model.png" >"$out/bench_model.log" 2>&1
   echo "model rc=$?" | tee -a "$sum"
   if ! grep -q "^# lowbit bench model" "$out/bench_model.log" && [ -s "$out/bench-model.json" ]; then
@@ -177,13 +184,14 @@ fi
 [ -f "$out/gemm.log" ] && grep -E "lowbit_int8|bf16 |int_mm |lowbit_fp8_row |lowbit_mxfp8|scaled_row |sweep" "$out/gemm.log" | head -n 40
 [ -f "$out/bench_memory.log" ] && sed -n '/# memory-bound kernels/,$p' "$out/bench_memory.log" | head -n 70
 [ -f "$out/bench_layers.log" ] && sed -n '/# layer table/,$p' "$out/bench_layers.log" | tail -n 60
-[ -f "$out/bench_model.log" ] && sed -n '/# lowbit bench model/,$p' "$out/bench_model.log" | head -n 30
+[ -f "$out/bench_model.log" ] && sed -n '/# lowbit bench model/,/^# targets/{/^# targets/!p}' "$out/bench_model.log" | head -n 40
 [ -f "$out/profile.log" ] && grep -vE "Warning|warn" "$out/profile.log" | tail -n 60
 [ -f "$out/w4probe.log" ] && grep -vE "Warning|warn" "$out/w4probe.log" | tail -n 20
 [ -f "$out/audit_gpu.txt" ] && tail -n 30 "$out/audit_gpu.txt"
 [ -f "$out/distributed.log" ] && tail -n 30 "$out/distributed.log"
 [ -f "$out/mma.log" ] && tail -n 30 "$out/mma.log"
 [ -f "$out/bench_attention.log" ] && tail -n 30 "$out/bench_attention.log"
+[ -f "$out/bench_model.log" ] && sed -n '/^# targets/,$p' "$out/bench_model.log"   # the short table, last
 cat "$sum"
 for f in "$out"/bench_moe_*.log; do  # the short MoE tables last: rows, must targets, what did not run
   [ -f "$f" ] || continue

@@ -364,6 +364,12 @@ def _as_float_tensor(x) -> torch.Tensor:
 def _check_finite(x: torch.Tensor, nan_policy: str, scheme: QuantScheme) -> None:
     if nan_policy not in NAN_POLICIES:
         raise ValueError(f"quantize: nan_policy must be one of {NAN_POLICIES}, got {nan_policy!r}")
+    if torch.compiler.is_compiling() and nan_policy == "raise":
+        # traced by torch.compile: a device-side check keeps the graph whole (reading the count
+        # back to the host would break it); a NaN / Inf input still fails the call
+        torch._assert_async(torch.isfinite(x).all(), "quantize: x has non-finite values (NaN / Inf); clean the "
+                            "input, or run the layer eagerly for the count and the first index")
+        return
     bad = ~torch.isfinite(x)
     n_bad = int(bad.sum())
     if n_bad == 0:

@@ -160,7 +160,7 @@ def test_torchao_absent_is_a_skip_on_every_row(monkeypatch):
     rows = measure_variant("torchao-int8", "torchao", master, Inputs.make(opts, 256, torch.device("cpu")), opts,
                            {}, {})
     assert [(r["mode"], r["phase"], r["batch"]) for r in rows] == _plan(opts)
-    assert len(rows) == 6 and all(r.get("skipped") == "torchao not installed" and r["ms"] is None for r in rows), \
+    assert len(rows) == 8 and all(r.get("skipped") == "torchao not installed" and r["ms"] is None for r in rows), \
         [(r.get("skipped"), r.get("error")) for r in rows]
 
 
@@ -168,7 +168,7 @@ def test_budget_and_a_broken_cuda_context_end_in_rows_not_a_crash(monkeypatch):
     """A variant past its time budget skips its remaining steps; a CUDA error (faked here) makes
     every later step and variant a skip that names it, while the baseline's rows stay measured."""
     from lowbit.bench import model as bm
-    opts = dict(shape="tiny", layers=1, dtype="fp32", device="cpu", compile=False, prefill=9, context=7,
+    opts = dict(shape="tiny", layers=1, dtype="fp32", device="cpu", modes=("eager",), prefill=9, context=7,
                 batches=(1, 2), error_tokens=5, quick=True, log=lambda m: None)
     rows = bm.run_bench(bm.Options(variants=("w4a16",), budget=0.0, **opts))
     assert all(r["ms"] > 0 for r in rows if r["kind"] == "baseline")
@@ -184,8 +184,8 @@ def test_budget_and_a_broken_cuda_context_end_in_rows_not_a_crash(monkeypatch):
     rows = bm.run_bench(bm.Options(variants=("w8a8-int8", "w4a16"), budget=3600.0, **opts))
     by = {(r["variant"], r["phase"], r["batch"]): r for r in rows}
     assert all(by[("fp32", p, b)]["ms"] > 0 for p, b in (("prefill", 1), ("decode", 1), ("decode", 2)))
-    assert by[("w8a8-int8", "prefill", 1)]["error"].startswith("RuntimeError: CUDA error")
-    assert by[("w8a8-int8", "decode", 1)]["skipped"] == "not run: the CUDA context broke"
+    assert by[("w8a8-int8", "decode", 1)]["error"].startswith("RuntimeError: CUDA error")   # the first step
+    assert by[("w8a8-int8", "prefill", 1)]["skipped"] == "not run: the CUDA context broke"
     assert all(r["skipped"].startswith("CUDA context broken by an earlier error")
                for r in rows if r["variant"] == "w4a16")
 
@@ -208,3 +208,24 @@ def test_memory_plot_from_a_run(tmp_path):
         assert head[:8] == b"\x89PNG\r\n\x1a\n"
         sizes.append(struct.unpack(">II", head[16:24]))            # IHDR width, height
     assert sizes[0][0] == sizes[1][0] and sizes[0][1] > sizes[1][1], sizes
+
+
+def test_time_limit_shares_the_time_left(monkeypatch):
+    """Without --budget, each variant gets an equal share of what the time limit leaves when it
+    starts: about half of it for the first of two, all that is left for the last (the baseline
+    is never cut short)."""
+    from lowbit.bench import model as bm
+    seen = []
+    real = bm.measure_variant
+
+    def spy(name, kind, master, inp, opts, ref, state, budget=None):
+        seen.append((name, budget))
+        return real(name, kind, master, inp, opts, ref, state, budget=budget)
+    monkeypatch.setattr(bm, "measure_variant", spy)
+    opts = bm.Options(shape="tiny", layers=1, dtype="fp32", device="cpu", modes=("eager",), prefill=9, context=7,
+                      batches=(1,), error_tokens=5, quick=True, budget=None, time_limit=1e6,
+                      variants=("w4a16", "w8a8-int8"), log=lambda m: None)
+    bm.run_bench(opts)
+    assert seen[0] == ("fp32", 30.0)           # the baseline: measured whatever the budget says
+    assert [n for n, _ in seen[1:]] == ["w4a16", "w8a8-int8"]
+    assert 1e6 / 2 * 0.99 < seen[1][1] <= 1e6 / 2 and 1e6 * 0.99 < seen[2][1] <= 1e6   # 2 left, then 1 left

@@ -196,25 +196,32 @@ def test_untimed_exact_experts_and_grouped_na(monkeypatch):
     m = moe_model.build_moe("tiny-mixtral", 1, torch.float32, "cpu", 0)
     names = moe_model.expert_names(m)        # the float model's (QuantExperts are not listed)
     assert names == ["model.layers.0.mlp.experts"]
-    quantize_model(m, "w8a16-int8")          # no grouped kernel for W8A16
+    quantize_model(m, "w8a16-int8")          # every experts recipe has a grouped kernel
+    assert moe_model.untimed_experts(m, torch.device("cuda")) == []
+    experts = m.get_submodule(names[0])
+    experts.kernel = None                    # as a recipe without one would be
     assert moe_model.untimed_experts(m, torch.device("cpu")) == []
     assert moe_model.untimed_experts(m, torch.device("cuda")) == names
-    m = moe_model.build_moe("tiny-mixtral", 1, torch.float32, "cpu", 0)
-    quantize_model(m, "w8a8-int8")
-    assert moe_model.untimed_experts(m, torch.device("cuda")) == []
 
     monkeypatch.setattr(moe_model, "grouped_mm_op", lambda: None)
     real = moe_model.untimed_experts
-    monkeypatch.setattr(moe_model, "untimed_experts", lambda model, dev: real(model, torch.device("cuda")))
-    opts = bm.Options(shape="tiny-mixtral", layers=1, dtype="fp32", device="cpu", compile=True, prefill=9, context=7,
+
+    def no_kernel(model, dev):               # the variant's experts lose their kernel, as above
+        for mod in model.modules():
+            if hasattr(mod, "kernel") and type(mod).__name__ == "QuantExperts":
+                mod.kernel = None
+        return real(model, torch.device("cuda"))
+    monkeypatch.setattr(moe_model, "untimed_experts", no_kernel)
+    opts = bm.Options(shape="tiny-mixtral", layers=1, dtype="fp32", device="cpu", modes=("eager", "compile"),
+                      compile_backend="aot_eager", prefill=9, context=7,
                       batches=(1, 2), error_tokens=5, quick=True, budget=3600.0, loop_budget=0.0,
                       variants=("w8a16-int8",), log=lambda msg: None)
     rows = bm.run_bench(opts)
     by = {(r["variant"], r["mode"], r["phase"], r["batch"]): r for r in rows}
     for p, b in (("prefill", 1), ("decode", 1), ("decode", 2)):
         assert by[("fp32", "eager", p, b)]["ms"] > 0
-        assert by[("fp32", "compiled", p, b)]["skipped"].startswith("not run: --loop-budget 0")
-        for mode in ("eager", "compiled"):
+        assert by[("fp32", "compile", p, b)]["skipped"].startswith("not run: --loop-budget 0")
+        for mode in ("eager", "compile"):
             assert by[("fp32-grouped", mode, p, b)]["skipped"].startswith("n/a: torch")
             r = by[("w8a16-int8", mode, p, b)]
             assert r["ms"] is None and "exact float64 path" in r["skipped"], r

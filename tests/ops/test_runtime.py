@@ -11,7 +11,7 @@ from lowbit.nn import QuantLinear, get_recipe, prepare_model
 from lowbit.pipelines.quantize_model import quantize_model
 
 from lowbit.ops import prepared as runtime
-from lowbit.recipes.presets import RECIPES
+from lowbit.recipes.presets import LM_HEAD, RECIPES
 from lowbit.ops.reference import qlinear_reference, sum_abs_products
 from lowbit.quantize import quantize
 
@@ -60,9 +60,10 @@ def _bound(q, r, xf, ref, device, dequant_path=False):
     return U_BF16 * ref.abs() + (1 + U_BF16) * e32
 
 
-@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("recipe", list(RECIPES.values()) + [LM_HEAD["fp8"]], ids=lambda r: r.name)
 def test_fast_path_matches_reference(rng, kernel_device, recipe):
-    """Every recipe's fast path, bf16 in / bf16 out, at a shape that is no tile multiple."""
+    """Every recipe's fast path (and the fp8 weight-only LM head's), bf16 in / bf16 out, at a
+    shape that is no tile multiple."""
     M, K, N = 7, 256, 40
     q, r = _layer(rng, N, K, recipe, kernel_device)
     x = _acts(rng, M, K)

@@ -7,13 +7,17 @@ lowbit.pipelines.quantize_model, followed by lowbit.nn.prepare_model where that 
   prefill   2048 tokens, batch 1, no KV cache, logits of the last token only
   decode    one token per sequence at batch 1 and 16 against a KV cache holding 512 tokens
             (a transformers StaticCache; the same step is repeated, see lowbit.bench.llama)
-each in two modes:
-  eager     the model as transformers runs it (no CUDA graph: decode is launch-bound here)
-  compiled  torch.compile(dynamic=False): mode "default" for prefill; mode "reduce-overhead"
-            for decode, i.e. inductor's CUDA graphs (cudagraph trees) around the whole step.
-            That is the only way CUDA graphs enter: an eager model is never captured by hand,
-            so eager is compared with eager and compiled with compiled. A compile failure is
-            that row's error; the run goes on.
+in three modes (`modes`; each compared with the baseline in the same mode):
+  eager     the model as transformers runs it (lowbit's own per-layer decode graphs included,
+            lowbit.ops.prepared: what a user gets without compiling)
+  compile   torch.compile(dynamic=False), mode "default": prefill and decode
+  graphs    torch.compile(dynamic=False), mode "reduce-overhead", i.e. inductor's CUDA graphs
+            (cudagraph trees) around the whole decode step (decode only)
+A compile failure is that row's error; the run goes on.
+Variants: lowbit recipes, `RECIPE+lm_head=KIND` (the recipe with quantize_model's quantized LM
+head, KIND int8 / fp8 / w4a16) and torchao's configs (torchao-int4: int4 weight-only, groups of
+128; torchao-int8wo: int8 weight-only; torchao-int8: int8 dynamic; torchao-fp8-row: fp8 dynamic
+per row), the last where torchao imports.
 
 Timing: lowbit.profiling.timing.bench_ms (triton.testing.do_bench median, L2 flushed between
 calls) after warm-up calls; peak memory is read around one extra call, outside the timer (the
@@ -32,8 +36,11 @@ peak_ratio, logits_rel_err (||logits - logits_baseline|| / ||logits_baseline|| o
 positions of a fixed 256-token prompt, eager), out_rel_err (the timed call's own output
 against the baseline's eager output for the same inputs), vs_eager_rel (compiled rows: against
 the same variant's eager output), compile_s, graph_breaks, cudagraph_skips, build_s,
-prepared, paths (QuantLinear.last_path counts), cache (static|dynamic); a row that did not run
-has ms None and `error` or `skipped` saying why.
+prepared, paths (QuantLinear.last_path counts), cache (static|dynamic); decode rows:
+bytes_per_step and roof (lowbit.bench.model_targets: the step's bytes per second over the copy
+bandwidth measured at the start, `copy_bw` in the environment); must / met and weights_must /
+weights_met at the targets' shape (model_targets); a row that did not run has ms None and
+`error` or `skipped` saying why.
 
 torch.compile runs with torch's defaults (its recompile limit included: what a user gets);
 graph breaks and cudagraph skips are counted per row, so a model that falls back shows it.
@@ -49,12 +56,13 @@ are the reference); its compiled rows get `loop_budget` seconds from its start (
 recipes' budget), since dynamo breaks the graph and recompiles per expert there, which can take
 minutes; the grouped baseline has no budget.
 
-Budget: each non-baseline variant gets `budget` seconds (default 30, so ten recipes stay near
-five minutes plus the baseline and overruns); the steps run in the order eager prefill, eager
-decode b1, b16, compiled decode b1, prefill, decode b16, and a step that would start after the
-budget is spent is skipped with that reason. A step is not interrupted: one slow compile can
-overrun. The baseline has no budget (every ratio needs it). `time_limit` bounds the whole run:
-variants not started by then are skipped.
+Budget: each non-baseline variant gets `budget` seconds; with a `time_limit` for the whole run, at
+most an equal share of the time left when it starts (so every variant gets its turn inside one
+call), and that share alone when no budget is given (default without a time limit: 30 s). Steps
+run in the order of `_plan` (the eager rows, then graphs decode b1 and compile decode b1: the rows
+that decide a recipe), and a step that would start after the budget is spent is skipped with that
+reason. A step is not interrupted: one slow compile can overrun. The baseline has no budget (every
+ratio needs it); variants not started by the time limit are skipped.
 """
 from __future__ import annotations
 
@@ -70,8 +78,11 @@ import torch
 from lowbit.bench import llama, moe_model
 from lowbit.bench.model_measure import (CACHE_SLACK, CUDA_BROKEN, Inputs, Skipped, allocated, describe_failure,
                                         free, quant_paths, rel_err, reset_compiler, run_step, weight_memory)
+from lowbit.bench.model_targets import add_musts, add_roofline, copy_bandwidth, decode_bytes
 
-TORCHAO = ("torchao-int8", "torchao-fp8-row", "torchao-int4")
+TORCHAO = ("torchao-int4", "torchao-int8wo", "torchao-int8", "torchao-fp8-row")
+MODES = ("eager", "compile", "graphs")
+DEFAULT_BUDGET = 30.0
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -79,7 +90,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 class Options:
     """One run. Token counts are per sequence; batches are the decode batch sizes."""
     shape: str = "8b"
-    layers: int | None = None               # None: 4 (dense shapes), 2 (MoE shapes)
+    layers: int | None = None               # None: 32 (dense shapes: full depth), 2 (MoE shapes)
     dtype: str = "bf16"
     device: str = "cuda"
     seed: int = 0
@@ -88,8 +99,9 @@ class Options:
     batches: tuple[int, ...] = (1, 16)
     error_tokens: int = 256
     variants: tuple[str, ...] = ()          # lowbit recipe / torchao names; () = all
-    compile: bool = True
-    budget: float = 30.0
+    modes: tuple[str, ...] = MODES
+    compile_backend: str = "inductor"       # another torch.compile backend (aot_eager): CPU dry runs
+    budget: float | None = None             # seconds per variant; None: see the module docstring
     loop_budget: float | None = None        # MoE: seconds for the expert loop's compiled rows (None: budget)
     time_limit: float | None = None         # seconds for the whole run; later variants are skipped
     quick: bool = False
@@ -97,7 +109,7 @@ class Options:
 
     def __post_init__(self):
         if self.layers is None:
-            self.layers = 2 if moe_model.is_moe(self.shape) else 4
+            self.layers = 2 if moe_model.is_moe(self.shape) else 32
 
     @classmethod
     def quick_run(cls, **kw) -> "Options":
@@ -110,16 +122,39 @@ def all_variants() -> list[str]:
     return list(RECIPES) + list(TORCHAO)
 
 
+def split_variant(name: str) -> tuple[str, str | None]:
+    """("w4a16", "int8") for "w4a16+lm_head=int8"; (name, None) without a suffix."""
+    base, plus, head = name.partition("+")
+    if not plus:
+        return name, None
+    key, eq, kind = head.partition("=")
+    if key != "lm_head" or not eq:
+        raise ValueError(f"recipes={name}: write RECIPE+lm_head=KIND (KIND int8, fp8 or w4a16)")
+    return base, kind
+
+
 def check_variants(names: tuple[str, ...], moe: bool = False) -> tuple[str, ...]:
     """The variants to run (all when `names` is empty); a MoE model runs lowbit recipes only
     (torchao's configs quantize nn.Linear layers, not fused experts)."""
+    from lowbit.recipes.presets import LM_HEAD
     known = [v for v in all_variants() if not (moe and v in TORCHAO)]
     names = tuple(n.lower() for n in names)     # recipe names in any letter case (W4A16 as llm-compressor writes it)
-    bad = [n for n in names if n not in known]
+    bad = []
+    for n in names:
+        base, head = split_variant(n)
+        if base not in known or (head is not None and (head not in LM_HEAD or base in TORCHAO)):
+            bad.append(n)
     if bad:
         raise ValueError(f"recipes={','.join(bad)} not known{' for a MoE shape' if moe else ''}; choose from: "
-                         f"{', '.join(known)}")
+                         f"{', '.join(known)} (a lowbit recipe may add +lm_head=KIND, KIND one of {', '.join(LM_HEAD)})")
     return tuple(names) or tuple(known)
+
+
+def check_modes(modes: tuple[str, ...]) -> tuple[str, ...]:
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise ValueError(f"modes={','.join(modes)}: choose from {', '.join(MODES)}")
+    return tuple(dict.fromkeys(modes))
 
 
 # ------------------------------------------------------------------------------ variants
@@ -132,7 +167,8 @@ def _build(name: str, kind: str, master: torch.nn.Module) -> tuple[torch.nn.Modu
         return _build_torchao(name, master)
     import lowbit.nn as lnn
     model = copy.deepcopy(master)
-    lnn.quantize_model(model, name)
+    recipe, head = split_variant(name)
+    lnn.quantize_model(model, recipe, lm_head=head)
     prepare = getattr(lnn, "prepare_model", None)  # the GPU runtime's hook, where it exists
     if prepare is not None:
         prepare(model)
@@ -155,6 +191,8 @@ def _build_torchao(name: str, master: torch.nn.Module) -> tuple[torch.nn.Module,
         raise Skipped("torchao not installed" if absent else f"torchao not importable ({exc})") from None
     if name == "torchao-int8":
         cfg = tq.Int8DynamicActivationInt8WeightConfig()
+    elif name == "torchao-int8wo":
+        cfg = tq.Int8WeightOnlyConfig()
     elif name == "torchao-fp8-row":
         per_row = getattr(tq, "PerRow", None) or __import__("torchao.quantization.granularity",
                                                             fromlist=["PerRow"]).PerRow
@@ -164,22 +202,31 @@ def _build_torchao(name: str, master: torch.nn.Module) -> tuple[torch.nn.Module,
     model = copy.deepcopy(master)
     # the layers lowbit quantizes: every Linear but the LM head
     tq.quantize_(model, cfg, filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and fqn != "lm_head")
-    return model, dict(torchao_config=type(cfg).__name__)
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    targets = [m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    done = sum(is_traceable_wrapper_subclass(m.weight) for m in targets)
+    if not done:   # some configs leave a dtype / device they do not support as it was, silently
+        raise RuntimeError(f"torchao's {type(cfg).__name__} left all {len(targets)} Linears unquantized "
+                           f"({master.dtype if hasattr(master, 'dtype') else ''} on {targets[0].weight.device})")
+    return model, dict(torchao_config=type(cfg).__name__, torchao_quantized=f"{done}/{len(targets)}")
 
 
 # ------------------------------------------------------------------------------ one variant
-STEPS = {"eager": (("prefill", 1), ("decode", None)), "compiled": (("decode", 1), ("prefill", 1), ("decode", None))}
+# (mode, phase, batch) in the order they run; batch None: every decode batch of the run
+# (eager first: no compile, seconds, and every compiled row is then checked against its eager output)
+ORDER = (("eager", "decode", 1), ("eager", "decode", None), ("eager", "prefill", 1), ("graphs", "decode", 1),
+         ("compile", "decode", 1), ("graphs", "decode", None), ("compile", "prefill", 1), ("compile", "decode", None))
 
 
 def _plan(opts: Options) -> list[tuple[str, str, int]]:
     """(mode, phase, batch) in the order they run (see the module docstring)."""
     out = []
-    for mode in ("eager", "compiled") if opts.compile else ("eager",):
-        for phase, b in STEPS[mode]:
-            if b is None:   # the decode batches not yet listed for this mode
-                out += [(mode, phase, x) for x in opts.batches if (mode, phase, x) not in out]
-            elif phase == "prefill" or b in opts.batches:
-                out.append((mode, phase, b))
+    for mode, phase, b in ORDER:
+        if mode not in opts.modes:
+            continue
+        for x in ([b] if b is not None else opts.batches):
+            if (phase == "prefill" or x in opts.batches) and (mode, phase, x) not in out:
+                out.append((mode, phase, x))
     return out
 
 
@@ -205,15 +252,16 @@ def _try_step(model, r: dict, inp: Inputs, opts: Options, ref: dict, eager_out: 
         opts.log(f"  {r['name']}: FAILED {r['error']}")
         if any(s in str(exc) for s in CUDA_BROKEN):
             state["cuda_broken"] = r["error"]
-        elif r["mode"] == "compiled":
+        elif r["mode"] != "eager":
             reset_compiler()
 
 
 def measure_variant(name: str, kind: str, master: torch.nn.Module, inp: Inputs, opts: Options,
-                    ref: dict, state: dict) -> list[dict]:
+                    ref: dict, state: dict, budget: float | None = None) -> list[dict]:
     """Every row of one variant; `ref` holds the baseline's outputs (filled by the baseline),
     `state` carries `cuda_broken` (why nothing can run any more) between variants and
-    `experts` (the MoE experts modules' names; empty for a dense model)."""
+    `experts` (the MoE experts modules' names; empty for a dense model); budget: seconds for this
+    variant (default opts.budget)."""
     log, device = opts.log, inp.prefill.device
     plan = _plan(opts)
     rows = [_base_row(opts, name, kind, *p) for p in plan]
@@ -229,17 +277,19 @@ def measure_variant(name: str, kind: str, master: torch.nn.Module, inp: Inputs, 
     if state.get("cuda_broken"):
         return fail_all("skipped", f"CUDA context broken by an earlier error ({state['cuda_broken']})")
     t0 = time.perf_counter()
+    if budget is None:
+        budget = DEFAULT_BUDGET if opts.budget is None else opts.budget
     experts = state.get("experts") or []
     if kind == "grouped" or (kind == "baseline" and not experts):   # see the module docstring
         deadlines, spent = dict(eager=math.inf, compiled=math.inf), ""
     elif kind == "baseline":
-        loop = opts.budget if opts.loop_budget is None else opts.loop_budget
+        loop = budget if opts.loop_budget is None else opts.loop_budget
         deadlines = dict(eager=math.inf, compiled=t0 + loop)
         spent = (f"loop budget ({loop:.0f} s) spent" if loop > 0 else
                  "not run: --loop-budget 0 (under torch.compile the loop breaks the graph and recompiles per expert)")
     else:
-        deadlines = dict(eager=t0 + opts.budget, compiled=t0 + opts.budget)
-        spent = f"variant time budget ({opts.budget:.0f} s) spent"
+        deadlines = dict(eager=t0 + budget, compiled=t0 + budget)
+        spent = f"variant time budget ({budget:.0f} s) spent"
     mem0 = allocated(device)
     model, info = None, {}
     try:
@@ -259,22 +309,26 @@ def measure_variant(name: str, kind: str, master: torch.nn.Module, inp: Inputs, 
             info["logits_rel_err"] = rel_err(logits, ref["logits"])
             del logits
             eager_out: dict = {}
-            for mode in dict.fromkeys(m for m, _, _ in plan):
-                if mode == "compiled" and not state.get("cuda_broken"):
+            for r, (mode, phase, batch) in zip(rows, plan):
+                if state.get("cuda_broken"):
+                    continue
+                if mode != "eager" and "weight_bytes" not in info:
                     # the eager model's memory, before compiled graphs hold their own
                     info.update(_memory(model, device, mem0, experts), paths=quant_paths(model))
+                if time.perf_counter() > deadlines["eager" if mode == "eager" else "compiled"]:
+                    r["skipped"] = spent
+                    continue
+                if mode != "eager":
                     reset_compiler()
-                for r, (m, phase, batch) in zip(rows, plan):
-                    if m != mode or state.get("cuda_broken"):
-                        continue
-                    if time.perf_counter() > deadlines[m]:
-                        r["skipped"] = spent
-                        continue
-                    _try_step(model, r, inp, opts, ref, eager_out, mem0, state)
+                _try_step(model, r, inp, opts, ref, eager_out, mem0, state)
             if state.get("cuda_broken"):   # nothing more can run in this process
                 fail_all("skipped", "not run: the CUDA context broke")
             elif "weight_bytes" not in info:
                 info.update(_memory(model, device, mem0, experts), paths=quant_paths(model))
+            if "weight_bytes" in info:
+                for r in rows:
+                    if r["phase"] == "decode":
+                        r["bytes_per_step"] = decode_bytes(info["weight_bytes"], model, r["batch"], opts.context)
     except Skipped as exc:
         fail_all("skipped", str(exc))
     except Exception as exc:
@@ -322,10 +376,10 @@ def add_ratios(rows: list[dict]) -> None:
                 r[key] = num / den
 
 
-def run_bench(opts: Options, on_variant: Callable[[list[dict]], None] | None = None) -> list[dict]:
+def run_bench(opts: Options, on_variant: Callable[[list[dict], float], None] | None = None) -> list[dict]:
     """Build the baseline model, measure it and every variant in `opts.variants`; rows with
-    ratios. on_variant(rows so far) runs after each variant (main writes the JSON there, so a
-    run killed from outside keeps what it measured)."""
+    ratios. on_variant(rows so far, copy bandwidth in B/s) runs first and after each variant
+    (main writes the JSON there, so a run killed from outside keeps what it measured)."""
     device = torch.device(opts.device)
     if opts.dtype not in DTYPES:
         raise ValueError(f"dtype={opts.dtype!r}; choose one of {', '.join(DTYPES)}")
@@ -333,13 +387,18 @@ def run_bench(opts: Options, on_variant: Callable[[list[dict]], None] | None = N
         raise ValueError("prefill, context, error_tokens and every decode batch must be >= 1")
     moe = moe_model.is_moe(opts.shape)
     variants = check_variants(opts.variants, moe)
+    check_modes(opts.modes)
     need = max(opts.prefill, opts.error_tokens, opts.context + CACHE_SLACK)
     build = moe_model.build_moe if moe else llama.build_llama
     master = build(opts.shape, opts.layers, DTYPES[opts.dtype], opts.device, opts.seed, max_positions=max(8192, need))
     inp = Inputs.make(opts, master.config.vocab_size, device)
     opts.log(f"# model: {opts.shape} x {opts.layers} layers, {opts.dtype} on {device}; prefill {opts.prefill}, "
              f"decode at batch {','.join(map(str, opts.batches))} after {opts.context} tokens; "
-             f"{'eager and compiled' if opts.compile else 'eager only'}")
+             f"modes {', '.join(opts.modes)}")
+    copy_bw = copy_bandwidth(device)
+    opts.log(f"# copy bandwidth (device to device, read + write): {copy_bw / 1e9:.0f} GB/s")
+    if on_variant is not None:
+        on_variant([], copy_bw)
     ref: dict = {}
     state: dict = dict(experts=moe_model.expert_names(master) if moe else [])
     rows: list[dict] = []
@@ -353,17 +412,23 @@ def run_bench(opts: Options, on_variant: Callable[[list[dict]], None] | None = N
             rows += [dict(_base_row(opts, name, kind, *p), skipped=why) for p in _plan(opts)]
             opts.log(f"  {name}: skipped ({why})")
             continue
-        rows += measure_variant(name, kind, master, inp, opts, ref, state)
-        _ratios(rows, moe)
+        budget = DEFAULT_BUDGET if opts.budget is None else opts.budget
+        if opts.time_limit and kind != "baseline":   # an equal share of what is left, so every variant gets a turn
+            share = (opts.time_limit - (time.perf_counter() - t0)) / (len(todo) - i)
+            budget = share if opts.budget is None else min(opts.budget, share)
+        rows += measure_variant(name, kind, master, inp, opts, ref, state, budget=budget)
+        _finish(rows, opts, copy_bw)
         if on_variant is not None:
-            on_variant(rows)
-    _ratios(rows, moe)
+            on_variant(rows, copy_bw)
+    _finish(rows, opts, copy_bw)
     return rows
 
 
-def _ratios(rows: list[dict], moe: bool) -> None:
+def _finish(rows: list[dict], opts: Options, copy_bw: float) -> None:
     add_ratios(rows)
-    if moe:
+    add_roofline(rows, copy_bw)
+    add_musts(rows, opts.shape, opts.layers)
+    if moe_model.is_moe(opts.shape):
         from lowbit.bench.moe_report import add_moe_ratios
         add_moe_ratios(rows)
 
@@ -376,15 +441,21 @@ def register(p) -> None:
                    help="8b: Llama-3-8B layers, 1b: Llama-3.2-1B, smollm2: SmolLM2-135M, tiny: a CPU dry run; "
                         "MoE: mixtral (Mixtral-8x7B layers), qwen3-30b-a3b (Qwen3-30B-A3B), tiny-mixtral and "
                         "tiny-qwen3-moe (CPU dry runs)")
-    p.add_argument("--layers", type=int, default=None, help="decoder layers (default 4; 2 for MoE shapes)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default 32: full depth; 2 for MoE shapes)")
     p.add_argument("--recipes", default=None, metavar="A,B,...",
-                   help="lowbit recipes and torchao-int8 / torchao-fp8-row / torchao-int4 to run (default: all); "
-                        "the baseline always runs")
-    p.add_argument("--no-compile", action="store_true", help="eager rows only")
+                   help="lowbit recipes (RECIPE+lm_head=int8|fp8|w4a16: with the quantized LM head) and "
+                        f"{' / '.join(TORCHAO)} to run (default: every recipe and torchao's); the baseline always runs")
+    p.add_argument("--modes", default=None, metavar="M,M",
+                   help=f"of {', '.join(MODES)} (default: all): eager, torch.compile's default mode, its "
+                        "reduce-overhead mode (CUDA graphs, decode only)")
+    p.add_argument("--no-compile", action="store_true", help="eager rows only (--modes eager)")
+    p.add_argument("--compile-backend", default=None, metavar="NAME",
+                   help="torch.compile backend (default inductor; aot_eager for a CPU dry run without a C++ compiler)")
     p.add_argument("--quick", action="store_true",
                    help="prefill 512, context 128, decode batch 1 only, 15 s per variant (a smoke run)")
     p.add_argument("--budget", type=float, default=None, metavar="S",
-                   help=f"seconds per non-baseline variant (default {d.budget:.0f}; --quick 15)")
+                   help=f"seconds per non-baseline variant (default {DEFAULT_BUDGET:.0f}, --quick 15; with --time-limit: "
+                        "at most an equal share of the time left, and that share without --budget)")
     p.add_argument("--loop-budget", type=float, default=None, metavar="S",
                    help="MoE shapes: seconds for the compiled rows of transformers' expert loop (default: --budget; "
                         "0 runs its eager rows only)")
@@ -405,8 +476,14 @@ def register(p) -> None:
 
 
 def options_from_args(args) -> Options:
-    kw = dict(shape=args.shape, layers=args.layers, dtype=args.dtype, device=args.device, seed=args.seed,
-              compile=not args.no_compile)
+    kw = dict(shape=args.shape, layers=args.layers, dtype=args.dtype, device=args.device, seed=args.seed)
+    if args.no_compile and args.modes:
+        raise ValueError("--no-compile means --modes eager: give one of them")
+    if args.no_compile or args.modes:
+        kw["modes"] = check_modes(("eager",) if args.no_compile else
+                                  tuple(m.strip() for m in args.modes.split(",") if m.strip()))
+    if args.compile_backend:
+        kw["compile_backend"] = args.compile_backend
     if args.recipes:
         kw["variants"] = tuple(x.strip() for x in args.recipes.split(",") if x.strip())
     for name in ("prefill", "context", "budget", "loop_budget", "error_tokens", "time_limit"):
@@ -451,7 +528,9 @@ def main(args) -> int:
         return 2
     env = environment(opts)
 
-    def write_json(rows: list[dict]) -> None:
+    def write_json(rows: list[dict], copy_bw: float | None = None) -> None:
+        if copy_bw is not None:
+            env["copy_bw"] = copy_bw
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(environment=env, rows=rows), f, indent=1, default=str)
@@ -471,11 +550,12 @@ def main(args) -> int:
     print(report.table(rows))
     for n in notes:
         print(n)
+    print(model_report.targets(rows, opts.shape, opts.layers))
     return 1 if any(r["kind"] == "baseline" and r["ms"] is None for r in rows) else 0
 
 
 def run(only: str | None = None, quick: bool = False, log=print) -> list[dict]:
-    """The `lowbit bench` hook: the default model run (8b, 4 layers; --quick as above); `only`
+    """The `lowbit bench` hook: the default model run (8b, 32 layers; --quick as above); `only`
     keeps the variants whose name contains one of its comma-separated parts."""
     from lowbit.bench import model_report
 

@@ -131,14 +131,18 @@ def run_step(model, mode: str, phase: str, batch: int, inp: Inputs, opts, row: d
     else:
         cache, kind = llama.new_cache(model, batch, opts.context + CACHE_SLACK)
         row["cache"] = kind
-        if mode == "compiled" and kind != "static":
+        if mode != "eager" and kind != "static":
             raise Skipped("compiled decode needs transformers' StaticCache (not usable in this version)")
         llama.fill_cache(model, cache, inp.context[:batch])
         fn, args = llama.decode_step(model, cache, kind, inp.step[:batch], opts.context)
-    if mode == "compiled":
+    if mode != "eager":
         breaks0, skips0 = dynamo_counts()
-        compiled = torch.compile(fn, mode="reduce-overhead" if phase == "decode" else "default", dynamic=False)
-        graphs = phase == "decode" and device.type == "cuda"
+        backend = getattr(opts, "compile_backend", "inductor")
+        if backend == "inductor":
+            compiled = torch.compile(fn, mode="reduce-overhead" if mode == "graphs" else "default", dynamic=False)
+        else:   # another backend takes no inductor mode (a CPU dry run of the plumbing)
+            compiled = torch.compile(fn, backend=backend, dynamic=False)
+        graphs = mode == "graphs" and backend == "inductor" and device.type == "cuda"
 
         def call():
             if graphs:   # each call starts a new cudagraph-tree step: the previous outputs are dead
@@ -167,7 +171,7 @@ def run_step(model, mode: str, phase: str, batch: int, inp: Inputs, opts, row: d
         eager_out[key] = out
     elif key in eager_out:
         row["vs_eager_rel"] = rel_err(out, eager_out[key])
-    if mode == "compiled":
+    if mode != "eager":
         breaks, skips = dynamo_counts()
         row.update(graph_breaks=breaks - breaks0, cudagraph_skips=skips - skips0)
     if mem0 is not None:

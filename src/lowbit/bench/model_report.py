@@ -13,26 +13,31 @@ def _columns(rows: list[dict]) -> list[tuple[str, int]]:
     return list(dict.fromkeys((r["phase"], r["batch"]) for r in rows))
 
 
+W = 27   # a cell: ms, tokens/s, speed-up, roof
+
+
 def _cell(r: dict | None) -> str:
     if r is None:
-        return f"{'-':>22s}"
+        return f"{'-':>{W}s}"
     if r.get("ms") is None:
-        return f"{'FAILED' if r.get('error') else 'skipped':>22s}"
+        return f"{'FAILED' if r.get('error') else 'skipped':>{W}s}"
     x = f"{r['speedup']:5.2f}x" if "speedup" in r else "     -"
-    return f"{r['ms']:8.3f} {r['tokens_per_s']:7.0f} {x}"
+    roof = f"{100 * r['roof']:3.0f}%" if r.get("roof") is not None else "   -"
+    return f"{r['ms']:8.3f} {r['tokens_per_s']:7.0f} {x} {roof}"
 
 
 def table(rows: list[dict]) -> str:
-    """One line per (variant, mode): ms, tokens/s and speed-up over the baseline per phase;
-    weights and peak in MiB with their ratios to the baseline; the logits' relative error.
+    """One line per (variant, mode): ms, tokens/s, speed-up over the baseline and (decode) the
+    fraction of the copy bandwidth the step's bytes move at, per phase; weights and peak in MiB
+    with their ratios to the baseline; the logits' relative error.
     Rows that did not run are listed under the table with the reason."""
     cols = _columns(rows)
     by = {(r["variant"], r["mode"], r["phase"], r["batch"]): r for r in rows}
     T = next((r["tokens"] for r in rows if r["phase"] == "prefill"), "")
     head1 = f"{'variant':18s} {'mode':8s} " + " ".join(
-        f"{f'prefill T={T}' if p == 'prefill' else f'decode b{b}':>22s}" for p, b in cols)
+        f"{f'prefill T={T}' if p == 'prefill' else f'decode b{b}':>{W}s}" for p, b in cols)
     head1 += f" {'weights MiB':>15s} {'peak MiB':>15s} {'logits':>9s}"
-    head2 = f"{'':27s}" + " ".join(f"{'ms':>8s} {'tok/s':>7s} {'vs base':>6s}" for _ in cols)
+    head2 = f"{'':27s}" + " ".join(f"{'ms':>8s} {'tok/s':>7s} {'vs base':>6s} {'roof':>4s}" for _ in cols)
     head2 += f" {'':>15s} {'':>15s} {'rel err':>9s}"
     lines = [head1, head2]
     notes = []
@@ -49,7 +54,7 @@ def table(rows: list[dict]) -> str:
         line += f" {peak['peak_bytes'] / 2**20:8.1f} {pr}" if peak else f" {'-':>15s}"
         err = any_r.get("logits_rel_err")
         line += f" {err:9.2e}" if err is not None else f" {'-':>9s}"
-        if mode == "compiled":   # torch.compile's own account: graph breaks, CUDA graphs not used
+        if mode != "eager":   # torch.compile's own account: graph breaks, CUDA graphs not used
             ran = [c for c in cells if c and "graph_breaks" in c]
             if ran:
                 line += (f"  {sum(c['graph_breaks'] for c in ran)} graph breaks, "
@@ -58,12 +63,41 @@ def table(rows: list[dict]) -> str:
         for c in cells:
             if c and c.get("ms") is None and (c.get("error") or c.get("skipped")):
                 notes.append(f"  {c['name']}: {c.get('error') or c.get('skipped')}")
-    lines.append("(vs base = baseline ms / ms in the same mode, phase and batch: > 1 is faster; peak is the "
-                 "largest of the variant's calls, its ratio against the baseline's same call)")
+    lines.append("(vs base = baseline ms / ms in the same mode, phase and batch: > 1 is faster; roof = the decode "
+                 "step's weight + KV-cache bytes per second over the measured copy bandwidth; peak is the largest of "
+                 "the variant's calls, its ratio against the baseline's same call)")
     if notes:
         # one line per distinct reason and variant, not one per row
         lines += ["not measured:"] + list(dict.fromkeys(notes))
     return "\n".join(lines)
+
+
+def targets(rows: list[dict], shape: str, layers: int) -> str:
+    """The short table printed last: every target (lowbit.bench.model_targets) with what the run
+    measured, met / MISSED / not run; a count line first."""
+    from lowbit.bench.model_targets import MUST_SHAPE
+    if (shape, layers) != MUST_SHAPE:
+        return (f"# targets: none for --shape {shape} --layers {layers} (they are set for "
+                f"--shape {MUST_SHAPE[0]} --layers {MUST_SHAPE[1]})")
+    lines, met, missed, absent = [], 0, 0, 0
+    for r in rows:
+        if "must" in r:
+            got = "not run" if r["met"] is None else f"{r['speedup']:5.2f}x"
+            verdict = "not run" if r["met"] is None else ("met" if r["met"] else "MISSED")
+            lines.append(f"  {r['name']:40s} {got:>8s}  must >= {r['must']:.2f}x  {verdict}")
+            met, missed, absent = met + (r["met"] is True), missed + (r["met"] is False), absent + (r["met"] is None)
+    seen = set()
+    for r in rows:
+        if "weights_must" in r and r["variant"] not in seen:
+            seen.add(r["variant"])
+            got = "not run" if r["weights_met"] is None else f"{r['weights_ratio']:5.2f}x"
+            verdict = "not run" if r["weights_met"] is None else ("met" if r["weights_met"] else "MISSED")
+            lines.append(f"  {r['variant'] + ' weights':40s} {got:>8s}  must <= {r['weights_must']:.2f}x  {verdict}")
+            met += r["weights_met"] is True
+            missed += r["weights_met"] is False
+            absent += r["weights_met"] is None
+    head = f"# targets (ratios vs the baseline, same mode): {met} met, {missed} missed, {absent} not run"
+    return "\n".join([head] + lines)
 
 
 def plot(rows: list[dict], path: str) -> None:

@@ -78,6 +78,11 @@ def register(p) -> None:
                         "(static per KV head), fp8-token | int8-token (dynamic per token and head), int4-g32 (dynamic "
                         "per 32 head-dim values); the report gives the metrics with and without it and the "
                         "checkpoint carries compressed-tensors' kv_cache_scheme")
+    p.add_argument("--lm-head", choices=("int8", "fp8", "w4a16"), default=None,
+                   help="also quantize the LM head, weight-only: int8 or fp8 (one scale per output channel) or w4a16 "
+                        "(int4, groups of 128); a head tied to the embedding is untied (the embedding keeps its "
+                        "weight). The report gives the metrics with the head quantized and in high precision. "
+                        "Default: the head stays in high precision")
     p.add_argument("--no-save", action="store_true", help="evaluate only, write no checkpoint (report still written)")
     p.add_argument("--sequential", action="store_true",
                    help="layer by layer from the --model directory's (sharded) safetensors, Llama family: one decoder "
@@ -151,6 +156,16 @@ def _kv_line(kv_name: str, mname: str, run_) -> str:
     return f"KV cache {kv_name}: {fmt(with_kv)}; with the KV cache unquantized: {fmt(run_.without_kv)}"
 
 
+def _head_line(kind: str, mname: str, run_) -> str:
+    """One report line: the metrics with the quantized LM head and with the float one."""
+    def fmt(v):
+        if hasattr(v, "kl"):
+            return f"{mname} {v.perplexity:.4f}, KL from float {v.kl:.4f} nats, top-1 agreement {100 * v.top1:.2f}%"
+        return f"{mname} {v:.4f}"
+    with_head = run_.tokens if run_.tokens is not None else run_.value
+    return f"LM head {kind} (weight-only): {fmt(with_head)}; with the LM head in high precision: {fmt(run_.float_head)}"
+
+
 def _out_dirs(args, recipes: list[str]) -> dict[str, Path]:
     """Each recipe's output directory (known before the model is loaded)."""
     name = args.model
@@ -180,6 +195,11 @@ def validate(args) -> tuple[list[str], dict, dict[str, Path]]:
     A.text_sizes(args.calib_tokens, args.window, "--calib-tokens")
     A.positive(args.threads, "--threads", allow_none=True)
     A.kv_cache(getattr(args, "kv_cache", None))
+    if getattr(args, "lm_head", None) and args.sequential:
+        raise ValueError("--lm-head is not available with --sequential (which writes decoder layers one at a time); "
+                         "drop one of them")
+    if getattr(args, "lm_head", None) and (args.method == "gptq"):
+        raise ValueError("--lm-head with --gptq: GPTQ calibrates the decoder layers only; drop --lm-head or --gptq")
     if getattr(args, "kv_cache", None) and args.sequential:
         raise ValueError("--kv-cache is not available with --sequential (which writes layers without running the "
                          "whole model); drop one of them")
@@ -266,7 +286,8 @@ def check_plan(args, model, recipe: str, overrides: dict) -> None:
     if args.no_save:
         return
     extra = [args.override_to] if args.override_to != "skip" and args.override_worst > 0 else []
-    why = plan_refusal(plan(model, recipe, ignore=args.ignore, overrides=overrides), extra)
+    why = plan_refusal(plan(model, recipe, ignore=args.ignore, overrides=overrides,
+                            lm_head=getattr(args, "lm_head", None)), extra)
     if why:
         raise ValueError(f"--recipe {recipe}: {why}")
 
@@ -364,7 +385,7 @@ def run(args) -> int:
         run_ = run_recipe(loaded, rtexts, recipe, override_to=args.override_to, ignore=args.ignore,
                           overrides=overrides, static=args.static_scales, window=args.window, evaluate=evaluate,
                           reference=loaded.model if loaded.kind == "causal" and evaluate else None,
-                          kv_cache=getattr(args, "kv_cache", None), **opts)
+                          kv_cache=getattr(args, "kv_cache", None), lm_head=getattr(args, "lm_head", None), **opts)
         print(run_.sites_before)
         if run_.sites_after is not None:
             print("after SmoothQuant:\n" + str(run_.sites_after))
@@ -385,6 +406,9 @@ def run(args) -> int:
             sites_markdown=[("Worst sites" + (" before SmoothQuant" if run_.sites_after else ""),
                              run_.sites_before.to_markdown(10))]
             + ([("Worst sites after SmoothQuant", run_.sites_after.to_markdown(10))] if run_.sites_after else []))
+        if run_.float_head is not None:
+            res.extra.append(_head_line(args.lm_head, mname, run_))
+            print(res.extra[-1], flush=True)
         if run_.without_kv is not None:
             res.extra.append(_kv_line(args.kv_cache, mname, run_))
             print(res.extra[-1], flush=True)

@@ -4,6 +4,7 @@ and override the worst sites, quantize, evaluate before/after on the texts of
 lowbit.evaluation.workload."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 import warnings
@@ -31,6 +32,7 @@ class RecipeRun:
     eval_s: float = 0.0         # GPTQ, site reports, quantization); seconds evaluating it
     kl_pick: object = None      # site_kl.KLPick when the overrides were picked by measured KL
     without_kv: object = None   # kv_cache: the same metrics with the KV cache left unquantized (value or TokenMetrics)
+    float_head: object = None   # lm_head: the same metrics with the LM head in high precision (value or TokenMetrics)
 
 
 def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float | None = None,
@@ -38,7 +40,8 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
                static: bool = False, window: int = 512, progress: bool = True, sites: bool = True,
                method: str = "rtn", awq: bool = False, rotate: str | None = None,
                reference: list | torch.nn.Module | None = None, mse: bool = False,
-               override_by: str = "block", kv_cache: str | None = None, evaluate: bool = True) -> RecipeRun:
+               override_by: str = "block", kv_cache: str | None = None, evaluate: bool = True,
+               lm_head: str | None = None) -> RecipeRun:
     """Quantize a copy of loaded.model by `recipe` and evaluate it. smoothquant: alpha or None;
     override_worst: fraction of Linear layers (at most 0.05: a handful of sites, not a different recipe) whose worst output
     SQNR sends them to `override_to` ("skip" = high precision, or a recipe name).
@@ -53,10 +56,12 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
     lowbit.diagnosis.site_kl; causal models), both on round to nearest's codes after the folds.
     kv_cache: also quantize the KV cache (lowbit.nn.kv_cache; static scales calibrated on
     texts.calib); the run is evaluated with it and again without it (RecipeRun.without_kv).
+    lm_head: also quantize the LM head ("int8", "fp8", "w4a16"; quantize_model's lm_head); the run
+    is evaluated again with the float head put back (RecipeRun.float_head).
 
     evaluate=False: quantize only (RecipeRun.value None, no token metrics)."""
     from lowbit.algorithms.static_scales import calibrate_static_scales, clipping_report
-    from lowbit.recipes.plan import linear_layers
+    from lowbit.recipes.plan import kept_by_default, linear_layers
     from lowbit.pipelines.quantize_model import quantize_model
     from lowbit.diagnosis.sites import override_count, pick_overrides, site_report
     from lowbit.algorithms.smoothquant import fold_plan, smooth_model
@@ -138,9 +143,12 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
         if r.act is None:
             raise ValueError(f"--static-scales needs a recipe with activation quantization; {r.name} is weight-only")
         scales = calibrate_static_scales(m, texts.calib, r.act)
+    heads = {n: mod for n, mod in linear_layers(m).items() if kept_by_default(n)} if lm_head else {}
     summary = quantize_model(m, r, ignore=ignore, overrides=ov or None, act_static_scales=scales, progress=progress,
                              method=method, calib=texts.calib if method != "rtn" else None, mse=mse,
-                             kv_cache=kv_cache, kv_calib=texts.calib if kv_cache else None)
+                             kv_cache=kv_cache, kv_calib=texts.calib if kv_cache else None, lm_head=lm_head)
+    quantized = {d.name for d in summary.quantized}
+    heads = {n: h for n, h in heads.items() if n in quantized}     # an ignore pattern may have kept the head
     clipping = clipping_report(m, texts.new) if static else []
     t1 = time.perf_counter()
     tokens, value = None, None
@@ -162,5 +170,30 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
                                            desc=f"{r.name} eval, KV cache unquantized")
             else:
                 without_kv = metric(loaded, m, loaded.model, texts, window, progress, f"{r.name} eval, KV unquantized")
+    float_head = None
+    if heads and evaluate:
+        with float_modules(m, heads):
+            if reference is not None and loaded.kind == "causal":
+                from lowbit.evaluation.evaluate import token_metrics
+                float_head = token_metrics(m, texts.eval_ids, reference, window, progress=progress,
+                                           desc=f"{r.name} eval, LM head in high precision")
+            else:
+                float_head = metric(loaded, m, loaded.model, texts, window, progress, f"{r.name} eval, float LM head")
     return RecipeRun(r.name, m, summary, sites_before, sites_after, picked, value, clipping, tokens,
-                     t1 - t0, time.perf_counter() - t1, klp, without_kv)
+                     t1 - t0, time.perf_counter() - t1, klp, without_kv, float_head)
+
+
+@contextlib.contextmanager
+def float_modules(model: torch.nn.Module, modules: dict[str, torch.nn.Module]):
+    """Put the float modules {name: module} back in place of what replaced them, for the block."""
+    now = {n: model.get_submodule(n) for n in modules}
+
+    def put(mods):
+        for name, mod in mods.items():
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, mod)
+    put(modules)
+    try:
+        yield
+    finally:
+        put(now)

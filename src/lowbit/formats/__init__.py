@@ -10,7 +10,6 @@ below is derived by enumerating the codes through that codec's decoder, never ty
 """
 from __future__ import annotations
 
-from functools import lru_cache
 
 import numpy as np
 import torch
@@ -47,8 +46,19 @@ _TORCH_DTYPES = {"fp8_e4m3fn": "float8_e4m3fn", "fp8_e4m3fnuz": "float8_e4m3fnuz
                  "e8m0fnu": "float8_e8m0fnu", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
-@lru_cache(maxsize=None)
+_BUILT: dict[str, Format] = {}
+
+
 def _build(name: str) -> Format:
+    """The Format of `name`, built once (a plain dict, not functools.lru_cache: torch.compile reads a
+    dict entry, where it traces through an lru_cache-wrapped function and rebuilds the Format)."""
+    f = _BUILT.get(name)
+    if f is None:
+        f = _BUILT[name] = _make(name)
+    return f
+
+
+def _make(name: str) -> Format:
     spec = _SPECS[name]
     if isinstance(spec, IntSpec):
         return derive_int(name, spec)
@@ -140,7 +150,9 @@ def decode(codes, fmt: str | Format) -> torch.Tensor:
                          f"use codes.view(torch.{_TORCH_DTYPES[f.name]}) instead")
     if codes.dtype != torch.uint8:
         raise TypeError(f"codes: float-format codes are torch.uint8 bit patterns, got {codes.dtype}")
-    if f.bits < 8:
+    if f.bits < 8 and torch.compiler.is_compiling():   # a device-side check keeps a graph whole
+        torch._assert_async((codes < (1 << f.bits)).all(), f"codes: values >= 2^{f.bits}, not {f.name} bit patterns")
+    elif f.bits < 8:
         bad = codes >= (1 << f.bits)
         if bool(bad.any()):
             raise ValueError(f"codes: {int(bad.sum())} value(s) >= 2^{f.bits}, not {f.name} bit "

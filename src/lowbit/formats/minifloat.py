@@ -244,10 +244,17 @@ def _encode_e8m0(x: torch.Tensor, spec: MinifloatSpec, saturate: bool) -> torch.
 _TABLE_CACHE: dict[tuple, torch.Tensor] = {}
 
 
+@torch.compiler.assume_constant_result
+def _host_table(spec: MinifloatSpec) -> torch.Tensor:
+    """spec.table; torch.compile calls it once while tracing and keeps the result as a constant
+    (tracing the property would meet its lock and the 256 decodes)."""
+    return spec.table
+
+
 def decode(codes: torch.Tensor, spec: MinifloatSpec) -> torch.Tensor:
     """float32 values of uint8 bit patterns ``codes`` (any shape, CPU or CUDA) by table lookup."""
     key = (spec, str(codes.device))
     table = _TABLE_CACHE.get(key)
     if table is None:
-        table = _TABLE_CACHE[key] = spec.table.to(codes.device)
+        table = _TABLE_CACHE[key] = _host_table(spec).to(codes.device)
     return table[codes.to(torch.int64)]

@@ -110,7 +110,9 @@ def prepared_kind(weight_scheme: QuantScheme, act_scheme: QuantScheme | None) ->
     "fp4", "mxfp8"), or None (the layer runs its exact path)."""
     ws, xs = weight_scheme, act_scheme
     if xs is None:
-        if _per_row_fp32(ws) and ws.format == "int8" and ws.symmetric and ws.strategy != "token":
+        # int8 or fp8 e4m3 codes per channel / tensor: the W8A16 kernel converts either to the
+        # activation dtype exactly (both are exact in bf16 and fp16)
+        if _per_row_fp32(ws) and ws.format in ("int8", "fp8_e4m3fn") and ws.symmetric and ws.strategy != "token":
             return "w8a16"
         return "w4a16" if _has_w4a16(ws) else None
     if ws.strategy != "token" and ws.symmetric and (

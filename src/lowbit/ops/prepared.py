@@ -16,7 +16,8 @@ Kinds (Spec.kind), by recipe:
              int8 / fp8 weights per channel or tensor -> the int8 / fp8 GEMM with the scale
              epilogue fused. Per-tensor dynamic or static (calibrated) activation scales are
              quantized by lowbit.quantize's arithmetic instead (a global amax is a second pass).
-  "w8a16"    int8 weights per channel, activations unquantized -> lowbit.ops.triton.w8a16.
+  "w8a16"    int8 or fp8 e4m3 weights per channel, activations unquantized ->
+             lowbit.ops.triton.w8a16 (it converts the codes to x's dtype in the tile, exact for both).
   "w4a16"    int4 / uint4 per group, MXFP4 or NVFP4 weights, activations unquantized ->
              the W4A16 kernel (planar-chunk layout, 2 codes per byte) below DEQUANT_MIN_M
              rows, a one-pass dequantization to bf16 + cuBLAS from there.
@@ -139,7 +140,9 @@ def prepare(weight_q: QTensor, act_scheme: QuantScheme | None,
             check_int8_k(K, asymmetric=False)
         return Prepared(Spec("w8a8", N, K, act_mode=mode, act=act_json, operands=tuple(t)), t)
     if kind == "w8a16":
-        t = {"w": weight_q.codes.to(torch.int8).contiguous(), "w_scale": _row_vector(weight_q.scale, N)}
+        codes = weight_q.codes.contiguous()
+        w = codes.view(torch.float8_e4m3fn) if ws.format == "fp8_e4m3fn" else codes.to(torch.int8)
+        t = {"w": w, "w_scale": _row_vector(weight_q.scale, N)}
         return Prepared(Spec("w8a16", N, K, operands=tuple(t)), t)
     if kind == "mxfp8":
         t = {"w": weight_q.codes.contiguous(), "w_scale_codes": weight_q.scale_codes.contiguous()}

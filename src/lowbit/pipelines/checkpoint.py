@@ -30,6 +30,7 @@ from lowbit.io import ct_layout as L
 from lowbit.io.st_format import CheckpointError, ShardedWriter, TensorReader, checkpoint_files, loads_strict
 from lowbit.pipelines import moe_checkpoint as MC
 from lowbit.quantize import QTensor
+from lowbit.recipes.plan import kept_by_default
 from lowbit.scheme import QuantScheme
 
 SIDECAR = "lowbit.json"
@@ -49,7 +50,8 @@ def build_quantization_config(layers: dict[str, tuple[QuantScheme, QuantScheme |
     One scheme for all -> targets ["Linear"] with every unquantized Linear in ``ignore``;
     several -> one config group per scheme pair, targeting its layers by exact name (or by
     targets[name], e.g. one pattern for all experts of a block), and format "mixed-precision"
-    when their formats differ.
+    when their formats differ. A quantized LM head is always named in its group's targets
+    (tools keep `lm_head` in high precision unless a config names it).
     """
     targets = targets or {}
     if not layers:
@@ -61,7 +63,8 @@ def build_quantization_config(layers: dict[str, tuple[QuantScheme, QuantScheme |
     config_groups = {}
     for i, ((w, a, fmt), names) in enumerate(groups.items()):
         config_groups[f"group_{i}"] = {
-            "targets": ["Linear"] if single else sorted({targets.get(n, n) for n in names}),
+            "targets": (["Linear"] + sorted(n for n in names if kept_by_default(n)) if single
+                        else sorted({targets.get(n, n) for n in names})),
             "weights": L.scheme_to_args(w),
             "input_activations": None if a is None else L.scheme_to_args(a),
             "output_activations": None,
@@ -368,7 +371,10 @@ class CompressedCheckpoint:
         dense.update(fused)
         missing, unexpected = model.load_state_dict(dense, strict=False)
         missing = [k for k in missing if k.rpartition(".")[0] not in qls and k.rpartition(".")[0] not in experts]
-        if getattr(config, "tie_word_embeddings", False):
+        if any(kept_by_default(n) for n in qls):   # a quantized LM head is its own weight, never the embedding
+            from lowbit.pipelines.quantize_model import untie_embeddings
+            untie_embeddings(model, [n for n in qls if kept_by_default(n)])
+        elif getattr(config, "tie_word_embeddings", False):
             model.tie_weights()
             missing = [k for k in missing if not k.endswith("lm_head.weight")]
         if missing or unexpected:

@@ -41,7 +41,7 @@ from lowbit.ops.kv_quant import KVScheme
 from lowbit.pipelines.coverage import check_coverage, coverage
 from lowbit.pipelines.moe import build_experts, plan_experts, router_names, swap_in
 from lowbit.recipes.plan import (DEFAULT_KEEP, LayerDecision, QuantSummary, layer_act, linear_layers,  # noqa: F401
-                                 match, plan)
+                                 match, plan, tied_to_embedding)
 from lowbit.recipes.presets import Recipe, get_recipe
 
 def quantize_layer(d: LayerDecision, summary: QuantSummary, linear: torch.nn.Linear,
@@ -73,7 +73,8 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe | QuantSummary, 
                    act_static_scales: dict[str, torch.Tensor] | None = None, backend: str = "auto",
                    progress: bool = False, share_inputs: bool = True, method: str = "rtn", calib=None,
                    method_options: dict | None = None, mse: bool = False, kv_cache=None,
-                   kv_calib=None, on_untouched: str = "raise", min_untouched_fraction: float = 0.01) -> QuantSummary:
+                   kv_calib=None, on_untouched: str = "raise", min_untouched_fraction: float = 0.01,
+                   lm_head: str | Recipe | None = None) -> QuantSummary:
     """Replace nn.Linear layers of `model` (in place) by QuantLinear under `recipe` (a name, a Recipe or
     a plan made by lowbit.recipes.plan.plan for this model, used as it is); returns the
     QuantSummary. act_static_scales: {layer name: float32 scale} from
@@ -90,7 +91,12 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe | QuantSummary, 
     Linears are quantized, on `kv_calib` (default `calib`: input-id tensors [B, T]); the model then
     quantizes its cache in every forward and generate, and save_compressed writes kv_cache_scheme.
     on_untouched / min_untouched_fraction: what an untouched large weight does ("raise", "warn",
-    "ignore"; see lowbit.pipelines.coverage.check_coverage)."""
+    "ignore"; see lowbit.pipelines.coverage.check_coverage).
+    lm_head: None (default: the LM head stays in high precision), "int8" or "fp8" (weight-only, one
+    scale per output channel) or "w4a16" (int4, groups of 128): quantize the LM head too. A head
+    tied to the input embedding is untied: the embedding keeps its weight (lookups unchanged,
+    bit for bit), the head gets the quantized copy, and config.tie_word_embeddings becomes False so
+    neither transformers nor a checkpoint reader ties them again."""
     kv_scheme = None
     if kv_cache is not None:                           # every refusal before any layer changes
         from lowbit.nn.kv_cache import attach_kv_cache, attention_modules, calibrate_kv_cache  # needs transformers
@@ -106,7 +112,7 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe | QuantSummary, 
                                 act_static_scales=act_static_scales, backend=backend, progress=progress,
                                 share_inputs=share_inputs, method=method, calib=calib,
                                 method_options=method_options, mse=mse, on_untouched=on_untouched,
-                                min_fraction=min_untouched_fraction)
+                                min_fraction=min_untouched_fraction, lm_head=lm_head)
     if kv_scheme is not None:
         kv = calibrate_kv_cache(model, kv_calib or [], kv_scheme)
         attach_kv_cache(model, kv)
@@ -115,7 +121,7 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe | QuantSummary, 
 
 
 def _quantize_linears(model, recipe, *, ignore, overrides, act_static_scales, backend, progress, share_inputs,
-                      method, calib, method_options, mse, on_untouched, min_fraction) -> QuantSummary:
+                      method, calib, method_options, mse, on_untouched, min_fraction, lm_head=None) -> QuantSummary:
     if method not in ("rtn", "gptq"):
         raise ValueError(f"method={method!r}; choose 'rtn' (round to nearest) or 'gptq' (needs calib=batches)")
     if method == "gptq" and calib is None:
@@ -123,7 +129,7 @@ def _quantize_linears(model, recipe, *, ignore, overrides, act_static_scales, ba
     experts = find_experts(model)       # raises on fused experts the map does not know
     linear_ignore, linear_over, found, exp_decisions, resolved = _split_patterns(model, experts, recipe, ignore,
                                                                                  overrides)
-    summary = plan(model, recipe, linear_ignore or None, linear_over or None)
+    summary = plan(model, recipe, linear_ignore or None, linear_over or None, lm_head=lm_head)
     for r in resolved.values():                    # recipes that only experts overrides name
         if r != "skip" and summary.recipes.setdefault(r.name, r) != r:
             raise ValueError(f"two different recipes are both called {r.name!r}; give them distinct names")
@@ -136,14 +142,18 @@ def _quantize_linears(model, recipe, *, ignore, overrides, act_static_scales, ba
     planned = {d.name: d.recipe for d in summary.quantized + [e for e in exp_decisions if e.action == "quantized"]}
     check_coverage(coverage(model, skipped, tuple(routers), planned), min_fraction=min_fraction,
                    on_untouched=on_untouched)
+    layers = linear_layers(model)
+    tied = [d.name for d in summary.quantized if d.name in layers and tied_to_embedding(model, layers[d.name])]
     if method == "gptq":
+        if lm_head is not None:
+            raise NotImplementedError("lm_head with method='gptq': GPTQ calibrates the decoder layers only; quantize "
+                                      "the LM head by round to nearest (method='rtn') or leave lm_head=None")
         gptq_model(model, summary, calib, act_static_scales=act_static_scales, progress=progress,
                    **{**(method_options or {}), **({"mse": True} if mse else {})})
         if share_inputs:
             _share(model)
         summary.coverage = coverage(model, skipped, tuple(routers))
         return summary
-    layers = linear_layers(model)
     todo = summary.quantized
     if progress:
         from tqdm import tqdm
@@ -157,10 +167,29 @@ def _quantize_linears(model, recipe, *, ignore, overrides, act_static_scales, ba
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, q.to(layers[name].weight.device))
     swap_in(model, new_experts)
+    if tied:
+        untie_embeddings(model, tied)
     if share_inputs:
         _share(model)
     summary.coverage = coverage(model, skipped, tuple(routers))
     return summary
+
+
+def untie_embeddings(model: torch.nn.Module, names: list[str]) -> None:
+    """Record that the output layers `names` no longer share the input embedding's weight (each
+    was replaced by a QuantLinear): config.tie_word_embeddings (and the text config's) False and
+    their entries dropped from transformers' tie map, so a later tie_weights() or a checkpoint
+    reader does not put the embedding's float weight back into a quantized head."""
+    cfg = getattr(model, "config", None)
+    configs = [cfg] + ([cfg.get_text_config()] if hasattr(cfg, "get_text_config") else [])
+    for c in configs:
+        if c is not None and getattr(c, "tie_word_embeddings", False):
+            c.tie_word_embeddings = False
+    for prefix, m in model.named_modules():  # transformers 5 caches the map it ties by
+        keys = getattr(m, "all_tied_weights_keys", None)
+        if isinstance(keys, dict):
+            pre = prefix + "." if prefix else ""
+            m.all_tied_weights_keys = {k: v for k, v in keys.items() if (pre + k)[: -len(".weight")] not in names}
 
 
 def _split_patterns(model, experts, recipe, ignore, overrides):

@@ -60,13 +60,16 @@ def plan_refusal(summary: QuantSummary, extra: list[str] = ()) -> str | None:
     """refusal() for every recipe of a plan, on the layers it quantizes, and for each recipe of
     `extra` (e.g. --override-to, which may land on any quantized layer)."""
     by_recipe: dict[str, dict[str, int]] = {}
+    objs: dict[str, Recipe] = {}      # the Recipe objects: a plan's may be custom (e.g. the LM head's)
     for d in summary.quantized:
-        by_recipe.setdefault(summary.recipe_of(d).name, {})[d.name] = d.shape[1]
+        r = objs.setdefault(summary.recipe_of(d).name, summary.recipe_of(d))
+        by_recipe.setdefault(r.name, {})[d.name] = d.shape[1]
     every = {d.name: d.shape[1] for d in summary.quantized}
     for name in extra:
-        by_recipe.setdefault(get_recipe(name).name, {}).update(every)
+        r = objs.setdefault(get_recipe(name).name, get_recipe(name))
+        by_recipe.setdefault(r.name, {}).update(every)
     for name, layers in by_recipe.items():
-        why = refusal(name, layers)
+        why = refusal(objs[name], layers)
         if why:
             return why
     return None

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lowbit.quantize import static_scheme
-from lowbit.recipes.presets import Recipe, get_recipe
+from lowbit.recipes.presets import Recipe, get_lm_head_recipe, get_recipe
 
 # Linears kept in high precision unless an override names them: the logits.
 DEFAULT_KEEP = ("lm_head", "*.lm_head")
@@ -133,19 +133,25 @@ def linear_layers(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
-def _tied_to_embedding(model: torch.nn.Module, linear: torch.nn.Linear) -> bool:
+def tied_to_embedding(model: torch.nn.Module, linear: torch.nn.Linear) -> bool:
+    """Whether `linear`'s weight is an embedding's weight (tied input and output embeddings)."""
     if linear.weight.is_meta:       # a skeleton (lowbit.pipelines.layerwise): no storage, ties are shared Parameters
         return any(isinstance(m, torch.nn.Embedding) and m.weight is linear.weight for m in model.modules())
     ptr = linear.weight.data_ptr()
     return any(isinstance(m, torch.nn.Embedding) and m.weight.data_ptr() == ptr for m in model.modules())
 
 
-def plan(model: torch.nn.Module, recipe: str | Recipe, ignore=None, overrides=None) -> QuantSummary:
+def plan(model: torch.nn.Module, recipe: str | Recipe, ignore=None, overrides=None,
+         lm_head: str | Recipe | None = None) -> QuantSummary:
     """Decide, without changing the model, what quantize_model would do with every Linear.
     recipe: a name, a Recipe, or a QuantSummary made by an earlier plan() of this model, which is
-    returned as it is (checked against the model's Linears), so a pipeline resolves it once."""
+    returned as it is (checked against the model's Linears), so a pipeline resolves it once.
+    lm_head: None (the LM head stays in high precision) or "int8" / "fp8" / "w4a16" (a Recipe):
+    the weight-only recipe the LM head is quantized with, tied to the embedding or not (the
+    embedding keeps its own weight: quantize_model unties them). An ignore / override pattern
+    naming the head still wins."""
     if isinstance(recipe, QuantSummary):
-        if ignore or overrides:
+        if ignore or overrides or lm_head is not None:
             raise ValueError("recipe is already a plan (QuantSummary) with its own ignore / overrides: "
                              "give them to the plan() call that made it")
         names = set(linear_layers(model)) | {d.name for d in recipe.quantized if _is_quant_linear(model, d.name)}
@@ -163,6 +169,13 @@ def plan(model: torch.nn.Module, recipe: str | Recipe, ignore=None, overrides=No
         raise ValueError(f"model ({type(model).__name__}) has no torch.nn.Linear layers: nothing to quantize")
     check_patterns(ignore + list(overrides), list(layers))
     summary = QuantSummary(base.name, recipes={base.name: base})
+    head = None if lm_head is None else get_lm_head_recipe(lm_head)
+    if head is not None:
+        if not any(kept_by_default(n) for n in layers):
+            raise ValueError(f"lm_head={lm_head!r}: {type(model).__name__} has no Linear named lm_head; drop lm_head "
+                             "(or name the output layer with overrides={pattern: recipe})")
+        if summary.recipes.setdefault(head.name, head) != head:
+            raise ValueError(f"lm_head recipe {head.name!r} clashes with another recipe of that name; rename one")
     for r in overrides.values():
         if r != "skip":
             if summary.recipes.setdefault(r.name, r) != r:
@@ -173,9 +186,13 @@ def plan(model: torch.nn.Module, recipe: str | Recipe, ignore=None, overrides=No
         if by_user is not None:
             summary.layers.append(LayerDecision(name, shape, *by_user))
             continue
-        if kept_by_default(name):
+        if kept_by_default(name) and head is not None:
+            why = "lm_head option" + ("; untied from the embedding, which keeps its weight"
+                                      if tied_to_embedding(model, lin) else "")
+            summary.layers.append(LayerDecision(name, shape, "quantized", head.name, why))
+        elif kept_by_default(name):
             summary.layers.append(LayerDecision(name, shape, "skipped", None, "logits (lm_head) stay high precision"))
-        elif _tied_to_embedding(model, lin):
+        elif tied_to_embedding(model, lin):
             summary.layers.append(LayerDecision(name, shape, "skipped", None, "weight tied to an embedding"))
         else:
             summary.layers.append(LayerDecision(name, shape, "quantized", base.name, "recipe"))

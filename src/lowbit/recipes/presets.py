@@ -70,6 +70,28 @@ def _build() -> dict[str, Recipe]:
 
 RECIPES: dict[str, Recipe] = _build()
 
+# The opt-in quantized LM head (`quantize_model(..., lm_head=KIND)`, `lowbit quantize --lm-head KIND`):
+# weight-only, so the logits' inputs stay exact; at a 128k vocabulary the head is about a fifth
+# of a 4-bit model's decode bytes. Not in RECIPES: these name what the head gets, not a model recipe.
+LM_HEAD: dict[str, Recipe] = {
+    "int8": RECIPES["w8a16-int8"],
+    "fp8": Recipe("w8a16-fp8", QuantScheme(format="fp8_e4m3fn", strategy="channel", symmetric=True), None,
+                  "naive-quantized", "fp8 e4m3 weights per output channel, activations stay in high precision"),
+    "w4a16": RECIPES["w4a16"],
+}
+
+
+def get_lm_head_recipe(kind: str | Recipe) -> Recipe:
+    """The weight-only recipe of the LM head option `kind` ("int8", "fp8", "w4a16"; a Recipe
+    passes through); ValueError naming the choices otherwise."""
+    if isinstance(kind, Recipe):
+        return kind
+    key = kind.strip().lower() if isinstance(kind, str) else kind
+    if key not in LM_HEAD:
+        raise ValueError(f"lm_head={kind!r}; choose one of {', '.join(LM_HEAD)} (weight-only, per output channel "
+                         "for int8 / fp8, int4 groups of 128 for w4a16), or None to keep it in high precision")
+    return LM_HEAD[key]
+
 
 def get_recipe(name: str | Recipe) -> Recipe:
     """The recipe called `name`, in any letter case (`W4A16` as llm-compressor writes it; a

@@ -145,8 +145,6 @@ def split_locks(device: torch.device, tiles: int) -> torch.Tensor:
 
 def launch_pairs(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool, act_scale=None) -> torch.Tensor:
     """The "pairs" kernel on a weight prepared with layout="pairs" (lowbit.ops.triton.w4a16.pairs)."""
-    import triton
-
     from lowbit.ops.triton import w4a16 as k
     from lowbit.ops.triton.common import launch
 
@@ -154,30 +152,16 @@ def launch_pairs(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool, act_
     N = w.shape[0]
     if w.layout != "pairs":
         raise ValueError("w4a16_linear: kernel 'pairs' needs a weight prepared with prepare_w4(wq, layout='pairs')")
-    cfg = dict(pick_config_pairs(M, N, K, w.group_size, kind=w.kind, interpret=interp))
-    unknown = sorted(set(config or {}) - set(cfg))
-    if unknown:
-        raise ValueError(f"w4a16_linear: pairs config keys {unknown} are not known; the keys are {sorted(cfg)}")
-    if config:
-        cfg.update(config)
-        if "split" in config and "BLOCK_K" not in config and K % (cfg["BLOCK_K"] * cfg["split"]):
-            cfg["BLOCK_K"] = 128  # a split asked for without a tile: the smallest step (refused below if it
-            # still does not divide K)
-    if cfg["kernel"] != "pairs":
-        raise ValueError(f"w4a16_linear: a 'pairs' weight runs kernel 'pairs', config asks for {cfg['kernel']!r}; "
-                         "prepare the weight with layout='planar_chunks' for it")
+    key = (M, N, K, w.group_size, w.kind, interp, x2.device)
+    hit = _PAIRS_LAUNCH.get(key) if config is None else None
+    if hit is None:
+        hit = _pairs_launch(M, N, K, w, config, interp)
+        if config is None and M <= CACHE_MAX_M:
+            _PAIRS_LAUNCH[key] = hit
+    cfg, grid = hit
     bm, bn, bk, split, warps = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["split"], cfg["num_warps"]
-    if bk not in (128, 256) or K % (bk * split):
-        raise ValueError(f"w4a16_linear: pairs config BLOCK_K={bk}, split={split}: BLOCK_K must be 128 or 256 "
-                         f"and BLOCK_K * split must divide K = {K}")
-    if bm & (bm - 1) or bm > 64:
-        raise ValueError(f"w4a16_linear: pairs BLOCK_M must be a power of two <= 64, got {bm}")
-    if bn % (16 * warps) or bn & (bn - 1):
-        raise ValueError(f"w4a16_linear: pairs BLOCK_N must be a power of two and a multiple of 16 * num_warps "
-                         f"(the row relabelling), got BLOCK_N={bn}, num_warps={warps}")
     dev = x2.device
     out = torch.empty(M, N, device=dev, dtype=x2.dtype)
-    grid = (triton.cdiv(N, bn), split, triton.cdiv(M, bm))
     if split > 1:
         part = torch.empty(split, M, N, device=dev, dtype=torch.float32)
         locks = split_locks(dev, grid[0] * grid[2])
@@ -201,6 +185,38 @@ def launch_pairs(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool, act_
            XPF=bool(cfg["xpf"]), INTERP=interp, num_warps=warps, num_stages=cfg["num_stages"],
            **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not interp else {}))
     return out
+
+
+# Decode-sized launches (rows <= CACHE_MAX_M) keep their checked configuration and grid per (M, N,
+# K, group, kind, interpreter, device): the per-call host work is then the allocations and the launch
+CACHE_MAX_M = 64
+_PAIRS_LAUNCH: dict = {}
+
+
+def _pairs_launch(M: int, N: int, K: int, w: W4Weight, config, interp: bool) -> tuple[dict, tuple[int, int, int]]:
+    """The pairs kernel's checked configuration (the heuristic's, updated by `config`) and grid."""
+    cfg = dict(pick_config_pairs(M, N, K, w.group_size, kind=w.kind, interpret=interp))
+    unknown = sorted(set(config or {}) - set(cfg))
+    if unknown:
+        raise ValueError(f"w4a16_linear: pairs config keys {unknown} are not known; the keys are {sorted(cfg)}")
+    if config:
+        cfg.update(config)
+        if "split" in config and "BLOCK_K" not in config and K % (cfg["BLOCK_K"] * cfg["split"]):
+            cfg["BLOCK_K"] = 128  # a split asked for without a tile: the smallest step (refused below if it
+            # still does not divide K)
+    if cfg["kernel"] != "pairs":
+        raise ValueError(f"w4a16_linear: a 'pairs' weight runs kernel 'pairs', config asks for {cfg['kernel']!r}; "
+                         "prepare the weight with layout='planar_chunks' for it")
+    bm, bn, bk, split, warps = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["split"], cfg["num_warps"]
+    if bk not in (128, 256) or K % (bk * split):
+        raise ValueError(f"w4a16_linear: pairs config BLOCK_K={bk}, split={split}: BLOCK_K must be 128 or 256 "
+                         f"and BLOCK_K * split must divide K = {K}")
+    if bm & (bm - 1) or bm > 64:
+        raise ValueError(f"w4a16_linear: pairs BLOCK_M must be a power of two <= 64, got {bm}")
+    if bn % (16 * warps) or bn & (bn - 1):
+        raise ValueError(f"w4a16_linear: pairs BLOCK_N must be a power of two and a multiple of 16 * num_warps "
+                         f"(the row relabelling), got BLOCK_N={bn}, num_warps={warps}")
+    return cfg, (-(-N // bn), split, -(-M // bm))
 
 
 def launch_planar8(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) -> torch.Tensor:
