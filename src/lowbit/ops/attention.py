@@ -107,6 +107,8 @@ def attention(q: torch.Tensor, k, v, spec: ar.AttnSpec | None = None, *, backend
     if backend == "triton":
         from lowbit.ops.triton.attention import flash_attention
         vals, scale = ar.quantize_q_parts(q, spec.q_format)
+        # the kernel's tile loader reads one int4 code per byte: packed int4 caches are unpacked here
+        k, v = (t.unpacked() if isinstance(t, KVQuant) else t for t in (k, v))
         return flash_attention(q if scale is None and q.dtype == torch.bfloat16 else vals, k, v, spec,
                                q_scale=scale, out_dtype=out_dtype)
     q_hat = ar.quantize_q(q, spec.q_format)
