@@ -33,6 +33,20 @@ def test_static_head_scales_and_int8_codes(rng):
     assert int(quantize_kv(y, sch, s).codes[0, 1, 2, 3]) == 127
 
 
+def test_fp8_head_and_tensor_codes_match_torch_cast_bit_for_bit(rng):
+    # GQA-shaped states as the cache holds them, [B, KV heads, T, D]: one static scale per KV head
+    # (axis 1), or one for all; codes against torch's float8_e4m3fn cast of x / s, bit for bit
+    x = _states(rng, B=2, H=3, T=7, D=40)
+    for gran, amax in (("head", x.abs().amax(dim=(0, 2, 3), keepdim=True)), ("tensor", x.abs().amax().reshape(1, 1, 1, 1))):
+        sch = KVScheme("fp8", gran)
+        s = static_scale(observe_amax(x, sch), sch)
+        assert torch.equal(s, amax / 448)
+        y = x.clone()
+        y[1, 2, 3, 4] = 3 * float(amax.flatten()[-1])      # beyond the calibrated range: saturates at 448
+        want = (y / s).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+        assert torch.equal(quantize_kv(y, sch, s).codes, want)
+
+
 def test_int4_group_codes(rng):
     x = _states(rng)
     q = quantize_kv(x, KVScheme("int4", "group", 8))
