@@ -33,13 +33,62 @@ def test_static_head_scales_and_int8_codes(rng):
     assert int(quantize_kv(y, sch, s).codes[0, 1, 2, 3]) == 127
 
 
+def test_fp8_head_and_tensor_codes_match_torch_cast_bit_for_bit(rng):
+    # GQA-shaped states as the cache holds them, [B, KV heads, T, D]: one static scale per KV head
+    # (axis 1), or one for all; codes against torch's float8_e4m3fn cast of x / s, bit for bit
+    x = _states(rng, B=2, H=3, T=7, D=40)
+    for gran, amax in (("head", x.abs().amax(dim=(0, 2, 3), keepdim=True)), ("tensor", x.abs().amax().reshape(1, 1, 1, 1))):
+        sch = KVScheme("fp8", gran)
+        s = static_scale(observe_amax(x, sch), sch)
+        assert torch.equal(s, amax / 448)
+        y = x.clone()
+        y[1, 2, 3, 4] = 3 * float(amax.flatten()[-1])      # beyond the calibrated range: saturates at 448
+        want = (y / s).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+        assert torch.equal(quantize_kv(y, sch, s).codes, want)
+
+
 def test_int4_group_codes(rng):
     x = _states(rng)
     q = quantize_kv(x, KVScheme("int4", "group", 8))
     g = x.reshape(2, 3, 5, 3, 8)
     s = g.abs().amax(-1) / 7
     assert torch.equal(q.scale, s)
-    assert torch.equal(q.codes.reshape(g.shape), torch.round(g / s[..., None]).clamp(-7, 7).to(torch.int8))
+    want = torch.round(g / s[..., None]).clamp(-7, 7).to(torch.int8).reshape(x.shape)
+    # stored two per byte: element 2j in the low nibble, 2j+1 in the high, 4-bit two's complement;
+    # unpacked here with plain integer arithmetic (not lowbit.packing)
+    assert q.codes.dtype == torch.uint8 and q.codes.shape == (2, 3, 5, 12) and q.shape == (2, 3, 5, 24)
+    b = q.codes.to(torch.int16)
+    lo, hi = b & 0xF, b >> 4
+    nib = torch.stack((lo, hi), dim=-1).reshape(x.shape)
+    assert torch.equal(torch.where(nib >= 8, nib - 16, nib).to(torch.int8), want)
+    assert torch.equal(q.unpacked().codes, want)
+    assert torch.equal(q.dequantize(), (want.float().reshape(g.shape) * s[..., None]).reshape(x.shape))
+
+
+def test_int4_cache_bytes_at_most_0_3_of_bf16(rng):
+    # a Llama-shaped layer (8 KV heads, head_dim 128) over 300 tokens: the bytes the cache tensors
+    # really hold (codes + float32 scales) against bf16 keys and values
+    k = torch.randn(1, 8, 300, 128, generator=rng, dtype=torch.bfloat16)
+    v = torch.randn(1, 8, 300, 128, generator=rng, dtype=torch.bfloat16)
+    bf16 = sum(t.numel() * t.element_size() for t in (k, v))
+    for group, want in ((32, 0.3125), (64, 0.28125), (128, 0.265625)):
+        sch = KVScheme("int4", "group", group)
+        qk, qv = quantize_kv(k, sch), quantize_kv(v, sch)
+        held = sum(t.codes.untyped_storage().nbytes() + t.scale.untyped_storage().nbytes() for t in (qk, qv))
+        assert held == qk.nbytes() + qv.nbytes()
+        # 4 bits per value + one fp32 scale per `group` values, against 16 bits
+        assert held / bf16 == want == (0.5 + 4 / group) / 2
+    assert (0.5 + 4 / 64) / 2 <= 0.3                   # int4-g64 and coarser meet the 0.3x bound
+
+
+def test_int4_cache_refuses_odd_head_dim_and_mixed_layouts(rng):
+    from lowbit.ops.kv_quant import cat_tokens
+    x = torch.randn(1, 2, 3, 9, generator=rng)
+    with pytest.raises(ValueError, match="head_dim 9 is odd.*packed two per byte"):
+        quantize_kv(x, KVScheme("int4", "token"))
+    q = quantize_kv(torch.randn(1, 2, 3, 8, generator=rng), KVScheme("int4", "group", 4))
+    with pytest.raises(ValueError, match="append packed codes to packed"):
+        cat_tokens(q, q.unpacked())
 
 
 def test_all_zero_head_is_zero_codes_scale_one(rng):

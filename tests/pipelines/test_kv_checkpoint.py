@@ -134,3 +134,27 @@ def test_generate_on_a_quantized_model_uses_the_quantized_cache(kv_model, rng):
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
                          return_dict_in_generate=True, pad_token_id=0)
     assert isinstance(out.past_key_values, LowbitKVCache) and out.past_key_values.get_seq_length() == 8
+
+
+def test_a_cache_that_disagrees_with_the_models_kv_cache_scheme_is_refused(kv_model, rng):
+    model, summary = kv_model
+    ids = torch.randint(0, 96, (1, 8), generator=rng)
+    from lowbit.nn.kv_cache import cache_kwarg
+    kw = cache_kwarg(model)
+    with torch.no_grad():
+        model(ids, **{kw: summary.kv_cache.new_cache()})                        # its own: accepted
+        other = KVCacheQuant("int8-token", 2)                                   # another scheme
+        with pytest.raises(ValueError, match="other scales than the model's kv_cache_scheme"):
+            model(ids, **{kw: other.new_cache()})
+        halved = KVCacheQuant(summary.kv_cache.scheme, 2, [s / 2 for s in summary.kv_cache.k_scales],
+                              summary.kv_cache.v_scales)                        # the same scheme, other scales
+        with pytest.raises(ValueError, match="lowbit_kv_cache.new_cache"):
+            model(ids, **{kw: halved.new_cache()})
+
+
+def test_per_head_scales_for_another_head_count_are_refused(rng):
+    from lowbit.nn.kv_cache import attach_kv_cache
+    model = tiny_llama(rng)                                                      # 2 KV heads
+    three = [torch.ones(1, 3, 1, 1)] * 2
+    with pytest.raises(ValueError, match="3 per-head scales, the model has 2 KV heads"):
+        attach_kv_cache(model, KVCacheQuant("fp8-head", 2, three, three))

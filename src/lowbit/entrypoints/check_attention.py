@@ -1,7 +1,8 @@
 """`lowbit check attn.safetensors` for attention kernels (metadata kind = "attention").
 
 Tensors: out [B, Hq, Tq, D] and q [B, Hq, Tq, D] (the ORIGINAL queries, float); the cache either
-as stored, k_codes / v_codes [B, Hkv, Tk, D] (uint8 fp8 bit patterns or int8) with k_scale /
+as stored, k_codes / v_codes [B, Hkv, Tk, D] (uint8 fp8 bit patterns or int8; int4 either int8
+one code per byte or uint8 [B, Hkv, Tk, D / 2] two per byte, low nibble first) with k_scale /
 v_scale (float32, shaped as lowbit.ops.kv_quant says for kv_scheme), or unquantized k / v (float).
 Metadata (strings): kind=attention, kv_scheme (e.g. "fp8-head", "int8-token", "int4-g32"; needed
 with codes), q_format / p_format ("fp8_e4m3fn" | "int8" | "none"), p_block (keys per P scale),

@@ -77,7 +77,8 @@ def register(p) -> None:
                    help="also quantize the KV cache: fp8 | int8 (static per tensor, calibrated), fp8-head | int8-head "
                         "(static per KV head), fp8-token | int8-token (dynamic per token and head), int4-g32 (dynamic "
                         "per 32 head-dim values); the report gives the metrics with and without it and the "
-                        "checkpoint carries compressed-tensors' kv_cache_scheme")
+                        "checkpoint carries compressed-tensors' kv_cache_scheme. Most accurate: int8-token; as fp8: "
+                        "fp8-token (docs/kv-cache.md)")
     p.add_argument("--lm-head", choices=("int8", "fp8", "w4a16"), default=None,
                    help="also quantize the LM head, weight-only: int8 or fp8 (one scale per output channel) or w4a16 "
                         "(int4, groups of 128); a head tied to the embedding is untied (the embedding keeps its "

@@ -20,7 +20,8 @@ Causal masks only: a padding mask is refused (NotImplementedError), never ignore
 
 Refused: NaN/Inf states (a clear error naming the layer, batch, head, token), a static scheme
 without calibrated scales, scales whose shape disagrees with the scheme (a per-tensor scale where
-per-head was declared).
+per-head was declared) or with the model's KV heads, and a quantized cache handed to a model whose
+attached quantization (its kv_cache_scheme and k_scale / v_scale) is another.
 """
 from __future__ import annotations
 
@@ -62,6 +63,18 @@ class KVCacheQuant:
 
     def new_cache(self) -> "LowbitKVCache":
         return LowbitKVCache(self)
+
+    def same_as(self, other: "KVCacheQuant") -> bool:
+        """The same scheme, layer count and (static) scale values."""
+        if self is other:
+            return True
+        if self.scheme != other.scheme or self.num_layers != other.num_layers:
+            return False
+        if self.scheme.dynamic:
+            return True
+        return all(a.shape == b.shape and torch.equal(a.cpu(), b.cpu())
+                   for mine, theirs in ((self.k_scales, other.k_scales), (self.v_scales, other.v_scales))
+                   for a, b in zip(mine, theirs))
 
     def layer_scales(self, i: int):
         if self.scheme.dynamic:
@@ -186,6 +199,14 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def _kv_heads(model) -> int | None:
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return None
+    cfg = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+    return getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_attention_heads", None)
+
+
 def num_decoder_layers(model) -> int:
     cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     return int(cfg.num_hidden_layers)
@@ -246,6 +267,10 @@ def _use_quantized_cache(module, args, kwargs):
     if kv is None or not getattr(module, "lowbit_kv_enabled", True):
         return None
     given = kwargs.get("cache", kwargs.get("past_key_values"))
+    if isinstance(given, LowbitKVCache) and not kv.same_as(given.quant):
+        raise ValueError(f"the cache handed to {type(module).__name__} quantizes {given.quant.scheme} with other scales "
+                         f"than the model's kv_cache_scheme ({kv.scheme}, its k_scale / v_scale): build it with "
+                         "model.lowbit_kv_cache.new_cache(), or pass no cache and let the model make one")
     if given is None or (type(given) is DynamicCache and given.get_seq_length() == 0):
         kwargs.pop("past_key_values", None)
         kwargs.pop("cache", None)
@@ -265,6 +290,13 @@ def attach_kv_cache(model, kv: KVCacheQuant) -> None:
     if sorted(mods) != list(range(kv.num_layers)):
         raise ValueError(f"the model's attention modules have layer indices {sorted(mods)[:8]}, the KV-cache "
                          f"quantization covers {kv.num_layers} layers: they were calibrated on another model")
+    heads = _kv_heads(model)
+    if kv.scheme.granularity == "head" and heads is not None:
+        for i in range(kv.num_layers):
+            for side, sc in zip("kv", kv.layer_scales(i)):
+                if sc.numel() != heads:
+                    raise ValueError(f"layer {i} {side}_scale holds {sc.numel()} per-head scales, the model has {heads} "
+                                     "KV heads: the scales were calibrated on another model")
     for i, (_, m) in mods.items():
         for side in ("k", "v"):
             if f"{side}_scale" in m._buffers:

@@ -12,6 +12,10 @@ lowbit.quantize.Scales (values beyond a static scale's range saturate (fp8) or c
 
 The dequantized value is decode(code) * scale (vLLM's k_scale / v_scale convention: the scale
 multiplies the stored code), in float32 or float64.
+
+int4 codes are stored two per byte along head_dim (lowbit.packing.pack_int4: element 2j in the
+low nibble, 2j+1 in the high), so the cache holds [B, H, T, D / 2] uint8 and head_dim must be
+even; KVQuant.unpacked() gives the one-code-per-byte int8 form.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 import lowbit.quantize as Q
+from lowbit.packing import pack_int4, unpack_int4
 from lowbit.scheme import QuantScheme
 
 FORMAT_ALIASES = {"fp8": "fp8_e4m3fn", "fp8_e4m3fn": "fp8_e4m3fn", "int8": "int8", "int4": "int4"}
@@ -31,7 +36,7 @@ STATIC = ("tensor", "head")
 class KVScheme:
     """How a layer's keys and values are stored.
 
-    format: "fp8_e4m3fn" | "int8" | "int4" (symmetric; int4 codes are kept one per byte).
+    format: "fp8_e4m3fn" | "int8" | "int4" (symmetric; int4 codes nibble-packed, two per byte).
     granularity: "tensor" / "head" (static: scales calibrated once) or "token" / "group"
                  (dynamic: computed from each new token's values as it is written).
     group_size: head-dim values per scale, for and only for granularity "group".
@@ -128,8 +133,9 @@ class KVScheme:
 
 @dataclass(eq=False)
 class KVQuant:
-    """Quantized keys or values. codes [B, H, T, D] (uint8 fp8 bit patterns or int8 values);
-    scale float32 shaped as the module docstring says; scheme the KVScheme."""
+    """Quantized keys or values. codes: uint8 fp8 bit patterns or int8 values [B, H, T, D]; for
+    int4, uint8 [B, H, T, D / 2] nibble-packed (as stored) or int8 [B, H, T, D] one code per byte
+    (the unpacked form, `unpacked()`). scale float32 shaped as the module docstring says."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -137,11 +143,15 @@ class KVQuant:
 
     def __post_init__(self):
         c, s, sch = self.codes, self.scale, self.scheme
-        want_dt = torch.uint8 if sch.fmt.kind == "float" else torch.int8
-        if not isinstance(c, torch.Tensor) or c.ndim != 4 or c.dtype != want_dt:
-            raise ValueError(f"KVQuant: {sch} codes must be a 4-D {want_dt} tensor [B, H, T, D], got "
-                             f"{getattr(c, 'dtype', type(c).__name__)} {tuple(getattr(c, 'shape', ()))}")
-        B, H, T, D = c.shape
+        kind = sch.fmt.kind
+        want_dt = (torch.uint8,) if kind == "float" else (torch.uint8, torch.int8) if sch.fmt.bits == 4 \
+            else (torch.int8,)
+        if not isinstance(c, torch.Tensor) or c.ndim != 4 or c.dtype not in want_dt:
+            what = " or ".join(str(d) for d in want_dt)
+            raise ValueError(f"KVQuant: {sch} codes must be a 4-D {what} tensor [B, H, T, D]"
+                             f"{' (uint8: two int4 codes per byte, [B, H, T, D / 2])' if len(want_dt) == 2 else ''}, "
+                             f"got {getattr(c, 'dtype', type(c).__name__)} {tuple(getattr(c, 'shape', ()))}")
+        B, H, T, D = self.shape
         want = {"tensor": (1, 1, 1, 1), "head": (1, H, 1, 1), "token": (B, H, T, 1),
                 "group": (B, H, T, D // sch.group_size if sch.group_size else 0)}[sch.granularity]
         if not isinstance(s, torch.Tensor) or tuple(s.shape) != want or s.dtype != torch.float32:
@@ -150,8 +160,21 @@ class KVQuant:
                              "that disagrees with the declared scheme)")
 
     @property
+    def packed(self) -> bool:
+        """int4 codes two per byte (the stored form)."""
+        return self.scheme.fmt.bits == 4 and self.codes.dtype == torch.uint8
+
+    def unpacked(self) -> "KVQuant":
+        """The same cache with one code per byte (int4: int8 [B, H, T, D]); self when already so."""
+        if not self.packed:
+            return self
+        return KVQuant(unpack_int4(self.codes), self.scale, self.scheme)
+
+    @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.codes.shape)
+        """[B, H, T, D]: the states' shape (D counts int4 codes, not bytes)."""
+        B, H, T, D = self.codes.shape
+        return (B, H, T, 2 * D if self.packed else D)
 
     def scale_bhtg(self) -> torch.Tensor:
         """The scale broadcast (stride 0, no copy) to [B, H, T, G] (G = D // group_size, else 1)."""
@@ -161,7 +184,7 @@ class KVQuant:
     def decoded(self) -> torch.Tensor:
         """Element values before scaling, float32 [B, H, T, D]."""
         if self.scheme.fmt.kind == "int":
-            return self.codes.to(torch.float32)
+            return self.unpacked().codes.to(torch.float32)
         from lowbit.formats import decode
         return decode(self.codes, self.scheme.fmt)
 
@@ -174,7 +197,7 @@ class KVQuant:
         return (self.decoded().to(work) * s).to(dtype)
 
     def nbytes(self) -> int:
-        """Bytes as stored here (int4 codes one per byte) plus the scales."""
+        """Bytes as stored here (codes as held: int4 packed two per byte) plus the scales."""
         return self.codes.numel() * self.codes.element_size() + self.scale.numel() * 4
 
     def to(self, device) -> "KVQuant":
@@ -243,12 +266,16 @@ def quantize_kv(x: torch.Tensor, scheme: KVScheme, scale: torch.Tensor | None = 
     if scheme.granularity == "group" and D % scheme.group_size:
         raise ValueError(f"{name}: head_dim {D} is not a multiple of the KV group size {scheme.group_size}; "
                          f"choose a divisor of {D}")
+    if scheme.fmt.bits == 4 and D % 2:
+        raise ValueError(f"{name}: head_dim {D} is odd; int4 KV codes are packed two per byte along head_dim, "
+                         "so it must be even: use an 8-bit KV cache (fp8, int8) for this model")
     if scheme.dynamic:
         if scale is not None:
             raise ValueError(f"{scheme} scales are dynamic (computed per token); do not pass a static scale")
         qt = Q.quantize(_view2d(x, scheme), es)
         G = qt.scale.shape[-1]
-        return KVQuant(_from2d(qt.codes, x.shape, scheme), qt.scale.reshape(B, H, T, G).contiguous(), scheme)
+        return KVQuant(_stored(_from2d(qt.codes, x.shape, scheme), scheme), qt.scale.reshape(B, H, T, G).contiguous(),
+                       scheme)
     want = (1, 1, 1, 1) if scheme.granularity == "tensor" else (1, H, 1, 1)
     if scale is None:
         raise ValueError(f"{scheme} is static: pass the calibrated scale (shape {want}; "
@@ -258,7 +285,13 @@ def quantize_kv(x: torch.Tensor, scheme: KVScheme, scale: torch.Tensor | None = 
                          f"needs {want} (a per-tensor scale where per-head was declared, or the other way round?)")
     s2 = scale.detach().to(device=x.device, dtype=torch.float32).reshape(-1, 1)
     qt = Q.quantize(_view2d(x, scheme), es, scales=Q.Scales(s2, None, None, None))
-    return KVQuant(_from2d(qt.codes, x.shape, scheme), scale.detach().to(x.device, torch.float32), scheme)
+    return KVQuant(_stored(_from2d(qt.codes, x.shape, scheme), scheme), scale.detach().to(x.device, torch.float32),
+                   scheme)
+
+
+def _stored(codes: torch.Tensor, scheme: KVScheme) -> torch.Tensor:
+    """Codes as the cache holds them: int4 nibble-packed along head_dim, the rest as they are."""
+    return pack_int4(codes) if scheme.fmt.bits == 4 else codes
 
 
 def cat_tokens(a: KVQuant | None, b: KVQuant) -> KVQuant:
@@ -267,6 +300,9 @@ def cat_tokens(a: KVQuant | None, b: KVQuant) -> KVQuant:
         return b
     if a.scheme != b.scheme:
         raise ValueError(f"cannot append {b.scheme} states to a {a.scheme} cache")
+    if a.codes.dtype != b.codes.dtype:
+        raise ValueError(f"cannot append {b.codes.dtype} codes to a cache holding {a.codes.dtype} codes "
+                         "(int4: append packed codes to packed ones)")
     codes = torch.cat([a.codes, b.codes], dim=2)
     if a.scheme.dynamic:
         return KVQuant(codes, torch.cat([a.scale, b.scale], dim=2), a.scheme)

@@ -14,6 +14,9 @@ simulation reproduces the output everywhere within its gate is named, most speci
   p_scale_per_tensor                       one scale for all of P: the softmax tail rounds to zero
   rescale_skipped / rescale_wrong_accumulator   the online-softmax rescale of O missing
   o_accumulated_fp16 / o_accumulated_bf16  O kept in a 16-bit accumulator across the rescales
+With P unquantized (p_format None), an output no simulation reproduces but within the bound of
+bf16 scores and P (bf16_intermediates_bound) is named `computed_in_bf16`, numerical: what a bf16
+attention such as torch's SDPA in bf16 does, held to the fp32 gate it does not promise.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from lowbit.verify import metrics as mt
 from lowbit.verify.check import Verdict
 from lowbit.verify.diagnose import Cause
 from lowbit.verify.simulate import explained
+from lowbit.verify.tolerance import gamma
 
 
 @dataclass
@@ -158,11 +162,51 @@ def check_attention(out, q, k, v, spec: ar.AttnSpec | None = None, *, out_dtype:
     return AttnVerdict(passed, kind, first, metrics, causes, [], details)
 
 
+def bf16_intermediates_bound(q_hat: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.Tensor, spec: ar.AttnSpec,
+                             out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exact out, bound) float64 [B, Hq, Tq, D]: how far an attention with fp32 dots whose scores
+    and P may each be rounded to bf16 (unit roundoff u = 2^-8) can be from exact softmax attention
+    of the same q_hat, k_hat, v_hat. Derivation (natural-log units, s = q.k * sm_scale):
+      score error  ds_ij <= u |s_ij| + (1 + u) gamma_{D+2}(2^-24) sum_d |q||k| sm_scale
+      p'_ij = exp(s_ij - m') e^{+-eps_ij}, eps_ij = ds_ij + log1p(u) + 2^-21 (exp's own error); m'
+              cancels between P and l, whichever max the kernel subtracts
+      w'_j = p'_j / l' in w_j e^{+-(eps_j + E)} (1 +- g), E = max_k eps_k (l from P rounded or not),
+              g = gamma_{Tk}(2^-24) the fp32 sum of l
+      |O' - O| <= sum_j w_j |V_j| ((e^{eps_j + E}(1 + g))(1 + g) - 1)   (P.V summed in fp32)
+    then the output rounding u_out (|O| + that) + eta_out / 2."""
+    G = ar.check_shapes(tuple(q_hat.shape), tuple(k_hat.shape), tuple(v_hat.shape))
+    B, Hq, Tq, D = q_hat.shape
+    Tk = k_hat.shape[2]
+    qd = q_hat.detach().cpu().double()
+    kd = k_hat.detach().cpu().double().repeat_interleave(G, dim=1)
+    vd = v_hat.detach().cpu().double().repeat_interleave(G, dim=1)
+    c = spec.scale_for(D)
+    u, u32 = 2.0 ** -8, 2.0 ** -24
+    S = (qd @ kd.transpose(-1, -2)) * c
+    allowed = ar.allowed_mask(Tq, Tk, spec.causal).expand_as(S)
+    ds = u * S.abs() + (1 + u) * gamma(D + 2, u32) * (qd.abs() @ kd.abs().transpose(-1, -2)) * c
+    eps = torch.where(allowed, ds + math.log1p(u) + 2.0 ** -21, torch.zeros_like(ds))
+    E = eps.amax(dim=-1, keepdim=True)
+    w = torch.softmax(torch.where(allowed, S, torch.tensor(-math.inf, dtype=torch.float64)), dim=-1)
+    g = gamma(Tk, u32)
+    out = w @ vd
+    kern = (w * (torch.exp(eps + E) * (1 + g) ** 2 - 1)) @ vd.abs()
+    u_out, eta_out = ar._OUT_UNITS[out_dtype]
+    return out, kern + u_out * (out.abs() + kern) + eta_out / 2
+
+
 def _diagnose(o64, ref_out, q_hat, k, v, spec, out_dtype, other_layer_scales):
     for name, detail, kind, kd, vd, variant in _hypotheses(q_hat, k, v, spec, other_layer_scales):
         sim = ar.attention_reference(q_hat, kd, vd, spec, variant=variant, out_dtype=out_dtype)
         ok, share, worst = explained(o64, ref_out, sim.out, sim.gate)
         if ok and share > 0:      # within its gate AND closer to the output than the reference is
             return kind, [Cause(name, f"{detail} (explains {share:.1%} of the error energy)", True)]
+    if spec.p_format is None:
+        exact, bound = bf16_intermediates_bound(q_hat, _deq(k), _deq(v), spec, out_dtype)
+        worst = float(torch.nan_to_num((o64 - exact).abs() / bound, nan=math.inf).max())
+        if worst <= 1.0:
+            return "numerical", [Cause("computed_in_bf16", "the error is beyond the fp32 gate but within what bf16 "
+                                       f"scores and P (unit roundoff 2^-8) can produce (worst err / bf16 bound "
+                                       f"{worst:.2f}): the attention computes in bf16, not fp32", False)]   # a bound, not a simulation
     return "logic", [Cause("unexplained", "no simulated attention bug reproduces the output; the error is "
                            "beyond the derived gate (see the worst (batch, head) and query above)", False)]

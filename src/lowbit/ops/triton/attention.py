@@ -228,6 +228,7 @@ def _operand(t, name: str, B: int, H: int, T: int, D: int):
     """(codes / values tensor, scale tensor [B,H,T,G] with zero strides, group size, kind); the
     group size is D unless the scale varies along the head dim."""
     if isinstance(t, KVQuant):
+        t = t.unpacked()            # the tile loader reads one int4 code per byte (int4 is stored packed)
         kind = _KIND.get(t.scheme.format)
         if kind is None:
             raise ValueError(f"{name}: no kernel decoder for {t.scheme.format}")
