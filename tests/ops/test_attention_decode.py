@@ -133,19 +133,19 @@ def test_attention_triton_backend_runs_split_kv_on_decode(rng):
 
 def test_split_kv_bad_input(rng):
     k, v = _states(rng, 1, 1, 20, 24)
-    kq, vq = _quant(k, v, KVScheme("fp8", "token"))
+    kq, vq = (_to(t, DEV) for t in _quant(k, v, KVScheme("fp8", "token")))
     spec = ar.AttnSpec(p_block=16, causal=False)
     with pytest.raises(ValueError, match="G \\* Tq"):
-        split_kv_attention(torch.randn(1, 1, MAX_ROWS + 1, 24), kq, vq, spec)
+        split_kv_attention(torch.randn(1, 1, MAX_ROWS + 1, 24, device=DEV), kq, vq, spec)
     with pytest.raises(ValueError, match="bfloat16"):
-        split_kv_attention(torch.randn(1, 1, 1, 24), kq, vq, ar.AttnSpec(q_format=None, p_block=16))
-    kg, vg = _quant(k, v, KVScheme("int4", "group", 8))
+        split_kv_attention(torch.randn(1, 1, 1, 24, device=DEV), kq, vq, ar.AttnSpec(q_format=None, p_block=16))
+    kg, vg = (_to(t, DEV) for t in _quant(k, v, KVScheme("int4", "group", 8)))
     with pytest.raises(ValueError, match="head-dim group"):
-        split_kv_attention(torch.randn(1, 1, 1, 24), kg, vg, spec)
+        split_kv_attention(torch.randn(1, 1, 1, 24, device=DEV), kg, vg, spec)
     with pytest.raises(ValueError, match="splits"):
-        split_kv_attention(torch.randn(1, 1, 1, 24), kq, vq, spec, splits=0)
+        split_kv_attention(torch.randn(1, 1, 1, 24, device=DEV), kq, vq, spec, splits=0)
     with pytest.raises(ValueError, match="at least as many tokens"):
-        split_kv_attention(torch.randn(1, 1, 21, 24), kq, vq, ar.AttnSpec(p_block=16, causal=True))
+        split_kv_attention(torch.randn(1, 1, 21, 24, device=DEV), kq, vq, ar.AttnSpec(p_block=16, causal=True))
 
 
 @pytest.mark.gpu
