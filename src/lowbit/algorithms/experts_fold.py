@@ -31,6 +31,7 @@ from lowbit.algorithms.gptq.experts import MIN_TOKENS
 from lowbit.algorithms.smoothquant import smoothing_factors
 from lowbit.archs.decoders import UnsupportedArchitecture
 from lowbit.archs.experts import find_experts
+from lowbit.archs.forward import run_batches
 from lowbit.ops.grouped import sort_tokens
 
 
@@ -48,13 +49,7 @@ def _capture(model, names: list[str], batches) -> dict[str, list[tuple[torch.Ten
             got[n].append((args[0].detach(), args[1].detach()))
         return pre
     hooks = [model.get_submodule(n).register_forward_pre_hook(make(n), with_kwargs=True) for n in names]
-    try:
-        with torch.no_grad():
-            for b in batches:
-                model(**b) if isinstance(b, dict) else model(b)
-    finally:
-        for h in hooks:
-            h.remove()
+    run_batches(model, batches, hooks)
     return got
 
 

@@ -138,7 +138,7 @@ def _decode_rows(only, quick) -> list[dict]:
                     for splits in sorted({max(1, auto // 2), auto, 2 * auto}):
                         spec = specs[0][1]
                         row = dict(bench="sweep", B=B, T=T, kv=name, attn=specs[0][0], warps=warps, splits=splits,
-                                   default=(warps == launch_warps(16) and splits == auto))
+                                   default=(warps == launch_warps(16, B * HKV) and splits == auto))
                         rows.append(_timed(row, base, lambda a: split_kv_attention(
                             a, kq, vq, spec, out_dtype=torch.bfloat16, splits=splits, warps=warps), (q,)))
             del kq, vq

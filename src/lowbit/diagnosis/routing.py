@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.archs.experts import find_experts, router_of
+from lowbit.archs.forward import run_batches
 
 
 @dataclass
@@ -51,13 +52,7 @@ def _record(model: torch.nn.Module, names: list[str], batches) -> dict[str, list
             idx = out[-1] if isinstance(out, tuple) else out    # transformers 5 routers return (..., indices)
             seen[n].append(idx.detach().reshape(-1, idx.shape[-1]).cpu())
         hooks.append(mod.register_forward_hook(hook))
-    try:
-        with torch.no_grad():
-            for b in batches:
-                model(**b) if isinstance(b, dict) else model(b)
-    finally:
-        for h in hooks:
-            h.remove()
+    run_batches(model, batches, hooks)
     return seen
 
 

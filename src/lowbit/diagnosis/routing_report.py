@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lowbit.archs.experts import find_experts, router_of
+from lowbit.archs.forward import run_batches
 from lowbit.diagnosis.report import optional_png
 from lowbit.nn.experts import PROJECTIONS, QuantExperts, _as_enk
 from lowbit.ops.grouped import sort_tokens
@@ -124,13 +125,7 @@ def _run(model, routers: list[str], experts: list[str], batches, want_inputs: bo
                 args = list(a) + [v for v in kw.values()]     # (hidden_states, top_k_index, top_k_weights)
                 inp[e].append((args[0].detach(), args[1].detach()))
             hooks.append(model.get_submodule(e).register_forward_pre_hook(pre, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            for b in batches:
-                model(**b) if isinstance(b, dict) else model(b)
-    finally:
-        for h in hooks:
-            h.remove()
+    run_batches(model, batches, hooks)
     return idx, inp
 
 

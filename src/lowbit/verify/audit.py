@@ -320,13 +320,20 @@ def run_cell(spec: KernelSpec, case: Case, device: str, seed: int) -> Cell:
 def audit(specs: list[KernelSpec], cases: list[Case] = CASES, *, device: str = "cpu", seed: int = 0,
           progress: Callable[[str], None] | None = None) -> list[Cell]:
     """Run every kernel on every case; returns one Cell per pair (row-major: kernel, then case)."""
+    return audit_grid(run_cell, specs, cases, device, seed, progress)
+
+
+def audit_grid(run: Callable, specs: list, cases: list, device: str, seed: int,
+               progress: Callable[[str], None] | None, tag: str = "") -> list[Cell]:
+    """run(spec, case, device, seed) -> Cell for every kernel on every case (kernel-major), with a
+    progress line per cell: the loop of every audit table (linear, grouped, attention)."""
     cells = []
     for i, spec in enumerate(specs):
         for case in cases:
-            c = run_cell(spec, case, device, seed)
+            c = run(spec, case, device, seed)
             cells.append(c)
             if progress:
-                progress(f"[{i + 1}/{len(specs)}] {spec.name} / {case.name}: {c.verdict} {c.cause} "
+                progress(f"[{tag}{i + 1}/{len(specs)}] {spec.name} / {case.name}: {c.verdict} {c.cause} "
                          f"({c.seconds:.1f}s)")
     return cells
 

@@ -30,7 +30,7 @@ from lowbit.ops import attention_reference as ar
 from lowbit.ops.attention import attention
 from lowbit.ops.kv_quant import KVScheme, observe_amax, quantize_kv, static_scale
 from lowbit.verify.attention import check_attention
-from lowbit.verify.audit import Cell
+from lowbit.verify.audit import Cell, audit_grid
 
 P_BLOCK = 16          # small key blocks: several blocks (and rescales) at the cases' small lengths
 
@@ -182,12 +182,4 @@ def run_cell(kernel: AttnKernel, case: AttnCase, device: str, seed: int) -> Cell
 def audit(kernels: list[AttnKernel], cases: list[AttnCase] = CASES, *, device: str = "cpu", seed: int = 0,
           progress: Callable[[str], None] | None = None) -> list[Cell]:
     """Every kernel on every case; one Cell per pair (kernel-major), for verify.audit.table / plot."""
-    cells = []
-    for i, kern in enumerate(kernels):
-        for case in cases:
-            c = run_cell(kern, case, device, seed)
-            cells.append(c)
-            if progress:
-                progress(f"[{i + 1}/{len(kernels)}] {kern.name} / {case.name}: {c.verdict} {c.cause} "
-                         f"({c.seconds:.1f}s)")
-    return cells
+    return audit_grid(run_cell, kernels, cases, device, seed, progress)

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from lowbit.verify.audit import Cell, _group, k_for
+from lowbit.verify.audit import Cell, _group, audit_grid, k_for
 
 ROUTINGS = ("uniform", "hot", "sparse", "dropped")
 
@@ -225,12 +225,4 @@ def run_cell(spec: GroupedSpec, case: GroupedCase, device: str, seed: int) -> Ce
 def audit(specs: list[GroupedSpec], cases: list[GroupedCase] = CASES, *, device: str = "cpu", seed: int = 0,
           progress: Callable[[str], None] | None = None) -> list[Cell]:
     """Every grouped kernel on every case (row-major: kernel, then case)."""
-    cells = []
-    for i, spec in enumerate(specs):
-        for case in cases:
-            c = run_cell(spec, case, device, seed)
-            cells.append(c)
-            if progress:
-                progress(f"[grouped {i + 1}/{len(specs)}] {spec.name} / {case.name}: {c.verdict} {c.cause} "
-                         f"({c.seconds:.1f}s)")
-    return cells
+    return audit_grid(run_cell, specs, cases, device, seed, progress, tag="grouped ")
