@@ -56,5 +56,8 @@ def test_rows_on_the_interpreter_with_tiny_shapes(monkeypatch):
     assert len(ratio) == 2 and all(1.0 < r["bound"] < 2.0 for r in ratio)     # (W + 2 KV8) / (W + KV8)
     must = {r["target"]: r for r in rows if r["bench"] == "must"}
     assert must["KV bytes fp8 vs bf16"]["status"] == "met"
-    assert must["KV bytes int4-g32 (scales included) vs bf16"]["status"] == "missed"   # one code per byte
+    # codes two per byte plus one fp32 scale per group: 0.25 + 2 / g of bf16's bytes
+    assert must["KV bytes int4-g32 (scales included) vs bf16"]["value"] == 0.25 + 2 / 32
+    assert must["KV bytes int4-g32 (scales included) vs bf16"]["status"] == "missed"
+    assert must["KV bytes int4-g64 (scales included) vs bf16"]["status"] == "met"
     assert all(r["status"] in ("met", "missed", "not measured") for r in must.values())

@@ -352,7 +352,7 @@ def _int4_bytes_ratio(group: int = 32) -> float:
     import torch
 
     from lowbit.ops.kv_quant import KVScheme, quantize_kv
-    x = torch.randn(1, HKV, 64, D)
+    x = torch.randn(1, HKV, 64, -(-D // group) * group)   # a whole number of groups per head
     return quantize_kv(x, KVScheme("int4", "group", group)).nbytes() / (x.numel() * 2)
 
 
