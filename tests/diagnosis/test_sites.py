@@ -65,8 +65,9 @@ def test_suggestions_overrides_and_plot(rng, tmp_path):
     model = Two(rng)
     rep = site_report(model, [torch.randn(16, 48, generator=rng)], "w8a8-int8-tensor")
     worst = rep.rows[0]
-    if worst.out_db < 30:
-        assert "SmoothQuant" in worst.action or "finer" in worst.action
+    if worst.out_db < 30:   # Two is no mapped decoder: SmoothQuant has no fold point there
+        assert "SmoothQuant" not in worst.action
+        assert "fp8" in worst.action or "finer" in worst.action
     assert [r.out_db for r in rep.rows] == sorted(r.out_db for r in rep.rows)
     assert pick_overrides(rep, n_linear=2, max_fraction=0.05) == {}            # 5% of 2 layers: none
     picked = pick_overrides(rep, n_linear=40, max_fraction=0.05, to="w8a8-fp8", below_db=1e9)
@@ -124,3 +125,19 @@ def test_block_sqnr_matches_quantizing_that_site_alone(rng):
         # same float32 arithmetic in both runs; the report sums in float32 (relative error <= n u32 with
         # n = 19 * 32 terms, 4e-5): 10 log10(1 + 4e-5) * 2 < 1e-3 dB
         assert row.block_db == pytest.approx(expect, abs=1e-3), site
+
+
+def test_smoothquant_suggested_only_where_it_folds(rng):
+    """An activation-limited site gets SmoothQuant in its action only where fold_plan has an exact
+    fold point for it: a Llama's q/k/v and gate/up (and down) yes, a Mixtral's experts never."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from lowbit.diagnosis.sites import SiteRow, _smoothable, suggest
+    row = SiteRow("x", 0, "q", "w8a8-int8", act_db=10.0, weight_db=40.0, out_db=10.0, outlier_ratio=50.0)
+    assert "SmoothQuant" in suggest(row, True) and "SmoothQuant, " not in suggest(row, False)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2)).eval()
+    names = _smoothable(llama)
+    assert "model.layers.1.self_attn.q_proj" in names and "model.layers.0.mlp.up_proj" in names
+    assert "model.layers.0.self_attn.o_proj" not in names            # no norm in front of it
+    from moe_fixtures import tiny_moe
+    assert _smoothable(tiny_moe("mixtral", rng)) == set()            # refused: experts have no exact fold

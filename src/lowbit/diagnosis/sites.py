@@ -18,6 +18,8 @@ from typing import Iterable
 import torch
 
 from lowbit.algorithms import distributed
+from lowbit.algorithms.smoothquant import fold_plan
+from lowbit.archs.decoders import UnsupportedArchitecture
 from lowbit.nn.quant_linear import QuantLinear, linear_float
 from lowbit.recipes.plan import linear_layers, plan
 from lowbit.recipes.presets import Recipe, get_recipe
@@ -81,8 +83,11 @@ class SiteReport:
         return "\n".join([head] + body)
 
 
-def suggest(row: SiteRow) -> str:
-    """Seed 004's suggested action for a site, from which quantizer limits it."""
+def suggest(row: SiteRow, smoothable: bool = True) -> str:
+    """Seed 004's suggested action for a site, from which quantizer limits it. smoothable: whether
+    SmoothQuant has an exact fold point for this site (lowbit.algorithms.smoothquant.fold_plan);
+    where it has none (MoE experts, a family outside the decoder map, a Linear reading the residual
+    stream without a norm in front) it is not suggested."""
     amplified = math.isfinite(row.block_db) and row.block_db < GOOD_DB
     if row.out_db >= GOOD_DB and not amplified:
         return "ok"
@@ -90,9 +95,20 @@ def suggest(row: SiteRow) -> str:
         return (f"its block amplifies this site's noise into the residual stream (block SQNR "
                 f"{row.block_db:.0f} dB): keep it in bf16 or switch it to fp8")
     if row.act_db <= row.weight_db:
-        return (f"activation outliers (max channel {row.outlier_ratio:.0f}x the median): SmoothQuant, "
-                "switch this site to fp8 (w8a8-fp8), or keep it in bf16")
+        return (f"activation outliers (max channel {row.outlier_ratio:.0f}x the median): "
+                + ("SmoothQuant, switch" if smoothable else "switch") + " this site to fp8 (w8a8-fp8), or keep it in bf16"
+                + ("" if smoothable else " (SmoothQuant has no exact fold point here)"))
     return "weight quantization limits it: finer granularity (smaller groups) or keep it in bf16"
+
+
+def _smoothable(model: torch.nn.Module) -> set[str]:
+    """Names of the Linears SmoothQuant can smooth exactly (the consumers of fold_plan's groups);
+    none for a model it refuses (MoE experts, a family outside lowbit.archs.decoders)."""
+    try:
+        groups, _ = fold_plan(model)
+    except UnsupportedArchitecture:
+        return set()
+    return {c for g in groups for c in g.consumers}
 
 
 def _layer_and_kind(name: str) -> tuple[int, str]:
@@ -247,6 +263,7 @@ def site_report(model: torch.nn.Module, batches: Iterable, recipe: str | Recipe,
             st[6] = distributed.all_max(cm)
         tokens = distributed.all_count(tokens)
     report = SiteReport(base.name, tokens=tokens)
+    smoothable = _smoothable(model)
     for n, (lin, r) in sites.items():
         a_s, a_n, o_s, o_n, b_s, b_n, cm = stats[n]
         if cm is None:
@@ -255,7 +272,7 @@ def site_report(model: torch.nn.Module, batches: Iterable, recipe: str | Recipe,
         ratio = float(cm.max() / cm.median().clamp_min(1e-30))
         row = SiteRow(n, layer, kind, r.name, sqnr_db(a_s, a_n) if r.act is not None else math.inf,
                       wdb[n], sqnr_db(o_s, o_n), ratio, block_db=sqnr_db(b_s, b_n) if b_s > 0 else math.nan)
-        row.action = suggest(row)
+        row.action = suggest(row, n in smoothable)
         report.rows.append(row)
     if any(math.isfinite(r.block_db) for r in report.rows):
         report.rows.sort(key=lambda r: (not math.isfinite(r.block_db), r.block_db if math.isfinite(r.block_db)
