@@ -66,7 +66,7 @@ def test_suggestions_overrides_and_plot(rng, tmp_path):
     rep = site_report(model, [torch.randn(16, 48, generator=rng)], "w8a8-int8-tensor")
     worst = rep.rows[0]
     if worst.out_db < 30:   # Two is no mapped decoder: SmoothQuant has no fold point there
-        assert "SmoothQuant" not in worst.action
+        assert "SmoothQuant, " not in worst.action
         assert "fp8" in worst.action or "finer" in worst.action
     assert [r.out_db for r in rep.rows] == sorted(r.out_db for r in rep.rows)
     assert pick_overrides(rep, n_linear=2, max_fraction=0.05) == {}            # 5% of 2 layers: none
