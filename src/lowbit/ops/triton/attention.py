@@ -140,6 +140,27 @@ def p_codes(v, P_MODE: tl.constexpr, FAST_FP8: tl.constexpr):
         return tl.minimum(tl.maximum(rint(v), 0.0), 127.0)
     return v
 
+@triton.jit
+def softmax_block(t, seen, m_i, FMAX: tl.constexpr, P_MODE: tl.constexpr, FAST_FP8: tl.constexpr):
+    """One key block of the online softmax with P quantized per block, shared by the prefill and
+    split-KV kernels: t the scores (log2 units) [rows, keys], seen the mask, m_i the running row
+    maxima. P's codes are of fmt_max * exp2(t - mb) with the block's own maximum mb (so the block's
+    largest P is fmt_max exactly); f = exp2(mb - m_new) / fmt_max turns codes into probabilities on
+    the running maximum m_new, alpha = exp2(m_i - m_new) rescales what was accumulated before.
+    Fully masked rows give codes 0, f 0 and keep their maximum. Returns (next m_i, codes, f, alpha)."""
+    t = tl.where(seen, t, float("-inf"))
+    mb = tl.max(t, axis=1)
+    ok = mb > float("-inf")
+    mb0 = tl.where(ok, mb, 0.0)
+    m_new = tl.maximum(m_i, mb)
+    m_new0 = tl.where(m_new > float("-inf"), m_new, mb0)
+    x = tl.where(seen, tl.exp2(t - mb0[:, None]), 0.0)
+    codes = p_codes(x * FMAX, P_MODE, FAST_FP8)
+    f = tl.where(ok, tl.math.div_rn(tl.exp2(mb0 - m_new0), FMAX), 0.0)
+    alpha = tl.where(m_i > float("-inf"), tl.exp2(m_i - m_new0), 0.0)
+    return tl.where(m_new > float("-inf"), m_new, m_i), codes, f, alpha
+
+
 
 @triton.jit
 def _flash_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, Tq, Tk, D, G, c,
@@ -195,17 +216,7 @@ def _flash_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, Tq, Tk, D,
         seen = (offs_k < Tk)[None, :] & (offs_m >= 0)[:, None]
         if CAUSAL:
             seen = seen & (offs_k[None, :] <= offs_m[:, None] + (Tk - Tq))
-        t = tl.where(seen, t, float("-inf"))
-        mb = tl.max(t, axis=1)
-        ok = mb > float("-inf")
-        mb0 = tl.where(ok, mb, 0.0)
-        m_new = tl.maximum(m_i, mb)
-        m_new0 = tl.where(m_new > float("-inf"), m_new, mb0)
-        x = tl.where(seen, tl.exp2(t - mb0[:, None]), 0.0)
-        v = x * FMAX
-        codes = p_codes(v, P_MODE, FAST_FP8)
-        f = tl.where(ok, tl.math.div_rn(tl.exp2(mb0 - m_new0), FMAX), 0.0)
-        alpha = tl.where(m_i > float("-inf"), tl.exp2(m_i - m_new0), 0.0)
+        m_next, codes, f, alpha = softmax_block(t, seen, m_i, FMAX, P_MODE, FAST_FP8)
         if MMA:
             vt = code_tile(v_ptr, b, hk, offs_k, offs_d, Tk, D, sv_b, sv_h, sv_t, sv_d, V_KIND, FAST_FP8, False, DOT_TY)
             # P codes and V codes are exact in DOT_TY: tensor-core products, fp32 sums; scales after
@@ -218,7 +229,7 @@ def _flash_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, Tq, Tk, D,
             p = codes * f[:, None]
             acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
             l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = tl.where(m_new > float("-inf"), m_new, m_i)
+        m_i = m_next
     out = tl.math.div_rn(acc, tl.where(l_i > 0, l_i, 1.0)[:, None])
     tl.store(o_ptr + b * so_b + h[:, None] * so_h + offs_m[:, None] * so_t + offs_d[None, :] * so_d,
              cast_out(out, OUT_TY), mask=q_ok)

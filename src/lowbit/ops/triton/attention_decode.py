@@ -45,7 +45,7 @@ from lowbit.ops import attention_reference as ar
 from lowbit.ops.dispatch import SPLIT_KV_MAX_ROWS, kv_kind
 from lowbit.ops.kv_quant import KVQuant
 
-from .attention import code_tile, p_codes
+from .attention import code_tile, softmax_block
 from .common import cast_out, check_device, decode_e4m3fn, interpreting, launch, num_sms
 from .fused_quant import _codes as _quant_codes
 from .fused_quant import _group_scales
@@ -120,17 +120,7 @@ def _split_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, op_ptr, mp
             seen = offs_k[None, :] <= qi[:, None] + (Tk - Tq)       # implies offs_k < Tk
         else:
             seen = k_ok[None, :] & (qi >= 0)[:, None]
-        t = tl.where(seen, t, float("-inf"))
-        mb = tl.max(t, axis=1)
-        ok = mb > float("-inf")
-        mb0 = tl.where(ok, mb, 0.0)
-        m_new = tl.maximum(m_i, mb)
-        m_new0 = tl.where(m_new > float("-inf"), m_new, mb0)
-        x = tl.where(seen, tl.exp2(t - mb0[:, None]), 0.0)
-        pvals = x * FMAX
-        codes = p_codes(pvals, P_MODE, FAST_FP8)
-        f = tl.where(ok, tl.math.div_rn(tl.exp2(mb0 - m_new0), FMAX), 0.0)
-        alpha = tl.where(m_i > float("-inf"), tl.exp2(m_i - m_new0), 0.0)
+        m_next, codes, f, alpha = softmax_block(t, seen, m_i, FMAX, P_MODE, FAST_FP8)
         vt = code_tile(v_ptr, b, hk, offs_k, offs_d, Tk, D, sv_b, sv_h, sv_t, sv_d, V_KIND, FAST_FP8, EVEN_D, PV_TY)
         if PV_SPLIT:
             w = codes
@@ -152,7 +142,7 @@ def _split_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, op_ptr, mp
             pv = tl.dot(codes.to(PV_TY), vt, input_precision=DOT_PREC)
         acc = acc * alpha[:, None] + pv * f[:, None]
         l_i = l_i * alpha + tl.sum(codes, axis=1) * f
-        m_i = tl.where(m_new > float("-inf"), m_new, m_i)
+        m_i = m_next
     if not V_TOKEN:
         acc = acc * tl.load(vs_ptr + b * svs_b + hk * svs_h)
     if FINAL:
