@@ -62,13 +62,9 @@ class Routing:
         return torch.repeat_interleave(torch.arange(self.num_experts, device=self.offsets.device), self.counts())
 
 
-def sort_tokens(top_k_index: torch.Tensor, num_experts: int) -> Routing:
-    """Sort the (token, slot) pairs of top_k_index [T, top_k] by expert (stable: within an
-    expert, tokens keep their order). An index equal to num_experts is a dropped slot
-    (transformers' expert-parallel marker) and gets no row. Raises ValueError on a non-integer
-    or non-2-D index, T = 0, top_k > num_experts, or an index outside [0, num_experts]."""
-    if not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+def _check_top_k(top_k_index, num_experts: int) -> tuple[int, int]:
+    """(T, top_k) of a router's top-k expert ids [tokens, top_k]: the shape checks both routings
+    share (an integer 2-D tensor, at least one token, 1 <= top_k <= num_experts)."""
     if not isinstance(top_k_index, torch.Tensor) or top_k_index.ndim != 2 or top_k_index.is_floating_point():
         raise ValueError("top_k_index must be an integer tensor [tokens, top_k], got "
                          f"{getattr(top_k_index, 'dtype', type(top_k_index).__name__)} "
@@ -80,6 +76,17 @@ def sort_tokens(top_k_index: torch.Tensor, num_experts: int) -> Routing:
     if k < 1 or k > num_experts:
         raise ValueError(f"top_k = {k} must be in [1, num_experts = {num_experts}]: a token cannot pick more "
                          "distinct experts than exist; fix num_experts_per_tok")
+    return T, k
+
+
+def sort_tokens(top_k_index: torch.Tensor, num_experts: int) -> Routing:
+    """Sort the (token, slot) pairs of top_k_index [T, top_k] by expert (stable: within an
+    expert, tokens keep their order). An index equal to num_experts is a dropped slot
+    (transformers' expert-parallel marker) and gets no row. Raises ValueError on a non-integer
+    or non-2-D index, T = 0, top_k > num_experts, or an index outside [0, num_experts]."""
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    T, k = _check_top_k(top_k_index, num_experts)
     flat = top_k_index.reshape(-1).to(torch.int64)
     lo, hi = int(flat.min()), int(flat.max())
     if lo < 0 or hi > num_experts:
@@ -100,16 +107,7 @@ def route_fixed(top_k_index: torch.Tensor, num_experts: int) -> Routing:
     dropped slots (index == num_experts) after offsets[E], which no expert owns (a grouped kernel
     leaves their rows zero). Only the shape is checked (2-D integer, T >= 1, top_k <= E): expert
     ids are trusted here; lowbit.ops.grouped.sort_tokens (the exact path) checks their range."""
-    if top_k_index.ndim != 2 or top_k_index.is_floating_point():
-        raise ValueError(f"top_k_index must be an integer tensor [tokens, top_k], got {top_k_index.dtype} "
-                         f"{tuple(top_k_index.shape)}")
-    T, k = top_k_index.shape
-    if T == 0:
-        raise ValueError("top_k_index has 0 tokens: a grouped GEMM of an empty batch has nothing to route; "
-                         "skip the MoE call for an empty batch")
-    if k < 1 or k > num_experts:
-        raise ValueError(f"top_k = {k} must be in [1, num_experts = {num_experts}]: a token cannot pick more "
-                         "distinct experts than exist; fix num_experts_per_tok")
+    T, k = _check_top_k(top_k_index, num_experts)
     flat = top_k_index.reshape(-1).to(torch.int64)
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
