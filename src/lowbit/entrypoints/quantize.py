@@ -147,24 +147,30 @@ def _save(model, out: Path, recipe, tokenizer, dtype) -> None:
     save_compressed(model, out, recipe, tokenizer=tokenizer, overwrite=True, dtype=dtype)
 
 
+def _kl_top1(t) -> str:
+    """The token metrics' agreement with the float model, as every report line writes them."""
+    return f"KL from float {t.kl:.4f} nats, top-1 agreement {100 * t.top1:.2f}%"
+
+
+def _metrics(mname: str, v) -> str:
+    """A metric value (a float) or token metrics (perplexity, KL, top-1) for a report line."""
+    return f"{mname} {v.perplexity:.4f}, {_kl_top1(v)}" if hasattr(v, "kl") else f"{mname} {v:.4f}"
+
+
+def _compare_line(what: str, other: str, mname: str, run_, without) -> str:
+    """One report line: the run's metrics (token metrics where measured) and `without` (the same
+    model with one part put back in high precision)."""
+    with_ = run_.tokens if run_.tokens is not None else run_.value
+    return f"{what}: {_metrics(mname, with_)}; {other}: {_metrics(mname, without)}"
+
+
 def _kv_line(kv_name: str, mname: str, run_) -> str:
-    """One report line: the metrics with the quantized KV cache and without it."""
-    def fmt(v):
-        if hasattr(v, "kl"):
-            return f"{mname} {v.perplexity:.4f}, KL from float {v.kl:.4f} nats, top-1 agreement {100 * v.top1:.2f}%"
-        return f"{mname} {v:.4f}"
-    with_kv = run_.tokens if run_.tokens is not None else run_.value
-    return f"KV cache {kv_name}: {fmt(with_kv)}; with the KV cache unquantized: {fmt(run_.without_kv)}"
+    return _compare_line(f"KV cache {kv_name}", "with the KV cache unquantized", mname, run_, run_.without_kv)
 
 
 def _head_line(kind: str, mname: str, run_) -> str:
-    """One report line: the metrics with the quantized LM head and with the float one."""
-    def fmt(v):
-        if hasattr(v, "kl"):
-            return f"{mname} {v.perplexity:.4f}, KL from float {v.kl:.4f} nats, top-1 agreement {100 * v.top1:.2f}%"
-        return f"{mname} {v:.4f}"
-    with_head = run_.tokens if run_.tokens is not None else run_.value
-    return f"LM head {kind} (weight-only): {fmt(with_head)}; with the LM head in high precision: {fmt(run_.float_head)}"
+    return _compare_line(f"LM head {kind} (weight-only)", "with the LM head in high precision", mname, run_,
+                         run_.float_head)
 
 
 def _out_dirs(args, recipes: list[str]) -> dict[str, Path]:
@@ -446,8 +452,7 @@ def run(args) -> int:
         size = (f"bytes {mb(res.bytes_before)} ({dname} float) -> {mb(res.bytes_after)} "
                 f"({'estimated' if args.no_save else 'on disk'})")
         if evaluate:
-            kl = "" if run_.tokens is None else \
-                f", KL from float {run_.tokens.kl:.4f} nats, top-1 agreement {100 * run_.tokens.top1:.2f}%"
+            kl = "" if run_.tokens is None else f", {_kl_top1(run_.tokens)}"
             print(f"{recipe}: {mname} {before:.4f} -> {run_.value:.4f} ({res.change()}){kl}, {size}; report {md}",
                   flush=True)
         else:
