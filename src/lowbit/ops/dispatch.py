@@ -120,6 +120,12 @@ def prepared_kind(weight_scheme: QuantScheme, act_scheme: QuantScheme | None) ->
             or (_per_row_fp32(ws) and ws.format == "fp8_e4m3fn" and _per_row_fp32(xs)
                 and xs.format == "fp8_e4m3fn" and xs.symmetric)):
         return "w8a8"
+    return _block_scaled_pair(ws, xs)
+
+
+def _block_scaled_pair(ws: QuantScheme, xs: QuantScheme) -> str | None:
+    """"fp4" (MXFP4 x MXFP4 or NVFP4 x NVFP4), "mxfp8" (MXFP8 x MXFP8) or None: the block-scaled
+    pairs a dense and a grouped GEMM both take."""
     if (_mx(ws, "fp4_e2m1fn", 32, "e8m0") and _mx(xs, "fp4_e2m1fn", 32, "e8m0")) or \
             (_mx(ws, "fp4_e2m1fn", 16, "fp8_e4m3fn") and _mx(xs, "fp4_e2m1fn", 16, "fp8_e4m3fn")):
         return "fp4"
@@ -149,12 +155,7 @@ def grouped_kind(weight_scheme: QuantScheme, act_scheme: QuantScheme | None) -> 
             and xs.strategy in _PER_ROW and xs.scale_format == "fp32"
             and ws.format == xs.format and ws.format in ("int8", "fp8_e4m3fn")):
         return "int8" if ws.format == "int8" else "fp8"
-    if (_mx(ws, "fp4_e2m1fn", 32, "e8m0") and _mx(xs, "fp4_e2m1fn", 32, "e8m0")) or \
-            (_mx(ws, "fp4_e2m1fn", 16, "fp8_e4m3fn") and _mx(xs, "fp4_e2m1fn", 16, "fp8_e4m3fn")):
-        return "fp4"
-    if _mx(ws, "fp8_e4m3fn", 32, "e8m0") and _mx(xs, "fp8_e4m3fn", 32, "e8m0"):
-        return "mxfp8"
-    return None
+    return _block_scaled_pair(ws, xs)
 
 
 def _int8_sym(s: QuantScheme | None, strategies: tuple[str, ...]) -> bool:
