@@ -57,14 +57,11 @@ def run(args) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":   # the Triton kernels run in the interpreter; set before triton is imported
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    from lowbit.ops.dispatch import have_triton
     from lowbit.verify import audit as au
     from lowbit.verify import audit_grouped as ag
 
-    try:
-        import triton  # noqa: F401
-        triton_ok = True
-    except ImportError:
-        triton_ok = False
+    triton_ok = have_triton()
     gspecs: list = []
     if args.attention:
         if args.kernel or args.no_builtin:
