@@ -321,3 +321,40 @@ def test_kernel_forward_compiles_without_graph_breaks(rng):
     got = torch.compile(q, fullgraph=True, backend="eager")(x, idx.to(dev), w)
     assert q.last_path == "kernel:int8"
     assert torch.equal(got, q(x, idx.to(dev), w))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_device_holds_the_weight_once(recipe, rng):
+    """`.to(device)` sends the kernel's operands; a 4-bit weight's stacked codes (one per byte, the
+    exact twin weight_q reads) stay on the host, so the device holds the packed copy only; 8-bit
+    kernels read the stacked codes themselves, which move. The meta device stands in for a GPU."""
+    model, name, spec, mod = _experts("mixtral", rng, dtype=torch.float32)
+    q = _quant(mod, spec, recipe)
+    if q.kernel is None:
+        pytest.skip(f"{recipe}: no grouped kernel")
+    four_bit = q.kernel in ("w4a16", "fp4")
+    assert q.host_twin == four_bit
+    q.to("meta")
+    on_dev = {n for n, b in q.named_buffers() if b.device.type == "meta"}
+    for p in ("gate_up", "down"):
+        codes = getattr(q, f"{p}_codes")
+        assert (codes.device.type == "cpu") == four_bit, (p, codes.device)
+        w = getattr(q, q._ops[p]["w"])
+        assert w.device.type == "meta"
+        if four_bit:            # two codes per byte on the device, nothing else of the twin there
+            assert w.numel() * w.element_size() * 2 == codes.numel() * codes.element_size()
+            assert not on_dev & q._twin
+
+
+def test_host_twin_can_be_kept_with_the_kernel(rng):
+    model, name, spec, mod = _experts("mixtral", rng, dtype=torch.float32)
+    r = get_recipe("w4a16-g32")
+    base = _quant(mod, spec, "w4a16-g32")
+    q = QuantExperts(
+        {p: {f: getattr(base, f"{p}_{f}") for f in ("codes", "scale", "zero", "scale_codes", "global")}
+         for p in ("gate_up", "down")},
+        {"gate_up": None, "down": None}, r.weight, r.act, glu_split=spec.glu_split, activation=spec.activation,
+        act_fn=mod.act_fn, family=spec.family, host_twin=False)
+    assert not q.host_twin
+    q.to("meta")
+    assert q.gate_up_codes.device.type == "meta" and q.down_codes.device.type == "meta"

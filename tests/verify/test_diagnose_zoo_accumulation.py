@@ -64,7 +64,10 @@ KERNELS = {"fp16 sequential, products rounded": lambda X, W: seq_products(X, W, 
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
-@pytest.mark.parametrize("shape", [(6, 300, 11), (1, 517, 9)], ids=lambda s: "x".join(map(str, s)))
+# The GEMV shape needs enough outputs for the check to see the kernel: the fp16 64-wide-tile
+# kernel's error stays inside the fp32 gate in about 62% of outputs (measured over 40 seeds x 64
+# outputs), so all of 9 outputs pass for ~1% of seeds; all of 33 for ~1e-7.
+@pytest.mark.parametrize("shape", [(6, 300, 11), (1, 517, 33)], ids=lambda s: "x".join(map(str, s)))
 def test_real_half_accumulation_is_named_and_reproduced(rng, kernel, shape):
     M, K, N = shape
     x, w = half_inputs(rng, M, K, N)

@@ -32,6 +32,11 @@ synchronisation and CUDA graphs / torch.compile capture it; it trusts the router
 (the exact path checks their range). The activation, routing weights and the sum per token run
 in float32. A scheme pair with no grouped kernel runs the exact path, on CUDA with a one-time
 warning; `last_path` says which ran ("exact" or "kernel:<kind>").
+
+Memory: 8-bit kernels read the stacked codes themselves (one copy). 4-bit kernels read a packed
+copy (two codes per byte); the stacked fields are then the exact twin that `weight_q`, the exact
+path and checkpoints read, kept on the host (`.to("cuda")` leaves them there) unless
+host_twin=False, so the device holds the 4-bit weight once.
 """
 from __future__ import annotations
 
@@ -65,7 +70,8 @@ class QuantExperts(torch.nn.Module):
 
     def __init__(self, stacked: dict[str, dict], biases: dict[str, torch.Tensor | None], weight_scheme: QuantScheme,
                  act_scheme: QuantScheme | None, *, glu_split: str, activation: str, act_fn=None,
-                 alpha: float | None = None, limit: float | None = None, family: str = "", backend: str = "auto"):
+                 alpha: float | None = None, limit: float | None = None, family: str = "", backend: str = "auto",
+                 host_twin: bool = True):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}; choose one of {BACKENDS}")
@@ -91,6 +97,12 @@ class QuantExperts(torch.nn.Module):
         self._warned = False
         self._ops: dict[str, dict[str, str]] = {}      # projection -> operand -> buffer name
         self._specs: dict[str, str] = {}
+        # 4-bit kernels read their own packed copy of the codes; the stacked per-expert fields
+        # (one code per byte: what weight_q, the exact path and checkpoints read) are then the
+        # exact twin and stay on the host, so the device holds the weight once (as QuantLinear)
+        self.host_twin = bool(host_twin and self.kernel in ("w4a16", "fp4"))
+        self._twin = {f"{p}_{f}" for p in PROJECTIONS for f in [f for f, _ in _FIELDS] + ["global"]} \
+            if self.host_twin else set()
         if self.kernel is not None:     # the kernel's operands, laid out once (not saved: derived)
             for p in PROJECTIONS:
                 fields = {f: getattr(self, f"{p}_{f}") for f, _ in _FIELDS}
@@ -98,6 +110,9 @@ class QuantExperts(torch.nn.Module):
                 names = {}
                 for k, t in prepare_grouped(self.kernel, weight_scheme, fields, act_scheme).items():
                     same = [f"{p}_{f}" for f, v in fields.items() if v is t]
+                    if same and self.host_twin:     # the twin stays on the host: the kernel gets its own
+                        t = t.clone()
+                        same = []
                     if same:            # the stacked buffer itself: one copy on every device
                         names[k] = same[0]
                     else:
@@ -106,11 +121,15 @@ class QuantExperts(torch.nn.Module):
                 self._ops[p] = names
                 self._specs[p] = grouped_spec(self.kernel, weight_scheme, act_scheme, list(names),
                                               getattr(self, f"{p}_codes").shape[1], identity=p == "down")
+        for n in self._twin:
+            if self._buffers.get(n) is not None:
+                self._buffers[n] = self._buffers[n].cpu()
 
     def _apply(self, fn, recurse=True):
         """`.to(device)` moves the codes, scales and biases; `.to(dtype)` / `.half()` never
         convert them (int codes, fp32 scales and biases are the arithmetic's formats, not the
-        model's dtype): each buffer goes only where fn sends a probe of its own dtype."""
+        model's dtype): each buffer goes only where fn sends a probe of its own dtype. The host
+        twin of 4-bit weights (host_twin) goes only to the CPU."""
         bufs = {n: b for n, b in self._buffers.items() if b is not None}
         for n in bufs:
             del self._buffers[n]
@@ -118,7 +137,8 @@ class QuantExperts(torch.nn.Module):
             out = super()._apply(fn, recurse)
         finally:
             for n, b in bufs.items():
-                self._buffers[n] = b.to(fn(torch.empty(0, dtype=b.dtype, device=b.device)).device)
+                dev = fn(torch.empty(0, dtype=b.dtype, device=b.device)).device
+                self._buffers[n] = b if n in self._twin and dev.type != "cpu" else b.to(dev)
         return out
 
     # ------------------------------------------------------------------ construction
@@ -278,15 +298,21 @@ class QuantExperts(torch.nn.Module):
     def gate_up_rows(self, hidden_states: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Float64 [M_total, 2I]: the first grouped GEMM (+ bias) of every sorted row; the
         activations are quantized once, over all T tokens, then gathered."""
-        x = hidden_states.detach()
-        a1 = take_rows(self._quantize_act(x.float()) if self.act_scheme is not None else x.double(), routing.token)
-        return grouped_reference(a1, routing.offsets.cpu(), self.weights_q("gate_up"), self.gate_up_bias)
+        x = hidden_states.detach().to(self.gate_up_codes.device)     # the host twin's device, if any
+        a1 = take_rows(self._quantize_act(x.float()) if self.act_scheme is not None else x.double(),
+                       routing.token.to(x.device))
+        return grouped_reference(a1, routing.offsets.cpu(), self.weights_q("gate_up"), self._exact_bias("gate_up"))
 
     def down_rows(self, a: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Float64 [M_total, H]: the second grouped GEMM (+ bias) of the sorted intermediate a
         [M_total, I], quantized once as one buffer."""
+        a = a.to(self.down_codes.device)
         a2 = self._quantize_act(a) if self.act_scheme is not None else a.double()
-        return grouped_reference(a2, routing.offsets.cpu(), self.weights_q("down"), self.down_bias)
+        return grouped_reference(a2, routing.offsets.cpu(), self.weights_q("down"), self._exact_bias("down"))
+
+    def _exact_bias(self, proj: str) -> torch.Tensor | None:
+        b = getattr(self, f"{proj}_bias")
+        return None if b is None else b.to(getattr(self, f"{proj}_codes").device)
 
 
 def _check_k(K: int, scheme: QuantScheme, where: str) -> None:

@@ -281,6 +281,7 @@ class AccumulatorMatch:
     exact: bool             # some order reproduces the output within the gate
     rms_ratio: float        # rms(kernel error) / rms(simulated error) of the closest order
     consistent: bool        # size, tail and spread per row and column all match
+    residual: float = math.nan  # exact: the best order's worst |out - simulation| in gates
 
     def describe(self) -> str:
         if self.exact:
@@ -321,12 +322,13 @@ def match_accumulators(out: torch.Tensor, ref: torch.Tensor, gate: torch.Tensor,
         sims = [(od, simulate(xq, wq, od, rows, cols, bias)) for od in orders_for(acc, nb, both_fp8, quantized)]
         if not sims:
             continue
-        exact = [od for od, s in sims if _same(o, s, g)]
+        exact = [(od, s) for od, s in sims if _same(o, s, g)]
         if not exact and acc in ("fp16", "bf16"):      # the same orders, rounding through float32
-            exact = [od for od, _ in sims
-                     if _same(o, simulate(xq, wq, dataclasses.replace(od, via_f32=True), rows, cols, bias), g)]
+            via = [(od, simulate(xq, wq, dataclasses.replace(od, via_f32=True), rows, cols, bias)) for od, _ in sims]
+            exact = [(od, s) for od, s in via if _same(o, s, g)]
         if exact:
-            found.append(AccumulatorMatch(acc, exact[0].label, True, 1.0, True))
+            res = [(_worst_residual(o, s, g), od) for od, s in exact]
+            found.append(AccumulatorMatch(acc, exact[0][0].label, True, 1.0, True, min(r for r, _ in res)))
             continue
         if not torch.isfinite(o).all():
             continue
@@ -371,6 +373,13 @@ def _line_fit(e: torch.Tensor, ref: torch.Tensor) -> float:
         c = (e * ref).sum(dim, keepdim=True) / (ref * ref).sum(dim, keepdim=True).clamp(min=1e-300)
         best = max(best, float(((c * ref) ** 2).sum()) / en)
     return best
+
+
+def _worst_residual(o: torch.Tensor, s: torch.Tensor, g: torch.Tensor) -> float:
+    """Largest |o - s| in units of the gate over the finite outputs (0 where both agree exactly)."""
+    f = torch.isfinite(o) & torch.isfinite(s)
+    d = (o[f] - s[f]).abs()
+    return float((d / g[f].clamp(min=1e-300)).max()) if d.numel() else 0.0
 
 
 def _same(o: torch.Tensor, s: torch.Tensor, g: torch.Tensor) -> bool:

@@ -204,7 +204,7 @@ def offset_hypotheses(sim: Sim):
     c = float(e.mean())
     if c != 0:
         pred = ctx.ref + c
-        yield Hyp("output_offset", f"every output off by the same constant {c:+.6g} (a stray addend in the "
+        yield Hyp("output_offset", f"every output off by the same constant {c:+.4g} (a stray addend in the "
                   f"epilogue)", pred, sim.gate(T + abs(c), pred), general=True, ulp_sized=abs(c) <= small)
     if sim.M >= OFFSET_MIN_ROWS and sim.N > 1:
         cn = e.mean(dim=0, keepdim=True)
