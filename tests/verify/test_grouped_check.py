@@ -209,3 +209,36 @@ def test_bad_input_gets_clear_errors(rng):
         check_grouped_linear(y[:, :], x[:, :200], w[:, :, :200], off, x_scheme=MX, w_scheme=MX)
     with pytest.raises(ValueError, match="top_k = 6"):
         sort_tokens(torch.zeros(3, 6, dtype=torch.long), 5)
+
+
+def _fp16_sequential(X, W):
+    """acc = fp16(acc + fp16(x_k * w_k)) one k at a time, in numpy's float16 arithmetic."""
+    a, b = X.numpy().astype(np.float16), W.numpy().astype(np.float16)
+    acc = np.zeros((a.shape[0], b.shape[0]), dtype=np.float16)
+    for k in range(a.shape[1]):
+        acc = (acc + (a[:, k, None] * b[None, :, k]).astype(np.float16)).astype(np.float16)
+    return torch.from_numpy(acc.astype(np.float32))
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["bf16 operands", "int4 g32 weights"])
+def test_half_accumulation_in_every_expert_is_named_numerical(quantized, rng):
+    """A grouped kernel that accumulates each expert's block in fp16 (numpy's float16 here),
+    promised fp32: no layout bug reproduces it, the accumulator does, in every expert."""
+    E, N, K = 5, 24, 256
+    off = _offsets(_counts(rng, E))
+    M = int(off[-1])
+    x = torch.randn(M, K, generator=rng).bfloat16().float()       # exact in fp16 too (|x| < 2^15)
+    w = (torch.randn(E, N, K, generator=rng) * 0.5).bfloat16().float()
+    wd = w
+    if quantized:       # the kernel reads the canonical int4 codes and scales, dequantized in float32
+        wd = torch.stack([(lambda q: q.codes.float() * q.scale.repeat_interleave(32, dim=1))(lb.quantize(w[e], INT4_G32))
+                          for e in range(E)])
+    y = torch.zeros(M, N)
+    for e in range(E):
+        lo, hi = int(off[e]), int(off[e + 1])
+        if hi > lo:
+            y[lo:hi] = _fp16_sequential(x[lo:hi], wd[e])
+    v = check_grouped_linear(y, x, w, off, w_scheme=INT4_G32 if quantized else None, accumulator="fp32")
+    assert not v.passed and v.kind == "numerical", v.report()
+    assert v.causes[0][0] == "accumulator_narrower_than_promised" and "fp16" in v.causes[0][1], v.report()
+    assert check_grouped_linear(y, x, w, off, w_scheme=INT4_G32 if quantized else None, accumulator="fp16").passed

@@ -21,6 +21,10 @@ scale otherwise. The hypotheses:
   padding_leak_bm{B} the padding rows of each expert's last BLOCK_M = B tile written to the output:
                      rows after an expert's end, up to its padded end, get that expert's product
                      (where several experts' padding overlaps, the earliest expert's)
+When no layout bug reproduces the output, a narrower accumulator than the promised one is tried
+per expert (lowbit.verify.accumulate, as check_linear does): named, as a numerical failure, when
+one accumulator reproduces every non-empty expert's block (or matches each block's error in size
+and spread, "consistent"); the fp8 GEMMs of cuBLAS on Hopper accumulate so.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ import torch
 from lowbit.ops.grouped import grouped_reference, take_rows
 from lowbit.ops.reference import as_operand
 from lowbit.quantize import QTensor, quantize
+from lowbit.verify import accumulate as accmod
 from lowbit.verify import metrics as mt
 from lowbit.verify import tolerance as tol
 from lowbit.verify.simulate import explained
@@ -274,4 +279,32 @@ def check_grouped_linear(out, x, w, offsets, *, x_scheme=None, w_scheme=None, bi
                 causes.append((name, detail, worst))
         causes.sort(key=lambda c: c[2])
     kind = "ok" if passed else "logic"
+    if not passed and diagnose_failures and not causes:
+        acc_cause = _accumulator_cause(g, out64, ref, gate)
+        if acc_cause is not None:
+            causes, kind = [acc_cause], "numerical"
     return GroupedVerdict(passed, kind, first, metrics, causes)
+
+
+def _accumulator_cause(g: _Grouped, out: torch.Tensor, ref: torch.Tensor, gate: torch.Tensor):
+    """(name, detail, worst) when one accumulator narrower than the promised one explains every
+    non-empty expert's block: reproduces all of them (exact), else matches each block's error in
+    size and spread (consistent, worst = nan); None otherwise. An expert whose block passes is
+    also checked: a narrow accumulator that leaves some blocks within the gate is still one."""
+    found: dict[str, list] = {}
+    blocks = [(e, rows) for e, rows in enumerate(g.rows) if rows.numel()]
+    for e, rows in blocks:
+        xr = take_rows(g.xq, rows) if isinstance(g.xq, QTensor) else g.xq[rows]
+        bias = None if g.bias is None else g.bias[e]
+        for m in accmod.match_accumulators(out[rows], ref[rows], gate[rows], xr, g.wqs[e], bias, g.acc):
+            found.setdefault(m.accumulator, []).append(m)
+    for exact in (True, False):
+        for acc, ms in found.items():
+            if len(ms) == len(blocks) and all(m.exact if exact else (m.exact or m.consistent) for m in ms):
+                how = "reproduces every expert's block" if exact else "matches every expert's error in size and spread"
+                worst = max(m.residual for m in ms) if exact else math.nan
+                return ("accumulator_narrower_than_promised",
+                        f"a {acc} accumulator ({ms[0].order}) {how}, although {g.acc} was promised: accumulate "
+                        f"in fp32 (or split K and sum the partials in fp32), or declare the accumulator the kernel "
+                        f"really uses (accumulator=...)", worst)
+    return None
