@@ -43,6 +43,29 @@ class Cell:
     worst_err_over_gate: float | None = None
 
 
+def refused_cell(kernel: str, case: str, e: Exception, t0: float) -> Cell:
+    """The Cell of a kernel that raised instead of returning (started at perf_counter t0): n/a for a
+    documented refusal (NotImplementedError, ValueError), error for anything else, a TypeError too
+    (a crash is a finding, not a reason to stop the audit)."""
+    verdict = "n/a" if isinstance(e, (NotImplementedError, ValueError)) else "error"
+    return Cell(kernel, case, verdict, type(e).__name__, str(e)[:300], time.perf_counter() - t0)
+
+
+def verdict_cell(kernel: str, case: str, v, t0: float) -> Cell:
+    """The Cell of a checker's verdict v (check_linear, check_attention, check_grouped_linear): pass or
+    v.kind, the first cause's name and text. check_grouped_linear's causes are (name, text, share)
+    tuples, the others diagnose.Cause (text: str(cause), its name and detail)."""
+    first = v.causes[0] if v.causes else None
+    if first is None:
+        cause, detail = "", ""
+    elif isinstance(first, tuple):
+        cause, detail = first[0], first[1]
+    else:
+        cause, detail = first.name, str(first)
+    return Cell(kernel, case, "pass" if v.passed else v.kind, cause, detail, time.perf_counter() - t0,
+                v.metrics["impl_gate_frac"])
+
+
 @dataclass
 class Case:
     name: str
@@ -304,17 +327,11 @@ def run_cell(spec: KernelSpec, case: Case, device: str, seed: int) -> Cell:
             xq, wq = _noncontig(xq), _noncontig(wq)
         to = lambda q: q.to(device)  # noqa: E731
         out = spec.fn(to(xq), to(wq), bias.to(device))
-    except (NotImplementedError, ValueError) as e:   # a documented refusal; a TypeError is a crash (below)
-        return Cell(spec.name, case.name, "n/a", type(e).__name__, str(e)[:300], time.perf_counter() - t0)
-    except Exception as e:  # a crash is a finding, not a reason to stop the audit
-        return Cell(spec.name, case.name, "error", type(e).__name__, str(e)[:300], time.perf_counter() - t0)
+    except Exception as e:      # a refusal (n/a) or a crash (error): refused_cell
+        return refused_cell(spec.name, case.name, e, t0)
     v = check_linear(out.detach().cpu(), x, w,
                      x_scheme=spec.x_scheme, w_scheme=spec.w_scheme, bias=bias, accumulator=spec.accumulator)
-    verdict = "pass" if v.passed else v.kind
-    cause = v.causes[0].name if v.causes else ""
-    detail = str(v.causes[0]) if v.causes else ""
-    return Cell(spec.name, case.name, verdict, cause, detail, time.perf_counter() - t0,
-                v.metrics["impl_gate_frac"])
+    return verdict_cell(spec.name, case.name, v, t0)
 
 
 def audit(specs: list[KernelSpec], cases: list[Case] = CASES, *, device: str = "cpu", seed: int = 0,
