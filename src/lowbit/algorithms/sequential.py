@@ -27,6 +27,7 @@ import inspect
 import torch
 
 from lowbit.archs.experts import spec_for
+from lowbit.archs.forward import run_batches
 
 
 class _Stop(Exception):
@@ -91,16 +92,8 @@ def block_kwargs(model, blist, batches) -> list[list[dict]] | None:
     if not types or len(set(types)) < 2:
         return None
     seen: list[list[dict]] = [[] for _ in blist]
-    hooks = [b.register_forward_pre_hook(lambda m, a, k, i=i: seen[i].append(_no_cache(k)), with_kwargs=True)
-             for i, b in enumerate(blist)]
-    try:
-        with torch.no_grad():
-            for b in batches:
-                a, k = _batch_call(b)
-                _call(model, a, k)
-    finally:
-        for h in hooks:
-            h.remove()
+    run_batches(model, batches, [b.register_forward_pre_hook(lambda m, a, k, i=i: seen[i].append(_no_cache(k)),
+                                                             with_kwargs=True) for i, b in enumerate(blist)])
     if any(len(s) != len(list(batches)) for s in seen):
         raise ValueError("a decoder block was not called once per calibration batch: cannot give each block "
                          "its own arguments (attention masks)")
