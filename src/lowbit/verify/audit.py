@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from lowbit.verify import audit_torchao
-from lowbit.verify.kernel_spec import KernelSpec
+from lowbit.verify.kernel_spec import KernelSpec, int_mm_shape, padded, round_up
 
 
 @dataclass
@@ -164,42 +164,23 @@ def _linear(backend, out_dtype=torch.float32):
     return fn
 
 
-def _padded(t: torch.Tensor, rows: int, cols: int, fill=0) -> torch.Tensor:
-    """t [r, c] zero-padded (or `fill`-padded) to [rows, cols], a fresh row-major tensor."""
-    out = torch.full((rows, cols), fill, dtype=t.dtype, device=t.device)
-    out[: t.shape[0], : t.shape[1]] = t
-    return out
-
-
-def _up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
 def _int_mm(xq, wq, bias):
     """torch._int_mm, then (acc * s_x) * s_w (+ bias) in fp32. On CUDA _int_mm needs M > 16 and
     K, N multiples of 8 (cuBLASLt's int8 GEMM): the codes are padded with zeros, as a caller must
     (exact: zero products; the padded rows and columns are dropped)."""
     M, K = xq.codes.shape
     N = wq.codes.shape[0]
-    Mp, Kp, Np = max(M, 17), _up(K, 8), _up(N, 8)
-    acc = torch._int_mm(_padded(xq.codes, Mp, Kp), _padded(wq.codes, Np, Kp).t())[:M, :N]   # exact int32
+    Mp, Kp, Np = max(M, 17), round_up(K, 8), round_up(N, 8)
+    acc = torch._int_mm(padded(xq.codes, Mp, Kp), padded(wq.codes, Np, Kp).t())[:M, :N]   # exact int32
     out = (acc.to(torch.float32) * xq.scale.reshape(-1, 1).to(acc.device)) * wq.scale.reshape(1, -1).to(acc.device)
     return out if bias is None else out + bias
 
 
 def _pad_q(q, rows: int, cols: int):
     """A per-row-scaled QTensor padded with zero codes and unit scales to [rows, cols]."""
-    return dataclasses.replace(q, codes=_padded(q.codes, rows, cols),
-                               scale=_padded(q.scale.reshape(-1, 1).expand(q.codes.shape[0], 1), rows, 1, 1.0),
+    return dataclasses.replace(q, codes=padded(q.codes, rows, cols),
+                               scale=padded(q.scale.reshape(-1, 1).expand(q.codes.shape[0], 1), rows, 1, 1.0),
                                shape=(rows, cols))
-
-
-def int_mm_shape(M: int, K: int, N: int, device) -> tuple[int, int, int]:
-    """The shapes torch._int_mm takes on CUDA (cuBLASLt's int8 GEMM): M > 16, K and N multiples of
-    8; on the CPU any."""
-    if torch.device(device).type != "cuda":
-        return M, K, N
-    return max(M, 17), _up(K, 8), _up(N, 8)
 
 
 def _torch_int8(xq, wq, bias):
@@ -210,7 +191,7 @@ def _torch_int8(xq, wq, bias):
     Mp, Kp, Np = int_mm_shape(M, K, N, xq.codes.device)
     if (Mp, Kp, Np) != (M, K, N):
         xq, wq = _pad_q(xq, Mp, Kp), _pad_q(wq, Np, Kp)
-        bias = None if bias is None else _padded(bias.reshape(1, -1), 1, Np).reshape(-1)
+        bias = None if bias is None else padded(bias.reshape(1, -1), 1, Np).reshape(-1)
     return lowbit.ops.linear(xq, wq, bias=bias, backend="torch", out_dtype=torch.float32)[:M, :N]
 
 
@@ -221,12 +202,12 @@ def _scaled_mm(fast: bool):
     def fn(xq, wq, bias):
         M, K = xq.codes.shape
         N = wq.codes.shape[0]
-        Kp, Np = _up(K, 16), _up(N, 16)
-        a = _padded(xq.codes.view(torch.uint8), M, Kp).view(torch.float8_e4m3fn)
-        b = _padded(wq.codes.view(torch.uint8), Np, Kp).view(torch.float8_e4m3fn)
+        Kp, Np = round_up(K, 16), round_up(N, 16)
+        a = padded(xq.codes.view(torch.uint8), M, Kp).view(torch.float8_e4m3fn)
+        b = padded(wq.codes.view(torch.uint8), Np, Kp).view(torch.float8_e4m3fn)
         if xq.scale.numel() > 1 or wq.scale.numel() > 1:     # row-wise: [M, 1] and [1, N] (M = 1 too)
             sa = xq.scale.reshape(-1, 1).float().expand(M, 1).contiguous()
-            sb = _padded(wq.scale.reshape(1, -1).float().expand(1, N), 1, Np, fill=1.0)
+            sb = padded(wq.scale.reshape(1, -1).float().expand(1, N), 1, Np, fill=1.0)
         else:
             sa, sb = xq.scale.reshape(()).float(), wq.scale.reshape(()).float()
         # float32 out and the bias added after in float32: cuBLAS's fused bias is bf16 (a rounding of
