@@ -26,6 +26,27 @@ def _cell(r: dict | None) -> str:
     return f"{r['ms']:8.3f} {r['tokens_per_s']:7.0f} {x} {roof}"
 
 
+def peak_cell(cells: list[dict | None]) -> str:
+    """The peak column (the MoE report's too): the largest peak among a variant's rows (None: not
+    run) in MiB, with its ratio to the baseline's same call."""
+    peaks = [c for c in cells if c and c.get("peak_bytes") is not None]
+    peak = max(peaks, key=lambda c: c["peak_bytes"], default=None)
+    if peak is None:
+        return f" {'-':>15s}"
+    pr = f"{peak['peak_ratio']:5.2f}x" if "peak_ratio" in peak else "      "
+    return f" {peak['peak_bytes'] / 2**20:8.1f} {pr}"
+
+
+def compile_note(cells: list[dict | None]) -> str:
+    """torch.compile's own account of a variant's rows: graph breaks, CUDA graphs not used ("" when
+    no row reports them)."""
+    ran = [c for c in cells if c and "graph_breaks" in c]
+    if not ran:
+        return ""
+    return (f"  {sum(c['graph_breaks'] for c in ran)} graph breaks, "
+            f"{sum(c.get('cudagraph_skips', 0) for c in ran)} cudagraph skips")
+
+
 def table(rows: list[dict]) -> str:
     """One line per (variant, mode): ms, tokens/s, speed-up over the baseline and (decode) the
     fraction of the copy bandwidth the step's bytes move at, per phase; weights and peak in MiB
@@ -47,18 +68,12 @@ def table(rows: list[dict]) -> str:
         any_r = next((c for c in cells if c), {})
         w = any_r.get("weight_bytes")
         wr = f"{any_r['weights_ratio']:5.2f}x" if "weights_ratio" in any_r else "      "
-        peaks = [c for c in cells if c and c.get("peak_bytes") is not None]
-        peak = max(peaks, key=lambda c: c["peak_bytes"], default=None)
-        pr = f"{peak['peak_ratio']:5.2f}x" if peak and "peak_ratio" in peak else "      "
         line += f" {w / 2**20:8.1f} {wr}" if w is not None else f" {'-':>15s}"
-        line += f" {peak['peak_bytes'] / 2**20:8.1f} {pr}" if peak else f" {'-':>15s}"
+        line += peak_cell(cells)
         err = any_r.get("logits_rel_err")
         line += f" {err:9.2e}" if err is not None else f" {'-':>9s}"
-        if mode != "eager":   # torch.compile's own account: graph breaks, CUDA graphs not used
-            ran = [c for c in cells if c and "graph_breaks" in c]
-            if ran:
-                line += (f"  {sum(c['graph_breaks'] for c in ran)} graph breaks, "
-                         f"{sum(c.get('cudagraph_skips', 0) for c in ran)} cudagraph skips")
+        if mode != "eager":
+            line += compile_note(cells)
         lines.append(line)
         for c in cells:
             if c and c.get("ms") is None and (c.get("error") or c.get("skipped")):

@@ -105,16 +105,10 @@ def table(rows: list[dict]) -> str:
             v = any_r.get(key)
             rt = f"{any_r[ratio]:5.2f}x" if ratio in any_r else "      "
             line += f" {v / 2**20:8.1f} {rt}" if v is not None else f" {'-':>15s}"
-        peaks = [c for c in cells if c and c.get("peak_bytes") is not None]
-        peak = max(peaks, key=lambda c: c["peak_bytes"], default=None)
-        pr = f"{peak['peak_ratio']:5.2f}x" if peak and "peak_ratio" in peak else "      "
-        line += f" {peak['peak_bytes'] / 2**20:8.1f} {pr}" if peak else f" {'-':>15s}"
+        line += model_report.peak_cell(cells)
         err = any_r.get("logits_rel_err")
         line += f" {err:8.1e}" if err is not None else f" {'-':>8s}"
-        ran = [c for c in cells if c and "graph_breaks" in c]
-        if ran:   # torch.compile's own account: graph breaks, CUDA graphs not used
-            line += (f"  {sum(c['graph_breaks'] for c in ran)} graph breaks, "
-                     f"{sum(c.get('cudagraph_skips', 0) for c in ran)} cudagraph skips")
+        line += model_report.compile_note(cells)
         lines.append(line)
         if any_r.get("paths") and mode == "eager":
             paths.append(f"  {variant}: {any_r['paths']}")
