@@ -89,6 +89,5 @@ def run(args) -> int:
         raise BadCheckFile(f"{args.path}: metadata accumulator={acc!r}; write one of {', '.join(ACCUMULATORS)}")
     if "accumulator" not in meta and not args.accumulator:
         print("note: metadata has no accumulator: the accumulator follows from the schemes")
-    v = check_linear(t["out"], t["x"], t["w"], x_scheme=xs, w_scheme=ws, bias=t.get("bias"), accumulator=acc)
-    print(v.report())
-    return 0 if v.passed else 1
+    return check_file.verdict(args.path, check_linear, t["out"], t["x"], t["w"], x_scheme=xs, w_scheme=ws,
+                              bias=t.get("bias"), accumulator=acc)

@@ -56,10 +56,4 @@ def attention_inputs(path: str, t: dict, meta: dict):
 def run(path: str, t: dict, meta: dict) -> int:
     """Check an attention file's contents (as lowbit.entrypoints.check_file.read returns them)."""
     from lowbit.verify.attention import check_attention
-    out, q, k, v, spec = attention_inputs(path, t, meta)
-    try:
-        verdict = check_attention(out, q, k, v, spec)
-    except ValueError as e:
-        raise BadCheckFile(f"{path}: {e}") from e
-    print(verdict.report())
-    return 0 if verdict.passed else 1
+    return check_file.verdict(path, check_attention, *attention_inputs(path, t, meta))

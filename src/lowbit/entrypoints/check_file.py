@@ -71,3 +71,15 @@ def schemes(path: str, meta: dict):
                            f"QuantScheme JSON, or \"none\" for a side the kernel does not quantize "
                            f"(safetensors: save_file(..., metadata={{'x_scheme': ..., 'w_scheme': ...}}))")
     return scheme(path, meta, "x_scheme"), scheme(path, meta, "w_scheme")
+
+
+def verdict(path: str, check, *args, **kwargs) -> int:
+    """check(*args, **kwargs) (check_linear, check_attention, check_grouped_linear) on a file's
+    contents: prints its report and returns the exit status, 0 pass, 1 fail. A ValueError from the
+    check is the file's (inputs the check refuses): a BadCheckFile naming the file."""
+    try:
+        v = check(*args, **kwargs)
+    except ValueError as e:
+        raise BadCheckFile(f"{path}: {e}") from e
+    print(v.report())
+    return 0 if v.passed else 1

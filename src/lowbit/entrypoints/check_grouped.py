@@ -109,10 +109,5 @@ def run_file(path: str, t: dict, meta: dict, accumulator) -> int:
     t = grouped_tensors(path, t)
     xs, ws = check_file.schemes(path, meta)
     acc = accumulator or meta.get("accumulator")
-    try:
-        v = check_grouped_linear(t["out"], t["x"], t["w"], t["offsets"], x_scheme=xs, w_scheme=ws,
-                                 bias=t.get("bias"), accumulator=acc)
-    except ValueError as e:
-        raise BadCheckFile(f"{path}: {e}") from e
-    print(v.report())
-    return 0 if v.passed else 1
+    return check_file.verdict(path, check_grouped_linear, t["out"], t["x"], t["w"], t["offsets"], x_scheme=xs,
+                              w_scheme=ws, bias=t.get("bias"), accumulator=acc)
