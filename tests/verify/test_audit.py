@@ -165,7 +165,7 @@ def test_padded_int8_rows_are_exact(rng, monkeypatch):
     cases = [c for c in au.CASES if c.name in ("random", "M=1", "K not a tile multiple")]
     specs = [s for s in au.discover("cpu", False) if s.name == "lowbit torch path (int8)"]
     if audit_torchao.available():              # torchao's int8 W8A8 row pads the same way
-        monkeypatch.setattr(audit_torchao, "_int_mm_shape", cuda_shapes)
+        monkeypatch.setattr(audit_torchao, "int_mm_shape", cuda_shapes)
         specs += [s for s in audit_torchao.specs("cpu") if s.name.startswith("torchao int8 W8A8")]
     cells = au.audit(specs, cases, device="cpu", seed=seed)
     assert cells and all(c.verdict == "pass" for c in cells), [c for c in cells if c.verdict != "pass"]

@@ -27,6 +27,7 @@ import inspect
 import torch
 
 from lowbit.archs.experts import spec_for
+from lowbit.archs.forward import run_batches
 
 
 class _Stop(Exception):
@@ -58,24 +59,29 @@ def _batch_call(b) -> tuple[tuple, dict]:
     return ((), dict(b)) if isinstance(b, dict) else ((b,), {})
 
 
-@torch.no_grad()
-def capture_block_inputs(model, block, batches) -> list[tuple[tuple, dict]]:
-    seen = []
-
-    def hook(mod, args, kwargs):
-        seen.append((args, _no_cache(kwargs)))
+def _stopped_at(mod: torch.nn.Module, record: Callable, root: torch.nn.Module, calls: Iterable) -> None:
+    """root(*args, **kwargs) for each (args, kwargs) of `calls`, each forward ended where it enters
+    `mod` (nothing after it runs): record(args, kwargs) gets what `mod` was called with."""
+    def hook(m, args, kwargs):
+        record(args, kwargs)
         raise _Stop
 
-    h = block.register_forward_pre_hook(hook, with_kwargs=True)
+    h = mod.register_forward_pre_hook(hook, with_kwargs=True)
     try:
-        for b in batches:
-            a, k = _batch_call(b)
+        for a, k in calls:
             try:
-                _call(model, a, k)
+                _call(root, a, k)
             except _Stop:
                 pass
     finally:
         h.remove()
+
+
+@torch.no_grad()
+def capture_block_inputs(model, block, batches) -> list[tuple[tuple, dict]]:
+    seen = []
+    _stopped_at(block, lambda args, kwargs: seen.append((args, _no_cache(kwargs))), model,
+                (_batch_call(b) for b in batches))
     if not seen:
         raise ValueError("no calibration batch reached the model's first block: give at least one batch")
     return seen
@@ -91,16 +97,8 @@ def block_kwargs(model, blist, batches) -> list[list[dict]] | None:
     if not types or len(set(types)) < 2:
         return None
     seen: list[list[dict]] = [[] for _ in blist]
-    hooks = [b.register_forward_pre_hook(lambda m, a, k, i=i: seen[i].append(_no_cache(k)), with_kwargs=True)
-             for i, b in enumerate(blist)]
-    try:
-        with torch.no_grad():
-            for b in batches:
-                a, k = _batch_call(b)
-                _call(model, a, k)
-    finally:
-        for h in hooks:
-            h.remove()
+    run_batches(model, batches, [b.register_forward_pre_hook(lambda m, a, k, i=i: seen[i].append(_no_cache(k)),
+                                                             with_kwargs=True) for i, b in enumerate(blist)])
     if any(len(s) != len(list(batches)) for s in seen):
         raise ValueError("a decoder block was not called once per calibration batch: cannot give each block "
                          "its own arguments (attention masks)")
@@ -159,23 +157,14 @@ def _collect(stage, inputs, name: str) -> list[torch.Tensor]:
     experts = spec_for(mod) is not None
     sig = inspect.signature(mod.forward) if experts else None
 
-    def hook(mod, args, kwargs):
+    def record(args, kwargs):
         if experts:         # every call argument, in the signature's order
             bound = sig.bind(*args, **kwargs)
             got.append(tuple(v.detach() if isinstance(v, torch.Tensor) else v for v in bound.arguments.values()))
         else:
             got.append(args[0].detach())
-        raise _Stop
 
-    h = mod.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        for a, k in inputs:
-            try:
-                _call(stage, a, k)
-            except _Stop:
-                pass
-    finally:
-        h.remove()
+    _stopped_at(mod, record, stage, inputs)
     return got
 
 

@@ -19,7 +19,6 @@ as a serving decode step runs, so neither side pays Python launch overhead):
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 HQ, HKV, D = 32, 8, 128
@@ -414,11 +413,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("lowbit.bench.attention times GPU kernels: no CUDA GPU here", file=sys.stderr)
         return 2
-    from lowbit.bench.common import environment
+    from lowbit.bench.common import environment, write_run
     rows = run(None, a.quick)
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(dict(environment=environment(), rows=rows), f, indent=1, default=str)
+        write_run(a.json, environment(), rows)
         print(f"# wrote {a.json}")
     return 0
 

@@ -1,8 +1,9 @@
-"""What every benchmark module shares: the environment a run records, its log line and the
-relative error its correctness column reports."""
+"""What every benchmark module shares: the environment a run records, the JSON file a run is
+written to, its log line and the relative error its correctness column reports."""
 from __future__ import annotations
 
 import datetime
+import json
 import platform
 import sys
 
@@ -37,3 +38,9 @@ def environment() -> dict:
         env.update(gpu=p.name, compute_capability=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
                    gpu_memory_GiB=round(p.total_memory / 2**30, 1), cuda=torch.version.cuda)
     return env
+
+
+def write_run(path: str, env: dict, rows: list[dict], **extra) -> None:
+    """A run's JSON file: {"environment": env, **extra, "rows": rows} (the reports redraw from it)."""
+    with open(path, "w") as f:
+        json.dump(dict(environment=env, **extra, rows=rows), f, indent=1, default=str)

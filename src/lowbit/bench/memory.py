@@ -483,12 +483,11 @@ def main(argv=None) -> int:
     _PARTIAL_JSON = a.json
     rows = run(a.only, a.quick)
     if a.json:
-        from lowbit.bench.common import environment
+        from lowbit.bench.common import environment, write_run
 
         env = environment()
         env["command"] = "python -m lowbit.bench.memory " + " ".join(sys.argv[1:] if argv is None else argv)
-        with open(a.json, "w") as f:
-            json.dump(dict(environment=env, rows=rows), f, indent=1, default=str)
+        write_run(a.json, env, rows)
         print(f"# wrote {a.json}")
     return 0
 

@@ -515,9 +515,8 @@ def environment(opts: Options) -> dict:
 
 def main(args) -> int:
     """`lowbit bench model`: rows as they come, the table last; 1 if the baseline did not run."""
-    import json
-
     from lowbit.bench import model_report, moe_report
+    from lowbit.bench.common import write_run
 
     opts = options_from_args(args)
     report = moe_report if moe_model.is_moe(opts.shape) else model_report
@@ -532,8 +531,7 @@ def main(args) -> int:
         if copy_bw is not None:
             env["copy_bw"] = copy_bw
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(dict(environment=env, rows=rows), f, indent=1, default=str)
+            write_run(args.json, env, rows)
 
     rows = run_bench(opts, on_variant=write_json)
     write_json(rows)

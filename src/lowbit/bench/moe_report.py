@@ -13,10 +13,9 @@ A row whose target cannot be judged (not measured, no grouped baseline) says n/a
 """
 from __future__ import annotations
 
-import json
 import sys
 
-from lowbit.bench.model_report import TICKS
+from lowbit.bench import model_report
 
 SPEED = {("decode", "W4A16"): 2.0, ("decode", "W8A8"): 1.3, ("prefill", "W8A8"): 1.2}
 MEMORY = {4: 0.30, 8: 0.55}
@@ -73,10 +72,6 @@ def verdict(met: bool | None) -> str:
 
 
 # ------------------------------------------------------------------------------ table
-def _columns(rows: list[dict]) -> list[tuple[str, int]]:
-    return list(dict.fromkeys((r["phase"], r["batch"]) for r in rows))
-
-
 def _cell(r: dict | None) -> str:
     if r is None:
         return f"{'-':>26s}"
@@ -93,7 +88,7 @@ def table(rows: list[dict]) -> str:
     """One line per (variant, mode): ms and the ratios over the grouped bf16 baseline and the
     loop per phase, expert and whole weights with their ratios to bf16, peak; then every
     must target met, missed or n/a, and what did not run."""
-    cols = _columns(rows)
+    cols = model_report.columns(rows)
     by = {(r["variant"], r["mode"], r["phase"], r["batch"]): r for r in rows}
     T = next((r["tokens"] for r in rows if r["phase"] == "prefill"), "")
     head1 = f"{'variant':14s} {'mode':8s} " + " ".join(
@@ -110,16 +105,10 @@ def table(rows: list[dict]) -> str:
             v = any_r.get(key)
             rt = f"{any_r[ratio]:5.2f}x" if ratio in any_r else "      "
             line += f" {v / 2**20:8.1f} {rt}" if v is not None else f" {'-':>15s}"
-        peaks = [c for c in cells if c and c.get("peak_bytes") is not None]
-        peak = max(peaks, key=lambda c: c["peak_bytes"], default=None)
-        pr = f"{peak['peak_ratio']:5.2f}x" if peak and "peak_ratio" in peak else "      "
-        line += f" {peak['peak_bytes'] / 2**20:8.1f} {pr}" if peak else f" {'-':>15s}"
+        line += model_report.peak_cell(cells)
         err = any_r.get("logits_rel_err")
         line += f" {err:8.1e}" if err is not None else f" {'-':>8s}"
-        ran = [c for c in cells if c and "graph_breaks" in c]
-        if ran:   # torch.compile's own account: graph breaks, CUDA graphs not used
-            line += (f"  {sum(c['graph_breaks'] for c in ran)} graph breaks, "
-                     f"{sum(c.get('cudagraph_skips', 0) for c in ran)} cudagraph skips")
+        line += model_report.compile_note(cells)
         lines.append(line)
         if any_r.get("paths") and mode == "eager":
             paths.append(f"  {variant}: {any_r['paths']}")
@@ -152,76 +141,25 @@ def plot(rows: list[dict], path: str) -> None:
     """PNG: per phase, each variant's speed-up over the grouped bf16 baseline, eager and
     compiled (log scale; the must target drawn where one applies); last panel, expert and
     whole weights over bf16's with the memory targets."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
-    cols = _columns(rows)
     variants = list(dict.fromkeys(r["variant"] for r in rows))
-    modes = list(dict.fromkeys(r["mode"] for r in rows))
-    by = {(r["variant"], r["mode"], r["phase"], r["batch"]): r for r in rows}
-    fig, axes = plt.subplots(1, len(cols) + 1, figsize=(5 * (len(cols) + 1), 5.5))
-    x = range(len(variants))
-    width = 0.8 / max(len(modes), 1)
-    for ax, (phase, batch) in zip(axes, cols):
-        seen = [1.0]
-        for i, mode in enumerate(modes):
-            vals = [by.get((v, mode, phase, batch), {}).get("vs_grouped", float("nan")) for v in variants]
-            bars = ax.bar([j + (i - (len(modes) - 1) / 2) * width for j in x], vals, width, label=mode)
-            ax.bar_label(bars, [f"{v:.2f}" if v == v else "" for v in vals], fontsize=6, rotation=90, padding=2)
-            seen += [v for v in vals if v == v]
-        for j, v in enumerate(variants):   # the must target of this phase, where one applies
-            t = SPEED.get((phase, recipe_class(v)[0])) if phase == "prefill" or batch in DECODE_BATCHES else None
-            if t:
-                ax.plot([j - 0.45, j + 0.45], [t, t], color="r", lw=1.2)
-                seen.append(t)
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_yscale("log")
-        lo, hi = min(seen) / 1.5, max(seen) * 1.6
-        ax.set_ylim(lo, hi)
-        ticks = [t for t in TICKS if lo <= t <= hi]
-        ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
-        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set_title(f"{phase}" + (f" batch {batch}" if phase == "decode" else "") + " (red: must)", fontsize=10)
-        ax.set_ylabel("grouped bf16 ms / ms  (>1: faster)")
-        ax.set_xticks(list(x), variants, rotation=60, ha="right", fontsize=8)
-        ax.legend(fontsize=8)
-    ax = axes[-1]
     first = {v: next((r for r in rows if r["variant"] == v and r.get("weights_ratio")), {}) for v in variants}
-    for dx, key, label in ((-0.2, "expert_ratio", "expert weights"), (0.2, "weights_ratio", "whole model")):
-        vals = [first[v].get(key, float("nan")) for v in variants]
-        bars = ax.bar([j + dx for j in x], vals, 0.4, label=label)
-        ax.bar_label(bars, [f"{v:.2f}" if v == v else "" for v in vals], fontsize=6, rotation=90, padding=2)
-    for j, v in enumerate(variants):
-        t = MEMORY.get(recipe_class(v)[1])
-        if t:
-            ax.plot([j - 0.45, j + 0.45], [t, t], color="r", lw=1.2)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_title("weights / bf16's (red: must for the experts)", fontsize=10)
-    ax.set_xticks(list(x), variants, rotation=60, ha="right", fontsize=8)
-    ax.legend(fontsize=8)
-    shape = rows[0]["shape"].split(" T=")[0].split(" B=")[0] if rows else ""
-    fig.suptitle(f"lowbit bench model: {shape}, against the grouped bf16 baseline", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+
+    def speed_target(phase, batch, variant):    # the must target of this phase, where one applies
+        if phase == "prefill" or batch in DECODE_BATCHES:
+            return SPEED.get((phase, recipe_class(variant)[0]))
+        return None
+
+    model_report.plot_panels(
+        rows, path, key="vs_grouped", ylabel="grouped bf16 ms / ms  (>1: faster)", panel_note=" (red: must)",
+        memory=[(label, [first[v].get(key, float("nan")) for v in variants])
+                for key, label in (("expert_ratio", "expert weights"), ("weights_ratio", "whole model"))],
+        memory_title="weights / bf16's (red: must for the experts)",
+        suptitle=", against the grouped bf16 baseline", speed_target=speed_target,
+        memory_target=lambda v: MEMORY.get(recipe_class(v)[1]))
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv:
-        print("usage: python -m lowbit.bench.moe_report RUN.json [OUT.png]", file=sys.stderr)
-        return 2
-    with open(argv[0]) as f:
-        rows = json.load(f)["rows"]
-    add_moe_ratios(rows)
-    print(table(rows))
-    if len(argv) > 1:
-        plot(rows, argv[1])
-        print(f"# wrote {argv[1]}")
-    return 0
+    return model_report.main(argv, "lowbit.bench.moe_report", table, plot, add_moe_ratios)
 
 
 if __name__ == "__main__":

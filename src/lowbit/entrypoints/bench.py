@@ -3,7 +3,6 @@ table and optionally write JSON with the GPU's name and the software versions.""
 from __future__ import annotations
 
 import importlib
-import json
 import sys
 
 
@@ -32,7 +31,7 @@ def run(args) -> int:
         print("lowbit bench: no CUDA GPU here; the benchmarks time GPU kernels. `lowbit doctor` says "
               "what runs on this machine.", file=sys.stderr)
         return 2
-    from lowbit.bench.common import environment
+    from lowbit.bench.common import environment, write_run
 
     env = environment()
     print(f"# {env.get('gpu')} (sm_{env.get('compute_capability', '?').replace('.', '')}), torch "
@@ -64,8 +63,7 @@ def run(args) -> int:
         rows += mod_rows
     _summary(rows)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(environment=env, notes=notes, rows=rows), f, indent=1, default=str)
+        write_run(args.json, env, rows, notes=notes)
         print(f"# wrote {args.json}")
         gemm_rows = [r for r in rows if r.get("module") == "gemm"]
         if gemm_rows:

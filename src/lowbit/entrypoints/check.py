@@ -12,6 +12,8 @@ kernel (lowbit.entrypoints.check_grouped).
 """
 from __future__ import annotations
 
+from lowbit.entrypoints import check_file
+from lowbit.entrypoints.check_file import BadCheckFile
 from lowbit.verify.tolerance import ACCUMULATORS
 
 
@@ -27,48 +29,16 @@ def register(parser) -> None:
 
 
 _TENSORS = {"out": "[M, N]", "x": "[M, K]", "w": "[N, K]", "bias": "[N]"}
-_FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
-class BadCheckFile(ValueError):
-    """A `lowbit check` input that cannot be checked (lowbit.entrypoints.main prints it, exit status 2)."""
-
-
-def _scheme(path, meta: dict, key: str):
-    import lowbit as lb
-    text = meta.get(key)
-    if text is None or text.strip() in ("", "none", "null"):
-        return None
-    text = text.strip()
-    try:
-        if text.startswith("{"):
-            return lb.QuantScheme.from_json(text)
-        return lb.get_preset(text)
-    except (ValueError, TypeError, KeyError) as e:
-        raise BadCheckFile(f"{path}: metadata {key} is neither a QuantScheme JSON nor a preset name ({e})") from e
-
-
-def read_check_file(path: str) -> tuple[dict, dict]:
-    """({name: tensor} for out, x, w (, bias), metadata) of a `lowbit check` file, everything
-    validated: a safetensors file (lowbit's own reader: no pickle, no memory map, every offset
-    checked), the three tensors present, floating point, 2-D, shapes that agree."""
-    from lowbit.io.st_format import CheckpointError, TensorReader
-    try:
-        with TensorReader(path) as r:
-            meta = r.metadata
-            missing = sorted({"out", "x", "w"} - set(r.keys()))
-            if missing:
-                raise BadCheckFile(f"{path}: missing tensor(s) {missing}; the file needs out [M, N], x [M, K], "
-                                   "w [N, K] (and optionally bias [N])")
-            t = {k: r.get(k) for k in _TENSORS if k in r.keys()}
-    except CheckpointError as e:
-        raise BadCheckFile(str(e)) from e
-    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-        raise BadCheckFile(f"{path}: the header's __metadata__ must map strings to strings")
+def linear_tensors(path: str, t: dict) -> dict:
+    """{name: tensor} for out, x, w (, bias) of a linear check file's tensors `t`
+    (lowbit.entrypoints.check_file.read), validated: present, floating point, 2-D, shapes that agree."""
+    check_file.require(path, t, ("out", "x", "w"), "the file needs out [M, N], x [M, K], w [N, K] (and optionally "
+                                                   "bias [N])")
+    t = {k: t[k] for k in _TENSORS if k in t}
+    check_file.require_float(path, t, _TENSORS, "float32 (or float16 / bfloat16 / float64)")
     for k, v in t.items():
-        if str(v.dtype).removeprefix("torch.") not in _FLOATS:
-            raise BadCheckFile(f"{path}: tensor {k} is {v.dtype}; store it as float32 (or float16 / bfloat16 / "
-                               "float64)")
         want = 1 if k == "bias" else 2
         if v.ndim != want or 0 in v.shape:
             raise BadCheckFile(f"{path}: tensor {k} has shape {list(v.shape)}; it must be {_TENSORS[k]}, not empty")
@@ -76,17 +46,7 @@ def read_check_file(path: str) -> tuple[dict, dict]:
     if (mx, nw, kw) != (m, n, k) or ("bias" in t and t["bias"].shape[0] != n):
         got = ", ".join(f"{name} {list(v.shape)}" for name, v in t.items())
         raise BadCheckFile(f"{path}: shapes disagree ({got}); out must be [M, N], x [M, K], w [N, K], bias [N]")
-    return t, meta
-
-
-def _kind(path: str) -> str | None:
-    from lowbit.io.st_format import CheckpointError, TensorReader
-    try:
-        with TensorReader(path) as r:
-            meta = r.metadata
-    except CheckpointError as e:
-        raise BadCheckFile(str(e)) from e
-    return meta.get("kind") if isinstance(meta, dict) else None
+    return t
 
 
 def _use_probe(path: str) -> None:
@@ -113,27 +73,21 @@ def run(args) -> int:
     if not args.path:
         raise ValueError("nothing to check: give a safetensors file, or --grouped RECIPE to check lowbit's grouped "
                          "kernel")
-    kind = _kind(args.path)
+    t, meta = check_file.read(args.path)
+    kind = meta.get("kind")
     if kind == "attention":     # lowbit.entrypoints.check_attention's file layout
         from lowbit.entrypoints.check_attention import run as run_attention
-        return run_attention(args.path)
+        return run_attention(args.path, t, meta)
     if kind == "grouped":
-        return check_grouped.run_file(args.path, _scheme, args.accumulator, BadCheckFile)
-    t, meta = read_check_file(args.path)
+        return check_grouped.run_file(args.path, t, meta, args.accumulator)
+    t = linear_tensors(args.path, t)
     if getattr(args, "probe", None):
         _use_probe(args.probe)
-    undeclared = [k for k in ("x_scheme", "w_scheme") if k not in meta]
-    if undeclared:
-        raise BadCheckFile(f"{args.path}: declare the schemes: metadata has no {' and '.join(undeclared)}; set "
-                           f"{' and '.join(undeclared)} to a preset name (e.g. int8_token / int8_channel), a "
-                           f"QuantScheme JSON, or \"none\" for a side the kernel does not quantize "
-                           f"(safetensors: save_file(..., metadata={{'x_scheme': ..., 'w_scheme': ...}}))")
-    xs, ws = _scheme(args.path, meta, "x_scheme"), _scheme(args.path, meta, "w_scheme")
+    xs, ws = check_file.schemes(args.path, meta)
     acc = args.accumulator or meta.get("accumulator")
     if acc is not None and acc not in ACCUMULATORS:
         raise BadCheckFile(f"{args.path}: metadata accumulator={acc!r}; write one of {', '.join(ACCUMULATORS)}")
     if "accumulator" not in meta and not args.accumulator:
         print("note: metadata has no accumulator: the accumulator follows from the schemes")
-    v = check_linear(t["out"], t["x"], t["w"], x_scheme=xs, w_scheme=ws, bias=t.get("bias"), accumulator=acc)
-    print(v.report())
-    return 0 if v.passed else 1
+    return check_file.verdict(args.path, check_linear, t["out"], t["x"], t["w"], x_scheme=xs, w_scheme=ws,
+                              bias=t.get("bias"), accumulator=acc)

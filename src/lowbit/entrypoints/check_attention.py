@@ -10,11 +10,8 @@ causal ("true" | "false"), sm_scale (absent = 1/sqrt(D)). Exit 0 pass, 1 fail, 2
 """
 from __future__ import annotations
 
-_FLOATS = ("float16", "bfloat16", "float32", "float64")
-
-
-class BadCheckFile(ValueError):
-    """An attention check file that cannot be checked (lowbit.entrypoints.main prints it, exit status 2)."""
+from lowbit.entrypoints import check_file
+from lowbit.entrypoints.check_file import BadCheckFile
 
 
 def _fmt(path, meta, key, default):
@@ -22,24 +19,14 @@ def _fmt(path, meta, key, default):
     return None if v in (None, "", "none", "null") else v
 
 
-def read_attention_file(path: str):
-    """(out, q, k, v, AttnSpec) with k / v as KVQuant or float tensors; every field validated."""
-    from lowbit.io.st_format import CheckpointError, TensorReader
+def attention_inputs(path: str, t: dict, meta: dict):
+    """(out, q, k, v, AttnSpec) of an attention check file's tensors and metadata
+    (lowbit.entrypoints.check_file.read), k / v as KVQuant or float tensors; every field validated."""
     from lowbit.ops import attention_reference as ar
     from lowbit.ops.kv_quant import KVQuant, KVScheme
-    try:
-        with TensorReader(path) as r:
-            meta, names = r.metadata, set(r.keys())
-            t = {k: r.get(k) for k in names}
-    except CheckpointError as e:
-        raise BadCheckFile(str(e)) from e
-    for need in ("out", "q"):
-        if need not in t:
-            raise BadCheckFile(f"{path}: missing tensor {need!r}; an attention check file needs out and q "
-                               "[B, Hq, Tq, D] and the cache (k_codes / k_scale / v_codes / v_scale, or k / v)")
-    for k in ("out", "q", "k", "v"):
-        if k in t and str(t[k].dtype).removeprefix("torch.") not in _FLOATS:
-            raise BadCheckFile(f"{path}: tensor {k} is {t[k].dtype}; store it as a float tensor")
+    check_file.require(path, t, ("out", "q"), "an attention check file needs out and q [B, Hq, Tq, D] and the "
+                                             "cache (k_codes / k_scale / v_codes / v_scale, or k / v)")
+    check_file.require_float(path, t, ("out", "q", "k", "v"))
     try:
         spec = ar.AttnSpec(q_format=_fmt(path, meta, "q_format", "fp8_e4m3fn"),
                            p_format=_fmt(path, meta, "p_format", "fp8_e4m3fn"),
@@ -66,12 +53,7 @@ def read_attention_file(path: str):
     return t["out"], t["q"], sides[0], sides[1], spec
 
 
-def run(path: str) -> int:
+def run(path: str, t: dict, meta: dict) -> int:
+    """Check an attention file's contents (as lowbit.entrypoints.check_file.read returns them)."""
     from lowbit.verify.attention import check_attention
-    out, q, k, v, spec = read_attention_file(path)
-    try:
-        verdict = check_attention(out, q, k, v, spec)
-    except ValueError as e:
-        raise BadCheckFile(f"{path}: {e}") from e
-    print(verdict.report())
-    return 0 if verdict.passed else 1
+    return check_file.verdict(path, check_attention, *attention_inputs(path, t, meta))

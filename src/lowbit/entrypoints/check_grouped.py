@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import os
 
+from lowbit.entrypoints import check_file
+from lowbit.entrypoints.check_file import BadCheckFile
 
 
 def register(parser) -> None:
@@ -89,41 +91,23 @@ def run_recipe(args) -> int:
     return status
 
 
-def read_grouped_file(path: str, bad):
-    """(tensors, metadata) of a kind=grouped check file, validated; `bad` is the error class."""
-    from lowbit.io.st_format import CheckpointError, TensorReader
-    try:
-        with TensorReader(path) as r:
-            meta, names = r.metadata, set(r.keys())
-            t = {n: r.get(n) for n in names}
-    except CheckpointError as e:
-        raise bad(str(e)) from e
-    missing = sorted({"out", "x", "w", "offsets"} - set(t))
-    if missing:
-        raise bad(f"{path}: missing tensor(s) {missing}; a grouped check file needs out [M_total, N], x [M_total, K], "
-                  "w [E, N, K], offsets [E + 1] (and optionally bias [E, N])")
-    for n in ("out", "x", "w", "bias"):
-        if n in t and not t[n].is_floating_point():
-            raise bad(f"{path}: tensor {n} is {t[n].dtype}; store it as a float tensor")
+def grouped_tensors(path: str, t: dict) -> dict:
+    """The tensors of a kind=grouped check file (lowbit.entrypoints.check_file.read), validated."""
+    check_file.require(path, t, ("out", "x", "w", "offsets"), "a grouped check file needs out [M_total, N], "
+                       "x [M_total, K], w [E, N, K], offsets [E + 1] (and optionally bias [E, N])")
+    # any floating dtype: check_grouped_linear takes out's dtype (fp8 included) as the output rounding
+    check_file.require_float(path, t, ("out", "x", "w", "bias"), floats=None)
     if t["offsets"].is_floating_point() or t["offsets"].ndim != 1:
-        raise bad(f"{path}: offsets must be a 1-D integer tensor [E + 1], got {t['offsets'].dtype} "
-                  f"{list(t['offsets'].shape)}")
-    return t, meta
+        raise BadCheckFile(f"{path}: offsets must be a 1-D integer tensor [E + 1], got {t['offsets'].dtype} "
+                           f"{list(t['offsets'].shape)}")
+    return t
 
 
-def run_file(path: str, meta_scheme, accumulator, bad) -> int:
-    """Check a kind=grouped file (meta_scheme(path, meta, key) reads a scheme, as `lowbit check` does)."""
+def run_file(path: str, t: dict, meta: dict, accumulator) -> int:
+    """Check a kind=grouped file's contents (as lowbit.entrypoints.check_file.read returns them)."""
     from lowbit.verify.grouped import check_grouped_linear
-    t, meta = read_grouped_file(path, bad)
-    undeclared = [key for key in ("x_scheme", "w_scheme") if key not in meta]
-    if undeclared:
-        raise bad(f"{path}: declare the schemes: metadata has no {' and '.join(undeclared)} (a preset name, a "
-                  "QuantScheme JSON, or \"none\")")
+    t = grouped_tensors(path, t)
+    xs, ws = check_file.schemes(path, meta)
     acc = accumulator or meta.get("accumulator")
-    try:
-        v = check_grouped_linear(t["out"], t["x"], t["w"], t["offsets"], x_scheme=meta_scheme(path, meta, "x_scheme"),
-                                 w_scheme=meta_scheme(path, meta, "w_scheme"), bias=t.get("bias"), accumulator=acc)
-    except ValueError as e:
-        raise bad(f"{path}: {e}") from e
-    print(v.report())
-    return 0 if v.passed else 1
+    return check_file.verdict(path, check_grouped_linear, t["out"], t["x"], t["w"], t["offsets"], x_scheme=xs,
+                              w_scheme=ws, bias=t.get("bias"), accumulator=acc)

@@ -151,34 +151,31 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
     heads = {n: h for n, h in heads.items() if n in quantized}     # an ignore pattern may have kept the head
     clipping = clipping_report(m, texts.new) if static else []
     t1 = time.perf_counter()
+    by_tokens = reference is not None and loaded.kind == "causal"
+
+    def evaluated(tokens_desc: str, metric_desc: str):
+        """The quantized model's token metrics against the float reference (causal models with
+        one), else the run's metric; the descriptions label the progress bar."""
+        if by_tokens:
+            from lowbit.evaluation.evaluate import token_metrics
+            return token_metrics(m, texts.eval_ids, reference, window, progress=progress,
+                                 desc=f"{r.name} eval{tokens_desc}")
+        return metric(loaded, m, loaded.model, texts, window, progress, f"{r.name} eval{metric_desc}")
+
     tokens, value = None, None
-    if not evaluate:
-        pass
-    elif reference is not None and loaded.kind == "causal":
-        from lowbit.evaluation.evaluate import token_metrics
-        tokens = token_metrics(m, texts.eval_ids, reference, window, progress=progress, desc=f"{r.name} eval")
-        value = tokens.perplexity
-    else:
-        value = metric(loaded, m, loaded.model, texts, window, progress, f"{r.name} eval")
+    if evaluate:
+        value = evaluated("", "")
+        if by_tokens:
+            tokens, value = value, value.perplexity
     without_kv = None
     if kv_cache is not None and evaluate:
         from lowbit.nn.kv_cache import kv_cache_disabled
         with kv_cache_disabled(m):
-            if reference is not None and loaded.kind == "causal":
-                from lowbit.evaluation.evaluate import token_metrics
-                without_kv = token_metrics(m, texts.eval_ids, reference, window, progress=progress,
-                                           desc=f"{r.name} eval, KV cache unquantized")
-            else:
-                without_kv = metric(loaded, m, loaded.model, texts, window, progress, f"{r.name} eval, KV unquantized")
+            without_kv = evaluated(", KV cache unquantized", ", KV unquantized")
     float_head = None
     if heads and evaluate:
         with float_modules(m, heads):
-            if reference is not None and loaded.kind == "causal":
-                from lowbit.evaluation.evaluate import token_metrics
-                float_head = token_metrics(m, texts.eval_ids, reference, window, progress=progress,
-                                           desc=f"{r.name} eval, LM head in high precision")
-            else:
-                float_head = metric(loaded, m, loaded.model, texts, window, progress, f"{r.name} eval, float LM head")
+            float_head = evaluated(", LM head in high precision", ", float LM head")
     return RecipeRun(r.name, m, summary, sites_before, sites_after, picked, value, clipping, tokens,
                      t1 - t0, time.perf_counter() - t1, klp, without_kv, float_head)
 

@@ -146,6 +146,14 @@ def check_shapes(q_shape, k_shape, v_shape) -> int:
     return Hq // Hkv
 
 
+def float64_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """(q, k, v) in float64 on the CPU, k and v repeated to q's heads (grouped-query attention);
+    the shapes checked by check_shapes. What the float64 references and bounds compute on."""
+    G = check_shapes(tuple(q.shape), tuple(k.shape), tuple(v.shape))
+    return (q.detach().cpu().double(), k.detach().cpu().double().repeat_interleave(G, dim=1),
+            v.detach().cpu().double().repeat_interleave(G, dim=1))
+
+
 def _gamma(n: int, u: float) -> float:
     nu = n * u
     return math.inf if nu >= 1 else nu / (1 - nu)
@@ -194,12 +202,9 @@ def attention_reference(q_hat: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.T
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    G = check_shapes(q_hat.shape, k_hat.shape, v_hat.shape)
+    qd, kd, vd = float64_heads(q_hat, k_hat, v_hat)
     B, Hq, Tq, D = q_hat.shape
     Tk = k_hat.shape[2]
-    qd = q_hat.detach().cpu().double()
-    kd = k_hat.detach().cpu().double().repeat_interleave(G, dim=1)
-    vd = v_hat.detach().cpu().double().repeat_interleave(G, dim=1)
     c = spec.scale_for(D) * LOG2E
     T = (qd @ kd.transpose(-1, -2)) * c                      # [B, Hq, Tq, Tk], log2 units
     e = _gamma(D + 4, U32) * (qd.abs() @ kd.abs().transpose(-1, -2)) * c

@@ -16,21 +16,30 @@ FMT_CODES = {"int8": 0, "fp8_e4m3fn": 1, "fp4_e2m1fn": 2}
 ROUND_CODES = {"floor": 0, "rceil": 1, "ceil": 2, "even": 3}
 
 
+def row_block(K: int) -> int:
+    """The power-of-two block (>= 16) a fused kernel's program holds one row of K elements in;
+    ValueError past fq.MAX_BLOCK, since the row lives in registers."""
+    import triton
+
+    from lowbit.ops.triton import fused_quant as fq
+
+    block = max(16, triton.next_power_of_2(K))
+    if block > fq.MAX_BLOCK:
+        raise ValueError(f"hidden size K = {K} exceeds the fused kernel's {fq.MAX_BLOCK} elements per row "
+                         "(the row lives in registers); use backend='torch'")
+    return block
+
+
 def launch_rows(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int, *, weight=None, eps=0.0,
                 res2=None, res_out=None, store_y=False, fp8_encoder: str = "auto", tile=None, pack: bool = False,
                 global_scale: torch.Tensor | None = None):
     """Run the row kernel over x2 [rows, K or 2K]; returns (codes, scale, scale_codes, g, y).
     With `tile` = (ROWS, num_warps): the tile kernel's group variant instead (both of NVFP4's
     passes included, see launch_groups); pack: fp4 codes two per byte (group variant only)."""
-    import triton
-
     from lowbit.ops.triton import fused_quant as fq
 
     rows, dev = x2.shape[0], x2.device
-    block = max(16, triton.next_power_of_2(K))
-    if block > fq.MAX_BLOCK:
-        raise ValueError(f"hidden size K = {K} exceeds the fused kernel's {fq.MAX_BLOCK} elements per row "
-                         "(the row lives in registers); use backend='torch'")
+    block = row_block(K)
     NG, Gt = (1, block) if G == K else (block // G, G)
     ngroups = K // G
     fmt = scheme.fmt
@@ -144,10 +153,7 @@ def launch_tile(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int,
     from lowbit.ops.triton import fused_quant as fq
 
     rows, dev = x2.shape[0], x2.device
-    block = max(16, triton.next_power_of_2(K))
-    if block > fq.MAX_BLOCK:
-        raise ValueError(f"hidden size K = {K} exceeds the fused kernel's {fq.MAX_BLOCK} elements per row "
-                         "(the row lives in registers); use backend='torch'")
+    block = row_block(K)
     if tile is None:
         tile = default_tile(scheme, K, pre, residual=res2 is not None)
     if not isinstance(tile, (tuple, list)) or len(tile) not in (2, 3) or not all(isinstance(t, int) for t in tile):

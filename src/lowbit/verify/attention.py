@@ -174,12 +174,9 @@ def bf16_intermediates_bound(q_hat: torch.Tensor, k_hat: torch.Tensor, v_hat: to
               g = gamma_{Tk}(2^-24) the fp32 sum of l
       |O' - O| <= sum_j w_j |V_j| ((e^{eps_j + E}(1 + g))(1 + g) - 1)   (P.V summed in fp32)
     then the output rounding u_out (|O| + that) + eta_out / 2."""
-    G = ar.check_shapes(tuple(q_hat.shape), tuple(k_hat.shape), tuple(v_hat.shape))
+    qd, kd, vd = ar.float64_heads(q_hat, k_hat, v_hat)
     B, Hq, Tq, D = q_hat.shape
     Tk = k_hat.shape[2]
-    qd = q_hat.detach().cpu().double()
-    kd = k_hat.detach().cpu().double().repeat_interleave(G, dim=1)
-    vd = v_hat.detach().cpu().double().repeat_interleave(G, dim=1)
     c = spec.scale_for(D)
     u, u32 = 2.0 ** -8, 2.0 ** -24
     S = (qd @ kd.transpose(-1, -2)) * c

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from lowbit.verify import audit_torchao
-from lowbit.verify.kernel_spec import KernelSpec
+from lowbit.verify.kernel_spec import KernelSpec, int_mm_shape, padded, round_up
 
 
 @dataclass
@@ -41,6 +41,29 @@ class Cell:
     detail: str = ""
     seconds: float = 0.0
     worst_err_over_gate: float | None = None
+
+
+def refused_cell(kernel: str, case: str, e: Exception, t0: float) -> Cell:
+    """The Cell of a kernel that raised instead of returning (started at perf_counter t0): n/a for a
+    documented refusal (NotImplementedError, ValueError), error for anything else, a TypeError too
+    (a crash is a finding, not a reason to stop the audit)."""
+    verdict = "n/a" if isinstance(e, (NotImplementedError, ValueError)) else "error"
+    return Cell(kernel, case, verdict, type(e).__name__, str(e)[:300], time.perf_counter() - t0)
+
+
+def verdict_cell(kernel: str, case: str, v, t0: float) -> Cell:
+    """The Cell of a checker's verdict v (check_linear, check_attention, check_grouped_linear): pass or
+    v.kind, the first cause's name and text. check_grouped_linear's causes are (name, text, share)
+    tuples, the others diagnose.Cause (text: str(cause), its name and detail)."""
+    first = v.causes[0] if v.causes else None
+    if first is None:
+        cause, detail = "", ""
+    elif isinstance(first, tuple):
+        cause, detail = first[0], first[1]
+    else:
+        cause, detail = first.name, str(first)
+    return Cell(kernel, case, "pass" if v.passed else v.kind, cause, detail, time.perf_counter() - t0,
+                v.metrics["impl_gate_frac"])
 
 
 @dataclass
@@ -141,42 +164,23 @@ def _linear(backend, out_dtype=torch.float32):
     return fn
 
 
-def _padded(t: torch.Tensor, rows: int, cols: int, fill=0) -> torch.Tensor:
-    """t [r, c] zero-padded (or `fill`-padded) to [rows, cols], a fresh row-major tensor."""
-    out = torch.full((rows, cols), fill, dtype=t.dtype, device=t.device)
-    out[: t.shape[0], : t.shape[1]] = t
-    return out
-
-
-def _up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
 def _int_mm(xq, wq, bias):
     """torch._int_mm, then (acc * s_x) * s_w (+ bias) in fp32. On CUDA _int_mm needs M > 16 and
     K, N multiples of 8 (cuBLASLt's int8 GEMM): the codes are padded with zeros, as a caller must
     (exact: zero products; the padded rows and columns are dropped)."""
     M, K = xq.codes.shape
     N = wq.codes.shape[0]
-    Mp, Kp, Np = max(M, 17), _up(K, 8), _up(N, 8)
-    acc = torch._int_mm(_padded(xq.codes, Mp, Kp), _padded(wq.codes, Np, Kp).t())[:M, :N]   # exact int32
+    Mp, Kp, Np = max(M, 17), round_up(K, 8), round_up(N, 8)
+    acc = torch._int_mm(padded(xq.codes, Mp, Kp), padded(wq.codes, Np, Kp).t())[:M, :N]   # exact int32
     out = (acc.to(torch.float32) * xq.scale.reshape(-1, 1).to(acc.device)) * wq.scale.reshape(1, -1).to(acc.device)
     return out if bias is None else out + bias
 
 
 def _pad_q(q, rows: int, cols: int):
     """A per-row-scaled QTensor padded with zero codes and unit scales to [rows, cols]."""
-    return dataclasses.replace(q, codes=_padded(q.codes, rows, cols),
-                               scale=_padded(q.scale.reshape(-1, 1).expand(q.codes.shape[0], 1), rows, 1, 1.0),
+    return dataclasses.replace(q, codes=padded(q.codes, rows, cols),
+                               scale=padded(q.scale.reshape(-1, 1).expand(q.codes.shape[0], 1), rows, 1, 1.0),
                                shape=(rows, cols))
-
-
-def int_mm_shape(M: int, K: int, N: int, device) -> tuple[int, int, int]:
-    """The shapes torch._int_mm takes on CUDA (cuBLASLt's int8 GEMM): M > 16, K and N multiples of
-    8; on the CPU any."""
-    if torch.device(device).type != "cuda":
-        return M, K, N
-    return max(M, 17), _up(K, 8), _up(N, 8)
 
 
 def _torch_int8(xq, wq, bias):
@@ -187,7 +191,7 @@ def _torch_int8(xq, wq, bias):
     Mp, Kp, Np = int_mm_shape(M, K, N, xq.codes.device)
     if (Mp, Kp, Np) != (M, K, N):
         xq, wq = _pad_q(xq, Mp, Kp), _pad_q(wq, Np, Kp)
-        bias = None if bias is None else _padded(bias.reshape(1, -1), 1, Np).reshape(-1)
+        bias = None if bias is None else padded(bias.reshape(1, -1), 1, Np).reshape(-1)
     return lowbit.ops.linear(xq, wq, bias=bias, backend="torch", out_dtype=torch.float32)[:M, :N]
 
 
@@ -198,12 +202,12 @@ def _scaled_mm(fast: bool):
     def fn(xq, wq, bias):
         M, K = xq.codes.shape
         N = wq.codes.shape[0]
-        Kp, Np = _up(K, 16), _up(N, 16)
-        a = _padded(xq.codes.view(torch.uint8), M, Kp).view(torch.float8_e4m3fn)
-        b = _padded(wq.codes.view(torch.uint8), Np, Kp).view(torch.float8_e4m3fn)
+        Kp, Np = round_up(K, 16), round_up(N, 16)
+        a = padded(xq.codes.view(torch.uint8), M, Kp).view(torch.float8_e4m3fn)
+        b = padded(wq.codes.view(torch.uint8), Np, Kp).view(torch.float8_e4m3fn)
         if xq.scale.numel() > 1 or wq.scale.numel() > 1:     # row-wise: [M, 1] and [1, N] (M = 1 too)
             sa = xq.scale.reshape(-1, 1).float().expand(M, 1).contiguous()
-            sb = _padded(wq.scale.reshape(1, -1).float().expand(1, N), 1, Np, fill=1.0)
+            sb = padded(wq.scale.reshape(1, -1).float().expand(1, N), 1, Np, fill=1.0)
         else:
             sa, sb = xq.scale.reshape(()).float(), wq.scale.reshape(()).float()
         # float32 out and the bias added after in float32: cuBLAS's fused bias is bf16 (a rounding of
@@ -304,17 +308,11 @@ def run_cell(spec: KernelSpec, case: Case, device: str, seed: int) -> Cell:
             xq, wq = _noncontig(xq), _noncontig(wq)
         to = lambda q: q.to(device)  # noqa: E731
         out = spec.fn(to(xq), to(wq), bias.to(device))
-    except (NotImplementedError, ValueError) as e:   # a documented refusal; a TypeError is a crash (below)
-        return Cell(spec.name, case.name, "n/a", type(e).__name__, str(e)[:300], time.perf_counter() - t0)
-    except Exception as e:  # a crash is a finding, not a reason to stop the audit
-        return Cell(spec.name, case.name, "error", type(e).__name__, str(e)[:300], time.perf_counter() - t0)
+    except Exception as e:      # a refusal (n/a) or a crash (error): refused_cell
+        return refused_cell(spec.name, case.name, e, t0)
     v = check_linear(out.detach().cpu(), x, w,
                      x_scheme=spec.x_scheme, w_scheme=spec.w_scheme, bias=bias, accumulator=spec.accumulator)
-    verdict = "pass" if v.passed else v.kind
-    cause = v.causes[0].name if v.causes else ""
-    detail = str(v.causes[0]) if v.causes else ""
-    return Cell(spec.name, case.name, verdict, cause, detail, time.perf_counter() - t0,
-                v.metrics["impl_gate_frac"])
+    return verdict_cell(spec.name, case.name, v, t0)
 
 
 def audit(specs: list[KernelSpec], cases: list[Case] = CASES, *, device: str = "cpu", seed: int = 0,

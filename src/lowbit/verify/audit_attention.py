@@ -30,7 +30,7 @@ from lowbit.ops import attention_reference as ar
 from lowbit.ops.attention import attention
 from lowbit.ops.kv_quant import KVScheme, observe_amax, quantize_kv, static_scale
 from lowbit.verify.attention import check_attention
-from lowbit.verify.audit import Cell, audit_grid
+from lowbit.verify.audit import Cell, audit_grid, refused_cell, verdict_cell
 
 P_BLOCK = 16          # small key blocks: several blocks (and rescales) at the cases' small lengths
 
@@ -167,16 +167,10 @@ def run_cell(kernel: AttnKernel, case: AttnCase, device: str, seed: int) -> Cell
         kq, vq = _cache(k, kernel.kv_scheme, "k"), _cache(v, kernel.kv_scheme, "v")
         to = (lambda t: t.to(device)) if kernel.kv_scheme is not None else (lambda t: t.to(device, kernel.dtype))
         out = kernel.fn(q.to(device, kernel.dtype), to(kq), to(vq), spec)
-    except (NotImplementedError, ValueError) as e:      # a documented refusal
-        return Cell(kernel.name, case.name, "n/a", type(e).__name__, str(e)[:300], time.perf_counter() - t0)
-    except Exception as e:  # a crash is a finding, not a reason to stop the audit
-        return Cell(kernel.name, case.name, "error", type(e).__name__, str(e)[:300], time.perf_counter() - t0)
+    except Exception as e:      # a refusal (n/a) or a crash (error): audit.refused_cell
+        return refused_cell(kernel.name, case.name, e, t0)
     vd = check_attention(out.detach().cpu(), q, kq, vq, spec, out_dtype=kernel.out_dtype)
-    verdict = "pass" if vd.passed else vd.kind
-    cause = vd.causes[0].name if vd.causes else ""
-    detail = str(vd.causes[0]) if vd.causes else ""
-    return Cell(kernel.name, case.name, verdict, cause, detail, time.perf_counter() - t0,
-                vd.metrics["impl_gate_frac"])
+    return verdict_cell(kernel.name, case.name, vd, t0)
 
 
 def audit(kernels: list[AttnKernel], cases: list[AttnCase] = CASES, *, device: str = "cpu", seed: int = 0,

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from lowbit.verify.audit import Cell, _group, audit_grid, k_for
+from lowbit.verify.audit import Cell, _group, audit_grid, k_for, refused_cell, verdict_cell
 
 ROUTINGS = ("uniform", "hot", "sparse", "dropped")
 
@@ -210,16 +210,12 @@ def run_cell(spec: GroupedSpec, case: GroupedCase, device: str, seed: int) -> Ce
     t0 = time.perf_counter()
     try:
         out = spec.fn(x.to(device), w.to(device), idx.to(device), None if bias is None else bias.to(device))
-    except (NotImplementedError, ValueError) as e:      # a documented refusal; a TypeError is a crash
-        return Cell(spec.name, case.name, "n/a", type(e).__name__, str(e)[:300], time.perf_counter() - t0)
-    except Exception as e:  # a crash is a finding, not a reason to stop the audit
-        return Cell(spec.name, case.name, "error", type(e).__name__, str(e)[:300], time.perf_counter() - t0)
+    except Exception as e:      # a refusal (n/a) or a crash (error): audit.refused_cell
+        return refused_cell(spec.name, case.name, e, t0)
     v = check_grouped_linear(out.detach().cpu(), x[routing.token], w, routing.offsets, x_scheme=spec.x_scheme,
                              w_scheme=spec.w_scheme, bias=bias, accumulator=spec.accumulator,
                              out_dtype=spec.out_dtype)
-    cause, detail = (v.causes[0][0], v.causes[0][1]) if v.causes else ("", "")
-    return Cell(spec.name, case.name, "pass" if v.passed else v.kind, cause, detail, time.perf_counter() - t0,
-                v.metrics["impl_gate_frac"])
+    return verdict_cell(spec.name, case.name, v, t0)
 
 
 def audit(specs: list[GroupedSpec], cases: list[GroupedCase] = CASES, *, device: str = "cpu", seed: int = 0,

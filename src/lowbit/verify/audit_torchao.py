@@ -29,7 +29,7 @@ import importlib.util
 
 import torch
 
-from lowbit.verify.kernel_spec import KernelSpec
+from lowbit.verify.kernel_spec import KernelSpec, int_mm_shape, padded, round_up
 
 
 def available() -> bool:
@@ -66,26 +66,8 @@ def _rows(scale: torch.Tensor, n: int) -> torch.Tensor:
     return scale.reshape(-1, 1).float().expand(n, 1).contiguous()
 
 
-def _up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def _pad(t: torch.Tensor, rows: int, cols: int, fill=0) -> torch.Tensor:
-    """t [r, c] padded with `fill` to [rows, cols] (a fresh row-major tensor)."""
-    out = torch.full((rows, cols), fill, dtype=t.dtype, device=t.device)
-    out[: t.shape[0], : t.shape[1]] = t
-    return out
-
-
 def _pad_bias(bias, n: int):
     return None if bias is None else torch.cat([bias, bias.new_zeros(n - bias.shape[0])])
-
-
-def _int_mm_shape(M: int, K: int, N: int, device) -> tuple[int, int, int]:
-    """torch._int_mm's shapes on CUDA (cuBLASLt int8): M > 16, K and N multiples of 8."""
-    if torch.device(device).type != "cuda":
-        return M, K, N
-    return max(M, 17), _up(K, 8), _up(N, 8)
 
 
 def _int8_weight(ao, codes, scale, act_kwargs=None, act_scale=None):
@@ -99,11 +81,11 @@ def int8_w8a8(xq, wq, bias):
     lowbit's grid, which torchao's quantizer maps back to the same codes with the given scales)."""
     ao = _quiet_import()
     (M, K), N = xq.codes.shape, wq.codes.shape[0]
-    Mp, Kp, Np = _int_mm_shape(M, K, N, xq.codes.device)
-    w = _int8_weight(ao, _pad(wq.codes, Np, Kp), _pad(_rows(wq.scale, N), Np, 1, 1.0),
+    Mp, Kp, Np = int_mm_shape(M, K, N, xq.codes.device)
+    w = _int8_weight(ao, padded(wq.codes, Np, Kp), padded(_rows(wq.scale, N), Np, 1, 1.0),
                      ao["QuantizeTensorToInt8Kwargs"](granularity=ao["PerRow"]()),
-                     _pad(_rows(xq.scale, M), Mp, 1, 1.0))
-    return torch.nn.functional.linear(_pad(xq.dequantize(), Mp, Kp), w, _pad_bias(bias, Np))[:M, :N]
+                     padded(_rows(xq.scale, M), Mp, 1, 1.0))
+    return torch.nn.functional.linear(padded(xq.dequantize(), Mp, Kp), w, _pad_bias(bias, Np))[:M, :N]
 
 
 def int8_weight_only(x, wq, bias):
@@ -117,9 +99,9 @@ def _fp8_weight(ao, wq, act_kwargs=None, fast=False, n_pad: int | None = None):
     (unit scales) to that count, for torch._scaled_mm's N multiple of 16."""
     N, K = wq.codes.shape
     Np = n_pad or N
-    codes = _pad(wq.codes.view(torch.uint8), Np, K).view(torch.float8_e4m3fn)
+    codes = padded(wq.codes.view(torch.uint8), Np, K).view(torch.float8_e4m3fn)
     mm = ao["Float8MMConfig"](use_fast_accum=fast, pad_inner_dim=n_pad is not None)
-    return ao["Float8Tensor"](codes, _pad(_rows(wq.scale, N), Np, 1, 1.0), [1, K],
+    return ao["Float8Tensor"](codes, padded(_rows(wq.scale, N), Np, 1, 1.0), [1, K],
                               mm_config=mm, act_quant_kwargs=act_kwargs,
                               kernel_preference=ao["KernelPreference"].TORCH, dtype=torch.float32)
 
@@ -136,7 +118,7 @@ def fp8_w8a8(fast: bool):
         N by zero weight rows sliced off."""
         ao = _quiet_import()
         N = wq.codes.shape[0]
-        Np = _up(N, 16)
+        Np = round_up(N, 16)
         act = ao["QuantizeTensorToFloat8Kwargs"](granularity=ao["PerRow"](),
                                                  mm_config=ao["Float8MMConfig"](use_fast_accum=fast,
                                                                                 pad_inner_dim=True),

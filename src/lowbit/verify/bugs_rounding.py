@@ -34,16 +34,21 @@ SR_MIN_OUTPUTS = 600
 SR_ALPHA = 1e-9
 
 
-def _scaled(sim: Sim, side: str, qt) -> torch.Tensor | None:
-    """x / s as lowbit.quantize computes it (float32 inputs, float32 expanded scales), as float64
-    [R, K]; None when the original input is unknown or its shape is not the codes' (padding)."""
+def _original(sim: Sim, side: str, qt) -> torch.Tensor | None:
+    """The side's original input, float32 on the CPU; None when it is unknown or its shape is not
+    the codes' (padding)."""
     orig = sim.ctx.x if side == "x" else sim.ctx.w
     if orig is None:
         return None
     xf = torch.as_tensor(orig).detach().cpu().to(torch.float32)
-    if tuple(xf.shape) != tuple(qt.codes.shape):
-        return None
-    return (xf / qt.expanded_scale().float()).double()
+    return xf if tuple(xf.shape) == tuple(qt.codes.shape) else None
+
+
+def _scaled(sim: Sim, side: str, qt) -> torch.Tensor | None:
+    """x / s as lowbit.quantize computes it (float32 inputs, float32 expanded scales), as float64
+    [R, K]; None when the original input is not known (_original)."""
+    xf = _original(sim, side, qt)
+    return None if xf is None else (xf / qt.expanded_scale().float()).double()
 
 
 def _grid(fmt) -> torch.Tensor:
@@ -184,11 +189,8 @@ def wrapped_code_hypotheses(sim: Sim):
     of qmax (scale = amax / 128 for int8), which sends every row's largest value to -128."""
     for side, _other, qt in sides(sim):
         fmt = qt.scheme.fmt
-        orig = sim.ctx.x if side == "x" else sim.ctx.w
-        if fmt.kind != "int" or orig is None:
-            continue
-        xf = torch.as_tensor(orig).detach().cpu().to(torch.float32)
-        if tuple(xf.shape) != tuple(qt.codes.shape):
+        xf = _original(sim, side, qt) if fmt.kind == "int" else None
+        if xf is None:
             continue
         span = 1 << fmt.bits
         base = -(span // 2) if fmt.signed else 0
@@ -220,12 +222,10 @@ def _rule_side(sim: Sim, side: str, qt, divisor: float, recip: bool):
     round-half-even of x / s (or x * (1 / s)) clamped to the storage range [qmin, qmax]; None when
     that is the reference's own quantization or the side cannot be re-quantized."""
     fmt = qt.scheme.fmt
-    orig = sim.ctx.x if side == "x" else sim.ctx.w
-    if fmt.kind != "int" or not fmt.signed or qt.zero_point is not None or qt.scheme.scale_format != "fp32" \
-            or orig is None:
+    if fmt.kind != "int" or not fmt.signed or qt.zero_point is not None or qt.scheme.scale_format != "fp32":
         return None
-    xf = torch.as_tensor(orig).detach().cpu().to(torch.float32)
-    if tuple(xf.shape) != tuple(qt.codes.shape):
+    xf = _original(sim, side, qt)
+    if xf is None:
         return None
     amax = reduce_amax(xf, qt.scheme)
     s = torch.where(amax > 0, amax / divisor, torch.ones_like(amax)).contiguous()

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.algorithms.sequential import _batch_call, _call
+from lowbit.archs.forward import run_batches
 
 
 @torch.no_grad()
@@ -41,14 +41,7 @@ def float_inputs(model: torch.nn.Module, names: list[str], calib) -> dict[str, l
             got[n].append(args[0].detach())
         return hook
 
-    hs = [model.get_submodule(n).register_forward_pre_hook(make(n)) for n in names]
-    try:
-        for b in calib:
-            a, k = _batch_call(b)
-            _call(model, a, k)
-    finally:
-        for h in hs:
-            h.remove()
+    run_batches(model, calib, [model.get_submodule(n).register_forward_pre_hook(make(n)) for n in names])
     missing = [n for n, xs in got.items() if len(xs) != len(list(calib))]
     if missing:
         raise ValueError(f"Linear layers {missing[:4]} did not run once per calibration batch in the float model")

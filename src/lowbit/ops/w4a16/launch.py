@@ -12,6 +12,22 @@ from lowbit.ops.w4a16.configs import pick_config, pick_config_pairs, pick_config
 from lowbit.ops.w4a16.layout import W4Weight
 
 
+def split_k_out(x2: torch.Tensor, N: int, split: int) -> tuple[bool, torch.Tensor]:
+    """(atomic, out [M, N]) of a planar kernel's launch: with split > 1 the K slices' programs add
+    float32 partials atomically into a zeroed buffer (bias and x's dtype then by split_k_done);
+    else one program per tile writes the output in x's dtype."""
+    if split > 1:
+        return True, torch.zeros(x2.shape[0], N, device=x2.device, dtype=torch.float32)
+    return False, torch.empty(x2.shape[0], N, device=x2.device, dtype=x2.dtype)
+
+
+def split_k_done(out: torch.Tensor, x2: torch.Tensor, bias) -> torch.Tensor:
+    """A split-K launch's float32 sum, plus the bias, in x's dtype."""
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x2.dtype)
+
+
 def launch_w4a16(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool, act_scale=None) -> torch.Tensor:
     """act_scale (pairs layout, NVFP4): float32 [1], the activation's tensor scale, multiplied
     into w.global_scale ([1] or per row [N]) in the kernel's epilogue."""
@@ -40,11 +56,8 @@ def launch_w4a16(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool, act_
     if cfg["kernel"] == "dot" and cfg["BLOCK_M"] < 16:
         cfg["BLOCK_M"] = 16  # tensor-core tiles have at least 16 rows (rows past M are masked)
     wfmt = k.WFMT[w.kind]
-    atomic = split > 1
-    dev = x2.device
-    out = (torch.zeros if atomic else torch.empty)(M, N, device=dev,
-                                                   dtype=torch.float32 if atomic else x2.dtype)
-    dummy = torch.empty(1, device=dev, dtype=torch.float32)
+    atomic, out = split_k_out(x2, N, split)
+    dummy = torch.empty(1, device=x2.device, dtype=torch.float32)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, triton.cdiv(M, cfg["BLOCK_M"]))
     per_group = w.scale if w.kind in ("int4", "uint4") else w.scale_codes
     launch(
@@ -56,11 +69,7 @@ def launch_w4a16(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool, act_
         WFMT=wfmt, HAS_Z=w.zero_point is not None, HAS_BIAS=bias is not None and not atomic,
         G=w.group_size, C=w.chunk, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, ATOMIC=atomic,
         USE_DOT=cfg["kernel"] == "dot", INTERP=interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if atomic:
-        if bias is not None:
-            out = out + bias.float()
-        out = out.to(x2.dtype)
-    return out
+    return split_k_done(out, x2, bias) if atomic else out
 
 
 def dequantize_w4(w: W4Weight, dtype: torch.dtype) -> torch.Tensor:
@@ -253,11 +262,8 @@ def launch_planar8(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) ->
     if kern == "dot8" and (bm < 16 or w.group_size < 128):
         raise ValueError(f"w4a16_linear: dot8 needs BLOCK_M >= 16 (got {bm}) and group_size >= 128 "
                          f"(got {w.group_size}: a plane of a group is one K = 16 tensor-core step)")
-    atomic = split > 1
-    dev = x2.device
-    out = (torch.zeros if atomic else torch.empty)(M, N, device=dev,
-                                                   dtype=torch.float32 if atomic else x2.dtype)
-    dummy = torch.empty(1, device=dev, dtype=torch.float32)
+    atomic, out = split_k_out(x2, N, split)
+    dummy = torch.empty(1, device=x2.device, dtype=torch.float32)
     words = w.packed.view(torch.int32)  # [N, K/8]; K/2 is a multiple of 4 (group >= 32 divides K)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, triton.cdiv(M, bm))
     args = (x2, words, w.scale, w.zero_point if w.zero_point is not None else dummy,
@@ -274,8 +280,4 @@ def launch_planar8(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) ->
             raise ValueError(f"w4a16_linear: dot8 config 'unpack' must be 0 (float32 unpack) or 1 (packed "
                              f"16-bit pairs, GPU only), got {unpack}")
         launch(k._w4a16_dot8_kernel, grid, *args, UNPACK=unpack, **common)
-    if atomic:
-        if bias is not None:
-            out = out + bias.float()
-        out = out.to(x2.dtype)
-    return out
+    return split_k_done(out, x2, bias) if atomic else out
