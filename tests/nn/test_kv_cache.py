@@ -82,13 +82,13 @@ def test_int4_cache_bytes_at_most_0_3_of_bf16(rng):
 
 
 def test_int4_cache_refuses_odd_head_dim_and_mixed_layouts(rng):
-    from lowbit.ops.kv_quant import cat_tokens
+    from lowbit.ops.kv_quant import alloc_tokens, write_tokens
     x = torch.randn(1, 2, 3, 9, generator=rng)
     with pytest.raises(ValueError, match="head_dim 9 is odd.*packed two per byte"):
         quantize_kv(x, KVScheme("int4", "token"))
     q = quantize_kv(torch.randn(1, 2, 3, 8, generator=rng), KVScheme("int4", "group", 4))
     with pytest.raises(ValueError, match="append packed codes to packed"):
-        cat_tokens(q, q.unpacked())
+        write_tokens(alloc_tokens(q, 6), q.unpacked(), 0)
 
 
 def test_all_zero_head_is_zero_codes_scale_one(rng):
