@@ -32,8 +32,8 @@ def _append_kernel(x_ptr, c_ptr, s_ptr, pos_ptr, bad_ptr, H, D, sx_b, sx_h, sx_d
     ok = offs < D
     y = tl.load(x_ptr + b * sx_b + h * sx_h + offs * sx_d, mask=ok, other=0.0).to(tl.float32)[None, :]
     one = tl.arange(0, 1)
-    if CHECK:                                  # y - y is NaN exactly where y is NaN or +-Inf
-        bad = tl.max(((y - y) != 0.0).to(tl.int32), axis=1)
+    if CHECK:                                  # |y| <= FLT_MAX is false exactly for NaN and +-Inf
+        bad = tl.max(tl.where(tl.abs(y) <= 3.4028234663852886e38, 0, 1), axis=1)
         tl.atomic_min(bad_ptr + one, t * tl.num_programs(0) + r, mask=bad != 0)
     if DYNAMIC:                                # per (token, head): this row's absmax
         s, _ = _group_scales(tl.max(tl.abs(y), axis=1), s_ptr, 0, 0, QMAX, 0, 0, 0)
