@@ -110,7 +110,9 @@ class LowbitKVLayer(DynamicLayer):
     """One layer's quantized keys and values (see module docstring), in buffers of `capacity`
     tokens that grow by doubling (or hold max_cache_len tokens from the first write); the first
     `cumulative_length` tokens are filled. append_kernel: None uses append_kv for CUDA decode
-    steps; True / False force it on / off (True on CPU needs the Triton interpreter)."""
+    steps; True / False force it on / off (True on CPU needs the Triton interpreter).
+    get_max_length stays DynamicLayer's -1 with max_cache_len too: update returns the filled tokens,
+    never max_cache_len of them, and callers size masks by get_max_length when it is set."""
 
     is_croppable = True
 
