@@ -267,13 +267,16 @@ def test_crop_reorder_and_batch_ops_after_growth(rng, name, kernel):
     cut = int(torch.randint(1, n - 2, (1,), generator=rng))
     layer.crop(-cut)
     assert layer.get_seq_length() == n - cut
-    ptr = layer.quantized()[0].codes.data_ptr()
+    ptr, cap = layer.quantized()[0].codes.data_ptr(), layer.capacity
     _grow(layer, k[:, :, n:n + 4], v[:, :, n:n + 4], [1, 2, 1])
     kk = torch.cat([k[:, :, :n - cut], k[:, :, n:n + 4]], dim=2)
     vv = torch.cat([v[:, :, :n - cut], v[:, :, n:n + 4]], dim=2)
     for q, x, s in zip(layer.quantized(), (kk, vv), (ks, vs)):
         _assert_same(q, quantize_kv(x, sch, s))
-    assert layer.quantized()[0].codes.data_ptr() == ptr         # within capacity: written in place
+    # written in place while the capacity holds them (a cut of 1..3 tokens just under a power of two
+    # does not: then the buffers grow once)
+    assert (layer.quantized()[0].codes.data_ptr() == ptr) == (n - cut + 4 <= cap)
+    ptr = layer.quantized()[0].codes.data_ptr()
 
     # beam reorder (with a repeated row): in place, then more tokens
     beam = torch.randint(0, B, (B,), generator=rng)
