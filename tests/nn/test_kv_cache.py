@@ -82,13 +82,13 @@ def test_int4_cache_bytes_at_most_0_3_of_bf16(rng):
 
 
 def test_int4_cache_refuses_odd_head_dim_and_mixed_layouts(rng):
-    from lowbit.ops.kv_quant import cat_tokens
+    from lowbit.ops.kv_quant import alloc_tokens, write_tokens
     x = torch.randn(1, 2, 3, 9, generator=rng)
     with pytest.raises(ValueError, match="head_dim 9 is odd.*packed two per byte"):
         quantize_kv(x, KVScheme("int4", "token"))
     q = quantize_kv(torch.randn(1, 2, 3, 8, generator=rng), KVScheme("int4", "group", 4))
     with pytest.raises(ValueError, match="append packed codes to packed"):
-        cat_tokens(q, q.unpacked())
+        write_tokens(alloc_tokens(q, 6), q.unpacked(), 0)
 
 
 def test_all_zero_head_is_zero_codes_scale_one(rng):
@@ -184,3 +184,240 @@ def test_attach_refuses_a_model_without_decoder_attention():
     from lowbit.nn.kv_cache import attach_kv_cache
     with pytest.raises(ValueError, match="no decoder attention modules"):
         attach_kv_cache(torch.nn.Sequential(torch.nn.Linear(4, 4)), KVCacheQuant(KVScheme.parse("fp8-token"), 1))
+
+
+# ---------------------------------------------------------------- the preallocated buffers
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+KERNEL_SCHEMES = ["fp8", "int8", "fp8-head", "int8-head", "fp8-token", "int8-token"]   # append_kv's
+ALL_SCHEMES = KERNEL_SCHEMES + ["int4-g8"]
+
+
+def _layer(rng, name, x_calib, **kw):
+    """A LowbitKVLayer for `name`; static scales from the first tokens of x_calib only, so later
+    tokens exceed them (saturated / clamped: the out-of-range writes are compared too)."""
+    from lowbit.nn.kv_cache import LowbitKVLayer
+    sch = KVScheme.parse(name)
+    scales = (None, None) if sch.dynamic else \
+        tuple(static_scale(observe_amax(x[:, :, :3], sch), sch).to(DEV) for x in x_calib)
+    return LowbitKVLayer(sch, *scales, layer_idx=0, **kw), scales
+
+
+def _chunks(rng, n):
+    """Write sizes summing to n: a prefill of 1..5 tokens, then mostly one-token decode steps with
+    a multi-token chunk now and then (speculative / chunked writes)."""
+    out = [int(torch.randint(1, 6, (1,), generator=rng))]
+    while sum(out) < n:
+        big = float(torch.rand(1, generator=rng)) < 0.2
+        out.append(int(torch.randint(2, 7, (1,), generator=rng)) if big else 1)
+    out[-1] -= sum(out) - n
+    return [c for c in out if c > 0]
+
+
+def _length(rng, lo=37, hi=70):
+    n = int(torch.randint(lo, hi, (1,), generator=rng))
+    return n + 1 if n & (n - 1) == 0 else n                     # never a power of two
+
+
+def _grow(layer, k, v, sizes):
+    """Write k, v [B, H, T, D] chunk by chunk; returns (last update's outputs, codes data_ptr per write)."""
+    at, ptrs, out = 0, [], None
+    for c in sizes:
+        out = layer.update(k[:, :, at:at + c], v[:, :, at:at + c])
+        ptrs.append(layer.quantized()[0].codes.data_ptr())
+        at += c
+    return out, ptrs
+
+
+def _assert_same(q, want):
+    assert q.codes.shape == want.codes.shape and torch.equal(q.codes.cpu(), want.codes.cpu())
+    assert torch.equal(q.scale.cpu(), want.scale.cpu())
+
+
+WRITE_PATHS = [(n, False) for n in ALL_SCHEMES] + [(n, True) for n in KERNEL_SCHEMES]
+PATH_IDS = [f"{n}-{'append_kv' if k else 'quantize_kv'}" for n, k in WRITE_PATHS]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name, kernel", WRITE_PATHS, ids=PATH_IDS)
+def test_grown_cache_equals_one_shot_quantize(rng, name, kernel, dtype):
+    n = _length(rng)
+    k, v = (_states(rng, B=2, H=3, T=n, D=24).to(DEV, dtype) for _ in range(2))
+    layer, (ks, vs) = _layer(rng, name, (k, v), append_kernel=kernel)
+    (dk, dv), ptrs = _grow(layer, k, v, _chunks(rng, n))
+    assert layer.get_seq_length() == n and layer.capacity >= n
+    assert len(set(ptrs)) >= 4                                 # the buffers grew several times on the way
+    sch = layer.scheme
+    for q, x, s, d in zip(layer.quantized(), (k, v), (ks, vs), (dk, dv)):
+        want = quantize_kv(x, sch, s)
+        _assert_same(q, want)
+        assert torch.equal(d, want.dequantize(dtype))           # update returns the filled tokens dequantized
+
+
+@pytest.mark.parametrize("name, kernel", [("fp8-head", False), ("int8-token", False), ("int4-g8", False),
+                                          ("fp8-head", True), ("int8-token", True)],
+                         ids=["fp8-head", "int8-token", "int4-g8", "fp8-head-append_kv", "int8-token-append_kv"])
+def test_crop_reorder_and_batch_ops_after_growth(rng, name, kernel):
+    n, B = _length(rng, 20, 40), 3
+    k, v = (_states(rng, B=B, H=3, T=n + 12, D=24).to(DEV) for _ in range(2))
+    layer, (ks, vs) = _layer(rng, name, (k, v), append_kernel=kernel)
+    _grow(layer, k[:, :, :n], v[:, :, :n], [1] * n)
+    sch = layer.scheme
+
+    # crop: the kept tokens stay, the next writes land after them
+    cut = int(torch.randint(1, n - 2, (1,), generator=rng))
+    layer.crop(-cut)
+    assert layer.get_seq_length() == n - cut
+    ptr, cap = layer.quantized()[0].codes.data_ptr(), layer.capacity
+    _grow(layer, k[:, :, n:n + 4], v[:, :, n:n + 4], [1, 2, 1])
+    kk = torch.cat([k[:, :, :n - cut], k[:, :, n:n + 4]], dim=2)
+    vv = torch.cat([v[:, :, :n - cut], v[:, :, n:n + 4]], dim=2)
+    for q, x, s in zip(layer.quantized(), (kk, vv), (ks, vs)):
+        _assert_same(q, quantize_kv(x, sch, s))
+    # written in place while the capacity holds them (a cut of 1..3 tokens just under a power of two
+    # does not: then the buffers grow once)
+    assert (layer.quantized()[0].codes.data_ptr() == ptr) == (n - cut + 4 <= cap)
+    ptr = layer.quantized()[0].codes.data_ptr()
+
+    # beam reorder (with a repeated row): in place, then more tokens
+    beam = torch.randint(0, B, (B,), generator=rng)
+    layer.reorder_cache(beam)
+    assert layer.quantized()[0].codes.data_ptr() == ptr
+    _grow(layer, k[:, :, n + 4:n + 6], v[:, :, n + 4:n + 6], [1, 1])
+    kk = torch.cat([kk[beam.to(DEV)], k[:, :, n + 4:n + 6]], dim=2)
+    vv = torch.cat([vv[beam.to(DEV)], v[:, :, n + 4:n + 6]], dim=2)
+    for q, x, s in zip(layer.quantized(), (kk, vv), (ks, vs)):
+        _assert_same(q, quantize_kv(x, sch, s))
+
+    # batch select, then repeat (generate's expansion for num_return_sequences), then more tokens
+    keep = torch.tensor([2, 0])
+    layer.batch_select_indices(keep)
+    layer.batch_repeat_interleave(2)
+    rows = keep.repeat_interleave(2)
+    new_k, new_v = k[rows.to(DEV), :, n + 6:n + 8], v[rows.to(DEV), :, n + 6:n + 8]
+    _grow(layer, new_k, new_v, [1, 1])
+    kk = torch.cat([kk[rows.to(DEV)], new_k], dim=2)
+    vv = torch.cat([vv[rows.to(DEV)], new_v], dim=2)
+    for q, x, s in zip(layer.quantized(), (kk, vv), (ks, vs)):
+        _assert_same(q, quantize_kv(x, sch, s))
+
+
+@pytest.mark.parametrize("name", ["fp8", "int4-g8"])
+def test_buffers_grow_by_doubling_not_every_step(rng, name):
+    n = _length(rng, 40, 90)
+    k, v = (_states(rng, T=n).to(DEV) for _ in range(2))
+    layer, _ = _layer(rng, name, (k, v))
+    caps, ptrs = [], []
+    for t in range(n):
+        layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        caps.append(layer.capacity)
+        ptrs.append((layer._k.codes.data_ptr(), layer._v.codes.data_ptr()))
+    # one token at a time from empty: capacities 1, 2, 4, ... up to the power of two above n (not
+    # one itself), and the buffers move only when the capacity changes
+    assert sorted(set(caps)) == [2 ** i for i in range(n.bit_length() + 1)]
+    for t in range(1, n):
+        assert (ptrs[t] == ptrs[t - 1]) == (caps[t] == caps[t - 1])
+    assert layer.capacity_nbytes() >= layer.nbytes()
+    # nbytes counts the filled tokens as a contiguous cache stores them; capacity_nbytes the buffers
+    q = quantize_kv(k, layer.scheme, layer._k.scale if not layer.scheme.dynamic else None)
+    assert layer.nbytes() == 2 * q.nbytes()
+    per_token = q.nbytes() // n if layer.scheme.dynamic else (q.codes.numel() * q.codes.element_size()) // n
+    assert layer.capacity_nbytes() - layer.nbytes() == 2 * per_token * (layer.capacity - n)
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["quantize_kv", "append_kv"])
+def test_max_cache_len_preallocates_and_refuses_more(rng, kernel):
+    from lowbit.nn.kv_cache import LowbitKVLayer
+    cap = _length(rng, 10, 30)
+    k, v = (_states(rng, T=cap + 3).to(DEV) for _ in range(2))
+    layer, _ = _layer(rng, "fp8-token", (k, v), max_cache_len=cap, append_kernel=kernel)
+    (dk, _), ptrs = _grow(layer, k[:, :, :cap], v[:, :, :cap], _chunks(rng, cap))
+    assert len(set(ptrs)) == 1 and layer.capacity == cap        # allocated once, at the first write
+    for extra in (k[:, :, cap:cap + 1], k[:, :, cap:cap + 3]):  # a decode step, a chunk
+        with pytest.raises(ValueError, match=f"max_cache_len={cap}.*larger max_cache_len"):
+            layer.update(extra, extra)
+        assert layer.get_seq_length() == cap                    # nothing written
+    _assert_same(layer.quantized()[0], quantize_kv(k[:, :, :cap], layer.scheme))
+    fresh, _ = _layer(rng, "fp8-token", (k, v), max_cache_len=cap)
+    with pytest.raises(ValueError, match="max_cache_len"):      # a prefill longer than the cache
+        fresh.update(k, v)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="max_cache_len must be a positive int"):
+            LowbitKVLayer(KVScheme.parse("fp8-token"), max_cache_len=bad)
+
+
+def test_reset_reuses_buffers_and_refits_another_batch(rng):
+    k, v = (_states(rng, T=9).to(DEV) for _ in range(2))
+    layer, _ = _layer(rng, "int8-token", (k, v))
+    _grow(layer, k, v, [4, 1, 1, 3])
+    ptr, cap = layer._k.codes.data_ptr(), layer.capacity
+    layer.reset()
+    assert layer.get_seq_length() == 0 and layer.nbytes() == 0
+    with pytest.raises(ValueError, match="empty"):
+        layer.quantized()
+    layer.update(k[:, :, :5], v[:, :, :5])                       # same batch: the old buffers
+    assert layer._k.codes.data_ptr() == ptr and layer.capacity == cap
+    _assert_same(layer.quantized()[0], quantize_kv(k[:, :, :5], layer.scheme))
+    layer.reset()
+    k3 = _states(rng, B=3, T=4).to(DEV)                          # another batch size: new buffers
+    layer.update(k3, k3)
+    _assert_same(layer.quantized()[1], quantize_kv(k3, layer.scheme))
+    with pytest.raises(ValueError, match="batch, KV heads and head_dim must agree"):
+        layer.update(k[:, :, :1], v[:, :, :1])                 # a batch of 2 into a cache of 3
+
+
+def test_nan_state_refused_at_once_on_the_quantize_kv_path(rng):
+    k, v = (_states(rng, T=6) for _ in range(2))
+    layer, _ = _layer(rng, "fp8-token", (k, v), append_kernel=False)
+    layer.update(k[:, :, :5], v[:, :, :5])
+    bad = v[:, :, 5:6].clone()
+    bad[1, 2, 0, 7] = float("nan")
+    with pytest.raises(ValueError, match="layer 0 value states holds 1 NaN/Inf.*batch 1, head 2"):
+        layer.update(k[:, :, 5:6], bad)
+    assert layer.get_seq_length() == 5
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")    # the interpreter's numpy on Inf
+def test_nan_state_on_the_append_kv_path_is_raised_at_the_next_update(rng):
+    k, v = (_states(rng, T=9).to(DEV) for _ in range(2))
+    layer, _ = _layer(rng, "int8-token", (k, v), append_kernel=True)
+    layer.update(k[:, :, :5], v[:, :, :5])
+    layer.update(k[:, :, 5:6], v[:, :, 5:6])
+    bad = k[:, :, 6:7].clone()
+    b, h = int(torch.randint(0, 2, (1,), generator=rng)), int(torch.randint(0, 3, (1,), generator=rng))
+    bad[b, h, 0, 3] = float("inf")
+    layer.update(bad, v[:, :, 6:7])                               # written by the kernel, recorded on the device
+    msg = f"layer 0 key states held NaN/Inf.*batch {b}, head {h}, token 6"
+    with pytest.raises(ValueError, match=msg):
+        layer.check_finite()
+    if DEV == "cuda":
+        torch.cuda.synchronize()                                  # the record's copy to pinned memory has landed
+    with pytest.raises(ValueError, match=msg):
+        layer.update(k[:, :, 7:8], v[:, :, 7:8])
+    layer.crop(-1)                                                # drop the bad token: the record goes with it
+    layer.check_finite()
+    layer.update(k[:, :, 7:8], v[:, :, 7:8])
+    kk = torch.cat([k[:, :, :6], k[:, :, 7:8]], dim=2)
+    _assert_same(layer.quantized()[0], quantize_kv(kk, layer.scheme))
+
+
+@pytest.mark.parametrize("name", ["fp8", "int8-token"])
+def test_generate_with_append_kv_holds_the_quantize_kv_codes(rng, name):
+    # float32 (append_kv takes 16/32-bit states): the two write paths must give the same codes, so
+    # the two generations compute the same values in the same order and agree exactly
+    model = _tiny_llama(rng).float()
+    ids = torch.randint(0, 61, (2, 6), generator=rng)
+    kv = calibrate_kv_cache(model, [torch.randint(0, 61, (2, 12), generator=rng)], name)
+    runs = []
+    for kernel, cap in ((False, None), (True, None), (True, 40)):
+        cache = kv.new_cache(max_cache_len=cap, append_kernel=kernel)
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=9,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        runs.append((gen, cache))
+    (g0, c0) = runs[0]
+    for g, c in runs[1:]:
+        assert torch.equal(g.sequences, g0.sequences)
+        assert all(torch.equal(a, b) for a, b in zip(g.logits, g0.logits))
+        for la, lb in zip(c.layers, c0.layers):
+            for qa, qb in zip(la.quantized(), lb.quantized()):
+                _assert_same(qa, qb)
+    assert runs[2][1].layers[0].capacity == 40 and runs[2][1].nbytes() == c0.nbytes()

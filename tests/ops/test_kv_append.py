@@ -61,3 +61,35 @@ def test_append_refuses_bad_input(rng):
     g = quantize_kv(torch.randn(1, 2, 4, 32, generator=rng), KVScheme.parse("int4-g32"))
     with pytest.raises(ValueError, match="quantize_kv"):
         append_kv(g, torch.randn(1, 2, 1, 32), pos)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")    # the interpreter's numpy on NaN
+@pytest.mark.parametrize("name", ["fp8", "int8-token"])
+def test_append_records_the_first_nan_inf_row(rng, name):
+    # bad[0] becomes min(bad[0], pos * B * H + b * H + h) over rows holding NaN / Inf; clean rows and
+    # clean steps leave it alone, and the codes of the clean rows are still quantize_kv's
+    sch = KVScheme.parse(name)
+    B, H, T, D = 3, 2, 6, 24
+    base = quantize_kv(torch.randn(B, H, T, D, generator=rng), sch, None if sch.dynamic else torch.ones(1, 1, 1, 1))
+    cache = KVQuant(base.codes.clone().to(DEV), base.scale.clone().to(DEV), sch)
+    clean = torch.iinfo(torch.int64).max
+    bad = torch.full((2,), clean, dtype=torch.int64, device=DEV)
+    x = _states(rng, B, H, D, torch.float32)
+    append_kv(cache, x.to(DEV), torch.tensor([1], device=DEV), bad[1:])
+    assert bad.tolist() == [clean, clean]
+    rows = torch.randperm(B * H, generator=rng)[:2].tolist()
+    y = _states(rng, B, H, D, torch.float32)
+    for r, val in zip(rows, (float("nan"), float("-inf"))):
+        y[r // H, r % H, 0, int(torch.randint(0, D, (1,), generator=rng))] = val
+    pos = int(torch.randint(2, T, (1,), generator=rng))
+    append_kv(cache, y.to(DEV), torch.tensor([pos], device=DEV), bad[1:])
+    assert bad.tolist() == [clean, pos * B * H + min(rows)]
+    ok = [r for r in range(B * H) if r not in rows]
+    want = quantize_kv(y.reshape(B * H, 1, 1, D)[ok].reshape(1, len(ok), 1, D), sch,
+                       None if sch.dynamic else torch.ones(1, 1, 1, 1))
+    got = cache.codes.cpu()[:, :, pos].reshape(B * H, D)[ok]
+    assert torch.equal(got, want.codes.reshape(len(ok), D))
+    append_kv(cache, x.to(DEV), torch.tensor([0], device=DEV), bad[1:])      # a clean step, even at an earlier
+    assert bad.tolist() == [clean, pos * B * H + min(rows)]                   # position, keeps the record
+    with pytest.raises(TypeError, match="bad must be an int64"):
+        append_kv(cache, x.to(DEV), torch.tensor([0], device=DEV), bad.to(torch.int32))

@@ -5,8 +5,11 @@
     logits = model(ids, **{cache_kwarg(model): kv.new_cache()}).logits   # 5.x: cache=, 4.x: past_key_values=
 
 Each layer stores its keys and values as lowbit.ops.kv_quant.KVQuant (codes and scales; the
-arithmetic is lowbit.quantize's). `update` quantizes the new states, appends them, and returns
-the whole cache dequantized in the states' dtype, so any attention implementation reads the
+arithmetic is lowbit.quantize's) in preallocated buffers: they grow by doubling (amortized O(1)
+copies per token, where appending by concatenation copied the whole cache every step), or hold
+max_cache_len tokens from the first write (kv.new_cache(max_cache_len=N); an update past N raises).
+`update` quantizes the new states, writes them in place after the cached tokens, and returns
+the filled tokens dequantized in the states' dtype, so any attention implementation reads the
 values the cache holds (exactly in a float32 model; a bf16 model rounds them to bf16, as its own
 attention would); lowbit.ops.attention reads the codes directly (`layer.quantized()`).
 Prefill states are quantized too (unlike transformers' Fp8QuantizedLayer, which attends the first
@@ -18,10 +21,21 @@ makes every attention module compute lowbit.ops.attention (Q per token and head,
 block), O in fp32 across the online-softmax rescales) on the keys and values its cache returns.
 Causal masks only: a padding mask is refused (NotImplementedError), never ignored.
 
-Refused: NaN/Inf states (a clear error naming the layer, batch, head, token), a static scheme
-without calibrated scales, scales whose shape disagrees with the scheme (a per-tensor scale where
-per-head was declared) or with the model's KV heads, and a quantized cache handed to a model whose
-attached quantization (its kv_cache_scheme and k_scale / v_scale) is another.
+Writes: a CUDA decode step (one token) of an fp8 / int8 cache with scales per tensor, head or token
+goes through lowbit.ops.triton.kv_append.append_kv (one launch per tensor, the position a device
+tensor); every other write (CPU, prefill chunks, int4, group scales, float64 states) through
+quantize_kv, its codes copied into the buffers. Both give the same codes bit for bit.
+
+Refused: NaN/Inf states (a clear error naming the layer, batch, head, token). quantize_kv refuses
+them before writing. append_kv cannot without syncing the host every step, so it records the first
+bad (token, batch, head) on the device as it writes; the layer copies that record to pinned host
+memory asynchronously and raises the same error at its next update (one step late: the bad step's
+attention has run, its codes are stored), at batch_repeat_interleave / batch_select_indices, or
+when asked (LowbitKVCache.check_finite(), one sync); crop and reset drop records of removed tokens.
+Also refused: a static scheme without calibrated scales, scales whose shape disagrees with the
+scheme (a per-tensor scale where per-head was declared) or with the model's KV heads, and a
+quantized cache handed to a model whose attached quantization (its kv_cache_scheme and k_scale /
+v_scale) is another.
 """
 from __future__ import annotations
 
@@ -36,7 +50,9 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from lowbit.ops import attention_reference as ar
 from lowbit.ops.attention import attention
-from lowbit.ops.kv_quant import KVQuant, KVScheme, cat_tokens, observe_amax, quantize_kv, static_scale
+from lowbit.ops.dispatch import have_triton
+from lowbit.ops.kv_quant import (KVQuant, KVScheme, alloc_tokens, observe_amax, quantize_kv, static_scale,
+                                 write_tokens)
 
 
 @dataclass
@@ -61,8 +77,11 @@ class KVCacheQuant:
                 raise ValueError(f"KVCacheQuant: {self.scheme} is static and needs {name} for all {self.num_layers} "
                                  "layers (calibrate_kv_cache computes them)")
 
-    def new_cache(self) -> "LowbitKVCache":
-        return LowbitKVCache(self)
+    def new_cache(self, max_cache_len: int | None = None, append_kernel: bool | None = None) -> "LowbitKVCache":
+        """An empty cache. max_cache_len: tokens each layer's buffers hold from the first write
+        (a static preallocation; an update past it raises); None: buffers grow by doubling.
+        append_kernel: LowbitKVLayer's (None: append_kv for CUDA decode steps)."""
+        return LowbitKVCache(self, max_cache_len=max_cache_len, append_kernel=append_kernel)
 
     def same_as(self, other: "KVCacheQuant") -> bool:
         """The same scheme, layer count and (static) scale values."""
@@ -82,73 +101,220 @@ class KVCacheQuant:
         return self.k_scales[i], self.v_scales[i]
 
 
+_CLEAN = torch.iinfo(torch.int64).max        # append_kv's NaN/Inf record before anything is found
+_KERNEL_FORMATS = ("fp8_e4m3fn", "int8")     # what append_kv writes (with scales per tensor, head or token)
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 class LowbitKVLayer(DynamicLayer):
-    """One layer's quantized keys and values (see module docstring)."""
+    """One layer's quantized keys and values (see module docstring), in buffers of `capacity`
+    tokens that grow by doubling (or hold max_cache_len tokens from the first write); the first
+    `cumulative_length` tokens are filled. append_kernel: None uses append_kv for CUDA decode
+    steps; True / False force it on / off (True on CPU needs the Triton interpreter).
+    get_max_length stays DynamicLayer's -1 with max_cache_len too: update returns the filled tokens,
+    never max_cache_len of them, and callers size masks by get_max_length when it is set."""
 
     is_croppable = True
 
     def __init__(self, scheme: KVScheme, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                 layer_idx: int | None = None):
+                 layer_idx: int | None = None, max_cache_len: int | None = None, append_kernel: bool | None = None):
         super().__init__()
+        if max_cache_len is not None and (isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int)
+                                          or max_cache_len < 1):
+            raise ValueError(f"max_cache_len must be a positive int (tokens) or None (grow as needed), "
+                             f"got {max_cache_len!r}")
         self.scheme, self.k_scale, self.v_scale, self.layer_idx = scheme, k_scale, v_scale, layer_idx
-        self.qk: KVQuant | None = None
-        self.qv: KVQuant | None = None
+        self.max_cache_len, self.append_kernel = max_cache_len, append_kernel
+        self._k: KVQuant | None = None             # the buffers, all `capacity` tokens
+        self._v: KVQuant | None = None
+        self._pos: torch.Tensor | None = None      # int32 [1] on the device: append_kv's write position
+        self._pos_at = -1                          # the value _pos holds (host copy; -1: unknown)
+        self._bad: torch.Tensor | None = None      # int64 [2]: append_kv's NaN/Inf record for K, V
+        self._bad_host: torch.Tensor | None = None  # its asynchronous copy in pinned host memory (CUDA)
         self.cumulative_length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
         self.is_initialized = True
 
+    @property
+    def capacity(self) -> int:
+        return 0 if self._k is None else self._k.codes.shape[2]
+
+    def _where(self) -> str:
+        return f"layer {self.layer_idx} " if self.layer_idx is not None else ""
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        where = f"layer {self.layer_idx} " if self.layer_idx is not None else ""
-        kq = quantize_kv(key_states, self.scheme, self._scale(self.k_scale, key_states), name=f"{where}key states")
-        vq = quantize_kv(value_states, self.scheme, self._scale(self.v_scale, value_states),
-                         name=f"{where}value states")
-        self.qk, self.qv = cat_tokens(self.qk, kq), cat_tokens(self.qv, vq)
-        self.cumulative_length += key_states.shape[-2]
-        return self.qk.dequantize(key_states.dtype), self.qv.dequantize(value_states.dtype)
+        self._raise_if_bad(self._bad_host)           # an earlier kernel-written step's record, read without a sync
+        if self._kernel_step(key_states, value_states):
+            self._append_kernel(key_states, value_states)
+        else:
+            where = self._where()
+            kq = quantize_kv(key_states, self.scheme, self._scale(self.k_scale, key_states),
+                             name=f"{where}key states")
+            vq = quantize_kv(value_states, self.scheme, self._scale(self.v_scale, value_states),
+                             name=f"{where}value states")
+            n = self.cumulative_length
+            self._reserve(n + key_states.shape[-2], kq, vq)
+            write_tokens(self._k, kq, n)
+            write_tokens(self._v, vq, n)
+            self.cumulative_length = n + key_states.shape[-2]
+        qk, qv = self.quantized()
+        return qk.dequantize(key_states.dtype), qv.dequantize(value_states.dtype)
+
+    def _kernel_step(self, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """append_kv writes this step: one token of fp8 / int8 states per tensor / head / token,
+        into buffers that already exist (the first write takes quantize_kv) and fit the states."""
+        use = (k.is_cuda and have_triton()) if self.append_kernel is None else self.append_kernel
+        if not use or self._k is None or k.dim() != 4 or k.shape[2] != 1 or v.shape != k.shape:
+            return False
+        if self.scheme.format not in _KERNEL_FORMATS or self.scheme.granularity == "group":
+            return False
+        if k.dtype not in _KERNEL_DTYPES or v.dtype not in _KERNEL_DTYPES:
+            return False
+        B, H, _, D = self._k.codes.shape
+        return (k.shape[0], k.shape[1], k.shape[3]) == (B, H, D) and self._k.codes.device == k.device
+
+    def _append_kernel(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        from lowbit.ops.triton.kv_append import append_kv    # triton is an optional dependency
+        n = self.cumulative_length
+        self._reserve(n + 1)
+        dev = k.device
+        if self._pos is None or self._pos.device != dev:
+            self._pos, self._pos_at = torch.zeros(1, dtype=torch.int32, device=dev), 0
+        if self._pos_at != n:                          # after a quantize_kv write, crop or reset
+            self._pos.fill_(n)
+        if self._bad is None or self._bad.device != dev:
+            self._bad = torch.full((2,), _CLEAN, dtype=torch.int64, device=dev)
+            self._bad_host = torch.full((2,), _CLEAN, dtype=torch.int64, pin_memory=True) if k.is_cuda else self._bad
+        append_kv(self._k, k, self._pos, self._bad[0:1])
+        append_kv(self._v, v, self._pos, self._bad[1:2])
+        self._pos.add_(1)                              # stays on the device: no host value enters the step
+        self._pos_at = n + 1
+        if self._bad_host is not self._bad:
+            self._bad_host.copy_(self._bad, non_blocking=True)
+        self.cumulative_length = n + 1
+
+    def _reserve(self, tokens: int, kq: KVQuant | None = None, vq: KVQuant | None = None) -> None:
+        """Buffers that hold `tokens` tokens: the same ones when they do, else new ones of
+        max_cache_len tokens or of max(tokens, 2 * capacity) (amortized O(1) copies per token),
+        the filled prefix copied over. kq / vq (new quantized states) are the template of a first
+        allocation, or of a new one when an empty cache meets another batch / head / dim / device."""
+        if self.max_cache_len is not None and tokens > self.max_cache_len:
+            raise ValueError(f"{self._where()}KV cache: max_cache_len={self.max_cache_len} tokens, and this update "
+                             f"would make {tokens} ({self.cumulative_length} cached + "
+                             f"{tokens - self.cumulative_length} new): build the cache with a larger max_cache_len "
+                             "(KVCacheQuant.new_cache(max_cache_len=...)) or with None to let it grow")
+        if self._k is not None and kq is not None and self.cumulative_length == 0 and not self._fits(kq):
+            self._k = self._v = None                   # reset, then another batch: the old buffers do not fit
+        if self._k is not None and tokens <= self.capacity:
+            return
+        cap = self.max_cache_len if self.max_cache_len is not None else max(tokens, 2 * self.capacity)
+        n = self.cumulative_length
+        for name, like in (("_k", kq), ("_v", vq)):
+            old = getattr(self, name)
+            new = alloc_tokens(like if old is None else old, cap)
+            if old is not None and n:
+                write_tokens(new, old.select_tokens(slice(0, n)), 0)
+            setattr(self, name, new)
+
+    def _fits(self, q: KVQuant) -> bool:
+        B, H, _, Dc = self._k.codes.shape
+        return (q.codes.shape[0], q.codes.shape[1], q.codes.shape[3]) == (B, H, Dc) and \
+            q.codes.device == self._k.codes.device and q.codes.dtype == self._k.codes.dtype
 
     def _scale(self, s, like):
         return None if s is None else s.to(like.device)
 
+    def _raise_if_bad(self, record: torch.Tensor | None) -> None:
+        """Raise quantize_kv's NaN/Inf refusal for a kernel-written token that append_kv recorded."""
+        if record is None:
+            return
+        found = record.tolist()
+        if found[0] == _CLEAN and found[1] == _CLEAN:
+            return
+        B, H = self._k.codes.shape[:2]
+        side, first = ("key", found[0]) if found[0] <= found[1] else ("value", found[1])
+        t, row = divmod(first, B * H)
+        raise ValueError(f"{self._where()}{side} states held NaN/Inf value(s), first at batch {row // H}, head "
+                         f"{row % H}, token {t}: a quantized cache cannot store them (and one would poison a shared "
+                         "scale); fix the model's activations before caching (found by append_kv's device-side "
+                         "check of a decode step; crop or reset the cache to drop the token)")
+
+    def check_finite(self) -> None:
+        """Raise if a kernel-written step held NaN/Inf (reads the device record: one host sync)."""
+        self._raise_if_bad(self._bad)
+
+    def _forget_bad(self, from_token: int) -> None:
+        """Clear records of tokens >= from_token (crop, reset removed them)."""
+        if self._bad is None:
+            return
+        B, H = self._k.codes.shape[:2]
+        gone = self._bad >= from_token * B * H
+        self._bad.masked_fill_(gone, _CLEAN)
+        if self._bad_host is not self._bad:
+            self._bad_host.copy_(self._bad)            # synchronous: the next update must not see the old record
+
     def quantized(self) -> tuple[KVQuant, KVQuant]:
-        """The cache as stored (what lowbit.ops.attention and the Triton kernel read)."""
-        if self.qk is None:
+        """The cache as stored (what lowbit.ops.attention and the Triton kernel read): views of the
+        filled tokens of the buffers (token stride capacity * D, not T * D)."""
+        if self._k is None or self.cumulative_length == 0:
             raise ValueError("the cache layer is empty: run a forward pass first")
-        return self.qk, self.qv
+        keep = slice(0, self.cumulative_length)
+        return self._k.select_tokens(keep), self._v.select_tokens(keep)
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
 
     def nbytes(self) -> int:
-        return 0 if self.qk is None else self.qk.nbytes() + self.qv.nbytes()
+        """Bytes of the filled tokens (codes + scales): what the cache holds, as a contiguous cache
+        would store it; capacity_nbytes() is what the buffers take."""
+        if self._k is None or self.cumulative_length == 0:
+            return 0
+        qk, qv = self.quantized()
+        return qk.nbytes() + qv.nbytes()
+
+    def capacity_nbytes(self) -> int:
+        """Bytes the buffers take (all `capacity` tokens, filled or not)."""
+        return 0 if self._k is None else self._k.nbytes() + self._v.nbytes()
 
     def reset(self) -> None:
-        self.qk = self.qv = None
+        """Empty the cache; the buffers are kept for the next generation (a batch, head count or
+        head_dim that differs makes new ones at the first write)."""
+        self._forget_bad(0)
         self.cumulative_length = 0
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError("crop takes a negative number: the tokens to remove from the end")
-        if tokens_to_remove == 0 or self.qk is None:
+        if tokens_to_remove == 0 or self._k is None:
             return
-        keep = slice(0, self.cumulative_length + tokens_to_remove)
-        self.qk, self.qv = self.qk.select_tokens(keep), self.qv.select_tokens(keep)
-        self.cumulative_length += tokens_to_remove
+        self.cumulative_length = max(0, self.cumulative_length + tokens_to_remove)
+        self._forget_bad(self.cumulative_length)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: rows of the filled tokens reordered in place (the buffers stay where they are)."""
+        n = self.cumulative_length
+        if self._k is None or n == 0:
+            return
+        for q in (self._k, self._v):
+            idx = beam_idx.to(q.codes.device)
+            q.codes[:, :, :n] = q.codes[:, :, :n].index_select(0, idx)
+            if q.scheme.dynamic:
+                q.scale[:, :, :n] = q.scale[:, :, :n].index_select(0, idx)
 
     def _map_batch(self, fn) -> None:
-        if self.qk is None:
+        """fn applied to the batch axis of the whole buffers (codes, dynamic scales)."""
+        if self._k is None:
             return
-        for name in ("qk", "qv"):
+        self.check_finite()                            # a record's (batch, head) is read against the old batch
+        for name in ("_k", "_v"):
             t = getattr(self, name)
             scale = fn(t.scale) if t.scheme.dynamic else t.scale
             setattr(self, name, KVQuant(fn(t.codes), scale, t.scheme))
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
@@ -156,24 +322,43 @@ class LowbitKVLayer(DynamicLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._map_batch(lambda t: t[indices])
 
+    def _move(self, device) -> None:
+        for name in ("_k", "_v"):
+            t = getattr(self, name)
+            scale = t.scale.to(device, non_blocking=True)
+            setattr(self, name, KVQuant(t.codes.to(device, non_blocking=True), scale, t.scheme))
+
     def offload(self):
-        self._map_batch(lambda t: t.to("cpu", non_blocking=True))
+        if self._k is not None:
+            self._move("cpu")
 
     def prefetch(self):
-        if self.qk is not None and self.qk.codes.device != self.device:
-            self._map_batch(lambda t: t.to(self.device, non_blocking=True))
+        if self._k is not None and self._k.codes.device != self.device:
+            self._move(self.device)
 
 
 class LowbitKVCache(Cache):
-    """A transformers Cache of LowbitKVLayer, one per decoder layer."""
+    """A transformers Cache of LowbitKVLayer, one per decoder layer (max_cache_len, append_kernel:
+    LowbitKVLayer's)."""
 
-    def __init__(self, quant: KVCacheQuant):
-        layers = [LowbitKVLayer(quant.scheme, *quant.layer_scales(i), layer_idx=i) for i in range(quant.num_layers)]
+    def __init__(self, quant: KVCacheQuant, max_cache_len: int | None = None, append_kernel: bool | None = None):
+        layers = [LowbitKVLayer(quant.scheme, *quant.layer_scales(i), layer_idx=i, max_cache_len=max_cache_len,
+                                append_kernel=append_kernel) for i in range(quant.num_layers)]
         super().__init__(layers=layers)
-        self.quant = quant
+        self.quant, self.max_cache_len = quant, max_cache_len
 
     def nbytes(self) -> int:
+        """Bytes of the cached tokens' codes and scales, over all layers (LowbitKVLayer.nbytes)."""
         return sum(layer.nbytes() for layer in self.layers)
+
+    def capacity_nbytes(self) -> int:
+        """Bytes the layers' buffers take, filled or not."""
+        return sum(layer.capacity_nbytes() for layer in self.layers)
+
+    def check_finite(self) -> None:
+        """Raise if a kernel-written decode step stored NaN/Inf states (one host sync per layer)."""
+        for layer in self.layers:
+            layer.check_finite()
 
 
 class _ObserverLayer(DynamicLayer):

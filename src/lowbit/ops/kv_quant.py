@@ -294,16 +294,35 @@ def _stored(codes: torch.Tensor, scheme: KVScheme) -> torch.Tensor:
     return pack_int4(codes) if scheme.fmt.bits == 4 else codes
 
 
-def cat_tokens(a: KVQuant | None, b: KVQuant) -> KVQuant:
-    """a followed by b along the token axis (static scales must be the same tensor values)."""
-    if a is None:
-        return b
-    if a.scheme != b.scheme:
-        raise ValueError(f"cannot append {b.scheme} states to a {a.scheme} cache")
-    if a.codes.dtype != b.codes.dtype:
-        raise ValueError(f"cannot append {b.codes.dtype} codes to a cache holding {a.codes.dtype} codes "
+def alloc_tokens(like: KVQuant, capacity: int) -> KVQuant:
+    """A zeroed cache for `capacity` tokens with like's batch, heads, head_dim, scheme, code layout
+    and device (static scales: like's, shared). Positions not yet written hold code 0 and (dynamic)
+    scale 0, so a kernel that reads past the filled tokens under a mask reads zeros, never NaN."""
+    B, H, _, Dc = like.codes.shape
+    codes = torch.zeros(B, H, capacity, Dc, dtype=like.codes.dtype, device=like.codes.device)
+    if like.scheme.dynamic:
+        scale = torch.zeros(B, H, capacity, like.scale.shape[-1], dtype=torch.float32, device=like.scale.device)
+    else:
+        scale = like.scale
+    return KVQuant(codes, scale, like.scheme)
+
+
+def write_tokens(cache: KVQuant, new: KVQuant, start: int) -> None:
+    """Copy new's codes (and dynamic scales) into cache's token positions [start, start + T) in
+    place: the append of a preallocated cache (lowbit.nn.kv_cache). A static scheme's scale is the
+    cache's: new must have been quantized with it (not checked: that would read the device)."""
+    if cache.scheme != new.scheme:
+        raise ValueError(f"cannot append {new.scheme} states to a {cache.scheme} cache")
+    if cache.codes.dtype != new.codes.dtype:
+        raise ValueError(f"cannot append {new.codes.dtype} codes to a cache holding {cache.codes.dtype} codes "
                          "(int4: append packed codes to packed ones)")
-    codes = torch.cat([a.codes, b.codes], dim=2)
-    if a.scheme.dynamic:
-        return KVQuant(codes, torch.cat([a.scale, b.scale], dim=2), a.scheme)
-    return KVQuant(codes, a.scale, a.scheme)
+    B, H, cap, Dc = cache.codes.shape
+    b, h, T, dc = new.codes.shape
+    if (b, h, dc) != (B, H, Dc):
+        raise ValueError(f"cannot append states of shape {new.shape} to a cache of shape {cache.shape}: batch, "
+                         "KV heads and head_dim must agree (reset the cache, or reorder / select its batch first)")
+    if not 0 <= start <= cap - T:
+        raise ValueError(f"tokens [{start}, {start + T}) do not fit a cache of capacity {cap}")
+    cache.codes[:, :, start:start + T].copy_(new.codes)
+    if cache.scheme.dynamic:
+        cache.scale[:, :, start:start + T].copy_(new.scale)

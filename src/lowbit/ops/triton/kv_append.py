@@ -21,9 +21,9 @@ _FMT = {"int8": (0, 127.0), "fp8_e4m3fn": (1, 448.0)}   # fused_quant's element-
 
 
 @triton.jit
-def _append_kernel(x_ptr, c_ptr, s_ptr, pos_ptr, H, D, sx_b, sx_h, sx_d, sc_b, sc_h, sc_t, sc_d, ss_h, ss_t,
-                   FMT: tl.constexpr, QMAX: tl.constexpr, DYNAMIC: tl.constexpr, FAST: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
+def _append_kernel(x_ptr, c_ptr, s_ptr, pos_ptr, bad_ptr, H, D, sx_b, sx_h, sx_d, sc_b, sc_h, sc_t, sc_d, ss_h,
+                   ss_t, FMT: tl.constexpr, QMAX: tl.constexpr, DYNAMIC: tl.constexpr, FAST: tl.constexpr,
+                   CHECK: tl.constexpr, BLOCK_D: tl.constexpr):
     r = tl.program_id(0)                       # one (batch, head) row of D values
     b = r // H
     h = r % H
@@ -32,6 +32,9 @@ def _append_kernel(x_ptr, c_ptr, s_ptr, pos_ptr, H, D, sx_b, sx_h, sx_d, sc_b, s
     ok = offs < D
     y = tl.load(x_ptr + b * sx_b + h * sx_h + offs * sx_d, mask=ok, other=0.0).to(tl.float32)[None, :]
     one = tl.arange(0, 1)
+    if CHECK:                                  # |y| <= FLT_MAX is false exactly for NaN and +-Inf
+        bad = tl.max(tl.where(tl.abs(y) <= 3.4028234663852886e38, 0, 1), axis=1)
+        tl.atomic_min(bad_ptr + one, t * tl.num_programs(0) + r, mask=bad != 0)
     if DYNAMIC:                                # per (token, head): this row's absmax
         s, _ = _group_scales(tl.max(tl.abs(y), axis=1), s_ptr, 0, 0, QMAX, 0, 0, 0)
         tl.store(s_ptr + r * ss_h + t * ss_t + one, s)
@@ -43,12 +46,17 @@ def _append_kernel(x_ptr, c_ptr, s_ptr, pos_ptr, H, D, sx_b, sx_h, sx_d, sc_b, s
     tl.store(c_ptr + b * sc_b + h * sc_h + t * sc_t + offs[None, :] * sc_d, codes, mask=ok[None, :])
 
 
-def append_kv(cache: KVQuant, x: torch.Tensor, pos: torch.Tensor) -> None:
+def append_kv(cache: KVQuant, x: torch.Tensor, pos: torch.Tensor, bad: torch.Tensor | None = None) -> None:
     """Quantize x [B, H, 1, D] (bf16 / fp16 / fp32) into cache (KVQuant [B, H, T, D], fp8 e4m3 or
     int8, scales per tensor, head or token) at token position pos (an int32 / int64 tensor of one
     element on x's device; 0 <= pos < T is the caller's promise: it is not read on the host), in
-    place. Dynamic schemes also write the scale at [:, :, pos]. NaN/Inf in x is not checked here
-    (the check would sync the host): quantize_kv is the checked path."""
+    place. Dynamic schemes also write the scale at [:, :, pos].
+
+    NaN/Inf in x is not refused here (a refusal would sync the host every step; quantize_kv is the
+    path that raises). With `bad` (an int64 tensor on x's device, set beforehand to a value above
+    every row index, e.g. torch.iinfo(torch.int64).max) the kernel records, with no extra launch,
+    min(bad[0], pos * B * H + b * H + h) over the (batch b, head h) rows of x holding a NaN/Inf;
+    the caller reads it when it may sync (lowbit.nn.kv_cache does)."""
     sch = cache.scheme
     if sch.format not in _FMT or sch.granularity == "group":
         raise ValueError(f"append_kv writes fp8 / int8 caches with scales per tensor, head or token, not {sch}; "
@@ -63,6 +71,9 @@ def append_kv(cache: KVQuant, x: torch.Tensor, pos: torch.Tensor) -> None:
     if not isinstance(pos, torch.Tensor) or pos.numel() != 1 or pos.dtype not in (torch.int32, torch.int64):
         raise TypeError("pos must be an int32 / int64 tensor of one element on the cache's device (a device "
                         "scalar keeps the step graph-replayable)")
+    if bad is not None and (not isinstance(bad, torch.Tensor) or bad.dtype != torch.int64 or bad.numel() < 1
+                            or bad.device != x.device):
+        raise TypeError("bad must be an int64 tensor of at least one element on x's device (or None)")
     for name, t in (("x", x), ("cache.codes", cache.codes), ("cache.scale", cache.scale), ("pos", pos)):
         check_device(name, t)
     fmt, qmax = _FMT[sch.format]
@@ -74,6 +85,7 @@ def append_kv(cache: KVQuant, x: torch.Tensor, pos: torch.Tensor) -> None:
     else:                                                     # [1, 1, 1, 1] or [1, H, 1, 1]
         ss_h, ss_t = (0 if s.shape[1] == 1 else s.stride(1)), 0
     c = cache.codes
-    launch(_append_kernel, (B * H,), x, c, s, pos, H, D, x.stride(0), x.stride(1), x.stride(3),
-           c.stride(0), c.stride(1), c.stride(2), c.stride(3), ss_h, ss_t,
-           FMT=fmt, QMAX=qmax, DYNAMIC=sch.dynamic, FAST=not interpreting(), BLOCK_D=triton.next_power_of_2(D), num_warps=1)
+    launch(_append_kernel, (B * H,), x, c, s, pos, pos if bad is None else bad, H, D,
+           x.stride(0), x.stride(1), x.stride(3), c.stride(0), c.stride(1), c.stride(2), c.stride(3), ss_h, ss_t,
+           FMT=fmt, QMAX=qmax, DYNAMIC=sch.dynamic, FAST=not interpreting(), CHECK=bad is not None,
+           BLOCK_D=triton.next_power_of_2(D), num_warps=1)
