@@ -15,6 +15,7 @@ only: the embedding, 1 GB for a 128k x 4096 bf16 table, is never read whole).
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -108,24 +109,48 @@ class Piece:
     fdtype: torch.dtype
 
 
-def plan(module: torch.nn.Module, prefix: str, ckpt: Checkpoint, world: int) -> list[Piece]:
-    """Every rank's pieces of `module`'s parameters (the same list on every rank: the order of
-    the broadcasts). Raises when a checkpoint tensor's shape is not the parameter's."""
+def tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What the loader fills of `module`: its parameters and its persistent buffers (those a
+    checkpoint stores, e.g. DeepSeek-V3's router e_score_correction_bias), by name."""
+    out = dict(module.named_parameters())
+    for k, b in module.named_buffers():
+        owner, _, leaf = k.rpartition(".")
+        if leaf not in (module.get_submodule(owner) if owner else module)._non_persistent_buffers_set:
+            out[k] = b
+    return out
+
+
+def plan(module: torch.nn.Module, prefix: str, ckpt: Checkpoint, world: int, sources=None) -> list[Piece]:
+    """Every rank's pieces of `module`'s parameters and persistent buffers (the same list on
+    every rank: the order of the broadcasts). sources(name, shape): the checkpoint tensors
+    (name, shape) whose concatenation, each flattened, is the tensor `name` of the model
+    (e.g. a fused MoE experts weight from its per-expert tensors: lowbit.archs.experts.
+    checkpoint_sources); default: the tensor of that name alone. Raises when a checkpoint
+    tensor's shape is not the one expected."""
     params, total = [], 0
-    for k, p in module.named_parameters():
-        path, offset, fdtype, shape = ckpt.span(prefix + k)
-        if tuple(shape) != tuple(p.shape):
-            raise ValueError(f"{prefix + k}: checkpoint shape {tuple(shape)}, config.json's model {tuple(p.shape)}")
-        params.append((k, total, p.numel(), path, offset, fdtype))
-        total += p.numel()
+    for k, p in tensors(module).items():
+        srcs = [(prefix + k, tuple(p.shape))] if sources is None else sources(prefix + k, tuple(p.shape))
+        if sum(math.prod(s) for _, s in srcs) != p.numel():
+            raise ValueError(f"{prefix + k}: its checkpoint tensors {[n for n, _ in srcs][:3]} hold "
+                             f"{sum(math.prod(s) for _, s in srcs)} elements, the parameter {p.numel()}")
+        at = total
+        for name, want in srcs:
+            path, offset, fdtype, shape = ckpt.span(name)
+            if tuple(shape) != tuple(want):
+                raise ValueError(f"{name}: checkpoint shape {tuple(shape)}, config.json's model needs {tuple(want)}"
+                                 + ("" if name == prefix + k else f" (a part of {prefix + k} {tuple(p.shape)})"))
+            params.append((k, at, math.prod(want), path, offset, fdtype, at - total))
+            at += math.prod(want)
+        total = at
     pieces = []
     for r in range(world):
         lo, hi = distributed.share(total, world, r)
-        for k, start, n, path, offset, fdtype in params:
+        for k, start, n, path, offset, fdtype, within in params:
             a, b = max(lo, start), min(hi, start + n)
             if a < b:
                 esz = torch.empty((), dtype=fdtype).element_size()
-                pieces.append(Piece(k, a - start, b - start, r, path, offset + (a - start) * esz, fdtype))
+                pieces.append(Piece(k, within + a - start, within + b - start, r, path,
+                                    offset + (a - start) * esz, fdtype))
     return pieces
 
 
@@ -163,9 +188,9 @@ def read_pieces(pieces: list[Piece], ckpt: Checkpoint, dtype: torch.dtype, pool:
 
 
 def fill(module: torch.nn.Module, pieces: list[Piece], mine: list[tuple[Piece, torch.Tensor]]) -> None:
-    """Write this rank's pieces into `module`'s (allocated) parameters and broadcast every
+    """Write this rank's pieces into `module`'s (allocated) parameters and persistent buffers and broadcast every
     piece from its reader, in the order of `pieces` (a collective: every rank calls it)."""
-    params = dict(module.named_parameters())
+    params = tensors(module)
     with torch.no_grad():
         for p, t in mine:
             flat = params[p.param].data.view(-1)
