@@ -26,6 +26,9 @@ from pathlib import Path
 import torch
 
 from lowbit.algorithms import distributed
+from lowbit.archs.experts import checkpoint_sources
+from lowbit.io.st_format import CheckpointError
+from lowbit.pipelines import moe_checkpoint as MC
 # Bytes per ranged read; the reads of one layer run on READ_THREADS threads (a page-cache read
 # is a memory copy by the kernel: several run at once; the GIL is released while they run).
 READ_CHUNK = 32 << 20
@@ -118,6 +121,41 @@ def tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
         if leaf not in (module.get_submodule(owner) if owner else module)._non_persistent_buffers_set:
             out[k] = b
     return out
+
+
+def model_sources(model: torch.nn.Module, ckpt: Checkpoint):
+    """plan's `sources` for the layers of `model` (a transformers model, e.g. on the meta device)
+    stored in `ckpt`: a tensor the checkpoint holds under the model's name is read by that name;
+    a fused MoE experts weight (lowbit.archs.experts), which transformers 5 saves one tensor per
+    expert and projection, from those tensors (checkpoint_sources: its conversion read
+    backwards); any other tensor under the family's checkpoint name for its block (Mixtral's
+    ``block_sparse_moe`` for ``mlp``: lowbit.pipelines.moe_checkpoint.renames). An experts weight
+    found under neither layout raises CheckpointError naming the module and its family."""
+    sites = MC.experts_sites(model)
+    table = MC.renames(sites)
+
+    def sources(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+        if name in ckpt.files:
+            return [(name, shape)]
+        mod, _, attr = name.rpartition(".")
+        site = sites.get(mod)
+        if site is not None and attr in site.spec.weights:
+            fam = site.spec.family
+            try:
+                srcs = checkpoint_sources(site.spec, site.ckpt, attr, shape)
+            except ValueError as err:
+                raise CheckpointError(f"{mod} ({fam} experts): {err}") from err
+            missing = [n for n, _ in srcs or () if n not in ckpt.files]
+            if srcs is None or missing:
+                raise CheckpointError(
+                    f"{mod} ({fam} experts): the checkpoint holds neither the fused {name} "
+                    + ("" if srcs is None else f"nor the per-expert tensors of transformers' {fam} checkpoints "
+                       f"({srcs[0][0]}, ...: {len(missing)} of {len(srcs)} missing, e.g. {missing[0]})")
+                    + "; the layer loader cannot map this layout: load the model whole (quantize_model + "
+                    "save_compressed) or convert the checkpoint with transformers' save_pretrained")
+            return srcs
+        return [(MC.rename(name, table), shape)]
+    return sources
 
 
 def plan(module: torch.nn.Module, prefix: str, ckpt: Checkpoint, world: int, sources=None) -> list[Piece]:

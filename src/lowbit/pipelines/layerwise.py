@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 from lowbit.algorithms import distributed
-from lowbit.archs.experts import checkpoint_sources, find_experts
+from lowbit.archs.experts import find_experts
 
 
 # The MoE families whose layers this path quantizes: per-expert checkpoint names it maps
@@ -309,7 +309,6 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     from lowbit.algorithms.sequential import capture_block_inputs, run_stage
     from lowbit.algorithms.smoothquant import fold_from_stats, fold_plan
     from lowbit.archs.decoders import decoder_for
-    from lowbit.io.st_format import CheckpointError
     from lowbit.pipelines import moe_checkpoint as MC
     from lowbit.pipelines.checkpoint import describe_qtensor
     from lowbit.pipelines.moe import build_experts, router_names, swap_in
@@ -443,30 +442,8 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     world = distributed.world_size()
     ckpt = layer_loader.Checkpoint(in_dir)
 
-    def sources(name, shape):
-        """The checkpoint tensors of the model's tensor `name` (layer_loader.plan): its own name
-        when the checkpoint has it, a fused experts weight from its per-expert tensors, the rest
-        under the family's block name."""
-        if name in ckpt.files:
-            return [(name, shape)]
-        mod, _, attr = name.rpartition(".")
-        site = sites.get(mod)
-        if site is not None and attr in site.spec.weights:
-            try:
-                srcs = checkpoint_sources(site.spec, site.ckpt, attr, shape)
-            except ValueError as err:
-                raise CheckpointError(f"{in_dir}: {err}") from err
-            missing = [n for n, _ in srcs or () if n not in ckpt.files]
-            if srcs is None or missing:
-                raise CheckpointError(
-                    f"{in_dir}: {mod} ({site.spec.family} experts): the checkpoint holds neither the fused {name} "
-                    + ("" if srcs is None else f"nor the per-expert tensors the {site.spec.family} checkpoints of "
-                       f"transformers name ({srcs[0][0]}, ...; {len(missing)} missing, e.g. {missing[0]})")
-                    + "; layer-by-layer quantization cannot map this layout: load the model whole "
-                    "(quantize_model + save_compressed)")
-            return srcs
-        return [(MC.rename(name, renamed), shape)]
     try:                                 # every layer's tensors found, with the shapes config.json's model has
+        sources = layer_loader.model_sources(model, ckpt)
         plans = [layer_loader.plan(blist[i], f"{bname}.{i}.", ckpt, world, sources) for i in range(len(blist))]
     except BaseException:
         ckpt.close()
@@ -690,6 +667,11 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
         for fut in (*written, rested):
             if fut is not None:
                 fut.result()
+        # what became of every experts module; GPTQ's per-expert report (the experts kept at
+        # round to nearest for lack of routed tokens or by the loss check), as quantize_model's summary
+        result["experts"] = {d.name: {"action": d.action, "recipe": d.recipe, "reason": d.reason,
+                                      "calibration": None if d.calibration is None else str(d.calibration)}
+                             for d in exp_decisions}
         if handle is not None:
             from lowbit.algorithms.gptq import solver as gptq
             result["gptq_phase_seconds"] = dict(handle.timings)
