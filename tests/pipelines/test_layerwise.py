@@ -301,3 +301,76 @@ def test_layerwise_refuses_moe_by_name(rng, tmp_path):
     with pytest.raises(NotImplementedError, match=r"static_scales: .*MoE experts \(model\.layers\.0\.mlp\.experts"):
         quantize_layerwise(d, tmp_path / "o", "w8a8-int8", calib, static_scales=True)
     assert not (tmp_path / "o").exists()
+
+
+def _moe_worker(rank: int, tmp: str, batches):
+    import torch.distributed as dist
+    from lowbit.algorithms.distributed import shard
+    from lowbit.pipelines.layerwise import quantize_layerwise
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=2)
+    try:
+        torch.set_num_threads(1)       # the same matmul kernels as the single-process run
+        for method in ("rtn", "gptq"):
+            quantize_layerwise(f"{tmp}/float", f"{tmp}/dist-{method}" if rank == 0 else None, "w4a16-g32",
+                               shard(batches), method=method)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_layerwise_moe_two_gloo_ranks_write_the_single_process_checkpoint(rng, tmp_path):
+    """Under torch.distributed (2 gloo ranks, each with its share of the batches) a Mixtral
+    checkpoint layer by layer is the one-process directory byte for byte: each rank reads a share
+    of every layer's per-expert tensors (the pieces broadcast), round to nearest quantizes the
+    experts on rank 0, GPTQ per expert sums the routed token counts and Hessians over the ranks."""
+    import filecmp
+    import torch.multiprocessing as mp
+    from lowbit.pipelines.layerwise import quantize_layerwise
+    d = _moe_checkpoint("mixtral", rng, tmp_path, 4)
+    batches = [torch.randint(0, 97, (2, int(torch.randint(30, 45, (1,), generator=rng))), generator=rng)
+               for _ in range(3)]      # odd: the ranks' shares differ in size
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for method in ("rtn", "gptq"):
+            quantize_layerwise(d, tmp_path / f"one-{method}", "w4a16-g32", batches, method=method)
+    finally:
+        torch.set_num_threads(threads)
+    mp.start_processes(_moe_worker, args=(str(tmp_path), batches), nprocs=2, join=True, start_method="fork")
+    for method in ("rtn", "gptq"):
+        a, b = tmp_path / f"one-{method}", tmp_path / f"dist-{method}"
+        names = sorted(p.name for p in a.iterdir())
+        assert names == sorted(p.name for p in b.iterdir())
+        differ = [n for n in names if not filecmp.cmp(a / n, b / n, shallow=False)]
+        assert not differ, f"{method}: files {differ} differ between 1 process and 2 ranks"
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_layerwise_keeps_what_transformers_keeps_in_float32(rng, tmp_path, method):
+    """In bf16, from_pretrained keeps DeepSeek-V3's router weight and e_score_correction_bias in
+    float32 (_keep_in_fp32_modules_strict): layer by layer loads, runs and stores them so too
+    (read from the file in float32, not through bf16), and the checkpoint is the bf16 whole-model
+    path's bit for bit."""
+    from transformers import AutoModelForCausalLM
+    from moe_fixtures import tiny_moe
+    from lowbit.pipelines.checkpoint import save_compressed
+    from lowbit.pipelines.layerwise import quantize_layerwise
+    from lowbit.pipelines.quantize_model import quantize_model
+    d = tmp_path / "float"
+    m = tiny_moe("deepseek_v3", rng, dtype=torch.float32, experts=4)
+    with torch.no_grad():     # a bias that bf16 would round: stored in float32, it must stay exact
+        m.model.layers[1].mlp.gate.e_score_correction_bias.normal_(generator=rng)
+    m.save_pretrained(d, max_shard_size="60KB")   # float32 on disk
+    batches = [torch.randint(0, 97, (2, int(torch.randint(33, 48, (1,), generator=rng))), generator=rng)
+               for _ in range(3)]
+    w = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).eval()
+    quantize_model(w, "w4a16-g32", method=method, calib=batches if method == "gptq" else None)
+    save_compressed(w, tmp_path / "whole")
+    quantize_layerwise(d, tmp_path / "layerwise", "w4a16-g32", batches, method=method, dtype=torch.bfloat16)
+    a, b = _file_tensors(tmp_path / "whole"), _file_tensors(tmp_path / "layerwise")
+    assert sorted(a) == sorted(b)
+    for n in a:
+        assert a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]), n
+    bias = b["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and b["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    assert torch.equal(bias, m.model.layers[1].mlp.gate.e_score_correction_bias)
+    assert b["model.layers.1.input_layernorm.weight"].dtype == torch.bfloat16

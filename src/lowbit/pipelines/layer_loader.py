@@ -10,6 +10,13 @@ that read it (NCCL over NVLink on GPUs, gloo on CPUs). No rank reads the whole l
 parameters are filled in place: no second copy of the layer exists on the device. One
 process is the case world = 1 (it reads everything, nothing is broadcast).
 
+A parameter need not be one checkpoint tensor: plan's `sources` gives the tensors whose
+concatenation it is. model_sources maps a MoE model's fused experts weights (transformers 5:
+gate_up [E, 2I, H], down [E, H, I] in memory) to the per-expert tensors its save_pretrained
+writes, each read straight into its rows, and the family's renamed block (Mixtral's
+block_sparse_moe); persistent buffers (DeepSeek-V3's e_score_correction_bias) are read as
+parameters are.
+
 The embedding rows of the calibration tokens are read the same way (ranged reads of those rows
 only: the embedding, 1 GB for a 128k x 4096 bf16 table, is never read whole).
 """
@@ -193,8 +200,10 @@ def plan(module: torch.nn.Module, prefix: str, ckpt: Checkpoint, world: int, sou
 
 
 def read_pieces(pieces: list[Piece], ckpt: Checkpoint, dtype: torch.dtype, pool: ThreadPoolExecutor,
-                pin_for=None) -> tuple[list[tuple[Piece, torch.Tensor]], float]:
-    """This rank's pieces on the host, each as a 1-D tensor of `dtype`, and the seconds it took.
+                pin_for=None, dtypes: dict[str, torch.dtype] | None = None
+                ) -> tuple[list[tuple[Piece, torch.Tensor]], float]:
+    """This rank's pieces on the host, each as a 1-D tensor of `dtype` (of dtypes[param] for the
+    parameters it names, e.g. those transformers keeps in float32), and the seconds it took.
     The bytes go from the files straight into one staging buffer (page-locked when pin_for,
     a CUDA device, is given: run in a thread, which must select that device first, or CUDA
     would start a context on GPU 0 for it)."""
@@ -219,8 +228,9 @@ def read_pieces(pieces: list[Piece], ckpt: Checkpoint, dtype: torch.dtype, pool:
     out = []
     for p, n, s in zip(mine, sizes, starts):
         t = staging[s:s + n].view(p.fdtype)
-        if p.fdtype != dtype:          # cast on the host (IEEE round to nearest even, as on the device)
-            t = t.to(dtype).pin_memory() if pin_for is not None else t.to(dtype)
+        want = (dtypes or {}).get(p.param, dtype)
+        if p.fdtype != want:           # cast on the host (IEEE round to nearest even, as on the device)
+            t = t.to(want).pin_memory() if pin_for is not None else t.to(want)
         out.append((p, t))
     return out, time.time() - t0
 

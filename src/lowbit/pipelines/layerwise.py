@@ -37,13 +37,25 @@ one collective per statistic kind and layer), each rank quantizes a share of the
 Hessian's inverse factor, every rank gets all) and rank 0 writes.
 
 Llama-family models from transformers (LlamaForCausalLM and the models sharing its layout:
-model.embed_tokens, model.layers[i], model.norm, lm_head).
+model.embed_tokens, model.layers[i], model.norm, lm_head), and the MoE families of MOE_FAMILIES
+(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3) in that layout. Their routed experts are
+planned as quantize_model plans them (ignore patterns may name experts modules; routers and
+shared-expert gates stay in high precision; shared experts are Linears), quantized per expert
+by lowbit.nn.experts.QuantExperts (round to nearest, on rank 0) or lowbit.algorithms.gptq.experts
+(GPTQ on the tokens routed to each expert of the quantized model so far, every rank; few-token
+experts keep round to nearest, reported in result["experts"]), and written one Linear per expert
+and projection under the family's checkpoint names (lowbit.pipelines.moe_checkpoint), the files
+save_compressed writes. The loader reads each fused experts weight from the per-expert tensors
+transformers saves (layer_loader.model_sources); an experts layout it cannot map, another MoE
+family (gpt-oss), SmoothQuant and static scales with experts are refused by name. Tensors that
+from_pretrained keeps in float32 under a 16-bit dtype (DeepSeek-V3's router) stay float32 here.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
 import os
+import re
 import time
 from pathlib import Path
 
@@ -85,6 +97,18 @@ def _advance(layer: torch.nn.Module, stream: list) -> None:
     from lowbit.algorithms.sequential import next_block_inputs
     for b in range(len(stream)):
         stream[b] = next_block_inputs(layer, [stream[b]])[0]
+
+
+def _fp32_tensors(model: torch.nn.Module, dtype: torch.dtype, layer: torch.nn.Module, prefix: str) -> set[str]:
+    """The tensors of `layer` (names relative to it) that transformers keeps in float32 when it
+    loads the model in `dtype` (the model's _keep_in_fp32_modules(_strict) plan, as
+    from_pretrained matches it: e.g. DeepSeek-V3's router weight and e_score_correction_bias
+    under bf16), so that the layer computes and stores what the whole-model path does."""
+    from lowbit.pipelines.layer_loader import tensors
+    get = getattr(model, "_get_dtype_plan", None)
+    pats = [re.compile(p.replace("*", ".*")) for p, d in (get(dtype) if get is not None else {}).items()
+            if d == torch.float32]
+    return {n for n in tensors(layer) if any(p.search(prefix + n) for p in pats)}
 
 
 # The phases of quantize_layerwise that belong to one layer (result["phase_seconds_per_layer"]).
@@ -449,6 +473,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
         ckpt.close()
         raise
     own = {n for n in ckpt.files if n.startswith(bname + ".")}
+    keep_fp32 = [_fp32_tensors(model, dtype, blist[i], f"{bname}.{i}.") for i in range(len(blist))]
     result = {"recipe": r.name, "method": method, "layers": len(blist), "seconds_per_layer": [],
               "quantized": [d.name for d in summary.quantized + exp_quantized],
               "kept": [d.name for d in summary.skipped + exp_decisions if d.action == "skipped"],
@@ -476,7 +501,8 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
 
         def fetch(i):                # reader thread: this rank's share of layer i, on the host
             pieces = plans[i]
-            host, secs = layer_loader.read_pieces(pieces, ckpt, dtype, chunks, pin_for)
+            host, secs = layer_loader.read_pieces(pieces, ckpt, dtype, chunks, pin_for,
+                                                  dict.fromkeys(keep_fp32[i], torch.float32))
             busy["read"] += secs
             return pieces, host
 
@@ -564,6 +590,9 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                 # the meta copy in the compute dtype first: the device then holds the layer once,
                 # in that dtype (to_empty of the float32 meta layer had allocated it in float32)
                 layer = copy.deepcopy(skeleton).to(dtype)
+                for n, t in layer_loader.tensors(layer).items():
+                    if n in keep_fp32[i]:   # as from_pretrained keeps them (meta tensors: no memory)
+                        t.data = t.data.float()
                 pieces, host = nxt.result()
                 if i + 1 < len(blist):
                     nxt = io[0].submit(fetch, i + 1)
