@@ -449,6 +449,13 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     short += [f"{d.name} (E, 2I, H = {d.shape})" for d in exp_quantized
               if d.shape[2] % k_multiple(summary.recipes[d.recipe].weight) or
               (d.shape[1] // 2) % k_multiple(summary.recipes[d.recipe].weight)]
+    # save_compressed's check of per-expert storage, before any layer is read (a rank that failed
+    # it alone, later, would leave the others waiting in a collective)
+    for d in exp_quantized:
+        w = summary.recipes[d.recipe].weight
+        if w.strategy == "block" and (d.shape[1] // 2) % w.block_size[0]:
+            raise ValueError(f"{d.name}: {w} blocks of {w.block_size[0]} rows straddle gate and up (I = "
+                             f"{d.shape[1] // 2}); a per-expert checkpoint needs I to be a multiple of the block rows")
     if short:
         raise ValueError(f"{len(short)} weight(s) have an in_features that {r.name}'s group does not divide, which "
                          f"compressed-tensors cannot store: {', '.join(short[:3])}; ignore=[...] them or choose a "
@@ -643,8 +650,8 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                 for n, m in layer.named_modules():
                     full = prefix + n
                     if isinstance(m, QuantLinear):
-                        key = MC.rename(full, renamed)
-                        formats[full], layer_schemes[key], sidecar[key] = describe_qlayer(key, m)
+                        stored = MC.rename(full, renamed)
+                        formats[full], layer_schemes[stored], sidecar[stored] = describe_qlayer(stored, m)
                     elif full in sites:      # written per expert, as save_compressed writes them
                         site = layer_sites[full] = dataclasses.replace(sites[full], module=m)
                         if not site.quantized:
@@ -663,7 +670,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                     # writer thread while the next layer computes
                     out = [(n, t if callable(t) else _to_host(t, pin))
                            for n, t in module_tensors(layer, formats, set(), prefix[:-1], defer_host=True,
-                                                                 experts=layer_sites)]
+                                                      experts=layer_sites)]
                     while len(written) >= WRITE_QUEUE:   # at most WRITE_QUEUE layers wait on the host
                         written.pop(0).result()            # (and a writer's error surfaces here)
                     written.append(io[1].submit(write, out))
