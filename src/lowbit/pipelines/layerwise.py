@@ -296,9 +296,10 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                        max_shard_bytes: int | None = None, method_options: dict | None = None,
                        progress: bool = False, memory_trace_layer: int | None = None,
                        profile_layer: int | None = None) -> dict:
-    """Quantize the Llama-family checkpoint in `in_dir` one decoder layer at a time and write a
-    compressed-tensors checkpoint to `out_dir` (rank 0 only under torch.distributed; None writes
-    nothing, e.g. to measure).
+    """Quantize the Llama-family or MoE (MOE_FAMILIES) checkpoint in `in_dir` one decoder layer at
+    a time and write a compressed-tensors checkpoint to `out_dir` (rank 0 only under
+    torch.distributed; None writes nothing, e.g. to measure): the files quantize_model +
+    save_compressed write for the same model, recipe and ignore list.
 
     calib: input-id tensors [B, T] (this rank's share under torch.distributed). method: "rtn" or
     "gptq" (gptq_model's options in method_options). smoothquant: alpha or None. static_scales:
@@ -314,7 +315,8 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     time) and per layer (load, calibrate, quantize, write and, for GPTQ, gptq_hessian /
     gptq_factor / gptq_solve / gptq_losses), peak memory (RSS bytes over the start; on CUDA max_memory_allocated overall and per
     phase, with the layer where each phase peaked and what was allocated when it began), one
-    layer's bytes and the activation bytes."""
+    layer's bytes and the activation bytes; for MoE models, "experts": each experts module's
+    action, recipe, reason and GPTQ's per-expert report (lowbit.algorithms.gptq.experts)."""
     import transformers
     from concurrent.futures import ThreadPoolExecutor
     from lowbit.io import ct_layout as L
@@ -408,7 +410,9 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                 f"{', '.join(MOE_FAMILIES)} (per-expert checkpoint names it maps, one attention mask for every "
                 "layer); load the model and use lowbit.pipelines.quantize_model + save_compressed")
         if need_f:
-            refuse_experts(model, "SmoothQuant")
+            refuse_experts(model, "SmoothQuant", "lowbit.algorithms.experts_fold.smooth_experts folds it into the "
+                           "experts' down side on a whole model (lowbit quantize --smoothquant without --sequential); "
+                           "the layer-by-layer path does not run it yet.")
         if need_s:
             raise NotImplementedError("static_scales: static activation scales are not supported for MoE experts "
                                       f"({next(iter(experts))}, ...), as in quantize_model; use a dynamic recipe")
