@@ -171,7 +171,7 @@ def test_layerwise_refuses_unmapped_family(rng, tmp_path):
 def _moe_checkpoint(family, rng, tmp_path, experts):
     from moe_fixtures import tiny_moe
     d = tmp_path / "float"
-    # several shards, an expert's gate and up in different files for some experts
+    # several shards: a layer's per-expert tensors spread over files
     tiny_moe(family, rng, dtype=torch.float32, experts=experts).save_pretrained(d, max_shard_size="60KB")
     assert (d / "model.safetensors.index.json").is_file()
     return d
@@ -374,3 +374,26 @@ def test_layerwise_keeps_what_transformers_keeps_in_float32(rng, tmp_path, metho
     assert bias.dtype == torch.float32 and b["model.layers.1.mlp.gate.weight"].dtype == torch.float32
     assert torch.equal(bias, m.model.layers[1].mlp.gate.e_score_correction_bias)
     assert b["model.layers.1.input_layernorm.weight"].dtype == torch.bfloat16
+
+
+def test_cli_sequential_moe(rng, tmp_path, capsys, monkeypatch):
+    """`lowbit quantize --sequential` on a tiny Mixtral checkpoint (random calibration windows in
+    place of tokenized text): every expert is written per expert under Mixtral's names, the router
+    kept in float, and the printed summary carries the experts' report."""
+    import json
+    from lowbit.entrypoints.main import main
+    from lowbit.entrypoints import sequential as cli_sequential
+    from lowbit.pipelines.checkpoint import load_compressed
+    d = _moe_checkpoint("mixtral", rng, tmp_path, 4)
+    ids = torch.randint(0, 97, (64,), generator=rng)
+    monkeypatch.setattr(cli_sequential, "calibration_windows", lambda m, tokens, window: [ids[None, :32], ids[None, 32:]])
+    out = tmp_path / "q"
+    rc = main(["quantize", "--model", str(d), "--sequential", "--recipe", "w4a16-g32", "--calib-tokens", "64",
+               "--window", "32", "--out", str(out), "--device", "cpu"])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    ck = load_compressed(out)
+    experts = [n for n in ck.qtensors if ".block_sparse_moe.experts." in n]
+    assert len(experts) == 2 * 4 * 3 and "model.layers.0.block_sparse_moe.gate.weight" in ck.tensors
+    report = json.loads(printed.out.strip().splitlines()[-1])
+    assert set(report["experts"]) == {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
