@@ -93,3 +93,53 @@ def test_memtrace_names_what_is_alive_at_the_peak():
     assert sum(b for b, _ in rows.values()) == s["peak_bytes"]
     assert [b["bytes"] for b in s["largest_blocks"]] == [70, 30, 5]
     assert s["largest_blocks"][1]["stack"][1:] == ["transformers/models/llama.py:5 fn", "lowbit/nn/z.py:3 run"]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"])
+def test_moe_layer_is_read_from_the_per_expert_tensors(family, rng, tmp_path):
+    """transformers 5 keeps a block's experts fused in memory but saves them one tensor per expert
+    and projection (its conversion mapping, reversed; Mixtral under block_sparse_moe and
+    w1/w3/w2). checkpoint_sources names exactly the tensors save_pretrained wrote for each fused
+    weight, and a MoE layer read through model_sources, in every rank's share, is the model's
+    own parameters and persistent buffers (DeepSeek-V3's e_score_correction_bias) bit for bit."""
+    from concurrent.futures import ThreadPoolExecutor
+    from unittest import mock
+    from moe_fixtures import tiny_moe
+    from lowbit.archs.experts import checkpoint_sources
+    from lowbit.io.st_format import checkpoint_files
+    from lowbit.pipelines import layer_loader as LL
+    from lowbit.pipelines.moe_checkpoint import experts_sites
+    m = tiny_moe(family, rng, dtype=torch.bfloat16, experts=4)
+    with torch.no_grad():
+        for b in m.buffers():             # no all-zero buffer: every element tells
+            if b.is_floating_point():
+                b.normal_(generator=rng)
+    m.save_pretrained(tmp_path, max_shard_size="30KB")
+    on_disk = set(checkpoint_files(tmp_path))
+    sites = experts_sites(m)
+    named = set()
+    for name, site in sites.items():
+        for attr in site.spec.weights:
+            p = getattr(site.module, attr)
+            srcs = checkpoint_sources(site.spec, site.ckpt, attr, tuple(p.shape))
+            named.update(n for n, _ in srcs)
+    assert named and named == {n for n in on_disk if ".experts." in n}
+    ck = LL.Checkpoint(tmp_path)
+    try:
+        sources = LL.model_sources(m, ck)
+        for i, layer in enumerate(m.model.layers):
+            want = LL.tensors(layer)
+            assert any(".experts." in k for k in want) or family == "deepseek_v3"
+            for world in (1, 3):
+                pieces = LL.plan(layer, f"model.layers.{i}.", ck, world, sources)
+                got = {k: torch.full((t.numel(),), float("nan"), dtype=torch.float32) for k, t in want.items()}
+                for r in range(world):
+                    with mock.patch.object(LL.distributed, "rank", lambda r=r: r), ThreadPoolExecutor(2) as pool:
+                        host, _ = LL.read_pieces(pieces, ck, torch.float32, pool)
+                    for pc, t in host:
+                        assert bool(got[pc.param][pc.lo:pc.hi].isnan().all())      # each element once
+                        got[pc.param][pc.lo:pc.hi] = t
+                for k, t in want.items():
+                    assert torch.equal(got[k], t.detach().float().reshape(-1)), (family, i, world, k)
+    finally:
+        ck.close()

@@ -1,7 +1,6 @@
 """Layer-by-layer quantization from a sharded safetensors checkpoint (lowbit.pipelines.layerwise) gives the
 checkpoint the whole-model path gives: the same codes, scales, static activation scales and
 float tensors, bit for bit, for SmoothQuant + static scales + RTN and for GPTQ."""
-import copy
 
 import pytest
 import torch
@@ -168,12 +167,233 @@ def test_layerwise_refuses_unmapped_family(rng, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def test_layerwise_refuses_moe_experts_by_name(rng, tmp_path):
+# ------------------------------------------------------------------ MoE experts
+def _moe_checkpoint(family, rng, tmp_path, experts):
     from moe_fixtures import tiny_moe
+    d = tmp_path / "float"
+    # several shards: a layer's per-expert tensors spread over files
+    tiny_moe(family, rng, dtype=torch.float32, experts=experts).save_pretrained(d, max_shard_size="60KB")
+    assert (d / "model.safetensors.index.json").is_file()
+    return d
+
+
+def _file_tensors(d):
+    from lowbit.io.st_format import TensorReader, checkpoint_files
+    out = {}
+    for n, path in checkpoint_files(d).items():
+        with TensorReader(path) as r:
+            out[n] = r.get(n)
+    return out
+
+
+# RTN on every family layer-by-layer maps (w8a8-int8: per-channel int8 weights with dynamic int8
+# activations; w4a16-g32: packed int4 codes in groups of 32), one with experts kept in float,
+# and GPTQ per expert (a dense Linear recipe on the attention, the experts' own rule).
+MOE_CASES = [("mixtral", "w8a8-int8", "rtn", None), ("mixtral", "w4a16-g32", "rtn", None),
+             ("qwen2_moe", "w4a16-g32", "rtn", None), ("qwen3_moe", "w8a8-int8", "rtn", "model.layers.1.mlp.experts"),
+             ("olmoe", "w4a16-g32", "rtn", None), ("deepseek_v3", "w8a8-int8", "rtn", None),
+             ("mixtral", "w4a16-g32", "gptq", None), ("qwen2_moe", "w8a8-int8", "gptq", None)]
+
+
+@pytest.mark.parametrize("family,recipe,method,ignore", MOE_CASES)
+def test_layerwise_moe_equals_whole_model(rng, tmp_path, family, recipe, method, ignore):
+    """The layer-by-layer checkpoint of a MoE model is the whole-model path's (quantize_model +
+    save_compressed), tensor for tensor and bit for bit: the per-expert codes and scales under
+    the family's own names, the router and shared-expert gate kept in float, the float tensors,
+    config.json's quantization_config; lowbit's loader turns it into a model whose logits are the
+    in-memory quantized model's (same codes, same code path: identical)."""
+    import json
+    from transformers import AutoModelForCausalLM
+    from lowbit.nn.experts import QuantExperts
+    from lowbit.pipelines.checkpoint import load_compressed, save_compressed
     from lowbit.pipelines.layerwise import quantize_layerwise
-    tiny_moe("mixtral", rng, dtype=torch.float32).save_pretrained(tmp_path / "float")
-    with pytest.raises(NotImplementedError, match=r"MixtralForCausalLM: .*MoE experts yet \(model\.layers\.0\.mlp\."
-                                                  r"experts, \.\.\.\).*quantize_model.*method='gptq'"):
-        quantize_layerwise(tmp_path / "float", tmp_path / "o", "w4a16-g32", [torch.randint(0, 97, (1, 8))],
-                           method="gptq")
+    from lowbit.pipelines.quantize_model import quantize_model
+    from moe_fixtures import ids
+    experts = 2 * int(torch.randint(2, 4, (1,), generator=rng))     # 4 or 6 (DeepSeek-V3: 2 groups of >= 2)
+    d = _moe_checkpoint(family, rng, tmp_path, experts)
+    # GPTQ per expert needs 32 routed tokens an expert: 3 x 2 x 40 tokens, top-2 of <= 6 experts
+    batches = [torch.randint(0, 97, (2, int(torch.randint(33, 48, (1,), generator=rng))), generator=rng)
+               for _ in range(3)]
+    kw = {"ignore": [ignore]} if ignore else {}
+    m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    # from_pretrained leaves tensors in the file's mapping, at any 4-byte address; the CPU's float
+    # GEMV of a one-row Linear (Qwen2-MoE's shared_expert_gate) rounds differently with the
+    # operand's alignment (seen: 1 ulp), so the reference gets allocator storage as the loader's
+    with torch.no_grad():
+        for t in list(m.parameters()) + list(m.buffers()):
+            t.data = t.data.clone()
+    summary = quantize_model(m, recipe, method=method, calib=batches if method == "gptq" else None, **kw)
+    save_compressed(m, tmp_path / "whole")
+    res = quantize_layerwise(d, tmp_path / "layerwise", recipe, batches, method=method, **kw)
+
+    a, b = _file_tensors(tmp_path / "whole"), _file_tensors(tmp_path / "layerwise")
+    assert sorted(a) == sorted(b)
+    for n in a:
+        assert a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]), n
+    # the names are the family's checkpoint names: transformers' own for what stays float
+    block = "block_sparse_moe" if family == "mixtral" else "mlp"
+    moe_layer = 1 if family == "deepseek_v3" else 0          # DeepSeek-V3's first layer is dense here
+    assert f"model.layers.{moe_layer}.{block}.gate.weight" in b
+    suffix = "weight_packed" if recipe == "w4a16-g32" else "weight"
+    down = "w2" if family == "mixtral" else "down_proj"
+    assert f"model.layers.{moe_layer}.{block}.experts.{experts - 1}.{down}.{suffix}" in b
+    if ignore:           # float experts: per expert, as transformers names them, and ignored
+        assert "model.layers.1.mlp.experts.0.up_proj.weight" in b
+    qa, qb = (json.loads((tmp_path / x / "config.json").read_text())["quantization_config"]
+              for x in ("whole", "layerwise"))
+    assert qa == qb
+    _assert_same(tmp_path / "whole", tmp_path / "layerwise")
+
+    # the run's report: which experts modules, and GPTQ's per-expert account as quantize_model's
+    assert res["experts"] == {e.name: {"action": e.action, "recipe": e.recipe, "reason": e.reason,
+                                       "calibration": None if e.calibration is None else str(e.calibration)}
+                              for e in summary.experts}
+    if method == "gptq":     # not every expert fell back to round to nearest: GPTQ ran
+        assert any(f.choice.get("gate_up") == "gptq" for e in summary.experts for f in e.calibration.experts)
+
+    back = load_compressed(tmp_path / "layerwise").to_model()
+    qe = {n for n, x in m.named_modules() if isinstance(x, QuantExperts)}
+    assert qe and qe == {n for n, x in back.named_modules() if isinstance(x, QuantExperts)}
+    assert (ignore in qe) is False
+    x = ids(rng, int(torch.randint(5, 12, (1,), generator=rng)))
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, m(x).logits)
+
+
+def test_layerwise_refuses_unmapped_expert_layout(rng, tmp_path):
+    """A checkpoint whose experts are stored neither fused nor under the family's per-expert names
+    (here Mixtral's experts under Qwen's gate_proj / up_proj / down_proj) is refused before any
+    layer is read, naming the module and the family."""
+    from safetensors.torch import load_file, save_file
+    from lowbit.io.st_format import CheckpointError
+    from lowbit.pipelines.layerwise import quantize_layerwise
+    d = _moe_checkpoint("mixtral", rng, tmp_path, 4)
+    for f in d.glob("*.safetensors"):
+        t = load_file(f)
+        save_file({k.replace(".w1.", ".gate_proj.").replace(".w3.", ".up_proj.").replace(".w2.", ".down_proj."): v
+                   for k, v in t.items()}, f, metadata={"format": "pt"})
+    idx = d / "model.safetensors.index.json"
+    idx.write_text(idx.read_text().replace(".w1.", ".gate_proj.").replace(".w3.", ".up_proj.")
+                   .replace(".w2.", ".down_proj."))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.experts \(mixtral experts\): .*neither the "
+                                              r"fused .*gate_up_proj nor the per-expert .*block_sparse_moe\.experts\.0"
+                                              r"\.w1\.weight.*cannot map"):
+        quantize_layerwise(d, tmp_path / "o", "w4a16-g32", [torch.randint(0, 97, (1, 8))])
     assert not (tmp_path / "o").exists()
+
+
+def test_layerwise_refuses_moe_by_name(rng, tmp_path):
+    """What layer by layer does not do for MoE models is refused by name before anything is
+    written: a family outside its list (gpt-oss: fused experts in its checkpoints, layers of two
+    attention types), SmoothQuant (no exact fold point for the experts) and static activation
+    scales (quantize_model refuses them for experts too)."""
+    from moe_fixtures import tiny_moe
+    from lowbit.archs.decoders import UnsupportedArchitecture
+    from lowbit.pipelines.layerwise import quantize_layerwise
+    calib = [torch.randint(0, 97, (1, 8))]
+    tiny_moe("gpt_oss", rng, dtype=torch.float32).save_pretrained(tmp_path / "oss")
+    with pytest.raises(NotImplementedError, match=r"GptOssForCausalLM: .*does not support gpt_oss experts \(model\."
+                                                  r"layers\.0\.mlp\.experts, \.\.\.\).*quantize_model"):
+        quantize_layerwise(tmp_path / "oss", tmp_path / "o", "w4a16-g32", calib)
+    d = _moe_checkpoint("qwen3_moe", rng, tmp_path, 4)
+    with pytest.raises(UnsupportedArchitecture, match="SmoothQuant on qwen3_moe: .*smooth_experts .*layer-by-layer path does not run it yet"):
+        quantize_layerwise(d, tmp_path / "o", "w8a8-int8", calib, smoothquant=0.5)
+    with pytest.raises(NotImplementedError, match=r"static_scales: .*MoE experts \(model\.layers\.0\.mlp\.experts"):
+        quantize_layerwise(d, tmp_path / "o", "w8a8-int8", calib, static_scales=True)
+    assert not (tmp_path / "o").exists()
+
+
+def _moe_worker(rank: int, tmp: str, batches):
+    import torch.distributed as dist
+    from lowbit.algorithms.distributed import shard
+    from lowbit.pipelines.layerwise import quantize_layerwise
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=2)
+    try:
+        torch.set_num_threads(1)       # the same matmul kernels as the single-process run
+        for method in ("rtn", "gptq"):
+            quantize_layerwise(f"{tmp}/float", f"{tmp}/dist-{method}" if rank == 0 else None, "w4a16-g32",
+                               shard(batches), method=method)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_layerwise_moe_two_gloo_ranks_write_the_single_process_checkpoint(rng, tmp_path):
+    """Under torch.distributed (2 gloo ranks, each with its share of the batches) a Mixtral
+    checkpoint layer by layer is the one-process directory byte for byte: each rank reads a share
+    of every layer's per-expert tensors (the pieces broadcast), round to nearest quantizes the
+    experts on rank 0, GPTQ per expert sums the routed token counts and Hessians over the ranks."""
+    import filecmp
+    import torch.multiprocessing as mp
+    from lowbit.pipelines.layerwise import quantize_layerwise
+    d = _moe_checkpoint("mixtral", rng, tmp_path, 4)
+    batches = [torch.randint(0, 97, (2, int(torch.randint(30, 45, (1,), generator=rng))), generator=rng)
+               for _ in range(3)]      # odd: the ranks' shares differ in size
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for method in ("rtn", "gptq"):
+            quantize_layerwise(d, tmp_path / f"one-{method}", "w4a16-g32", batches, method=method)
+    finally:
+        torch.set_num_threads(threads)
+    mp.start_processes(_moe_worker, args=(str(tmp_path), batches), nprocs=2, join=True, start_method="fork")
+    for method in ("rtn", "gptq"):
+        a, b = tmp_path / f"one-{method}", tmp_path / f"dist-{method}"
+        names = sorted(p.name for p in a.iterdir())
+        assert names == sorted(p.name for p in b.iterdir())
+        differ = [n for n in names if not filecmp.cmp(a / n, b / n, shallow=False)]
+        assert not differ, f"{method}: files {differ} differ between 1 process and 2 ranks"
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_layerwise_keeps_what_transformers_keeps_in_float32(rng, tmp_path, method):
+    """In bf16, from_pretrained keeps DeepSeek-V3's router weight and e_score_correction_bias in
+    float32 (_keep_in_fp32_modules_strict): layer by layer loads, runs and stores them so too
+    (read from the file in float32, not through bf16), and the checkpoint is the bf16 whole-model
+    path's bit for bit."""
+    from transformers import AutoModelForCausalLM
+    from moe_fixtures import tiny_moe
+    from lowbit.pipelines.checkpoint import save_compressed
+    from lowbit.pipelines.layerwise import quantize_layerwise
+    from lowbit.pipelines.quantize_model import quantize_model
+    d = tmp_path / "float"
+    m = tiny_moe("deepseek_v3", rng, dtype=torch.float32, experts=4)
+    with torch.no_grad():     # a bias that bf16 would round: stored in float32, it must stay exact
+        m.model.layers[1].mlp.gate.e_score_correction_bias.normal_(generator=rng)
+    m.save_pretrained(d, max_shard_size="60KB")   # float32 on disk
+    batches = [torch.randint(0, 97, (2, int(torch.randint(33, 48, (1,), generator=rng))), generator=rng)
+               for _ in range(3)]
+    w = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).eval()
+    quantize_model(w, "w4a16-g32", method=method, calib=batches if method == "gptq" else None)
+    save_compressed(w, tmp_path / "whole")
+    quantize_layerwise(d, tmp_path / "layerwise", "w4a16-g32", batches, method=method, dtype=torch.bfloat16)
+    a, b = _file_tensors(tmp_path / "whole"), _file_tensors(tmp_path / "layerwise")
+    assert sorted(a) == sorted(b)
+    for n in a:
+        assert a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]), n
+    bias = b["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and b["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    assert torch.equal(bias, m.model.layers[1].mlp.gate.e_score_correction_bias)
+    assert b["model.layers.1.input_layernorm.weight"].dtype == torch.bfloat16
+
+
+def test_cli_sequential_moe(rng, tmp_path, capsys, monkeypatch):
+    """`lowbit quantize --sequential` on a tiny Mixtral checkpoint (random calibration windows in
+    place of tokenized text): every expert is written per expert under Mixtral's names, the router
+    kept in float, and the printed summary carries the experts' report."""
+    import json
+    from lowbit.entrypoints.main import main
+    from lowbit.entrypoints import sequential as cli_sequential
+    from lowbit.pipelines.checkpoint import load_compressed
+    d = _moe_checkpoint("mixtral", rng, tmp_path, 4)
+    ids = torch.randint(0, 97, (64,), generator=rng)
+    monkeypatch.setattr(cli_sequential, "calibration_windows", lambda m, tokens, window: [ids[None, :32], ids[None, 32:]])
+    out = tmp_path / "q"
+    rc = main(["quantize", "--model", str(d), "--sequential", "--recipe", "w4a16-g32", "--calib-tokens", "64",
+               "--window", "32", "--out", str(out), "--device", "cpu"])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    ck = load_compressed(out)
+    experts = [n for n in ck.qtensors if ".block_sparse_moe.experts." in n]
+    assert len(experts) == 2 * 4 * 3 and "model.layers.0.block_sparse_moe.gate.weight" in ck.tensors
+    report = json.loads(printed.out.strip().splitlines()[-1])
+    assert set(report["experts"]) == {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}

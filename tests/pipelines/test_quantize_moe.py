@@ -150,14 +150,3 @@ def test_model_bytes_counts_quantized_experts(rng):
         for n, k in ((N2, H), (H, N2 // 2)):
             expect += -2 * E * n * k + E * n * k + 4 * E * n
     assert model_bytes(model) == expect
-
-
-def test_layerwise_refuses_moe_checkpoints(rng, tmp_path):
-    """Layer by layer does not quantize fused experts yet: it refuses an MoE checkpoint instead
-    of writing its experts in float, and names the pipelines that do."""
-    from lowbit.pipelines.layerwise import quantize_layerwise
-    model = tiny_moe("qwen3_moe", rng, dtype=torch.float32)
-    model.save_pretrained(tmp_path / "float")
-    with pytest.raises(NotImplementedError, match="fused MoE experts.*quantize_checkpoint"):
-        quantize_layerwise(tmp_path / "float", tmp_path / "q2", "w8a16-int8", calib=[ids(rng, 4)])
-    assert not (tmp_path / "q2").exists()

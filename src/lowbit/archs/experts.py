@@ -157,3 +157,36 @@ def router_of(model: torch.nn.Module, experts_name: str, spec: ExpertsSpec) -> t
         return name, model.get_submodule(name)
     except AttributeError:
         return None
+
+
+def checkpoint_sources(spec: ExpertsSpec, ckpt_experts: str, param: str,
+                       shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]] | None:
+    """The per-expert checkpoint tensors a fused experts parameter is made of, in order: their
+    concatenation, each flattened, is the parameter flattened. ckpt_experts: the experts
+    module's name in checkpoints (``<block>.experts``, the block under spec.ckpt_block where the
+    family renames it); param: spec.gate_up or spec.down; shape: the parameter's.
+
+    This is transformers' own checkpoint conversion for these families read backwards
+    (conversion_mapping: MergeModulelist(dim=0) of the experts, then Concatenate(dim=1) of gate
+    and up): gate_up [E, 2I, H] is, expert by expert, the rows of gate [I, H] then those of
+    up [I, H]; down [E, H, I] is each expert's down [H, I]. Returns None for a family whose
+    checkpoints keep the experts fused (spec.ckpt_projs None: the parameter is read by its own
+    name). Raises ValueError for what the mapping cannot express: biases stored per expert,
+    the [E, K, N] layout, a parameter that is not one of the two weights, or a shape that does
+    not split so."""
+    if spec.ckpt_projs is None:
+        return None
+    if spec.biases or spec.layout != "enk":
+        raise ValueError(f"{ckpt_experts} ({spec.family}): per-expert checkpoint names with biases {spec.biases} or "
+                         f"layout {spec.layout!r} are not mapped; only [E, N, K] weights without biases are")
+    gate, up, down = spec.ckpt_projs
+    if len(shape) != 3:
+        raise ValueError(f"{ckpt_experts}.{param} ({spec.family}): expected a 3-D fused weight, got shape {shape}")
+    E, N, K = shape
+    if param == spec.gate_up:
+        if N % 2:
+            raise ValueError(f"{ckpt_experts}.{param} ({spec.family}): gate_up {shape} has an odd row count")
+        return [(f"{ckpt_experts}.{e}.{p}.weight", (N // 2, K)) for e in range(E) for p in (gate, up)]
+    if param == spec.down:
+        return [(f"{ckpt_experts}.{e}.{down}.weight", (N, K)) for e in range(E)]
+    raise ValueError(f"{ckpt_experts}.{param} ({spec.family}): not one of the entry's weights {spec.weights}")

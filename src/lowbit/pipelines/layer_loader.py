@@ -10,11 +10,19 @@ that read it (NCCL over NVLink on GPUs, gloo on CPUs). No rank reads the whole l
 parameters are filled in place: no second copy of the layer exists on the device. One
 process is the case world = 1 (it reads everything, nothing is broadcast).
 
+A parameter need not be one checkpoint tensor: plan's `sources` gives the tensors whose
+concatenation it is. model_sources maps a MoE model's fused experts weights (transformers 5:
+gate_up [E, 2I, H], down [E, H, I] in memory) to the per-expert tensors its save_pretrained
+writes, each read straight into its rows, and the family's renamed block (Mixtral's
+block_sparse_moe); persistent buffers (DeepSeek-V3's e_score_correction_bias) are read as
+parameters are.
+
 The embedding rows of the calibration tokens are read the same way (ranged reads of those rows
 only: the embedding, 1 GB for a 128k x 4096 bf16 table, is never read whole).
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -25,6 +33,9 @@ from pathlib import Path
 import torch
 
 from lowbit.algorithms import distributed
+from lowbit.archs.experts import checkpoint_sources
+from lowbit.io.st_format import CheckpointError
+from lowbit.pipelines import moe_checkpoint as MC
 # Bytes per ranged read; the reads of one layer run on READ_THREADS threads (a page-cache read
 # is a memory copy by the kernel: several run at once; the GIL is released while they run).
 READ_CHUNK = 32 << 20
@@ -108,30 +119,91 @@ class Piece:
     fdtype: torch.dtype
 
 
-def plan(module: torch.nn.Module, prefix: str, ckpt: Checkpoint, world: int) -> list[Piece]:
-    """Every rank's pieces of `module`'s parameters (the same list on every rank: the order of
-    the broadcasts). Raises when a checkpoint tensor's shape is not the parameter's."""
+def tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What the loader fills of `module`: its parameters and its persistent buffers (those a
+    checkpoint stores, e.g. DeepSeek-V3's router e_score_correction_bias), by name."""
+    out = dict(module.named_parameters())
+    for k, b in module.named_buffers():
+        owner, _, leaf = k.rpartition(".")
+        if leaf not in (module.get_submodule(owner) if owner else module)._non_persistent_buffers_set:
+            out[k] = b
+    return out
+
+
+def model_sources(model: torch.nn.Module, ckpt: Checkpoint):
+    """plan's `sources` for the layers of `model` (a transformers model, e.g. on the meta device)
+    stored in `ckpt`: a tensor the checkpoint holds under the model's name is read by that name;
+    a fused MoE experts weight (lowbit.archs.experts), which transformers 5 saves one tensor per
+    expert and projection, from those tensors (checkpoint_sources: its conversion read
+    backwards); any other tensor under the family's checkpoint name for its block (Mixtral's
+    ``block_sparse_moe`` for ``mlp``: lowbit.pipelines.moe_checkpoint.renames). An experts weight
+    found under neither layout raises CheckpointError naming the module and its family."""
+    sites = MC.experts_sites(model)
+    table = MC.renames(sites)
+
+    def sources(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+        if name in ckpt.files:
+            return [(name, shape)]
+        mod, _, attr = name.rpartition(".")
+        site = sites.get(mod)
+        if site is not None and attr in site.spec.weights:
+            fam = site.spec.family
+            try:
+                srcs = checkpoint_sources(site.spec, site.ckpt, attr, shape)
+            except ValueError as err:
+                raise CheckpointError(f"{mod} ({fam} experts): {err}") from err
+            missing = [n for n, _ in srcs or () if n not in ckpt.files]
+            if srcs is None or missing:
+                raise CheckpointError(
+                    f"{mod} ({fam} experts): the checkpoint holds neither the fused {name} "
+                    + ("" if srcs is None else f"nor the per-expert tensors of transformers' {fam} checkpoints "
+                       f"({srcs[0][0]}, ...: {len(missing)} of {len(srcs)} missing, e.g. {missing[0]})")
+                    + "; the layer loader cannot map this layout: load the model whole (quantize_model + "
+                    "save_compressed) or convert the checkpoint with transformers' save_pretrained")
+            return srcs
+        return [(MC.rename(name, table), shape)]
+    return sources
+
+
+def plan(module: torch.nn.Module, prefix: str, ckpt: Checkpoint, world: int, sources=None) -> list[Piece]:
+    """Every rank's pieces of `module`'s parameters and persistent buffers (the same list on
+    every rank: the order of the broadcasts). sources(name, shape): the checkpoint tensors
+    (name, shape) whose concatenation, each flattened, is the tensor `name` of the model
+    (e.g. a fused MoE experts weight from its per-expert tensors: lowbit.archs.experts.
+    checkpoint_sources); default: the tensor of that name alone. Raises when a checkpoint
+    tensor's shape is not the one expected."""
     params, total = [], 0
-    for k, p in module.named_parameters():
-        path, offset, fdtype, shape = ckpt.span(prefix + k)
-        if tuple(shape) != tuple(p.shape):
-            raise ValueError(f"{prefix + k}: checkpoint shape {tuple(shape)}, config.json's model {tuple(p.shape)}")
-        params.append((k, total, p.numel(), path, offset, fdtype))
-        total += p.numel()
+    for k, p in tensors(module).items():
+        srcs = [(prefix + k, tuple(p.shape))] if sources is None else sources(prefix + k, tuple(p.shape))
+        if sum(math.prod(s) for _, s in srcs) != p.numel():
+            raise ValueError(f"{prefix + k}: its checkpoint tensors {[n for n, _ in srcs][:3]} hold "
+                             f"{sum(math.prod(s) for _, s in srcs)} elements, the parameter {p.numel()}")
+        at = total
+        for name, want in srcs:
+            path, offset, fdtype, shape = ckpt.span(name)
+            if tuple(shape) != tuple(want):
+                raise ValueError(f"{name}: checkpoint shape {tuple(shape)}, config.json's model needs {tuple(want)}"
+                                 + ("" if name == prefix + k else f" (a part of {prefix + k} {tuple(p.shape)})"))
+            params.append((k, at, math.prod(want), path, offset, fdtype, at - total))
+            at += math.prod(want)
+        total = at
     pieces = []
     for r in range(world):
         lo, hi = distributed.share(total, world, r)
-        for k, start, n, path, offset, fdtype in params:
+        for k, start, n, path, offset, fdtype, within in params:
             a, b = max(lo, start), min(hi, start + n)
             if a < b:
                 esz = torch.empty((), dtype=fdtype).element_size()
-                pieces.append(Piece(k, a - start, b - start, r, path, offset + (a - start) * esz, fdtype))
+                pieces.append(Piece(k, within + a - start, within + b - start, r, path,
+                                    offset + (a - start) * esz, fdtype))
     return pieces
 
 
 def read_pieces(pieces: list[Piece], ckpt: Checkpoint, dtype: torch.dtype, pool: ThreadPoolExecutor,
-                pin_for=None) -> tuple[list[tuple[Piece, torch.Tensor]], float]:
-    """This rank's pieces on the host, each as a 1-D tensor of `dtype`, and the seconds it took.
+                pin_for=None, dtypes: dict[str, torch.dtype] | None = None
+                ) -> tuple[list[tuple[Piece, torch.Tensor]], float]:
+    """This rank's pieces on the host, each as a 1-D tensor of `dtype` (of dtypes[param] for the
+    parameters it names, e.g. those transformers keeps in float32), and the seconds it took.
     The bytes go from the files straight into one staging buffer (page-locked when pin_for,
     a CUDA device, is given: run in a thread, which must select that device first, or CUDA
     would start a context on GPU 0 for it)."""
@@ -156,16 +228,17 @@ def read_pieces(pieces: list[Piece], ckpt: Checkpoint, dtype: torch.dtype, pool:
     out = []
     for p, n, s in zip(mine, sizes, starts):
         t = staging[s:s + n].view(p.fdtype)
-        if p.fdtype != dtype:          # cast on the host (IEEE round to nearest even, as on the device)
-            t = t.to(dtype).pin_memory() if pin_for is not None else t.to(dtype)
+        want = (dtypes or {}).get(p.param, dtype)
+        if p.fdtype != want:           # cast on the host (IEEE round to nearest even, as on the device)
+            t = t.to(want).pin_memory() if pin_for is not None else t.to(want)
         out.append((p, t))
     return out, time.time() - t0
 
 
 def fill(module: torch.nn.Module, pieces: list[Piece], mine: list[tuple[Piece, torch.Tensor]]) -> None:
-    """Write this rank's pieces into `module`'s (allocated) parameters and broadcast every
+    """Write this rank's pieces into `module`'s (allocated) parameters and persistent buffers and broadcast every
     piece from its reader, in the order of `pieces` (a collective: every rank calls it)."""
-    params = dict(module.named_parameters())
+    params = tensors(module)
     with torch.no_grad():
         for p, t in mine:
             flat = params[p.param].data.view(-1)

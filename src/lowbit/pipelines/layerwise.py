@@ -37,12 +37,25 @@ one collective per statistic kind and layer), each rank quantizes a share of the
 Hessian's inverse factor, every rank gets all) and rank 0 writes.
 
 Llama-family models from transformers (LlamaForCausalLM and the models sharing its layout:
-model.embed_tokens, model.layers[i], model.norm, lm_head).
+model.embed_tokens, model.layers[i], model.norm, lm_head), and the MoE families of MOE_FAMILIES
+(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3) in that layout. Their routed experts are
+planned as quantize_model plans them (ignore patterns may name experts modules; routers and
+shared-expert gates stay in high precision; shared experts are Linears), quantized per expert
+by lowbit.nn.experts.QuantExperts (round to nearest, on rank 0) or lowbit.algorithms.gptq.experts
+(GPTQ on the tokens routed to each expert of the quantized model so far, every rank; few-token
+experts keep round to nearest, reported in result["experts"]), and written one Linear per expert
+and projection under the family's checkpoint names (lowbit.pipelines.moe_checkpoint), the files
+save_compressed writes. The loader reads each fused experts weight from the per-expert tensors
+transformers saves (layer_loader.model_sources); an experts layout it cannot map, another MoE
+family (gpt-oss), SmoothQuant and static scales with experts are refused by name. Tensors that
+from_pretrained keeps in float32 under a 16-bit dtype (DeepSeek-V3's router) stay float32 here.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
+import re
 import time
 from pathlib import Path
 
@@ -50,6 +63,14 @@ import torch
 
 from lowbit.algorithms import distributed
 from lowbit.archs.experts import find_experts
+
+
+# The MoE families whose layers this path quantizes: per-expert checkpoint names it maps
+# (lowbit.archs.experts.checkpoint_sources) and one attention mask for every layer, each checked
+# against the whole-model path by tests/pipelines/test_layerwise.py.
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
+
+
 def _stream_bytes(inputs) -> int:
     """Bytes of a stream's hidden states (the shared kwargs such as position embeddings not counted)."""
     return sum((a[0] if a else k["hidden_states"]).numel() * (a[0] if a else k["hidden_states"]).element_size()
@@ -76,6 +97,18 @@ def _advance(layer: torch.nn.Module, stream: list) -> None:
     from lowbit.algorithms.sequential import next_block_inputs
     for b in range(len(stream)):
         stream[b] = next_block_inputs(layer, [stream[b]])[0]
+
+
+def _fp32_tensors(model: torch.nn.Module, dtype: torch.dtype, layer: torch.nn.Module, prefix: str) -> set[str]:
+    """The tensors of `layer` (names relative to it) that transformers keeps in float32 when it
+    loads the model in `dtype` (the model's _keep_in_fp32_modules(_strict) plan, as
+    from_pretrained matches it: e.g. DeepSeek-V3's router weight and e_score_correction_bias
+    under bf16), so that the layer computes and stores what the whole-model path does."""
+    from lowbit.pipelines.layer_loader import tensors
+    get = getattr(model, "_get_dtype_plan", None)
+    pats = [re.compile(p.replace("*", ".*")) for p, d in (get(dtype) if get is not None else {}).items()
+            if d == torch.float32]
+    return {n for n in tensors(layer) if any(p.search(prefix + n) for p in pats)}
 
 
 # The phases of quantize_layerwise that belong to one layer (result["phase_seconds_per_layer"]).
@@ -235,12 +268,16 @@ def _profile_summary(prof, rows: int = 30) -> dict:
 class _Dropping(dict):
     """run_stage's record of the Linears it replaced, which frees each one's weight instead of
     keeping the module (nothing restores a layer here: it is written and freed): the float
-    weights of a layer's quantized Linears are not alive beside the later groups' Hessians."""
+    weights of a layer's quantized Linears are not alive beside the later groups' Hessians (nor
+    the fused weights of an experts module, once its QuantExperts is in)."""
 
     def __setitem__(self, name, module) -> None:
         w = getattr(module, "weight", None)
         if isinstance(w, torch.Tensor):
             w.data = w.data.new_empty(0)
+        for p in module.parameters(recurse=False):
+            if p.ndim >= 3:
+                p.data = p.data.new_empty(0)
 
 
 def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -259,9 +296,10 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                        max_shard_bytes: int | None = None, method_options: dict | None = None,
                        progress: bool = False, memory_trace_layer: int | None = None,
                        profile_layer: int | None = None) -> dict:
-    """Quantize the Llama-family checkpoint in `in_dir` one decoder layer at a time and write a
-    compressed-tensors checkpoint to `out_dir` (rank 0 only under torch.distributed; None writes
-    nothing, e.g. to measure).
+    """Quantize the Llama-family or MoE (MOE_FAMILIES) checkpoint in `in_dir` one decoder layer at
+    a time and write a compressed-tensors checkpoint to `out_dir` (rank 0 only under
+    torch.distributed; None writes nothing, e.g. to measure): the files quantize_model +
+    save_compressed write for the same model, recipe and ignore list.
 
     calib: input-id tensors [B, T] (this rank's share under torch.distributed). method: "rtn" or
     "gptq" (gptq_model's options in method_options). smoothquant: alpha or None. static_scales:
@@ -277,7 +315,8 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     time) and per layer (load, calibrate, quantize, write and, for GPTQ, gptq_hessian /
     gptq_factor / gptq_solve / gptq_losses), peak memory (RSS bytes over the start; on CUDA max_memory_allocated overall and per
     phase, with the layer where each phase peaked and what was allocated when it began), one
-    layer's bytes and the activation bytes."""
+    layer's bytes and the activation bytes; for MoE models, "experts": each experts module's
+    action, recipe, reason and GPTQ's per-expert report (lowbit.algorithms.gptq.experts)."""
     import transformers
     from concurrent.futures import ThreadPoolExecutor
     from lowbit.io import ct_layout as L
@@ -296,6 +335,12 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     from lowbit.algorithms.sequential import capture_block_inputs, run_stage
     from lowbit.algorithms.smoothquant import fold_from_stats, fold_plan
     from lowbit.archs.decoders import decoder_for
+    from lowbit.pipelines import moe_checkpoint as MC
+    from lowbit.pipelines.checkpoint import describe_qtensor
+    from lowbit.pipelines.moe import build_experts, router_names, swap_in
+    from lowbit.pipelines.quantize_model import _split_patterns
+    from lowbit.algorithms.sequential import decoder_blocks
+    from lowbit.algorithms.smoothquant import refuse_experts
 
     t_start = time.time()
     rss0 = memtrace.rss_bytes()
@@ -351,44 +396,98 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     config = transformers.AutoConfig.for_model(**cfg)
     with torch.device("meta"):
         model = getattr(transformers, arch)(config).eval()
-    # experts first: the more specific refusal (a MoE family is not in the dense decoder map either)
-    moe = list(find_experts(model))
+    # experts first: a family outside the list below is refused by name (a MoE family is not in
+    # the dense decoder map either)
+    experts = find_experts(model)       # fused experts the map does not know are refused by name
+    moe = sorted({s.family for s in experts.values()})
     if moe:
-        raise NotImplementedError(f"{arch}: layer-by-layer quantization does not quantize fused MoE experts yet "
-                                  f"({moe[0]}, ...), and would leave them in float: its decoder-layer loader knows "
-                                  "the dense Llama layout only; quantize the checkpoint tensor by tensor "
-                                  "(lowbit.pipelines.tensorwise.quantize_checkpoint, round to nearest) or load the "
-                                  "model and use lowbit.pipelines.quantize_model + save_compressed (method='gptq' "
-                                  "calibrates the experts per expert)")
-    fam = decoder_for(model)            # a family not in lowbit.archs.decoders is refused by name
+        family = moe[0]
+        other = [f for f in moe if f not in MOE_FAMILIES]
+        if other:
+            raise NotImplementedError(
+                f"{arch}: layer-by-layer quantization does not support {other[0]} experts "
+                f"({next(n for n, s in experts.items() if s.family == other[0])}, ...): it covers the families "
+                f"{', '.join(MOE_FAMILIES)} (per-expert checkpoint names it maps, one attention mask for every "
+                "layer); load the model and use lowbit.pipelines.quantize_model + save_compressed")
+        if need_f:
+            refuse_experts(model, "SmoothQuant", "lowbit.algorithms.experts_fold.smooth_experts folds it into the "
+                           "experts' down side on a whole model (lowbit quantize --smoothquant without --sequential); "
+                           "the layer-by-layer path does not run it yet.")
+        if need_s:
+            raise NotImplementedError("static_scales: static activation scales are not supported for MoE experts "
+                                      f"({next(iter(experts))}, ...), as in quantize_model; use a dynamic recipe")
+        if getattr(config, "layer_types", None) and len(set(config.layer_types)) > 1:
+            raise NotImplementedError(f"{arch}: its layers mix attention types {sorted(set(config.layer_types))}; "
+                                      "layer-by-layer quantization passes every layer the first one's mask")
+        blocks = decoder_blocks(model)      # the experts map stands for the decoder map's family check
+        layout = blocks is not None and blocks[0] == "model.layers" and hasattr(getattr(model, "model", None),
+                                                                                "embed_tokens")
+    else:
+        fam = decoder_for(model)            # a family not in lowbit.archs.decoders is refused by name
+        family = fam.family
+        layout = fam.layers == "model.layers" and fam.embed == "model.embed_tokens"
     inner = getattr(model, "model", None)
-    if fam.layers != "model.layers" or fam.embed != "model.embed_tokens" or inner is None or \
-            not hasattr(inner, "rotary_emb"):
+    if not layout or inner is None or not hasattr(inner, "rotary_emb"):
         raise NotImplementedError(f"{arch}: layer-by-layer quantization knows the Llama layout (model.embed_tokens, "
                                   "model.layers, model.norm, model.rotary_emb); quantize it whole instead")
     bname, blist = "model.layers", inner.layers
     built = [f"model.embed_tokens.{n}" for n, _ in inner.embed_tokens.named_buffers()]
     if built:      # e.g. Gemma's embed_scale: set at construction, on the meta device here
-        raise NotImplementedError(f"{fam.family}: layer-by-layer quantization rebuilds the embedding from its "
+        raise NotImplementedError(f"{family}: layer-by-layer quantization rebuilds the embedding from its "
                                   f"weight alone, but {built} are set at construction; quantize it whole instead")
-    summary = plan(model, r, ignore)
-    outside = [d.name for d in summary.quantized if not d.name.startswith(bname + ".")]
+    # the plan of quantize_model: an ignore pattern may name experts modules, routers and
+    # shared-expert gates stay in high precision
+    lin_ignore, _, found, exp_decisions, _ = _split_patterns(model, experts, r, ignore, None)
+    summary = plan(model, r, lin_ignore or None)
+    summary.experts = exp_decisions
+    routers = router_names(model, found)
+    for d in summary.layers:
+        if d.name in routers and d.reason == "recipe":
+            d.action, d.recipe, d.reason = "skipped", None, "MoE router / gate stays high precision"
+    exp_quantized = [d for d in exp_decisions if d.action == "quantized"]
+    outside = [d.name for d in summary.quantized + exp_quantized if not d.name.startswith(bname + ".")]
     if outside:
         raise NotImplementedError(f"Linears outside the decoder layers would be quantized ({outside[:3]}): the "
                                   "layer-by-layer path keeps them in high precision; ignore=[...] them")
     short = [f"{d.name} {list(d.shape)}" for d in summary.quantized if d.shape[1] % k_multiple(summary.recipe_of(d).weight)]
+    short += [f"{d.name} (E, 2I, H = {d.shape})" for d in exp_quantized
+              if d.shape[2] % k_multiple(summary.recipes[d.recipe].weight) or
+              (d.shape[1] // 2) % k_multiple(summary.recipes[d.recipe].weight)]
+    # save_compressed's check of per-expert storage, before any layer is read (a rank that failed
+    # it alone, later, would leave the others waiting in a collective)
+    for d in exp_quantized:
+        w = summary.recipes[d.recipe].weight
+        if w.strategy == "block" and (d.shape[1] // 2) % w.block_size[0]:
+            raise ValueError(f"{d.name}: {w} blocks of {w.block_size[0]} rows straddle gate and up (I = "
+                             f"{d.shape[1] // 2}); a per-expert checkpoint needs I to be a multiple of the block rows")
     if short:
         raise ValueError(f"{len(short)} weight(s) have an in_features that {r.name}'s group does not divide, which "
                          f"compressed-tensors cannot store: {', '.join(short[:3])}; ignore=[...] them or choose a "
                          "smaller group")
+    # checkpoint names: the families' own (Mixtral's block is block_sparse_moe on disk, its
+    # experts one tensor per expert and projection), as save_compressed writes them
+    sites = MC.experts_sites(model)
+    renamed = MC.renames(sites)
+    unquantized = [MC.rename(d.name, renamed) for d in summary.skipped] + [MC.rename(n, renamed) for n in routers]
+    unquantized += [MC.block_pattern(sites[d.name]) for d in exp_decisions
+                    if d.action != "quantized" and sites[d.name].spec.ckpt_projs is not None]
     L.scheme_to_args(r.weight)          # unsupported schemes fail before anything is read
     if r.act is not None:
         L.scheme_to_args(static_scheme(r.act) if static_scales else r.act)
-    ckpt = layer_loader.Checkpoint(in_dir)
-    own = {n for n in ckpt.files if n.startswith(bname + ".")}
     world = distributed.world_size()
+    ckpt = layer_loader.Checkpoint(in_dir)
+
+    try:                                 # every layer's tensors found, with the shapes config.json's model has
+        sources = layer_loader.model_sources(model, ckpt)
+        plans = [layer_loader.plan(blist[i], f"{bname}.{i}.", ckpt, world, sources) for i in range(len(blist))]
+    except BaseException:
+        ckpt.close()
+        raise
+    own = {n for n in ckpt.files if n.startswith(bname + ".")}
+    keep_fp32 = [_fp32_tensors(model, dtype, blist[i], f"{bname}.{i}.") for i in range(len(blist))]
     result = {"recipe": r.name, "method": method, "layers": len(blist), "seconds_per_layer": [],
-              "quantized": [d.name for d in summary.quantized], "kept": [d.name for d in summary.skipped],
+              "quantized": [d.name for d in summary.quantized + exp_quantized],
+              "kept": [d.name for d in summary.skipped + exp_decisions if d.action == "skipped"],
               "world_size": world, "phase_seconds": phases}
     writer_rank = distributed.rank() == 0 and out_dir is not None
     busy = result["thread_seconds"] = {"read": 0.0, "copy_rest": 0.0, "write": 0.0}
@@ -412,15 +511,16 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
         pin_for = device if pin else None
 
         def fetch(i):                # reader thread: this rank's share of layer i, on the host
-            pieces = layer_loader.plan(blist[i], f"{bname}.{i}.", ckpt, world)
-            host, secs = layer_loader.read_pieces(pieces, ckpt, dtype, chunks, pin_for)
+            pieces = plans[i]
+            host, secs = layer_loader.read_pieces(pieces, ckpt, dtype, chunks, pin_for,
+                                                  dict.fromkeys(keep_fp32[i], torch.float32))
             busy["read"] += secs
             return pieces, host
 
         def write(ts):
             t0 = time.time()
             for n, t in expand_deferred(ts):
-                writer.add(n, t)
+                writer.add(MC.rename(n, renamed), t)
             busy["write"] += time.time() - t0
 
         try:
@@ -474,7 +574,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
         streams = {k: list(first) for k, want in (("F", need_f), ("S", need_s), ("Q", need_q)) if want}
         del first
         scales: dict[str, torch.Tensor] = {}
-        layer_schemes, sidecar = {}, {}
+        layer_schemes, sidecar, targets = {}, {}, {}
         static = scales if need_s else None      # filled layer by layer, before each layer is quantized
         # GPTQ's W4A16 layers keep their codes on the device (no host twin): rank 0 packs them
         # there for the checkpoint and copies the packed words (half the bytes) to the host
@@ -501,6 +601,9 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                 # the meta copy in the compute dtype first: the device then holds the layer once,
                 # in that dtype (to_empty of the float32 meta layer had allocated it in float32)
                 layer = copy.deepcopy(skeleton).to(dtype)
+                for n, t in layer_loader.tensors(layer).items():
+                    if n in keep_fp32[i]:   # as from_pretrained keeps them (meta tensors: no memory)
+                        t.data = t.data.float()
                 pieces, host = nxt.result()
                 if i + 1 < len(blist):
                     nxt = io[0].submit(fetch, i + 1)
@@ -512,6 +615,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                 if i == 0:
                     result["layer_bytes"] = sum(p.numel() * p.element_size() for p in layer.parameters())
                 mine = [d.name[len(prefix):] for d in summary.quantized if d.name.startswith(prefix)]
+                mine_experts = [d for d in exp_quantized if d.name.startswith(prefix)]
                 last = i + 1 == len(blist)
                 if need_f:               # SmoothQuant's maxima on the float model as loaded
                     groups, why = fold_plan(layer)
@@ -527,8 +631,11 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                         scales[prefix + n] = scale_from_absmax(a, act)
                 if need_q:               # GPTQ on the quantized model's activations
                     lap("calibrate")
-                    key = (type(layer).__name__, tuple(mine))
-                    groups_of[key] = run_stage(layer, streams["Q"], mine, handle, _Dropping(), prefix, None,
+                    # the experts modules among the Linears, each a group of its own (GPTQ per
+                    # expert on the tokens routed to it: lowbit.algorithms.gptq.experts)
+                    todo = mine + [d.name[len(prefix):] for d in mine_experts]
+                    key = (type(layer).__name__, tuple(todo))
+                    groups_of[key] = run_stage(layer, streams["Q"], todo, handle, _Dropping(), prefix, None,
                                                groups=groups_of.get(key))
                     lap("quantize")
                     if not last:
@@ -539,11 +646,25 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                     # which alone writes, receives the codes (nothing runs the quantized layer)
                     lap("calibrate")
                     _rtn_split(layer, mine, {d.name: d for d in summary.quantized}, summary, static, prefix)
+                    if mine_experts and distributed.rank() == 0:   # the experts on rank 0, which writes
+                        # quantize_model's QuantExperts (blist[i] is this layer: the names resolve)
+                        swap_in(model, build_experts(model, found, mine_experts, summary.recipes))
                     lap("quantize")
-                formats = {}
+                formats, layer_sites = {}, {}
                 for n, m in layer.named_modules():
+                    full = prefix + n
                     if isinstance(m, QuantLinear):
-                        formats[prefix + n], layer_schemes[prefix + n], sidecar[prefix + n] = describe_qlayer(prefix + n, m)
+                        stored = MC.rename(full, renamed)
+                        formats[full], layer_schemes[stored], sidecar[stored] = describe_qlayer(stored, m)
+                    elif full in sites:      # written per expert, as save_compressed writes them
+                        site = layer_sites[full] = dataclasses.replace(sites[full], module=m)
+                        if not site.quantized:
+                            continue
+                        MC.check_savable(site, cfg)
+                        for lname, qt in MC.expert_qtensors(site):
+                            formats[full], layer_schemes[lname], sidecar[lname] = describe_qtensor(
+                                lname, qt, m.weight_scheme, m.act_scheme)
+                            targets[lname] = MC.block_pattern(site)
                 del m
                 if writer is not None:
                     # tensors on the device are copied to the host here (the layer is freed below;
@@ -552,7 +673,8 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                     # twin: int4 packing on the CPU, ~0.35 s for a Llama-8B layer) is made by the
                     # writer thread while the next layer computes
                     out = [(n, t if callable(t) else _to_host(t, pin))
-                           for n, t in module_tensors(layer, formats, set(), prefix[:-1], defer_host=True)]
+                           for n, t in module_tensors(layer, formats, set(), prefix[:-1], defer_host=True,
+                                                      experts=layer_sites)]
                     while len(written) >= WRITE_QUEUE:   # at most WRITE_QUEUE layers wait on the host
                         written.pop(0).result()            # (and a writer's error surfaces here)
                     written.append(io[1].submit(write, out))
@@ -585,6 +707,11 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
         for fut in (*written, rested):
             if fut is not None:
                 fut.result()
+        # what became of every experts module; GPTQ's per-expert report (the experts kept at
+        # round to nearest for lack of routed tokens or by the loss check), as quantize_model's summary
+        result["experts"] = {d.name: {"action": d.action, "recipe": d.recipe, "reason": d.reason,
+                                      "calibration": None if d.calibration is None else str(d.calibration)}
+                             for d in exp_decisions}
         if handle is not None:
             from lowbit.algorithms.gptq import solver as gptq
             result["gptq_phase_seconds"] = dict(handle.timings)
@@ -592,7 +719,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
         if writer is not None:
             result["shards"] = rest_writer.finish(writer)     # the rest's shards first, as before
             out_cfg = dict(cfg)
-            out_cfg["quantization_config"] = build_quantization_config(layer_schemes, sorted(result["kept"]))
+            out_cfg["quantization_config"] = build_quantization_config(layer_schemes, sorted(set(unquantized)), targets)
             write_metadata(tmp, out_cfg, r.name, sidecar)
             copy_side_files(in_dir, tmp)
 
