@@ -338,7 +338,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     from lowbit.pipelines import moe_checkpoint as MC
     from lowbit.pipelines.checkpoint import describe_qtensor
     from lowbit.pipelines.moe import build_experts, router_names, swap_in
-    from lowbit.pipelines.quantize_model import _split_patterns
+    from lowbit.pipelines.quantize_model import split_patterns
     from lowbit.algorithms.sequential import decoder_blocks
     from lowbit.algorithms.smoothquant import refuse_experts
 
@@ -437,7 +437,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                                   f"weight alone, but {built} are set at construction; quantize it whole instead")
     # the plan of quantize_model: an ignore pattern may name experts modules, routers and
     # shared-expert gates stay in high precision
-    lin_ignore, _, found, exp_decisions, _ = _split_patterns(model, experts, r, ignore, None)
+    lin_ignore, _, found, exp_decisions, _ = split_patterns(model, experts, r, ignore, None)
     summary = plan(model, r, lin_ignore or None)
     summary.experts = exp_decisions
     routers = router_names(model, found)

@@ -127,7 +127,7 @@ def _quantize_linears(model, recipe, *, ignore, overrides, act_static_scales, ba
     if method == "gptq" and calib is None:
         raise ValueError("method='gptq' needs calibration inputs: pass calib=[input-id tensors or dicts]")
     experts = find_experts(model)       # raises on fused experts the map does not know
-    linear_ignore, linear_over, found, exp_decisions, resolved = _split_patterns(model, experts, recipe, ignore,
+    linear_ignore, linear_over, found, exp_decisions, resolved = split_patterns(model, experts, recipe, ignore,
                                                                                  overrides)
     summary = plan(model, recipe, linear_ignore or None, linear_over or None, lm_head=lm_head)
     for r in resolved.values():                    # recipes that only experts overrides name
@@ -192,7 +192,7 @@ def untie_embeddings(model: torch.nn.Module, names: list[str]) -> None:
             m.all_tied_weights_keys = {k: v for k, v in keys.items() if (pre + k)[: -len(".weight")] not in names}
 
 
-def _split_patterns(model, experts, recipe, ignore, overrides):
+def split_patterns(model, experts, recipe, ignore, overrides):
     """(Linear ignore, Linear overrides, experts found, experts decisions, resolved overrides): a
     pattern that matches experts modules and no Linear goes to the experts plan only (plan()
     refuses a pattern that matches no Linear, and still does for one that matches nothing at
