@@ -397,3 +397,4 @@ def test_cli_sequential_moe(rng, tmp_path, capsys, monkeypatch):
     assert len(experts) == 2 * 4 * 3 and "model.layers.0.block_sparse_moe.gate.weight" in ck.tensors
     report = json.loads(printed.out.strip().splitlines()[-1])
     assert set(report["experts"]) == {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
+    assert "Linears and 2 experts modules quantized" in printed.out, printed.out

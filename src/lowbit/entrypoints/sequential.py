@@ -64,7 +64,10 @@ def run(args, recipes: list[str], outs: dict, device: str) -> int:
                                  smoothquant=args.smoothquant, static_scales=args.static_scales, ignore=args.ignore,
                                  device=device, dtype=dtype, overwrite=args.overwrite, progress=D.rank() == 0)
         peak = res.get("peak_device_bytes", res["peak_rss_over_start_bytes"])
-        say(f"{recipe}: checkpoint {outs[recipe]} ({len(res['quantized'])} Linears quantized) in "
+        experts = res.get("experts", {})
+        n_exp = sum(1 for n in res["quantized"] if n in experts)
+        what = f"{len(res['quantized']) - n_exp} Linears" + (f" and {n_exp} experts modules" if experts else "")
+        say(f"{recipe}: checkpoint {outs[recipe]} ({what} quantized) in "
             f"{time.time() - t0:.0f} s; peak memory {peak / 2**20:.0f} MiB "
             f"({'device' if 'peak_device_bytes' in res else 'RSS over the start'}), one layer "
             f"{res['layer_bytes'] / 2**20:.0f} MiB, calibration activations {res['activation_bytes'] / 2**20:.0f} MiB",
