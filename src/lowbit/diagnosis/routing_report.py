@@ -60,6 +60,7 @@ class LayerRouting:
     load_quant: list[int]
     weight_db: dict[str, list[float]] = field(default_factory=dict)
     output_db: list[float] = field(default_factory=list)
+    quantized: bool = True      # False: the experts were kept in high precision (flips come from other layers)
 
     @property
     def flip_fraction(self) -> float:
@@ -82,9 +83,10 @@ class RoutingReport:
         for L in self.layers:
             finite = [v for v in L.output_db if not math.isnan(v)]
             wdb = min((v for vs in L.weight_db.values() for v in vs), default=math.nan)
+            sqnr = (f"{min(finite, default=math.nan):.1f} | {wdb:.1f}" if L.quantized
+                    else "kept in high precision | kept in high precision")
             lines.append(f"| {L.experts} | {L.tokens} | {len(L.flips)} ({L.flip_fraction:.2%}) | "
-                         f"{L.flips_router_quantized} ({L.flip_fraction_router_quantized:.2%}) | "
-                         f"{min(finite, default=math.nan):.1f} | {wdb:.1f} | "
+                         f"{L.flips_router_quantized} ({L.flip_fraction_router_quantized:.2%}) | {sqnr} | "
                          f"{min(L.load_float)}-{max(L.load_float)} |")
         lines += ["", f"Router quantized for the comparison as: {self.router_scheme}. A flip is a discrete "
                   "error (the token's MoE output comes from other experts); each is listed below.", ""]
@@ -203,12 +205,18 @@ def routing_report(float_model: torch.nn.Module, quantized_model: torch.nn.Modul
         r = router_of(float_model, n, spec)
         if r is None:
             raise ValueError(f"experts {n} ({spec.family}) has no router {spec.router!r} beside it")
-        q = quantized_model.get_submodule(n)
-        if not isinstance(q, QuantExperts):
-            raise ValueError(f"{n} is {type(q).__name__} in the quantized model, not QuantExperts: quantize the "
-                             "experts (quantize_model) before asking for their routing report")
         routers.append(r[0])
-        schemes[r[0]] = (q.weight_scheme, q.act_scheme)
+        q = quantized_model.get_submodule(n)
+        if isinstance(q, QuantExperts):
+            schemes[r[0]] = (q.weight_scheme, q.act_scheme)
+    if not schemes:
+        raise ValueError(f"no experts module of {type(float_model).__name__} is QuantExperts in the quantized model "
+                         f"(e.g. {names[0]} is {type(quantized_model.get_submodule(names[0])).__name__}): quantize "
+                         "the experts (quantize_model) before asking for their routing report")
+    # experts kept in high precision (an ignore pattern) still route: their flips come from the
+    # layers quantized before them; their routers are quantized for the comparison as the others'
+    first = next(iter(schemes.values()))
+    schemes = {r: schemes.get(r, first) for r in routers}
     f_idx, f_in = _run(float_model, routers, names, batches, want_inputs=True)
     q_idx, _ = _run(quantized_model, routers, names, batches, want_inputs=False)
     with _routers_quantized(quantized_model, routers, schemes):
@@ -229,11 +237,12 @@ def routing_report(float_model: torch.nn.Module, quantized_model: torch.nn.Modul
             local, T = t - starts[bi], _batch_rows(batches[bi])
             flips.append(Flip(bi, local // T, local % T, tuple(sa[t].tolist()), tuple(sb[t].tolist())))
         q = quantized_model.get_submodule(n)
-        E = q.num_experts
+        quantized = isinstance(q, QuantExperts)
+        E = int(getattr(float_model.get_submodule(n), found[n].gate_up).shape[0])
         load = lambda t: torch.bincount(t[t < E].reshape(-1), minlength=E).tolist()  # noqa: E731
-        wdb, odb = _expert_sqnr(float_model.get_submodule(n), found[n], q, f_in[n])
+        wdb, odb = _expert_sqnr(float_model.get_submodule(n), found[n], q, f_in[n]) if quantized else ({}, [])
         layers.append(LayerRouting(r, n, int(fa.shape[0]), flips, int((sa != sc).any(dim=1).sum()),
-                                   load(fa), load(fb), wdb, odb))
+                                   load(fa), load(fb), wdb, odb, quantized))
     w_s, a_s = next(iter(schemes.values()))
     return RoutingReport(layers, f"weight {w_s}, input {a_s if a_s is not None else 'high precision'}")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shlex
 import sys
 import time
@@ -55,9 +56,10 @@ def register(p) -> None:
     p.add_argument("--override-to", default="skip", metavar="RECIPE",
                    help="'skip' (keep in high precision) or a recipe, for --override-worst")
     p.add_argument("--ignore", action="append", default=None, metavar="PATTERN",
-                   help="keep matching Linears in high precision (glob, or re:REGEX)")
+                   help="keep matching Linears, or MoE experts modules (e.g. 'model.layers.*.mlp.experts'), in high "
+                        "precision (glob, or re:REGEX)")
     p.add_argument("--override", action="append", default=None, metavar="PATTERN=RECIPE",
-                   help="another recipe (or skip) for matching Linears")
+                   help="another recipe (or skip) for matching Linears or MoE experts modules")
     p.add_argument("--method", choices=("rtn", "gptq"), default=None,
                    help="how weight codes are chosen: rtn (round to nearest) or gptq (calibrated)")
     p.add_argument("--plain", action="store_true",
@@ -286,17 +288,63 @@ def _shapes_before_loading(args, recipes: list[str], overrides: dict, override_t
 
 
 def check_plan(args, model, recipe: str, overrides: dict) -> None:
-    """After loading, before any calibration: the exact plan's shapes against each recipe's
-    checkpoint format."""
+    """After loading, before any calibration: the patterns against the model, the MoE experts'
+    groups (with --no-save too: stacked expert scales need whole groups), and, when saving, the
+    exact plan's shapes against each recipe's checkpoint format."""
+    from lowbit.archs.experts import find_experts
+    from lowbit.pipelines.quantize_model import split_patterns
     from lowbit.recipes.compat import plan_refusal
     from lowbit.recipes.plan import plan
+    experts = find_experts(model)
+    # a pattern naming only experts modules is for the experts plan (as in quantize_model); plan()
+    # alone would call it a pattern that matches no Linear
+    lin_ignore, lin_over, found, decisions, _ = split_patterns(model, experts, recipe, args.ignore, overrides)
+    summary = plan(model, recipe, ignore=lin_ignore or None, overrides=lin_over or None,
+                   lm_head=getattr(args, "lm_head", None))
+    extra = [args.override_to] if args.override_to != "skip" and args.override_worst > 0 else []
+    quantized = [d for d in decisions if d.action == "quantized"]
+    why = _experts_refusal(recipe, quantized)
+    if why:
+        raise ValueError(why)
     if args.no_save:
         return
-    extra = [args.override_to] if args.override_to != "skip" and args.override_worst > 0 else []
-    why = plan_refusal(plan(model, recipe, ignore=args.ignore, overrides=overrides,
-                            lm_head=getattr(args, "lm_head", None)), extra)
+    fused = [d for d in quantized if found[d.name].ckpt_projs is None]
+    if fused:
+        raise ValueError(f"--recipe {recipe}: {fused[0].family} checkpoints keep the experts fused, and no loader reads "
+                         f"them quantized per expert ({', '.join(d.name for d in fused[:2])}"
+                         f"{', ...' if len(fused) > 2 else ''}): keep them in high precision to save the model "
+                         f"(--ignore '{_experts_glob(fused[0].name)}'), or evaluate without saving (--no-save)")
+    why = plan_refusal(summary, extra)
     if why:
         raise ValueError(f"--recipe {recipe}: {why}")
+
+
+def _experts_glob(name: str) -> str:
+    """A glob naming every experts module like `name` (the layer index replaced by *)."""
+    return re.sub(r"\.\d+\.", ".*.", name, count=1)
+
+
+def _experts_refusal(recipe: str, decisions) -> str | None:
+    """Why the experts of `decisions` (quantized ones) cannot take their recipe's groups, with the
+    fix; None if they can. Both projections: gate_up reads H, down reads I."""
+    from lowbit.recipes.compat import alternative, stored_group
+    from lowbit.recipes.presets import get_recipe
+    for d in decisions:
+        r = get_recipe(d.recipe)
+        g = stored_group(r)
+        _, two_i, h = d.shape
+        ks = {"gate_up (hidden size H)": h, "down (expert intermediate size I)": two_i // 2}
+        bad = {what: k for what, k in ks.items() if g and k % g}
+        if not bad:
+            continue
+        alt = alternative(r, sorted(set(ks.values())))
+        flag = "--recipe" if d.recipe == get_recipe(recipe).name else "--override"
+        where = " and ".join(f"K = {k} of {what}" for what, k in bad.items())
+        use = "" if alt is None else f"use {alt.name} ({'groups of %d' % stored_group(alt) if stored_group(alt) else 'per-channel scales'}), "
+        return (f"{flag} {d.recipe}: the MoE experts ({d.name}, E x 2I x H = {'x'.join(map(str, d.shape))}) have "
+                f"{where}, not a multiple of {r.name}'s group of {g}; experts are quantized in whole groups, saved "
+                f"or not: {use}or keep the experts in high precision (--ignore '{_experts_glob(d.name)}')")
+    return None
 
 
 def checkpoint_bytes(directory: Path) -> int:
@@ -340,6 +388,7 @@ def run(args) -> int:
     from lowbit.diagnosis.sites import plot_sites
     from lowbit.archs.experts import find_experts
     from lowbit.diagnosis.routing_report import plot_routing, routing_report
+    from lowbit.nn.experts import QuantExperts
 
     recipes, overrides, outs = validate(args)   # before anything slow
     if args.threads:
@@ -424,7 +473,8 @@ def run(args) -> int:
             print(att)
             res.sites_markdown.append(("Attention sites (KV cache; first calibration batch)", att.to_markdown()))
         routing = None
-        if find_experts(loaded.model):      # MoE: routing flips, expert load and per-expert SQNR vs float
+        # MoE: routing flips, expert load and per-expert SQNR vs float (when any experts were quantized)
+        if find_experts(loaded.model) and any(isinstance(m, QuantExperts) for m in run_.model.modules()):
             routing = routing_report(loaded.model, run_.model, rtexts.calib)
             print(routing.to_markdown(), flush=True)
             res.sites_markdown.append(("MoE routing (calibration batches, against the float model)",

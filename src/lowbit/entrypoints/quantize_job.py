@@ -62,7 +62,7 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
     evaluate=False: quantize only (RecipeRun.value None, no token metrics)."""
     from lowbit.algorithms.static_scales import calibrate_static_scales, clipping_report
     from lowbit.recipes.plan import kept_by_default, linear_layers
-    from lowbit.pipelines.quantize_model import quantize_model
+    from lowbit.pipelines.quantize_model import quantize_model, split_patterns
     from lowbit.diagnosis.sites import override_count, pick_overrides, site_report
     from lowbit.algorithms.smoothquant import fold_plan, smooth_model
     r = get_recipe(recipe)
@@ -78,12 +78,18 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
             raise ValueError(f"rotate={rotate!r}: the rotation lowbit knows is 'hadamard'")
         from lowbit.algorithms.rotation import rotate_model
         rotate_model(m)
+    # The per-site diagnosis is of Linears: the patterns that name MoE experts modules only are for
+    # quantize_model (site_report would refuse a pattern that matches no Linear).
+    experts_found = find_experts(m)
+    lin_ignore, lin_over = split_patterns(m, experts_found, r, ignore, overrides)[:2] if experts_found \
+        else (ignore, overrides)
+    lin_ignore, lin_over = lin_ignore or None, lin_over or None
     # sites=False skips the diagnosis when nothing depends on it (no overrides to pick).
     want = sites or (override_worst > 0 and override_by == "block")
-    sites_before = site_report(m, texts.calib, r, ignore=ignore, overrides=overrides, progress=progress) \
+    sites_before = site_report(m, texts.calib, r, ignore=lin_ignore, overrides=lin_over, progress=progress) \
         if sites else None
     sites_after = None
-    moe = bool(find_experts(m))
+    moe = bool(experts_found)
     if smoothquant is not None and moe:     # MoE: the one exact fold is each expert's down side
         from lowbit.algorithms.experts_fold import smooth_experts
         done = smooth_experts(m, texts.calib, alpha=smoothquant)
@@ -93,7 +99,7 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
               "s = 1); the experts' gate_up, attention and shared experts are not smoothed (no exact fold point for "
               "a MoE family)", flush=True)
         if want:
-            sites_after = site_report(m, texts.calib, r, ignore=ignore, overrides=overrides, progress=progress)
+            sites_after = site_report(m, texts.calib, r, ignore=lin_ignore, overrides=lin_over, progress=progress)
     elif smoothquant is not None:
         # the decoder map says where the fold is exact: a family it does not know is refused here
         # (before anything is folded), Linears without a fold point are named and left unsmoothed
@@ -109,9 +115,9 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
             warnings.filterwarnings("ignore", message="SmoothQuant: ")   # printed above
             smooth_model(m, texts.calib, alpha=smoothquant, progress=progress)
         if want:
-            sites_after = site_report(m, texts.calib, r, ignore=ignore, overrides=overrides, progress=progress)
+            sites_after = site_report(m, texts.calib, r, ignore=lin_ignore, overrides=lin_over, progress=progress)
     elif want and sites_before is None:
-        sites_before = site_report(m, texts.calib, r, ignore=ignore, overrides=overrides, progress=progress)
+        sites_before = site_report(m, texts.calib, r, ignore=lin_ignore, overrides=lin_over, progress=progress)
     if awq:
         if moe:       # MoE: the one exact AWQ fold is each expert's down side
             from lowbit.algorithms.experts_fold import awq_experts
@@ -128,7 +134,7 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
     if override_worst > 0 and override_by == "kl":
         from lowbit.diagnosis.site_kl import kl_pick
         klp = kl_pick(m, texts.calib, r, override_count(len(linear_layers(m)), override_worst), to=override_to,
-                      ignore=ignore, overrides=overrides, progress=progress)
+                      ignore=lin_ignore, overrides=lin_over, progress=progress)
         picked = {s: override_to for s in klp.picked}
         ov.update(picked)
     elif override_worst > 0:
