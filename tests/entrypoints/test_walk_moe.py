@@ -99,3 +99,60 @@ def test_gpt_oss_refused_before_calibration_when_saving_then_saved_with_its_expe
     printed = capsys.readouterr().out
     assert "0 of 2 experts modules quantized" in printed and (out / "config.json").is_file()
     assert "MoE routing" not in (out / "lowbit_report.md").read_text()    # no experts quantized: no routing report
+
+
+# ------------------------------------------------------------------ KV cache, help texts, --sequential
+def test_grouped_kv_cache_that_does_not_divide_head_dim_refused_before_calibration(tiny, monkeypatch, tmp_path,
+                                                                                 capsys):
+    """The tiny Llama has head_dim 16: int4-g32 used to fail at the first evaluation, after the
+    whole quantization, with no flag named; now right after loading, naming groups that fit."""
+    monkeypatch.setattr("lowbit.evaluation.workload.prepare_texts", _no_texts)
+    for extra in ([], ["--no-save"]):
+        assert main([*tiny, "--plain", "--kv-cache", "int4-g32", "--out", str(tmp_path / "o"), *extra]) == 2
+        _one_line_error(capsys, "--kv-cache int4-g32", "head_dim 16", "--kv-cache int4-g16")
+
+
+def test_attention_sites_say_high_precision_not_none(tiny, tmp_path, capsys):
+    assert main([*tiny, "--plain", "--kv-cache", "int8-token", "--no-save", "--out", str(tmp_path / "o")]) == 0
+    printed = capsys.readouterr().out
+    assert "attention sites (KV int8 token; Q high precision, P high precision)" in printed
+    assert "None" not in printed
+
+
+def test_help_names_the_moe_families_and_every_grouped_kv_cache(capsys):
+    with pytest.raises(SystemExit):
+        main(["quantize", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3" in text        # --sequential
+    assert "int4-g64" in text and "int4-g128" in text               # --kv-cache
+    assert "MoE experts modules" in text                           # --ignore / --override
+
+
+def test_sequential_prints_gptq_per_expert_and_ignored_experts(rng, tmp_path, capsys, monkeypatch):
+    from lowbit.entrypoints import sequential as cli_sequential
+    d = tmp_path / "float"
+    tiny_moe("qwen3_moe", rng, dtype=torch.float32, experts=4).save_pretrained(d)
+    ids = torch.randint(0, 97, (64,), generator=rng)
+    monkeypatch.setattr(cli_sequential, "calibration_windows", lambda m, tokens, window: [ids[None, :32], ids[None, 32:]])
+    assert main(["quantize", "--model", str(d), "--sequential", "--gptq", "--recipe", "w4a16-g32", "--calib-tokens",
+                 "64", "--window", "32", "--ignore", "model.layers.0.mlp.experts", "--out", str(tmp_path / "q"),
+                 "--device", "cpu"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "  model.layers.0.mlp.experts: skipped (ignore pattern 'model.layers.0.mlp.experts')" in lines
+    assert any(ln.startswith("  model.layers.1.mlp.experts: GPTQ on ") for ln in lines), lines
+
+
+def test_sequential_refusal_does_not_offer_no_save(rng, tmp_path, capsys):
+    """--sequential refuses --no-save: the K-by-group refusal must not offer it as the way out."""
+    d = tmp_path / "float"
+    tiny_moe("qwen3_moe", rng, dtype=torch.float32, experts=4).save_pretrained(d)
+    assert main(["quantize", "--model", str(d), "--sequential", "--recipe", "w4a16", "--out", str(tmp_path / "q"),
+                 "--device", "cpu"]) == 2
+    last = _one_line_error(capsys, "--recipe w4a16", "w4a16-g32")
+    assert "--no-save" not in last
+
+
+def test_site_plot_of_a_weight_only_recipe_warns_nothing(tiny, tmp_path, recwarn):
+    assert main([*tiny, "--plain", "--recipe", "w4a16-g32", "--no-save", "--out", str(tmp_path / "o")]) == 0
+    assert (tmp_path / "o" / "lowbit_sites.png").stat().st_size > 0
+    assert not [w for w in recwarn if "legend" in str(w.message)]

@@ -120,7 +120,14 @@ def attention_site_report(model, batch, kv: KVCacheQuant | None, spec: ar.AttnSp
         sites.append(AttnSite(i, _sq(k.double(), kh.double()), _sq(v.double(), vh.double()),
                               _sq(p_exact, ref.p), _sq(exact, ref.out), ref.p_zero_fraction))
     return AttnSiteReport(str(kv.scheme) if kv is not None else "unquantized",
-                          f"Q {spec.q_format}, P {spec.p_format} per {spec.p_block}-key block", sites)
+                          _qp_text(spec), sites)
+
+
+def _qp_text(spec) -> str:
+    """How Q and P are held, in words (None is the high-precision case, not a format name)."""
+    q = "high precision" if spec.q_format is None else spec.q_format
+    p = "high precision" if spec.p_format is None else f"{spec.p_format} per {spec.p_block}-key block"
+    return f"Q {q}, P {p}"
 
 
 @contextmanager

@@ -312,19 +312,26 @@ def plot_sites(reports: list[SiteReport], path: str, labels: list[str] | None = 
         for j, (attr, title) in enumerate([("act_db", "input activation"), ("weight_db", "weight"),
                                            ("out_db", "layer output"), ("block_db", "block output, this site only")]):
             ax = axes[i][j]
+            drawn = False
             for kind in kinds:
                 pts = sorted((r.layer, getattr(r, attr)) for r in rep.rows if leaf(r) == kind)
                 pts = [(l, v) for l, v in pts if math.isfinite(v)]
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=kind)
+                    drawn = True
+            if not drawn:   # e.g. the input activations of a weight-only recipe: exact, infinite SQNR
+                ax.text(0.5, 0.5, "no finite SQNR (not quantized)", ha="center", va="center",
+                        transform=ax.transAxes, color="gray")
             if attr != "block_db":               # seed 004's 30 dB rule is about a site's own SQNR
                 ax.axhline(GOOD_DB, color="gray", ls="--", lw=0.8)
             ax.set_title(f"{lab}\n{title} SQNR", fontsize=10)
             ax.set_xlabel("decoder layer")
             ax.set_ylabel("dB")
             ax.grid(alpha=0.3)
-            if j == 0:
-                ax.legend(fontsize=8)
+        # the legend on the row's first panel with lines (a weight-only recipe's first panel has none)
+        ax = next((a for a in axes[i] if a.get_legend_handles_labels()[0]), None)
+        if ax is not None:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -6,6 +6,7 @@ Defaults: the embedded SmolLM2-135M-Instruct, Wikipedia text, recipe w8a8-int8."
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import shlex
@@ -77,8 +78,8 @@ def register(p) -> None:
                    help="calibrated per-tensor activation scales instead of dynamic ones (+ clipping report on new text)")
     p.add_argument("--kv-cache", default=None, metavar="SCHEME",
                    help="also quantize the KV cache: fp8 | int8 (static per tensor, calibrated), fp8-head | int8-head "
-                        "(static per KV head), fp8-token | int8-token (dynamic per token and head), int4-g32 (dynamic "
-                        "per 32 head-dim values); the report gives the metrics with and without it and the "
+                        "(static per KV head), fp8-token | int8-token (dynamic per token and head), int4-gN (dynamic "
+                        "per N head-dim values, N dividing head_dim: int4-g32, int4-g64, int4-g128); the report gives the metrics with and without it and the "
                         "checkpoint carries compressed-tensors' kv_cache_scheme. Most accurate: int8-token; as fp8: "
                         "fp8-token (docs/kv-cache.md)")
     p.add_argument("--lm-head", choices=("int8", "fp8", "w4a16"), default=None,
@@ -88,7 +89,8 @@ def register(p) -> None:
                         "Default: the head stays in high precision")
     p.add_argument("--no-save", action="store_true", help="evaluate only, write no checkpoint (report still written)")
     p.add_argument("--sequential", action="store_true",
-                   help="layer by layer from the --model directory's (sharded) safetensors, Llama family: one decoder "
+                   help="layer by layer from the --model directory's (sharded) safetensors, Llama family and the MoE "
+                        "families Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3 (experts per expert): one decoder "
                         "layer in memory at a time, calibrated on cached activations, quantized, written, freed "
                         "(same codes as the whole-model path). Calibration text tokenized by the directory's "
                         "tokenizer; only the measures flagged (--gptq, --smoothquant, --static-scales), no "
@@ -282,7 +284,7 @@ def _shapes_before_loading(args, recipes: list[str], overrides: dict, override_t
         return
     ks = config_in_features(cfg)
     for r in recipes + ([override_to] if override_to != "skip" and args.override_worst > 0 else []):
-        why = refusal(r, ks)
+        why = refusal(r, ks, no_save=not args.sequential)     # --sequential only writes
         if why:
             raise ValueError(f"--recipe {r}: {why}" if r in recipes else f"--override-to {r}: {why}")
 
@@ -303,7 +305,7 @@ def check_plan(args, model, recipe: str, overrides: dict) -> None:
                    lm_head=getattr(args, "lm_head", None))
     extra = [args.override_to] if args.override_to != "skip" and args.override_worst > 0 else []
     quantized = [d for d in decisions if d.action == "quantized"]
-    why = _experts_refusal(recipe, quantized)
+    why = _experts_refusal(recipe, quantized) or _kv_group_refusal(getattr(args, "kv_cache", None), model)
     if why:
         raise ValueError(why)
     if args.no_save:
@@ -317,6 +319,45 @@ def check_plan(args, model, recipe: str, overrides: dict) -> None:
     why = plan_refusal(summary, extra)
     if why:
         raise ValueError(f"--recipe {recipe}: {why}")
+
+
+def _kv_head_dims(model) -> dict[str, int]:
+    """{what: size} of the head dims the KV cache holds, from the model's config (empty when the
+    config does not say): K and V of multi-head latent attention, else head_dim."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config()
+    get = lambda k: getattr(cfg, k, None) if isinstance(getattr(cfg, k, None), int) else None  # noqa: E731
+    if get("kv_lora_rank") and get("qk_rope_head_dim") is not None and get("qk_nope_head_dim") is not None:
+        out = {"the key head dim (qk_nope_head_dim + qk_rope_head_dim)": get("qk_nope_head_dim")
+               + get("qk_rope_head_dim")}
+        if get("v_head_dim"):
+            out["the value head dim (v_head_dim)"] = get("v_head_dim")
+        return out
+    hd = get("head_dim") or (get("hidden_size") // get("num_attention_heads")
+                             if get("hidden_size") and get("num_attention_heads") else None)
+    return {"head_dim": hd} if hd else {}
+
+
+def _kv_group_refusal(kv_cache: str | None, model) -> str | None:
+    """Why a grouped KV cache (int4-gN) cannot hold this model's heads, with the fix; else None."""
+    if kv_cache is None:
+        return None
+    from lowbit.ops.kv_quant import KVScheme
+    s = KVScheme.parse(kv_cache)
+    if s.granularity != "group":
+        return None
+    bad = {what: d for what, d in _kv_head_dims(model).items() if d % s.group_size}
+    if not bad:
+        return None
+    dims = sorted(set(_kv_head_dims(model).values()))
+    g = math.gcd(*dims)
+    fits = [n for n in (128, 64, 32, 16, 8) if g % n == 0][:2]
+    fmt = kv_cache.partition("-")[0]
+    use = f"use {' or '.join(f'--kv-cache {fmt}-g{n}' for n in fits)}, " if fits else ""
+    where = " and ".join(f"{what} {d}" for what, d in bad.items())
+    return (f"--kv-cache {kv_cache}: {where} of {type(model).__name__} {'is' if len(bad) == 1 else 'are'} not a multiple of the group of "
+            f"{s.group_size} head-dim values: {use}or a cache scaled per token (--kv-cache int8-token)")
 
 
 def _experts_glob(name: str) -> str:

@@ -72,5 +72,10 @@ def run(args, recipes: list[str], outs: dict, device: str) -> int:
             f"({'device' if 'peak_device_bytes' in res else 'RSS over the start'}), one layer "
             f"{res['layer_bytes'] / 2**20:.0f} MiB, calibration activations {res['activation_bytes'] / 2**20:.0f} MiB",
             flush=True)
+        for name, d in experts.items():    # GPTQ per expert: which experts kept round to nearest, and why
+            if d.get("calibration"):
+                say(f"  {d['calibration']}")
+            elif d.get("action") != "quantized":
+                say(f"  {name}: {d.get('action')} ({d.get('reason')})")
         say(json.dumps({k: v for k, v in res.items() if k not in ("quantized", "seconds_per_layer")}))
     return 0

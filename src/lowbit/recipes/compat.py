@@ -33,8 +33,9 @@ def alternative(recipe: Recipe, ks) -> Recipe | None:
     return None
 
 
-def refusal(recipe: Recipe | str, layers: dict[str, int]) -> str | None:
-    """Why `recipe` cannot be stored for layers {name or pattern: K}, with the fix; None if it can."""
+def refusal(recipe: Recipe | str, layers: dict[str, int], no_save: bool = True) -> str | None:
+    """Why `recipe` cannot be stored for layers {name or pattern: K}, with the fix; None if it can.
+    no_save: whether evaluating without saving is a way out to name (not for a path that only writes)."""
     r = get_recipe(recipe)
     g = stored_group(r)
     if g is None:
@@ -53,7 +54,8 @@ def refusal(recipe: Recipe | str, layers: dict[str, int]) -> str | None:
            f"{'is a multiple' if len(ks) == 1 else 'are multiples'} of {stored_group(alt) or 'any group'}, "
            if alt else "")
     return (f"recipe {r.name} groups K by {g}, but {where} is not a multiple of {g}, so no checkpoint can "
-            f"store it: {fix}keep those layers in high precision (--ignore), or evaluate without saving (--no-save)")
+            f"store it: {fix}keep those layers in high precision (--ignore)"
+            + (", or evaluate without saving (--no-save)" if no_save else ""))
 
 
 def plan_refusal(summary: QuantSummary, extra: list[str] = ()) -> str | None:
