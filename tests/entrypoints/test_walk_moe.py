@@ -35,7 +35,7 @@ def moe(monkeypatch, rng):
 
     def make(family):
         model = tiny_moe(family, rng, dtype=torch.float32, experts=4)
-        ids = torch.randint(0, 97, (96,), generator=rng)
+        ids = torch.randint(0, 97, (192,), generator=rng)
         monkeypatch.setattr(workload, "load_model", lambda spec: workload.Loaded(f"tiny-{family}", model, None,
                                                                                  "causal"))
         monkeypatch.setattr(workload, "prepare_texts", lambda loaded, tokens, calib, window, **d: workload.Texts(
@@ -156,3 +156,63 @@ def test_site_plot_of_a_weight_only_recipe_warns_nothing(tiny, tmp_path, recwarn
     assert main([*tiny, "--plain", "--recipe", "w4a16-g32", "--no-save", "--out", str(tmp_path / "o")]) == 0
     assert (tmp_path / "o" / "lowbit_sites.png").stat().st_size > 0
     assert not [w for w in recwarn if "legend" in str(w.message)]
+
+
+@pytest.mark.parametrize("fold", ["smoothquant", "awq"])
+def test_routing_report_weight_sqnr_is_against_the_folded_weights(rng, fold):
+    """After SmoothQuant / AWQ on the experts' down side, the quantized down weights are of
+    W * s per column: against the unfolded float weights their 'SQNR' measured the fold, not the
+    quantization (13 dB for w8a8-int8, 44 dB plain on a tiny Mixtral). The oracle folds a copy
+    itself (the same deterministic fold) and measures 10 log10(|W|^2 / |W - Q|^2) per expert."""
+    import copy
+    from lowbit.algorithms.experts_fold import awq_experts, smooth_experts
+    from lowbit.archs.experts import find_experts
+    from lowbit.entrypoints.quantize_job import run_recipe
+    from lowbit.evaluation import workload
+    from lowbit.nn.experts import _as_enk
+    model = tiny_moe("mixtral", rng, dtype=torch.float32, experts=4)
+    ids = torch.randint(0, 97, (256,), generator=rng)
+    calib = [ids[None, :128], ids[None, 128:]]
+    texts = workload.Texts(ids[:64], calib, [ids[None, -32:]])
+    loaded = workload.Loaded("tiny-mixtral", model, None, "causal")
+    recipe = "w8a8-int8" if fold == "smoothquant" else "w4a16-g32"
+    opts = {"smoothquant": 0.5} if fold == "smoothquant" else {"awq": True}
+    run_ = run_recipe(loaded, texts, recipe, evaluate=False, sites=False, progress=False, **opts)
+    folded = copy.deepcopy(model)
+    smooth_experts(folded, calib, alpha=0.5) if fold == "smoothquant" else awq_experts(folded, recipe, calib)
+    assert run_.experts_weight_db is not None
+    for name, spec in find_experts(model).items():
+        q = run_.model.get_submodule(name)
+        for proj, attr in zip(("gate_up", "down"), spec.weights):
+            w = _as_enk(getattr(folded.get_submodule(name), attr).detach(), spec.layout).double()
+            for e in range(q.num_experts):
+                d = q.weight_q(proj, e).dequantize(torch.float64)
+                want = 10 * torch.log10(w[e].square().sum() / (w[e] - d).square().sum())
+                # float64 sums of the same numbers in another order: 1e-6 dB is far below any rounding
+                # that matters, far above float64's reassociation error (~1e-13 relative)
+                assert abs(run_.experts_weight_db[name][proj][e] - float(want)) < 1e-6, (name, proj, e)
+        # the fold moved the down weights: the unfolded comparison would have differed
+        wf = _as_enk(getattr(model.get_submodule(name), spec.down).detach(), spec.layout).double()
+        assert not torch.equal(wf, _as_enk(getattr(folded.get_submodule(name), spec.down).detach(),
+                                           spec.layout).double())
+
+
+def test_quantize_smoothquant_report_weight_sqnr_meets_the_int8_bound(moe, tmp_path, capsys):
+    """w8a8-int8 weights, one scale per output row: every element's error is at most amax/254 of
+    its row and the row holds at least amax^2, so SQNR >= 10 log10(254^2 / K) = 30.1 dB at K = 64
+    (H = I = 64 here), whatever fold came before. Measured against the unfolded weights it read
+    about 13 dB."""
+    import math
+    moe("mixtral")
+    out = tmp_path / "o"
+    # 128 calibration tokens, top-2 of 4 experts: 64 routed per expert on average, so most experts
+    # pass the fold's 32-token minimum and are folded
+    assert main(["quantize", "--tokens", "128", "--calib-tokens", "128", "--window", "128", "--no-eval", "--no-save",
+                 "--recipe", "w8a8-int8", "--smoothquant", "0.5", "--out", str(out)]) == 0
+    rows = [ln for ln in (out / "lowbit_report.md").read_text().splitlines() if ln.startswith("| model.layers.")
+            and ".experts |" in ln]
+    assert len(rows) == 2
+    bound = 10 * math.log10(254 ** 2 / 64)
+    for ln in rows:
+        weight_db = float(ln.split("|")[6])
+        assert weight_db >= bound, ln

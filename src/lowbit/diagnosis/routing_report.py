@@ -162,14 +162,27 @@ def _sets(t: torch.Tensor) -> torch.Tensor:
     return t.sort(dim=1).values
 
 
+def _float_weights(fmod, spec) -> dict[str, torch.Tensor]:
+    # on the host, in float64, where QuantExperts' exact path computes its side
+    return {p: _as_enk(getattr(fmod, n).detach(), spec.layout).double().cpu() for p, n in zip(PROJECTIONS, spec.weights)}
+
+
+def expert_weight_sqnr(fmod, spec, q: QuantExperts) -> dict[str, list[float]]:
+    """{projection: SQNR dB per expert} of q's quantized weights against the float experts module
+    `fmod` they were quantized from. After a fold (SmoothQuant / AWQ on the experts' down side)
+    that is the folded module, not the original model's: the weights differ by the fold's
+    factors, which are no quantization error."""
+    ws = _float_weights(fmod, spec)
+    return {p: [sqnr_db(ws[p][e], q.weight_q(p, e).dequantize(torch.float64).cpu()) for e in range(q.num_experts)]
+            for p in PROJECTIONS}
+
+
 def _expert_sqnr(fmod, spec, q: QuantExperts, inputs) -> tuple[dict[str, list[float]], list[float]]:
     """Per-expert weight SQNR of both projections, and output SQNR on the inputs [(hidden, idx)]."""
-    # on the host, in float64, where QuantExperts' exact path computes its side
-    ws = {p: _as_enk(getattr(fmod, n).detach(), spec.layout).double().cpu() for p, n in zip(PROJECTIONS, spec.weights)}
+    ws = _float_weights(fmod, spec)
     bs = {p: (None if n is None else getattr(fmod, n).detach().double().cpu())
           for p, n in zip(PROJECTIONS, (spec.gate_up_bias, spec.down_bias))}
-    wdb = {p: [sqnr_db(ws[p][e], q.weight_q(p, e).dequantize(torch.float64).cpu()) for e in range(q.num_experts)]
-           for p in PROJECTIONS}
+    wdb = expert_weight_sqnr(fmod, spec, q)
     sig, noise = [0.0] * q.num_experts, [0.0] * q.num_experts
     for x, idx in inputs:
         x = x.reshape(-1, x.shape[-1])
@@ -189,11 +202,15 @@ def _expert_sqnr(fmod, spec, q: QuantExperts, inputs) -> tuple[dict[str, list[fl
     return wdb, out
 
 
-def routing_report(float_model: torch.nn.Module, quantized_model: torch.nn.Module, batches) -> RoutingReport:
+def routing_report(float_model: torch.nn.Module, quantized_model: torch.nn.Module, batches,
+                   weight_db: dict[str, dict[str, list[float]]] | None = None) -> RoutingReport:
     """The report of the module docstring for every MoE layer of `float_model` (its experts found
     by lowbit.archs.experts) against `quantized_model` (the same architecture, its experts
     replaced by QuantExperts at the same names). batches: input-id tensors [B, T] or dicts of
-    model kwargs. ValueError for a model without MoE experts or experts left unquantized."""
+    model kwargs. weight_db: {experts module: expert_weight_sqnr(...)} measured against the
+    weights actually quantized, where a fold made them differ from float_model's (the output
+    SQNR needs no such care: the fold is exact). ValueError for a model without MoE experts or
+    with no experts quantized."""
     found = find_experts(float_model)
     if not found:
         raise ValueError(f"{type(float_model).__name__} has no MoE experts with a router: no routing report")
@@ -241,6 +258,8 @@ def routing_report(float_model: torch.nn.Module, quantized_model: torch.nn.Modul
         E = int(getattr(float_model.get_submodule(n), found[n].gate_up).shape[0])
         load = lambda t: torch.bincount(t[t < E].reshape(-1), minlength=E).tolist()  # noqa: E731
         wdb, odb = _expert_sqnr(float_model.get_submodule(n), found[n], q, f_in[n]) if quantized else ({}, [])
+        if quantized and weight_db and n in weight_db:
+            wdb = weight_db[n]
         layers.append(LayerRouting(r, n, int(fa.shape[0]), flips, int((sa != sc).any(dim=1).sum()),
                                    load(fa), load(fb), wdb, odb, quantized))
     w_s, a_s = next(iter(schemes.values()))

@@ -516,7 +516,7 @@ def run(args) -> int:
         routing = None
         # MoE: routing flips, expert load and per-expert SQNR vs float (when any experts were quantized)
         if find_experts(loaded.model) and any(isinstance(m, QuantExperts) for m in run_.model.modules()):
-            routing = routing_report(loaded.model, run_.model, rtexts.calib)
+            routing = routing_report(loaded.model, run_.model, rtexts.calib, weight_db=run_.experts_weight_db)
             print(routing.to_markdown(), flush=True)
             res.sites_markdown.append(("MoE routing (calibration batches, against the float model)",
                                        routing.to_markdown()))

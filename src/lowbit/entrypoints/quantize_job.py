@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.archs.experts import find_experts
+from lowbit.diagnosis.routing_report import expert_weight_sqnr
 from lowbit.evaluation.workload import Loaded, Texts, metric
+from lowbit.nn.experts import QuantExperts
 from lowbit.recipes.presets import get_recipe
 
 
@@ -33,6 +35,9 @@ class RecipeRun:
     kl_pick: object = None      # site_kl.KLPick when the overrides were picked by measured KL
     without_kv: object = None   # kv_cache: the same metrics with the KV cache left unquantized (value or TokenMetrics)
     float_head: object = None   # lm_head: the same metrics with the LM head in high precision (value or TokenMetrics)
+    # MoE after a fold (SmoothQuant / AWQ): per-expert weight SQNR against the folded float weights,
+    # {experts module: {projection: dB per expert}} (routing_report's weight_db)
+    experts_weight_db: dict | None = None
 
 
 def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float | None = None,
@@ -150,10 +155,16 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
             raise ValueError(f"--static-scales needs a recipe with activation quantization; {r.name} is weight-only")
         scales = calibrate_static_scales(m, texts.calib, r.act)
     heads = {n: mod for n, mod in linear_layers(m).items() if kept_by_default(n)} if lm_head else {}
+    # the folded float experts, held until their quantized weights are compared with them (the
+    # float model's weights differ from them by the fold's factors)
+    folded = {n: m.get_submodule(n) for n in experts_found} if moe and (smoothquant is not None or awq) else {}
     summary = quantize_model(m, r, ignore=ignore, overrides=ov or None, act_static_scales=scales, progress=progress,
                              method=method, calib=texts.calib if method != "rtn" else None, mse=mse,
                              kv_cache=kv_cache, kv_calib=texts.calib if kv_cache else None, lm_head=lm_head)
     quantized = {d.name for d in summary.quantized}
+    experts_weight_db = {n: expert_weight_sqnr(f, experts_found[n], m.get_submodule(n)) for n, f in folded.items()
+                         if isinstance(m.get_submodule(n), QuantExperts)} or None
+    del folded
     heads = {n: h for n, h in heads.items() if n in quantized}     # an ignore pattern may have kept the head
     clipping = clipping_report(m, texts.new) if static else []
     t1 = time.perf_counter()
@@ -183,7 +194,7 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
         with float_modules(m, heads):
             float_head = evaluated(", LM head in high precision", ", float LM head")
     return RecipeRun(r.name, m, summary, sites_before, sites_after, picked, value, clipping, tokens,
-                     t1 - t0, time.perf_counter() - t1, klp, without_kv, float_head)
+                     t1 - t0, time.perf_counter() - t1, klp, without_kv, float_head, experts_weight_db)
 
 
 @contextlib.contextmanager
