@@ -216,3 +216,10 @@ def test_quantize_smoothquant_report_weight_sqnr_meets_the_int8_bound(moe, tmp_p
     for ln in rows:
         weight_db = float(ln.split("|")[6])
         assert weight_db >= bound, ln
+
+
+def test_rotate_on_a_moe_family_names_the_flag(moe, tmp_path, capsys):
+    moe("mixtral")
+    assert main(["quantize", "--tokens", "64", "--calib-tokens", "32", "--window", "32", "--no-eval", "--no-save",
+                 "--recipe", "w8a8-int8", "--rotate", "--out", str(tmp_path / "o")]) == 2
+    _one_line_error(capsys, "--rotate hadamard refused", "MixtralForCausalLM", "without --rotate")

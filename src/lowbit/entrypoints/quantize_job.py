@@ -82,7 +82,11 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
         if rotate != "hadamard":
             raise ValueError(f"rotate={rotate!r}: the rotation lowbit knows is 'hadamard'")
         from lowbit.algorithms.rotation import rotate_model
-        rotate_model(m)
+        from lowbit.archs.decoders import UnsupportedArchitecture
+        try:
+            rotate_model(m)
+        except UnsupportedArchitecture as err:
+            raise ValueError(f"--rotate {rotate} refused: {err}. Quantize without --rotate") from None
     # The per-site diagnosis is of Linears: the patterns that name MoE experts modules only are for
     # quantize_model (site_report would refuse a pattern that matches no Linear).
     experts_found = find_experts(m)
