@@ -223,3 +223,20 @@ def test_rotate_on_a_moe_family_names_the_flag(moe, tmp_path, capsys):
     assert main(["quantize", "--tokens", "64", "--calib-tokens", "32", "--window", "32", "--no-eval", "--no-save",
                  "--recipe", "w8a8-int8", "--rotate", "--out", str(tmp_path / "o")]) == 2
     _one_line_error(capsys, "--rotate hadamard refused", "MixtralForCausalLM", "without --rotate")
+
+
+@pytest.mark.parametrize("no_save", [True, False])
+def test_a_foreign_routing_png_in_out_is_refused_before_loading(monkeypatch, tmp_path, capsys, no_save):
+    """--overwrite adds lowbit's files and replaces none of the user's: lowbit_routing.png (the
+    MoE routing plot) is one of lowbit's names, so a user's file of that name is refused up front,
+    not after the whole run."""
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before --out was checked")
+    monkeypatch.setattr("lowbit.evaluation.workload.load_model", no_model)
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "lowbit_routing.png").write_bytes(b"mine")
+    argv = ["quantize", *ARGS, "--recipe", "w8a8-int8", "--overwrite", "--out", str(out)]
+    assert main(argv + (["--no-save"] if no_save else [])) == 2
+    _one_line_error(capsys, "lowbit_routing.png")
+    assert (out / "lowbit_routing.png").read_bytes() == b"mine"

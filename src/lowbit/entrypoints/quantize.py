@@ -108,10 +108,11 @@ def register(p) -> None:
 # Files a quantize output may hold besides the checkpoint's safetensors: a user's file of one of
 # these names in --out is refused before the job starts, not after it.
 OUTPUT_FILES = {"config.json", "lowbit.json", "lowbit_report.md", "lowbit_sites.png", "lowbit_metric.png",
+                "lowbit_routing.png",
                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                 "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "added_tokens.json",
                 "generation_config.json"}
-REPORT_FILES = {"lowbit_report.md", "lowbit_sites.png", "lowbit_metric.png"}
+REPORT_FILES = {"lowbit_report.md", "lowbit_sites.png", "lowbit_metric.png", "lowbit_routing.png"}
 
 
 CALIB_TOKENS = 1024        # --calib-tokens when neither the flag nor the recipe's best measures give a count
