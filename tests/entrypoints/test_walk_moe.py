@@ -240,3 +240,14 @@ def test_a_foreign_routing_png_in_out_is_refused_before_loading(monkeypatch, tmp
     assert main(argv + (["--no-save"] if no_save else [])) == 2
     _one_line_error(capsys, "lowbit_routing.png")
     assert (out / "lowbit_routing.png").read_bytes() == b"mine"
+
+
+def test_static_scales_on_moe_experts_refused_before_calibration(moe, monkeypatch, tmp_path, capsys):
+    moe("mixtral")
+    monkeypatch.setattr("lowbit.evaluation.workload.prepare_texts", _no_texts)
+    # --static-scales is a measure flag: no --plain beside it
+    assert main(["quantize", *[a for a in ARGS if a != "--plain"], "--recipe", "w8a8-int8", "--static-scales",
+                 "--no-save",
+                 "--out", str(tmp_path / "o")]) == 2
+    last = _one_line_error(capsys, "--static-scales", "MoE experts", "--ignore 'model.layers.*.mlp.experts'")
+    assert "act_static_scales" not in last

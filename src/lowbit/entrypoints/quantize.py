@@ -309,6 +309,10 @@ def check_plan(args, model, recipe: str, overrides: dict) -> None:
     why = _experts_refusal(recipe, quantized) or _kv_group_refusal(getattr(args, "kv_cache", None), model)
     if why:
         raise ValueError(why)
+    if args.static_scales and quantized:
+        raise ValueError(f"--static-scales: static activation scales are not supported for MoE experts "
+                         f"({quantized[0].name}, ...); drop --static-scales (dynamic per-token scales), or keep the "
+                         f"experts in high precision (--ignore '{_experts_glob(quantized[0].name)}')")
     if args.no_save:
         return
     fused = [d for d in quantized if found[d.name].ckpt_projs is None]
