@@ -251,3 +251,14 @@ def test_static_scales_on_moe_experts_refused_before_calibration(moe, monkeypatc
                  "--out", str(tmp_path / "o")]) == 2
     last = _one_line_error(capsys, "--static-scales", "MoE experts", "--ignore 'model.layers.*.mlp.experts'")
     assert "act_static_scales" not in last
+
+
+def test_routing_markdown_says_when_no_token_flipped():
+    """'each is listed below' followed by nothing read like a missing list."""
+    from lowbit.diagnosis.routing_report import Flip, LayerRouting, RoutingReport
+    layer = LayerRouting("r", "model.layers.0.mlp.experts", 8, [], 0, [4, 4, 8], [4, 4, 8])
+    md = RoutingReport([layer], "weight int8").to_markdown()
+    assert "- no token's top-k expert set changed (router high precision)" in md
+    layer.flips = [Flip(0, 0, 3, (0, 2), (1, 2))]
+    md = RoutingReport([layer], "weight int8").to_markdown()
+    assert "no token's top-k" not in md and "position 3: [0, 2] -> [1, 2]" in md

@@ -90,6 +90,8 @@ class RoutingReport:
                          f"{min(L.load_float)}-{max(L.load_float)} |")
         lines += ["", f"Router quantized for the comparison as: {self.router_scheme}. A flip is a discrete "
                   "error (the token's MoE output comes from other experts); each is listed below.", ""]
+        if not any(L.flips for L in self.layers):
+            lines.append("- no token's top-k expert set changed (router high precision)")
         for L in self.layers:
             if L.flips:
                 shown = ", ".join(f"batch {f.batch} row {f.row} position {f.position}: {list(f.float_set)} -> "
