@@ -58,6 +58,12 @@ def run_recipe(args) -> int:
             raise ValueError(f"{name} must be >= 1, got {v}")
     if k > E:
         raise ValueError(f"--top-k {k} > --experts {E}: a token cannot pick more distinct experts than exist")
+    for side in (r.weight, r.act):   # per-group scales along K: whole groups only
+        g = side.group_size if side is not None and side.strategy == "group" else None
+        if g and K % g:
+            down, up = K // g * g, -(-K // g) * g
+            fit = f"--k {down} or {up}" if down else f"--k {up}"
+            raise ValueError(f"--k {K} is not a multiple of {r.name}'s group of {g} ({side}): choose {fit}")
     kind = grouped_kind(r.weight, r.act)
     if kind is None:
         raise NotImplementedError(f"recipe {r.name} has no grouped kernel (lowbit.ops.dispatch.grouped_kind)")

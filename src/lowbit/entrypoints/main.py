@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # name -> (module, one-line help)
@@ -22,6 +23,11 @@ COMMANDS = {
     "inspect": ("lowbit.entrypoints.inspect", "list a quantized checkpoint's schemes and flag problems"),
 }
 
+# Commands that run lowbit's Triton kernels as the thing they check: without a GPU those run in
+# Triton's interpreter, which triton.jit and triton.language pick when first imported, so it is
+# switched on before the command's module (and triton with it) is imported.
+INTERPRET_ON_CPU = {"check", "audit"}
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lowbit", description="low-precision quantization you can verify")
@@ -32,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, (module_name, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
         if name == chosen:
+            if name in INTERPRET_ON_CPU:
+                _interpret_without_gpu()
             module = importlib.import_module(module_name)
             module.register(p)
             p.set_defaults(_run=module.run)
@@ -70,6 +78,12 @@ class HelpFormatter(argparse.HelpFormatter):
                 or not action.option_strings or action.help == argparse.SUPPRESS):
             return text
         return text + " (default: %(default)s)"
+
+
+def _interpret_without_gpu() -> None:
+    import torch
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _one_line(err: BaseException) -> str:
