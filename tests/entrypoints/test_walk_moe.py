@@ -117,6 +117,9 @@ def test_attention_sites_say_high_precision_not_none(tiny, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "attention sites (KV int8 token; Q high precision, P high precision)" in printed
     assert "None" not in printed
+    # P is not quantized: its column says so instead of float64 rounding's ~300 dB
+    rows = [ln for ln in printed.splitlines() if ln.startswith("| 0 |") or ln.startswith("| 1 |")]
+    assert rows and all("| - (not quantized) |" in ln for ln in rows), rows
 
 
 def test_help_names_the_moe_families_and_every_grouped_kv_cache(capsys):

@@ -68,12 +68,14 @@ class AttnSiteReport:
     kv: str
     spec: str
     sites: list[AttnSite]
+    p_quantized: bool = True    # False: P stays in high precision, its "SQNR" would be float64 rounding (~300 dB)
 
     def to_markdown(self) -> str:
         rows = ["| layer | K SQNR dB | V SQNR dB | P SQNR dB | attention out SQNR dB | P codes at 0 |",
                 "|---:|---:|---:|---:|---:|---:|"]
-        rows += [f"| {s.layer} | {s.k_sqnr:.1f} | {s.v_sqnr:.1f} | {s.p_sqnr:.1f} | {s.out_sqnr:.1f} | "
-                 f"{100 * s.p_zero:.2f}% |" for s in self.sites]
+        p = (lambda s: f"{s.p_sqnr:.1f} | {s.out_sqnr:.1f} | {100 * s.p_zero:.2f}%") if self.p_quantized else \
+            (lambda s: f"- (not quantized) | {s.out_sqnr:.1f} | -")
+        rows += [f"| {s.layer} | {s.k_sqnr:.1f} | {s.v_sqnr:.1f} | {p(s)} |" for s in self.sites]
         return "\n".join(rows)
 
     def __str__(self) -> str:
@@ -120,7 +122,7 @@ def attention_site_report(model, batch, kv: KVCacheQuant | None, spec: ar.AttnSp
         sites.append(AttnSite(i, _sq(k.double(), kh.double()), _sq(v.double(), vh.double()),
                               _sq(p_exact, ref.p), _sq(exact, ref.out), ref.p_zero_fraction))
     return AttnSiteReport(str(kv.scheme) if kv is not None else "unquantized",
-                          _qp_text(spec), sites)
+                          _qp_text(spec), sites, spec.p_format is not None)
 
 
 def _qp_text(spec) -> str:
