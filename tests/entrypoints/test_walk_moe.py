@@ -265,3 +265,14 @@ def test_routing_markdown_says_when_no_token_flipped():
     layer.flips = [Flip(0, 0, 3, (0, 2), (1, 2))]
     md = RoutingReport([layer], "weight int8").to_markdown()
     assert "no token's top-k" not in md and "position 3: [0, 2] -> [1, 2]" in md
+
+
+def test_kv_cache_on_multi_head_latent_attention_refused_before_calibration(moe, monkeypatch, tmp_path, capsys):
+    """DeepSeek-V3's attention has no k_proj / v_proj: refused right after loading, naming the flag;
+    it used to fail after the per-site calibration, asking whether the model was an encoder."""
+    moe("deepseek_v3")
+    monkeypatch.setattr("lowbit.evaluation.workload.prepare_texts", _no_texts)
+    assert main(["quantize", *ARGS, "--recipe", "w8a8-int8", "--kv-cache", "fp8-head", "--no-save",
+                 "--out", str(tmp_path / "o")]) == 2
+    last = _one_line_error(capsys, "--kv-cache fp8-head", "DeepseekV3ForCausalLM", "drop --kv-cache")
+    assert "an encoder?" not in last

@@ -327,27 +327,27 @@ def check_plan(args, model, recipe: str, overrides: dict) -> None:
 
 
 def _kv_head_dims(model) -> dict[str, int]:
-    """{what: size} of the head dims the KV cache holds, from the model's config (empty when the
-    config does not say): K and V of multi-head latent attention, else head_dim."""
+    """{"head_dim": size} of the heads the KV cache holds, from the model's config (empty when the
+    config does not say)."""
     cfg = getattr(model, "config", None)
     if cfg is not None and hasattr(cfg, "get_text_config"):
         cfg = cfg.get_text_config()
     get = lambda k: getattr(cfg, k, None) if isinstance(getattr(cfg, k, None), int) else None  # noqa: E731
-    if get("kv_lora_rank") and get("qk_rope_head_dim") is not None and get("qk_nope_head_dim") is not None:
-        out = {"the key head dim (qk_nope_head_dim + qk_rope_head_dim)": get("qk_nope_head_dim")
-               + get("qk_rope_head_dim")}
-        if get("v_head_dim"):
-            out["the value head dim (v_head_dim)"] = get("v_head_dim")
-        return out
     hd = get("head_dim") or (get("hidden_size") // get("num_attention_heads")
                              if get("hidden_size") and get("num_attention_heads") else None)
     return {"head_dim": hd} if hd else {}
 
 
 def _kv_group_refusal(kv_cache: str | None, model) -> str | None:
-    """Why a grouped KV cache (int4-gN) cannot hold this model's heads, with the fix; else None."""
+    """Why --kv-cache cannot apply to this model (no attention modules the quantized cache knows,
+    or an int4-gN group that does not divide its head dims), with the fix; else None."""
     if kv_cache is None:
         return None
+    from lowbit.nn.kv_cache import attention_modules
+    if not attention_modules(model):
+        return (f"--kv-cache {kv_cache}: {type(model).__name__} has no attention modules lowbit's quantized KV cache "
+                "knows (with layer_idx, k_proj and v_proj; multi-head latent attention such as DeepSeek-V3's "
+                "projects K and V from a compressed latent, an encoder keeps no cache): drop --kv-cache")
     from lowbit.ops.kv_quant import KVScheme
     s = KVScheme.parse(kv_cache)
     if s.granularity != "group":

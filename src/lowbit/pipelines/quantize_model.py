@@ -107,7 +107,9 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe | QuantSummary, 
                              "calibrate them, or choose a dynamic scheme such as 'fp8-token'")
         if not attention_modules(model):
             raise ValueError(f"kv_cache={kv_cache!r}: {type(model).__name__} has no decoder attention modules that "
-                             "keep a KV cache (an encoder?); drop kv_cache")
+                             "keep a KV cache the way lowbit's quantized cache reads them (with layer_idx, k_proj "
+                             "and v_proj: an encoder has none, and multi-head latent attention such as "
+                             "DeepSeek-V3's projects K and V from a compressed latent); drop kv_cache")
     summary = _quantize_linears(model, recipe, ignore=ignore, overrides=overrides,
                                 act_static_scales=act_static_scales, backend=backend, progress=progress,
                                 share_inputs=share_inputs, method=method, calib=calib,
