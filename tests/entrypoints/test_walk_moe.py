@@ -276,3 +276,12 @@ def test_kv_cache_on_multi_head_latent_attention_refused_before_calibration(moe,
                  "--out", str(tmp_path / "o")]) == 2
     last = _one_line_error(capsys, "--kv-cache fp8-head", "DeepseekV3ForCausalLM", "drop --kv-cache")
     assert "an encoder?" not in last
+
+
+def test_an_override_whose_group_does_not_fit_the_experts_is_named_with_its_pattern(moe, monkeypatch, tmp_path,
+                                                                                      capsys):
+    moe("mixtral")
+    monkeypatch.setattr("lowbit.evaluation.workload.prepare_texts", _no_texts)
+    assert main(["quantize", *ARGS, "--recipe", "w4a16-g32", "--override", "model.layers.0.mlp.experts=w4a16",
+                 "--no-save", "--out", str(tmp_path / "o")]) == 2
+    _one_line_error(capsys, "--override model.layers.0.mlp.experts=w4a16:", "use w4a16-g32")

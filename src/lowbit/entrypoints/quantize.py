@@ -384,10 +384,13 @@ def _experts_refusal(recipe: str, decisions) -> str | None:
         if not bad:
             continue
         alt = alternative(r, sorted(set(ks.values())))
-        flag = "--recipe" if d.recipe == get_recipe(recipe).name else "--override"
+        # an override's decision reads "override 'PATTERN'" (lowbit.recipes.plan.by_patterns)
+        flag = f"--override {d.reason[len('override '):].strip(chr(39))}=" if d.reason.startswith("override ") \
+            else "--recipe "
+        flag = f"{flag}{d.recipe}"
         where = " and ".join(f"K = {k} of {what}" for what, k in bad.items())
         use = "" if alt is None else f"use {alt.name} ({'groups of %d' % stored_group(alt) if stored_group(alt) else 'per-channel scales'}), "
-        return (f"{flag} {d.recipe}: the MoE experts ({d.name}, E x 2I x H = {'x'.join(map(str, d.shape))}) have "
+        return (f"{flag}: the MoE experts ({d.name}, E x 2I x H = {'x'.join(map(str, d.shape))}) have "
                 f"{where}, not a multiple of {r.name}'s group of {g}; experts are quantized in whole groups, saved "
                 f"or not: {use}or keep the experts in high precision (--ignore '{_experts_glob(d.name)}')")
     return None
