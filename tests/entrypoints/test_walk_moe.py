@@ -285,3 +285,15 @@ def test_an_override_whose_group_does_not_fit_the_experts_is_named_with_its_patt
     assert main(["quantize", *ARGS, "--recipe", "w4a16-g32", "--override", "model.layers.0.mlp.experts=w4a16",
                  "--no-save", "--out", str(tmp_path / "o")]) == 2
     _one_line_error(capsys, "--override model.layers.0.mlp.experts=w4a16:", "use w4a16-g32")
+
+
+def test_distributed_without_torchrun_is_a_one_line_error_before_loading(monkeypatch, tmp_path, capsys):
+    from lowbit.algorithms import distributed as D
+    for k in D._ENV:
+        monkeypatch.delenv(k, raising=False)
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before --distributed was checked")
+    monkeypatch.setattr("lowbit.evaluation.workload.load_model", no_model)
+    assert main(["quantize", *ARGS, "--distributed", "--no-save", "--out", str(tmp_path / "o")]) == 2
+    _one_line_error(capsys, "--distributed", "torchrun --nproc-per-node N -m lowbit quantize")

@@ -217,6 +217,10 @@ def validate(args) -> tuple[list[str], dict, dict[str, Path]]:
                          "whole model); drop one of them")
     A.fraction(args.override_worst, "--override-worst", 0.5)
     A.device(args.device)
+    from lowbit.algorithms import distributed as D
+    if args.distributed and not D.launched_by_torchrun():
+        raise ValueError("--distributed splits the calibration across the processes torchrun starts; launch with "
+                         "`torchrun --nproc-per-node N -m lowbit quantize ...`, or drop --distributed for one process")
     if args.no_eval and args.eval_data:
         raise ValueError("--eval-data is the evaluation text and --no-eval skips the evaluation: drop one")
     A.text_file(args.calib_data, "--calib-data")
