@@ -297,3 +297,23 @@ def test_distributed_without_torchrun_is_a_one_line_error_before_loading(monkeyp
     monkeypatch.setattr("lowbit.evaluation.workload.load_model", no_model)
     assert main(["quantize", *ARGS, "--distributed", "--no-save", "--out", str(tmp_path / "o")]) == 2
     _one_line_error(capsys, "--distributed", "torchrun --nproc-per-node N -m lowbit quantize")
+
+
+def test_sites_on_moe_with_a_group_that_does_not_fit_the_experts_reports_the_linears(moe, tmp_path, capsys):
+    """The per-site report of the Linears still comes; the routing section says why it is absent
+    (it used to fail after the sites with quantize_model's ignore=[...] advice, a flag sites lacks)."""
+    moe("mixtral")
+    png = tmp_path / "s.png"
+    assert main(["sites", "--tokens", "64", "--window", "32", "--recipe", "w4a16", "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "== MoE routing, w4a16: not reported:" in out and "use w4a16-g32" in out and "--ignore" not in out
+    assert png.stat().st_size > 0 and not (tmp_path / "s_routing.png").exists()
+
+
+def test_sites_smoothquant_on_moe_refused_before_any_site(moe, monkeypatch, tmp_path, capsys):
+    moe("mixtral")
+    monkeypatch.setattr("lowbit.evaluation.workload.prepare_texts", _no_texts)
+    assert main(["sites", "--tokens", "64", "--window", "32", "--smoothquant", "--png", str(tmp_path / "s.png")]) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and last.startswith("lowbit sites: error: --smoothquant"), err

@@ -310,7 +310,7 @@ def check_plan(args, model, recipe: str, overrides: dict) -> None:
                    lm_head=getattr(args, "lm_head", None))
     extra = [args.override_to] if args.override_to != "skip" and args.override_worst > 0 else []
     quantized = [d for d in decisions if d.action == "quantized"]
-    why = _experts_refusal(recipe, quantized) or _kv_group_refusal(getattr(args, "kv_cache", None), model)
+    why = experts_refusal(recipe, quantized) or _kv_group_refusal(getattr(args, "kv_cache", None), model)
     if why:
         raise ValueError(why)
     if args.static_scales and quantized:
@@ -374,12 +374,15 @@ def _experts_glob(name: str) -> str:
     return re.sub(r"\.\d+\.", ".*.", name, count=1)
 
 
-def _experts_refusal(recipe: str, decisions) -> str | None:
+def experts_refusal(recipe: str, decisions, ignore_hint: bool = True) -> str | None:
     """Why the experts of `decisions` (quantized ones) cannot take their recipe's groups, with the
-    fix; None if they can. Both projections: gate_up reads H, down reads I."""
+    fix; None if they can. Both projections: gate_up reads H, down reads I. ignore_hint: name
+    --ignore as a way out (lowbit sites has no such flag)."""
     from lowbit.recipes.compat import alternative, stored_group
     from lowbit.recipes.presets import get_recipe
     for d in decisions:
+        if d.action != "quantized":
+            continue
         r = get_recipe(d.recipe)
         g = stored_group(r)
         _, two_i, h = d.shape
@@ -393,10 +396,12 @@ def _experts_refusal(recipe: str, decisions) -> str | None:
             else "--recipe "
         flag = f"{flag}{d.recipe}"
         where = " and ".join(f"K = {k} of {what}" for what, k in bad.items())
-        use = "" if alt is None else f"use {alt.name} ({'groups of %d' % stored_group(alt) if stored_group(alt) else 'per-channel scales'}), "
+        use = "" if alt is None else f"use {alt.name} ({'groups of %d' % stored_group(alt) if stored_group(alt) else 'per-channel scales'})"
         return (f"{flag}: the MoE experts ({d.name}, E x 2I x H = {'x'.join(map(str, d.shape))}) have "
                 f"{where}, not a multiple of {r.name}'s group of {g}; experts are quantized in whole groups, saved "
-                f"or not: {use}or keep the experts in high precision (--ignore '{_experts_glob(d.name)}')")
+                f"or not: {use}"
+                + (f"{', ' if use else ''}or keep the experts in high precision (--ignore '{_experts_glob(d.name)}')"
+                   if ignore_hint else ""))
     return None
 
 

@@ -34,6 +34,10 @@ def run(args) -> int:
     from lowbit.diagnosis.sites import plot_sites, site_report
     from lowbit.algorithms.smoothquant import smooth_model
     from lowbit.diagnosis.routing_report import moe_routing
+    from lowbit.archs.experts import find_experts
+    from lowbit.entrypoints.quantize import experts_refusal
+    from lowbit.pipelines.moe import plan_experts
+    from lowbit.recipes.presets import get_recipe
 
     A.recipe_names(args.recipe)            # every check that needs no model comes first
     if "," in args.recipe:
@@ -49,6 +53,14 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
+    routing_why = None          # why the MoE routing report cannot be made under this recipe
+    if find_experts(loaded.model):
+        if args.smoothquant is not None:    # before any site is measured
+            raise ValueError("--smoothquant: lowbit sites folds SmoothQuant into the norms, and a MoE model's experts "
+                             "share their norm with the router (no exact fold point); drop --smoothquant (lowbit "
+                             "quantize --smoothquant folds it into each expert's down side)")
+        _, decisions = plan_experts(loaded.model, get_recipe(args.recipe), [], {})
+        routing_why = experts_refusal(args.recipe, decisions, ignore_hint=False)
     texts = prepare_texts(loaded, args.window, args.tokens, args.window)
     reports = [site_report(loaded.model, texts.calib, args.recipe, progress=True)]
     labels = [args.recipe]
@@ -64,7 +76,12 @@ def run(args) -> int:
     if png:
         print(f"plot: {png}")
     sections = [(lab, rep.to_markdown(args.top)) for rep, lab in zip(reports, labels)]
-    routing = moe_routing(loaded.model, args.recipe, texts.calib, routing_png(args.png))
+    routing = None
+    if routing_why is not None:
+        print(f"== MoE routing, {args.recipe}: not reported: {routing_why}")
+        sections.append((f"MoE routing, {args.recipe}", f"Not reported: {routing_why}"))
+    else:
+        routing = moe_routing(loaded.model, args.recipe, texts.calib, routing_png(args.png))
     if routing is not None:
         print(f"== MoE routing, {args.recipe} (round to nearest) against the float model")
         print(routing[0])
