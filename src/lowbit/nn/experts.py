@@ -320,8 +320,7 @@ def _check_k(K: int, scheme: QuantScheme, where: str) -> None:
         scheme.block_size[1] if scheme.strategy == "block" else None)
     if width and K % width:
         raise ValueError(f"{where} is not a multiple of the group size {width} ({scheme}): stacked expert scales "
-                         "need whole groups; choose a recipe whose group divides K, or keep these experts in high "
-                         "precision (ignore=[...])")
+                         "need whole groups; choose a recipe whose group divides K")
 
 
 def _quantize_stack(w: torch.Tensor, scheme: QuantScheme) -> dict[str, torch.Tensor | None]:
