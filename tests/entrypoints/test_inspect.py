@@ -123,3 +123,18 @@ def test_nvfp4_dynamic_activations_noted(rng, tmp_path):
     assert codes(r, "warning") == ["nvfp4-act-global-scale"]
     assert all(li.tensors["weight_scale"] == "float8_e4m3fn [%d, %d]" % (li.shape[0], li.shape[1] // 16)
                for li in r.layers)
+
+
+def test_float_checkpoint_and_other_formats_are_named(rng, tmp_path, capsys):
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "float")
+    assert main(["inspect", str(tmp_path / "float")]) == 2
+    err = capsys.readouterr().err
+    assert "no quantization_config" in err and "float (unquantized) checkpoint" in err and "lowbit quantize" in err
+    c = json.loads((tmp_path / "float" / "config.json").read_text())
+    c["quantization_config"] = {"quant_method": "gptq"}
+    (tmp_path / "float" / "config.json").write_text(json.dumps(c))
+    assert main(["inspect", str(tmp_path / "float")]) == 2
+    err = capsys.readouterr().err
+    assert "not compressed-tensors (quant_method 'gptq')" in err, err

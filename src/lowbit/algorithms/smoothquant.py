@@ -54,7 +54,8 @@ def refuse_experts(model: torch.nn.Module, what: str, hint: str | None = None) -
             "their gate_up input is the post-attention norm's output, which the router also reads, and one norm "
             "gain cannot carry a factor per expert (folding it changes the router's input and can flip its top-k "
             f"choice). " + (hint or f"{what} of the experts' down side is not implemented.") + f" Quantize without "
-            f"{what} (GPTQ per expert: method='gptq'), or keep the experts in high precision with ignore=[...]")
+            f"{what} (GPTQ per expert: method='gptq', --gptq on the command line), or keep the experts in high "
+            "precision with ignore=[...] (--ignore)")
 
 
 def fold_plan(model: torch.nn.Module, include_down: bool = True) -> tuple[list[FoldGroup], list[str]]:

@@ -111,8 +111,12 @@ def inspect_checkpoint(path: str | Path) -> Report:
     findings: list[Finding] = []
     qc = cfg.get("quantization_config")
     if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
-        raise CheckpointError(f"{cfg_path}: quantization_config is missing or not compressed-tensors "
-                              f"({None if not isinstance(qc, dict) else qc.get('quant_method')!r})")
+        if qc is None:
+            raise CheckpointError(f"{cfg_path} has no quantization_config: {d} is a float (unquantized) checkpoint; "
+                                  "quantize it with `lowbit quantize --model DIR`")
+        raise CheckpointError(f"{cfg_path}: quantization_config is not compressed-tensors (quant_method "
+                              f"{None if not isinstance(qc, dict) else qc.get('quant_method')!r}); lowbit inspect "
+                              "reads compressed-tensors checkpoints")
     groups, ignore = check_qc_types(qc, str(d))
     top_fmt = qc.get("format")
 

@@ -154,7 +154,8 @@ def _save(model, out: Path, recipe, tokenizer, dtype) -> None:
 
 def _kl_top1(t) -> str:
     """The token metrics' agreement with the float model, as every report line writes them."""
-    return f"KL from float {t.kl:.4f} nats, top-1 agreement {100 * t.top1:.2f}%"
+    # significant digits, not decimals: a tiny model's KL of 3e-5 nats is not "0.0000"
+    return f"KL from float {t.kl:.3g} nats, top-1 agreement {100 * t.top1:.2f}%"
 
 
 def _metrics(mname: str, v) -> str:

@@ -408,7 +408,8 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                 f"{arch}: layer-by-layer quantization does not support {other[0]} experts "
                 f"({next(n for n, s in experts.items() if s.family == other[0])}, ...): it covers the families "
                 f"{', '.join(MOE_FAMILIES)} (per-expert checkpoint names it maps, one attention mask for every "
-                "layer); load the model and use lowbit.pipelines.quantize_model + save_compressed")
+                "layer); quantize the whole model instead (lowbit quantize without --sequential, or "
+                "lowbit.pipelines.quantize_model + save_compressed)")
         if need_f:
             refuse_experts(model, "SmoothQuant", "lowbit.algorithms.experts_fold.smooth_experts folds it into the "
                            "experts' down side on a whole model (lowbit quantize --smoothquant without --sequential); "
