@@ -30,8 +30,9 @@ def test_torch_rows_conform_and_bf16_sdpa_is_numerical(rng):
             # logic error (an O-accumulator simulation may claim the cell first: also numerical)
             assert c.verdict == "numerical", c
             assert c.cause in ("computed_in_bf16", "o_accumulated_bf16", "o_accumulated_fp16"), c
+            assert c.expected, c            # its documented rounding: not a failure of the audit
         else:
-            assert c.verdict == "pass", c
+            assert c.verdict == "pass" and not c.expected, c
     assert sum(c.cause == "computed_in_bf16" for c in cells) >= len(aa.CASES) // 2
 
 
@@ -59,6 +60,7 @@ def test_wrong_mask_is_logic_even_in_bf16(rng):
         cell = aa.audit([kern], case, device="cpu", seed=_seed(rng))[0]
         # the bf16 bound does not hide it: the output is the first key's V, far outside any rounding
         assert cell.verdict == "logic" and cell.cause == "unexplained", cell
+        assert not cell.expected, cell
 
 
 def test_cli_attention_table(tmp_path, rng, capsys):
@@ -72,3 +74,18 @@ def test_cli_attention_table(tmp_path, rng, capsys):
     assert "torch SDPA fp32" in capsys.readouterr().out
     assert main(["audit", "--attention", "--kernel", "m:f"]) == 2
     assert "--attention" in capsys.readouterr().err
+
+
+def test_cli_exit_status_keeps_the_bf16_baseline_expected(rng, capsys):
+    """The bf16 SDPA baseline's numerical cells are its documented rounding: exit 0, marked in the
+    listing; a kernel whose numerical verdict is not documented fails the exit status."""
+    rc = main(["audit", "--attention", "--seed", str(_seed(rng)), "--only", "SDPA bf16",
+               "--case", "decode, GQA 3", "--case", "scores growing along keys"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "numerical (expected of this row)" in out, out
+    kern = [k for k in aa.discover(triton_ok=False) if "bf16" in k.name][0]
+    undocumented = aa.AttnKernel("bf16 SDPA, not declared", kern.kv_scheme, kern.spec, kern.fn, dtype=kern.dtype,
+                                 out_dtype=kern.out_dtype)
+    cells = aa.audit([undocumented], [c for c in aa.CASES if c.name == "decode, GQA 3"], seed=_seed(rng))
+    assert cells[0].verdict == "numerical" and not cells[0].expected, cells

@@ -41,6 +41,7 @@ class Cell:
     detail: str = ""
     seconds: float = 0.0
     worst_err_over_gate: float | None = None
+    expected: bool = False  # the verdict the kernel's row documents (a bf16 baseline's numerical)
 
 
 def refused_cell(kernel: str, case: str, e: Exception, t0: float) -> Cell:
