@@ -120,3 +120,20 @@ def test_refusals(rng):
     model = tiny_moe("qwen3_moe", rng, dtype=torch.float32)
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts is Qwen3MoeExperts.*quantize_model"):
         routing_report(model, copy.deepcopy(model), [ids(rng, 4)])
+
+
+def test_mixed_recipes_name_each_routers_scheme(rng):
+    """With an override giving one experts module another recipe, the comparison's router
+    quantization is said per router (each as its own experts module's scheme), not as the first's."""
+    model = tiny_moe("mixtral", rng, dtype=torch.float32)
+    names = [n for n, m in model.named_modules() if n.endswith(".experts")]
+    assert len(names) >= 2
+    q = copy.deepcopy(model)
+    quantize_model(q, "w8a8-int8", overrides={names[-1]: "w4a16-g32"})
+    rep = routing_report(model, q, [ids(rng, 17)])
+    said = rep.router_scheme
+    for n in (names[0], names[-1]):
+        qe = q.get_submodule(n)
+        router = n[:-len("experts")] + "gate"
+        act = qe.act_scheme if qe.act_scheme is not None else "high precision"
+        assert f"{router}: weight {qe.weight_scheme}, input {act}" in said, said

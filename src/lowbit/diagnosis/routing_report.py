@@ -264,8 +264,11 @@ def routing_report(float_model: torch.nn.Module, quantized_model: torch.nn.Modul
             wdb = weight_db[n]
         layers.append(LayerRouting(r, n, int(fa.shape[0]), flips, int((sa != sc).any(dim=1).sum()),
                                    load(fa), load(fb), wdb, odb, quantized))
-    w_s, a_s = next(iter(schemes.values()))
-    return RoutingReport(layers, f"weight {w_s}, input {a_s if a_s is not None else 'high precision'}")
+    desc = {r: f"weight {w}, input {a if a is not None else 'high precision'}" for r, (w, a) in schemes.items()}
+    kinds = list(dict.fromkeys(desc.values()))
+    # one scheme for every router, or each router's own where overrides mix recipes
+    said = kinds[0] if len(kinds) == 1 else "; ".join(f"{r}: {d}" for r, d in desc.items())
+    return RoutingReport(layers, said)
 
 
 def plot_routing(report: RoutingReport, path: str) -> str:
