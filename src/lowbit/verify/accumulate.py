@@ -272,6 +272,11 @@ def sample_index(n: int, cap: int = SAMPLE) -> torch.Tensor:
     return torch.unique(torch.linspace(0, n - 1, cap).round().long())
 
 
+# what a kernel found accumulating narrower than it promised should do (check_linear, check_grouped_linear)
+NARROW_ADVICE = ("accumulate in fp32 (or split K and sum the partials in fp32), or declare the accumulator the "
+                 "kernel really uses")
+
+
 @dataclass
 class AccumulatorMatch:
     """How well a simulated accumulator explains a kernel's error on the sampled outputs."""
@@ -327,8 +332,8 @@ def match_accumulators(out: torch.Tensor, ref: torch.Tensor, gate: torch.Tensor,
             via = [(od, simulate(xq, wq, dataclasses.replace(od, via_f32=True), rows, cols, bias)) for od, _ in sims]
             exact = [(od, s) for od, s in via if _same(o, s, g)]
         if exact:
-            res = [(_worst_residual(o, s, g), od) for od, s in exact]
-            found.append(AccumulatorMatch(acc, exact[0][0].label, True, 1.0, True, min(r for r, _ in res)))
+            found.append(AccumulatorMatch(acc, exact[0][0].label, True, 1.0, True,
+                                          min(_worst_residual(o, s, g) for _, s in exact)))
             continue
         if not torch.isfinite(o).all():
             continue

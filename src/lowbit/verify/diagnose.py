@@ -309,9 +309,8 @@ def _accumulator_cause(ctx: Context) -> tuple[Cause | None, str | None]:
     for m in sorted(matches, key=lambda m: not m.exact):
         if m.exact or m.consistent:
             return Cause("accumulator_narrower_than_promised",
-                         f"{m.describe()}, although {ctx.accumulator} was promised: accumulate in fp32 (or "
-                         f"split K and sum the partials in fp32), or declare the accumulator the kernel really "
-                         f"uses", m.exact, residual=m.residual), m.accumulator
+                         f"{m.describe()}, although {ctx.accumulator} was promised: {accmod.NARROW_ADVICE}",
+                         m.exact, residual=m.residual), m.accumulator
     return None, None
 
 
@@ -354,7 +353,8 @@ def _diagnose(ctx: Context) -> tuple[str, list[Cause]]:
     if confirmed:
         if note:
             confirmed[0].detail += f" ({note})"
-        if accumulator is not None and _accumulator_sized(confirmed) and acc_name == "fp8_fast":
+        # (accumulator is only simulated beside confirmed bugs when they are all ulp-sized)
+        if accumulator is not None and acc_name == "fp8_fast":
             # Same-sign sums through a truncating accumulator shrink every output by about one
             # factor: a constant or rounded scale of that size is simulated as well as the
             # accumulator. Both are named; the accumulator first, since its simulation needs no
@@ -363,7 +363,7 @@ def _diagnose(ctx: Context) -> tuple[str, list[Cause]]:
             accumulator.detail += (f"; on these inputs a logic bug of the same size is simulated as well ({names}: "
                                    f"see below); inputs of mixed sign tell them apart")
             return "numerical", [accumulator] + confirmed
-        if accumulator is not None and _accumulator_sized(confirmed) and _closer_than_fits(accumulator, confirmed):
+        if accumulator is not None and _closer_than_fits(accumulator, confirmed):
             names = ", ".join(f"{c.name} {c.residual:.2f}" for c in confirmed)
             accumulator.detail += (f"; it reproduces the output more closely (worst residual {accumulator.residual:.2f} "
                                    f"of the gate) than the ulp-sized bugs fitted to these outputs ({names}: see "

@@ -304,7 +304,6 @@ def _accumulator_cause(g: _Grouped, out: torch.Tensor, ref: torch.Tensor, gate: 
                 how = "reproduces every expert's block" if exact else "matches every expert's error in size and spread"
                 worst = max(m.residual for m in ms) if exact else math.nan
                 return ("accumulator_narrower_than_promised",
-                        f"a {acc} accumulator ({ms[0].order}) {how}, although {g.acc} was promised: accumulate "
-                        f"in fp32 (or split K and sum the partials in fp32), or declare the accumulator the kernel "
-                        f"really uses (accumulator=...)", worst)
+                        f"a {acc} accumulator ({ms[0].order}) {how}, although {g.acc} was promised: "
+                        f"{accmod.NARROW_ADVICE} (accumulator=...)", worst)
     return None
