@@ -50,7 +50,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from lowbit.ops import attention_reference as ar
 from lowbit.ops.attention import attention
-from lowbit.ops.dispatch import have_triton
+from lowbit.ops.dispatch import KV_APPEND_DTYPES, have_triton, kv_append_supports
 from lowbit.ops.kv_quant import (KVQuant, KVScheme, alloc_tokens, observe_amax, quantize_kv, static_scale,
                                  write_tokens)
 
@@ -102,8 +102,6 @@ class KVCacheQuant:
 
 
 _CLEAN = torch.iinfo(torch.int64).max        # append_kv's NaN/Inf record before anything is found
-_KERNEL_FORMATS = ("fp8_e4m3fn", "int8")     # what append_kv writes (with scales per tensor, head or token)
-_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class LowbitKVLayer(DynamicLayer):
@@ -170,9 +168,7 @@ class LowbitKVLayer(DynamicLayer):
         use = (k.is_cuda and have_triton()) if self.append_kernel is None else self.append_kernel
         if not use or self._k is None or k.dim() != 4 or k.shape[2] != 1 or v.shape != k.shape:
             return False
-        if self.scheme.format not in _KERNEL_FORMATS or self.scheme.granularity == "group":
-            return False
-        if k.dtype not in _KERNEL_DTYPES or v.dtype not in _KERNEL_DTYPES:
+        if not kv_append_supports(self.scheme) or k.dtype not in KV_APPEND_DTYPES or v.dtype not in KV_APPEND_DTYPES:
             return False
         B, H, _, D = self._k.codes.shape
         return (k.shape[0], k.shape[1], k.shape[3]) == (B, H, D) and self._k.codes.device == k.device

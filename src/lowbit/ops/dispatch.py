@@ -187,6 +187,17 @@ def kv_kind(t) -> str:
     return "bf16" if t.dtype == torch.bfloat16 else "float"
 
 
+KV_APPEND_FORMATS = ("int8", "fp8_e4m3fn")      # what the one-launch decode write stores
+KV_APPEND_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def kv_append_supports(scheme) -> bool:
+    """Whether lowbit.ops.triton.kv_append.append_kv writes a cache of KVScheme `scheme` (states
+    in KV_APPEND_DTYPES): fp8 e4m3 / int8 codes with scales per tensor, head or token (group
+    schemes and int4's packed codes go through lowbit.ops.kv_quant.quantize_kv)."""
+    return scheme.format in KV_APPEND_FORMATS and scheme.granularity != "group"
+
+
 def attention_kernel(Tq: int, G: int, q_exact: bool, k_kind: str, v_kind: str) -> str:
     """The Triton attention kernel for a call: "split_kv" (lowbit.ops.triton.attention_decode:
     flash-decoding, the keys split across programs so a decode step fills the GPU) where the rows

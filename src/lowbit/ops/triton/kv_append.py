@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lowbit.ops.dispatch import KV_APPEND_DTYPES, kv_append_supports
 from lowbit.ops.kv_quant import KVQuant
 
 from .common import check_device, interpreting, launch
@@ -58,7 +59,7 @@ def append_kv(cache: KVQuant, x: torch.Tensor, pos: torch.Tensor, bad: torch.Ten
     min(bad[0], pos * B * H + b * H + h) over the (batch b, head h) rows of x holding a NaN/Inf;
     the caller reads it when it may sync (lowbit.nn.kv_cache does)."""
     sch = cache.scheme
-    if sch.format not in _FMT or sch.granularity == "group":
+    if not kv_append_supports(sch):
         raise ValueError(f"append_kv writes fp8 / int8 caches with scales per tensor, head or token, not {sch}; "
                          "use lowbit.ops.kv_quant.quantize_kv")
     if x.dim() != 4 or x.shape[2] != 1:
@@ -66,7 +67,7 @@ def append_kv(cache: KVQuant, x: torch.Tensor, pos: torch.Tensor, bad: torch.Ten
     B, H, T, D = cache.codes.shape
     if (x.shape[0], x.shape[1], x.shape[3]) != (B, H, D):
         raise ValueError(f"x {tuple(x.shape)} does not fit the cache {tuple(cache.codes.shape)} (B, H, D must agree)")
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if x.dtype not in KV_APPEND_DTYPES:
         raise TypeError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
     if not isinstance(pos, torch.Tensor) or pos.numel() != 1 or pos.dtype not in (torch.int32, torch.int64):
         raise TypeError("pos must be an int32 / int64 tensor of one element on the cache's device (a device "
