@@ -7,18 +7,15 @@ import pytest
 import torch
 
 from lowbit.entrypoints.main import main
+from cli_fixtures import no_model
 
 transformers = pytest.importorskip("transformers")
-
-
-def _no_model(*a, **k):
-    raise AssertionError("the model was loaded before the arguments were checked")
 
 
 @pytest.mark.parametrize("value, why", [("fp7", "--kv-cache: kv_cache='fp7': unknown format"),
                                         ("int4", "--kv-cache: kv_cache='int4' needs a group size")])
 def test_bad_kv_cache_refused_before_loading(monkeypatch, tmp_path, capsys, value, why):
-    monkeypatch.setattr("lowbit.evaluation.workload.load_model", _no_model)
+    monkeypatch.setattr("lowbit.evaluation.workload.load_model", no_model)
     monkeypatch.chdir(tmp_path)
     assert main(["quantize", "--kv-cache", value]) == 2
     err = capsys.readouterr().err

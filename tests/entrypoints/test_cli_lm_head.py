@@ -8,19 +8,16 @@ import pytest
 import torch
 
 from lowbit.entrypoints.main import main
+from cli_fixtures import no_model
 
 transformers = pytest.importorskip("transformers")
-
-
-def _no_model(*a, **k):
-    raise AssertionError("the model was loaded before the arguments were checked")
 
 
 @pytest.mark.parametrize("flags, why", [(["--lm-head", "int8", "--gptq"], "--lm-head with --gptq"),
                                         (["--lm-head", "int8", "--sequential", "--model", "."],
                                          "--lm-head is not available with --sequential")])
 def test_bad_lm_head_refused_before_loading(monkeypatch, tmp_path, capsys, flags, why):
-    monkeypatch.setattr("lowbit.evaluation.workload.load_model", _no_model)
+    monkeypatch.setattr("lowbit.evaluation.workload.load_model", no_model)
     monkeypatch.chdir(tmp_path)
     assert main(["quantize", *flags]) == 2
     err = capsys.readouterr().err
@@ -29,7 +26,7 @@ def test_bad_lm_head_refused_before_loading(monkeypatch, tmp_path, capsys, flags
 
 
 def test_unknown_lm_head_kind_is_a_usage_error(monkeypatch, capsys):
-    monkeypatch.setattr("lowbit.evaluation.workload.load_model", _no_model)
+    monkeypatch.setattr("lowbit.evaluation.workload.load_model", no_model)
     with pytest.raises(SystemExit) as exc:
         main(["quantize", "--lm-head", "int4"])
     assert exc.value.code == 2 and "invalid choice: 'int4'" in capsys.readouterr().err

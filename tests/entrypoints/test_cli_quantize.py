@@ -15,12 +15,9 @@ import torch
 
 from lowbit.entrypoints.main import main
 from lowbit.io.outdir import MANIFEST
+from cli_fixtures import no_model
 
 transformers = pytest.importorskip("transformers")
-
-
-def _no_model(*a, **k):
-    raise AssertionError("the model was loaded before the arguments were checked")
 
 
 BAD_QUANTIZE = [
@@ -42,7 +39,7 @@ BAD_QUANTIZE = [
 
 @pytest.mark.parametrize("args, why", BAD_QUANTIZE)
 def test_quantize_refuses_bad_arguments_before_loading(monkeypatch, tmp_path, capsys, args, why):
-    monkeypatch.setattr("lowbit.evaluation.workload.load_model", _no_model)
+    monkeypatch.setattr("lowbit.evaluation.workload.load_model", no_model)
     monkeypatch.chdir(tmp_path)              # the default --out lowbit-out/... lands here
     assert main(["quantize", *args]) == 2
     err = capsys.readouterr().err
@@ -51,7 +48,7 @@ def test_quantize_refuses_bad_arguments_before_loading(monkeypatch, tmp_path, ca
 
 
 def test_quantize_refuses_out_paths_before_loading(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr("lowbit.evaluation.workload.load_model", _no_model)
+    monkeypatch.setattr("lowbit.evaluation.workload.load_model", no_model)
     (tmp_path / "file").write_text("x")
     (tmp_path / "user").mkdir()
     (tmp_path / "user" / "notes.txt").write_text("mine")
@@ -66,7 +63,7 @@ def test_quantize_refuses_out_paths_before_loading(monkeypatch, tmp_path, capsys
                                        (["--png", "/proc/x/plot.png"], "cannot write"),
                                        (["--tokens", "10"], "--tokens"), (["--top", "0"], "--top")])
 def test_sites_refuses_bad_arguments_before_loading(monkeypatch, tmp_path, capsys, args, why):
-    monkeypatch.setattr("lowbit.evaluation.workload.load_model", _no_model)
+    monkeypatch.setattr("lowbit.evaluation.workload.load_model", no_model)
     assert main(["sites", *args]) == 2
     assert why in capsys.readouterr().err
 

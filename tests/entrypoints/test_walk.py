@@ -12,25 +12,9 @@ import torch
 
 from lowbit.entrypoints.main import main
 from lowbit.io.st_format import read_header
+from cli_fixtures import no_model, no_texts, one_line_error
 
 transformers = pytest.importorskip("transformers")
-
-
-def _no_model(*a, **k):
-    raise AssertionError("the model was loaded before the arguments were checked")
-
-
-def _no_texts(*a, **k):
-    raise AssertionError("calibration text was prepared before the plan was checked")
-
-
-def _one_line_error(capsys, *words):
-    err = capsys.readouterr().err
-    last = err.strip().splitlines()[-1]
-    assert "Traceback" not in err and last.startswith("lowbit "), err
-    for w in words:
-        assert w in last, last
-    return last
 
 
 def _tiny_config(**kw):
@@ -57,10 +41,10 @@ def tiny(monkeypatch, rng):
 # ------------------------------------------------------------------ refused before loading
 def test_w4a16_on_the_embedded_model_is_refused_before_loading(monkeypatch, tmp_path, capsys):
     """K = 576 is no multiple of 128: said at once, with the recipe that fits (any letter case)."""
-    monkeypatch.setattr("lowbit.evaluation.workload.load_model", _no_model)
+    monkeypatch.setattr("lowbit.evaluation.workload.load_model", no_model)
     monkeypatch.chdir(tmp_path)
     assert main(["quantize", "--recipe", "W4A16", "--gptq"]) == 2
-    _one_line_error(capsys, "K = 576", "not a multiple of 128", "use w4a16-g32: 576 and 1536 are multiples of 32",
+    one_line_error(capsys, "K = 576", "not a multiple of 128", "use w4a16-g32: 576 and 1536 are multiples of 32",
                     "--no-save")
     assert os.listdir(tmp_path) == []
     # evaluating without a checkpoint needs no K multiple: not refused by this check
@@ -73,14 +57,14 @@ def test_w4a16_on_the_embedded_model_is_refused_before_loading(monkeypatch, tmp_
 
 
 def test_shapes_from_a_model_directorys_config(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr("lowbit.evaluation.workload.load_model", _no_model)
+    monkeypatch.setattr("lowbit.evaluation.workload.load_model", no_model)
     d = tmp_path / "m"
     d.mkdir()
     _tiny_config().to_json_file(str(d / "config.json"))
     assert main(["quantize", "--model", str(d), "--recipe", "w4a16", "--out", str(tmp_path / "o")]) == 2
-    _one_line_error(capsys, "K = 64", "K = 96", "use w4a16-g32")
+    one_line_error(capsys, "K = 64", "K = 96", "use w4a16-g32")
     assert main(["quantize", "--model", str(d), "--recipe", "nvfp4,w4a16-asym", "--out", str(tmp_path / "o")]) == 2
-    _one_line_error(capsys, "w4a16-asym", "use w4a16-g32")   # no asymmetric g32 recipe: the symmetric one
+    one_line_error(capsys, "w4a16-asym", "use w4a16-g32")   # no asymmetric g32 recipe: the symmetric one
 
 
 @pytest.mark.parametrize("args, words", [
@@ -93,27 +77,27 @@ def test_shapes_from_a_model_directorys_config(monkeypatch, tmp_path, capsys):
     (["--recipe", "w8a8-int8", "--override-to", "SKIP", "--ignore", "x", "--recipe", "mxfp9"], ["--recipe"]),
 ])
 def test_incompatible_flags_refused_before_loading(monkeypatch, tmp_path, capsys, args, words):
-    monkeypatch.setattr("lowbit.evaluation.workload.load_model", _no_model)
+    monkeypatch.setattr("lowbit.evaluation.workload.load_model", no_model)
     monkeypatch.chdir(tmp_path)
     assert main(["quantize", *args]) == 2
-    _one_line_error(capsys, *words)
+    one_line_error(capsys, *words)
     assert os.listdir(tmp_path) == []
 
 
 def test_cuda_on_a_machine_without_one(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr("lowbit.evaluation.workload.load_model", _no_model)
+    monkeypatch.setattr("lowbit.evaluation.workload.load_model", no_model)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["quantize", "--device", "cuda", "--out", str(tmp_path / "o")]) == 2
-    _one_line_error(capsys, "--device cuda", "no CUDA GPU", "--device cpu")
+    one_line_error(capsys, "--device cuda", "no CUDA GPU", "--device cpu")
 
 
 def test_out_clash_found_before_loading(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr("lowbit.evaluation.workload.load_model", _no_model)
+    monkeypatch.setattr("lowbit.evaluation.workload.load_model", no_model)
     out = tmp_path / "mine"
     out.mkdir()
     (out / "config.json").write_text("{}")
     assert main(["quantize", "--recipe", "w8a8-int8", "--out", str(out), "--overwrite"]) == 2
-    _one_line_error(capsys, "config.json", "move them away")
+    one_line_error(capsys, "config.json", "move them away")
     assert (out / "config.json").read_text() == "{}"
 
 
@@ -134,7 +118,7 @@ def test_truncated_model_directory(tmp_path, capsys, rng):
     st = d / "model.safetensors"
     st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
     assert main(["quantize", "--model", str(d), "--out", str(tmp_path / "o")]) == 2
-    _one_line_error(capsys, str(d), "truncated")
+    one_line_error(capsys, str(d), "truncated")
     assert not (tmp_path / "o").exists()
 
 
@@ -154,9 +138,9 @@ def test_help_reads_cleanly(capsys):
 def test_plan_checked_after_loading_before_calibration(tiny, monkeypatch, tmp_path, capsys):
     """With --ignore the layers in play are known only from the model: refused before any text."""
     argv, _, _ = tiny
-    monkeypatch.setattr("lowbit.evaluation.workload.prepare_texts", _no_texts)
+    monkeypatch.setattr("lowbit.evaluation.workload.prepare_texts", no_texts)
     assert main([*argv, "--recipe", "w4a16", "--ignore", "*.down_proj", "--out", str(tmp_path / "o")]) == 2
-    _one_line_error(capsys, "K = 64", "use w4a16-g32")
+    one_line_error(capsys, "K = 64", "use w4a16-g32")
     assert not (tmp_path / "o").exists()
 
 
@@ -234,7 +218,7 @@ def test_own_calibration_and_evaluation_files(monkeypatch, tmp_path, rng, capsys
     # a file with fewer tokens than asked for is refused with the count it holds
     assert main(["quantize", "--tokens", "128", "--calib-tokens", "64", "--window", "32", "--plain", "--no-save",
                  "--eval-data", str(tmp_path / "eval.safetensors"), "--out", str(tmp_path / "o2")]) == 2
-    _one_line_error(capsys, "holds 100 tokens", "--tokens 100")
+    one_line_error(capsys, "holds 100 tokens", "--tokens 100")
 
 
 # ------------------------------------------------------------------ inspect

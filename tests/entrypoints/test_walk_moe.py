@@ -8,23 +8,17 @@ import torch
 from lowbit.entrypoints.main import main
 from lowbit.io.st_format import checkpoint_files, read_header
 from moe_fixtures import tiny_moe
+from cli_fixtures import no_texts
+from cli_fixtures import one_line_error as _one_line_error
 
 transformers = pytest.importorskip("transformers")
 
+
+def one_line_error(capsys, *words):
+    return _one_line_error(capsys, *words, prefix="lowbit quantize: error:")
+
+
 ARGS = ["--tokens", "64", "--calib-tokens", "32", "--window", "32", "--plain", "--no-eval"]
-
-
-def _no_texts(*a, **k):
-    raise AssertionError("calibration text was prepared before the plan was checked")
-
-
-def _one_line_error(capsys, *words):
-    err = capsys.readouterr().err
-    last = err.strip().splitlines()[-1]
-    assert "Traceback" not in err and last.startswith("lowbit quantize: error:"), err
-    for w in words:
-        assert w in last, last
-    return last
 
 
 @pytest.fixture
@@ -65,10 +59,10 @@ def test_ignore_naming_an_experts_module_is_accepted_and_saved_in_float(moe, tmp
 
 def test_a_misspelt_experts_pattern_is_still_refused(moe, monkeypatch, tmp_path, capsys):
     moe("mixtral")
-    monkeypatch.setattr("lowbit.evaluation.workload.prepare_texts", _no_texts)
+    monkeypatch.setattr("lowbit.evaluation.workload.prepare_texts", no_texts)
     assert main(["quantize", *ARGS, "--recipe", "w8a8-int8", "--ignore", "model.layers.0.mlp.expertz",
                  "--out", str(tmp_path / "o")]) == 2
-    _one_line_error(capsys, "'model.layers.0.mlp.expertz'", "matches no")
+    one_line_error(capsys, "'model.layers.0.mlp.expertz'", "matches no")
 
 
 @pytest.mark.parametrize("save", [True, False])
@@ -76,10 +70,10 @@ def test_experts_group_not_dividing_k_refused_before_calibration(moe, monkeypatc
     """H = I = 64 under w4a16's groups of 128: refused before any calibration, in the CLI's flags,
     naming the recipe that fits, saved or not (experts take whole groups only)."""
     moe("qwen3_moe")
-    monkeypatch.setattr("lowbit.evaluation.workload.prepare_texts", _no_texts)
+    monkeypatch.setattr("lowbit.evaluation.workload.prepare_texts", no_texts)
     argv = ["quantize", *ARGS, "--recipe", "w4a16", "--out", str(tmp_path / "o")]
     assert main(argv + ([] if save else ["--no-save"])) == 2
-    last = _one_line_error(capsys, "--recipe w4a16", "w4a16-g32")
+    last = one_line_error(capsys, "--recipe w4a16", "w4a16-g32")
     if not save:
         assert "--ignore 'model.layers.*.mlp.experts'" in last and "ignore=[" not in last
 
@@ -89,9 +83,9 @@ def test_gpt_oss_refused_before_calibration_when_saving_then_saved_with_its_expe
     moe("gpt_oss")
     from lowbit.evaluation import workload
     texts = workload.prepare_texts
-    monkeypatch.setattr(workload, "prepare_texts", _no_texts)
+    monkeypatch.setattr(workload, "prepare_texts", no_texts)
     assert main(["quantize", *ARGS, "--recipe", "w8a8-int8", "--out", str(tmp_path / "a")]) == 2
-    _one_line_error(capsys, "--recipe w8a8-int8", "gpt_oss", "--ignore 'model.layers.*.mlp.experts'", "--no-save")
+    one_line_error(capsys, "--recipe w8a8-int8", "gpt_oss", "--ignore 'model.layers.*.mlp.experts'", "--no-save")
     monkeypatch.setattr(workload, "prepare_texts", texts)
     out = tmp_path / "b"
     assert main(["quantize", *ARGS, "--recipe", "w8a8-int8", "--ignore", "model.layers.*.mlp.experts",
@@ -106,10 +100,10 @@ def test_grouped_kv_cache_that_does_not_divide_head_dim_refused_before_calibrati
                                                                                  capsys):
     """The tiny Llama has head_dim 16: int4-g32 used to fail at the first evaluation, after the
     whole quantization, with no flag named; now right after loading, naming groups that fit."""
-    monkeypatch.setattr("lowbit.evaluation.workload.prepare_texts", _no_texts)
+    monkeypatch.setattr("lowbit.evaluation.workload.prepare_texts", no_texts)
     for extra in ([], ["--no-save"]):
         assert main([*tiny, "--plain", "--kv-cache", "int4-g32", "--out", str(tmp_path / "o"), *extra]) == 2
-        _one_line_error(capsys, "--kv-cache int4-g32", "head_dim 16", "--kv-cache int4-g16")
+        one_line_error(capsys, "--kv-cache int4-g32", "head_dim 16", "--kv-cache int4-g16")
 
 
 def test_attention_sites_say_high_precision_not_none(tiny, tmp_path, capsys):
@@ -151,7 +145,7 @@ def test_sequential_refusal_does_not_offer_no_save(rng, tmp_path, capsys):
     tiny_moe("qwen3_moe", rng, dtype=torch.float32, experts=4).save_pretrained(d)
     assert main(["quantize", "--model", str(d), "--sequential", "--recipe", "w4a16", "--out", str(tmp_path / "q"),
                  "--device", "cpu"]) == 2
-    last = _one_line_error(capsys, "--recipe w4a16", "w4a16-g32")
+    last = one_line_error(capsys, "--recipe w4a16", "w4a16-g32")
     assert "--no-save" not in last
 
 
@@ -225,7 +219,7 @@ def test_rotate_on_a_moe_family_names_the_flag(moe, tmp_path, capsys):
     moe("mixtral")
     assert main(["quantize", "--tokens", "64", "--calib-tokens", "32", "--window", "32", "--no-eval", "--no-save",
                  "--recipe", "w8a8-int8", "--rotate", "--out", str(tmp_path / "o")]) == 2
-    _one_line_error(capsys, "--rotate hadamard refused", "MixtralForCausalLM", "without --rotate")
+    one_line_error(capsys, "--rotate hadamard refused", "MixtralForCausalLM", "without --rotate")
 
 
 @pytest.mark.parametrize("no_save", [True, False])
@@ -241,18 +235,18 @@ def test_a_foreign_routing_png_in_out_is_refused_before_loading(monkeypatch, tmp
     (out / "lowbit_routing.png").write_bytes(b"mine")
     argv = ["quantize", *ARGS, "--recipe", "w8a8-int8", "--overwrite", "--out", str(out)]
     assert main(argv + (["--no-save"] if no_save else [])) == 2
-    _one_line_error(capsys, "lowbit_routing.png")
+    one_line_error(capsys, "lowbit_routing.png")
     assert (out / "lowbit_routing.png").read_bytes() == b"mine"
 
 
 def test_static_scales_on_moe_experts_refused_before_calibration(moe, monkeypatch, tmp_path, capsys):
     moe("mixtral")
-    monkeypatch.setattr("lowbit.evaluation.workload.prepare_texts", _no_texts)
+    monkeypatch.setattr("lowbit.evaluation.workload.prepare_texts", no_texts)
     # --static-scales is a measure flag: no --plain beside it
     assert main(["quantize", *[a for a in ARGS if a != "--plain"], "--recipe", "w8a8-int8", "--static-scales",
                  "--no-save",
                  "--out", str(tmp_path / "o")]) == 2
-    last = _one_line_error(capsys, "--static-scales", "MoE experts", "--ignore 'model.layers.*.mlp.experts'")
+    last = one_line_error(capsys, "--static-scales", "MoE experts", "--ignore 'model.layers.*.mlp.experts'")
     assert "act_static_scales" not in last
 
 
@@ -271,20 +265,20 @@ def test_kv_cache_on_multi_head_latent_attention_refused_before_calibration(moe,
     """DeepSeek-V3's attention has no k_proj / v_proj: refused right after loading, naming the flag;
     it used to fail after the per-site calibration, asking whether the model was an encoder."""
     moe("deepseek_v3")
-    monkeypatch.setattr("lowbit.evaluation.workload.prepare_texts", _no_texts)
+    monkeypatch.setattr("lowbit.evaluation.workload.prepare_texts", no_texts)
     assert main(["quantize", *ARGS, "--recipe", "w8a8-int8", "--kv-cache", "fp8-head", "--no-save",
                  "--out", str(tmp_path / "o")]) == 2
-    last = _one_line_error(capsys, "--kv-cache fp8-head", "DeepseekV3ForCausalLM", "drop --kv-cache")
+    last = one_line_error(capsys, "--kv-cache fp8-head", "DeepseekV3ForCausalLM", "drop --kv-cache")
     assert "an encoder?" not in last
 
 
 def test_an_override_whose_group_does_not_fit_the_experts_is_named_with_its_pattern(moe, monkeypatch, tmp_path,
                                                                                       capsys):
     moe("mixtral")
-    monkeypatch.setattr("lowbit.evaluation.workload.prepare_texts", _no_texts)
+    monkeypatch.setattr("lowbit.evaluation.workload.prepare_texts", no_texts)
     assert main(["quantize", *ARGS, "--recipe", "w4a16-g32", "--override", "model.layers.0.mlp.experts=w4a16",
                  "--no-save", "--out", str(tmp_path / "o")]) == 2
-    _one_line_error(capsys, "--override model.layers.0.mlp.experts=w4a16:", "use w4a16-g32")
+    one_line_error(capsys, "--override model.layers.0.mlp.experts=w4a16:", "use w4a16-g32")
 
 
 def test_distributed_without_torchrun_is_a_one_line_error_before_loading(monkeypatch, tmp_path, capsys):
@@ -296,7 +290,7 @@ def test_distributed_without_torchrun_is_a_one_line_error_before_loading(monkeyp
         raise AssertionError("the model was loaded before --distributed was checked")
     monkeypatch.setattr("lowbit.evaluation.workload.load_model", no_model)
     assert main(["quantize", *ARGS, "--distributed", "--no-save", "--out", str(tmp_path / "o")]) == 2
-    _one_line_error(capsys, "--distributed", "torchrun --nproc-per-node N -m lowbit quantize")
+    one_line_error(capsys, "--distributed", "torchrun --nproc-per-node N -m lowbit quantize")
 
 
 def test_sites_on_moe_with_a_group_that_does_not_fit_the_experts_reports_the_linears(moe, tmp_path, capsys):
@@ -312,7 +306,7 @@ def test_sites_on_moe_with_a_group_that_does_not_fit_the_experts_reports_the_lin
 
 def test_sites_smoothquant_on_moe_refused_before_any_site(moe, monkeypatch, tmp_path, capsys):
     moe("mixtral")
-    monkeypatch.setattr("lowbit.evaluation.workload.prepare_texts", _no_texts)
+    monkeypatch.setattr("lowbit.evaluation.workload.prepare_texts", no_texts)
     assert main(["sites", "--tokens", "64", "--window", "32", "--smoothquant", "--png", str(tmp_path / "s.png")]) == 2
     err = capsys.readouterr().err
     last = err.strip().splitlines()[-1]
