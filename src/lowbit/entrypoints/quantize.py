@@ -6,7 +6,6 @@ Defaults: the embedded SmolLM2-135M-Instruct, Wikipedia text, recipe w8a8-int8."
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 import shlex
@@ -331,21 +330,21 @@ def check_plan(args, model, recipe: str, overrides: dict) -> None:
         raise ValueError(f"--recipe {recipe}: {why}")
 
 
-def _kv_head_dims(model) -> dict[str, int]:
-    """{"head_dim": size} of the heads the KV cache holds, from the model's config (empty when the
-    config does not say)."""
+def _kv_head_dim(model) -> int | None:
+    """head_dim of the heads the KV cache holds, from the model's (text) config; None when it does
+    not say."""
     cfg = getattr(model, "config", None)
-    if cfg is not None and hasattr(cfg, "get_text_config"):
+    if cfg is None:
+        return None
+    from lowbit.recipes.compat import config_head_dim
+    if hasattr(cfg, "get_text_config"):
         cfg = cfg.get_text_config()
-    get = lambda k: getattr(cfg, k, None) if isinstance(getattr(cfg, k, None), int) else None  # noqa: E731
-    hd = get("head_dim") or (get("hidden_size") // get("num_attention_heads")
-                             if get("hidden_size") and get("num_attention_heads") else None)
-    return {"head_dim": hd} if hd else {}
+    return config_head_dim(cfg.to_dict())
 
 
 def _kv_group_refusal(kv_cache: str | None, model) -> str | None:
     """Why --kv-cache cannot apply to this model (no attention modules the quantized cache knows,
-    or an int4-gN group that does not divide its head dims), with the fix; else None."""
+    or an int4-gN group that does not divide its head_dim), with the fix; else None."""
     if kv_cache is None:
         return None
     from lowbit.nn.kv_cache import attention_modules
@@ -357,16 +356,13 @@ def _kv_group_refusal(kv_cache: str | None, model) -> str | None:
     s = KVScheme.parse(kv_cache)
     if s.granularity != "group":
         return None
-    bad = {what: d for what, d in _kv_head_dims(model).items() if d % s.group_size}
-    if not bad:
+    hd = _kv_head_dim(model)
+    if hd is None or hd % s.group_size == 0:
         return None
-    dims = sorted(set(_kv_head_dims(model).values()))
-    g = math.gcd(*dims)
-    fits = [n for n in (128, 64, 32, 16, 8) if g % n == 0][:2]
+    fits = [n for n in (128, 64, 32, 16, 8) if hd % n == 0][:2]
     fmt = kv_cache.partition("-")[0]
     use = f"use {' or '.join(f'--kv-cache {fmt}-g{n}' for n in fits)}, " if fits else ""
-    where = " and ".join(f"{what} {d}" for what, d in bad.items())
-    return (f"--kv-cache {kv_cache}: {where} of {type(model).__name__} {'is' if len(bad) == 1 else 'are'} not a multiple of the group of "
+    return (f"--kv-cache {kv_cache}: head_dim {hd} of {type(model).__name__} is not a multiple of the group of "
             f"{s.group_size} head-dim values: {use}or a cache scaled per token (--kv-cache int8-token)")
 
 

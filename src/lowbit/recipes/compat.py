@@ -83,6 +83,14 @@ EMBEDDED_CONFIGS = {"smollm2": {"hidden_size": 576, "intermediate_size": 1536, "
                     "minilm": {"hidden_size": 384, "intermediate_size": 1536, "num_attention_heads": 12}}
 
 
+def config_head_dim(cfg: dict) -> int | None:
+    """A Hugging Face config's attention head_dim: its own entry, else hidden_size /
+    num_attention_heads; None when the config says neither."""
+    h, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
+    hd = cfg.get("head_dim") or (h // heads if isinstance(h, int) and isinstance(heads, int) and heads else None)
+    return hd if isinstance(hd, int) else None
+
+
 def config_in_features(cfg: dict) -> dict[str, int]:
     """{which Linears: K} that a Hugging Face config.json implies for a decoder or encoder:
     the layers reading the hidden state, the MLP's down projection, the attention output.
@@ -94,8 +102,7 @@ def config_in_features(cfg: dict) -> dict[str, int]:
     for key in ("intermediate_size", "moe_intermediate_size"):
         if isinstance(cfg.get(key), int):
             out[f"the MLP down projection ({key})"] = cfg[key]
-    heads = cfg.get("num_attention_heads")
-    hd = cfg.get("head_dim") or (h // heads if isinstance(h, int) and isinstance(heads, int) and heads else None)
-    if isinstance(heads, int) and isinstance(hd, int):
+    heads, hd = cfg.get("num_attention_heads"), config_head_dim(cfg)
+    if isinstance(heads, int) and hd is not None:
         out["the attention output (num_attention_heads x head_dim)"] = heads * hd
     return out
