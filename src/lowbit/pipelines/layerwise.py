@@ -337,7 +337,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     from lowbit.archs.decoders import decoder_for
     from lowbit.pipelines import moe_checkpoint as MC
     from lowbit.pipelines.checkpoint import describe_qtensor
-    from lowbit.pipelines.moe import build_experts, router_names, swap_in
+    from lowbit.pipelines.moe import build_experts, keep_routers, swap_in
     from lowbit.pipelines.quantize_model import split_patterns
     from lowbit.algorithms.sequential import decoder_blocks
     from lowbit.algorithms.smoothquant import refuse_experts
@@ -441,10 +441,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     lin_ignore, _, found, exp_decisions, _ = split_patterns(model, experts, r, ignore, None)
     summary = plan(model, r, lin_ignore or None)
     summary.experts = exp_decisions
-    routers = router_names(model, found)
-    for d in summary.layers:
-        if d.name in routers and d.reason == "recipe":
-            d.action, d.recipe, d.reason = "skipped", None, "MoE router / gate stays high precision"
+    routers = keep_routers(model, found, summary)      # Linear routers / shared-expert gates
     exp_quantized = [d for d in exp_decisions if d.action == "quantized"]
     outside = [d.name for d in summary.quantized + exp_quantized if not d.name.startswith(bname + ".")]
     if outside:

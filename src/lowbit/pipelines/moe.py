@@ -72,6 +72,17 @@ def router_names(model: torch.nn.Module, found: dict[str, ExpertsSpec]) -> list[
     return out
 
 
+def keep_routers(model: torch.nn.Module, found: dict[str, ExpertsSpec], summary) -> list[str]:
+    """Mark the Linear routers and shared-expert gates the plain recipe would quantize in
+    `summary` (a lowbit.recipes.plan.QuantSummary) as kept in high precision, and return every
+    router name (router_names). An explicit override of one (reason other than "recipe") stands."""
+    routers = router_names(model, found)
+    for d in summary.layers:
+        if d.name in routers and d.reason == "recipe":
+            d.action, d.recipe, d.reason = "skipped", None, "MoE router / gate stays high precision"
+    return routers
+
+
 def build_experts(model: torch.nn.Module, found: dict[str, ExpertsSpec], decisions: list[ExpertsDecision],
                   recipes: dict, mse: bool = False) -> dict[str, QuantExperts]:
     """QuantExperts for every quantized decision (the model is not changed). recipes: name ->

@@ -39,7 +39,7 @@ from lowbit.archs.decoders import sibling_groups
 from lowbit.nn.shared_input import GROUPS, share_inputs as share
 from lowbit.ops.kv_quant import KVScheme
 from lowbit.pipelines.coverage import check_coverage, coverage
-from lowbit.pipelines.moe import build_experts, plan_experts, router_names, swap_in
+from lowbit.pipelines.moe import build_experts, keep_routers, plan_experts, swap_in
 from lowbit.recipes.plan import (DEFAULT_KEEP, LayerDecision, QuantSummary, layer_act, linear_layers,  # noqa: F401
                                  match, plan, tied_to_embedding)
 from lowbit.recipes.presets import Recipe, get_recipe
@@ -136,10 +136,7 @@ def _quantize_linears(model, recipe, *, ignore, overrides, act_static_scales, ba
         if r != "skip" and summary.recipes.setdefault(r.name, r) != r:
             raise ValueError(f"two different recipes are both called {r.name!r}; give them distinct names")
     summary.experts = exp_decisions
-    routers = router_names(model, found)
-    for d in summary.layers:                       # a Linear router / shared-expert gate
-        if d.name in routers and d.reason == "recipe":
-            d.action, d.recipe, d.reason = "skipped", None, "MoE router / gate stays high precision"
+    routers = keep_routers(model, found, summary)      # Linear routers / shared-expert gates
     skipped = {d.name: d.reason for d in summary.skipped + [e for e in exp_decisions if e.action == "skipped"]}
     planned = {d.name: d.recipe for d in summary.quantized + [e for e in exp_decisions if e.action == "quantized"]}
     check_coverage(coverage(model, skipped, tuple(routers), planned), min_fraction=min_fraction,
