@@ -169,22 +169,21 @@ def _float_weights(fmod, spec) -> dict[str, torch.Tensor]:
     return {p: _as_enk(getattr(fmod, n).detach(), spec.layout).double().cpu() for p, n in zip(PROJECTIONS, spec.weights)}
 
 
-def expert_weight_sqnr(fmod, spec, q: QuantExperts) -> dict[str, list[float]]:
+def expert_weight_sqnr(fmod, spec, q: QuantExperts, ws: dict[str, torch.Tensor] | None = None
+                       ) -> dict[str, list[float]]:
     """{projection: SQNR dB per expert} of q's quantized weights against the float experts module
     `fmod` they were quantized from. After a fold (SmoothQuant / AWQ on the experts' down side)
     that is the folded module, not the original model's: the weights differ by the fold's
-    factors, which are no quantization error."""
-    ws = _float_weights(fmod, spec)
+    factors, which are no quantization error. ws: fmod's _float_weights, when already made."""
+    ws = _float_weights(fmod, spec) if ws is None else ws
     return {p: [sqnr_db(ws[p][e], q.weight_q(p, e).dequantize(torch.float64).cpu()) for e in range(q.num_experts)]
             for p in PROJECTIONS}
 
 
-def _expert_sqnr(fmod, spec, q: QuantExperts, inputs) -> tuple[dict[str, list[float]], list[float]]:
-    """Per-expert weight SQNR of both projections, and output SQNR on the inputs [(hidden, idx)]."""
-    ws = _float_weights(fmod, spec)
+def _output_sqnr(fmod, spec, q: QuantExperts, inputs, ws: dict[str, torch.Tensor]) -> list[float]:
+    """Per-expert output SQNR on the inputs [(hidden, idx)] (ws: fmod's _float_weights)."""
     bs = {p: (None if n is None else getattr(fmod, n).detach().double().cpu())
           for p, n in zip(PROJECTIONS, (spec.gate_up_bias, spec.down_bias))}
-    wdb = expert_weight_sqnr(fmod, spec, q)
     sig, noise = [0.0] * q.num_experts, [0.0] * q.num_experts
     for x, idx in inputs:
         x = x.reshape(-1, x.shape[-1])
@@ -199,9 +198,8 @@ def _expert_sqnr(fmod, spec, q: QuantExperts, inputs) -> tuple[dict[str, list[fl
             yf = q.glu(h) @ ws["down"][e].T + (0 if bs["down"] is None else bs["down"][e])
             sig[e] += float(yf.square().sum())
             noise[e] += float((yf - yq[a:b]).square().sum())
-    out = [math.nan if s == 0 and n == 0 else (math.inf if n == 0 else 10 * math.log10(max(s, 1e-300) / n))
-           for s, n in zip(sig, noise)]
-    return wdb, out
+    return [math.nan if s == 0 and n == 0 else (math.inf if n == 0 else 10 * math.log10(max(s, 1e-300) / n))
+            for s, n in zip(sig, noise)]
 
 
 def routing_report(float_model: torch.nn.Module, quantized_model: torch.nn.Module, batches,
@@ -259,9 +257,12 @@ def routing_report(float_model: torch.nn.Module, quantized_model: torch.nn.Modul
         quantized = isinstance(q, QuantExperts)
         E = int(getattr(float_model.get_submodule(n), found[n].gate_up).shape[0])
         load = lambda t: torch.bincount(t[t < E].reshape(-1), minlength=E).tolist()  # noqa: E731
-        wdb, odb = _expert_sqnr(float_model.get_submodule(n), found[n], q, f_in[n]) if quantized else ({}, [])
-        if quantized and weight_db and n in weight_db:
-            wdb = weight_db[n]
+        wdb, odb = {}, []
+        if quantized:
+            fmod = float_model.get_submodule(n)
+            ws = _float_weights(fmod, found[n])
+            wdb = weight_db[n] if weight_db and n in weight_db else expert_weight_sqnr(fmod, found[n], q, ws)
+            odb = _output_sqnr(fmod, found[n], q, f_in[n], ws)
         layers.append(LayerRouting(r, n, int(fa.shape[0]), flips, int((sa != sc).any(dim=1).sum()),
                                    load(fa), load(fb), wdb, odb, quantized))
     desc = {r: f"weight {w}, input {a if a is not None else 'high precision'}" for r, (w, a) in schemes.items()}
