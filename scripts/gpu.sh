@@ -59,9 +59,13 @@ summary() {
   [ -n "$line" ] && { echo "$line"; return; }
   echo "no summary (stopped) at $(grep -oE '\[ *[0-9]+%\]' "$1" | tail -n 1): $(grep -E '^[.sxXFE]+( |$)' "$1" | tr -cd 'FE' | wc -c) F/E marks so far"
 }
+# pytest workers share the cores: torch's default of one thread per core in each worker oversubscribed
+# the machine 16-fold and CPU-side tests ran 10-20x their CI time (past the per-test timeout)
+threads_per() { echo $(( $(nproc) / $1 > 0 ? $(nproc) / $1 : 1 )); }
 if [[ $parts == *,suite,* ]]; then
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(threads_per "${PYTEST_WORKERS:-16}")}
   t0=$(date +%s)
-  timeout -s INT -k 30 "${TEST_TIMEOUT:-420}" python3 -m pytest -n "${PYTEST_WORKERS:-16}" -p no:cacheprovider ${per_test[@]+"${per_test[@]}"} tests \
+  timeout -s INT -k 30 "${TEST_TIMEOUT:-420}" python3 -m pytest -n "${PYTEST_WORKERS:-16}" -p no:cacheprovider ${per_test[@]+"${per_test[@]}"} --junitxml "$out/tests.xml" tests \
       --ignore=tests/pipelines/test_models_e2e.py >"$out/tests.log" 2>&1
   echo "suite rc=$? ($(( $(date +%s) - t0 )) s) :: $(summary "$out/tests.log")" | tee -a "$sum"
   if [ "${TILE_DIAG:-1}" = 1 ]; then
@@ -70,7 +74,8 @@ if [[ $parts == *,suite,* ]]; then
   fi
 fi
 if [[ $parts == *,tests,* ]]; then
-  timeout -s INT -k 30 "${TEST_TIMEOUT:-240}" python3 -m pytest -n "${PYTEST_WORKERS:-12}" -p no:cacheprovider ${per_test[@]+"${per_test[@]}"} ${TESTS:-tests} \
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(threads_per "${PYTEST_WORKERS:-12}")}
+  timeout -s INT -k 30 "${TEST_TIMEOUT:-240}" python3 -m pytest -n "${PYTEST_WORKERS:-12}" -p no:cacheprovider ${per_test[@]+"${per_test[@]}"} --junitxml "$out/tests.xml" ${TESTS:-tests} \
       >"$out/tests.log" 2>&1
   echo "tests rc=$? :: $(summary "$out/tests.log")" | tee -a "$sum"
 fi

@@ -48,16 +48,16 @@ def test_feeds_and_gains_match_the_forward(family, rng):
 
 
 def test_entries_are_distinct_and_name_real_classes():
-    import transformers
+    import importlib
     types = [t for d in DECODERS for t in d.model_types]
     classes = [c for d in DECODERS for c in d.layer_classes]
     assert len(set(types)) == len(types) and len(set(classes)) == len(classes)
     for d in DECODERS:
         for c in d.layer_classes:
             mod = c.removesuffix("DecoderLayer").lower()
-            found = [m for m in vars(transformers.models).values() if hasattr(m, f"modeling_{mod}")]
-            assert found, f"{c}: no transformers.models.{mod}"
-            assert hasattr(getattr(found[0], f"modeling_{mod}"), c)
+            # imported by name: transformers' lazy package lists only the model modules imported so far
+            modeling = importlib.import_module(f"transformers.models.{mod}.modeling_{mod}")
+            assert hasattr(modeling, c), f"{c}: not in transformers.models.{mod}"
 
 
 def test_unknown_family_is_refused_by_name(rng):

@@ -346,8 +346,8 @@ def test_layerwise_moe_two_gloo_ranks_write_the_single_process_checkpoint(rng, t
 
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
 def test_layerwise_keeps_what_transformers_keeps_in_float32(rng, tmp_path, method):
-    """In bf16, from_pretrained keeps DeepSeek-V3's router weight and e_score_correction_bias in
-    float32 (_keep_in_fp32_modules_strict): layer by layer loads, runs and stores them so too
+    """In bf16, from_pretrained keeps DeepSeek-V3's e_score_correction_bias (and, in newer
+    transformers, its router weight) in float32 (_keep_in_fp32_modules_strict): layer by layer loads, runs and stores them so too
     (read from the file in float32, not through bf16), and the checkpoint is the bf16 whole-model
     path's bit for bit."""
     from transformers import AutoModelForCausalLM
@@ -363,6 +363,10 @@ def test_layerwise_keeps_what_transformers_keeps_in_float32(rng, tmp_path, metho
     batches = [torch.randint(0, 97, (2, int(torch.randint(33, 48, (1,), generator=rng))), generator=rng)
                for _ in range(3)]
     w = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).eval()
+    # what from_pretrained kept in float32 (the strict list differs between transformers versions:
+    # 5.17 keeps the bias only, 5.24 the router weight too)
+    gate_dtype = w.model.layers[1].mlp.gate.weight.dtype
+    assert w.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
     quantize_model(w, "w4a16-g32", method=method, calib=batches if method == "gptq" else None)
     save_compressed(w, tmp_path / "whole")
     quantize_layerwise(d, tmp_path / "layerwise", "w4a16-g32", batches, method=method, dtype=torch.bfloat16)
@@ -371,7 +375,7 @@ def test_layerwise_keeps_what_transformers_keeps_in_float32(rng, tmp_path, metho
     for n in a:
         assert a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]), n
     bias = b["model.layers.1.mlp.gate.e_score_correction_bias"]
-    assert bias.dtype == torch.float32 and b["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    assert bias.dtype == torch.float32 and b["model.layers.1.mlp.gate.weight"].dtype == gate_dtype
     assert torch.equal(bias, m.model.layers[1].mlp.gate.e_score_correction_bias)
     assert b["model.layers.1.input_layernorm.weight"].dtype == torch.bfloat16
 

@@ -341,7 +341,7 @@ class LowbitKVCache(Cache):
         layers = [LowbitKVLayer(quant.scheme, *quant.layer_scales(i), layer_idx=i, max_cache_len=max_cache_len,
                                 append_kernel=append_kernel) for i in range(quant.num_layers)]
         super().__init__(layers=layers)
-        self.quant, self.max_cache_len = quant, max_cache_len
+        self.quant = quant   # max_cache_len lives on the layers: some transformers make Cache.max_cache_len read-only
 
     def nbytes(self) -> int:
         """Bytes of the cached tokens' codes and scales, over all layers (LowbitKVLayer.nbytes)."""

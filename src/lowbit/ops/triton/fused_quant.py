@@ -144,7 +144,7 @@ def _rms_inv(ss, K, eps):
 
 @triton.jit
 def _codes(y, s, FMT: tl.constexpr, SCALE_KIND: tl.constexpr, QMAX: tl.constexpr, HW_FP8: tl.constexpr,
-           FAST_DIV: tl.constexpr, LEAN: tl.constexpr = False):
+           FAST_DIV: tl.constexpr, LEAN: tl.constexpr = False, STATIC: tl.constexpr = False):
     """Codes of y / s (s broadcast to y's shape: [groups or rows, 1]) as lowbit.quantize computes
     them: IEEE division, round-half-even, clamp / saturate. Returns int8 (FMT 0) or uint8 bit
     patterns, shaped like y. Shared by both row kernels: the one place the kernels divide.
@@ -153,7 +153,9 @@ def _codes(y, s, FMT: tl.constexpr, SCALE_KIND: tl.constexpr, QMAX: tl.constexpr
     quotient of a nonzero y already has y's sign, and RN(-tiny / s) is -0) instead of a select
     (an FSETP and a predicate per element, partly spilled to registers on sm_90), and subnormal
     scales take div_exact on operands scaled by 2^64 instead of a div_rn call per element (the
-    calls pushed the kernel from ~80 to ~140 registers per thread, for a branch rarely taken)."""
+    calls pushed the kernel from ~80 to ~140 registers per thread, for a branch rarely taken).
+    STATIC: s is a calibrated scale, not this row's absmax / QMAX, so |y / s| may exceed QMAX and the
+    fast path clamps too (unclamped, the int8 rounding trick below would wrap instead of saturate)."""
     if FAST_DIV:
         if SCALE_KIND == 1:  # a power of two: y * (1 / s) is exact (same rounding as y / s)
             v = y * tl.math.div_rn(1.0, s)
@@ -161,6 +163,8 @@ def _codes(y, s, FMT: tl.constexpr, SCALE_KIND: tl.constexpr, QMAX: tl.constexpr
             # and for int8, s = RN(amax / 127) is within 2^-24 of amax / 127, so |y / s|
             # rounds to at most 127: no clamp needed
             v = div_exact(y, s, tl.math.div_rn(1.0, s))
+            if STATIC:
+                v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
             if FMT != 0 and LEAN:  # div_exact returns +0 for y = -0: the encoders want -0
                 v = _copy_sign_bit(v, y)
         elif LEAN:  # subnormal (or NaN) scales: y / s = (y * 2^64) / (s * 2^64) exactly (scaling by

@@ -43,7 +43,7 @@ def _append_kernel(x_ptr, c_ptr, s_ptr, pos_ptr, bad_ptr, H, D, sx_b, sx_h, sx_d
         s = tl.load(s_ptr + h * ss_h + one)
     # FAST (on the GPU): the FMA division and the hardware fp8 cast, both exact there; the
     # interpreter's FMA is not fused, so it takes IEEE division and the bit-level encoder
-    codes = _quant_codes(y, s[:, None], FMT, 0, QMAX, FAST, FAST)
+    codes = _quant_codes(y, s[:, None], FMT, 0, QMAX, FAST, FAST, STATIC=not DYNAMIC)
     tl.store(c_ptr + b * sc_b + h * sc_h + t * sc_t + offs[None, :] * sc_d, codes, mask=ok[None, :])
 
 
