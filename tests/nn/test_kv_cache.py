@@ -404,9 +404,9 @@ def test_nan_state_on_the_append_kv_path_is_raised_at_the_next_update(rng):
 def test_generate_with_append_kv_holds_the_quantize_kv_codes(rng, name):
     # float32 (append_kv takes 16/32-bit states): the two write paths must give the same codes, so
     # the two generations compute the same values in the same order and agree exactly
-    model = _tiny_llama(rng).float()
-    ids = torch.randint(0, 61, (2, 6), generator=rng)
-    kv = calibrate_kv_cache(model, [torch.randint(0, 61, (2, 12), generator=rng)], name)
+    model = _tiny_llama(rng).float().to(DEV)        # the kernel path needs the model where Triton runs
+    ids = torch.randint(0, 61, (2, 6), generator=rng).to(DEV)
+    kv = calibrate_kv_cache(model, [torch.randint(0, 61, (2, 12), generator=rng).to(DEV)], name)
     runs = []
     for kernel, cap in ((False, None), (True, None), (True, 40)):
         cache = kv.new_cache(max_cache_len=cap, append_kernel=kernel)

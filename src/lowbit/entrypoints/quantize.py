@@ -74,7 +74,8 @@ def register(p) -> None:
     p.add_argument("--rotate", nargs="?", const="hadamard", default=None, choices=("hadamard",),
                    help="rotate the residual stream by a random Hadamard matrix first (folded exactly)")
     p.add_argument("--static-scales", action="store_true",
-                   help="calibrated per-tensor activation scales instead of dynamic ones (+ clipping report on new text)")
+                   help="calibrated per-tensor activation scales instead of dynamic ones (+ clipping report "
+                        "on new text, unless --no-eval)")
     p.add_argument("--kv-cache", default=None, metavar="SCHEME",
                    help="also quantize the KV cache: fp8 | int8 (static per tensor, calibrated), fp8-head | int8-head "
                         "(static per KV head), fp8-token | int8-token (dynamic per token and head), int4-gN (dynamic "
@@ -474,10 +475,11 @@ def run(args) -> int:
     dname = str(dtype).replace("torch.", "")
     rounded = f"; float parts rounded to {dname}, as the checkpoint stores them" if dtype != torch.float32 else ""
     print(f"float baseline: {loaded.origin or loaded.name}{rounded}", flush=True)
+    evaluate = not args.no_eval
     data = {k: v for k, v in (("calib_data", args.calib_data), ("eval_data", args.eval_data)) if v}
+    data["evaluate"] = evaluate
     texts = prepare_texts(loaded, args.tokens, args.calib_tokens, args.window, **data)
     texts.calib = D.shard(texts.calib)           # all batches in one process
-    evaluate = not args.no_eval
     before = metric(loaded, loaded.model, None, texts, args.window, True, "float eval") if evaluate else None
     mname = "perplexity" if loaded.kind == "causal" else "embedding cosine"
     ntok = args.tokens if loaded.kind == "causal" else len(texts.sentences)

@@ -170,7 +170,7 @@ def run_recipe(loaded: Loaded, texts: Texts, recipe: str, *, smoothquant: float 
                          if isinstance(m.get_submodule(n), QuantExperts)} or None
     del folded
     heads = {n: h for n, h in heads.items() if n in quantized}     # an ignore pattern may have kept the head
-    clipping = clipping_report(m, texts.new) if static else []
+    clipping = clipping_report(m, texts.new) if static and evaluate else []
     t1 = time.perf_counter()
     by_tokens = reference is not None and loaded.kind == "causal"
 

@@ -115,7 +115,8 @@ def machine() -> str:
 @dataclass
 class Texts:
     """eval_ids: 1-D ids for perplexity; calib: batches for calibration and the site report;
-    new: batches of unseen text (clipping report); sentences: encoder evaluation text."""
+    new: batches of unseen text (clipping report); sentences: encoder evaluation text (the
+    evaluation fields are None / empty for a job that does not evaluate)."""
     eval_ids: torch.Tensor | None
     calib: list
     new: list
@@ -123,10 +124,12 @@ class Texts:
 
 
 def prepare_texts(loaded: Loaded, tokens: int, calib_tokens: int, window: int, *,
-                  calib_data: str | None = None, eval_data: str | None = None) -> Texts:
+                  calib_data: str | None = None, eval_data: str | None = None, evaluate: bool = True) -> Texts:
     """The texts of a job: `tokens` evaluation tokens and `calib_tokens` calibration tokens from
     the embedded Wikipedia text, or from the files calib_data / eval_data (.txt, .jsonl,
-    .safetensors ids: lowbit.evaluation.text_files) when given."""
+    .safetensors ids: lowbit.evaluation.text_files) when given. evaluate=False: calibration text
+    only (no evaluation text, no unseen text), so a job given its own calib_data never reads the
+    embedded corpus."""
     from lowbit.evaluation.embedded import wiki_articles, wiki_token_ids, windows
     from lowbit.evaluation import text_files as T
     tok = loaded.tokenizer
@@ -137,8 +140,10 @@ def prepare_texts(loaded: Loaded, tokens: int, calib_tokens: int, window: int, *
             if path is None:
                 return wiki_token_ids(tok, n, split=split)
             return T.first_tokens(T.read_token_ids(path, tok, flag, vocab), n, flag, path, count_flag)
-        ev = ids(eval_data, tokens, "--eval-data", "--tokens", "eval")
         calib = windows(ids(calib_data, calib_tokens, "--calib-data", "--calib-tokens", "calib"), window)
+        if not evaluate:
+            return Texts(None, calib, [])
+        ev = ids(eval_data, tokens, "--eval-data", "--tokens", "eval")
         new = windows(wiki_token_ids(tok, window, split="eval", lang="es-es"), window)
         return Texts(ev, calib, new)
     for path, flag in ((eval_data, "--eval-data"), (calib_data, "--calib-data")):
@@ -152,11 +157,13 @@ def prepare_texts(loaded: Loaded, tokens: int, calib_tokens: int, window: int, *
     def lines(path, flag):      # an encoder's sentences: a .txt file's lines, a .jsonl file's texts
         texts = T.read_texts(path, flag)
         return [t for t in (texts[0].splitlines() if Path(path).suffix.lower() == ".txt" else texts) if t.strip()]
-    arts = wiki_articles()
-    n = max(16, tokens // 64)                       # ~64 tokens per sentence-sized extract
-    sentences = [a[:400] for a in arts[:n]] if eval_data is None else lines(eval_data, "--eval-data")
+    arts = wiki_articles() if calib_data is None or (evaluate and eval_data is None) else []
     calib = enc([a[:400] for a in arts[::-1][:max(16, calib_tokens // 64)]] if calib_data is None
                 else lines(calib_data, "--calib-data"))
+    if not evaluate:
+        return Texts(None, calib, [])
+    n = max(16, tokens // 64)                       # ~64 tokens per sentence-sized extract
+    sentences = [a[:400] for a in arts[:n]] if eval_data is None else lines(eval_data, "--eval-data")
     new = enc([a[:400] for a in wiki_articles("es-es")[:16]])
     return Texts(None, calib, new, sentences)
 
