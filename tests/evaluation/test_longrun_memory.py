@@ -1,4 +1,4 @@
-"""Long runs stay healthy (issue 13, item 5), CI-sized: repeated quantization and decoding in one
+"""Long runs stay healthy, CI-sized: repeated quantization and decoding in one
 process hold no more memory at the end than after the first round. benchmarks/longrun_memory.py
 is the full-size run (20 quantizations of SmolLM2, 10,000 decode steps; docs/longrun.md).
 

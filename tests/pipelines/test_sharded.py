@@ -207,10 +207,8 @@ def test_peak_memory_is_bounded_by_largest_tensor(recipe, rng, tmp_path):
         weight_map.update({k: fname for k in ts})
         del ts
     (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    # The child takes ~2.5 min of CPU here; a soak under load (nice 10, load 14-18 on 2 cores)
-    # took over the former 300 s limit, and that timeout was all its failures were (5 seeds,
-    # the soak's failing 3456823188 among them, run alone at load 11-13: 165-377 s wall, RSS
-    # growth 29.1-34.1 MiB of the 48 MiB bound). The limit only catches a hung child.
+    # The child's wall time grows several-fold on a loaded machine (its RSS does not), so the
+    # limit is generous: it only catches a hung child.
     try:
         out = subprocess.run([sys.executable, "-c", CHILD, str(src), str(tmp_path / "out"), recipe],
                              capture_output=True, text=True, timeout=1800)

@@ -103,9 +103,8 @@ def test_torch_library_rows_run_every_case_shape(rng):
         assert all(c.verdict == "pass" for c in cells if "_int_mm" in c.kernel), cells
         for c in cells:
             if c.case == "M=1" and c.cause == "unexplained_logic_error":
-                # a known gap, seen once (H200, 2026-11-30, seed 1402297915, tensorwise precise; the
-                # session's first GPU run passed): cuBLAS's fp8 kernel for one row is not the modelled
-                # accumulator (error 2x the fp32 gate, reproduced by neither model; docs/diagnosis.md);
+                # a known gap, seen rarely (H200, tensorwise precise): cuBLAS's fp8 kernel for one
+                # row is not the modelled accumulator (error 2x the fp32 gate, reproduced by neither model; docs/diagnosis.md);
                 # the diagnosis must then say it cannot explain it -- never name a bug
                 continue
             assert c.verdict == "pass" or (c.verdict == "numerical" and c.cause == "accumulator_narrower_than_promised"

@@ -5,7 +5,7 @@ confirmed. Correct kernels, including honestly declared narrow accumulators, mus
 The planted kernels build their mistakes with their own code (ml_dtypes for fp8 decoding, bit
 operations for nibbles and e8m0), never with the diagnosis' simulations. Real bug reports behind
 the hypotheses:
-- stride-0 / one scale for all rows: the H200 cuBLAS rowwise case of issue 11; pytorch/ao#2253
+- stride-0 / one scale for all rows: cuBLAS's rowwise fp8 case on the H200; pytorch/ao#2253
 - scale direction / applied twice: meta-pytorch/tritonbench#1145
 - wrong scale group size, transposed square scale grid: pytorch/pytorch#195751, vllm-project/vllm#54521
 - K tail dropped: NVIDIA/cutlass#3536, tile-ai/tilelang#2605, NVIDIA/TensorRT-LLM#12835
