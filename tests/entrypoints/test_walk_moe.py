@@ -311,3 +311,26 @@ def test_sites_smoothquant_on_moe_refused_before_any_site(moe, monkeypatch, tmp_
     err = capsys.readouterr().err
     last = err.strip().splitlines()[-1]
     assert "Traceback" not in err and last.startswith("lowbit sites: error: --smoothquant"), err
+
+
+def test_moe_without_plain_says_the_dense_defaults_do_not_apply_and_runs_plain(moe, tmp_path, capsys):
+    """The best measured measures (SmoothQuant and overridden sites for w8a8-int8) were measured on
+    a dense decoder: on an MoE model without --plain the CLI says so and writes what --plain writes,
+    bit for bit."""
+    from lowbit.io.st_format import TensorReader
+    moe("mixtral")
+    outs = {}
+    for name, extra in (("default", []), ("plain", ["--plain"])):
+        outs[name] = tmp_path / name
+        args = [a for a in ARGS if a != "--plain"] + extra
+        assert main(["quantize", *args, "--recipe", "w8a8-int8", "--out", str(outs[name])]) == 0
+        printed = capsys.readouterr().out
+        if name == "default":
+            assert "were measured on a dense decoder, not on MoE experts; plain round to nearest" in printed
+            assert "applying the best measured measures" not in printed
+    files = {k: checkpoint_files(d) for k, d in outs.items()}
+    assert sorted(files["default"]) == sorted(files["plain"])
+    for n in files["default"]:
+        with TensorReader(files["default"][n]) as a, TensorReader(files["plain"][n]) as b:
+            x, y = a.get(n), b.get(n)
+            assert x.dtype == y.dtype and torch.equal(x, y), n

@@ -118,11 +118,13 @@ REPORT_FILES = {"lowbit_report.md", "lowbit_sites.png", "lowbit_metric.png", "lo
 CALIB_TOKENS = 1024        # --calib-tokens when neither the flag nor the recipe's best measures give a count
 
 
-def _measures(args, recipe: str, kind: str) -> tuple[dict, int]:
+def _measures(args, recipe: str, kind: str, moe: bool = False) -> tuple[dict, int]:
     """The measures for one recipe and its calibration tokens: the flags given, or (no measure flag,
-    no --plain, a causal decoder: where they were measured) the best measured ones from
+    no --plain, a dense causal decoder: where they were measured) the best measured ones from
     lowbit.recipes.best, printed with the reason, on the calibration tokens they were measured with
-    unless --calib-tokens is given."""
+    unless --calib-tokens is given. moe: the model has MoE experts, where no measure was measured
+    (SmoothQuant folds only the experts' down side there, --override-worst ranks only Linears):
+    plain round to nearest, said so."""
     given = {"smoothquant": args.smoothquant, "override_worst": args.override_worst or 0.0,
              "method": args.method or "rtn", "awq": args.awq, "rotate": args.rotate, "mse": args.mse}
     flagged = (args.smoothquant is not None or args.override_worst or args.method or args.awq or args.rotate
@@ -135,6 +137,10 @@ def _measures(args, recipe: str, kind: str) -> tuple[dict, int]:
     best = best_options(recipe) if kind == "causal" else None
     if best is None:
         print(f"{recipe}: no measured improvement on file; plain round to nearest", flush=True)
+        return given, args.calib_tokens
+    if moe:
+        print(f"{recipe}: the best measured measures {best.options} were measured on a dense decoder, not on "
+              "MoE experts; plain round to nearest (give measure flags, e.g. --method gptq, to choose)", flush=True)
         return given, args.calib_tokens
     print(f"{recipe}: applying the best measured measures {best.options} ({best.why}); --plain for "
           "round to nearest alone", flush=True)
@@ -491,8 +497,9 @@ def run(args) -> int:
     if evaluate:
         print(f"{loaded.name}: float {mname} {before:.4f} on {ntok} {unit} ({time.time() - t0:.0f} s)", flush=True)
     table = []
+    moe = bool(find_experts(loaded.model))
     for recipe in recipes:
-        opts, n_calib = _measures(args, recipe, loaded.kind)
+        opts, n_calib = _measures(args, recipe, loaded.kind, moe=moe)
         rtexts = texts if n_calib == args.calib_tokens else dataclasses.replace(
             texts, calib=D.shard(prepare_texts(loaded, args.tokens, n_calib, args.window, **data).calib))
         run_ = run_recipe(loaded, rtexts, recipe, override_to=args.override_to, ignore=args.ignore,
@@ -531,7 +538,7 @@ def run(args) -> int:
             res.sites_markdown.append(("Attention sites (KV cache; first calibration batch)", att.to_markdown()))
         routing = None
         # MoE: routing flips, expert load and per-expert SQNR vs float (when any experts were quantized)
-        if find_experts(loaded.model) and any(isinstance(m, QuantExperts) for m in run_.model.modules()):
+        if moe and any(isinstance(m, QuantExperts) for m in run_.model.modules()):
             routing = routing_report(loaded.model, run_.model, rtexts.calib, weight_db=run_.experts_weight_db)
             print(routing.to_markdown(), flush=True)
             res.sites_markdown.append(("MoE routing (calibration batches, against the float model)",
