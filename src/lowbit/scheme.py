@@ -156,6 +156,15 @@ class QuantScheme:
         return self.fmt.kind
 
     @property
+    def k_width(self) -> int:
+        """Elements along K (the last axis) that one scale covers: group_size, the block's
+        columns, else 1 (one scale per row or tensor: any K fits). A K that is not a multiple of
+        it leaves a short last group, which checkpoints and stacked expert scales cannot hold."""
+        if self.strategy == "group":
+            return self.group_size
+        return self.block_size[1] if self.strategy == "block" else 1
+
+    @property
     def two_level(self) -> bool:
         """True when block scales are fp8 codes times one fp32 tensor scale (NVFP4 style)."""
         return self.scale_format == "fp8_e4m3fn"

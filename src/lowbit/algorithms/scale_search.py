@@ -30,8 +30,7 @@ GRID_E8M0 = (2.0, 1.0, 0.5)
 
 def _padded(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     """w float32 [N, K] zero-padded along K to the group / block width (as quantize(pad=True))."""
-    width = scheme.group_size if scheme.strategy == "group" else \
-        scheme.block_size[1] if scheme.strategy == "block" else 1
+    width = scheme.k_width
     return torch.nn.functional.pad(w.float(), (0, (-w.shape[1]) % width))
 
 

@@ -316,9 +316,8 @@ class QuantExperts(torch.nn.Module):
 
 
 def _check_k(K: int, scheme: QuantScheme, where: str) -> None:
-    width = scheme.group_size if scheme.strategy == "group" else (
-        scheme.block_size[1] if scheme.strategy == "block" else None)
-    if width and K % width:
+    width = scheme.k_width
+    if K % width:
         raise ValueError(f"{where} is not a multiple of the group size {width} ({scheme}): stacked expert scales "
                          "need whole groups; choose a recipe whose group divides K")
 

@@ -323,7 +323,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     from lowbit.pipelines.checkpoint import (DEFAULT_SHARD_BYTES, atomic_dir, build_quantization_config,
                                               config_dict, describe_qlayer, expand_deferred, module_tensors,
                                               read_json, write_metadata)
-    from lowbit.pipelines.tensorwise import copy_side_files, k_multiple
+    from lowbit.pipelines.tensorwise import copy_side_files
     from lowbit.io.st_format import ShardedWriter
     from lowbit.pipelines import layer_loader
     from lowbit.profiling import memtrace
@@ -447,10 +447,10 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     if outside:
         raise NotImplementedError(f"Linears outside the decoder layers would be quantized ({outside[:3]}): the "
                                   "layer-by-layer path keeps them in high precision; ignore=[...] them")
-    short = [f"{d.name} {list(d.shape)}" for d in summary.quantized if d.shape[1] % k_multiple(summary.recipe_of(d).weight)]
+    short = [f"{d.name} {list(d.shape)}" for d in summary.quantized if d.shape[1] % summary.recipe_of(d).weight.k_width]
     short += [f"{d.name} (E, 2I, H = {d.shape})" for d in exp_quantized
-              if d.shape[2] % k_multiple(summary.recipes[d.recipe].weight) or
-              (d.shape[1] // 2) % k_multiple(summary.recipes[d.recipe].weight)]
+              if d.shape[2] % summary.recipes[d.recipe].weight.k_width or
+              (d.shape[1] // 2) % summary.recipes[d.recipe].weight.k_width]
     # save_compressed's check of per-expert storage, before any layer is read (a rank that failed
     # it alone, later, would leave the others waiting in a collective)
     for d in exp_quantized:

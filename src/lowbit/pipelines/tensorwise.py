@@ -81,19 +81,12 @@ def copy_side_files(in_dir: Path, out_dir: Path) -> None:
             shutil.copy2(src, Path(out_dir) / f)
 
 
-def k_multiple(scheme) -> int:
-    """What a weight's K (in_features) must be a multiple of for compressed-tensors to store it
-    under `scheme` (no short last group or block)."""
-    return scheme.group_size if scheme.strategy == "group" else (
-        scheme.block_size[1] if scheme.strategy == "block" else 1)
-
-
 def _check_shapes(todo: set, files: dict, scheme) -> None:
     """Every weight to quantize must be 2-D with K a multiple of the scheme's group/block
     width (compressed-tensors cannot store a short last group); checked on the headers,
     before any tensor is read."""
     from lowbit.io.st_format import read_header
-    width = k_multiple(scheme)
+    width = scheme.k_width
     headers: dict[str, dict] = {}
     bad = []
     for layer in sorted(todo):

@@ -139,13 +139,7 @@ def k_for(specs_group: int, kind: str) -> int:
 
 
 def _group(s) -> int:
-    if s is None:
-        return 1
-    if s.strategy == "group":
-        return s.group_size
-    if s.strategy == "block":
-        return s.block_size[1]
-    return 1
+    return 1 if s is None else s.k_width
 
 
 def _noncontig(q):
