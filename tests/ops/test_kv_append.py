@@ -93,3 +93,24 @@ def test_append_records_the_first_nan_inf_row(rng, name):
     assert bad.tolist() == [clean, pos * B * H + min(rows)]                   # position, keeps the record
     with pytest.raises(TypeError, match="bad must be an int64"):
         append_kv(cache, x.to(DEV), torch.tensor([0], device=DEV), bad.to(torch.int32))
+
+
+@pytest.mark.parametrize("name", ["int8", "int8-head"])
+def test_static_int8_saturates_on_the_fast_division_path(rng, monkeypatch, name):
+    """The GPU divides by FMA refinement and skips the clamp a dynamic scale never needs; a static
+    scale's out-of-range quotients must still saturate to +-127 (unclamped, the int8 rounding trick
+    wraps them: 127 became -117). Forced here in the interpreter too: saturated codes do not depend
+    on the division's last ulp, which the interpreter's unfused FMA may miss."""
+    import lowbit.ops.triton.kv_append as ka
+    monkeypatch.setattr(ka, "interpreting", lambda: False)          # FAST=True: the GPU's branch
+    sch = KVScheme.parse(name)
+    B, H, T, D = 2, 3, 4, 40
+    scale = static_scale(observe_amax(torch.randn(B, H, 5, D, generator=rng), sch), sch)
+    cache = quantize_kv(torch.zeros(B, H, T, D), sch, scale)
+    cache = KVQuant(cache.codes.to(DEV), cache.scale.to(DEV), sch)
+    sign = torch.where(torch.rand(B, H, 1, D, generator=rng) < 0.5, -1.0, 1.0)
+    ratio = 128 + torch.rand(B, H, 1, D, generator=rng) * 1e4               # |x / s| in (128, 10128)
+    x = sign * ratio * scale                                                 # broadcast: per tensor or head
+    pos = int(torch.randint(0, T, (1,), generator=rng))
+    append_kv(cache, x.to(DEV), torch.tensor([pos], dtype=torch.int32, device=DEV))
+    assert torch.equal(cache.codes.cpu()[:, :, pos:pos + 1], (sign * 127).to(torch.int8))
