@@ -347,9 +347,9 @@ def test_layerwise_moe_two_gloo_ranks_write_the_single_process_checkpoint(rng, t
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
 def test_layerwise_keeps_what_transformers_keeps_in_float32(rng, tmp_path, method):
     """In bf16, from_pretrained keeps DeepSeek-V3's e_score_correction_bias (and, in newer
-    transformers, its router weight) in float32 (_keep_in_fp32_modules_strict): layer by layer loads, runs and stores them so too
-    (read from the file in float32, not through bf16), and the checkpoint is the bf16 whole-model
-    path's bit for bit."""
+    transformers, its router weight) in float32 (_keep_in_fp32_modules_strict): layer by layer
+    loads, runs and stores them so too (read from the file in float32, not through bf16), and the
+    checkpoint is the bf16 whole-model path's bit for bit."""
     from transformers import AutoModelForCausalLM
     from moe_fixtures import tiny_moe
     from lowbit.pipelines.checkpoint import save_compressed

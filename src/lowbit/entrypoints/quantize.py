@@ -483,8 +483,7 @@ def run(args) -> int:
     print(f"float baseline: {loaded.origin or loaded.name}{rounded}", flush=True)
     evaluate = not args.no_eval
     data = {k: v for k, v in (("calib_data", args.calib_data), ("eval_data", args.eval_data)) if v}
-    data["evaluate"] = evaluate
-    texts = prepare_texts(loaded, args.tokens, args.calib_tokens, args.window, **data)
+    texts = prepare_texts(loaded, args.tokens, args.calib_tokens, args.window, evaluate=evaluate, **data)
     texts.calib = D.shard(texts.calib)           # all batches in one process
     before = metric(loaded, loaded.model, None, texts, args.window, True, "float eval") if evaluate else None
     mname = "perplexity" if loaded.kind == "causal" else "embedding cosine"
@@ -501,7 +500,8 @@ def run(args) -> int:
     for recipe in recipes:
         opts, n_calib = _measures(args, recipe, loaded.kind, moe=moe)
         rtexts = texts if n_calib == args.calib_tokens else dataclasses.replace(
-            texts, calib=D.shard(prepare_texts(loaded, args.tokens, n_calib, args.window, **data).calib))
+            texts, calib=D.shard(prepare_texts(loaded, args.tokens, n_calib, args.window, evaluate=evaluate,
+                                               **data).calib))
         run_ = run_recipe(loaded, rtexts, recipe, override_to=args.override_to, ignore=args.ignore,
                           overrides=overrides, static=args.static_scales, window=args.window, evaluate=evaluate,
                           reference=loaded.model if loaded.kind == "causal" and evaluate else None,

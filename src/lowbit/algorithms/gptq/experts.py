@@ -163,10 +163,11 @@ def gptq_experts(module: torch.nn.Module, spec: ExpertsSpec, weight_scheme: Quan
     kw = dict(spec.module_kwargs(), name=name)
     rtn = QuantExperts.from_module(module, weight_scheme, act_scheme, backend="exact", **kw)
     E = rtn.num_experts
-    dev = getattr(module, spec.gate_up).device   # (a 4-bit module keeps its exact twin on the host)
-    rtn_q = {p: [q.to(dev) for q in rtn.weights_q(p)] for p in ("gate_up", "down")}
     if mse:
         rtn_q = mse_weights(module, spec, weight_scheme)
+    else:       # on the weights' device: a 4-bit module keeps its exact twin on the host
+        dev = getattr(module, spec.gate_up).device
+        rtn_q = {p: [q.to(dev) for q in rtn.weights_q(p)] for p in ("gate_up", "down")}
     routings = [sort_tokens(idx, E) for _, idx, _ in inputs]
     local = torch.stack([r.counts().cpu() for r in routings]).sum(0)
     tokens = distributed.all_sum(local.to(torch.int64)).tolist()      # every rank's tokens
