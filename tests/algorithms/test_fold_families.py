@@ -107,17 +107,40 @@ def test_smoothed_quantized_error_in_range(family, rng):
     assert rel(smoothed) <= 2 * rel(plain)
 
 
+def _linear_inputs(model, names, batches) -> dict[str, torch.Tensor]:
+    """name -> every input row [T, K] (float64) that Linear `name` receives on `batches`."""
+    got = {n: [] for n in names}
+    mods = dict(model.named_modules())
+    hooks = [mods[n].register_forward_hook(lambda m, i, o, n=n: got[n].append(i[0].reshape(-1, i[0].shape[-1])))
+             for n in names]
+    try:
+        for b in batches:
+            _logits(model, b)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {n: torch.cat(v).double() for n, v in got.items()}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gptq_groups_every_family(family, rng):
     """GPTQ groups Linears by the input tensor they receive (lowbit.algorithms.sequential), so fused
     projections (Phi-3), post-norms (Gemma 2/3, OLMo 2) and parallel blocks (Cohere) need no special
-    case: every Linear is quantized, and the model's logit error stays within twice round to
-    nearest's (each layer keeps RTN's codes where GPTQ's loss on held-out tokens is larger; the factor
-    2 leaves room for how the layers' errors compound differently)."""
+    case: every Linear is quantized, and each Linear's output error ||(W - Q) X||^2 on the inputs X it
+    receives is at most round to nearest's. GPTQ keeps RTN's codes wherever its own loss on the fit or
+    the held-out tokens is larger, on the inputs of the partly quantized model; X here comes from
+    the float model, which differs by the upstream layers' quantization noise, so a layer's ratio
+    gets 25 % room (over 1,100 random models none exceeded 1). A Hessian taken from the wrong
+    tensor (another group's input) optimizes for the wrong X and fails this. Together GPTQ's total
+    loss is below RTN's (it is not round to nearest everywhere); the logits stay within 4 x RTN's
+    relative error, a check of the rewired model, not of GPTQ's gain: on models this small, how
+    layers' errors compound makes GPTQ's logit error up to 1.7 x RTN's."""
     from lowbit.pipelines.quantize_model import quantize_model
     from lowbit.recipes.plan import linear_layers
     model = tiny_decoder(family, rng).float()
-    x, calib = ids(rng), [ids(rng, 1, 32) for _ in range(4)]
+    x, calib = ids(rng, 4, 32), [ids(rng, 1, 32) for _ in range(4)]
+    names = [n for n in linear_layers(model) if "lm_head" not in n]
+    inputs = _linear_inputs(model, names, calib)
     a = _logits(model, x).double()
     rel = lambda m: float((_logits(m, x).double() - a).norm() / a.norm())  # noqa: E731
     rtn, gptq = copy.deepcopy(model), copy.deepcopy(model)
@@ -125,5 +148,12 @@ def test_gptq_groups_every_family(family, rng):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         s = quantize_model(gptq, "w4a16-g32", method="gptq", calib=calib)
-    assert len(s.quantized) == len([n for n in linear_layers(model) if "lm_head" not in n])
-    assert rel(gptq) <= 2 * rel(rtn)
+    assert sorted(d.name for d in s.quantized) == sorted(names)
+    weights = {n: m.weight.detach().double() for n, m in linear_layers(model).items()}
+    mods = {"rtn": dict(rtn.named_modules()), "gptq": dict(gptq.named_modules())}
+    loss = {k: {n: float(((weights[n] - mods[k][n].weight_q.dequantize().double()) @ inputs[n].T).square().sum())
+                for n in names} for k in mods}
+    worse = {n: loss["gptq"][n] / loss["rtn"][n] for n in names if loss["gptq"][n] > 1.25 * loss["rtn"][n]}
+    assert not worse, f"GPTQ's output error over round to nearest's: {worse}"
+    assert sum(loss["gptq"].values()) < sum(loss["rtn"].values())
+    assert rel(gptq) <= 4 * rel(rtn)
