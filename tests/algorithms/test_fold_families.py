@@ -88,11 +88,13 @@ def test_smoothed_quantized_error_in_range(family, rng):
     """W8A8 int8 after SmoothQuant: the quantized model's logit error stays within twice plain W8A8's.
     alpha = 0.5 splits each channel's range evenly between activations and weights; a Linear's
     quantization noise is the sum of the two sides', so migrating range can at most double it
-    (the side that had none takes half). A mis-fold instead moves the float logits by 60 % and more."""
+    (the side that had none takes half). A mis-fold instead moves the float logits by 60 % and more.
+    The logits are compared on 4 x 32 tokens: on fewer (2 x 19) how the layers' errors compound
+    made the ratio reach 1.9 (1,100 random models); on these it stayed at or below 1.33 (2,200)."""
     from lowbit.diagnosis.sites import site_report
     from lowbit.pipelines.quantize_model import quantize_model
     model = tiny_decoder(family, rng).float()
-    x, calib = ids(rng), [ids(rng, 1, 24) for _ in range(2)]
+    x, calib = ids(rng, 4, 32), [ids(rng, 1, 24) for _ in range(2)]
     a = _logits(model, x).double()
     rel = lambda m: float((_logits(m, x).double() - a).norm() / a.norm())  # noqa: E731
     plain = copy.deepcopy(model)
