@@ -9,11 +9,19 @@ import os
 
 import torch
 
+from lowbit.formats import get_format
 from lowbit.ops.fused_configs import default_tile, row_warps, tile_supports
 from lowbit.scheme import QuantScheme
 
-FMT_CODES = {"int8": 0, "fp8_e4m3fn": 1, "fp4_e2m1fn": 2}
+FMT_CODES = {"int8": 0, "fp8_e4m3fn": 1, "fp4_e2m1fn": 2}   # fused_quant's FMT (its _codes branches on it)
 ROUND_CODES = {"floor": 0, "rceil": 1, "ceil": 2, "even": 3}
+
+
+def element_meta(format_name: str) -> tuple[int, float]:
+    """(FMT, QMAX) of the fused kernels for an element format: its number in FMT_CODES and the
+    largest code magnitude the codes saturate at (an int format's qmax, a float format's max)."""
+    fmt = get_format(format_name)
+    return FMT_CODES[format_name], float(fmt.qmax if fmt.kind == "int" else fmt.max)
 
 
 def row_block(K: int) -> int:
@@ -86,12 +94,10 @@ def format_meta(scheme: QuantScheme, x2: torch.Tensor, fp8_encoder: str = "auto"
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     g_div = 1.0
     if scale_kind == 2:  # NVFP4's tensor-scale divisor: scale format max * element max (448 * 6)
-        from lowbit.formats import get_format
-
         g_div = float(get_format(scheme.scale_format).max) * float(fmt.max)
-    return dict(FMT=FMT_CODES[scheme.format], SCALE_KIND=scale_kind,
-                E8M0_ROUND=ROUND_CODES.get(scheme.scale_rounding or "floor", 0),
-                QMAX=float(fmt.qmax if fmt.kind == "int" else fmt.max),
+    code, qmax = element_meta(scheme.format)
+    return dict(FMT=code, SCALE_KIND=scale_kind,
+                E8M0_ROUND=ROUND_CODES.get(scheme.scale_rounding or "floor", 0), QMAX=qmax,
                 EMAX=math.frexp(float(fmt.max))[1] - 1 if fmt.kind == "float" else 0,  # floor(log2 max)
                 MBITS=int(getattr(fmt, "mbits", 0) or 0), HW_FP8=x2.is_cuda and fp8_encoder != "int" and not interp,
                 FAST_DIV=x2.is_cuda and not interp, G_DIV=g_div)
@@ -182,6 +188,7 @@ def launch_tile(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int,
         raise ValueError(f"fp8_encoder must be 'auto', 'hw' or 'int', got {fp8_encoder!r}")
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     fmt = scheme.fmt
+    code, qmax = element_meta(scheme.format)
     dummy = torch.empty(1, device=dev, dtype=torch.float32)
     codes = torch.empty(rows, K, device=dev, dtype=torch.int8 if fmt.kind == "int" else torch.uint8)
     scale = torch.empty(rows, 1, device=dev, dtype=torch.float32)
@@ -196,8 +203,7 @@ def launch_tile(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int,
         x2, x2.stride(0), weight if weight is not None else dummy, res2 if res2 is not None else dummy,
         res2.stride(0) if res2 is not None else 0, res_out if res_out is not None else dummy,
         res_out.stride(0) if res_out is not None else 0, y, codes, scale, rows, K, eps,
-        PRE=pre, HAS_RES=res2 is not None, STORE_Y=store_y, FMT=FMT_CODES[scheme.format],
-        QMAX=float(fmt.qmax if fmt.kind == "int" else fmt.max),
+        PRE=pre, HAS_RES=res2 is not None, STORE_Y=store_y, FMT=code, QMAX=qmax,
         HW_FP8=x2.is_cuda and fp8_encoder != "int" and not interp, FAST_DIV=x2.is_cuda and not interp,
         ROWS=R, BLOCK=block, EVEN=block == K and rows % R == 0, FULL=block == K, NPROG=nprog, num_warps=warps)
     return codes, scale, None, None, (y if store_y else None)

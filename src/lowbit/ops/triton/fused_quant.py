@@ -26,8 +26,7 @@ from .common import decode_e4m3fn, encode_e4m3fn  # shared exact fp8 encoder (th
 
 # Prologues
 PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL = 0, 1, 2
-# Element formats
-FMT_INT8, FMT_E4M3, FMT_E2M1 = 0, 1, 2
+# Element formats (FMT): lowbit.ops.fused_launch.FMT_CODES numbers them (int8, fp8 e4m3, fp4 e2m1)
 # Scale kinds: plain float32; e8m0 power of two (MX); fp8-e4m3 block scale times a
 # float32 tensor scale (NVFP4, two-level)
 SCALE_FP32, SCALE_E8M0, SCALE_NV = 0, 1, 2

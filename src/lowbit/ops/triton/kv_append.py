@@ -12,13 +12,12 @@ import triton
 import triton.language as tl
 
 from lowbit.ops.dispatch import KV_APPEND_DTYPES, kv_append_supports
+from lowbit.ops.fused_launch import element_meta
 from lowbit.ops.kv_quant import KVQuant
 
 from .common import check_device, interpreting, launch
 from .fused_quant import _codes as _quant_codes
 from .fused_quant import _group_scales
-
-_FMT = {"int8": (0, 127.0), "fp8_e4m3fn": (1, 448.0)}   # fused_quant's element-format numbers, format max
 
 
 @triton.jit
@@ -77,7 +76,7 @@ def append_kv(cache: KVQuant, x: torch.Tensor, pos: torch.Tensor, bad: torch.Ten
         raise TypeError("bad must be an int64 tensor of at least one element on x's device (or None)")
     for name, t in (("x", x), ("cache.codes", cache.codes), ("cache.scale", cache.scale), ("pos", pos)):
         check_device(name, t)
-    fmt, qmax = _FMT[sch.format]
+    fmt, qmax = element_meta(sch.format)
     s = cache.scale
     if sch.dynamic:                                           # [B, H, T, 1]
         ss_h, ss_t = s.stride(1), s.stride(2)
