@@ -107,6 +107,7 @@ class QuantLinear(torch.nn.Module):
             self.register_buffer("fast_" + name, t, persistent=False)
         self.fast_spec, self._fast_json = prep.spec, prep.spec.to_json()
         self._fast_dtypes = runtime.input_dtypes(prep.spec)   # derived once, read on every call
+        self._fast_path_name = "fast:" + prep.spec.kind
         self._graphs = runtime.GraphCache()
         if prep.spec.kind in ("w4a16", "fp4") and self.host_twin:
             # the packed codes are the GPU's copy; the exact twin (one code per byte) stays on the host
@@ -227,11 +228,14 @@ class QuantLinear(torch.nn.Module):
             if shared is not None:
                 y = shared[0].output(x, x2)[:, shared[1]:shared[2]]
             else:
+                # buffers and the bias read from their dicts: nn.Module.__getattr__ costs ~1 us each
+                # on a decode call's host path
+                bufs = self._buffers
                 y = runtime.forward(self.fast_spec, self._fast_json, x2,
-                                    [getattr(self, "fast_" + n) for n in self.fast_spec.operands], self.bias,
-                                    self._graphs)
+                                    [bufs["fast_" + n] for n in self.fast_spec.operands],
+                                    self._parameters.get("bias"), self._graphs)
             if not torch.compiler.is_compiling():
-                self.last_path = "fast:" + self.fast_spec.kind
+                self.__dict__["last_path"] = self._fast_path_name   # a plain attribute (not a tensor)
             return y.reshape(*lead, self.out_features)
         x2d = x.reshape(-1, self.in_features).float()
         y, _ = self.forward_2d(x2d)

@@ -53,9 +53,9 @@ class SharedGEMM(torch.nn.Module):
         """The group's [M, N_total] output for x2 = x as [M, K], computed once per input
         object x (the members' own argument: x2 is a fresh view on every call)."""
         if self._x is not x:
-            self._y = runtime.forward(self.spec, self._json, x2,
-                                      [getattr(self, "fast_" + n) for n in self.spec.operands], self.bias,
-                                      self._graphs)
+            bufs = self._buffers   # dict reads: nn.Module.__getattr__ costs ~1 us each per call
+            self._y = runtime.forward(self.spec, self._json, x2, [bufs["fast_" + n] for n in self.spec.operands],
+                                      bufs["bias"], self._graphs)
             self._x, self._left = x, self.members
         y = self._y
         self._left -= 1

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lowbit.ops import bound
 from lowbit.ops.dispatch import prepared_kind
 from lowbit.quantize import QTensor
 from lowbit.scheme import QuantScheme
@@ -320,15 +321,18 @@ def _(x2, operands, bias, spec):
     return x2.new_empty((x2.shape[0], spec_from_json(spec).N))
 
 
-# Eager calls with at most this many rows (decode) replay a CUDA graph of the layer's launches
-# captured on first use: on the H200's host one Triton launch costs ~25-35 us of Python and
-# driver time, a graph replay plus the input copy and output clone ~3 cheap launches.
+# Eager calls with at most this many rows (decode) replay the layer's recorded launches
+# (lowbit.ops.bound: an output allocation and one launcher call per kernel), or where the call
+# cannot be recorded, a CUDA graph of its launches captured on first use: on the H200's host going
+# through the launchers costs 45-100 us a call, a graph replay with its input copy and output clone
+# about 60 us, a recorded plan a few microseconds per kernel.
+PLAN_MAX_M = 64
 GRAPH_MAX_M = 16
 
 
 class GraphCache(dict):
-    """A layer's captured decode graphs, keyed by (rows, dtype, device, weight pointer). Never
-    copied (deepcopy / pickling give an empty cache: graphs hold device pointers)."""
+    """A layer's recorded plans and captured decode graphs, keyed by (rows, dtype, ...). Never
+    copied (deepcopy / pickling give an empty cache: plans and graphs hold device pointers)."""
 
     def __deepcopy__(self, memo):
         return GraphCache()
@@ -339,14 +343,27 @@ class GraphCache(dict):
 
 def forward(spec: Spec, spec_json: str, x2: torch.Tensor, operands: list[torch.Tensor],
             bias: torch.Tensor | None, graphs: GraphCache | None = None) -> torch.Tensor:
-    """Eager: call the launches directly (a custom op's dispatch costs microseconds a call), or
-    for decode-sized inputs on CUDA replay the layer's graph; under torch.compile: the custom op
-    (whose CUDA-graph capture is then torch's own)."""
+    """Eager: replay the layer's recorded launches (decode sizes on CUDA), else call the launches
+    directly (a custom op's dispatch costs microseconds a call) or replay the layer's graph; under
+    torch.compile: the custom op (whose CUDA-graph capture is then torch's own)."""
     if torch.compiler.is_compiling():
         return qlinear_op(x2, operands, bias, spec_json)
-    if (graphs is not None and x2.is_cuda and x2.shape[0] <= GRAPH_MAX_M and graphable(spec)
-            and not torch.cuda.is_current_stream_capturing()):
-        return _replay(spec, x2, operands, bias, graphs)
+    if graphs is not None and x2.is_cuda and x2.shape[0] <= PLAN_MAX_M:
+        key = (x2.shape[0], x2.dtype, x2.stride(0), x2.data_ptr() & 15 == 0)
+        plan = graphs.get(key)
+        if plan:
+            return plan(x2, torch._C._cuda_getCurrentRawStream(x2.get_device()))
+        if plan is not False and not torch.cuda.is_current_stream_capturing():
+            ops = dict(zip(spec.operands, operands))
+            if plan is None:                   # first call: direct, so one-time set-up (compiling,
+                graphs[key] = 0                # cached configurations, counters) is not recorded
+                return run(spec, x2, ops, bias)
+            out, plan, _why = bound.record(lambda a: run(spec, a, ops, bias), x2)
+            graphs[key] = plan or False        # False: not recordable, never tried again
+            return out
+        if (x2.shape[0] <= GRAPH_MAX_M and graphable(spec)
+                and not torch.cuda.is_current_stream_capturing()):
+            return _replay(spec, x2, operands, bias, graphs)
     return run(spec, x2, dict(zip(spec.operands, operands)), bias)
 
 
@@ -359,7 +376,7 @@ def graphable(spec: Spec) -> bool:
 
 
 def _replay(spec, x2, operands, bias, graphs):
-    key = (x2.shape[0], x2.dtype, x2.device, operands[0].data_ptr())
+    key = ("graph", x2.shape[0], x2.dtype, x2.device, operands[0].data_ptr())
     entry = graphs.get(key)
     if entry is None:
         ops = dict(zip(spec.operands, operands))

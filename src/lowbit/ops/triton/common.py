@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lowbit.ops.bound import note_launch, note_slow_launch
+
 # 1.5 * 2**23: adding it to |v| < 2**22 in fp32 leaves no fraction bits, so the fp32 add
 # rounds v to an integer with the hardware's round-half-even; subtracting restores the range.
 _RINT_MAGIC = 12582912.0
@@ -125,12 +127,14 @@ def launch(kernel, grid: tuple, *args, **meta):
     from triton.runtime.driver import driver
 
     if interpreting() or knobs.runtime.launch_enter_hook is not None:
+        note_slow_launch()
         return kernel[grid](*args, **meta)
     drv = driver.active
     dev = drv.get_current_device()
     try:
         key = (kernel, dev, tuple(meta.items()), tuple(_spec(a) for a in args))
     except _NotFast:
+        note_slow_launch()
         return kernel[grid](*args, **meta)
     hit = _LAUNCH_CACHE.get(key)
     if hit is None:
@@ -139,8 +143,10 @@ def launch(kernel, grid: tuple, *args, **meta):
         defaults = {p.name: p.default for p in kernel.params}
         tail = tuple(meta[n] if n in meta else defaults[n] for n in names)
         _LAUNCH_CACHE[key] = (ck, tail)
+        note_launch(ck, grid, args, tail)
         return ck
     ck, tail = hit
+    note_launch(ck, grid, args, tail)
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
     ck.run(grid[0], g1, g2, drv.get_current_stream(dev), ck.function, ck.packed_metadata, None, None, None,

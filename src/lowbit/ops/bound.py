@@ -1,0 +1,130 @@
+"""Eager calls with little host time: a layer's kernel launches recorded once per input shape,
+then replayed as direct launches of the compiled kernels.
+
+Why: in eager decode a quantized Linear's GPU work takes microseconds, but going through its
+launchers (configuration lookup, argument checks, Triton's binding of each argument, one
+`torch.empty` per intermediate buffer) costs several times that on the host, and a CUDA-graph
+replay of the layer needs an input copy and an output clone around it. A `Plan` keeps what one
+call's launches were -- each compiled kernel, its grid and its argument list -- and a later call
+with an input of the same rows, dtype, row stride and alignment only allocates its output and
+calls each kernel's launcher with two slots of the argument list replaced (the input, the output).
+
+What a plan may hold (checked while recording; anything else gives no plan, and the caller keeps
+its other path):
+- only Triton launches through lowbit.ops.triton.common.launch's cached path, and torch
+  allocations and views between them -- an operation that computes (a zero fill, a cast, a copy,
+  an add) would not be repeated by the replay, so its presence refuses the plan;
+- tensor arguments that are the input, the returned output, or tensors that do not alias either
+  (the layer's operands, and intermediate buffers allocated by the call, which the plan keeps and
+  reuses: a replay's kernels run in stream order after the previous call's, so reuse is safe on
+  one stream; calls from several streams at once must not share a layer, as with graph replay).
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# aten operations that only allocate or describe memory: a replay needs none of them (its
+# intermediate buffers are kept, its output allocated afresh)
+_ALLOWED = {"empty", "empty_strided", "empty_like", "view", "reshape", "_reshape_alias", "t", "expand", "alias",
+            "as_strided", "slice", "select", "unsqueeze", "squeeze", "permute", "detach", "transpose",
+            "_unsafe_view", "lift_fresh", "contiguous"}
+
+_RECORDING: list | None = None
+
+
+def note_launch(ck, grid: tuple, args: tuple, tail: tuple) -> None:
+    """Called by lowbit.ops.triton.common.launch for every launch on its cached path: while a
+    plan is being recorded, remember the compiled kernel, grid and runtime arguments."""
+    if _RECORDING is not None:
+        _RECORDING.append((ck, grid, args, tail))
+
+
+def note_slow_launch() -> None:
+    """A launch that did not take the cached path (interpreter, profiler hooks, TMA descriptors):
+    the call cannot be replayed from recorded arguments."""
+    if _RECORDING is not None:
+        _RECORDING.append(None)
+
+
+class _OpsSeen(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.bad: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in _ALLOWED:
+            self.bad.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+class Plan:
+    """The recorded launches of one call: `plan(x2, stream)` runs them on a new input x2 of the
+    recorded rows, dtype, row stride and 16-byte alignment, into a fresh output."""
+
+    __slots__ = ("launches", "out_shape", "out_dtype", "device")
+
+    def __init__(self, launches, out: torch.Tensor):
+        self.launches = launches
+        self.out_shape, self.out_dtype, self.device = tuple(out.shape), out.dtype, out.device
+
+    def __call__(self, x2: torch.Tensor, stream: int) -> torch.Tensor:
+        out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
+        for ck, g0, g1, g2, args, x_at, out_at in self.launches:
+            a = list(args)
+            for i in x_at:
+                a[i] = x2
+            for i in out_at:
+                a[i] = out
+            ck.run(g0, g1, g2, stream, ck.function, ck.packed_metadata, None, None, None, *a)
+        return out
+
+
+def _aliases(t: torch.Tensor, other: torch.Tensor) -> bool:
+    return t.untyped_storage().data_ptr() == other.untyped_storage().data_ptr()
+
+
+def record(fn, x2: torch.Tensor) -> tuple[torch.Tensor, Plan | None, str | None]:
+    """Run `fn(x2)` once (its result is returned as the call's output) while recording its
+    launches. Returns (output, plan or None, why not)."""
+    global _RECORDING
+    if _RECORDING is not None:
+        return fn(x2), None, "a plan is already being recorded"
+    _RECORDING = seen = []
+    mode = _OpsSeen()
+    try:
+        with mode:
+            out = fn(x2)
+    finally:
+        _RECORDING = None
+    return out, *_plan(seen, mode.bad, x2, out)
+
+
+def _plan(seen, bad, x2, out):
+    if bad:
+        return None, f"the call runs torch operations a replay would skip: {sorted(set(bad))}"
+    if not seen:
+        return None, "the call launched no kernel"
+    if any(s is None for s in seen):
+        return None, "a launch took Triton's own path (interpreter, profiler hook or TMA descriptor)"
+    if not isinstance(out, torch.Tensor) or not out.is_contiguous() or out.storage_offset() != 0:
+        return None, "the output is not a fresh contiguous tensor"
+    launches, out_written = [], False
+    for ck, grid, args, tail in seen:
+        x_at, out_at = [], []
+        for i, a in enumerate(args):
+            if not isinstance(a, torch.Tensor):
+                continue
+            if a is x2:
+                x_at.append(i)
+            elif a is out:
+                out_at.append(i)
+                out_written = True
+            elif _aliases(a, x2) or _aliases(a, out):
+                return None, f"argument {i} is a view of the input or output (it would go stale)"
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        launches.append((ck, g[0], g[1], g[2], tuple(args) + tuple(tail), tuple(x_at), tuple(out_at)))
+    if not out_written:
+        return None, "no launch writes the returned output"
+    return Plan(tuple(launches), out), None

@@ -1,0 +1,119 @@
+"""Recorded launch plans (lowbit.ops.bound): what a plan replays, and every call it must refuse.
+On the CPU the launches are a stand-in compiled kernel whose `run` does its arithmetic in torch,
+recorded through the same hook lowbit.ops.triton.common.launch calls; the CUDA test replays the
+real kernels of each recipe's decode call against their direct launches."""
+import pytest
+import torch
+
+from lowbit.ops import bound
+
+
+class _FakeCompiled:
+    """A compiled kernel's launcher interface: run(g0, g1, g2, stream, fn, meta, *hooks, *args)."""
+
+    function = packed_metadata = None
+
+    def __init__(self, body):
+        self.body, self.calls = body, 0
+
+    def run(self, g0, g1, g2, stream, function, meta, h0, h1, h2, *args):
+        self.calls += 1
+        self.body(*args)
+
+
+def _two_launches(rng):
+    """act 'quantize' into an intermediate buffer, then a GEMM reading it: the W8A8 shape of a call."""
+    w = torch.randn(7, 5, generator=rng)
+    k1 = _FakeCompiled(lambda x, q, n: q.copy_(x.round()))
+    k2 = _FakeCompiled(lambda q, w_, out, n: out.copy_(q @ w_.T))
+
+    def call(x):
+        q = torch.empty_like(x)
+        bound.note_launch(k1, (x.shape[0],), (x, q, x.shape[1]), ())
+        out = torch.empty(x.shape[0], w.shape[0])
+        bound.note_launch(k2, (1, 2), (q, w, out, 7), ())
+        return out
+    return call, w, (k1, k2)
+
+
+def test_plan_replays_launches_on_new_inputs(rng):
+    call, w, kernels = _two_launches(rng)
+    for _ in range(3):   # every replay: fresh input, fresh output, earlier outputs untouched
+        x0 = torch.randn(3, 5, generator=rng) * 4
+        out0, plan, why = bound.record(call, x0)
+        assert why is None and plan is not None
+        # recording itself does not run the fake kernels' bodies (note_launch only records): the
+        # replay does, so compare the replay with the arithmetic written out
+        outs = []
+        for _ in range(4):
+            x = torch.randn(3, 5, generator=rng) * 4
+            y = plan(x, 0)
+            assert torch.equal(y, x.round() @ w.T)
+            outs.append((y, y.clone()))
+        assert all(torch.equal(a, b) for a, b in outs)
+        assert len({a.data_ptr() for a, _ in outs}) == len(outs)
+
+
+def test_plan_refuses_computing_ops_views_and_slow_launches(rng):
+    w = torch.randn(4, 5, generator=rng)
+    k = _FakeCompiled(lambda *a: None)
+    x = torch.randn(2, 5, generator=rng)
+
+    def zeroing(a):          # split-K style: a zero fill the replay would not repeat
+        out = torch.zeros(2, 4)
+        bound.note_launch(k, (1,), (a, w, out), ())
+        return out
+
+    def view_of_input(a):    # a view of x kept as a constant argument would go stale
+        out = torch.empty(2, 4)
+        bound.note_launch(k, (1,), (a.view(10), w, out), ())
+        return out
+
+    def slow(a):
+        bound.note_slow_launch()
+        return torch.empty(2, 4)
+
+    def output_unwritten(a):
+        out = torch.empty(2, 4)
+        bound.note_launch(k, (1,), (a, w), ())
+        return out
+
+    for fn, word in ((zeroing, "torch operations"), (view_of_input, "view of the input"),
+                     (slow, "Triton's own path"), (output_unwritten, "writes the returned output")):
+        _, plan, why = bound.record(fn, x)
+        assert plan is None and word in why, (fn.__name__, why)
+    assert bound._RECORDING is None      # the recorder is reset after every call, refused or not
+
+
+def test_plan_recording_is_reset_after_an_error(rng):
+    def boom(a):
+        raise RuntimeError("kernel failed")
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        bound.record(boom, torch.randn(2, 3, generator=rng))
+    assert bound._RECORDING is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="recorded plans replay CUDA kernels")
+@pytest.mark.parametrize("recipe", ["w8a8-int8", "w8a8-fp8", "w8a16-int8", "w4a16"])
+@pytest.mark.parametrize("M", [1, 5, 16, 40])
+def test_decode_plans_match_direct_launches(rng, recipe, M):
+    """The second and later eager calls of a decode-sized input replay the recorded plan: each
+    gives the direct launches' output bit for bit (one summation order per kernel: W4A16's split-K
+    partials are added in a fixed order), earlier outputs are never overwritten."""
+    from lowbit.nn import QuantLinear, get_recipe
+    from lowbit.ops import prepared as runtime
+
+    lin = torch.nn.Linear(512, 200)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(200, 512, generator=rng) * 0.05)
+    r = get_recipe(recipe)
+    q = QuantLinear.from_linear(lin, r.weight, r.act).to("cuda")
+    ops = {n: getattr(q, "fast_" + n) for n in q.fast_spec.operands}
+    kept = []
+    for _ in range(4):
+        x = (torch.randn(M, 512, generator=rng)).to("cuda", torch.bfloat16)
+        y = q(x)
+        assert torch.equal(y, runtime.run(q.fast_spec, x, ops, q.bias))
+        kept.append((y, y.clone()))
+    assert any(isinstance(v, bound.Plan) for v in q._graphs.values()), dict(q._graphs)
+    assert all(torch.equal(a, b) for a, b in kept)
