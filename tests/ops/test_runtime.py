@@ -52,11 +52,13 @@ def _bound(q, r, xf, ref, device, dequant_path=False):
         wd = q.weight_q.dequantize(torch.float64).abs()
         e32 = e32 + K * 2.0 ** -12 * (xd[:, None, :] * wd[None, :, :]).amax(dim=-1)
     if dequant_path:
-        # large-M dequantized path: the bf16 GEMM's output is rounded (u_bf16 |x.w| <= u_bf16 S) before
+        # dequantized-weight path: the bf16 GEMM's output is rounded (u_bf16 |x.w| <= u_bf16 S) before
         # the tensor scale and the bias are applied in fp32 -- with a bias that cancels, |x.w| can
-        # exceed |ref|, so the term is in units of S; and each int4 weight (q - z) * s is rounded
-        # once to bf16 (|dw| <= u_bf16 |w|: another u_bf16 S). fp4 weights are exact in bf16.
-        e32 = e32 + U_BF16 * S * (2 if r.weight.format in ("int4", "uint4") else 1)
+        # exceed |ref|, so the term is in units of S; and each weight with an fp32 scale (int4
+        # (q - z) * s, int8 / fp8 code * s) is rounded once to bf16 from its fp32 product
+        # (|dw| <= u_bf16 |w| + the u32 product rounding the 8 spare roundings of e32 cover: another
+        # u_bf16 S). Values with e8m0 / e4m3 block scales (MX, NVFP4) are exact in bf16.
+        e32 = e32 + U_BF16 * S * (2 if r.weight.scale_format == "fp32" else 1)
     return U_BF16 * ref.abs() + (1 + U_BF16) * e32
 
 
@@ -78,19 +80,44 @@ def test_fast_path_matches_reference(rng, kernel_device, recipe):
     assert (err <= tol).all(), f"{recipe}: max excess {(err - tol).max():.3e}"
 
 
-@pytest.mark.parametrize("recipe", ["w4a16", "w4a16-asym", "mxfp4", "nvfp4", "mxfp8"])
-def test_large_m_dequantized_weight_path(rng, kernel_device, recipe, monkeypatch):
-    """From DEQUANT_MIN_M rows on, 4-bit and MXFP8 weights are dequantized per call and multiplied
-    by a bf16 GEMM (lowered to 1 row here so the interpreter runs it at a small shape); the fp4
+def _install_table(cells, gpu_env=True):
+    """A tuning table holding `cells` [(kind, N, K, bucket, path, config)], made the active one."""
+    from lowbit.ops import tuning
+    env = tuning.environment()
+    table = tuning.Table(env, {("linear", k, n, kk, b): tuning.Cell("linear", k, n, kk, b, p, c)
+                               for k, n, kk, b, p, c in cells})
+    tuning.reset(table, "test table")
+    return table
+
+
+@pytest.fixture
+def tuning_reset():
+    from lowbit.ops import tuning
+    yield
+    tuning.reset()
+
+
+@pytest.mark.parametrize("recipe", ["w4a16", "w4a16-asym", "mxfp4", "nvfp4", "mxfp8", "w8a16-int8", LM_HEAD["fp8"]],
+                         ids=lambda r: getattr(r, "name", r))
+def test_dequantized_weight_path(rng, kernel_device, recipe, monkeypatch, tuning_reset):
+    """Where the tuning table says "dequant" (here a cell for this layer at 6 rows, so the
+    interpreter runs it at a small shape), 4-bit, 8-bit weight-only and MXFP8 weights are
+    dequantized into the reusable scratch buffer and multiplied by a bf16 GEMM; the fp4
     activations past fused.QDQ_MAX_ROWS (lowered to 2: NVFP4's tensor absmax reduced by torch first)."""
-    from lowbit.ops import prepared as runtime
-    from lowbit.ops import fused
-    monkeypatch.setattr(runtime, "DEQUANT_MIN_M", 1)
+    from lowbit.ops import fused, scratch, tuning
     monkeypatch.setattr(fused, "QDQ_MAX_ROWS", 2)
     M, K, N = 6, 256, 40
     q, r = _layer(rng, N, K, recipe, kernel_device)
+    spec = q.fast_spec
+    _install_table([(tuning.kind_key(spec), N, K, tuning.bucket(M), "dequant", None)])
     x = _acts(rng, M, K)
+    scratch.release()
     y = q(x.to(kernel_device))
+    key = ((N, K), torch.bfloat16, str(y.device))
+    assert list(scratch._BUFFERS) == [key], list(scratch._BUFFERS)   # the weight went through it
+    ptr = scratch._BUFFERS[key].data_ptr()
+    q(_acts(rng, M, K).to(kernel_device))                            # reused by the next call
+    assert list(scratch._BUFFERS) == [key] and scratch._BUFFERS[key].data_ptr() == ptr
     xf = x.float()
     xq = xf.double() if r.act is None else quantize(xf, r.act)
     ref = qlinear_reference(xq, q.weight_q, q.bias.detach().cpu())
@@ -206,7 +233,8 @@ def test_shared_inputs_match_per_layer_path(rng, kernel_device, recipe, spread):
     r = get_recipe(recipe)
     x = _acts(rng, 5, hidden).to(kernel_device)
     attn = shared.model.layers[0].self_attn
-    # NVFP4 also past the one-kernel activation (> 64 rows) and on the dequantized-weight path (>= 256)
+    # NVFP4 also past the one-kernel activation (> 64 rows), on the dequantized-weight path (the heuristic's
+    # choice from 65 rows)
     for x in [x] + ([_acts(rng, 70, hidden).to(kernel_device), _acts(rng, 260, hidden).to(kernel_device)]
                     if recipe == "nvfp4" else []):
         for name in ("q_proj", "k_proj", "v_proj"):             # one input object: one shared GEMM
@@ -216,7 +244,8 @@ def test_shared_inputs_match_per_layer_path(rng, kernel_device, recipe, spread):
             xf = x.float().cpu()
             xq = xf.double() if r.act is None else quantize(xf, r.act)
             ref = qlinear_reference(xq, q.weight_q, None if q.bias is None else q.bias.detach().float().cpu())
-            big = len(x) >= runtime.DEQUANT_MIN_M  # the dequantized weight's bf16 GEMM rounds its output
+            # the dequantized weight's bf16 GEMM rounds its output
+            big = runtime._choice(q.__dict__["_shared"][0].spec, len(x))[0] == "dequant"
             assert ((y.double().cpu() - ref).abs() <= _bound(q, r, xf, ref, kernel_device, big)).all(), (name, len(x))
     if recipe == "w8a8-int8":   # a short prompt: the interpreter runs every tile program in Python
         ids = torch.randint(0, 96, (1, 4), generator=rng).to(kernel_device)

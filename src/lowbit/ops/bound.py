@@ -107,13 +107,15 @@ def _plan(seen, bad, x2, out):
     if not seen:
         return None, "the call launched no kernel"
     if any(s is None for s in seen):
-        return None, "a launch took Triton's own path (interpreter, profiler hook or TMA descriptor)"
+        return None, "a launch took Triton's own path (interpreter, profiler hook)"
     if not isinstance(out, torch.Tensor) or not out.is_contiguous() or out.storage_offset() != 0:
         return None, "the output is not a fresh contiguous tensor"
     launches, out_written = [], False
     for ck, grid, args, tail in seen:
         x_at, out_at = [], []
         for i, a in enumerate(args):
+            if hasattr(a, "block_shape"):   # a TMA descriptor: its base pointer is fixed inside it
+                return None, f"argument {i} is a TMA descriptor"
             if not isinstance(a, torch.Tensor):
                 continue
             if a is x2:

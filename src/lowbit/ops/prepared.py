@@ -17,17 +17,21 @@ Kinds (Spec.kind), by recipe:
              epilogue fused. Per-tensor dynamic or static (calibrated) activation scales are
              quantized by lowbit.quantize's arithmetic instead (a global amax is a second pass).
   "w8a16"    int8 or fp8 e4m3 weights per channel, activations unquantized ->
-             lowbit.ops.triton.w8a16 (it converts the codes to x's dtype in the tile, exact for both).
+             lowbit.ops.triton.w8a16 (it converts the codes to x's dtype in the tile, exact for both),
+             or where the tuning table says so each weight rounded once to bf16 + cuBLAS.
   "w4a16"    int4 / uint4 per group, MXFP4 or NVFP4 weights, activations unquantized ->
-             the W4A16 kernel (planar-chunk layout, 2 codes per byte) below DEQUANT_MIN_M
-             rows, a one-pass dequantization to bf16 + cuBLAS from there.
+             the W4A16 kernel (planar-chunk layout, 2 codes per byte), or a one-pass
+             dequantization to bf16 + cuBLAS where the tuning table says so (large M).
   "fp4"      MXFP4 / NVFP4 weights *and* activations: the activations are quantized by the
              fused quantizer and dequantized exactly into bf16 (e2m1 x e8m0, and e2m1 x e4m3
              for NVFP4, are exact in bf16; NVFP4's per-tensor scales multiply the fp32
              accumulator once), then the "w4a16" path: the emulation of the fp4 x fp4 product
              on a GPU without an fp4 datapath, with the same products and fp32 accumulation.
-  "mxfp8"    MXFP8 weights and activations: fused quantizer, then the emulated MX GEMM below
-             DEQUANT_MIN_M rows, both operands dequantized exactly to bf16 + cuBLAS from there.
+  "mxfp8"    MXFP8 weights and activations: fused quantizer, then the emulated MX GEMM, or
+             both operands dequantized exactly to bf16 + cuBLAS where the tuning table says so.
+Which path runs at M rows is lowbit.ops.tuning's choice (a table measured on this GPU by
+`lowbit tune`, else its heuristic); the dequantized weight goes into lowbit.ops.scratch's
+reusable buffer, never a copy kept per layer.
 Exactness of each kind is the kernel's own (see each kernel module's docstring);
 tests/ops/test_runtime.py compares each kind with the float64 reference (lowbit.ops.reference)
 within a bound derived there.
@@ -43,7 +47,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit.ops import bound
+from lowbit.ops import bound, tuning
+from lowbit.ops.scratch import scratch
 from lowbit.ops.dispatch import prepared_kind
 from lowbit.quantize import QTensor
 from lowbit.scheme import QuantScheme
@@ -51,11 +56,6 @@ from lowbit.scheme import QuantScheme
 # Operands that are one value per layer, not per output row (equal across layers sharing one
 # input, so a merged GEMM takes the first member's rather than a concatenation).
 PER_LAYER_OPERANDS = ("global_scale", "act_qmax", "act_scale")
-# From this many rows on, 4-bit and MXFP8 weights are dequantized to bf16 (one Triton pass per
-# call, never kept) and multiplied by cuBLAS: the tensor cores then run at bf16 speed, where
-# unpacking codes in every tile of a large-M GEMM costs 1.1-3.7x (python -m lowbit.bench.layers,
-# M = 2048). int4 weights get one rounding to bf16 each on this path; fp4 / fp8 values are exact.
-DEQUANT_MIN_M = 256
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -185,6 +185,16 @@ def run(spec: Spec, x2: torch.Tensor, ops: dict[str, torch.Tensor], bias: torch.
     return _RUN[spec.kind](spec, x2, ops, bias)
 
 
+def _choice(spec: Spec, M: int) -> tuple[str, dict | None]:
+    """The tuning table's (path, kernel config) for this layer at M rows (lowbit.ops.tuning)."""
+    return tuning.choose("linear", _kind_key(spec), spec.N, spec.K, M)
+
+
+@functools.lru_cache(maxsize=None)
+def _kind_key(spec: Spec) -> str:
+    return tuning.kind_key(spec)
+
+
 def _run_w8a8(spec, x2, ops, bias):
     M = x2.shape[0]
     out = torch.empty((M, spec.N), dtype=x2.dtype, device=x2.device)
@@ -197,13 +207,14 @@ def _run_w8a8(spec, x2, ops, bias):
         from lowbit.ops.triton.act_quant import launch_act_quant
 
         q, s, z = launch_act_quant(x2, spec.act_mode)
+    cfg = _choice(spec, M)[1]   # W8A8 has its kernel at every M; the table picks its tiles
     if fp8:
         from lowbit.ops.triton.gemm_fp8 import launch_fp8_gemm
 
-        return launch_fp8_gemm(q.view(torch.float8_e4m3fn), ops["w"], out, s, ops["w_scale"], bias)
+        return launch_fp8_gemm(q.view(torch.float8_e4m3fn), ops["w"], out, s, ops["w_scale"], bias, config=cfg)
     from lowbit.ops.triton.gemm_int8 import launch_int8_gemm
 
-    return launch_int8_gemm(q, ops["w"], out, s, ops["w_scale"], z, ops.get("w_colsum"), bias)
+    return launch_int8_gemm(q, ops["w"], out, s, ops["w_scale"], z, ops.get("w_colsum"), bias, config=cfg)
 
 
 def quantize_tensor_int8(xf: torch.Tensor, qmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,12 +252,28 @@ def _quantize_whole(spec, x2, ops):
 
 
 def _run_w8a16(spec, x2, ops, bias):
-    """The W8A16 kernel at every M. (cuBLAS on the codes cast to bf16 with the channel scale and
-    bias applied to the output by torch ops was slower on the H200 at M = 2048: 0.58x bf16 for the
-    model's prefill against the kernel's 0.71x; the output passes cost more than the GEMM saved.)"""
+    """The W8A16 kernel, or where the tuning table says so (large M) the bf16 path: each weight
+    rounded once to x's dtype from its fp32 product code * scale, into a reusable buffer, then the
+    bf16 GEMM (fp32 accumulation), the bias added in fp32."""
+    if _choice(spec, x2.shape[0])[0] == "dequant":
+        from lowbit.ops.triton.dequant import dequantize_rows
+
+        w = dequantize_rows(ops["w"], ops["w_scale"], scratch((spec.N, spec.K), x2.dtype, x2.device))
+        return _bf16_gemm(x2, w, bias)
     from lowbit.ops.triton.w8a16 import w8a16_gemm
 
     return w8a16_gemm(x2, ops["w"], ops["w_scale"], bias)
+
+
+def _bf16_gemm(x2, w, bias):
+    """x2 @ w.T in x2's dtype (fp32 accumulation), a bias added in fp32 before the one rounding."""
+    if bias is None:
+        return torch.nn.functional.linear(x2, w)
+    if x2.is_cuda:
+        y = torch.mm(x2, w.t(), out_dtype=torch.float32)
+    else:
+        y = x2.float() @ w.float().t()
+    return (y + bias.float()).to(x2.dtype)
 
 
 def _w4(spec, ops, global_scale=None):
@@ -265,9 +292,9 @@ def _run_w4a16(spec, x2, ops, bias, global_scale=None, act_scale=None):
     from lowbit.ops.w4a16.launch import dequantize_w4, launch_w4a16, scale_output
 
     w = _w4(spec, ops, global_scale)
-    if x2.shape[0] < DEQUANT_MIN_M:
+    if act_scale is not None or _choice(spec, x2.shape[0])[0] == "kernel":
         return launch_w4a16(x2, w, bias, None, interpreting(), act_scale)
-    y = torch.nn.functional.linear(x2, dequantize_w4(w, x2.dtype))
+    y = torch.nn.functional.linear(x2, dequantize_w4(w, x2.dtype, scratch((spec.N, spec.K), x2.dtype, x2.device)))
     if w.global_scale is None:
         return y if bias is None else (y.float() + bias.float()).to(x2.dtype)
     return scale_output(y, w.global_scale, bias)  # y * g (+ bias) in float32, one pass
@@ -283,7 +310,7 @@ def _run_fp4(spec, x2, ops, bias):
     wg = ops.get("global_scale")
     if wg is not None and wg.numel() > 1:  # merged layers: per-row weight scales
         xd, gx = qdq_rows(x2, spec.act_scheme)
-        if x2.shape[0] < DEQUANT_MIN_M:  # g_w * g_x in the kernel
+        if _choice(spec, x2.shape[0])[0] == "kernel":  # g_w * g_x in the kernel
             return _run_w4a16(spec, xd, ops, bias, act_scale=gx).to(x2.dtype)
         return _run_w4a16(spec, xd, ops, bias, (wg * gx).contiguous()).to(x2.dtype)
     xd, gs = qdq_rows(x2, spec.act_scheme, wg)
@@ -291,8 +318,8 @@ def _run_fp4(spec, x2, ops, bias):
 
 
 def _run_mxfp8(spec, x2, ops, bias):
-    """MXFP8 x MXFP8, emulated exactly: below DEQUANT_MIN_M rows the MX GEMM (e8m0 scales
-    applied to the operands in each tile); from there both operands dequantized to bf16 (exact)
+    """MXFP8 x MXFP8, emulated exactly: on the kernel path the MX GEMM (e8m0 scales
+    applied to the operands in each tile); on the dequant path both operands dequantized to bf16 (exact)
     and one cuBLAS GEMM (gemm_blockscaled.mxfp8_dequant_gemm: fp32 accumulation; a bias is
     added in fp32 after it)."""
     from lowbit.ops.fused import quantize_rows
@@ -300,9 +327,10 @@ def _run_mxfp8(spec, x2, ops, bias):
 
     qt = quantize_rows(x2, spec.act_scheme, check_finite=False)
     sx = qt.scale_codes.reshape(x2.shape[0], -1)
-    if x2.shape[0] < DEQUANT_MIN_M:
+    if _choice(spec, x2.shape[0])[0] == "kernel":
         return mxfp8_gemm(qt.codes, ops["w"], sx, ops["w_scale_codes"], bias=bias, out_dtype=x2.dtype)
-    return mxfp8_dequant_gemm(qt.codes, ops["w"], sx, ops["w_scale_codes"], bias, x2.dtype)
+    return mxfp8_dequant_gemm(qt.codes, ops["w"], sx, ops["w_scale_codes"], bias, x2.dtype,
+                              scratch((spec.N, spec.K), torch.bfloat16, x2.device))
 
 
 _RUN = {"w8a8": _run_w8a8, "w8a16": _run_w8a16, "w4a16": _run_w4a16, "fp4": _run_fp4, "mxfp8": _run_mxfp8}

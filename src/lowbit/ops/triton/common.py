@@ -15,6 +15,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lowbit.ops.bound import note_launch, note_slow_launch
 
@@ -110,7 +111,11 @@ def _spec(a):
         return "f"
     if a is None:
         return None
-    raise _NotFast  # TensorDescriptor and anything else: Triton's own launch path
+    if isinstance(a, TensorDescriptor):
+        # Triton specializes a host-side descriptor on its element type, block shape and padding
+        # (shape and strides are runtime arguments); the compiled launcher expands it per call
+        return ("desc", a.base.dtype, tuple(a.block_shape), a.padding)
+    raise _NotFast  # anything else: Triton's own launch path
 
 
 def launch(kernel, grid: tuple, *args, **meta):
@@ -122,7 +127,7 @@ def launch(kernel, grid: tuple, *args, **meta):
     call that would compile differently misses the cache and goes through Triton (which then
     compiles or finds its own cached binary). Positional `args` are the kernel's runtime
     parameters in order; constexprs and launch options go in `meta`. The interpreter, launch
-    hooks (profilers) and TMA descriptor arguments always take Triton's path."""
+    hooks (profilers) and any argument of another type always take Triton's path."""
     from triton import knobs
     from triton.runtime.driver import driver
 

@@ -50,12 +50,14 @@ def _group_dequant_kernel(C, SC, OUT, R, K, s_c, s_sc, s_o,
 
 
 def dequantize_groups(codes: torch.Tensor, scale_codes: torch.Tensor, group: int, element: str,
-                      scale: str) -> torch.Tensor:
+                      scale: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """codes uint8 [R, K] (element "e4m3" or "e2m1"), scale_codes uint8 [R, K // group] (scale
-    "e8m0" or "e4m3") -> bf16 [R, K]. No argument checks: lowbit.ops.prepared checks at prepare
-    time; made per call, never kept."""
+    "e8m0" or "e4m3") -> bf16 [R, K], into `out` (a contiguous bf16 [R, K] buffer, e.g.
+    lowbit.ops.scratch's) or a new tensor. No argument checks: lowbit.ops.prepared checks at
+    prepare time."""
     R, K = codes.shape
-    out = torch.empty((R, K), dtype=torch.bfloat16, device=codes.device)
+    if out is None:
+        out = torch.empty((R, K), dtype=torch.bfloat16, device=codes.device)
     # 16 rows x 256 codes per program on the GPU (the tile of the gathered-scale version before it)
     br, span = (16, 64) if interpreting() else (16, 256)
     groups = max(1, span // group)
@@ -108,3 +110,33 @@ def _qdq_rows_kernel(X, s_x, OUT, s_o, AMAX, WG, GPROD, M, K,
     codes = _codes(y, s[:, None], FMT, SCALE_KIND, QMAX, HW_FP8, FAST_DIV, LEAN=True)
     v = _e2m1_value(codes.to(tl.int32)) * block_scale((code & 255)[:, None], 1 + SCALE_KIND)  # e8m0 / e4m3
     _st(OUT + row * s_o + cols, round_to(v, OUT.dtype.element_ty), mask, EVEN)
+
+
+@triton.jit
+def _row_dequant_kernel(C, S, OUT, R, K, s_c, s_o, FP8: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[r, k] = bf16(decode(codes[r, k]) * s[r]): the fp32 product (one rounding), then one
+    round to nearest even to the output dtype."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (rows < R)[:, None] & (cols < K)[None, :]
+    r64 = rows.to(tl.int64)
+    c = tl.load(C + r64[:, None] * s_c + cols[None, :], mask=ok, other=0)
+    if FP8:
+        v = decode_e4m3fn(c.to(tl.int32))
+    else:
+        v = c.to(tl.float32)
+    s = tl.load(S + rows, mask=rows < R, other=0.0)
+    tl.store(OUT + r64[:, None] * s_o + cols[None, :], round_to(v * s[:, None], OUT.dtype.element_ty), mask=ok)
+
+
+def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """8-bit weight codes [N, K] (int8, or fp8 e4m3fn / its uint8 bit patterns) times one fp32
+    scale per row [N], into out [N, K] (bf16 / fp16): each weight rounded once from its fp32
+    product. No argument checks (lowbit.ops.prepared checks at prepare time)."""
+    R, K = codes.shape
+    fp8 = codes.dtype in (torch.float8_e4m3fn, torch.uint8)
+    c = codes.view(torch.uint8) if fp8 else codes
+    br, bk = (16, 64) if interpreting() else (16, 256)
+    launch(_row_dequant_kernel, (triton.cdiv(R, br), triton.cdiv(K, bk)), c, scale, out, R, K, c.stride(0),
+           out.stride(0), FP8=fp8, BLOCK_R=br, BLOCK_K=bk, num_warps=4)
+    return out

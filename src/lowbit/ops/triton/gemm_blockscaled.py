@@ -258,23 +258,24 @@ def fp8_block_gemm(a, b, a_scale, b_scale, *, bias=None, out_dtype=torch.bfloat1
 # bf16 and runs one cuBLAS bf16 GEMM instead of the Triton kernel: the kernel's per-tile
 # scaling runs on the CUDA cores between the bf16 MMAs (~270-300 TFLOP/s at M >= 2048 on the
 # H200, 0.22x of _scaled_mm row-wise), while the dequantization is two memory-bound passes
-# (3 bytes per element moved) and the GEMM then runs at bf16 speed. The same threshold as
-# lowbit.ops.prepared.DEQUANT_MIN_M, whose large-M MXFP8 path is this function.
+# (3 bytes per element moved) and the GEMM then runs at bf16 speed. (A quantized layer's choice
+# between the two is lowbit.ops.tuning's; this threshold serves direct calls of mxfp8_gemm.)
 MX_DEQUANT_MIN_M = 256
 
 
-def mxfp8_dequant_gemm(a, b, a_scale, b_scale, bias=None, out_dtype=torch.bfloat16):
+def mxfp8_dequant_gemm(a, b, a_scale, b_scale, bias=None, out_dtype=torch.bfloat16, b_out=None):
     """MXFP8 (e8m0 codes) by dequantization: a, b to bf16 (a_scale, b_scale applied; exact in the
     range mxfp8_gemm states: the same operand values as its kernel), then one bf16 GEMM with
     fp32 accumulation: straight to bf16 (one rounding of the fp32 sum) without a bias, else
     float32 out (torch.mm out_dtype on CUDA), the bias added in fp32 and one rounding. Caveat:
     the bf16-output GEMM is cuBLAS's, which PyTorch lets reduce split-K partial sums in bf16
     unless torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is False. Operands
-    as mxfp8_gemm's, unchecked (mxfp8_gemm and lowbit.ops.prepared check them)."""
+    as mxfp8_gemm's, unchecked (mxfp8_gemm and lowbit.ops.prepared check them); b_out: a bf16
+    [N, K] buffer to dequantize b into (lowbit.ops.scratch's), or None for a new one."""
     from .dequant import dequantize_groups
 
     A = dequantize_groups(a.view(torch.uint8), a_scale, 32, "e4m3", "e8m0")
-    B = dequantize_groups(b.view(torch.uint8), b_scale, 32, "e4m3", "e8m0")
+    B = dequantize_groups(b.view(torch.uint8), b_scale, 32, "e4m3", "e8m0", b_out)
     if bias is None and out_dtype == torch.bfloat16:
         return A @ B.t()
     y = torch.mm(A, B.t(), out_dtype=torch.float32) if A.is_cuda else A.float() @ B.float().t()

@@ -72,17 +72,19 @@ def launch_w4a16(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool, act_
     return split_k_done(out, x2, bias) if atomic else out
 
 
-def dequantize_w4(w: W4Weight, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_w4(w: W4Weight, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """The weight [N, K] in `dtype` (bf16 / fp16) from a planar-chunks or pairs W4Weight, one Triton pass
     (lowbit.ops.triton.w4a16 _w4_dequant_kernel / _pairs_dequant_kernel: int4 values rounded once per weight, fp4
-    values exact; NVFP4's tensor scale is NOT applied). For large-M GEMMs; never cached."""
+    values exact; NVFP4's tensor scale is NOT applied). For large-M GEMMs; written into `out` (a
+    contiguous [N, K] buffer of `dtype`, e.g. lowbit.ops.scratch's) or a new tensor."""
     import triton
 
     from lowbit.ops.triton import w4a16 as k
     from lowbit.ops.triton.common import interpreting, launch
 
     N, K = w.shape
-    out = torch.empty((N, K), dtype=dtype, device=w.packed.device)
+    if out is None:
+        out = torch.empty((N, K), dtype=dtype, device=w.packed.device)
     dummy = torch.empty(1, device=w.packed.device, dtype=torch.float32)
     if w.layout == "pairs":
         words = w.packed.view(torch.int32)

@@ -1,0 +1,227 @@
+"""The per-GPU tuning table: which path each prepared layer kind runs at each batch size.
+
+A quantized layer has more than one way to run on a GPU, and which is fastest depends on the GPU,
+the shape and the number of rows M: lowbit's kernel (under one of a few tile configurations), or
+the bf16 path (the weight dequantized into a reusable scratch buffer, then the bf16 GEMM -- at
+large M the dequantization costs little against the GEMM). `lowbit tune` times every candidate on
+the machine it runs on, at the shapes of a model, per M bucket, and writes a table; dispatch reads
+it, so a cell where lowbit's kernel loses runs the alternative. Every candidate is one of the
+layer's verified paths (each has its float64 reference test): the table changes speed, never which
+quantized model runs.
+
+A table is JSON:
+    {"format": "lowbit-tune/1", "environment": {"gpu", "capability", "torch", "triton", "cuda"},
+     "cells": [{"op": "linear", "kind": "w4a16/int4/g128", "N": 6144, "K": 4096, "bucket": "1",
+                "path": "kernel", "config": {...} | null, "ratio": 1.37, "us": {"bf16": .., ...}}]}
+Which table is read: the file named by the environment variable LOWBIT_TUNE_TABLE, else the table
+shipped for this GPU (lowbit/ops/tables/<gpu>.json). A table measured on another GPU, or under
+another torch / triton / CUDA version, is refused with the reason (`lowbit doctor` prints it) and
+the heuristic below decides instead. Cells are exact (kind, N, K, bucket); a shape the table did
+not measure also takes the heuristic.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FORMAT = "lowbit-tune/1"
+# (lowest M, highest M or None, name): decode, small batches, medium, prefill chunks, long prefill
+BUCKETS = ((1, 1, "1"), (2, 16, "2-16"), (17, 64, "17-64"), (65, 512, "65-512"), (513, None, "513+"))
+BUCKET_NAMES = tuple(b[2] for b in BUCKETS)
+# the M each bucket is timed at by `lowbit tune`
+BUCKET_M = {"1": 1, "2-16": 16, "17-64": 64, "65-512": 256, "513+": 2048}
+PATHS = ("kernel", "dequant")
+ENV_KEYS = ("gpu", "capability", "torch", "triton", "cuda")
+TABLES_DIR = Path(__file__).with_name("tables")
+
+
+def bucket(M: int) -> str:
+    """The bucket name of M rows (M >= 1)."""
+    for lo, hi, name in BUCKETS:
+        if hi is None or M <= hi:
+            return name
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class Cell:
+    op: str            # "linear"
+    kind: str          # lowbit.ops.tuning.kind_key of the prepared layer
+    N: int
+    K: int
+    bucket: str
+    path: str          # "kernel" | "dequant"
+    config: dict | None = None   # the kernel's tile configuration (None: its default)
+    ratio: float | None = None   # bf16 time / this path's time, as measured
+    us: dict = field(default_factory=dict)  # candidate -> microseconds (GPU time, CUDA graph replay)
+
+    def to_dict(self) -> dict:
+        return dict(op=self.op, kind=self.kind, N=self.N, K=self.K, bucket=self.bucket, path=self.path,
+                    config=self.config, ratio=self.ratio, us=self.us)
+
+
+@dataclass
+class Table:
+    environment: dict
+    cells: dict  # (op, kind, N, K, bucket) -> Cell
+
+    def lookup(self, op: str, kind: str, N: int, K: int, M: int) -> Cell | None:
+        return self.cells.get((op, kind, N, K, bucket(M)))
+
+    def to_dict(self) -> dict:
+        return dict(format=FORMAT, environment=self.environment,
+                    cells=[c.to_dict() for c in self.cells.values()])
+
+
+def environment() -> dict:
+    """This machine's facts a table depends on (None for each where there is no GPU / triton)."""
+    import torch
+
+    env = dict.fromkeys(ENV_KEYS)
+    env["torch"] = torch.__version__
+    env["cuda"] = torch.version.cuda
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+        major, minor = torch.cuda.get_device_capability(0)
+        env["capability"] = f"{major}.{minor}"
+    return env
+
+
+def table_from_dict(d: dict, source: str = "table") -> Table:
+    """A validated Table; ValueError naming what is wrong (nothing half-read is returned)."""
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        raise ValueError(f"{source}: not a lowbit tuning table (want \"format\": \"{FORMAT}\"); "
+                         "make one with `lowbit tune`")
+    env = d.get("environment")
+    if not isinstance(env, dict) or any(k not in env for k in ENV_KEYS):
+        raise ValueError(f"{source}: \"environment\" must name {', '.join(ENV_KEYS)}")
+    cells = {}
+    for i, c in enumerate(d.get("cells") or []):
+        try:
+            cell = Cell(op=str(c["op"]), kind=str(c["kind"]), N=int(c["N"]), K=int(c["K"]), bucket=str(c["bucket"]),
+                        path=str(c["path"]), config=c.get("config"), ratio=c.get("ratio"), us=dict(c.get("us") or {}))
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"{source}: cell {i} is malformed ({err}); re-run `lowbit tune`") from None
+        if cell.bucket not in BUCKET_NAMES or cell.path not in PATHS:
+            raise ValueError(f"{source}: cell {i} has bucket {cell.bucket!r} / path {cell.path!r}; buckets are "
+                             f"{BUCKET_NAMES}, paths {PATHS}")
+        if cell.config is not None and not isinstance(cell.config, dict):
+            raise ValueError(f"{source}: cell {i}'s config must be an object or null")
+        cells[(cell.op, cell.kind, cell.N, cell.K, cell.bucket)] = cell
+    return Table(env, cells)
+
+
+def load_table(path: str | os.PathLike) -> Table:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as err:
+        raise ValueError(f"tuning table {p}: cannot read it ({err.strerror or err})") from None
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"tuning table {p}: not JSON ({err})") from None
+    return table_from_dict(d, f"tuning table {p}")
+
+
+def save_table(table: Table, path: str | os.PathLike) -> None:
+    Path(path).write_text(json.dumps(table.to_dict(), indent=1) + "\n")
+
+
+def mismatch(table_env: dict, env: dict) -> str | None:
+    """Why a table measured under `table_env` does not apply here (None: it does). The GPU, its
+    capability and the versions of torch, triton and CUDA all change which kernel is fastest."""
+    diffs = [f"{k} {table_env.get(k)!r} (here {env.get(k)!r})" for k in ENV_KEYS if table_env.get(k) != env.get(k)]
+    if not diffs:
+        return None
+    return "measured with another " + ", ".join(diffs)
+
+
+def shipped_path(gpu: str | None) -> Path | None:
+    if not gpu:
+        return None
+    return TABLES_DIR / (re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") + ".json")
+
+
+_STATE: dict = {}
+
+
+def active() -> tuple[Table | None, str]:
+    """(the table dispatch reads, or None; one line saying which and why). Read once per process
+    (`reset()` reads again)."""
+    if "table" not in _STATE:
+        _STATE["table"], _STATE["why"] = _find()
+    return _STATE["table"], _STATE["why"]
+
+
+def reset(table: Table | None = None, why: str | None = None) -> None:
+    """Forget the table read (or install `table`: tests, `lowbit tune`), and every cached choice."""
+    _STATE.clear()
+    if table is not None or why is not None:
+        _STATE["table"], _STATE["why"] = table, why or "installed by the caller"
+    _choice.cache_clear()
+
+
+def _find() -> tuple[Table | None, str]:
+    env = environment()
+    given = os.environ.get("LOWBIT_TUNE_TABLE")
+    if given:
+        path = Path(given)
+    else:
+        path = shipped_path(env["gpu"])
+        if path is None:
+            return None, "no CUDA GPU: the CPU paths run"
+        if not path.exists():
+            return None, (f"no tuning table for {env['gpu']}: the heuristic decides (run `lowbit tune` and set "
+                          "LOWBIT_TUNE_TABLE to its output)")
+    try:
+        table = load_table(path)
+    except ValueError as err:
+        return None, f"{err}: the heuristic decides"
+    why = mismatch(table.environment, env)
+    if why is not None:
+        return None, f"tuning table {path} refused, {why}: the heuristic decides (re-run `lowbit tune`)"
+    return table, f"tuning table {path} ({len(table.cells)} cells)"
+
+
+def kind_key(spec) -> str:
+    """The table's name for a prepared layer kind (lowbit.ops.prepared.Spec)."""
+    if spec.kind in ("w4a16", "fp4"):
+        return f"{spec.kind}/{spec.w4kind}/g{spec.group}"
+    if spec.kind == "w8a8":
+        return f"w8a8/{spec.act_mode}"
+    return spec.kind
+
+
+def heuristic(kind: str, M: int) -> str:
+    """The path without a table cell. Weight-only kernels read 2-4x fewer weight bytes and win
+    while reading weights dominates (decode, small batches); from 65 rows on (the point where the
+    H200's measurements turned) the bf16 GEMM on the dequantized weight is preferred, the safe
+    choice on an unmeasured GPU. W8A8 has 8-bit tensor cores at every M: its kernel."""
+    if kind.startswith(("w4a16", "w8a16", "fp4", "mxfp8")):
+        return "kernel" if M <= 64 else "dequant"
+    return "kernel"
+
+
+@functools.lru_cache(maxsize=8192)
+def _choice(op: str, kind: str, N: int, K: int, M: int) -> tuple[str, tuple | None]:
+    table, _ = active()
+    cell = None if table is None else table.lookup(op, kind, N, K, M)
+    if cell is None:
+        return heuristic(kind, M), None
+    return cell.path, None if cell.config is None else tuple(sorted(cell.config.items()))
+
+
+def choose(op: str, kind: str, N: int, K: int, M: int) -> tuple[str, dict | None]:
+    """(path, kernel configuration or None) for a layer kind, shape and M; cached per process."""
+    path, cfg = _choice(op, kind, N, K, M)
+    return path, None if cfg is None else dict(cfg)
