@@ -109,7 +109,38 @@ def report() -> dict:
     for label, xp, wp in PAIRINGS:
         path, detail = path_for(xp, wp, cap, info["triton"] is not None)
         rows.append(dict(scheme=label, activation=xp, weight=wp, path=path, detail=detail))
-    return dict(info, native=native_paths(cap), schemes=rows)
+    return dict(info, native=native_paths(cap), schemes=rows, tuning=tuning_report())
+
+
+def tuning_report() -> dict:
+    """Which table dispatch reads here (or why none) and, per layer kind and M bucket, the path it
+    picks: the table's measured winner with its ratio to bf16, else the heuristic's."""
+    from lowbit.ops import tuning
+
+    table, why = tuning.active()
+    paths = {}
+    if table is not None:
+        cells = {}
+        for c in table.cells.values():
+            cells.setdefault(c.kind, {}).setdefault(c.bucket, []).append(c)
+        for kind, per in cells.items():
+            paths[kind] = {b: _cell_summary(per[b]) for b in tuning.BUCKET_NAMES if b in per}
+    else:
+        for kind in ("w4a16/int4/g128", "w8a16", "w8a8/int8", "w8a8/fp8_e4m3fn"):
+            paths[kind] = {b: tuning.heuristic(kind, tuning.BUCKET_M[b]) for b in tuning.BUCKET_NAMES}
+    return dict(status=why, source="table" if table is not None else "heuristic", paths=paths)
+
+
+def _cell_summary(cells) -> str:
+    """The path of a bucket's shapes ("kernel", "dequant" or "kernel x2 / dequant x1") and the range of
+    their measured ratios to bf16."""
+    names = sorted({c.path for c in cells})
+    path = names[0] if len(names) == 1 else " / ".join(f"{n} x{sum(c.path == n for c in cells)}" for n in names)
+    ratios = [c.ratio for c in cells if c.ratio is not None]
+    if not ratios:
+        return path
+    lo, hi = min(ratios), max(ratios)
+    return f"{path} {lo:.2f}x" if lo == hi else f"{path} {lo:.2f}-{hi:.2f}x"
 
 
 def run(args) -> int:
@@ -130,6 +161,10 @@ def run(args) -> int:
           " cpu = exact CPU path; none = no kernel here):")
     for r in rep["schemes"]:
         print(f"  {r['path']:8s}  {r['scheme']:38s} {r['detail']}")
+    tun = rep["tuning"]
+    print(f"\nkernel paths per layer kind and rows M ({tun['status']}):")
+    for kind, buckets in tun["paths"].items():
+        print(f"  {kind:18s} " + " | ".join(f"M {b}: {p}" for b, p in buckets.items()))
     if cap is None:
         print("\nNumbers measured on this machine are CPU numbers; GPU timings need `lowbit bench` on a GPU.",
               file=sys.stdout)

@@ -18,6 +18,7 @@ COMMANDS = {
     "experiment": ("lowbit.entrypoints.experiment", "the seeds' experiments as reproducible reports"),
     "bench": ("lowbit.entrypoints.bench", "GPU benchmarks of lowbit kernels against baselines"),
     "doctor": ("lowbit.entrypoints.doctor", "which formats run natively, emulated or on the CPU here"),
+    "tune": ("lowbit.entrypoints.tune", "measure which kernel path each quantized layer takes on this GPU"),
     "quantize": ("lowbit.entrypoints.quantize", "quantize a model, evaluate it and write a checkpoint"),
     "sites": ("lowbit.entrypoints.sites", "per-site SQNR diagnosis of a model under a recipe"),
     "inspect": ("lowbit.entrypoints.inspect", "list a quantized checkpoint's schemes and flag problems"),

@@ -1,0 +1,135 @@
+"""`lowbit tune`: time every path of every prepared layer kind at a model's shapes on this GPU and
+write the tuning table dispatch reads (lowbit.ops.tuning).
+
+For each recipe, Linear shape and M bucket it times, as CUDA-graph replays (GPU time, the same
+measure for every candidate), bf16 `F.linear` and each candidate path of the quantized layer:
+  weight-only and emulated kinds (W4A16, W8A16, fp4, MXFP8)  the kernel, and the weight dequantized
+                                                              into the scratch buffer + bf16 GEMM;
+  W8A8 int8 / fp8                                             the kernel under its default tiles and
+                                                              the alternatives in W8A8_TILES.
+A candidate whose output strays from the default path's (a broken configuration) is dropped
+before it can win. The fastest remaining candidate is the cell's path; its ratio to bf16 is
+recorded, so a cell below 1.0x says that no lowbit path beat bf16 there.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from lowbit.ops import tuning
+
+# Llama-3-8B's Linear shapes as lowbit runs them: q/k/v and gate/up merged (lowbit.nn.shared_input)
+SHAPES = {"8b": (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)),
+          "tiny": (("a", 256, 384), ("b", 512, 256))}
+RECIPES = ("w4a16", "w8a16-int8", "w8a8-int8", "w8a8-fp8")
+
+
+def _cfg(bm, bn, bk, warps, stages):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+
+
+# W8A8 tile alternatives per bucket (the default is lowbit.ops.triton.common.pick_config's): decode
+# reads the weights once, so BLOCK_N and BLOCK_K trade programs in flight against loads per program
+W8A8_TILES = {
+    "1": [_cfg(16, 32, 512, 4, 3), _cfg(16, 64, 128, 4, 6), _cfg(16, 128, 128, 4, 4), _cfg(16, 32, 128, 2, 8),
+          _cfg(16, 64, 256, 8, 4)],
+    "2-16": [_cfg(16, 32, 512, 4, 3), _cfg(16, 64, 128, 4, 6), _cfg(16, 128, 128, 4, 4), _cfg(16, 64, 256, 8, 4)],
+    "17-64": [_cfg(32, 64, 256, 4, 4), _cfg(64, 64, 128, 4, 4), _cfg(64, 128, 128, 4, 4)],
+    "65-512": [_cfg(64, 128, 128, 4, 4), _cfg(128, 128, 128, 8, 3), _cfg(128, 64, 128, 4, 4)],
+    "513+": [],
+}
+
+
+def candidates(kind: str, bucket: str) -> list[tuple[str, dict | None]]:
+    """The (path, config) pairs `lowbit tune` times for a layer kind in an M bucket."""
+    if kind.startswith("w8a8/"):
+        return [("kernel", None)] + [("kernel", c) for c in W8A8_TILES[bucket]]
+    return [("kernel", None), ("dequant", None)]
+
+
+def _graph_us(fn, reps: int = 50) -> float:
+    """Median GPU microseconds of fn() replayed from a CUDA graph (warmed up outside it)."""
+    from lowbit.profiling.timing import bench_ms
+    return bench_ms(lambda: fn(), [()], cuda_graph=True, warmup=10, rep=reps) * 1e3
+
+
+def tune_linear(shape: str = "8b", recipes=RECIPES, buckets=tuning.BUCKET_NAMES, log=print) -> list[tuning.Cell]:
+    import torch.nn.functional as F
+
+    from lowbit.nn import QuantLinear, get_recipe
+    from lowbit.ops import prepared as runtime
+
+    cells = []
+    gen = torch.Generator().manual_seed(0)
+    for sname, K, N in SHAPES[shape]:
+        lin = torch.nn.Linear(K, N, bias=False, dtype=torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.normal_(0, 0.02, generator=gen)
+        lin = lin.cuda()
+        for name in recipes:
+            r = get_recipe(name)
+            q = QuantLinear.from_linear(lin, r.weight, r.act).cuda()
+            if q.fast_spec is None:
+                log(f"  {sname} {name}: no prepared fast path, nothing to tune")
+                continue
+            spec = q.fast_spec
+            kind = tuning.kind_key(spec)
+            ops = {n: getattr(q, "fast_" + n) for n in spec.operands}
+            for b in buckets:
+                M = tuning.BUCKET_M[b]
+                x = torch.randn(M, K, dtype=torch.bfloat16, generator=gen).cuda()
+                base = _graph_us(lambda: F.linear(x, lin.weight))
+                us, ref, best = {"bf16": round(base, 2)}, None, None
+                for path, cfg in candidates(kind, b):
+                    label = path if cfg is None else f"{path}:" + "/".join(str(cfg[k]) for k in
+                                                                          ("BLOCK_M", "BLOCK_N", "BLOCK_K",
+                                                                           "num_warps", "num_stages"))
+                    tuning.reset(tuning.Table(tuning.environment(), {
+                        ("linear", kind, N, K, b): tuning.Cell("linear", kind, N, K, b, path, cfg)}), "tuning")
+                    try:
+                        y = runtime.run(spec, x, ops, None)
+                        if ref is None:
+                            ref = y.float()
+                        elif (y.float() - ref).norm() > 2e-2 * ref.norm():
+                            log(f"  {sname} {name} M={M} {label}: output differs from the default path; dropped")
+                            continue
+                        t = _graph_us(lambda: runtime.run(spec, x, ops, None))
+                    except Exception as err:  # noqa: BLE001 -- a configuration that fails to build is a row, not the end
+                        log(f"  {sname} {name} M={M} {label}: {type(err).__name__}: {str(err)[:120]}")
+                        torch.cuda.synchronize()
+                        continue
+                    us[label] = round(t, 2)
+                    if best is None or t < best[0]:
+                        best = (t, path, cfg)
+                tuning.reset()
+                if best is None:
+                    continue
+                cell = tuning.Cell("linear", kind, N, K, b, best[1], best[2], round(base / best[0], 3), us)
+                cells.append(cell)
+                log(f"{sname:8s} {kind:20s} M={M:<5d} bf16 {base:8.1f} us  best {best[0]:8.1f} us "
+                    f"({cell.path}{'' if cell.config is None else ' tiles'})  {cell.ratio:5.2f}x")
+            del q
+            torch.cuda.empty_cache()
+    return cells
+
+
+def run_tune(shape: str = "8b", recipes=RECIPES, buckets=tuning.BUCKET_NAMES, log=print) -> tuning.Table:
+    if not torch.cuda.is_available():
+        raise ValueError("lowbit tune measures kernels on a CUDA GPU; none is visible here (the CPU runs the "
+                         "exact paths, which need no table)")
+    t0 = time.time()
+    cells = tune_linear(shape, recipes, buckets, log)
+    log(f"# tuned {len(cells)} cells in {time.time() - t0:.0f} s")
+    return tuning.Table(tuning.environment(), {(c.op, c.kind, c.N, c.K, c.bucket): c for c in cells})
+
+
+def summary(table: tuning.Table) -> str:
+    """One line per cell: kind, shape, bucket, path, ratio to bf16 (met / below 1.0x)."""
+    lines = [f"# lowbit tune: {table.environment.get('gpu')} (torch {table.environment.get('torch')}, "
+             f"triton {table.environment.get('triton')})",
+             f"{'kind':22s} {'N x K':>13s} {'M':>7s} {'path':8s} {'vs bf16':>8s}"]
+    for c in sorted(table.cells.values(), key=lambda c: (c.kind, c.N, c.K, tuning.BUCKET_NAMES.index(c.bucket))):
+        ratio = "" if c.ratio is None else f"{c.ratio:7.2f}x{'' if c.ratio >= 1.0 else ' below'}"
+        lines.append(f"{c.kind:22s} {c.N:>6d}x{c.K:<6d} {c.bucket:>7s} {c.path:8s} {ratio}")
+    return "\n".join(lines)

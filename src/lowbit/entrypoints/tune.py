@@ -1,0 +1,35 @@
+"""`lowbit tune`: measure which path each quantized layer kind should take on this GPU (lowbit
+kernel or the bf16 GEMM on the dequantized weight, and the kernel's tiles), per M bucket, at a
+model's shapes; write the table that dispatch reads (lowbit.ops.tuning explains how it is found)."""
+from __future__ import annotations
+
+import os
+
+
+def register(p) -> None:
+    from lowbit.bench.tune import RECIPES, SHAPES
+    from lowbit.ops.tuning import BUCKET_NAMES
+    p.add_argument("--shape", default="8b", choices=sorted(SHAPES), help="the model's Linear shapes to time")
+    p.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated recipes to tune")
+    p.add_argument("--buckets", default=",".join(BUCKET_NAMES), help="comma-separated M buckets to tune")
+    p.add_argument("--out", default=None,
+                   help="where to write the table (default: lowbit-tune-<gpu>.json here); dispatch reads it "
+                        "when LOWBIT_TUNE_TABLE names it")
+
+
+def run(args) -> int:
+    from lowbit.bench.tune import run_tune, summary
+    from lowbit.nn import get_recipe
+    from lowbit.ops import tuning
+
+    recipes = [get_recipe(r.strip()).name for r in args.recipes.split(",") if r.strip()]  # names checked first
+    buckets = [b.strip() for b in args.buckets.split(",") if b.strip()]
+    bad = [b for b in buckets if b not in tuning.BUCKET_NAMES]
+    if bad or not buckets:
+        raise ValueError(f"--buckets {args.buckets!r}: choose from {', '.join(tuning.BUCKET_NAMES)}")
+    table = run_tune(args.shape, recipes, buckets)
+    out = args.out or f"lowbit-tune-{tuning.shipped_path(table.environment['gpu']).stem}.json"
+    tuning.save_table(table, out)
+    print(summary(table))
+    print(f"wrote {out}: set LOWBIT_TUNE_TABLE={os.path.abspath(out)} for lowbit to use it")
+    return 0

@@ -1,0 +1,105 @@
+"""The per-GPU tuning table (lowbit.ops.tuning): buckets, reading and refusing tables, which path
+dispatch takes with and without a cell, and what `lowbit doctor` says about it."""
+import json
+
+import pytest
+
+from lowbit.ops import tuning
+
+
+@pytest.fixture(autouse=True)
+def _fresh_state(monkeypatch):
+    monkeypatch.delenv("LOWBIT_TUNE_TABLE", raising=False)
+    tuning.reset()
+    yield
+    tuning.reset()
+
+
+def _table_dict(env, cells):
+    return {"format": tuning.FORMAT, "environment": env, "cells": cells}
+
+
+def _cell(kind="w4a16/int4/g128", N=64, K=128, bucket="1", path="dequant", config=None):
+    return dict(op="linear", kind=kind, N=N, K=K, bucket=bucket, path=path, config=config, ratio=1.2, us={})
+
+
+def test_buckets_cover_every_m_once():
+    for lo, hi, name in tuning.BUCKETS:
+        assert tuning.bucket(lo) == name
+        if hi is not None:
+            assert tuning.bucket(hi) == name and tuning.bucket(hi + 1) != name
+        assert tuning.bucket(tuning.BUCKET_M[name]) == name   # `lowbit tune` times each bucket inside it
+    assert tuning.bucket(10**6) == "513+"
+
+
+def test_table_round_trip_and_lookup(tmp_path, monkeypatch):
+    env = tuning.environment()
+    cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=8, num_warps=4, num_stages=4)
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(_table_dict(env, [_cell(), _cell(kind="w8a8/int8", bucket="2-16", path="kernel",
+                                                                config=cfg)])))
+    monkeypatch.setenv("LOWBIT_TUNE_TABLE", str(path))
+    table, why = tuning.active()
+    assert table is not None and "2 cells" in why
+    # a cell decides its exact (kind, N, K, bucket); anything else takes the heuristic
+    assert tuning.choose("linear", "w4a16/int4/g128", 64, 128, 1) == ("dequant", None)
+    assert tuning.choose("linear", "w4a16/int4/g128", 64, 128, 2) == ("kernel", None)
+    assert tuning.choose("linear", "w4a16/int4/g128", 64, 256, 1) == ("kernel", None)
+    assert tuning.choose("linear", "w8a8/int8", 64, 128, 9) == ("kernel", cfg)
+    tuning.save_table(table, tmp_path / "again.json")
+    again = tuning.load_table(tmp_path / "again.json")
+    assert again.cells == table.cells and again.environment == table.environment
+
+
+@pytest.mark.parametrize("field,value", [("gpu", "NVIDIA H200"), ("torch", "0.0.1"), ("triton", "0.1"),
+                                         ("capability", "9.0"), ("cuda", "99.9")])
+def test_table_from_another_machine_is_refused(tmp_path, monkeypatch, field, value):
+    env = dict(tuning.environment(), **{field: value})
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(_table_dict(env, [_cell()])))
+    monkeypatch.setenv("LOWBIT_TUNE_TABLE", str(path))
+    table, why = tuning.active()
+    assert table is None and "refused" in why and field in why and "heuristic" in why
+    assert tuning.choose("linear", "w4a16/int4/g128", 64, 128, 1) == ("kernel", None)   # the heuristic's
+
+
+@pytest.mark.parametrize("text,word", [("{", "not JSON"), ('{"format": "other"}', "not a lowbit tuning table"),
+                                       ('{"format": "lowbit-tune/1", "environment": {}}', "environment"),
+                                       (None, "malformed"), ("bucket", "bucket")])
+def test_bad_tables_name_the_problem(tmp_path, monkeypatch, text, word):
+    env = tuning.environment()
+    if text is None:
+        text = json.dumps(_table_dict(env, [{"op": "linear"}]))
+    elif text == "bucket":
+        text = json.dumps(_table_dict(env, [_cell(bucket="3-7")]))
+    path = tmp_path / "t.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=word):
+        tuning.load_table(path)
+    monkeypatch.setenv("LOWBIT_TUNE_TABLE", str(path))
+    table, why = tuning.active()
+    assert table is None and word in why
+    with pytest.raises(ValueError, match="cannot read"):
+        tuning.load_table(tmp_path / "missing.json")
+
+
+def test_heuristic_prefers_the_bf16_path_past_small_batches():
+    for kind in ("w4a16/int4/g128", "w8a16", "fp4/nvfp4/g16", "mxfp8"):
+        assert [tuning.heuristic(kind, m) for m in (1, 16, 64, 65, 4096)] == ["kernel"] * 3 + ["dequant"] * 2
+    assert {tuning.heuristic("w8a8/int8", m) for m in (1, 65, 4096)} == {"kernel"}
+
+
+def test_doctor_reports_the_table_and_its_paths(tmp_path, monkeypatch, capsys):
+    from lowbit.entrypoints import doctor
+    env = dict(tuning.environment(), gpu="Some Other GPU")
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(_table_dict(env, [_cell()])))
+    monkeypatch.setenv("LOWBIT_TUNE_TABLE", str(path))
+    assert doctor.run(type("A", (), {"json": False})()) == 0
+    out = capsys.readouterr().out
+    assert "refused" in out and "Some Other GPU" in out and "M 65-512: dequant" in out
+    tuning.reset()
+    env = tuning.environment()
+    path.write_text(json.dumps(_table_dict(env, [_cell(), _cell(K=256, path="kernel")])))
+    rep = doctor.tuning_report()
+    assert rep["source"] == "table" and rep["paths"]["w4a16/int4/g128"]["1"] == "dequant x1 / kernel x1 1.20x"
