@@ -75,6 +75,8 @@ from typing import Callable
 
 import torch
 
+from lowbit.ops import scratch
+
 from lowbit.bench import llama, moe_model
 from lowbit.bench.model_measure import (CACHE_SLACK, CUDA_BROKEN, Inputs, Skipped, allocated, describe_failure,
                                         free, quant_paths, rel_err, reset_compiler, run_step, weight_memory)
@@ -290,6 +292,7 @@ def measure_variant(name: str, kind: str, master: torch.nn.Module, inp: Inputs, 
     else:
         deadlines = dict(eager=t0 + budget, compiled=t0 + budget)
         spent = f"variant time budget ({budget:.0f} s) spent"
+    scratch.release()   # each variant's peak counts the dequantized-weight buffers it makes itself
     mem0 = allocated(device)
     model, info = None, {}
     try:
@@ -356,6 +359,8 @@ def _progress(r: dict) -> str:
     s = f"  {r['name']:36s} {r['ms']:9.3f} ms {r['tokens_per_s']:12.0f} tok/s"
     if "peak_bytes" in r:
         s += f"  peak {r['peak_bytes'] / 2**30:6.2f} GiB"
+        if r.get("scratch_bytes"):
+            s += f" (+ {r['scratch_bytes'] / 2**20:.0f} MiB scratch held)"
     if "compile_s" in r:
         s += f"  compile {r['compile_s']:.1f} s, {r['graph_breaks']} graph breaks"
     return s
@@ -507,6 +512,8 @@ def environment(opts: Options) -> dict:
         except metadata.PackageNotFoundError:
             env[dist] = None
     env["options"] = {k: v for k, v in vars(opts).items() if k != "log"}
+    from lowbit.ops import tuning
+    env["tuning"] = tuning.active()[1]   # which table chose the kernel paths (or why none did)
     if moe_model.is_moe(opts.shape):
         env["moe_shape"] = moe_model.SHAPES[opts.shape]
         env["torch_grouped_mm"] = moe_model.grouped_mm_op() is not None

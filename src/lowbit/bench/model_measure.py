@@ -12,6 +12,8 @@ from typing import Callable
 
 import torch
 
+from lowbit.ops.scratch import scratch_bytes
+
 from lowbit.bench import llama
 
 CACHE_SLACK = 16    # StaticCache slots beyond the context: room for the step (and a runaway one)
@@ -180,6 +182,9 @@ def run_step(model, mode: str, phase: str, batch: int, inp: Inputs, opts, row: d
         call()
         sync(device)
         row["peak_bytes"] = torch.cuda.max_memory_allocated(device) - mem0
+        # the reusable buffers of the dequantized-weight path (lowbit.ops.scratch): held between
+        # calls, so mem0 of a later row counts them; each row reports what is held after its call
+        row["scratch_bytes"] = scratch_bytes()
     row["ms"] = time_ms(call, device, opts.quick)
     row["tokens_per_s"] = row["tokens"] / (row["ms"] * 1e-3)
 
