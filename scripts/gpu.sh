@@ -30,6 +30,12 @@
 #   attention    python -m lowbit.bench.attention: attention over a quantized KV cache vs bf16 SDPA
 #   distributed  1 vs 2 GPUs of one host: layer-by-layer calibration (scripts/gpu_distributed.sh;
 #                needs 2 GPUs; DEVICE=cpu rehearses it on the CPU at tiny size)
+#   tune         `lowbit tune` at the 8B shapes (TUNE_ARGS): the table lands in $OUT/tune.json, and
+#                LOWBIT_TUNE_TABLE points the later parts of the same call at it
+#   eager        host time of one quantized Linear call and of an eager decode step, with its CPU
+#                profile (scripts/gpu_profile_eager.py)
+# Wheels in ./.whl (scripts/gpu_wheels.sh fetches them here; name .whl in the call's carry) are
+# installed first, so the suite's checkpoint tests run on the GPU machine too.
 # The suite and model each need a call of their own; memory + gemm fit one together; moe takes a whole call.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -38,11 +44,16 @@ out="${OUT:-$root/out}"; mkdir -p "$out"
 export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if [ $# -eq 0 ]; then sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; exit 2; fi
 parts=",$1,"
-known=",suite,tests,doctor,gemm,memory,layers,model,moe,profile,w4probe,w4configs,audit,probe,mma,attention,distributed,"
+known=",suite,tests,doctor,gemm,memory,layers,model,moe,profile,w4probe,w4configs,audit,probe,mma,attention,distributed,tune,eager,"
 for p in ${1//,/ }; do
   [[ $known == *,$p,* ]] || { echo "scripts/gpu.sh: unknown part '$p'; parts: ${known:1:-1}" >&2; exit 2; }
 done
 sum="$out/summary.txt"
+if compgen -G "$root/.whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/lowbit-site \
+      "$root"/.whl/*.whl >/dev/null 2>&1 && export PYTHONPATH="$PYTHONPATH:/tmp/lowbit-site" \
+      && echo "wheels: $(ls "$root"/.whl | wc -l) from .whl installed" | tee -a "$sum"
+fi
 if command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader | tee -a "$sum"
 fi
@@ -113,6 +124,16 @@ if [[ $parts == *,memory,* ]]; then
   timeout "${BENCH_TIMEOUT:-230}" python3 -m lowbit.bench.memory ${only[@]+"${only[@]}"} --json "$out/bench-memory.json" \
       >"$out/bench_memory.log" 2>&1
   echo "memory rc=$?" | tee -a "$sum"
+fi
+if [[ $parts == *,tune,* ]]; then
+  timeout "${TUNE_TIMEOUT:-300}" python3 -m lowbit.entrypoints.main tune --out "$out/tune.json" ${TUNE_ARGS:-} \
+      >"$out/tune.log" 2>&1
+  echo "tune rc=$?" | tee -a "$sum"
+  [ -s "$out/tune.json" ] && export LOWBIT_TUNE_TABLE="$out/tune.json"
+fi
+if [[ $parts == *,eager,* ]]; then
+  timeout "${EAGER_TIMEOUT:-150}" python3 scripts/gpu_profile_eager.py >"$out/eager.log" 2>&1
+  echo "eager rc=$?" | tee -a "$sum"
 fi
 if [[ $parts == *,layers,* ]]; then
   timeout "${LAYER_TIMEOUT:-200}" python3 -m lowbit.bench.layers --json "$out/bench-layers.json" ${LAYER_ARGS:-} \
@@ -188,6 +209,8 @@ fi
 [ -f "$out/tests.log" ] && grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -n 20
 [ -f "$out/gemm.log" ] && grep -E "lowbit_int8|bf16 |int_mm |lowbit_fp8_row |lowbit_mxfp8|scaled_row |sweep" "$out/gemm.log" | head -n 40
 [ -f "$out/bench_memory.log" ] && sed -n '/# memory-bound kernels/,$p' "$out/bench_memory.log" | head -n 70
+[ -f "$out/tune.log" ] && sed -n '/^# lowbit tune/,$p' "$out/tune.log" | head -n 90
+[ -f "$out/eager.log" ] && grep -E "bf16 F.linear|M=1 wall|eager decode step" "$out/eager.log"
 [ -f "$out/bench_layers.log" ] && sed -n '/# layer table/,$p' "$out/bench_layers.log" | tail -n 60
 [ -f "$out/bench_model.log" ] && sed -n '/# lowbit bench model/,/^# targets/{/^# targets/!p}' "$out/bench_model.log" | head -n 40
 [ -f "$out/profile.log" ] && grep -vE "Warning|warn" "$out/profile.log" | tail -n 60
