@@ -154,3 +154,14 @@ def test_sdpa_gate_catches_a_wrong_scale(rng):
     out = sdpa_attention(q.to(DEV), kq, vq, ar.AttnSpec()).float().cpu()
     ref = ar.sdpa_bf16_reference(q, _deq(kq), _deq(vq).mul(1.01), True, out_dtype=torch.bfloat16)
     assert float(((out.double() - ref.out).abs() / ref.gate).max()) > 1.0
+
+
+@pytest.mark.parametrize("sch", [FP8_T, FP8_H, FP8_TOK, KVScheme("int8", "token")], ids=str)
+def test_kv_dequant_kernel_is_bit_exact(rng, sch):
+    """The one-launch dequantization the sdpa path runs on CUDA: bit for bit KVQuant.dequantize's
+    fp32 values rounded to bf16 (odd head_dim, a token count no tile multiple)."""
+    from lowbit.ops.triton.kv_dequant import dequantize_bf16_into
+    kq, _ = _kv(rng, 2, 3, 11, 40, sch, sch)
+    out = torch.empty(kq.shape, dtype=torch.bfloat16, device=DEV)
+    dequantize_bf16_into(kq, out)
+    assert torch.equal(out.cpu(), kq.to("cpu").dequantize(torch.float32).to(torch.bfloat16))

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.ops import attention_reference as ar
+from lowbit.ops.dispatch import have_triton
 from lowbit.ops.kv_quant import KVQuant
 
 _SCRATCH: dict[torch.device, torch.Tensor] = {}
@@ -43,10 +44,16 @@ def _scratch(n: int, device: torch.device) -> torch.Tensor:
 
 
 def dequantize_bf16(t, out: torch.Tensor) -> torch.Tensor:
-    """bf16(fp32(decode(code) * scale)) of a KVQuant into `out` [B, H, T, D] (a bf16 tensor: as is)."""
+    """bf16(fp32(decode(code) * scale)) of a KVQuant into `out` [B, H, T, D] (a bf16 tensor: as is).
+    On CUDA one Triton launch (lowbit.ops.triton.kv_dequant) where it takes the layout; elsewhere
+    torch ops with the same roundings."""
     if not isinstance(t, KVQuant):
         return t
     sch = t.scheme
+    if t.codes.is_cuda and have_triton():
+        from lowbit.ops.triton.kv_dequant import dequantize_bf16_into, supports
+        if supports(t) and t.codes.stride(3) == 1:
+            return dequantize_bf16_into(t, out)
     if sch.format == "fp8_e4m3fn" and sch.granularity != "group":
         vals = t.codes.view(torch.float8_e4m3fn).to(torch.float32)      # exact
         out.copy_(vals.mul_(t.scale))                                   # fp32 product, then bf16 (RNE)
