@@ -177,9 +177,11 @@ def attention_reference(q_hat: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.T
     q_hat [B, Hq, Tq, D], k_hat / v_hat [B, Hkv, Tk, D] (float32 values; used exactly in float64).
 
     Gate (per output element, derived; no tuned constant):
-    1. Scores: t is an fp32 dot of D exact-valued products, plus the two dequantizing roundings and
-       the scale-constant rounding: |t' - t| <= e_ij = gamma_{D+4}(2^-24) * sum_d |Q_hat||K_hat| *
-       sm_scale * log2(e). The block max moves by at most E_b = max_j e_ij (max is 1-Lipschitz).
+    1. Scores: t is an fp32 dot of D exact-valued products (D - 1 roundings), plus the scale-constant
+       rounding and, in the worst order (the tensor-core kernels: code dots with q_scale, k_scale and
+       the constant multiplied after), three multiplies and the two dequantizing roundings the
+       kernel never makes but Q_hat / K_hat carry: |t' - t| <= e_ij = gamma_{D+5}(2^-24) *
+       sum_d |Q_hat||K_hat| * sm_scale * log2(e). The block max moves by at most E_b = max_j e_ij (max is 1-Lipschitz).
     2. Codes: the kernel rounds fp32 v' = fmt_max * 2^(t' - mb') with |log2(v'/v)| <= delta =
        e_ij + E + 2^-24 |t - mb| + EXP2_ERR (+ the product's rounding); where [v 2^-delta, v 2^delta]
        holds no rounding boundary the code is the reference's, elsewhere it may move to any grid
@@ -207,7 +209,7 @@ def attention_reference(q_hat: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.T
     Tk = k_hat.shape[2]
     c = spec.scale_for(D) * LOG2E
     T = (qd @ kd.transpose(-1, -2)) * c                      # [B, Hq, Tq, Tk], log2 units
-    e = _gamma(D + 4, U32) * (qd.abs() @ kd.abs().transpose(-1, -2)) * c
+    e = _gamma(D + 5, U32) * (qd.abs() @ kd.abs().transpose(-1, -2)) * c
     allowed = allowed_mask(Tq, Tk, spec.causal).expand_as(T)
     ninf = torch.tensor(-math.inf, dtype=torch.float64)
     fmax = spec.p_max
