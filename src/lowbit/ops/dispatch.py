@@ -218,5 +218,6 @@ def attention_kernel(Tq: int, G: int, q_exact: bool, k_kind: str, v_kind: str, c
     if choice not in PREFILL_CHOICES:
         raise ValueError(f"attention prefill choice must be one of {PREFILL_CHOICES}, got {choice!r}")
     if choice == "prefill" and prefill_reason:
-        raise ValueError(f"attention prefill choice 'prefill': {prefill_reason}; choose 'flash' or 'sdpa' for this call")
+        raise ValueError(f"attention prefill choice 'prefill': {prefill_reason}; choose 'flash' or 'sdpa' "
+                         "for this call")
     return choice
