@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lowbit.ops import attention_reference as ar
-from lowbit.ops.attention import attention, attention_triton, last_path
+from lowbit.ops.attention import attention, attention_triton, last_path, prefill_options
 from lowbit.ops.attention_sdpa import scratch_bytes, sdpa_attention
 from lowbit.ops.kv_quant import KVScheme, observe_amax, quantize_kv, static_scale
 from lowbit.ops.triton.attention_prefill import (PrefillConfig, default_config, prefill_attention,
@@ -103,6 +103,19 @@ def test_dispatch_runs_prefill_and_records_the_path(rng):
     assert last_path() == "flash"
     with pytest.raises(ValueError, match="v: scales per token"):
         attention_triton(q, kt, vt, spec, kernel="prefill")
+
+
+def test_every_prefill_option_runs_through_attention_triton(rng):
+    """What the tuner iterates: each (kernel, config) runs through attention_triton and says so in last_path."""
+    kq, vq = _kv(rng, 1, 1, 40, 64, FP8_H, FP8_H)
+    q = torch.randn(1, 4, 40, 64, generator=rng).to(DEV)
+    spec = ar.AttnSpec(p_block=16)
+    opts = prefill_options(64, 40, 16)
+    assert [k for k, _ in opts][-2:] == ["flash", "sdpa"] and all(k == "prefill" for k, _ in opts[:-2])
+    for kernel, cfg in opts[:1] + opts[-2:]:
+        out = attention_triton(q, kq, vq, spec, kernel=kernel, config=cfg)
+        assert last_path() == (f"prefill[{cfg}]" if cfg else kernel)
+        assert out.shape == q.shape and bool(torch.isfinite(out).all())
 
 
 def test_candidates_and_default():

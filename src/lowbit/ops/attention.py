@@ -137,6 +137,15 @@ def attention_triton(q: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: torch
     return flash_attention(q, k, v, spec, q_scale=q_scale, out_dtype=out_dtype)
 
 
+def prefill_options(D: int, Tq: int, p_block: int = 64) -> list[tuple[str, object]]:
+    """Every (kernel, config) a tuning table may choose for a prefill call at head_dim D, Tq query
+    tokens and P block p_block, each runnable as attention_triton(q, k, v, spec, kernel=kernel,
+    config=config): the tensor-core prefill kernel in each of prefill_candidates' configurations,
+    the general flash kernel and SDPA over the dequantized cache (config None)."""
+    from lowbit.ops.triton.attention_prefill import prefill_candidates
+    return [("prefill", c) for c in prefill_candidates(D, Tq, p_block)] + [("flash", None), ("sdpa", None)]
+
+
 def attention(q: torch.Tensor, k, v, spec: ar.AttnSpec | None = None, *, backend: str = "auto",
               out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Quantized attention (module docstring). backend: "auto" (Triton on CUDA, torch elsewhere),
