@@ -342,6 +342,8 @@ def sdpa_bf16_reference(q: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.Tenso
        at most 4 fp32 roundings of |s| + |m| and exp2's error EXP2_ERR (log2 units).
     2. Each weight reaches O as w_j (1 + a_j) and l as w_j (1 + b_j) with |a_j|, |b_j| <= eta_j =
        2^(delta_j) (1 + 2^-8) - 1, delta_j = (e_ij + 4 u32 (|s_ij| + max_j |s_ij|)) log2(e) + EXP2_ERR
+       + nr (EXP2_ERR + 8 u32 max_j |s_ij| log2(e)): its own exp2 and the nr = ceil(Tk / 16) online
+       rescales after its block (each common to O and l, but not to the other blocks' weights)
        (2^-8: P rounded to bf16 for the dot; applied to both, whichever the kernel normalizes by), so
        |O/l - out| <= sum_j p_j eta_j (|v_j| + |out|) / (1 - max eta) (p the exact weights).
     3. fp32 accumulation of Tk products and the online rescales (at most 2 per 16-key block) and the
@@ -361,7 +363,8 @@ def sdpa_bf16_reference(q: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.Tenso
     p = torch.softmax(Sm, dim=-1)
     out = p @ vd
     smax = torch.where(allowed, S.abs(), torch.zeros_like(S)).amax(dim=-1, keepdim=True)
-    delta = (e + 4 * U32 * (S.abs() + smax)) * LOG2E + EXP2_ERR
+    nr = -(-Tk // 16)                       # online rescales: at most one per key block of >= 16 keys
+    delta = (e + 4 * U32 * (S.abs() + smax)) * LOG2E + EXP2_ERR + nr * (EXP2_ERR + 8 * U32 * smax * LOG2E)
     eta = torch.where(allowed, torch.exp2(delta) * (1 + 2.0 ** -8) - 1, torch.zeros_like(S))
     eta_max = eta.amax(dim=-1, keepdim=True)
     inf = torch.tensor(math.inf, dtype=torch.float64)
