@@ -54,7 +54,13 @@ def test_rows_on_the_interpreter_with_tiny_shapes(monkeypatch):
     assert all("error" not in r for r in step), step
     ratio = [r for r in step if "bound" in r]
     assert len(ratio) == 2 and all(1.0 < r["bound"] < 2.0 for r in ratio)     # (W + 2 KV8) / (W + KV8)
+    pre = [r for r in rows if r["bench"] == "prefill" and r.get("kv") == "fp8"]
+    assert all("error" not in r for r in pre), pre
+    labels = {r["attn"] for r in pre}
+    assert {"flash (general)", "sdpa over dequantized"} <= labels and any(a.startswith("prefill m") for a in labels)
+    assert sum(bool(r.get("default")) for r in pre) == 1           # the heuristic's configuration is marked
     must = {r["target"]: r for r in rows if r["bench"] == "must"}
+    assert must["attention prefill T=20, fp8 KV (fastest path) vs best bf16 SDPA"]["status"] in ("met", "missed")
     assert must["KV bytes fp8 vs bf16"]["status"] == "met"
     # codes two per byte plus one fp32 scale per group: 0.25 + 2 / g of bf16's bytes
     assert must["KV bytes int4-g32 (scales included) vs bf16"]["value"] == 0.25 + 2 / 32

@@ -114,10 +114,21 @@ def test_pick_splits_boundaries_on_p_blocks(B, Hkv, Tk, bn, sms):
 def test_dispatch_picks_split_kv_for_decode():
     assert dispatch.attention_kernel(1, 4, True, "tensor", "head") == "split_kv"
     assert dispatch.attention_kernel(16, 4, True, "token", "token") == "split_kv"
-    assert dispatch.attention_kernel(17, 4, True, "token", "token") == "flash"      # 68 rows: prefill kernel
-    assert dispatch.attention_kernel(1, 4, False, "head", "head") == "flash"        # fp32 Q: not exact in bf16
-    assert dispatch.attention_kernel(1, 4, True, "group", "group") == "flash"       # scale along the head dim
-    assert dispatch.attention_kernel(1, 4, True, "float", "float") == "flash"
+    # past the split-KV tile (68 rows), or not exact in its dots: a prefill kernel, the tensor-core
+    # one unless its `unsupported` gives a reason
+    assert dispatch.attention_kernel(17, 4, True, "token", "head") == "prefill"
+    assert dispatch.attention_kernel(17, 4, True, "token", "token", prefill_reason="v per token") == "flash"
+    assert dispatch.attention_kernel(1, 4, False, "head", "head", prefill_reason="fp32 Q") == "flash"
+    assert dispatch.attention_kernel(1, 4, True, "group", "group", prefill_reason="group") == "flash"
+    assert dispatch.attention_kernel(1, 4, True, "float", "float", prefill_reason="fp32 cache") == "flash"
+    # a tuning table's choice, for prefill only (decode keeps split-KV)
+    assert dispatch.attention_kernel(1, 4, True, "tensor", "head", choice="sdpa") == "split_kv"
+    assert dispatch.attention_kernel(300, 4, True, "tensor", "head", choice="sdpa") == "sdpa"
+    assert dispatch.attention_kernel(300, 4, True, "tensor", "head", choice="flash") == "flash"
+    with pytest.raises(ValueError, match="choose 'flash' or 'sdpa'"):
+        dispatch.attention_kernel(300, 4, True, "token", "token", choice="prefill", prefill_reason="v per token")
+    with pytest.raises(ValueError, match="PREFILL|one of"):
+        dispatch.attention_kernel(300, 4, True, "tensor", "head", choice="cudnn")
     assert dispatch.kv_kind(torch.zeros(1, 1, 1, 1, dtype=torch.bfloat16)) == "bf16"
 
 

@@ -146,3 +146,55 @@ def test_split_kv_kernel_compiles_for_sm90_without_spills():
     for r in rows:
         assert r["shared"] <= 232448, r
         assert r["local"] == 0 and r["spill_ops"] == 0, r
+
+
+PREFILL_SCRIPT = r'''
+import json, re
+import triton.language as tl
+from lowbit.bench.sm90 import compile_sm90
+from lowbit.ops.triton.attention import smem_bytes
+from lowbit.ops.triton.attention_prefill import _prefill_kernel, default_config
+INTS = ["Tq", "Tk", "D", "G", "NM", "sq_b", "sq_h", "sq_t", "sq_d", "sqs_b", "sqs_h", "sqs_t", "sk_b", "sk_h", "sk_t",
+        "sk_d", "sks_b", "sks_h", "sks_t", "sv_b", "sv_h", "sv_t", "sv_d", "svs_b", "svs_h", "so_b", "so_h", "so_t",
+        "so_d", "Hq"]
+CONST = ["K_KIND", "V_KIND", "K_TOKEN", "P_MODE", "FMAX", "CAUSAL", "FAST_FP8", "DOT_TY", "DOT_PREC", "EVEN_D",
+         "BLOCK_M", "BLOCK_N", "BLOCK_D", "OUT_TY"]
+T = 2048    # Llama-3-8B prefill: B=1, Hq=32, Hkv=8, D=128, fp32 Q codes, bf16 output; fp8 K per tensor or token
+BASE = dict(Tq=T, Tk=T, D=128, G=4, NM=16, sq_b=32*T*128, sq_h=T*128, sq_t=128, sq_d=1, sqs_b=32*T, sqs_h=T, sqs_t=1,
+            sk_b=8*T*128, sk_h=T*128, sk_t=128, sk_d=1, sks_b=0, sks_h=0, sks_t=0, sv_b=8*T*128, sv_h=T*128,
+            sv_t=128, sv_d=1, svs_b=0, svs_h=0, so_b=32*T*128, so_h=T*128, so_t=128, so_d=1, Hq=32)
+out = []
+cfg = default_config(128, T, 64)
+for token in (False, True):
+    vals = {**BASE, **(dict(sks_b=8*T, sks_h=T, sks_t=1) if token else {})}
+    sig = {"q_ptr": "*fp32", "qs_ptr": "*fp32", "k_ptr": "*u8", "ks_ptr": "*fp32", "v_ptr": "*u8", "vs_ptr": "*fp32",
+           "o_ptr": "*bf16", "c": "fp32", **{n: "i32" for n in INTS}, **{n: "constexpr" for n in CONST}}
+    consts = dict(K_KIND=0, V_KIND=0, K_TOKEN=token, P_MODE=0, FMAX=448.0, CAUSAL=True, FAST_FP8=True,
+                  DOT_TY=tl.float16, DOT_PREC="tf32", EVEN_D=True, BLOCK_M=cfg.block_m, BLOCK_N=64, BLOCK_D=128,
+                  OUT_TY=tl.bfloat16)
+    for n, v in vals.items():
+        if v in (0, 1):
+            sig[n] = "constexpr"
+            consts[n] = v
+    r = compile_sm90(_prefill_kernel, sig, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    s = r.pop("sass_text")
+    out.append({**r, "token": token, "wgmma": len(re.findall(r"HGMMA", s)),
+                "estimate": smem_bytes(cfg.block_m, 64, 128, True, 1, 1, False, False, cfg.num_stages)})
+print(json.dumps(out))
+'''
+
+
+def test_prefill_kernel_compiles_for_sm90_on_tensor_cores_without_spills():
+    """The tensor-core prefill kernel at its default configuration and a Llama-3-8B prefill's shapes:
+    wgmma (HGMMA) for both dots in both key loops, within the smem estimate, no register spills."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
+    env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", PREFILL_SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(rows) == 2
+    for r in rows:
+        assert r["wgmma"] >= 4, r
+        assert r["shared"] <= r["estimate"] and r["shared"] <= 232448, r
+        assert r["local"] == 0 and r["spill_ops"] == 0, r

@@ -20,9 +20,19 @@ import torch
 from lowbit.formats import decode, encode
 from lowbit.ops import attention_reference as ar
 from lowbit.ops import dispatch
+from lowbit.ops.attention_sdpa import sdpa_attention
 from lowbit.ops.kv_quant import KVQuant
 
-BACKENDS = ("auto", "torch", "triton", "reference")
+BACKENDS = ("auto", "torch", "triton", "sdpa", "reference")
+_LAST = {"path": None}
+
+
+def last_path() -> str | None:
+    """The path the last `attention` / `attention_triton` call took on this process: "split_kv",
+    "prefill[<config>]", "flash", "sdpa", "torch" or "reference" (what the bench and `lowbit
+    doctor` print; recorded on the host when the call is issued, so a CUDA-graph replay does not
+    update it)."""
+    return _LAST["path"]
 
 
 def _as_kv(t, name: str):
@@ -93,30 +103,56 @@ def _grid32(v: torch.Tensor, p_format: str | None) -> torch.Tensor:
 
 
 def attention_triton(q: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: torch.Tensor | None = None,
-                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The Triton path. q: the float queries [B, Hq, Tq, D], quantized per spec.q_format (inside the
-    split-KV kernel, or on the host for the prefill kernel), or with q_scale [B, Hq, Tq, 1] fp32 Q's
+                     out_dtype: torch.dtype = torch.float32, kernel: str | None = None, config=None) -> torch.Tensor:
+    """The GPU path. q: the float queries [B, Hq, Tq, D], quantized per spec.q_format (inside the
+    split-KV kernel, or on the host for the prefill kernels), or with q_scale [B, Hq, Tq, 1] fp32 Q's
     code values; k, v as `attention` takes them. lowbit.ops.dispatch.attention_kernel picks the
-    kernel: split-KV (flash-decoding) for decode steps and short query blocks, the prefill kernel
-    otherwise. q is not checked for NaN/Inf here (no host synchronisation): `attention` does that."""
+    kernel: split-KV (flash-decoding) for decode steps and short query blocks; for prefill
+    `kernel` (a tuning table's choice: "prefill", "flash" or "sdpa") or, without one, the
+    tensor-core prefill kernel where it runs the call and the general flash kernel elsewhere.
+    config: the prefill kernel's PrefillConfig (lowbit.ops.triton.attention_prefill; None = its
+    default heuristic). q is not checked for NaN/Inf here (no host synchronisation): `attention`
+    does that. The path taken is last_path()."""
     from lowbit.ops.triton.attention import flash_attention
     from lowbit.ops.triton.attention_decode import split_kv_attention
+    from lowbit.ops.triton.attention_prefill import prefill_attention, unsupported
     G = ar.check_shapes(tuple(q.shape), _shape(k), _shape(v))
     q_exact = q_scale is not None or spec.q_format is not None or q.dtype == torch.bfloat16
-    kernel = dispatch.attention_kernel(q.shape[2], G, q_exact, dispatch.kv_kind(k), dispatch.kv_kind(v))
-    if kernel == "split_kv":
+    name = dispatch.attention_kernel(q.shape[2], G, q_exact, dispatch.kv_kind(k), dispatch.kv_kind(v), kernel,
+                                     unsupported(q_exact, k, v, spec))
+    _LAST["path"] = name
+    if name == "split_kv":
         return split_kv_attention(q, k, v, spec, q_scale=q_scale, out_dtype=out_dtype)
+    if name == "sdpa":
+        if q_scale is not None:
+            raise ValueError("the sdpa path takes the float queries, not Q's codes (q_scale): pass q itself")
+        return sdpa_attention(q, k, v, spec, out_dtype=out_dtype)
     if q_scale is None and spec.q_format is not None:
         q, q_scale = ar.quantize_q_parts(q, spec.q_format)
+    if name == "prefill":
+        from lowbit.ops.triton.attention_prefill import default_config
+        cfg = config or default_config(q.shape[3], q.shape[2], spec.p_block)
+        _LAST["path"] = f"prefill[{cfg}]"
+        return prefill_attention(q, k, v, spec, q_scale=q_scale, out_dtype=out_dtype, config=cfg)
     return flash_attention(q, k, v, spec, q_scale=q_scale, out_dtype=out_dtype)
+
+
+def prefill_options(D: int, Tq: int, p_block: int = 64) -> list[tuple[str, object]]:
+    """Every (kernel, config) a tuning table may choose for a prefill call at head_dim D, Tq query
+    tokens and P block p_block, each runnable as attention_triton(q, k, v, spec, kernel=kernel,
+    config=config): the tensor-core prefill kernel in each of prefill_candidates' configurations,
+    the general flash kernel and SDPA over the dequantized cache (config None)."""
+    from lowbit.ops.triton.attention_prefill import prefill_candidates
+    return [("prefill", c) for c in prefill_candidates(D, Tq, p_block)] + [("flash", None), ("sdpa", None)]
 
 
 def attention(q: torch.Tensor, k, v, spec: ar.AttnSpec | None = None, *, backend: str = "auto",
               out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Quantized attention (module docstring). backend: "auto" (Triton on CUDA, torch elsewhere),
-    "torch", "triton" (attention_triton: the kernel lowbit.ops.dispatch picks), or "reference"
-    (the float64 reference, cast). Returns [B, Hq, Tq, D] in
-    out_dtype (default q.dtype)."""
+    "torch", "triton" (attention_triton: the kernel lowbit.ops.dispatch picks), "sdpa" (torch
+    SDPA in bf16 over the dequantized cache, lowbit.ops.attention_sdpa: not the P-quantized
+    arithmetic; its reference is attention_reference.sdpa_bf16_reference), or "reference" (the
+    float64 reference, cast). Returns [B, Hq, Tq, D] in out_dtype (default q.dtype)."""
     spec = spec or ar.AttnSpec()
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -128,6 +164,10 @@ def attention(q: torch.Tensor, k, v, spec: ar.AttnSpec | None = None, *, backend
     if backend == "triton":
         ar.quantize_q(q, None)                          # q's shape and finiteness, checked once here
         return attention_triton(q, k, v, spec, out_dtype=out_dtype)
+    _LAST["path"] = backend
+    if backend == "sdpa":
+        ar.quantize_q(q, None)
+        return sdpa_attention(q, k, v, spec, out_dtype=out_dtype)
     q_hat = ar.quantize_q(q, spec.q_format)
     if backend == "reference":
         kd = k.dequantize(torch.float32) if isinstance(k, KVQuant) else k.float()

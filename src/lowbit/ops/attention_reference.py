@@ -177,9 +177,11 @@ def attention_reference(q_hat: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.T
     q_hat [B, Hq, Tq, D], k_hat / v_hat [B, Hkv, Tk, D] (float32 values; used exactly in float64).
 
     Gate (per output element, derived; no tuned constant):
-    1. Scores: t is an fp32 dot of D exact-valued products, plus the two dequantizing roundings and
-       the scale-constant rounding: |t' - t| <= e_ij = gamma_{D+4}(2^-24) * sum_d |Q_hat||K_hat| *
-       sm_scale * log2(e). The block max moves by at most E_b = max_j e_ij (max is 1-Lipschitz).
+    1. Scores: t is an fp32 dot of D exact-valued products (D - 1 roundings), plus the scale-constant
+       rounding and, in the worst order (the tensor-core kernels: code dots with q_scale, k_scale and
+       the constant multiplied after), three multiplies and the two dequantizing roundings the
+       kernel never makes but Q_hat / K_hat carry: |t' - t| <= e_ij = gamma_{D+5}(2^-24) *
+       sum_d |Q_hat||K_hat| * sm_scale * log2(e). The block max moves by at most E_b = max_j e_ij (max is 1-Lipschitz).
     2. Codes: the kernel rounds fp32 v' = fmt_max * 2^(t' - mb') with |log2(v'/v)| <= delta =
        e_ij + E + 2^-24 |t - mb| + EXP2_ERR (+ the product's rounding); where [v 2^-delta, v 2^delta]
        holds no rounding boundary the code is the reference's, elsewhere it may move to any grid
@@ -207,7 +209,7 @@ def attention_reference(q_hat: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.T
     Tk = k_hat.shape[2]
     c = spec.scale_for(D) * LOG2E
     T = (qd @ kd.transpose(-1, -2)) * c                      # [B, Hq, Tq, Tk], log2 units
-    e = _gamma(D + 4, U32) * (qd.abs() @ kd.abs().transpose(-1, -2)) * c
+    e = _gamma(D + 5, U32) * (qd.abs() @ kd.abs().transpose(-1, -2)) * c
     allowed = allowed_mask(Tq, Tk, spec.causal).expand_as(T)
     ninf = torch.tensor(-math.inf, dtype=torch.float64)
     fmax = spec.p_max
@@ -324,3 +326,55 @@ def sdpa_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     S = (qd @ kd.transpose(-1, -2)) * s
     S = torch.where(allowed_mask(q.shape[2], k.shape[2], causal), S, torch.tensor(-math.inf, dtype=torch.float64))
     return torch.softmax(S, dim=-1) @ vd
+
+
+def sdpa_bf16_reference(q: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.Tensor, causal: bool,
+                        sm_scale: float | None = None, out_dtype: torch.dtype = torch.bfloat16) -> AttnReference:
+    """Float64 reference and derived gate of lowbit.ops.attention_sdpa (bf16 SDPA over the
+    dequantized cache): q [B, Hq, Tq, D] and the cache's fp32 values k_hat / v_hat [B, Hkv, Tk, D]
+    are each rounded to bf16 once (what the kernel reads), then exact softmax attention.
+
+    Gate, for any flash-style bf16 kernel (cuDNN, flash, memory-efficient; fp32 scores, P rounded
+    to bf16 for the P.V dot, fp32 accumulation; not one that rounds the scores to bf16):
+    1. Scores s_ij = q.k * sm_scale: D exact bf16 products summed in fp32 plus the scale and the
+       log2(e) folding: |s' - s| <= e_ij = gamma_{D+4}(2^-24) sum_d |q_d k_d| sm_scale. The row max
+       the kernel subtracts is common to O and l and cancels; the exponent's argument s - m carries
+       at most 4 fp32 roundings of |s| + |m| and exp2's error EXP2_ERR (log2 units).
+    2. Each weight reaches O as w_j (1 + a_j) and l as w_j (1 + b_j) with |a_j|, |b_j| <= eta_j =
+       2^(delta_j) (1 + 2^-8) - 1, delta_j = (e_ij + 4 u32 (|s_ij| + max_j |s_ij|)) log2(e) + EXP2_ERR
+       + nr (EXP2_ERR + 8 u32 max_j |s_ij| log2(e)): its own exp2 and the nr = ceil(Tk / 16) online
+       rescales after its block (each common to O and l, but not to the other blocks' weights)
+       (2^-8: P rounded to bf16 for the dot; applied to both, whichever the kernel normalizes by), so
+       |O/l - out| <= sum_j p_j eta_j (|v_j| + |out|) / (1 - max eta) (p the exact weights).
+    3. fp32 accumulation of Tk products and the online rescales (at most 2 per 16-key block) and the
+       division: gamma_n(2^-24), n = Tk + 2 ceil(Tk / 16) + 8, of sum_j p_j |v_j| (1 + eta) / (1 - eta);
+       exp2's flush below 2^-126: 2^-120 Tk max|v|; the output rounding u_out (|out| + kern) + eta_out / 2.
+    """
+    def bf16(t):
+        return t.detach().cpu().to(torch.float32).to(torch.bfloat16).to(torch.float32)
+    qd, kd, vd = float64_heads(bf16(q), bf16(k_hat), bf16(v_hat))
+    Tq, D = q.shape[2], q.shape[3]
+    Tk = k_hat.shape[2]
+    s = (1.0 / math.sqrt(D)) if sm_scale is None else float(sm_scale)
+    S = (qd @ kd.transpose(-1, -2)) * s
+    e = _gamma(D + 4, U32) * (qd.abs() @ kd.abs().transpose(-1, -2)) * s
+    allowed = allowed_mask(Tq, Tk, causal).expand_as(S)
+    Sm = torch.where(allowed, S, torch.tensor(-math.inf, dtype=torch.float64))
+    p = torch.softmax(Sm, dim=-1)
+    out = p @ vd
+    smax = torch.where(allowed, S.abs(), torch.zeros_like(S)).amax(dim=-1, keepdim=True)
+    nr = -(-Tk // 16)                       # online rescales: at most one per key block of >= 16 keys
+    delta = (e + 4 * U32 * (S.abs() + smax)) * LOG2E + EXP2_ERR + nr * (EXP2_ERR + 8 * U32 * smax * LOG2E)
+    eta = torch.where(allowed, torch.exp2(delta) * (1 + 2.0 ** -8) - 1, torch.zeros_like(S))
+    eta_max = eta.amax(dim=-1, keepdim=True)
+    inf = torch.tensor(math.inf, dtype=torch.float64)
+    safe = eta_max < 1
+    den = torch.where(safe, 1 - eta_max, torch.ones_like(eta_max))
+    pv_abs = p @ vd.abs()
+    dev = ((p * eta) @ vd.abs() + out.abs() * (p * eta).sum(dim=-1, keepdim=True)) / den
+    n_acc = Tk + 2 * (-(-Tk // 16)) + 8
+    kern = dev + _gamma(n_acc, U32) * pv_abs * (1 + eta_max) / den
+    kern = kern + 2.0 ** -120 * Tk * vd.abs().amax(dim=2, keepdim=True)
+    u_out, eta_out = _OUT_UNITS[out_dtype]
+    gate = kern + u_out * (out.abs() + kern) + eta_out / 2
+    return AttnReference(out, torch.where(safe, gate, inf), 0.0)

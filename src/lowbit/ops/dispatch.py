@@ -6,8 +6,8 @@ Four questions, each answered here and nowhere else:
 - `w4a16_kind(w)`: which 4-bit weight-only layout `lowbit.ops.weight_only` uses for a weight;
 - `prepared_kind(w, x)`: which prepared fast path (`lowbit.ops.prepared`) a QuantLinear runs,
   and `exact_path(w, x)`, the exact path it runs where there is none;
-- `attention_kernel(...)`: which Triton attention kernel reads a KV cache (split-KV decode or
-  the prefill kernel).
+- `attention_kernel(...)`: which attention kernel reads a KV cache (split-KV decode; for prefill
+  the tensor-core prefill kernel, the general flash kernel or SDPA over the dequantized cache).
 - `grouped_kind(w, x)`: which grouped MoE kernel (`lowbit.ops.grouped_run`) QuantExperts runs.
 A pair with no kernel gets None (or NotImplementedError naming the schemes): callers decide
 visibly what to do, nothing here falls back silently.
@@ -174,7 +174,8 @@ def exact_path(weight_scheme: QuantScheme, act_scheme: QuantScheme | None) -> st
 
 # ---------------------------------------------------------------- attention over a (quantized) KV cache
 
-ATTENTION_KERNELS = ("split_kv", "flash")
+ATTENTION_KERNELS = ("split_kv", "prefill", "flash", "sdpa")
+PREFILL_CHOICES = ("prefill", "flash", "sdpa")     # what a tuning table may decide for a prefill call
 SPLIT_KV_MAX_ROWS = 64          # G * Tq rows per KV head the split-KV kernel holds in one tile
 _SPLIT_KV_KINDS = ("bf16", "tensor", "head", "token")
 
@@ -198,12 +199,25 @@ def kv_append_supports(scheme) -> bool:
     return scheme.format in KV_APPEND_FORMATS and scheme.granularity != "group"
 
 
-def attention_kernel(Tq: int, G: int, q_exact: bool, k_kind: str, v_kind: str) -> str:
-    """The Triton attention kernel for a call: "split_kv" (lowbit.ops.triton.attention_decode:
+def attention_kernel(Tq: int, G: int, q_exact: bool, k_kind: str, v_kind: str, choice: str | None = None,
+                     prefill_reason: str | None = None) -> str:
+    """The attention kernel for a call: "split_kv" (lowbit.ops.triton.attention_decode:
     flash-decoding, the keys split across programs so a decode step fills the GPU) where the rows
     of one KV head (G query heads x Tq tokens) fit its tile, Q is exact in bf16 (codes with a
-    scale, or bf16) and K, V are bf16 or codes scaled per tensor / head / token; "flash"
-    (lowbit.ops.triton.attention: one program per query block, the prefill kernel) otherwise."""
+    scale, or bf16) and K, V are bf16 or codes scaled per tensor / head / token. Otherwise the
+    prefill choice: `choice` (a tuning table's decision, one of PREFILL_CHOICES) or, without one,
+    "prefill" (lowbit.ops.triton.attention_prefill: tensor-core tiles) where that kernel runs the
+    call, else "flash" (lowbit.ops.triton.attention: every cache layout). "sdpa" is torch SDPA over
+    the dequantized cache (lowbit.ops.attention_sdpa: not lowbit's P-quantized arithmetic).
+    prefill_reason: why the prefill kernel cannot run the call (its `unsupported`), None if it can;
+    a choice of "prefill" it cannot run is refused with that reason."""
     if G * Tq <= SPLIT_KV_MAX_ROWS and q_exact and k_kind in _SPLIT_KV_KINDS and v_kind in _SPLIT_KV_KINDS:
         return "split_kv"
-    return "flash"
+    if choice is None:
+        return "flash" if prefill_reason else "prefill"
+    if choice not in PREFILL_CHOICES:
+        raise ValueError(f"attention prefill choice must be one of {PREFILL_CHOICES}, got {choice!r}")
+    if choice == "prefill" and prefill_reason:
+        raise ValueError(f"attention prefill choice 'prefill': {prefill_reason}; choose 'flash' or 'sdpa' "
+                         "for this call")
+    return choice

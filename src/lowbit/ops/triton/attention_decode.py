@@ -17,7 +17,8 @@ split's O. Q is quantized here, per (token, head) = per row, as lowbit.quantize 
 scale, IEEE division, round-half-even), unless its codes are handed over.
 Arithmetic, in this order (lowbit.ops.attention_reference derives the gate):
   t = dot(q codes, k codes) * (q_scale * c [* k_scale per tensor / head]) [* k_scale per token]:
-      D exact products summed in fp32 plus three multiplies (the gate's gamma_{D+4} counts D + 4)
+      D exact products summed in fp32 plus three multiplies (the gate's gamma_{D+5} counts these, c's
+      own rounding and Q_hat / K_hat's dequantizing roundings)
   masked t = -inf; mb = row max of the block; P codes = grid(fmt_max * exp2(t - mb)) (RNE;
       fp8 by the GPU's cvt.rn.satfinite or, in the interpreter, encode_e4m3fn; int8 by rint and
       clamp), f = exp2(mb - m_new) / fmt_max
