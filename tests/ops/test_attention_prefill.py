@@ -178,3 +178,31 @@ def test_kv_dequant_kernel_is_bit_exact(rng, sch):
     out = torch.empty(kq.shape, dtype=torch.bfloat16, device=DEV)
     dequantize_bf16_into(kq, out)
     assert torch.equal(out.cpu(), kq.to("cpu").dequantize(torch.float32).to(torch.bfloat16))
+
+
+def test_tuning_table_chooses_the_prefill_path(rng):
+    """A tuning table's attention cell (kind, head_dim, GQA group, bucket of Tq) picks the prefill
+    path: SDPA over the dequantized cache ("dequant"), or a kernel and its tiles; without a cell the
+    dispatch's own choice stands. Every path's output is checked against its own reference."""
+    from lowbit.ops import attention as attn
+    from lowbit.ops import tuning
+    kq, vq = _kv(rng, 1, 1, 40, 64, FP8_H, FP8_H)
+    q = torch.randn(1, 4, 40, 64, generator=rng).to(DEV)
+    spec = ar.AttnSpec(p_block=16)
+    kind = attn.attention_kind(kq, vq, spec)
+    cells = {"dequant": None, "kernel": {"kernel": "prefill", "block_m": 32, "num_warps": 4, "num_stages": 1}}
+    try:
+        for path, cfg in cells.items():
+            cell = tuning.Cell("attention", kind, 64, 4, tuning.bucket(40), path, cfg)
+            tuning.reset(tuning.Table(tuning.environment(), {("attention", kind, 64, 4, cell.bucket): cell}), "test")
+            out = attention_triton(q, kq, vq, spec)
+            if path == "dequant":
+                assert last_path() == "sdpa"
+            else:
+                assert last_path() == "prefill[m32w4s1]"
+                _check(out, q, kq, vq, spec)
+        tuning.reset(tuning.Table(tuning.environment(), {}), "empty table")
+        attention_triton(q, kq, vq, spec)
+        assert last_path().startswith("prefill[")          # the dispatch's own choice without a cell
+    finally:
+        tuning.reset()

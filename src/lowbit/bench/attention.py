@@ -35,7 +35,9 @@ DEVICE = "cuda"
 FP8_SPEC = dict(q_format="fp8_e4m3fn", p_format="fp8_e4m3fn", p_block=64, causal=True)
 
 
-def _cache(kv_name, k, v):
+def quantized_cache(kv_name, k, v):
+    """(keys, values) as the cache holds them under the KV scheme `kv_name` (static schemes are
+    calibrated on k, v themselves)."""
     from lowbit.ops.kv_quant import KVScheme, observe_amax, quantize_kv, static_scale
     sch = KVScheme.parse(kv_name)
     if sch.dynamic:
@@ -128,7 +130,7 @@ def _decode_rows(only, quick) -> list[dict]:
         for name in KV_SCHEMES:
             if only and only not in name:
                 continue
-            kq, vq = _cache(name, k.float(), v.float())
+            kq, vq = quantized_cache(name, k.float(), v.float())
             for label, spec in (specs if name == "fp8" else specs[:1]):
                 row = dict(bench="decode", B=B, T=T, kv=name, attn=label, kv_bytes=cache_bytes(kq, vq),
                            bytes_vs_bf16=cache_bytes(kq, vq) / kv_bf16)
@@ -176,7 +178,7 @@ class _Layers:
         for ws in weights:
             k = torch.randn(B, HKV, T, D, generator=gen, device=DEVICE).to(torch.bfloat16)
             v = torch.randn(B, HKV, T, D, generator=gen, device=DEVICE).to(torch.bfloat16)
-            cache = (k, v) if kv == "bf16" else _cache("fp8", k.float(), v.float())
+            cache = (k, v) if kv == "bf16" else quantized_cache("fp8", k.float(), v.float())
             del k, v
             self.layers.append((ws, cache))
         self.weight_bytes = sum(_weight_bytes(w) for ws in weights for w in ws)
@@ -302,7 +304,7 @@ def _prefill_rows(quick) -> list[dict]:
             if "us" in r:
                 r["tflops"] = flops / r["us"] / 1e6
         rows += sd
-        kq, vq = _cache("fp8", k.float(), v.float())
+        kq, vq = quantized_cache("fp8", k.float(), v.float())
         q_vals, q_scale = ar.quantize_q_parts(q, "fp8_e4m3fn")
         spec = ar.AttnSpec(**FP8_SPEC)
         D_ = q.shape[-1]

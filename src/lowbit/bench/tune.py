@@ -114,12 +114,69 @@ def tune_linear(shape: str = "8b", recipes=RECIPES, buckets=tuning.BUCKET_NAMES,
     return cells
 
 
+# attention prefill is tuned at Llama-3-8B's heads (32 query heads over 8 KV heads, head_dim 128)
+# over an fp8 cache with fp8 Q and P, lowbit's default attention recipe
+ATTN_HEADS = {"8b": (32, 8, 128), "tiny": (4, 2, 64)}
+ATTN_BUCKETS = ("65-512", "513+")
+
+
+def tune_attention(shape: str = "8b", buckets=ATTN_BUCKETS, log=print) -> list[tuning.Cell]:
+    """Prefill attention over an fp8 KV cache (Tq = Tk = the bucket's M): each prefill-kernel tiling,
+    the general flash kernel and SDPA over the dequantized cache, against bf16 SDPA."""
+    import torch.nn.functional as F
+
+    from lowbit.ops import attention as attn
+    from lowbit.ops import attention_reference as ar
+    from lowbit.bench.attention import quantized_cache
+
+    hq, hkv, d = ATTN_HEADS[shape]
+    spec = ar.AttnSpec(q_format="fp8_e4m3fn", p_format="fp8_e4m3fn", p_block=64, causal=True)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    cells = []
+    for b in buckets:
+        if b not in ATTN_BUCKETS:
+            continue
+        T = tuning.BUCKET_M[b]
+        q, k, v = (torch.randn(1, h, T, d, generator=gen, device="cuda").to(torch.bfloat16) for h in (hq, hkv, hkv))
+        kq, vq = quantized_cache("fp8", k.float(), v.float())
+        kind = attn.attention_kind(kq, vq, spec)
+        base = _graph_us(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+        us, best, ref = {"bf16": round(base, 2)}, None, None
+        for which, cfg in attn.prefill_options(d, T, spec.p_block):
+            label = which if cfg is None else f"{which}:{cfg}"
+            try:
+                def call(which=which, cfg=cfg):
+                    return attn.attention_triton(q, kq, vq, spec, out_dtype=torch.bfloat16, kernel=which, config=cfg)
+                y = call().float()
+                ref = y if ref is None else ref
+                if (y - ref).norm() > 5e-2 * ref.norm():
+                    log(f"  attention T={T} {label}: output strays from the first candidate's; dropped")
+                    continue
+                t = _graph_us(call)
+            except Exception as err:  # noqa: BLE001 -- a configuration that fails to build is a row, not the end
+                log(f"  attention T={T} {label}: {type(err).__name__}: {str(err)[:120]}")
+                torch.cuda.synchronize()
+                continue
+            us[label] = round(t, 2)
+            if best is None or t < best[0]:
+                best = (t, which, cfg)
+        if best is None:
+            continue
+        t, which, cfg = best
+        path = "dequant" if which == "sdpa" else "kernel"
+        config = None if path == "dequant" else dict({"kernel": which}, **({} if cfg is None else vars(cfg)))
+        cell = tuning.Cell("attention", kind, d, hq // hkv, b, path, config, round(base / t, 3), us)
+        cells.append(cell)
+        log(f"attention {kind} T={T}: bf16 SDPA {base:8.1f} us  best {t:8.1f} us ({which})  {cell.ratio:5.2f}x")
+    return cells
+
+
 def run_tune(shape: str = "8b", recipes=RECIPES, buckets=tuning.BUCKET_NAMES, log=print) -> tuning.Table:
     if not torch.cuda.is_available():
         raise ValueError("lowbit tune measures kernels on a CUDA GPU; none is visible here (the CPU runs the "
                          "exact paths, which need no table)")
     t0 = time.time()
-    cells = tune_linear(shape, recipes, buckets, log)
+    cells = tune_linear(shape, recipes, buckets, log) + tune_attention(shape, buckets, log)
     log(f"# tuned {len(cells)} cells in {time.time() - t0:.0f} s")
     return tuning.Table(tuning.environment(), {(c.op, c.kind, c.N, c.K, c.bucket): c for c in cells})
 

@@ -118,6 +118,8 @@ def attention_triton(q: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: torch
     from lowbit.ops.triton.attention_prefill import prefill_attention, unsupported
     G = ar.check_shapes(tuple(q.shape), _shape(k), _shape(v))
     q_exact = q_scale is not None or spec.q_format is not None or q.dtype == torch.bfloat16
+    if kernel is None and config is None and q.shape[2] > 1:
+        kernel, config = _tuned(q, k, v, spec, G, sdpa_ok=q_scale is None)
     name = dispatch.attention_kernel(q.shape[2], G, q_exact, dispatch.kv_kind(k), dispatch.kv_kind(v), kernel,
                                      unsupported(q_exact, k, v, spec))
     _LAST["path"] = name
@@ -135,6 +137,26 @@ def attention_triton(q: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: torch
         _LAST["path"] = f"prefill[{cfg}]"
         return prefill_attention(q, k, v, spec, q_scale=q_scale, out_dtype=out_dtype, config=cfg)
     return flash_attention(q, k, v, spec, q_scale=q_scale, out_dtype=out_dtype)
+
+
+def attention_kind(k, v, spec: ar.AttnSpec) -> str:
+    """The tuning table's name for an attention call's kind: cache formats, Q and P formats, P block."""
+    return f"{dispatch.kv_kind(k)}/{dispatch.kv_kind(v)}/q-{spec.q_format}/p-{spec.p_format}/{spec.p_block}"
+
+
+def _tuned(q, k, v, spec, G, sdpa_ok: bool) -> tuple[str | None, object]:
+    """A tuning table's (kernel, config) for this prefill call, or (None, None) without a cell.
+    Cells are keyed by (kind, head_dim, GQA group, bucket of the query length): path "dequant" is
+    SDPA over the dequantized cache, "kernel" names the kernel (and the prefill kernel's tiles)."""
+    from lowbit.ops import tuning
+    from lowbit.ops.triton.attention_prefill import PrefillConfig
+
+    path, cfg = tuning.choose("attention", attention_kind(k, v, spec), q.shape[3], G, q.shape[2])
+    if cfg is None:
+        return ("sdpa", None) if path == "dequant" and sdpa_ok else (None, None)
+    cfg = dict(cfg)
+    which = cfg.pop("kernel", "prefill")
+    return which, (PrefillConfig(**cfg) if which == "prefill" and cfg else None)
 
 
 def prefill_options(D: int, Tq: int, p_block: int = 64) -> list[tuple[str, object]]:
