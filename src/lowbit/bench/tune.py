@@ -48,6 +48,41 @@ def candidates(kind: str, bucket: str) -> list[tuple[str, dict | None]]:
     return [("kernel", None), ("dequant", None)]
 
 
+def _label(path, cfg) -> str:
+    if cfg is None:
+        return path
+    if isinstance(cfg, dict):
+        return f"{path}:" + "/".join(str(cfg[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))
+    return f"{path}:{cfg}"
+
+
+def _time_candidates(cands, make_call, tol: float, where: str, log) -> tuple[dict, tuple | None]:
+    """Time each (path, config) candidate's call (make_call(path, config) -> a no-argument callable) as
+    a CUDA-graph replay. A candidate whose output strays more than tol (relative L2) from the first
+    candidate's -- a broken configuration -- or that fails to build is logged and skipped. Returns
+    ({label: microseconds}, (microseconds, path, config) of the fastest, or None)."""
+    us, best, ref = {}, None, None
+    for path, cfg in cands:
+        label = _label(path, cfg)
+        try:
+            call = make_call(path, cfg)
+            y = call().float()
+            if ref is None:
+                ref = y
+            elif (y - ref).norm() > tol * ref.norm():
+                log(f"  {where} {label}: output strays from the first candidate's; dropped")
+                continue
+            t = _graph_us(call)
+        except Exception as err:  # noqa: BLE001 -- a configuration that fails to build is a row, not the end
+            log(f"  {where} {label}: {type(err).__name__}: {str(err)[:120]}")
+            torch.cuda.synchronize()
+            continue
+        us[label] = round(t, 2)
+        if best is None or t < best[0]:
+            best = (t, path, cfg)
+    return us, best
+
+
 def _graph_us(fn, reps: int = 50) -> float:
     """Median GPU microseconds of fn() replayed from a CUDA graph (warmed up outside it)."""
     from lowbit.profiling.timing import bench_ms
@@ -80,28 +115,15 @@ def tune_linear(shape: str = "8b", recipes=RECIPES, buckets=tuning.BUCKET_NAMES,
                 M = tuning.BUCKET_M[b]
                 x = torch.randn(M, K, dtype=torch.bfloat16, generator=gen).cuda()
                 base = _graph_us(lambda: F.linear(x, lin.weight))
-                us, ref, best = {"bf16": round(base, 2)}, None, None
-                for path, cfg in candidates(kind, b):
-                    label = path if cfg is None else f"{path}:" + "/".join(str(cfg[k]) for k in
-                                                                          ("BLOCK_M", "BLOCK_N", "BLOCK_K",
-                                                                           "num_warps", "num_stages"))
+
+                def run_candidate(path, cfg):
                     tuning.reset(tuning.Table(tuning.environment(), {
                         ("linear", kind, N, K, b): tuning.Cell("linear", kind, N, K, b, path, cfg)}), "tuning")
-                    try:
-                        y = runtime.run(spec, x, ops, None)
-                        if ref is None:
-                            ref = y.float()
-                        elif (y.float() - ref).norm() > 2e-2 * ref.norm():
-                            log(f"  {sname} {name} M={M} {label}: output differs from the default path; dropped")
-                            continue
-                        t = _graph_us(lambda: runtime.run(spec, x, ops, None))
-                    except Exception as err:  # noqa: BLE001 -- a configuration that fails to build is a row, not the end
-                        log(f"  {sname} {name} M={M} {label}: {type(err).__name__}: {str(err)[:120]}")
-                        torch.cuda.synchronize()
-                        continue
-                    us[label] = round(t, 2)
-                    if best is None or t < best[0]:
-                        best = (t, path, cfg)
+                    return lambda: runtime.run(spec, x, ops, None)
+
+                us, best = _time_candidates(candidates(kind, b), run_candidate, 2e-2,
+                                            f"{sname} {name} M={M}", log)
+                us["bf16"] = round(base, 2)
                 tuning.reset()
                 if best is None:
                     continue
@@ -141,25 +163,13 @@ def tune_attention(shape: str = "8b", buckets=ATTN_BUCKETS, log=print) -> list[t
         kq, vq = quantized_cache("fp8", k.float(), v.float())
         kind = attn.attention_kind(kq, vq, spec)
         base = _graph_us(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
-        us, best, ref = {"bf16": round(base, 2)}, None, None
-        for which, cfg in attn.prefill_options(d, T, spec.p_block):
-            label = which if cfg is None else f"{which}:{cfg}"
-            try:
-                def call(which=which, cfg=cfg):
-                    return attn.attention_triton(q, kq, vq, spec, out_dtype=torch.bfloat16, kernel=which, config=cfg)
-                y = call().float()
-                ref = y if ref is None else ref
-                if (y - ref).norm() > 5e-2 * ref.norm():
-                    log(f"  attention T={T} {label}: output strays from the first candidate's; dropped")
-                    continue
-                t = _graph_us(call)
-            except Exception as err:  # noqa: BLE001 -- a configuration that fails to build is a row, not the end
-                log(f"  attention T={T} {label}: {type(err).__name__}: {str(err)[:120]}")
-                torch.cuda.synchronize()
-                continue
-            us[label] = round(t, 2)
-            if best is None or t < best[0]:
-                best = (t, which, cfg)
+
+        def run_candidate(which, cfg):
+            return lambda: attn.attention_triton(q, kq, vq, spec, out_dtype=torch.bfloat16, kernel=which, config=cfg)
+
+        us, best = _time_candidates(attn.prefill_options(d, T, spec.p_block), run_candidate, 5e-2,
+                                    f"attention T={T}", log)
+        us["bf16"] = round(base, 2)
         if best is None:
             continue
         t, which, cfg = best

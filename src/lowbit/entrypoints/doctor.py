@@ -46,18 +46,12 @@ def register(p) -> None:
 
 def gpu_info() -> dict:
     """{'gpu': name or None, 'capability': (major, minor) or None, 'triton': version or None}."""
-    import torch
+    from lowbit.ops.tuning import environment
 
-    info = dict(gpu=None, capability=None, triton=None, torch=torch.__version__)
-    try:
-        import triton
-        info["triton"] = triton.__version__
-    except ImportError:
-        pass
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-        info["capability"] = tuple(torch.cuda.get_device_capability(0))
-    return info
+    env = environment()
+    cap = env["capability"]
+    return dict(gpu=env["gpu"], capability=None if cap is None else tuple(int(c) for c in cap.split(".")),
+                triton=env["triton"], torch=env["torch"])
 
 
 def native_paths(capability) -> dict[str, bool]:
