@@ -116,7 +116,7 @@ def test_candidates_are_valid_small_and_start_with_the_default():
                 check_config(kind, c, K, 128)
                 assert c.split_k == 1                      # the default is deterministic run to run
     assert grouped_default_config("w4a16", 8, 4096, 14336, 2).block_m == 16
-    assert grouped_default_config("w4a16", 8, 4096, 14336, 4096).block_m == 128
+    assert grouped_default_config("int8", 8, 4096, 14336, 4096).block_m == 128
     assert [m_bucket(m) for m in (1, 2, 16, 17, 64, 65, 512, 513)] == [0, 1, 1, 2, 2, 3, 3, 4]
 
 

@@ -82,9 +82,9 @@ def check_config(kind: str, c: GroupedConfig, K: int, group: int | None = None) 
 def grouped_default_config(kind: str, E: int, N: int, K: int, M: int) -> GroupedConfig:
     """The heuristic config for M sorted rows over E experts (r = M / E rows per expert on average):
     BLOCK_M the power of two >= r between 16 and 128 (padding of an expert's last tile <= one tile);
-    decode (r <= 16) BLOCK_N 64 with 4 stages, the weight stream's latency hidden by the pipeline;
-    prefill BLOCK_N 128, 8 warps at BLOCK_M 128 (two warp groups of wgmma). BLOCK_K 128: one group
-    of the common int4 g128 per half-step pair (64 for fp8 / int8 at BLOCK_M 128: shared memory)."""
+    decode (r <= 16) BLOCK_N 64, BLOCK_K 128 (one int4 g128 group per step), 4 warps; prefill
+    64 x 128 tiles (one warp group of wgmma), W8A8 128 x 128 with 8 warps. Chosen from sm_90
+    compiles (registers, no spills), not timed: the tuning table replaces it per GPU."""
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}; choose one of {KINDS}")
     r = max(1, -(-M // max(E, 1)))
@@ -94,10 +94,11 @@ def grouped_default_config(kind: str, E: int, N: int, K: int, M: int) -> Grouped
     if bm <= 16:
         return GroupedConfig(16, 64 if N >= 64 else 32, 128, 4, 4)
     if bm <= 32:
-        return GroupedConfig(32, 64, 128, 4, 4 if kind in WEIGHT_ONLY else 3)
-    if bm <= 64:
-        return GroupedConfig(64, 128, 128 if kind in WEIGHT_ONLY else 64, 4, 3)
-    return GroupedConfig(128, 128, 64 if kind in ("int8", "fp8", "mxfp8") else 128, 8, 3)
+        return GroupedConfig(32, 64, 64 if kind in WEIGHT_ONLY else 128, 4, 4)
+    if bm <= 64 or kind in WEIGHT_ONLY:
+        # weight-only at 128 rows: 128 x 128 tiles spill registers for int4 g32 (sm_90 compile)
+        return GroupedConfig(64, 128, 64, 4, 3)
+    return GroupedConfig(128, 128, 64, 8, 3)
 
 
 def grouped_candidates(kind: str, E: int, N: int, K: int, bucket: int) -> list[GroupedConfig]:
@@ -119,6 +120,9 @@ def grouped_candidates(kind: str, E: int, N: int, K: int, bucket: int) -> list[G
     elif bucket == 2:
         more = [C(16, 64, 128, 4, 4), C(32, 128, 128, 4, 3), C(64, 64, 128, 4, 3), C(32, 64, 64, 4, 4),
                 C(32, 64, 128, 4, 4, 2) if wo else C(32, 128, 64, 4, 4), C(64, 128, 64, 4, 3), C(16, 128, 128, 4, 4)]
+    elif wo:
+        more = [C(64, 128, 64, 4, 4), C(64, 64, 64, 4, 3), C(128, 128, 64, 8, 3), C(128, 128, 128, 8, 3),
+                C(64, 256, 64, 8, 3), C(32, 128, 128, 4, 3), C(64, 64, 128, 4, 3)]
     else:
         more = [C(64, 128, 64, 4, 3), C(64, 64, 128, 4, 4), C(128, 128, 64, 8, 3), C(128, 128, 128, 8, 3),
                 C(128, 256, 64, 8, 3), C(64, 256, 64, 8, 3), C(128, 64, 128, 4, 3)]

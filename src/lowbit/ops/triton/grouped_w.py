@@ -36,12 +36,13 @@ from lowbit.ops.grouped import Routing
 from lowbit.ops.grouped_configs import GroupedConfig, check_config, grouped_config
 from lowbit.ops.triton.common import interpreting
 from lowbit.ops.triton.grouped_schedule import check_bias, check_routing, schedule_args, store_rows, tile_rows
-from lowbit.ops.triton.w4a16.codes import (W_INT4, W_MXFP4, W_NVFP4, _e2m1_value, _int4_offset, _nibble_value,
-                                           _product1, block_scale)
+from lowbit.ops.triton.w4a16.codes import W_INT4, W_MXFP4, W_NVFP4, _e2m1_value, _nibble_value, _product1, block_scale
 
 WFMTS = {"int4": W_INT4, "mxfp4": W_MXFP4, "nvfp4": W_NVFP4}
 GROUPS = {"mxfp4": 32, "nvfp4": 16}
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# register prefetch of the next K step (decode tiles); above this BLOCK_M it spills (sm_90 compile)
+PREFETCH_MAX_M = 32
 
 
 @triton.jit
@@ -67,13 +68,46 @@ def _finish(c_ptr, acc, rows, valid, offs_n, n_ok, e, N, stride_c, bias_ptr, pid
 
 
 @triton.jit
+def _w4_step(a_base, w_base, s_ptr, z_ptr, s_row, valid, n_ok, ks, k_hi, K, WFMT: tl.constexpr, HAS_Z: tl.constexpr,
+             GROUP: tl.constexpr, S: tl.constexpr, NG: tl.constexpr):
+    """The operands of the S codes at ks (nothing read past k_hi): A's even and odd columns
+    [BM, S / 2] (two strided loads: no register shuffle to split them), the packed bytes
+    [S / 2, BN] (int32), and the group data: int4 the fp32 scales [BN] and zero points [BN]
+    (int32; 0 without HAS_Z); fp4 the scale codes [NG, BN] (int32)."""
+    live = ks < k_hi
+    kb = ks // 2 + tl.arange(0, S // 2)
+    a_ok = valid[:, None] & ((kb < K // 2) & live)[None, :]
+    a_even = tl.load(a_base + 2 * kb[None, :], mask=a_ok, other=0.0)
+    a_odd = tl.load(a_base + 2 * kb[None, :] + 1, mask=a_ok, other=0.0)
+    p = tl.load(w_base + kb[:, None], mask=((kb < K // 2) & live)[:, None] & n_ok[None, :], other=0,
+                eviction_policy="evict_first").to(tl.int32)
+    if WFMT == 0:
+        ok = n_ok & live & (ks < K)
+        sv = tl.load(s_ptr + s_row + ks // GROUP, mask=ok, other=0.0)
+        if HAS_Z:
+            zv = tl.load(z_ptr + s_row + ks // GROUP, mask=ok, other=0)
+        else:
+            zv = tl.zeros_like(n_ok.to(tl.int32))
+    else:
+        gi = ks // GROUP + tl.arange(0, NG)
+        sv = tl.load(s_ptr + s_row[None, :] + gi[:, None], mask=n_ok[None, :] & ((gi < K // GROUP) & live)[:, None],
+                     other=127).to(tl.int32)
+        zv = sv
+    return a_even, a_odd, p, sv, zv
+
+
+@triton.jit
 def _grouped_w4_kernel(a_ptr, b_ptr, c_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, bexp_ptr, brow_ptr, off_ptr, tok_ptr,
                        E, N, K, K_SPLIT, stride_a, stride_be, stride_bn, stride_se, stride_sn, stride_c, num_n,
                        WFMT: tl.constexpr, HAS_Z: tl.constexpr, HAS_G: tl.constexpr, HAS_BIAS: tl.constexpr,
                        IDENTITY: tl.constexpr, ATOMIC: tl.constexpr, INTERP: tl.constexpr, GROUP: tl.constexpr,
-                       S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       S: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
     """Grid (tiles * num_n, split_k). S codes per dot pair (int4: min(BLOCK_K, GROUP); fp4:
-    BLOCK_K); K_SPLIT a multiple of BLOCK_K and GROUP."""
+    BLOCK_K); K_SPLIT a multiple of BLOCK_K and GROUP. PREFETCH (small BLOCK_M: decode): the
+    next S codes' operands are loaded into registers before the current ones are multiplied (in
+    flight during the dots; Triton's num_stages pipelining does not take loads that are decoded
+    before the dot); at large BLOCK_M those registers would spill."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m, pid_n = pid // num_n, pid % num_n
@@ -83,8 +117,6 @@ def _grouped_w4_kernel(a_ptr, b_ptr, c_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, bexp_
     n64 = offs_n.to(tl.int64)
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_end, k_lo + K_SPLIT)
-    j = tl.arange(0, S // 2)
-    ks_ar = tl.arange(0, S)
     a_base = a_ptr + tok[:, None] * stride_a
     w_base = b_ptr + e * stride_be + n64[None, :] * stride_bn
     s_row = e * stride_se + n64 * stride_sn                      # [BN] offsets of the columns' scale rows
@@ -92,41 +124,52 @@ def _grouped_w4_kernel(a_ptr, b_ptr, c_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, bexp_
     part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)        # int4 with S < GROUP: the group's running sum
     NG: tl.constexpr = S // GROUP if S >= GROUP else 1          # fp4: scale groups per dot pair
     L: tl.constexpr = GROUP // 2 if S >= GROUP else S // 2      # fp4: bytes of a half sharing one scale
+    if PREFETCH:
+        a_even, a_odd, p, sv, zv = _w4_step(a_base, w_base, s_ptr, z_ptr, s_row, valid, n_ok, k_lo, k_hi, K, WFMT, HAS_Z, GROUP,
+                                S, NG)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         for i in tl.static_range(BLOCK_K // S):
             ks = k0 + i * S
-            live = ks < K
-            a = tl.load(a_base + (ks + ks_ar)[None, :], mask=valid[:, None] & ((ks + ks_ar) < K)[None, :], other=0.0)
-            a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, S // 2, 2)))
-            kb = ks // 2 + j
-            p = tl.load(w_base + kb[:, None], mask=(kb < K // 2)[:, None] & n_ok[None, :], other=0).to(tl.int32)
+            if PREFETCH:
+                ae_n, ao_n, p_n, sv_n, zv_n = _w4_step(a_base, w_base, s_ptr, z_ptr, s_row, valid, n_ok, ks + S, k_hi, K,
+                                                WFMT, HAS_Z, GROUP, S, NG)
+            else:
+                a_even, a_odd, p, sv, zv = _w4_step(a_base, w_base, s_ptr, z_ptr, s_row, valid, n_ok, ks, k_hi, K, WFMT, HAS_Z,
+                                        GROUP, S, NG)
             if WFMT == 0:
                 p = p ^ 0x88                                     # two's complement nibbles -> code + 8
-                gi = ks // GROUP
-                off = _int4_offset(z_ptr, s_row + gi, n_ok & live, WFMT, HAS_Z, BLOCK_N)
+                off = 8388616.0 + zv.to(tl.float32)              # 2^23 + 8 + z (w4a16.codes._int4_offset)
                 w_lo = _nibble_value(p & 15, off[None, :])       # code - zero point, exact
                 w_hi = _nibble_value(p >> 4, off[None, :])
-                s = tl.load(s_ptr + s_row + gi, mask=n_ok & live, other=0.0)
                 if S == GROUP:
                     d = _product1(a_odd, w_hi, _product1(a_even, w_lo, tl.zeros((BLOCK_M, BLOCK_N), tl.float32),
                                                          True, INTERP), True, INTERP)
-                    acc += d * s[None, :]
+                    acc += d * sv[None, :]
                 else:
                     part = _product1(a_odd, w_hi, _product1(a_even, w_lo, part, True, INTERP), True, INTERP)
                     done = (ks + S) % GROUP == 0                 # the group's last step: scale it once
-                    acc = tl.where(done, acc + part * s[None, :], acc)
+                    acc = tl.where(done, acc + part * sv[None, :], acc)
                     part = tl.where(done, 0.0, part)
             else:
-                gi = ks // GROUP + tl.arange(0, NG)
-                sc = tl.load(s_ptr + s_row[None, :] + gi[:, None], mask=n_ok[None, :] & (gi < K // GROUP)[:, None],
-                             other=127).to(tl.int32)
-                bs = block_scale(sc, WFMT)                       # [NG, BN]
+                bs = block_scale(sv, WFMT)                       # [NG, BN]
                 w_lo = _fp4_weights(p & 15, bs, NG, L, BLOCK_N)
                 w_hi = _fp4_weights(p >> 4, bs, NG, L, BLOCK_N)
                 acc = _product1(a_odd, w_hi, _product1(a_even, w_lo, acc, True, INTERP), True, INTERP)
+            if PREFETCH:
+                a_even, a_odd, p, sv, zv = ae_n, ao_n, p_n, sv_n, zv_n
     if HAS_G:
         acc = acc * tl.load(g_ptr + e)
     _finish(c_ptr, acc, rows, valid, offs_n, n_ok, e, N, stride_c, bias_ptr, pid_k, HAS_BIAS, ATOMIC)
+
+
+@triton.jit
+def _w8_step(a_base, b_base, valid, n_ok, k0, k_hi, BLOCK_K: tl.constexpr):
+    """A [BM, BLOCK_K] and the int8 codes [BLOCK_K, BN] at k0 (nothing read at or past k_hi <= K)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_ok = offs_k < k_hi
+    a = tl.load(a_base + offs_k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+    b = tl.load(b_base + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0, eviction_policy="evict_first")
+    return a, b
 
 
 @triton.jit
@@ -143,13 +186,16 @@ def _grouped_w8a16_kernel(a_ptr, b_ptr, c_ptr, s_ptr, bias_ptr, bexp_ptr, brow_p
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_end, k_lo + K_SPLIT)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    a_base = a_ptr + tok[:, None] * stride_a
+    b_base = b_ptr + e * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        a = tl.load(a_ptr + tok[:, None] * stride_a + offs_k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptr + e * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None],
-                    mask=k_ok[:, None] & n_ok[None, :], other=0).to(tl.float32)
-        acc = _product1(a, b, acc, True, INTERP)
+        # loads that feed the dot through a conversion only: Triton's num_stages pipeline takes them
+        a, b = _w8_step(a_base, b_base, valid, n_ok, k0, k_hi, BLOCK_K)
+        if INTERP or a.dtype == tl.float32:
+            bw = b.to(tl.float32)
+        else:
+            bw = b.to(a.dtype)                                   # int8 -> bf16 / fp16 directly (exact)
+        acc = _product1(a, bw, acc, True, INTERP)
     y = acc * tl.load(s_ptr + e * N + offs_n, mask=n_ok, other=0.0)[None, :]
     _finish(c_ptr, y, rows, valid, offs_n, n_ok, e, N, stride_c, bias_ptr, pid_k, HAS_BIAS, ATOMIC)
 
@@ -234,7 +280,7 @@ def grouped_w4a16(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor
         bexp, brow, off, tok, E, N, K, _k_split(K, c, group), xc.stride(0), w.stride(0), w.stride(1), s.stride(0),
         s.stride(1), out.stride(0), num_n, WFMT=WFMTS[kind], HAS_Z=z is not None, HAS_G=g is not None,
         HAS_BIAS=b is not None, IDENTITY=identity, ATOMIC=c.split_k > 1, INTERP=interpreting(), GROUP=group, S=S,
-        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
+        PREFETCH=c.block_m <= PREFETCH_MAX_M, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
