@@ -134,3 +134,16 @@ def test_registered_table_wins_and_bad_configs_are_refused():
         with pytest.raises(ValueError, match=msg):
             check_config(kind, bad, 256)
     assert C.from_dict(mine.to_dict()) == mine
+
+
+@pytest.mark.parametrize("kind,w4", [("w4a16", "int4"), ("fp4", "nvfp4"), ("w4a16", "mxfp4"), ("w8a16", "int4"),
+                                     ("int8", "int4"), ("fp8", "int4")])
+def test_tuning_hook_runs_every_kind_under_a_given_config(kind, w4):
+    """lowbit.ops.grouped_tune: the closure a tuner times gives [rows, N] finite outputs in the
+    requested dtype; time_grouped_case returns a positive median (the interpreter here)."""
+    from lowbit.ops.grouped_tune import grouped_case, time_grouped_case
+    cfg = C(16, 16, 64, 4, 2)
+    run = grouped_case(kind, 3, 24, 64, 5, cfg, DEV, w4=w4, group=32, identity=kind == "w8a16")
+    out = run()
+    assert out.shape == (6, 24) and out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+    assert time_grouped_case(kind, 3, 24, 64, 5, cfg, DEV, warmup=0, reps=1, w4=w4, group=32) > 0
