@@ -114,8 +114,9 @@ def test_candidates_are_valid_small_and_start_with_the_default():
             for M in (1, 2, 16, 17, 64, 512, 4096, 16384):
                 c = grouped_default_config(kind, E, N, K, M)
                 check_config(kind, c, K, 128)
-                assert c.split_k == 1                      # the default is deterministic run to run
-    assert grouped_default_config("w4a16", 8, 4096, 14336, 2).block_m == 16
+    assert grouped_default_config("w4a16", 8, 4096, 14336, 2) == C(16, 64, 128, 4, 4, 4)     # Mixtral down, b1
+    assert grouped_default_config("w4a16", 8, 28672, 4096, 2).split_k == 1                    # 896 programs
+    assert grouped_default_config("int8", 8, 4096, 14336, 2).split_k == 1
     assert grouped_default_config("int8", 8, 4096, 14336, 4096).block_m == 128
     assert [m_bucket(m) for m in (1, 2, 16, 17, 64, 65, 512, 513)] == [0, 1, 1, 2, 2, 3, 3, 4]
 

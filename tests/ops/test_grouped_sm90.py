@@ -28,13 +28,13 @@ for M in (2, 4096):                                   # Mixtral b1 decode and 20
             sig = {"a_ptr": "*bf16", "b_ptr": "*u8", "c_ptr": "*bf16", "s_ptr": "*fp32" if wfmt == 0 else "*u8",
                    "z_ptr": "*i32", "g_ptr": "*fp32", "bias_ptr": "*fp32", **ROUTE}
             ints += ["stride_se", "stride_sn"]
-            consts = dict(WFMT=wfmt, HAS_Z=False, HAS_G=wfmt == 3, HAS_BIAS=False, IDENTITY=M > 2, ATOMIC=False,
+            consts = dict(WFMT=wfmt, HAS_Z=False, HAS_G=wfmt == 3, HAS_BIAS=False, IDENTITY=M > 2, PARTIAL=False,
                           INTERP=False, GROUP=group, S=min(c.block_k, group) if wfmt == 0 else c.block_k,
                           PREFETCH=c.block_m <= PREFETCH_MAX_M, **tiles)
         elif kind == "w8a16":
             fn = _grouped_w8a16_kernel
             sig = {"a_ptr": "*bf16", "b_ptr": "*i8", "c_ptr": "*bf16", "s_ptr": "*fp32", "bias_ptr": "*fp32", **ROUTE}
-            consts = dict(HAS_BIAS=False, IDENTITY=False, ATOMIC=False, INTERP=False, **tiles)
+            consts = dict(HAS_BIAS=False, IDENTITY=False, PARTIAL=False, INTERP=False, **tiles)
         else:
             fn = _grouped_w8a8_kernel
             t = "*i8" if kind == "int8" else "*fp8e4nv"
@@ -42,7 +42,7 @@ for M in (2, 4096):                                   # Mixtral b1 decode and 20
                    **ROUTE}
             ints.remove("K_SPLIT")
             consts = dict(INT=kind == "int8", RAW=False, HAS_BIAS=False, IDENTITY=False, **tiles)
-        sig.update({n: "i32" for n in ints + ["stride_c", "num_n"]})
+        sig.update({n: "i32" for n in ints + ["stride_c"] + ([] if kind in ("int8", "fp8") else ["stride_p"]) + ["num_n"]})
         r = compile_sm90(fn, sig, consts, no_div=("E", "num_n"), num_warps=c.num_warps, num_stages=c.num_stages)
         mma = len(re.findall(r"\b[HIQ]G?MMA", r["sass_text"]))
         out.append({"kind": kind, "wfmt": wfmt, "group": group, "M": M, "config": c.to_dict(), "spill": r["spill_ops"],

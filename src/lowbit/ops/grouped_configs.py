@@ -4,8 +4,8 @@ grouped_mx) as data: tiles, warps, pipeline stages and split-K per (kind, E, N, 
 M is the sorted buffer's rows (Routing.rows = tokens x top_k), the A operand's M; E the experts,
 N x K one expert's weight. A config changes the speed only: every config gives outputs within the
 same derived gate (the sums' grouping differs, the per-output rounding count does not exceed the
-gate's; lowbit.ops.triton.grouped_w states the arithmetic), and the same bits on every run except
-split_k > 1 (float32 atomics: the order of the partial sums varies from run to run).
+gate's; lowbit.ops.triton.grouped_w states the arithmetic), and the same bits on every run (split-K
+sums its fp32 partials in a fixed order).
 
   grouped_default_config(kind, E, N, K, M)       the heuristic (vLLM fused_moe's shape: small
                                                  BLOCK_M for decode, 64-128 for prefill)
@@ -31,7 +31,8 @@ M_BUCKETS = ((1, 1), (2, 16), (17, 64), (65, 512), (513, 1 << 62))
 @dataclass(frozen=True)
 class GroupedConfig:
     """One launch: BLOCK_M rows of one expert x BLOCK_N columns per program, BLOCK_K codes of K per
-    loop step; Triton's num_warps / num_stages; split_k programs along K (float32 atomics)."""
+    loop step; Triton's num_warps / num_stages; split_k programs along K (fp32 partials, summed
+    in a fixed order by a second pass)."""
     block_m: int = 16
     block_n: int = 64
     block_k: int = 128
@@ -78,11 +79,30 @@ def check_config(kind: str, c: GroupedConfig, K: int, group: int | None = None) 
         raise ValueError(f"group_size = {group}: the grouped kernels take power-of-two groups")
 
 
+SMS = 132      # H100 / H200 multiprocessors
+
+
+def _decode_split(kind: str, E: int, N: int, K: int, M: int, bn: int, bk: int) -> int:
+    """Split-K for weight-only decode: the live programs (at most min(M, E) tiles x column blocks)
+    stream all the weights, and the bytes in flight scale with their number, so double the split
+    while there are fewer than 2 per SM and each split keeps >= 4 K steps (Mixtral's down
+    projection at one token: 2 x 64 programs -> split 4)."""
+    if kind not in WEIGHT_ONLY:
+        return 1
+    programs = min(M, E) * -(-N // bn)
+    steps = -(-K // bk)
+    split = 1
+    while programs * split < 2 * SMS and steps // (2 * split) >= 4 and split < 8:
+        split *= 2
+    return split
+
+
 @lru_cache(maxsize=4096)
 def grouped_default_config(kind: str, E: int, N: int, K: int, M: int) -> GroupedConfig:
     """The heuristic config for M sorted rows over E experts (r = M / E rows per expert on average):
     BLOCK_M the power of two >= r between 16 and 128 (padding of an expert's last tile <= one tile);
-    decode (r <= 16) BLOCK_N 64, BLOCK_K 128 (one int4 g128 group per step), 4 warps; prefill
+    decode (r <= 16) BLOCK_N 64, BLOCK_K 128 (one int4 g128 group per step), 4 warps, split-K for
+    the weight-only kinds when few programs are live (_decode_split); prefill
     64 x 128 tiles (one warp group of wgmma), W8A8 128 x 128 with 8 warps. Chosen from sm_90
     compiles (registers, no spills), not timed: the tuning table replaces it per GPU."""
     if kind not in KINDS:
@@ -92,7 +112,8 @@ def grouped_default_config(kind: str, E: int, N: int, K: int, M: int) -> Grouped
     while bm < r and bm < 128:
         bm *= 2
     if bm <= 16:
-        return GroupedConfig(16, 64 if N >= 64 else 32, 128, 4, 4)
+        bn = 64 if N >= 64 else 32
+        return GroupedConfig(16, bn, 128, 4, 4, _decode_split(kind, E, N, K, M, bn, 128))
     if bm <= 32:
         return GroupedConfig(32, 64, 64 if kind in WEIGHT_ONLY else 128, 4, 4)
     if bm <= 64 or kind in WEIGHT_ONLY:

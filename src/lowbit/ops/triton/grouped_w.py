@@ -6,8 +6,9 @@ The dot (lowbit.ops.triton.w4a16.codes._product1): bf16 / fp16 activations as th
 converted to the activation's dtype only where that is exact, fp32 accumulation on the tensor
 cores; fp32 activations take IEEE fp32 products (no TF32); Triton's interpreter widens to fp32.
 4-bit weights are packed two per byte along K (lowbit.packing.pack_int4 / pack_fp4: element 2j
-in the low nibble); a step of S codes loads A [BM, S] contiguously, splits it into its even and
-odd columns and multiplies them by the low / high nibbles' weights (two dots of S / 2).
+in the low nibble); a step of S codes loads A's even and odd columns [BM, S / 2] (two strided
+loads) and multiplies them by the low / high nibbles' weights (two dots of S / 2). At decode tiles
+(BLOCK_M <= PREFETCH_MAX_M) the next step's operands are loaded into registers during the dots.
   int4 (WFMT 0)   code - zero point (an integer |.| <= 135: exact in bf16 and fp16;
                   w4a16.codes._nibble_value) times A, products exact, summed in fp32 over one
                   scale group (S = group when BLOCK_K >= group: BLOCK_K / group such sums per
@@ -22,9 +23,12 @@ odd columns and multiplies them by the low / high nibbles' weights (two dots of 
                   accumulator once at the end (QTensor's effective scale float32(e4m3 * g)
                   differs by <= 2^-24 relative).
   int8 (W8A16)    codes exact in bf16 / fp16, fp32 sums over K, then times the per-channel scale.
+fp4 and int8 sum over all of K in one fp32 accumulator (the tensor cores' chunks of 16 products, as
+the previous CUDA-core kernel summed them one by one); int4 sums per group, as the gate counts.
 Then (+ bias) and one rounding to the output dtype (fp32 by default; bf16 / fp16 on request).
-split_k > 1: each program sums a K range (whole groups) and adds it to a zeroed fp32 output with
-atomics (its bias by the first split only): the partial sums' order varies from run to run.
+split_k > 1: each program sums a K range (whole groups) into its own fp32 partial [split, R, N]
+(the bias in split 0's), then torch sums the partials over the split axis (a fixed order: the
+same bits on every run) and rounds once to the output dtype.
 """
 from __future__ import annotations
 
@@ -54,15 +58,15 @@ def _fp4_weights(c, bs, NG: tl.constexpr, L: tl.constexpr, BLOCK_N: tl.constexpr
 
 @triton.jit
 def _finish(c_ptr, acc, rows, valid, offs_n, n_ok, e, N, stride_c, bias_ptr, pid_k,
-            HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr):
-    """Store a tile (store_rows), or add it atomically to the zeroed fp32 output (split-K; the
-    bias by split 0 only)."""
-    if ATOMIC:
+            stride_p, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+    """Store a tile (store_rows), or, split-K, its fp32 partial into split pid_k's slice of the
+    partials (stride_p elements apart; the bias by split 0 only)."""
+    if PARTIAL:
         if HAS_BIAS:
             b = tl.load(bias_ptr + e * N + offs_n, mask=n_ok & (pid_k == 0), other=0.0)
             acc = acc + b[None, :]
-        tl.atomic_add(c_ptr + rows[:, None].to(tl.int64) * stride_c + offs_n[None, :], acc,
-                      mask=valid[:, None] & n_ok[None, :], sem="relaxed")
+        tl.store(c_ptr + pid_k.to(tl.int64) * stride_p + rows[:, None].to(tl.int64) * stride_c + offs_n[None, :], acc,
+                 mask=valid[:, None] & n_ok[None, :])
     else:
         store_rows(c_ptr, acc, rows, valid, offs_n, n_ok, e, N, stride_c, bias_ptr, HAS_BIAS)
 
@@ -98,9 +102,9 @@ def _w4_step(a_base, w_base, s_ptr, z_ptr, s_row, valid, n_ok, ks, k_hi, K, WFMT
 
 @triton.jit
 def _grouped_w4_kernel(a_ptr, b_ptr, c_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, bexp_ptr, brow_ptr, off_ptr, tok_ptr,
-                       E, N, K, K_SPLIT, stride_a, stride_be, stride_bn, stride_se, stride_sn, stride_c, num_n,
-                       WFMT: tl.constexpr, HAS_Z: tl.constexpr, HAS_G: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       IDENTITY: tl.constexpr, ATOMIC: tl.constexpr, INTERP: tl.constexpr, GROUP: tl.constexpr,
+                       E, N, K, K_SPLIT, stride_a, stride_be, stride_bn, stride_se, stride_sn, stride_c, stride_p,
+                       num_n, WFMT: tl.constexpr, HAS_Z: tl.constexpr, HAS_G: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       IDENTITY: tl.constexpr, PARTIAL: tl.constexpr, INTERP: tl.constexpr, GROUP: tl.constexpr,
                        S: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr):
     """Grid (tiles * num_n, split_k). S codes per dot pair (int4: min(BLOCK_K, GROUP); fp4:
@@ -159,7 +163,7 @@ def _grouped_w4_kernel(a_ptr, b_ptr, c_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, bexp_
                 a_even, a_odd, p, sv, zv = ae_n, ao_n, p_n, sv_n, zv_n
     if HAS_G:
         acc = acc * tl.load(g_ptr + e)
-    _finish(c_ptr, acc, rows, valid, offs_n, n_ok, e, N, stride_c, bias_ptr, pid_k, HAS_BIAS, ATOMIC)
+    _finish(c_ptr, acc, rows, valid, offs_n, n_ok, e, N, stride_c, bias_ptr, pid_k, stride_p, HAS_BIAS, PARTIAL)
 
 
 @triton.jit
@@ -174,8 +178,8 @@ def _w8_step(a_base, b_base, valid, n_ok, k0, k_hi, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _grouped_w8a16_kernel(a_ptr, b_ptr, c_ptr, s_ptr, bias_ptr, bexp_ptr, brow_ptr, off_ptr, tok_ptr,
-                          E, N, K, K_SPLIT, stride_a, stride_be, stride_bn, stride_c, num_n,
-                          HAS_BIAS: tl.constexpr, IDENTITY: tl.constexpr, ATOMIC: tl.constexpr, INTERP: tl.constexpr,
+                          E, N, K, K_SPLIT, stride_a, stride_be, stride_bn, stride_c, stride_p, num_n,
+                          HAS_BIAS: tl.constexpr, IDENTITY: tl.constexpr, PARTIAL: tl.constexpr, INTERP: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -197,7 +201,7 @@ def _grouped_w8a16_kernel(a_ptr, b_ptr, c_ptr, s_ptr, bias_ptr, bexp_ptr, brow_p
             bw = b.to(a.dtype)                                   # int8 -> bf16 / fp16 directly (exact)
         acc = _product1(a, bw, acc, True, INTERP)
     y = acc * tl.load(s_ptr + e * N + offs_n, mask=n_ok, other=0.0)[None, :]
-    _finish(c_ptr, y, rows, valid, offs_n, n_ok, e, N, stride_c, bias_ptr, pid_k, HAS_BIAS, ATOMIC)
+    _finish(c_ptr, y, rows, valid, offs_n, n_ok, e, N, stride_c, bias_ptr, pid_k, stride_p, HAS_BIAS, PARTIAL)
 
 
 def _check_x(x: torch.Tensor) -> None:
@@ -208,8 +212,15 @@ def _check_x(x: torch.Tensor) -> None:
 def _output(routing: Routing, N: int, out_dtype, split: int, device) -> torch.Tensor:
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype={out_dtype}; choose one of {OUT_DTYPES}")
-    # zero-filled: rows no expert owns (dropped slots) read as zeros; split-K adds into it in fp32
-    return torch.zeros(routing.rows, N, dtype=torch.float32 if split > 1 else out_dtype, device=device)
+    # zero-filled: rows no expert owns (dropped slots) read as zeros; split-K: one fp32 partial per split
+    if split > 1:
+        return torch.zeros(split, routing.rows, N, dtype=torch.float32, device=device)
+    return torch.zeros(routing.rows, N, dtype=out_dtype, device=device)
+
+
+def _result(out: torch.Tensor, out_dtype) -> torch.Tensor:
+    """The output of a launch: split-K's partials summed over the split axis (fixed order), one rounding."""
+    return out.sum(0).to(out_dtype) if out.ndim == 3 else out
 
 
 def _k_split(K: int, c: GroupedConfig, group: int) -> int:
@@ -278,10 +289,10 @@ def grouped_w4a16(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor
     _grouped_w4_kernel[(tiles * num_n, c.split_k)](
         xc, w, out, s, dummy if z is None else z, dummy if g is None else g, dummy if b is None else b,
         bexp, brow, off, tok, E, N, K, _k_split(K, c, group), xc.stride(0), w.stride(0), w.stride(1), s.stride(0),
-        s.stride(1), out.stride(0), num_n, WFMT=WFMTS[kind], HAS_Z=z is not None, HAS_G=g is not None,
-        HAS_BIAS=b is not None, IDENTITY=identity, ATOMIC=c.split_k > 1, INTERP=interpreting(), GROUP=group, S=S,
+        s.stride(1), out.stride(-2), out.stride(0), num_n, WFMT=WFMTS[kind], HAS_Z=z is not None, HAS_G=g is not None,
+        HAS_BIAS=b is not None, IDENTITY=identity, PARTIAL=c.split_k > 1, INTERP=interpreting(), GROUP=group, S=S,
         PREFETCH=c.block_m <= PREFETCH_MAX_M, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
-    return out if out.dtype == out_dtype else out.to(out_dtype)
+    return _result(out, out_dtype)
 
 
 def grouped_w8a16(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor, routing: Routing, *, bias=None,
@@ -308,7 +319,7 @@ def grouped_w8a16(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor,
     num_n = triton.cdiv(N, c.block_n)
     _grouped_w8a16_kernel[(tiles * num_n, c.split_k)](
         xc, w, out, s, out if b is None else b, bexp, brow, off, tok, E, N, K, _k_split(K, c, 1), xc.stride(0),
-        w.stride(0), w.stride(1), out.stride(0), num_n, HAS_BIAS=b is not None, IDENTITY=identity,
-        ATOMIC=c.split_k > 1, INTERP=interpreting(), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        w.stride(0), w.stride(1), out.stride(-2), out.stride(0), num_n, HAS_BIAS=b is not None, IDENTITY=identity,
+        PARTIAL=c.split_k > 1, INTERP=interpreting(), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
         num_warps=c.num_warps, num_stages=c.num_stages)
-    return out if out.dtype == out_dtype else out.to(out_dtype)
+    return _result(out, out_dtype)
