@@ -68,7 +68,11 @@ def test_w4a16_configs_within_gate(config, wkind, group, rng):
     _check(out, x, w, routing, w_scheme=scheme, bias=bias, accumulator="fp32")
 
 
-@pytest.mark.parametrize("config", [SMALL, SPLIT, LARGE], ids=lambda c: f"{c.block_m}x{c.block_n}x{c.block_k}s{c.split_k}")
+def _id(c):
+    return f"{c.block_m}x{c.block_n}x{c.block_k}s{c.split_k}"
+
+
+@pytest.mark.parametrize("config", [SMALL, SPLIT, LARGE], ids=_id)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_w8a16_configs_within_gate(config, dtype, rng):
     """fp32 activations (IEEE fp32 products), bf16 / fp16 ones (codes exact there); fp32 output."""
@@ -83,7 +87,7 @@ def test_w8a16_configs_within_gate(config, dtype, rng):
     _check(out, x, w, routing, w_scheme=scheme, accumulator="fp32")
 
 
-@pytest.mark.parametrize("config", [SMALL, MID, C(128, 128, 128, 8, 3)], ids=lambda c: f"{c.block_m}x{c.block_n}x{c.block_k}")
+@pytest.mark.parametrize("config", [SMALL, MID, C(128, 128, 128, 8, 3)], ids=_id)
 def test_w8a8_configs_int8_bit_exact_fp8_within_gate(config, rng):
     T, E, N, K = 11, 5, 40, 96
     idx = top_k_index(rng, T, E, 2, "dropped")

@@ -42,7 +42,8 @@ for M in (2, 4096):                                   # Mixtral b1 decode and 20
                    **ROUTE}
             ints.remove("K_SPLIT")
             consts = dict(INT=kind == "int8", RAW=False, HAS_BIAS=False, IDENTITY=False, **tiles)
-        sig.update({n: "i32" for n in ints + ["stride_c"] + ([] if kind in ("int8", "fp8") else ["stride_p"]) + ["num_n"]})
+        ints += ["stride_c"] + ([] if kind in ("int8", "fp8") else ["stride_p"]) + ["num_n"]
+        sig.update({n: "i32" for n in ints})
         r = compile_sm90(fn, sig, consts, no_div=("E", "num_n"), num_warps=c.num_warps, num_stages=c.num_stages)
         mma = len(re.findall(r"\b[HIQ]G?MMA", r["sass_text"]))
         out.append({"kind": kind, "wfmt": wfmt, "group": group, "M": M, "config": c.to_dict(), "spill": r["spill_ops"],

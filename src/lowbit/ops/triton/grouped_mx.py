@@ -71,7 +71,8 @@ def sfa_for_tokens(scale_codes: torch.Tensor, routing: Routing, identity: bool =
 def grouped_mxfp8(a_codes: torch.Tensor, sfa: torch.Tensor, w_codes: torch.Tensor, sfb: torch.Tensor,
                   routing: Routing, *, bias=None, identity: bool = False, config: GroupedConfig | None = None,
                   out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """MXFP8 grouped GEMM: out [R, N] (out_dtype: fp32, bf16 or fp16, one rounding) of sorted row m = sum_j (a[token[m], block j] * 2^(SFA_j(m) - 127))
+    """MXFP8 grouped GEMM: out [R, N] (out_dtype: fp32, bf16 or fp16, one rounding) of sorted row
+    m = sum_j (a[token[m], block j] * 2^(SFA_j(m) - 127))
     . (w[e, n, block j] * 2^(SFB_j(e, n) - 127)).
     a_codes [T, K] (the sorted buffer [R, K] with identity), w_codes [E, N, K]: float8_e4m3fn or
     uint8 e4m3fn bit patterns, K a multiple of 32; sfa: the flat SFA words [ceil(K / 128) * R]

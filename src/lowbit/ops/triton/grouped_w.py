@@ -129,17 +129,17 @@ def _grouped_w4_kernel(a_ptr, b_ptr, c_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, bexp_
     NG: tl.constexpr = S // GROUP if S >= GROUP else 1          # fp4: scale groups per dot pair
     L: tl.constexpr = GROUP // 2 if S >= GROUP else S // 2      # fp4: bytes of a half sharing one scale
     if PREFETCH:
-        a_even, a_odd, p, sv, zv = _w4_step(a_base, w_base, s_ptr, z_ptr, s_row, valid, n_ok, k_lo, k_hi, K, WFMT, HAS_Z, GROUP,
-                                S, NG)
+        a_even, a_odd, p, sv, zv = _w4_step(a_base, w_base, s_ptr, z_ptr, s_row, valid, n_ok, k_lo, k_hi, K, WFMT,
+                                            HAS_Z, GROUP, S, NG)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         for i in tl.static_range(BLOCK_K // S):
             ks = k0 + i * S
             if PREFETCH:
-                ae_n, ao_n, p_n, sv_n, zv_n = _w4_step(a_base, w_base, s_ptr, z_ptr, s_row, valid, n_ok, ks + S, k_hi, K,
-                                                WFMT, HAS_Z, GROUP, S, NG)
+                ae_n, ao_n, p_n, sv_n, zv_n = _w4_step(a_base, w_base, s_ptr, z_ptr, s_row, valid, n_ok, ks + S,
+                                                       k_hi, K, WFMT, HAS_Z, GROUP, S, NG)
             else:
-                a_even, a_odd, p, sv, zv = _w4_step(a_base, w_base, s_ptr, z_ptr, s_row, valid, n_ok, ks, k_hi, K, WFMT, HAS_Z,
-                                        GROUP, S, NG)
+                a_even, a_odd, p, sv, zv = _w4_step(a_base, w_base, s_ptr, z_ptr, s_row, valid, n_ok, ks, k_hi, K,
+                                                    WFMT, HAS_Z, GROUP, S, NG)
             if WFMT == 0:
                 p = p ^ 0x88                                     # two's complement nibbles -> code + 8
                 off = 8388616.0 + zv.to(tl.float32)              # 2^23 + 8 + z (w4a16.codes._int4_offset)
@@ -289,9 +289,10 @@ def grouped_w4a16(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor
     _grouped_w4_kernel[(tiles * num_n, c.split_k)](
         xc, w, out, s, dummy if z is None else z, dummy if g is None else g, dummy if b is None else b,
         bexp, brow, off, tok, E, N, K, _k_split(K, c, group), xc.stride(0), w.stride(0), w.stride(1), s.stride(0),
-        s.stride(1), out.stride(-2), out.stride(0), num_n, WFMT=WFMTS[kind], HAS_Z=z is not None, HAS_G=g is not None,
-        HAS_BIAS=b is not None, IDENTITY=identity, PARTIAL=c.split_k > 1, INTERP=interpreting(), GROUP=group, S=S,
-        PREFETCH=c.block_m <= PREFETCH_MAX_M, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
+        s.stride(1), out.stride(-2), out.stride(0), num_n, WFMT=WFMTS[kind], HAS_Z=z is not None,
+        HAS_G=g is not None, HAS_BIAS=b is not None, IDENTITY=identity, PARTIAL=c.split_k > 1, INTERP=interpreting(),
+        GROUP=group, S=S, PREFETCH=c.block_m <= PREFETCH_MAX_M, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+        BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
     return _result(out, out_dtype)
 
 
