@@ -29,8 +29,11 @@ MXFP4 / NVFP4 activations and weights, MXFP8 (scales read through the SFA / SFB 
 weight operands are laid out once, when the module is built. The tokens are sorted on the device
 (lowbit.ops.grouped.route_fixed: shapes fixed by T, top_k and E), so the path does no host
 synchronisation and CUDA graphs / torch.compile capture it; it trusts the router's expert ids
-(the exact path checks their range). The activation, routing weights and the sum per token run
-in float32. A scheme pair with no grouped kernel runs the exact path, on CUDA with a one-time
+(the exact path checks their range). With float32 hidden states everything runs in float32 (the
+kernels' fp32 dots); with bf16 / fp16 hidden states the gate_up GEMM rounds its fp32 result to
+that dtype once and the activation runs there (the down GEMM's input, on the tensor cores), the
+down GEMM, routing weights and the sum per token run in float32. A scheme pair with no grouped
+kernel runs the exact path, on CUDA with a one-time
 warning; `last_path` says which ran ("exact" or "kernel:<kind>").
 
 Memory: 8-bit kernels read the stacked codes themselves (one copy). 4-bit kernels read a packed
@@ -119,8 +122,12 @@ class QuantExperts(torch.nn.Module):
                         names[k] = f"{p}_k_{k}"
                         self.register_buffer(names[k], t, persistent=False)
                 self._ops[p] = names
+                # gate_up writes the activations' 16-bit dtype (the intermediate then feeds the
+                # down GEMM's tensor cores as bf16 / fp16, as a bf16 model's does); down writes
+                # fp32 for the routing-weighted sum
                 self._specs[p] = grouped_spec(self.kernel, weight_scheme, act_scheme, list(names),
-                                              getattr(self, f"{p}_codes").shape[1], identity=p == "down")
+                                              getattr(self, f"{p}_codes").shape[1], identity=p == "down",
+                                              out="input" if p == "gate_up" else "float32")
         for n in self._twin:
             if self._buffers.get(n) is not None:
                 self._buffers[n] = self._buffers[n].cpu()

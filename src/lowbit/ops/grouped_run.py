@@ -14,6 +14,11 @@ torch.compile capture it). Which kernel runs is lowbit.ops.dispatch.grouped_kind
   mxfp8   MXFP8, scale codes laid out as SFA words over the sorted rows grouped_mxfp8
 Under torch.compile the call is one opaque custom op, lowbit::grouped_gemm (grouped_forward), as
 lowbit.ops.prepared's lowbit::qlinear is for a Linear.
+Tiles: a GroupedConfig per call (lowbit.ops.grouped_configs.grouped_config(kind, E, N, K, rows):
+the registered tuning table's, else the heuristic's), or the caller's `config`. Output: fp32, or
+the activations' 16-bit dtype with out="input" (one rounding of the fp32 result, + bias first).
+No path decodes a whole expert stack per call: every kind decodes its weights tile by tile in
+the kernel's K loop.
 Activation codes equal lowbit.quantize's (lowbit.ops.fused.quantize_rows / qdq_rows on CUDA; the
 CPU runs their torch twins); a per-tensor scale spans all rows of the operand, as a grouped
 kernel's A operand over the concatenated M does.
@@ -21,11 +26,13 @@ kernel's A operand over the concatenated M does.
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 
 import torch
 
 from lowbit.ops.dispatch import w4a16_kind
 from lowbit.ops.grouped import Routing, scale_words_int32
+from lowbit.ops.grouped_configs import GroupedConfig, grouped_config
 from lowbit.packing import pack_fp4, pack_int4
 from lowbit.ops.prepared import quantize_tensor_int8
 from lowbit.quantize import quantize
@@ -97,19 +104,32 @@ def _fp4_rows(x: torch.Tensor, scheme: QuantScheme):
     return xd.reshape(x.shape), q.global_scale.reshape(1).float()
 
 
+def out_dtype_of(x: torch.Tensor, out: str) -> torch.dtype:
+    """The output dtype of a call: out "float32", or "input" (x's dtype if 16-bit, else float32)."""
+    if out not in ("float32", "input"):
+        raise ValueError(f"out={out!r}; choose 'float32' or 'input'")
+    return x.dtype if out == "input" and x.dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
 def run_grouped(kind: str, ops: dict, weight_scheme: QuantScheme, act_scheme: QuantScheme | None, x: torch.Tensor,
-                routing: Routing, *, bias: torch.Tensor | None = None, identity: bool = False) -> torch.Tensor:
-    """out fp32 [R, N] of the sorted rows: x [T, K] gathered by routing.token (identity: x is the
-    sorted buffer [R, K] itself) times each row's expert weight (+ bias [E, N])."""
+                routing: Routing, *, bias: torch.Tensor | None = None, identity: bool = False,
+                config: GroupedConfig | None = None, out: str = "float32") -> torch.Tensor:
+    """out [R, N] of the sorted rows (fp32, or x's 16-bit dtype with out="input"): x [T, K]
+    gathered by routing.token (identity: x is the sorted buffer [R, K] itself) times each row's
+    expert weight (+ bias [E, N]). config: None = grouped_config(kind, E, N, K, R)."""
     from lowbit.ops.triton import grouped as gk
     from lowbit.ops.triton.grouped_mx import grouped_mxfp8, sfa_for_tokens
 
+    od = out_dtype_of(x, out)
+    E, N = ops["w"].shape[:2]
+    c = config or grouped_config(kind, E, N, x.shape[1], routing.rows)
+    kw = dict(bias=bias, identity=identity, config=c, out_dtype=od)
     if kind in ("int8", "fp8"):
         codes, sa, _ = _rows_quantized(x, act_scheme, ops)
         fn = gk.grouped_int8 if kind == "int8" else gk.grouped_fp8
-        return fn(codes, sa, ops["w"], ops["s"], routing, bias=bias, identity=identity)
+        return fn(codes, sa, ops["w"], ops["s"], routing, **kw)
     if kind == "w8a16":
-        return gk.grouped_w8a16(x, ops["w"], ops["s"], routing, bias=bias, identity=identity)
+        return gk.grouped_w8a16(x, ops["w"], ops["s"], routing, **kw)
     if kind in ("w4a16", "fp4"):
         w4 = w4a16_kind(weight_scheme)
         g = ops.get("g")
@@ -118,21 +138,23 @@ def run_grouped(kind: str, ops: dict, weight_scheme: QuantScheme, act_scheme: Qu
             if gx is not None:
                 g = g * gx
         return gk.grouped_w4a16(x, ops["w"], ops["s"], routing, kind=w4, w_zero=ops.get("z"), w_global=g,
-                                group_size=weight_scheme.group_size, bias=bias, identity=identity)
+                                group_size=weight_scheme.group_size, **kw)
     if kind == "mxfp8":
         codes, _, scale_codes = _rows_quantized(x, act_scheme, ops)
         sfa = sfa_for_tokens(scale_codes.reshape(x.shape[0], -1), routing, identity)
-        return grouped_mxfp8(codes, sfa, ops["w"], ops["sfb"], routing, bias=bias, identity=identity)
+        return grouped_mxfp8(codes, sfa, ops["w"], ops["sfb"], routing, **kw)
     raise ValueError(f"kind={kind!r} is not a grouped kernel (lowbit.ops.dispatch.GROUPED_KERNELS)")
 
 
 # ---------------------------------------------------------------------------- custom op
 def grouped_spec(kind: str, weight_scheme: QuantScheme, act_scheme: QuantScheme | None, names: list[str], N: int,
-                 identity: bool) -> str:
-    """The op's static description (JSON): everything but tensors and their shapes."""
+                 identity: bool, out: str = "float32", config: GroupedConfig | None = None) -> str:
+    """The op's static description (JSON): everything but tensors and their shapes (config None:
+    chosen per call by grouped_config)."""
     a = None if act_scheme is None else act_scheme.to_json()
-    return json.dumps({"kind": kind, "w": weight_scheme.to_json(), "a": a,
-                       "names": list(names), "N": int(N), "identity": bool(identity)})
+    return json.dumps({"kind": kind, "w": weight_scheme.to_json(), "a": a, "names": list(names), "N": int(N),
+                       "identity": bool(identity), "out": out,
+                       "config": None if config is None else config.to_dict()})
 
 
 @torch.library.custom_op("lowbit::grouped_gemm", mutates_args=())
@@ -141,24 +163,38 @@ def grouped_gemm_op(x: torch.Tensor, operands: list[torch.Tensor], token: torch.
     """run_grouped as one opaque op for torch.compile / CUDA graphs (spec: grouped_spec)."""
     sp = json.loads(spec)
     a = None if sp["a"] is None else QuantScheme.from_json(sp["a"])
+    c = None if sp.get("config") is None else GroupedConfig.from_dict(sp["config"])
     return run_grouped(sp["kind"], dict(zip(sp["names"], operands)), QuantScheme.from_json(sp["w"]), a, x,
-                       Routing(token, slot, offsets, x.shape[0]), bias=bias, identity=sp["identity"])
+                       Routing(token, slot, offsets, x.shape[0]), bias=bias, identity=sp["identity"], config=c,
+                       out=sp.get("out", "float32"))
 
 
 @grouped_gemm_op.register_fake
 def _(x, operands, token, slot, offsets, bias, spec):
-    return x.new_empty((token.shape[0], json.loads(spec)["N"]), dtype=torch.float32)
+    sp = json.loads(spec)
+    return x.new_empty((token.shape[0], sp["N"]), dtype=out_dtype_of(x, sp.get("out", "float32")))
+
+
+@lru_cache(maxsize=256)
+def _spec_call(spec: str) -> tuple[str, GroupedConfig | None]:
+    """(out, config) of a spec, parsed once (an eager call's host time)."""
+    sp = json.loads(spec)
+    return sp.get("out", "float32"), None if sp.get("config") is None else GroupedConfig.from_dict(sp["config"])
 
 
 def grouped_forward(kind: str, ops: dict, weight_scheme: QuantScheme, act_scheme: QuantScheme | None,
                     x: torch.Tensor, routing: Routing, *, bias: torch.Tensor | None = None,
-                    identity: bool = False, spec: str | None = None) -> torch.Tensor:
+                    identity: bool = False, spec: str | None = None, out: str = "float32") -> torch.Tensor:
     """run_grouped, eagerly; under torch.compile the lowbit::grouped_gemm op (spec: grouped_spec,
-    made once per layer by the caller, or here)."""
+    made once per layer by the caller, or here; a given spec's "out" and "config" win over `out`)."""
     if not torch.compiler.is_compiling():
-        return run_grouped(kind, ops, weight_scheme, act_scheme, x, routing, bias=bias, identity=identity)
+        c = None
+        if spec is not None:
+            out, c = _spec_call(spec)
+        return run_grouped(kind, ops, weight_scheme, act_scheme, x, routing, bias=bias, identity=identity,
+                           config=c, out=out)
     names = list(ops)
     if spec is None:
         N = ops["w"].shape[1]
-        spec = grouped_spec(kind, weight_scheme, act_scheme, names, N, identity)
+        spec = grouped_spec(kind, weight_scheme, act_scheme, names, N, identity, out)
     return grouped_gemm_op(x, [ops[n] for n in names], routing.token, routing.slot, routing.offsets, bias, spec)

@@ -16,8 +16,12 @@ by its expert's weight [N, K] and writes the sorted rows it owns. The output is 
 rows of the buffer that belong to no expert (dropped slots of lowbit.ops.grouped.route_fixed)
 read as zeros.
 
+Tiles, warps and stages come from a GroupedConfig (lowbit.ops.grouped_configs; None: its
+grouped_config, the registered tuning table or the heuristic); the schedule is built per BLOCK_M.
+
 int8 epilogue order (as lowbit.ops.triton.gemm_int8): acc int32 exact (K * 127 * 127 < 2^31),
-then y = (fp32(acc) * sa[token]) * sw[e, n] (+ bias[e, n]), each an fp32 rounding.
+then y = (fp32(acc) * sa[token]) * sw[e, n] (+ bias[e, n]), each an fp32 rounding, then one
+rounding to the output dtype (fp32 by default; bf16 / fp16 on request, round to nearest even).
 fp8 (as lowbit.ops.triton.gemm_fp8): fp8 x fp8 products accumulated in fp32 (on sm_90 the
 tensor cores' partial sums are promoted into the fp32 accumulator every BLOCK_K <= 128
 products), then the same epilogue.
@@ -29,9 +33,10 @@ import triton
 import triton.language as tl
 
 from lowbit.ops.grouped import Routing
+from lowbit.ops.grouped_configs import GroupedConfig, check_config, grouped_config
 from lowbit.ops.triton.grouped_schedule import (block_schedule, check_bias, check_routing, max_tiles,  # noqa: F401
                                                 schedule_args, store_rows, tile_rows)
-from lowbit.ops.triton.grouped_w import grouped_w4a16, grouped_w8a16  # noqa: F401  (one import path for callers)
+from lowbit.ops.triton.grouped_w import OUT_DTYPES, grouped_w4a16, grouped_w8a16  # noqa: F401  (one import path)
 
 _INT32_LIMIT = 2 ** 31
 
@@ -76,56 +81,61 @@ def _grouped_w8a8_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, bexp_ptr
 
 
 # ---------------------------------------------------------------------- launching
-def _w8a8(a, sa, w, sb, routing, bias, raw, identity, block_m, block_n, block_k, integer):
+def _w8a8(a, sa, w, sb, routing, bias, raw, identity, config, out_dtype, integer):
     T, K = a.shape
     E, N, _ = w.shape
     check_routing(routing, T, E, identity)
+    kind = "int8" if integer else "fp8"
+    c = config or grouped_config(kind, E, N, K, routing.rows)
+    check_config(kind, c, K)
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype={out_dtype}; choose one of {OUT_DTYPES}")
     sa = sa.reshape(-1).to(torch.float32).contiguous()
     sb = sb.reshape(E, N).to(torch.float32).contiguous()
     if sa.numel() != T:
         raise ValueError(f"a_scale must hold one scale per row of a ({T}), got {sa.numel()}; per-tensor "
                          "activation scales: expand them to [T]")
     b = check_bias(bias, E, N, a.device)
-    bexp, brow, off, tok, tiles = schedule_args(routing, block_m, identity)
-    out = torch.zeros(routing.rows, N, dtype=torch.int32 if raw else torch.float32, device=a.device)
-    num_n = triton.cdiv(N, block_n)
+    bexp, brow, off, tok, tiles = schedule_args(routing, c.block_m, identity)
+    out = torch.zeros(routing.rows, N, dtype=torch.int32 if raw else out_dtype, device=a.device)
+    num_n = triton.cdiv(N, c.block_n)
     _grouped_w8a8_kernel[(tiles * num_n,)](a, w, out, sa, sb, b if b is not None else sb, bexp, brow, off, tok,
                                            E, N, K, a.stride(0), w.stride(0), w.stride(1), out.stride(0), num_n,
                                            INT=integer, RAW=raw, HAS_BIAS=b is not None, IDENTITY=identity,
-                                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+                                           BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+                                           num_warps=c.num_warps, num_stages=c.num_stages)
     return out
 
 
 def grouped_int8(a_codes: torch.Tensor, a_scale: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor,
-                 routing: Routing, *, bias=None, raw: bool = False, identity: bool = False, block_m: int = 16,
-                 block_n: int = 32, block_k: int = 32) -> torch.Tensor:
-    """W8A8 int8 grouped GEMM: out [R, N] (fp32; int32 accumulators when raw; R = routing.rows)
+                 routing: Routing, *, bias=None, raw: bool = False, identity: bool = False,
+                 config: GroupedConfig | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """W8A8 int8 grouped GEMM: out [R, N] (out_dtype; int32 accumulators when raw; R = routing.rows)
     of sorted row r = a_codes[token[r]] . w_codes[e] with the epilogue of the module docstring.
     a_codes int8 [T, K] (per-token symmetric codes), a_scale fp32 [T] (or [T, 1]);
     w_codes int8 [E, N, K], w_scale fp32 [E, N] (or [E, N, 1]); bias [E, N] or None.
-    identity: a_codes is the sorted buffer itself (row r is row r: the second GEMM of an MoE)."""
+    identity: a_codes is the sorted buffer itself (row r is row r: the second GEMM of an MoE).
+    config: tiles / warps / stages (lowbit.ops.grouped_configs; None: grouped_config's)."""
     if a_codes.dtype != torch.int8 or w_codes.dtype != torch.int8:
         raise TypeError(f"a_codes and w_codes must be int8, got {a_codes.dtype} and {w_codes.dtype}")
     _check_shapes(a_codes, w_codes)
     if a_codes.shape[1] * 127 * 127 >= _INT32_LIMIT:
         raise ValueError(f"K = {a_codes.shape[1]} overflows the exact int32 accumulator (K * 127^2 >= 2^31): split K")
     return _w8a8(a_codes.contiguous(), a_scale, w_codes.contiguous(), w_scale, routing, bias, raw, identity,
-                 block_m, block_n, block_k, True)
+                 config, out_dtype, True)
 
 
 def grouped_fp8(a_codes: torch.Tensor, a_scale: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor,
-                routing: Routing, *, bias=None, identity: bool = False, block_m: int = 16, block_n: int = 32,
-                block_k: int = 32) -> torch.Tensor:
-    """W8A8 fp8 e4m3fn grouped GEMM: out fp32 [R, N] of sorted row r = (sum_k a[token[r], k] *
+                routing: Routing, *, bias=None, identity: bool = False, config: GroupedConfig | None = None,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """W8A8 fp8 e4m3fn grouped GEMM: out [R, N] (out_dtype) of sorted row r = (sum_k a[token[r], k] *
     w[e, n, k] in fp32) * a_scale[token[r]] * w_scale[e, n] (+ bias[e, n]).
     a_codes [T, K], w_codes [E, N, K]: torch.float8_e4m3fn or uint8 e4m3fn bit patterns;
     a_scale fp32 [T] (per token); w_scale fp32 [E, N] (per expert, per channel)."""
     a, w = _as_fp8("a_codes", a_codes), _as_fp8("w_codes", w_codes)
     _check_shapes(a, w)
-    if block_k > 128:
-        raise ValueError(f"block_k = {block_k}: fp8 partial sums are promoted every block_k <= 128 products")
     return _w8a8(a.contiguous(), a_scale, w.contiguous(), w_scale, routing, bias, False, identity,
-                 block_m, block_n, block_k, False)
+                 config, out_dtype, False)
 
 
 def _as_fp8(name: str, t: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from lowbit.ops.grouped import Routing, scale_words_int32
+from lowbit.ops.grouped_configs import GroupedConfig, check_config, grouped_config
 from lowbit.ops.triton.common import interpreting
 from lowbit.ops.triton.gemm_blockscaled import _bf16_dot, _scaled_bf16
 from lowbit.ops.triton.grouped_schedule import check_bias, check_routing, schedule_args, store_rows, tile_rows
@@ -68,14 +69,16 @@ def sfa_for_tokens(scale_codes: torch.Tensor, routing: Routing, identity: bool =
 
 
 def grouped_mxfp8(a_codes: torch.Tensor, sfa: torch.Tensor, w_codes: torch.Tensor, sfb: torch.Tensor,
-                  routing: Routing, *, bias=None, identity: bool = False, block_m: int = 16, block_n: int = 32,
-                  block_k: int = 64) -> torch.Tensor:
-    """MXFP8 grouped GEMM: out fp32 [R, N] of sorted row m = sum_j (a[token[m], block j] * 2^(SFA_j(m) - 127))
+                  routing: Routing, *, bias=None, identity: bool = False, config: GroupedConfig | None = None,
+                  out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """MXFP8 grouped GEMM: out [R, N] (out_dtype: fp32, bf16 or fp16, one rounding) of sorted row
+    m = sum_j (a[token[m], block j] * 2^(SFA_j(m) - 127))
     . (w[e, n, block j] * 2^(SFB_j(e, n) - 127)).
     a_codes [T, K] (the sorted buffer [R, K] with identity), w_codes [E, N, K]: float8_e4m3fn or
     uint8 e4m3fn bit patterns, K a multiple of 32; sfa: the flat SFA words [ceil(K / 128) * R]
     (sfa_for_tokens); sfb: the flat SFB words [ceil(K / 128) * E * N] (lowbit.ops.grouped.sfb_words);
-    both uint32 or their int32 bit patterns. block_k a multiple of 32."""
+    both uint32 or their int32 bit patterns. config: tiles / warps / stages (lowbit.ops.grouped_configs;
+    None: grouped_config's), block_k a multiple of 32."""
     a = a_codes.view(torch.float8_e4m3fn) if a_codes.dtype == torch.uint8 else a_codes
     w = w_codes.view(torch.float8_e4m3fn) if w_codes.dtype == torch.uint8 else w_codes
     if a.dtype != torch.float8_e4m3fn or w.dtype != torch.float8_e4m3fn:
@@ -86,9 +89,11 @@ def grouped_mxfp8(a_codes: torch.Tensor, sfa: torch.Tensor, w_codes: torch.Tenso
                          f"{tuple(a.shape)} and {tuple(w.shape)}")
     T, K = a.shape
     E, N, _ = w.shape
-    if K % 32 or block_k % 32:
-        raise ValueError(f"K = {K} and block_k = {block_k} must be multiples of the MX block 32")
     check_routing(routing, T, E, identity)
+    c = config or grouped_config("mxfp8", E, N, K, routing.rows)
+    check_config("mxfp8", c, K)
+    if K % 32 or c.block_k % 32:
+        raise ValueError(f"K = {K} and block_k = {c.block_k} must be multiples of the MX block 32")
     R, G4 = routing.rows, -(-K // 128)
     words = []
     for name, t, n in (("sfa", sfa, G4 * R), ("sfb", sfb, G4 * E * N)):
@@ -98,13 +103,16 @@ def grouped_mxfp8(a_codes: torch.Tensor, sfa: torch.Tensor, w_codes: torch.Tenso
         words.append(t.reshape(-1).view(torch.int32).contiguous())
     b = check_bias(bias, E, N, a.device)
     ac, wc = a.contiguous(), w.contiguous()
-    bexp, brow, off, tok, tiles = schedule_args(routing, block_m, identity)
-    out = torch.zeros(R, N, dtype=torch.float32, device=a.device)
-    num_n = triton.cdiv(N, block_n)
+    bexp, brow, off, tok, tiles = schedule_args(routing, c.block_m, identity)
+    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"out_dtype={out_dtype}; choose float32, bfloat16 or float16")
+    out = torch.zeros(R, N, dtype=out_dtype, device=a.device)
+    num_n = triton.cdiv(N, c.block_n)
     _grouped_mx_kernel[(tiles * num_n,)](ac, wc, out, words[0], words[1], out if b is None else b, bexp, brow, off,
                                          tok, E, N, K, R, ac.stride(0), wc.stride(0), wc.stride(1), out.stride(0),
                                          num_n, HAS_BIAS=b is not None, IDENTITY=identity, INTERP=interpreting(),
-                                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+                                         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+                                         num_warps=c.num_warps, num_stages=c.num_stages)
     return out
 
 

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from lowbit.ops.grouped import Routing
+from lowbit.ops.triton.fused_quant import round_to
 
 
 def max_tiles(rows: int, num_experts: int, block_m: int) -> int:
@@ -54,10 +55,12 @@ def tile_rows(bexp_ptr, brow_ptr, off_ptr, tok_ptr, pid_m, E, K, BLOCK_M: tl.con
 
 @triton.jit
 def store_rows(c_ptr, y, rows, valid, offs_n, n_ok, e, N, stride_c, bias_ptr, HAS_BIAS: tl.constexpr):
-    """y (+ bias[e, n]) into the tile's valid sorted rows of C."""
+    """y (+ bias[e, n], in fp32) into the tile's valid sorted rows of C, rounded once to C's dtype
+    (round to nearest even)."""
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + e * N + offs_n, mask=n_ok, other=0.0)[None, :]
-    tl.store(c_ptr + rows[:, None].to(tl.int64) * stride_c + offs_n[None, :], y, mask=valid[:, None] & n_ok[None, :])
+    tl.store(c_ptr + rows[:, None].to(tl.int64) * stride_c + offs_n[None, :], round_to(y, c_ptr.dtype.element_ty),
+             mask=valid[:, None] & n_ok[None, :])
 
 
 def check_routing(routing: Routing, T: int, E: int, identity: bool = False) -> None:

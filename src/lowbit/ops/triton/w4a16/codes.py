@@ -82,10 +82,14 @@ def _fp4_pair(wp, sca, scb, WFMT: tl.constexpr):
 @triton.jit
 def _product1(x, w, acc, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
     """acc + x @ w for an x half [BM, C/2] and a weight half [C/2, BN] (float32, exact values),
-    accumulated in float32."""
+    accumulated in float32: bf16 / fp16 x on the tensor cores with w in x's dtype (exact when w is
+    representable there), float32 x with IEEE float32 products; widened to float32 in the
+    interpreter (it has no bf16 dot)."""
     if USE_DOT:
         if INTERP:
             acc = tl.dot(x.to(tl.float32), w, acc)
+        elif x.dtype == tl.float32:   # float32 activations: IEEE products, not TF32 (x's 24 bits kept)
+            acc = tl.dot(x, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(x, w.to(x.dtype), acc)
     else:

@@ -1,0 +1,89 @@
+"""Timing hooks for tuning the grouped MoE kernels (lowbit.ops.grouped_configs): one launch of a
+kind at (E, N, K, M sorted rows) under an explicit config, on random operands laid out as the
+kernels read them (the numbers do not matter for the time; the codes are random, the scales
+finite). A tuner calls grouped_case once per (cell, config) and times the returned closure, or
+time_grouped_case for a median time."""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from lowbit.ops.grouped import route_fixed
+from lowbit.ops.grouped_configs import GroupedConfig, check_config
+
+W4_FORMATS = ("int4", "mxfp4", "nvfp4")
+
+
+def grouped_case(kind: str, E: int, N: int, K: int, M: int, config: GroupedConfig, device, *, top_k: int = 2,
+                 w4: str = "int4", group: int = 128, identity: bool = False, dtype: torch.dtype = torch.bfloat16,
+                 seed: int = 0) -> Callable[[], torch.Tensor]:
+    """A closure running one grouped GEMM of `kind` ("w4a16" / "fp4" with w4 in W4_FORMATS and the
+    int4 `group`; "w8a16", "int8", "fp8") over M sorted rows (ceil(M / top_k) tokens, top_k distinct
+    experts each, uniformly random; identity: A is the sorted buffer, the down projection's case)
+    of E experts' [N, K] weights, under `config`, output in `dtype`. Operands are made here, once."""
+    from lowbit.ops.triton import grouped as gk
+
+    if w4 not in W4_FORMATS:
+        raise ValueError(f"w4={w4!r}; choose one of {W4_FORMATS}")
+    g = {"mxfp4": 32, "nvfp4": 16}.get(w4, group)
+    check_config(kind, config, K, g if kind in ("w4a16", "fp4") else None)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    T = -(-M // top_k)
+    idx = torch.rand(T, E, generator=gen).topk(top_k, dim=1).indices.to(device)
+    routing = route_fixed(idx, E)
+    rows = routing.rows if identity else T
+    kw = dict(identity=identity, config=config, out_dtype=dtype)
+    if kind in ("int8", "fp8"):
+        a = torch.randint(-127, 128, (rows, K), generator=gen, dtype=torch.int8)
+        w = torch.randint(-127, 128, (E, N, K), generator=gen, dtype=torch.int8)
+        if kind == "fp8":                               # finite e4m3 patterns: |value| <= 1
+            a = (a.float() / 127).to(torch.float8_e4m3fn)
+            w = (w.float() / 127).to(torch.float8_e4m3fn)
+        sa = torch.rand(rows, generator=gen) + 0.5
+        sb = torch.rand(E, N, generator=gen) + 0.5
+        a, w, sa, sb = (t.to(device) for t in (a, w, sa, sb))
+        fn = gk.grouped_int8 if kind == "int8" else gk.grouped_fp8
+        return lambda: fn(a, sa, w, sb, routing, **kw)
+    x = torch.randn(rows, K, generator=gen).to(device, dtype)
+    if kind == "w8a16":
+        w = torch.randint(-127, 128, (E, N, K), generator=gen, dtype=torch.int8).to(device)
+        s = (torch.rand(E, N, generator=gen) / 64).to(device)
+        return lambda: gk.grouped_w8a16(x, w, s, routing, **kw)
+    if kind not in ("w4a16", "fp4"):
+        raise ValueError(f"kind={kind!r}: grouped_case takes w4a16, fp4, w8a16, int8, fp8")
+    w = torch.randint(0, 256, (E, N, K // 2), generator=gen, dtype=torch.uint8).to(device)
+    if w4 == "int4":
+        s = (torch.rand(E, N, K // g, generator=gen) / 8).to(device)
+        return lambda: gk.grouped_w4a16(x, w, s, routing, kind="int4", group_size=g, **kw)
+    codes = torch.randint(120, 128, (E, N, K // g), generator=gen, dtype=torch.uint8) if w4 == "mxfp4" else \
+        torch.randint(0x30, 0x38, (E, N, K // g), generator=gen, dtype=torch.uint8)   # e8m0 ~2^-7..1 / e4m3 ~1
+    codes = codes.to(device)
+    gl = torch.ones(E, device=device) if w4 == "nvfp4" else None
+    return lambda: gk.grouped_w4a16(x, w, codes, routing, kind=w4, w_global=gl, **kw)
+
+
+def time_grouped_case(kind: str, E: int, N: int, K: int, M: int, config: GroupedConfig, device, *,
+                      warmup: int = 3, reps: int = 20, **case) -> float:
+    """Median milliseconds of grouped_case(...)() over `reps` calls after `warmup` (CUDA events on
+    a GPU; wall time elsewhere). `case`: grouped_case's keywords (top_k, w4, group, identity, dtype)."""
+    run = grouped_case(kind, E, N, K, M, config, device, **case)
+    for _ in range(warmup):
+        run()
+    cuda = torch.device(device).type == "cuda"
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return times[len(times) // 2]

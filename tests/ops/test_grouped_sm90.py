@@ -1,0 +1,64 @@
+"""The grouped MoE kernels compile for sm_90 (H100 / H200) without a GPU at the heuristic's default
+configs (lowbit.ops.grouped_configs) for Mixtral-8x7B's decode and prefill shapes: the weight-only
+kernels on the tensor cores (mma below 64 rows, wgmma from 64), no spilled registers, shared memory
+within the limit. Integer arguments are marked divisible by 16 where the GPU launch specializes
+them (E and the column-block count are not). Runs Triton's compiler in a subprocess (the test
+process has TRITON_INTERPRET set)."""
+import json
+import os
+import subprocess
+import sys
+
+SCRIPT = r'''
+import json, re
+from lowbit.bench.sm90 import SHARED_LIMIT, compile_sm90
+from lowbit.ops.grouped_configs import grouped_default_config
+from lowbit.ops.triton.grouped import _grouped_w8a8_kernel
+from lowbit.ops.triton.grouped_w import PREFETCH_MAX_M, _grouped_w4_kernel, _grouped_w8a16_kernel
+ROUTE = {"bexp_ptr": "*i32", "brow_ptr": "*i32", "off_ptr": "*i32", "tok_ptr": "*i32"}
+out = []
+for M in (2, 4096):                                   # Mixtral b1 decode and 2048-token prefill rows (top-2)
+    for kind, wfmt, group in (("w4a16", 0, 128), ("w4a16", 0, 32), ("w4a16", 3, 16), ("w8a16", None, None),
+                              ("int8", None, None), ("fp8", None, None)):
+        c = grouped_default_config(kind, 8, 4096, 14336, M)
+        ints = ["E", "N", "K", "K_SPLIT", "stride_a", "stride_be", "stride_bn"]
+        tiles = dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k)
+        if kind == "w4a16":
+            fn = _grouped_w4_kernel
+            sig = {"a_ptr": "*bf16", "b_ptr": "*u8", "c_ptr": "*bf16", "s_ptr": "*fp32" if wfmt == 0 else "*u8",
+                   "z_ptr": "*i32", "g_ptr": "*fp32", "bias_ptr": "*fp32", **ROUTE}
+            ints += ["stride_se", "stride_sn"]
+            consts = dict(WFMT=wfmt, HAS_Z=False, HAS_G=wfmt == 3, HAS_BIAS=False, IDENTITY=M > 2, PARTIAL=False,
+                          INTERP=False, GROUP=group, S=min(c.block_k, group) if wfmt == 0 else c.block_k,
+                          PREFETCH=c.block_m <= PREFETCH_MAX_M, **tiles)
+        elif kind == "w8a16":
+            fn = _grouped_w8a16_kernel
+            sig = {"a_ptr": "*bf16", "b_ptr": "*i8", "c_ptr": "*bf16", "s_ptr": "*fp32", "bias_ptr": "*fp32", **ROUTE}
+            consts = dict(HAS_BIAS=False, IDENTITY=False, PARTIAL=False, INTERP=False, **tiles)
+        else:
+            fn = _grouped_w8a8_kernel
+            t = "*i8" if kind == "int8" else "*fp8e4nv"
+            sig = {"a_ptr": t, "b_ptr": t, "c_ptr": "*bf16", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "bias_ptr": "*fp32",
+                   **ROUTE}
+            ints.remove("K_SPLIT")
+            consts = dict(INT=kind == "int8", RAW=False, HAS_BIAS=False, IDENTITY=False, **tiles)
+        ints += ["stride_c"] + ([] if kind in ("int8", "fp8") else ["stride_p"]) + ["num_n"]
+        sig.update({n: "i32" for n in ints})
+        r = compile_sm90(fn, sig, consts, no_div=("E", "num_n"), num_warps=c.num_warps, num_stages=c.num_stages)
+        mma = len(re.findall(r"\b[HIQ]G?MMA", r["sass_text"]))
+        out.append({"kind": kind, "wfmt": wfmt, "group": group, "M": M, "config": c.to_dict(), "spill": r["spill_ops"],
+                    "shared": r["shared"], "limit": SHARED_LIMIT, "mma": mma})
+print(json.dumps(out))
+'''
+
+
+def test_default_configs_compile_for_sm90_on_tensor_cores_without_spills():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(src), env.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads(p.stdout.strip().splitlines()[-1])
+    assert len(rows) == 12
+    for r in rows:
+        assert r["spill"] == 0 and r["shared"] <= r["limit"] and r["mma"] > 0, r
