@@ -35,3 +35,44 @@ def test_tune_needs_a_gpu():
         pytest.skip("a GPU is here")
     with pytest.raises(ValueError, match="CUDA GPU"):
         tune.run_tune("tiny")
+
+
+def test_tune_rehearsal_on_the_cpu(monkeypatch, tmp_path):
+    """The tuner's loops end to end in Triton's interpreter at tiny shapes (CUDA-graph timing replaced
+    by a stand-in that runs each candidate once and times it on the host): every cell it writes
+    names a candidate that ran, the table round-trips, and dispatch then takes the winners' paths."""
+    import time
+
+    def host_us(fn, reps=1):
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+    monkeypatch.setattr(tune, "_graph_us", host_us)
+    monkeypatch.setattr(tune, "MOE_TOKENS", (1,))
+    monkeypatch.setattr(tune, "ATTN_T", {"65-512": 80, "513+": 80})
+    monkeypatch.setattr(tune, "GROUPED_MAX_CANDIDATES", 2)
+    monkeypatch.setitem(tune.SHAPES, "tiny", tune.SHAPES["tiny"][:1])
+    from lowbit.ops import attention as attn
+    every = attn.prefill_options
+    monkeypatch.setattr(attn, "prefill_options", lambda *a: every(*a)[:1] + every(*a)[-2:])  # a tiling, flash, sdpa
+    log = []
+    try:
+        cells = tune.tune_linear("tiny", ("w4a16", "w8a8-int8"), ("1",), log.append, device="cpu")
+        cells += tune.tune_attention("tiny", ("65-512",), log.append, device="cpu")
+        cells += tune.tune_grouped("tiny", ("int8",), log.append, device="cpu")
+    finally:
+        tuning.reset()
+    ops = {c.op for c in cells}
+    assert ops == {"linear", "attention", "grouped"}, log
+    assert len([c for c in cells if c.op == "linear"]) == 2      # 1 shape x 2 recipes x 1 bucket
+    for c in cells:
+        if c.op == "linear":        # the winner is the fastest candidate that ran; its ratio is to bf16's time
+            won = tune._label(c.path, c.config)
+            assert c.us[won] == min(t for k, t in c.us.items() if k != "bf16"), c
+            assert c.ratio == round(c.us["bf16"] / c.us[won], 3), c
+        else:
+            assert c.us and c.ratio is not None, c
+    table = tuning.Table(tuning.environment(), {(c.op, c.kind, c.N, c.K, c.bucket): c for c in cells})
+    tuning.save_table(table, tmp_path / "t.json")
+    assert tuning.load_table(tmp_path / "t.json").cells == table.cells
+    assert "w8a8/int8" in tune.summary(table)

@@ -53,7 +53,7 @@ def _label(path, cfg) -> str:
         return path
     if isinstance(cfg, dict):
         return f"{path}:" + "/".join(str(cfg[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))
-    return f"{path}:{cfg}"
+    return f"{path}:{cfg}"   # GroupedConfig / PrefillConfig: their own short names
 
 
 def _time_candidates(cands, make_call, tol: float, where: str, log) -> tuple[dict, tuple | None]:
@@ -75,7 +75,8 @@ def _time_candidates(cands, make_call, tol: float, where: str, log) -> tuple[dic
             t = _graph_us(call)
         except Exception as err:  # noqa: BLE001 -- a configuration that fails to build is a row, not the end
             log(f"  {where} {label}: {type(err).__name__}: {str(err)[:120]}")
-            torch.cuda.synchronize()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             continue
         us[label] = round(t, 2)
         if best is None or t < best[0]:
@@ -89,7 +90,8 @@ def _graph_us(fn, reps: int = 50) -> float:
     return bench_ms(lambda: fn(), [()], cuda_graph=True, warmup=10, rep=reps) * 1e3
 
 
-def tune_linear(shape: str = "8b", recipes=RECIPES, buckets=tuning.BUCKET_NAMES, log=print) -> list[tuning.Cell]:
+def tune_linear(shape: str = "8b", recipes=RECIPES, buckets=tuning.BUCKET_NAMES, log=print,
+                device: str = "cuda") -> list[tuning.Cell]:
     import torch.nn.functional as F
 
     from lowbit.nn import QuantLinear, get_recipe
@@ -101,10 +103,10 @@ def tune_linear(shape: str = "8b", recipes=RECIPES, buckets=tuning.BUCKET_NAMES,
         lin = torch.nn.Linear(K, N, bias=False, dtype=torch.bfloat16)
         with torch.no_grad():
             lin.weight.normal_(0, 0.02, generator=gen)
-        lin = lin.cuda()
+        lin = lin.to(device)
         for name in recipes:
             r = get_recipe(name)
-            q = QuantLinear.from_linear(lin, r.weight, r.act).cuda()
+            q = QuantLinear.from_linear(lin, r.weight, r.act, backend="kernel").to(device)
             if q.fast_spec is None:
                 log(f"  {sname} {name}: no prepared fast path, nothing to tune")
                 continue
@@ -113,7 +115,7 @@ def tune_linear(shape: str = "8b", recipes=RECIPES, buckets=tuning.BUCKET_NAMES,
             ops = {n: getattr(q, "fast_" + n) for n in spec.operands}
             for b in buckets:
                 M = tuning.BUCKET_M[b]
-                x = torch.randn(M, K, dtype=torch.bfloat16, generator=gen).cuda()
+                x = torch.randn(M, K, dtype=torch.bfloat16, generator=gen).to(device)
                 base = _graph_us(lambda: F.linear(x, lin.weight))
 
                 def run_candidate(path, cfg):
@@ -132,7 +134,8 @@ def tune_linear(shape: str = "8b", recipes=RECIPES, buckets=tuning.BUCKET_NAMES,
                 log(f"{sname:8s} {kind:20s} M={M:<5d} bf16 {base:8.1f} us  best {best[0]:8.1f} us "
                     f"({cell.path}{'' if cell.config is None else ' tiles'})  {cell.ratio:5.2f}x")
             del q
-            torch.cuda.empty_cache()
+            if device == "cuda":
+                torch.cuda.empty_cache()
     return cells
 
 
@@ -140,9 +143,10 @@ def tune_linear(shape: str = "8b", recipes=RECIPES, buckets=tuning.BUCKET_NAMES,
 # over an fp8 cache with fp8 Q and P, lowbit's default attention recipe
 ATTN_HEADS = {"8b": (32, 8, 128), "tiny": (4, 2, 64)}
 ATTN_BUCKETS = ("65-512", "513+")
+ATTN_T = {"65-512": 256, "513+": 2048}   # tokens timed per bucket (Tq = Tk)
 
 
-def tune_attention(shape: str = "8b", buckets=ATTN_BUCKETS, log=print) -> list[tuning.Cell]:
+def tune_attention(shape: str = "8b", buckets=ATTN_BUCKETS, log=print, device: str = "cuda") -> list[tuning.Cell]:
     """Prefill attention over an fp8 KV cache (Tq = Tk = the bucket's M): each prefill-kernel tiling,
     the general flash kernel and SDPA over the dequantized cache, against bf16 SDPA."""
     import torch.nn.functional as F
@@ -153,13 +157,13 @@ def tune_attention(shape: str = "8b", buckets=ATTN_BUCKETS, log=print) -> list[t
 
     hq, hkv, d = ATTN_HEADS[shape]
     spec = ar.AttnSpec(q_format="fp8_e4m3fn", p_format="fp8_e4m3fn", p_block=64, causal=True)
-    gen = torch.Generator(device="cuda").manual_seed(1)
+    gen = torch.Generator(device=device).manual_seed(1)
     cells = []
     for b in buckets:
         if b not in ATTN_BUCKETS:
             continue
-        T = tuning.BUCKET_M[b]
-        q, k, v = (torch.randn(1, h, T, d, generator=gen, device="cuda").to(torch.bfloat16) for h in (hq, hkv, hkv))
+        T = ATTN_T[b]
+        q, k, v = (torch.randn(1, h, T, d, generator=gen, device=device).to(torch.bfloat16) for h in (hq, hkv, hkv))
         kq, vq = quantized_cache("fp8", k.float(), v.float())
         kind = attn.attention_kind(kq, vq, spec)
         base = _graph_us(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
@@ -181,12 +185,56 @@ def tune_attention(shape: str = "8b", buckets=ATTN_BUCKETS, log=print) -> list[t
     return cells
 
 
-def run_tune(shape: str = "8b", recipes=RECIPES, buckets=tuning.BUCKET_NAMES, log=print) -> tuning.Table:
+# grouped MoE GEMMs: (name, E experts, top_k, hidden, intermediate) and the kinds the MoE recipes run
+MOE_SHAPES = {"mixtral": ("mixtral", 8, 2, 4096, 14336), "qwen3-30b-a3b": ("qwen3-30b-a3b", 128, 8, 2048, 768),
+              "tiny": ("tiny", 4, 2, 256, 128)}
+GROUPED_KINDS = ("w4a16", "int8", "fp8")
+MOE_TOKENS = (1, 16, 2048)        # decode b1, decode b16, a prefill chunk: M = tokens x top_k sorted rows
+GROUPED_MAX_CANDIDATES = 4
+
+
+def tune_grouped(moe: str, kinds=GROUPED_KINDS, log=print, device: str = "cuda") -> list[tuning.Cell]:
+    """The grouped MoE GEMMs of a model's gate_up and down projections: each kernel configuration
+    candidate (lowbit.ops.grouped_configs.grouped_candidates, the default first) per kind and M
+    bucket; the ratio is against the default configuration (the MoE bench compares with grouped
+    bf16)."""
+    from lowbit.ops.grouped_configs import grouped_candidates, grouped_kind_key, m_bucket
+    from lowbit.ops.grouped_tune import grouped_case
+
+    _, E, top_k, H, inter = MOE_SHAPES[moe]
+    cells = []
+    for proj, N, K, identity in (("gate_up", 2 * inter, H, False), ("down", H, inter, True)):
+        for kind in kinds:
+            for tokens in MOE_TOKENS:
+                M = tokens * top_k
+                b = tuning.bucket(M)
+                cands = grouped_candidates(kind, E, N, K, m_bucket(M))[:GROUPED_MAX_CANDIDATES]
+
+                def make(path, cfg):
+                    return grouped_case(kind, E, N, K, M, cfg, device, top_k=top_k, identity=identity)
+
+                us, best = _time_candidates([("kernel", c) for c in cands], make, 2e-2,
+                                            f"{moe} {proj} {kind} M={M}", log)
+                if best is None:
+                    continue
+                default_us = us.get(_label("kernel", cands[0]))
+                cell = tuning.Cell("grouped", grouped_kind_key(kind, E), N, K, b, "kernel", best[2].to_dict(),
+                                   None if default_us is None else round(default_us / best[0], 3), us)
+                cells.append(cell)
+                log(f"{moe:14s} {proj:8s} {kind:6s} M={M:<6d} best {best[0]:9.1f} us ({best[2]})"
+                    f"  {cell.ratio or 0:5.2f}x the default tiles")
+    return cells
+
+
+def run_tune(shape: str = "8b", recipes=RECIPES, buckets=tuning.BUCKET_NAMES, log=print,
+             moe=("mixtral", "qwen3-30b-a3b")) -> tuning.Table:
     if not torch.cuda.is_available():
         raise ValueError("lowbit tune measures kernels on a CUDA GPU; none is visible here (the CPU runs the "
                          "exact paths, which need no table)")
     t0 = time.time()
     cells = tune_linear(shape, recipes, buckets, log) + tune_attention(shape, buckets, log)
+    for m in moe:
+        cells += tune_grouped(m, log=log)
     log(f"# tuned {len(cells)} cells in {time.time() - t0:.0f} s")
     return tuning.Table(tuning.environment(), {(c.op, c.kind, c.N, c.K, c.bucket): c for c in cells})
 

@@ -1,5 +1,6 @@
 """`lowbit tune`: measure which path each quantized layer kind should take on this GPU (lowbit
-kernel or the bf16 GEMM on the dequantized weight, and the kernel's tiles), per M bucket, at a
+kernel or the bf16 GEMM on the dequantized weight, and the kernel's tiles; attention prefill's
+kernel or SDPA over the dequantized cache; the grouped MoE kernels' tiles), per M bucket, at a
 model's shapes; write the table that dispatch reads (lowbit.ops.tuning explains how it is found)."""
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ def register(p) -> None:
     p.add_argument("--shape", default="8b", choices=sorted(SHAPES), help="the model's Linear shapes to time")
     p.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated recipes to tune")
     p.add_argument("--buckets", default=",".join(BUCKET_NAMES), help="comma-separated M buckets to tune")
+    p.add_argument("--moe", default="mixtral,qwen3-30b-a3b",
+                   help="comma-separated MoE shapes whose grouped expert GEMMs to tune ('none' skips them)")
     p.add_argument("--out", default=None,
                    help="where to write the table (default: lowbit-tune-<gpu>.json here); dispatch reads it "
                         "when LOWBIT_TUNE_TABLE names it")
@@ -27,7 +30,12 @@ def run(args) -> int:
     bad = [b for b in buckets if b not in tuning.BUCKET_NAMES]
     if bad or not buckets:
         raise ValueError(f"--buckets {args.buckets!r}: choose from {', '.join(tuning.BUCKET_NAMES)}")
-    table = run_tune(args.shape, recipes, buckets)
+    from lowbit.bench.tune import MOE_SHAPES
+    moe = [] if args.moe.strip().lower() == "none" else [m.strip() for m in args.moe.split(",") if m.strip()]
+    unknown = [m for m in moe if m not in MOE_SHAPES]
+    if unknown:
+        raise ValueError(f"--moe {args.moe!r}: unknown shape(s) {unknown}; choose from {', '.join(MOE_SHAPES)} or none")
+    table = run_tune(args.shape, recipes, buckets, moe=moe)
     out = args.out or f"lowbit-tune-{tuning.shipped_path(table.environment['gpu']).stem}.json"
     tuning.save_table(table, out)
     print(summary(table))

@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Callable
 
+from lowbit.ops import tuning
+
 KINDS = ("w4a16", "fp4", "w8a16", "int8", "fp8", "mxfp8")
 WEIGHT_ONLY = ("w4a16", "fp4", "w8a16")      # weights decoded in the K loop (4 / 8-bit codes)
 # Buckets of M (rows of the sorted buffer), the tuning table's keys: 1, 2-16, 17-64, 65-512, more
@@ -167,10 +169,19 @@ def register_grouped_table(lookup: Callable[[str, int, int, int, int], GroupedCo
 
 
 def grouped_config(kind: str, E: int, N: int, K: int, M: int) -> GroupedConfig:
-    """The config a launcher runs when its caller gives none: the registered table's, else the
-    heuristic's (grouped_default_config)."""
+    """The config a launcher runs when its caller gives none: the registered table's, else this
+    GPU's tuning table's cell ("grouped", grouped_kind_key(kind, E), N, K, bucket of M sorted rows;
+    lowbit.ops.tuning), else the heuristic's (grouped_default_config)."""
     if _TABLE:
         c = _TABLE[0](kind, E, N, K, M)
         if c is not None:
             return c
+    cfg = tuning.choose("grouped", grouped_kind_key(kind, E), N, K, M)[1]
+    if cfg is not None:
+        return GroupedConfig.from_dict(cfg)
     return grouped_default_config(kind, E, N, K, M)
+
+
+def grouped_kind_key(kind: str, E: int) -> str:
+    """The tuning table's name of a grouped kernel kind over E experts."""
+    return f"{kind}/E{E}"
