@@ -37,6 +37,7 @@ def test_tune_needs_a_gpu():
         tune.run_tune("tiny")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the rehearsal runs the kernels in the CPU interpreter")
 def test_tune_rehearsal_on_the_cpu(monkeypatch, tmp_path):
     """The tuner's loops end to end in Triton's interpreter at tiny shapes (CUDA-graph timing replaced
     by a stand-in that runs each candidate once and times it on the host): every cell it writes

@@ -227,16 +227,24 @@ def tune_grouped(moe: str, kinds=GROUPED_KINDS, log=print, device: str = "cuda")
 
 
 def run_tune(shape: str = "8b", recipes=RECIPES, buckets=tuning.BUCKET_NAMES, log=print,
-             moe=("mixtral", "qwen3-30b-a3b")) -> tuning.Table:
+             moe=("mixtral", "qwen3-30b-a3b"), out=None) -> tuning.Table:
+    """Every part in turn (dense Linears, attention prefill, each MoE shape's grouped GEMMs); with
+    `out`, the table so far is written after each part, so a run stopped by a time limit keeps what
+    it measured."""
     if not torch.cuda.is_available():
         raise ValueError("lowbit tune measures kernels on a CUDA GPU; none is visible here (the CPU runs the "
                          "exact paths, which need no table)")
     t0 = time.time()
-    cells = tune_linear(shape, recipes, buckets, log) + tune_attention(shape, buckets, log)
-    for m in moe:
-        cells += tune_grouped(m, log=log)
-    log(f"# tuned {len(cells)} cells in {time.time() - t0:.0f} s")
-    return tuning.Table(tuning.environment(), {(c.op, c.kind, c.N, c.K, c.bucket): c for c in cells})
+    table = tuning.Table(tuning.environment(), {})
+    parts = [lambda: tune_linear(shape, recipes, buckets, log), lambda: tune_attention(shape, buckets, log)]
+    parts += [lambda m=m: tune_grouped(m, log=log) for m in moe]
+    for part in parts:
+        for c in part():
+            table.cells[(c.op, c.kind, c.N, c.K, c.bucket)] = c
+        if out is not None:
+            tuning.save_table(table, out)
+    log(f"# tuned {len(table.cells)} cells in {time.time() - t0:.0f} s")
+    return table
 
 
 def summary(table: tuning.Table) -> str:

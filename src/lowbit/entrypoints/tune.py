@@ -35,9 +35,8 @@ def run(args) -> int:
     unknown = [m for m in moe if m not in MOE_SHAPES]
     if unknown:
         raise ValueError(f"--moe {args.moe!r}: unknown shape(s) {unknown}; choose from {', '.join(MOE_SHAPES)} or none")
-    table = run_tune(args.shape, recipes, buckets, moe=moe)
-    out = args.out or f"lowbit-tune-{tuning.shipped_path(table.environment['gpu']).stem}.json"
-    tuning.save_table(table, out)
+    out = args.out or f"lowbit-tune-{tuning.shipped_path(tuning.environment()['gpu'] or 'cpu').stem}.json"
+    table = run_tune(args.shape, recipes, buckets, moe=moe, out=out)
     print(summary(table))
     print(f"wrote {out}: set LOWBIT_TUNE_TABLE={os.path.abspath(out)} for lowbit to use it")
     return 0
