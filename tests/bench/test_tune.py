@@ -16,17 +16,21 @@ def test_candidates_per_kind():
 
 
 @pytest.mark.parametrize("bucket", [b for b in tuning.BUCKET_NAMES if tune.W8A8_TILES[b]])
-def test_w8a8_tile_alternatives_are_bit_identical(rng, bucket):
+def test_w8a8_tile_alternatives_are_bit_identical(rng, bucket, kernel_device):
     from lowbit.ops.triton.gemm_int8 import launch_int8_gemm
     M, N, K = 5, 70, 300
     a = torch.randint(-127, 128, (M, K), generator=rng, dtype=torch.int8)
     b = torch.randint(-127, 128, (N, K), generator=rng, dtype=torch.int8)
     sa, sb = torch.rand(M, generator=rng) + 0.01, torch.rand(N, generator=rng) + 0.01
-    ref = launch_int8_gemm(a, b, torch.empty(M, N, dtype=torch.bfloat16), sa, sb, None, None, None)
     exact = ((a.double() @ b.double().T) * sa.double()[:, None] * sb.double()[None, :])
-    assert (ref.double() - exact).abs().max() <= 2.0 ** -8 * exact.abs().max()   # the default is right
+    a, b, sa, sb = (t.to(kernel_device) for t in (a, b, sa, sb))
+    ref = launch_int8_gemm(a, b, torch.empty(M, N, dtype=torch.bfloat16, device=kernel_device), sa, sb, None, None,
+                           None)
+    # the default is right: the exact int32 sum, two fp32 scale products, one rounding to bf16
+    assert (ref.double().cpu() - exact).abs().max() <= 2.0 ** -8 * exact.abs().max()
     for cfg in tune.W8A8_TILES[bucket]:
-        y = launch_int8_gemm(a, b, torch.empty(M, N, dtype=torch.bfloat16), sa, sb, None, None, None, config=cfg)
+        y = launch_int8_gemm(a, b, torch.empty(M, N, dtype=torch.bfloat16, device=kernel_device), sa, sb, None,
+                             None, None, config=cfg)
         assert torch.equal(y, ref), cfg
 
 

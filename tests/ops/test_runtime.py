@@ -148,7 +148,7 @@ def test_decode_graph_replay_matches_direct_launches(rng, recipe):
         else:
             assert torch.equal(y, direct)
         ys.append((y, y.clone()))
-    assert len(q._graphs) == 1
+    assert len([k for k in q._graphs if k[0] == "graph"]) <= 1    # recorded plans replace the graph where they can
     assert all(torch.equal(a, b) for a, b in ys)
 
 

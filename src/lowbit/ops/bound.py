@@ -31,6 +31,9 @@ _ALLOWED = {"empty", "empty_strided", "empty_like", "view", "reshape", "_reshape
             "_unsafe_view", "lift_fresh", "contiguous"}
 
 _RECORDING: list | None = None
+# why calls were not recorded, with how often (lowbit doctor / tests read it; a refused call keeps
+# its other path, so this is a speed note, never an error)
+REFUSALS: dict[str, int] = {}
 
 
 def note_launch(ck, grid: tuple, args: tuple, tail: tuple) -> None:
@@ -98,7 +101,10 @@ def record(fn, x2: torch.Tensor) -> tuple[torch.Tensor, Plan | None, str | None]
             out = fn(x2)
     finally:
         _RECORDING = None
-    return out, *_plan(seen, mode.bad, x2, out)
+    plan, why = _plan(seen, mode.bad, x2, out)
+    if why is not None:
+        REFUSALS[why] = REFUSALS.get(why, 0) + 1
+    return out, plan, why
 
 
 def _plan(seen, bad, x2, out):

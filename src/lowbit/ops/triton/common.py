@@ -118,6 +118,13 @@ def _spec(a):
     raise _NotFast  # anything else: Triton's own launch path
 
 
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook is installed (a profiler's): Triton 3.6 keeps an always-present,
+    usually empty HookChain where older versions kept None (testing `is not None` sent every launch
+    down Triton's slow path)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def launch(kernel, grid: tuple, *args, **meta):
     """`kernel[grid](*args, **meta)` with the per-call host work cut from ~25-45 us to a few
     (measured on the H200's host: JITFunction.run's binding, cache-key string, global-value
@@ -131,7 +138,7 @@ def launch(kernel, grid: tuple, *args, **meta):
     from triton import knobs
     from triton.runtime.driver import driver
 
-    if interpreting() or knobs.runtime.launch_enter_hook is not None:
+    if interpreting() or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
         note_slow_launch()
         return kernel[grid](*args, **meta)
     drv = driver.active

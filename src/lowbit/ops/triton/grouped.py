@@ -45,7 +45,8 @@ _INT32_LIMIT = 2 ** 31
 def _grouped_w8a8_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, bexp_ptr, brow_ptr, off_ptr, tok_ptr,
                          E, N, K, stride_a, stride_be, stride_bn, stride_c, num_n,
                          INT: tl.constexpr, RAW: tl.constexpr, HAS_BIAS: tl.constexpr, IDENTITY: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PROMOTE_K: tl.constexpr):
     pid = tl.program_id(0)
     pid_m, pid_n = pid // num_n, pid % num_n
     e, rows, valid, tok, k_end = tile_rows(bexp_ptr, brow_ptr, off_ptr, tok_ptr, pid_m, E, K, BLOCK_M, IDENTITY)
@@ -69,7 +70,10 @@ def _grouped_w8a8_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, bexp_ptr
         else:
             a = tl.load(a_ptrs, mask=a_mask, other=0.0)
             b = tl.load(b_ptrs, mask=b_mask, other=0.0)
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+            # fp8: the tensor cores' partial sum promoted into fp32 every PROMOTE_K products (one
+            # 32-wide MMA step): the accumulation check_grouped_linear's gate assumes; promoting only
+            # once per 128-wide K tile failed it on the H200 (named accumulator_narrower_than_promised)
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE_K)
     if RAW:
         tl.store(c_ptr + rows[:, None].to(tl.int64) * stride_c + offs_n[None, :], acc,
                  mask=valid[:, None] & n_ok[None, :])
@@ -103,7 +107,8 @@ def _w8a8(a, sa, w, sb, routing, bias, raw, identity, config, out_dtype, integer
                                            E, N, K, a.stride(0), w.stride(0), w.stride(1), out.stride(0), num_n,
                                            INT=integer, RAW=raw, HAS_BIAS=b is not None, IDENTITY=identity,
                                            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-                                           num_warps=c.num_warps, num_stages=c.num_stages)
+                                           PROMOTE_K=min(c.block_k, 32), num_warps=c.num_warps,
+                                           num_stages=c.num_stages)
     return out
 
 
