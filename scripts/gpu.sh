@@ -198,7 +198,7 @@ if [[ $parts == *,mma,* ]]; then
   echo "mma rc=$?" | tee -a "$sum"
 fi
 if [[ $parts == *,attention,* ]]; then
-  timeout "${ATTN_TIMEOUT:-540}" python3 -m lowbit.bench.attention --json "$out/bench-attention.json" \
+  timeout "${ATTN_TIMEOUT:-540}" python3 -m lowbit.bench.attention --json "$out/bench-attention.json" ${ATTN_ARGS:-} \
       >"$out/bench_attention.log" 2>&1
   echo "attention rc=$?" | tee -a "$sum"
 fi

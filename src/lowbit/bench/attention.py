@@ -388,7 +388,13 @@ def _int4_bytes_ratio(group: int = 32) -> float:
     return quantize_kv(x, KVScheme("int4", "group", group)).nbytes() / (x.numel() * 2)
 
 
-def run(only: str | None = None, quick: bool = False) -> list[dict]:
+def run(only: str | None = None, quick: bool = False, prefill_only: bool = False) -> list[dict]:
+    if prefill_only:
+        rows = _prefill_rows(quick)
+        rows += must_rows(rows)
+        for r in rows:
+            _print(r)
+        return rows
     rows = _decode_rows(only, quick)
     for r in rows:
         _print(r)
@@ -444,12 +450,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", default=None)
+    p.add_argument("--prefill-only", action="store_true", help="only the prefill rows and their must")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("lowbit.bench.attention times GPU kernels: no CUDA GPU here", file=sys.stderr)
         return 2
     from lowbit.bench.common import environment, write_run
-    rows = run(None, a.quick)
+    rows = run(None, a.quick, a.prefill_only)
     if a.json:
         write_run(a.json, environment(), rows)
         print(f"# wrote {a.json}")

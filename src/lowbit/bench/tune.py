@@ -168,8 +168,15 @@ def tune_attention(shape: str = "8b", buckets=ATTN_BUCKETS, log=print, device: s
         kind = attn.attention_kind(kq, vq, spec)
         base = _graph_us(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
 
+        # Q quantized once, outside the timed call (as a model's attention gets it): quantizing it in
+        # the call synchronises with the host, which a CUDA-graph capture refuses
+        q_vals, q_scale = ar.quantize_q_parts(q, spec.q_format)
+
         def run_candidate(which, cfg):
-            return lambda: attn.attention_triton(q, kq, vq, spec, out_dtype=torch.bfloat16, kernel=which, config=cfg)
+            if which == "sdpa":    # SDPA over the dequantized cache takes the float queries
+                return lambda: attn.attention_triton(q, kq, vq, spec, out_dtype=torch.bfloat16, kernel=which)
+            return lambda: attn.attention_triton(q_vals, kq, vq, spec, q_scale=q_scale, out_dtype=torch.bfloat16,
+                                                 kernel=which, config=cfg)
 
         us, best = _time_candidates(attn.prefill_options(d, T, spec.p_block), run_candidate, 5e-2,
                                     f"attention T={T}", log)

@@ -376,7 +376,7 @@ def forward(spec: Spec, spec_json: str, x2: torch.Tensor, operands: list[torch.T
     torch.compile: the custom op (whose CUDA-graph capture is then torch's own)."""
     if torch.compiler.is_compiling():
         return qlinear_op(x2, operands, bias, spec_json)
-    if graphs is not None and x2.is_cuda and x2.shape[0] <= PLAN_MAX_M:
+    if graphs is not None and x2.is_cuda and x2.shape[0] <= PLAN_MAX_M and graphable(spec):
         key = (x2.shape[0], x2.dtype, x2.stride(0), x2.data_ptr() & 15 == 0)
         plan = graphs.get(key)
         if plan:
@@ -389,8 +389,7 @@ def forward(spec: Spec, spec_json: str, x2: torch.Tensor, operands: list[torch.T
             out, plan, _why = bound.record(lambda a: run(spec, a, ops, bias), x2)
             graphs[key] = plan or False        # False: not recordable, never tried again
             return out
-        if (x2.shape[0] <= GRAPH_MAX_M and graphable(spec)
-                and not torch.cuda.is_current_stream_capturing()):
+        if x2.shape[0] <= GRAPH_MAX_M and not torch.cuda.is_current_stream_capturing():
             return _replay(spec, x2, operands, bias, graphs)
     return run(spec, x2, dict(zip(spec.operands, operands)), bias)
 
