@@ -1,5 +1,5 @@
 """`lowbit verify-model DIR [--device cuda] [--samples N] [--tokens T] [--png PATH]`: check a deployed
-quantized checkpoint layer by layer against lowbit's float64 reference (lowbit.verify.model).
+quantized checkpoint layer by layer against lowbit's float64 reference (lowbit.pipelines.verify_model).
 Exit status 0 when no layer has a logic verdict, 1 when one has, 2 when the checkpoint cannot be read."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def register(parser) -> None:
 
 def run(args) -> int:
     from lowbit.io.st_format import CheckpointError
-    from lowbit.verify import model as vm
+    from lowbit.pipelines import verify_model as vm
 
     if args.device.startswith("cuda"):
         import torch

@@ -1,4 +1,4 @@
-"""`lowbit verify-model DIR` / lowbit.verify.model.verify_model on checkpoints written the way
+"""`lowbit verify-model DIR` / lowbit.pipelines.verify_model.verify_model on checkpoints written the way
 `lowbit quantize` writes them (quantize_model + save_compressed) for tiny random dense and MoE models
 and an fp8 KV cache: correct checkpoints pass with KL ~ 0 against the exact path; a planted bad kernel
 (one layer's weight scale dropped in its forward) is a logic verdict naming the cause, exit status 1."""
@@ -10,7 +10,7 @@ from lowbit.nn.quant_linear import QuantLinear
 from lowbit.pipelines import checkpoint as C
 from lowbit.pipelines.checkpoint import save_compressed
 from lowbit.pipelines.quantize_model import quantize_model
-from lowbit.verify.model import verify_model
+from lowbit.pipelines.verify_model import verify_model
 from moe_fixtures import tiny_moe
 
 transformers = pytest.importorskip("transformers")

@@ -26,6 +26,11 @@ from typing import Callable
 
 import torch
 
+import lowbit as lb
+from lowbit.nn.experts import QuantExperts
+from lowbit.nn.quant_linear import QuantLinear
+from lowbit.ops.reference import qlinear_reference
+from lowbit.pipelines.checkpoint import load_compressed
 from lowbit.verify.check import Verdict, check_quantized
 
 KINDS = ("dense", "experts")
@@ -86,7 +91,6 @@ def _rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 def _dense_reference(layer, x2: torch.Tensor):
     """(activation operand, reference out fn): the activations quantized as the layer does (a QTensor
     for dynamic schemes, the dequantized values of a static scale), float when weight-only."""
-    import lowbit as lb
     if layer.act_scheme is None:
         return x2.double()
     if layer.act_static_scale is None:
@@ -129,10 +133,6 @@ def verify_model(directory, *, samples: int = 2, tokens: int = 32, rows: int = 6
     """Load the checkpoint in `directory`, run `samples` sequences of `tokens` random ids through it
     on `device` (bf16 on CUDA: the prepared fast paths; float32 on the CPU), and check every
     quantized layer (the first `rows` rows it saw) and the logits. See the module docstring."""
-    from lowbit.nn.experts import QuantExperts
-    from lowbit.nn.quant_linear import QuantLinear
-    from lowbit.pipelines.checkpoint import load_compressed
-
     say = progress or (lambda m: None)
     if samples < 1 or tokens < 2 or rows < 1:
         raise ValueError(f"samples ({samples}), tokens ({tokens}) and rows ({rows}) must be >= 1, >= 2 and >= 1")
@@ -186,9 +186,6 @@ def verify_model(directory, *, samples: int = 2, tokens: int = 32, rows: int = 6
 def _exact_logits(model, quantized: dict, ids: torch.Tensor) -> torch.Tensor:
     """The logits with every quantized layer's output replaced by its float64 reference (dense) or
     the exact path (experts), cast back to the layer's output dtype."""
-    from lowbit.nn.quant_linear import QuantLinear
-    from lowbit.ops.reference import qlinear_reference
-
     def dense(module, args, out):
         x2 = args[0].detach().reshape(-1, args[0].shape[-1]).cpu()
         ref = qlinear_reference(_dense_reference(module, x2), module.weight_q, module.bias)
