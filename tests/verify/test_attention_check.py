@@ -1,64 +1,16 @@
 """check_attention: a correct kernel passes, each planted bug fails and is named first.
 
-The "kernels" here are this file's own float32 flash-attention loop (independent of
+The "kernels" here are tests/attention_fixtures.py's float32 flash-attention loop (independent of
 lowbit.ops.attention's torch path and of the float64 reference), with one bug switched on at a time.
 """
-import math
-
 import pytest
 import torch
 
-from lowbit.formats import decode, encode
 from lowbit.ops import attention_reference as ar
 from lowbit.ops.attention import attention
 from lowbit.ops.kv_quant import KVScheme, observe_amax, quantize_kv, static_scale
 from lowbit.verify.attention import check_attention
-
-
-def _flash32(q_hat, k_hat, v_hat, spec, bug=None):
-    """Block-by-block online softmax in float32 with one optional bug."""
-    B, Hq, Tq, D = q_hat.shape
-    G = Hq // k_hat.shape[1]
-    Tk = k_hat.shape[2]
-    kk = k_hat.float().repeat_interleave(G, 1)
-    vv = v_hat.float().repeat_interleave(G, 1)
-    c = spec.scale_for(D) / math.log(2.0)
-    fmax = spec.p_max
-    i = torch.arange(Tq)[:, None] + (Tk - Tq)
-    lowdt = {"o_accumulated_bf16": torch.bfloat16, "o_accumulated_fp16": torch.float16}.get(bug)
-    acc = torch.zeros(B, Hq, Tq, D)
-    l = torch.zeros(B, Hq, Tq, 1)
-    m = torch.full((B, Hq, Tq, 1), -math.inf)
-    for s0 in range(0, Tk, spec.p_block):
-        j = torch.arange(s0, min(s0 + spec.p_block, Tk))[None, :]
-        seen = (j <= i) if spec.causal else torch.ones(Tq, j.shape[1], dtype=torch.bool)
-        t = (q_hat.float() @ kk[:, :, j[0]].transpose(-1, -2)) * c
-        tm = t if bug == "causal_mask_after_p" else t.masked_fill(~seen, -math.inf)
-        mb = tm.amax(-1, keepdim=True)
-        mnew = torch.maximum(m, mb)
-        ref = mnew if bug == "p_scale_per_tensor" else mb
-        x = torch.where(torch.isfinite(ref), torch.exp2(tm - ref.nan_to_num(neginf=0.0)), torch.zeros_like(tm))
-        x = torch.where(torch.isinf(tm), torch.zeros_like(x), x)
-        v = x * fmax
-        if spec.p_format == "int8":
-            codes = torch.round(v).clamp(0, 127)
-        elif spec.p_format is not None:
-            codes = decode(encode(v, spec.p_format), spec.p_format)
-        else:
-            codes = v
-        if bug == "causal_mask_after_p":
-            codes = codes * seen
-        f = torch.where(torch.isfinite(ref), torch.exp2(ref.nan_to_num(neginf=0.0) - mnew), torch.zeros_like(ref))
-        p = codes * (f / fmax)
-        alpha = torch.where(torch.isfinite(m), torch.exp2(m - mnew), torch.zeros_like(m))
-        a_o = 1.0 if bug in ("rescale_skipped", "rescale_wrong_accumulator") else alpha
-        a_l = 1.0 if bug == "rescale_skipped" else alpha
-        acc = acc * a_o + p @ vv[:, :, j[0]]
-        if lowdt is not None:
-            acc = acc.to(lowdt).float()
-        l = l * a_l + p.sum(-1, keepdim=True)
-        m = mnew
-    return acc / l
+from attention_fixtures import flash_attention
 
 
 def _data(rng, B=2, Hq=4, Hkv=2, Tq=24, Tk=24, D=24, spread=True):
@@ -88,7 +40,7 @@ def test_correct_kernels_pass(rng, scheme, p_format):
     kq, vq = _cache(k, v, scheme)
     spec = ar.AttnSpec(q_format="fp8_e4m3fn", p_format=p_format, p_block=16, causal=True)
     q_hat = ar.quantize_q(q, spec.q_format)
-    for out in (_flash32(q_hat, kq.dequantize(), vq.dequantize(), spec), attention(q, kq, vq, spec, backend="torch")):
+    for out in (flash_attention(q_hat, kq.dequantize(), vq.dequantize(), spec), attention(q, kq, vq, spec, backend="torch")):
         verdict = check_attention(out, q, kq, vq, spec, k_float=k, v_float=v)
         assert verdict.passed, verdict.report()
         assert verdict.kind == "ok" and verdict.metrics["impl_gate_frac"] <= 1.0
@@ -105,7 +57,7 @@ def test_planted_softmax_bugs_named_first(rng, bug):
     k = k * torch.linspace(0.5, 2.0, k.shape[2]).reshape(1, 1, -1, 1)
     kq, vq = _cache(k, v, KVScheme("fp8", "token"))
     spec = ar.AttnSpec(q_format="fp8_e4m3fn", p_format="fp8_e4m3fn", p_block=16, causal=True)
-    out = _flash32(ar.quantize_q(q, spec.q_format), kq.dequantize(), vq.dequantize(), spec, bug=bug)
+    out = flash_attention(ar.quantize_q(q, spec.q_format), kq.dequantize(), vq.dequantize(), spec, bug=bug)
     verdict = check_attention(out, q, kq, vq, spec)
     assert not verdict.passed, f"planted {bug} went unnoticed: {verdict.report()}"
     assert verdict.causes[0].name == bug, verdict.report()
@@ -113,7 +65,7 @@ def test_planted_softmax_bugs_named_first(rng, bug):
 
 
 def _bugged_cache_out(q, kq, vq, spec, k_hat=None, v_hat=None):
-    return _flash32(ar.quantize_q(q, spec.q_format), kq.dequantize() if k_hat is None else k_hat,
+    return flash_attention(ar.quantize_q(q, spec.q_format), kq.dequantize() if k_hat is None else k_hat,
                     vq.dequantize() if v_hat is None else v_hat, spec)
 
 

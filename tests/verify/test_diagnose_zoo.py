@@ -24,6 +24,7 @@ import torch
 import lowbit as lb
 from lowbit.packing import pack_int4
 from lowbit.verify import check_linear
+from accumulator_fixtures import hopper_fp8_mma
 
 I8T = lb.QuantScheme(format="int8", strategy="token")
 I8C = lb.QuantScheme(format="int8", strategy="channel")
@@ -422,28 +423,6 @@ def test_fp16_accumulation_in_an_unsimulated_order_is_numerical_not_logic(rng, s
     assert check_linear(out, x, w, accumulator="fp16").passed       # honestly declared: fine
 
 
-def _hopper_fp8_mma(X, W, unit=2.0 ** -9, bits=14, promote=0):
-    """What an H200's fp8 tensor core does (measured: benchmarks/results/fastaccum_probe_h200.npz), written with
-    integers and shifts: every 32-wide MMA step aligns its products and the running sum to the
-    largest of them and keeps `bits` significant bits (truncated toward zero); with promote > 0 the
-    running sum is added into an fp32 accumulator and restarted every `promote` K (cuBLAS without
-    fast accumulation). X, W: decoded e4m3 elements, multiples of unit (2^-9), so products are
-    integers of unit^2."""
-    xi = torch.round(X.double() / unit).long()
-    wi = torch.round(W.double() / unit).long()
-    acc = torch.zeros(X.shape[0], W.shape[0], dtype=torch.long)
-    total = torch.zeros(acc.shape, dtype=torch.float32)
-    bitlen = np.vectorize(lambda v: int(v).bit_length(), otypes=[np.int64])
-    for a in range(0, X.shape[1], 32):
-        terms = torch.cat([acc[..., None], xi[:, None, a:a + 32] * wi[None, :, a:a + 32]], dim=-1)
-        top = torch.from_numpy(bitlen(terms.abs().amax(dim=-1).numpy()))
-        shift = (top - bits).clamp(min=0)[..., None]
-        acc = (torch.sign(terms) * ((terms.abs() >> shift) << shift)).sum(-1)
-        if promote and (a + 32) % promote == 0:
-            total, acc = total + (acc.double() * unit * unit).float(), torch.zeros_like(acc)
-    return total.double() + acc.double() * unit * unit
-
-
 def test_fp8_fast_accumulation_is_named_and_passes_when_declared(rng):
     M, K, N = 16, 2048, 24
     x, w = inputs(rng, M, K, N, nonneg=True)                         # same-sign sums: truncation shows
@@ -451,7 +430,7 @@ def test_fp8_fast_accumulation_is_named_and_passes_when_declared(rng):
     xq, wq = lb.quantize(x, FP8R), lb.quantize(w, FP8R)
     X, SX = elements(xq)
     W, SW = elements(wq)
-    out = (_hopper_fp8_mma(X, W).float() * SX[:, :1]) * SW[:, 0][None, :]
+    out = (hopper_fp8_mma(X, W).float() * SX[:, :1]) * SW[:, 0][None, :]
     v = check_linear(out, x, w, x_scheme=FP8R, w_scheme=FP8R)
     assert not v.passed and v.kind == "numerical", v.report()
     assert v.causes[0].name == "accumulator_narrower_than_promised" and "fp8_fast" in v.causes[0].detail
@@ -469,7 +448,7 @@ def test_cublas_fp8_at_long_k_same_sign_is_named_an_accumulator_not_a_scale(rng,
     xq, wq = lb.quantize(x, scheme), lb.quantize(w, scheme)
     X, SX = elements(xq)
     W, SW = elements(wq)
-    out = (_hopper_fp8_mma(X, W, promote=128).float() * SX[:, :1]) * SW[:, 0][None, :]
+    out = (hopper_fp8_mma(X, W, promote=128).float() * SX[:, :1]) * SW[:, 0][None, :]
     v = check_linear(out, x, w, x_scheme=scheme, w_scheme=scheme)
     assert not v.passed and v.kind == "numerical", v.report()
     assert v.causes[0].name == "accumulator_narrower_than_promised" and "fp8_fast" in v.causes[0].detail, v.report()

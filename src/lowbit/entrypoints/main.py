@@ -22,6 +22,8 @@ COMMANDS = {
     "quantize": ("lowbit.entrypoints.quantize", "quantize a model, evaluate it and write a checkpoint"),
     "sites": ("lowbit.entrypoints.sites", "per-site SQNR diagnosis of a model under a recipe"),
     "inspect": ("lowbit.entrypoints.inspect", "list a quantized checkpoint's schemes and flag problems"),
+    "verify-model": ("lowbit.entrypoints.verify_model", "check a deployed checkpoint layer by layer against the "
+                                                        "float64 reference"),
 }
 
 # Commands that run lowbit's Triton kernels as the thing they check: without a GPU those run in

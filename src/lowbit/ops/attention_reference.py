@@ -59,6 +59,12 @@ class AttnSpec:
     p_block:  keys per P scale (the kernel's key block; a power of two >= 16).
     causal:   bottom-right causal mask.
     sm_scale: softmax scale; None = 1 / sqrt(head_dim).
+    qk_acc / pv_acc: what the kernel accumulates Q.K^T and P.V in (ACCUMULATORS): "fp32";
+              "fp8_fast" (Hopper's fp8 tensor-core accumulator: 32-wide steps keeping 14
+              significant bits, truncated); "bf16" / "fp16" (rounded after every product).
+    pv_promote: keys of P.V summed in pv_acc before the partial is added into an fp32 O (a
+              multiple of 32 for fp8_fast; FlashAttention-3's fix promotes once per key block);
+              0 = never: the narrow accumulator holds O across the whole context.
     """
 
     q_format: str | None = "fp8_e4m3fn"
@@ -66,6 +72,9 @@ class AttnSpec:
     p_block: int = 64
     causal: bool = True
     sm_scale: float | None = None
+    qk_acc: str = "fp32"
+    pv_acc: str = "fp32"
+    pv_promote: int = 0
 
     def __post_init__(self):
         if self.q_format not in Q_FORMATS:
@@ -75,6 +84,13 @@ class AttnSpec:
         b = self.p_block
         if not isinstance(b, int) or b < 16 or b & (b - 1):
             raise ValueError(f"AttnSpec: p_block must be a power of two >= 16 (it is the kernel's key block), got {b!r}")
+        for name in ("qk_acc", "pv_acc"):
+            if getattr(self, name) not in ACCUMULATORS:
+                raise ValueError(f"AttnSpec: {name} must be one of {ACCUMULATORS}, got {getattr(self, name)!r}")
+        n = self.pv_promote
+        if not isinstance(n, int) or n < 0 or (self.pv_acc == "fp8_fast" and n % FP8_STEP):
+            raise ValueError(f"AttnSpec: pv_promote must be 0 (never) or a number of keys >= 1 (a multiple of "
+                             f"{FP8_STEP} for fp8_fast, whose steps are {FP8_STEP} keys), got {n!r}")
 
     def scale_for(self, D: int) -> float:
         return 1.0 / math.sqrt(D) if self.sm_scale is None else float(self.sm_scale)
@@ -82,6 +98,33 @@ class AttnSpec:
     @property
     def p_max(self) -> float:
         return 1.0 if self.p_format is None else float(get_format(self.p_format).max)
+
+    def pv_stretch(self, Tk: int) -> int:
+        """Keys P.V sums in pv_acc before an fp32 promotion (the whole context when never)."""
+        return Tk if self.pv_acc == "fp32" or self.pv_promote == 0 else min(self.pv_promote, Tk)
+
+
+# Accumulators of the two products. fp8_fast is what the H200's fp8 tensor core measured
+# (verify/accumulate.py, docs/diagnosis.md): each 32-wide step aligns its products and the running
+# partial to the largest exponent among them and keeps 13 fraction bits below it, truncated.
+ACCUMULATORS = ("fp32", "fp8_fast", "bf16", "fp16")
+FP8_STEP = 32
+FP8_FAST_BITS = 13
+_ACC_U = {"fp32": U32, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
+
+
+def accumulation_factor(acc: str, n: int, step: int = FP8_STEP) -> float:
+    """g such that summing n terms t_k in accumulator `acc` errs by at most g * sum_k |t_k| (the
+    running partial never exceeds that sum in magnitude, and a rescale by a factor <= 1 keeps it so).
+    - fp32 / bf16 / fp16, one rounding per addition: gamma_n(u) (Higham's recursive summation).
+    - fp8_fast: each of ceil(n / step) steps aligns <= step + 1 terms (products and the partial) to the
+      exponent of the largest, |largest| <= sum_k |t_k|, and truncates each below 2^-13 of it: a step
+      errs by < (step + 1) 2^-13 sum_k |t_k|, so g = ceil(n / step) (step + 1) 2^-13. It grows linearly
+      with the keys summed before a promotion: at 16k keys never promoted it is ~2, no bound at all,
+      which is the point: such a kernel cannot promise anything at long context."""
+    if acc == "fp8_fast":
+        return -(-n // step) * (step + 1) * 2.0 ** -FP8_FAST_BITS
+    return _gamma(n, _ACC_U[acc])
 
 
 def quantize_q_parts(q: torch.Tensor, fmt: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -170,9 +213,23 @@ class AttnReference:
     p: torch.Tensor | None = None   # with return_p: the normalized weights [B, Hq, Tq, Tk] O is made of
 
 
+def _narrow_pv(acc, lo, done, wt, Vb, stretch, pv_accumulate):
+    """One key block's P.V added through a narrow accumulator: lo (the narrow partial) takes the
+    products through pv_accumulate(lo, w [.., Tq, n], V [.., n, D]) -> lo, and is added into the
+    fp32 O (acc) and restarted every `stretch` keys (done: keys in lo so far). Returns (acc, lo, done)."""
+    a, n = 0, wt.shape[-1]
+    while a < n:
+        take = min(n - a, stretch - done)
+        lo = pv_accumulate(lo, wt[..., a:a + take], Vb[:, :, a:a + take])
+        a, done = a + take, done + take
+        if done == stretch:
+            acc, lo, done = acc + lo, torch.zeros_like(lo), 0
+    return acc, lo, done
+
+
 def attention_reference(q_hat: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.Tensor, spec: AttnSpec, *,
                         variant: str | None = None, out_dtype: torch.dtype = torch.float32,
-                        return_p: bool = False) -> AttnReference:
+                        return_p: bool = False, pv_accumulate=None) -> AttnReference:
     """The quantization-aware reference (module docstring) of already dequantized operands
     q_hat [B, Hq, Tq, D], k_hat / v_hat [B, Hkv, Tk, D] (float32 values; used exactly in float64).
 
@@ -196,11 +253,21 @@ def attention_reference(q_hat: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.T
        rescale operations and the division, gamma_n(2^-24) with n = p_block + 2 nb + 8, applied
        to (sum (w + D)|V| + |O| (L + sum D)) / (L - sum D), the output rounding u_out (|O| +
        that) + eta_out / 2, and exp2's flush of arguments below -126 (2^-120 Tk max|V| / L).
+    5. The accumulators the spec declares: a narrow Q.K^T sum adds accumulation_factor(qk_acc, D)
+       sum_d |Q_hat||K_hat| to e (step 1); a narrow P.V sum adds accumulation_factor(pv_acc, S)
+       sum (w + D)|V| / (L - sum D), S = the keys summed before each fp32 promotion (spec.pv_stretch:
+       the whole context Tk when never promoted), since each stretch errs by that factor times its
+       own share of sum w|V| and the stretches partition the keys. With fp8_fast and no promotion
+       the term grows linearly with the context (Tk 2^-13 33 / 32); promoted every S keys it does
+       not grow with the context at all, only the fp32 roundings of step 4 do (2 nb of them).
     The low-precision-O variants add 2 u_low nb sum (w + D)|V| / (L - sum D): one rounding of O
     per block that the bugged kernel may resolve to the other neighbour. The skipped-rescale
     variants take their own weights (relative to the running max, where the rescale is missing),
     add twice the running max's error to zeta, and rescale_wrong_acc, whose O is no weighted mean,
     bounds the deviation by sum_j Da_j |V_j| + |O| sum_j Dd_j instead of sum_j D_j |V_j - O|.
+    pv_accumulate: simulate the spec's narrow P.V accumulator instead of summing exactly (a kernel
+    with that accumulator, for the diagnosis): (partial, w [.., Tq, n], V [.., n, D]) -> partial,
+    the partial added into O every spec.pv_stretch(Tk) keys.
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
@@ -209,7 +276,8 @@ def attention_reference(q_hat: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.T
     Tk = k_hat.shape[2]
     c = spec.scale_for(D) * LOG2E
     T = (qd @ kd.transpose(-1, -2)) * c                      # [B, Hq, Tq, Tk], log2 units
-    e = _gamma(D + 5, U32) * (qd.abs() @ kd.abs().transpose(-1, -2)) * c
+    g_qk = 0.0 if spec.qk_acc == "fp32" else accumulation_factor(spec.qk_acc, D)
+    e = (_gamma(D + 5, U32) + g_qk) * (qd.abs() @ kd.abs().transpose(-1, -2)) * c
     allowed = allowed_mask(Tq, Tk, spec.causal).expand_as(T)
     ninf = torch.tensor(-math.inf, dtype=torch.float64)
     fmax = spec.p_max
@@ -238,6 +306,7 @@ def attention_reference(q_hat: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.T
     zero_codes, n_allowed = 0, 0
     # weights relative to M are kept per block for the deviation term, which needs the final O
     blocks = []
+    part, done, stretch = torch.zeros_like(acc), 0, spec.pv_stretch(Tk)   # the narrow P.V partial
     for b in range(nb):
         sl = slice(b * BN, min((b + 1) * BN, Tk))
         Tb, Ab, Vb = T[..., sl], allowed[..., sl], vd[:, :, sl]
@@ -265,10 +334,12 @@ def attention_reference(q_hat: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.T
                               torch.zeros_like(ref0))
         wt = codes / fmax * fac_run                                    # relative to m_new
         alpha = torch.where(torch.isfinite(m_prev), torch.exp2(m_prev - mnew), torch.zeros_like(m_prev))
-        pv = wt @ Vb
         a_o = torch.ones_like(alpha) if variant in ("rescale_skipped", "rescale_wrong_acc") else alpha
         a_l = torch.ones_like(alpha) if variant == "rescale_skipped" else alpha
-        acc = acc * a_o + pv
+        if pv_accumulate is None:
+            acc = acc * a_o + wt @ Vb
+        else:
+            acc, part, done = _narrow_pv(acc * a_o, part * a_o, done, wt, Vb, stretch, pv_accumulate)
         if variant in _LOW:
             acc = acc.to(torch.float32).to(_LOW[variant][0]).to(torch.float64)
         l = l * a_l + wt.sum(dim=-1, keepdim=True)
@@ -292,7 +363,7 @@ def attention_reference(q_hat: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.T
         if variant == "rescale_wrong_acc":           # numerator and l weigh differently: no weighted mean
             dev_num += Da @ Vb.abs()
         blocks.append((Dd, Vb, d_w if return_p else None))
-    out = acc / l
+    out = (acc + part) / l
     if variant == "rescale_wrong_acc":
         dev_num += out.abs() * sum_D
     else:
@@ -308,6 +379,8 @@ def attention_reference(q_hat: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.T
     kern = dev_num / den_s + _gamma(n_acc, U32) * (wv + out.abs() * (sum_w + sum_D) / den_s)
     if variant in _LOW:
         kern = kern + 2 * _LOW[variant][1] * nb * wv
+    if spec.pv_acc != "fp32":
+        kern = kern + accumulation_factor(spec.pv_acc, spec.pv_stretch(Tk)) * wv
     kern = kern + 2.0 ** -120 * Tk * vd.abs().amax(dim=2, keepdim=True) / den_s + 4 * U64 * wv
     u_out, eta_out = _OUT_UNITS[out_dtype]
     gate = kern + u_out * (out.abs() + kern) + eta_out / 2

@@ -13,7 +13,10 @@ simulation reproduces the output everywhere within its gate is named, most speci
   causal_mask_after_p                      block max and P codes taken before the causal mask
   p_scale_per_tensor                       one scale for all of P: the softmax tail rounds to zero
   rescale_skipped / rescale_wrong_accumulator   the online-softmax rescale of O missing
+Then the accumulators narrower than the spec promises, the closest simulation named (numerical):
   o_accumulated_fp16 / o_accumulated_bf16  O kept in a 16-bit accumulator across the rescales
+  accumulator_narrower_than_promised       P.V summed in fp8-fast / bf16 / fp16 across more keys than
+                                           promised (never promoted into fp32: vLLM's fp8 FA3 at 128k)
 With P unquantized (p_format None), an output no simulation reproduces but within the bound of
 bf16 scores and P (bf16_intermediates_bound) is named `computed_in_bf16`, numerical: what a bf16
 attention such as torch's SDPA in bf16 does, held to the fp32 gate it does not promise.
@@ -28,6 +31,7 @@ import torch
 
 from lowbit.ops import attention_reference as ar
 from lowbit.ops.kv_quant import KVQuant
+from lowbit.verify import attention_accumulate as pvacc
 from lowbit.verify import metrics as mt
 from lowbit.verify.check import Verdict
 from lowbit.verify.diagnose import Cause
@@ -103,10 +107,12 @@ def _hypotheses(q_hat, k, v, spec, other_layer_scales):
            kd, vd, "rescale_skipped")
     yield ("rescale_wrong_accumulator", "the online-softmax rescale applied to l but not to O", "logic",
            kd, vd, "rescale_wrong_acc")
-    yield ("o_accumulated_fp16", "O accumulated in fp16 across the rescales (the accumulator must be fp32)",
-           "numerical", kd, vd, "acc_fp16")
-    yield ("o_accumulated_bf16", "O accumulated in bf16 across the rescales (the accumulator must be fp32)",
-           "numerical", kd, vd, "acc_bf16")
+
+
+O_ROUNDED = (("o_accumulated_fp16", "O accumulated in fp16 across the rescales (the accumulator must be fp32)",
+              "acc_fp16"),
+             ("o_accumulated_bf16", "O accumulated in bf16 across the rescales (the accumulator must be fp32)",
+              "acc_bf16"))
 
 
 def check_attention(out, q, k, v, spec: ar.AttnSpec | None = None, *, out_dtype: torch.dtype | None = None,
@@ -139,7 +145,8 @@ def check_attention(out, q, k, v, spec: ar.AttnSpec | None = None, *, out_dtype:
     kv_scheme = str(kc.scheme) if isinstance(kc, KVQuant) else "unquantized"
     metrics = {"shape": tuple(q.shape), "Tk": int(k.shape[2]), "kv_scheme": kv_scheme,
                "spec": f"Q {spec.q_format}, P {spec.p_format} per {spec.p_block}-key block, "
-                       f"{'causal' if spec.causal else 'full'}",
+                       f"{'causal' if spec.causal else 'full'}, Q.K^T in {spec.qk_acc}, P.V in "
+                       f"{pvacc.describe(spec, int(k.shape[2]))}",
                "rel_l2": mt.rel_l2(o64.reshape(-1, o64.shape[-1]), ref.out.reshape(-1, o64.shape[-1])), "max_abs_err": emax,
                "mismatch_ratio": float(bad.double().mean()),
                "impl_gate_frac": float(torch.nan_to_num(err / ref.gate, nan=math.inf).max()),
@@ -158,7 +165,7 @@ def check_attention(out, q, k, v, spec: ar.AttnSpec | None = None, *, out_dtype:
                    "worst_query": int(per_q.argmax())}
         kind = "logic"
         if diagnose_failures:
-            kind, causes = _diagnose(o64, ref.out, q_hat, kc, vc, spec, out_dtype, other_layer_scales)
+            kind, causes = _diagnose(o64, ref, q_hat, kc, vc, spec, out_dtype, other_layer_scales)
     return AttnVerdict(passed, kind, first, metrics, causes, [], details)
 
 
@@ -192,12 +199,43 @@ def bf16_intermediates_bound(q_hat: torch.Tensor, k_hat: torch.Tensor, v_hat: to
     return out, kern + u_out * (out.abs() + kern) + eta_out / 2
 
 
-def _diagnose(o64, ref_out, q_hat, k, v, spec, out_dtype, other_layer_scales):
+def _accumulator_causes(o64, ref, q_hat, k, v, spec, out_dtype) -> list[tuple[float, Cause]]:
+    """(share of the error explained, cause) for every accumulator narrower than promised whose
+    simulation explains the output: O rounded to 16 bits once per block (within that kernel's gate),
+    P.V summed in a narrow accumulator (verify/attention_accumulate.py). The closest is named: the
+    16-bit-O gates grow with the blocks and at long context would take any error."""
+    kd, vd = _deq(k), _deq(v)
+    found = []
+    for name, detail, variant in O_ROUNDED:
+        sim = ar.attention_reference(q_hat, kd, vd, spec, variant=variant, out_dtype=out_dtype)
+        ok, share, _ = explained(o64, ref.out, sim.out, sim.gate)
+        if ok and share >= pvacc.MATCH_SHARE:     # its wide gate alone takes almost any long-context error
+            found.append((share, Cause(name, f"{detail} (explains {share:.1%} of the error energy)", True)))
+    m = pvacc.match(o64, ref, q_hat, kd, vd, spec, out_dtype)
+    if m is not None:
+        Tk = kd.shape[2]
+        n = m.spec.pv_promote if m.spec.pv_promote else max(spec.p_block, ar.FP8_STEP)
+        found.append((m.share, Cause(
+            "accumulator_narrower_than_promised",
+            f"P.V accumulated in {pvacc.describe(m.spec, Tk)}, although {pvacc.describe(spec, Tk)} was promised: "
+            f"that kernel, simulated, explains {m.share:.0%} of the error (its relative L2 error {m.rel_err:.2e}); "
+            f"promote every {max(spec.p_block, ar.FP8_STEP)} keys (add the partial into an fp32 O once per key "
+            f"block, FlashAttention-3's two-level accumulation: simulated, {m.fix_rel_err:.2e}) or accumulate "
+            f"P.V in fp32; a kernel meant to work so is checked with AttnSpec(pv_acc={m.spec.pv_acc!r}, "
+            f"pv_promote={n})", m.confirmed)))
+    return sorted(found, key=lambda t: -t[0])
+
+
+def _diagnose(o64, ref, q_hat, k, v, spec, out_dtype, other_layer_scales):
+    ref_out = ref.out
     for name, detail, kind, kd, vd, variant in _hypotheses(q_hat, k, v, spec, other_layer_scales):
         sim = ar.attention_reference(q_hat, kd, vd, spec, variant=variant, out_dtype=out_dtype)
         ok, share, worst = explained(o64, ref_out, sim.out, sim.gate)
         if ok and share > 0:      # within its gate AND closer to the output than the reference is
             return kind, [Cause(name, f"{detail} (explains {share:.1%} of the error energy)", True)]
+    acc = _accumulator_causes(o64, ref, q_hat, k, v, spec, out_dtype)
+    if acc:
+        return "numerical", [c for _, c in acc]
     if spec.p_format is None:
         exact, bound = bf16_intermediates_bound(q_hat, _deq(k), _deq(v), spec, out_dtype)
         worst = float(torch.nan_to_num((o64 - exact).abs() / bound, nan=math.inf).max())

@@ -217,6 +217,129 @@ def wrapped_code_hypotheses(sim: Sim):
                               f"and wraps to {base}", side, dataclasses.replace(edit, codes=wrap(q2)))
 
 
+WRAP_CANDIDATES = 16     # a line's largest values tried as the wrapped ones (a few wrap in practice)
+
+
+def _wrap(q: torch.Tensor, fmt) -> torch.Tensor:
+    """q stored in the format's bits without a clamp: two's complement wraps by 2^bits."""
+    span = 1 << fmt.bits
+    base = -(span // 2) if fmt.signed else 0
+    return torch.remainder(q - base, span) + base
+
+
+def _refit(s: float, xf: torch.Tensor, O: torch.Tensor, Y: torch.Tensor, fmt) -> tuple[float, torch.Tensor]:
+    """(scale, wrapped codes): the scale s of lines xf [R, K] refitted by least squares so that
+    s * wrap(round(xf / s)) @ O.T matches the kernel's lines Y [R, C]; a float32 scale, as kernels
+    keep it (rounding the fit recovers it exactly when the fit is within half its ulp)."""
+    for _ in range(4):
+        q = _wrap(torch.round(xf / torch.tensor(s, dtype=torch.float32)), fmt)
+        A = q.double() @ O.T
+        den = float((A * A).sum())
+        if den == 0:
+            break
+        s = float(torch.tensor(float((Y * A).sum()) / den, dtype=torch.float32))
+        if s <= 0:
+            break
+    return s, _wrap(torch.round(xf / torch.tensor(s, dtype=torch.float32)), fmt)
+
+
+WRAP_SCAN = 1001           # scales tried per pass around the first estimate, +-WRAP_SPREAD of it
+WRAP_SPREAD = 0.06         # the estimate's error: the other codes' rounding noise, ~sqrt(K / 12) / 2^bits
+WRAP_SCAN_COLS = 64        # output columns the scan compares (the refit uses all of them)
+
+
+def _first_fit(xr: torch.Tensor, Or: torch.Tensor, yr: torch.Tensor, fmt) -> float | None:
+    """A scale for one line xr [K] (float32) whose kernel output yr [C] has its n largest values
+    wrapped. Away from the wraps s * round(x / s) ~ x, so yr - xr @ O.T ~ -2^bits * s * sum_(n
+    largest) sign(x_k) O[:, k] (plus the codes' rounding noise): s by least squares for the n
+    (1 .. WRAP_CANDIDATES); then scales from the smallest to the largest estimate (+-WRAP_SPREAD)
+    are tried exactly (codes re-rounded and wrapped) on WRAP_SCAN_COLS columns, narrowing around
+    the closest, which is refitted."""
+    span = 1 << fmt.bits
+    e = yr - xr.double() @ Or.T
+    order = torch.argsort(xr.abs(), descending=True)[:WRAP_CANDIDATES]
+    fits = []
+    for n in range(1, len(order) + 1):
+        v = -span * (torch.sign(xr[order[:n]]).double() @ Or[:, order[:n]].T)
+        vv = float(v @ v)
+        if vv > 0 and float(e @ v) > 0:
+            fits.append(float(e @ v) / vv)
+    if not fits:
+        return None
+    # with few output columns several n fit about as well: every estimate's range is scanned
+    cols = torch.linspace(0, Or.shape[0] - 1, min(WRAP_SCAN_COLS, Or.shape[0])).round().long()
+    lo, hi = min(fits) * (1 - WRAP_SPREAD), max(fits) * (1 + WRAP_SPREAD)
+    for _ in range(3):      # each pass narrows to +-2 steps of the last: the codes change every ~1e-5 of s
+        grid = torch.linspace(lo, hi, WRAP_SCAN).double()
+        q = _wrap(torch.round(xr[None, :] / grid.float()[:, None]), fmt).double()          # [S, K]
+        res = ((yr[cols][None, :] - grid[:, None] * (q @ Or[cols].T)).abs()).amax(dim=1)
+        i, step = int(res.argmin()), (hi - lo) / (WRAP_SCAN - 1)
+        lo, hi = float(grid[i]) - 2 * step, float(grid[i]) + 2 * step
+    s, _ = _refit(float(grid[i]), xr[None], Or, yr[None], fmt)
+    return s if s > 0 else None
+
+
+def stale_scale_wrap_hypotheses(sim: Sim):
+    """Integer codes made with a scale smaller than the scheme's amax / qmax (a static scale
+    calibrated on a narrower range, an amax taken over part of the row) and stored without a
+    clamp: the values past qmax * s wrap by 2^bits (an activation 5% over a calibrated range rounds
+    to 133 and is stored as -123). The kernel's scale is unknown, so it is fitted: per line (token,
+    or output channel of w) the error of its largest values wrapped gives the scale by least squares,
+    refitted so that the wrapped codes reproduce the line; one scale for all lines when the scheme
+    has one (tensor-wise). Lines within the gate keep the reference's codes. Named only when the
+    fitted codes wrap and the simulation reproduces every output within the gate."""
+    if not bool(torch.isfinite(sim.ctx.out).all()):
+        return
+    bias = 0.0 if sim.bias is None else sim.bias[None, :]
+    for side, other, qt in sides(sim):
+        fmt = qt.scheme.fmt
+        if fmt.kind != "int" or not fmt.signed or qt.zero_point is not None or qt.scheme.scale_format != "fp32":
+            continue
+        xf = _original(sim, side, qt)
+        R = qt.codes.shape[0]
+        if xf is None or qt.scale.shape[1] != 1 or qt.scale.shape[0] not in (1, R):
+            continue
+        O = sim.deq(other)
+        Y = sim.ctx.out - bias
+        E = Y - (sim.ctx.ref - bias)
+        bad = ~(E.abs() <= sim.ctx.gate)
+        if side == "w":
+            Y, E, bad = Y.T, E.T, bad.T
+        lines = bad.any(dim=1).nonzero().flatten().tolist()
+        if not lines:
+            continue
+        scale, codes = qt.scale.clone(), qt.codes.clone()
+        if qt.scale.shape[0] == 1:              # one scale for every line: fitted on the worst, refitted on all
+            worst = int(E.abs().amax(dim=1).argmax())
+            s0 = _first_fit(xf[worst], O, Y[worst], fmt)
+            if s0 is None:
+                continue
+            s, q = _refit(s0, xf, O, Y, fmt)
+            scale[:] = s
+            codes = q.to(codes.dtype)
+        else:
+            fits = {r: _first_fit(xf[r], O, Y[r], fmt) for r in lines}
+            if any(s is None for s in fits.values()):
+                continue
+            for r, s in fits.items():
+                scale[r] = s
+                codes[r] = _wrap(torch.round(xf[r] / torch.tensor(s, dtype=torch.float32)), fmt).to(codes.dtype)
+        unclamped = torch.round(xf / scale.float())
+        wrapped = (unclamped > fmt.qmax) | (unclamped < -fmt.qmax)
+        if not bool(wrapped.any()):
+            continue
+        ratio = (scale.double() / qt.scale.double()).flatten()[lines if qt.scale.shape[0] > 1 else [0]]
+        where = wrapped.any(dim=1).nonzero().flatten().tolist()
+        yield sim.hyp("codes_wrapped_not_clamped",
+                      f"{_side(side)}' codes past +-{fmt.qmax} stored without a clamp (they wrap by "
+                      f"{1 << fmt.bits}) under a scale smaller than amax / {fmt.qmax} (fitted: "
+                      f"{float(ratio.min()):.3g}..{float(ratio.max()):.3g} of it; a static scale calibrated on a "
+                      f"narrower range, or an amax over part of the {'row' if side == 'x' else 'channel'}?): "
+                      f"{int(wrapped.sum())} codes wrapped in {'rows' if side == 'x' else 'rows of w'} "
+                      f"{where[:8]}{' ...' if len(where) > 8 else ''}; clamp after rounding", side,
+                      dataclasses.replace(qt, codes=codes, scale=scale.contiguous()))
+
+
 def _rule_side(sim: Sim, side: str, qt, divisor: float, recip: bool):
     """The side re-quantized with scale amax / divisor (float32, per the scheme's blocks), codes
     round-half-even of x / s (or x * (1 / s)) clamped to the storage range [qmin, qmax]; None when

@@ -21,36 +21,6 @@ def _alike(s: torch.Tensor, one: torch.Tensor) -> bool:
     return float((s.double() / one.double() - 1).abs().max()) <= 2.0 ** -9
 
 
-def zero_scale_nan_hypotheses(sim: Sim):
-    """An all-zero scale block (a zero row, K group or block of one operand) given the scale 0 by a
-    quantizer with no lower bound: its codes are 0 / 0 = NaN, and so is every output it feeds
-    (pytorch/ao#4713: torchao's Float8Tensor; huggingface/kernels-community#680;
-    vipshop/cache-dit#1097). Only tried when the kernel returned non-finite outputs."""
-    if bool(torch.isfinite(sim.ctx.out).all()):
-        return
-    for side, _other, qt in sides(sim):
-        D = sim.deq(side)                           # float64 [R, K]
-        R, K = D.shape
-        Rs, G = qt.scale.shape
-        if R % Rs or K % G:
-            continue
-        zero = D.reshape(Rs, R // Rs, G, K // G).abs().amax(dim=(1, 3)) == 0   # [Rs, G]: amax 0
-        if not bool(zero.any()):
-            continue
-        lines = zero.any(dim=1).repeat_interleave(R // Rs)                  # [R]
-        pred, gate = sim.linear()
-        pred = pred.clone()
-        if side == "x":
-            pred[lines, :] = float("nan")
-        else:
-            pred[:, lines] = float("nan")
-        what = "rows" if side == "x" else "columns"
-        yield Hyp("zero_block_scale_nan", f"all-zero blocks of the {_side(side)} got the scale 0 (no lower bound "
-                  f"on amax / max code), so their codes are 0/0 = NaN: output {what} "
-                  f"{lines.nonzero().flatten().tolist()[:8]} are NaN; floor the scale (e.g. at the smallest "
-                  "normal float32) or give all-zero blocks the scale 1", pred, gate)
-
-
 def scale_value_hypotheses(sim: Sim):
     """A scale missing, applied twice, divided instead of multiplied, broadcast from row 0
     (a stride-0 load), the other side's scale used, an e8m0 exponent off by one.

@@ -106,16 +106,35 @@ def check_linear(out, x, w, *, x_scheme=None, w_scheme=None, bias=None, accumula
         w_scheme = lb.get_preset(w_scheme)
     xq = lb.quantize(xt.float(), x_scheme) if x_scheme is not None else xt.double()
     wq = lb.quantize(wt.float(), w_scheme) if w_scheme is not None else wt.double()
-    acc = accumulator or tol.default_accumulator(xq, wq)
+    return check_quantized(out_t, xq, wq, bias=bias, accumulator=accumulator, out_dtype=out_dtype, x=xt, w=wt,
+                           x_scheme=x_scheme, w_scheme=w_scheme, diagnose_failures=diagnose_failures)
 
+
+def check_quantized(out, xq, wq, *, bias=None, accumulator: str | None = None, out_dtype: torch.dtype | None = None,
+                    x=None, w=None, x_scheme=None, w_scheme=None, diagnose_failures: bool = True) -> Verdict:
+    """check_linear on operands already quantized: `out` [M, N] ~ xq @ wq.T (+ bias), xq / wq
+    QTensors, or float tensors used as they are (an unquantized side, or activations a static
+    scale quantized, as their dequantized values). What `lowbit verify-model` checks a deployed
+    layer with: the checkpoint holds the codes, not the float weights. x / w: the original float
+    inputs when known (check_linear passes them, with their schemes): they add the SQNR against
+    the unquantized product, the quantization bounds, the code census and the diagnoses that
+    re-quantize (rounding rules, wrapped codes); without them those are left out."""
+    out_t = torch.as_tensor(out).detach().to("cpu")
+    M, N = out_t.shape
+    K = xq.codes.shape[1] if hasattr(xq, "codes") else torch.as_tensor(xq).shape[1]
+    out_dtype = out_dtype or (out_t.dtype if out_t.is_floating_point() else torch.float32)
+    acc = accumulator or tol.default_accumulator(xq, wq)
+    xt, wt = x, w
     out64 = out_t.double()
     ref = qlinear_reference(xq, wq, bias)
     gate = tol.implementation_gate(xq, wq, ref, accumulator=acc, out_dtype=out_dtype, bias=bias)
     b64 = None if bias is None else torch.as_tensor(bias).detach().cpu().double()
-    orig = xt.double() @ wt.double().T + (0 if b64 is None else b64)
-    det, stat = tol.quantization_bounds(xt.float(), wt.float(), xq if x_scheme else None,
-                                        wq if w_scheme else None)
-    qgate, sgate = det + gate, stat + gate
+    orig = qgate = sgate = None
+    if xt is not None and wt is not None:
+        orig = xt.double() @ wt.double().T + (0 if b64 is None else b64)
+        det, stat = tol.quantization_bounds(xt.float(), wt.float(), xq if x_scheme else None,
+                                            wq if w_scheme else None)
+        qgate, sgate = det + gate, stat + gate
 
     err = (out64 - ref).abs()
     bad = ~(err <= gate)                      # NaN counts as a failure
@@ -125,21 +144,21 @@ def check_linear(out, x, w, *, x_scheme=None, w_scheme=None, bias=None, accumula
         flat = int(torch.nonzero(bad.reshape(-1))[0])
         first = divmod(flat, N)
     emax, where = mt.max_abs_err(out64, ref)
-    e_orig = (out64 - orig).abs()
     metrics = {
         "shape": (M, N), "K": K, "accumulator": acc,
-        "x_scheme": str(x_scheme) if x_scheme else "unquantized",
-        "w_scheme": str(w_scheme) if w_scheme else "unquantized",
+        "x_scheme": _scheme_name(xq, x_scheme), "w_scheme": _scheme_name(wq, w_scheme),
         "rel_l2": mt.rel_l2(out64, ref), "max_abs_err": emax, "max_at": where,
         "rms_err": mt.rms_err(out64, ref),
         "mismatch_ratio": float(bad.double().mean()),
         "impl_gate_frac": float(torch.nan_to_num(err / gate, nan=math.inf).max()),
-        "sqnr_db": mt.sqnr_db(orig, out64),
-        "quant_gate_frac": float(torch.nan_to_num(e_orig / qgate, nan=math.inf).max()),
-        "sqrtk_frac": float(torch.nan_to_num(e_orig / sgate, nan=math.inf).max()),
     }
+    if orig is not None:
+        e_orig = (out64 - orig).abs()
+        metrics.update(sqnr_db=mt.sqnr_db(orig, out64),
+                       quant_gate_frac=float(torch.nan_to_num(e_orig / qgate, nan=math.inf).max()),
+                       sqrtk_frac=float(torch.nan_to_num(e_orig / sgate, nan=math.inf).max()))
     warnings = []
-    if metrics["sqrtk_frac"] > 1:
+    if metrics.get("sqrtk_frac", 0) > 1:
         warnings.append(f"error vs the original inputs is {metrics['sqrtk_frac']:.2f}x the sqrt(K) statistical "
                         f"estimate (diagnostic only): the quantization is coarser than independent rounding "
                         f"errors at this scheme's steps would give")
@@ -169,7 +188,14 @@ def check_linear(out, x, w, *, x_scheme=None, w_scheme=None, bias=None, accumula
     if not passed:
         kind = "logic"
         if diagnose_failures:
-            ctx = Context(out=out64, ref=ref, gate=gate, x=xt.float(), w=wt.float(), xq=xq, wq=wq, bias=bias,
+            ctx = Context(out=out64, ref=ref, gate=gate, x=None if xt is None else xt.float(),
+                          w=None if wt is None else wt.float(), xq=xq, wq=wq, bias=bias,
                           orig_ref=orig, quant_gate=qgate, accumulator=acc, out_dtype=out_dtype)
             kind, causes = diagnose(ctx)
     return Verdict(passed, kind, first, metrics, causes, warnings, details)
+
+
+def _scheme_name(q, scheme) -> str:
+    if scheme is not None:
+        return str(scheme)
+    return str(q.scheme) if hasattr(q, "scheme") else "unquantized"

@@ -1,6 +1,9 @@
 """Name the cause of a mismatch, or say honestly that it is unknown.
 
 Order of questions (each answer is a simulation, never a bound that almost anything fits):
+0. Are there non-finite outputs? Their source is named first (verify/nonfinite.py: a zero, subnormal
+   or overflowing scale, a sum past the output's range, or where they lie), then the finite outputs
+   go through the questions below on their own.
 1. Does one named bug reproduce the output? Every hypothesis in verify/hypotheses.py (a scale
    missing / twice / inverted / broadcast, a K tail dropped, codes decoded with the wrong format,
    a row shift, ...) is simulated exactly in float64; a bug is CONFIRMED when its simulation matches
@@ -23,6 +26,7 @@ Order of questions (each answer is a simulation, never a bound that almost anyth
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -31,6 +35,7 @@ import torch
 from lowbit.ops.reference import as_operand
 from lowbit.verify import accumulate as accmod
 from lowbit.verify import hypotheses as hy
+from lowbit.verify import nonfinite
 from lowbit.verify.simulate import _q
 
 PARTIAL = 0.8            # a hypothesis explaining >= 80% of the error's energy is listed as partial
@@ -330,12 +335,42 @@ def diagnose(ctx: Context) -> tuple[str, list[Cause]]:
         torch.set_num_threads(before)
 
 
+def _nonfinite_first(ctx: Context, found: nonfinite.Finding) -> tuple[str, list[Cause]]:
+    """The non-finite outputs' cause first, then the finite outputs diagnosed on their own (the
+    non-finite ones taken as right): a NaN hides every other finding, e.g. cuBLAS's fp8 accumulator
+    beside torchao's NaN rows on the H200."""
+    if not found.confirmed:
+        # a catalogued bug whose exact simulation makes these very NaN / Inf (codes decoded with a
+        # format that has Inf, ...) is where they start: it is named instead
+        sub, note = subsample(ctx)
+        confirmed, _, kind = _confirmed_causes(sub, hy.Sim(sub))
+        if confirmed:
+            return kind, confirmed
+    first = Cause(found.name, found.detail, found.confirmed)
+    kind, rest = _diagnose(dataclasses.replace(ctx, out=torch.where(found.mask, ctx.ref, ctx.out)))
+    if kind == "ok":
+        return found.kind, [first]
+    for c in rest:
+        c.detail = f"on the finite outputs: {c.detail}"
+    return ("logic" if "logic" in (found.kind, kind) else "numerical"), [first] + rest
+
+
+def _sum_magnitude(ctx: Context) -> torch.Tensor:
+    """sum_k |x_q||w_q| [M, N]: the largest a partial sum can get, for overflow."""
+    X = as_operand(ctx.xq, "x").dequantized().abs()
+    W = as_operand(ctx.wq, "w").dequantized().abs()
+    return X @ W.T
+
+
 def _diagnose(ctx: Context) -> tuple[str, list[Cause]]:
     err = ctx.out - ctx.ref
     bad = ~(err.abs() <= ctx.gate)
     if not bool(bad.any()):
         return "ok", []
-    finite = bool(torch.isfinite(ctx.out).all())
+    if not bool(torch.isfinite(ctx.out).all()):
+        found = nonfinite.explain(ctx.out, ctx.ref, ctx.xq, ctx.wq, ctx.x, ctx.w, T=_sum_magnitude(ctx),
+                                  out_dtype=ctx.out_dtype, accumulator=ctx.accumulator)
+        return _nonfinite_first(ctx, found)
     sub, note = subsample(ctx)
     confirmed, partial, kind = _confirmed_causes(sub, hy.Sim(sub))
     M, N = ctx.out.shape
@@ -378,12 +413,7 @@ def _diagnose(ctx: Context) -> tuple[str, list[Cause]]:
     if accumulator is not None:
         partial.append((math.inf, accumulator))
     causes: list[Cause] = []
-    if not finite:
-        n = int((~torch.isfinite(ctx.out)).sum())
-        causes.append(Cause("non_finite_output", f"{n} NaN/Inf outputs that no simulated accumulator overflow "
-                                                 f"reproduces (uninitialised memory, a NaN code, a division by a "
-                                                 f"zero scale?)", False))
-    elif ctx.orig_ref is not None and ctx.quant_gate is not None and not (few_rows or few_cols):
+    if ctx.orig_ref is not None and ctx.quant_gate is not None and not (few_rows or few_cols):
         d_orig = float(torch.linalg.vector_norm(ctx.out - ctx.orig_ref))
         d_ref = float(torch.linalg.vector_norm(err))
         if d_orig < 0.5 * d_ref and bool(((ctx.out - ctx.orig_ref).abs() <= ctx.quant_gate).all()):
@@ -392,7 +422,7 @@ def _diagnose(ctx: Context) -> tuple[str, list[Cause]]:
                                    f"L2) than to this scheme's quantization ({d_ref:.3g}): the kernel quantizes "
                                    f"differently (scales, rounding or granularity) or not at all", False)]
     worst = float(torch.nan_to_num(err.abs() / ctx.gate, nan=math.inf).max())
-    if finite and worst <= OVER_BUDGET and not (few_rows or few_cols):
+    if worst <= OVER_BUDGET and not (few_rows or few_cols):
         return "numerical", [Cause("over_budget_evenly",
                                    f"errors exceed the derived bound by at most {worst:.2f}x in "
                                    f"{float(bad.double().mean()):.1%} of outputs without a row/column pattern "
@@ -405,7 +435,7 @@ def _diagnose(ctx: Context) -> tuple[str, list[Cause]]:
     if few_cols:
         causes.append(Cause("error_in_few_columns", f"{col_share:.0%} of failing elements lie in columns {cols}: "
                                                     f"column indexing or one column's scale", False))
-    wrap = _wrap_hypothesis(ctx) if finite else None
+    wrap = _wrap_hypothesis(ctx)
     if wrap is not None:
         causes.append(wrap)
     causes.extend(c for _, c in sorted(partial, key=lambda t: -t[0]))

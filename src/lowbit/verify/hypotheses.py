@@ -19,9 +19,10 @@ from lowbit.verify import bugs_scales as bs
 from lowbit.verify.simulate import Hyp, Sim, explained  # noqa: F401  (the catalogue's vocabulary)
 
 # Most specific first: where two simulations coincide, the earlier one names the group.
-ALL = (bs.zero_scale_nan_hypotheses, bo.permutation_hypotheses, bs.scale_value_hypotheses, bs.scale_layout_hypotheses,
+ALL = (bo.permutation_hypotheses, bs.scale_value_hypotheses, bs.scale_layout_hypotheses,
        bs.both_sides_hoisted, bs.silent_fallback_hypotheses, bs.scale_axis_hypotheses, bs.scale_permutation_hypotheses,
-       bs.mx_layout_hypotheses, bc.code_hypotheses, br.wrapped_code_hypotheses, br.rounding_rule_hypotheses,
+       bs.mx_layout_hypotheses, bc.code_hypotheses, br.wrapped_code_hypotheses, br.stale_scale_wrap_hypotheses,
+       br.rounding_rule_hypotheses,
        br.scale_rule_hypotheses,
        bc.transpose_hypotheses, bo.k_range_hypotheses, bo.bias_hypotheses, bo.output_hypotheses,
        bo.precision_hypotheses, bo.half_operand_hypotheses, bo.offset_hypotheses, br.stochastic_rounding_hypotheses,

@@ -1,0 +1,226 @@
+"""verify_model: does a deployed quantized checkpoint still compute what its codes and scales say?
+(`lowbit verify-model DIR`)
+
+The check a serving team runs after a driver, library or kernel change. The checkpoint (lowbit's or
+any compressed-tensors one: lowbit.pipelines.checkpoint.load_compressed) is built as a model on this
+machine's fast paths (lowbit.nn.QuantLinear / QuantExperts: the prepared kernels on CUDA, the exact
+CPU twins elsewhere), run on a few calibration sequences (random token ids of the model's vocabulary,
+seeded), and every quantized layer's inputs and outputs are captured:
+- dense (QuantLinear): the output against the float64 quantization-aware reference of the same
+  activation quantization and stored weight codes, gated and diagnosed by verify.check_quantized
+  (pass / numerical / logic with the cause);
+- experts (QuantExperts): the output against the module's own float64 exact path on the same
+  tokens and routing, within the output rounding of the model's dtype (a comparison with the exact
+  twin, not a derived gate: the block chains two GEMMs and an activation);
+- attention with a quantized KV cache: not checked here yet (`lowbit audit --attention` and
+  check_attention cover the kernels).
+End to end, the same sequences run through the fast model and through the exact one (every
+quantized layer's output replaced by its reference): KL(exact || fast) per token and top-1
+agreement. Time is bounded by `samples` (sequences) and `rows` (captured rows per layer).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+import lowbit as lb
+from lowbit.nn.experts import QuantExperts
+from lowbit.nn.quant_linear import QuantLinear
+from lowbit.ops.reference import qlinear_reference
+from lowbit.pipelines.checkpoint import load_compressed
+from lowbit.verify.check import Verdict, check_quantized
+
+KINDS = ("dense", "experts")
+ORDER = {"ok": 0, "numerical": 1, "logic": 2}
+
+
+@dataclass
+class LayerResult:
+    name: str
+    kind: str                     # "dense" | "experts"
+    verdict: str                  # "ok" | "numerical" | "logic"
+    worst_over_gate: float        # worst |out - reference| / gate (experts: / the rounding bound)
+    rel_err: float
+    cause: str = ""               # the first cause's text ("" when ok)
+
+
+@dataclass
+class ModelReport:
+    directory: str
+    device: str
+    layers: list[LayerResult]
+    kl: float                     # mean KL(exact || fast) per token, nats
+    top1: float                   # share of tokens whose argmax agrees
+    tokens: int
+    not_checked: list[str] = field(default_factory=list)
+
+    def kind_verdict(self, kind: str) -> str:
+        rs = [r.verdict for r in self.layers if r.kind == kind]
+        return max(rs, key=ORDER.get) if rs else "absent"
+
+    @property
+    def logic(self) -> bool:
+        return any(r.verdict == "logic" for r in self.layers)
+
+    def report(self) -> str:
+        lines = [f"verify-model {self.directory} on {self.device}: {len(self.layers)} quantized layers, "
+                 f"{self.tokens} tokens"]
+        for kind in KINDS:
+            rs = [r for r in self.layers if r.kind == kind]
+            if not rs:
+                continue
+            worst = max(rs, key=lambda r: (ORDER[r.verdict], r.worst_over_gate))
+            lines.append(f"  {kind:8s} {self.kind_verdict(kind):9s} {len(rs)} layers, worst {worst.name} "
+                         f"(err/gate {worst.worst_over_gate:.3g}, rel err {worst.rel_err:.2e})")
+            for r in rs:
+                if r.verdict != "ok":
+                    lines.append(f"    {r.name}: {r.verdict}: {r.cause}")
+        for n in self.not_checked:
+            lines.append(f"  not checked: {n}")
+        lines.append(f"  end to end vs the exact path: KL {self.kl:.3e} nats/token, top-1 agreement {self.top1:.2%}")
+        return "\n".join(lines)
+
+
+def _rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return t.detach().reshape(-1, t.shape[-1])[:rows].cpu()
+
+
+def _dense_reference(layer, x2: torch.Tensor):
+    """(activation operand, reference out fn): the activations quantized as the layer does (a QTensor
+    for dynamic schemes, the dequantized values of a static scale), float when weight-only."""
+    if layer.act_scheme is None:
+        return x2.double()
+    if layer.act_static_scale is None:
+        return lb.quantize(x2.float(), layer.act_scheme, pad=True)
+    return layer.quantize_input(x2.float())[2].double()
+
+
+def check_dense(name: str, layer, x: torch.Tensor, out: torch.Tensor) -> tuple[LayerResult, Verdict]:
+    xq = _dense_reference(layer, x)
+    v = check_quantized(out, xq, layer.weight_q, bias=layer.bias, out_dtype=out.dtype)
+    cause = str(v.causes[0]) if v.causes else ""
+    return LayerResult(name, "dense", v.kind, v.metrics["impl_gate_frac"], v.metrics["rel_l2"], cause), v
+
+
+def check_experts(name: str, module, inputs: tuple, out: torch.Tensor) -> LayerResult:
+    """The fast output against the module's float64 exact path on the same tokens and routing;
+    bound: 4 output roundings of the model dtype (the GLU input, each GEMM's output, the sum) of
+    each row's largest exact value, plus float32's accumulation of K products."""
+    saved = module.backend
+    module.backend = "exact"
+    try:
+        with torch.no_grad():
+            exact = module(*(t.detach().cpu().double() if t.is_floating_point() else t.cpu() for t in inputs))
+    finally:
+        module.backend = saved
+    exact, got = exact.double(), out.detach().cpu().double()
+    u = torch.finfo(out.dtype).eps / 2
+    K = max(module.hidden_dim, module.intermediate_dim)
+    bound = (4 * u + K * 2.0 ** -24) * exact.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)
+    worst = float(torch.nan_to_num((got - exact).abs() / bound, nan=math.inf).max())
+    rel = float(torch.linalg.vector_norm(got - exact) / torch.linalg.vector_norm(exact).clamp(min=1e-300))
+    verdict = "ok" if worst <= 1 else ("numerical" if worst <= 16 and math.isfinite(worst) else "logic")
+    cause = "" if verdict == "ok" else (f"the fast path differs from the exact float64 path by {worst:.3g}x the "
+                                        f"rounding bound (rel err {rel:.2e})")
+    return LayerResult(name, "experts", verdict, worst, rel, cause)
+
+
+def verify_model(directory, *, samples: int = 2, tokens: int = 32, rows: int = 64, device: str = "cpu",
+                 seed: int = 0, progress: Callable[[str], None] | None = None) -> ModelReport:
+    """Load the checkpoint in `directory`, run `samples` sequences of `tokens` random ids through it
+    on `device` (bf16 on CUDA: the prepared fast paths; float32 on the CPU), and check every
+    quantized layer (the first `rows` rows it saw) and the logits. See the module docstring."""
+    say = progress or (lambda m: None)
+    if samples < 1 or tokens < 2 or rows < 1:
+        raise ValueError(f"samples ({samples}), tokens ({tokens}) and rows ({rows}) must be >= 1, >= 2 and >= 1")
+    ck = load_compressed(directory)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = ck.to_model(device=device, dtype=dtype, share_inputs=False).to(device).eval()
+    say(f"loaded {directory} ({len(ck.qtensors)} quantized tensors) on {device} in {dtype}")
+    vocab = int(ck.config.get("vocab_size") or model.config.vocab_size)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (samples, tokens), generator=g).to(device)
+
+    quantized = {n: m for n, m in model.named_modules() if isinstance(m, (QuantLinear, QuantExperts))}
+    seen: dict[str, tuple] = {}
+
+    def capture(name):
+        def hook(module, args, out):
+            if name not in seen:
+                if isinstance(module, QuantLinear):
+                    seen[name] = (_rows(args[0], rows), _rows(out, rows))
+                else:
+                    seen[name] = (tuple(a.detach()[:rows] for a in args), out.detach()[:rows])
+        return hook
+
+    handles = [m.register_forward_hook(capture(n)) for n, m in quantized.items()]
+    try:
+        with torch.no_grad():
+            fast = model(ids).logits.float().cpu()
+    finally:
+        for h in handles:
+            h.remove()
+    say(f"ran {samples} x {tokens} tokens; checking {len(seen)} layers")
+    results = []
+    for i, (name, module) in enumerate(quantized.items()):
+        if name not in seen:
+            continue
+        x, out = seen[name]
+        if isinstance(module, QuantLinear):
+            results.append(check_dense(name, module, x, out)[0])
+        else:
+            results.append(check_experts(name, module, x, out))
+        say(f"[{i + 1}/{len(quantized)}] {name}: {results[-1].verdict}")
+    exact = _exact_logits(model, quantized, ids)
+    lp_e, lp_f = torch.log_softmax(exact, -1), torch.log_softmax(fast, -1)
+    kl = float((lp_e.exp() * (lp_e - lp_f)).sum(-1).mean())
+    top1 = float((exact.argmax(-1) == fast.argmax(-1)).double().mean())
+    not_checked = ["attention over the quantized KV cache (check its kernel: lowbit audit --attention)"] \
+        if ck.kv_cache is not None else []
+    return ModelReport(str(directory), device, results, kl, top1, samples * tokens, not_checked)
+
+
+def _exact_logits(model, quantized: dict, ids: torch.Tensor) -> torch.Tensor:
+    """The logits with every quantized layer's output replaced by its float64 reference (dense) or
+    the exact path (experts), cast back to the layer's output dtype."""
+    def dense(module, args, out):
+        x2 = args[0].detach().reshape(-1, args[0].shape[-1]).cpu()
+        ref = qlinear_reference(_dense_reference(module, x2), module.weight_q, module.bias)
+        return ref.to(out.dtype).reshape(out.shape).to(out.device)
+
+    def experts(module, args, out):
+        saved = module.backend
+        module.backend = "exact"
+        try:
+            return module.forward(*args)          # forward, not __call__: this hook would run again
+        finally:
+            module.backend = saved
+
+    handles = [m.register_forward_hook(dense if isinstance(m, QuantLinear) else experts) for m in quantized.values()]
+    try:
+        with torch.no_grad():
+            return model(ids).logits.float().cpu()
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def plot(report: ModelReport, path: str) -> None:
+    """Per-layer worst error over its gate (log scale), coloured by verdict."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    colours = {"ok": "tab:green", "numerical": "tab:orange", "logic": "tab:red"}
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.25 * len(report.layers)), 4))
+    vals = [max(r.worst_over_gate, 1e-6) if math.isfinite(r.worst_over_gate) else 1e6 for r in report.layers]
+    ax.bar(range(len(vals)), vals, color=[colours[r.verdict] for r in report.layers])
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(vals)), [r.name for r in report.layers], rotation=90, fontsize=6)
+    ax.set_ylabel("worst |out - reference| / gate")
+    ax.set_title(f"lowbit verify-model: KL {report.kl:.2e}, top-1 {report.top1:.1%}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
