@@ -24,7 +24,8 @@ LAYERS = [
     {"lowbit.algorithms"},
     {"lowbit.pipelines"},
     {"lowbit.diagnosis", "lowbit.evaluation"},
-    {"lowbit.experiments", "lowbit.bench", "lowbit.testing", "lowbit.entrypoints", "lowbit.__main__"},
+    {"lowbit.experiments", "lowbit.bench", "lowbit.testing", "lowbit.entrypoints", "lowbit.workflows",
+     "lowbit.__main__"},
 ]
 
 
