@@ -414,33 +414,12 @@ def experts_refusal(recipe: str, decisions, ignore_hint: bool = True) -> str | N
     return None
 
 
-def checkpoint_bytes(directory: Path) -> int:
-    """Bytes of the checkpoint's tensor files on disk (safetensors shards and their index)."""
-    return sum(f.stat().st_size for f in Path(directory).iterdir()
-               if f.name.endswith(".safetensors") or f.name.endswith(".safetensors.index.json"))
-
-
 def save_dtype(args, loaded):
     """--dtype as a torch dtype ("auto": the source's storage dtype, float32 when unknown)."""
     import torch
     if args.dtype == "auto":
         return loaded.dtype or torch.float32
     return getattr(torch, args.dtype)
-
-
-def round_float_parts(model, dtype) -> None:
-    """Round every float parameter and persistent buffer to `dtype` in place (kept in their own
-    dtype): the model evaluated, quantized and saved is then the one the checkpoint holds."""
-    import torch
-    if dtype == torch.float32:
-        return
-    with torch.no_grad():
-        for m in model.modules():
-            ts = list(m._parameters.values()) + [b for k, b in m._buffers.items()
-                                                 if k not in m._non_persistent_buffers_set]
-            for t in ts:
-                if t is not None and t.is_floating_point() and t.dtype != dtype:
-                    t.copy_(t.to(dtype))
 
 
 def run(args) -> int:
@@ -451,7 +430,7 @@ def run(args) -> int:
     from lowbit.evaluation.workload import load_model, machine, metric, prepare_texts
     from lowbit.workflows.job import QuantizeJob
     from lowbit.workflows.steps import SmoothQuant
-    from lowbit.workflows.quantize import quantize_job
+    from lowbit.workflows.quantize import checkpoint_bytes, quantize_job, round_float_parts
     from lowbit.diagnosis.report import QuantizeResult, optional_png, write_report
     from lowbit.diagnosis.sites import plot_sites
     from lowbit.archs.experts import find_experts

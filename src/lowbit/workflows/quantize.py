@@ -21,6 +21,7 @@ import contextlib
 import copy
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -160,3 +161,23 @@ def float_modules(model: torch.nn.Module, modules: dict[str, torch.nn.Module]):
         yield
     finally:
         put(now)
+
+
+def round_float_parts(model, dtype) -> None:
+    """Round every float parameter and persistent buffer to `dtype` in place (kept in their own
+    dtype): the model evaluated, quantized and saved is then the one the checkpoint holds."""
+    if dtype == torch.float32:
+        return
+    with torch.no_grad():
+        for m in model.modules():
+            ts = list(m._parameters.values()) + [b for k, b in m._buffers.items()
+                                                 if k not in m._non_persistent_buffers_set]
+            for t in ts:
+                if t is not None and t.is_floating_point() and t.dtype != dtype:
+                    t.copy_(t.to(dtype))
+
+
+def checkpoint_bytes(directory: Path) -> int:
+    """Bytes of the checkpoint's tensor files on disk (safetensors shards and their index)."""
+    return sum(f.stat().st_size for f in Path(directory).iterdir()
+               if f.name.endswith(".safetensors") or f.name.endswith(".safetensors.index.json"))
