@@ -64,7 +64,8 @@ def test_names_are_parsed_by_the_job_module_only():
 def test_the_quantize_path_calls_no_name_parser():
     """The modules a `lowbit quantize` run passes through hold typed objects, never a name to re-parse."""
     path = {"lowbit.entrypoints.quantize", "lowbit.entrypoints.quantize_args", "lowbit.entrypoints.sequential",
-            "lowbit.workflows.quantize", "lowbit.workflows.steps", "lowbit.experiments.perplexity_table"}
+            "lowbit.workflows.quantize", "lowbit.workflows.steps", "lowbit.pipelines.steps",
+            "lowbit.experiments.perplexity_table"}
     callers = _callers()
     assert not {m: callers[m] for m in path if m in callers}
 

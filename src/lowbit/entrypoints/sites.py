@@ -1,5 +1,5 @@
-"""`lowbit sites`: per-site SQNR diagnosis of a model under a recipe (seed 004, "Finding the
-site that hurts"): every Linear's input-activation, weight and output SQNR, worst first, with
+"""`lowbit sites`: per-site SQNR diagnosis of a model under a recipe (which site hurts most):
+every Linear's input-activation, weight and output SQNR, worst first, with
 the suggested action, and a PNG of SQNR by layer and site (before/after SmoothQuant with
 --smoothquant). A mixture-of-experts model also gets the routing report
 (lowbit.diagnosis.routing_report: top-k flips per MoE layer with the router in high precision and

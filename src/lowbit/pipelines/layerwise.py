@@ -63,6 +63,10 @@ import torch
 
 from lowbit.algorithms import distributed
 from lowbit.archs.experts import find_experts
+from lowbit.pipelines.steps import GPTQ, SmoothQuant, StaticScales
+
+# The steps the layer-by-layer stream runs (each on its own activation stream, module docstring).
+LAYERWISE_STEPS = (SmoothQuant, StaticScales, GPTQ)
 
 
 # The MoE families whose layers this path quantizes: per-expert checkpoint names it maps
@@ -291,7 +295,7 @@ def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
 
 @torch.no_grad()
 def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | None, recipe, calib, *,
-                       method: str = "rtn", smoothquant: float | None = None, static_scales: bool = False,
+                       steps=(),
                        ignore=None, device="cpu", dtype: torch.dtype = torch.float32, overwrite: bool = False,
                        max_shard_bytes: int | None = None, method_options: dict | None = None,
                        progress: bool = False, memory_trace_layer: int | None = None,
@@ -301,9 +305,10 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     torch.distributed; None writes nothing, e.g. to measure): the files quantize_model +
     save_compressed write for the same model, recipe and ignore list.
 
-    calib: input-id tensors [B, T] (this rank's share under torch.distributed). method: "rtn" or
-    "gptq" (gptq_model's options in method_options). smoothquant: alpha or None. static_scales:
-    calibrated per-tensor activation scales (W8A8 recipes). device / dtype: where and in which
+    calib: input-id tensors [B, T] (this rank's share under torch.distributed). steps: the job's
+    steps (lowbit.pipelines.steps), the same objects the whole-model workflow runs: SmoothQuant(alpha),
+    StaticScales() (calibrated per-tensor activation scales, W8A8 recipes) and GPTQ() (gptq_model's
+    options in method_options); any other step is refused by name, none is round to nearest. device / dtype: where and in which
     dtype the layers run (float32 on the CPU reproduces the whole-model path of `lowbit quantize`).
     memory_trace_layer: on CUDA, record the allocator's trace over that layer and name the
     blocks alive at its peak (lowbit.profiling.memtrace; result["memory_trace"]).
@@ -374,13 +379,16 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
         clock[0] = now
 
     r = get_recipe(recipe)
-    if method not in ("rtn", "gptq"):
-        raise ValueError(f"method={method!r}; choose 'rtn' or 'gptq'")
+    other = [type(s).__name__ for s in steps if not isinstance(s, LAYERWISE_STEPS)]
+    if other:
+        raise ValueError(f"steps: {', '.join(other)} not available layer by layer (the steps it runs: "
+                         f"{', '.join(c.__name__ for c in LAYERWISE_STEPS)}); quantize the whole model for them")
+    smooth = next((s for s in steps if isinstance(s, SmoothQuant)), None)
+    static_scales = any(isinstance(s, StaticScales) for s in steps)
     if static_scales and r.act is None:
         raise ValueError(f"static_scales needs a recipe with activation quantization; {r.name} is weight-only")
-    if smoothquant is not None and not 0.0 <= smoothquant <= 1.0:
-        raise ValueError(f"smoothquant={smoothquant}: alpha must lie in [0, 1]")
-    need_f, need_s, need_q = smoothquant is not None, static_scales, method == "gptq"
+    method = "gptq" if any(isinstance(s, GPTQ) for s in steps) else "rtn"
+    need_f, need_s, need_q = smooth is not None, static_scales, method == "gptq"
     calib = list(calib or [])
     if (need_f or need_s or need_q) and not calib:
         raise ValueError("calibration batches are needed for SmoothQuant, static scales and GPTQ: pass calib=[...]")
@@ -621,7 +629,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                         for w in why:
                             print("SmoothQuant: " + w, flush=True)
                     amax = _observe(layer, streams["F"], [c for g in groups for c in g.consumers], True, not last)
-                    fold_from_stats(layer, groups, amax, smoothquant)
+                    fold_from_stats(layer, groups, amax, smooth.alpha)
                     del amax
                 if need_s:               # static scales on the folded float model
                     act = static_scheme(r.act)

@@ -34,7 +34,7 @@ from lowbit.pipelines.quantize_model import quantize_model, split_patterns
 from lowbit.recipes.plan import kept_by_default, linear_layers
 from lowbit.algorithms.static_scales import clipping_report
 from lowbit.workflows.job import QuantizeJob
-from lowbit.workflows.steps import AWQ_FOLD, FOLD, QUANTIZE, ROTATE, OverrideWorst, RunState
+from lowbit.workflows.steps import AWQ_FOLD, FOLD, QUANTIZE, ROTATE, OverrideWorst, RunState, diagnose
 
 
 @dataclass
@@ -93,11 +93,11 @@ def quantize_job(loaded: Loaded, texts: Texts, job: QuantizeJob, *, reference=No
     pick = job.step(OverrideWorst)
     state.want_sites = sites or (pick is not None and pick.by == "block")
     if sites or (state.want_sites and not any(s.diagnose_after for s in steps)):
-        state.sites_before = state.diagnose()
+        state.sites_before = diagnose(state)
     for s in [s for s in steps if s.order < QUANTIZE]:
         s.apply(state)
         if s.diagnose_after and state.want_sites:
-            state.sites_after = state.diagnose()
+            state.sites_after = diagnose(state)
     # the folded float experts, held until their quantized weights are compared with them (the
     # float model's weights differ from them by the fold's factors)
     folded = {n: m.get_submodule(n) for n in state.experts} if any(s.order in (FOLD, AWQ_FOLD) for s in steps) \
