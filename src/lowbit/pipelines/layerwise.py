@@ -63,10 +63,7 @@ import torch
 
 from lowbit.algorithms import distributed
 from lowbit.archs.experts import find_experts
-from lowbit.pipelines.steps import GPTQ, SmoothQuant, StaticScales
-
-# The steps the layer-by-layer stream runs (each on its own activation stream, module docstring).
-LAYERWISE_STEPS = (SmoothQuant, StaticScales, GPTQ)
+from lowbit.pipelines.steps import LayerRun, Step
 
 
 # The MoE families whose layers this path quantizes: per-expert checkpoint names it maps
@@ -332,13 +329,12 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     from lowbit.io.st_format import ShardedWriter
     from lowbit.pipelines import layer_loader
     from lowbit.profiling import memtrace
-    from lowbit.quantize import scale_from_absmax, static_scheme
+    from lowbit.quantize import static_scheme
     from lowbit.algorithms.gptq.model import gptq_handler
     from lowbit.nn.quant_linear import QuantLinear
     from lowbit.recipes.plan import plan
     from lowbit.recipes.presets import get_recipe
     from lowbit.algorithms.sequential import capture_block_inputs, run_stage
-    from lowbit.algorithms.smoothquant import fold_from_stats, fold_plan
     from lowbit.archs.decoders import decoder_for
     from lowbit.pipelines import moe_checkpoint as MC
     from lowbit.pipelines.checkpoint import describe_qtensor
@@ -379,16 +375,17 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
         clock[0] = now
 
     r = get_recipe(recipe)
-    other = [type(s).__name__ for s in steps if not isinstance(s, LAYERWISE_STEPS)]
+    steps = sorted(steps, key=lambda s: s.order)
+    other = [type(s).__name__ for s in steps if not isinstance(s, Step) or s.stream is None]
     if other:
-        raise ValueError(f"steps: {', '.join(other)} not available layer by layer (the steps it runs: "
-                         f"{', '.join(c.__name__ for c in LAYERWISE_STEPS)}); quantize the whole model for them")
-    smooth = next((s for s in steps if isinstance(s, SmoothQuant)), None)
-    static_scales = any(isinstance(s, StaticScales) for s in steps)
+        raise ValueError(f"steps: {', '.join(other)} not available layer by layer (the steps it runs: SmoothQuant, "
+                         "StaticScales, GPTQ); quantize the whole model for them")
+    read = {s.stream for s in steps}            # the activation streams the steps read (module docstring)
+    need_f, need_s, need_q = "F" in read, "S" in read, "Q" in read
+    static_scales = need_s
     if static_scales and r.act is None:
         raise ValueError(f"static_scales needs a recipe with activation quantization; {r.name} is weight-only")
-    method = "gptq" if any(isinstance(s, GPTQ) for s in steps) else "rtn"
-    need_f, need_s, need_q = smooth is not None, static_scales, method == "gptq"
+    method = "gptq" if need_q else "rtn"
     calib = list(calib or [])
     if (need_f or need_s or need_q) and not calib:
         raise ValueError("calibration batches are needed for SmoothQuant, static scales and GPTQ: pass calib=[...]")
@@ -623,18 +620,13 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                 mine = [d.name[len(prefix):] for d in summary.quantized if d.name.startswith(prefix)]
                 mine_experts = [d for d in exp_quantized if d.name.startswith(prefix)]
                 last = i + 1 == len(blist)
-                if need_f:               # SmoothQuant's maxima on the float model as loaded
-                    groups, why = fold_plan(layer)
-                    if i == 0:
-                        for w in why:
-                            print("SmoothQuant: " + w, flush=True)
-                    amax = _observe(layer, streams["F"], [c for g in groups for c in g.consumers], True, not last)
-                    fold_from_stats(layer, groups, amax, smooth.alpha)
-                    del amax
-                if need_s:               # static scales on the folded float model
-                    act = static_scheme(r.act)
-                    for n, a in _observe(layer, streams["S"], mine, False, not last).items():
-                        scales[prefix + n] = scale_from_absmax(a, act)
+                # the folds on the float model as loaded (F), then the static scales after them (S)
+                run_ = LayerRun(layer, i, prefix, mine, r, scales,
+                                lambda k, names, per_channel: _observe(layer, streams[k], names, per_channel, not last))
+                for s in steps:
+                    if s.stream in ("F", "S"):
+                        s.apply_layer(run_)
+                del run_
                 if need_q:               # GPTQ on the quantized model's activations
                     lap("calibrate")
                     # the experts modules among the Linears, each a group of its own (GPTQ per

@@ -8,6 +8,10 @@ lowbit.workflows.steps, which also re-exports every class here.)
     check(job)           its refusals that depend on the rest of the job (the recipe, the other
                          steps, the LM head), raised as ValueError when the job is built
     apply(state)         what it does to the whole model (a copy the workflow owns), in place
+    stream, apply_layer(run)   the layer-by-layer pipeline's side (lowbit.pipelines.layerwise): which
+                         activation stream the step reads ("F" the float model as loaded, "S" after
+                         the folds, "Q" the quantized model so far; None: not available layer by
+                         layer) and what it does to one decoder layer on it
     quantize_options()   what it asks of the quantization itself (GPTQ's codes, MSE scales)
     options()            its settings in the keyword vocabulary of `lowbit quantize`'s report
 
@@ -23,6 +27,7 @@ A new algorithm is one class here and its test; the job, the workflow and the re
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,10 +35,11 @@ import torch
 from lowbit.algorithms.awq import awq_model
 from lowbit.algorithms.experts_fold import awq_experts, smooth_experts
 from lowbit.algorithms.rotation import rotate_model
-from lowbit.algorithms.smoothquant import fold_plan, smooth_model
+from lowbit.algorithms.smoothquant import fold_from_stats, fold_plan, smooth_model
 from lowbit.algorithms.static_scales import calibrate_static_scales
 from lowbit.archs.decoders import UnsupportedArchitecture
 from lowbit.ops.kv_quant import KVScheme
+from lowbit.quantize import scale_from_absmax, static_scheme
 from lowbit.recipes.presets import Recipe
 
 # Positions of the stages: a step's `order`; QUANTIZE is the quantization itself.
@@ -64,12 +70,29 @@ class RunState:
     summary: object = None            # the quantization's QuantSummary, for the steps after it
 
 
+@dataclass
+class LayerRun:
+    """One decoder layer of the layer-by-layer pipeline as a step sees it: the layer (loaded on the
+    device), its index and name prefix ("model.layers.3."), its Linears to quantize (names relative to
+    the layer), the recipe, the static activation scales by full name (filled by StaticScales), and
+    observe(stream, names, per_channel) -> {name: absmax of its input} over that stream's batches
+    (the stream moves on to the layer's outputs in the same passes)."""
+    layer: torch.nn.Module
+    index: int
+    prefix: str
+    linears: list
+    recipe: Recipe
+    scales: dict
+    observe: Callable[[str, list, bool], dict]
+
+
 class Step:
     """One algorithm of a job (the protocol of the module docstring); subclasses are frozen
     dataclasses, so two equal steps compare equal and a job's steps can be printed."""
     order: int = QUANTIZE
     needs_calib: bool = True
     diagnose_after: bool = False      # the report shows the sites again after this step
+    stream: str | None = None         # the layer-by-layer activation stream it reads; None: not available
 
     def refuses(self, loaded) -> str | None:
         return None
@@ -82,6 +105,9 @@ class Step:
 
     def quantize_options(self, state: RunState) -> dict:
         return {}
+
+    def apply_layer(self, run: LayerRun) -> None:
+        return None
 
     def options(self) -> dict:
         raise NotImplementedError
@@ -117,6 +143,7 @@ class SmoothQuant(Step):
     alpha: float = 0.5
     order = FOLD
     diagnose_after = True
+    stream = "F"
 
     def __post_init__(self):
         if not (isinstance(self.alpha, (int, float)) and 0.0 <= self.alpha <= 1.0):
@@ -144,6 +171,15 @@ class SmoothQuant(Step):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="SmoothQuant: ")   # printed above
             smooth_model(state.model, state.calib, alpha=self.alpha, progress=state.progress)
+
+    def apply_layer(self, run: LayerRun) -> None:
+        """The fold on one layer from its consumers' per-channel maxima on the float model as loaded."""
+        groups, why = fold_plan(run.layer)
+        if run.index == 0:
+            for w in why:
+                print("SmoothQuant: " + w, flush=True)
+        amax = run.observe(self.stream, [c for g in groups for c in g.consumers], True)
+        fold_from_stats(run.layer, groups, amax, self.alpha)
 
     def options(self) -> dict:
         return {"smoothquant": self.alpha}
@@ -175,6 +211,7 @@ class StaticScales(Step):
     """One calibrated per-tensor activation scale per Linear input (lowbit.algorithms.static_scales)
     instead of dynamic scales; recipes with activation quantization."""
     order = CALIBRATE
+    stream = "S"
 
     def check(self, job) -> None:
         if job.recipe.act is None:
@@ -189,6 +226,12 @@ class StaticScales(Step):
 
     def quantize_options(self, state: RunState) -> dict:
         return {"act_static_scales": state.act_static_scales}
+
+    def apply_layer(self, run: LayerRun) -> None:
+        """One layer's scales from its Linears' input maxima on the float model after the folds."""
+        act = static_scheme(run.recipe.act)
+        for n, a in run.observe(self.stream, run.linears, False).items():
+            run.scales[run.prefix + n] = scale_from_absmax(a, act)
 
     def options(self) -> dict:
         return {"static": True}
@@ -209,7 +252,10 @@ class MSEScales(Step):
 
 @dataclass(frozen=True)
 class GPTQ(Step):
-    """GPTQ's weight codes (lowbit.algorithms.gptq), calibrated on the job's calibration batches."""
+    """GPTQ's weight codes (lowbit.algorithms.gptq), calibrated on the job's calibration batches.
+    Layer by layer it reads the quantized model's stream; the pipeline runs its solver there (the
+    Hessians, the solve and the rows shared across ranks are lowbit.algorithms.gptq's)."""
+    stream = "Q"
 
     def check(self, job) -> None:
         if job.lm_head is not None:
