@@ -57,13 +57,34 @@ import dataclasses
 import os
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from lowbit.algorithms import distributed
+from lowbit.algorithms.gptq.model import gptq_handler
+from lowbit.algorithms.sequential import as_kwargs, capture_block_inputs, decoder_blocks, next_block_inputs, run_stage
+from lowbit.algorithms.smoothquant import refuse_experts
+from lowbit.algorithms.static_scales import calibrate_act_absmax
+from lowbit.archs.decoders import decoder_for
 from lowbit.archs.experts import find_experts
+from lowbit.io import ct_layout as L
+from lowbit.io.st_format import ShardedWriter
+from lowbit.nn.quant_linear import QuantLinear
+from lowbit.pipelines import layer_loader, moe_checkpoint as MC
+from lowbit.pipelines.checkpoint import (atomic_dir, build_quantization_config, config_dict, DEFAULT_SHARD_BYTES,
+                                         describe_qlayer, describe_qtensor, expand_deferred, module_tensors, read_json,
+                                         write_metadata)
+from lowbit.pipelines.layer_loader import tensors
+from lowbit.pipelines.moe import build_experts, keep_routers, swap_in
+from lowbit.pipelines.quantize_model import quantize_layer, split_patterns
 from lowbit.pipelines.steps import LayerRun, Step
+from lowbit.pipelines.tensorwise import copy_side_files
+from lowbit.profiling import memtrace
+from lowbit.quantize import QTensor, quantize, static_scheme
+from lowbit.recipes.plan import layer_act, plan
+from lowbit.recipes.presets import get_recipe
 
 
 # The MoE families whose layers this path quantizes: per-expert checkpoint names it maps
@@ -82,8 +103,6 @@ def _observe(layer: torch.nn.Module, stream: list, names: list[str], per_channel
     """calibrate_act_absmax of `names` over the stream, and (advance) the stream moved on to the
     layer's outputs in the same forward passes: one pass per batch gives both (the hooks only
     read), the outputs are those _advance computes, each batch replaced as soon as it is done."""
-    from lowbit.algorithms.static_scales import calibrate_act_absmax
-    from lowbit.algorithms.sequential import as_kwargs, next_block_inputs
     if not advance:
         return calibrate_act_absmax(layer, as_kwargs(stream), names=names, per_channel=per_channel)
 
@@ -95,7 +114,6 @@ def _observe(layer: torch.nn.Module, stream: list, names: list[str], per_channel
 def _advance(layer: torch.nn.Module, stream: list) -> None:
     """Replace each batch of `stream` by the layer's output on it, one batch at a time: the old
     and the new stream are never both alive (one batch's output is the only extra memory)."""
-    from lowbit.algorithms.sequential import next_block_inputs
     for b in range(len(stream)):
         stream[b] = next_block_inputs(layer, [stream[b]])[0]
 
@@ -105,7 +123,6 @@ def _fp32_tensors(model: torch.nn.Module, dtype: torch.dtype, layer: torch.nn.Mo
     loads the model in `dtype` (the model's _keep_in_fp32_modules(_strict) plan, as
     from_pretrained matches it: e.g. DeepSeek-V3's router weight and e_score_correction_bias
     under bf16), so that the layer computes and stores what the whole-model path does."""
-    from lowbit.pipelines.layer_loader import tensors
     get = getattr(model, "_get_dtype_plan", None)
     pats = [re.compile(p.replace("*", ".*")) for p, d in (get(dtype) if get is not None else {}).items()
             if d == torch.float32]
@@ -143,7 +160,6 @@ def _rtn_codes(w: torch.Tensor, scheme) -> dict:
     """The QTensor fields of quantize(w.float(), scheme, pad=True), computed by chunks of rows:
     per-row scales make that the same codes, and the device holds one chunk's float32
     temporaries instead of three [N, K] ones."""
-    from lowbit.quantize import quantize
     step = max(1, _CHUNK // w.shape[1])
     full = None
     for a in range(0, w.shape[0], step):   # each chunk's results straight into the whole weight's
@@ -160,9 +176,6 @@ def _rtn_codes(w: torch.Tensor, scheme) -> dict:
 
 def _rtn_linear(d, summary, linear: torch.nn.Linear, static, full: dict) -> torch.nn.Module:
     """quantize_layer's QuantLinear (round to nearest) from the fields of _rtn_codes."""
-    from lowbit.nn.quant_linear import QuantLinear
-    from lowbit.recipes.plan import layer_act
-    from lowbit.quantize import QTensor
     r = summary.recipe_of(d)
     act, scale = layer_act(d, r, static)
     qt = QTensor(full["codes"], full["scale"], full["zero_point"], r.weight, tuple(linear.weight.shape),
@@ -173,7 +186,6 @@ def _rtn_linear(d, summary, linear: torch.nn.Linear, static, full: dict) -> torc
 
 def _rtn_chunked(d, summary, linear: torch.nn.Linear, static) -> torch.nn.Module:
     """quantize_layer's QuantLinear (round to nearest), by row chunks where the scheme allows."""
-    from lowbit.pipelines.quantize_model import quantize_layer
     w = linear.weight.detach()
     if not _rtn_rows(summary, d, w):
         return quantize_layer(d, summary, linear, static)    # its checks and messages
@@ -191,7 +203,6 @@ def _rtn_split(layer: torch.nn.Module, names: list[str], by_name: dict, summary,
     a Llama-8B layer: 416 + 208 MiB at the peak). A weight that needs quantize_layer whole
     (_rtn_rows) is quantized on rank 0; every rank decides that the same way (the weights are the
     same on every rank). A collective."""
-    from lowbit.quantize import quantize
     me, world = distributed.rank(), distributed.world_size()
     lins = {n: layer.get_submodule(n) for n in names}
     rows = {n: _rtn_rows(summary, by_name[prefix + n], lins[n].weight.detach()) for n in names}
@@ -319,29 +330,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     phase, with the layer where each phase peaked and what was allocated when it began), one
     layer's bytes and the activation bytes; for MoE models, "experts": each experts module's
     action, recipe, reason and GPTQ's per-expert report (lowbit.algorithms.gptq.experts)."""
-    import transformers
-    from concurrent.futures import ThreadPoolExecutor
-    from lowbit.io import ct_layout as L
-    from lowbit.pipelines.checkpoint import (DEFAULT_SHARD_BYTES, atomic_dir, build_quantization_config,
-                                              config_dict, describe_qlayer, expand_deferred, module_tensors,
-                                              read_json, write_metadata)
-    from lowbit.pipelines.tensorwise import copy_side_files
-    from lowbit.io.st_format import ShardedWriter
-    from lowbit.pipelines import layer_loader
-    from lowbit.profiling import memtrace
-    from lowbit.quantize import static_scheme
-    from lowbit.algorithms.gptq.model import gptq_handler
-    from lowbit.nn.quant_linear import QuantLinear
-    from lowbit.recipes.plan import plan
-    from lowbit.recipes.presets import get_recipe
-    from lowbit.algorithms.sequential import capture_block_inputs, run_stage
-    from lowbit.archs.decoders import decoder_for
-    from lowbit.pipelines import moe_checkpoint as MC
-    from lowbit.pipelines.checkpoint import describe_qtensor
-    from lowbit.pipelines.moe import build_experts, keep_routers, swap_in
-    from lowbit.pipelines.quantize_model import split_patterns
-    from lowbit.algorithms.sequential import decoder_blocks
-    from lowbit.algorithms.smoothquant import refuse_experts
+    import transformers          # an optional dependency: the model skeleton is built from its config
 
     t_start = time.time()
     rss0 = memtrace.rss_bytes()
