@@ -60,14 +60,14 @@ def _assert_same(a, b):
     ("w8a8-int8", {"smoothquant": 0.5, "static": True, "method": "gptq"}),
 ])
 def test_layerwise_equals_whole_model(rng, tmp_path, recipe, opts, monkeypatch):
-    from lowbit.pipelines import layerwise
+    from lowbit.pipelines import layer_rtn
     from lowbit.algorithms import smoothquant
     from lowbit.pipelines.layerwise import quantize_layerwise
     d, batches = _sharded(rng, tmp_path)
     _whole_model(d, recipe, batches, tmp_path / "whole", **opts)
     # the layer-by-layer path's row chunks (quantization, SmoothQuant's maxima and folds) small
     # enough that every weight is cut into several, some of one row
-    for mod in (layerwise, smoothquant):
+    for mod in (layer_rtn, smoothquant):
         monkeypatch.setattr(mod, "_CHUNK", int(torch.randint(1, 300, (1,), generator=rng)))
     res = quantize_layerwise(d, tmp_path / "layerwise", recipe, batches, steps=Measures(**opts).steps())
     _assert_same(tmp_path / "whole", tmp_path / "layerwise")
