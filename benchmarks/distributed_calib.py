@@ -122,6 +122,7 @@ def run(a) -> None:
         import lowbit.algorithms.gptq.block  # noqa: F401  (triton)
     from lowbit.algorithms import distributed as D
     from lowbit.pipelines.layerwise import quantize_layerwise
+    from lowbit.workflows.job import Measures
     dev = "cpu"
     if D.launched_by_torchrun():
         dev = D.init_from_env(a.device)
@@ -136,7 +137,7 @@ def run(a) -> None:
     g = torch.Generator().manual_seed(a.seed)
     batches = [torch.randint(0, cfg["vocab_size"], (a.batch, a.seq_len), generator=g) for _ in range(a.batches)]
     mine = D.shard(batches)
-    opts = {"smoothquant": a.smoothquant, "static_scales": a.static, "method": a.method}
+    opts = {"steps": Measures(smoothquant=a.smoothquant, static=a.static, method=a.method).steps()}
     if D.active():
         import torch.distributed as dist
         dist.barrier()

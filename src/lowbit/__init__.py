@@ -9,6 +9,7 @@ Public API (kept stable; outside tests call it):
     qt = lb.quantize(x, scheme); qt.dequantize()
     lb.pack_int4 / lb.unpack_int4 / lb.pack_scales / lb.unpack_scales
     lb.verify.check_linear(out, x, w, x_scheme=..., w_scheme=...)
+    job = lb.QuantizeJob.build("w8a8-int8", [SmoothQuant(0.5)]); lb.quantize_job(loaded, texts, job)
 
 Names are resolved lazily so that `import lowbit` stays cheap and a part under
 construction cannot break the others.
@@ -46,10 +47,12 @@ _EXPORTS = {
     "save_compressed": "lowbit.pipelines.checkpoint",
     "load_compressed": "lowbit.pipelines.checkpoint",
     "quantize_checkpoint": "lowbit.pipelines.tensorwise",
+    "QuantizeJob": "lowbit.workflows.job",
+    "quantize_job": "lowbit.workflows.quantize",
 }
 _SUBMODULES = {"formats", "scheme", "quantize", "packing", "sparsity", "profiling", "ops", "verify", "nn", "io",
                "recipes", "algorithms", "pipelines", "diagnosis", "evaluation", "experiments", "bench",
-               "entrypoints"}
+               "entrypoints", "workflows"}
 
 
 def __getattr__(name: str):

@@ -17,6 +17,8 @@ import torch.multiprocessing as mp
 
 from llama_fixtures import outlier_llama
 
+from lowbit.pipelines.steps import GPTQ, SmoothQuant, StaticScales
+
 WORLD = 2
 N_BATCHES = 5            # odd: the ranks' shares differ in size (3 and 2)
 
@@ -77,8 +79,8 @@ def _layerwise(src: Path, batches, out: Path) -> None:
     quantizes a share of the Linears and sends rank 0 the codes; rank 0 writes), and GPTQ W4A16
     (rows and H^-1's factor panels split over the ranks; the writer thread packs the codes)."""
     from lowbit.pipelines.layerwise import quantize_layerwise
-    quantize_layerwise(src, out, "w8a8-int8", batches, smoothquant=0.5, static_scales=True)
-    quantize_layerwise(src, out.parent / "layerwise-gptq", "w4a16-g32", batches, method="gptq")
+    quantize_layerwise(src, out, "w8a8-int8", batches, steps=[SmoothQuant(0.5), StaticScales()])
+    quantize_layerwise(src, out.parent / "layerwise-gptq", "w4a16-g32", batches, steps=[GPTQ()])
 
 
 def _factor_bytes(seed: int) -> bytes:

@@ -81,12 +81,17 @@ def test_kl_pick_refuses_bad_arguments(rng):
     assert kl_pick(model, batches, "w8a8-fp8", 0).picked == []
 
 
-def test_run_recipe_override_by_is_checked(rng):
+def test_job_override_by_is_checked(rng):
     from lowbit.evaluation.workload import Loaded, Texts
-    from lowbit.entrypoints.quantize_job import run_recipe
+    from lowbit.workflows.job import Measures, QuantizeJob
+    from lowbit.workflows.quantize import quantize_job
+    from lowbit.workflows.steps import OverrideWorst
     model = outlier_llama(rng, 48)
     texts = Texts(None, [torch.randint(0, 97, (1, 12), generator=rng)], [])
     with pytest.raises(ValueError, match="override_by='nope'"):
-        run_recipe(Loaded("toy", model, None, "causal"), texts, "w8a8-fp8", override_worst=0.1, override_by="nope")
+        Measures(override_worst=0.1, override_by="nope").steps()
+    with pytest.raises(ValueError, match="override_by='nope'"):
+        OverrideWorst(0.1, by="nope")
+    job = QuantizeJob.build("w8a8-fp8", [OverrideWorst(0.1, by="kl")])
     with pytest.raises(ValueError, match="causal language model"):
-        run_recipe(Loaded("toy", model, None, "encoder"), texts, "w8a8-fp8", override_worst=0.1, override_by="kl")
+        quantize_job(Loaded("toy", model, None, "encoder"), texts, job)

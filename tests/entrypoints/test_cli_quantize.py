@@ -174,16 +174,17 @@ def test_killing_a_save_midway_leaves_the_previous_checkpoint(tmp_path, seed, si
 
 
 def test_best_measures_bring_their_calibration_tokens(tiny, tmp_path, monkeypatch, capsys):
-    """A recipe's best measures run on the calibration tokens they were measured with (lowbit.recipes.best's
+    """A recipe's best measures run on the calibration tokens they were measured with (lowbit.workflows.job.BEST's
     calib_tokens) unless --calib-tokens is given; --plain (like any measure flag: the same branch) keeps the default."""
-    from lowbit.recipes import best
+    from lowbit.workflows import job as best
+    from lowbit.workflows.steps import OverrideWorst
     from lowbit.entrypoints import quantize as cli_quantize
     from lowbit.evaluation import workload as pipeline
     asked = []
     texts = pipeline.prepare_texts                       # the tiny fixture's stand-in
     monkeypatch.setattr(pipeline, "prepare_texts", lambda loaded, tokens, calib, window, **data: asked.append(calib)
                         or texts(loaded, tokens, calib, window))
-    monkeypatch.setitem(best.BEST, "w8a8-int8", best.Best({"override_worst": 0.05}, "test entry", calib_tokens=96))
+    monkeypatch.setitem(best.BEST, "w8a8-int8", best.Best((OverrideWorst(0.05),), "test entry", calib_tokens=96))
     base = [a for i, a in enumerate(tiny) if a != "--calib-tokens" and tiny[i - 1] != "--calib-tokens"]
     cases = [([], [cli_quantize.CALIB_TOKENS, 96]), (["--calib-tokens", "64"], [64]),
              (["--plain"], [cli_quantize.CALIB_TOKENS])]

@@ -164,7 +164,9 @@ def test_routing_report_weight_sqnr_is_against_the_folded_weights(rng, fold):
     import copy
     from lowbit.algorithms.experts_fold import awq_experts, smooth_experts
     from lowbit.archs.experts import find_experts
-    from lowbit.entrypoints.quantize_job import run_recipe
+    from lowbit.workflows.job import QuantizeJob
+    from lowbit.workflows.quantize import quantize_job
+    from lowbit.workflows.steps import AWQ, SmoothQuant
     from lowbit.evaluation import workload
     from lowbit.nn.experts import _as_enk
     model = tiny_moe("mixtral", rng, dtype=torch.float32, experts=4)
@@ -173,8 +175,8 @@ def test_routing_report_weight_sqnr_is_against_the_folded_weights(rng, fold):
     texts = workload.Texts(ids[:64], calib, [ids[None, -32:]])
     loaded = workload.Loaded("tiny-mixtral", model, None, "causal")
     recipe = "w8a8-int8" if fold == "smoothquant" else "w4a16-g32"
-    opts = {"smoothquant": 0.5} if fold == "smoothquant" else {"awq": True}
-    run_ = run_recipe(loaded, texts, recipe, evaluate=False, sites=False, progress=False, **opts)
+    job = QuantizeJob.build(recipe, [SmoothQuant(0.5) if fold == "smoothquant" else AWQ()])
+    run_ = quantize_job(loaded, texts, job, evaluate=False, sites=False, progress=False)
     folded = copy.deepcopy(model)
     smooth_experts(folded, calib, alpha=0.5) if fold == "smoothquant" else awq_experts(folded, recipe, calib)
     assert run_.experts_weight_db is not None

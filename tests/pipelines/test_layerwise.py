@@ -7,6 +7,9 @@ import torch
 
 from llama_fixtures import outlier_llama
 
+from lowbit.pipelines.steps import AWQ, GPTQ, MSEScales, SmoothQuant, StaticScales
+from lowbit.workflows.job import Measures, parse_method
+
 
 def _sharded(rng, tmp_path):
     model = outlier_llama(rng, intermediate_size=96)
@@ -57,17 +60,16 @@ def _assert_same(a, b):
     ("w8a8-int8", {"smoothquant": 0.5, "static": True, "method": "gptq"}),
 ])
 def test_layerwise_equals_whole_model(rng, tmp_path, recipe, opts, monkeypatch):
-    from lowbit.pipelines import layerwise
+    from lowbit.pipelines import layer_rtn
     from lowbit.algorithms import smoothquant
     from lowbit.pipelines.layerwise import quantize_layerwise
     d, batches = _sharded(rng, tmp_path)
     _whole_model(d, recipe, batches, tmp_path / "whole", **opts)
     # the layer-by-layer path's row chunks (quantization, SmoothQuant's maxima and folds) small
     # enough that every weight is cut into several, some of one row
-    for mod in (layerwise, smoothquant):
+    for mod in (layer_rtn, smoothquant):
         monkeypatch.setattr(mod, "_CHUNK", int(torch.randint(1, 300, (1,), generator=rng)))
-    res = quantize_layerwise(d, tmp_path / "layerwise", recipe, batches, method=opts.get("method", "rtn"),
-                             smoothquant=opts.get("smoothquant"), static_scales=opts.get("static", False))
+    res = quantize_layerwise(d, tmp_path / "layerwise", recipe, batches, steps=Measures(**opts).steps())
     _assert_same(tmp_path / "whole", tmp_path / "layerwise")
     assert res["layers"] == 2 and len(res["seconds_per_layer"]) == 2
     assert res["layer_bytes"] > 0 and res["activation_bytes"] > 0
@@ -77,11 +79,11 @@ def test_layerwise_refuses_bad_input(rng, tmp_path):
     from lowbit.pipelines.layerwise import quantize_layerwise
     d, batches = _sharded(rng, tmp_path)
     with pytest.raises(ValueError, match="weight-only"):
-        quantize_layerwise(d, tmp_path / "o", "w4a16", batches, static_scales=True)
+        quantize_layerwise(d, tmp_path / "o", "w4a16", batches, steps=[StaticScales()])
     with pytest.raises(ValueError, match="calibration batches"):
-        quantize_layerwise(d, tmp_path / "o", "w4a16", [], method="gptq")
-    with pytest.raises(ValueError, match="method"):
-        quantize_layerwise(d, tmp_path / "o", "w4a16", batches, method="awq")
+        quantize_layerwise(d, tmp_path / "o", "w4a16", [], steps=[GPTQ()])
+    with pytest.raises(ValueError, match="AWQ, MSEScales not available layer by layer"):
+        quantize_layerwise(d, tmp_path / "o", "w4a16", batches, steps=[AWQ(), MSEScales()])
     assert not (tmp_path / "o").exists()
 
 
@@ -119,7 +121,7 @@ def test_layer_is_allocated_in_the_compute_dtype(rng, tmp_path, monkeypatch):
         seen.update(p.dtype for p in self.parameters())
         return to_empty(self, device=device, recurse=recurse)
     monkeypatch.setattr(torch.nn.Module, "to_empty", spy)
-    res = quantize_layerwise(d, tmp_path / "q", "w8a8-int8", batches, smoothquant=0.5, static_scales=True,
+    res = quantize_layerwise(d, tmp_path / "q", "w8a8-int8", batches, steps=[SmoothQuant(0.5), StaticScales()],
                              dtype=torch.bfloat16)
     assert seen == {torch.bfloat16}
     assert res["layer_bytes"] == sum(p.numel() * 2 for p in _layer_params(d))
@@ -143,7 +145,7 @@ def test_layerwise_smoothquant_phi3(rng, tmp_path):
     tiny_decoder("phi3", rng).float().save_pretrained(d, max_shard_size="40KB")
     batches = [torch.randint(0, 97, (2, 17), generator=rng) for _ in range(2)]
     _whole_model(d, "w8a8-int8", batches, tmp_path / "whole", smoothquant=0.5)
-    quantize_layerwise(d, tmp_path / "layerwise", "w8a8-int8", batches, smoothquant=0.5)
+    quantize_layerwise(d, tmp_path / "layerwise", "w8a8-int8", batches, steps=[SmoothQuant(0.5)])
     _assert_same(tmp_path / "whole", tmp_path / "layerwise")
 
 
@@ -224,7 +226,7 @@ def test_layerwise_moe_equals_whole_model(rng, tmp_path, family, recipe, method,
             t.data = t.data.clone()
     summary = quantize_model(m, recipe, method=method, calib=batches if method == "gptq" else None, **kw)
     save_compressed(m, tmp_path / "whole")
-    res = quantize_layerwise(d, tmp_path / "layerwise", recipe, batches, method=method, **kw)
+    res = quantize_layerwise(d, tmp_path / "layerwise", recipe, batches, steps=parse_method(method), **kw)
 
     a, b = _file_tensors(tmp_path / "whole"), _file_tensors(tmp_path / "layerwise")
     assert sorted(a) == sorted(b)
@@ -297,9 +299,9 @@ def test_layerwise_refuses_moe_by_name(rng, tmp_path):
         quantize_layerwise(tmp_path / "oss", tmp_path / "o", "w4a16-g32", calib)
     d = _moe_checkpoint("qwen3_moe", rng, tmp_path, 4)
     with pytest.raises(UnsupportedArchitecture, match="SmoothQuant on qwen3_moe: .*smooth_experts .*layer-by-layer path does not run it yet.*--gptq.*--ignore"):
-        quantize_layerwise(d, tmp_path / "o", "w8a8-int8", calib, smoothquant=0.5)
+        quantize_layerwise(d, tmp_path / "o", "w8a8-int8", calib, steps=[SmoothQuant(0.5)])
     with pytest.raises(NotImplementedError, match=r"static_scales: .*MoE experts \(model\.layers\.0\.mlp\.experts"):
-        quantize_layerwise(d, tmp_path / "o", "w8a8-int8", calib, static_scales=True)
+        quantize_layerwise(d, tmp_path / "o", "w8a8-int8", calib, steps=[StaticScales()])
     assert not (tmp_path / "o").exists()
 
 
@@ -312,7 +314,7 @@ def _moe_worker(rank: int, tmp: str, batches):
         torch.set_num_threads(1)       # the same matmul kernels as the single-process run
         for method in ("rtn", "gptq"):
             quantize_layerwise(f"{tmp}/float", f"{tmp}/dist-{method}" if rank == 0 else None, "w4a16-g32",
-                               shard(batches), method=method)
+                               shard(batches), steps=parse_method(method))
     finally:
         dist.destroy_process_group()
 
@@ -332,7 +334,7 @@ def test_layerwise_moe_two_gloo_ranks_write_the_single_process_checkpoint(rng, t
     torch.set_num_threads(1)
     try:
         for method in ("rtn", "gptq"):
-            quantize_layerwise(d, tmp_path / f"one-{method}", "w4a16-g32", batches, method=method)
+            quantize_layerwise(d, tmp_path / f"one-{method}", "w4a16-g32", batches, steps=parse_method(method))
     finally:
         torch.set_num_threads(threads)
     mp.start_processes(_moe_worker, args=(str(tmp_path), batches), nprocs=2, join=True, start_method="fork")
@@ -369,7 +371,8 @@ def test_layerwise_keeps_what_transformers_keeps_in_float32(rng, tmp_path, metho
     assert w.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
     quantize_model(w, "w4a16-g32", method=method, calib=batches if method == "gptq" else None)
     save_compressed(w, tmp_path / "whole")
-    quantize_layerwise(d, tmp_path / "layerwise", "w4a16-g32", batches, method=method, dtype=torch.bfloat16)
+    quantize_layerwise(d, tmp_path / "layerwise", "w4a16-g32", batches, steps=parse_method(method),
+                       dtype=torch.bfloat16)
     a, b = _file_tensors(tmp_path / "whole"), _file_tensors(tmp_path / "layerwise")
     assert sorted(a) == sorted(b)
     for n in a:

@@ -80,8 +80,25 @@ def test_lowbit_quantize_cli_end_to_end(tmp_path, capsys):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["quantization_config"]["quant_method"] == "compressed-tensors"
-    from lowbit.pipelines.checkpoint import load_compressed
+    from lowbit.pipelines.checkpoint import load_compressed, save_compressed
     assert load_compressed(out).recipe == "w8a8-int8"
+    # the library's workflow (lowbit.quantize_job) writes the same checkpoint for the same job, byte for byte
+    import hashlib
+    from lowbit.evaluation.workload import load_model, prepare_texts
+    from lowbit.workflows.job import BEST, QuantizeJob
+    from lowbit.workflows.quantize import quantize_job, round_float_parts
+    loaded = load_model("smollm2")
+    round_float_parts(loaded.model, loaded.dtype)       # as `lowbit quantize` does (--dtype auto)
+    texts = prepare_texts(loaded, 1024, 512, 512)
+    run = quantize_job(loaded, texts, QuantizeJob.build("w8a8-int8", BEST["w8a8-int8"].steps), evaluate=False,
+                       sites=False, progress=False)
+    lib = save_compressed(run.model, tmp_path / "lib", run.summary.recipes[run.recipe], tokenizer=loaded.tokenizer,
+                          dtype=loaded.dtype)
+
+    def hashes(d):
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())
+                if p.suffix == ".safetensors" or p.name == "config.json"}
+    assert "model.safetensors" in hashes(out) and hashes(lib) == hashes(out)
 
 
 def test_bad_model_argument_is_a_clear_error(tmp_path, capsys):

@@ -1,6 +1,6 @@
 """Static (calibrated) activation scales beside dynamic ones, and the clipping report that
-shows when they have gone stale (seed 004: "calibrated on short English prompts, served long
-code or other languages; activations exceed the range and clip").
+shows when they have gone stale (scales calibrated on short English prompts and served long code
+or other languages: activations exceed the range and clip).
 
 A static scale is one float32 number per Linear input, s = calib_absmax / fmt.max; its arithmetic
 (static_scheme, scale_from_absmax, quantize_static) lives in lowbit.quantize with the rest of the

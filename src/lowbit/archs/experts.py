@@ -86,7 +86,7 @@ EXPERTS: dict[str, ExpertsSpec] = {s.module_class: s for s in (
 BY_FAMILY: dict[str, ExpertsSpec] = {s.family: s for s in EXPERTS.values()}
 
 # Router modules (not nn.Linear in transformers 5: a bare [E, H] weight Parameter) kept in high
-# precision by rule: a changed top-k choice is a discrete error, not a small one (seed 002, 6.2).
+# precision by rule: a changed top-k choice is a discrete error, not a small one.
 ROUTERS = ("MixtralTopKRouter", "Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "OlmoeTopKRouter",
            "DeepseekV3TopkRouter", "GptOssTopKRouter")
 

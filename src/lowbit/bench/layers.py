@@ -20,9 +20,10 @@ def run(only: str | None = None, quick: bool = False, recipes=None, ms=(1, 16, 2
 
     from lowbit.profiling.timing import bench_ms
     from lowbit.nn import QuantLinear
-    from lowbit.recipes.presets import RECIPES, get_recipe
+    from lowbit.recipes.presets import RECIPES
+    from lowbit.workflows.job import parse_recipe
 
-    names = [get_recipe(r).name for r in recipes] if recipes else list(RECIPES)   # any letter case
+    names = [parse_recipe(r).name for r in recipes] if recipes else list(RECIPES)   # any letter case
     shapes = SHAPES[:2] if quick else SHAPES
     rows = []
     gen = torch.Generator().manual_seed(0)  # CPU: a failed graph capture cannot poison its state

@@ -19,35 +19,32 @@ import sys
 
 import torch
 
-ALGORITHMS = ("smoothquant", "awq", "rotation", "gptq")
+from lowbit.algorithms.gptq.model import gptq_model
+from lowbit.diagnosis.sites import site_report
+from lowbit.nn.quant_linear import QuantLinear
+from lowbit.pipelines.steps import AWQ, Rotate, RunState, SmoothQuant
+from lowbit.recipes.presets import get_recipe
+
+# The steps whose effect on the float weights is diagnosed (a job's step objects, lowbit.pipelines.steps);
+# GPTQ changes which codes are stored instead, and is diagnosed on them.
+FOLDS = {"smoothquant": SmoothQuant(0.5), "awq": AWQ(), "rotation": Rotate()}
+ALGORITHMS = (*FOLDS, "gptq")
 
 
 def algorithm_effect(model: torch.nn.Module, calib: list, report_batches: list, recipe: str, algorithm: str,
                      progress: bool = False):
     """(before, after) SiteReports of `recipe` on `report_batches` for one algorithm calibrated on
     `calib` (input-id batches [B, T]). The model is not changed."""
-    from lowbit.nn.quant_linear import QuantLinear
-    from lowbit.recipes.presets import get_recipe
-    from lowbit.diagnosis.sites import site_report
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r}: choose one of {', '.join(ALGORITHMS)}")
     r = get_recipe(recipe)
     before = site_report(model, report_batches, r, progress=progress)
     m = copy.deepcopy(model)
     if algorithm == "gptq":
-        from lowbit.algorithms.gptq.model import gptq_model
         gptq_model(m, r, calib, progress=progress)
         layers = {n: mod for n, mod in m.named_modules() if isinstance(mod, QuantLinear)}
         return before, site_report(model, report_batches, r, progress=progress, quantized=layers)
-    if algorithm == "smoothquant":
-        from lowbit.algorithms.smoothquant import smooth_model
-        smooth_model(m, calib, alpha=0.5, progress=progress)
-    elif algorithm == "awq":
-        from lowbit.algorithms.awq import awq_model
-        awq_model(m, r, calib, progress=progress)
-    else:
-        from lowbit.algorithms.rotation import rotate_model
-        rotate_model(m)
+    FOLDS[algorithm].apply(RunState(m, r, calib, progress=progress))
     return before, site_report(m, report_batches, r, progress=progress)
 
 

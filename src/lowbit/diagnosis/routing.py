@@ -1,6 +1,6 @@
 """Routing flips: how often quantization changes which experts a token is sent to.
 
-A changed top-k choice is a discrete error (seed 002, 6.2): the token's MoE output is then a
+A changed top-k choice is a discrete error: the token's MoE output is then a
 different function, not a slightly perturbed one. The routers stay in high precision, but
 their inputs are the residual stream after every quantized layer before them, so a router can
 still choose differently. `routing_flips(float_model, quantized_model, batches)` runs both

@@ -1,5 +1,5 @@
 """The MoE routing report: per MoE layer of a quantized model, what quantization did to routing
-and to each expert (seed 002, 6.2).
+and to each expert (a changed top-k choice is a discrete error, reported as one).
 
 - Top-k flips: the tokens whose top-k expert SET differs between the float and the quantized
   model, with the router kept in high precision (what lowbit does) and, for comparison, with

@@ -1,4 +1,4 @@
-"""Per-site SQNR diagnosis (seed 004, "Finding the site that hurts").
+"""Per-site SQNR diagnosis: finding the quantized Linear that hurts the model most.
 
 Forward pre-hooks on every Linear the recipe would quantize measure, on the float model's own
 inputs (each layer sees exactly what the unquantized model feeds it):
@@ -322,7 +322,7 @@ def plot_sites(reports: list[SiteReport], path: str, labels: list[str] | None = 
             if not drawn:   # e.g. the input activations of a weight-only recipe: exact, infinite SQNR
                 ax.text(0.5, 0.5, "no finite SQNR (not quantized)", ha="center", va="center",
                         transform=ax.transAxes, color="gray")
-            if attr != "block_db":               # seed 004's 30 dB rule is about a site's own SQNR
+            if attr != "block_db":               # the 30 dB rule of thumb is about a site's own SQNR
                 ax.axhline(GOOD_DB, color="gray", ls="--", lw=0.8)
             ax.set_title(f"{lab}\n{title} SQNR", fontsize=10)
             ax.set_xlabel("decoder layer")

@@ -47,11 +47,11 @@ def run_recipe(args) -> int:
     from lowbit.ops.grouped import sort_tokens
     from lowbit.ops.grouped_run import prepare_grouped, run_grouped
     from lowbit.quantize import quantize
-    from lowbit.recipes.presets import get_recipe
+    from lowbit.workflows.job import parse_recipe
     from lowbit.verify.audit_grouped import random_top_k
     from lowbit.verify.grouped import check_grouped_linear
 
-    r = get_recipe(args.grouped)
+    r = parse_recipe(args.grouped)
     E, T, k, N, K = args.experts, args.tokens, args.top_k, args.n, args.k
     for name, v in (("--experts", E), ("--tokens", T), ("--top-k", k), ("--n", N), ("--k", K)):
         if v < 1:

@@ -1,5 +1,5 @@
 """`lowbit demo`: a quick tour. Prints the element-format table, then quantizes a weight
-shaped like seed 000's (rows whose ranges differ by 64x, an outlier every 37th element at
+shaped like a real layer's (rows whose ranges differ by 64x, an outlier every 37th element at
 8x its neighbours) to int8 with one scale per tensor, per channel (row) and per group of
 32, and shows what each policy costs: relative L2 error, SQNR, and how many of the 255
 codes the quietest row actually gets to use.

@@ -1,4 +1,4 @@
-"""`lowbit formats [--json]`: the element-format tables of seed 002 §2, computed from the codecs.
+"""`lowbit formats [--json]`: the element-format tables (docs/formats.md), computed from the codecs.
 
 Every number printed comes from lowbit.formats' derived properties (codes enumerated
 through the decoders), none is typed in here.

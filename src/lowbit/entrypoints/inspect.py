@@ -1,5 +1,5 @@
 """`lowbit inspect DIR`: every layer's scheme and scale shapes in a compressed-tensors
-checkpoint, and the serving-side failure modes of seed 004 that show up in the files:
+checkpoint, and the serving-side failure modes that show up in the files:
 
 - per-tensor activation scales (one scale for a whole activation: an outlier channel
   crushes every other value), in particular when other layers use per-token scales;

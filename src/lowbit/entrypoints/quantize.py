@@ -118,23 +118,25 @@ REPORT_FILES = {"lowbit_report.md", "lowbit_sites.png", "lowbit_metric.png", "lo
 CALIB_TOKENS = 1024        # --calib-tokens when neither the flag nor the recipe's best measures give a count
 
 
-def _measures(args, recipe: str, kind: str, moe: bool = False) -> tuple[dict, int]:
-    """The measures for one recipe and its calibration tokens: the flags given, or (no measure flag,
+def _measures(args, recipe: str, kind: str, moe: bool = False) -> tuple[tuple, int]:
+    """The steps for one recipe and its calibration tokens: the flags' steps, or (no measure flag,
     no --plain, a dense causal decoder: where they were measured) the best measured ones from
-    lowbit.recipes.best, printed with the reason, on the calibration tokens they were measured with
-    unless --calib-tokens is given. moe: the model has MoE experts, where no measure was measured
+    lowbit.workflows.job.BEST, printed with the reason, on the calibration tokens they were measured
+    with unless --calib-tokens is given. moe: the model has MoE experts, where no measure was measured
     (SmoothQuant folds only the experts' down side there, --override-worst ranks only Linears):
     plain round to nearest, said so."""
-    given = {"smoothquant": args.smoothquant, "override_worst": args.override_worst or 0.0,
-             "method": args.method or "rtn", "awq": args.awq, "rotate": args.rotate, "mse": args.mse}
+    from lowbit.workflows.job import Measures, best_steps
+    from lowbit.workflows.steps import OverrideWorst
+    given = Measures(smoothquant=args.smoothquant, override_worst=args.override_worst or 0.0,
+                     override_to=args.override_to, method=args.method or "rtn", awq=args.awq, rotate=args.rotate,
+                     mse=args.mse, static=args.static_scales).steps()
     flagged = (args.smoothquant is not None or args.override_worst or args.method or args.awq or args.rotate
                or args.static_scales or args.mse)
     if args.plain or flagged:
         if args.plain and flagged:
             raise ValueError("--plain means round to nearest alone; drop it or the measure flags")
         return given, args.calib_tokens
-    from lowbit.recipes.best import best_options
-    best = best_options(recipe) if kind == "causal" else None
+    best = best_steps(recipe) if kind == "causal" else None
     if best is None:
         print(f"{recipe}: no measured improvement on file; plain round to nearest", flush=True)
         return given, args.calib_tokens
@@ -148,7 +150,10 @@ def _measures(args, recipe: str, kind: str, moe: bool = False) -> tuple[dict, in
     if n != args.calib_tokens:
         print(f"{recipe}: on {n} calibration tokens, what they were measured with (--calib-tokens sets them)",
               flush=True)
-    return {**given, **best.options}, n
+    # --override-to without --override-worst sends the best measures' picked sites there
+    picked_to = [dataclasses.replace(s, to=args.override_to) if isinstance(s, OverrideWorst) else s
+                 for s in best.steps]
+    return given + tuple(picked_to), n
 
 
 def _save(model, out: Path, recipe, tokenizer, dtype) -> None:
@@ -202,7 +207,7 @@ def validate(args) -> tuple[list[str], dict, dict[str, Path]]:
     Raises ValueError naming the flag and the fix."""
     from lowbit.io.outdir import OutputDirError, check_out_dir
     from lowbit.entrypoints import quantize_args as A
-    from lowbit.recipes.presets import get_recipe
+    from lowbit.workflows.job import parse_recipe
     recipes = A.recipe_names(args.recipe)
     overrides = A.overrides(args.override)
     override_to = A.recipe_or_skip(args.override_to, "--override-to")
@@ -234,8 +239,8 @@ def validate(args) -> tuple[list[str], dict, dict[str, Path]]:
     A.text_file(args.eval_data, "--eval-data")
     if args.smoothquant is not None:
         A.fraction(args.smoothquant, "--smoothquant ALPHA")
-    with_act = [r for r in recipes if get_recipe(r).act is not None]
-    weight_only = [r for r in recipes if get_recipe(r).act is None]
+    with_act = [r for r in recipes if parse_recipe(r).act is not None]
+    weight_only = [r for r in recipes if parse_recipe(r).act is None]
     if args.awq and with_act:
         raise ValueError(f"--awq searches weight-only scales; recipe(s) {with_act} also quantize activations: drop "
                          "--awq (--smoothquant moves outliers for those) or choose a w4a16 / w8a16 recipe")
@@ -359,8 +364,8 @@ def _kv_group_refusal(kv_cache: str | None, model) -> str | None:
         return (f"--kv-cache {kv_cache}: {type(model).__name__} has no attention modules lowbit's quantized KV cache "
                 "knows (with layer_idx, k_proj and v_proj; multi-head latent attention such as DeepSeek-V3's "
                 "projects K and V from a compressed latent, an encoder keeps no cache): drop --kv-cache")
-    from lowbit.ops.kv_quant import KVScheme
-    s = KVScheme.parse(kv_cache)
+    from lowbit.workflows.job import parse_kv_cache
+    s = parse_kv_cache(kv_cache).scheme
     if s.granularity != "group":
         return None
     hd = _kv_head_dim(model)
@@ -383,11 +388,11 @@ def experts_refusal(recipe: str, decisions, ignore_hint: bool = True) -> str | N
     fix; None if they can. Both projections: gate_up reads H, down reads I. ignore_hint: name
     --ignore as a way out (lowbit sites has no such flag)."""
     from lowbit.recipes.compat import alternative, stored_group
-    from lowbit.recipes.presets import get_recipe
+    from lowbit.workflows.job import parse_recipe
     for d in decisions:
         if d.action != "quantized":
             continue
-        r = get_recipe(d.recipe)
+        r = parse_recipe(d.recipe)
         g = stored_group(r)
         _, two_i, h = d.shape
         ks = {"gate_up (hidden size H)": h, "down (expert intermediate size I)": two_i // 2}
@@ -409,12 +414,6 @@ def experts_refusal(recipe: str, decisions, ignore_hint: bool = True) -> str | N
     return None
 
 
-def checkpoint_bytes(directory: Path) -> int:
-    """Bytes of the checkpoint's tensor files on disk (safetensors shards and their index)."""
-    return sum(f.stat().st_size for f in Path(directory).iterdir()
-               if f.name.endswith(".safetensors") or f.name.endswith(".safetensors.index.json"))
-
-
 def save_dtype(args, loaded):
     """--dtype as a torch dtype ("auto": the source's storage dtype, float32 when unknown)."""
     import torch
@@ -423,29 +422,15 @@ def save_dtype(args, loaded):
     return getattr(torch, args.dtype)
 
 
-def round_float_parts(model, dtype) -> None:
-    """Round every float parameter and persistent buffer to `dtype` in place (kept in their own
-    dtype): the model evaluated, quantized and saved is then the one the checkpoint holds."""
-    import torch
-    if dtype == torch.float32:
-        return
-    with torch.no_grad():
-        for m in model.modules():
-            ts = list(m._parameters.values()) + [b for k, b in m._buffers.items()
-                                                 if k not in m._non_persistent_buffers_set]
-            for t in ts:
-                if t is not None and t.is_floating_point() and t.dtype != dtype:
-                    t.copy_(t.to(dtype))
-
-
 def run(args) -> int:
     """Bad input raises ValueError / FileNotFoundError; lowbit.entrypoints.main prints it without a traceback."""
     import torch
     from lowbit.io.outdir import staged
     from lowbit.evaluation.evaluate import model_bytes, tokens_per_second
     from lowbit.evaluation.workload import load_model, machine, metric, prepare_texts
-    from lowbit.entrypoints.quantize_job import run_recipe
-    from lowbit.recipes.presets import get_recipe
+    from lowbit.workflows.job import QuantizeJob
+    from lowbit.workflows.steps import SmoothQuant
+    from lowbit.workflows.quantize import checkpoint_bytes, quantize_job, round_float_parts
     from lowbit.diagnosis.report import QuantizeResult, optional_png, write_report
     from lowbit.diagnosis.sites import plot_sites
     from lowbit.archs.experts import find_experts
@@ -498,14 +483,15 @@ def run(args) -> int:
     table = []
     moe = bool(find_experts(loaded.model))
     for recipe in recipes:
-        opts, n_calib = _measures(args, recipe, loaded.kind, moe=moe)
+        steps, n_calib = _measures(args, recipe, loaded.kind, moe=moe)
+        job = QuantizeJob.build(recipe, steps, kv_cache=getattr(args, "kv_cache", None),
+                                lm_head=getattr(args, "lm_head", None), ignore=args.ignore, overrides=overrides)
         rtexts = texts if n_calib == args.calib_tokens else dataclasses.replace(
             texts, calib=D.shard(prepare_texts(loaded, args.tokens, n_calib, args.window, evaluate=evaluate,
                                                **data).calib))
-        run_ = run_recipe(loaded, rtexts, recipe, override_to=args.override_to, ignore=args.ignore,
-                          overrides=overrides, static=args.static_scales, window=args.window, evaluate=evaluate,
-                          reference=loaded.model if loaded.kind == "causal" and evaluate else None,
-                          kv_cache=getattr(args, "kv_cache", None), lm_head=getattr(args, "lm_head", None), **opts)
+        run_ = quantize_job(loaded, rtexts, job, window=args.window, evaluate=evaluate,
+                            reference=loaded.model if loaded.kind == "causal" and evaluate else None)
+        sq = job.step(SmoothQuant)
         print(run_.sites_before)
         if run_.sites_after is not None:
             print("after SmoothQuant:\n" + str(run_.sites_after))
@@ -517,7 +503,7 @@ def run(args) -> int:
             model=loaded.name, recipe=recipe, metric=mname, before=before, after=run_.value,
             bytes_before=bytes_before, bytes_after=model_bytes(run_.model, itemsize), eval_tokens=ntok,
             command=command, machine=machine(),
-            smoothquant=None if opts["smoothquant"] is None else f"alpha {opts['smoothquant']}",
+            smoothquant=None if sq is None else f"alpha {sq.alpha}",
             summary=str(run_.summary), overrides=run_.overrides, clipping=run_.clipping, tokens=run_.tokens,
             tokens_per_s=(tps_before, tps) if tps else None,
             bytes_label=f"weight bytes (float parts in {dname}; quantized: "
@@ -548,7 +534,7 @@ def run(args) -> int:
             continue
         with staged(out, args.overwrite) as stage:   # Ctrl-C or an error leaves `out` as it was
             if not args.no_save:
-                _save(run_.model, stage, get_recipe(recipe), loaded.tokenizer, dtype)
+                _save(run_.model, stage, job.recipe, loaded.tokenizer, dtype)
                 res.checkpoint = str(out)
                 res.bytes_after = checkpoint_bytes(stage)
             reps = [run_.sites_before] + ([run_.sites_after] if run_.sites_after else [])

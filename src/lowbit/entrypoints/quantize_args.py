@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from lowbit.recipes.presets import get_recipe
+from lowbit.workflows.job import parse_kv_cache, parse_recipe
 
 
 def recipe_names(text: str, flag: str = "--recipe") -> list[str]:
@@ -15,7 +15,7 @@ def recipe_names(text: str, flag: str = "--recipe") -> list[str]:
     if not names:
         raise ValueError(f"{flag} is empty; name a recipe")
     try:
-        return [get_recipe(r).name for r in names]
+        return [parse_recipe(r).name for r in names]
     except ValueError as err:
         raise ValueError(f"{flag}: {err}") from err
 
@@ -83,12 +83,11 @@ def probe_writable_file(path: str, flag: str) -> None:
 
 
 def kv_cache(text: str | None) -> str | None:
-    """--kv-cache NAME: checked against lowbit.ops.kv_quant.KVScheme.parse before any model loads."""
+    """--kv-cache NAME: checked by the job's parser (lowbit.workflows.job) before any model loads."""
     if text is None:
         return None
-    from lowbit.ops.kv_quant import KVScheme
     try:
-        KVScheme.parse(text)
+        parse_kv_cache(text)
     except ValueError as err:
         raise ValueError(f"--kv-cache: {err}") from err
     return text

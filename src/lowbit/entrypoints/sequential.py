@@ -49,20 +49,22 @@ def run(args, recipes: list[str], outs: dict, device: str) -> int:
     import torch
     from lowbit.algorithms import distributed as D
     from lowbit.pipelines.layerwise import quantize_layerwise
+    from lowbit.workflows.job import Measures, QuantizeJob
     data = {"calib_data": args.calib_data} if getattr(args, "calib_data", None) else {}
     calib = D.shard(calibration_windows(args.model, args.calib_tokens, args.window, **data))
     method = args.method or "rtn"
     say = print if D.rank() == 0 else (lambda *a, **k: None)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    steps = Measures(smoothquant=args.smoothquant, method=method, static=args.static_scales).steps()
     for recipe in recipes:
+        job = QuantizeJob.build(recipe, steps, ignore=args.ignore)
         t0 = time.time()
         say(f"{recipe}: layer by layer on {device} ({dtype}), {method}"
             f"{'' if args.smoothquant is None else f', SmoothQuant alpha {args.smoothquant}'}"
             f"{', static scales' if args.static_scales else ''}; {D.world_size()} rank(s), "
             f"{len(calib)} calibration window(s) of {args.window} tokens on this rank", flush=True)
-        res = quantize_layerwise(args.model, outs[recipe] if D.rank() == 0 else None, recipe, calib, method=method,
-                                 smoothquant=args.smoothquant, static_scales=args.static_scales, ignore=args.ignore,
-                                 device=device, dtype=dtype, overwrite=args.overwrite, progress=D.rank() == 0)
+        res = quantize_layerwise(args.model, outs[recipe] if D.rank() == 0 else None, job.recipe, calib,
+                                 steps=job.steps, ignore=list(job.ignore) or None, device=device, dtype=dtype, overwrite=args.overwrite, progress=D.rank() == 0)
         peak = res.get("peak_device_bytes", res["peak_rss_over_start_bytes"])
         experts = res.get("experts", {})
         n_exp = sum(1 for n in res["quantized"] if n in experts)

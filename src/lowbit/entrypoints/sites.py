@@ -1,5 +1,5 @@
-"""`lowbit sites`: per-site SQNR diagnosis of a model under a recipe (seed 004, "Finding the
-site that hurts"): every Linear's input-activation, weight and output SQNR, worst first, with
+"""`lowbit sites`: per-site SQNR diagnosis of a model under a recipe (which site hurts most):
+every Linear's input-activation, weight and output SQNR, worst first, with
 the suggested action, and a PNG of SQNR by layer and site (before/after SmoothQuant with
 --smoothquant). A mixture-of-experts model also gets the routing report
 (lowbit.diagnosis.routing_report: top-k flips per MoE layer with the router in high precision and
@@ -37,7 +37,7 @@ def run(args) -> int:
     from lowbit.archs.experts import find_experts
     from lowbit.entrypoints.quantize import experts_refusal
     from lowbit.pipelines.moe import plan_experts
-    from lowbit.recipes.presets import get_recipe
+    from lowbit.workflows.job import parse_recipe
 
     A.recipe_names(args.recipe)            # every check that needs no model comes first
     if "," in args.recipe:
@@ -59,7 +59,7 @@ def run(args) -> int:
             raise ValueError("--smoothquant: lowbit sites folds SmoothQuant into the norms, and a MoE model's experts "
                              "share their norm with the router (no exact fold point); drop --smoothquant (lowbit "
                              "quantize --smoothquant folds it into each expert's down side)")
-        _, decisions = plan_experts(loaded.model, get_recipe(args.recipe), [], {})
+        _, decisions = plan_experts(loaded.model, parse_recipe(args.recipe), [], {})
         routing_why = experts_refusal(args.recipe, decisions, ignore_hint=False)
     texts = prepare_texts(loaded, args.window, args.tokens, args.window)
     reports = [site_report(loaded.model, texts.calib, args.recipe, progress=True)]

@@ -19,6 +19,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from lowbit.nn.kv_cache import cache_kwarg, calibrate_kv_cache, num_decoder_layers
 from lowbit.ops.kv_quant import KVScheme, quantize_kv
+from lowbit.workflows.job import parse_kv_cache
 
 
 class _SideLayer(DynamicLayer):
@@ -65,7 +66,7 @@ def _parse_row(text: str, calib_tokens: int) -> tuple[KVScheme, str, int]:
     parts = text.split(":")
     if len(parts) not in (2, 3) or parts[1] not in ("kv", "k", "v"):
         raise ValueError(f"--rows {text!r}: give SCHEME:SIDES[:CALIB_TOKENS], SIDES kv, k or v (e.g. fp8:k)")
-    return KVScheme.parse(parts[0]), parts[1], int(parts[2]) if len(parts) == 3 else calib_tokens
+    return parse_kv_cache(parts[0]).scheme, parts[1], int(parts[2]) if len(parts) == 3 else calib_tokens
 
 
 def main(argv=None) -> int:

@@ -24,9 +24,9 @@ import torch
 
 @dataclass(frozen=True)
 class Config:
-    """One row: a recipe and the measures applied before quantizing it (the keyword arguments of
-    lowbit.entrypoints.quantize_job.run_recipe). recipe "float" is the unquantized model (its KL is
-    exactly 0: a live check)."""
+    """One row: a recipe and the measures applied before quantizing it (the fields of
+    lowbit.workflows.job.Measures, which turns them into the job's steps). recipe "float" is the
+    unquantized model (its KL is exactly 0: a live check)."""
     recipe: str
     rotate: str | None = None
     smoothquant: float | None = None
@@ -105,15 +105,17 @@ def _setup(tokens: int, calib_tokens: int, threads: int, cache: str | None) -> N
 def _measure(cfg: Config) -> dict:
     """One configuration's row (a JSON-able dict)."""
     from lowbit.evaluation.evaluate import model_bytes, token_metrics
-    from lowbit.entrypoints.quantize_job import run_recipe
+    from lowbit.workflows.job import Measures, QuantizeJob
+    from lowbit.workflows.quantize import quantize_job
     loaded, texts, ref = _STATE["loaded"], _STATE["texts"], _STATE["reference"]
     t = time.perf_counter()
     if cfg.recipe == "float":
         tm, model, overrides, calib_s = token_metrics(loaded.model, texts.eval_ids, ref, 512), loaded.model, {}, 0.0
     else:
-        run = run_recipe(loaded, texts, cfg.recipe, smoothquant=cfg.smoothquant, override_worst=cfg.override_worst,
-                         progress=False, sites=False, method=cfg.method, awq=cfg.awq, rotate=cfg.rotate,
-                         reference=ref, mse=cfg.mse, override_by=cfg.override_by)
+        measures = Measures(smoothquant=cfg.smoothquant, override_worst=cfg.override_worst, method=cfg.method,
+                            awq=cfg.awq, rotate=cfg.rotate, mse=cfg.mse, override_by=cfg.override_by)
+        job = QuantizeJob.build(cfg.recipe, measures.steps())
+        run = quantize_job(loaded, texts, job, progress=False, sites=False, reference=ref)
         tm, model, overrides, calib_s = run.tokens, run.model, run.overrides, run.calib_s
     return {"key": cfg.key(), "config": asdict(cfg), "measures": cfg.measures(), "perplexity": tm.perplexity,
             "kl": tm.kl, "kl_max": tm.kl_max, "top1": tm.top1, "tokens": tm.tokens, "bytes": model_bytes(model),

@@ -2,10 +2,10 @@
 precision by a rule, and which were left untouched -- for every architecture, never silent.
 
 Rules (a parameter kept by one of them is not "untouched"):
-  embedding   nn.Embedding weights (the token table; seed 004 keeps it in high precision)
+  embedding   nn.Embedding weights (the token table: a lookup, kept in high precision)
   norm        parameters of normalization modules (class name containing "Norm")
   router      MoE routers (lowbit.archs.experts.ROUTERS, and shared-expert gates): a changed
-              top-k choice is a discrete error (seed 002, 6.2)
+              top-k choice is a discrete error, not a small one
   vector      any other 1-D parameter (biases, attention sinks, per-channel gains): small, and
               read in float by every kernel
   skipped     a Linear or experts module the quantization plan kept on purpose (lm_head, an

@@ -57,12 +57,35 @@ import dataclasses
 import os
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from lowbit.algorithms import distributed
+from lowbit.algorithms.gptq.model import gptq_handler
+from lowbit.algorithms.sequential import as_kwargs, capture_block_inputs, decoder_blocks, next_block_inputs, run_stage
+from lowbit.algorithms.smoothquant import refuse_experts
+from lowbit.algorithms.static_scales import calibrate_act_absmax
+from lowbit.archs.decoders import decoder_for
 from lowbit.archs.experts import find_experts
+from lowbit.io import ct_layout as L
+from lowbit.io.st_format import ShardedWriter
+from lowbit.nn.quant_linear import QuantLinear
+from lowbit.pipelines import layer_loader, moe_checkpoint as MC
+from lowbit.pipelines.checkpoint import (atomic_dir, build_quantization_config, config_dict, DEFAULT_SHARD_BYTES,
+                                         describe_qlayer, describe_qtensor, expand_deferred, module_tensors, read_json,
+                                         write_metadata)
+from lowbit.pipelines.layer_loader import tensors
+from lowbit.pipelines.layer_rtn import rtn_split
+from lowbit.pipelines.moe import build_experts, keep_routers, swap_in
+from lowbit.pipelines.quantize_model import split_patterns
+from lowbit.pipelines.steps import LayerRun, Step
+from lowbit.pipelines.tensorwise import copy_side_files
+from lowbit.profiling import memtrace
+from lowbit.quantize import static_scheme
+from lowbit.recipes.plan import plan
+from lowbit.recipes.presets import get_recipe
 
 
 # The MoE families whose layers this path quantizes: per-expert checkpoint names it maps
@@ -81,8 +104,6 @@ def _observe(layer: torch.nn.Module, stream: list, names: list[str], per_channel
     """calibrate_act_absmax of `names` over the stream, and (advance) the stream moved on to the
     layer's outputs in the same forward passes: one pass per batch gives both (the hooks only
     read), the outputs are those _advance computes, each batch replaced as soon as it is done."""
-    from lowbit.algorithms.static_scales import calibrate_act_absmax
-    from lowbit.algorithms.sequential import as_kwargs, next_block_inputs
     if not advance:
         return calibrate_act_absmax(layer, as_kwargs(stream), names=names, per_channel=per_channel)
 
@@ -94,7 +115,6 @@ def _observe(layer: torch.nn.Module, stream: list, names: list[str], per_channel
 def _advance(layer: torch.nn.Module, stream: list) -> None:
     """Replace each batch of `stream` by the layer's output on it, one batch at a time: the old
     and the new stream are never both alive (one batch's output is the only extra memory)."""
-    from lowbit.algorithms.sequential import next_block_inputs
     for b in range(len(stream)):
         stream[b] = next_block_inputs(layer, [stream[b]])[0]
 
@@ -104,7 +124,6 @@ def _fp32_tensors(model: torch.nn.Module, dtype: torch.dtype, layer: torch.nn.Mo
     loads the model in `dtype` (the model's _keep_in_fp32_modules(_strict) plan, as
     from_pretrained matches it: e.g. DeepSeek-V3's router weight and e_score_correction_bias
     under bf16), so that the layer computes and stores what the whole-model path does."""
-    from lowbit.pipelines.layer_loader import tensors
     get = getattr(model, "_get_dtype_plan", None)
     pats = [re.compile(p.replace("*", ".*")) for p, d in (get(dtype) if get is not None else {}).items()
             if d == torch.float32]
@@ -119,128 +138,6 @@ _LAYER_PHASES = ("load", "calibrate", "quantize", "write")
 # layer: 218 MB for a W8A8 Llama-8B layer): 2 absorbs a slow write without stalling the layer loop
 # (on two GPUs a layer can be produced about as fast as one is written).
 WRITE_QUEUE = 2
-
-
-# Elements per float32 temporary while a weight is quantized (row chunks; see _rtn_codes).
-_CHUNK = 1 << 22
-
-
-_FIELDS = ("codes", "scale", "zero_point", "scale_codes")
-
-
-def _rtn_rows(summary, d, w: torch.Tensor) -> bool:
-    """Whether `w` is quantized by row chunks (_rtn_codes): a per-row scheme (channel / group,
-    not two-level) and finite weights, checked by row chunks too (a whole-weight bool mask is
-    N x K bytes: 56 MiB for [14336, 4096]). Otherwise quantize_layer quantizes it whole."""
-    r = summary.recipe_of(d)
-    step = max(1, _CHUNK // w.shape[1])
-    return (r.weight.strategy in ("channel", "group") and not r.weight.two_level and
-            bool(torch.stack([torch.isfinite(w[a:a + step]).all() for a in range(0, w.shape[0], step)]).all()))
-
-
-def _rtn_codes(w: torch.Tensor, scheme) -> dict:
-    """The QTensor fields of quantize(w.float(), scheme, pad=True), computed by chunks of rows:
-    per-row scales make that the same codes, and the device holds one chunk's float32
-    temporaries instead of three [N, K] ones."""
-    from lowbit.quantize import quantize
-    step = max(1, _CHUNK // w.shape[1])
-    full = None
-    for a in range(0, w.shape[0], step):   # each chunk's results straight into the whole weight's
-        part = quantize(w[a:a + step].float(), scheme, pad=True)
-        if full is None:
-            full = {f: None if getattr(part, f) is None else
-                    getattr(part, f).new_empty((w.shape[0],) + tuple(getattr(part, f).shape[1:])) for f in _FIELDS}
-        for f in _FIELDS:
-            if full[f] is not None:
-                full[f][a:a + step] = getattr(part, f)
-        del part
-    return full
-
-
-def _rtn_linear(d, summary, linear: torch.nn.Linear, static, full: dict) -> torch.nn.Module:
-    """quantize_layer's QuantLinear (round to nearest) from the fields of _rtn_codes."""
-    from lowbit.nn.quant_linear import QuantLinear
-    from lowbit.recipes.plan import layer_act
-    from lowbit.quantize import QTensor
-    r = summary.recipe_of(d)
-    act, scale = layer_act(d, r, static)
-    qt = QTensor(full["codes"], full["scale"], full["zero_point"], r.weight, tuple(linear.weight.shape),
-                 full["scale_codes"], None)
-    bias = None if linear.bias is None else linear.bias.detach().float()
-    return QuantLinear(qt, r.weight, act, bias=bias, act_static_scale=scale)
-
-
-def _rtn_chunked(d, summary, linear: torch.nn.Linear, static) -> torch.nn.Module:
-    """quantize_layer's QuantLinear (round to nearest), by row chunks where the scheme allows."""
-    from lowbit.pipelines.quantize_model import quantize_layer
-    w = linear.weight.detach()
-    if not _rtn_rows(summary, d, w):
-        return quantize_layer(d, summary, linear, static)    # its checks and messages
-    return _rtn_linear(d, summary, linear, static, _rtn_codes(w, summary.recipe_of(d).weight))
-
-
-def _rtn_split(layer: torch.nn.Module, names: list[str], by_name: dict, summary, static, prefix: str) -> None:
-    """Round-to-nearest of the Linears `names` of `layer`, shared out over the ranks
-    (distributed.owners, by weight size): each rank quantizes its share by row chunks, then
-    each share's fields are broadcast from their owner (the process group's own communicator; for 2 ranks that is a send
-    to rank 0), and rank 0 alone puts QuantLinears into its layer (only rank 0 writes; nothing
-    runs the quantized layer). Every rank drops a Linear's float weight once it is quantized or
-    sent for (the layer is not run again; rank 0's QuantLinear holds only the codes): otherwise the
-    whole bf16 layer stays alive until the last Linear is done, beside half a layer of codes (for
-    a Llama-8B layer: 416 + 208 MiB at the peak). A weight that needs quantize_layer whole
-    (_rtn_rows) is quantized on rank 0; every rank decides that the same way (the weights are the
-    same on every rank). A collective."""
-    from lowbit.quantize import quantize
-    me, world = distributed.rank(), distributed.world_size()
-    lins = {n: layer.get_submodule(n) for n in names}
-    rows = {n: _rtn_rows(summary, by_name[prefix + n], lins[n].weight.detach()) for n in names}
-    owner = dict(zip(names, distributed.owners([lins[n].weight.numel() if rows[n] else 0 for n in names], world)))
-    owner.update({n: 0 for n in names if not rows[n]})
-
-    def put(n, q):
-        parent, _, attr = n.rpartition(".")
-        setattr(layer.get_submodule(parent) if parent else layer, attr, q)
-
-    def drop(n):                     # the float weight is not needed any more
-        lins[n].weight.data = lins[n].weight.data.new_empty(0)
-
-    kept = {}
-    for n in names:                  # this rank's share
-        if owner[n] != me:
-            if owner[n] == 0:        # rank 0's share: this rank neither quantizes nor receives it
-                drop(n)
-            continue
-        d = by_name[prefix + n]
-        if not rows[n]:
-            put(n, _rtn_chunked(d, summary, lins[n], static))
-            drop(n)
-            continue
-        full = _rtn_codes(lins[n].weight.detach(), summary.recipe_of(d).weight)
-        if me == 0:
-            put(n, _rtn_linear(d, summary, lins[n], static, full))
-        else:
-            kept[n] = full
-        drop(n)
-        del full
-    for n in names:                  # the shares of ranks > 0, in the same order on every rank
-        if owner[n] == 0:
-            continue
-        d = by_name[prefix + n]
-        if owner[n] == me:
-            full = kept.pop(n)
-        else:                        # field dtypes and shapes from one row (per-row schemes)
-            w = lins[n].weight.detach()
-            probe = quantize(w[:1].float(), summary.recipe_of(d).weight, pad=True)
-            full = {f: None if getattr(probe, f) is None else
-                    getattr(probe, f).new_empty((w.shape[0],) + tuple(getattr(probe, f).shape[1:])) for f in _FIELDS}
-            del probe
-        for f in _FIELDS:
-            if full[f] is not None:   # raw bytes: any dtype
-                distributed.broadcast_(full[f].reshape(-1).view(torch.uint8), src=owner[n])
-        if me == 0:
-            put(n, _rtn_linear(d, summary, lins[n], static, full))
-        drop(n)
-        del full
 
 
 def _profile_start(cuda: bool):
@@ -291,7 +188,7 @@ def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
 
 @torch.no_grad()
 def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | None, recipe, calib, *,
-                       method: str = "rtn", smoothquant: float | None = None, static_scales: bool = False,
+                       steps=(),
                        ignore=None, device="cpu", dtype: torch.dtype = torch.float32, overwrite: bool = False,
                        max_shard_bytes: int | None = None, method_options: dict | None = None,
                        progress: bool = False, memory_trace_layer: int | None = None,
@@ -301,9 +198,10 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     torch.distributed; None writes nothing, e.g. to measure): the files quantize_model +
     save_compressed write for the same model, recipe and ignore list.
 
-    calib: input-id tensors [B, T] (this rank's share under torch.distributed). method: "rtn" or
-    "gptq" (gptq_model's options in method_options). smoothquant: alpha or None. static_scales:
-    calibrated per-tensor activation scales (W8A8 recipes). device / dtype: where and in which
+    calib: input-id tensors [B, T] (this rank's share under torch.distributed). steps: the job's
+    steps (lowbit.pipelines.steps), the same objects the whole-model workflow runs: SmoothQuant(alpha),
+    StaticScales() (calibrated per-tensor activation scales, W8A8 recipes) and GPTQ() (gptq_model's
+    options in method_options); any other step is refused by name, none is round to nearest. device / dtype: where and in which
     dtype the layers run (float32 on the CPU reproduces the whole-model path of `lowbit quantize`).
     memory_trace_layer: on CUDA, record the allocator's trace over that layer and name the
     blocks alive at its peak (lowbit.profiling.memtrace; result["memory_trace"]).
@@ -317,30 +215,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     phase, with the layer where each phase peaked and what was allocated when it began), one
     layer's bytes and the activation bytes; for MoE models, "experts": each experts module's
     action, recipe, reason and GPTQ's per-expert report (lowbit.algorithms.gptq.experts)."""
-    import transformers
-    from concurrent.futures import ThreadPoolExecutor
-    from lowbit.io import ct_layout as L
-    from lowbit.pipelines.checkpoint import (DEFAULT_SHARD_BYTES, atomic_dir, build_quantization_config,
-                                              config_dict, describe_qlayer, expand_deferred, module_tensors,
-                                              read_json, write_metadata)
-    from lowbit.pipelines.tensorwise import copy_side_files
-    from lowbit.io.st_format import ShardedWriter
-    from lowbit.pipelines import layer_loader
-    from lowbit.profiling import memtrace
-    from lowbit.quantize import scale_from_absmax, static_scheme
-    from lowbit.algorithms.gptq.model import gptq_handler
-    from lowbit.nn.quant_linear import QuantLinear
-    from lowbit.recipes.plan import plan
-    from lowbit.recipes.presets import get_recipe
-    from lowbit.algorithms.sequential import capture_block_inputs, run_stage
-    from lowbit.algorithms.smoothquant import fold_from_stats, fold_plan
-    from lowbit.archs.decoders import decoder_for
-    from lowbit.pipelines import moe_checkpoint as MC
-    from lowbit.pipelines.checkpoint import describe_qtensor
-    from lowbit.pipelines.moe import build_experts, keep_routers, swap_in
-    from lowbit.pipelines.quantize_model import split_patterns
-    from lowbit.algorithms.sequential import decoder_blocks
-    from lowbit.algorithms.smoothquant import refuse_experts
+    import transformers          # an optional dependency: the model skeleton is built from its config
 
     t_start = time.time()
     rss0 = memtrace.rss_bytes()
@@ -374,13 +249,17 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
         clock[0] = now
 
     r = get_recipe(recipe)
-    if method not in ("rtn", "gptq"):
-        raise ValueError(f"method={method!r}; choose 'rtn' or 'gptq'")
+    steps = sorted(steps, key=lambda s: s.order)
+    other = [type(s).__name__ for s in steps if not isinstance(s, Step) or s.stream is None]
+    if other:
+        raise ValueError(f"steps: {', '.join(other)} not available layer by layer (the steps it runs: SmoothQuant, "
+                         "StaticScales, GPTQ); quantize the whole model for them")
+    read = {s.stream for s in steps}            # the activation streams the steps read (module docstring)
+    need_f, need_s, need_q = "F" in read, "S" in read, "Q" in read
+    static_scales = need_s
     if static_scales and r.act is None:
         raise ValueError(f"static_scales needs a recipe with activation quantization; {r.name} is weight-only")
-    if smoothquant is not None and not 0.0 <= smoothquant <= 1.0:
-        raise ValueError(f"smoothquant={smoothquant}: alpha must lie in [0, 1]")
-    need_f, need_s, need_q = smoothquant is not None, static_scales, method == "gptq"
+    method = "gptq" if need_q else "rtn"
     calib = list(calib or [])
     if (need_f or need_s or need_q) and not calib:
         raise ValueError("calibration batches are needed for SmoothQuant, static scales and GPTQ: pass calib=[...]")
@@ -615,18 +494,13 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                 mine = [d.name[len(prefix):] for d in summary.quantized if d.name.startswith(prefix)]
                 mine_experts = [d for d in exp_quantized if d.name.startswith(prefix)]
                 last = i + 1 == len(blist)
-                if need_f:               # SmoothQuant's maxima on the float model as loaded
-                    groups, why = fold_plan(layer)
-                    if i == 0:
-                        for w in why:
-                            print("SmoothQuant: " + w, flush=True)
-                    amax = _observe(layer, streams["F"], [c for g in groups for c in g.consumers], True, not last)
-                    fold_from_stats(layer, groups, amax, smoothquant)
-                    del amax
-                if need_s:               # static scales on the folded float model
-                    act = static_scheme(r.act)
-                    for n, a in _observe(layer, streams["S"], mine, False, not last).items():
-                        scales[prefix + n] = scale_from_absmax(a, act)
+                # the folds on the float model as loaded (F), then the static scales after them (S)
+                run_ = LayerRun(layer, i, prefix, mine, r, scales,
+                                lambda k, names, per_channel: _observe(layer, streams[k], names, per_channel, not last))
+                for s in steps:
+                    if s.stream in ("F", "S"):
+                        s.apply_layer(run_)
+                del run_
                 if need_q:               # GPTQ on the quantized model's activations
                     lap("calibrate")
                     # the experts modules among the Linears, each a group of its own (GPTQ per
@@ -643,7 +517,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                     # round to nearest: each rank quantizes a share of the Linears and rank 0,
                     # which alone writes, receives the codes (nothing runs the quantized layer)
                     lap("calibrate")
-                    _rtn_split(layer, mine, {d.name: d for d in summary.quantized}, summary, static, prefix)
+                    rtn_split(layer, mine, {d.name: d for d in summary.quantized}, summary, static, prefix)
                     if mine_experts and distributed.rank() == 0:   # the experts on rank 0, which writes
                         # quantize_model's QuantExperts (blist[i] is this layer: the names resolve)
                         swap_in(model, build_experts(model, found, mine_experts, summary.recipes))

@@ -1,6 +1,6 @@
 """quantize_model: replace a model's nn.Linear layers by QuantLinear under a recipe.
 
-What stays in high precision by default (seed 004, "Where the quantize sites are"): everything
+What stays in high precision by default (the sites where quantization costs most for least gain): everything
 that is not a Linear (embeddings, norms, the residual stream, softmax) and `lm_head` (the
 logits) or any Linear whose weight is tied to an embedding. Per-site control:
   ignore=[pattern, ...]            keep these Linears in high precision;

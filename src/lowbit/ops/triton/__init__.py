@@ -1,8 +1,10 @@
-"""Triton kernels for quantized matmuls on NVIDIA GPUs (tested on CPU via TRITON_INTERPRET=1).
+"""Triton kernels for quantized matmuls and attention on NVIDIA GPUs (tested on the CPU via TRITON_INTERPRET=1).
 
 Kernels import lazily: `import lowbit.ops.triton` does not require Triton until a kernel is used.
-- gemm_int8.int8_gemm          W8A8 int8, int32 accumulation, fused scale / zero-point / bias epilogue
-- gemm_fp8.fp8_gemm            fp8 e4m3fn, row-wise or tensor-wise fp32 scales
-- gemm_blockscaled.fp8_block_gemm / mxfp8_gemm   per-K-group scales (1x128 / 128x128, MX e8m0 per 32)
-- act_quant.quantize_per_token dynamic per-token int8 / fp8 activation quantization
+- gemm_int8, gemm_fp8, gemm_blockscaled   W8A8 int8, fp8 (row- or tensor-wise scales), per-K-group / MX scales
+- w4a16/ (layouts: codes, pairs, planar, planar8), w8a16, dequant   weight-only GEMMs and block-scaled dequantization
+- act_quant, fused_quant               dynamic activation quantizers (alone, or fused into the norm / SiLU in front)
+- grouped, grouped_mx, grouped_w, grouped_schedule   MoE grouped GEMMs in one launch for all experts
+- attention, attention_decode, kv_append   flash attention over a quantized KV cache, split-KV decode, cache writes
+- probe_dot                            the plainest GEMM, for `lowbit probe`; common: shared rounding primitives
 """

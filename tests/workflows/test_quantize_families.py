@@ -5,8 +5,12 @@ import pytest
 import torch
 from family_fixtures import tiny_decoder
 
-from lowbit.entrypoints.quantize_job import run_recipe
 from lowbit.evaluation.workload import Loaded, Texts
+from lowbit.workflows.job import QuantizeJob
+from lowbit.workflows.quantize import quantize_job
+from lowbit.workflows.steps import SmoothQuant
+
+SMOOTH = QuantizeJob.build("w8a8-int8", [SmoothQuant(0.5)])
 
 
 def _texts(rng):
@@ -16,7 +20,7 @@ def _texts(rng):
 
 def test_partial_family_names_what_is_left(rng, capsys):
     loaded = Loaded("olmo2", tiny_decoder("olmo2", rng).float(), None, "causal")
-    run = run_recipe(loaded, _texts(rng), "w8a8-int8", smoothquant=0.5, sites=False, progress=False, window=32)
+    run = quantize_job(loaded, _texts(rng), SMOOTH, sites=False, progress=False, window=32)
     out = capsys.readouterr().out
     assert "w8a8-int8: SmoothQuant: OLMo 2: self_attn.q_proj, self_attn.k_proj" in out
     assert "of each of the 2 decoder layers" in out and "left unsmoothed" in out and run.value > 0
@@ -27,6 +31,5 @@ def test_unmapped_family_is_refused(rng):
     m = GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=2, n_positions=64)).eval()
     before = {k: v.clone() for k, v in m.state_dict().items()}
     with pytest.raises(ValueError, match=r"SmoothQuant \(alpha 0.5.*refused: .*gpt2.*--plain"):
-        run_recipe(Loaded("gpt2", m, None, "causal"), _texts(rng), "w8a8-int8", smoothquant=0.5, sites=False,
-                   progress=False, window=32)
+        quantize_job(Loaded("gpt2", m, None, "causal"), _texts(rng), SMOOTH, sites=False, progress=False, window=32)
     assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
