@@ -24,6 +24,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+import lowbit as lb
+from lowbit.bench.common import environment, write_run
+from lowbit.ops import attention_reference as ar
+from lowbit.ops.attention import attention_triton
+from lowbit.ops.attention_sdpa import sdpa_attention
+from lowbit.ops.kv_quant import KVScheme, observe_amax, quantize_kv, static_scale
+from lowbit.ops.weight_only import prepare_w4, w4a16_linear
+from lowbit.profiling import timing
+
+
 HQ, HKV, D = 32, 8, 128
 HIDDEN, INTER = 4096, 14336
 DECODE = [(1, 8192), (16, 8192), (1, 32768), (16, 32768)]
@@ -38,7 +48,6 @@ FP8_SPEC = dict(q_format="fp8_e4m3fn", p_format="fp8_e4m3fn", p_block=64, causal
 def quantized_cache(kv_name, k, v):
     """(keys, values) as the cache holds them under the KV scheme `kv_name` (static schemes are
     calibrated on k, v themselves)."""
-    from lowbit.ops.kv_quant import KVScheme, observe_amax, quantize_kv, static_scale
     sch = KVScheme.parse(kv_name)
     if sch.dynamic:
         return quantize_kv(k, sch), quantize_kv(v, sch)
@@ -47,7 +56,6 @@ def quantized_cache(kv_name, k, v):
 
 
 def _time(fn, args, **kw):
-    from lowbit.profiling import timing
     return timing.bench_ms(fn, [args], cuda_graph=DEVICE == "cuda", **kw)
 
 
@@ -105,8 +113,6 @@ def _best_sdpa(q, k, v, causal: bool, rows: list, base_row: dict, **kw) -> float
 def _decode_rows(only, quick) -> list[dict]:
     import torch
 
-    from lowbit.ops import attention_reference as ar
-    from lowbit.ops.attention import attention_triton
     from lowbit.ops.triton.attention import cache_bytes
     from lowbit.ops.triton.attention_decode import RESIDENT, launch_warps, pick_splits, split_kv_attention
     from lowbit.ops.triton.common import num_sms
@@ -170,7 +176,6 @@ class _Layers:
         import torch
         self.sdpa_ctx = sdpa_ctx or contextlib.nullcontext
 
-        from lowbit.ops import attention_reference as ar
         self.B, self.T, self.kv = B, T, kv
         self.pos = torch.full((1,), T - 1, dtype=torch.int32, device=DEVICE)   # the new token's slot
         self.spec = ar.AttnSpec(**FP8_SPEC)
@@ -198,8 +203,6 @@ class _Layers:
 
     @staticmethod
     def _w4(w):
-        import lowbit as lb
-        from lowbit.ops.weight_only import prepare_w4
         return prepare_w4(lb.quantize(w, lb.QuantScheme(format="int4", strategy="group", group_size=128)))
 
     @staticmethod
@@ -208,7 +211,6 @@ class _Layers:
 
     @staticmethod
     def _linear_w4(x, w):
-        from lowbit.ops.weight_only import w4a16_linear
         return w4a16_linear(x, w)
 
     def kv_bytes(self) -> int:
@@ -219,7 +221,6 @@ class _Layers:
         import torch
         import torch.nn.functional as F
 
-        from lowbit.ops.attention import attention_triton
         from lowbit.ops.triton.kv_append import append_kv
         B, t = self.B, self.T - 1
         for (wqkv, wo, wgu, wd), (kc, vc) in self.layers:
@@ -285,8 +286,6 @@ def _step_rows(quick, sdpa_best: dict | None = None) -> list[dict]:
 def _prefill_rows(quick) -> list[dict]:
     import torch
 
-    from lowbit.ops import attention_reference as ar
-    from lowbit.ops.attention_sdpa import sdpa_attention
     from lowbit.ops.triton.attention import flash_attention
     from lowbit.ops.triton.attention_prefill import default_config, prefill_attention, prefill_candidates
 
@@ -383,7 +382,6 @@ def _int4_bytes_ratio(group: int = 32) -> float:
     included: KVQuant.nbytes of a real cache) over bf16's."""
     import torch
 
-    from lowbit.ops.kv_quant import KVScheme, quantize_kv
     x = torch.randn(1, HKV, 64, -(-D // group) * group)   # a whole number of groups per head
     return quantize_kv(x, KVScheme("int4", "group", group)).nbytes() / (x.numel() * 2)
 
@@ -455,7 +453,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("lowbit.bench.attention times GPU kernels: no CUDA GPU here", file=sys.stderr)
         return 2
-    from lowbit.bench.common import environment, write_run
     rows = run(None, a.quick, a.prefill_only)
     if a.json:
         write_run(a.json, environment(), rows)

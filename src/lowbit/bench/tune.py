@@ -16,8 +16,18 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.nn.functional as F
 
+from lowbit.bench.attention import quantized_cache
+from lowbit.nn import QuantLinear
+from lowbit.ops import attention as attn
+from lowbit.ops import attention_reference as ar
+from lowbit.ops import prepared as runtime
 from lowbit.ops import tuning
+from lowbit.ops.grouped_configs import grouped_candidates, grouped_kind_key, m_bucket
+from lowbit.ops.grouped_tune import grouped_case
+from lowbit.profiling.timing import bench_ms
+from lowbit.workflows.job import parse_recipe
 
 # Llama-3-8B's Linear shapes as lowbit runs them: q/k/v and gate/up merged (lowbit.nn.shared_input)
 SHAPES = {"8b": (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)),
@@ -86,16 +96,11 @@ def _time_candidates(cands, make_call, tol: float, where: str, log) -> tuple[dic
 
 def _graph_us(fn, reps: int = 50) -> float:
     """Median GPU microseconds of fn() replayed from a CUDA graph (warmed up outside it)."""
-    from lowbit.profiling.timing import bench_ms
     return bench_ms(lambda: fn(), [()], cuda_graph=True, warmup=10, rep=reps) * 1e3
 
 
 def tune_linear(shape: str = "8b", recipes=RECIPES, buckets=tuning.BUCKET_NAMES, log=print,
                 device: str = "cuda") -> list[tuning.Cell]:
-    import torch.nn.functional as F
-
-    from lowbit.nn import QuantLinear, get_recipe
-    from lowbit.ops import prepared as runtime
 
     cells = []
     gen = torch.Generator().manual_seed(0)
@@ -105,7 +110,7 @@ def tune_linear(shape: str = "8b", recipes=RECIPES, buckets=tuning.BUCKET_NAMES,
             lin.weight.normal_(0, 0.02, generator=gen)
         lin = lin.to(device)
         for name in recipes:
-            r = get_recipe(name)
+            r = parse_recipe(name)
             q = QuantLinear.from_linear(lin, r.weight, r.act, backend="kernel").to(device)
             if q.fast_spec is None:
                 log(f"  {sname} {name}: no prepared fast path, nothing to tune")
@@ -149,11 +154,6 @@ ATTN_T = {"65-512": 256, "513+": 2048}   # tokens timed per bucket (Tq = Tk)
 def tune_attention(shape: str = "8b", buckets=ATTN_BUCKETS, log=print, device: str = "cuda") -> list[tuning.Cell]:
     """Prefill attention over an fp8 KV cache (Tq = Tk = the bucket's M): each prefill-kernel tiling,
     the general flash kernel and SDPA over the dequantized cache, against bf16 SDPA."""
-    import torch.nn.functional as F
-
-    from lowbit.ops import attention as attn
-    from lowbit.ops import attention_reference as ar
-    from lowbit.bench.attention import quantized_cache
 
     hq, hkv, d = ATTN_HEADS[shape]
     spec = ar.AttnSpec(q_format="fp8_e4m3fn", p_format="fp8_e4m3fn", p_block=64, causal=True)
@@ -205,8 +205,6 @@ def tune_grouped(moe: str, kinds=GROUPED_KINDS, log=print, device: str = "cuda")
     candidate (lowbit.ops.grouped_configs.grouped_candidates, the default first) per kind and M
     bucket; the ratio is against the default configuration (the MoE bench compares with grouped
     bf16)."""
-    from lowbit.ops.grouped_configs import grouped_candidates, grouped_kind_key, m_bucket
-    from lowbit.ops.grouped_tune import grouped_case
 
     _, E, top_k, H, inter = MOE_SHAPES[moe]
     cells = []

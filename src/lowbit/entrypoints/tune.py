@@ -22,10 +22,10 @@ def register(p) -> None:
 
 def run(args) -> int:
     from lowbit.bench.tune import run_tune, summary
-    from lowbit.nn import get_recipe
     from lowbit.ops import tuning
+    from lowbit.workflows.job import parse_recipe
 
-    recipes = [get_recipe(r.strip()).name for r in args.recipes.split(",") if r.strip()]  # names checked first
+    recipes = [parse_recipe(r.strip()).name for r in args.recipes.split(",") if r.strip()]  # names checked first
     buckets = [b.strip() for b in args.buckets.split(",") if b.strip()]
     bad = [b for b in buckets if b not in tuning.BUCKET_NAMES]
     if bad or not buckets:

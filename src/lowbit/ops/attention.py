@@ -20,6 +20,7 @@ import torch
 from lowbit.formats import decode, encode
 from lowbit.ops import attention_reference as ar
 from lowbit.ops import dispatch
+from lowbit.ops import tuning
 from lowbit.ops.attention_sdpa import sdpa_attention
 from lowbit.ops.kv_quant import KVQuant
 
@@ -148,8 +149,7 @@ def _tuned(q, k, v, spec, G, sdpa_ok: bool) -> tuple[str | None, object]:
     """A tuning table's (kernel, config) for this prefill call, or (None, None) without a cell.
     Cells are keyed by (kind, head_dim, GQA group, bucket of the query length): path "dequant" is
     SDPA over the dequantized cache, "kernel" names the kernel (and the prefill kernel's tiles)."""
-    from lowbit.ops import tuning
-    from lowbit.ops.triton.attention_prefill import PrefillConfig
+    from lowbit.ops.triton.attention_prefill import PrefillConfig   # triton: the optional [gpu] extra
 
     path, cfg = tuning.choose("attention", attention_kind(k, v, spec), q.shape[3], G, q.shape[2])
     if cfg is None:
