@@ -98,9 +98,21 @@ def _dense_reference(layer, x2: torch.Tensor):
     return layer.quantize_input(x2.float())[2].double()
 
 
+def kernel_accumulator(layer) -> str | None:
+    """The accumulator the kernel that ran declares, where it is not fp32: lowbit's W8A8 fp8 GEMM on
+    a GPU promotes the tensor cores' fp8 partial sums into fp32 every 128 products
+    (lowbit.ops.triton.common.mainloop, PROMOTE_K), which the gates model as "fp8_fast"."""
+    on_gpu = any(b.is_cuda for b in layer.buffers())
+    if on_gpu and layer.last_path == "fast:w8a8" and layer.act_scheme is not None \
+            and layer.act_scheme.format == "fp8_e4m3fn":
+        return "fp8_fast"
+    return None
+
+
 def check_dense(name: str, layer, x: torch.Tensor, out: torch.Tensor) -> tuple[LayerResult, Verdict]:
     xq = _dense_reference(layer, x)
-    v = check_quantized(out, xq, layer.weight_q, bias=layer.bias, out_dtype=out.dtype)
+    v = check_quantized(out, xq, layer.weight_q, bias=layer.bias, out_dtype=out.dtype,
+                        accumulator=kernel_accumulator(layer))
     cause = str(v.causes[0]) if v.causes else ""
     return LayerResult(name, "dense", v.kind, v.metrics["impl_gate_frac"], v.metrics["rel_l2"], cause), v
 
