@@ -120,6 +120,13 @@ def code_tile(ptr, b, h, offs_t, offs_d, T, D, st_b, st_h, st_t, st_d, KIND: tl.
     else:
         ok = (offs_t < T)[:, None] & (offs_d < D)[None, :]
     raw = tl.load(ptr + b * st_b + h * st_h + offs_t[:, None] * st_t + offs_d[None, :] * st_d, mask=ok, other=0)
+    return codes_as(raw, KIND, FAST_FP8, DOT_TY)
+
+
+@triton.jit
+def codes_as(raw, KIND: tl.constexpr, FAST_FP8: tl.constexpr, DOT_TY: tl.constexpr):
+    """Loaded cache codes (fp8 e4m3 bit patterns, KIND 0; int8 or bf16 values otherwise) as DOT_TY
+    values, exact."""
     if KIND == 0:
         if FAST_FP8:
             return raw.to(tl.float8e4nv, bitcast=True).to(DOT_TY)

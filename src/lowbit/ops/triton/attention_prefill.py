@@ -37,8 +37,8 @@ import triton.language as tl
 from lowbit.ops import attention_reference as ar
 from lowbit.ops.kv_quant import KVQuant
 
-from .attention import MAX_HEAD_DIM, SM90_SHARED, _shared_limit, p_codes, smem_bytes, softmax_block
-from .common import cast_out, check_device, decode_e4m3fn, interpreting, launch
+from .attention import MAX_HEAD_DIM, SM90_SHARED, _shared_limit, codes_as, p_codes, smem_bytes, softmax_block
+from .common import cast_out, check_device, interpreting, launch
 
 _KIND = {"fp8_e4m3fn": 0, "int8": 1}        # code kinds; 2 = a bf16 cache
 _P_MODE = {"fp8_e4m3fn": 0, "int8": 1}
@@ -129,11 +129,7 @@ def _tile(ptr, base, offs_t, offs_d, T, D, st_t, st_d, KIND: tl.constexpr, MASK_
         raw = tl.load(ptrs)
     else:
         raw = tl.load(ptrs, mask=(offs_d < D)[None, :], other=0)
-    if KIND == 0:
-        if FAST_FP8:
-            return raw.to(tl.float8e4nv, bitcast=True).to(DOT_TY)
-        return decode_e4m3fn(raw.to(tl.int32)).to(DOT_TY)
-    return raw.to(DOT_TY)
+    return codes_as(raw, KIND, FAST_FP8, DOT_TY)
 
 
 @triton.jit
