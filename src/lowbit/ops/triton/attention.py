@@ -277,17 +277,16 @@ def _mma_ok(q_vals: torch.Tensor, q_exact: bool, k, v, spec: ar.AttnSpec) -> boo
     return True
 
 
-def flash_attention(q_vals: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: torch.Tensor | None = None,
-                    out_dtype: torch.dtype = torch.float32, block_m: int | None = None, mma: bool | None = None
-                    ) -> torch.Tensor:
-    """q_vals: fp32 [B, Hq, Tq, D], Q's code values (lowbit.ops.attention.quantize_q's parts) with
-    q_scale [B, Hq, Tq, 1] fp32, or Q itself with q_scale None; k, v: KVQuant or float
-    [B, Hkv, Tk, D]. mma: the bf16 tensor-core mode (module docstring); None = wherever it is exact
-    (Q as codes, or Q given in bf16). Returns [B, Hq, Tq, D] in out_dtype."""
+def check_call(q_vals: torch.Tensor, k, v, spec: ar.AttnSpec, q_scale: torch.Tensor | None,
+               out_dtype: torch.dtype) -> tuple[int, torch.Tensor, bool]:
+    """The argument checks every tile kernel's launcher makes (this module's and the prefill kernel's):
+    device, shapes (GQA group G), head_dim, output dtype, a causal mask with fewer keys than queries.
+    Returns (G, q_scale as fp32 [B, Hq, Tq, 1] -- ones where Q is given as values --, q_exact: Q is
+    codes or bf16, so its products are exact on the tensor cores)."""
     check_device("q", q_vals)
     G = ar.check_shapes(tuple(q_vals.shape), tuple(k.shape), tuple(v.shape))
     B, Hq, Tq, D = q_vals.shape
-    Hkv, Tk = k.shape[1], k.shape[2]
+    Tk = k.shape[2]
     if D > MAX_HEAD_DIM:
         raise ValueError(f"head_dim {D} > {MAX_HEAD_DIM}: the kernel keeps a query tile of the whole head in "
                          "registers; use backend='torch'")
@@ -301,6 +300,19 @@ def flash_attention(q_vals: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: t
     elif q_scale.shape != (B, Hq, Tq, 1) or q_scale.dtype != torch.float32:
         raise ValueError(f"q_scale must be float32 [B, Hq, Tq, 1] = {(B, Hq, Tq, 1)}, got {q_scale.dtype} "
                          f"{tuple(q_scale.shape)}")
+    return G, q_scale, q_exact
+
+
+def flash_attention(q_vals: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: torch.Tensor | None = None,
+                    out_dtype: torch.dtype = torch.float32, block_m: int | None = None, mma: bool | None = None
+                    ) -> torch.Tensor:
+    """q_vals: fp32 [B, Hq, Tq, D], Q's code values (lowbit.ops.attention.quantize_q's parts) with
+    q_scale [B, Hq, Tq, 1] fp32, or Q itself with q_scale None; k, v: KVQuant or float
+    [B, Hkv, Tk, D]. mma: the bf16 tensor-core mode (module docstring); None = wherever it is exact
+    (Q as codes, or Q given in bf16). Returns [B, Hq, Tq, D] in out_dtype."""
+    G, q_scale, q_exact = check_call(q_vals, k, v, spec, q_scale, out_dtype)
+    B, Hq, Tq, D = q_vals.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
     use_mma = _mma_ok(q_vals, q_exact, k, v, spec) if mma is None else mma
     if use_mma and not _mma_ok(q_vals, q_exact, k, v, spec):
         raise ValueError("mma=True needs Q as codes (q_scale) or bf16, P quantized, K not per head-dim group and "

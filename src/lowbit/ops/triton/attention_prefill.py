@@ -37,12 +37,11 @@ import triton.language as tl
 from lowbit.ops import attention_reference as ar
 from lowbit.ops.kv_quant import KVQuant
 
-from .attention import MAX_HEAD_DIM, SM90_SHARED, _shared_limit, codes_as, p_codes, smem_bytes, softmax_block
+from .attention import _OUT, SM90_SHARED, _shared_limit, check_call, codes_as, p_codes, smem_bytes, softmax_block
 from .common import cast_out, check_device, interpreting, launch
 
 _KIND = {"fp8_e4m3fn": 0, "int8": 1}        # code kinds; 2 = a bf16 cache
 _P_MODE = {"fp8_e4m3fn": 0, "int8": 1}
-_OUT = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @dataclass(frozen=True)
@@ -246,27 +245,13 @@ def prefill_attention(q_vals: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale:
     """q_vals: [B, Hq, Tq, D] Q's code values (fp32, with q_scale fp32 [B, Hq, Tq, 1]) or bf16 Q
     (q_scale None); k, v: KVQuant or bf16 [B, Hkv, Tk, D] as `unsupported` allows. config: the
     launch knobs (default_config when None). Returns [B, Hq, Tq, D] in out_dtype."""
-    check_device("q", q_vals)
-    G = ar.check_shapes(tuple(q_vals.shape), tuple(k.shape), tuple(v.shape))
+    G, q_scale, q_exact = check_call(q_vals, k, v, spec, q_scale, out_dtype)
     B, Hq, Tq, D = q_vals.shape
     Tk = k.shape[2]
-    if D > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim {D} > {MAX_HEAD_DIM}: the kernel keeps a query tile of the whole head in "
-                         "registers; use backend='torch'")
-    if out_dtype not in _OUT:
-        raise ValueError(f"out_dtype must be one of {list(_OUT)}, got {out_dtype}")
-    if spec.causal and Tk < Tq:
-        ar.allowed_mask(Tq, Tk, True)                          # raises the reference's error
-    q_exact = q_scale is not None or q_vals.dtype == torch.bfloat16
     why = unsupported(q_exact, k, v, spec)
     if why is not None:
         raise ValueError(f"the prefill kernel cannot run this call: {why}; use lowbit.ops.triton.attention."
                          "flash_attention (kernel='flash')")
-    if q_scale is None:
-        q_scale = torch.ones(1, 1, 1, 1, dtype=torch.float32, device=q_vals.device).expand(B, Hq, Tq, 1)
-    elif q_scale.shape != (B, Hq, Tq, 1) or q_scale.dtype != torch.float32:
-        raise ValueError(f"q_scale must be float32 [B, Hq, Tq, 1] = {(B, Hq, Tq, 1)}, got {q_scale.dtype} "
-                         f"{tuple(q_scale.shape)}")
     cfg = config or default_config(D, Tq, spec.p_block)
     kc, ks, kk = _operand(k, "k")
     vc, vs, vk = _operand(v, "v")
