@@ -185,14 +185,9 @@ def run(spec: Spec, x2: torch.Tensor, ops: dict[str, torch.Tensor], bias: torch.
     return _RUN[spec.kind](spec, x2, ops, bias)
 
 
-def _choice(spec: Spec, M: int) -> tuple[str, dict | None]:
-    """The tuning table's (path, kernel config) for this layer at M rows (lowbit.ops.tuning)."""
-    return tuning.choose("linear", _kind_key(spec), spec.N, spec.K, M)
-
-
-@functools.lru_cache(maxsize=None)
-def _kind_key(spec: Spec) -> str:
-    return tuning.kind_key(spec)
+def _choice(spec: Spec, M: int):
+    """The tuning table's (path, kernel config or None) for this layer at M rows (lowbit.ops.tuning)."""
+    return tuning.choose("linear", tuning.kind_key(spec), spec.N, spec.K, M)
 
 
 def _run_w8a8(spec, x2, ops, bias):
@@ -256,24 +251,13 @@ def _run_w8a16(spec, x2, ops, bias):
     rounded once to x's dtype from its fp32 product code * scale, into a reusable buffer, then the
     bf16 GEMM (fp32 accumulation), the bias added in fp32."""
     if _choice(spec, x2.shape[0])[0] == "dequant":
-        from lowbit.ops.triton.dequant import dequantize_rows
+        from lowbit.ops.triton.dequant import bf16_gemm, dequantize_rows
 
         w = dequantize_rows(ops["w"], ops["w_scale"], scratch((spec.N, spec.K), x2.dtype, x2.device))
-        return _bf16_gemm(x2, w, bias)
+        return bf16_gemm(x2, w, bias, x2.dtype)
     from lowbit.ops.triton.w8a16 import w8a16_gemm
 
     return w8a16_gemm(x2, ops["w"], ops["w_scale"], bias)
-
-
-def _bf16_gemm(x2, w, bias):
-    """x2 @ w.T in x2's dtype (fp32 accumulation), a bias added in fp32 before the one rounding."""
-    if bias is None:
-        return torch.nn.functional.linear(x2, w)
-    if x2.is_cuda:
-        y = torch.mm(x2, w.t(), out_dtype=torch.float32)
-    else:
-        y = x2.float() @ w.float().t()
-    return (y + bias.float()).to(x2.dtype)
 
 
 def _w4(spec, ops, global_scale=None):

@@ -27,6 +27,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 FORMAT = "lowbit-tune/1"
 # (lowest M, highest M or None, name): decode, small batches, medium, prefill chunks, long prefill
@@ -168,7 +169,7 @@ def reset(table: Table | None = None, why: str | None = None) -> None:
     _STATE.clear()
     if table is not None or why is not None:
         _STATE["table"], _STATE["why"] = table, why or "installed by the caller"
-    _choice.cache_clear()
+    choose.cache_clear()
 
 
 def _find() -> tuple[Table | None, str]:
@@ -193,6 +194,7 @@ def _find() -> tuple[Table | None, str]:
     return table, f"tuning table {path} ({len(table.cells)} cells)"
 
 
+@functools.lru_cache(maxsize=None)
 def kind_key(spec) -> str:
     """The table's name for a prepared layer kind (lowbit.ops.prepared.Spec)."""
     if spec.kind in ("w4a16", "fp4"):
@@ -213,15 +215,11 @@ def heuristic(kind: str, M: int) -> str:
 
 
 @functools.lru_cache(maxsize=8192)
-def _choice(op: str, kind: str, N: int, K: int, M: int) -> tuple[str, tuple | None]:
+def choose(op: str, kind: str, N: int, K: int, M: int) -> tuple[str, MappingProxyType | None]:
+    """(path, kernel configuration or None) for a layer kind, shape and M; cached per process. The
+    configuration is a read-only view of the cell's (callers copy it to change it)."""
     table, _ = active()
     cell = None if table is None else table.lookup(op, kind, N, K, M)
     if cell is None:
         return heuristic(kind, M), None
-    return cell.path, None if cell.config is None else tuple(sorted(cell.config.items()))
-
-
-def choose(op: str, kind: str, N: int, K: int, M: int) -> tuple[str, dict | None]:
-    """(path, kernel configuration or None) for a layer kind, shape and M; cached per process."""
-    path, cfg = _choice(op, kind, N, K, M)
-    return path, None if cfg is None else dict(cfg)
+    return cell.path, None if cell.config is None else MappingProxyType(cell.config)

@@ -272,16 +272,11 @@ def mxfp8_dequant_gemm(a, b, a_scale, b_scale, bias=None, out_dtype=torch.bfloat
     unless torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is False. Operands
     as mxfp8_gemm's, unchecked (mxfp8_gemm and lowbit.ops.prepared check them); b_out: a bf16
     [N, K] buffer to dequantize b into (lowbit.ops.scratch's), or None for a new one."""
-    from .dequant import dequantize_groups
+    from .dequant import bf16_gemm, dequantize_groups
 
     A = dequantize_groups(a.view(torch.uint8), a_scale, 32, "e4m3", "e8m0")
     B = dequantize_groups(b.view(torch.uint8), b_scale, 32, "e4m3", "e8m0", b_out)
-    if bias is None and out_dtype == torch.bfloat16:
-        return A @ B.t()
-    y = torch.mm(A, B.t(), out_dtype=torch.float32) if A.is_cuda else A.float() @ B.float().t()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(out_dtype)
+    return bf16_gemm(A, B, bias, out_dtype)
 
 
 def mxfp8_gemm(a, b, a_scale, b_scale, *, bias=None, out_dtype=torch.bfloat16, config=None):
