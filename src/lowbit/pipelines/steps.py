@@ -153,11 +153,8 @@ class SmoothQuant(Step):
         name = state.recipe.name
         if state.experts:        # MoE: the one exact fold is each expert's down side
             done = smooth_experts(state.model, state.calib, alpha=self.alpha)
-            kept = sum(s is None for d in done.values() for s in d["s"])
-            print(f"{name}: SmoothQuant (alpha {self.alpha}) folded into the down side of "
-                  f"{sum(len(d['s']) for d in done.values()) - kept} experts ({kept} with too few routed tokens "
-                  "kept s = 1); the experts' gate_up, attention and shared experts are not smoothed (no exact fold "
-                  "point for a MoE family)", flush=True)
+            _report_expert_fold(f"{name}: SmoothQuant (alpha {self.alpha})", [d["s"] for d in done.values()],
+                                "smoothed")
             return
         # the decoder map says where the fold is exact: a family it does not know is refused here
         # (before anything is folded), Linears without a fold point are named and left unsmoothed
@@ -185,6 +182,15 @@ class SmoothQuant(Step):
         return {"smoothquant": self.alpha}
 
 
+def _report_expert_fold(what: str, per_block: list, verb: str) -> None:
+    """One line for a fold into each expert's down side: per_block holds, per MoE block, the fold
+    applied to each expert (None where too few tokens were routed to it to measure one)."""
+    kept = sum(f is None for fs in per_block for f in fs)
+    print(f"{what} folded into the down side of {sum(len(fs) for fs in per_block) - kept} experts ({kept} with "
+          f"too few routed tokens kept s = 1); the experts' gate_up, attention and shared experts are not {verb} "
+          "(no exact fold point for a MoE family)", flush=True)
+
+
 @dataclass(frozen=True)
 class AWQ(Step):
     """Fold activation-aware weight scales (lowbit.algorithms.awq); on a MoE model, into each
@@ -194,11 +200,7 @@ class AWQ(Step):
     def apply(self, state: RunState) -> None:
         if state.experts:        # MoE: the one exact AWQ fold is each expert's down side
             done = awq_experts(state.model, state.recipe, state.calib)
-            kept = sum(a is None for d in done.values() for a in d["alpha"])
-            print(f"{state.recipe.name}: AWQ folded into the down side of "
-                  f"{sum(len(d['alpha']) for d in done.values()) - kept} experts ({kept} with too few routed tokens "
-                  "kept s = 1); the experts' gate_up, attention and shared experts are not folded (no exact fold "
-                  "point for a MoE family)", flush=True)
+            _report_expert_fold(f"{state.recipe.name}: AWQ", [d["alpha"] for d in done.values()], "folded")
             return
         awq_model(state.model, state.recipe, state.calib, progress=state.progress)
 
