@@ -4,7 +4,7 @@ Element packing (always along the LAST axis, element 0 in the least significant 
 - 4-bit (int4, uint4, fp4_e2m1fn codes): two per byte, element 2j in the LOW nibble and
   2j+1 in the HIGH nibble (torchao's pack_uint4, TileLang's int4 example). Signed int4 is
   stored as its 4-bit two's complement and decoded by an arithmetic shift
-  ((b << 4) >> 4 on int8), so -1 comes back as -1, not 15 (seed 002 pitfall 9).
+  ((b << 4) >> 4 on int8), so -1 comes back as -1, not 15 (a logical shift is the classic bug).
 - 6-bit (fp6 codes): four per three bytes as a little-endian bit stream: element i of a
   group of four occupies bits 6i .. 6i+5 of the 24-bit word b0 | b1 << 8 | b2 << 16, i.e.
     b0 = v0 | v1 << 6,  b1 = v1 >> 2 | v2 << 4,  b2 = v2 >> 4 | v3 << 2   (each & 0xFF).
@@ -15,7 +15,7 @@ appends zero codes; unpack takes `k` to crop them again.
 
 Scale layouts for [rows, n_scales] uint8 scale codes (e8m0 for MX, e4m3 for NVFP4):
 - "row_major":   the bytes as they are, [rows, n_scales].
-- "group_major": uint32 words, seed 002 section 2.3: word (g, m) = b0 | b1 << 8 | b2 << 16 |
+- "group_major": uint32 words as Blackwell's SFA / SFB read them: word (g, m) = b0 | b1 << 8 | b2 << 16 |
   b3 << 24 with b_j = codes[m, 4g + j]; returned as [n_scales / 4, rows] so that the flat
   word index is g * rows + m (SFA[g * M + m]). With n_scales <= 4 there is one word group
   and this coincides with row-major words, which is why tests use >= 2 groups.

@@ -240,7 +240,7 @@ def e8m0_exponent(amax: torch.Tensor, fmt, rounding: str) -> torch.Tensor:
       floor: floor(log2 amax) - emax                      (OCP MX spec; may saturate)
       ceil:  ceil(log2 amax) - emax                       (torchao CEIL)
       rceil: ceil(log2(amax / fmt.max)), amax / fmt.max in float32 (torchao RCEIL, cuBLAS;
-             = seed 002's ceil_to_ue8m0(amax / max); never saturates)
+             = ceil_to_ue8m0(amax / max); never saturates)
       even:  floor rule on amax rounded half-up to fmt.mbits mantissa bits (torchao EVEN)
     log2 is read exactly from the float32 bits (exponent field, plus 1 for "ceil" when the
     mantissa is non-zero), as torchao does for floor/ceil/even and as the hardware

@@ -24,11 +24,11 @@ SCALE_FORMATS = ("fp32", "e8m0", "fp8_e4m3fn")
 #   floor: 2^(floor(log2 amax) - emax_elem)         OCP MX spec; the largest values may saturate
 #   ceil:  2^(ceil(log2 amax) - emax_elem)          never saturates; up to 2x coarser than needed
 #   rceil: 2^ceil(log2(amax / elem_max))            the smallest power of two that avoids
-#                                                    saturation; cuBLAS / NVIDIA's rule and
-#                                                    seed 002's ceil_to_ue8m0(amax / max)
+#                                                    saturation; cuBLAS / NVIDIA's rule, i.e.
+#                                                    ceil_to_ue8m0(amax / max)
 #   even:  floor rule applied to amax rounded (half up) to the element's mantissa width
 # (emax_elem = floor(log2 elem_max), e.g. 8 for fp8_e4m3fn whose max is 448.)
-# Note: seed 002's ceil_to_ue8m0(amax/max) is torchao's RCEIL, not torchao's CEIL.
+# Note: ceil_to_ue8m0(amax/max) is torchao's RCEIL, not torchao's CEIL.
 SCALE_ROUNDINGS = ("floor", "rceil", "ceil", "even")
 
 # compressed-tensors keys that carry no arithmetic lowbit needs; accepted and dropped by from_dict.

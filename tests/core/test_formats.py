@@ -369,8 +369,8 @@ def test_wide_float_properties(name, ref, seed):
         lb.decode(torch.zeros(2, dtype=torch.uint8), name)
 
 
-def test_seed_002_unit_roundoffs():
-    """Seed 002's u values, as printed there (to their last shown digit: |diff| <= half a unit;
+def test_published_unit_roundoffs():
+    """Published u values, as printed (to their last shown digit: |diff| <= half a unit;
     e4m3's exact 0.0625 is printed 6.3e-2, an exact half-unit tie, hence the 1e-9 slack
     for the binary representation of the printed decimals)."""
     printed = {"fp16": (4.9e-4, 0.05e-4), "bf16": (3.9e-3, 0.05e-3), "fp8_e4m3fn": (6.3e-2, 0.05e-2),

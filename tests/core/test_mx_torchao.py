@@ -105,8 +105,8 @@ def test_rceil_exact_where_torchao_log2_rounds():
     assert float(qt.dequantize()[0, 0]) <= float(amax) and float(qt.dequantize()[0, 0]) > 0.9 * float(amax)
 
 
-def test_seed_ceil_to_ue8m0_is_torchao_rceil_not_ceil(rng):
-    """Seed 002's ceil_to_ue8m0(amax / 448), written out here, equals lowbit's 'rceil'; torchao's
+def test_ceil_to_ue8m0_is_torchao_rceil_not_ceil(rng):
+    """ceil_to_ue8m0(amax / 448) (the DeepSeek-V3 / cuBLAS rule), written out here, equals lowbit's 'rceil'; torchao's
     CEIL (ceil(log2 amax) - 8) is a different, coarser rule."""
     amax = torch.rand(500, generator=rng) * 2.0 ** torch.randint(-20, 20, (500,), generator=rng)
     bits = (amax / 448.0).view(torch.int32)

@@ -1,5 +1,5 @@
 """Packing: nibbles and fp6 against hand-written bit arithmetic and torchao's pack_uint4;
-scale layouts against seed 002's word formula and torchao's to_blocked (>= 2 word groups)."""
+scale layouts against the SFA word formula and torchao's to_blocked (>= 2 word groups)."""
 import pytest
 import torch
 from hypothesis import given, settings
@@ -124,7 +124,7 @@ def test_group_major_words_match_seed_formula(rng, device, rows, n):
             b0, b1, b2, b3 = c[m][4 * g:4 * g + 4]
             assert flat[g * rows + m] == b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
     assert torch.equal(unpack_scales(words, "group_major", rows, n), codes)
-    # with >= 2 word groups, group-major differs from row-major words (seed 002 pitfall 1)
+    # with >= 2 word groups, group-major differs from row-major words (the one-word pitfall)
     row_major_words = codes.cpu().contiguous().view(torch.int32).reshape(-1)  # little-endian bytes
     assert not torch.equal(words.cpu().reshape(-1).to(torch.int64), row_major_words.to(torch.int64) & 0xFFFFFFFF)
 

@@ -20,7 +20,7 @@ def _seeded(rng):
 
 
 def _weight(rng, n, k):
-    """Seed-000-shaped weight: per-row gain spread 64x, an outlier every 37th element (8x)."""
+    """A weight as real ones look: per-row gain spread 64x, an outlier every 37th element (8x)."""
     w = torch.randn(n, k, generator=rng)
     gain = 2.0 ** torch.linspace(-6, 0, n).reshape(n, 1)
     w = w * gain
@@ -104,7 +104,7 @@ def test_int_group_asym_matches_numpy(rng, device, fmt):
 def test_symmetric_never_wraps_to_minus_128(rng):
     # With s = amax / 127 taken from the data, the amax element maps to fl(amax / fl(amax / 127)),
     # within a few ulps of 127 at every magnitude: it must come out as exactly +-127, and no code
-    # may leave [-127, 127] (seed 000's wrap needs x / s >= 127.5, which only a stale scale gives).
+    # may leave [-127, 127] (a wrap needs x / s >= 127.5, which only a stale scale gives).
     mags = 2.0 ** torch.randint(-120, 120, (512, 1), generator=rng).float()
     x = torch.randn(512, 33, generator=rng) * mags
     qt = lb.quantize(x, QuantScheme("int8", "channel"))
@@ -384,7 +384,7 @@ def test_demo_numbers_and_output(capsys, seed):
     import argparse
 
     from lowbit.entrypoints import demo
-    w = demo.seed000_weight(64, 256, seed=seed)
+    w = demo.gain_spread_weight(64, 256, seed=seed)
     rows = {r["scheme"]: r for r in demo.compare(w)}
     quiet = rows["per-tensor"]["quiet_row"]
     wn = w.numpy().astype(np.float32)
@@ -401,7 +401,7 @@ def test_demo_numbers_and_output(capsys, seed):
 
 
 def test_static_scales_clamp_after_rounding(rng, device):
-    """Seed 000's pitfall: a calibrated scale smaller than today's amax / 127 puts x / s at or
+    """The stale-scale pitfall: a calibrated scale smaller than today's amax / 127 puts x / s at or
     beyond 127.5; rounding gives 128, which must clamp to 127 and never wrap to -128."""
     from lowbit.quantize import Scales, compute_scale
 

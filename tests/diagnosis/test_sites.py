@@ -1,4 +1,4 @@
-"""Per-site SQNR report against an independent computation (seed 004's fake quantizer and
+"""Per-site SQNR report against an independent computation (a numpy fake quantizer and
 integer GEMM written here in numpy), ordering, suggestions, overrides and the PNG."""
 import math
 
@@ -13,7 +13,7 @@ def _np_sqnr(ref, approx):
     return 10 * math.log10(float(np.sum(ref ** 2)) / float(np.sum((ref - approx) ** 2)))
 
 
-def _np_int8(t):                       # seed 004: symmetric per-row int8, codes and scales float32
+def _np_int8(t):                       # symmetric per-row int8, codes and scales float32
     s = (np.abs(t).max(axis=1, keepdims=True) / np.float32(127)).astype(np.float32)
     return np.clip(np.rint(t / s), -127, 127), s
 

@@ -1,4 +1,4 @@
-"""The seeds' experiments, small: their qualitative results hold."""
+"""The reference experiments, small: their qualitative results hold."""
 import json
 
 import numpy as np

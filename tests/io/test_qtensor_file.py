@@ -67,7 +67,7 @@ def test_expect_refuses_other_granularity(rng, tmp_path):
     path = tmp_path / "w.safetensors"
     g32 = QuantScheme("int4", "group", group_size=32)
     save_qtensors(path, {"w": lb.quantize(x, g32), "b": lb.quantize(x, lb.get_preset("mxfp8"))})
-    with pytest.raises(QTensorFileError, match=r"'w' was written as int4 group32 .*group_size=32 \(expected 128\).*pitfall 10"):
+    with pytest.raises(QTensorFileError, match=r"'w' was written as int4 group32 .*group_size=32 \(expected 128\).*computes wrong results"):
         load_qtensors(path, expect={"w": lb.get_preset("int4_g128")})
     with pytest.raises(QTensorFileError, match="scale_rounding='floor' \\(expected 'rceil'\\)"):
         load_qtensors(path, expect={"b": QuantScheme("fp8_e4m3fn", "group", group_size=32, scale_format="e8m0",

@@ -1,4 +1,4 @@
-"""QuantLinear against independent oracles (numpy int8 GEMM of seed 004, torch's float8 cast)
+"""QuantLinear against independent oracles (a numpy int8 GEMM, torch's float8 cast)
 and against lowbit's float64 quantization-aware reference, with tolerances derived below."""
 import numpy as np
 import pytest
@@ -29,7 +29,7 @@ def _acts(rng, m, k):
 
 
 def test_int8_path_matches_numpy_seed_gemm(rng):
-    """W8A8 int8 on the CPU: codes bit-exact to seed 004's numpy quantizers, output within the
+    """W8A8 int8 on the CPU: codes bit-exact to numpy quantizers written here, output within the
     float32 epilogue's rounding of the exact float64 result."""
     M, K, N = 37, 203, 45                                    # not tile multiples
     lin, x = _linear(rng, N, K), _acts(rng, M, K)

@@ -50,7 +50,7 @@ def _hidden(scheme):
 
 def _rand(rng, shape, dtype, device, scale=3.0, zero_row=1):
     x = torch.randn(shape, generator=rng) * scale
-    x[..., :7] *= 20  # a few outlier channels, as activations have (seed 004)
+    x[..., :7] *= 20  # a few outlier channels, as activations have
     if zero_row is not None and x.shape[0] > zero_row:
         x[zero_row] = 0
     return x.to(dtype).to(device)

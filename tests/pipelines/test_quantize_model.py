@@ -1,5 +1,5 @@
 """quantize_model on a tiny random Llama: what is quantized and what stays, bad input, stored
-bytes, static scales, and the prefill-vs-decode check of seed 004's failure modes."""
+bytes, static scales, and the prefill-vs-decode check."""
 import pytest
 import torch
 
@@ -118,7 +118,7 @@ def _prefill_vs_decode(model, ids):
 
 
 def test_prefill_and_decode_logits_agree(rng):
-    """Seed 004: "prefill and decode mismatch". A float64 model quantized W8A8 per token: the
+    """Prefill and decode must not mismatch. A float64 model quantized W8A8 per token: the
     decode path (one token at a time with the KV cache, M = 1) must give the prefill logits.
     Derivation: QuantLinear outputs are float32 and row-independent (test above), so for the
     same input row prefill and decode give the same float32 output; the two paths' inputs differ

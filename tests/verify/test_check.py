@@ -48,7 +48,7 @@ def test_unquantized_fp32_kernel_passes_and_bf16_output_needs_its_rounding(rng):
 def test_dead_channel_warning_from_census(rng):
     x = torch.rand(4, 128, generator=rng)
     w = torch.randn(6, 128, generator=rng)
-    w[3] *= 1 / 64                                               # seed 000's quiet column
+    w[3] *= 1 / 64                                               # a quiet column
     ts = lb.QuantScheme(format="int8", strategy="tensor")
     xq, wq = lb.quantize(x, ts), lb.quantize(w, ts)
     out = ((xq.codes.long() @ wq.codes.long().T).float() * xq.scale) * wq.scale

@@ -16,7 +16,7 @@ UINT8_ASYM = lb.QuantScheme(format="uint8", strategy="token", symmetric=False)
 
 def _inputs(rng, M, K, N, nonneg=False):
     x = torch.rand(M, K, generator=rng) if nonneg else torch.randn(M, K, generator=rng)
-    # per-channel gains spanning ~30x, as real weight matrices have (seed 000)
+    # per-channel gains spanning ~30x, as real weight matrices have
     gains = torch.exp(torch.rand(N, 1, generator=rng) * 3.4)
     return x, torch.randn(N, K, generator=rng) * gains
 

@@ -39,7 +39,7 @@ B1X128, B128 = lb.get_preset("fp8_block1x128"), lb.get_preset("fp8_block128")
 
 def inputs(rng, M, K, N, *, nonneg=False, floor=0.0):
     x = torch.rand(M, K, generator=rng) if nonneg else torch.randn(M, K, generator=rng)
-    gains = torch.exp(torch.rand(N, 1, generator=rng) * 3.4)   # channels ~30x apart (seed 000)
+    gains = torch.exp(torch.rand(N, 1, generator=rng) * 3.4)   # channels ~30x apart
     w = torch.randn(N, K, generator=rng)
     if floor:   # keep every weight away from 0 (codes that round to -0 decode as NaN in fnuz)
         w = torch.where(w.abs() < floor, floor * torch.sign(w + 1e-30), w)

@@ -169,7 +169,7 @@ def test_planted_bug_is_named_first(bug, schemes, rng):
 
 
 def test_row_major_words_hide_at_one_word_group(rng):
-    """Seed 002, pitfall (1): with K <= 4 MX groups (one word per row) row-major and group-major
+    """The one-word pitfall: with K <= 4 MX groups (one word per row) row-major and group-major
     words coincide, so the bug is invisible there: the layout test needs >= 2 word groups."""
     x, w, off = _case(rng, 5, 24, 128)
     y = emulate(x, w, off, MX, MX, bug="sfa_row_major")

@@ -6,7 +6,7 @@ inputs (each layer sees exactly what the unquantized model feeds it):
   weight SQNR  W against its dequantized quantization;
   output SQNR  the float layer's output against the QuantLinear's output on the same x.
 SQNR = 10 log10(sum signal^2 / sum noise^2), summed over all batches. Rows sort worst output
-SQNR first, each with the seed's suggested action.
+SQNR first, each with a suggested action.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from lowbit.nn.quant_linear import QuantLinear, linear_float
 from lowbit.recipes.plan import linear_layers, plan
 from lowbit.recipes.presets import Recipe, get_recipe
 
-# Seed 004: "most sites above about 30 dB and a few down-projection inputs ... well below".
+# Typical of W8A8 on decoders: most sites above about 30 dB, a few down-projection inputs well below.
 GOOD_DB = 30.0
 SITE_KINDS = {"q_proj": "q/k/v", "k_proj": "q/k/v", "v_proj": "q/k/v", "o_proj": "o",
               "gate_proj": "gate/up", "up_proj": "gate/up", "down_proj": "down",
@@ -84,7 +84,7 @@ class SiteReport:
 
 
 def suggest(row: SiteRow, smoothable: bool = True) -> str:
-    """Seed 004's suggested action for a site, from which quantizer limits it. smoothable: whether
+    """The suggested action for a site, from which quantizer limits it. smoothable: whether
     SmoothQuant has an exact fold point for this site (lowbit.algorithms.smoothquant.fold_plan);
     where it has none (MoE experts, a family outside the decoder map, a Linear reading the residual
     stream without a norm in front) it is not suggested."""

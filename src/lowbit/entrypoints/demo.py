@@ -13,7 +13,7 @@ import torch
 N_ROWS, K = 256, 1024  # weight [N, K]: rows are output channels, scales reduce along K
 
 
-def seed000_weight(n: int = N_ROWS, k: int = K, seed: int = 0) -> torch.Tensor:
+def gain_spread_weight(n: int = N_ROWS, k: int = K, seed: int = 0) -> torch.Tensor:
     """float32 [n, k]: row r has gain 2^(-6 + 6 r / (n - 1)), so gains span 64x; every 37th
     element (flat index) is multiplied by 8, an outlier among its neighbours."""
     g = torch.Generator().manual_seed(seed)
@@ -93,7 +93,7 @@ def run(args) -> int:
 
     print(format_table())
     print()
-    w = seed000_weight()
+    w = gain_spread_weight()
     print(_report(compare(w), w))
     if getattr(args, "png", None):
         if not args.png.lower().endswith(".png"):

@@ -152,7 +152,7 @@ def inspect_checkpoint(path: str | Path) -> Report:
             act_strats[name] = a.get("strategy")
         if _HIGH_PRECISION.search(name):
             findings.append(Finding(WARN, name, "quantized-high-precision-site",
-                                    "logits/embedding/norm layer is quantized; seed 004 keeps these in high "
+                                    "logits/embedding/norm layer is quantized; W8A8 recipes keep these in high "
                                     "precision (errors here reach every token's output)"))
     # per-tensor activation scales, and the silent kind: per-tensor where others are per-token
     per_token = [n for n, s in act_strats.items() if s in ("token", "group", "tensor_group")]

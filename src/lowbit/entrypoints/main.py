@@ -15,7 +15,7 @@ COMMANDS = {
     "check": ("lowbit.entrypoints.check", "verify a kernel's output stored in a safetensors file"),
     "audit": ("lowbit.entrypoints.audit", "conformance table of every linear kernel on this machine"),
     "probe": ("lowbit.entrypoints.probe", "measure this GPU's matrix-multiply accumulators (test vectors)"),
-    "experiment": ("lowbit.entrypoints.experiment", "the seeds' experiments as reproducible reports"),
+    "experiment": ("lowbit.entrypoints.experiment", "reference experiments as reproducible reports"),
     "bench": ("lowbit.entrypoints.bench", "GPU benchmarks of lowbit kernels against baselines"),
     "doctor": ("lowbit.entrypoints.doctor", "which formats run natively, emulated or on the CPU here"),
     "tune": ("lowbit.entrypoints.tune", "measure which kernel path each quantized layer takes on this GPU"),

@@ -1,4 +1,4 @@
-"""`lowbit experiment error-model`: seed 002 §2.5.
+"""`lowbit experiment error-model`: the measured error constant C of each format against the model's prediction.
 
 B: does the u/sqrt(K) model hold? a, b uniform in [-1, 1), each represented in the format
 (fp16 / bf16 by torch's casts; e4m3 / e2m1 by lowbit's round-to-nearest-even cast without a
@@ -85,7 +85,7 @@ def run(seed: int = 0, progress=None) -> dict:
         progress("experiment C: accumulators")
     c = experiment_c(seed=seed)
     return {"experiment": "error-model", "seed": seed, "rows": b + c,
-            "notes": ["seed 002: floats ~0.44-0.58, int8 1.27-1.47, e2m1 2.58; C medians 1.24e-4, 1.24e-9, 2.06e-5"]}
+            "notes": ["published: floats ~0.44-0.58, int8 1.27-1.47, e2m1 2.58; C medians 1.24e-4, 1.24e-9, 2.06e-5"]}
 
 
 def format_table(result: dict) -> str:

@@ -1,4 +1,4 @@
-"""Deterministic inputs from a small linear congruential generator (seed 000).
+"""Deterministic inputs from a small linear congruential generator, so every run and every language sees the same operands.
 
 Why an LCG and not a repeating pattern: the quantization errors of a periodic sequence are
 periodic too, and correlated errors grow with K instead of sqrt(K), which would make the
@@ -38,7 +38,7 @@ def lcg_uniform(n: int, seed: int = 1) -> np.ndarray:
 
 
 def matmul_inputs(M: int, K: int, N: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Seed 000's operands, float32: A [M, K] uniform in [0, 1) (what a ReLU hands over), and
+    """The matmul experiment's operands, float32: A [M, K] uniform in [0, 1) (what a ReLU hands over), and
     the weights as w = B.T [N, K] (out = A @ w.T): signed uniform in [-1, 1), column c of B scaled
     by a gain 2^(-6 c / (N - 1)) (gains span 64x), and every 37th element of B (row-major
     [K, N] order) multiplied by 8 (an outlier 8x its neighbours)."""

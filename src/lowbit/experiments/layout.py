@@ -1,4 +1,4 @@
-"""`lowbit experiment layout`: seed 002 code/05, MX scale layout errors.
+"""`lowbit experiment layout`: MX scale layout errors (byte order, row- vs group-major words, granularity).
 
 A block-scaled GEMM (MXFP8 operands, e8m0 scale per 32 K-values) whose consumer reads the B
 scales through lowbit.packing's uint32 group-major words (word = b0 | b1<<8 | b2<<16 | b3<<24,
@@ -63,7 +63,7 @@ def run(M: int = 64, K: int = 1024, N: int = 96, seed: int = 0, progress=None) -
     same = bool(torch.equal(misreads(wq1)["row-major read"], wq1.scale_codes))
     rows.append({"mistake": "row-major read, one word group (K=128)", "K": 128, "identical": same})
     return {"experiment": "layout", "seed": seed, "rows": rows,
-            "notes": ["seed 002: byte order 5.58, row-major 2.47, granularity 2.77, one-group case True; "
+            "notes": ["published: byte order 5.58, row-major 2.47, granularity 2.77, one-group case True; "
                       "layout tests need >= 2 word groups"]}
 
 

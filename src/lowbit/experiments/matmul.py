@@ -1,4 +1,4 @@
-"""`lowbit experiment matmul`: seed 000's table (int8 scale policies, 2:4, fp8, MX) on the CPU.
+"""`lowbit experiment matmul`: the scale-policy table (int8 scale policies, 2:4, fp8, MX) on the CPU.
 
 Each row changes one decision. A "kernel" here is the quantization-aware float64 reference
 (exact integer accumulation, scales in the epilogue) rounded to float32: exactly what a correct
@@ -6,7 +6,7 @@ int8 kernel with an int32 accumulator and a float32 epilogue returns, up to its 
 the error measured is the quantization's, against x @ w.T of the ORIGINAL float inputs in
 float64 (never dequantized copies: they would forgive the quantization error).
 
-Every row is measured against the same yardstick, seed 000's per-column gate of an int8
+Every row is measured against the same yardstick, the per-column gate of an int8
 kernel with one scale for A and one per column of B (lowbit.verify.tolerance.reference_gate):
 "k_gate_frac" = max |err| / (4 K max|A| max|B[:,c]| / 127), "sqrtk_frac" the same with sqrt(K).
 """
@@ -37,8 +37,8 @@ KERNELS = {
     "int8 per-column, A 20x row": (_T("int8"), _INT8_CH, False, True),
     "int8 per-token A, A 20x row": (_INT8_TOK, _INT8_CH, False, True),
     "int8 2:4 pruned": (_T("int8"), _INT8_CH, True, False),
-    # fp8 rows quantize B only, as seed 000 does (what the format costs the weights); MX scales
-    # use rceil (seed 002's ceil_to_ue8m0(amax / 448)), which never clips an outlier block.
+    # fp8 rows quantize B only, (what the format costs the weights); MX scales
+    # use rceil (ceil_to_ue8m0(amax / 448)), which never clips an outlier block.
     "fp8 e4m3 one scale (B)": (None, _T("fp8_e4m3fn"), False, False),
     "fp8 e4m3 MX e8m0/32 (B)": (None, lb.QuantScheme(format="fp8_e4m3fn", strategy="group", group_size=32,
                                                      scale_format="e8m0", scale_rounding="rceil"),
@@ -95,7 +95,7 @@ def run(sizes=SIZES, seed: int = 1, progress=None) -> dict:
     return {"experiment": "matmul", "seed": seed, "rows": rows,
             "notes": ["kernels are lowbit's exact CPU reference (int32-exact accumulation, float32 out); "
                       "time is CPU quantize + reference, not a GPU kernel time",
-                      "k_gate_frac / sqrtk_frac: against seed 000's per-column int8 gate on that input"]}
+                      "k_gate_frac / sqrtk_frac: against the per-column int8 gate on that input"]}
 
 
 def format_table(result: dict) -> str:

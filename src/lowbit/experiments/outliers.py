@@ -1,4 +1,4 @@
-"""`lowbit experiment outliers`: seed 004's harness.
+"""`lowbit experiment outliers`: per-site SQNR of activations with outlier channels, per scale policy.
 
 x [16, 4096] ~ N(0, 1) with (or without) channel 7 scaled 40x (a systematic outlier channel),
 w [1024, 4096] ~ 0.02 N(0, 1) quantized int8 per output channel; x quantized int8 per tensor or

@@ -80,7 +80,7 @@ class Format:
     max / min_normal / min_subnormal: largest finite value, smallest positive normal value,
     smallest positive value (python floats, exact). unit_roundoff u: the largest relative
     rounding error of a normal value: 2^-p with p = mbits + 1 for floats; 1/(2*qmax) for
-    integers (an error of half a step relative to absmax, seed 002 §2.4).
+    integers (an error of half a step relative to absmax).
     nan_codes / inf_codes: CodeSet of the bit patterns that decode to NaN / +-inf.
     Floats also carry ebits, mbits, bias, policy; integers qmin, qmax (int8: -128, 127).
     torch_dtype: torch's own dtype for the format where this torch has one, else None.

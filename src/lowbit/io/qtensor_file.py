@@ -17,7 +17,7 @@ scale_rounding, ...), the shape, the codes' shape (padded K), the codes packing 
 scale layout. "lowbit.version" and "lowbit.file_version" sit beside it.
 
 Loading validates everything before returning anything: missing, extra or inconsistent
-metadata or tensors, a scheme other than the expected one (seed 002 pitfall 10: a consumer
+metadata or tensors, a scheme other than the expected one (a consumer
 that assumes group size 128 reading scales written per 32 computes wrong results), codes
 out of range. Writing goes to a temporary file in the same directory, then an atomic rename.
 Never pickles.
@@ -208,7 +208,7 @@ def _plan(path, name, entry, expect) -> dict:
         diffs = [f"{k}={scheme.to_dict()[k]!r} (expected {v!r})" for k, v in want.to_dict().items()
                  if scheme.to_dict()[k] != v]
         _fail(path, f"tensor {name!r} was written as {scheme} but {want} was expected: " + ", ".join(diffs)
-              + ". Reading it with the wrong granularity or rule computes wrong results (seed 002 pitfall 10); "
+              + ". Reading it with the wrong granularity or rule computes wrong results; "
                 "re-quantize, or load with the scheme it was written with.")
     shape, cshape = entry["shape"], entry["codes_shape"]
     for what, s in (("shape", shape), ("codes_shape", cshape)):

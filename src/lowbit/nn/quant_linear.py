@@ -12,7 +12,7 @@ torch.compile the module's attributes are not written):
                  path below then checks NaN/Inf and shapes on every call).
 - "int8-intmm"   int8 symmetric activations x int8 symmetric weights on the CPU: the exact
                  integer accumulator, then the epilogue y = float32(acc) * s_x * s_w (+ bias),
-                 as in seed 004's integer GEMM. The accumulator is a float64 matmul of the codes
+                 as an integer GEMM does. The accumulator is a float64 matmul of the codes
                  on the CPU (every product <= 127^2 < 2^14 and every partial sum < 2^53 for
                  K < 2^39, so it is the exact integer: bit-identical to torch._int_mm's int32,
                  ~50x faster than CPU _int_mm), torch._int_mm on CUDA.

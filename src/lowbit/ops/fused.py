@@ -34,7 +34,7 @@ kernel's y in the last float32 bit (reduction order of mean(h^2); exp), which is
 documented source of differing codes between the backends. Both are checked against a
 float64 evaluation within the bound derived in tests/ops/test_fused_quant.py.
 
-The residual stream itself is never quantized (seed 004): new_residual has residual's dtype.
+The residual stream itself is never quantized (its outliers would be clipped): new_residual has residual's dtype.
 
 Kernel choice and tiles live in lowbit.ops.fused_configs, the launchers in lowbit.ops.fused_launch;
 this module checks the arguments, runs the reference twins and assembles the results.
@@ -97,7 +97,7 @@ def _check_scheme(scheme: QuantScheme, K: int, where: str) -> int:
                                   f"supported: {', '.join(FMT_CODES)}. Use lowbit.quantize on the float output.")
     if not scheme.symmetric:
         raise NotImplementedError(f"{where}: asymmetric activation quantization ({scheme}) has no fused kernel; "
-                                  "use symmetric=True (zero points cost a GEMM correction term, seed 004)")
+                                  "use symmetric=True (zero points cost a GEMM correction term)")
     s = scheme.strategy
     if s in ("token", "channel"):
         return K

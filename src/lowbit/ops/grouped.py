@@ -6,7 +6,7 @@ experts in one pass. Its A operand is the token buffer sorted by expert: the M_t
 offsets[e] : offsets[e + 1] belong to expert e (an empty expert has no rows). B is the stacked
 per-expert weights [E, N, K], each expert with its own scales.
 
-Scale layouts (seed 002, 6.2; the CATLASS grouped MX example), for one-byte scale codes packed
+Scale layouts (the grouped MX layout of CATLASS's example), for one-byte scale codes packed
 four per uint32 word along K (lowbit.packing.pack_scales, group-major), word group g:
   SFA[g * M_total + m]             A's scales, group-major over the CONCATENATED M
   SFB[g * E * N + e * N + n]       B's scales, group-major over (E, N)

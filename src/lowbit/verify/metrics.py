@@ -112,7 +112,7 @@ class Census:
 def code_census(codes: torch.Tensor, available: int, group_size: int | None = None) -> Census:
     """Count distinct code values per row of `codes` [R, K] (per channel), or per group of
     `group_size` consecutive elements along K. `available` is how many codes the scheme can use
-    (seed 000: symmetric int8 spends 255). Works for integer values and uint8 bit patterns."""
+    (symmetric int8 spends 255). Works for integer values and uint8 bit patterns."""
     if codes.ndim != 2:
         raise ValueError(f"codes must be 2-D [R, K], got shape {tuple(codes.shape)}")
     c = codes.detach().to("cpu", torch.int64)
@@ -132,7 +132,7 @@ def code_census(codes: torch.Tensor, available: int, group_size: int | None = No
 
 
 def summary(got, ref) -> dict:
-    """The usual trio in seed 002 §5.2's order (relative L2, max error and where, mismatch is
+    """The usual trio (relative L2, max error and where, mismatch is
     gate-specific and lives in the Verdict) plus rms and SQNR."""
     err, where = max_abs_err(got, ref)
     return {"rel_l2": rel_l2(got, ref), "max_abs_err": err, "max_at": where,

@@ -1,19 +1,19 @@
 """Tolerances derived from the format, the scale policy, K and the accumulator: never tuned.
 
-Two gates, for two different questions (seed 002 §5.1: choose the reference first):
+Two gates, for two different questions (choose the reference first):
 
 1. implementation_gate: kernel output vs the quantization-aware float64 reference
    (lowbit.ops.reference.qlinear_reference). Both sides use the same codes and scales, so the
    only legitimate difference is the kernel's own rounding: none inside an int32 accumulator,
    Higham's gamma_n(u) = n*u / (1 - n*u) times sum_k |x_q||w_q| for a float accumulator.
-2. quantization_gate: kernel output vs x @ w.T of the ORIGINAL float inputs in float64 (seed 000:
-   a reference rebuilt from the quantized values would forgive the quantization error). Its
+2. quantization_gate: kernel output vs x @ w.T of the ORIGINAL float inputs in float64 (a
+   reference rebuilt from the quantized values would forgive the quantization error). Its
    deterministic part adds the worst-case quantization error of every term (scales with K);
    its statistical part (sqrt(K)) only warns.
 
 All gates are float64 [M, N] absolute tolerances, one per output element, because output
-columns are not comparable (seed 000: one tolerance from the matrix maximum is 64x too loose on
-the quietest column).
+columns are not comparable (one tolerance from the matrix maximum is 64x too loose on the
+quietest column of a matrix whose column gains span 64x).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from lowbit.ops.reference import as_operand, expand_rows, sum_abs_products
 ACCUMULATORS = {"int32": 0.0, "fp32": 2.0 ** -24, "fp8_fast": 2.0 ** -13, "fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
 U32 = 2.0 ** -24          # epilogue arithmetic (scale multiplies, bias add) is float32
 U64 = 2.0 ** -53          # the float64 reference's own rounding
-SEED_SLACK = 4.0          # seed 000's kGateSlack (summation order + second-order term)
+TABLE_SLACK = 4.0         # the matmul table's slack on its gate (summation order + second-order term)
 
 _OUT_DTYPES = {torch.float32: (2.0 ** -24, 2.0 ** -149), torch.float16: (2.0 ** -11, 2.0 ** -24),
                torch.bfloat16: (2.0 ** -8, 2.0 ** -133), torch.float64: (U64, 2.0 ** -1074)}
@@ -128,7 +128,7 @@ def gate_from_sum(T: torch.Tensor, ref: torch.Tensor, n: int, u: float, out_dtyp
 class SideBound:
     """Per-(row, K-group) statistics of one operand.
 
-    amax: float64 [R, G], max |value| in the group (the "max|x|" of seed 000's bound).
+    amax: float64 [R, G], max |value| in the group (the "max|x|" of the per-column bound).
     err:  float64 [R, G], bound on |x - dequant(x)| for every element of the group.
     group: K elements per group.
     """
@@ -190,11 +190,11 @@ def quantization_bounds(x, w, xq=None, wq=None, *, slack: float = 1.0) -> tuple[
     group, likewise E_w, W). Then x.w - x_q.w_q = e_x.w + x.e_w - e_x.e_w, so
       deterministic:  sum_k E_x W + X E_w + E_x E_w     (no cancellation assumed: scales with K;
                       for int8 one-scale x and per-column w: K*amax*wcolmax/127 + O(1/127^2),
-                      seed 000's columnGateAtol before its slack of 4)
+                      the per-column gate before its slack of 4)
       statistical:    4 * sqrt(2 * sum_k (E_x W)^2 + (X E_w)^2)   (independent zero-mean errors
-                      add in quadrature; sqrt(2(a^2+b^2)) >= a+b, equal when a=b, which gives seed
-                      000's 4*sqrt(K)*amax*wcolmax/127 exactly; it warns, it never gates)
-    Both multiplied by `slack` (1 for a rigorous gate, SEED_SLACK to reproduce seed 000's table).
+                      add in quadrature; sqrt(2(a^2+b^2)) >= a+b, equal when a=b, which gives
+                      4*sqrt(K)*amax*wcolmax/127 exactly; it warns, it never gates)
+    Both multiplied by `slack` (1 for a rigorous gate, TABLE_SLACK for `lowbit experiment matmul`'s table).
     The sums run over K-blocks where both sides' groups are constant, so they cost an
     [M, nb] @ [nb, N] product, not a K-long one.
     """
@@ -210,11 +210,11 @@ def quantization_bounds(x, w, xq=None, wq=None, *, slack: float = 1.0) -> tuple[
 
 
 def reference_gate(x, w) -> tuple[torch.Tensor, torch.Tensor]:
-    """Seed 000's fixed yardstick for one matmul: the gates an int8 kernel with one scale for x
+    """The fixed yardstick for one matmul: the gates an int8 kernel with one scale for x
     and one scale per column of w must meet, (4*K*max|x|*max|w[c,:]|/127, the same with
     sqrt(K)), [M, N]. Every row of `lowbit experiment matmul` is measured against it."""
     import lowbit as lb
     xt, wt = torch.as_tensor(x).float(), torch.as_tensor(w).float()
     xs = lb.QuantScheme(format="int8", strategy="tensor")
     ws = lb.QuantScheme(format="int8", strategy="channel")
-    return quantization_bounds(xt, wt, lb.quantize(xt, xs), lb.quantize(wt, ws), slack=SEED_SLACK)
+    return quantization_bounds(xt, wt, lb.quantize(xt, xs), lb.quantize(wt, ws), slack=TABLE_SLACK)

@@ -4,7 +4,7 @@ by dynamic quantization of the row, per token or per group of the last axis.
 
 Each program owns one row, holds it in registers as a [NG, G] tile (NG groups of G
 elements; per-token scaling is NG = 1, G = the padded row), and reads and writes device
-memory once: that is what makes fusion pay (seed 004).
+memory once: that is what makes fusion pay.
 
 The quantizer reproduces lowbit.quantize's canonical arithmetic (docs/formats.md):
 the scale from the group's absmax in float32, IEEE division `y / s` (tl.math.div_rn),

@@ -1,6 +1,6 @@
 """Grouped MoE GEMMs in one launch for all experts: the tile schedule and the W8A8 kernels
 (int8 x int8, fp8 e4m3 x fp8 e4m3). The weight-only kernels (int8, int4, MXFP4, NVFP4 weights)
-are in lowbit.ops.triton.grouped_w, MXFP8 with the seed's SFA / SFB words in grouped_mx.
+are in lowbit.ops.triton.grouped_w, MXFP8 with its SFA / SFB words in grouped_mx.
 
 Schedule (the idea of vLLM's fused MoE, written here from lowbit's own Routing): each expert's
 rows of the sorted token buffer (lowbit.ops.grouped) are cut into BLOCK_M tiles. `block_schedule`

@@ -1,5 +1,5 @@
 """MXFP8 grouped MoE GEMM (the schedule of lowbit.ops.triton.grouped) reading its e8m0 scales
-through the seed's three-index word layouts (lowbit.ops.grouped: four one-byte codes per 32-bit
+through the three-index word layouts (lowbit.ops.grouped: four one-byte codes per 32-bit
 word along K, byte j % 4 of word group j // 4 for scale group j):
   SFA[g * M_total + m]          A's scales, group-major over the CONCATENATED (sorted) M
   SFB[g * E * N + e * N + n]    B's scales, group-major over (E, N)
