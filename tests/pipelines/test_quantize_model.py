@@ -169,3 +169,25 @@ def test_static_scales_report_clipping_on_new_text(rng):
     assert q0["clip_rate"] > 0 and q0["max_ratio"] > 1.0
     with pytest.raises(ValueError, match="no scale for layer"):
         quantize_model(tiny_llama(rng), "w8a8-int8", act_static_scales={})
+
+
+def test_options_object_and_keywords_are_one_path(rng):
+    """QuantizeOptions carries the same settings as keywords: the same layers get the same codes;
+    keywords replace the object's fields; an unknown name is refused with the nearest option."""
+    import copy
+
+    from lowbit.nn import QuantizeOptions
+    model = tiny_llama(rng)
+    a, b, c = model, copy.deepcopy(model), copy.deepcopy(model)
+    ignore = ["model.layers.1.mlp.*"]
+    sa = quantize_model(a, "w8a8-int8", ignore=ignore, share_inputs=False)
+    sb = quantize_model(b, "w8a8-int8", QuantizeOptions(ignore=ignore, share_inputs=False))
+    sc = quantize_model(c, "w8a8-int8", QuantizeOptions(ignore=["nothing"]), ignore=ignore, share_inputs=False)
+    assert [d.name for d in sa.quantized] == [d.name for d in sb.quantized] == [d.name for d in sc.quantized]
+    assert "model.layers.1.mlp.down_proj" not in {d.name for d in sa.quantized}
+    for name, m in a.named_modules():
+        if isinstance(m, QuantLinear):
+            for other in (b, c):
+                assert torch.equal(m.weight_q.codes, other.get_submodule(name).weight_q.codes)
+    with pytest.raises(TypeError, match=r"unknown option 'ignor'.*did you mean 'ignore'"):
+        quantize_model(copy.deepcopy(model), "w8a8-int8", ignor=ignore)

@@ -17,6 +17,7 @@ _EXPORTS = {
     "RECIPES": "lowbit.recipes.presets",
     "get_recipe": "lowbit.recipes.presets",
     "quantize_model": "lowbit.pipelines.quantize_model",
+    "QuantizeOptions": "lowbit.pipelines.quantize_model",
     "QuantSummary": "lowbit.recipes.plan",
     "site_report": "lowbit.diagnosis.sites",
     "smooth_model": "lowbit.algorithms.smoothquant",

@@ -29,6 +29,11 @@ it untouched.
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
 import torch
 
 from lowbit.algorithms.gptq.model import gptq_model
@@ -69,15 +74,44 @@ def _share(model: torch.nn.Module) -> None:
 
 
 @torch.no_grad()
-def quantize_model(model: torch.nn.Module, recipe: str | Recipe | QuantSummary, *, ignore=None, overrides=None,
-                   act_static_scales: dict[str, torch.Tensor] | None = None, backend: str = "auto",
-                   progress: bool = False, share_inputs: bool = True, method: str = "rtn", calib=None,
-                   method_options: dict | None = None, mse: bool = False, kv_cache=None,
-                   kv_calib=None, on_untouched: str = "raise", min_untouched_fraction: float = 0.01,
-                   lm_head: str | Recipe | None = None) -> QuantSummary:
+@dataclass(frozen=True)
+class QuantizeOptions:
+    """Everything quantize_model takes besides the model and the recipe, typed in one place (each
+    field is described in quantize_model's docstring). Pass one as `options=`, or the same names
+    as keywords, which replace the options' fields."""
+    ignore: Sequence[str] | None = None
+    overrides: Mapping[str, object] | None = None
+    act_static_scales: Mapping[str, torch.Tensor] | None = None
+    backend: str = "auto"
+    progress: bool = False
+    share_inputs: bool = True
+    method: str = "rtn"
+    calib: Sequence | None = None
+    method_options: Mapping[str, object] | None = None
+    mse: bool = False
+    kv_cache: object = None
+    kv_calib: Sequence | None = None
+    on_untouched: str = "raise"
+    min_untouched_fraction: float = 0.01
+    lm_head: str | Recipe | None = None
+
+    def replace(self, **changes) -> "QuantizeOptions":
+        """A copy with `changes` applied; an unknown name is refused with the valid ones."""
+        names = [f.name for f in fields(self)]
+        for k in changes:
+            if k not in names:
+                near = difflib.get_close_matches(k, names, n=1)
+                hint = f" (did you mean {near[0]!r}?)" if near else ""
+                raise TypeError(f"quantize_model got an unknown option {k!r}{hint}; the options are: {', '.join(names)}")
+        return dataclasses.replace(self, **changes)
+
+
+def quantize_model(model: torch.nn.Module, recipe: str | Recipe | QuantSummary,
+                   options: QuantizeOptions | None = None, **changes) -> QuantSummary:
     """Replace nn.Linear layers of `model` (in place) by QuantLinear under `recipe` (a name, a Recipe or
     a plan made by lowbit.recipes.plan.plan for this model, used as it is); returns the
-    QuantSummary. act_static_scales: {layer name: float32 scale} from
+    QuantSummary. The options (a QuantizeOptions, or its fields as keywords):
+    ignore / overrides: see the module docstring. act_static_scales: {layer name: float32 scale} from
     calibration.calibrate_static_scales, to use one calibrated per-tensor activation scale per
     layer instead of dynamic scales (every quantized layer with activations needs one).
     share_inputs: merge the quantized layers that read one input (Llama's q/k/v, gate/up) so
@@ -97,6 +131,8 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe | QuantSummary, 
     tied to the input embedding is untied: the embedding keeps its weight (lookups unchanged,
     bit for bit), the head gets the quantized copy, and config.tie_word_embeddings becomes False so
     neither transformers nor a checkpoint reader ties them again."""
+    o = (options or QuantizeOptions()).replace(**changes)
+    kv_cache, kv_calib, calib = o.kv_cache, o.kv_calib, o.calib
     kv_scheme = None
     if kv_cache is not None:                           # every refusal before any layer changes
         from lowbit.nn.kv_cache import attach_kv_cache, attention_modules, calibrate_kv_cache  # needs transformers
@@ -110,11 +146,11 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe | QuantSummary, 
                              "keep a KV cache the way lowbit's quantized cache reads them (with layer_idx, k_proj "
                              "and v_proj: an encoder has none, and multi-head latent attention such as "
                              "DeepSeek-V3's projects K and V from a compressed latent); drop kv_cache")
-    summary = _quantize_linears(model, recipe, ignore=ignore, overrides=overrides,
-                                act_static_scales=act_static_scales, backend=backend, progress=progress,
-                                share_inputs=share_inputs, method=method, calib=calib,
-                                method_options=method_options, mse=mse, on_untouched=on_untouched,
-                                min_fraction=min_untouched_fraction, lm_head=lm_head)
+    summary = _quantize_linears(model, recipe, ignore=o.ignore, overrides=o.overrides,
+                                act_static_scales=o.act_static_scales, backend=o.backend, progress=o.progress,
+                                share_inputs=o.share_inputs, method=o.method, calib=calib,
+                                method_options=o.method_options, mse=o.mse, on_untouched=o.on_untouched,
+                                min_fraction=o.min_untouched_fraction, lm_head=o.lm_head)
     if kv_scheme is not None:
         kv = calibrate_kv_cache(model, kv_calib or [], kv_scheme)
         attach_kv_cache(model, kv)
