@@ -27,8 +27,21 @@ WARPS, TILES_PER_BLOCK = 8, 4   # csrc/decode_math.h kWarps, decode_warp.h kTile
 MAX_M = 16
 
 
+class _Tiled:
+    """The k-tiles and 4-tile k-blocks (csrc/decode_warp.h) of a packed weight [N16, K tiles, 32, 16]."""
+    packed: torch.Tensor
+
+    @property
+    def tiles_k(self) -> int:
+        return self.packed.shape[1]
+
+    @property
+    def kblocks(self) -> int:
+        return -(-self.tiles_k // TILES_PER_BLOCK)
+
+
 @dataclass(frozen=True, eq=False)
-class NativeW4:
+class NativeW4(_Tiled):
     """An int4 weight [N, K] in the "w4" layout (lowbit.ops.native.layout)."""
     packed: torch.Tensor          # uint8 [N16, K64, 32, 16]
     scale: torch.Tensor           # float32 [N16, K / G, 16]
@@ -37,31 +50,15 @@ class NativeW4:
     K: int
     group: int
 
-    @property
-    def tiles_k(self) -> int:
-        return self.packed.shape[1]
-
-    @property
-    def kblocks(self) -> int:
-        return -(-self.tiles_k // TILES_PER_BLOCK)
-
 
 @dataclass(frozen=True, eq=False)
-class NativeW8:
+class NativeW8(_Tiled):
     """An int8 / fp8 e4m3 weight [N, K] in the "w8" layout with its per-row float32 scales [N]."""
     packed: torch.Tensor          # uint8 [N16, K32, 32, 16]
     scale: torch.Tensor           # float32 [N]
     N: int
     K: int
     fp8: bool
-
-    @property
-    def tiles_k(self) -> int:
-        return self.packed.shape[1]
-
-    @property
-    def kblocks(self) -> int:
-        return -(-self.tiles_k // TILES_PER_BLOCK)
 
 
 def prepare_w4(qt: QTensor) -> NativeW4:

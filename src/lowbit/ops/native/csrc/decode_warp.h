@@ -30,8 +30,17 @@ struct W8Args {
   int M, K, ldx, KT;
 };
 
-template <class P> LB_HD void load_tile(const uint8_t* base, int lane, uint32_t q[4]) {
-  P::loadw16(base + lane * 16, q);
+// The lanes' 16 bytes of the 4 weight tiles of k-block kb of row tile nt (zeros past the last tile),
+// all loads issued before any is used.
+template <class P>
+LB_HD void load_block(const uint8_t* w, int KT, int nt, int kb, uint32_t (&words)[kTilesPerBlock][P::kLanes][4]) {
+  LB_UNROLL for (int tt = 0; tt < kTilesPerBlock; ++tt) {
+    const int kt = kb * kTilesPerBlock + tt;
+    LB_UNROLL for (int l = 0; l < P::kLanes; ++l) {
+      if (kt < KT) P::loadw16(w + (size_t(nt) * KT + kt) * 512 + P::lane(l) * 16, words[tt][l]);
+      else words[tt][l][0] = words[tt][l][1] = words[tt][l][2] = words[tt][l][3] = 0;
+    }
+  }
 }
 
 // acc[b][l][q] += this warp's W4A16 sums over its k-blocks (see the file comment).
@@ -40,13 +49,7 @@ LB_HD void w4_warp(const W4Args& a, int nt, int kb_begin, int kb_end, int warp, 
   constexpr int L = P::kLanes;
   for (int kb = kb_begin + warp; kb < kb_end; kb += kWarps) {
     uint32_t words[kTilesPerBlock][L][4];
-    LB_UNROLL for (int tt = 0; tt < kTilesPerBlock; ++tt) {
-      const int kt = kb * kTilesPerBlock + tt;
-      LB_UNROLL for (int l = 0; l < L; ++l) {
-        if (kt < a.KT) load_tile<P>(a.w + (size_t(nt) * a.KT + kt) * 512, P::lane(l), words[tt][l]);
-        else words[tt][l][0] = words[tt][l][1] = words[tt][l][2] = words[tt][l][3] = 0;
-      }
-    }
+    load_block<P>(a.w, a.KT, nt, kb, words);
     float part[MB][L][4];
     uint32_t og[L], og8[L];
     LB_UNROLL for (int tt = 0; tt < kTilesPerBlock; ++tt) {
@@ -94,13 +97,7 @@ LB_HD void w8a16_warp(const W8Args& a, int nt, int kb_begin, int kb_end, int war
   constexpr int L = P::kLanes;
   for (int kb = kb_begin + warp; kb < kb_end; kb += kWarps) {
     uint32_t words[kTilesPerBlock][L][4];
-    LB_UNROLL for (int tt = 0; tt < kTilesPerBlock; ++tt) {
-      const int kt = kb * kTilesPerBlock + tt;
-      LB_UNROLL for (int l = 0; l < L; ++l) {
-        if (kt < a.KT) load_tile<P>(a.w + (size_t(nt) * a.KT + kt) * 512, P::lane(l), words[tt][l]);
-        else words[tt][l][0] = words[tt][l][1] = words[tt][l][2] = words[tt][l][3] = 0;
-      }
-    }
+    load_block<P>(a.w, a.KT, nt, kb, words);
     LB_UNROLL for (int tt = 0; tt < kTilesPerBlock; ++tt) {
       const int k0 = (kb * kTilesPerBlock + tt) * kTileK8;
       uint32_t xv[MB][L][4];
@@ -134,13 +131,7 @@ LB_HD void w8a8_warp(const W8Args& a, int nt, int kb_begin, int kb_end, int warp
   constexpr int L = P::kLanes;
   for (int kb = kb_begin + warp; kb < kb_end; kb += kWarps) {
     uint32_t words[kTilesPerBlock][L][4];
-    LB_UNROLL for (int tt = 0; tt < kTilesPerBlock; ++tt) {
-      const int kt = kb * kTilesPerBlock + tt;
-      LB_UNROLL for (int l = 0; l < L; ++l) {
-        if (kt < a.KT) load_tile<P>(a.w + (size_t(nt) * a.KT + kt) * 512, P::lane(l), words[tt][l]);
-        else words[tt][l][0] = words[tt][l][1] = words[tt][l][2] = words[tt][l][3] = 0;
-      }
-    }
+    load_block<P>(a.w, a.KT, nt, kb, words);
     LB_UNROLL for (int tt = 0; tt < kTilesPerBlock; ++tt) {
       const int k0 = (kb * kTilesPerBlock + tt) * kTileK8;
       uint32_t bfr[MB][L][2];

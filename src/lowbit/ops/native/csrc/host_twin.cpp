@@ -29,53 +29,38 @@ struct HostLanes {
   static void load8(const void* p, uint32_t q[2]) { std::memcpy(q, p, 8); }
   static float loadf(const float* p) { return *p; }
 
-  // m16n8k16 row.col bf16, fp32 accumulate. A element (row, kappa) sits in lane 4g + t, register r,
-  // half h with row = g + 8 (r & 1), kappa = 2t + h + 8 (r >> 1); B element (kappa, col) in lane
-  // 4 col + t, register r, half h with kappa = 2t + h + 8r; C element q of lane 4g + t at row g + 8 (q >> 1),
-  // col 2t + (q & 1).
-  static void mma_bf16(const uint32_t (&a)[32][4], const uint32_t (&b)[32][2], float (&c)[32][4]) {
-    float A[16][16], B[16][8];
+  // One mma.sync m16n8kKD row.col with E elements of 32 / E bits per register, from the PTX ISA's
+  // fragment tables: A element y of register r of lane 4g + t is (row g + 8 (r & 1), kappa E t + y +
+  // KD/2 (r >> 1)); B element y of register r of lane 4 col + t is kappa E t + y + KD/2 r; C element q of
+  // lane 4g + t is (row g + 8 (q >> 1), col 2t + (q & 1)). bf16: KD 16, E 2; s8 / e4m3: KD 32, E 4.
+  // D = C + the KD products added in kappa order.
+  template <int KD, int E, class T, class Decode>
+  static void mma(const uint32_t (&a)[32][4], const uint32_t (&b)[32][2], T (&c)[32][4], Decode dec) {
+    constexpr int bits = 32 / E;
+    T A[16][KD], B[KD][8];
     for (int l = 0; l < 32; ++l) {
       int g = l >> 2, t = l & 3;
       for (int r = 0; r < 4; ++r)
-        for (int h = 0; h < 2; ++h) A[g + 8 * (r & 1)][2 * t + h + 8 * (r >> 1)] = bf16_f32(uint16_t(a[l][r] >> (16 * h)));
+        for (int y = 0; y < E; ++y) A[g + 8 * (r & 1)][E * t + y + KD / 2 * (r >> 1)] = dec(a[l][r] >> (bits * y));
       for (int r = 0; r < 2; ++r)
-        for (int h = 0; h < 2; ++h) B[2 * t + h + 8 * r][g] = bf16_f32(uint16_t(b[l][r] >> (16 * h)));
-    }
-    for (int l = 0; l < 32; ++l)
-      for (int q = 0; q < 4; ++q) {
-        int row = (l >> 2) + 8 * (q >> 1), col = 2 * (l & 3) + (q & 1);
-        float s = c[l][q];
-        for (int k = 0; k < 16; ++k) s += A[row][k] * B[k][col];
-        c[l][q] = s;
-      }
-  }
-
-  // m16n8k32 row.col with 8-bit A and B: A byte y of register r of lane 4g + t is (row g + 8 (r & 1),
-  // kappa 4t + y + 16 (r >> 1)); B byte y of register r of lane 4 col + t is kappa 4t + y + 16r.
-  template <class T, class Decode>
-  static void mma_k32(const uint32_t (&a)[32][4], const uint32_t (&b)[32][2], T (&c)[32][4], Decode dec) {
-    T A[16][32], B[32][8];
-    for (int l = 0; l < 32; ++l) {
-      int g = l >> 2, t = l & 3;
-      for (int r = 0; r < 4; ++r)
-        for (int y = 0; y < 4; ++y) A[g + 8 * (r & 1)][4 * t + y + 16 * (r >> 1)] = dec(uint8_t(a[l][r] >> (8 * y)));
-      for (int r = 0; r < 2; ++r)
-        for (int y = 0; y < 4; ++y) B[4 * t + y + 16 * r][g] = dec(uint8_t(b[l][r] >> (8 * y)));
+        for (int y = 0; y < E; ++y) B[E * t + y + KD / 2 * r][g] = dec(b[l][r] >> (bits * y));
     }
     for (int l = 0; l < 32; ++l)
       for (int q = 0; q < 4; ++q) {
         int row = (l >> 2) + 8 * (q >> 1), col = 2 * (l & 3) + (q & 1);
         T s = c[l][q];
-        for (int k = 0; k < 32; ++k) s += A[row][k] * B[k][col];
+        for (int k = 0; k < KD; ++k) s += A[row][k] * B[k][col];
         c[l][q] = s;
       }
   }
+  static void mma_bf16(const uint32_t (&a)[32][4], const uint32_t (&b)[32][2], float (&c)[32][4]) {
+    mma<16, 2>(a, b, c, [](uint32_t v) { return bf16_f32(uint16_t(v)); });
+  }
   static void mma_s8(const uint32_t (&a)[32][4], const uint32_t (&b)[32][2], int32_t (&c)[32][4]) {
-    mma_k32(a, b, c, [](uint8_t v) { return int32_t(int8_t(v)); });
+    mma<32, 4>(a, b, c, [](uint32_t v) { return int32_t(int8_t(uint8_t(v))); });
   }
   static void mma_e4m3(const uint32_t (&a)[32][4], const uint32_t (&b)[32][2], float (&c)[32][4]) {
-    mma_k32(a, b, c, e4m3_value);
+    mma<32, 4>(a, b, c, [](uint32_t v) { return e4m3_value(uint8_t(v)); });
   }
 };
 
