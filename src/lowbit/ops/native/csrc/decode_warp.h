@@ -43,6 +43,24 @@ LB_HD void load_block(const uint8_t* w, int KT, int nt, int kb, uint32_t (&words
   }
 }
 
+// Activation fragments: for each lane (g, t) and mma column block b, W words (16 or 8 bytes) of row
+// m = 8b + g from k = k0 + per_t * t on; zeros past M or K (K is a multiple of per_t: the caller checks).
+template <class P, int MB, int W, class T>
+LB_HD void load_x(const T* x, int ldx, int M, int K, int k0, int per_t, uint32_t (&v)[MB][P::kLanes][W]) {
+  LB_UNROLL for (int l = 0; l < P::kLanes; ++l) {
+    const int lane = P::lane(l), k = k0 + per_t * (lane & 3);
+    LB_UNROLL for (int b = 0; b < MB; ++b) {
+      const int m = 8 * b + (lane >> 2);
+      if (m < M && k < K) {
+        if (W == 4) P::load16(x + size_t(m) * ldx + k, v[b][l]);
+        else P::load8(x + size_t(m) * ldx + k, v[b][l]);
+      } else {
+        LB_UNROLL for (int i = 0; i < W; ++i) v[b][l][i] = 0;
+      }
+    }
+  }
+}
+
 // acc[b][l][q] += this warp's W4A16 sums over its k-blocks (see the file comment).
 template <class P, int G, int MB>
 LB_HD void w4_warp(const W4Args& a, int nt, int kb_begin, int kb_end, int warp, float (&acc)[MB][P::kLanes][4]) {
@@ -68,15 +86,8 @@ LB_HD void w4_warp(const W4Args& a, int nt, int kb_begin, int kb_end, int warp, 
         }
         uint32_t afr[L][4];
         uint32_t bfr[MB][L][2];
-        LB_UNROLL for (int l = 0; l < L; ++l) {
-          const int lane = P::lane(l), g = lane >> 2, k = k0 + 4 * (lane & 3);
-          w4_step_regs(words[tt][l][j], og[l], og8[l], afr[l]);
-          LB_UNROLL for (int b = 0; b < MB; ++b) {
-            const int m = 8 * b + g;
-            if (m < a.M && k < a.K) P::load8(a.x + size_t(m) * a.ldx + k, bfr[b][l]);
-            else bfr[b][l][0] = bfr[b][l][1] = 0;
-          }
-        }
+        load_x<P, MB, 2>(a.x, a.ldx, a.M, a.K, k0, 4, bfr);
+        LB_UNROLL for (int l = 0; l < L; ++l) w4_step_regs(words[tt][l][j], og[l], og8[l], afr[l]);
         LB_UNROLL for (int b = 0; b < MB; ++b) P::mma_bf16(afr, bfr[b], part[b]);
         if ((k0 + 16) % G == 0 && live) {   // the group ends: acc = fma(partial, scale, acc)
           const float* s = a.scale + (size_t(nt) * a.groups + grp) * 16;
@@ -101,14 +112,7 @@ LB_HD void w8a16_warp(const W8Args& a, int nt, int kb_begin, int kb_end, int war
     LB_UNROLL for (int tt = 0; tt < kTilesPerBlock; ++tt) {
       const int k0 = (kb * kTilesPerBlock + tt) * kTileK8;
       uint32_t xv[MB][L][4];
-      LB_UNROLL for (int l = 0; l < L; ++l) {
-        const int lane = P::lane(l), k = k0 + 8 * (lane & 3);
-        LB_UNROLL for (int b = 0; b < MB; ++b) {
-          const int m = 8 * b + (lane >> 2);
-          if (m < a.M && k < a.K) P::load16(a.x + size_t(m) * a.ldx + k, xv[b][l]);
-          else xv[b][l][0] = xv[b][l][1] = xv[b][l][2] = xv[b][l][3] = 0;
-        }
-      }
+      load_x<P, MB, 4>(a.x, a.ldx, a.M, a.K, k0, 8, xv);
       LB_UNROLL for (int s = 0; s < 2; ++s) {          // two k16 steps: k 8t..8t+3, then 8t+4..8t+7
         uint32_t afr[L][4];
         uint32_t bfr[MB][L][2];
@@ -135,14 +139,7 @@ LB_HD void w8a8_warp(const W8Args& a, int nt, int kb_begin, int kb_end, int warp
     LB_UNROLL for (int tt = 0; tt < kTilesPerBlock; ++tt) {
       const int k0 = (kb * kTilesPerBlock + tt) * kTileK8;
       uint32_t bfr[MB][L][2];
-      LB_UNROLL for (int l = 0; l < L; ++l) {
-        const int lane = P::lane(l), k = k0 + 8 * (lane & 3);
-        LB_UNROLL for (int b = 0; b < MB; ++b) {
-          const int m = 8 * b + (lane >> 2);
-          if (m < a.M && k < a.K) P::load8(a.xq + size_t(m) * a.ldx + k, bfr[b][l]);
-          else bfr[b][l][0] = bfr[b][l][1] = 0;
-        }
-      }
+      load_x<P, MB, 2>(a.xq, a.ldx, a.M, a.K, k0, 8, bfr);
       LB_UNROLL for (int b = 0; b < MB; ++b) {
         if (FP8) {
           float d[L][4];
