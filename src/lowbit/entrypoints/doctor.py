@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import sys
 
+from lowbit.ops.native import library as native_library
+
 # (name, minimum compute capability, what it is)
 NATIVE_PATHS = (
     ("bf16/fp16 MMA", (8, 0), "dense bf16 tensor cores (fp16 from sm_70)"),
@@ -103,7 +105,8 @@ def report() -> dict:
     for label, xp, wp in PAIRINGS:
         path, detail = path_for(xp, wp, cap, info["triton"] is not None)
         rows.append(dict(scheme=label, activation=xp, weight=wp, path=path, detail=detail))
-    return dict(info, native=native_paths(cap), schemes=rows, tuning=tuning_report())
+    return dict(info, native=native_paths(cap), schemes=rows, tuning=tuning_report(),
+                native_kernels=native_library.status())
 
 
 def tuning_report() -> dict:
@@ -159,6 +162,11 @@ def run(args) -> int:
     print(f"\nkernel paths per layer kind and rows M ({tun['status']}):")
     for kind, buckets in tun["paths"].items():
         print(f"  {kind:18s} " + " | ".join(f"M {b}: {p}" for b, p in buckets.items()))
+    nat = rep["native_kernels"]
+    print("\nnative Hopper decode kernels (W4A16, W8A16, W8A8 at M <= 16; python -m lowbit.ops.native.build):")
+    print(f"  library:   {nat['library'] or 'not built (built on first use where the toolchain is found)'}")
+    print(f"  toolchain: {nat['toolchain']}")
+    print(f"  status:    {'can run here' if nat['unavailable_reason'] is None else 'unavailable: ' + nat['unavailable_reason']}")
     if cap is None:
         print("\nNumbers measured on this machine are CPU numbers; GPU timings need `lowbit bench` on a GPU.",
               file=sys.stdout)

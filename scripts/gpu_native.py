@@ -1,0 +1,190 @@
+"""lowbit's native decode kernels on a Hopper GPU: each kernel checked, then timed against the copy bandwidth.
+
+    LOWBIT_NATIVE_LIB=.native/liblowbit_native.so python scripts/gpu_native.py OUT.json   (scripts/gpu.sh native)
+
+Checks (every kernel, odd shapes and the Llama-3-8B shapes): W4A16 / W8A16 / W8A8 fp8 against lowbit's float64
+reference (check_quantized, float32-accumulator gate); W8A8 int8 bit for bit against torch's exact integer
+product and the documented epilogue; the activation codes bit for bit against lowbit.quantize; at the odd
+shapes, every kernel against its CPU twin (bit for bit for int8, the largest difference in bf16 ulps else).
+Timing: one CUDA graph of back-to-back calls cycling through weight copies that together exceed L2, replayed;
+time per call = replay time / calls (median of replays). Weight bytes (codes + scales + zero points) per second
+over the device-to-device copy bandwidth (2 x bytes / time of a 1 GiB copy, same method, same process) is the
+"fraction of copy"; bf16 F.linear on the same shapes is timed the same way. A short table last, JSON in OUT.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+import lowbit as lb
+from lowbit.ops.native import kernels as nk
+from lowbit.ops.native.library import unavailable_reason
+from lowbit.verify.check import check_quantized
+
+SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (28672, 4096)]   # (N, K): qkv, o, up, down, gate_up
+ODD = [(1, 40, 320), (7, 100, 1152), (13, 333, 2176)]                                 # (M, N, K) for the twin
+MS = [int(m) for m in os.environ.get("NATIVE_MS", "1,16").split(",")]
+L2_BYTES = 60 * 2**20
+T0 = time.time()
+BUDGET = float(os.environ.get("NATIVE_BUDGET", "400"))    # seconds: later timings are skipped past it
+
+
+def graph_time_us(calls, reps: int = 10) -> float:
+    """Median microseconds per call of `calls` (a list of no-argument callables) captured back to back."""
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / len(calls))
+    return statistics.median(times)
+
+
+def copy_gbps() -> float:
+    n = 2**30
+    src, dst = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
+    us = graph_time_us([lambda: dst.copy_(src)] * 4)
+    return 2 * n / us / 1e3
+
+
+def copies(nbytes: int) -> int:
+    return max(2, min(24, -(-3 * L2_BYTES // nbytes)))
+
+
+def weight_bytes(w) -> int:
+    ts = [w.packed, w.scale] + ([w.zero] if getattr(w, "zero", None) is not None else [])
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+KINDS = {  # name: (weight preset, activation preset or None, prepare, run, twin)
+    "w4a16_g128": ("int4_g128", None, nk.prepare_w4, nk.w4a16, nk.twin_w4a16),
+    "w4a16_g128_zp": ("int4_g128_asym", None, nk.prepare_w4, nk.w4a16, nk.twin_w4a16),
+    "w4a16_g32": (lb.QuantScheme(format="int4", strategy="group", group_size=32), None, nk.prepare_w4, nk.w4a16,
+                  nk.twin_w4a16),
+    "w8a16_int8": ("int8_channel", None, nk.prepare_w8, nk.w8a16, nk.twin_w8a16),
+    "w8a8_int8": ("int8_channel", "int8_token", nk.prepare_w8, nk.w8a8, nk.twin_w8a8),
+    "w8a8_fp8": ("fp8_row", "fp8_row", nk.prepare_w8, nk.w8a8, nk.twin_w8a8),
+}
+
+
+def scheme(s):
+    return lb.get_preset(s) if isinstance(s, str) else s
+
+
+def check(kind: str, x: torch.Tensor, wq, y: torch.Tensor) -> tuple[bool, str]:
+    wp, ap = KINDS[kind][:2]
+    if kind == "w8a8_int8":
+        xq = lb.quantize(x.float(), lb.get_preset(ap))
+        acc = (xq.codes.double() @ wq.codes.double().T).float()
+        want = ((acc * xq.scale) * wq.scale.reshape(1, -1)).bfloat16()
+        diff = int((y != want).sum())
+        return diff == 0, f"bit-exact: {diff} of {y.numel()} differ"
+    xs = lb.quantize(x.float().cpu(), lb.get_preset(ap)) if ap else x.double().cpu()
+    v = check_quantized(y.cpu(), xs, wq.to("cpu"), accumulator="fp32")
+    return v.passed, v.kind
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    return int((a.view(torch.int16).int() - b.view(torch.int16).int()).abs().max())
+
+
+def main(out_path: str) -> int:
+    reason = unavailable_reason()
+    if reason:
+        print(f"native kernels unavailable: {reason}")
+        return 1
+    torch.manual_seed(0)
+    bw = copy_gbps()
+    print(f"{torch.cuda.get_device_name()}: device-to-device copy {bw:.0f} GB/s", flush=True)
+    rows, checks = [], []
+    for kind, (wp, ap, prep, run, twin) in KINDS.items():   # correctness: odd shapes vs the twin, quantizer
+        for M, N, K in ODD:
+            wq = lb.quantize(torch.randn(N, K), scheme(wp))
+            x = torch.randn(M, K, dtype=torch.bfloat16)
+            w_cpu, w_gpu = prep(wq), prep(wq.to("cuda"))
+            for splits in (1, 3):
+                y = run(x.cuda(), w_gpu, splits).cpu()
+                t = twin(x, w_cpu, splits)
+                ok, how = check(kind, x, wq, y)
+                d = ulps(y, t)
+                exact = kind == "w8a8_int8"
+                checks.append(dict(kernel=kind, M=M, N=N, K=K, splits=splits, passed=ok and (d == 0 or not exact),
+                                   verdict=how, twin_max_ulps=d))
+                print(f"check {kind:14s} M={M:2d} N={N:4d} K={K:5d} S={splits}: {how}, twin max {d} ulps", flush=True)
+    for fp8, preset in ((False, "int8_token"), (True, "fp8_row")):
+        x = torch.randn(16, 4096, dtype=torch.bfloat16, device="cuda") * 3
+        codes, sa = nk.act_quant(x, fp8)
+        q = lb.quantize(x.float(), lb.get_preset(preset))
+        ok = torch.equal(codes, q.codes.view(torch.uint8)) and torch.equal(sa, q.scale.reshape(-1))
+        checks.append(dict(kernel=f"act_quant_{'fp8' if fp8 else 'int8'}", passed=ok, verdict="bit-exact" if ok else "differs"))
+        print(f"check act_quant {'fp8' if fp8 else 'int8'}: {'bit-exact' if ok else 'DIFFERS'}", flush=True)
+    for N, K in SHAPES:
+        wf = torch.randn(N, K, device="cuda") * 0.02
+        wb = wf.bfloat16()
+        for kind, (wp, ap, prep, run, _) in KINDS.items():
+            wq = lb.quantize(wf, scheme(wp))
+            w = prep(wq)
+            nb = weight_bytes(w)
+            ws = [w] + [prep(lb.quantize(torch.randn(N, K, device="cuda") * 0.02, scheme(wp))) for _ in range(copies(nb) - 1)]
+            for M in MS:
+                x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
+                y = run(x, w)
+                ok, how = check(kind, x, wq, y)
+                if time.time() - T0 > BUDGET:
+                    print(f"skip timing {kind} {N}x{K} M={M}: past NATIVE_BUDGET", flush=True)
+                    continue
+                tiles, kb = -(-N // 16), w.kblocks
+                sms = torch.cuda.get_device_properties(0).multi_processor_count
+                cand = sorted({nk.default_splits(tiles, kb, sms), 1, 2, 4, 8} & set(range(1, max(1, kb // 2) + 1)))
+                best = None
+                for S in cand:
+                    us = graph_time_us([lambda w=w_, S=S: run(x, w, S) for w_ in ws])
+                    if best is None or us < best[1]:
+                        best = (S, us)
+                    rows.append(dict(kernel=kind, N=N, K=K, M=M, splits=S, us=us, weight_bytes=nb,
+                                     frac_copy=nb / us / 1e3 / bw, check=how, passed=ok))
+                bws = [wb] + [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(copies(N * K * 2) - 1)]
+                us_b = graph_time_us([lambda w=w_: torch.nn.functional.linear(x, w) for w_ in bws])
+                for r in rows:
+                    if r["kernel"] == kind and (r["N"], r["K"], r["M"]) == (N, K, M):
+                        r["bf16_us"], r["vs_bf16"] = us_b, us_b / r["us"]
+                print(f"{kind:14s} N={N:5d} K={K:5d} M={M:2d}: best S={best[0]} {best[1]:7.1f} us, "
+                      f"{nb / best[1] / 1e3 / bw:5.1%} of copy, {us_b / best[1]:.2f}x bf16 ({us_b:.1f} us); {how}", flush=True)
+            del ws
+        json.dump(dict(device=torch.cuda.get_device_name(), copy_gbps=bw, checks=checks, rows=rows), open(out_path, "w"), indent=1)
+    json.dump(dict(device=torch.cuda.get_device_name(), copy_gbps=bw, checks=checks, rows=rows), open(out_path, "w"), indent=1)
+    print(f"\n# native decode kernels: best splits per row; fraction of the {bw:.0f} GB/s copy in weight bytes/s")
+    print(f"{'kernel':14s} {'N x K':>12s} {'M':>3s} {'S':>2s} {'us':>8s} {'% copy':>7s} {'vs bf16':>8s}  check")
+    best_rows = {}
+    for r in rows:
+        k = (r["kernel"], r["N"], r["K"], r["M"])
+        if k not in best_rows or r["us"] < best_rows[k]["us"]:
+            best_rows[k] = r
+    for r in best_rows.values():
+        print(f"{r['kernel']:14s} {r['N']:>5d}x{r['K']:<6d} {r['M']:3d} {r['splits']:2d} {r['us']:8.1f} {r['frac_copy']:7.1%} "
+              f"{r.get('vs_bf16', float('nan')):7.2f}x  {r['check']}")
+    bad = [c for c in checks if not c["passed"]] + [r for r in best_rows.values() if not r["passed"]]
+    print(f"checks: {len(checks) + len(best_rows) - len(bad)} passed, {len(bad)} failed")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "native.json"))

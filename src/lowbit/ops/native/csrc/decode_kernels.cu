@@ -1,0 +1,242 @@
+// lowbit's native decode kernels for Hopper (sm_90a), M = 1..16 activation rows, bf16 output:
+//   lb_w4a16   int4 weights in groups of 32/64/128/256, symmetric or with int8 zero points, bf16 x
+//   lb_w8a16   int8 weights, one float32 scale per row, bf16 x
+//   lb_w8a8    int8 or fp8 e4m3 weights and per-token activation codes (lb_act_quant), per-row scales
+// Design for the bandwidth limit: the weight is the mma's A operand (out^T = W x^T, so one m16n8k16 /
+// m16n8k32 covers 16 weight rows for up to 8 activation rows, two for up to 16); weights pre-arranged
+// (lowbit.ops.native.layout) so each lane streams 16 bytes per tile with one 128-bit load that skips L1,
+// 4 tiles (2 KB per warp) in flight; 4-bit codes become exact bf16 (code - z) with a shift, a LOP3 and an
+// HSUB2 per pair (decode_math.h); a CTA of 8 warps splits its K range between the warps, and `splits` CTAs
+// split K further (grid: N/16 x splits; a second kernel adds the splits) so even N = 4096 fills the SMs.
+//
+// Rounding order (what the float64 reference and the tolerance are derived from):
+//   W4A16: within a group, float32 sums of exact products x * (code - z) (the mma instructions of the
+//          group's k16 steps, chained through the accumulator); then acc = fma(group sum, scale, acc)
+//          over the warp's groups in increasing k; warps, then splits, added in order (decode_warp.h);
+//          out = bf16_rn(acc).
+//   W8A16: float32 sums of exact products x * code, chained through the mma accumulator over the warp's
+//          k range; warps, then splits, added in order; out = bf16_rn(acc * sw[n]).
+//   W8A8 int8: exact int32 sums (|acc| < 2^31 while K * 127 * 127 < 2^31); out =
+//          bf16_rn((float(acc) * sa[m]) * sw[n]), two float32 roundings then one to bf16.
+//   W8A8 fp8: each k32 tile's 32 exact products summed by one mma into a zero float32 accumulator, added
+//          to the warp's float32 sum (a promotion every 32 products); warps, then splits, in order; out as int8.
+//   Activation codes (lb_act_quant): lowbit.quantize's per-token scheme, bit for bit: s = amax / qmax
+//          (1.0 where 0), code = int8 clamp(round_half_even(x / s), -127, 127) or e4m3 satfinite(x / s).
+// Inside one mma instruction the order of the float32 additions is the tensor core's.
+#include <cuda_runtime.h>
+
+#include "decode_warp.h"
+
+using namespace lowbit_native;
+
+namespace {
+
+struct DeviceLanes {
+  static constexpr int kLanes = 1;
+  __device__ __forceinline__ static int lane(int) { return threadIdx.x & 31; }
+  // weights: read once, streamed past L1
+  __device__ __forceinline__ static void loadw16(const void* p, uint32_t q[4]) {
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(q[0]), "=r"(q[1]), "=r"(q[2]), "=r"(q[3]) : "l"(p));
+  }
+  // activations: shared by every CTA, kept in L1 / L2
+  __device__ __forceinline__ static void load16(const void* p, uint32_t q[4]) {
+    uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+    q[0] = v.x; q[1] = v.y; q[2] = v.z; q[3] = v.w;
+  }
+  __device__ __forceinline__ static void load8(const void* p, uint32_t q[2]) {
+    uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+    q[0] = v.x; q[1] = v.y;
+  }
+  __device__ __forceinline__ static float loadf(const float* p) { return __ldg(p); }
+
+  __device__ __forceinline__ static void mma_bf16(const uint32_t (&a)[1][4], const uint32_t (&b)[1][2], float (&c)[1][4]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3])
+                 : "r"(a[0][0]), "r"(a[0][1]), "r"(a[0][2]), "r"(a[0][3]), "r"(b[0][0]), "r"(b[0][1]));
+  }
+  __device__ __forceinline__ static void mma_s8(const uint32_t (&a)[1][4], const uint32_t (&b)[1][2], int32_t (&c)[1][4]) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};"
+                 : "+r"(c[0][0]), "+r"(c[0][1]), "+r"(c[0][2]), "+r"(c[0][3])
+                 : "r"(a[0][0]), "r"(a[0][1]), "r"(a[0][2]), "r"(a[0][3]), "r"(b[0][0]), "r"(b[0][1]));
+  }
+  __device__ __forceinline__ static void mma_e4m3(const uint32_t (&a)[1][4], const uint32_t (&b)[1][2], float (&c)[1][4]) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3])
+                 : "r"(a[0][0]), "r"(a[0][1]), "r"(a[0][2]), "r"(a[0][3]), "r"(b[0][0]), "r"(b[0][1]));
+  }
+};
+
+using DL = DeviceLanes;
+constexpr int kThreads = kWarps * 32;
+
+// The CTA's warp sums of tile element threadIdx.x (16 m + n): the bf16 output (one split) or the split's
+// partial sum ws[s][m][n]; Epi maps (sum, m, n) to the output's bits.
+template <class T, int MB, class Epi>
+__device__ __forceinline__ void finish_cta(T* red, const T (&acc)[MB][1][4], int M, int N, int splits, T* ws,
+                                           uint16_t* out, Epi epi) {
+  cta_stash<T, MB, 1>(red, threadIdx.x >> 5, acc, 0, threadIdx.x & 31);
+  __syncthreads();
+  const int m = threadIdx.x >> 4, n = blockIdx.x * 16 + (threadIdx.x & 15);
+  if (m >= M || n >= N) return;
+  const T v = cta_sum(red, threadIdx.x);
+  if (splits == 1) out[size_t(m) * N + n] = epi(v, m, n);
+  else ws[(size_t(blockIdx.y) * M + m) * N + n] = v;
+}
+
+template <int G, int MB>
+__global__ void __launch_bounds__(kThreads) w4a16_kernel(W4Args a, uint16_t* out, float* ws, int N, int kblocks, int splits) {
+  __shared__ float red[kWarps * 256];
+  float acc[MB][1][4] = {};
+  w4_warp<DL, G, MB>(a, blockIdx.x, split_begin(kblocks, splits, blockIdx.y), split_begin(kblocks, splits, blockIdx.y + 1),
+                     threadIdx.x >> 5, acc);
+  finish_cta<float, MB>(red, acc, a.M, N, splits, ws, out, [](float v, int, int) { return bf16_rn(v); });
+}
+
+template <int MB>
+__global__ void __launch_bounds__(kThreads) w8a16_kernel(W8Args a, const float* sw, uint16_t* out, float* ws, int N, int kblocks,
+                                                          int splits) {
+  __shared__ float red[kWarps * 256];
+  float acc[MB][1][4] = {};
+  w8a16_warp<DL, MB>(a, blockIdx.x, split_begin(kblocks, splits, blockIdx.y), split_begin(kblocks, splits, blockIdx.y + 1),
+                     threadIdx.x >> 5, acc);
+  finish_cta<float, MB>(red, acc, a.M, N, splits, ws, out, [sw](float v, int, int n) { return out_w8a16(v, __ldg(sw + n)); });
+}
+
+template <bool FP8, int MB>
+__global__ void __launch_bounds__(kThreads) w8a8_kernel(W8Args a, const float* sa, const float* sw, uint16_t* out, void* ws,
+                                                         int N, int kblocks, int splits) {
+  const int b0 = split_begin(kblocks, splits, blockIdx.y), b1 = split_begin(kblocks, splits, blockIdx.y + 1);
+  float accf[MB][1][4] = {};
+  int32_t acci[MB][1][4] = {};
+  w8a8_warp<DL, FP8, MB>(a, blockIdx.x, b0, b1, threadIdx.x >> 5, accf, acci);
+  if (FP8) {
+    __shared__ float red[kWarps * 256];
+    finish_cta<float, MB>(red, accf, a.M, N, splits, static_cast<float*>(ws), out,
+                          [sa, sw](float v, int m, int n) { return out_w8a8(v, __ldg(sa + m), __ldg(sw + n)); });
+  } else {
+    __shared__ int32_t redi[kWarps * 256];
+    finish_cta<int32_t, MB>(redi, acci, a.M, N, splits, static_cast<int32_t*>(ws), out,
+                            [sa, sw](int32_t v, int m, int n) { return out_w8a8(float(v), __ldg(sa + m), __ldg(sw + n)); });
+  }
+}
+
+// out[m][n] = epilogue(sum over splits of ws[s][m][n], in split order). KIND: 0 W4A16, 1 W8A16, 2 W8A8.
+template <class T, int KIND>
+__global__ void split_reduce_kernel(const T* ws, int splits, int M, int N, const float* sa, const float* sw, uint16_t* out) {
+  const size_t mn = size_t(M) * N;
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < mn; i += size_t(gridDim.x) * blockDim.x) {
+    const T v = split_sum(ws + i, splits, mn);
+    const int m = int(i / N), n = int(i % N);
+    if (KIND == 0) out[i] = bf16_rn(float(v));
+    else if (KIND == 1) out[i] = out_w8a16(float(v), sw[n]);
+    else out[i] = out_w8a8(float(v), sa[m], sw[n]);
+  }
+}
+
+// One CTA per activation row: the row's amax (exact in any order), then its codes.
+__global__ void __launch_bounds__(256) act_quant_kernel(const uint16_t* x, int K, int ldx, int fp8, uint8_t* codes,
+                                                         float* scales) {
+  __shared__ float wmax[8];
+  const uint16_t* row = x + size_t(blockIdx.x) * ldx;
+  float amax = 0.0f;
+  for (int k = threadIdx.x; k < K; k += blockDim.x) amax = fmaxf(amax, fabsf(bf16_f32(row[k])));
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if ((threadIdx.x & 31) == 0) wmax[threadIdx.x >> 5] = amax;
+  __syncthreads();
+  amax = wmax[0];
+  for (int w = 1; w < 8; ++w) amax = fmaxf(amax, wmax[w]);
+  const float s = act_scale(amax, fp8 ? 448.0f : 127.0f);
+  if (threadIdx.x == 0) scales[blockIdx.x] = s;
+  uint8_t* crow = codes + size_t(blockIdx.x) * ldx;
+  for (int k = threadIdx.x; k < K; k += blockDim.x)
+    crow[k] = fp8 ? act_code_fp8(bf16_f32(row[k]), s) : uint8_t(act_code_int8(bf16_f32(row[k]), s));
+}
+
+int reduce_splits_launch(int kind, const void* ws, int splits, int M, int N, const float* sa, const float* sw, uint16_t* out,
+                         cudaStream_t st) {
+  const int blocks = int((size_t(M) * N + 255) / 256);
+  if (kind == 0) split_reduce_kernel<float, 0><<<blocks, 256, 0, st>>>(static_cast<const float*>(ws), splits, M, N, sa, sw, out);
+  else if (kind == 1) split_reduce_kernel<float, 1><<<blocks, 256, 0, st>>>(static_cast<const float*>(ws), splits, M, N, sa, sw, out);
+  else if (kind == 2) split_reduce_kernel<int32_t, 2><<<blocks, 256, 0, st>>>(static_cast<const int32_t*>(ws), splits, M, N, sa, sw, out);
+  else split_reduce_kernel<float, 2><<<blocks, 256, 0, st>>>(static_cast<const float*>(ws), splits, M, N, sa, sw, out);
+  return int(cudaGetLastError());
+}
+
+}  // namespace
+
+// The C ABI (lowbit.ops.native.kernels checks every argument before calling). Pointers are device
+// pointers; `ws` is a float32 / int32 workspace of splits * M * N elements when splits > 1 (else unused);
+// the return value is a cudaError_t (0: launched) or one of the negative codes below.
+extern "C" {
+
+int lb_native_abi_version() { return 1; }
+
+// -1: M outside 1..16, -2: unsupported group size, -3: splits < 1
+int lb_w4a16(const void* w, const float* scale, const int8_t* zero, const void* x, void* out, float* ws, int M, int N, int K,
+             int ldx, int KT, int groups, int G, int splits, cudaStream_t st) {
+  if (M < 1 || M > 16) return -1;
+  if (splits < 1) return -3;
+  W4Args a{static_cast<const uint8_t*>(w), scale, zero, static_cast<const uint16_t*>(x), M, K, ldx, KT, groups};
+  const int kblocks = (KT + kTilesPerBlock - 1) / kTilesPerBlock;
+  const dim3 grid((N + 15) / 16, splits);
+  uint16_t* o = static_cast<uint16_t*>(out);
+#define LB_W4(GS)                                                                                       \
+  case GS:                                                                                              \
+    if (M > 8) w4a16_kernel<GS, 2><<<grid, kThreads, 0, st>>>(a, o, ws, N, kblocks, splits);           \
+    else w4a16_kernel<GS, 1><<<grid, kThreads, 0, st>>>(a, o, ws, N, kblocks, splits);                  \
+    break;
+  switch (G) {
+    LB_W4(32) LB_W4(64) LB_W4(128) LB_W4(256)
+    default: return -2;
+  }
+#undef LB_W4
+  int err = int(cudaGetLastError());
+  if (err || splits == 1) return err;
+  return reduce_splits_launch(0, ws, splits, M, N, nullptr, nullptr, o, st);
+}
+
+int lb_w8a16(const void* w, const float* sw, const void* x, void* out, float* ws, int M, int N, int K, int ldx, int KT,
+             int splits, cudaStream_t st) {
+  if (M < 1 || M > 16) return -1;
+  if (splits < 1) return -3;
+  W8Args a{static_cast<const uint8_t*>(w), nullptr, static_cast<const uint16_t*>(x), M, K, ldx, KT};
+  const int kblocks = (KT + kTilesPerBlock - 1) / kTilesPerBlock;
+  const dim3 grid((N + 15) / 16, splits);
+  uint16_t* o = static_cast<uint16_t*>(out);
+  if (M > 8) w8a16_kernel<2><<<grid, kThreads, 0, st>>>(a, sw, o, ws, N, kblocks, splits);
+  else w8a16_kernel<1><<<grid, kThreads, 0, st>>>(a, sw, o, ws, N, kblocks, splits);
+  int err = int(cudaGetLastError());
+  if (err || splits == 1) return err;
+  return reduce_splits_launch(1, ws, splits, M, N, nullptr, sw, o, st);
+}
+
+int lb_w8a8(const void* w, const float* sw, const void* xq, const float* sa, void* out, void* ws, int M, int N, int K,
+            int ldx, int KT, int splits, int fp8, cudaStream_t st) {
+  if (M < 1 || M > 16) return -1;
+  if (splits < 1) return -3;
+  W8Args a{static_cast<const uint8_t*>(w), static_cast<const uint8_t*>(xq), nullptr, M, K, ldx, KT};
+  const int kblocks = (KT + kTilesPerBlock - 1) / kTilesPerBlock;
+  const dim3 grid((N + 15) / 16, splits);
+  uint16_t* o = static_cast<uint16_t*>(out);
+  if (fp8) {
+    if (M > 8) w8a8_kernel<true, 2><<<grid, kThreads, 0, st>>>(a, sa, sw, o, ws, N, kblocks, splits);
+    else w8a8_kernel<true, 1><<<grid, kThreads, 0, st>>>(a, sa, sw, o, ws, N, kblocks, splits);
+  } else {
+    if (M > 8) w8a8_kernel<false, 2><<<grid, kThreads, 0, st>>>(a, sa, sw, o, ws, N, kblocks, splits);
+    else w8a8_kernel<false, 1><<<grid, kThreads, 0, st>>>(a, sa, sw, o, ws, N, kblocks, splits);
+  }
+  int err = int(cudaGetLastError());
+  if (err || splits == 1) return err;
+  return reduce_splits_launch(fp8 ? 3 : 2, ws, splits, M, N, sa, sw, o, st);
+}
+
+int lb_act_quant(const void* x, int M, int K, int ldx, int fp8, void* codes, float* scales, cudaStream_t st) {
+  act_quant_kernel<<<M, 256, 0, st>>>(static_cast<const uint16_t*>(x), K, ldx, fp8, static_cast<uint8_t*>(codes), scales);
+  return int(cudaGetLastError());
+}
+
+}  // extern "C"

@@ -1,0 +1,179 @@
+// One warp's program of the native decode kernels, written once for the GPU (P = DeviceLanes in
+// decode_kernels.cu: one lane per thread, the mma instructions) and for the CPU twin (P = HostLanes in
+// host_twin.cpp: all 32 lanes in lock step, the mma emulated from the PTX fragment layouts). So the
+// loop order, the loads, the decode and the folds the twin runs are the kernels' own.
+//
+// Summation order (fixed; the GPU's differs only inside one mma instruction, see each kernel):
+//   warp w of CTA (n-tile, split s) runs the k-blocks kb = begin + w, begin + w + 8, ... < end
+//   (split_begin) in increasing order; in each, 4 tiles in increasing k, each tile's k16 steps in
+//   increasing k. The CTA then adds its 8 warps' sums in warp order, and the S splits' sums are added
+//   in split order (decode_reduce), each a float32 addition (int32 for W8A8 int8: exact).
+#pragma once
+#include "decode_math.h"
+
+namespace lowbit_native {
+
+constexpr int kTilesPerBlock = 4;   // tiles per k-block: 4 loads of 16 bytes in flight per lane
+
+struct W4Args {
+  const uint8_t* w;       // [N16][KT][32 lanes][16 bytes], KT = Kp / 64
+  const float* scale;     // [N16][groups][16]
+  const int8_t* zero;     // [N16][groups][16] or nullptr (symmetric)
+  const uint16_t* x;      // bf16 [M][ldx]
+  int M, K, ldx, KT, groups;
+};
+
+struct W8Args {
+  const uint8_t* w;       // int8 / e4m3 codes [N16][KT][32 lanes][16 bytes], KT = Kp / 32
+  const uint8_t* xq;      // W8A8: int8 / e4m3 codes [M][ldx]
+  const uint16_t* x;      // W8A16: bf16 [M][ldx]
+  int M, K, ldx, KT;
+};
+
+// The lanes' 16 bytes of the 4 weight tiles of k-block kb of row tile nt (zeros past the last tile),
+// all loads issued before any is used.
+template <class P>
+LB_HD void load_block(const uint8_t* w, int KT, int nt, int kb, uint32_t (&words)[kTilesPerBlock][P::kLanes][4]) {
+  LB_UNROLL for (int tt = 0; tt < kTilesPerBlock; ++tt) {
+    const int kt = kb * kTilesPerBlock + tt;
+    LB_UNROLL for (int l = 0; l < P::kLanes; ++l) {
+      if (kt < KT) P::loadw16(w + (size_t(nt) * KT + kt) * 512 + P::lane(l) * 16, words[tt][l]);
+      else words[tt][l][0] = words[tt][l][1] = words[tt][l][2] = words[tt][l][3] = 0;
+    }
+  }
+}
+
+// Activation fragments: for each lane (g, t) and mma column block b, W words (16 or 8 bytes) of row
+// m = 8b + g from k = k0 + per_t * t on; zeros past M or K (K is a multiple of per_t: the caller checks).
+template <class P, int MB, int W, class T>
+LB_HD void load_x(const T* x, int ldx, int M, int K, int k0, int per_t, uint32_t (&v)[MB][P::kLanes][W]) {
+  LB_UNROLL for (int l = 0; l < P::kLanes; ++l) {
+    const int lane = P::lane(l), k = k0 + per_t * (lane & 3);
+    LB_UNROLL for (int b = 0; b < MB; ++b) {
+      const int m = 8 * b + (lane >> 2);
+      if (m < M && k < K) {
+        if (W == 4) P::load16(x + size_t(m) * ldx + k, v[b][l]);
+        else P::load8(x + size_t(m) * ldx + k, v[b][l]);
+      } else {
+        LB_UNROLL for (int i = 0; i < W; ++i) v[b][l][i] = 0;
+      }
+    }
+  }
+}
+
+// acc[b][l][q] += this warp's W4A16 sums over its k-blocks (see the file comment).
+template <class P, int G, int MB>
+LB_HD void w4_warp(const W4Args& a, int nt, int kb_begin, int kb_end, int warp, float (&acc)[MB][P::kLanes][4]) {
+  constexpr int L = P::kLanes;
+  for (int kb = kb_begin + warp; kb < kb_end; kb += kWarps) {
+    uint32_t words[kTilesPerBlock][L][4];
+    load_block<P>(a.w, a.KT, nt, kb, words);
+    float part[MB][L][4];
+    uint32_t og[L], og8[L];
+    LB_UNROLL for (int tt = 0; tt < kTilesPerBlock; ++tt) {
+      LB_UNROLL for (int j = 0; j < 4; ++j) {
+        const int k0 = (kb * kTilesPerBlock + tt) * kTileK4 + 16 * j;
+        const int grp = k0 / G;
+        const bool live = grp < a.groups;   // padding tiles past the last group: x is 0 there
+        if (k0 % G == 0) {                  // a group starts: its zero points, a fresh partial sum
+          LB_UNROLL for (int l = 0; l < L; ++l) {
+            const int g = P::lane(l) >> 2;
+            const int8_t* z = a.zero + (size_t(nt) * a.groups + grp) * 16;
+            og[l] = w4_offset(a.zero && live ? int(z[g]) : 0);
+            og8[l] = w4_offset(a.zero && live ? int(z[g + 8]) : 0);
+            LB_UNROLL for (int b = 0; b < MB; ++b) part[b][l][0] = part[b][l][1] = part[b][l][2] = part[b][l][3] = 0.0f;
+          }
+        }
+        uint32_t afr[L][4];
+        uint32_t bfr[MB][L][2];
+        load_x<P, MB, 2>(a.x, a.ldx, a.M, a.K, k0, 4, bfr);
+        LB_UNROLL for (int l = 0; l < L; ++l) w4_step_regs(words[tt][l][j], og[l], og8[l], afr[l]);
+        LB_UNROLL for (int b = 0; b < MB; ++b) P::mma_bf16(afr, bfr[b], part[b]);
+        if ((k0 + 16) % G == 0 && live) {   // the group ends: acc = fma(partial, scale, acc)
+          const float* s = a.scale + (size_t(nt) * a.groups + grp) * 16;
+          LB_UNROLL for (int l = 0; l < L; ++l)
+            LB_UNROLL for (int q = 0; q < 4; ++q) {
+              const float sc = P::loadf(s + acc_n(P::lane(l), q));
+              LB_UNROLL for (int b = 0; b < MB; ++b) acc[b][l][q] = w4_fold(acc[b][l][q], part[b][l][q], sc);
+            }
+        }
+      }
+    }
+  }
+}
+
+// W8A16: acc += the float32 mma sums of exact bf16 weights (int8 codes) times bf16 activations.
+template <class P, int MB>
+LB_HD void w8a16_warp(const W8Args& a, int nt, int kb_begin, int kb_end, int warp, float (&acc)[MB][P::kLanes][4]) {
+  constexpr int L = P::kLanes;
+  for (int kb = kb_begin + warp; kb < kb_end; kb += kWarps) {
+    uint32_t words[kTilesPerBlock][L][4];
+    load_block<P>(a.w, a.KT, nt, kb, words);
+    LB_UNROLL for (int tt = 0; tt < kTilesPerBlock; ++tt) {
+      const int k0 = (kb * kTilesPerBlock + tt) * kTileK8;
+      uint32_t xv[MB][L][4];
+      load_x<P, MB, 4>(a.x, a.ldx, a.M, a.K, k0, 8, xv);
+      LB_UNROLL for (int s = 0; s < 2; ++s) {          // two k16 steps: k 8t..8t+3, then 8t+4..8t+7
+        uint32_t afr[L][4];
+        uint32_t bfr[MB][L][2];
+        LB_UNROLL for (int l = 0; l < L; ++l) {
+          w8_step_regs(words[tt][l], s, afr[l]);
+          LB_UNROLL for (int b = 0; b < MB; ++b) { bfr[b][l][0] = xv[b][l][2 * s]; bfr[b][l][1] = xv[b][l][2 * s + 1]; }
+        }
+        LB_UNROLL for (int b = 0; b < MB; ++b) P::mma_bf16(afr, bfr[b], acc[b]);
+      }
+    }
+  }
+}
+
+// W8A8: int8 codes -> exact int32 sums in the mma's accumulator (FP8 = false, acc holds int32 bits);
+// fp8 e4m3 -> each k32 tile's mma into a zero accumulator, then acc += it in float32 (FP8 = true): the
+// tensor core's own fp8 accumulation is never trusted past one tile.
+template <class P, bool FP8, int MB>
+LB_HD void w8a8_warp(const W8Args& a, int nt, int kb_begin, int kb_end, int warp, float (&accf)[MB][P::kLanes][4],
+                     int32_t (&acci)[MB][P::kLanes][4]) {
+  constexpr int L = P::kLanes;
+  for (int kb = kb_begin + warp; kb < kb_end; kb += kWarps) {
+    uint32_t words[kTilesPerBlock][L][4];
+    load_block<P>(a.w, a.KT, nt, kb, words);
+    LB_UNROLL for (int tt = 0; tt < kTilesPerBlock; ++tt) {
+      const int k0 = (kb * kTilesPerBlock + tt) * kTileK8;
+      uint32_t bfr[MB][L][2];
+      load_x<P, MB, 2>(a.xq, a.ldx, a.M, a.K, k0, 8, bfr);
+      LB_UNROLL for (int b = 0; b < MB; ++b) {
+        if (FP8) {
+          float d[L][4];
+          LB_UNROLL for (int l = 0; l < L; ++l) d[l][0] = d[l][1] = d[l][2] = d[l][3] = 0.0f;
+          P::mma_e4m3(words[tt], bfr[b], d);
+          LB_UNROLL for (int l = 0; l < L; ++l)
+            LB_UNROLL for (int q = 0; q < 4; ++q) accf[b][l][q] = add_rn(accf[b][l][q], d[l][q]);
+        } else {
+          P::mma_s8(words[tt], bfr[b], acci[b]);
+        }
+      }
+    }
+  }
+}
+
+// The CTA's reduction: warp w stashes its accumulators at red[w][m][n] (16 x 16 per warp); element
+// i = 16 m + n of the tile is then red[0] + red[1] + ... + red[7] in that order.
+template <class T, int MB, int L>
+LB_HD void cta_stash(T* red, int warp, const T (&acc)[MB][L][4], int l, int lane) {
+  LB_UNROLL for (int b = 0; b < MB; ++b)
+    LB_UNROLL for (int q = 0; q < 4; ++q) red[(warp * 16 + acc_m(lane, b, q)) * 16 + acc_n(lane, q)] = acc[b][l][q];
+}
+
+template <class T> LB_HD T cta_sum(const T* red, int i) {
+  T s = red[i];
+  LB_UNROLL for (int w = 1; w < kWarps; ++w) s += red[w * 256 + i];
+  return s;
+}
+
+// The splits' sums of one output, ws[s * stride] for s = 0..S-1, added in split order.
+template <class T> LB_HD T split_sum(const T* ws, int splits, size_t stride) {
+  T s = ws[0];
+  for (int k = 1; k < splits; ++k) s += ws[k * stride];
+  return s;
+}
+
+}  // namespace lowbit_native

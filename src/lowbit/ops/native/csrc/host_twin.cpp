@@ -1,0 +1,242 @@
+// The CPU twin of decode_kernels.cu: every CTA's warps run decode_warp.h's programs with all 32 lanes
+// in lock step, and each mma instruction is emulated from the PTX ISA's fragment layouts (written here
+// from the ISA tables, independently of decode_math.h's choice of which k each lane holds). Built with
+// g++ -O2 -ffp-contract=off (no FMA contraction: the device code rounds each step as written).
+// Inside one mma the emulation adds the 16 (32) products in k order in float32; the tensor core's
+// internal order is unspecified, so the twin matches the GPU bit for bit on the integer path (W8A8
+// int8) and on everything around the mma (layout, decode, scales, folds, reductions) elsewhere.
+#include <cstdlib>
+#include <vector>
+
+#include "decode_warp.h"
+
+using namespace lowbit_native;
+
+namespace {
+
+float e4m3_value(uint8_t c) {
+  int e = (c >> 3) & 15, m = c & 7;
+  float v = e ? std::ldexp(1.0f + m / 8.0f, e - 7) : std::ldexp(m / 8.0f, -6);
+  if (e == 15 && m == 7) v = NAN;
+  return (c & 0x80) ? -v : v;
+}
+
+struct HostLanes {
+  static constexpr int kLanes = 32;
+  static int lane(int l) { return l; }
+  static void load16(const void* p, uint32_t q[4]) { std::memcpy(q, p, 16); }
+  static void loadw16(const void* p, uint32_t q[4]) { std::memcpy(q, p, 16); }
+  static void load8(const void* p, uint32_t q[2]) { std::memcpy(q, p, 8); }
+  static float loadf(const float* p) { return *p; }
+
+  // One mma.sync m16n8kKD row.col with E elements of 32 / E bits per register, from the PTX ISA's
+  // fragment tables: A element y of register r of lane 4g + t is (row g + 8 (r & 1), kappa E t + y +
+  // KD/2 (r >> 1)); B element y of register r of lane 4 col + t is kappa E t + y + KD/2 r; C element q of
+  // lane 4g + t is (row g + 8 (q >> 1), col 2t + (q & 1)). bf16: KD 16, E 2; s8 / e4m3: KD 32, E 4.
+  // D = C + the KD products added in kappa order.
+  template <int KD, int E, class T, class Decode>
+  static void mma(const uint32_t (&a)[32][4], const uint32_t (&b)[32][2], T (&c)[32][4], Decode dec) {
+    constexpr int bits = 32 / E;
+    T A[16][KD], B[KD][8];
+    for (int l = 0; l < 32; ++l) {
+      int g = l >> 2, t = l & 3;
+      for (int r = 0; r < 4; ++r)
+        for (int y = 0; y < E; ++y) A[g + 8 * (r & 1)][E * t + y + KD / 2 * (r >> 1)] = dec(a[l][r] >> (bits * y));
+      for (int r = 0; r < 2; ++r)
+        for (int y = 0; y < E; ++y) B[E * t + y + KD / 2 * r][g] = dec(b[l][r] >> (bits * y));
+    }
+    for (int l = 0; l < 32; ++l)
+      for (int q = 0; q < 4; ++q) {
+        int row = (l >> 2) + 8 * (q >> 1), col = 2 * (l & 3) + (q & 1);
+        T s = c[l][q];
+        for (int k = 0; k < KD; ++k) s += A[row][k] * B[k][col];
+        c[l][q] = s;
+      }
+  }
+  static void mma_bf16(const uint32_t (&a)[32][4], const uint32_t (&b)[32][2], float (&c)[32][4]) {
+    mma<16, 2>(a, b, c, [](uint32_t v) { return bf16_f32(uint16_t(v)); });
+  }
+  static void mma_s8(const uint32_t (&a)[32][4], const uint32_t (&b)[32][2], int32_t (&c)[32][4]) {
+    mma<32, 4>(a, b, c, [](uint32_t v) { return int32_t(int8_t(uint8_t(v))); });
+  }
+  static void mma_e4m3(const uint32_t (&a)[32][4], const uint32_t (&b)[32][2], float (&c)[32][4]) {
+    mma<32, 4>(a, b, c, [](uint32_t v) { return e4m3_value(uint8_t(v)); });
+  }
+};
+
+using HL = HostLanes;
+
+// One CTA's 8 warps (acc zeroed, program run, stashed), then each tile element's warp sum.
+template <class T, int MB, class Run>
+void run_cta(Run run, std::vector<T>& tile) {
+  std::vector<T> red(kWarps * 256, T(0));
+  for (int w = 0; w < kWarps; ++w) {
+    T acc[MB][32][4] = {};
+    run(w, acc);
+    for (int l = 0; l < 32; ++l) cta_stash<T, MB, 32>(red.data(), w, acc, l, l);
+  }
+  tile.resize(256);
+  for (int i = 0; i < 256; ++i) tile[i] = cta_sum(red.data(), i);
+}
+
+// Runs every CTA (n-tile, split) and returns the splits' sums ws[s][m][n] for m < M, n < N.
+template <class T, int MB, class Run>
+std::vector<T> run_grid(int M, int N, int splits, Run run) {
+  const int n16 = (N + 15) / 16;
+  std::vector<T> ws(size_t(splits) * M * N), tile;
+  for (int nt = 0; nt < n16; ++nt)
+    for (int s = 0; s < splits; ++s) {
+      run_cta<T, MB>([&](int w, T (&acc)[MB][32][4]) { run(nt, s, w, acc); }, tile);
+      for (int m = 0; m < M; ++m)
+        for (int n = 0; n < 16 && nt * 16 + n < N; ++n) ws[(size_t(s) * M + m) * N + nt * 16 + n] = tile[m * 16 + n];
+    }
+  return ws;
+}
+
+template <int G, int MB>
+void twin_w4(const W4Args& a, uint16_t* out, int N, int splits) {
+  const int kblocks = (a.KT + kTilesPerBlock - 1) / kTilesPerBlock;
+  auto ws = run_grid<float, MB>(a.M, N, splits, [&](int nt, int s, int w, float (&acc)[MB][32][4]) {
+    w4_warp<HL, G, MB>(a, nt, split_begin(kblocks, splits, s), split_begin(kblocks, splits, s + 1), w, acc);
+  });
+  const size_t mn = size_t(a.M) * N;
+  for (size_t i = 0; i < mn; ++i) out[i] = bf16_rn(split_sum(ws.data() + i, splits, mn));
+}
+
+template <int MB>
+void twin_w8a16(const W8Args& a, const float* sw, uint16_t* out, int N, int splits) {
+  const int kblocks = (a.KT + kTilesPerBlock - 1) / kTilesPerBlock;
+  auto ws = run_grid<float, MB>(a.M, N, splits, [&](int nt, int s, int w, float (&acc)[MB][32][4]) {
+    w8a16_warp<HL, MB>(a, nt, split_begin(kblocks, splits, s), split_begin(kblocks, splits, s + 1), w, acc);
+  });
+  const size_t mn = size_t(a.M) * N;
+  for (size_t i = 0; i < mn; ++i) out[i] = out_w8a16(split_sum(ws.data() + i, splits, mn), sw[i % N]);
+}
+
+template <bool FP8, int MB>
+void twin_w8a8(const W8Args& a, const float* sa, const float* sw, uint16_t* out, int N, int splits) {
+  const int kblocks = (a.KT + kTilesPerBlock - 1) / kTilesPerBlock;
+  const size_t mn = size_t(a.M) * N;
+  if (FP8) {
+    auto ws = run_grid<float, MB>(a.M, N, splits, [&](int nt, int s, int w, float (&acc)[MB][32][4]) {
+      int32_t unused[MB][32][4] = {};
+      w8a8_warp<HL, true, MB>(a, nt, split_begin(kblocks, splits, s), split_begin(kblocks, splits, s + 1), w, acc, unused);
+    });
+    for (size_t i = 0; i < mn; ++i) out[i] = out_w8a8(split_sum(ws.data() + i, splits, mn), sa[i / N], sw[i % N]);
+  } else {
+    auto ws = run_grid<int32_t, MB>(a.M, N, splits, [&](int nt, int s, int w, int32_t (&acc)[MB][32][4]) {
+      float unused[MB][32][4] = {};
+      w8a8_warp<HL, false, MB>(a, nt, split_begin(kblocks, splits, s), split_begin(kblocks, splits, s + 1), w, unused, acc);
+    });
+    for (size_t i = 0; i < mn; ++i) out[i] = out_w8a8(float(split_sum(ws.data() + i, splits, mn)), sa[i / N], sw[i % N]);
+  }
+}
+
+// fn(nt, kt, lane, q) for every lane's 16 bytes q of every tile of a packed weight [N16][KT][32][16].
+template <class Fn>
+void for_each_lane_tile(const uint8_t* w, int N16, int KT, Fn fn) {
+  for (int nt = 0; nt < N16; ++nt)
+    for (int kt = 0; kt < KT; ++kt)
+      for (int l = 0; l < 32; ++l) {
+        uint32_t q[4];
+        HL::load16(w + (size_t(nt) * KT + kt) * 512 + l * 16, q);
+        fn(nt, kt, l, q);
+      }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Return codes: 0 ok, 1 M outside 1..16, 2 unsupported group size, 3 splits < 1.
+int lb_twin_w4a16(const uint8_t* w, const float* scale, const int8_t* zero, const uint16_t* x, uint16_t* out,
+                  int M, int N, int K, int ldx, int KT, int groups, int G, int splits) {
+  if (M < 1 || M > 16) return 1;
+  if (splits < 1) return 3;
+  W4Args a{w, scale, zero, x, M, K, ldx, KT, groups};
+  const bool two = M > 8;
+  switch (G) {
+    case 32: two ? twin_w4<32, 2>(a, out, N, splits) : twin_w4<32, 1>(a, out, N, splits); return 0;
+    case 64: two ? twin_w4<64, 2>(a, out, N, splits) : twin_w4<64, 1>(a, out, N, splits); return 0;
+    case 128: two ? twin_w4<128, 2>(a, out, N, splits) : twin_w4<128, 1>(a, out, N, splits); return 0;
+    case 256: two ? twin_w4<256, 2>(a, out, N, splits) : twin_w4<256, 1>(a, out, N, splits); return 0;
+  }
+  return 2;
+}
+
+int lb_twin_w8a16(const uint8_t* w, const float* sw, const uint16_t* x, uint16_t* out, int M, int N, int K, int ldx,
+                  int KT, int splits) {
+  if (M < 1 || M > 16) return 1;
+  if (splits < 1) return 3;
+  W8Args a{w, nullptr, x, M, K, ldx, KT};
+  M > 8 ? twin_w8a16<2>(a, sw, out, N, splits) : twin_w8a16<1>(a, sw, out, N, splits);
+  return 0;
+}
+
+int lb_twin_w8a8(const uint8_t* w, const float* sw, const uint8_t* xq, const float* sa, uint16_t* out, int M, int N,
+                 int K, int ldx, int KT, int splits, int fp8) {
+  if (M < 1 || M > 16) return 1;
+  if (splits < 1) return 3;
+  W8Args a{w, xq, nullptr, M, K, ldx, KT};
+  if (fp8) M > 8 ? twin_w8a8<true, 2>(a, sa, sw, out, N, splits) : twin_w8a8<true, 1>(a, sa, sw, out, N, splits);
+  else M > 8 ? twin_w8a8<false, 2>(a, sa, sw, out, N, splits) : twin_w8a8<false, 1>(a, sa, sw, out, N, splits);
+  return 0;
+}
+
+// Per-token activation quantization (decode_kernels.cu's act_quant): codes [M][K], scales [M].
+int lb_twin_act_quant(const uint16_t* x, int M, int K, int ldx, int fp8, uint8_t* codes, float* scales) {
+  for (int m = 0; m < M; ++m) {
+    float amax = 0.0f;
+    for (int k = 0; k < K; ++k) amax = std::fmax(amax, std::fabs(bf16_f32(x[size_t(m) * ldx + k])));
+    const float s = act_scale(amax, fp8 ? 448.0f : 127.0f);
+    scales[m] = s;
+    for (int k = 0; k < K; ++k) {
+      const float v = bf16_f32(x[size_t(m) * ldx + k]);
+      codes[size_t(m) * K + k] = fp8 ? act_code_fp8(v, s) : uint8_t(act_code_int8(v, s));
+    }
+  }
+  return 0;
+}
+
+// The weights the kernels' mma instructions see, decoded through the same lane program: for every
+// tile and k16 (W4, exact code - z) or k32 (W8, code) step, the A fragments the lanes build, placed
+// at (n, k) by the ISA's fragment layout and the physical-k map. out: float32 [N16 * 16][KT * tile k].
+int lb_twin_w4_weights(const uint8_t* w, const int8_t* zero, int N16, int KT, int groups, int G, float* out) {
+  const int Kp = KT * kTileK4;
+  for_each_lane_tile(w, N16, KT, [&](int nt, int kt, int l, const uint32_t* q) {
+    const int g = l >> 2, t = l & 3;
+    for (int j = 0; j < 4; ++j) {
+      const int k0 = kt * kTileK4 + 16 * j, grp = k0 / G;
+      const int8_t* z = zero ? zero + (size_t(nt) * groups + grp) * 16 : nullptr;
+      uint32_t a[4];
+      w4_step_regs(q[j], w4_offset(z ? z[g] : 0), w4_offset(z ? z[g + 8] : 0), a);
+      for (int r = 0; r < 4; ++r)
+        for (int h = 0; h < 2; ++h) {
+          const int kappa = 2 * t + h + 8 * (r >> 1);
+          const int k = k0 + (kappa < 8 ? 4 * t + h : 4 * t + 2 + h);   // decode_math.h's map
+          out[size_t(nt * 16 + g + 8 * (r & 1)) * Kp + k] = bf16_f32(uint16_t(a[r] >> (16 * h)));
+        }
+    }
+  });
+  return 0;
+}
+
+int lb_twin_w8_weights(const uint8_t* w, int N16, int KT, float* out) {
+  const int Kp = KT * kTileK8;
+  for_each_lane_tile(w, N16, KT, [&](int nt, int kt, int l, const uint32_t* q) {
+    const int g = l >> 2, t = l & 3;
+    for (int s = 0; s < 2; ++s) {           // W8A16's two bf16 steps
+      uint32_t a[4];
+      w8_step_regs(q, s, a);
+      for (int r = 0; r < 4; ++r)
+        for (int h = 0; h < 2; ++h) {
+          const int kappa = 2 * t + h + 8 * (r >> 1);
+          const int k = kt * kTileK8 + 8 * t + 4 * s + (kappa < 8 ? h : 2 + h);
+          out[size_t(nt * 16 + g + 8 * (r & 1)) * Kp + k] = bf16_f32(uint16_t(a[r] >> (16 * h)));
+        }
+    }
+  });
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,102 @@
+"""The native decode kernels' logic on the CPU: csrc/host_twin.cpp runs decode_warp.h's warp programs (the
+kernels' own loads, decode, folds and reductions) with the mma instructions emulated from the PTX fragment
+layouts. Oracles: lowbit's float64 reference (check_quantized: gate for a float32 accumulator and a bf16
+output), the QTensor's codes (bit for bit), and torch's exact integer products (W8A8 int8, bit for bit)."""
+import pytest
+import torch
+
+import lowbit as lb
+from lowbit.ops.native import kernels as nk
+from lowbit.scheme import QuantScheme
+from lowbit.verify.check import check_quantized
+
+# (M, N, K, splits): odd N (a partial 16-row tile), K not a multiple of the 256-code k-block, M across the
+# one- and two-mma cases, splits beyond the k-blocks there are (empty splits)
+CASES = [(1, 40, 320, 1), (5, 33, 384, 2), (9, 17, 640, 3), (16, 24, 256, 5)]
+
+
+def _w4_scheme(group, symmetric):
+    return QuantScheme(format="int4", strategy="group", group_size=group, symmetric=symmetric)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128, 256])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_twin_w4_weights_are_the_codes(group, symmetric):
+    qt = lb.quantize(torch.randn(37, 512), _w4_scheme(group, symmetric))
+    want = qt.codes.float() - (0 if symmetric else qt.expanded_zero_point().float())
+    assert torch.equal(nk.twin_weights(nk.prepare_w4(qt)), want)
+
+
+def test_twin_w8_weights_are_the_codes():
+    qt = lb.quantize(torch.randn(21, 200), lb.get_preset("int8_channel"))
+    assert torch.equal(nk.twin_weights(nk.prepare_w8(qt)), qt.codes.float())
+
+
+@pytest.mark.parametrize("group,symmetric", [(128, True), (128, False), (32, True), (64, False)])
+def test_twin_w4a16_matches_the_reference(group, symmetric):
+    for M, N, K, splits in CASES:
+        K = K - K % group if K % group else K
+        qt = lb.quantize(torch.randn(N, K), _w4_scheme(group, symmetric))
+        x = torch.randn(M, K).bfloat16()
+        y = nk.twin_w4a16(x, nk.prepare_w4(qt), splits)
+        v = check_quantized(y, x.double(), qt, accumulator="fp32")
+        assert v.passed, v.report()
+
+
+def test_twin_w8a16_matches_the_reference():
+    for M, N, K, splits in CASES:
+        qt = lb.quantize(torch.randn(N, K), lb.get_preset("int8_channel"))
+        x = torch.randn(M, K).bfloat16()
+        y = nk.twin_w8a16(x, nk.prepare_w8(qt), splits)
+        v = check_quantized(y, x.double(), qt, accumulator="fp32")
+        assert v.passed, v.report()
+
+
+@pytest.mark.parametrize("preset,fp8", [("int8_token", False), ("fp8_row", True)])
+def test_twin_act_quant_is_lowbit_quantize(preset, fp8):
+    x = torch.randn(7, 1000) * torch.logspace(-3, 3, 7)[:, None]
+    x[3] = 0.0                                          # an all-zero token: scale 1.0, codes 0
+    x = x.bfloat16()
+    codes, scales = nk.twin_act_quant(x, fp8)
+    q = lb.quantize(x.float(), lb.get_preset(preset))
+    assert torch.equal(codes, q.codes.view(torch.uint8))
+    assert torch.equal(scales, q.scale.reshape(-1))
+
+
+def test_twin_w8a8_int8_is_bit_exact():
+    for M, N, K, splits in CASES:
+        w, x = torch.randn(N, K), torch.randn(M, K).bfloat16()
+        wq, xq = lb.quantize(w, lb.get_preset("int8_channel")), lb.quantize(x.float(), lb.get_preset("int8_token"))
+        y = nk.twin_w8a8(x, nk.prepare_w8(wq), splits)
+        acc = (xq.codes.double() @ wq.codes.double().T).float()       # exact integers (|acc| < 2^24)
+        want = ((acc * xq.scale) * wq.scale.reshape(1, -1)).bfloat16()  # the documented epilogue, by torch
+        assert torch.equal(y, want)
+
+
+def test_twin_w8a8_fp8_matches_the_reference():
+    for M, N, K, splits in CASES:
+        w, x = torch.randn(N, K), torch.randn(M, K).bfloat16()
+        wq, xq = lb.quantize(w, lb.get_preset("fp8_row")), lb.quantize(x.float(), lb.get_preset("fp8_row"))
+        y = nk.twin_w8a8(x, nk.prepare_w8(wq), splits)
+        v = check_quantized(y, xq, wq, accumulator="fp32")
+        assert v.passed, v.report()
+
+
+def test_refusals_name_the_argument():
+    qt = lb.quantize(torch.randn(16, 256), lb.get_preset("int4_g128"))
+    w = nk.prepare_w4(qt)
+    with pytest.raises(ValueError, match="M = 1..16"):
+        nk.twin_w4a16(torch.zeros(17, 256, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="bfloat16"):
+        nk.twin_w4a16(torch.zeros(1, 256), w)
+    with pytest.raises(ValueError, match="K = 128"):
+        nk.twin_w4a16(torch.zeros(1, 128, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="splits"):
+        nk.twin_w4a16(torch.zeros(1, 256, dtype=torch.bfloat16), w, 0)
+    with pytest.raises(ValueError, match="groups of"):
+        nk.prepare_w4(lb.quantize(torch.randn(16, 256), lb.get_preset("mxfp4")))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        nk.prepare_w8(lb.quantize(torch.randn(16, 100), lb.get_preset("int8_channel")))
+    with pytest.raises(ValueError, match="int8 weights"):
+        nk.w8a16(torch.zeros(1, 256, dtype=torch.bfloat16),
+                 nk.prepare_w8(lb.quantize(torch.randn(16, 256), lb.get_preset("fp8_row"))))
