@@ -26,6 +26,8 @@ Loaders:
 """
 from __future__ import annotations
 
+import json
+
 from lowbit.io.ct_layout import UnsupportedScheme, args_to_scheme, scheme_to_args
 from lowbit.recipes.presets import RECIPES, Recipe, get_recipe
 
@@ -110,6 +112,8 @@ def _vllm(part: str, weights: dict, acts: dict | None, fmt: str) -> str | None:
         if fmt == "pack-quantized" and weights.get("num_bits") in (4, 8):
             return None                                                 # WNA16 (zero points included)
         return f"weight-only int experts/layers need pack-quantized 4- or 8-bit, not {fmt}"
+    if _is(weights, "float", 8) and acts is None and part == "dense" and strat in ("tensor", "channel", "block"):
+        return None                                                     # W8A16 FP8 (e.g. an fp8 LM head)
     if _is(weights, "float", 8) and _is(acts, "float", 8) and strat in ("tensor", "channel", "block"):
         if acts.get("dynamic") is True or _strategy(acts) == "tensor":
             return None                                                 # W8A8 FP8
@@ -170,18 +174,18 @@ def recipes_that_load(loader: str, parts) -> list[str]:
     return [n for n in RECIPES if all(cell(loader, p, n)[0] for p in parts)]
 
 
-def warnings(forms: dict[str, dict[tuple, set[str]]]) -> list[str]:
-    """One line per loader that cannot read a checkpoint, naming the recipes it would read.
+def loader_warnings(forms: dict[str, dict[str, set[str]]]) -> dict[str, str]:
+    """{loader: one line} for each loader that cannot read a checkpoint, naming the recipes it would.
 
     forms: {part: {freeze(weights, acts, format): {names of the recipes or layers that have it}}}
     for the parts a checkpoint holds."""
-    out = []
+    out = {}
     parts = [p for p in PARTS if forms.get(p)]
     for loader, title in LOADERS.items():
         fails = []
         for part in parts:
-            for (w, a, fmt), who in forms[part].items():
-                why = why_not(loader, part, dict(w), None if a is None else dict(a), fmt)
+            for key, who in forms[part].items():
+                why = why_not(loader, part, *json.loads(key))
                 if why:
                     fails.append(f"{part} {', '.join(sorted(who)[:2])}{', ...' if len(who) > 2 else ''}: {why}")
             if loader == "transformers" and part == "experts" and len(forms[part]) > 1:
@@ -189,29 +193,28 @@ def warnings(forms: dict[str, dict[tuple, set[str]]]) -> list[str]:
         if fails:
             ok = recipes_that_load(loader, parts)
             alt = f"; recipes it loads here: {', '.join(ok)}" if ok else "; no lowbit recipe loads there"
-            out.append(f"{title} cannot load this checkpoint ({'; '.join(fails)}){alt}")
+            out[loader] = f"{title} cannot load this checkpoint ({'; '.join(fails)}){alt}"
     return out
 
 
-def freeze(weights: dict, acts: dict | None, fmt: str) -> tuple:
-    """A hashable key of one checkpoint form, for `warnings`."""
-    def items(d):
-        return None if d is None else tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in d.items()))
-    return items(weights), items(acts), fmt
+def freeze(weights: dict, acts: dict | None, fmt: str) -> str:
+    """A hashable key of one checkpoint form (config values may be lists or dicts): its JSON."""
+    return json.dumps([weights, acts, fmt], sort_keys=True, default=str)
 
 
-def plan_forms(summary, experts_decisions) -> dict[str, dict[tuple, set[str]]]:
-    """forms for `warnings` from a plan: its quantized Linears (summary: QuantSummary) and its
-    experts decisions (lowbit.pipelines.moe.ExpertsDecision: .action, .recipe)."""
-    out: dict[str, dict[tuple, set[str]]] = {"dense": {}, "experts": {}}
-    for d in summary.quantized:
-        r = summary.recipe_of(d)
-        out["dense"].setdefault(freeze(*recipe_form(r)), set()).add(r.name)
-    for d in experts_decisions:
-        if d.action == "quantized":
-            r = get_recipe(d.recipe)
-            out["experts"].setdefault(freeze(*recipe_form(r)), set()).add(r.name)
-    return out
+def plan_warnings(summary, experts_decisions) -> dict[str, str]:
+    """`loader_warnings` for the checkpoint a plan will write: its quantized Linears (summary:
+    QuantSummary) and its experts decisions (lowbit.pipelines.moe.ExpertsDecision: .action, .recipe)."""
+    forms: dict = {}
+    for part, r in [("dense", summary.recipe_of(d)) for d in summary.quantized] + \
+            [("experts", get_recipe(d.recipe)) for d in experts_decisions if d.action == "quantized"]:
+        add_form(forms, part, *recipe_form(r), r.name)
+    return loader_warnings(forms)
+
+
+def add_form(forms: dict, part: str, weights: dict, acts: dict | None, fmt: str, who: str) -> None:
+    """Record that `who` (a recipe or layer name) stores `part` in this form."""
+    forms.setdefault(part, {}).setdefault(freeze(weights, acts, fmt), set()).add(who)
 
 
 def markdown_table() -> str:
