@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 
 from lowbit.io.ct_layout import UnsupportedScheme, args_to_scheme, scheme_to_args
-from lowbit.recipes.presets import RECIPES, Recipe, get_recipe
+from lowbit.recipes.presets import RECIPES, Recipe
 
 LOADERS = {
     "lowbit": "lowbit",
@@ -156,13 +156,12 @@ def note(loader: str, part: str, weights: dict, acts: dict | None) -> str | None
     return None
 
 
-def recipe_form(recipe: Recipe | str) -> tuple[dict, dict | None, str]:
-    """(weights args, activation args, format) a checkpoint of `recipe` declares."""
-    r = get_recipe(recipe)
+def recipe_form(r: Recipe) -> tuple[dict, dict | None, str]:
+    """(weights args, activation args, format) a checkpoint of recipe `r` declares."""
     return scheme_to_args(r.weight), None if r.act is None else scheme_to_args(r.act), r.ct_format
 
 
-def cell(loader: str, part: str, recipe: Recipe | str) -> tuple[bool, str | None]:
+def cell(loader: str, part: str, recipe: Recipe) -> tuple[bool, str | None]:
     """(loads, the reason it does not or the caveat it loads with) for one recipe x part x loader."""
     w, a, fmt = recipe_form(recipe)
     why = why_not(loader, part, w, a, fmt)
@@ -171,7 +170,7 @@ def cell(loader: str, part: str, recipe: Recipe | str) -> tuple[bool, str | None
 
 def recipes_that_load(loader: str, parts) -> list[str]:
     """The recipes whose checkpoint `loader` reads for every part in `parts`."""
-    return [n for n in RECIPES if all(cell(loader, p, n)[0] for p in parts)]
+    return [n for n, r in RECIPES.items() if all(cell(loader, p, r)[0] for p in parts)]
 
 
 def loader_warnings(forms: dict[str, dict[str, set[str]]]) -> dict[str, str]:
@@ -207,7 +206,8 @@ def plan_warnings(summary, experts_decisions) -> dict[str, str]:
     QuantSummary) and its experts decisions (lowbit.pipelines.moe.ExpertsDecision: .action, .recipe)."""
     forms: dict = {}
     for part, r in [("dense", summary.recipe_of(d)) for d in summary.quantized] + \
-            [("experts", get_recipe(d.recipe)) for d in experts_decisions if d.action == "quantized"]:
+            [("experts", summary.recipes.get(d.recipe) or RECIPES[d.recipe]) for d in experts_decisions
+             if d.action == "quantized"]:
         add_form(forms, part, *recipe_form(r), r.name)
     return loader_warnings(forms)
 
@@ -217,14 +217,14 @@ def add_form(forms: dict, part: str, weights: dict, acts: dict | None, fmt: str,
     forms.setdefault(part, {}).setdefault(freeze(weights, acts, fmt), set()).add(who)
 
 
-def markdown_table() -> str:
-    """The recipe x part x loader table of docs/checkpoints.md and docs/moe.md."""
+def markdown_table(parts=PARTS) -> str:
+    """The recipe x part x loader table of docs/checkpoints.md (both parts) and docs/moe.md (experts)."""
     rows = ["| recipe | part | " + " | ".join(LOADERS.values()) + " |", "|---|---|" + "---|" * len(LOADERS)]
     for name in RECIPES:
-        for part in PARTS:
+        for part in parts:
             cells = []
             for loader in LOADERS:
-                ok, why = cell(loader, part, name)
+                ok, why = cell(loader, part, RECIPES[name])
                 cells.append(("yes" if ok else "**no**") + (f": {why}" if why else ""))
             rows.append(f"| {name} | {part} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
