@@ -44,6 +44,7 @@ CT_FORMATS = ("dense", "naive-quantized", "int-quantized", "float-quantized", "p
               "mxfp4-pack-quantized", "nvfp4-pack-quantized", "mxfp8-quantized")
 PACKED = ("pack-quantized", "mxfp4-pack-quantized", "nvfp4-pack-quantized")
 
+
 def _strategy(a: dict) -> str:
     s = a.get("strategy")
     if s:
