@@ -57,7 +57,8 @@ def _load(path):
     """transformers' model of the checkpoint, decompressed (what its first forward does) with the
     weights compressed-tensors leaves in bf16 widened to float32 (exact) for a float32 comparison."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    hf.set_experts_implementation("eager") if hasattr(hf, "set_experts_implementation") else None
+    if hasattr(hf, "set_experts_implementation"):    # transformers' grouped_mm does not take every dtype
+        hf.set_experts_implementation("eager")
     hf.hf_quantizer.compressor.decompress_model(hf)
     for p in hf.parameters():
         if p.dtype == torch.bfloat16:
