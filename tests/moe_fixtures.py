@@ -9,10 +9,10 @@ _COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention
               max_position_embeddings=64)
 
 
-def _config(family: str, experts: int = 8, top_k: int = 2, width: int = 64):
+def _config(family: str, experts: int = 8, top_k: int = 2, width: int = 64, layers: int = 2):
     """width: hidden size and expert intermediate size (64; 128 for groups of 128)."""
     import transformers as T
-    COMMON = {**_COMMON, "hidden_size": width}
+    COMMON = {**_COMMON, "hidden_size": width, "num_hidden_layers": layers}
     if family == "mixtral":
         return T.MixtralConfig(num_local_experts=experts, num_experts_per_tok=top_k, intermediate_size=width, **COMMON)
     if family == "qwen2_moe":

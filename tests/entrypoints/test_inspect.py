@@ -43,7 +43,8 @@ def edit_config(path, fn):
 def test_clean_checkpoint_lists_every_layer(rng, tmp_path, capsys):
     out = checkpoint(rng, tmp_path / "c", "w4a16-asym")
     r = inspect_checkpoint(out)
-    assert [f for f in r.findings if f.level != "info"] == []
+    # transformers 5.24 cannot load asymmetric pack-quantized layers (lowbit.recipes.loaders)
+    assert [f.code for f in r.findings if f.level != "info"] == ["loader-transformers"]
     assert len(r.layers) == 7 and r.format == "pack-quantized"
     down = next(li for li in r.layers if li.name.endswith("down_proj"))
     assert down.shape == [128, 256]
@@ -120,7 +121,10 @@ def test_not_a_checkpoint(tmp_path, capsys):
 
 def test_nvfp4_dynamic_activations_noted(rng, tmp_path):
     r = inspect_checkpoint(checkpoint(rng, tmp_path / "c", "nvfp4"))
-    assert codes(r, "warning") == ["nvfp4-act-global-scale"]
+    # per layer, and per loader: vLLM reads a calibrated input_global_scale (lowbit.recipes.loaders)
+    assert codes(r, "warning") == ["loader-vllm", "nvfp4-act-global-scale"]
+    vllm = next(f for f in r.findings if f.code == "loader-vllm")
+    assert "input_global_scale" in vllm.message and "recipes it loads here: w8a8-int8" in vllm.message
     assert all(li.tensors["weight_scale"] == "float8_e4m3fn [%d, %d]" % (li.shape[0], li.shape[1] // 16)
                for li in r.layers)
 
@@ -138,3 +142,4 @@ def test_float_checkpoint_and_other_formats_are_named(rng, tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "float")]) == 2
     err = capsys.readouterr().err
     assert "not compressed-tensors (quant_method 'gptq')" in err, err
+

@@ -22,6 +22,7 @@ from lowbit.nn.quant_linear import QuantLinear
 from lowbit.pipelines.checkpoint import load_compressed, save_compressed
 from lowbit.pipelines.quantize_model import quantize_model
 from lowbit.recipes.presets import RECIPES
+from family_fixtures import logits_gate
 from moe_fixtures import ids, tiny_moe
 
 transformers = pytest.importorskip("transformers")
@@ -29,7 +30,6 @@ pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors import BaseCompressor  # noqa: E402
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme  # noqa: E402
 
-U32 = 2.0 ** -24
 SAVABLE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
 # vLLM's per-family checkpoint names: (block attribute, gate, up, down)
 VLLM_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
@@ -198,15 +198,9 @@ def test_transformers_dequantizes_experts(family, recipe, rng, tmp_path):
     t = ids(rng, 11)
     with torch.no_grad():
         ref, got = m(t).logits, hf(t).logits
-    # The same dequantized weights, float32 forwards (lowbit's experts in float64) differing only
-    # in summation order: each length-K dot product is within K*u*sum|x w| of exact (Higham's
-    # gamma_K), through at most 7 matmuls a decoder layer plus lm_head, so the logits agree within
-    # 2 * depth * K * u32 * max|logits| (K the longest contraction).
-    cfg = m.config
-    depth = 7 * cfg.num_hidden_layers + 1
-    k = max(cfg.hidden_size, getattr(cfg, "moe_intermediate_size", 0) or cfg.intermediate_size,
-            cfg.intermediate_size)
-    assert (got - ref).abs().max().item() <= 2 * depth * k * U32 * ref.abs().max().item()
+    # the same dequantized weights, float32 forwards (lowbit's experts in float64) differing only
+    # in summation order (family_fixtures.logits_gate derives the gate)
+    assert (got - ref).abs().max().item() <= logits_gate(m.config, ref)
 
 
 # ------------------------------------------------------------------ float experts, bad input

@@ -8,7 +8,9 @@ checkpoint, and the serving-side failure modes that show up in the files:
 - asymmetric schemes without zero points (and zero points a symmetric scheme cannot use);
 - quantized logits (lm_head), embeddings, norms or output activations (the residual
   stream), and layers that config.json targets but the files store unquantized;
-- q/k/v or gate/up of one block with different schemes (vLLM fuses them into one GEMM).
+- q/k/v or gate/up of one block with different schemes (vLLM fuses them into one GEMM);
+- loaders that cannot read the checkpoint (lowbit.recipes.loaders: transformers, vLLM), one
+  warning per loader with the recipes it reads, decided from config.json's groups.
 
 Only safetensors headers are read (plus the few-byte ``weight_shape`` tensors), so
 inspecting a checkpoint of any size is instant. Works on checkpoints from any tool.
@@ -23,11 +25,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from lowbit.pipelines.checkpoint import read_json, check_qc_types
+from lowbit.recipes.loaders import add_form, loader_warnings
 from lowbit.io.st_format import CheckpointError, TensorReader, checkpoint_files, read_header
 
 ERROR, WARN, INFO = "error", "warning", "info"
 _HIGH_PRECISION = re.compile(r"(^|\.)(lm_head|embed_tokens|wte|wpe|embed_in|embed_out|word_embeddings|"
                              r"[a-z_]*norm[a-z_0-9]*|ln_f|ln_\d+)$")
+_EXPERT = re.compile(r"\.experts\.\d+\.")       # a per-expert Linear (<block>.experts.<e>.<proj>)
 _FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 
 
@@ -129,7 +133,7 @@ def inspect_checkpoint(path: str | Path) -> Report:
         if mod in qlayers:
             by_layer.setdefault(mod, {})[local] = (dt, shape)
 
-    layers, act_strats = [], {}
+    layers, act_strats, forms = [], {}, {}
     for name in qlayers:
         t = by_layer[name]
         exact = [g for g, v in groups.items() if any(_match(x, name) for x in v.get("targets", []))]
@@ -148,6 +152,8 @@ def inspect_checkpoint(path: str | Path) -> Report:
                        {k: f"{str(dt).replace('torch.', '')} {list(s)}" for k, (dt, s) in sorted(t.items())})
         layers.append(li)
         _check_layer(li, t, w, a, findings)
+        if w is not None:
+            add_form(forms, "experts" if _EXPERT.search(name) else "dense", w, a, fmt, name)
         if a is not None:
             act_strats[name] = a.get("strategy")
         if _HIGH_PRECISION.search(name):
@@ -169,6 +175,8 @@ def inspect_checkpoint(path: str | Path) -> Report:
                                     "and accumulates across layers"))
     if qc.get("kv_cache_scheme") is not None:
         findings.append(Finding(INFO, "-", "kv-cache", f"kv cache quantized: {describe_args(qc['kv_cache_scheme'])}"))
+    for loader, line in loader_warnings(forms).items():
+        findings.append(Finding(WARN, "-", f"loader-{loader}", line))
     linears = _linear_names(cfg)
     _check_dense(info, qlayers, groups, ignore, linears, findings)
     _check_fused(layers, findings)

@@ -313,6 +313,7 @@ def check_plan(args, model, recipe: str, overrides: dict) -> None:
     from lowbit.archs.experts import find_experts
     from lowbit.pipelines.quantize_model import split_patterns
     from lowbit.recipes.compat import plan_refusal
+    from lowbit.recipes.loaders import plan_warnings
     from lowbit.recipes.plan import plan
     experts = find_experts(model)
     # a pattern naming only experts modules is for the experts plan (as in quantize_model); plan()
@@ -340,6 +341,8 @@ def check_plan(args, model, recipe: str, overrides: dict) -> None:
     why = plan_refusal(summary, extra)
     if why:
         raise ValueError(f"--recipe {recipe}: {why}")
+    for line in plan_warnings(summary, quantized).values():     # loaders that cannot read what will be written
+        print(f"warning: --recipe {recipe}: {line}", flush=True)
 
 
 def _kv_head_dim(model) -> int | None:
