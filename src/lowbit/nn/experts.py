@@ -23,7 +23,7 @@ float64, then cast to hidden_states' dtype once.
 
 Kernel path (CUDA with backend="auto", or backend="kernel" anywhere, e.g. Triton's CPU
 interpreter): one grouped Triton launch per projection for all experts (lowbit.ops.grouped_run;
-lowbit.ops.dispatch.grouped_kind picks it): W8A8 int8 / fp8 (per-channel weights, per-token or
+lowbit.ops.kernels.grouped's classes, asked in preference order, pick it): W8A8 int8 / fp8 (per-channel weights, per-token or
 per-tensor activations), W8A16 int8, W4A16 int4 (groups, zero points) / MXFP4 / NVFP4 weights,
 MXFP4 / NVFP4 activations and weights, MXFP8 (scales read through the SFA / SFB words). Its
 weight operands are laid out once, when the module is built. The tokens are sorted on the device
@@ -47,7 +47,7 @@ import warnings
 
 import torch
 
-from lowbit.ops.dispatch import grouped_kind, have_triton
+from lowbit.ops.kernels.grouped import GroupedKernel, choose_grouped
 from lowbit.ops.grouped import Routing, grouped_reference, route_fixed, sort_tokens, take_rows
 from lowbit.ops.grouped_run import grouped_forward, grouped_spec, prepare_grouped
 from lowbit.quantize import QTensor, quantize
@@ -95,15 +95,19 @@ class QuantExperts(torch.nn.Module):
         E, N2, H = self.gate_up_codes.shape
         self.num_experts, self.hidden_dim, self.intermediate_dim = int(E), int(H), int(N2) // 2
         self.last_path: str | None = None
-        # no Triton (the CPU-only install): every call runs the exact path
-        self.kernel = grouped_kind(weight_scheme, act_scheme) if have_triton() else None
+        # the grouped kernel, or None where the exact twin runs every call (no grouped kernel for the
+        # pair, or no Triton: the CPU-only install); kernel_choice says which and why the others were not
+        self.kernel_choice = choose_grouped(weight_scheme, act_scheme, int(N2), int(H))
+        k = self.kernel_choice.kernel
+        self.kernel: type[GroupedKernel] | None = k if isinstance(k, type) and issubclass(k, GroupedKernel) else None
+        self._kernel_path = None if self.kernel is None else "kernel:" + self.kernel.kind
         self._warned = False
         self._ops: dict[str, dict[str, str]] = {}      # projection -> operand -> buffer name
         self._specs: dict[str, str] = {}
         # 4-bit kernels read their own packed copy of the codes; the stacked per-expert fields
         # (one code per byte: what weight_q, the exact path and checkpoints read) are then the
         # exact twin and stay on the host, so the device holds the weight once (as QuantLinear)
-        self.host_twin = bool(host_twin and self.kernel in ("w4a16", "fp4"))
+        self.host_twin = bool(host_twin and self.kernel is not None and self.kernel.packs_weights)
         self._twin = {f"{p}_{f}" for p in PROJECTIONS for f in [f for f, _ in _FIELDS] + ["global"]} \
             if self.host_twin else set()
         if self.kernel is not None:     # the kernel's operands, laid out once (not saved: derived)
@@ -275,11 +279,13 @@ class QuantExperts(torch.nn.Module):
         if self.kernel is None:
             if self.backend == "kernel":
                 raise NotImplementedError(f"backend='kernel': no grouped kernel for weight {self.weight_scheme}, "
-                                          f"act {self.act_scheme} (lowbit.ops.dispatch.grouped_kind lists them); "
+                                          f"act {self.act_scheme} "
+                                          f"({self.kernel_choice.report()}); "
                                           "use backend='auto' or 'exact'")
             if not self._warned:
                 warnings.warn(f"QuantExperts: no grouped kernel for weight {self.weight_scheme}, act "
-                              f"{self.act_scheme}; running the exact float64 path", stacklevel=3)
+                              f"{self.act_scheme} ({self.kernel_choice.report()}); running the exact float64 path",
+                              stacklevel=3)
                 self._warned = True
             return False
         return True
@@ -295,7 +301,7 @@ class QuantExperts(torch.nn.Module):
         w = top_k_weights[routing.token, routing.slot].float()
         out = torch.zeros(hidden_states.shape[0], self.hidden_dim, dtype=torch.float32, device=x.device)
         out.index_add_(0, routing.token, h * w[:, None])
-        self.last_path = "kernel:" + self.kernel
+        self.last_path = self._kernel_path
         return out.to(hidden_states.dtype)
 
     def sorted_forward(self, hidden_states: torch.Tensor, routing: Routing) -> torch.Tensor:
