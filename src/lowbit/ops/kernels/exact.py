@@ -29,10 +29,9 @@ class QTensorGemm(Kernel):
     def refuses(cls, layer):
         if layer.static_scale:
             return "static activation scales run the emulation"
-        choice = GEMM.choose(layer, None)
-        if choice.kernel is None:
-            return "lowbit.ops.linear has no GEMM for this scheme pair (" + \
-                "; ".join(f"{n}: {why}" for n, why in choice.refused) + ")"
+        if GEMM.choose(layer, None).kernel is None:
+            return (f"lowbit.ops.linear has no GEMM for x {layer.act} x w {layer.weight} (its GEMMs: "
+                    f"{', '.join(GEMM.names())}; lowbit.ops.kernels.gemm)")
         return None
 
     @classmethod
