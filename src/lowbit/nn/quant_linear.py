@@ -287,7 +287,7 @@ class QuantLinear(torch.nn.Module):
     def _kernel(self, x2d: torch.Tensor) -> torch.Tensor | None:
         """lowbit.ops.linear on the quantized operands; None (after one warning naming why) when no
         kernel covers this layer, so the caller runs the dequantized emulation. The choice is made
-        by lowbit.ops.dispatch before the call: an error inside a kernel propagates."""
+        by lowbit.ops.kernels (QTensorGemm.can_run) before the call: an error inside a kernel propagates."""
         why = QTensorGemm.can_run(self._layer, kernel_device())
         if why is not None:
             if not self._warned:

@@ -17,13 +17,9 @@ import torch
 from lowbit.ops.kernels.base import LinearLayer
 from lowbit.ops.kernels.gemm import GEMM
 from lowbit.ops.kernels.grouped import grouped_kernel
-from lowbit.ops.kernels.schemes import have_triton, w4a16_kind
+from lowbit.ops.kernels.schemes import have_triton, w4a16_kind  # noqa: F401  (their names here, for callers)
 from lowbit.ops.kv_quant import KVQuant
 from lowbit.scheme import QuantScheme
-
-__all__ = ["have_triton", "w4a16_kind", "gemm_kernel", "grouped_kind", "attention_kernel", "kv_kind",
-           "kv_append_supports"]
-
 
 def gemm_kernel(x_scheme: QuantScheme | None, w_scheme: QuantScheme | None) -> str | None:
     """Name of the lowbit GEMM for this scheme pair (a class of lowbit.ops.kernels.GEMM), or None when
