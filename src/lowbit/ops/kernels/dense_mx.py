@@ -13,7 +13,7 @@ import torch
 
 from lowbit.ops.fused import quantize_rows
 from lowbit.ops.kernels.prepared_kernel import Prepared, PreparedKernel, act_json
-from lowbit.ops.kernels.schemes import block_scaled_pair
+from lowbit.ops.kernels.schemes import pair_refusal
 from lowbit.ops.scratch import scratch
 
 
@@ -26,9 +26,7 @@ class TritonMXFP8(PreparedKernel):
 
     @classmethod
     def refuses(cls, layer):
-        if layer.act is None or block_scaled_pair(layer.weight, layer.act) != "mxfp8":
-            return "this kernel takes MXFP8 x MXFP8 (fp8 e4m3, symmetric groups of 32, e8m0 scales)"
-        return None
+        return pair_refusal(layer.weight, layer.act, "mxfp8")
 
     @classmethod
     def prepare(cls, weight_q, act_scheme, static_scale):
@@ -36,27 +34,28 @@ class TritonMXFP8(PreparedKernel):
         t = {"w": weight_q.codes.contiguous(), "w_scale_codes": weight_q.scale_codes.contiguous()}
         return Prepared(cls.spec("mxfp8", N, K, t, act=act_json(act_scheme), group=32), t)
 
-    @staticmethod
-    def apply(spec, x2, ops, bias, config):
-        from lowbit.ops.triton.gemm_blockscaled import mxfp8_gemm
-
-        qt = quantize_rows(x2, spec.act_scheme, check_finite=False)
-        sx = qt.scale_codes.reshape(x2.shape[0], -1)
-        return mxfp8_gemm(qt.codes, ops["w"], sx, ops["w_scale_codes"], bias=bias, out_dtype=x2.dtype)
+    @classmethod
+    def apply(cls, spec, x2, ops, bias, config):
+        return _mxfp8(spec, x2, ops, bias, dequant=cls.bf16_path)
 
 
 class DequantMXFP8(TritonMXFP8):
     name = "dequant_mxfp8"
     summary = "both MXFP8 operands dequantized exactly to bf16, one cuBLAS GEMM"
+    bf16_path = True
 
-    @staticmethod
-    def apply(spec, x2, ops, bias, config):
-        from lowbit.ops.triton.gemm_blockscaled import mxfp8_dequant_gemm
 
-        qt = quantize_rows(x2, spec.act_scheme, check_finite=False)
-        sx = qt.scale_codes.reshape(x2.shape[0], -1)
+def _mxfp8(spec, x2, ops, bias, dequant: bool):
+    """The activations quantized by the fused quantizer, then the MX GEMM or (dequant) both operands
+    dequantized to bf16 into the scratch buffer and one cuBLAS GEMM."""
+    from lowbit.ops.triton.gemm_blockscaled import mxfp8_dequant_gemm, mxfp8_gemm
+
+    qt = quantize_rows(x2, spec.act_scheme, check_finite=False)
+    sx = qt.scale_codes.reshape(x2.shape[0], -1)
+    if dequant:
         return mxfp8_dequant_gemm(qt.codes, ops["w"], sx, ops["w_scale_codes"], bias, x2.dtype,
                                   scratch((spec.N, spec.K), torch.bfloat16, x2.device))
+    return mxfp8_gemm(qt.codes, ops["w"], sx, ops["w_scale_codes"], bias=bias, out_dtype=x2.dtype)
 
 
 TritonMXFP8.dequant, DequantMXFP8.dequant = DequantMXFP8, None

@@ -18,7 +18,7 @@ import torch
 from lowbit.ops.fused import qdq_rows
 from lowbit.ops.kernels.base import Refused
 from lowbit.ops.kernels.prepared_kernel import Prepared, PreparedKernel, act_json
-from lowbit.ops.kernels.schemes import block_scaled_pair, w4a16_refusal
+from lowbit.ops.kernels.schemes import pair_refusal, w4a16_refusal
 from lowbit.ops.scratch import scratch
 from lowbit.ops.w4a16.launch import dequantize_w4, launch_w4a16, scale_output
 from lowbit.ops.weight_only import W4Weight, prepare_w4
@@ -119,38 +119,35 @@ class TritonFP4(PreparedKernel):
 
     @classmethod
     def refuses(cls, layer):
-        if layer.act is None or block_scaled_pair(layer.weight, layer.act) != "fp4":
-            return "this kernel takes MXFP4 x MXFP4 or NVFP4 x NVFP4 (weights and activations)"
-        return _padded(layer)
+        return pair_refusal(layer.weight, layer.act, "fp4") or _padded(layer)
 
     @classmethod
     def prepare(cls, weight_q, act_scheme, static_scale):
         return _prepare(cls, weight_q, act_scheme)
 
-    @staticmethod
-    def apply(spec, x2, ops, bias, config):
-        """One kernel quantizes and dequantizes the activation (fused.qdq_rows; NVFP4: two, three above
-        QDQ_MAX_ROWS rows), and the product of the tensor scales comes with it."""
-        wg = ops.get("global_scale")
-        if wg is not None and wg.numel() > 1:  # merged layers: per-row weight scales, g_w * g_x in the kernel
-            xd, gx = qdq_rows(x2, spec.act_scheme)
-            return w4_kernel(spec, xd, ops, bias, act_scale=gx).to(x2.dtype)
-        xd, gs = qdq_rows(x2, spec.act_scheme, wg)
-        return w4_kernel(spec, xd, ops, bias, gs).to(x2.dtype)
+    @classmethod
+    def apply(cls, spec, x2, ops, bias, config):
+        return _fp4(spec, x2, ops, bias, dequant=cls.bf16_path)
 
 
 class DequantFP4(TritonFP4):
     name = "dequant_fp4"
     summary = "fp4 activations dequantized exactly to bf16, the weight into a scratch buffer, the bf16 GEMM"
+    bf16_path = True
 
-    @staticmethod
-    def apply(spec, x2, ops, bias, config):
-        wg = ops.get("global_scale")
-        if wg is not None and wg.numel() > 1:
-            xd, gx = qdq_rows(x2, spec.act_scheme)
+
+def _fp4(spec, x2, ops, bias, dequant: bool):
+    """One kernel quantizes and dequantizes the activation (fused.qdq_rows; NVFP4: two, three above
+    QDQ_MAX_ROWS rows), and the product of the tensor scales comes with it; then the W4A16 kernel or
+    (dequant) the bf16 path."""
+    wg = ops.get("global_scale")
+    if wg is not None and wg.numel() > 1:  # merged layers: per-row weight scales
+        xd, gx = qdq_rows(x2, spec.act_scheme)
+        if dequant:
             return w4_dequant(spec, xd, ops, bias, (wg * gx).contiguous()).to(x2.dtype)
-        xd, gs = qdq_rows(x2, spec.act_scheme, wg)
-        return w4_dequant(spec, xd, ops, bias, gs).to(x2.dtype)
+        return w4_kernel(spec, xd, ops, bias, act_scale=gx).to(x2.dtype)   # g_w * g_x in the kernel
+    xd, gs = qdq_rows(x2, spec.act_scheme, wg)
+    return (w4_dequant if dequant else w4_kernel)(spec, xd, ops, bias, gs).to(x2.dtype)
 
 
 TritonW4A16.dequant, DequantW4A16.dequant = DequantW4A16, None

@@ -124,9 +124,7 @@ class GemmFp8Block(Kernel):
 
     @staticmethod
     def apply(xq, wq, x2, w2, bias, out_dtype, w_colsum):
-        from lowbit.ops.triton.gemm_blockscaled import fp8_block_gemm
-
-        return fp8_block_gemm(x2, w2, group_scales(xq, False), group_scales(wq, False), bias=bias, out_dtype=out_dtype)
+        return _block_scaled(xq, wq, x2, w2, bias, out_dtype, e8m0=False)
 
 
 class GemmMXFP8(Kernel):
@@ -144,9 +142,15 @@ class GemmMXFP8(Kernel):
 
     @staticmethod
     def apply(xq, wq, x2, w2, bias, out_dtype, w_colsum):
-        from lowbit.ops.triton.gemm_blockscaled import mxfp8_gemm
+        return _block_scaled(xq, wq, x2, w2, bias, out_dtype, e8m0=True)
 
-        return mxfp8_gemm(x2, w2, group_scales(xq, True), group_scales(wq, True), bias=bias, out_dtype=out_dtype)
+
+def _block_scaled(xq, wq, x2, w2, bias, out_dtype, e8m0: bool):
+    """The fp8 block GEMM (fp32 scales per K block) or, e8m0, the MX GEMM."""
+    from lowbit.ops.triton.gemm_blockscaled import fp8_block_gemm, mxfp8_gemm
+
+    fn = mxfp8_gemm if e8m0 else fp8_block_gemm
+    return fn(x2, w2, group_scales(xq, e8m0), group_scales(wq, e8m0), bias=bias, out_dtype=out_dtype)
 
 
 # lowbit.ops.linear's GEMMs, in preference order (their conditions are disjoint)

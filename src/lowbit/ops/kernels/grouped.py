@@ -29,7 +29,7 @@ from lowbit.ops.fused import qdq_rows, quantize_rows
 from lowbit.ops.grouped import scale_words_int32
 from lowbit.ops.kernels.base import Choice, Device, Kernel, LinearLayer, Registry, kernel_device
 from lowbit.ops.kernels.dense_w8 import quantize_tensor_int8
-from lowbit.ops.kernels.schemes import PER_ROW, block_scaled_pair, w4a16_kind, w4a16_refusal
+from lowbit.ops.kernels.schemes import PER_ROW, pair_refusal, w4a16_kind, w4a16_refusal
 from lowbit.packing import pack_fp4, pack_int4
 from lowbit.quantize import quantize
 from lowbit.scheme import QuantScheme
@@ -117,30 +117,23 @@ class _GroupedW8A8(GroupedKernel):
     def prepare(cls, weight_scheme, stacked, act_scheme):
         return _eight_bit(stacked, act_scheme)
 
+    @classmethod
+    def apply(cls, ops, weight_scheme, act_scheme, x, routing, kw):
+        from lowbit.ops.triton import grouped as gk
+
+        codes, sa, _ = rows_quantized(x, act_scheme, ops)
+        return getattr(gk, cls.name)(codes, sa, ops["w"], ops["s"], routing, **kw)   # the launcher's name
+
 
 class GroupedInt8(_GroupedW8A8):
     name, kind, fmt = "grouped_int8", "int8", "int8"
     summary = "int8 x int8 grouped GEMM, one launch for all experts"
-
-    @staticmethod
-    def apply(ops, weight_scheme, act_scheme, x, routing, kw):
-        from lowbit.ops.triton.grouped import grouped_int8
-
-        codes, sa, _ = rows_quantized(x, act_scheme, ops)
-        return grouped_int8(codes, sa, ops["w"], ops["s"], routing, **kw)
 
 
 class GroupedFp8(_GroupedW8A8):
     name, kind, fmt = "grouped_fp8", "fp8", "fp8_e4m3fn"
     min_capability = (8, 9)
     summary = "fp8 e4m3 x fp8 e4m3 grouped GEMM, one launch for all experts"
-
-    @staticmethod
-    def apply(ops, weight_scheme, act_scheme, x, routing, kw):
-        from lowbit.ops.triton.grouped import grouped_fp8
-
-        codes, sa, _ = rows_quantized(x, act_scheme, ops)
-        return grouped_fp8(codes, sa, ops["w"], ops["s"], routing, **kw)
 
 
 class GroupedW8A16(GroupedKernel):
@@ -211,9 +204,7 @@ class GroupedFp4(GroupedKernel):
 
     @classmethod
     def refuses(cls, layer):
-        if layer.act is None or block_scaled_pair(layer.weight, layer.act) != "fp4":
-            return "this kernel takes MXFP4 x MXFP4 or NVFP4 x NVFP4"
-        return None
+        return pair_refusal(layer.weight, layer.act, "fp4")
 
     @classmethod
     def prepare(cls, weight_scheme, stacked, act_scheme):
@@ -235,9 +226,7 @@ class GroupedMXFP8(GroupedKernel):
 
     @classmethod
     def refuses(cls, layer):
-        if layer.act is None or block_scaled_pair(layer.weight, layer.act) != "mxfp8":
-            return "this kernel takes MXFP8 x MXFP8"
-        return None
+        return pair_refusal(layer.weight, layer.act, "mxfp8")
 
     @classmethod
     def prepare(cls, weight_scheme, stacked, act_scheme):

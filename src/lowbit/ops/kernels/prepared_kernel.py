@@ -81,6 +81,7 @@ class PreparedKernel(Kernel):
     """A kernel of the prepared fast path. Subclasses implement `refuses`, `prepare` and `apply`."""
     dequant: ClassVar[type[PreparedKernel] | None] = None   # the table's "dequant" path over this layout
     dtypes: ClassVar[tuple[torch.dtype, ...]] = ACT_DTYPES    # activation dtypes it takes
+    bf16_path: ClassVar[bool] = False     # a dequant class whose apply is its kernel's with the bf16 GEMM
 
     @classmethod
     def prepare(cls, weight_q: QTensor, act_scheme: QuantScheme | None,

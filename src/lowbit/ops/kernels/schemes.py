@@ -44,6 +44,17 @@ def block_scaled_pair(ws: QuantScheme, xs: QuantScheme) -> str | None:
     return None
 
 
+_PAIR_NAMES = {"fp4": "MXFP4 x MXFP4 or NVFP4 x NVFP4 (weights and activations)",
+               "mxfp8": "MXFP8 x MXFP8 (fp8 e4m3, symmetric groups of 32, e8m0 scales)"}
+
+
+def pair_refusal(ws: QuantScheme, xs: QuantScheme | None, want: str) -> str | None:
+    """Why a kernel of the block-scaled pair `want` ("fp4" | "mxfp8") refuses these schemes, or None."""
+    if xs is None or block_scaled_pair(ws, xs) != want:
+        return f"this kernel takes {_PAIR_NAMES[want]}"
+    return None
+
+
 def w4a16_kind(w_scheme: QuantScheme) -> str:
     """The 4-bit weight-only kind ("int4", "uint4", "mxfp4", "nvfp4") of a weight scheme;
     NotImplementedError naming what the kernels take for any other scheme."""
