@@ -69,7 +69,9 @@ class QuantExperts(torch.nn.Module):
     Attributes: num_experts, hidden_dim (H), intermediate_dim (I), weight_scheme, act_scheme
     (None: weight-only), glu_split ("chunk" | "interleave"), activation ("act_fn" |
     "gpt_oss"), act_fn (the replaced module's activation, for "act_fn"), alpha / limit
-    (gpt-oss), family, last_path ("exact")."""
+    (gpt-oss), family, last_path ("exact"), kernel (the grouped kernel's kind, e.g. "int8", or None:
+    the exact path), kernel_class (its lowbit.ops.kernels.grouped class), kernel_choice (which class the
+    grouped registry chose and why the ones ahead of it were refused)."""
 
     def __init__(self, stacked: dict[str, dict], biases: dict[str, torch.Tensor | None], weight_scheme: QuantScheme,
                  act_scheme: QuantScheme | None, *, glu_split: str, activation: str, act_fn=None,
@@ -99,15 +101,16 @@ class QuantExperts(torch.nn.Module):
         # pair, or no Triton: the CPU-only install); kernel_choice says which and why the others were not
         self.kernel_choice = choose_grouped(weight_scheme, act_scheme, int(N2), int(H))
         k = self.kernel_choice.kernel
-        self.kernel: type[GroupedKernel] | None = k if isinstance(k, type) and issubclass(k, GroupedKernel) else None
-        self._kernel_path = None if self.kernel is None else "kernel:" + self.kernel.kind
+        self.kernel_class: type[GroupedKernel] | None = k if issubclass(k, GroupedKernel) else None
+        self.kernel: str | None = None if self.kernel_class is None else self.kernel_class.kind   # e.g. "int8"
+        self._kernel_path = None if self.kernel is None else "kernel:" + self.kernel
         self._warned = False
         self._ops: dict[str, dict[str, str]] = {}      # projection -> operand -> buffer name
         self._specs: dict[str, str] = {}
         # 4-bit kernels read their own packed copy of the codes; the stacked per-expert fields
         # (one code per byte: what weight_q, the exact path and checkpoints read) are then the
         # exact twin and stay on the host, so the device holds the weight once (as QuantLinear)
-        self.host_twin = bool(host_twin and self.kernel is not None and self.kernel.packs_weights)
+        self.host_twin = bool(host_twin and self.kernel_class is not None and self.kernel_class.packs_weights)
         self._twin = {f"{p}_{f}" for p in PROJECTIONS for f in [f for f, _ in _FIELDS] + ["global"]} \
             if self.host_twin else set()
         if self.kernel is not None:     # the kernel's operands, laid out once (not saved: derived)
@@ -115,7 +118,7 @@ class QuantExperts(torch.nn.Module):
                 fields = {f: getattr(self, f"{p}_{f}") for f, _ in _FIELDS}
                 fields["global"] = getattr(self, f"{p}_global")
                 names = {}
-                for k, t in prepare_grouped(self.kernel, weight_scheme, fields, act_scheme).items():
+                for k, t in prepare_grouped(self.kernel_class, weight_scheme, fields, act_scheme).items():
                     same = [f"{p}_{f}" for f, v in fields.items() if v is t]
                     if same and self.host_twin:     # the twin stays on the host: the kernel gets its own
                         t = t.clone()
@@ -129,7 +132,7 @@ class QuantExperts(torch.nn.Module):
                 # gate_up writes the activations' 16-bit dtype (the intermediate then feeds the
                 # down GEMM's tensor cores as bf16 / fp16, as a bf16 model's does); down writes
                 # fp32 for the routing-weighted sum
-                self._specs[p] = grouped_spec(self.kernel, weight_scheme, act_scheme, list(names),
+                self._specs[p] = grouped_spec(self.kernel_class, weight_scheme, act_scheme, list(names),
                                               getattr(self, f"{p}_codes").shape[1], identity=p == "down",
                                               out="input" if p == "gate_up" else "float32")
         for n in self._twin:
@@ -296,7 +299,7 @@ class QuantExperts(torch.nn.Module):
         for proj in PROJECTIONS:
             ops = {k: getattr(self, b) for k, b in self._ops[proj].items()}
             inp, identity = (x, False) if proj == "gate_up" else (self.glu(h), True)
-            h = grouped_forward(self.kernel, ops, self.weight_scheme, self.act_scheme, inp, routing,
+            h = grouped_forward(self.kernel_class, ops, self.weight_scheme, self.act_scheme, inp, routing,
                                 bias=getattr(self, f"{proj}_bias"), identity=identity, spec=self._specs[proj])
         w = top_k_weights[routing.token, routing.slot].float()
         out = torch.zeros(hidden_states.shape[0], self.hidden_dim, dtype=torch.float32, device=x.device)
