@@ -53,7 +53,9 @@ class QuantLinear(torch.nn.Module):
 
     Attributes: `in_features`, `out_features`, `weight_q` (QTensor of the [N, K] weight),
     `weight_scheme`, `act_scheme` (None: weight-only, inputs stay float), `bias` (Parameter or
-    None), `act_static_scale` (float32 [1, 1] buffer or None: one calibrated activation scale).
+    None), `act_static_scale` (float32 [1, 1] buffer or None: one calibrated activation scale),
+    `kernel_choice` (lowbit.ops.kernels.Choice: the kernel class this layer got on the kernel device and
+    why each one ahead of it was refused; None for backend "dequantized" / "int8-intmm").
     """
 
     def __init__(self, weight_q: QTensor, weight_scheme: QuantScheme, act_scheme: QuantScheme | None,
