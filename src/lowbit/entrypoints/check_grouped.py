@@ -4,7 +4,7 @@ or on a grouped kernel's output stored in a file.
     lowbit check --grouped w8a8-fp8 --experts 5 --tokens 37 --top-k 2 --n 96 --k 256 --routing hot
     lowbit check moe.safetensors            # metadata kind = "grouped"
 
---grouped RECIPE runs the recipe's grouped kernel (lowbit.ops.dispatch.grouped_kind; Triton's
+--grouped RECIPE runs the recipe's grouped kernel (lowbit.ops.kernels.grouped; Triton's
 interpreter without a GPU) on fresh random data, routed by RECIPE's top-k choice of --routing
 ("uniform", "hot": one expert in every token's top-k, "sparse": two experts get every token,
 the others none, "dropped": a share of the slots dropped), in both forms an MoE runs it: the
@@ -43,7 +43,7 @@ def run_recipe(args) -> int:
     import torch
     if not torch.cuda.is_available():        # the Triton kernels run in the interpreter; before triton loads
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from lowbit.ops.dispatch import grouped_kind
+    from lowbit.ops.kernels.grouped import grouped_kernel
     from lowbit.ops.grouped import sort_tokens
     from lowbit.ops.grouped_run import prepare_grouped, run_grouped
     from lowbit.quantize import quantize
@@ -64,9 +64,10 @@ def run_recipe(args) -> int:
             down, up = K // g * g, -(-K // g) * g
             fit = f"--k {down} or {up}" if down else f"--k {up}"
             raise ValueError(f"--k {K} is not a multiple of {r.name}'s group of {g} ({side}): choose {fit}")
-    kind = grouped_kind(r.weight, r.act)
-    if kind is None:
-        raise NotImplementedError(f"recipe {r.name} has no grouped kernel (lowbit.ops.dispatch.grouped_kind)")
+    kernel = grouped_kernel(r.weight, r.act)
+    if kernel is None:
+        raise NotImplementedError(f"recipe {r.name} has no grouped kernel (lowbit.ops.kernels.grouped)")
+    kind = kernel.kind
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator().manual_seed(seed)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -80,14 +81,14 @@ def run_recipe(args) -> int:
                for f, a in (("codes", "codes"), ("scale", "scale"), ("zero", "zero_point"),
                             ("scale_codes", "scale_codes"))}
     stacked["global"] = None if qs[0].global_scale is None else torch.stack([q.global_scale.reshape(()) for q in qs])
-    ops = {n: t.to(dev) for n, t in prepare_grouped(kind, r.weight, stacked, r.act).items()}
+    ops = {n: t.to(dev) for n, t in prepare_grouped(kernel, r.weight, stacked, r.act).items()}
     on_dev = sort_tokens(idx.to(dev), E)
     x_sorted = x[routing.token]
     print(f"lowbit check --grouped {r.name}: kernel {kind}, E={E}, T={T}, top-k={k}, N={N}, K={K}, routing "
           f"{args.routing} (rows per expert {routing.counts().tolist()}), seed {seed}, on {dev}")
     status = 0
     for form, inp, identity in (("activations gathered per token", x, False), ("sorted buffer", x_sorted, True)):
-        out = run_grouped(kind, ops, r.weight, r.act, inp.to(dev), on_dev, bias=bias.to(dev), identity=identity)
+        out = run_grouped(kernel, ops, r.weight, r.act, inp.to(dev), on_dev, bias=bias.to(dev), identity=identity)
         # the weight-only kernels and the fp4 / MX emulations accumulate in fp32
         acc = None if kind in ("int8",) else "fp32"
         v = check_grouped_linear(out.cpu(), x_sorted, w, routing.offsets, x_scheme=r.act, w_scheme=r.weight,

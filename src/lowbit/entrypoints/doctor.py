@@ -6,6 +6,9 @@ MMA from sm_100), and for each preset pairing which path lowbit takes here: a na
 kernel, an emulated one (the format has no tensor-core path on this GPU, so the kernel
 rescales or dequantizes on the CUDA cores), or the CPU (exact torch / float64 reference) path.
 A number measured on an emulated path is not a hardware number; this report says which is which.
+Then, per pairing, the kernel class that runs a layer here (lowbit.ops.kernels.explain: the dense
+and the grouped registries asked in preference order), the class each batch-size bucket runs, and
+why each kernel ahead of it was refused.
 """
 from __future__ import annotations
 
@@ -106,7 +109,16 @@ def report() -> dict:
         path, detail = path_for(xp, wp, cap, info["triton"] is not None)
         rows.append(dict(scheme=label, activation=xp, weight=wp, path=path, detail=detail))
     return dict(info, native=native_paths(cap), schemes=rows, tuning=tuning_report(),
-                native_kernels=native_library.status())
+                native_kernels=native_library.status(), kernels=kernels_report())
+
+
+def kernels_report() -> list[dict]:
+    """Per preset pairing: lowbit.ops.kernels.explain's answer on this machine's kernel device."""
+    from lowbit.ops.kernels import explain
+    from lowbit.scheme import get_preset
+
+    return [dict(scheme=label, **explain(get_preset(wp), None if xp is None else get_preset(xp)))
+            for label, xp, wp in PAIRINGS]
 
 
 def tuning_report() -> dict:
@@ -167,6 +179,15 @@ def run(args) -> int:
     print(f"  library:   {nat['library'] or 'not built (built on first use where the toolchain is found)'}")
     print(f"  toolchain: {nat['toolchain']}")
     print(f"  status:    {'can run here' if nat['unavailable_reason'] is None else 'unavailable: ' + nat['unavailable_reason']}")
+    kern = rep["kernels"]
+    print(f"\nkernel classes per scheme (device: {kern[0]['device']}; a layer gets the first that can run it):")
+    for r in kern:
+        lin, grp = r["linear"], r["grouped"]
+        print(f"  {r['scheme']:38s} layer {lin['kernel']}, experts {grp['kernel']}")
+        if lin["rows"]:
+            print("      rows: " + " | ".join(f"M {b}: {k}" for b, k in lin["rows"].items()))
+        for name, why in lin["refused"]:
+            print(f"      not {name}: {why}")
     if cap is None:
         print("\nNumbers measured on this machine are CPU numbers; GPU timings need `lowbit bench` on a GPU.",
               file=sys.stdout)

@@ -23,7 +23,7 @@ float64, then cast to hidden_states' dtype once.
 
 Kernel path (CUDA with backend="auto", or backend="kernel" anywhere, e.g. Triton's CPU
 interpreter): one grouped Triton launch per projection for all experts (lowbit.ops.grouped_run;
-lowbit.ops.dispatch.grouped_kind picks it): W8A8 int8 / fp8 (per-channel weights, per-token or
+lowbit.ops.kernels.grouped's classes, asked in preference order, pick it): W8A8 int8 / fp8 (per-channel weights, per-token or
 per-tensor activations), W8A16 int8, W4A16 int4 (groups, zero points) / MXFP4 / NVFP4 weights,
 MXFP4 / NVFP4 activations and weights, MXFP8 (scales read through the SFA / SFB words). Its
 weight operands are laid out once, when the module is built. The tokens are sorted on the device
@@ -47,7 +47,7 @@ import warnings
 
 import torch
 
-from lowbit.ops.dispatch import grouped_kind, have_triton
+from lowbit.ops.kernels.grouped import GroupedKernel, choose_grouped
 from lowbit.ops.grouped import Routing, grouped_reference, route_fixed, sort_tokens, take_rows
 from lowbit.ops.grouped_run import grouped_forward, grouped_spec, prepare_grouped
 from lowbit.quantize import QTensor, quantize
@@ -69,7 +69,9 @@ class QuantExperts(torch.nn.Module):
     Attributes: num_experts, hidden_dim (H), intermediate_dim (I), weight_scheme, act_scheme
     (None: weight-only), glu_split ("chunk" | "interleave"), activation ("act_fn" |
     "gpt_oss"), act_fn (the replaced module's activation, for "act_fn"), alpha / limit
-    (gpt-oss), family, last_path ("exact")."""
+    (gpt-oss), family, last_path ("exact"), kernel (the grouped kernel's kind, e.g. "int8", or None:
+    the exact path), kernel_class (its lowbit.ops.kernels.grouped class), kernel_choice (which class the
+    grouped registry chose and why the ones ahead of it were refused)."""
 
     def __init__(self, stacked: dict[str, dict], biases: dict[str, torch.Tensor | None], weight_scheme: QuantScheme,
                  act_scheme: QuantScheme | None, *, glu_split: str, activation: str, act_fn=None,
@@ -95,15 +97,20 @@ class QuantExperts(torch.nn.Module):
         E, N2, H = self.gate_up_codes.shape
         self.num_experts, self.hidden_dim, self.intermediate_dim = int(E), int(H), int(N2) // 2
         self.last_path: str | None = None
-        # no Triton (the CPU-only install): every call runs the exact path
-        self.kernel = grouped_kind(weight_scheme, act_scheme) if have_triton() else None
+        # the grouped kernel, or None where the exact twin runs every call (no grouped kernel for the
+        # pair, or no Triton: the CPU-only install); kernel_choice says which and why the others were not
+        self.kernel_choice = choose_grouped(weight_scheme, act_scheme, int(N2), int(H))
+        k = self.kernel_choice.kernel
+        self.kernel_class: type[GroupedKernel] | None = k if issubclass(k, GroupedKernel) else None
+        self.kernel: str | None = None if self.kernel_class is None else self.kernel_class.kind   # e.g. "int8"
+        self._kernel_path = None if self.kernel is None else "kernel:" + self.kernel
         self._warned = False
         self._ops: dict[str, dict[str, str]] = {}      # projection -> operand -> buffer name
         self._specs: dict[str, str] = {}
         # 4-bit kernels read their own packed copy of the codes; the stacked per-expert fields
         # (one code per byte: what weight_q, the exact path and checkpoints read) are then the
         # exact twin and stay on the host, so the device holds the weight once (as QuantLinear)
-        self.host_twin = bool(host_twin and self.kernel in ("w4a16", "fp4"))
+        self.host_twin = bool(host_twin and self.kernel_class is not None and self.kernel_class.packs_weights)
         self._twin = {f"{p}_{f}" for p in PROJECTIONS for f in [f for f, _ in _FIELDS] + ["global"]} \
             if self.host_twin else set()
         if self.kernel is not None:     # the kernel's operands, laid out once (not saved: derived)
@@ -111,7 +118,7 @@ class QuantExperts(torch.nn.Module):
                 fields = {f: getattr(self, f"{p}_{f}") for f, _ in _FIELDS}
                 fields["global"] = getattr(self, f"{p}_global")
                 names = {}
-                for k, t in prepare_grouped(self.kernel, weight_scheme, fields, act_scheme).items():
+                for k, t in prepare_grouped(self.kernel_class, weight_scheme, fields, act_scheme).items():
                     same = [f"{p}_{f}" for f, v in fields.items() if v is t]
                     if same and self.host_twin:     # the twin stays on the host: the kernel gets its own
                         t = t.clone()
@@ -125,7 +132,7 @@ class QuantExperts(torch.nn.Module):
                 # gate_up writes the activations' 16-bit dtype (the intermediate then feeds the
                 # down GEMM's tensor cores as bf16 / fp16, as a bf16 model's does); down writes
                 # fp32 for the routing-weighted sum
-                self._specs[p] = grouped_spec(self.kernel, weight_scheme, act_scheme, list(names),
+                self._specs[p] = grouped_spec(self.kernel_class, weight_scheme, act_scheme, list(names),
                                               getattr(self, f"{p}_codes").shape[1], identity=p == "down",
                                               out="input" if p == "gate_up" else "float32")
         for n in self._twin:
@@ -275,11 +282,13 @@ class QuantExperts(torch.nn.Module):
         if self.kernel is None:
             if self.backend == "kernel":
                 raise NotImplementedError(f"backend='kernel': no grouped kernel for weight {self.weight_scheme}, "
-                                          f"act {self.act_scheme} (lowbit.ops.dispatch.grouped_kind lists them); "
+                                          f"act {self.act_scheme} "
+                                          f"({self.kernel_choice.report()}); "
                                           "use backend='auto' or 'exact'")
             if not self._warned:
                 warnings.warn(f"QuantExperts: no grouped kernel for weight {self.weight_scheme}, act "
-                              f"{self.act_scheme}; running the exact float64 path", stacklevel=3)
+                              f"{self.act_scheme} ({self.kernel_choice.report()}); running the exact float64 path",
+                              stacklevel=3)
                 self._warned = True
             return False
         return True
@@ -290,12 +299,12 @@ class QuantExperts(torch.nn.Module):
         for proj in PROJECTIONS:
             ops = {k: getattr(self, b) for k, b in self._ops[proj].items()}
             inp, identity = (x, False) if proj == "gate_up" else (self.glu(h), True)
-            h = grouped_forward(self.kernel, ops, self.weight_scheme, self.act_scheme, inp, routing,
+            h = grouped_forward(self.kernel_class, ops, self.weight_scheme, self.act_scheme, inp, routing,
                                 bias=getattr(self, f"{proj}_bias"), identity=identity, spec=self._specs[proj])
         w = top_k_weights[routing.token, routing.slot].float()
         out = torch.zeros(hidden_states.shape[0], self.hidden_dim, dtype=torch.float32, device=x.device)
         out.index_add_(0, routing.token, h * w[:, None])
-        self.last_path = "kernel:" + self.kernel
+        self.last_path = self._kernel_path
         return out.to(hidden_states.dtype)
 
     def sorted_forward(self, hidden_states: torch.Tensor, routing: Routing) -> torch.Tensor:

@@ -36,8 +36,10 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from lowbit.ops import dispatch
 from lowbit.ops import prepared as runtime
+from lowbit.ops.kernels import Choice, LinearLayer, choose_linear, kernel_device
+from lowbit.ops.kernels.exact import ExactDequantized, ExactInt8, QTensorGemm
+from lowbit.ops.kernels.schemes import have_triton
 from lowbit.ops.linear import linear as ops_linear
 from lowbit.quantize import QTensor, quantize, quantize_static
 from lowbit.scheme import QuantScheme
@@ -51,7 +53,9 @@ class QuantLinear(torch.nn.Module):
 
     Attributes: `in_features`, `out_features`, `weight_q` (QTensor of the [N, K] weight),
     `weight_scheme`, `act_scheme` (None: weight-only, inputs stay float), `bias` (Parameter or
-    None), `act_static_scale` (float32 [1, 1] buffer or None: one calibrated activation scale).
+    None), `act_static_scale` (float32 [1, 1] buffer or None: one calibrated activation scale),
+    `kernel_choice` (lowbit.ops.kernels.Choice: the kernel class this layer got on the kernel device and
+    why each one ahead of it was refused; None for backend "dequantized" / "int8-intmm").
     """
 
     def __init__(self, weight_q: QTensor, weight_scheme: QuantScheme, act_scheme: QuantScheme | None,
@@ -77,6 +81,9 @@ class QuantLinear(torch.nn.Module):
                 raise ValueError("act_scheme has dynamic=False but no act_static_scale was given: calibrate one "
                                  "(lowbit.algorithms.static_scales.calibrate_static_scales) or use a dynamic scheme")
         self._cache: dict = {}
+        # what the kernels decide on (lowbit.ops.kernels): schemes, shape, padding, a static scale
+        self._layer = LinearLayer(weight_scheme, act_scheme, self.out_features, self.in_features,
+                                  bool(weight_q.padded), act_static_scale is not None)
         self.check = check
         # 4-bit fast paths: whether `weight_q` (the exact twin of the packed kernel codes) moves to
         # the host (default); False keeps it where it is (a caller that writes the codes from the
@@ -90,17 +97,19 @@ class QuantLinear(torch.nn.Module):
         self._prepare()
 
     def _prepare(self) -> None:
-        """Lay out the kernel operands once (lowbit.ops.prepared.prepare); a scheme pair with no
-        fast path leaves `fast_spec` None and every call runs the exact path."""
+        """Ask the kernels in preference order (lowbit.ops.kernels.choose_linear) and lay out the
+        chosen prepared kernel's operands once. `kernel_choice` records the kernel this layer got on
+        the kernel device and why the ones ahead of it were refused; a layer no prepared kernel takes
+        leaves `fast_spec` None and every call runs the exact path."""
         self.fast_spec: runtime.Spec | None = None
+        self.kernel_choice: Choice | None = None
         if self.backend not in ("auto", "kernel"):
             return
-        if not dispatch.have_triton():
-            if self.backend == "kernel":
-                raise ValueError("backend='kernel' runs Triton kernels, and triton is not installed: "
-                                 "pip install 'lowbit[gpu]', or use backend='auto'")
-            return
-        prep = runtime.prepare(self.weight_q, self.act_scheme, self.act_static_scale)
+        if not have_triton() and self.backend == "kernel":
+            raise ValueError("backend='kernel' runs Triton kernels, and triton is not installed: "
+                             "pip install 'lowbit[gpu]', or use backend='auto'")
+        self.kernel_choice = choose_linear(self.weight_q, self.act_scheme, self.act_static_scale)
+        prep = self.kernel_choice.prepared
         if prep is None:
             return
         for name, t in prep.tensors.items():
@@ -252,8 +261,8 @@ class QuantLinear(torch.nn.Module):
     def _matmul(self, x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.act_scheme is None:
             self.last_path = "dequantized"
-            return x2d @ self._weight_operand("deq", x2d.device).t(), None
-        int_ok = dispatch.exact_path(self.weight_scheme, self.act_scheme) == "int8-intmm"
+            return ExactDequantized.apply(x2d, self._weight_operand("deq", x2d.device)), None
+        int_ok = ExactInt8.refuses(self._layer) is None
         want = self.backend
         if want == "auto":
             want = "kernel" if x2d.is_cuda else ("int8-intmm" if int_ok else "dequantized")
@@ -270,26 +279,18 @@ class QuantLinear(torch.nn.Module):
         codes, scale, deq = self.quantize_input(x2d)
         if want == "int8-intmm":
             self.last_path = "int8-intmm"
-            w_t = self._weight_operand("codes_t", x2d.device)
-            acc = torch._int_mm(codes.to(torch.int8).contiguous(), w_t) if x2d.is_cuda else \
-                codes.to(torch.float64) @ w_t.to(torch.float64)
-            # Epilogue: per-token scale [M, 1] (or [1, 1]) times per-channel scale [1, N].
-            y = acc.to(torch.float32) * scale.to(torch.float32) * self._weight_operand("scale_row", x2d.device)
+            # epilogue: per-token scale [M, 1] (or [1, 1]) times per-channel scale [1, N]
+            y = ExactInt8.apply(codes, scale, self._weight_operand("codes_t", x2d.device),
+                                self._weight_operand("scale_row", x2d.device))
             return y, deq
         self.last_path = "dequantized"
-        return deq @ self._weight_operand("deq", x2d.device).t(), deq
+        return ExactDequantized.apply(deq, self._weight_operand("deq", x2d.device)), deq
 
     def _kernel(self, x2d: torch.Tensor) -> torch.Tensor | None:
         """lowbit.ops.linear on the quantized operands; None (after one warning naming why) when no
         kernel covers this layer, so the caller runs the dequantized emulation. The choice is made
-        by lowbit.ops.dispatch before the call: an error inside a kernel propagates."""
-        why = None
-        if self.act_static_scale is not None:
-            why = "static activation scales run the emulation"
-        elif dispatch.gemm_kernel(self.act_scheme, self.weight_scheme) is None:
-            why = "lowbit.ops.linear has no GEMM for this scheme pair"
-        elif not dispatch.have_triton():
-            why = "triton is not installed (pip install 'lowbit[gpu]')"
+        by lowbit.ops.kernels (QTensorGemm.can_run) before the call: an error inside a kernel propagates."""
+        why = QTensorGemm.can_run(self._layer, kernel_device())
         if why is not None:
             if not self._warned:
                 warnings.warn(f"QuantLinear: no kernel for act={_describe(self.act_scheme)}, "

@@ -10,14 +10,15 @@ backend=None picks "triton" for CUDA tensors and, on the CPU, "torch" for int8 W
 "reference" for everything else. A scheme pair with no kernel on the chosen backend raises
 NotImplementedError naming the schemes.
 
-The kernel for a scheme pair is chosen by lowbit.ops.dispatch.gemm_kernel (its table is there).
+The kernel for a scheme pair is the GEMM registry's choice (lowbit.ops.kernels.gemm: one class per
+GEMM, its table of scheme pairs there); `kernel_for(x_scheme, w_scheme)` names it.
 """
 from __future__ import annotations
 
 import torch
 
-from lowbit.ops.dispatch import GEMM_KERNELS as KERNELS
 from lowbit.ops.dispatch import gemm_kernel as kernel_for  # noqa: F401  (the public name of the choice)
+from lowbit.ops.kernels.gemm import GEMM, row_scale, zero_and_colsum
 
 BACKENDS = ("triton", "torch", "reference")
 def _is_qtensor(t) -> bool:
@@ -33,7 +34,7 @@ def _not_implemented(xq, wq, backend: str, why: str = "") -> NotImplementedError
             if not _is_qtensor(xq) else "")
     return NotImplementedError(
         f"no {backend} kernel for x: {_scheme_name(xq)} with w: {_scheme_name(wq)}{why}. "
-        f"Kernels exist for {', '.join(KERNELS)} (see lowbit.ops.linear's docstring){hint}; "
+        f"Kernels exist for {', '.join(GEMM.names())} (see lowbit.ops.kernels.gemm's docstring){hint}; "
         "backend='reference' computes any supported pair exactly in float64")
 
 
@@ -93,59 +94,8 @@ def _operands(xq, wq):
     return xc.reshape(-1, xc.shape[-1]), wc, lead
 
 
-def _row_scale(qt, rows: int) -> torch.Tensor:
-    """Per-row fp32 scale [rows] (a tensor-wise scale stays one value; kernels broadcast it)."""
-    s = qt.scale.reshape(-1)
-    if s.numel() not in (1, rows):
-        raise ValueError(f"scale of {qt} has {s.numel()} values for {rows} rows: re-quantize it")
-    return s
-
-
-def _zero_and_colsum(xq, wq, rows: int, w_colsum):
-    if xq.zero_point is None:
-        return None, None
-    za = xq.zero_point.reshape(-1)
-    if za.numel() == 1:
-        za = za.expand(rows)
-    if w_colsum is None:
-        w_colsum = wq.codes.sum(dim=1, dtype=torch.int32)
-    elif w_colsum.dtype != torch.int32 or w_colsum.numel() != wq.codes.shape[0]:
-        raise ValueError(f"w_colsum must be int32 with one value per output channel "
-                         f"({wq.codes.shape[0]}), got {w_colsum.dtype} {tuple(w_colsum.shape)}; "
-                         "use wq.codes.sum(dim=1, dtype=torch.int32)")
-    return za, w_colsum
-
-
-def _group_scales(qt, rows: int, e8m0: bool) -> torch.Tensor:
-    """[rows-or-blocks, K/G] scales for the block-scaled kernels (uint8 codes for MX)."""
-    if e8m0:
-        if qt.scale_codes is None:
-            raise ValueError(f"{qt} has no e8m0 scale_codes: re-quantize it with scale_format='e8m0'")
-        s = qt.scale_codes
-    else:
-        s = qt.scale
-    return s.reshape(-1, s.shape[-1])
-
-
 def _triton_path(kernel, xq, wq, x2, w2, bias, out_dtype, w_colsum):
-    M, N = x2.shape[0], w2.shape[0]
-    if kernel == "int8":
-        from lowbit.ops.triton.gemm_int8 import int8_gemm
-
-        za, cs = _zero_and_colsum(xq, wq, M, w_colsum)
-        return int8_gemm(x2, w2, _row_scale(xq, M), _row_scale(wq, N), a_zero=za, b_colsum=cs,
-                         bias=bias, out_dtype=out_dtype)
-    if kernel == "fp8_rowwise":
-        from lowbit.ops.triton.gemm_fp8 import fp8_gemm
-
-        return fp8_gemm(x2, w2, _row_scale(xq, M), _row_scale(wq, N), bias=bias, out_dtype=out_dtype)
-    from lowbit.ops.triton.gemm_blockscaled import fp8_block_gemm, mxfp8_gemm
-
-    if kernel == "fp8_block":
-        return fp8_block_gemm(x2, w2, _group_scales(xq, M, False), _group_scales(wq, N, False),
-                              bias=bias, out_dtype=out_dtype)
-    return mxfp8_gemm(x2, w2, _group_scales(xq, M, True), _group_scales(wq, N, True),
-                      bias=bias, out_dtype=out_dtype)
+    return GEMM.get(kernel).apply(xq, wq, x2, w2, bias, out_dtype, w_colsum)
 
 
 def _torch_path(kernel, xq, wq, x2, w2, bias, out_dtype, w_colsum):
@@ -155,11 +105,11 @@ def _torch_path(kernel, xq, wq, x2, w2, bias, out_dtype, w_colsum):
             raise _not_implemented(xq, wq, "torch", f" at M={M}, K={x2.shape[1]}, N={N}: torch._int_mm "
                                    "on CUDA needs M > 16 and K, N multiples of 8")
         acc = torch._int_mm(x2.contiguous(), w2.t())  # exact int32
-        za, cs = _zero_and_colsum(xq, wq, M, w_colsum)
+        za, cs = zero_and_colsum(xq, wq, M, w_colsum)
         y = acc.to(torch.float64)
         if za is not None:
             y = y - za.to(torch.float64)[:, None] * cs.to(torch.float64)[None, :]
-        y = y * _row_scale(xq, M).to(torch.float64)[:, None] * _row_scale(wq, N).to(torch.float64)[None, :]
+        y = y * row_scale(xq, M).to(torch.float64)[:, None] * row_scale(wq, N).to(torch.float64)[None, :]
         if bias is not None:
             y = y + bias.to(torch.float64)
         return y.to(out_dtype)
@@ -173,8 +123,8 @@ def _torch_path(kernel, xq, wq, x2, w2, bias, out_dtype, w_colsum):
         one = torch.ones((), dtype=torch.float32, device=x2.device)
         acc = torch._scaled_mm(x2.contiguous().view(torch.float8_e4m3fn), w2.view(torch.float8_e4m3fn).t(),
                                scale_a=one, scale_b=one, out_dtype=torch.float32)
-        y = acc.to(torch.float64) * _row_scale(xq, M).to(torch.float64)[:, None] \
-            * _row_scale(wq, N).to(torch.float64)[None, :]
+        y = acc.to(torch.float64) * row_scale(xq, M).to(torch.float64)[:, None] \
+            * row_scale(wq, N).to(torch.float64)[None, :]
         if bias is not None:
             y = y + bias.to(torch.float64)
         return y.to(out_dtype)

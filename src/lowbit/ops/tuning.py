@@ -169,7 +169,24 @@ def reset(table: Table | None = None, why: str | None = None) -> None:
     _STATE.clear()
     if table is not None or why is not None:
         _STATE["table"], _STATE["why"] = table, why or "installed by the caller"
-    choose.cache_clear()
+    clear_choices()
+
+
+_PER_TABLE: list = []
+
+
+def per_table(fn):
+    """`fn` cached for as long as the table read and the kernels registered stay: reset() and
+    clear_choices() (called when a kernel class is registered) forget its answers."""
+    cached = functools.lru_cache(maxsize=8192)(fn)
+    _PER_TABLE.append(cached)
+    return cached
+
+
+def clear_choices() -> None:
+    """Forget every cached choice (the table itself stays read)."""
+    for cached in _PER_TABLE:
+        cached.cache_clear()
 
 
 def _find() -> tuple[Table | None, str]:
@@ -214,7 +231,7 @@ def heuristic(kind: str, M: int) -> str:
     return "kernel"
 
 
-@functools.lru_cache(maxsize=8192)
+@per_table
 def choose(op: str, kind: str, N: int, K: int, M: int) -> tuple[str, MappingProxyType | None]:
     """(path, kernel configuration or None) for a layer kind, shape and M; cached per process. The
     configuration is a read-only view of the cell's (callers copy it to change it)."""

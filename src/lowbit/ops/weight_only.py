@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from lowbit.ops.dispatch import w4a16_kind
+from lowbit.ops.kernels.schemes import w4a16_kind
 from lowbit.ops.w4a16.configs import (PAIRS_DEQUANT, PAIRS_DEQUANT_INTERP, pick_config, pick_config_gemv8,
                                       pick_config_pairs, pick_config_planar8)
 from lowbit.ops.w4a16.launch import dequantize_w4, launch_w4a16, scale_output, split_locks

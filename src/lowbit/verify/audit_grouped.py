@@ -4,7 +4,7 @@ checked by check_grouped_linear over routings that stress a grouped kernel's boo
 Kernels (each gets the float activations [T, K], the float expert weights [E, N, K], the top-k
 expert ids [T, k] and a bias [E, N]; it returns the sorted rows [M_total, N] in
 lowbit.ops.grouped.sort_tokens' order, checked against the float64 grouped reference):
-- lowbit's grouped kernels, one per kind of lowbit.ops.dispatch.grouped_kind (lowbit.ops.grouped_run:
+- lowbit's grouped kernels, one per class of lowbit.ops.kernels.grouped (lowbit.ops.grouped_run:
   the activations quantized per token and gathered, the weights per expert);
 - torch's: torch._grouped_mm (bf16 operands, the unquantized baseline) and
   torch._scaled_grouped_mm (fp8 e4m3 row-wise: per-token x per-expert-channel scales), where the
@@ -94,11 +94,11 @@ def random_top_k(gen: torch.Generator, T: int, E: int, k: int, kind: str) -> tor
 # ------------------------------------------------------------------------------------------
 def _lowbit(x_scheme, w_scheme):
     def fn(x, w, idx, bias):
-        from lowbit.ops.dispatch import grouped_kind
+        from lowbit.ops.kernels.grouped import grouped_kernel
         from lowbit.ops.grouped import sort_tokens
         from lowbit.ops.grouped_run import prepare_grouped, run_grouped
         from lowbit.quantize import quantize
-        kind = grouped_kind(w_scheme, x_scheme)
+        kernel = grouped_kernel(w_scheme, x_scheme)
         E = w.shape[0]
         qs = [quantize(w[e], w_scheme) for e in range(E)]
         pick = lambda a: None if getattr(qs[0], a) is None else torch.stack([getattr(q, a) for q in qs])  # noqa: E731
@@ -106,8 +106,8 @@ def _lowbit(x_scheme, w_scheme):
                    "scale_codes": pick("scale_codes"),
                    "global": None if qs[0].global_scale is None else torch.stack([q.global_scale.reshape(())
                                                                                   for q in qs])}
-        ops = prepare_grouped(kind, w_scheme, stacked, x_scheme)
-        return run_grouped(kind, ops, w_scheme, x_scheme, x, sort_tokens(idx, E), bias=bias)
+        ops = prepare_grouped(kernel, w_scheme, stacked, x_scheme)
+        return run_grouped(kernel, ops, w_scheme, x_scheme, x, sort_tokens(idx, E), bias=bias)
     return fn
 
 

@@ -1,0 +1,204 @@
+"""8-bit dense kernels of the prepared path: W8A8 (int8, fp8 row-wise) and W8A16 (+ its bf16 path).
+
+  triton_w8a8_int8   int8 activations (per token: the one-pass Triton quantizer, symmetric or with
+                     zero points; per tensor / static: lowbit.quantize's arithmetic) x int8 weights per
+                     channel / tensor -> the int8 GEMM with the scale epilogue fused
+  triton_w8a8_fp8    the same with fp8 e4m3 codes (symmetric activations) -> the fp8 GEMM
+  triton_w8a16       int8 or fp8 e4m3 weights per channel / tensor, float activations -> the W8A16
+                     kernel (the codes converted to x's dtype in the tile: exact for both)
+  dequant_w8a16      its bf16 path where the tuning table says so (large M): each weight rounded once
+                     to x's dtype from its fp32 product code * scale into a reusable buffer, then the
+                     bf16 GEMM (fp32 accumulation), the bias added in fp32
+"""
+from __future__ import annotations
+
+import torch
+
+from lowbit.ops.kernels.prepared_kernel import Prepared, PreparedKernel, act_json, row_vector
+from lowbit.ops.kernels.schemes import per_row_fp32
+from lowbit.ops.scratch import scratch
+from lowbit.quantize import quantize, quantize_static
+
+
+def quantize_tensor_int8(xf: torch.Tensor, qmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric per-tensor int8 of float32 xf on its device, lowbit.quantize's arithmetic
+    without a host synchronisation: s = amax / qmax (IEEE division by the device tensor qmax, float32
+    [1]; a zero amax gives s = 1), codes = clamp(rint(xf / s), -qmax, qmax). Returns (int8 codes, s [1])."""
+    s = xf.abs().amax().reshape(1) / qmax
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    codes = torch.maximum(torch.minimum(torch.round(xf / s), qmax), -qmax).to(torch.int8)
+    return codes, s
+
+
+def _weight_8bit(layer, fmt: str) -> str | None:
+    """Why an 8-bit kernel refuses the weight (None: `fmt` codes, symmetric, one fp32 scale per
+    channel or tensor)."""
+    ws = layer.weight
+    if ws.format != fmt:
+        return f"the weight is {ws.format}, this kernel reads {fmt} codes"
+    if not per_row_fp32(ws) or ws.strategy == "token":
+        return (f"the weight has {ws.strategy} {ws.scale_format} scales; this kernel takes one fp32 scale per "
+                "output channel or per tensor")
+    if not ws.symmetric:
+        return "the weight has zero points; this kernel takes symmetric weights"
+    return None
+
+
+class _W8A8(PreparedKernel):
+    kind = "w8a8"
+    fmt = ""
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+
+    @classmethod
+    def refuses(cls, layer):
+        xs = layer.act
+        if xs is None:
+            return "weight-only layer: this kernel quantizes the activations"
+        if xs.format != cls.fmt or not per_row_fp32(xs):
+            return (f"the activations are {xs.format} {xs.strategy} ({xs.scale_format} scales); this kernel takes "
+                    f"{cls.fmt} with one fp32 scale per token or tensor")
+        return _weight_8bit(layer, cls.fmt)
+
+    @classmethod
+    def prepare(cls, weight_q, act_scheme, static_scale):
+        N, K = int(weight_q.shape[0]), int(weight_q.shape[1])
+        fp8 = cls.fmt == "fp8_e4m3fn"
+        codes = weight_q.codes.contiguous()
+        t = {"w": codes.view(torch.float8_e4m3fn) if fp8 else codes.to(torch.int8),
+             "w_scale": row_vector(weight_q.scale, N)}
+        per_token = act_scheme.strategy in ("token", "channel") and static_scale is None
+        if per_token:
+            mode = "fp8_e4m3fn" if fp8 else ("int8" if act_scheme.symmetric else "int8_asym")
+        else:
+            mode = "scheme"
+            if static_scale is not None:
+                t["act_scale"] = static_scale.detach().float().reshape(1).clone()
+            elif act_scheme.format == "int8" and act_scheme.symmetric:
+                # the divisor as a device tensor: `t / python_float` on CUDA multiplies by the
+                # reciprocal (quantize._div), which is not lowbit.quantize's IEEE division
+                t["act_qmax"] = torch.tensor(float(act_scheme.fmt.qmax), dtype=torch.float32,
+                                             device=codes.device)
+        if not fp8:
+            from lowbit.ops.triton.gemm_int8 import check_int8_k
+
+            check_int8_k(K, asymmetric=not act_scheme.symmetric)
+            if not act_scheme.symmetric:
+                t["w_colsum"] = codes.to(torch.int8).sum(dim=1, dtype=torch.int32)
+        return Prepared(cls.spec("w8a8", N, K, t, act_mode=mode, act=act_json(act_scheme)), t)
+
+    @classmethod
+    def graph_safe(cls, spec):
+        # per-tensor activations other than symmetric int8 go through lowbit.quantize (host checks)
+        return spec.act_mode != "scheme" or "act_qmax" in spec.operands
+
+    @staticmethod
+    def apply(spec, x2, ops, bias, config):
+        M = x2.shape[0]
+        out = torch.empty((M, spec.N), dtype=x2.dtype, device=x2.device)
+        if M == 0:
+            return out
+        if spec.act_mode == "scheme":
+            q, s, z = _quantize_whole(spec, x2, ops)
+        else:
+            from lowbit.ops.triton.act_quant import launch_act_quant
+
+            q, s, z = launch_act_quant(x2, spec.act_mode)
+        # W8A8 has its kernel at every M; the table picks its tiles
+        if ops["w"].dtype == torch.float8_e4m3fn:
+            from lowbit.ops.triton.gemm_fp8 import launch_fp8_gemm
+
+            return launch_fp8_gemm(q.view(torch.float8_e4m3fn), ops["w"], out, s, ops["w_scale"], bias, config=config)
+        from lowbit.ops.triton.gemm_int8 import launch_int8_gemm
+
+        return launch_int8_gemm(q, ops["w"], out, s, ops["w_scale"], z, ops.get("w_colsum"), bias, config=config)
+
+
+class TritonW8A8Int8(_W8A8):
+    name = "triton_w8a8_int8"
+    fmt = "int8"
+    min_capability = (7, 5)
+    summary = "int8 x int8 Triton GEMM, scale epilogue fused (int32 accumulation)"
+
+
+class TritonW8A8Fp8(_W8A8):
+    name = "triton_w8a8_fp8"
+    fmt = "fp8_e4m3fn"
+    min_capability = (8, 9)
+    summary = "fp8 e4m3 x fp8 e4m3 Triton GEMM, row-wise scales fused (fp32 accumulation)"
+
+    @classmethod
+    def refuses(cls, layer):
+        why = super().refuses(layer)
+        if why is None and not layer.act.symmetric:
+            return "the activations have zero points; fp8 activations are symmetric"
+        return why
+
+
+def _quantize_whole(spec, x2, ops):
+    """Per-tensor activations (dynamic or a static calibrated scale) by lowbit.quantize's
+    arithmetic; returns codes [M, K], a stride-0 fp32 scale vector [M], zero points or None.
+    Symmetric int8 (the recipes' case) stays on the device: amax, s = amax / 127 (IEEE, a zero
+    amax gives s = 1), codes = clamp(rint(x / s), -127, 127) -- no host synchronisation, so
+    the call can be graph-captured; other schemes go through lowbit.quantize."""
+    scheme = spec.act_scheme
+    M = x2.shape[0]
+    xf = x2.float()
+    if "act_scale" in ops:
+        codes, s, _ = quantize_static(xf, scheme, ops["act_scale"].reshape(1, 1))
+        return codes, s.reshape(1).expand(M), None
+    if "act_qmax" in ops:
+        codes, s = quantize_tensor_int8(xf, ops["act_qmax"])
+        return codes, s.expand(M), None
+    qt = quantize(xf, scheme, nan_policy="propagate")
+    z = None if qt.zero_point is None else qt.zero_point.reshape(1).to(torch.int32).expand(M)
+    return qt.codes, qt.scale.reshape(1).expand(M), z
+
+
+class TritonW8A16(PreparedKernel):
+    name = "triton_w8a16"
+    kind = "w8a16"
+    min_capability = (8, 0)
+    summary = "8-bit weights converted to x's dtype in the tile (exact), bf16/fp16 MMA"
+
+    @classmethod
+    def refuses(cls, layer):
+        if layer.act is not None:
+            return "the activations are quantized; this kernel takes float activations (weight-only)"
+        ws = layer.weight
+        if ws.format not in ("int8", "fp8_e4m3fn"):
+            return f"the weight is {ws.format}; this kernel reads int8 or fp8 e4m3 codes"
+        return _weight_8bit(layer, ws.format)
+
+    @classmethod
+    def prepare(cls, weight_q, act_scheme, static_scale):
+        N, K = int(weight_q.shape[0]), int(weight_q.shape[1])
+        codes = weight_q.codes.contiguous()
+        w = codes.view(torch.float8_e4m3fn) if weight_q.scheme.format == "fp8_e4m3fn" else codes.to(torch.int8)
+        t = {"w": w, "w_scale": row_vector(weight_q.scale, N)}
+        return Prepared(cls.spec("w8a16", N, K, t), t)
+
+    @classmethod
+    def graph_safe(cls, spec):
+        return True
+
+    @staticmethod
+    def apply(spec, x2, ops, bias, config):
+        from lowbit.ops.triton.w8a16 import w8a16_gemm
+
+        return w8a16_gemm(x2, ops["w"], ops["w_scale"], bias)
+
+
+class DequantW8A16(TritonW8A16):
+    name = "dequant_w8a16"
+    summary = "weight rounded once to x's dtype into a scratch buffer, then the bf16 GEMM"
+
+    @staticmethod
+    def apply(spec, x2, ops, bias, config):
+        from lowbit.ops.triton.dequant import bf16_gemm, dequantize_rows
+
+        w = dequantize_rows(ops["w"], ops["w_scale"], scratch((spec.N, spec.K), x2.dtype, x2.device))
+        return bf16_gemm(x2, w, bias, x2.dtype)
+
+
+TritonW8A16.dequant = DequantW8A16
+DequantW8A16.dequant = None

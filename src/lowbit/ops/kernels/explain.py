@@ -1,0 +1,32 @@
+"""Which kernel runs a scheme pair here, per batch-size bucket, and why the better ones were refused."""
+from __future__ import annotations
+
+import torch
+
+from lowbit.ops import tuning
+from lowbit.ops.kernels.base import Device, kernel_device
+from lowbit.ops.kernels.dense import choose_linear, class_for_rows
+from lowbit.ops.kernels.grouped import choose_grouped
+from lowbit.quantize import quantize
+from lowbit.scheme import QuantScheme
+
+
+def explain(weight_scheme: QuantScheme, act_scheme: QuantScheme | None, *, N: int = 256, K: int = 256,
+            device: Device | None = None) -> dict:
+    """For a layer of `weight_scheme` x `act_scheme` and shape [N, K] on `device` (default: this
+    process's kernel device): {"device", "linear": {"kernel", "refused": [(name, reason)], "rows":
+    {bucket: class}}, "grouped": {"kernel", "refused"}}. A random weight is laid out to answer (the W4A16
+    layout's own refusals depend on it); "rows" names the class the tuning table (or its heuristic) runs
+    each bucket's M with, for a prepared kernel."""
+    dev = device or kernel_device()
+    gen = torch.Generator().manual_seed(0)
+    wq = quantize(torch.randn(N, K, generator=gen) * 0.05, weight_scheme, pad=True)
+    dense = choose_linear(wq, act_scheme, device=dev)
+    rows = {}
+    if dense.prepared is not None:
+        spec = dense.prepared.spec
+        rows = {b: class_for_rows(spec, tuning.BUCKET_M[b]).name for b in tuning.BUCKET_NAMES}
+    grouped = choose_grouped(weight_scheme, act_scheme, N, K, dev)
+    return {"device": str(dev),
+            "linear": {"kernel": dense.name, "refused": list(dense.refused), "rows": rows},
+            "grouped": {"kernel": grouped.name, "refused": list(grouped.refused)}}

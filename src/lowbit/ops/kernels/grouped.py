@@ -1,0 +1,271 @@
+"""The grouped (MoE) kernels as classes: one grouped Triton launch per projection for all experts.
+
+  class            kind    activations (quantized once per call, every row)       kernel
+  grouped_int8     int8    int8 per token / per tensor (scale expanded to rows)  grouped_int8
+  grouped_fp8      fp8     fp8 e4m3 per token / per tensor                       grouped_fp8
+  grouped_w8a16    w8a16   float                                                  grouped_w8a16
+  grouped_w4a16    w4a16   float                                                  grouped_w4a16 (int4 +- zero
+                                                                                  points, MXFP4, NVFP4)
+  grouped_fp4      fp4     MXFP4 / NVFP4, quantized and dequantized exactly       grouped_w4a16; NVFP4: the two
+                           (bf16)                                                 tensor scales multiply the
+                                                                                  accumulator
+  grouped_mxfp8    mxfp8   MXFP8, scale codes laid out as SFA words over the      grouped_mxfp8
+                           sorted rows
+  exact            exact   QuantExperts' float64 exact path (every scheme pair)
+Weights: per-channel symmetric fp32 scales for the 8-bit kinds; the 4-bit kinds read their own packed
+copy (two codes per byte), so their stacked fields become the host twin. Activation codes equal
+lowbit.quantize's (lowbit.ops.fused.quantize_rows / qdq_rows on CUDA; the CPU runs their torch twins);
+a per-tensor scale spans all rows of the operand, as a grouped kernel's A operand over the
+concatenated M does.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from lowbit.formats import decode
+from lowbit.ops.fused import qdq_rows, quantize_rows
+from lowbit.ops.grouped import scale_words_int32
+from lowbit.ops.kernels.base import Choice, Device, Kernel, LinearLayer, Registry, kernel_device
+from lowbit.ops.kernels.dense_w8 import quantize_tensor_int8
+from lowbit.ops.kernels.schemes import PER_ROW, pair_refusal, w4a16_kind, w4a16_refusal
+from lowbit.packing import pack_fp4, pack_int4
+from lowbit.quantize import quantize
+from lowbit.scheme import QuantScheme
+
+
+class GroupedKernel(Kernel):
+    """A grouped kernel: `prepare` lays the stacked expert weights out once, `apply` runs the sorted rows."""
+    packs_weights: ClassVar[bool] = False   # reads its own packed copy: the stacked fields are the host twin
+
+    @classmethod
+    def prepare(cls, weight_scheme: QuantScheme, stacked: dict, act_scheme: QuantScheme | None
+                ) -> dict[str, torch.Tensor]:
+        """The kernel's operands (weights; act_qmax for per-tensor int8 activations) from stacked
+        per-expert fields ("codes" [E, N, K], "scale" [E, N, G], "zero", "scale_codes", "global" [E];
+        None where the scheme has none)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def apply(ops, weight_scheme, act_scheme, x, routing, kw) -> torch.Tensor:
+        """out [R, N] of the sorted rows; kw: bias, identity, config, out_dtype of the launch."""
+        raise NotImplementedError
+
+
+def _channel_sym(ws: QuantScheme, fmt: str) -> str | None:
+    if ws.format != fmt or ws.strategy != "channel" or not ws.symmetric or ws.scale_format != "fp32":
+        return f"this kernel takes {fmt} weights per channel, symmetric, fp32 scales; got {ws}"
+    return None
+
+
+def _weight_only(layer) -> str | None:
+    return None if layer.act is None else "the activations are quantized; this kernel takes float activations"
+
+
+def rows_quantized(x: torch.Tensor, scheme: QuantScheme, ops: dict):
+    """(codes [R, K], per-row fp32 scales [R], scale codes or None) of x [R, K], dynamically quantized
+    by `scheme` with lowbit.quantize's arithmetic. No host synchronisation for per-row / per-group
+    schemes (lowbit.ops.fused.quantize_rows) and per-tensor int8 (quantize_tensor_int8); other
+    per-tensor schemes go through lowbit.quantize, which checks the input on the host."""
+    R = x.shape[0]
+    if scheme.strategy == "tensor":                         # one scale over all rows
+        if "act_qmax" in ops:
+            codes, s = quantize_tensor_int8(x.float(), ops["act_qmax"])
+            return codes, s.expand(R), None
+        q = quantize(x.float(), scheme)
+        return q.codes, q.scale.reshape(1).expand(R).contiguous(), None
+    q = quantize_rows(x, scheme, check_finite=False) if x.is_cuda else quantize(x.float(), scheme)
+    return q.codes, q.scale.reshape(R, -1)[:, 0].contiguous(), q.scale_codes
+
+
+def fp4_rows(x: torch.Tensor, scheme: QuantScheme):
+    """(x dequantized exactly [R, K], NVFP4 activation tensor scale [1] or None)."""
+    if x.is_cuda:
+        return qdq_rows(x.contiguous(), scheme)
+    q = quantize(x.float(), scheme)
+    if q.global_scale is None:
+        return q.dequantize(torch.float32), None
+    # e2m1 * e4m3 block scale (exact), the tensor scale applied to the accumulator
+    s = decode(q.scale_codes, scheme.scale_format).to(torch.float32)
+    xd = decode(q.codes, scheme.format).to(torch.float32).reshape(x.shape[0], -1, scheme.group_size) * s[..., None]
+    return xd.reshape(x.shape), q.global_scale.reshape(1).float()
+
+
+def _eight_bit(stacked, act_scheme):
+    codes, scale = stacked["codes"], stacked["scale"]
+    E, N = codes.shape[:2]
+    ops = {"w": codes.contiguous(), "s": scale.reshape(E, N).float().contiguous()}
+    if act_scheme is not None and act_scheme.strategy == "tensor" and act_scheme.format == "int8":
+        # the divisor as a device tensor (quantize_tensor_int8)
+        ops["act_qmax"] = torch.full((1,), float(act_scheme.fmt.qmax), dtype=torch.float32, device=codes.device)
+    return ops
+
+
+class _GroupedW8A8(GroupedKernel):
+    fmt = ""
+
+    @classmethod
+    def refuses(cls, layer):
+        xs = layer.act
+        if xs is None or xs.format != cls.fmt or not xs.symmetric or xs.strategy not in PER_ROW \
+                or xs.scale_format != "fp32":
+            return f"this kernel takes {cls.fmt} activations per token / tensor, symmetric, fp32 scales"
+        return _channel_sym(layer.weight, cls.fmt)
+
+    @classmethod
+    def prepare(cls, weight_scheme, stacked, act_scheme):
+        return _eight_bit(stacked, act_scheme)
+
+    @classmethod
+    def apply(cls, ops, weight_scheme, act_scheme, x, routing, kw):
+        from lowbit.ops.triton import grouped as gk
+
+        codes, sa, _ = rows_quantized(x, act_scheme, ops)
+        return getattr(gk, cls.name)(codes, sa, ops["w"], ops["s"], routing, **kw)   # the launcher's name
+
+
+class GroupedInt8(_GroupedW8A8):
+    name, kind, fmt = "grouped_int8", "int8", "int8"
+    summary = "int8 x int8 grouped GEMM, one launch for all experts"
+
+
+class GroupedFp8(_GroupedW8A8):
+    name, kind, fmt = "grouped_fp8", "fp8", "fp8_e4m3fn"
+    min_capability = (8, 9)
+    summary = "fp8 e4m3 x fp8 e4m3 grouped GEMM, one launch for all experts"
+
+
+class GroupedW8A16(GroupedKernel):
+    name, kind = "grouped_w8a16", "w8a16"
+    summary = "int8 weights converted in the tile, float activations"
+
+    @classmethod
+    def refuses(cls, layer):
+        return _weight_only(layer) or _channel_sym(layer.weight, "int8")
+
+    @classmethod
+    def prepare(cls, weight_scheme, stacked, act_scheme):
+        return _eight_bit(stacked, act_scheme)
+
+    @staticmethod
+    def apply(ops, weight_scheme, act_scheme, x, routing, kw):
+        from lowbit.ops.triton.grouped import grouped_w8a16
+
+        return grouped_w8a16(x, ops["w"], ops["s"], routing, **kw)
+
+
+def _four_bit(weight_scheme, stacked):
+    codes, scale = stacked["codes"], stacked["scale"]
+    E, N = codes.shape[:2]
+    if w4a16_kind(weight_scheme) == "int4":
+        ops = {"w": pack_int4(codes), "s": scale.float().contiguous()}
+        if stacked.get("zero") is not None:
+            ops["z"] = stacked["zero"].to(torch.int32).contiguous()
+        return ops
+    ops = {"w": pack_fp4(codes.reshape(E * N, -1)).reshape(E, N, -1), "s": stacked["scale_codes"].contiguous()}
+    if stacked.get("global") is not None:
+        ops["g"] = stacked["global"].reshape(E).float().contiguous()
+    return ops
+
+
+def _four_bit_launch(ops, weight_scheme, x, routing, kw, g):
+    from lowbit.ops.triton.grouped import grouped_w4a16
+
+    return grouped_w4a16(x, ops["w"], ops["s"], routing, kind=w4a16_kind(weight_scheme), w_zero=ops.get("z"),
+                         w_global=g, group_size=weight_scheme.group_size, **kw)
+
+
+class GroupedW4A16(GroupedKernel):
+    name, kind = "grouped_w4a16", "w4a16"
+    packs_weights = True
+    summary = "4-bit weights (int4 +- zero points, MXFP4, NVFP4) dequantized in the tile"
+
+    @classmethod
+    def refuses(cls, layer):
+        why = _weight_only(layer) or w4a16_refusal(layer.weight)
+        if why is None and layer.weight.format == "uint4":
+            why = "uint4 weights have no grouped kernel (int4 with zero points has)"
+        return why
+
+    @classmethod
+    def prepare(cls, weight_scheme, stacked, act_scheme):
+        return _four_bit(weight_scheme, stacked)
+
+    @staticmethod
+    def apply(ops, weight_scheme, act_scheme, x, routing, kw):
+        return _four_bit_launch(ops, weight_scheme, x, routing, kw, ops.get("g"))
+
+
+class GroupedFp4(GroupedKernel):
+    name, kind = "grouped_fp4", "fp4"
+    packs_weights = True
+    summary = "fp4 activations dequantized exactly, then the grouped W4A16 kernel"
+
+    @classmethod
+    def refuses(cls, layer):
+        return pair_refusal(layer.weight, layer.act, "fp4")
+
+    @classmethod
+    def prepare(cls, weight_scheme, stacked, act_scheme):
+        return _four_bit(weight_scheme, stacked)
+
+    @staticmethod
+    def apply(ops, weight_scheme, act_scheme, x, routing, kw):
+        g = ops.get("g")
+        x, gx = fp4_rows(x, act_scheme)
+        if gx is not None:
+            g = g * gx
+        return _four_bit_launch(ops, weight_scheme, x, routing, kw, g)
+
+
+class GroupedMXFP8(GroupedKernel):
+    name, kind = "grouped_mxfp8", "mxfp8"
+    min_capability = (8, 9)
+    summary = "MXFP8 x MXFP8, e8m0 scales through the SFA / SFB words"
+
+    @classmethod
+    def refuses(cls, layer):
+        return pair_refusal(layer.weight, layer.act, "mxfp8")
+
+    @classmethod
+    def prepare(cls, weight_scheme, stacked, act_scheme):
+        codes, sc = stacked["codes"], stacked["scale_codes"]
+        E, N = codes.shape[:2]
+        return {"w": codes.contiguous(), "sfb": scale_words_int32(sc.reshape(E * N, sc.shape[2]))}
+
+    @staticmethod
+    def apply(ops, weight_scheme, act_scheme, x, routing, kw):
+        from lowbit.ops.triton.grouped_mx import grouped_mxfp8, sfa_for_tokens
+
+        codes, _, scale_codes = rows_quantized(x, act_scheme, ops)
+        sfa = sfa_for_tokens(scale_codes.reshape(x.shape[0], -1), routing, kw["identity"])
+        return grouped_mxfp8(codes, sfa, ops["w"], ops["sfb"], routing, **kw)
+
+
+class GroupedExact(Kernel):
+    name = kind = "exact"
+    triton = False
+    summary = "QuantExperts' exact path: each expert's block through the float64 reference"
+
+    @classmethod
+    def refuses(cls, layer):
+        return None
+
+
+GROUPED = Registry("grouped experts", (GroupedInt8, GroupedFp8, GroupedW8A16, GroupedW4A16, GroupedFp4, GroupedMXFP8,
+                                       GroupedExact))
+
+
+def choose_grouped(weight_scheme: QuantScheme, act_scheme: QuantScheme | None, N: int = 0, K: int = 0,
+                   device: Device | None = None) -> Choice:
+    """The grouped kernel of an experts scheme pair on `device` (default: kernel_device()); the exact
+    twin where no grouped kernel takes it."""
+    return GROUPED.choose(LinearLayer(weight_scheme, act_scheme, N, K), device or kernel_device())
+
+
+def grouped_kernel(weight_scheme: QuantScheme, act_scheme: QuantScheme | None) -> type[GroupedKernel] | None:
+    """The grouped kernel class of an experts scheme pair, the scheme question only (no device), or None
+    where only the exact twin takes it."""
+    kernel = GROUPED.choose(LinearLayer(weight_scheme, act_scheme), None).kernel
+    return None if kernel is GroupedExact else kernel
