@@ -3,8 +3,8 @@ questions asked of it -- which kernel a layer gets (once, when it is quantized o
 class runs M rows of a prepared layer (once per layer and M, cached; lowbit.ops.prepared's per-call
 path reads the answer).
 
-Order: the prepared Triton kernels (W8A8 int8, W8A8 fp8, W8A16, W4A16, fp4 x fp4, MXFP8: their
-conditions are disjoint), then the per-call QTensor GEMM (CUDA), then the exact twins. Adding a
+Order: the prepared kernels (W8A8 int8, W8A8 fp8, W8A16, W4A16, fp4 x fp4, MXFP8: their conditions are
+disjoint; each native sm_90a decode class, opt-in, ahead of the Triton class it stands in for), then the per-call QTensor GEMM (CUDA), then the exact twins. Adding a
 kernel: a PreparedKernel subclass and `LINEAR.register(cls, before=<the class it beats>)`.
 """
 from __future__ import annotations
@@ -17,11 +17,13 @@ from lowbit.ops.kernels.dense_mx import TritonMXFP8
 from lowbit.ops.kernels.dense_w4 import TritonFP4, TritonW4A16
 from lowbit.ops.kernels.dense_w8 import TritonW8A8Fp8, TritonW8A8Int8, TritonW8A16
 from lowbit.ops.kernels.exact import ExactDequantized, ExactInt8, QTensorGemm
+from lowbit.ops.kernels.native import NativeW4A16, NativeW8A8Fp8, NativeW8A8Int8, NativeW8A16
 from lowbit.ops.kernels.prepared_kernel import PreparedKernel, Spec
 from lowbit.quantize import QTensor
 from lowbit.scheme import QuantScheme
 
-LINEAR = Registry("dense layer", (TritonW8A8Int8, TritonW8A8Fp8, TritonW8A16, TritonW4A16, TritonFP4, TritonMXFP8,
+LINEAR = Registry("dense layer", (NativeW8A8Int8, TritonW8A8Int8, NativeW8A8Fp8, TritonW8A8Fp8, NativeW8A16,
+                                  TritonW8A16, NativeW4A16, TritonW4A16, TritonFP4, TritonMXFP8,
                                   QTensorGemm, ExactInt8, ExactDequantized))
 
 

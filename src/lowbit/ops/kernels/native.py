@@ -1,0 +1,182 @@
+"""lowbit's native (CUDA C++, sm_90a) decode kernels as dense kernel classes: opt-in.
+
+  native_w4a16     int4 weights in groups of 32-256 (symmetric or with zero points), bf16 activations
+  native_w8a16     int8 weights, one scale per output channel, bf16 activations
+  native_w8a8_int8 / native_w8a8_fp8   per-token symmetric int8 / e4m3 activations x per-channel weights
+
+Each stands in for the Triton class it extends (same kind, so the same tuning-table cells): its
+layer keeps the Triton layout AND the native one (lowbit.ops.native.kernels.prepare_w4 / prepare_w8),
+because the native kernels cover decode only (1-16 rows, bf16, no bias); every other call (more rows,
+fp16 / fp32 activations, a bias, the table's dequant path) runs the Triton class's apply on the Triton
+operands. So an opted-in layer holds its weight twice.
+
+Opt-in (LOWBIT_NATIVE=1) because the native kernels have not yet been timed on a GPU; without it, and
+where the library cannot run (no sm_90 GPU, no built library and no toolchain: library.unavailable_reason),
+the class refuses with that reason and dispatch takes the Triton class. Their launches go through ctypes,
+which lowbit.ops.bound's recorded plans do not see: the classes are not graph-safe, so an opted-in layer
+always launches directly.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from lowbit.ops.kernels.base import Refused
+from lowbit.ops.kernels.dense_w4 import TritonW4A16
+from lowbit.ops.kernels.dense_w8 import TritonW8A8Fp8, TritonW8A8Int8, TritonW8A16
+from lowbit.ops.kernels.prepared_kernel import Prepared, Spec
+from lowbit.ops.native import kernels as native
+from lowbit.ops.native import library
+
+OPT_IN = "LOWBIT_NATIVE"
+
+
+def native_refusal() -> str | None:
+    """Why the native classes do not run here (None: opted in and the library can run)."""
+    if os.environ.get(OPT_IN) != "1":
+        return f"opt-in: set {OPT_IN}=1 to use the native sm_90a decode kernels (not yet timed on a GPU)"
+    return library.unavailable_reason()
+
+
+def _layout(prepare, weight_q):
+    """The native layout of weight_q; Refused (dispatch moves on) where it cannot hold it."""
+    try:
+        w = prepare(weight_q)
+    except ValueError as err:
+        raise Refused(str(err)) from None
+    extra = {"n_packed": w.packed, "n_scale": w.scale}
+    if getattr(w, "zero", None) is not None:
+        extra["n_zero"] = w.zero
+    return extra
+
+
+def _with_native(cls, prepared: Prepared, extra: dict[str, torch.Tensor]) -> Prepared:
+    """The Triton class's operands plus the native layout's, under a Spec naming `cls`."""
+    t = {**prepared.tensors, **extra}
+    return Prepared(Spec(**{**prepared.spec.__dict__, "operands": tuple(t), "kernel": cls.name,
+                            "graphable": False}), t)
+
+
+def _decode(x2: torch.Tensor, bias) -> bool:
+    """Whether the native kernel takes this call: 1-16 contiguous, 16-byte aligned rows of bf16, no bias."""
+    return (bias is None and x2.dtype == torch.bfloat16 and 0 < x2.shape[0] <= native.MAX_M
+            and x2.is_contiguous() and x2.data_ptr() % 16 == 0)
+
+
+class _Native:
+    """Mixed in ahead of a Triton class: the native refusal, the second layout and the decode call."""
+    triton_cls = None
+
+    @classmethod
+    def can_run(cls, layer, device):
+        # the scheme first: a layer of another kind hears why, not the opt-in
+        return cls.refuses(layer) or (None if device is None else cls.device_refusal(device))
+
+    @classmethod
+    def device_refusal(cls, device):
+        why = super().device_refusal(device)
+        if why is None and device.kind != "cuda":
+            why = "the native kernels need a CUDA GPU (sm_90)"
+        if why is None and device.capability != library.NEEDS_CAPABILITY:
+            why = f"the native kernels hold sm_90a code only; this GPU is {device}"
+        return why or native_refusal()
+
+    @classmethod
+    def graph_safe(cls, spec):
+        return False
+
+
+def _w4(spec: Spec, ops) -> native.NativeW4:
+    return native.NativeW4(ops["n_packed"], ops["n_scale"], ops.get("n_zero"), spec.N, spec.K, spec.group)
+
+
+def _w8(spec: Spec, ops, fp8: bool) -> native.NativeW8:
+    return native.NativeW8(ops["n_packed"], ops["n_scale"], spec.N, spec.K, fp8)
+
+
+class NativeW4A16(_Native, TritonW4A16):
+    name = "native_w4a16"
+    summary = "int4 groups, bf16 MMA on 128-bit weight loads, split-K (CUDA C++, sm_90a; 1-16 rows)"
+
+    @classmethod
+    def refuses(cls, layer):
+        ws = layer.weight
+        if ws.format != "int4" or ws.strategy != "group" or ws.group_size not in native.W4_GROUPS:
+            return f"the weight is {ws.format} {ws.strategy}; this kernel takes int4 in groups of {native.W4_GROUPS}"
+        return super().refuses(layer)
+
+    @classmethod
+    def prepare(cls, weight_q, act_scheme, static_scale):
+        extra = _layout(native.prepare_w4, weight_q)
+        return _with_native(cls, super().prepare(weight_q, act_scheme, static_scale), extra)
+
+    @staticmethod
+    def apply(spec, x2, ops, bias, config):
+        if _decode(x2, bias):
+            return native.w4a16(x2, _w4(spec, ops))
+        return TritonW4A16.apply(spec, x2, ops, bias, config)
+
+
+class NativeW8A16(_Native, TritonW8A16):
+    name = "native_w8a16"
+    summary = "int8 weights per channel, bf16 MMA on 128-bit weight loads, split-K (CUDA C++, sm_90a; 1-16 rows)"
+
+    @classmethod
+    def refuses(cls, layer):
+        ws = layer.weight
+        if ws.format != "int8" or ws.strategy != "channel":
+            return f"the weight is {ws.format} per {ws.strategy}; this kernel takes int8 with one scale per channel"
+        return super().refuses(layer)
+
+    @classmethod
+    def prepare(cls, weight_q, act_scheme, static_scale):
+        extra = _layout(native.prepare_w8, weight_q)
+        return _with_native(cls, super().prepare(weight_q, act_scheme, static_scale), extra)
+
+    @staticmethod
+    def apply(spec, x2, ops, bias, config):
+        if _decode(x2, bias):
+            return native.w8a16(x2, _w8(spec, ops, False))
+        return TritonW8A16.apply(spec, x2, ops, bias, config)
+
+
+def _w8a8_refusal(layer) -> str | None:
+    xs, ws = layer.act, layer.weight
+    if layer.static_scale or xs is None or xs.strategy != "token" or not xs.symmetric:
+        return "this kernel quantizes activations per token, symmetric and dynamic"
+    if ws.strategy != "channel":
+        return f"the weight has {ws.strategy} scales; this kernel takes one scale per channel"
+    return None
+
+
+class _NativeW8A8(_Native):
+    @classmethod
+    def refuses(cls, layer):
+        return _w8a8_refusal(layer) or super().refuses(layer)
+
+    @classmethod
+    def prepare(cls, weight_q, act_scheme, static_scale):
+        extra = _layout(native.prepare_w8, weight_q)
+        return _with_native(cls, super().prepare(weight_q, act_scheme, static_scale), extra)
+
+    @classmethod
+    def apply(cls, spec, x2, ops, bias, config):
+        if _decode(x2, bias):
+            return native.w8a8(x2, _w8(spec, ops, cls.fmt == "fp8_e4m3fn"))
+        return cls.triton_cls.apply(spec, x2, ops, bias, config)
+
+
+class NativeW8A8Int8(_NativeW8A8, TritonW8A8Int8):
+    name = "native_w8a8_int8"
+    triton_cls = TritonW8A8Int8
+    summary = "per-token int8 x int8 per channel, int32 MMA, split-K (CUDA C++, sm_90a; 1-16 rows)"
+
+
+class NativeW8A8Fp8(_NativeW8A8, TritonW8A8Fp8):
+    name = "native_w8a8_fp8"
+    triton_cls = TritonW8A8Fp8
+    summary = "per-token e4m3 x e4m3 per channel, fp32 per 32-k tile, split-K (CUDA C++, sm_90a; 1-16 rows)"
+
+
+NATIVE = (NativeW8A8Int8, NativeW8A8Fp8, NativeW8A16, NativeW4A16)

@@ -1,0 +1,92 @@
+"""The native sm_90a decode kernels as dense kernel classes (lowbit.ops.kernels.native): opt-in, refused
+with the reason where they cannot run, laid out next to the Triton layout, and applied through their layout.
+No GPU here: the native call is replaced by the CPU twin (csrc/host_twin.cpp, the kernels' own warp
+programs), checked against lowbit's float64 reference; calls the native kernel does not take run the Triton
+class on the Triton operands (the interpreter), compared bit for bit."""
+import pytest
+import torch
+
+import lowbit as lb
+from lowbit.ops.kernels import native as kn
+from lowbit.ops.kernels.base import Device
+from lowbit.ops.kernels.dense import choose_linear
+from lowbit.ops.kernels.dense_w4 import TritonW4A16
+from lowbit.ops.kernels.dense_w8 import TritonW8A16
+from lowbit.ops.native import kernels as nk
+from lowbit.recipes.presets import get_recipe
+from lowbit.verify.check import check_quantized
+
+H200 = Device("cuda", (9, 0))
+W4 = lb.QuantScheme(format="int4", strategy="group", group_size=128, symmetric=False)
+CASES = {  # weight scheme, activation scheme -> the native class that takes it
+    "w4a16": (W4, None, "native_w4a16"),
+    "w8a16": (get_recipe("w8a16-int8").weight, None, "native_w8a16"),
+    "w8a8-int8": (get_recipe("w8a8-int8").weight, get_recipe("w8a8-int8").act, "native_w8a8_int8"),
+    "w8a8-fp8": (get_recipe("w8a8-fp8").weight, get_recipe("w8a8-fp8").act, "native_w8a8_fp8"),
+}
+
+
+@pytest.fixture
+def opted_in(monkeypatch):
+    """LOWBIT_NATIVE=1 and a library that can run (this machine has no GPU to say so)."""
+    monkeypatch.setenv(kn.OPT_IN, "1")
+    monkeypatch.setattr(kn.library, "unavailable_reason", lambda: None)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_without_opt_in_the_triton_class_runs(case, monkeypatch):
+    monkeypatch.delenv(kn.OPT_IN, raising=False)
+    ws, xs, name = CASES[case]
+    c = choose_linear(lb.quantize(torch.randn(48, 256), ws), xs, device=H200)
+    assert c.name == name.replace("native", "triton")
+    assert dict(c.refused)[name].startswith("opt-in: set LOWBIT_NATIVE=1")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_opted_in_the_native_class_runs_and_refuses_other_gpus(case, opted_in):
+    ws, xs, name = CASES[case]
+    q = lb.quantize(torch.randn(48, 256), ws)
+    c = choose_linear(q, xs, device=H200)
+    assert c.name == name and c.prepared.spec.kernel == name and not c.prepared.spec.graphable
+    assert {"n_packed", "n_scale"} <= set(c.prepared.spec.operands)
+    other = choose_linear(q, xs, device=Device("cuda", (10, 0)))   # Blackwell: no sm_90a code
+    assert "sm_90a code only" in dict(other.refused)[name]
+    assert "CUDA GPU" in dict(choose_linear(q, xs, device=Device("interpreter")).refused)[name]
+
+
+def test_a_layout_the_native_kernel_cannot_hold_falls_through(opted_in):
+    q = lb.quantize(torch.randn(48, 252), lb.get_preset("int8_channel"))   # K = 252: not a multiple of 8
+    c = choose_linear(q, None, device=H200)
+    assert c.name == "triton_w8a16" and "multiple of 8" in dict(c.refused)["native_w8a16"]
+
+
+def test_group_sizes_outside_the_kernel_are_refused_by_scheme(opted_in):
+    ws = lb.QuantScheme(format="int4", strategy="group", group_size=16)
+    c = choose_linear(lb.quantize(torch.randn(48, 256), ws), None, device=H200)
+    assert "groups of (32, 64, 128, 256)" in dict(c.refused)["native_w4a16"]
+
+
+@pytest.mark.parametrize("case,twin", [("w4a16", "twin_w4a16"), ("w8a16", "twin_w8a16")])
+def test_apply_reads_the_native_layout(case, twin, opted_in, monkeypatch):
+    """Decode rows through the class's native operands (the twin standing in for the GPU) pass the
+    float64 reference's gate for an fp32 accumulator and a bf16 output; more rows, or a bias, run the
+    Triton class on its own operands, bit for bit."""
+    calls = []
+    fn = getattr(nk, twin)
+    monkeypatch.setattr(nk, case, lambda x, w: calls.append(x.shape[0]) or fn(x, w, 3))
+    ws, xs, name = CASES[case]
+    N, K = 37, 384
+    q = lb.quantize(torch.randn(N, K), ws)
+    c = choose_linear(q, xs, device=H200)
+    spec, ops = c.prepared.spec, c.prepared.tensors
+    for M in (1, 7, 16):
+        x = torch.randn(M, K).bfloat16()
+        y = c.kernel.apply(spec, x, ops, None, None)
+        v = check_quantized(y, x.double(), q, accumulator="fp32")
+        assert v.passed, v.report()
+    assert calls == [1, 7, 16]
+    base = TritonW4A16 if case == "w4a16" else TritonW8A16
+    x, bias = torch.randn(20, K).bfloat16(), torch.randn(N).bfloat16()
+    assert torch.equal(c.kernel.apply(spec, x, ops, None, None), base.apply(spec, x, ops, None, None))
+    assert torch.equal(c.kernel.apply(spec, x[:3], ops, bias, None), base.apply(spec, x[:3], ops, bias, None))
+    assert calls == [1, 7, 16]
