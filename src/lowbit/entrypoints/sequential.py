@@ -29,6 +29,23 @@ def check(args) -> None:
                          "drop --dtype")
 
 
+def loader_lines(model_dir: str, recipe: str, ignore) -> list[str]:
+    """The loaders that cannot read the checkpoint this run writes (lowbit.recipes.loaders), from
+    config.json and the recipe alone: --sequential writes layer by layer, so this is said first."""
+    from lowbit.pipelines.layerwise import MOE_FAMILIES
+    from lowbit.recipes.loaders import add_form, loader_warnings, recipe_form
+    from lowbit.recipes.plan import match
+    from lowbit.recipes.presets import RECIPES
+    model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    experts = "model.layers.0.mlp.experts"      # layer 0's experts module in every MoE family transformers ships
+    parts = ["dense"] + (["experts"] if model_type in MOE_FAMILIES
+                         and not any(match(p, experts) for p in ignore or ()) else [])
+    forms: dict = {}
+    for part in parts:
+        add_form(forms, part, *recipe_form(RECIPES[recipe]), recipe)
+    return list(loader_warnings(forms).values())
+
+
 def calibration_windows(model_dir: str, tokens: int, window: int, calib_data: str | None = None) -> list:
     """[1, window] id tensors of the calibration text (Wikipedia's calib split, as the whole-model
     path, or the --calib-data file), tokenized by the checkpoint's own tokenizer."""
@@ -58,6 +75,8 @@ def run(args, recipes: list[str], outs: dict, device: str) -> int:
     steps = Measures(smoothquant=args.smoothquant, method=method, static=args.static_scales).steps()
     for recipe in recipes:
         job = QuantizeJob.build(recipe, steps, ignore=args.ignore)
+        for line in loader_lines(args.model, recipe, job.ignore):
+            say(f"warning: {line}", flush=True)
         t0 = time.time()
         say(f"{recipe}: layer by layer on {device} ({dtype}), {method}"
             f"{'' if args.smoothquant is None else f', SmoothQuant alpha {args.smoothquant}'}"
