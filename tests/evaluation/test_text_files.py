@@ -29,20 +29,21 @@ def test_txt_and_jsonl_give_the_texts_as_written(tmp_path, rng):
                                       + "\n\n", encoding="utf-8")
     assert read_texts(tmp_path / "a.txt", "--calib-data") == ["\n".join(texts)]
     assert read_texts(tmp_path / "a.jsonl", "--calib-data") == texts
-    ids = read_token_ids(tmp_path / "a.jsonl", CharTokenizer(), "--eval-data")
-    assert ids.tolist() == [ord(c) for c in "\n\n".join(texts)]
+    ids, note = read_token_ids(tmp_path / "a.jsonl", CharTokenizer(), "--eval-data")
+    assert note is None and ids.tolist() == [ord(c) for c in "\n\n".join(texts)]
 
 
 def test_safetensors_ids_are_read_unchanged(tmp_path, rng):
     ids = torch.randint(0, 1000, (3, 17), generator=rng, dtype=torch.int64)
     save_file({"input_ids": ids.to(torch.int32)}, str(tmp_path / "ids.safetensors"))
-    got = read_token_ids(tmp_path / "ids.safetensors", None, "--calib-data", vocab_size=1000)
+    got, _ = read_token_ids(tmp_path / "ids.safetensors", None, "--calib-data", vocab_size=1000)
     assert got.dtype == torch.int64 and torch.equal(got, ids.reshape(-1))
     assert torch.equal(first_tokens(got, 20, "--calib-data", "ids.safetensors", "--calib-tokens"), got[:20])
 
 
 @pytest.mark.parametrize("name, content, why", [
-    ("bad.jsonl", '{"text": "ok"}\n{"txt": "no"}\n', 'line 2 has no string field "text"'),
+    ("bad.jsonl", '{"text": "ok"}\n{"txt": "no"}\n', 'line 2 has no field "text" (it has txt)'),
+    ("bad.jsonl", '{"text": "ok"}\n{"text": 3}\n', "line 2's 'text' is int"),
     ("bad.jsonl", '{"text": "ok"}\nnot json\n', "line 2 is not JSON"),
     ("empty.txt", "  \n", "holds no text"),
     ("two.safetensors", {"a": torch.zeros(2, dtype=torch.int64), "b": torch.zeros(2, dtype=torch.int64)},
