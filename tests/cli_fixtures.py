@@ -19,3 +19,17 @@ def one_line_error(capsys, *words, prefix: str = "lowbit "):
     for w in words:
         assert w in last, last
     return last
+
+
+def save_tokenizer(d, chat_template=None):
+    """A real transformers tokenizer (one id per printable ASCII character, < 128) saved into `d`,
+    with `chat_template` when given: a Hugging Face model folder's tokenizer files."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {chr(i): i for i in range(32, 127)} | {"\n": 10, "[UNK]": 0}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, unk_token="[UNK]")
+    tok.chat_template = chat_template
+    tok.save_pretrained(d)
+    return tok

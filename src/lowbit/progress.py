@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 
-def progress(iterable=None, *, desc: str, unit: str = "it", total: int | None = None, leave: bool = True):
+def progress_bar(iterable=None, *, desc: str, unit: str = "it", total: int | None = None, leave: bool = True):
     """Wrap `iterable` (or count `total` steps by update()) as tqdm would; off a terminal, say
     "desc: N units" once and hand the iterable back unchanged."""
     if sys.stderr.isatty():

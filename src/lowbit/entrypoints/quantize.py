@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from lowbit.evaluation import text_files as T
-from lowbit.evaluation.workload import EMBEDDED, model_files, model_source, read_config
+from lowbit.evaluation.workload import EMBEDDED, model_files, model_source, read_config, weight_files
 
 
 def register(p) -> None:
@@ -312,7 +312,9 @@ def validate(args) -> tuple[list[str], dict, dict[str, Path]]:
     except OutputDirError as err:
         raise ValueError(str(err)) from err
     if args.source.directory is not None and args.source.gguf is None:
-        model_files(args.source.directory, args.model)     # weights and tokenizer there, named if not
+        # weights and tokenizer there, named if not (--sequential: its calibration text checks the
+        # tokenizer, before any layer loads)
+        (weight_files if args.sequential else model_files)(args.source.directory, args.model)
     return recipes, overrides, outs
 
 

@@ -7,6 +7,8 @@ import json
 import time
 from pathlib import Path
 
+from lowbit.evaluation.workload import tokenizer_files
+
 # Measures the layer-by-layer path does not do (yet): the flag and why.
 UNSUPPORTED = {"awq": "--awq", "rotate": "--rotate", "override_worst": "--override-worst", "override": "--override",
                "mse": "--mse-scales"}
@@ -37,6 +39,7 @@ def calibration_windows(model_dir: str, tokens: int, window: int, calib_data: st
     from lowbit.evaluation.embedded import _offline, wiki_token_ids, windows
     from lowbit.evaluation import text_files as T
     _offline()
+    tokenizer_files(Path(model_dir))
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_dir)
     if calib_data is not None:
@@ -55,10 +58,10 @@ def run(args, recipes: list[str], outs: dict, device: str) -> int:
     from lowbit.algorithms import distributed as D
     from lowbit.pipelines.layerwise import quantize_layerwise
     from lowbit.workflows.job import Measures, QuantizeJob
-    data = {"calib_data": args.calib_data} if getattr(args, "calib_data", None) else {}
-    calib = D.shard(calibration_windows(args.model_dir, args.calib_tokens, args.window, **data,
-                                        text_column=args.text_column, chat=args.chat_template,
-                                        exact=args.calib_tokens_given))
+    # the data file's reading options travel with it
+    data = dict(calib_data=args.calib_data, text_column=args.text_column, chat=args.chat_template,
+                exact=args.calib_tokens_given) if getattr(args, "calib_data", None) else {}
+    calib = D.shard(calibration_windows(args.model_dir, args.calib_tokens, args.window, **data))
     method = args.method or "rtn"
     say = print if D.rank() == 0 else (lambda *a, **k: None)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16

@@ -133,6 +133,12 @@ def model_files(d: Path, spec: str | None = None) -> None:
     """A Hugging Face model folder's weight files and tokenizer files, each missing one named in a
     FileNotFoundError (before transformers is asked, whose messages point elsewhere: "install
     sentencepiece or tiktoken", "is a file truncated?")."""
+    weight_files(d, spec)
+    tokenizer_files(d, spec)
+
+
+def weight_files(d: Path, spec: str | None = None) -> None:
+    """The folder's weights: a safetensors or .bin file, and every shard its index lists."""
     flag = _flag(d, spec)
     for index in WEIGHT_INDEXES:
         if (d / index).is_file():
@@ -148,6 +154,11 @@ def model_files(d: Path, spec: str | None = None) -> None:
     if not any(d.glob("*.safetensors")) and not any(d.glob("pytorch_model*.bin")):
         raise FileNotFoundError(f"{flag}: no weight files (model.safetensors, model-NNNNN-of-NNNNN.safetensors, or "
                                 "pytorch_model.bin); copy or download them into the folder")
+
+
+def tokenizer_files(d: Path, spec: str | None = None) -> None:
+    """One of the file sets transformers reads a tokenizer from (TOKENIZER_FILES)."""
+    flag = _flag(d, spec)
     if not any(all((d / f).is_file() for f in group) for group in TOKENIZER_FILES):
         raise FileNotFoundError(f"{flag}: no tokenizer files (tokenizer.json, tokenizer.model, vocab.json + merges.txt, "
                                 "or vocab.txt); copy them from where the model came from")
