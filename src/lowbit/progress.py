@@ -14,8 +14,8 @@ def progress_bar(iterable=None, *, desc: str, unit: str = "it", total: int | Non
         return tqdm(iterable, desc=desc, unit=unit, total=total, leave=leave)
     if total is None and hasattr(iterable, "__len__"):
         total = len(iterable)
-    print(f"{desc}: {total} {unit}{'s' if total != 1 else ''}" if total is not None else f"{desc} ...",
-          file=sys.stderr, flush=True)
+    units = unit if total == 1 else unit + ("es" if unit.endswith(("ch", "s", "x")) else "s")
+    print(f"{desc}: {total} {units}" if total is not None else f"{desc} ...", file=sys.stderr, flush=True)
     return _Quiet(iterable)
 
 
