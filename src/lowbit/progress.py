@@ -36,3 +36,11 @@ class _Quiet:
 
     def close(self) -> None:
         pass
+
+
+def library_bars_off_a_terminal() -> None:
+    """Off a terminal, switch off transformers' own progress bars (GGUF dequantization, weight
+    loading), which would otherwise redraw in the log."""
+    if not sys.stderr.isatty():
+        from transformers.utils import logging     # optional dependency (the [models] extra)
+        logging.disable_progress_bar()

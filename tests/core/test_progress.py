@@ -37,3 +37,19 @@ def test_on_a_terminal_a_tqdm_bar(monkeypatch):
     bar = progress_bar(range(4), desc="eval", unit="window", leave=False)
     assert isinstance(bar, tqdm.tqdm) and list(bar) == [0, 1, 2, 3]
     assert "eval" in err.getvalue() and "\r" in err.getvalue()     # drawn in place, as a terminal shows it
+
+
+def test_transformers_bars_are_off_in_a_log_and_left_alone_on_a_terminal(monkeypatch):
+    logging = pytest.importorskip("transformers.utils.logging")
+    from lowbit.progress import library_bars_off_a_terminal
+    was = logging.is_progress_bar_enabled()
+    try:
+        logging.enable_progress_bar()
+        monkeypatch.setattr(sys, "stderr", _Stream(True))
+        library_bars_off_a_terminal()
+        assert logging.is_progress_bar_enabled()
+        monkeypatch.setattr(sys, "stderr", _Stream(False))
+        library_bars_off_a_terminal()
+        assert not logging.is_progress_bar_enabled()
+    finally:
+        (logging.enable_progress_bar if was else logging.disable_progress_bar)()
