@@ -1,5 +1,20 @@
 """Helpers of the command-line tests: stand-ins that fail a test when the CLI does work it should
 have refused before, and the check of a one-line error."""
+import textwrap
+
+# Python source for a child process (argv: OUT SEED fast|slow): with "slow", every tensor written to
+# a checkpoint prints "writing NAME" and pauses, so a test can signal the process midway through.
+SLOW_WRITES = textwrap.dedent("""
+    import sys, time
+    from lowbit.io import st_format
+    add = st_format.ShardedWriter.add
+    def slow_add(self, name, t):
+        add(self, name, t)
+        print("writing", name, flush=True)
+        time.sleep(0.2)
+    if sys.argv[3] == "slow":
+        st_format.ShardedWriter.add = slow_add
+""")
 
 
 def no_model(*a, **k):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lowbit.entrypoints.main import main
-from cli_fixtures import no_model, one_line_error, save_tokenizer
+from cli_fixtures import SLOW_WRITES, no_model, one_line_error, save_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -122,6 +122,7 @@ def _data(tmp_path, rng):
     (["--eval-data", "{d}/ids.safetensors", "--tokens", "512"], ["holds 100 tokens, fewer than --tokens 512"]),
     (["--eval-data", "{d}/ids.safetensors", "--window", "128"], ["holds 100 tokens, less than one --window of 128"]),
     (["--calib-data", "{d}/ids.safetensors", "--text-column", "text"], ["token ids", "drop --text-column"]),
+    (["--model", "minilm", "--eval-data", "{d}/ids.safetensors", "--window", "32"], ["encoder", "sentences"]),
 ])
 def test_bad_data_is_refused_before_loading(tmp_path, monkeypatch, capsys, rng, args, words):
     monkeypatch.setattr("lowbit.evaluation.workload.load_model", no_model)
@@ -211,11 +212,10 @@ def test_save_float_refuses_a_users_folder_before_loading(tmp_path, monkeypatch,
 
 
 # ------------------------------------------------------------------ SIGTERM
-_TERM_RUN = textwrap.dedent("""
-    import sys, time, torch, transformers
+_TERM_RUN = SLOW_WRITES + textwrap.dedent("""
+    import sys, torch, transformers
     from lowbit.evaluation import workload
     from lowbit.entrypoints.main import main
-    from lowbit.io import st_format
     torch.manual_seed(int(sys.argv[2]))
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -223,13 +223,6 @@ _TERM_RUN = textwrap.dedent("""
     ids = torch.randint(0, 64, (64,))
     workload.load_model = lambda spec: workload.Loaded("tiny", model, None, "causal")
     workload.prepare_texts = lambda loaded, tokens, calib, window, **k: workload.Texts(None, [ids[None, :32]], [])
-    add = st_format.ShardedWriter.add
-    def slow_add(self, name, t):
-        add(self, name, t)
-        print("writing", name, flush=True)
-        time.sleep(0.2)
-    if sys.argv[3] == "slow":
-        st_format.ShardedWriter.add = slow_add
     sys.exit(main(["quantize", "--plain", "--no-eval", "--recipe", "w8a16-int8", "--window", "32",
                    "--calib-tokens", "32", "--out", sys.argv[1]]))
 """)
@@ -256,3 +249,23 @@ def test_sigterm_ends_like_ctrl_c_and_keeps_the_previous_checkpoint(tmp_path, se
     assert "Traceback" not in err
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]                  # the staging directory removed
+
+
+# ------------------------------------------------------------------ did you mean
+@pytest.mark.parametrize("args, hint", [(["--recipe", "w4a16g32"], "did you mean w4a16-g32?"),
+                                        (["--recipe", "W8A8_FP8"], "did you mean w8a8-fp8?"),
+                                        (["--override-to", "nvfp"], "did you mean nvfp4?")])
+def test_a_misspelt_recipe_gets_the_nearest_name(monkeypatch, capsys, args, hint):
+    monkeypatch.setattr("lowbit.evaluation.workload.load_model", no_model)
+    assert main(["quantize", *args]) == 2
+    one_line_error(capsys, hint, "w8a8-int8, w8a8-int8-tensor")         # and the whole list
+
+
+@pytest.mark.parametrize("flag, hint", [("--no-evl", "--no-eval"), ("--calibdata", "--calib-data"),
+                                        ("--chat-tempalte=on", "--chat-template")])
+def test_a_misspelt_flag_gets_the_nearest_flag(monkeypatch, capsys, flag, hint):
+    monkeypatch.setattr("lowbit.evaluation.workload.load_model", no_model)
+    with pytest.raises(SystemExit) as e:
+        main(["quantize", flag])
+    assert e.value.code == 2
+    assert f"unrecognized arguments: {flag} (did you mean {hint}?)" in capsys.readouterr().err

@@ -296,6 +296,8 @@ def validate(args) -> tuple[list[str], dict, dict[str, Path]]:
                              "only with --override-to skip")
     if args.model == "minilm":
         _encoder_measures(args, "minilm is an encoder")
+        for path, flag in ((args.calib_data, "--calib-data"), (args.eval_data, "--eval-data")):
+            T.sentences_file(path, flag)
     if not args.no_save:
         _shapes_before_loading(args, recipes, overrides, override_to)
     outs = _out_dirs(args, recipes)

@@ -75,6 +75,13 @@ def _dataset_kind(p: Path, flag: str) -> None:
                          f"{KINDS}")
 
 
+def sentences_file(path, flag: str) -> None:
+    """An encoder's data: sentences, not token ids (None passes)."""
+    if path is not None and is_token_file(path):
+        raise ValueError(f"{flag} {path}: an encoder is evaluated on sentences; give a .txt (one sentence a "
+                         "line), .jsonl, .parquet or saved datasets folder")
+
+
 def read_samples(path: str | Path, flag: str, text_column: str | None = None) -> Samples:
     """The samples of a text file or saved dataset (see the module docstring)."""
     p = Path(path)

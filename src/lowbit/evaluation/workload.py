@@ -262,9 +262,7 @@ def prepare_texts(loaded: Loaded, tokens: int, calib_tokens: int, window: int, *
         new = windows(wiki_token_ids(tok, window, split="eval", lang="es-es"), window)
         return Texts(ev, calib, new, notes=notes)
     for path, flag in ((eval_data, "--eval-data"), (calib_data, "--calib-data")):
-        if path is not None and T.is_token_file(path):
-            raise ValueError(f"{flag} {path}: an encoder is evaluated on sentences; give a .txt (one sentence a "
-                             "line), .jsonl, .parquet or saved datasets folder")
+        T.sentences_file(path, flag)
 
     def enc(texts):
         return [dict(tok(texts[i:i + 16], padding=True, truncation=True, max_length=128, return_tensors="pt"))
