@@ -269,3 +269,15 @@ def test_a_misspelt_flag_gets_the_nearest_flag(monkeypatch, capsys, flag, hint):
         main(["quantize", flag])
     assert e.value.code == 2
     assert f"unrecognized arguments: {flag} (did you mean {hint}?)" in capsys.readouterr().err
+
+
+def test_the_cache_layout_is_read_the_same_without_huggingface_hub(tmp_path, monkeypatch, rng):
+    """huggingface_hub's resolution and lowbit's reading of the documented layout agree."""
+    from lowbit.io.hub_cache import cached_model
+    snap = _fake_cache(tmp_path, "acme/tiny", _model(rng))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    assert cached_model("acme/tiny") == snap
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)           # as if not installed
+    assert cached_model("acme/tiny") == snap
+    with pytest.raises(FileNotFoundError, match="not in the local Hugging Face cache"):
+        cached_model("acme/none")
