@@ -48,7 +48,8 @@ HEADLINE = re.compile(r"raises SmolLM2-135M's Wikipedia perplexity by (?P<change
 def _as_written(value: str, like: str) -> str:
     """`value` rounded to as many decimals as `like` shows (the README rounds the record's figures)."""
     decimals = len(like.split(".")[1]) if "." in like else 0
-    return f"{float(value):.{decimals}f}"
+    sign = "+" if like[0] in "+-" else ""
+    return f"{float(value):{sign}.{decimals}f}"
 
 
 def test_the_readme_headline_is_the_main_jobs_recorded_output():
