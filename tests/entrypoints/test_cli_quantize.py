@@ -15,7 +15,7 @@ import torch
 
 from lowbit.entrypoints.main import main
 from lowbit.io.outdir import MANIFEST
-from cli_fixtures import no_model
+from cli_fixtures import SLOW_WRITES, no_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -123,18 +123,10 @@ def test_an_error_while_saving_leaves_the_previous_output(tiny, tmp_path, monkey
     assert sorted(os.listdir(tmp_path)) == ["q"]
 
 
-_SLOW_SAVE = textwrap.dedent("""
-    import sys, time, torch
-    from lowbit.io import st_format
+_SLOW_SAVE = SLOW_WRITES + textwrap.dedent("""
+    import sys, torch
     from lowbit.pipelines.checkpoint import save_compressed
     from lowbit.pipelines.quantize_model import quantize_model
-    add = st_format.ShardedWriter.add
-    def slow_add(self, name, t):
-        add(self, name, t)
-        print("writing", name, flush=True)
-        time.sleep(0.2)
-    if sys.argv[3] == "slow":
-        st_format.ShardedWriter.add = slow_add
     torch.manual_seed(int(sys.argv[2]))
     m = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
     quantize_model(m, "w8a16-int8")

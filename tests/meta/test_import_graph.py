@@ -15,7 +15,7 @@ SRC = pathlib.Path(__file__).resolve().parents[2] / "src"
 # Layers, low to high: a module may import its own layer and the ones before it.
 LAYERS = [
     {"lowbit", "lowbit.formats", "lowbit.scheme", "lowbit.quantize", "lowbit.packing", "lowbit.sparsity",
-     "lowbit.profiling", "lowbit.io"},
+     "lowbit.profiling", "lowbit.io", "lowbit.progress"},
     {"lowbit.ops"},
     {"lowbit.verify"},
     {"lowbit.nn"},

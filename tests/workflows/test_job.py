@@ -11,10 +11,11 @@ import torch
 from lowbit.entrypoints.main import main
 from lowbit.evaluation import workload
 from lowbit.pipelines.checkpoint import save_compressed
-from lowbit.workflows.job import BEST, Measures, QuantizeJob, best_steps
+from lowbit.workflows.job import BEST, Measures, QuantizeJob, best_line, best_steps, step_text
 from lowbit.workflows.quantize import quantize_job
 from lowbit.workflows.steps import (AWQ, GPTQ, KVCache, MSEScales, OverrideWorst, Rotate, SmoothQuant, StaticScales,
                                     Step)
+from cli_fixtures import save_tokenizer
 from moe_fixtures import tiny_moe
 
 transformers = pytest.importorskip("transformers")
@@ -90,8 +91,10 @@ def test_library_checkpoint_is_the_clis_byte_for_byte(rng, monkeypatch, tmp_path
     loaded = workload.Loaded(f"tiny-{kind}", model, None, "causal")
     monkeypatch.setattr(workload, "load_model", lambda spec: loaded)
     monkeypatch.setattr(workload, "prepare_texts", lambda *a, **k: texts)
-    cli = tmp_path / "cli"
-    assert main(["quantize", "--model", "tiny", "--tokens", "64", "--calib-tokens", "64", "--window", "64",
+    cli, folder = tmp_path / "cli", tmp_path / "tiny"     # --model names a model folder, checked before loading
+    model.save_pretrained(folder)
+    save_tokenizer(folder)
+    assert main(["quantize", "--model", str(folder), "--tokens", "64", "--calib-tokens", "64", "--window", "64",
                  "--no-eval", "--out", str(cli), *flags]) == 0
     run = quantize_job(loaded, texts, job(), window=64, evaluate=False, progress=False)
     lib = save_compressed(run.model, tmp_path / "lib", run.summary.recipes[run.recipe], dtype=torch.float32)
@@ -123,3 +126,26 @@ def test_steps_compute_what_the_algorithms_compute_one_by_one(rng, tmp_path):
     job_dir = save_compressed(run.model, tmp_path / "job", r, dtype=torch.float32)
     want = _hashes(save_compressed(m, tmp_path / "direct", r, dtype=torch.float32))
     assert "model.safetensors" in want and _hashes(job_dir) == want
+
+
+@pytest.mark.parametrize("n_linear, fraction, by, sites", [(210, 0.05, "block", 10), (211, 0.05, "kl", 10),
+                                                           (14, 0.05, "block", 0), (40, 0.05, "block", 2),
+                                                           (19, 0.05, "kl", 0), (20, 0.05, "block", 1)])
+def test_the_site_pick_is_counted_on_this_model(n_linear, fraction, by, sites):
+    """The best-measures line counts the sites the pick keeps on the model at hand (a fraction of a
+    small model's Linears can be no site at all), by hand: floor(fraction * n_linear)."""
+    text = step_text(OverrideWorst(fraction, by=by), n_linear)
+    if sites == 0:
+        assert text == f"no site kept in high precision ({fraction:.0%} of this model's {n_linear} Linears is 0 sites)"
+    else:
+        how = "by measured next-token KL" if by == "kl" else "by block SQNR"
+        assert text == (f"the {sites} worst sites {how} kept in high precision ({fraction:.0%} of this model's "
+                        f"{n_linear} Linears)")
+
+
+def test_the_best_line_claims_no_smollm2_figure_for_another_model():
+    for recipe, best in BEST.items():
+        line = best_line(recipe, best, 14, 2048)
+        assert line.startswith(f"{recipe}: applying the measures that measured best on SmolLM2-135M")
+        assert "%" not in line.split("):", 1)[1].replace("% of this model's", "")   # no perplexity figure
+        assert "2048 calibration tokens" in line

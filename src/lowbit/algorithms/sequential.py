@@ -28,6 +28,7 @@ import torch
 
 from lowbit.archs.experts import spec_for
 from lowbit.archs.forward import run_batches
+from lowbit.progress import progress_bar
 
 
 class _Stop(Exception):
@@ -222,8 +223,7 @@ def calibrate_sequentially(model: torch.nn.Module, names: Iterable[str], batches
     replaced: dict[str, torch.nn.Module] = {}
     bar = None
     if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=len(names), desc=desc, unit="layer")
+        bar = progress_bar(total=len(names), desc=desc, unit="layer")
     try:
         blocks = decoder_blocks(model)
         todo = set(names)

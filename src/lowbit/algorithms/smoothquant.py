@@ -25,6 +25,7 @@ import torch
 from lowbit.algorithms.static_scales import calibrate_act_absmax
 from lowbit.archs.decoders import UnsupportedArchitecture, decoder_for, decoder_layers
 from lowbit.archs.experts import find_experts
+from lowbit.progress import progress_bar
 
 
 @dataclass
@@ -150,8 +151,7 @@ def smooth_model(model: torch.nn.Module, batches: Iterable, alpha: float = 0.5, 
     consumers = [c for g in groups for c in g.consumers]
     it = batches
     if progress:
-        from tqdm import tqdm
-        it = tqdm(list(batches), desc="SmoothQuant calibration", unit="batch", leave=False)
+        it = progress_bar(list(batches), desc="SmoothQuant calibration", unit="batch", leave=False)
     amax = calibrate_act_absmax(model, it, names=consumers, per_channel=True)
     return fold_from_stats(model, groups, amax, alpha, pow2)
 

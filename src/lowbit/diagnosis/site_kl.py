@@ -33,6 +33,7 @@ from lowbit.recipes.plan import linear_layers, plan
 
 from lowbit.pipelines.quantize_model import quantize_model
 from lowbit.recipes.presets import get_recipe
+from lowbit.progress import progress_bar
 
 _BLOCK = re.compile(r"^(.*\.(?:layers|layer|h|blocks))\.(\d+)\.")
 
@@ -214,8 +215,7 @@ def kl_pick(model: torch.nn.Module, batches: list, recipe, n: int, *, to: str = 
 
     it = names
     if progress:
-        from tqdm import tqdm
-        it = tqdm(names, desc=f"KL screen ({len(names)} sites)", unit="site", leave=False)
+        it = progress_bar(names, desc=f"KL screen ({len(names)} sites)", unit="site", leave=False)
     first = range(screen)
     base_screen = runner.run(0, first) if screen < len(batches) else runner.kl
     scr_tokens = sum(batches[w].shape[1] - 1 for w in first)

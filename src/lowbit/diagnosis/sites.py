@@ -23,6 +23,7 @@ from lowbit.archs.decoders import UnsupportedArchitecture
 from lowbit.nn.quant_linear import QuantLinear, linear_float
 from lowbit.recipes.plan import linear_layers, plan
 from lowbit.recipes.presets import Recipe, get_recipe
+from lowbit.progress import progress_bar
 
 # Typical of W8A8 on decoders: most sites above about 30 dB, a few down-projection inputs well below.
 GOOD_DB = 30.0
@@ -243,8 +244,7 @@ def site_report(model: torch.nn.Module, batches: Iterable, recipe: str | Recipe,
     try:
         it = list(batches)
         if progress:
-            from tqdm import tqdm
-            it = tqdm(it, desc=f"per-site SQNR ({base.name})", unit="batch", leave=False)
+            it = progress_bar(it, desc=f"per-site SQNR ({base.name})", unit="batch", leave=False)
         for b in it:
             model(**b, **extra) if isinstance(b, dict) else model(b, **extra)
             ids = b["input_ids"] if isinstance(b, dict) else b

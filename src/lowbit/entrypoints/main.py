@@ -4,9 +4,13 @@ The table below is the only place that lists them."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import difflib
 import importlib
 import os
+import signal
 import sys
+import threading
 
 # name -> (module, one-line help)
 COMMANDS = {
@@ -38,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # Import only the chosen command's module: the others may pull heavy dependencies.
     chosen = next((a for a in argv if not a.startswith("-")), None)
+    chosen_parser = None
     for name, (module_name, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
         if name == chosen:
@@ -46,12 +51,19 @@ def main(argv: list[str] | None = None) -> int:
             module = importlib.import_module(module_name)
             module.register(p)
             p.set_defaults(_run=module.run)
-    args = parser.parse_args(argv)
+            chosen_parser = p
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        (chosen_parser or parser).error(_unknown_message(unknown, chosen_parser or parser))
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 0 if args.command is None else 2
     try:
-        return int(args._run(args) or 0)
+        with _sigterm_as_interrupt():
+            return int(args._run(args) or 0)
+    except Terminated:
+        print(f"\nlowbit {args.command}: terminated (SIGTERM); an output being written was discarded", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         # Ctrl-C: files being written were staged and are discarded (lowbit.io.outdir)
         print(f"\nlowbit {args.command}: interrupted (Ctrl-C); an output being written was discarded", file=sys.stderr)
@@ -81,6 +93,39 @@ class HelpFormatter(argparse.HelpFormatter):
                 or not action.option_strings or action.help == argparse.SUPPRESS):
             return text
         return text + " (default: %(default)s)"
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a job scheduler's or `kill`'s stop) raised where the process is, as Ctrl-C's
+    KeyboardInterrupt is: every staged output (lowbit.io.outdir) is discarded on the way out."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """Within the block, SIGTERM raises Terminated (only in the main thread, where signal
+    handlers can be set; elsewhere the default, immediate exit, stays)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Terminated()
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _unknown_message(unknown: list[str], parser: argparse.ArgumentParser) -> str:
+    """argparse's "unrecognized arguments", with the nearest flag of the command for each
+    misspelt one (difflib)."""
+    flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    parts = []
+    for u in unknown:
+        near = difflib.get_close_matches(u.split("=")[0], flags, n=1, cutoff=0.6) if u.startswith("-") else []
+        parts.append(f"{u} (did you mean {near[0]}?)" if near else u)
+    return "unrecognized arguments: " + " ".join(parts)
 
 
 def _interpret_without_gpu() -> None:

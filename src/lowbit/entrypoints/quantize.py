@@ -6,6 +6,7 @@ Defaults: the embedded SmolLM2-135M-Instruct, Wikipedia text, recipe w8a8-int8."
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import shlex
@@ -13,13 +14,17 @@ import sys
 import time
 from pathlib import Path
 
+from lowbit.evaluation import text_files as T
+from lowbit.evaluation.workload import EMBEDDED, model_files, model_source, read_config, weight_files
+
 
 def register(p) -> None:
     from lowbit.recipes.presets import RECIPES
     p.add_argument("--model", default="smollm2",
                    help="smollm2 (the embedded default: SmolLM2-135M-Instruct from a Q4_1 GGUF file, dequantized; "
-                        "that is its float baseline), minilm (embedded encoder), or a model directory (Hugging Face "
-                        "or .gguf)")
+                        "that is its float baseline), minilm (embedded encoder), a model directory (Hugging Face "
+                        "or .gguf), or a model id ORG/NAME already in the local Hugging Face cache (HF_HUB_CACHE, "
+                        "HF_HOME; never downloaded)")
     p.add_argument("--recipe", default="w8a8-int8",
                    help=f"recipe, or several separated by commas (one table; any letter case): {', '.join(RECIPES)}")
     p.add_argument("--out", default=None, metavar="DIR",
@@ -28,19 +33,29 @@ def register(p) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="write into a non-empty --out that lowbit did not write: lowbit's files are added next to "
                         "the ones there, none of which is deleted or replaced")
-    p.add_argument("--tokens", type=int, default=8192, metavar="N",
-                   help="evaluation tokens, read in windows of --window")
+    p.add_argument("--tokens", type=int, default=None, metavar="N",
+                   help=f"evaluation tokens, read in windows of --window (default {EVAL_TOKENS}, or the whole windows "
+                        "of --eval-data when it holds fewer)")
     p.add_argument("--window", type=int, default=512, metavar="N",
                    help="perplexity window in tokens; windows do not overlap")
     p.add_argument("--calib-tokens", type=int, default=None, metavar="N",
                    help=f"calibration tokens (default {CALIB_TOKENS}, or as many as the recipe's best measures were "
-                        "measured with when they are applied)")
-    p.add_argument("--calib-data", metavar="FILE", default=None,
+                        "measured with when they are applied; either default gives way to the whole windows of "
+                        "--calib-data when it holds fewer)")
+    p.add_argument("--calib-data", metavar="PATH", default=None,
                    help="your calibration text instead of the embedded Wikipedia articles: .txt, .jsonl (a \"text\" "
-                        "field per line) or .safetensors (one tensor of token ids)")
-    p.add_argument("--eval-data", metavar="FILE", default=None,
-                   help="your evaluation text (same file kinds as --calib-data; keep it apart from the "
+                        "or \"messages\" field per line), .parquet, a folder saved by datasets' save_to_disk, or "
+                        ".safetensors (one tensor of token ids)")
+    p.add_argument("--eval-data", metavar="PATH", default=None,
+                   help="your evaluation text (same kinds as --calib-data; keep it apart from the "
                         "calibration text)")
+    p.add_argument("--text-column", metavar="NAME", default=None,
+                   help="the column (.parquet, saved dataset) or field (.jsonl) of --calib-data / --eval-data that "
+                        "holds the text; default 'text', else 'messages' (chat conversations)")
+    p.add_argument("--chat-template", choices=T.CHAT_MODES, default="auto",
+                   help="chat conversations in the data (a 'messages' column of role/content lists): rendered by the "
+                        "tokenizer's chat template (on; auto: where the model has one) or as their contents one per "
+                        "line (off)")
     p.add_argument("--no-eval", action="store_true",
                    help="skip the before/after evaluation (perplexity / cosine): quantize, report and save only")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
@@ -88,6 +103,10 @@ def register(p) -> None:
                         "weight). The report gives the metrics with the head quantized and in high precision. "
                         "Default: the head stays in high precision")
     p.add_argument("--no-save", action="store_true", help="evaluate only, write no checkpoint (report still written)")
+    p.add_argument("--save-float", metavar="DIR", default=None,
+                   help="also write the float baseline the report compares against (the embedded SmolLM2: its "
+                        "dequantized weights) as a transformers folder in float32 with its tokenizer, to compare "
+                        "generations")
     p.add_argument("--sequential", action="store_true",
                    help="layer by layer from the --model directory's (sharded) safetensors, Llama family and the MoE "
                         "families Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3 (experts per expert): one decoder "
@@ -116,16 +135,21 @@ REPORT_FILES = {"lowbit_report.md", "lowbit_sites.png", "lowbit_metric.png", "lo
 
 
 CALIB_TOKENS = 1024        # --calib-tokens when neither the flag nor the recipe's best measures give a count
+EVAL_TOKENS = 8192         # --tokens when not given
+FLOAT_FILES = {"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+               "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+               "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "added_tokens.json"}
 
 
-def _measures(args, recipe: str, kind: str, moe: bool = False) -> tuple[tuple, int]:
+def _measures(args, recipe: str, kind: str, moe: bool = False, n_linear: int = 0) -> tuple[tuple, int]:
     """The steps for one recipe and its calibration tokens: the flags' steps, or (no measure flag,
     no --plain, a dense causal decoder: where they were measured) the best measured ones from
     lowbit.workflows.job.BEST, printed with the reason, on the calibration tokens they were measured
-    with unless --calib-tokens is given. moe: the model has MoE experts, where no measure was measured
+    with unless --calib-tokens is given (n_linear: the model's Linears, which the line counts sites
+    of). moe: the model has MoE experts, where no measure was measured
     (SmoothQuant folds only the experts' down side there, --override-worst ranks only Linears):
     plain round to nearest, said so."""
-    from lowbit.workflows.job import Measures, best_steps
+    from lowbit.workflows.job import Measures, best_line, best_steps
     from lowbit.workflows.steps import OverrideWorst
     given = Measures(smoothquant=args.smoothquant, override_worst=args.override_worst or 0.0,
                      override_to=args.override_to, method=args.method or "rtn", awq=args.awq, rotate=args.rotate,
@@ -144,9 +168,8 @@ def _measures(args, recipe: str, kind: str, moe: bool = False) -> tuple[tuple, i
         print(f"{recipe}: the best measured measures {best.options} were measured on a dense decoder, not on "
               "MoE experts; plain round to nearest (give measure flags, e.g. --method gptq, to choose)", flush=True)
         return given, args.calib_tokens
-    print(f"{recipe}: applying the best measured measures {best.options} ({best.why}); --plain for "
-          "round to nearest alone", flush=True)
     n = args.calib_tokens if args.calib_tokens_given or not best.calib_tokens else best.calib_tokens
+    print(best_line(recipe, best, n_linear, n), flush=True)
     if n != args.calib_tokens:
         print(f"{recipe}: on {n} calibration tokens, what they were measured with (--calib-tokens sets them)",
               flush=True)
@@ -154,6 +177,14 @@ def _measures(args, recipe: str, kind: str, moe: bool = False) -> tuple[tuple, i
     picked_to = [dataclasses.replace(s, to=args.override_to) if isinstance(s, OverrideWorst) else s
                  for s in best.steps]
     return given + tuple(picked_to), n
+
+
+def _calib_texts(texts) -> list:
+    """The calibration batches of `texts`, its lines about the calibration data printed."""
+    for line in texts.notes:
+        if line.startswith("--calib-data"):
+            print(line, flush=True)
+    return texts.calib
 
 
 def _save(model, out: Path, recipe, tokenizer, dtype) -> None:
@@ -192,11 +223,7 @@ def _head_line(kind: str, mname: str, run_) -> str:
 
 def _out_dirs(args, recipes: list[str]) -> dict[str, Path]:
     """Each recipe's output directory (known before the model is loaded)."""
-    name = args.model
-    if name not in ("smollm2", "minilm"):
-        d = Path(args.model)
-        ggufs = sorted(d.glob("*.gguf")) if d.is_dir() else []
-        name = ggufs[0].stem if ggufs else d.name   # what load_model calls the model
+    name = args.model if args.model in ("smollm2", "minilm") else args.source.name   # what load_model calls it
     if args.out is None:
         return {r: Path(f"lowbit-out/{name}-{r}") for r in recipes}
     return {r: Path(args.out) / r for r in recipes} if len(recipes) > 1 else {recipes[0]: Path(args.out)}
@@ -212,6 +239,9 @@ def validate(args) -> tuple[list[str], dict, dict[str, Path]]:
     overrides = A.overrides(args.override)
     override_to = A.recipe_or_skip(args.override_to, "--override-to")
     args.override_to = override_to
+    args.tokens_given = args.tokens is not None
+    if args.tokens is None:
+        args.tokens = EVAL_TOKENS
     A.text_sizes(args.tokens, args.window)
     args.calib_tokens_given = args.calib_tokens is not None
     if args.calib_tokens is None:
@@ -235,8 +265,21 @@ def validate(args) -> tuple[list[str], dict, dict[str, Path]]:
                          "`torchrun --nproc-per-node N -m lowbit quantize ...`, or drop --distributed for one process")
     if args.no_eval and args.eval_data:
         raise ValueError("--eval-data is the evaluation text and --no-eval skips the evaluation: drop one")
-    A.text_file(args.calib_data, "--calib-data")
-    A.text_file(args.eval_data, "--eval-data")
+    args.source = model_source(args.model)       # the folder's files checked; a model id found in the cache
+    args.model_dir = None if args.source.directory is None else str(args.source.directory)
+    if args.source.hub_id:
+        print(f"--model {args.model}: the Hugging Face cache's {args.model_dir}", flush=True)
+    cfg = _model_config(args)
+    vocab = cfg.get("vocab_size") if cfg else None
+    template = _chat_template(args)
+    for path, flag, count, count_flag, given in (
+            (args.calib_data, "--calib-data", args.calib_tokens, "--calib-tokens", args.calib_tokens_given),
+            (args.eval_data, "--eval-data", args.tokens, "--tokens", args.tokens_given)):
+        A.data_file(path, flag, text_column=args.text_column, chat=args.chat_template, template=template, count=count,
+                    count_flag=count_flag, given=given, window=args.window,
+                    vocab_size=vocab if isinstance(vocab, int) else None)
+    if args.text_column is not None and not (args.calib_data or args.eval_data):
+        raise ValueError("--text-column names a column of --calib-data / --eval-data; give one of them or drop it")
     if args.smoothquant is not None:
         A.fraction(args.smoothquant, "--smoothquant ALPHA")
     with_act = [r for r in recipes if parse_recipe(r).act is not None]
@@ -253,15 +296,27 @@ def validate(args) -> tuple[list[str], dict, dict[str, Path]]:
                              "only with --override-to skip")
     if args.model == "minilm":
         _encoder_measures(args, "minilm is an encoder")
+        for path, flag in ((args.calib_data, "--calib-data"), (args.eval_data, "--eval-data")):
+            T.sentences_file(path, flag)
     if not args.no_save:
         _shapes_before_loading(args, recipes, overrides, override_to)
     outs = _out_dirs(args, recipes)
     new_files = REPORT_FILES if args.no_save else OUTPUT_FILES | {"model.safetensors"}
-    for out in outs.values():   # the report is written even with --no-save
-        try:
+    try:
+        for out in outs.values():   # the report is written even with --no-save
             check_out_dir(out, args.overwrite, new_files=new_files)
-        except OutputDirError as err:
-            raise ValueError(str(err)) from err
+        if args.save_float:
+            if args.sequential:
+                raise ValueError("--save-float writes the whole float model; --sequential never holds it: drop one")
+            if any(Path(args.save_float).resolve() == Path(o).resolve() for o in outs.values()):
+                raise ValueError(f"--save-float {args.save_float} is the checkpoint's --out; give another folder")
+            check_out_dir(args.save_float, args.overwrite, what="--save-float", new_files=FLOAT_FILES)
+    except OutputDirError as err:
+        raise ValueError(str(err)) from err
+    if args.source.directory is not None and args.source.gguf is None:
+        # weights and tokenizer there, named if not (--sequential: its calibration text checks the
+        # tokenizer, before any layer loads)
+        (weight_files if args.sequential else model_files)(args.source.directory, args.model)
     return recipes, overrides, outs
 
 
@@ -274,29 +329,40 @@ def _encoder_measures(args, why: str) -> None:
                          f"{' and '.join(bad)}")
 
 
-def _model_config(spec: str) -> dict | None:
-    """The config values that fix the Linears' K, known before loading: the embedded models' own,
-    or a Hugging Face directory's config.json (None for a GGUF directory or an unreadable one:
-    the exact check after loading covers those)."""
-    import json
+def _model_config(args) -> dict | None:
+    """The config values known before loading (the Linears' K, the vocabulary): the embedded models'
+    own, or a Hugging Face directory's config.json, read by model_files when the source was resolved
+    (None for a GGUF directory: the exact check after loading covers it)."""
     from lowbit.recipes.compat import EMBEDDED_CONFIGS
-    if spec in EMBEDDED_CONFIGS:
-        return EMBEDDED_CONFIGS[spec]
-    path = Path(spec) / "config.json"
-    if not path.is_file() or any(Path(spec).glob("*.gguf")):
+    if args.model in EMBEDDED_CONFIGS:
+        return EMBEDDED_CONFIGS[args.model]
+    if args.source.gguf is not None:
         return None
+    return read_config(args.source.directory, args.model)
+
+
+def _chat_template(args) -> bool | None:
+    """Whether the model's tokenizer has a chat template, known before loading (the embedded
+    models, a Hugging Face folder's tokenizer_config.json / chat_template.jinja); None for a GGUF
+    file (its template is read with the tokenizer)."""
+    if args.model in EMBEDDED:
+        return args.model == "smollm2"       # SmolLM2-135M-Instruct's GGUF carries ChatML; MiniLM has none
+    d = args.source.directory
+    if args.source.gguf is not None:
+        return None
+    if (d / "chat_template.jinja").is_file() or (d / "chat_template.json").is_file():
+        return True
     try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    return cfg if isinstance(cfg, dict) else None
+        return bool(json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template"))
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return False
 
 
 def _shapes_before_loading(args, recipes: list[str], overrides: dict, override_to: str) -> None:
     """Refuse a recipe whose checkpoint cannot hold the model's shapes, from the config alone. With
     --ignore / --override the layers in play are only known after loading (check_plan then)."""
     from lowbit.recipes.compat import config_in_features, refusal
-    cfg = _model_config(args.model)
+    cfg = _model_config(args)
     if cfg is None or args.ignore or overrides:
         return
     ks = config_in_features(cfg)
@@ -430,7 +496,8 @@ def run(args) -> int:
     import torch
     from lowbit.io.outdir import staged
     from lowbit.evaluation.evaluate import model_bytes, tokens_per_second
-    from lowbit.evaluation.workload import load_model, machine, metric, prepare_texts
+    from lowbit.evaluation.workload import load_model, machine, metric, prepare_texts, save_float
+    from lowbit.recipes.plan import linear_layers
     from lowbit.workflows.job import QuantizeJob
     from lowbit.workflows.steps import SmoothQuant
     from lowbit.workflows.quantize import checkpoint_bytes, quantize_job, round_float_parts
@@ -469,13 +536,23 @@ def run(args) -> int:
     dname = str(dtype).replace("torch.", "")
     rounded = f"; float parts rounded to {dname}, as the checkpoint stores them" if dtype != torch.float32 else ""
     print(f"float baseline: {loaded.origin or loaded.name}{rounded}", flush=True)
+    if args.save_float and D.rank() == 0:
+        save_float(loaded, args.save_float, overwrite=args.overwrite)
+        print(f"float baseline written to {args.save_float} (float32, transformers' layout, with its tokenizer)",
+              flush=True)
     evaluate = not args.no_eval
     data = {k: v for k, v in (("calib_data", args.calib_data), ("eval_data", args.eval_data)) if v}
+    data.update(text_column=args.text_column, chat=args.chat_template,
+                fit=frozenset(n for n, given in (("tokens", args.tokens_given),
+                                                 ("calib_tokens", args.calib_tokens_given)) if not given))
     texts = prepare_texts(loaded, args.tokens, args.calib_tokens, args.window, evaluate=evaluate, **data)
+    for line in texts.notes:
+        print(line, flush=True)
     texts.calib = D.shard(texts.calib)           # all batches in one process
     before = metric(loaded, loaded.model, None, texts, args.window, True, "float eval") if evaluate else None
     mname = "perplexity" if loaded.kind == "causal" else "embedding cosine"
-    ntok = args.tokens if loaded.kind == "causal" else len(texts.sentences)
+    ntok = (texts.eval_ids.numel() if texts.eval_ids is not None else args.tokens) if loaded.kind == "causal" \
+        else len(texts.sentences)
     itemsize = torch.empty((), dtype=dtype).element_size()
     bytes_before = model_bytes(loaded.model, itemsize)
     tps_before = tokens_per_second(loaded.model, texts.eval_ids) if texts.eval_ids is not None and evaluate \
@@ -485,13 +562,14 @@ def run(args) -> int:
         print(f"{loaded.name}: float {mname} {before:.4f} on {ntok} {unit} ({time.time() - t0:.0f} s)", flush=True)
     table = []
     moe = bool(find_experts(loaded.model))
+    n_linear = len(linear_layers(loaded.model))
     for recipe in recipes:
-        steps, n_calib = _measures(args, recipe, loaded.kind, moe=moe)
+        steps, n_calib = _measures(args, recipe, loaded.kind, moe=moe, n_linear=n_linear)
         job = QuantizeJob.build(recipe, steps, kv_cache=getattr(args, "kv_cache", None),
                                 lm_head=getattr(args, "lm_head", None), ignore=args.ignore, overrides=overrides)
         rtexts = texts if n_calib == args.calib_tokens else dataclasses.replace(
-            texts, calib=D.shard(prepare_texts(loaded, args.tokens, n_calib, args.window, evaluate=evaluate,
-                                               **data).calib))
+            texts, calib=D.shard(_calib_texts(prepare_texts(loaded, args.tokens, n_calib, args.window,
+                                                            evaluate=evaluate, **data))))
         run_ = quantize_job(loaded, rtexts, job, window=args.window, evaluate=evaluate,
                             reference=loaded.model if loaded.kind == "causal" and evaluate else None)
         sq = job.step(SmoothQuant)

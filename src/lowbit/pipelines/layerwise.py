@@ -86,6 +86,7 @@ from lowbit.profiling import memtrace
 from lowbit.quantize import static_scheme
 from lowbit.recipes.plan import plan
 from lowbit.recipes.presets import get_recipe
+from lowbit.progress import progress_bar
 
 
 # The MoE families whose layers this path quantizes: per-expert checkpoint names it maps
@@ -460,8 +461,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
         result["activation_bytes"] = sum(_stream_bytes(s) for s in streams.values())
         bar = None
         if progress:
-            from tqdm import tqdm
-            bar = tqdm(total=len(blist), desc=f"layer by layer {r.name}", unit="layer")
+            bar = progress_bar(total=len(blist), desc=f"layer by layer {r.name}", unit="layer")
         lap("first_inputs")
         result["phase_seconds_per_layer"] = []
         profiled = None

@@ -48,6 +48,7 @@ from lowbit.pipelines.moe import build_experts, keep_routers, plan_experts, swap
 from lowbit.recipes.plan import (DEFAULT_KEEP, LayerDecision, QuantSummary, layer_act, linear_layers,  # noqa: F401
                                  match, plan, tied_to_embedding)
 from lowbit.recipes.presets import Recipe, get_recipe
+from lowbit.progress import progress_bar
 
 def quantize_layer(d: LayerDecision, summary: QuantSummary, linear: torch.nn.Linear,
                    act_static_scales: dict | None = None, backend: str = "auto", mse: bool = False) -> QuantLinear:
@@ -191,8 +192,7 @@ def _quantize_linears(model, recipe, *, ignore, overrides, act_static_scales, ba
         return summary
     todo = summary.quantized
     if progress:
-        from tqdm import tqdm
-        todo = tqdm(todo, desc=f"quantize {summary.recipe}", unit="layer")
+        todo = progress_bar(todo, desc=f"quantize {summary.recipe}", unit="layer")
     new = {d.name: quantize_layer(d, summary, layers[d.name], act_static_scales, backend, mse) for d in todo}
     new_experts = build_experts(model, found, exp_decisions, summary.recipes, mse=mse)
     if act_static_scales is not None and new_experts:

@@ -31,6 +31,7 @@ from lowbit.io.st_format import CheckpointError, ShardedWriter, TensorReader, ch
 from lowbit.pipelines import moe_checkpoint as MC
 from lowbit.pipelines.moe import router_names
 from lowbit.recipes.plan import check_patterns, kept_by_default, match
+from lowbit.progress import progress_bar
 
 # Files of a checkpoint directory that are replaced, not copied.
 _REPLACED = ("config.json", "model.safetensors.index.json", "lowbit.json")
@@ -176,8 +177,7 @@ def quantize_checkpoint(in_dir: str | os.PathLike, out_dir: str | os.PathLike, r
     def write(tmp: Path):
         bar = None
         if progress:
-            from tqdm import tqdm
-            bar = tqdm(total=total, desc=f"quantize {recipe.name}", unit="tensor")
+            bar = progress_bar(total=total, desc=f"quantize {recipe.name}", unit="tensor")
         writer = ShardedWriter(tmp, max_shard_bytes)
         layers = {}
         for path in sorted(by_file):

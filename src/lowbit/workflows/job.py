@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lowbit.diagnosis.sites import override_count
 from lowbit.ops.kv_quant import KVScheme
 from lowbit.recipes.presets import Recipe, get_lm_head_recipe, get_recipe
 from lowbit.workflows.steps import (AWQ, GPTQ, KVCache, MSEScales, OverrideWorst, Rotate, SmoothQuant, StaticScales,
@@ -216,3 +217,30 @@ BEST: dict[str, Best] = {
 def best_steps(recipe: str | Recipe) -> Best | None:
     """The measured best steps for `recipe`, or None (plain round to nearest)."""
     return BEST.get(parse_recipe(recipe).name)
+
+
+def step_text(step: Step, n_linear: int) -> str:
+    """What `step` will do on a model of n_linear Linear layers, in a clause (for the CLI's lines):
+    the site pick names its count here (a fraction of a small model's Linears can be 0 sites)."""
+    if isinstance(step, OverrideWorst):
+        k = override_count(n_linear, step.fraction)
+        by = "by measured next-token KL" if step.by == "kl" else "by block SQNR"
+        to = "in high precision" if step.to == "skip" else f"in {step.to}"
+        budget = f"{step.fraction:.0%} of this model's {n_linear} Linears"
+        if k == 0:
+            return f"no site kept {to} ({budget} is 0 sites)"
+        return f"the {k} worst sites {by} kept {to} ({budget})"
+    texts = {SmoothQuant: lambda s: f"SmoothQuant (alpha {s.alpha})", AWQ: lambda s: "AWQ scales",
+             GPTQ: lambda s: "GPTQ weights", MSEScales: lambda s: "MSE-optimal scales",
+             Rotate: lambda s: f"a {s.kind} rotation", StaticScales: lambda s: "static activation scales",
+             KVCache: lambda s: f"a {s.name} KV cache"}
+    return texts[type(step)](step)
+
+
+def best_line(recipe: str | Recipe, best: Best, n_linear: int, calib_tokens: int) -> str:
+    """The line `lowbit quantize` prints when it applies a recipe's best measured steps: what they
+    do on this model (n_linear Linears, calib_tokens calibration tokens), and where they were
+    measured (SmolLM2-135M; the figures are in docs/perplexity.md, not claimed for this model)."""
+    what = "; ".join(step_text(s, n_linear) for s in best.steps)
+    return (f"{parse_recipe(recipe).name}: applying the measures that measured best on SmolLM2-135M "
+            f"(docs/perplexity.md): {what}; {calib_tokens} calibration tokens; --plain for round to nearest alone")
