@@ -3,11 +3,12 @@ float64-simulated attention kernels (an online softmax over 64-key blocks, O and
 fp32), whose accumulators are written here, not taken from lowbit: fp32 throughout; P.V in bf16
 promoted into fp32 every 64 keys; an fp8-like 14-bit accumulator (13 fraction bits, truncated, 32
 products per step, P cast to e4m3) promoted every 128 keys or never (vLLM's 128k fp8 failure)."""
+import json
 import math
 
-import pytest
 import torch
 
+from lowbit.entrypoints.main import main
 from lowbit.verify import probe_attention as PA
 
 BLOCK = 64
@@ -85,8 +86,26 @@ def test_pv_in_bf16_between_key_blocks_is_recovered():
     assert (fit.pv.bits, fit.pv.rounding, fit.pv.block, fit.pv.promote) == (7, "nearest", 1, 64), fit.pv
 
 
-@pytest.mark.parametrize("promote", [128, 0])
-def test_fp8_like_accumulator_is_recovered(promote):
-    fit = PA.probe_attention(kernel(fused(13, 32), fused(13, 32), promote, p_fp8=True), "fp8")
+def test_fp8_like_accumulator_promoted_every_128_keys_is_recovered():
+    fit = PA.probe_attention(kernel(fused(13, 32), fused(13, 32), 128, p_fp8=True), "fp8")
     assert (fit.qk.bits, fit.qk.rounding, fit.qk.block, fit.qk.promote) == (13, "trunc", 32, 0), fit.qk
-    assert (fit.pv.bits, fit.pv.rounding, fit.pv.block, fit.pv.promote) == (13, "trunc", 32, promote), fit.pv
+    assert (fit.pv.bits, fit.pv.rounding, fit.pv.block, fit.pv.promote) == (13, "trunc", 32, 128), fit.pv
+
+
+FP8_NEVER_PROMOTED = kernel(fused(13, 32), fused(13, 32), 0, p_fp8=True)     # for the command line below
+
+
+def test_fp8_like_accumulator_never_promoted_is_recovered_from_the_command_line(tmp_path, capsys):
+    path = tmp_path / "probe.json"
+    assert main(["probe", "--attention", "test_probe_attention:FP8_NEVER_PROMOTED", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    pv = [line for line in out.splitlines() if "attention P.V" in line]
+    assert len(pv) == 1 and pv[0].endswith("13 fraction bits, trunc, 32-term steps, never promoted"), out
+    fit = json.loads(path.read_text())
+    assert [fit["qk"][x] for x in ("bits", "rounding", "block", "promote")] == [13, "trunc", 32, 0], fit
+    assert [fit["pv"][x] for x in ("bits", "rounding", "block", "promote")] == [13, "trunc", 32, 0], fit
+
+
+def test_command_line_names_a_missing_kernel(capsys):
+    assert main(["probe", "--attention", "no_such_module_here:attn"]) == 2
+    assert "PYTHONPATH" in capsys.readouterr().err
