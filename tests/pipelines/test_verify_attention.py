@@ -1,11 +1,11 @@
-"""lowbit.pipelines.verify_attention.check_layer on one attention call, and lowbit.nn.attention_tap:
+"""lowbit.pipelines.verify_attention.check_layer on one attention call, and lowbit.pipelines.attention_tap:
 a bf16 SDPA over a quantized cache is held to the bf16 flash gate (sdpa_bf16_reference) and passes;
 a cache read with a wrong scale is `kv_cache_read`; the tap sees every layer of an eager model
 without changing its logits."""
 import pytest
 import torch
 
-from lowbit.nn.attention_tap import attention_tap
+from lowbit.pipelines.attention_tap import attention_tap
 from lowbit.ops.kv_quant import KVScheme, quantize_kv
 from lowbit.pipelines import verify_attention as va
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit.nn.attention_tap import attention_tap
+from lowbit.pipelines.attention_tap import attention_tap
 from lowbit.nn.kv_cache import KVCacheQuant, kv_cache_disabled
 from lowbit.ops import attention_reference as ar
 from lowbit.ops.kv_quant import quantize_kv

@@ -3,7 +3,7 @@
 
 For one forward, the model's own attention implementation (transformers' sdpa / eager / flash, or
 lowbit's quantized attention after lowbit.nn.kv_cache.enable_quantized_attention) runs under
-lowbit.nn.attention_tap, which hands each call's post-RoPE queries, the keys and values it read and
+lowbit.pipelines.attention_tap, which hands each call's post-RoPE queries, the keys and values it read and
 its output to `recorder`'s tap. Per layer:
 1. The K and V the attention read must be the cache's codes x scales in the model's dtype, bit for
    bit (LowbitKVLayer.quantized() after the forward). Anything else is a cache bug: logic,
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.nn import kv_cache as kvc
-from lowbit.nn.attention_tap import Tap
+from lowbit.pipelines.attention_tap import Tap
 from lowbit.ops import attention_reference as ar
 from lowbit.ops.kv_quant import KVQuant
 from lowbit.verify import metrics as mt

@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 
 import lowbit as lb
-from lowbit.nn.attention_tap import attention_tap
+from lowbit.pipelines.attention_tap import attention_tap
 from lowbit.nn.experts import QuantExperts
 from lowbit.nn.kv_cache import attention_modules, cache_kwarg, enable_quantized_attention
 from lowbit.nn.quant_linear import QuantLinear
