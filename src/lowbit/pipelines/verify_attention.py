@@ -44,6 +44,8 @@ from lowbit.verify.attention import check_attention
 UNQUANTIZED = ar.AttnSpec(q_format=None, p_format=None, p_block=16, causal=True)
 QUANTIZED = {"fp8": ar.AttnSpec(q_format="fp8_e4m3fn", p_format="fp8_e4m3fn"),
              "int8": ar.AttnSpec(q_format="int8", p_format="int8")}
+
+
 def unsupported(module) -> str | None:
     """Why this attention module is no causal softmax attention over every cached key, or None."""
     if getattr(module, "sliding_window", None):
