@@ -2,6 +2,7 @@
 report gives the metrics with and without the quantized cache and the checkpoint carries it."""
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -29,6 +30,11 @@ def test_kv_cache_run_reports_both_and_saves_the_scheme(tiny, tmp_path, capsys):
     printed = capsys.readouterr().out
     line = next(ln for ln in printed.splitlines() if ln.startswith("KV cache fp8-head:"))
     assert "with the KV cache unquantized" in line and line.count("top-1 agreement") == 2
+    with_kv, without = (float(x) for x in re.findall(r"perplexity (\d+\.\d+)", line))
+    cost = float(re.search(r"own cost: ([-+]\d+\.\d\d)% perplexity", line).group(1))
+    # the printed perplexities (>= 1) are rounded to 1e-4, at most 1e-4 of the ratio together (0.01
+    # points), and the cost to 0.005 points
+    assert abs(cost - 100 * (with_kv / without - 1)) <= 0.015, line
     report = (out / "lowbit_report.md").read_text()
     assert line in report and "Attention sites (KV cache" in report and "| layer | K SQNR dB |" in report
     qc = json.loads((out / "config.json").read_text())["quantization_config"]

@@ -16,41 +16,25 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from lowbit.pipelines.attention_tap import attention_tap
 from lowbit.nn.kv_cache import KVCacheQuant, kv_cache_disabled
 from lowbit.ops import attention_reference as ar
 from lowbit.ops.kv_quant import quantize_kv
 from lowbit.verify.metrics import sqnr_db
 
-_RECORD = "lowbit_record"
-_records: dict | None = None
-
-
-def _recording_forward(module, query, key, value, attention_mask, **kwargs):
-    if _records is not None:
-        _records[module.layer_idx] = (query.detach().float().cpu(), key.detach().float().cpu(),
-                                      value.detach().float().cpu(), kwargs.get("scaling"))
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-AttentionInterface.register(_RECORD, _recording_forward)
-ALL_MASK_ATTENTION_FUNCTIONS.register(_RECORD, sdpa_mask)
-
 
 @contextmanager
 def _recording(model):
-    global _records
-    before = model.config._attn_implementation
-    _records = {}
-    model.set_attn_implementation(_RECORD)
-    try:
-        yield _records
-    finally:
-        model.set_attn_implementation(before)
-        _records = None
+    """{layer index: (q, k, v as float32 CPU tensors, scaling)} of one forward's attention calls."""
+    records = {}
+
+    def tap(module, query, key, value, scaling, out):
+        records[module.layer_idx] = (query.detach().float().cpu(), key.detach().float().cpu(),
+                                     value.detach().float().cpu(), scaling)
+
+    with attention_tap(model, tap):
+        yield records
 
 
 @dataclass

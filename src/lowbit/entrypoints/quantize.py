@@ -209,7 +209,10 @@ def _compare_line(what: str, other: str, mname: str, run_, without) -> str:
     """One report line: the run's metrics (token metrics where measured) and `without` (the same
     model with one part put back in high precision)."""
     with_ = run_.tokens if run_.tokens is not None else run_.value
-    return f"{what}: {_metrics(mname, with_)}; {other}: {_metrics(mname, without)}"
+    line = f"{what}: {_metrics(mname, with_)}; {other}: {_metrics(mname, without)}"
+    if hasattr(with_, "perplexity") and hasattr(without, "perplexity"):
+        line += f"; the part's own cost: {with_.perplexity / without.perplexity - 1:+.2%} perplexity"
+    return line
 
 
 def _kv_line(kv_name: str, mname: str, run_) -> str:

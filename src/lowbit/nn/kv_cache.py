@@ -571,12 +571,18 @@ def _check_causal(mask, Tq: int, Tk: int) -> None:
                                   "mask: run it unpadded, or use the model's own attention implementation")
 
 
+def module_attn_spec(module, scaling: float | None) -> ar.AttnSpec:
+    """The AttnSpec lowbit's attention computes for `module` (enable_quantized_attention's, default
+    AttnSpec()): causal, with the softmax scale the model passes (None: 1 / sqrt(head_dim))."""
+    spec = getattr(module, "lowbit_attn_spec", None) or ar.AttnSpec()
+    return dataclasses.replace(spec, causal=True, sm_scale=scaling)
+
+
 def lowbit_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0, **kwargs):
     """transformers' attention-function signature; returns ([B, T, Hq, D], None)."""
     if dropout:
         raise NotImplementedError("lowbit attention is for inference: dropout must be 0 (call model.eval())")
-    spec = getattr(module, "lowbit_attn_spec", None) or ar.AttnSpec()
-    spec = dataclasses.replace(spec, causal=True, sm_scale=scaling)
+    spec = module_attn_spec(module, scaling)
     _check_causal(attention_mask, query.shape[2], key.shape[2])
     out = attention(query, key, value, spec)
     return out.transpose(1, 2).contiguous(), None

@@ -12,11 +12,16 @@ seeded), and every quantized layer's inputs and outputs are captured:
 - experts (QuantExperts): the output against the module's own float64 exact path on the same
   tokens and routing, within the output rounding of the model's dtype (a comparison with the exact
   twin, not a derived gate: the block chains two GEMMs and an activation);
-- attention with a quantized KV cache: not checked here yet (`lowbit audit --attention` and
-  check_attention cover the kernels).
+- attention over a quantized KV cache: each layer's post-RoPE q, the K / V it read (which must be
+  the cache's codes x scales, bit for bit) and its output, for the last `rows` queries of every
+  sequence, against the float64 attention reference of what the model's attention implementation
+  computes, gated and diagnosed by verify.check_attention (pipelines/verify_attention.py); with
+  `attention="fp8"` / `"int8"` the model runs lowbit's quantized attention (Q and P codes) instead
+  of its own implementation.
 End to end, the same sequences run through the fast model and through the exact one (every
-quantized layer's output replaced by its reference): KL(exact || fast) per token and top-1
-agreement. Time is bounded by `samples` (sequences) and `rows` (captured rows per layer).
+quantized layer's output, and every attention output over a quantized cache, replaced by its
+reference): KL(exact || fast) per token and top-1 agreement. Time is bounded by `samples`
+(sequences), `tokens` and `rows` (captured rows per layer; attention: queries per sequence).
 """
 from __future__ import annotations
 
@@ -27,20 +32,23 @@ from typing import Callable
 import torch
 
 import lowbit as lb
+from lowbit.pipelines.attention_tap import attention_tap
 from lowbit.nn.experts import QuantExperts
+from lowbit.nn.kv_cache import attention_modules, cache_kwarg, enable_quantized_attention
 from lowbit.nn.quant_linear import QuantLinear
 from lowbit.ops.reference import qlinear_reference
+from lowbit.pipelines import verify_attention as va
 from lowbit.pipelines.checkpoint import load_compressed
 from lowbit.verify.check import Verdict, check_quantized
 
-KINDS = ("dense", "experts")
+KINDS = ("dense", "experts", "attention")
 ORDER = {"ok": 0, "numerical": 1, "logic": 2}
 
 
 @dataclass
 class LayerResult:
     name: str
-    kind: str                     # "dense" | "experts"
+    kind: str                     # "dense" | "experts" | "attention"
     verdict: str                  # "ok" | "numerical" | "logic"
     worst_over_gate: float        # worst |out - reference| / gate (experts: / the rounding bound)
     rel_err: float
@@ -73,7 +81,7 @@ class ModelReport:
             if not rs:
                 continue
             worst = max(rs, key=lambda r: (ORDER[r.verdict], r.worst_over_gate))
-            lines.append(f"  {kind:8s} {self.kind_verdict(kind):9s} {len(rs)} layers, worst {worst.name} "
+            lines.append(f"  {kind:9s} {self.kind_verdict(kind):9s} {len(rs)} layers, worst {worst.name} "
                          f"(err/gate {worst.worst_over_gate:.3g}, rel err {worst.rel_err:.2e})")
             for r in rs:
                 if r.verdict != "ok":
@@ -141,16 +149,27 @@ def check_experts(name: str, module, inputs: tuple, out: torch.Tensor) -> LayerR
 
 
 def verify_model(directory, *, samples: int = 2, tokens: int = 32, rows: int = 64, device: str = "cpu",
-                 seed: int = 0, progress: Callable[[str], None] | None = None) -> ModelReport:
+                 seed: int = 0, attention: str | None = None,
+                 progress: Callable[[str], None] | None = None) -> ModelReport:
     """Load the checkpoint in `directory`, run `samples` sequences of `tokens` random ids through it
     on `device` (bf16 on CUDA: the prepared fast paths; float32 on the CPU), and check every
-    quantized layer (the first `rows` rows it saw) and the logits. See the module docstring."""
+    quantized layer (the first `rows` rows it saw), the attention over a quantized KV cache (the
+    last `rows` queries of every sequence) and the logits. attention: None runs the model's own
+    attention implementation; "fp8" / "int8" lowbit's quantized attention with Q and P in that
+    format (needs a quantized KV cache). See the module docstring."""
     say = progress or (lambda m: None)
     if samples < 1 or tokens < 2 or rows < 1:
         raise ValueError(f"samples ({samples}), tokens ({tokens}) and rows ({rows}) must be >= 1, >= 2 and >= 1")
+    if attention is not None and attention not in va.QUANTIZED:
+        raise ValueError(f"attention must be None (the model's own) or one of {sorted(va.QUANTIZED)}, got {attention!r}")
     ck = load_compressed(directory)
+    if attention is not None and ck.kv_cache is None:
+        raise ValueError(f"attention={attention!r}: {directory} quantizes no KV cache, and verify-model checks "
+                         "attention over a quantized cache only; quantize one (lowbit quantize --kv-cache fp8)")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model = ck.to_model(device=device, dtype=dtype, share_inputs=False).to(device).eval()
+    if attention is not None:
+        enable_quantized_attention(model, va.QUANTIZED[attention])
     say(f"loaded {directory} ({len(ck.qtensors)} quantized tensors) on {device} in {dtype}")
     vocab = int(ck.config.get("vocab_size") or model.config.vocab_size)
     g = torch.Generator().manual_seed(seed)
@@ -168,10 +187,11 @@ def verify_model(directory, *, samples: int = 2, tokens: int = 32, rows: int = 6
                     seen[name] = (tuple(a.detach()[:rows] for a in args), out.detach()[:rows])
         return hook
 
+    attn_seen, attn_rec = va.recorder(rows)
     handles = [m.register_forward_hook(capture(n)) for n, m in quantized.items()]
     try:
         with torch.no_grad():
-            fast = model(ids).logits.float().cpu()
+            fast, cache, implementation = _run(model, ids, attn_rec if ck.kv_cache is not None else None)
     finally:
         for h in handles:
             h.remove()
@@ -186,18 +206,53 @@ def verify_model(directory, *, samples: int = 2, tokens: int = 32, rows: int = 6
         else:
             results.append(check_experts(name, module, x, out))
         say(f"[{i + 1}/{len(quantized)}] {name}: {results[-1].verdict}")
-    exact = _exact_logits(model, quantized, ids)
+    not_checked = []
+    if ck.kv_cache is not None:
+        results += _check_attention_layers(model, cache, attn_seen, implementation, not_checked, say)
+    exact = _exact_logits(model, quantized, ids, implementation)
     lp_e, lp_f = torch.log_softmax(exact, -1), torch.log_softmax(fast, -1)
     kl = float((lp_e.exp() * (lp_e - lp_f)).sum(-1).mean())
     top1 = float((exact.argmax(-1) == fast.argmax(-1)).double().mean())
-    not_checked = ["attention over the quantized KV cache (check its kernel: lowbit audit --attention)"] \
-        if ck.kv_cache is not None else []
     return ModelReport(str(directory), device, results, kl, top1, samples * tokens, not_checked)
 
 
-def _exact_logits(model, quantized: dict, ids: torch.Tensor) -> torch.Tensor:
+def _run(model, ids: torch.Tensor, tap):
+    """(logits, the quantized KV cache the forward filled or None, the attention implementation
+    tapped or None): one forward, through the model's quantized cache and `tap` when given."""
+    if tap is None:
+        return model(ids).logits.float().cpu(), None, None
+    cache = model.lowbit_kv_cache.new_cache()
+    with attention_tap(model, tap) as implementation:
+        logits = model(ids, **{cache_kwarg(model): cache}).logits.float().cpu()
+    return logits, cache, implementation
+
+
+def _check_attention_layers(model, cache, seen: dict, implementation, not_checked: list, say) -> list[LayerResult]:
+    """verify_attention.check_layer for every attention module the tap saw; what it could not see
+    is listed in not_checked."""
+    if implementation is None:
+        not_checked.append(f"attention over the quantized KV cache: {type(model).__name__} does not dispatch "
+                           "attention through transformers' AttentionInterface (check its kernel: lowbit audit "
+                           "--attention)")
+        return []
+    out = []
+    for i, (name, module) in sorted(attention_modules(model).items()):
+        why = va.unsupported(module)
+        if why is not None or module not in seen:
+            not_checked.append(f"{name}: attention with {why} (the reference is causal softmax attention over "
+                               "every cached key)" if why else f"{name}: its attention was not called")
+            continue
+        s = seen[module]
+        c = va.check_layer(s, cache.layers[i].quantized(), va.layer_spec(module, implementation, s.scaling))
+        out.append(LayerResult(name, "attention", c.verdict, c.worst_over_gate, c.rel_err, c.cause))
+        say(f"[attention {i + 1}/{len(seen)}] {name} ({implementation}): {c.verdict}")
+    return out
+
+
+def _exact_logits(model, quantized: dict, ids: torch.Tensor, implementation: str | None) -> torch.Tensor:
     """The logits with every quantized layer's output replaced by its float64 reference (dense) or
-    the exact path (experts), cast back to the layer's output dtype."""
+    the exact path (experts), and every attention output over the quantized cache by its float64
+    reference (when the fast run tapped it), cast back to the layer's output dtype."""
     def dense(module, args, out):
         x2 = args[0].detach().reshape(-1, args[0].shape[-1]).cpu()
         ref = qlinear_reference(_dense_reference(module, x2), module.weight_q, module.bias)
@@ -214,7 +269,9 @@ def _exact_logits(model, quantized: dict, ids: torch.Tensor) -> torch.Tensor:
     handles = [m.register_forward_hook(dense if isinstance(m, QuantLinear) else experts) for m in quantized.values()]
     try:
         with torch.no_grad():
-            return model(ids).logits.float().cpu()
+            if implementation is None:
+                return model(ids).logits.float().cpu()
+            return _run(model, ids, va.exact_tap(implementation))[0]
     finally:
         for h in handles:
             h.remove()

@@ -77,6 +77,11 @@ def _pow2_pair(e: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.T
     return torch.exp2(ea.double()), torch.exp2((e - ea).double())
 
 
+def block_positions(k: int) -> list[int]:
+    """Where the block vectors put -2^E: every position up to twice the widest step, then every 16th."""
+    return [p for p in range(1, 2 * max(BLOCKS) + 1) if p < k] + list(range(2 * max(BLOCKS) + 16, k, 16))
+
+
 @dataclass
 class Vectors:
     """The three vector sets: name -> (a [R, K], b [R, K]) float64, and the big exponent E."""
@@ -86,10 +91,11 @@ class Vectors:
     block_rows: list
 
 
-def vectors(emin: int, emax: int, k: int = K) -> Vectors:
+def vectors(emin: int, emax: int, k: int = K, E: int | None = None) -> Vectors:
     """Test vectors for an input format whose normal-or-subnormal powers of two span 2^emin ..
-    2^emax (e4m3: -9 .. 8; e5m2: -16 .. 15; fp16: -24 .. 15; bf16: -133 .. 127; int8 codes 0 .. 6)."""
-    E = min(2 * emax, 30)
+    2^emax (e4m3: -9 .. 8; e5m2: -16 .. 15; fp16: -24 .. 15; bf16: -133 .. 127; int8 codes 0 .. 6).
+    E: the big exponent (default the largest product's, at most 30)."""
+    E = min(2 * emax, 30) if E is None else E
     lo_e = 2 * emin
     sets = {}
     js = torch.tensor([j for j in range(1, 41) if E - j - 1 >= lo_e + 1])
@@ -105,7 +111,7 @@ def vectors(emin: int, emax: int, k: int = K) -> Vectors:
         x, y = _pow2_pair(E - js - 1, emin + 1, emax - 1)   # 1.5 * 2^emin is not exact, 1.5 * 2^(emin+1) is
         a2[rows, 1], b2[rows, 1] = sgn * 1.5 * x, y          # 0.75 * 2^(E - j), 1.5 exact in every format
     sets["round"] = (a2, b2)
-    ps = list(range(1, 2 * max(BLOCKS) + 1)) + list(range(2 * max(BLOCKS) + 16, k, 16))
+    ps = block_positions(k)
     a3 = torch.ones(len(ps), k, dtype=torch.float64)
     b3 = torch.ones(len(ps), k, dtype=torch.float64)
     big_a, big_b = _pow2_pair(torch.tensor([E]), emin, emax)
@@ -132,19 +138,24 @@ class Fit:
         return asdict(self)
 
 
-def fit(outputs: dict, vec: Vectors) -> Fit:
-    """The models reproducing every measured output exactly. outputs: set name -> [R] float64.
-    Thousands of small steps: one thread is faster than a team (and 10x so on a loaded machine)."""
+def _equal(name: str, simulated: torch.Tensor, measured: torch.Tensor) -> bool:
+    return bool(torch.equal(simulated, measured.double()))
+
+
+def fit(outputs: dict, vec: Vectors, agree=_equal) -> Fit:
+    """The models reproducing every measured output. outputs: set name -> [R] float64; agree(name,
+    simulated, measured) -> bool decides (default: exactly equal). Thousands of small steps: one
+    thread is faster than a team (and 10x so on a loaded machine)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _fit(outputs, vec)
+        return _fit(outputs, vec, agree)
     finally:
         torch.set_num_threads(before)
 
 
-def _fit(outputs: dict, vec: Vectors) -> Fit:
-    same = lambda m, name: bool(torch.equal(simulate(m, *vec.sets[name]), outputs[name].double()))  # noqa: E731
+def _fit(outputs: dict, vec: Vectors, agree) -> Fit:
+    same = lambda m, name: agree(name, simulate(m, *vec.sets[name]), outputs[name])  # noqa: E731
     bits = [n for n in BITS if same(Model(n, "trunc", BLOCKS[-1]), "bits")]
     if not bits:
         return Fit(False, note="no fraction-bit count reproduces the bits vectors (not a fused aligned adder, or "
@@ -163,7 +174,7 @@ def _fit(outputs: dict, vec: Vectors) -> Fit:
             got = _run(n, r, blk, torch.tensor(prs).repeat_interleave(R), a3.repeat(len(prs), 1),
                        b3.repeat(len(prs), 1))
             found += [Model(n, r, blk, pr) for i, pr in enumerate(prs)
-                      if torch.equal(got[i * R:(i + 1) * R], outputs["block"].double())]
+                      if agree("block", got[i * R:(i + 1) * R], outputs["block"])]
     if not found:
         return Fit(False, bits=n, rounding=rounds[0], note="no step width / promotion interval reproduces the block "
                                                              "vectors (a summation tree?)")
