@@ -45,8 +45,8 @@ def register(p) -> None:
                    help="skip the before/after evaluation (perplexity / cosine) and the per-site report: quantize "
                         "and save only")
     p.add_argument("--no-sites", action="store_true",
-                   help="skip the per-site SQNR report (computed all the same where --override-worst picks sites "
-                        "by it)")
+                   help="skip the per-site SQNR report of round to nearest's codes (not run with GPTQ either; "
+                        "computed all the same where --override-worst picks sites by it)")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
                    help="dtype of the tensors kept in high precision (embeddings, norms, skipped Linears) in the "
                         "checkpoint and in the model evaluated; by default (auto) what the source stores "
@@ -433,7 +433,7 @@ def run(args) -> int:
     from lowbit.evaluation.evaluate import float_reference, model_bytes, tokens_per_second
     from lowbit.evaluation.workload import load_model, machine, metric, prepare_texts
     from lowbit.workflows.job import QuantizeJob
-    from lowbit.workflows.steps import SmoothQuant
+    from lowbit.workflows.steps import GPTQ, SmoothQuant
     from lowbit.workflows.quantize import checkpoint_bytes, quantize_job, round_float_parts
     from lowbit.diagnosis.report import QuantizeResult, optional_png, write_report
     from lowbit.diagnosis.sites import plot_sites
@@ -497,8 +497,13 @@ def run(args) -> int:
         rtexts = texts if n_calib == args.calib_tokens else dataclasses.replace(
             texts, calib=D.shard(prepare_texts(loaded, args.tokens, n_calib, args.window, evaluate=evaluate,
                                                **data).calib))
-        run_ = quantize_job(loaded, rtexts, job, window=args.window, evaluate=evaluate,
-                            sites=evaluate and not args.no_sites,
+        # the per-site report diagnoses round to nearest's codes: shown when those are the codes
+        # saved, or when a step picks sites by it (quantize_job then runs it all the same)
+        sites = evaluate and not args.no_sites and job.step(GPTQ) is None
+        if evaluate and not args.no_sites and not sites:
+            print(f"{recipe}: no per-site report: GPTQ chooses the codes, and the report diagnoses round to "
+                  f"nearest's (`lowbit sites --recipe {recipe}` shows them)", flush=True)
+        run_ = quantize_job(loaded, rtexts, job, window=args.window, evaluate=evaluate, sites=sites,
                             reference=reference)
         sq = job.step(SmoothQuant)
         reps = [r for r in (run_.sites_before, run_.sites_after) if r is not None]
