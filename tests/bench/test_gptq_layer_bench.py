@@ -17,7 +17,7 @@ def test_gptq_layer_bench_runs_small(tmp_path, rng):
     spec.loader.exec_module(mod)
     layers = int(rng.initial_seed() % 7) + 2
     out = tmp_path / "r.json"
-    assert mod.main(["--device", "cpu", "--hidden", "64", "--intermediate", "96", "--heads", "4", "--kv-heads", "2",
+    assert mod.main(["--device", "cpu", "--hidden", "128", "--intermediate", "256", "--heads", "4", "--kv-heads", "2",
                      "--vocab", "128", "--sequences", "2", "--seq-len", "40", "--threads", "1",
                      "--model-layers", str(layers), "--work", str(tmp_path), "--json", str(out)]) == 0
     r = json.loads(out.read_text())
