@@ -82,3 +82,37 @@ def test_awq_then_quantize(rng):
     awq_model(model, "w4a16-g32", batches)
     s = lb.nn.quantize_model(model, "w4a16-g32")
     assert len(s.quantized) == 14
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_candidate_losses_within_the_float32_gate(rng, monkeypatch, chunk):
+    """candidate_losses (candidates quantized together, D H in float32) against scaled_loss (one
+    candidate, float64) on odd shapes (K not a multiple of the group: padded) and inputs with a
+    mean and outlier channels (H far from diagonal): within (gamma_K + 4u) tr(|D| |H| |D|^T) (the
+    docstring's gate plus u for the float64 sum's own rounding, far below it), and the pick's
+    float64 loss within twice that gate of the float64 minimum."""
+    import lowbit.algorithms.awq as awq
+    from lowbit.algorithms.gptq.hessian import HessianAccumulator
+    N, K = int(torch.randint(9, 40, (1,), generator=rng)), int(torch.randint(40, 100, (1,), generator=rng))
+    ws = [torch.randn(N, K, generator=rng) * 0.05 for _ in range(2)]
+    x = torch.randn(300, K, generator=rng) + torch.rand(K, generator=rng)
+    x[:, :3] *= 15
+    acc = HessianAccumulator(K)
+    acc.add(x)
+    h = acc.hessian()
+    scheme = get_recipe("w4a16-g32").weight
+    factors = torch.stack([awq_factors(x.abs().mean(0), a) for a in awq.GRID])
+    monkeypatch.setattr(awq, "CHUNK_ELEMENTS", chunk * N * K)
+    got = awq.candidate_losses(ws, h, factors, scheme)
+    u = 2.0 ** -24
+    gamma = K * u / (1 - K * u)
+    gates = []
+    for c, s in enumerate(factors):
+        want = scaled_loss(ws, h, s, scheme)
+        spread = sum(float(((d.abs() @ h.abs()) * d.abs()).sum())
+                     for d in (w.double() - awq.scaled_quantized(w, s[None], scheme)[0] for w in ws))
+        gates.append((gamma + 4 * u) * spread)
+        assert abs(float(got[c]) - want) <= gates[-1], (c, float(got[c]), want)
+    exact = [scaled_loss(ws, h, s, scheme) for s in factors]
+    pick = int(got.argmin())
+    assert exact[pick] <= min(exact) + 2 * max(gates)

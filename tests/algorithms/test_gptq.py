@@ -321,6 +321,44 @@ def test_sequential_order(rng):
     assert not all(torch.equal(a, b) for a, b in zip(got[last], float_seen[last]))
 
 
+def test_reused_outputs_are_the_computed_ones(rng, monkeypatch):
+    """The outputs the replaced Linears give again while a block is re-run for its later groups
+    (sequential._Reuse) are the ones they compute: every handler input and the finished model's
+    logits equal those of a run that reuses nothing, with fewer Linear computations."""
+    import lowbit.algorithms.sequential as seq
+    scheme = lb.QuantScheme(format="int4", strategy="group", group_size=16)
+    batches = _batches(rng)
+    base = tiny_llama(rng, layers=2)
+    calls = [0]
+    forward = QuantLinear.forward
+
+    def counted(self, x):
+        calls[0] += 1
+        return forward(self, x)
+    monkeypatch.setattr(QuantLinear, "forward", counted)
+
+    def run(reuse_bytes):
+        monkeypatch.setattr(seq, "REUSE_BYTES", reuse_bytes)
+        model, got = copy.deepcopy(base), {}
+        calls[0] = 0
+
+        def handle(names, xs):
+            got.update({n: xs for n in names})
+            return {n: QuantLinear.from_linear(model.get_submodule(n), scheme) for n in names}
+        names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+        calibrate_sequentially(model, names, batches, handle)
+        assert not any("forward" in m.__dict__ for m in model.modules())    # nothing left wrapped
+        with torch.no_grad():
+            return got, calls[0], [model(b).logits for b in batches]
+    default = seq.REUSE_BYTES
+    fresh, n_fresh, out_fresh = run(0)
+    reused, n_reused, out_reused = run(default)
+    assert fresh.keys() == reused.keys()
+    assert all(torch.equal(a, b) for n in fresh for a, b in zip(fresh[n], reused[n]))
+    assert all(torch.equal(a, b) for a, b in zip(out_fresh, out_reused))
+    assert n_reused < n_fresh
+
+
 def test_gptq_model(rng):
     """Model level: every quantized layer's output loss on its calibration inputs is <= RTN's, the
     layers are QuantLinears with the recipe's schemes, lm_head stays float, and an error leaves

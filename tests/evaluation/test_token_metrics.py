@@ -200,3 +200,21 @@ def test_measure_goes_on_after_any_configuration_error(tmp_path, monkeypatch, ca
     assert f"{bad}" in printed and "FAILED: TypeError: unsupported operand" in printed and "Traceback" in printed
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert sorted(r["key"] for r in rows) == sorted(["float | none"] + [k for k in keys if k != bad])
+
+
+def test_float_reference_is_one_pass_of_both(rng, monkeypatch):
+    """float_reference: perplexity() and reference_logits() from one pass, bit for bit, and the
+    metrics of a quantized stand-in against its logits are those against the model run again;
+    logits beyond REFERENCE_BYTES are not kept (the model itself is the reference)."""
+    from lowbit.evaluation import evaluate
+    a, b, ids, window = _pair(rng)
+    a.config = SimpleNamespace(vocab_size=a.out.shape[1])
+    ppl, logits = evaluate.float_reference(a, ids, window)
+    assert ppl == perplexity(a, ids, window)
+    want = reference_logits(a, ids, window)
+    assert len(logits) == len(want) and all(torch.equal(x, y) for x, y in zip(logits, want))
+    assert token_metrics(b, ids, logits, window) == token_metrics(b, ids, a, window)
+    rows = (len(ids) // window) * (window - 1)
+    monkeypatch.setattr(evaluate, "REFERENCE_BYTES", 4 * a.out.shape[1] * rows - 1)
+    ppl2, ref = evaluate.float_reference(a, ids, window)
+    assert ref is a and ppl2 == ppl

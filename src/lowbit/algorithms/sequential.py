@@ -191,22 +191,83 @@ def as_kwargs(inputs: list[tuple[tuple, dict]]) -> list[dict]:
 
 Handler = Callable[[list[str], list[torch.Tensor]], dict[str, torch.nn.Module]]
 
+# Bytes of inputs and outputs _Reuse may hold for one stage (its copies of them).
+REUSE_BYTES = 1 << 30
+
+
+class _Reuse:
+    """The outputs of the modules a handler put in place (GPTQ's QuantLinears: fixed once built),
+    reused while one stage is calibrated. The stage runs from its start again for every later group
+    (and once more for the next stage's inputs), calling each replaced module with the inputs it
+    saw before; such a call returns a copy of the output it gave then instead of computing it
+    again. The input is compared (torch.equal), not assumed, so the values are those the module
+    would compute; inputs and outputs are kept as copies, so a caller that changes either in
+    place changes nothing kept. A module handed back unchanged (AWQ's: a later fold may still
+    change its weight) or taking more than one argument (experts) is not wrapped, and at most
+    REUSE_BYTES are held (calls beyond it are computed as usual)."""
+
+    def __init__(self):
+        self.mods: list[torch.nn.Module] = []
+        self.bytes = 0
+
+    def wrap(self, mod: torch.nn.Module) -> None:
+        if "forward" in mod.__dict__ or spec_for(mod) is not None:
+            return
+        seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+        compute = mod.forward
+        nxt = [0]       # the batches come in the same order on every run: try the next one first
+
+        def forward(*args, **kwargs):
+            x = args[0] if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor) else None
+            if x is not None and seen:
+                for j in [nxt[0] % len(seen)] + list(range(len(seen))):
+                    x0, y0 = seen[j]
+                    if x0.shape == x.shape and x0.dtype == x.dtype and torch.equal(x0, x):
+                        nxt[0] = j + 1
+                        return y0.clone()
+            y = compute(*args, **kwargs)
+            if x is not None and isinstance(y, torch.Tensor):
+                size = x.numel() * x.element_size() + y.numel() * y.element_size()
+                if self.bytes + size <= REUSE_BYTES:
+                    seen.append((x.detach().clone(), y.detach().clone()))
+                    self.bytes += size
+            return y
+
+        mod.forward = forward
+        self.mods.append(mod)
+
+    def clear(self) -> None:
+        for m in self.mods:
+            m.__dict__.pop("forward", None)
+        self.mods, self.bytes = [], 0
+
 
 def run_stage(stage, inputs, names: list[str], handle: Handler, replaced: dict, prefix: str, bar,
-              groups: list[list[str]] | None = None) -> list[list[str]]:
+              groups: list[list[str]] | None = None, reuse: _Reuse | None = None) -> list[list[str]]:
     """Replace the Linears `names` of `stage` group by group (handle), in execution order; returns
     the groups. groups: the execution groups when known (e.g. from an identical earlier decoder
-    layer: lowbit.pipelines.layerwise), which saves the forward pass that finds them."""
-    if groups is None:
-        groups = _execution_groups(stage, inputs, names)
-    for group in groups:
-        xs = _collect(stage, inputs, group[0])
-        new = handle([prefix + n for n in group], xs)
-        for n in group:
-            replaced[prefix + n] = stage.get_submodule(n)
-            _set(stage, n, new[prefix + n])
-        if bar is not None:
-            bar.update(len(group))
+    layer: lowbit.pipelines.layerwise), which saves the forward pass that finds them. reuse: the
+    caller's _Reuse (it clears it after its own last run of the stage); None: one of its own,
+    cleared on return."""
+    own = reuse is None
+    reuse = _Reuse() if own else reuse
+    try:
+        if groups is None:
+            groups = _execution_groups(stage, inputs, names)
+        for group in groups:
+            xs = _collect(stage, inputs, group[0])
+            new = handle([prefix + n for n in group], xs)
+            for n in group:
+                old = stage.get_submodule(n)
+                replaced[prefix + n] = old
+                _set(stage, n, new[prefix + n])
+                if new[prefix + n] is not old:
+                    reuse.wrap(new[prefix + n])
+            if bar is not None:
+                bar.update(len(group))
+    finally:
+        if own:
+            reuse.clear()
     return groups
 
 
@@ -236,11 +297,15 @@ def calibrate_sequentially(model: torch.nn.Module, names: Iterable[str], batches
                     inputs = _with_kwargs(inputs, per_block[i])
                 prefix = f"{bname}.{i}." if bname else f"{i}."
                 mine = [n[len(prefix):] for n in names if n.startswith(prefix)]
-                if mine:
-                    run_stage(block, inputs, mine, handle, replaced, prefix, bar)
-                todo -= {prefix + n for n in mine}
-                if i + 1 < len(blist):
-                    inputs = next_block_inputs(block, inputs)
+                reuse = _Reuse()
+                try:
+                    if mine:
+                        run_stage(block, inputs, mine, handle, replaced, prefix, bar, reuse=reuse)
+                    todo -= {prefix + n for n in mine}
+                    if i + 1 < len(blist):
+                        inputs = next_block_inputs(block, inputs)
+                finally:
+                    reuse.clear()
         rest = [n for n in names if n in todo]
         if rest:
             run_stage(model, [_batch_call(b) for b in batches], rest, handle, replaced, "", bar)

@@ -57,7 +57,11 @@ def register(p) -> None:
                         "tokenizer's chat template (on; auto: where the model has one) or as their contents one per "
                         "line (off)")
     p.add_argument("--no-eval", action="store_true",
-                   help="skip the before/after evaluation (perplexity / cosine): quantize, report and save only")
+                   help="skip the before/after evaluation (perplexity / cosine) and the per-site report: quantize "
+                        "and save only")
+    p.add_argument("--no-sites", action="store_true",
+                   help="skip the per-site SQNR report of round to nearest's codes (not run with GPTQ either; "
+                        "computed all the same where --override-worst picks sites by it)")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
                    help="dtype of the tensors kept in high precision (embeddings, norms, skipped Linears) in the "
                         "checkpoint and in the model evaluated; by default (auto) what the source stores "
@@ -498,11 +502,11 @@ def run(args) -> int:
     """Bad input raises ValueError / FileNotFoundError; lowbit.entrypoints.main prints it without a traceback."""
     import torch
     from lowbit.io.outdir import staged
-    from lowbit.evaluation.evaluate import model_bytes, tokens_per_second
+    from lowbit.evaluation.evaluate import float_reference, model_bytes, tokens_per_second
     from lowbit.evaluation.workload import load_model, machine, metric, prepare_texts, save_float
     from lowbit.recipes.plan import linear_layers
     from lowbit.workflows.job import QuantizeJob
-    from lowbit.workflows.steps import SmoothQuant
+    from lowbit.workflows.steps import GPTQ, SmoothQuant
     from lowbit.workflows.quantize import checkpoint_bytes, quantize_job, round_float_parts
     from lowbit.diagnosis.report import QuantizeResult, optional_png, write_report
     from lowbit.diagnosis.sites import plot_sites
@@ -552,7 +556,11 @@ def run(args) -> int:
     for line in texts.notes:
         print(line, flush=True)
     texts.calib = D.shard(texts.calib)           # all batches in one process
-    before = metric(loaded, loaded.model, None, texts, args.window, True, "float eval") if evaluate else None
+    before, reference = None, None
+    if evaluate and loaded.kind == "causal":     # one float pass: its perplexity and every recipe's reference
+        before, reference = float_reference(loaded.model, texts.eval_ids, args.window, True, "float eval")
+    elif evaluate:
+        before = metric(loaded, loaded.model, None, texts, args.window, True, "float eval")
     mname = "perplexity" if loaded.kind == "causal" else "embedding cosine"
     ntok = (texts.eval_ids.numel() if texts.eval_ids is not None else args.tokens) if loaded.kind == "causal" \
         else len(texts.sentences)
@@ -573,12 +581,20 @@ def run(args) -> int:
         rtexts = texts if n_calib == args.calib_tokens else dataclasses.replace(
             texts, calib=D.shard(_calib_texts(prepare_texts(loaded, args.tokens, n_calib, args.window,
                                                             evaluate=evaluate, **data))))
-        run_ = quantize_job(loaded, rtexts, job, window=args.window, evaluate=evaluate,
-                            reference=loaded.model if loaded.kind == "causal" and evaluate else None)
+        # the per-site report diagnoses round to nearest's codes: shown when those are the codes
+        # saved, or when a step picks sites by it (quantize_job then runs it all the same)
+        sites = evaluate and not args.no_sites and job.step(GPTQ) is None
+        if evaluate and not args.no_sites and not sites:
+            print(f"{recipe}: no per-site report: GPTQ chooses the codes, and the report diagnoses round to "
+                  f"nearest's (`lowbit sites --recipe {recipe}` shows them)", flush=True)
+        run_ = quantize_job(loaded, rtexts, job, window=args.window, evaluate=evaluate, sites=sites,
+                            reference=reference)
         sq = job.step(SmoothQuant)
-        print(run_.sites_before)
-        if run_.sites_after is not None:
-            print("after SmoothQuant:\n" + str(run_.sites_after))
+        reps = [r for r in (run_.sites_before, run_.sites_after) if r is not None]
+        labels = ([f"{recipe}"] if run_.sites_before is not None else []) + \
+            ([f"{recipe} + SmoothQuant"] if run_.sites_after is not None else [])
+        for r, label in zip(reps, labels):
+            print(("" if label == recipe else "after SmoothQuant:\n") + str(r))
         if run_.overrides:
             print("overridden worst sites: " + ", ".join(f"{k} -> {v}" for k, v in run_.overrides.items()))
         print(run_.summary)
@@ -593,9 +609,9 @@ def run(args) -> int:
             bytes_label=f"weight bytes (float parts in {dname}; quantized: "
                         f"{'estimated, not saved' if args.no_save else 'the checkpoint on disk'})",
             baseline=(loaded.origin or loaded.name) + rounded,
-            sites_markdown=[("Worst sites" + (" before SmoothQuant" if run_.sites_after else ""),
-                             run_.sites_before.to_markdown(10))]
-            + ([("Worst sites after SmoothQuant", run_.sites_after.to_markdown(10))] if run_.sites_after else []))
+            sites_markdown=[("Worst sites" + (" before SmoothQuant" if label == recipe and len(reps) > 1 else
+                                              "" if label == recipe else " after SmoothQuant"), r.to_markdown(10))
+                            for r, label in zip(reps, labels)])
         if run_.float_head is not None:
             res.extra.append(_head_line(args.lm_head, mname, run_))
             print(res.extra[-1], flush=True)
@@ -621,9 +637,7 @@ def run(args) -> int:
                 _save(run_.model, stage, job.recipe, loaded.tokenizer, dtype)
                 res.checkpoint = str(out)
                 res.bytes_after = checkpoint_bytes(stage)
-            reps = [run_.sites_before] + ([run_.sites_after] if run_.sites_after else [])
-            labels = [f"{recipe}"] + ([f"{recipe} + SmoothQuant"] if run_.sites_after else [])
-            png = optional_png(plot_sites, reps, str(stage / "lowbit_sites.png"), labels=labels)
+            png = optional_png(plot_sites, reps, str(stage / "lowbit_sites.png"), labels=labels) if reps else None
             if routing is not None:
                 rpng = optional_png(plot_routing, routing, str(stage / "lowbit_routing.png"))
                 if rpng:

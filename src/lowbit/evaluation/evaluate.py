@@ -18,6 +18,13 @@ def perplexity(model: torch.nn.Module, ids: torch.Tensor, window: int = 512, pro
     """exp(mean next-token negative log-likelihood) over non-overlapping windows of `window`
     tokens of the 1-D id tensor `ids` (each window predicts its tokens 2..window; a tail shorter
     than a window is dropped). The NLL sum is accumulated in float64."""
+    return _perplexity_pass(model, ids, window, progress, desc, None)
+
+
+def _perplexity_pass(model: torch.nn.Module, ids: torch.Tensor, window: int, progress: bool, desc: str,
+                     keep: list | None) -> float:
+    """perplexity(); with `keep` a list, each window's float32 logits [window - 1, vocab] are also
+    appended to it on the CPU (reference_logits' values: the same forward, the same cast)."""
     from lowbit.evaluation.embedded import windows
     if ids.dim() != 1:
         raise ValueError(f"ids must be a 1-D token-id tensor, got shape {tuple(ids.shape)}")
@@ -28,9 +35,32 @@ def perplexity(model: torch.nn.Module, ids: torch.Tensor, window: int = 512, pro
     total, count = 0.0, 0
     for w in ws:
         w = w.to(device)
-        total += _window_nll(model(w).logits[0, :-1].float(), w[0, 1:])
+        logits = model(w).logits[0, :-1].float()
+        total += _window_nll(logits, w[0, 1:])
         count += w.shape[1] - 1
+        if keep is not None:
+            keep.append(logits.cpu())
     return math.exp(total / count)
+
+
+# Bytes of float32 reference logits (4 x vocab per evaluated token) that float_reference keeps in
+# memory for later comparisons; above it the float model is run again beside each quantized one.
+REFERENCE_BYTES = 4 << 30
+
+
+@torch.no_grad()
+def float_reference(model: torch.nn.Module, ids: torch.Tensor, window: int = 512, progress: bool = False,
+                    desc: str = "float eval") -> tuple[float, list[torch.Tensor] | torch.nn.Module]:
+    """The float model's perplexity and the reference token_metrics compares quantized models
+    with, from ONE pass over the windows: its logits (reference_logits' values; the perplexity is
+    perplexity()'s, bit for bit) when they fit in REFERENCE_BYTES, else the model itself (run
+    again per quantized model, holding no logits)."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    rows = (ids.numel() // window) * (window - 1)
+    if vocab is None or 4 * vocab * rows > REFERENCE_BYTES:
+        return perplexity(model, ids, window, progress, desc), model
+    logits: list[torch.Tensor] = []
+    return _perplexity_pass(model, ids, window, progress, desc, logits), logits
 
 
 def _window_nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
