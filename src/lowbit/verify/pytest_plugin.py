@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import pytest
 
+from lowbit.verify.testing import assert_linear_close, summary
+
 _KEYS = ("x_scheme", "w_scheme", "accumulator", "bias", "out_dtype")
 _VERDICTS = pytest.StashKey[list]()      # the verdicts of the running test, for its report
 
@@ -30,8 +32,6 @@ def pytest_configure(config):
 def lowbit_check(request):
     """A function (out, x, w, **schemes) -> Verdict that asserts like lowbit.testing.assert_linear_close,
     taking unspecified schemes from the test's `lowbit` marker."""
-    from lowbit.verify.testing import assert_linear_close, summary
-
     mark = request.node.get_closest_marker("lowbit")
     defaults = dict(mark.kwargs) if mark else {}
     unknown = sorted(set(defaults) - set(_KEYS))
