@@ -2,9 +2,8 @@
 
 Enable it with `-p lowbit.verify.pytest_plugin` on the command line or `pytest_plugins =
 ["lowbit.verify.pytest_plugin"]` in a conftest.py. It is not registered as an automatic pytest11
-entry point: loading lowbit's verification imports torch and lowbit's references (seconds), which
-every pytest run in the environment would pay. This module itself imports only pytest; lowbit is
-imported when a test first uses the fixture.
+entry point: loading it imports torch and lowbit's references (seconds), which every pytest run in
+the environment would pay.
 
     @pytest.mark.lowbit(x_scheme="int8_token", w_scheme="int8_channel", accumulator="int32")
     def test_my_kernel(lowbit_check):
