@@ -75,8 +75,8 @@ def probe(n: int = 2000) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from lowbit.ops.triton.act_quant import launch_act_quant
-    from lowbit.ops.triton.gemm_int8 import launch_int8_gemm
+    from lowbit.ops.triton.act_quant import launch_act_quant    # optional: triton
+    from lowbit.ops.triton.gemm_int8 import launch_int8_gemm    # optional: triton
 
     K, N = 4096, 6144
     lin = torch.nn.Linear(K, N, bias=False, device="cuda", dtype=torch.bfloat16)

@@ -143,7 +143,7 @@ def _warm_up(seconds: float = 2.0) -> None:
 def _triton_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     import triton
 
-    from lowbit.ops.triton.fused_quant import copy_kernel
+    from lowbit.ops.triton.fused_quant import copy_kernel    # optional: triton
 
     n = src.numel()
     copy_kernel[(triton.cdiv(n, 8192),)](src, dst, n, BLOCK=8192, num_warps=8)

@@ -72,8 +72,8 @@ def sass_report() -> list[dict]:
     divisible by 16, as Triton specializes them at launch. `reg` / `local`: registers per thread
     and spill bytes, from the fused quantizers' compiles. The static count includes paths
     rarely taken (the IEEE-division fallback for subnormal scales)."""
-    from lowbit.ops.triton import fused_quant as fq
-    from lowbit.ops.triton import w4a16 as w4
+    from lowbit.ops.triton import fused_quant as fq    # optional: triton
+    from lowbit.ops.triton import w4a16 as w4    # optional: triton
 
     def compile_count(fn, sig, consts, no_div, **opts):
         """(static SASS instructions, shared bytes, {reg, local} as ptxas allotted them)"""
@@ -128,7 +128,7 @@ def sass_report() -> list[dict]:
         rows.append(dict(kernel="group_tile", variant=f"{name} K=4096 ROWS={R} warps={W}", sass_static=n,
                          per_element=round(n / (R * 4096 / (32 * W)), 1), shared=smem, **regs))
     # the W4A4 emulation's activation at decode sizes (fused.qdq_rows): both launches, MXFP4 and NVFP4
-    from lowbit.ops.triton.dequant import _qdq_rows_kernel
+    from lowbit.ops.triton.dequant import _qdq_rows_kernel    # optional: triton
 
     qsig = {"X": "*bf16", "s_x": "i32", "OUT": "*bf16", "s_o": "i32", "AMAX": "*fp32", "WG": "*fp32",
             "GPROD": "*fp32", "M": "i32", "K": "i32"}
@@ -141,7 +141,7 @@ def sass_report() -> list[dict]:
         rows.append(dict(kernel="qdq_rows", variant=f"{name} K=4096", sass_static=n, shared=smem, **regs))
     # the group dequantization (MXFP8 operands from 256 rows, gemm_blockscaled.mxfp8_dequant_gemm), as
     # dequantize_groups launches it; per_element = static instructions / codes per thread
-    from lowbit.ops.triton.dequant import _group_dequant_kernel
+    from lowbit.ops.triton.dequant import _group_dequant_kernel    # optional: triton
 
     gdsig = {"C": "*u8", "SC": "*u8", "OUT": "*bf16", "R": "i32", "K": "i32", "s_c": "i32", "s_sc": "i32",
              "s_o": "i32"}

@@ -188,7 +188,7 @@ def sass_rows_gemv8() -> list[dict]:
     `python -m lowbit.bench.memory --sass` (which the CI test checks: compiles, fits)."""
     import collections
 
-    from lowbit.ops.triton import w4a16 as w4
+    from lowbit.ops.triton import w4a16 as w4    # optional: triton
 
     rows = []
     N, K = W4_NK[0]
