@@ -139,7 +139,7 @@ class Graph:
 
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                face = node.name == "__getattr__" and node in tree.body and mod in self.faces
+                face = node.name == "__getattr__" and node in tree.body and self.sources[mod][1]
                 mark(node, "face" if face else "function")
             elif _is_type_checking(node):
                 for child in node.body:
@@ -288,11 +288,15 @@ def _unjustified_in_cleaned(graph: Graph) -> list[Import]:
     return [s for s in graph.unjustified() if _cleaned(s.mod)]
 
 
+def _says_why(s: Import, reasons: list[str]) -> bool:
+    """The comment names a reason: the word "cycle", the optional package, or the lazy marker."""
+    return any(("cycle" if r.startswith("cycle") else r.split(": ")[-1]) in s.comment for r in reasons)
+
+
 def _reason_unsaid(graph: Graph) -> list[Import]:
-    """The justified local imports in CLEANED whose comment does not name a reason: the word "cycle", the
-    optional package, or the lazy marker."""
-    return [s for s in graph.local_imports() if _cleaned(s.mod) and (reasons := graph.reasons(s)) and not any(
-        ("cycle" if r.startswith("cycle") else r.split(": ")[-1]) in s.comment for r in reasons)]
+    """The justified local imports in CLEANED whose comment does not say why."""
+    return [s for s in graph.local_imports() if _cleaned(s.mod) and graph.reasons(s)
+            and not _says_why(s, graph.reasons(s))]
 
 
 def _listing(graph: Graph, found: list[Import]) -> str:
@@ -383,6 +387,7 @@ def test_the_classifier_on_a_small_tree():
                      "def g():\n    from lowbit.r import x\n"            # optional: ext
                      "def h():\n    from lowbit.face import F\n"         # optional through the face
                      "def i():\n    from lowbit.s import y\n", False),   # s imports q only for typing
+        "lowbit.q2": ("import ext\ndef f():\n    from lowbit.r import x\n", False),  # loads ext already
         "lowbit.r": ("import ext.sub\nimport os, torch\n", False),
         "lowbit.s": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import lowbit.q\n", False),
         "lowbit.face": ("import importlib\n_EXPORTS = {'F': 'lowbit.r'}\n\n\ndef __getattr__(name):\n"
@@ -398,6 +403,7 @@ def test_the_classifier_on_a_small_tree():
         ("lowbit.q", 4): ["optional: ext"],
         ("lowbit.q", 6): ["optional: ext"],
         ("lowbit.q", 8): [],
+        ("lowbit.q2", 3): [],
     }
     assert [s.where for s in g.statements if s.mod == "lowbit.s"] == ["module", "typing"]
     assert [s.where for s in g.statements if s.mod == "lowbit.face"] == ["module", "face"]
