@@ -113,9 +113,10 @@ def _best_sdpa(q, k, v, causal: bool, rows: list, base_row: dict, **kw) -> float
 def _decode_rows(only, quick) -> list[dict]:
     import torch
 
-    from lowbit.ops.triton.attention import cache_bytes
-    from lowbit.ops.triton.attention_decode import RESIDENT, launch_warps, pick_splits, split_kv_attention
-    from lowbit.ops.triton.common import num_sms
+    from lowbit.ops.triton.attention import cache_bytes    # optional: triton
+    from lowbit.ops.triton.attention_decode import (RESIDENT, launch_warps, pick_splits,    # optional: triton
+                                                    split_kv_attention)
+    from lowbit.ops.triton.common import num_sms    # optional: triton
 
     rows = []
     gen = torch.Generator(device=DEVICE).manual_seed(0)
@@ -214,14 +215,14 @@ class _Layers:
         return w4a16_linear(x, w)
 
     def kv_bytes(self) -> int:
-        from lowbit.ops.triton.attention import cache_bytes
+        from lowbit.ops.triton.attention import cache_bytes    # optional: triton
         return sum(cache_bytes(*c) for _, c in self.layers)
 
     def step(self, x):
         import torch
         import torch.nn.functional as F
 
-        from lowbit.ops.triton.kv_append import append_kv
+        from lowbit.ops.triton.kv_append import append_kv    # optional: triton
         B, t = self.B, self.T - 1
         for (wqkv, wo, wgu, wd), (kc, vc) in self.layers:
             qkv = self.linear(x, wqkv)
@@ -286,8 +287,9 @@ def _step_rows(quick, sdpa_best: dict | None = None) -> list[dict]:
 def _prefill_rows(quick) -> list[dict]:
     import torch
 
-    from lowbit.ops.triton.attention import flash_attention
-    from lowbit.ops.triton.attention_prefill import default_config, prefill_attention, prefill_candidates
+    from lowbit.ops.triton.attention import flash_attention    # optional: triton
+    from lowbit.ops.triton.attention_prefill import (default_config, prefill_attention,    # optional: triton
+                                                     prefill_candidates)
 
     rows = []
     gen = torch.Generator(device=DEVICE).manual_seed(2)

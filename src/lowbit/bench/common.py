@@ -9,6 +9,8 @@ import sys
 
 import torch
 
+import lowbit
+
 
 def log(msg: str) -> None:
     print(msg, flush=True)
@@ -31,7 +33,6 @@ def environment() -> dict:
         env["triton"] = triton.__version__
     except ImportError:
         env["triton"] = None
-    import lowbit
     env["lowbit"] = lowbit.__version__
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)

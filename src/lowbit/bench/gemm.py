@@ -60,9 +60,9 @@ def _set_bytes(M: int, N: int, K: int) -> int:
 
 def kernels():
     """name -> (fn(set) -> output, family); family picks the peak and the baselines."""
-    from lowbit.ops.triton.gemm_blockscaled import fp8_block_gemm, mxfp8_gemm
-    from lowbit.ops.triton.gemm_fp8 import fp8_gemm
-    from lowbit.ops.triton.gemm_int8 import int8_gemm
+    from lowbit.ops.triton.gemm_blockscaled import fp8_block_gemm, mxfp8_gemm    # optional: triton
+    from lowbit.ops.triton.gemm_fp8 import fp8_gemm    # optional: triton
+    from lowbit.ops.triton.gemm_int8 import int8_gemm    # optional: triton
 
     def int_mm_epi(s):
         acc = torch._int_mm(s["a8"], s["b8"].t())
@@ -185,9 +185,9 @@ def run(only: str | None = None, quick: bool = False, log=print) -> list[dict]:
 
 def sweep(configs: dict[str, list[dict]], shapes=((8192, 8192, 8192),), log=print) -> list[dict]:
     """Time each lowbit kernel under several forced launch configs (for choosing pick_config)."""
-    from lowbit.ops.triton.gemm_blockscaled import fp8_block_gemm, mxfp8_gemm
-    from lowbit.ops.triton.gemm_fp8 import fp8_gemm
-    from lowbit.ops.triton.gemm_int8 import int8_gemm
+    from lowbit.ops.triton.gemm_blockscaled import fp8_block_gemm, mxfp8_gemm    # optional: triton
+    from lowbit.ops.triton.gemm_fp8 import fp8_gemm    # optional: triton
+    from lowbit.ops.triton.gemm_int8 import int8_gemm    # optional: triton
 
     fns = {"int8": lambda s, c: int8_gemm(s["a8"], s["b8"], s["sa"], s["sb"], config=c),
            "fp8_row": lambda s, c: fp8_gemm(s["af"], s["bf"], s["sa"], s["sb"], config=c),

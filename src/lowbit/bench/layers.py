@@ -10,6 +10,12 @@ import argparse
 import json
 import sys
 
+from lowbit.nn import QuantLinear
+from lowbit.ops import prepared as runtime
+from lowbit.profiling.timing import bench_ms
+from lowbit.recipes.presets import RECIPES
+from lowbit.workflows.job import parse_recipe
+
 # (name, K, N): the merged q/k/v and gate/up GEMMs, o_proj and down_proj of Llama-3-8B
 SHAPES = (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096))
 
@@ -17,11 +23,6 @@ SHAPES = (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("do
 def run(only: str | None = None, quick: bool = False, recipes=None, ms=(1, 16, 2048)) -> list[dict]:
     import torch
     import torch.nn.functional as F
-
-    from lowbit.profiling.timing import bench_ms
-    from lowbit.nn import QuantLinear
-    from lowbit.recipes.presets import RECIPES
-    from lowbit.workflows.job import parse_recipe
 
     names = [parse_recipe(r).name for r in recipes] if recipes else list(RECIPES)   # any letter case
     shapes = SHAPES[:2] if quick else SHAPES
@@ -74,12 +75,8 @@ def probe(n: int = 2000) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from lowbit.nn import QuantLinear
-
-    from lowbit.ops import prepared as runtime
-    from lowbit.recipes.presets import RECIPES
-    from lowbit.ops.triton.act_quant import launch_act_quant
-    from lowbit.ops.triton.gemm_int8 import launch_int8_gemm
+    from lowbit.ops.triton.act_quant import launch_act_quant    # optional: triton
+    from lowbit.ops.triton.gemm_int8 import launch_int8_gemm    # optional: triton
 
     K, N = 4096, 6144
     lin = torch.nn.Linear(K, N, bias=False, device="cuda", dtype=torch.bfloat16)

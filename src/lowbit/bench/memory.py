@@ -28,8 +28,14 @@ import time
 
 import torch
 
-from lowbit.bench.common import log as _log, rel_l2 as _rel_l2
+from lowbit.bench.common import log as _log, rel_l2 as _rel_l2, environment, write_run
+from lowbit.bench.memory_report import plot, sass_report
+from lowbit.bench.memory_w4a16 import w4a16_section
+from lowbit.ops.fused import default_tile, quantize_rows, rmsnorm_quant, silu_mul_quant
+from lowbit.ops.sparse import prepare_2_4, sparse_linear
 from lowbit.profiling.timing import bench_ms, rotating_count
+from lowbit.scheme import QuantScheme, get_preset
+from lowbit.sparsity import prune_2_4
 
 NORM_SHAPES = ((8192, 4096), (8192, 8192))
 QUANT_SHAPE = (8192, 4096)
@@ -137,7 +143,7 @@ def _warm_up(seconds: float = 2.0) -> None:
 def _triton_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     import triton
 
-    from lowbit.ops.triton.fused_quant import copy_kernel
+    from lowbit.ops.triton.fused_quant import copy_kernel    # optional: triton
 
     n = src.numel()
     copy_kernel[(triton.cdiv(n, 8192),)](src, dst, n, BLOCK=8192, num_warps=8)
@@ -167,8 +173,6 @@ def _tile_variants(K: int, pre: int, quick: bool, scheme, residual: bool = False
     (fused.default_tile for `scheme`), then "_tile_r{ROWS}w{WARPS}" for 32 / 64 elements per thread with one row
     per program and 64 with two rows (16 per thread is the "row" kernel's shape), so a run shows
     which configuration to make the default. Each new tile is one more Triton compile (~1-2 s)."""
-    from lowbit.ops.fused import default_tile
-
     heur = tuple(default_tile(scheme, K, pre, residual)[:2])  # (a third entry: the persistent form's programs per SM)
     out, seen = [("_tile", None)], {heur}
     for R, W in ((1, K // 1024), (1, K // 2048), (2, K // 1024)):
@@ -217,9 +221,6 @@ def _group_tiles(b: _Bench, stem: str, shape: str, K: int, pre: int, quick: bool
 
 
 def _norm_quant(b: _Bench, quick: bool) -> None:
-    from lowbit.ops.fused import rmsnorm_quant
-    from lowbit.scheme import QuantScheme, get_preset
-
     schemes = {"int8": get_preset("int8_token"), "fp8": QuantScheme("fp8_e4m3fn", "token", dynamic=True)}
     for (T, K) in NORM_SHAPES[:1] if quick else NORM_SHAPES:
         shape = f"{T}x{K}"
@@ -280,9 +281,6 @@ def _norm_quant(b: _Bench, quick: bool) -> None:
 
 
 def _silu_quant(b: _Bench, quick: bool) -> None:
-    from lowbit.ops.fused import silu_mul_quant
-    from lowbit.scheme import QuantScheme, get_preset
-
     schemes = {"int8": get_preset("int8_token"), "fp8": QuantScheme("fp8_e4m3fn", "token", dynamic=True)}
     for (T, H) in SILU_SHAPES:
         T = T // 4 if quick else T
@@ -310,9 +308,6 @@ def _silu_quant(b: _Bench, quick: bool) -> None:
 
 
 def _quant(b: _Bench, quick: bool) -> None:
-    from lowbit.ops.fused import quantize_rows
-    from lowbit.scheme import QuantScheme, get_preset
-
     T, K = QUANT_SHAPE
     shape = f"{T}x{K}"
     n = rotating_count(T * K * 2)
@@ -345,15 +340,10 @@ def _quant(b: _Bench, quick: bool) -> None:
 
 def _w4a16(b: _Bench, quick: bool, sweep: bool = True) -> None:
     """W4A16 rows: lowbit/bench/memory_w4a16.py (default kernel and "gemv8" side by side)."""
-    from lowbit.bench.memory_w4a16 import w4a16_section
-
     w4a16_section(b, quick, sweep, dev=DEV)
 
 
 def _sparse24(b: _Bench, quick: bool) -> None:
-    from lowbit.ops.sparse import prepare_2_4, sparse_linear
-    from lowbit.sparsity import prune_2_4
-
     if not b.wanted("sparse24"):
         return
     for (M, N, K) in SPARSE_SHAPES[:1] if quick else SPARSE_SHAPES:
@@ -468,12 +458,10 @@ def main(argv=None) -> int:
                    help="no benchmark: compile the kernels for sm_90 and count SASS instructions (no GPU needed)")
     a = p.parse_args(argv)
     if a.sass:
-        from lowbit.bench.memory_report import sass_report
 
         sass_report()
         return 0
     if a.plot:
-        from lowbit.bench.memory_report import plot
 
         with open(a.plot[0]) as f:
             plot(json.load(f)["rows"], a.plot[1])
@@ -483,7 +471,6 @@ def main(argv=None) -> int:
     _PARTIAL_JSON = a.json
     rows = run(a.only, a.quick)
     if a.json:
-        from lowbit.bench.common import environment, write_run
 
         env = environment()
         env["command"] = "python -m lowbit.bench.memory " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 
-from lowbit.bench.memory_w4a16 import W4_MS
+from lowbit.bench.memory_w4a16 import W4_MS, sass_rows_gemv8
+from lowbit.bench.sm90 import compile_sm90
+from lowbit.ops.fused import tile_config
+from lowbit.ops.weight_only import PAIRS_DEQUANT, pick_config
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -69,9 +72,8 @@ def sass_report() -> list[dict]:
     divisible by 16, as Triton specializes them at launch. `reg` / `local`: registers per thread
     and spill bytes, from the fused quantizers' compiles. The static count includes paths
     rarely taken (the IEEE-division fallback for subnormal scales)."""
-    from lowbit.bench.sm90 import compile_sm90
-    from lowbit.ops.triton import fused_quant as fq
-    from lowbit.ops.triton import w4a16 as w4
+    from lowbit.ops.triton import fused_quant as fq    # optional: triton
+    from lowbit.ops.triton import w4a16 as w4    # optional: triton
 
     def compile_count(fn, sig, consts, no_div, **opts):
         """(static SASS instructions, shared bytes, {reg, local} as ptxas allotted them)"""
@@ -92,7 +94,6 @@ def sass_report() -> list[dict]:
         # static count: the rarely taken IEEE-division fallback for subnormal scales is included
         rows.append(dict(kernel="row_quant", variant=name, sass_static=n, shared=smem, **regs))
     # the "tile" kernel at the tiles fused.tile_config picks for the benchmark's hidden sizes
-    from lowbit.ops.fused import tile_config
 
     tsig = {"X": "*bf16", "X_stride": "i32", "W": "*bf16", "R": "*bf16", "R_stride": "i32", "R_OUT": "*bf16",
             "R_OUT_stride": "i32", "Y": "*fp32", "CODES": "*i8", "SCALE": "*fp32", "n_rows": "i32", "K": "i32",
@@ -127,7 +128,7 @@ def sass_report() -> list[dict]:
         rows.append(dict(kernel="group_tile", variant=f"{name} K=4096 ROWS={R} warps={W}", sass_static=n,
                          per_element=round(n / (R * 4096 / (32 * W)), 1), shared=smem, **regs))
     # the W4A4 emulation's activation at decode sizes (fused.qdq_rows): both launches, MXFP4 and NVFP4
-    from lowbit.ops.triton.dequant import _qdq_rows_kernel
+    from lowbit.ops.triton.dequant import _qdq_rows_kernel    # optional: triton
 
     qsig = {"X": "*bf16", "s_x": "i32", "OUT": "*bf16", "s_o": "i32", "AMAX": "*fp32", "WG": "*fp32",
             "GPROD": "*fp32", "M": "i32", "K": "i32"}
@@ -140,7 +141,7 @@ def sass_report() -> list[dict]:
         rows.append(dict(kernel="qdq_rows", variant=f"{name} K=4096", sass_static=n, shared=smem, **regs))
     # the group dequantization (MXFP8 operands from 256 rows, gemm_blockscaled.mxfp8_dequant_gemm), as
     # dequantize_groups launches it; per_element = static instructions / codes per thread
-    from lowbit.ops.triton.dequant import _group_dequant_kernel
+    from lowbit.ops.triton.dequant import _group_dequant_kernel    # optional: triton
 
     gdsig = {"C": "*u8", "SC": "*u8", "OUT": "*bf16", "R": "i32", "K": "i32", "s_c": "i32", "s_sc": "i32",
              "s_o": "i32"}
@@ -150,7 +151,6 @@ def sass_report() -> list[dict]:
         rows.append(dict(kernel="group_dequant", variant=f"{name} 16 x 256", sass_static=n,
                          per_element=round(n / (16 * 256 / 128), 1), shared=smem, **regs))
     # the large-M W4A16 path's passes: the pairs dequantization (at PAIRS_DEQUANT) and the NVFP4 output scale
-    from lowbit.ops.weight_only import PAIRS_DEQUANT
 
     bn, chunks, warps = PAIRS_DEQUANT
     dsig = {"W": "*i32", "S": "*fp32", "Z": "*i8", "OUT": "*bf16", "N": "i32", "s_wn": "i32", "s_sn": "i32",
@@ -170,7 +170,6 @@ def sass_report() -> list[dict]:
     sig = {"X": "*bf16", "W": "*u8", "S": "*fp32", "Z": "*i8", "SC": "*u8", "GS": "*fp32", "BIAS": "*fp32",
            "OUT": "*bf16", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32", "s_xm": "i32", "s_wn": "i32",
            "s_sn": "i32", "s_om": "i32"}
-    from lowbit.ops.weight_only import pick_config
 
     # what pick_config chooses for the benchmark's decode shapes, per weight format
     for M in W4_MS:
@@ -190,7 +189,6 @@ def sass_report() -> list[dict]:
             sig = dict(sig, OUT="*bf16")
             rows.append(dict(kernel=f"w4a16 {kind} g{G}", variant=f"M{M} {cfg}", sass_static=n, shared=smem,
                              fits=isinstance(smem, int) and smem <= 232448))
-    from lowbit.bench.memory_w4a16 import sass_rows_gemv8
 
     rows += sass_rows_gemv8()  # the gemv8 W4A16 kernel, with its K loop's instructions per weight
     for r in rows:

@@ -23,6 +23,11 @@ from __future__ import annotations
 import torch
 
 from lowbit.bench.common import log as _log, rel_l2
+from lowbit.bench.sm90 import SHARED_LIMIT, compile_sm90
+from lowbit.ops.weight_only import pick_config, pick_config_pairs, pick_config_planar8, prepare_w4, w4a16_linear
+from lowbit.profiling.timing import bench_ms, rotating_count
+from lowbit.quantize import quantize
+from lowbit.scheme import QuantScheme, get_preset
 
 W4_NK = ((8192, 8192), (28672, 8192))   # (N, K): Llama-3-8B's square and MLP-up shapes
 W4_MS = (1, 16, 64)
@@ -63,9 +68,6 @@ def _best_row(b, name, shape, nbytes, points: dict, swept: str, bases: dict, che
 
 def _sweep(sets, configs: dict) -> dict:
     """{label: (ms, config)} for each feasible config (short timings)."""
-    from lowbit.profiling.timing import bench_ms
-    from lowbit.ops.weight_only import w4a16_linear
-
     out = {}
     for label, cfg in configs.items():
         try:
@@ -79,11 +81,6 @@ def _sweep(sets, configs: dict) -> dict:
 
 def w4a16_section(b, quick: bool, sweep: bool = True, dev: str = "cuda") -> None:
     """All W4A16 rows (module docstring) into the bench `b` (lowbit.bench.memory._Bench)."""
-    from lowbit.profiling.timing import rotating_count
-    from lowbit.ops.weight_only import pick_config, pick_config_pairs, pick_config_planar8, prepare_w4, w4a16_linear
-    from lowbit.quantize import quantize
-    from lowbit.scheme import QuantScheme, get_preset
-
     kinds = {"int4_g128": get_preset("int4_g128"), "int4_g128_asym": get_preset("int4_g128_asym"),
              "int4_g32": QuantScheme("int4", "group", group_size=32), "mxfp4": get_preset("mxfp4"),
              "nvfp4": get_preset("nvfp4")}
@@ -191,9 +188,7 @@ def sass_rows_gemv8() -> list[dict]:
     `python -m lowbit.bench.memory --sass` (which the CI test checks: compiles, fits)."""
     import collections
 
-    from lowbit.bench.sm90 import SHARED_LIMIT, compile_sm90
-    from lowbit.ops.triton import w4a16 as w4
-    from lowbit.ops.weight_only import pick_config_pairs, pick_config_planar8
+    from lowbit.ops.triton import w4a16 as w4    # optional: triton
 
     rows = []
     N, K = W4_NK[0]

@@ -75,12 +75,15 @@ from typing import Callable
 
 import torch
 
-from lowbit.ops import scratch
-
-from lowbit.bench import llama, moe_model
+import lowbit.nn as lnn
+from lowbit.bench import llama, model_report, moe_model, moe_report
+from lowbit.bench.common import environment as base_env, write_run
 from lowbit.bench.model_measure import (CACHE_SLACK, CUDA_BROKEN, Inputs, Skipped, allocated, describe_failure,
                                         free, quant_paths, rel_err, reset_compiler, run_step, weight_memory)
 from lowbit.bench.model_targets import add_musts, add_roofline, copy_bandwidth, decode_bytes
+from lowbit.bench.moe_report import add_moe_ratios
+from lowbit.ops import scratch, tuning
+from lowbit.recipes.presets import LM_HEAD, RECIPES
 
 TORCHAO = ("torchao-int4", "torchao-int8wo", "torchao-int8", "torchao-fp8-row")
 MODES = ("eager", "compile", "graphs")
@@ -120,7 +123,6 @@ class Options:
 
 
 def all_variants() -> list[str]:
-    from lowbit.recipes.presets import RECIPES
     return list(RECIPES) + list(TORCHAO)
 
 
@@ -138,7 +140,6 @@ def split_variant(name: str) -> tuple[str, str | None]:
 def check_variants(names: tuple[str, ...], moe: bool = False) -> tuple[str, ...]:
     """The variants to run (all when `names` is empty); a MoE model runs lowbit recipes only
     (torchao's configs quantize nn.Linear layers, not fused experts)."""
-    from lowbit.recipes.presets import LM_HEAD
     known = [v for v in all_variants() if not (moe and v in TORCHAO)]
     names = tuple(n.lower() for n in names)     # recipe names in any letter case (W4A16 as llm-compressor writes it)
     bad = []
@@ -167,7 +168,6 @@ def _build(name: str, kind: str, master: torch.nn.Module) -> tuple[torch.nn.Modu
         return moe_model.build_grouped(master), dict(experts_impl="torch._grouped_mm")
     if name in TORCHAO:
         return _build_torchao(name, master)
-    import lowbit.nn as lnn
     model = copy.deepcopy(master)
     recipe, head = split_variant(name)
     lnn.quantize_model(model, recipe, lm_head=head)
@@ -434,7 +434,6 @@ def _finish(rows: list[dict], opts: Options, copy_bw: float) -> None:
     add_roofline(rows, copy_bw)
     add_musts(rows, opts.shape, opts.layers)
     if moe_model.is_moe(opts.shape):
-        from lowbit.bench.moe_report import add_moe_ratios
         add_moe_ratios(rows)
 
 
@@ -503,7 +502,6 @@ def options_from_args(args) -> Options:
 
 
 def environment(opts: Options) -> dict:
-    from lowbit.bench.common import environment as base_env
     env = base_env()
     from importlib import metadata
     for dist in ("transformers", "torchao"):   # versions without importing (torchao takes seconds)
@@ -512,7 +510,6 @@ def environment(opts: Options) -> dict:
         except metadata.PackageNotFoundError:
             env[dist] = None
     env["options"] = {k: v for k, v in vars(opts).items() if k != "log"}
-    from lowbit.ops import tuning
     env["tuning"] = tuning.active()[1]   # which table chose the kernel paths (or why none did)
     if moe_model.is_moe(opts.shape):
         env["moe_shape"] = moe_model.SHAPES[opts.shape]
@@ -522,9 +519,6 @@ def environment(opts: Options) -> dict:
 
 def main(args) -> int:
     """`lowbit bench model`: rows as they come, the table last; 1 if the baseline did not run."""
-    from lowbit.bench import model_report, moe_report
-    from lowbit.bench.common import write_run
-
     opts = options_from_args(args)
     report = moe_report if moe_model.is_moe(opts.shape) else model_report
     check_variants(opts.variants, moe_model.is_moe(opts.shape))
@@ -562,8 +556,6 @@ def main(args) -> int:
 def run(only: str | None = None, quick: bool = False, log=print) -> list[dict]:
     """The `lowbit bench` hook: the default model run (8b, 32 layers; --quick as above); `only`
     keeps the variants whose name contains one of its comma-separated parts."""
-    from lowbit.bench import model_report
-
     variants = tuple(v for v in all_variants() if only is None or any(o in v for o in only.split(",")))
     if not variants:
         return []

@@ -15,6 +15,7 @@ import torch
 from lowbit.ops.scratch import scratch_bytes
 
 from lowbit.bench import llama
+from lowbit.profiling.timing import bench_ms
 
 CACHE_SLACK = 16    # StaticCache slots beyond the context: room for the step (and a runaway one)
 CUDA_BROKEN = ("CUDA error", "device-side assert", "illegal memory access")
@@ -76,7 +77,6 @@ def sync(device: torch.device) -> None:
 
 def time_ms(call: Callable[[], object], device: torch.device, quick: bool) -> float:
     if device.type == "cuda":
-        from lowbit.profiling.timing import bench_ms
         return bench_ms(call, [()], warmup=10 if quick else 25, rep=40 if quick else 100)
     times = []
     for _ in range(1 if quick else 3):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
+from lowbit.bench.model_targets import MUST_SHAPE
+
 TICKS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1, 1.5, 2, 3, 5, 10)   # speed-up axis labels (log scale)
 
 
@@ -90,7 +92,6 @@ def table(rows: list[dict]) -> str:
 def targets(rows: list[dict], shape: str, layers: int) -> str:
     """The short table printed last: every target (lowbit.bench.model_targets) with what the run
     measured, met / MISSED / not run; a count line first."""
-    from lowbit.bench.model_targets import MUST_SHAPE
     if (shape, layers) != MUST_SHAPE:
         return (f"# targets: none for --shape {shape} --layers {layers} (they are set for "
                 f"--shape {MUST_SHAPE[0]} --layers {MUST_SHAPE[1]})")

@@ -19,6 +19,9 @@ import time
 
 import torch
 
+from lowbit.profiling.timing import bench_ms
+from lowbit.recipes.presets import RECIPES
+
 # (mode, phase, batch) -> {variant: the speed-up it must reach}; "*": every lowbit recipe
 SPEEDUP_MUSTS: dict[tuple[str, str, int | None], dict[str, float]] = {
     ("graphs", "decode", 1): {"w4a16": 2.5, "w8a16-int8": 1.7, "w8a8-int8": 1.6, "w8a8-fp8": 1.6},
@@ -50,7 +53,6 @@ def weight_must(variant: str, kind: str) -> float | None:
     """The weight-bytes ratio a lowbit variant must stay under, by its weight format's bits."""
     if kind != "lowbit":
         return None
-    from lowbit.recipes.presets import RECIPES
     r = RECIPES.get(base_recipe(variant))
     return None if r is None else WEIGHT_MUSTS.get(r.weight.fmt.bits)
 
@@ -105,7 +107,6 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None) -> float:
     src = torch.empty(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     if device.type == "cuda":
-        from lowbit.profiling.timing import bench_ms
         ms = bench_ms(lambda: dst.copy_(src), [()], warmup=10, rep=50)
     else:
         times = []

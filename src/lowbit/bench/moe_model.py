@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import torch
 
+from lowbit.archs.experts import find_experts
 from lowbit.bench.model_measure import Skipped, resident_bytes
+from lowbit.nn.experts import QuantExperts
 
 GROUPED = "bf16-grouped"
 
@@ -102,7 +104,6 @@ def use_loop(model: torch.nn.Module) -> None:
 def expert_names(model: torch.nn.Module) -> list[str]:
     """Names of the routed-experts modules (lowbit.archs.experts finds them); the same names
     hold the quantized or grouped replacements in every variant."""
-    from lowbit.archs.experts import find_experts
     return list(find_experts(model))
 
 
@@ -175,8 +176,6 @@ def untimed_experts(model: torch.nn.Module, device: torch.device) -> list[str]:
     """Names of QuantExperts that would run their exact float64 path on `device` (CUDA only:
     a recipe with no grouped kernel; on the CPU the exact path is the one there is). Such a
     variant is not timed: the exact path is a reference, and at these shapes it takes minutes."""
-    from lowbit.nn.experts import QuantExperts
-
     if device.type != "cuda":
         return []
     return [n for n, m in model.named_modules()
@@ -186,8 +185,6 @@ def untimed_experts(model: torch.nn.Module, device: torch.device) -> list[str]:
 def describe_experts(model: torch.nn.Module) -> dict:
     """weight / act schemes and the grouped kernel of the first QuantExperts (the bench's rows
     say which arithmetic was timed)."""
-    from lowbit.nn.experts import QuantExperts
-
     m = next((m for m in model.modules() if isinstance(m, QuantExperts)), None)
     if m is None:
         return {}

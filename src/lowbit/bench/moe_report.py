@@ -16,6 +16,8 @@ from __future__ import annotations
 import sys
 
 from lowbit.bench import model_report
+from lowbit.formats import get_format
+from lowbit.recipes.presets import RECIPES
 
 SPEED = {("decode", "W4A16"): 2.0, ("decode", "W8A8"): 1.3, ("prefill", "W8A8"): 1.2}
 MEMORY = {4: 0.30, 8: 0.55}
@@ -25,9 +27,6 @@ DECODE_BATCHES = range(1, 17)
 def recipe_class(name: str) -> tuple[str | None, int | None]:
     """(class, weight bits) of a lowbit recipe: class W4A16 (4-bit weights, no activation
     quantization), W8A8 (8-bit weights and activations) or None (no speed target)."""
-    from lowbit.formats import get_format
-    from lowbit.recipes.presets import RECIPES
-
     r = RECIPES.get(name)
     if r is None:
         return None, None

@@ -20,6 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
+from lowbit.ops.weight_only import pick_config_pairs, prepare_w4, w4a16_linear
+from lowbit.profiling.timing import bench_ms, rotating_count
+from lowbit.quantize import quantize
+from lowbit.scheme import get_preset
+
 
 @triton.jit
 def _pairs_load_probe(W, OUT, N, K_SPLIT, s_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -70,11 +75,6 @@ def run(shapes=((8192, 8192), (28672, 8192)), log=print) -> list[dict]:
     """On a GPU: for each weight shape, the pairs kernel at one row (its default config, CUDA graph)
     against the load probe at that config and at a sweep of tiles / splits / prefetch; GB/s of the
     weight words only (the kernel also reads x and the fp32 group scales: ~6% more bytes at g128)."""
-    from lowbit.profiling.timing import bench_ms, rotating_count
-    from lowbit.ops.weight_only import pick_config_pairs, prepare_w4, w4a16_linear
-    from lowbit.quantize import quantize
-    from lowbit.scheme import get_preset
-
     rows = []
     for N, K in shapes:
         nbytes = N * K // 2

@@ -17,6 +17,8 @@ import sys
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from lowbit.evaluation.evaluate import perplexity, prepare_reference, reference_logits, token_metrics
+from lowbit.evaluation.workload import load_model, prepare_texts
 from lowbit.nn.kv_cache import cache_kwarg, calibrate_kv_cache, num_decoder_layers
 from lowbit.ops.kv_quant import KVScheme, quantize_kv
 from lowbit.workflows.job import parse_kv_cache
@@ -44,7 +46,6 @@ class _SideLayer(DynamicLayer):
 
 
 def run_row(model, texts_eval, reference, scheme: KVScheme, sides: str, calib) -> dict:
-    from lowbit.evaluation.evaluate import token_metrics
     kv = calibrate_kv_cache(model, calib, scheme)
     n = num_decoder_layers(model)
     clip = {"over": 0, "all": 0}
@@ -76,8 +77,6 @@ def main(argv=None) -> int:
     p.add_argument("--rows", nargs="+", default=["fp8:kv", "fp8:k", "fp8:v", "fp8-token:kv", "int8-token:kv"])
     args = p.parse_args(argv)
     rows = [(r, *_parse_row(r, args.calib_tokens)) for r in args.rows]       # every row checked before loading
-    from lowbit.evaluation.evaluate import perplexity, prepare_reference, reference_logits
-    from lowbit.evaluation.workload import load_model, prepare_texts
     loaded = load_model("smollm2")
     model = loaded.model.eval()
     texts = prepare_texts(loaded, args.tokens, args.calib_tokens, 512)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 import lowbit as lb
+from lowbit.algorithms.smoothquant import smoothing_factors
 from lowbit.ops.reference import qlinear_reference
 from lowbit.verify.metrics import sqnr_db
 
@@ -20,8 +21,6 @@ _W = lb.QuantScheme(format="int8", strategy="channel")
 
 
 def run(tokens: int = 16, K: int = 4096, N: int = 1024, alpha: float = 0.5, seed: int = 0, progress=None) -> dict:
-    from lowbit.algorithms.smoothquant import smoothing_factors
-
     g = torch.Generator().manual_seed(seed)
     x0 = torch.randn(tokens, K, generator=g)
     w = torch.randn(N, K, generator=g) * 0.02

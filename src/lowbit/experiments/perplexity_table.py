@@ -21,6 +21,12 @@ from pathlib import Path
 
 import torch
 
+from lowbit.evaluation.evaluate import (cached_reference_logits, model_bytes, prepare_reference, reference_logits,
+                                       token_metrics)
+from lowbit.evaluation.workload import load_model, machine, prepare_texts
+from lowbit.workflows.job import Measures, QuantizeJob
+from lowbit.workflows.quantize import quantize_job
+
 
 @dataclass(frozen=True)
 class Config:
@@ -93,8 +99,6 @@ def _setup(tokens: int, calib_tokens: int, threads: int, cache: str | None) -> N
     """Per process: the model, the texts and the float model's next-token log-probabilities (the KL
     reference: computed once per process, its logits read from / written to `cache` when given)."""
     torch.set_num_threads(threads)
-    from lowbit.evaluation.evaluate import cached_reference_logits, prepare_reference, reference_logits
-    from lowbit.evaluation.workload import load_model, prepare_texts
     loaded = load_model("smollm2")
     texts = prepare_texts(loaded, tokens, calib_tokens, 512)
     logits = reference_logits(loaded.model, texts.eval_ids, 512) if cache is None else \
@@ -104,9 +108,6 @@ def _setup(tokens: int, calib_tokens: int, threads: int, cache: str | None) -> N
 
 def _measure(cfg: Config) -> dict:
     """One configuration's row (a JSON-able dict)."""
-    from lowbit.evaluation.evaluate import model_bytes, token_metrics
-    from lowbit.workflows.job import Measures, QuantizeJob
-    from lowbit.workflows.quantize import quantize_job
     loaded, texts, ref = _STATE["loaded"], _STATE["texts"], _STATE["reference"]
     t = time.perf_counter()
     if cfg.recipe == "float":
@@ -152,7 +153,6 @@ def main(argv=None) -> int:
     cache = None if args.cache == "none" else args.cache
     out = Path(args.out)
     jpath = out.with_suffix(".json")
-    from lowbit.evaluation.workload import machine
     torch.set_num_threads(args.threads)
     head = {"command": "python -m lowbit.experiments.perplexity_table " + " ".join(argv if argv is not None else sys.argv[1:]),
             "machine": machine() + (f", {args.jobs} jobs" if args.jobs > 1 else ""),

@@ -17,6 +17,12 @@ import sys
 
 import torch
 
+from lowbit.algorithms.rotation import rotate_model
+from lowbit.diagnosis.sites import site_report
+from lowbit.evaluation.embedded import windows
+from lowbit.evaluation.workload import load_model, prepare_texts
+from lowbit.recipes.plan import linear_layers
+
 READERS = ("q/k/v", "gate/up")
 WRITERS = ("o", "down")
 RECIPES = ("w4a16-g32", "w4a16", "mxfp4", "nvfp4")
@@ -39,11 +45,6 @@ def _medians(report, kinds) -> tuple[float, float, float]:
 
 
 def run(tokens: int = 256, recipes=RECIPES, progress: bool = False) -> dict:
-    from lowbit.algorithms.rotation import rotate_model
-    from lowbit.diagnosis.sites import site_report
-    from lowbit.evaluation.embedded import windows
-    from lowbit.evaluation.workload import load_model, prepare_texts
-    from lowbit.recipes.plan import linear_layers
     loaded = load_model("smollm2")
     texts = prepare_texts(loaded, tokens, tokens, tokens)
     batches = windows(texts.eval_ids, tokens)

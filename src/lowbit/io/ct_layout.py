@@ -32,6 +32,7 @@ import math
 
 import torch
 
+from lowbit.formats import decode
 from lowbit.quantize import QTensor
 from lowbit.scheme import QuantScheme
 
@@ -251,7 +252,6 @@ def ct_to_qtensor(t: dict[str, torch.Tensor], scheme: QuantScheme, fmt: str,
     checkpoint recorded it; otherwise it is 1 / weight_global_scale (compressed-tensors'
     convention). Raises CheckpointError-style ValueError naming `where` on any mismatch.
     """
-    from lowbit.formats import decode
 
     def need(key):
         if key not in t:

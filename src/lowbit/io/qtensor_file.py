@@ -33,6 +33,12 @@ from pathlib import Path
 
 import torch
 
+import lowbit
+from lowbit.io.st_format import CheckpointError, TensorReader, loads_strict
+from lowbit.packing import SCALE_LAYOUTS, pack_fp6, pack_int4, pack_scales, unpack_fp6, unpack_int4, unpack_scales
+from lowbit.quantize import QTensor, scale_from_codes, scale_shape
+from lowbit.scheme import QuantScheme
+
 FILE_VERSION = "1"
 _META_KEYS = {"lowbit.tensors", "lowbit.version", "lowbit.file_version"}
 _ENTRY_KEYS = {"scheme", "shape", "codes_shape", "codes_packing", "scale_layout"}
@@ -61,10 +67,6 @@ def save_qtensors(path, tensors: Mapping[str, object], *, pack: bool = True,
     "group_major" | "blocked" (lowbit.packing); scale_codes are viewed as 2-D
     [prod(leading dims), n_scales] for the last two."""
     from safetensors.torch import save_file
-
-    import lowbit
-    from lowbit.packing import SCALE_LAYOUTS, pack_fp6, pack_int4, pack_scales
-    from lowbit.quantize import QTensor
 
     if scale_layout not in SCALE_LAYOUTS:
         raise ValueError(f"save_qtensors: scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
@@ -121,8 +123,6 @@ def _fail(path, msg: str):
 
 
 def _expected_for(expect, name):
-    from lowbit.scheme import QuantScheme
-
     if expect is None:
         return None
     if isinstance(expect, QuantScheme):
@@ -137,9 +137,6 @@ def load_qtensors(path, expect=None, *, device: str | torch.device = "cpu") -> d
     {name: QuantScheme} for some tensors (names absent from the file are an error).
     A mismatch raises QTensorFileError naming the differing fields. Nothing is returned
     unless every tensor loads."""
-    from lowbit.io.st_format import CheckpointError, TensorReader
-    from lowbit.scheme import QuantScheme
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"load_qtensors: no file at {path}")
@@ -153,7 +150,6 @@ def load_qtensors(path, expect=None, *, device: str | torch.device = "cpu") -> d
 
 
 def _load(path, f, expect, device) -> dict:
-    from lowbit.io.st_format import loads_strict
     meta = f.metadata
     if "lowbit.tensors" not in meta:
         _fail(path, "not a lowbit QTensor file: no 'lowbit.tensors' metadata (model checkpoints are read by "
@@ -192,10 +188,6 @@ def _load(path, f, expect, device) -> dict:
 
 def _plan(path, name, entry, expect) -> dict:
     """Check one metadata entry; return what its tensors must look like."""
-    from lowbit.packing import SCALE_LAYOUTS
-    from lowbit.quantize import scale_shape
-    from lowbit.scheme import QuantScheme
-
     if not isinstance(entry, dict) or set(entry) != _ENTRY_KEYS:
         got = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
         _fail(path, f"tensor {name!r}: metadata entry must have keys {sorted(_ENTRY_KEYS)}, got {got}")
@@ -234,9 +226,6 @@ def _plan(path, name, entry, expect) -> dict:
 
 def _build(path, name, plan, t: dict):
     """Unpack and check one QTensor's tensors against its plan."""
-    from lowbit.packing import unpack_fp6, unpack_int4, unpack_scales
-    from lowbit.quantize import QTensor, scale_from_codes
-
     scheme, cshape, sshape = plan["scheme"], plan["codes_shape"], plan["scale_shape"]
     fmt = scheme.fmt
 

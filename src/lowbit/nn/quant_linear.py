@@ -332,7 +332,7 @@ def _quantize_activations(x2d: torch.Tensor, scheme: QuantScheme):
     one-pass Triton quantizer (bit-identical to lowbit.quantize; its CUDA tests compare them), which
     avoids lowbit.quantize's several full-tensor passes; every other case is lowbit.quantize."""
     if x2d.is_cuda:
-        from lowbit.ops.triton.act_quant import quantize_tokens
+        from lowbit.ops.triton.act_quant import quantize_tokens    # optional: triton
         try:
             return quantize_tokens(x2d.contiguous(), scheme)
         except NotImplementedError:  # a scheme the one-pass kernel does not cover: same scheme, exact path

@@ -26,6 +26,7 @@ import torch
 
 from lowbit.ops import prepared as runtime
 from lowbit.nn.quant_linear import QuantLinear
+from lowbit.ops.weight_only import pairs_fp4_exp_offset
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -117,7 +118,6 @@ def share_inputs(model: torch.nn.Module, groups=GROUPS) -> list[str]:
             merged = {"N": n_total}
             if spec.w4kind == "mxfp4" and spec.layout == "pairs":
                 # the folded MXFP4 scales' D belongs to the merged weight (the members' may differ)
-                from lowbit.ops.weight_only import pairs_fp4_exp_offset
 
                 merged["fp4_exp_offset"] = pairs_fp4_exp_offset(tensors["packed"], tensors["scale_codes"])
             shared = SharedGEMM(runtime.Spec(**{**spec.__dict__, **merged}), tensors, bias, len(layers))

@@ -114,9 +114,9 @@ def attention_triton(q: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: torch
     config: the prefill kernel's PrefillConfig (lowbit.ops.triton.attention_prefill; None = its
     default heuristic). q is not checked for NaN/Inf here (no host synchronisation): `attention`
     does that. The path taken is last_path()."""
-    from lowbit.ops.triton.attention import flash_attention
-    from lowbit.ops.triton.attention_decode import split_kv_attention
-    from lowbit.ops.triton.attention_prefill import prefill_attention, unsupported
+    from lowbit.ops.triton.attention import flash_attention    # optional: triton
+    from lowbit.ops.triton.attention_decode import split_kv_attention    # optional: triton
+    from lowbit.ops.triton.attention_prefill import prefill_attention, unsupported    # optional: triton
     G = ar.check_shapes(tuple(q.shape), _shape(k), _shape(v))
     q_exact = q_scale is not None or spec.q_format is not None or q.dtype == torch.bfloat16
     if kernel is None and config is None and q.shape[2] > 1:
@@ -133,7 +133,7 @@ def attention_triton(q: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: torch
     if q_scale is None and spec.q_format is not None:
         q, q_scale = ar.quantize_q_parts(q, spec.q_format)
     if name == "prefill":
-        from lowbit.ops.triton.attention_prefill import default_config
+        from lowbit.ops.triton.attention_prefill import default_config    # optional: triton
         cfg = config or default_config(q.shape[3], q.shape[2], spec.p_block)
         _LAST["path"] = f"prefill[{cfg}]"
         return prefill_attention(q, k, v, spec, q_scale=q_scale, out_dtype=out_dtype, config=cfg)
@@ -164,7 +164,7 @@ def prefill_options(D: int, Tq: int, p_block: int = 64) -> list[tuple[str, objec
     tokens and P block p_block, each runnable as attention_triton(q, k, v, spec, kernel=kernel,
     config=config): the tensor-core prefill kernel in each of prefill_candidates' configurations,
     the general flash kernel and SDPA over the dequantized cache (config None)."""
-    from lowbit.ops.triton.attention_prefill import prefill_candidates
+    from lowbit.ops.triton.attention_prefill import prefill_candidates    # optional: triton
     return [("prefill", c) for c in prefill_candidates(D, Tq, p_block)] + [("flash", None), ("sdpa", None)]
 
 

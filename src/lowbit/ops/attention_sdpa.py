@@ -51,7 +51,7 @@ def dequantize_bf16(t, out: torch.Tensor) -> torch.Tensor:
         return t
     sch = t.scheme
     if t.codes.is_cuda and have_triton():
-        from lowbit.ops.triton.kv_dequant import dequantize_bf16_into, supports
+        from lowbit.ops.triton.kv_dequant import dequantize_bf16_into, supports    # optional: triton
         if supports(t) and t.codes.stride(3) == 1:
             return dequantize_bf16_into(t, out)
     if sch.format == "fp8_e4m3fn" and sch.granularity != "group":

@@ -290,7 +290,7 @@ def qdq_rows(x2: torch.Tensor, scheme: QuantScheme, weight_scale: torch.Tensor |
     checks beyond the shapes: lowbit.ops.prepared's fast path calls it (CUDA-graph safe: no host sync)."""
     import triton
 
-    from lowbit.ops.triton.dequant import _qdq_rows_kernel
+    from lowbit.ops.triton.dequant import _qdq_rows_kernel    # optional: triton
 
     M, K = x2.shape
     G = scheme.group_size

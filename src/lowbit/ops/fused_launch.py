@@ -29,7 +29,7 @@ def row_block(K: int) -> int:
     ValueError past fq.MAX_BLOCK, since the row lives in registers."""
     import triton
 
-    from lowbit.ops.triton import fused_quant as fq
+    from lowbit.ops.triton import fused_quant as fq    # optional: triton
 
     block = max(16, triton.next_power_of_2(K))
     if block > fq.MAX_BLOCK:
@@ -44,7 +44,7 @@ def launch_rows(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int,
     """Run the row kernel over x2 [rows, K or 2K]; returns (codes, scale, scale_codes, g, y).
     With `tile` = (ROWS, num_warps): the tile kernel's group variant instead (both of NVFP4's
     passes included, see launch_groups); pack: fp4 codes two per byte (group variant only)."""
-    from lowbit.ops.triton import fused_quant as fq
+    from lowbit.ops.triton import fused_quant as fq    # optional: triton
 
     rows, dev = x2.shape[0], x2.device
     block = row_block(K)
@@ -109,7 +109,7 @@ def launch_groups(x2, K, G, tile, common, w, eps, res2, res_out, store_y, pack, 
     codes). Returns what launch_rows returns."""
     import triton
 
-    from lowbit.ops.triton import fused_quant as fq
+    from lowbit.ops.triton import fused_quant as fq    # optional: triton
 
     rows, dev = x2.shape[0], x2.device
     R, warps = tile
@@ -156,7 +156,7 @@ def launch_tile(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int,
     tile_supports takes, else the group variant; returns (codes, scale, scale_codes, g, y)."""
     import triton
 
-    from lowbit.ops.triton import fused_quant as fq
+    from lowbit.ops.triton import fused_quant as fq    # optional: triton
 
     rows, dev = x2.shape[0], x2.device
     block = row_block(K)
@@ -196,7 +196,7 @@ def launch_tile(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int,
     n_tiles = triton.cdiv(rows, R)
     nprog = 0  # one program per tile; persist > 0: that many programs per SM, each prefetching its next tile
     if persist:
-        from lowbit.ops.triton.common import num_sms
+        from lowbit.ops.triton.common import num_sms    # optional: triton
 
         nprog = min(n_tiles, persist * (num_sms() if x2.is_cuda else 4))
     fq._token_tile_kernel[(nprog or n_tiles,)](

@@ -23,7 +23,7 @@ def grouped_case(kind: str, E: int, N: int, K: int, M: int, config: GroupedConfi
     int4 `group`; "w8a16", "int8", "fp8") over M sorted rows (ceil(M / top_k) tokens, top_k distinct
     experts each, uniformly random; identity: A is the sorted buffer, the down projection's case)
     of E experts' [N, K] weights, under `config`, output in `dtype`. Operands are made here, once."""
-    from lowbit.ops.triton import grouped as gk
+    from lowbit.ops.triton import grouped as gk    # optional: triton
 
     if w4 not in W4_FORMATS:
         raise ValueError(f"w4={w4!r}; choose one of {W4_FORMATS}")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lowbit.formats import decode
 import lowbit.quantize as Q
 from lowbit.packing import pack_int4, unpack_int4
 from lowbit.scheme import QuantScheme
@@ -185,7 +186,6 @@ class KVQuant:
         """Element values before scaling, float32 [B, H, T, D]."""
         if self.scheme.fmt.kind == "int":
             return self.unpacked().codes.to(torch.float32)
-        from lowbit.formats import decode
         return decode(self.codes, self.scheme.fmt)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

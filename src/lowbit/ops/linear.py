@@ -19,6 +19,7 @@ import torch
 
 from lowbit.ops.dispatch import gemm_kernel as kernel_for  # noqa: F401  (the public name of the choice)
 from lowbit.ops.kernels.gemm import GEMM, row_scale, zero_and_colsum
+from lowbit.ops.reference import qlinear_reference
 
 BACKENDS = ("triton", "torch", "reference")
 def _is_qtensor(t) -> bool:
@@ -64,7 +65,6 @@ def linear(xq, wq, *, bias: torch.Tensor | None = None, out_dtype: torch.dtype =
         else:
             backend = "torch" if kernel == "int8" else "reference"
     if backend == "reference":
-        from lowbit.ops.reference import qlinear_reference
 
         return qlinear_reference(xq, wq, bias).to(out_dtype)
     if kernel is None:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lowbit.formats import decode
+
 _EXACT = 2.0 ** 53          # float64 holds every integer below this
 _INT64 = 2.0 ** 63
 
@@ -116,7 +118,6 @@ def as_operand(t, name: str = "x") -> Operand:
             zp = expand_rows(zp, R, t.scheme, name + ".zero_point")
             vals = vals - zp.repeat_interleave(group, dim=1)
     else:
-        from lowbit.formats import decode
         dec = decode(codes, fmt).to(torch.float64)
         if not torch.isfinite(dec).all():
             raise ValueError(f"{name}.codes hold NaN/Inf bit patterns for {fmt.name}; the "

@@ -28,7 +28,9 @@ from typing import Callable
 
 import torch
 
-from lowbit.verify import audit_torchao
+import lowbit as lb
+from lowbit.ops.weight_only import prepare_w4, w4a16_linear
+from lowbit.verify import audit_torchao, check_linear
 from lowbit.verify.kernel_spec import KernelSpec, int_mm_shape, padded, round_up
 
 
@@ -154,8 +156,7 @@ def _noncontig(q):
 # ------------------------------------------------------------------------------------------
 def _linear(backend, out_dtype=torch.float32):
     def fn(xq, wq, bias):
-        import lowbit
-        return lowbit.ops.linear(xq, wq, bias=bias, backend=backend, out_dtype=out_dtype)
+        return lb.ops.linear(xq, wq, bias=bias, backend=backend, out_dtype=out_dtype)
     return fn
 
 
@@ -181,13 +182,12 @@ def _pad_q(q, rows: int, cols: int):
 def _torch_int8(xq, wq, bias):
     """lowbit's torch path (torch._int_mm) with the codes padded, as a caller must on CUDA, to the
     shapes torch._int_mm takes (int_mm_shape): exact, zero products; the padding is dropped."""
-    import lowbit
     (M, K), N = xq.codes.shape, wq.codes.shape[0]
     Mp, Kp, Np = int_mm_shape(M, K, N, xq.codes.device)
     if (Mp, Kp, Np) != (M, K, N):
         xq, wq = _pad_q(xq, Mp, Kp), _pad_q(wq, Np, Kp)
         bias = None if bias is None else padded(bias.reshape(1, -1), 1, Np).reshape(-1)
-    return lowbit.ops.linear(xq, wq, bias=bias, backend="torch", out_dtype=torch.float32)[:M, :N]
+    return lb.ops.linear(xq, wq, bias=bias, backend="torch", out_dtype=torch.float32)[:M, :N]
 
 
 def _scaled_mm(fast: bool):
@@ -214,7 +214,6 @@ def _scaled_mm(fast: bool):
 
 
 def _w4a16(xq, wq, bias):
-    from lowbit.ops.weight_only import prepare_w4, w4a16_linear
     return w4a16_linear(xq.to(torch.bfloat16), prepare_w4(wq), bias, backend="triton")
 
 
@@ -229,7 +228,6 @@ def scaled_mm_specs() -> list[KernelSpec]:
     All are held to fp32 accumulation, the precision torch's API suggests, so that the table shows
     what cuBLAS really keeps: on an H200 neither keeps it (docs/diagnosis.md) -- fp8 tensor-core
     steps of 14 significant bits, promoted into fp32 every 128 K ("precise") or never ("fast")."""
-    import lowbit as lb
     ft, fr = lb.get_preset("fp8_tensor"), lb.get_preset("fp8_row")
     specs = []
     for fast in (False, True):
@@ -241,7 +239,6 @@ def scaled_mm_specs() -> list[KernelSpec]:
 
 def discover(device: str, triton_ok: bool) -> list[KernelSpec]:
     """Every kernel this machine can run, with the schemes it computes."""
-    import lowbit as lb
     P = lb.get_preset
     i8t, i8c = P("int8_token"), P("int8_channel")
     fp8r = P("fp8_row")
@@ -284,9 +281,6 @@ def user_kernel(spec: str, x_scheme, w_scheme, accumulator) -> KernelSpec:
 # Running
 # ------------------------------------------------------------------------------------------
 def run_cell(spec: KernelSpec, case: Case, device: str, seed: int) -> Cell:
-    import lowbit as lb
-    from lowbit.verify import check_linear
-
     rng = torch.Generator().manual_seed(seed)
     K = k_for(math.lcm(_group(spec.x_scheme), _group(spec.w_scheme)), case.k_kind)
     x, w = case.make(rng, case.M, K, case.N)

@@ -24,7 +24,13 @@ from typing import Callable
 
 import torch
 
+import lowbit as lb
+from lowbit.ops.grouped import sort_tokens
+from lowbit.ops.grouped_run import prepare_grouped, run_grouped
+from lowbit.ops.kernels.grouped import grouped_kernel
+from lowbit.quantize import quantize
 from lowbit.verify.audit import Cell, _group, audit_grid, k_for, refused_cell, verdict_cell
+from lowbit.verify.grouped import check_grouped_linear
 
 ROUTINGS = ("uniform", "hot", "sparse", "dropped")
 
@@ -94,10 +100,6 @@ def random_top_k(gen: torch.Generator, T: int, E: int, k: int, kind: str) -> tor
 # ------------------------------------------------------------------------------------------
 def _lowbit(x_scheme, w_scheme):
     def fn(x, w, idx, bias):
-        from lowbit.ops.kernels.grouped import grouped_kernel
-        from lowbit.ops.grouped import sort_tokens
-        from lowbit.ops.grouped_run import prepare_grouped, run_grouped
-        from lowbit.quantize import quantize
         kernel = grouped_kernel(w_scheme, x_scheme)
         E = w.shape[0]
         qs = [quantize(w[e], w_scheme) for e in range(E)]
@@ -132,7 +134,6 @@ def _padded_groups(rows_a: torch.Tensor, offsets: torch.Tensor, Kp: int, fill=0)
 
 def _torch_grouped_mm(x, w, idx, bias):
     """torch._grouped_mm in bf16 (the unquantized grouped baseline), bf16 out."""
-    from lowbit.ops.grouped import sort_tokens
     E, N, K = w.shape
     r = sort_tokens(idx, E)
     Kp, Np = _up(K, 16), _up(N, 16)
@@ -145,8 +146,6 @@ def _torch_grouped_mm(x, w, idx, bias):
 def _torch_scaled_grouped_mm(x_scheme, w_scheme):
     def fn(x, w, idx, bias):
         """torch._scaled_grouped_mm, fp8 row-wise (scale_a per row, scale_b per expert and column), bf16 out."""
-        from lowbit.ops.grouped import sort_tokens
-        from lowbit.quantize import quantize
         E, N, K = w.shape
         r = sort_tokens(idx, E)
         xq = quantize(x[r.token], x_scheme)
@@ -168,7 +167,6 @@ def _torch_scaled_grouped_mm(x_scheme, w_scheme):
 
 def discover(device: str, triton_ok: bool) -> list[GroupedSpec]:
     """Every grouped kernel this machine can run: lowbit's (with Triton), torch's (when present)."""
-    import lowbit as lb
     P = lb.get_preset
     specs = []
     if triton_ok:
@@ -195,9 +193,6 @@ def discover(device: str, triton_ok: bool) -> list[GroupedSpec]:
 # Running
 # ------------------------------------------------------------------------------------------
 def run_cell(spec: GroupedSpec, case: GroupedCase, device: str, seed: int) -> Cell:
-    from lowbit.ops.grouped import sort_tokens
-    from lowbit.verify.grouped import check_grouped_linear
-
     gen = torch.Generator().manual_seed(seed)
     K = k_for(math.lcm(_group(spec.x_scheme), _group(spec.w_scheme)), case.k_kind)
     x = torch.randn(case.T, K, generator=gen) * torch.exp(torch.randn(case.T, 1, generator=gen))

@@ -29,6 +29,7 @@ import importlib.util
 
 import torch
 
+import lowbit as lb
 from lowbit.verify.kernel_spec import KernelSpec, int_mm_shape, padded, round_up
 
 
@@ -139,7 +140,6 @@ def specs(device: str) -> list:
     """The torchao rows of `lowbit audit` for this device (empty when torchao is absent)."""
     if not available():
         return []
-    import lowbit as lb
     P = lb.get_preset
     fp8_token = lb.QuantScheme("fp8_e4m3fn", "token", dynamic=True)
     rows = [KernelSpec("torchao int8 W8A8 (Int8Tensor)", P("int8_token"), P("int8_channel"), int8_w8a8, "int32",

@@ -7,6 +7,7 @@ import dataclasses
 
 import torch
 
+from lowbit.formats import decode
 from lowbit.verify.simulate import Hyp, Sim, _q, _side, sides
 
 FP8_TWINS = {"fp8_e4m3fn": ("fp8_e4m3fnuz", "fp8_e5m2"), "fp8_e4m3fnuz": ("fp8_e4m3fn",),
@@ -41,7 +42,6 @@ def code_hypotheses(sim: Sim):
         elif fmt.bits == 8:
             for twin in FP8_TWINS.get(fmt.name, ()):
                 sch = dataclasses.replace(qt.scheme, format=twin)
-                from lowbit.formats import decode
                 # decoded by hand: a twin format may turn a code into Inf/NaN, which the kernel
                 # then propagates (the reference's operand refuses such codes)
                 D = decode(qt.codes, sch.fmt).double() * qt.expanded_scale().double()

@@ -7,7 +7,8 @@ import dataclasses
 
 import torch
 
-from lowbit.ops.reference import as_operand
+import lowbit as lb
+from lowbit.ops.reference import as_operand, expand_rows
 from lowbit.verify.simulate import Hyp, Sim, _q, _rescale, _side, _unit_scale, sides
 
 GROUPS = (16, 32, 64, 128, 256)      # group sizes a kernel may hard-code
@@ -127,7 +128,6 @@ def both_sides_hoisted(sim: Sim):
 
 def _rows_of(scale_rows_bad: torch.Tensor, qt, is_x: bool, sim: Sim) -> torch.Tensor:
     """Output positions [M, N] that depend on the given scale rows of side qt."""
-    from lowbit.ops.reference import expand_rows
     R = qt.codes.shape[0]
     bad = expand_rows(scale_rows_bad[:, None].double(), R, qt.scheme, "mask")[:, 0] > 0
     full = torch.zeros(sim.M, sim.N, dtype=torch.bool)
@@ -141,7 +141,6 @@ def _rows_of(scale_rows_bad: torch.Tensor, qt, is_x: bool, sim: Sim) -> torch.Te
 def silent_fallback_hypotheses(sim: Sim):
     """One scale for a whole tensor instead of per channel / group (pytorch/ao#2253: per-row
     scaling broken, a global scale used, unnoticed because the test data hid it)."""
-    import lowbit as lb
     ctx = sim.ctx
     for side, other, qt in sides(sim):
         if qt.scheme.strategy == "tensor" or ctx.x is None or ctx.w is None:

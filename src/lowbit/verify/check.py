@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import lowbit as lb
 from lowbit.ops.reference import qlinear_reference
 from lowbit.verify import metrics as mt
 from lowbit.verify import tolerance as tol
@@ -89,8 +90,6 @@ def check_linear(out, x, w, *, x_scheme=None, w_scheme=None, bias=None, accumula
          promotion: about 14 significant bits).
     Gate: |out - reference| <= implementation gate (lowbit.verify.tolerance), per element.
     """
-    import lowbit as lb
-
     out_t = _f64_2d(out, "out")
     xt, wt = _f64_2d(x, "x"), _f64_2d(w, "w")
     M, K = xt.shape

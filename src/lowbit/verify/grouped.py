@@ -37,6 +37,7 @@ import torch
 from lowbit.ops.grouped import grouped_reference, take_rows
 from lowbit.ops.reference import as_operand
 from lowbit.quantize import QTensor, quantize
+from lowbit.scheme import get_preset
 from lowbit.verify import accumulate as accmod
 from lowbit.verify import metrics as mt
 from lowbit.verify import tolerance as tol
@@ -77,7 +78,6 @@ class GroupedVerdict:
 
 def _scheme(s):
     if isinstance(s, str):
-        from lowbit.scheme import get_preset
         return get_preset(s)
     return s
 

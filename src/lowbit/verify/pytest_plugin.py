@@ -2,9 +2,8 @@
 
 Enable it with `-p lowbit.verify.pytest_plugin` on the command line or `pytest_plugins =
 ["lowbit.verify.pytest_plugin"]` in a conftest.py. It is not registered as an automatic pytest11
-entry point: loading lowbit's verification imports torch and lowbit's references (seconds), which
-every pytest run in the environment would pay. This module itself imports only pytest; lowbit is
-imported when a test first uses the fixture.
+entry point: loading it imports torch and lowbit's references (seconds), which every pytest run in
+the environment would pay.
 
     @pytest.mark.lowbit(x_scheme="int8_token", w_scheme="int8_channel", accumulator="int32")
     def test_my_kernel(lowbit_check):
@@ -16,6 +15,8 @@ its report as a "lowbit verdicts" section (shown with -rA / -rP, and on failure)
 from __future__ import annotations
 
 import pytest
+
+from lowbit.verify.testing import assert_linear_close, summary
 
 _KEYS = ("x_scheme", "w_scheme", "accumulator", "bias", "out_dtype")
 _VERDICTS = pytest.StashKey[list]()      # the verdicts of the running test, for its report
@@ -30,8 +31,6 @@ def pytest_configure(config):
 def lowbit_check(request):
     """A function (out, x, w, **schemes) -> Verdict that asserts like lowbit.testing.assert_linear_close,
     taking unspecified schemes from the test's `lowbit` marker."""
-    from lowbit.verify.testing import assert_linear_close, summary
-
     mark = request.node.get_closest_marker("lowbit")
     defaults = dict(mark.kwargs) if mark else {}
     unknown = sorted(set(defaults) - set(_KEYS))

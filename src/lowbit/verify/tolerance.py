@@ -22,7 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+import lowbit as lb
 from lowbit.ops.reference import as_operand, expand_rows, sum_abs_products
+from lowbit.quantize import reduce_amax
 
 # Unit roundoff of the accumulators a kernel may promise; 0 = exact (integer).
 # fp8_fast: Hopper's fp8 tensor-core accumulator (verify/accumulate.py, measured on the H200): each
@@ -153,8 +155,6 @@ def element_error_bound(x, qt) -> SideBound:
       plus clipping amax - fmt.max * s where the scale rule lets amax/s exceed fmt.max (MX
       "floor" rounding: up to 512/448 for e4m3), plus the float32 division as above.
     """
-    from lowbit.quantize import reduce_amax
-
     xf = torch.as_tensor(x).detach().cpu()
     if xf.ndim != 2:
         raise ValueError(f"x must be 2-D [rows, K] for a gate, got shape {tuple(xf.shape)}")
@@ -213,7 +213,6 @@ def reference_gate(x, w) -> tuple[torch.Tensor, torch.Tensor]:
     """The fixed yardstick for one matmul: the gates an int8 kernel with one scale for x
     and one scale per column of w must meet, (4*K*max|x|*max|w[c,:]|/127, the same with
     sqrt(K)), [M, N]. Every row of `lowbit experiment matmul` is measured against it."""
-    import lowbit as lb
     xt, wt = torch.as_tensor(x).float(), torch.as_tensor(w).float()
     xs = lb.QuantScheme(format="int8", strategy="tensor")
     ws = lb.QuantScheme(format="int8", strategy="channel")

@@ -48,7 +48,7 @@ class DequantMXFP8(TritonMXFP8):
 def _mxfp8(spec, x2, ops, bias, dequant: bool):
     """The activations quantized by the fused quantizer, then the MX GEMM or (dequant) both operands
     dequantized to bf16 into the scratch buffer and one cuBLAS GEMM."""
-    from lowbit.ops.triton.gemm_blockscaled import mxfp8_dequant_gemm, mxfp8_gemm
+    from lowbit.ops.triton.gemm_blockscaled import mxfp8_dequant_gemm, mxfp8_gemm    # optional: triton
 
     qt = quantize_rows(x2, spec.act_scheme, check_finite=False)
     sx = qt.scale_codes.reshape(x2.shape[0], -1)

@@ -34,7 +34,7 @@ def w4_kernel(spec, x2, ops, bias, global_scale=None, act_scale=None):
     """The W4A16 kernel. global_scale: NVFP4's accumulator scale instead of the weight's; act_scale
     (decode sizes): the activation's tensor scale, multiplied into the weight's by the kernel (W4A4
     NVFP4 layers merged along N, whose weight tensor scales are one per output row)."""
-    from lowbit.ops.triton.common import interpreting
+    from lowbit.ops.triton.common import interpreting    # optional: triton
 
     return launch_w4a16(x2, _w4(spec, ops, global_scale), bias, None, interpreting(), act_scale)
 

@@ -79,7 +79,7 @@ class _W8A8(PreparedKernel):
                 t["act_qmax"] = torch.tensor(float(act_scheme.fmt.qmax), dtype=torch.float32,
                                              device=codes.device)
         if not fp8:
-            from lowbit.ops.triton.gemm_int8 import check_int8_k
+            from lowbit.ops.triton.gemm_int8 import check_int8_k    # optional: triton
 
             check_int8_k(K, asymmetric=not act_scheme.symmetric)
             if not act_scheme.symmetric:
@@ -100,15 +100,15 @@ class _W8A8(PreparedKernel):
         if spec.act_mode == "scheme":
             q, s, z = _quantize_whole(spec, x2, ops)
         else:
-            from lowbit.ops.triton.act_quant import launch_act_quant
+            from lowbit.ops.triton.act_quant import launch_act_quant    # optional: triton
 
             q, s, z = launch_act_quant(x2, spec.act_mode)
         # W8A8 has its kernel at every M; the table picks its tiles
         if ops["w"].dtype == torch.float8_e4m3fn:
-            from lowbit.ops.triton.gemm_fp8 import launch_fp8_gemm
+            from lowbit.ops.triton.gemm_fp8 import launch_fp8_gemm    # optional: triton
 
             return launch_fp8_gemm(q.view(torch.float8_e4m3fn), ops["w"], out, s, ops["w_scale"], bias, config=config)
-        from lowbit.ops.triton.gemm_int8 import launch_int8_gemm
+        from lowbit.ops.triton.gemm_int8 import launch_int8_gemm    # optional: triton
 
         return launch_int8_gemm(q, ops["w"], out, s, ops["w_scale"], z, ops.get("w_colsum"), bias, config=config)
 
@@ -183,7 +183,7 @@ class TritonW8A16(PreparedKernel):
 
     @staticmethod
     def apply(spec, x2, ops, bias, config):
-        from lowbit.ops.triton.w8a16 import w8a16_gemm
+        from lowbit.ops.triton.w8a16 import w8a16_gemm    # optional: triton
 
         return w8a16_gemm(x2, ops["w"], ops["w_scale"], bias)
 
@@ -194,7 +194,7 @@ class DequantW8A16(TritonW8A16):
 
     @staticmethod
     def apply(spec, x2, ops, bias, config):
-        from lowbit.ops.triton.dequant import bf16_gemm, dequantize_rows
+        from lowbit.ops.triton.dequant import bf16_gemm, dequantize_rows    # optional: triton
 
         w = dequantize_rows(ops["w"], ops["w_scale"], scratch((spec.N, spec.K), x2.dtype, x2.device))
         return bf16_gemm(x2, w, bias, x2.dtype)

@@ -77,7 +77,7 @@ class GemmInt8(Kernel):
 
     @staticmethod
     def apply(xq, wq, x2, w2, bias, out_dtype, w_colsum):
-        from lowbit.ops.triton.gemm_int8 import int8_gemm
+        from lowbit.ops.triton.gemm_int8 import int8_gemm    # optional: triton
 
         M, N = x2.shape[0], w2.shape[0]
         za, cs = zero_and_colsum(xq, wq, M, w_colsum)
@@ -99,7 +99,7 @@ class GemmFp8Rowwise(Kernel):
 
     @staticmethod
     def apply(xq, wq, x2, w2, bias, out_dtype, w_colsum):
-        from lowbit.ops.triton.gemm_fp8 import fp8_gemm
+        from lowbit.ops.triton.gemm_fp8 import fp8_gemm    # optional: triton
 
         M, N = x2.shape[0], w2.shape[0]
         return fp8_gemm(x2, w2, row_scale(xq, M), row_scale(wq, N), bias=bias, out_dtype=out_dtype)
@@ -147,7 +147,7 @@ class GemmMXFP8(Kernel):
 
 def _block_scaled(xq, wq, x2, w2, bias, out_dtype, e8m0: bool):
     """The fp8 block GEMM (fp32 scales per K block) or, e8m0, the MX GEMM."""
-    from lowbit.ops.triton.gemm_blockscaled import fp8_block_gemm, mxfp8_gemm
+    from lowbit.ops.triton.gemm_blockscaled import fp8_block_gemm, mxfp8_gemm    # optional: triton
 
     fn = mxfp8_gemm if e8m0 else fp8_block_gemm
     return fn(x2, w2, group_scales(xq, e8m0), group_scales(wq, e8m0), bias=bias, out_dtype=out_dtype)

@@ -119,7 +119,7 @@ class _GroupedW8A8(GroupedKernel):
 
     @classmethod
     def apply(cls, ops, weight_scheme, act_scheme, x, routing, kw):
-        from lowbit.ops.triton import grouped as gk
+        from lowbit.ops.triton import grouped as gk    # optional: triton
 
         codes, sa, _ = rows_quantized(x, act_scheme, ops)
         return getattr(gk, cls.name)(codes, sa, ops["w"], ops["s"], routing, **kw)   # the launcher's name
@@ -150,7 +150,7 @@ class GroupedW8A16(GroupedKernel):
 
     @staticmethod
     def apply(ops, weight_scheme, act_scheme, x, routing, kw):
-        from lowbit.ops.triton.grouped import grouped_w8a16
+        from lowbit.ops.triton.grouped import grouped_w8a16    # optional: triton
 
         return grouped_w8a16(x, ops["w"], ops["s"], routing, **kw)
 
@@ -170,7 +170,7 @@ def _four_bit(weight_scheme, stacked):
 
 
 def _four_bit_launch(ops, weight_scheme, x, routing, kw, g):
-    from lowbit.ops.triton.grouped import grouped_w4a16
+    from lowbit.ops.triton.grouped import grouped_w4a16    # optional: triton
 
     return grouped_w4a16(x, ops["w"], ops["s"], routing, kind=w4a16_kind(weight_scheme), w_zero=ops.get("z"),
                          w_global=g, group_size=weight_scheme.group_size, **kw)
@@ -236,7 +236,7 @@ class GroupedMXFP8(GroupedKernel):
 
     @staticmethod
     def apply(ops, weight_scheme, act_scheme, x, routing, kw):
-        from lowbit.ops.triton.grouped_mx import grouped_mxfp8, sfa_for_tokens
+        from lowbit.ops.triton.grouped_mx import grouped_mxfp8, sfa_for_tokens    # optional: triton
 
         codes, _, scale_codes = rows_quantized(x, act_scheme, ops)
         sfa = sfa_for_tokens(scale_codes.reshape(x.shape[0], -1), routing, kw["identity"])

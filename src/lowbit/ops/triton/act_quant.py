@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lowbit.quantize import QTensor
 from .common import check_device, encode_e4m3fn, launch, rint
 
 MODES = ("int8", "int8_asym", "fp8_e4m3fn")
@@ -110,8 +111,6 @@ def quantize_tokens(x: torch.Tensor, scheme, *, check_finite: bool = True):
     scheme: a QuantScheme with one fp32 scale per row (strategy "token" or "channel"): int8
     symmetric or asymmetric, or fp8_e4m3fn. Any other scheme raises NotImplementedError; the
     result is bit-identical to lowbit.quantize(x, scheme) (tests check it)."""
-    from lowbit.quantize import QTensor
-
     fmt = getattr(scheme, "format", None)
     per_row = getattr(scheme, "strategy", None) in ("token", "channel") and \
         getattr(scheme, "scale_format", None) == "fp32"

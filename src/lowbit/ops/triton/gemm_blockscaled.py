@@ -25,6 +25,7 @@ import triton.language as tl
 
 from .common import (bias_store_tile, check_bias, check_operands, check_out_dtype, decode_e8m0, interpreting,
                      kmajor_ptrs, pick_config, prepare_launch, swizzled_tile, tile_offsets)
+from .dequant import bf16_gemm, dequantize_groups
 from .gemm_fp8 import as_fp8
 
 
@@ -272,8 +273,6 @@ def mxfp8_dequant_gemm(a, b, a_scale, b_scale, bias=None, out_dtype=torch.bfloat
     unless torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is False. Operands
     as mxfp8_gemm's, unchecked (mxfp8_gemm and lowbit.ops.prepared check them); b_out: a bf16
     [N, K] buffer to dequantize b into (lowbit.ops.scratch's), or None for a new one."""
-    from .dequant import bf16_gemm, dequantize_groups
-
     A = dequantize_groups(a.view(torch.uint8), a_scale, 32, "e4m3", "e8m0")
     B = dequantize_groups(b.view(torch.uint8), b_scale, 32, "e4m3", "e8m0", b_out)
     return bf16_gemm(A, B, bias, out_dtype)

@@ -33,8 +33,8 @@ def launch_w4a16(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool, act_
     into w.global_scale ([1] or per row [N]) in the kernel's epilogue."""
     import triton
 
-    from lowbit.ops.triton import w4a16 as k
-    from lowbit.ops.triton.common import launch
+    from lowbit.ops.triton import w4a16 as k    # optional: triton
+    from lowbit.ops.triton.common import launch    # optional: triton
 
     M, K = x2.shape
     N = w.shape[0]
@@ -79,8 +79,8 @@ def dequantize_w4(w: W4Weight, dtype: torch.dtype, out: torch.Tensor | None = No
     contiguous [N, K] buffer of `dtype`, e.g. lowbit.ops.scratch's) or a new tensor."""
     import triton
 
-    from lowbit.ops.triton import w4a16 as k
-    from lowbit.ops.triton.common import interpreting, launch
+    from lowbit.ops.triton import w4a16 as k    # optional: triton
+    from lowbit.ops.triton.common import interpreting, launch    # optional: triton
 
     N, K = w.shape
     if out is None:
@@ -116,8 +116,8 @@ def scale_output(y: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
     float32 operations as y.float() * scale + bias.float() then .to(y.dtype), which took three passes."""
     import triton
 
-    from lowbit.ops.triton import w4a16 as k
-    from lowbit.ops.triton.common import interpreting, launch
+    from lowbit.ops.triton import w4a16 as k    # optional: triton
+    from lowbit.ops.triton.common import interpreting, launch    # optional: triton
 
     M, N = y.shape
     out = torch.empty_like(y)
@@ -156,8 +156,8 @@ def split_locks(device: torch.device, tiles: int) -> torch.Tensor:
 
 def launch_pairs(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool, act_scale=None) -> torch.Tensor:
     """The "pairs" kernel on a weight prepared with layout="pairs" (lowbit.ops.triton.w4a16.pairs)."""
-    from lowbit.ops.triton import w4a16 as k
-    from lowbit.ops.triton.common import launch
+    from lowbit.ops.triton import w4a16 as k    # optional: triton
+    from lowbit.ops.triton.common import launch    # optional: triton
 
     M, K = x2.shape
     N = w.shape[0]
@@ -234,8 +234,8 @@ def launch_planar8(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) ->
     """The "gemv8" or "dot8" kernel on a planar8 weight (lowbit.ops.triton.w4a16.planar8)."""
     import triton
 
-    from lowbit.ops.triton import w4a16 as k
-    from lowbit.ops.triton.common import launch
+    from lowbit.ops.triton import w4a16 as k    # optional: triton
+    from lowbit.ops.triton.common import launch    # optional: triton
 
     M, K = x2.shape
     N = w.shape[0]
