@@ -329,7 +329,7 @@ def test_moe_without_plain_says_the_dense_defaults_do_not_apply_and_runs_plain(m
         printed = capsys.readouterr().out
         if name == "default":
             assert "were measured on a dense decoder, not on MoE experts; plain round to nearest" in printed
-            assert "applying the best measured measures" not in printed
+            assert "applying the measures that measured best" not in printed
     files = {k: checkpoint_files(d) for k, d in outs.items()}
     assert sorted(files["default"]) == sorted(files["plain"])
     for n in files["default"]:

@@ -73,7 +73,7 @@ def test_lowbit_quantize_cli_end_to_end(tmp_path, capsys):
     # bf16 overrides, which lower it); lower: 1% of improvement allowed on this short text
     assert 0.99 < after / before < 1 + 1.5 * MEASURED_RISE
     assert "worst first" in text and "lm_head" in text
-    assert "applying the best measured measures" in text and "overridden worst sites" in text
+    assert "applying the measures that measured best on SmolLM2-135M" in text and "overridden worst sites" in text
     md = (out / "lowbit_report.md").read_text()
     assert "perplexity" in md and "Worst sites" in md
     for png in ("lowbit_sites.png", "lowbit_metric.png"):
@@ -104,7 +104,7 @@ def test_lowbit_quantize_cli_end_to_end(tmp_path, capsys):
 def test_bad_model_argument_is_a_clear_error(tmp_path, capsys):
     from lowbit.entrypoints.main import main
     assert main(["quantize", "--model", str(tmp_path / "nope")]) == 2
-    assert "not 'smollm2', 'minilm' or an existing directory" in capsys.readouterr().err
+    assert "not 'smollm2', 'minilm', an existing directory or a model id (ORG/NAME)" in capsys.readouterr().err
     bad = tmp_path / "broken"
     bad.mkdir()
     (bad / "model.gguf").write_bytes(b"GGUF\x03\x00\x00\x00truncated")
