@@ -65,8 +65,23 @@ def _decode(x2: torch.Tensor, bias) -> bool:
 
 
 class _Native:
-    """Mixed in ahead of a Triton class: the native refusal, the second layout and the decode call."""
+    """Mixed in ahead of a Triton class: the native refusal, the second layout and the decode call.
+    Subclasses set triton_cls (the class they stand in for), native_layout (QTensor -> native weight)
+    and native_call(spec, x2, ops) (the decode launch)."""
     triton_cls = None
+    native_layout = None
+    native_call = None
+
+    @classmethod
+    def prepare(cls, weight_q, act_scheme, static_scale):
+        extra = _layout(cls.native_layout, weight_q)
+        return _with_native(cls, super().prepare(weight_q, act_scheme, static_scale), extra)
+
+    @classmethod
+    def apply(cls, spec, x2, ops, bias, config):
+        if _decode(x2, bias):
+            return cls.native_call(spec, x2, ops)
+        return cls.triton_cls.apply(spec, x2, ops, bias, config)
 
     @classmethod
     def can_run(cls, layer, device):
@@ -97,6 +112,9 @@ def _w8(spec: Spec, ops, fp8: bool) -> native.NativeW8:
 
 class NativeW4A16(_Native, TritonW4A16):
     name = "native_w4a16"
+    triton_cls = TritonW4A16
+    native_layout = staticmethod(native.prepare_w4)
+    native_call = staticmethod(lambda spec, x2, ops: native.w4a16(x2, _w4(spec, ops)))
     summary = "int4 groups, bf16 MMA on 128-bit weight loads, split-K (CUDA C++, sm_90a; 1-16 rows)"
 
     @classmethod
@@ -106,20 +124,12 @@ class NativeW4A16(_Native, TritonW4A16):
             return f"the weight is {ws.format} {ws.strategy}; this kernel takes int4 in groups of {native.W4_GROUPS}"
         return super().refuses(layer)
 
-    @classmethod
-    def prepare(cls, weight_q, act_scheme, static_scale):
-        extra = _layout(native.prepare_w4, weight_q)
-        return _with_native(cls, super().prepare(weight_q, act_scheme, static_scale), extra)
-
-    @staticmethod
-    def apply(spec, x2, ops, bias, config):
-        if _decode(x2, bias):
-            return native.w4a16(x2, _w4(spec, ops))
-        return TritonW4A16.apply(spec, x2, ops, bias, config)
-
 
 class NativeW8A16(_Native, TritonW8A16):
     name = "native_w8a16"
+    triton_cls = TritonW8A16
+    native_layout = staticmethod(native.prepare_w8)
+    native_call = staticmethod(lambda spec, x2, ops: native.w8a16(x2, _w8(spec, ops, False)))
     summary = "int8 weights per channel, bf16 MMA on 128-bit weight loads, split-K (CUDA C++, sm_90a; 1-16 rows)"
 
     @classmethod
@@ -128,17 +138,6 @@ class NativeW8A16(_Native, TritonW8A16):
         if ws.format != "int8" or ws.strategy != "channel":
             return f"the weight is {ws.format} per {ws.strategy}; this kernel takes int8 with one scale per channel"
         return super().refuses(layer)
-
-    @classmethod
-    def prepare(cls, weight_q, act_scheme, static_scale):
-        extra = _layout(native.prepare_w8, weight_q)
-        return _with_native(cls, super().prepare(weight_q, act_scheme, static_scale), extra)
-
-    @staticmethod
-    def apply(spec, x2, ops, bias, config):
-        if _decode(x2, bias):
-            return native.w8a16(x2, _w8(spec, ops, False))
-        return TritonW8A16.apply(spec, x2, ops, bias, config)
 
 
 def _w8a8_refusal(layer) -> str | None:
@@ -151,20 +150,15 @@ def _w8a8_refusal(layer) -> str | None:
 
 
 class _NativeW8A8(_Native):
+    native_layout = staticmethod(native.prepare_w8)
+
+    @classmethod
+    def native_call(cls, spec, x2, ops):
+        return native.w8a8(x2, _w8(spec, ops, cls.fmt == "fp8_e4m3fn"))
+
     @classmethod
     def refuses(cls, layer):
         return _w8a8_refusal(layer) or super().refuses(layer)
-
-    @classmethod
-    def prepare(cls, weight_q, act_scheme, static_scale):
-        extra = _layout(native.prepare_w8, weight_q)
-        return _with_native(cls, super().prepare(weight_q, act_scheme, static_scale), extra)
-
-    @classmethod
-    def apply(cls, spec, x2, ops, bias, config):
-        if _decode(x2, bias):
-            return native.w8a8(x2, _w8(spec, ops, cls.fmt == "fp8_e4m3fn"))
-        return cls.triton_cls.apply(spec, x2, ops, bias, config)
 
 
 class NativeW8A8Int8(_NativeW8A8, TritonW8A8Int8):
