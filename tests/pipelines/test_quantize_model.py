@@ -191,3 +191,13 @@ def test_options_object_and_keywords_are_one_path(rng):
                 assert torch.equal(m.weight_q.codes, other.get_submodule(name).weight_q.codes)
     with pytest.raises(TypeError, match=r"unknown option 'ignor'.*did you mean 'ignore'"):
         quantize_model(copy.deepcopy(model), "w8a8-int8", ignor=ignore)
+
+
+def test_quantize_model_runs_without_autograd(rng, monkeypatch):
+    """quantize_model's own work builds no autograd graph: torch.no_grad sits on the function (not
+    on its options class), so what it calls runs with grad mode off."""
+    import lowbit.pipelines.quantize_model as qm
+    seen, inner = [], qm._quantize_linears
+    monkeypatch.setattr(qm, "_quantize_linears", lambda *a, **k: seen.append(torch.is_grad_enabled()) or inner(*a, **k))
+    qm.quantize_model(tiny_llama(rng), "w8a8-int8")
+    assert seen == [False]

@@ -74,7 +74,6 @@ def _share(model: torch.nn.Module) -> None:
     share(model, GROUPS if groups is None else groups)
 
 
-@torch.no_grad()
 @dataclass(frozen=True)
 class QuantizeOptions:
     """Everything quantize_model takes besides the model and the recipe, typed in one place (each
@@ -107,6 +106,7 @@ class QuantizeOptions:
         return dataclasses.replace(self, **changes)
 
 
+@torch.no_grad()
 def quantize_model(model: torch.nn.Module, recipe: str | Recipe | QuantSummary,
                    options: QuantizeOptions | None = None, **changes) -> QuantSummary:
     """Replace nn.Linear layers of `model` (in place) by QuantLinear under `recipe` (a name, a Recipe or
