@@ -18,7 +18,7 @@ import torch
 from lowbit.ops.fused import qdq_rows
 from lowbit.ops.kernels.base import Refused
 from lowbit.ops.kernels.prepared_kernel import Prepared, PreparedKernel, act_json
-from lowbit.ops.kernels.schemes import pair_refusal, w4a16_refusal
+from lowbit.ops.kernels.schemes import pair_refusal, w4a16_refusal, weight_only_refusal
 from lowbit.ops.scratch import scratch
 from lowbit.ops.w4a16.launch import dequantize_w4, launch_w4a16, scale_output
 from lowbit.ops.weight_only import W4Weight, prepare_w4
@@ -79,9 +79,7 @@ class TritonW4A16(PreparedKernel):
 
     @classmethod
     def refuses(cls, layer):
-        if layer.act is not None:
-            return "the activations are quantized; this kernel takes float activations (weight-only)"
-        return w4a16_refusal(layer.weight) or _padded(layer)
+        return weight_only_refusal(layer) or w4a16_refusal(layer.weight) or _padded(layer)
 
     @classmethod
     def prepare(cls, weight_q, act_scheme, static_scale):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from lowbit.ops.kernels.prepared_kernel import Prepared, PreparedKernel, act_json, row_vector
-from lowbit.ops.kernels.schemes import per_row_fp32
+from lowbit.ops.kernels.schemes import per_row_fp32, weight_only_refusal
 from lowbit.ops.scratch import scratch
 from lowbit.quantize import quantize, quantize_static
 
@@ -162,8 +162,9 @@ class TritonW8A16(PreparedKernel):
 
     @classmethod
     def refuses(cls, layer):
-        if layer.act is not None:
-            return "the activations are quantized; this kernel takes float activations (weight-only)"
+        why = weight_only_refusal(layer)
+        if why:
+            return why
         ws = layer.weight
         if ws.format not in ("int8", "fp8_e4m3fn"):
             return f"the weight is {ws.format}; this kernel reads int8 or fp8 e4m3 codes"

@@ -29,7 +29,7 @@ from lowbit.ops.fused import qdq_rows, quantize_rows
 from lowbit.ops.grouped import scale_words_int32
 from lowbit.ops.kernels.base import Choice, Device, Kernel, LinearLayer, Registry, kernel_device
 from lowbit.ops.kernels.dense_w8 import quantize_tensor_int8
-from lowbit.ops.kernels.schemes import PER_ROW, pair_refusal, w4a16_kind, w4a16_refusal
+from lowbit.ops.kernels.schemes import PER_ROW, pair_refusal, w4a16_kind, w4a16_refusal, weight_only_refusal
 from lowbit.packing import pack_fp4, pack_int4
 from lowbit.quantize import quantize
 from lowbit.scheme import QuantScheme
@@ -57,10 +57,6 @@ def _channel_sym(ws: QuantScheme, fmt: str) -> str | None:
     if ws.format != fmt or ws.strategy != "channel" or not ws.symmetric or ws.scale_format != "fp32":
         return f"this kernel takes {fmt} weights per channel, symmetric, fp32 scales; got {ws}"
     return None
-
-
-def _weight_only(layer) -> str | None:
-    return None if layer.act is None else "the activations are quantized; this kernel takes float activations"
 
 
 def rows_quantized(x: torch.Tensor, scheme: QuantScheme, ops: dict):
@@ -142,7 +138,7 @@ class GroupedW8A16(GroupedKernel):
 
     @classmethod
     def refuses(cls, layer):
-        return _weight_only(layer) or _channel_sym(layer.weight, "int8")
+        return weight_only_refusal(layer) or _channel_sym(layer.weight, "int8")
 
     @classmethod
     def prepare(cls, weight_scheme, stacked, act_scheme):
@@ -183,7 +179,7 @@ class GroupedW4A16(GroupedKernel):
 
     @classmethod
     def refuses(cls, layer):
-        why = _weight_only(layer) or w4a16_refusal(layer.weight)
+        why = weight_only_refusal(layer) or w4a16_refusal(layer.weight)
         if why is None and layer.weight.format == "uint4":
             why = "uint4 weights have no grouped kernel (int4 with zero points has)"
         return why

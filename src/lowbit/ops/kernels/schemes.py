@@ -85,3 +85,8 @@ def w4a16_refusal(w_scheme: QuantScheme) -> str | None:
     except NotImplementedError as err:
         return str(err)
     return None
+
+
+def weight_only_refusal(layer) -> str | None:
+    """Why a weight-only kernel (float activations) refuses a layer whose activations are quantized."""
+    return None if layer.act is None else "the activations are quantized; this kernel takes float activations (weight-only)"
