@@ -10,6 +10,7 @@ Public API (kept stable; outside tests call it):
     lb.pack_int4 / lb.unpack_int4 / lb.pack_scales / lb.unpack_scales
     lb.verify.check_linear(out, x, w, x_scheme=..., w_scheme=...)
     job = lb.QuantizeJob.build("w8a8-int8", [SmoothQuant(0.5)]); lb.quantize_job(loaded, texts, job)
+    s = lb.QuantizeSession.load("smollm2"); s.prepare(lb.TextOptions()); s.write(s.quantize(job), "out")
 
 Names are resolved lazily so that `import lowbit` stays cheap and a part under
 construction cannot break the others.
@@ -49,6 +50,9 @@ _EXPORTS = {
     "quantize_checkpoint": "lowbit.pipelines.tensorwise",
     "QuantizeJob": "lowbit.workflows.job",
     "quantize_job": "lowbit.workflows.quantize",
+    "best_steps": "lowbit.workflows.job",
+    "QuantizeSession": "lowbit.workflows.session",
+    "TextOptions": "lowbit.workflows.session",
 }
 _SUBMODULES = {"formats", "scheme", "quantize", "packing", "sparsity", "profiling", "ops", "verify", "nn", "io",
                "recipes", "algorithms", "pipelines", "diagnosis", "evaluation", "experiments", "bench",

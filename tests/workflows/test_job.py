@@ -13,6 +13,7 @@ from lowbit.evaluation import workload
 from lowbit.pipelines.checkpoint import save_compressed
 from lowbit.workflows.job import BEST, Measures, QuantizeJob, best_line, best_steps, step_text
 from lowbit.workflows.quantize import quantize_job
+from lowbit.workflows.session import QuantizeSession, TextOptions
 from lowbit.workflows.steps import (AWQ, GPTQ, KVCache, MSEScales, OverrideWorst, Rotate, SmoothQuant, StaticScales,
                                     Step)
 from cli_fixtures import save_tokenizer
@@ -100,6 +101,16 @@ def test_library_checkpoint_is_the_clis_byte_for_byte(rng, monkeypatch, tmp_path
     lib = save_compressed(run.model, tmp_path / "lib", run.summary.recipes[run.recipe], dtype=torch.float32)
     want = _hashes(cli)
     assert "model.safetensors" in want and _hashes(lib) == want
+    # the session (what the CLI calls) used directly, its lines collected instead of printed
+    lines = []
+    session = QuantizeSession.load(str(folder), say=lines.append)
+    session.prepare(TextOptions(64, 64, 64), dtype="float32", evaluate=False)
+    result = session.quantize(job(), sites=False, estimated=False)
+    session.write(result, tmp_path / "session")
+    assert _hashes(tmp_path / "session") == want
+    assert (tmp_path / "session" / "lowbit_report.md").is_file() and result.saved
+    assert lines[0] == f"loading {folder} ..." and lines[-1] == f"checkpoint: {tmp_path / 'session'}"
+    assert "not evaluated" in result.line(session.dtype_name)
 
 
 def test_steps_compute_what_the_algorithms_compute_one_by_one(rng, tmp_path):

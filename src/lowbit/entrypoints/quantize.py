@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 from lowbit.evaluation import text_files as T
-from lowbit.evaluation.workload import EMBEDDED, model_files, model_source, read_config, weight_files
+from lowbit.evaluation.workload import (CALIB_TOKENS, EMBEDDED, EVAL_TOKENS, model_files, model_source,
+                                       read_config, weight_files)
 
 
 def register(p) -> None:
@@ -138,8 +139,6 @@ OUTPUT_FILES = {"config.json", "lowbit.json", "lowbit_report.md", "lowbit_sites.
 REPORT_FILES = {"lowbit_report.md", "lowbit_sites.png", "lowbit_metric.png", "lowbit_routing.png"}
 
 
-CALIB_TOKENS = 1024        # --calib-tokens when neither the flag nor the recipe's best measures give a count
-EVAL_TOKENS = 8192         # --tokens when not given
 FLOAT_FILES = {"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
                "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "added_tokens.json"}
@@ -181,51 +180,6 @@ def _measures(args, recipe: str, kind: str, moe: bool = False, n_linear: int = 0
     picked_to = [dataclasses.replace(s, to=args.override_to) if isinstance(s, OverrideWorst) else s
                  for s in best.steps]
     return given + tuple(picked_to), n
-
-
-def _calib_texts(texts) -> list:
-    """The calibration batches of `texts`, its lines about the calibration data printed."""
-    for line in texts.notes:
-        if line.startswith("--calib-data"):
-            print(line, flush=True)
-    return texts.calib
-
-
-def _save(model, out: Path, recipe, tokenizer, dtype) -> None:
-    """Write the checkpoint into `out` (a staging directory). What can be refused was refused
-    before calibration (validate, check_plan): an error here is an error of the run."""
-    from lowbit.pipelines.checkpoint import save_compressed
-    save_compressed(model, out, recipe, tokenizer=tokenizer, overwrite=True, dtype=dtype)
-
-
-def _kl_top1(t) -> str:
-    """The token metrics' agreement with the float model, as every report line writes them."""
-    # significant digits, not decimals: a tiny model's KL of 3e-5 nats is not "0.0000"
-    return f"KL from float {t.kl:.3g} nats, top-1 agreement {100 * t.top1:.2f}%"
-
-
-def _metrics(mname: str, v) -> str:
-    """A metric value (a float) or token metrics (perplexity, KL, top-1) for a report line."""
-    return f"{mname} {v.perplexity:.4f}, {_kl_top1(v)}" if hasattr(v, "kl") else f"{mname} {v:.4f}"
-
-
-def _compare_line(what: str, other: str, mname: str, run_, without) -> str:
-    """One report line: the run's metrics (token metrics where measured) and `without` (the same
-    model with one part put back in high precision)."""
-    with_ = run_.tokens if run_.tokens is not None else run_.value
-    line = f"{what}: {_metrics(mname, with_)}; {other}: {_metrics(mname, without)}"
-    if hasattr(with_, "perplexity") and hasattr(without, "perplexity"):
-        line += f"; the part's own cost: {with_.perplexity / without.perplexity - 1:+.2%} perplexity"
-    return line
-
-
-def _kv_line(kv_name: str, mname: str, run_) -> str:
-    return _compare_line(f"KV cache {kv_name}", "with the KV cache unquantized", mname, run_, run_.without_kv)
-
-
-def _head_line(kind: str, mname: str, run_) -> str:
-    return _compare_line(f"LM head {kind} (weight-only)", "with the LM head in high precision", mname, run_,
-                         run_.float_head)
 
 
 def _out_dirs(args, recipes: list[str]) -> dict[str, Path]:
@@ -490,34 +444,18 @@ def experts_refusal(recipe: str, decisions, ignore_hint: bool = True) -> str | N
     return None
 
 
-def save_dtype(args, loaded):
-    """--dtype as a torch dtype ("auto": the source's storage dtype, float32 when unknown)."""
-    import torch
-    if args.dtype == "auto":
-        return loaded.dtype or torch.float32
-    return getattr(torch, args.dtype)
-
-
 def run(args) -> int:
-    """Bad input raises ValueError / FileNotFoundError; lowbit.entrypoints.main prints it without a traceback."""
+    """Bad input raises ValueError / FileNotFoundError; lowbit.entrypoints.main prints it without a traceback.
+    The work is lowbit.workflows.session's: this parses, checks, and prints."""
     import torch
-    from lowbit.io.outdir import staged
-    from lowbit.evaluation.evaluate import float_reference, model_bytes, tokens_per_second
-    from lowbit.evaluation.workload import load_model, machine, metric, prepare_texts, save_float
-    from lowbit.recipes.plan import linear_layers
+    from lowbit.algorithms import distributed as D
     from lowbit.workflows.job import QuantizeJob
-    from lowbit.workflows.steps import GPTQ, SmoothQuant
-    from lowbit.workflows.quantize import checkpoint_bytes, quantize_job, round_float_parts
-    from lowbit.diagnosis.report import QuantizeResult, optional_png, write_report
-    from lowbit.diagnosis.sites import plot_sites
-    from lowbit.archs.experts import find_experts
-    from lowbit.diagnosis.routing_report import plot_routing, routing_report
-    from lowbit.nn.experts import QuantExperts
+    from lowbit.workflows.session import QuantizeSession, TextOptions
+    from lowbit.workflows.steps import GPTQ
 
     recipes, overrides, outs = validate(args)   # before anything slow
     if args.threads:
         torch.set_num_threads(args.threads)
-    from lowbit.algorithms import distributed as D
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.sequential:
         from lowbit.entrypoints import sequential as cli_sequential
@@ -532,139 +470,44 @@ def run(args) -> int:
     command = "lowbit " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[0].endswith("lowbit") \
         else "lowbit quantize " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     t0 = time.time()
-    print(f"loading {args.model} ...", flush=True)
-    loaded = load_model(args.model)
-    if loaded.kind != "causal":
-        _encoder_measures(args, f"{loaded.name} is an encoder")
+    session = QuantizeSession.load(args.model, command=command)
+    if session.loaded.kind != "causal":
+        _encoder_measures(args, f"{session.loaded.name} is an encoder")
     for recipe in recipes:                       # before any calibration work
-        check_plan(args, loaded.model, recipe, overrides)
-    dtype = save_dtype(args, loaded)
-    round_float_parts(loaded.model, dtype)
-    dname = str(dtype).replace("torch.", "")
-    rounded = f"; float parts rounded to {dname}, as the checkpoint stores them" if dtype != torch.float32 else ""
-    print(f"float baseline: {loaded.origin or loaded.name}{rounded}", flush=True)
-    if args.save_float and D.rank() == 0:
-        save_float(loaded, args.save_float, overwrite=args.overwrite)
-        print(f"float baseline written to {args.save_float} (float32, transformers' layout, with its tokenizer)",
-              flush=True)
+        check_plan(args, session.loaded.model, recipe, overrides)
     evaluate = not args.no_eval
-    data = {k: v for k, v in (("calib_data", args.calib_data), ("eval_data", args.eval_data)) if v}
-    data.update(text_column=args.text_column, chat=args.chat_template,
-                fit=frozenset(n for n, given in (("tokens", args.tokens_given),
-                                                 ("calib_tokens", args.calib_tokens_given)) if not given))
-    texts = prepare_texts(loaded, args.tokens, args.calib_tokens, args.window, evaluate=evaluate, **data)
-    for line in texts.notes:
-        print(line, flush=True)
-    texts.calib = D.shard(texts.calib)           # all batches in one process
-    before, reference = None, None
-    if evaluate and loaded.kind == "causal":     # one float pass: its perplexity and every recipe's reference
-        before, reference = float_reference(loaded.model, texts.eval_ids, args.window, True, "float eval")
-    elif evaluate:
-        before = metric(loaded, loaded.model, None, texts, args.window, True, "float eval")
-    mname = "perplexity" if loaded.kind == "causal" else "embedding cosine"
-    ntok = (texts.eval_ids.numel() if texts.eval_ids is not None else args.tokens) if loaded.kind == "causal" \
-        else len(texts.sentences)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    bytes_before = model_bytes(loaded.model, itemsize)
-    tps_before = tokens_per_second(loaded.model, texts.eval_ids) if texts.eval_ids is not None and evaluate \
-        else None
-    unit = "tokens" if loaded.kind == "causal" else "sentences"
-    if evaluate:
-        print(f"{loaded.name}: float {mname} {before:.4f} on {ntok} {unit} ({time.time() - t0:.0f} s)", flush=True)
+    fit = frozenset(n for n, given in (("tokens", args.tokens_given), ("calib_tokens", args.calib_tokens_given))
+                    if not given)
+    session.prepare(TextOptions(args.tokens, args.calib_tokens, args.window, args.calib_data, args.eval_data,
+                                args.text_column, args.chat_template, fit),
+                    dtype=args.dtype, evaluate=evaluate, save_float_to=args.save_float, overwrite=args.overwrite)
     table = []
-    moe = bool(find_experts(loaded.model))
-    n_linear = len(linear_layers(loaded.model))
     for recipe in recipes:
-        steps, n_calib = _measures(args, recipe, loaded.kind, moe=moe, n_linear=n_linear)
+        steps, n_calib = _measures(args, recipe, session.loaded.kind, moe=session.moe, n_linear=session.n_linear)
         job = QuantizeJob.build(recipe, steps, kv_cache=getattr(args, "kv_cache", None),
                                 lm_head=getattr(args, "lm_head", None), ignore=args.ignore, overrides=overrides)
-        rtexts = texts if n_calib == args.calib_tokens else dataclasses.replace(
-            texts, calib=D.shard(_calib_texts(prepare_texts(loaded, args.tokens, n_calib, args.window,
-                                                            evaluate=evaluate, **data))))
         # the per-site report diagnoses round to nearest's codes: shown when those are the codes
         # saved, or when a step picks sites by it (quantize_job then runs it all the same)
         sites = evaluate and not args.no_sites and job.step(GPTQ) is None
         if evaluate and not args.no_sites and not sites:
             print(f"{recipe}: no per-site report: GPTQ chooses the codes, and the report diagnoses round to "
                   f"nearest's (`lowbit sites --recipe {recipe}` shows them)", flush=True)
-        run_ = quantize_job(loaded, rtexts, job, window=args.window, evaluate=evaluate, sites=sites,
-                            reference=reference)
-        sq = job.step(SmoothQuant)
-        reps = [r for r in (run_.sites_before, run_.sites_after) if r is not None]
-        labels = ([f"{recipe}"] if run_.sites_before is not None else []) + \
-            ([f"{recipe} + SmoothQuant"] if run_.sites_after is not None else [])
-        for r, label in zip(reps, labels):
-            print(("" if label == recipe else "after SmoothQuant:\n") + str(r))
-        if run_.overrides:
-            print("overridden worst sites: " + ", ".join(f"{k} -> {v}" for k, v in run_.overrides.items()))
-        print(run_.summary)
-        tps = tokens_per_second(run_.model, texts.eval_ids) if tps_before else None
-        res = QuantizeResult(
-            model=loaded.name, recipe=recipe, metric=mname, before=before, after=run_.value,
-            bytes_before=bytes_before, bytes_after=model_bytes(run_.model, itemsize), eval_tokens=ntok,
-            command=command, machine=machine(),
-            smoothquant=None if sq is None else f"alpha {sq.alpha}",
-            summary=str(run_.summary), overrides=run_.overrides, clipping=run_.clipping, tokens=run_.tokens,
-            tokens_per_s=(tps_before, tps) if tps else None,
-            bytes_label=f"weight bytes (float parts in {dname}; quantized: "
-                        f"{'estimated, not saved' if args.no_save else 'the checkpoint on disk'})",
-            baseline=(loaded.origin or loaded.name) + rounded,
-            sites_markdown=[("Worst sites" + (" before SmoothQuant" if label == recipe and len(reps) > 1 else
-                                              "" if label == recipe else " after SmoothQuant"), r.to_markdown(10))
-                            for r, label in zip(reps, labels)])
-        if run_.float_head is not None:
-            res.extra.append(_head_line(args.lm_head, mname, run_))
-            print(res.extra[-1], flush=True)
-        if run_.without_kv is not None:
-            res.extra.append(_kv_line(args.kv_cache, mname, run_))
-            print(res.extra[-1], flush=True)
-            from lowbit.diagnosis.attention_sites import attention_site_report
-            att = attention_site_report(run_.model, texts.calib[0], run_.summary.kv_cache)
-            print(att)
-            res.sites_markdown.append(("Attention sites (KV cache; first calibration batch)", att.to_markdown()))
-        routing = None
-        # MoE: routing flips, expert load and per-expert SQNR vs float (when any experts were quantized)
-        if moe and any(isinstance(m, QuantExperts) for m in run_.model.modules()):
-            routing = routing_report(loaded.model, run_.model, rtexts.calib, weight_db=run_.experts_weight_db)
-            print(routing.to_markdown(), flush=True)
-            res.sites_markdown.append(("MoE routing (calibration batches, against the float model)",
-                                       routing.to_markdown()))
-        out = outs[recipe]
+        result = session.quantize(job, calib_tokens=n_calib, sites=sites, estimated=args.no_save)
+        session.write(result, outs[recipe], save=not args.no_save, overwrite=args.overwrite)
         if D.rank() != 0:
             continue
-        with staged(out, args.overwrite) as stage:   # Ctrl-C or an error leaves `out` as it was
-            if not args.no_save:
-                _save(run_.model, stage, job.recipe, loaded.tokenizer, dtype)
-                res.checkpoint = str(out)
-                res.bytes_after = checkpoint_bytes(stage)
-            png = optional_png(plot_sites, reps, str(stage / "lowbit_sites.png"), labels=labels) if reps else None
-            if routing is not None:
-                rpng = optional_png(plot_routing, routing, str(stage / "lowbit_routing.png"))
-                if rpng:
-                    res.extra += ["![MoE routing: flips and expert load](lowbit_routing.png)", ""]
-            write_report(res, stage, png)
-        if res.checkpoint:
-            print(f"checkpoint: {res.checkpoint}")
-        md = out / "lowbit_report.md"
-        mb = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
-        size = (f"bytes {mb(res.bytes_before)} ({dname} float) -> {mb(res.bytes_after)} "
-                f"({'estimated' if args.no_save else 'on disk'})")
-        if evaluate:
-            kl = "" if run_.tokens is None else f", {_kl_top1(run_.tokens)}"
-            print(f"{recipe}: {mname} {before:.4f} -> {run_.value:.4f} ({res.change()}){kl}, {size}; report {md}",
-                  flush=True)
-        else:
-            print(f"{recipe}: not evaluated (--no-eval), {size}; report {md}", flush=True)
+        print(result.line(session.dtype_name), flush=True)
+        run_ = result.run
         if run_.clipping:
             worst = run_.clipping[0]
             print(f"static scales on new text: worst clipping {worst['clip_rate']:.2e} at {worst['name']} "
                   f"(max |x|/range {worst['max_ratio']:.2f})")
-        table.append((recipe, run_.value, res.change(), res.bytes_after, len(run_.overrides)))
-        del run_
+        table.append((recipe, run_.value, result.report.change(), result.report.bytes_after, len(run_.overrides)))
+        del result, run_
     if len(table) > 1:
-        print(f"\n| recipe | {mname} | change | bytes | overrides |\n|---|---:|---:|---:|---:|")
+        print(f"\n| recipe | {session.metric} | change | bytes | overrides |\n|---|---:|---:|---:|---:|")
         v3 = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-        print(f"| float | {v3(before)} | | {bytes_before} | |")
+        print(f"| float | {v3(session.before)} | | {session.bytes_before} | |")
         for r, v, c, b, n in table:
             print(f"| {r} | {v3(v)} | {c} | {b} | {n} |")
     print(f"done in {time.time() - t0:.0f} s")

@@ -219,6 +219,9 @@ def machine() -> str:
     return f"{platform.node() or 'host'}: {dev}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
 
 
+CALIB_TOKENS = 1024        # calibration tokens when neither the caller nor a recipe's best measures give a count
+EVAL_TOKENS = 8192         # evaluation tokens when not given
+
 @dataclass
 class Texts:
     """eval_ids: 1-D ids for perplexity; calib: batches for calibration and the site report;
