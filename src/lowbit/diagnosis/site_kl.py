@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lowbit.recipes.plan import linear_layers, plan
-
+from lowbit.nn.quant_linear import QuantLinear
 from lowbit.pipelines.quantize_model import quantize_model
-from lowbit.recipes.presets import get_recipe
 from lowbit.progress import progress_bar
+from lowbit.recipes.plan import linear_layers, plan
+from lowbit.recipes.presets import get_recipe
 
 _BLOCK = re.compile(r"^(.*\.(?:layers|layer|h|blocks))\.(\d+)\.")
 
@@ -159,7 +159,6 @@ def kl_pick(model: torch.nn.Module, batches: list, recipe, n: int, *, to: str = 
     shortlist = 3 * n if shortlist is None else shortlist
     if shortlist < n:
         raise ValueError(f"shortlist={shortlist} < n={n}: the shortlist must hold the sites to pick")
-    from lowbit.nn.quant_linear import QuantLinear
     floats = linear_layers(model)
     ref_logp = [torch.log_softmax(_logits(model(b, use_cache=False)), dim=-1) for b in batches]
     base = copy.deepcopy(model)

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import torch
 
-from lowbit.evaluation import text_files as T
+from lowbit.evaluation import embedded, text_files as T
+from lowbit.evaluation.embedded import wiki_articles, wiki_token_ids, windows
+from lowbit.evaluation.evaluate import embedding_cosine, perplexity
 from lowbit.io.hub_cache import cached_model, looks_like_model_id
 from lowbit.io.outdir import staged
 
@@ -168,7 +170,6 @@ def load_model(spec: str) -> Loaded:
     """spec: "smollm2" (embedded default), "minilm" (embedded encoder), a directory holding a Llama
     .gguf file, a Hugging Face model directory (config.json + safetensors + tokenizer), or a model
     id ORG/NAME found in the local Hugging Face cache (lowbit.io.hub_cache; no network)."""
-    from lowbit.evaluation import embedded
     if spec == "smollm2":
         m, t = embedded.load_smollm2()
         return Loaded(EMBEDDED[spec], m, t, "causal", SMOLLM2_ORIGIN, torch.bfloat16)
@@ -241,7 +242,6 @@ def prepare_texts(loaded: Loaded, tokens: int, calib_tokens: int, window: int, *
     defaults rather than the user's: a file holding fewer gives its whole windows instead of a
     refusal (Texts.notes says so). evaluate=False: calibration text only (no evaluation text, no
     unseen text), so a job given its own calib_data never reads the embedded corpus."""
-    from lowbit.evaluation.embedded import wiki_articles, wiki_token_ids, windows
     tok = loaded.tokenizer
     notes: list[str] = []
     if loaded.kind == "causal":
@@ -285,7 +285,6 @@ def prepare_texts(loaded: Loaded, tokens: int, calib_tokens: int, window: int, *
 def metric(loaded: Loaded, model: torch.nn.Module, reference: torch.nn.Module | None, texts: Texts,
            window: int, progress: bool, desc: str) -> float:
     """Perplexity (causal) or mean embedding cosine against `reference` (encoder)."""
-    from lowbit.evaluation.evaluate import embedding_cosine, perplexity
     if loaded.kind == "causal":
         return perplexity(model, texts.eval_ids, window, progress=progress, desc=desc)
     if reference is None:
