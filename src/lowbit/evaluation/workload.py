@@ -22,6 +22,7 @@ from lowbit.evaluation.embedded import wiki_articles, wiki_token_ids, windows
 from lowbit.evaluation.evaluate import embedding_cosine, perplexity
 from lowbit.io.hub_cache import cached_model, looks_like_model_id
 from lowbit.io.outdir import staged
+from lowbit.options import Options
 
 
 @dataclass
@@ -232,16 +233,32 @@ class Texts:
     notes: list[str] = field(default_factory=list)   # lines saying how the user's data was read and cut
 
 
-def prepare_texts(loaded: Loaded, tokens: int, calib_tokens: int, window: int, *,
-                  calib_data: str | None = None, eval_data: str | None = None, evaluate: bool = True,
-                  text_column: str | None = None, chat: str = "auto", fit: frozenset = frozenset()) -> Texts:
+@dataclass(frozen=True)
+class TextOptions(Options):
+    """Where prepare_texts takes a job's texts from.
+
+    calib_data / eval_data: files (.txt, .jsonl, .parquet, a saved datasets folder, .safetensors
+    ids) instead of the embedded Wikipedia text; text_column and chat as in lowbit.evaluation.text_files.
+    evaluate: False: calibration text only (no evaluation text, no unseen text), so a job given its
+    own calib_data never reads the embedded corpus. fit: the counts ("tokens", "calib_tokens") that
+    are defaults rather than the user's: a file holding fewer gives its whole windows instead of a
+    refusal (Texts.notes says so)."""
+    calib_data: str | None = None
+    eval_data: str | None = None
+    evaluate: bool = True
+    text_column: str | None = None
+    chat: str = "auto"
+    fit: frozenset = frozenset()
+
+
+def prepare_texts(loaded: Loaded, tokens: int, calib_tokens: int, window: int, options: TextOptions | None = None,
+                  **changes) -> Texts:
     """The texts of a job: `tokens` evaluation tokens and `calib_tokens` calibration tokens from
-    the embedded Wikipedia text, or from the files calib_data / eval_data (.txt, .jsonl, .parquet,
-    a saved datasets folder, .safetensors ids; `text_column` and `chat` as in
-    lowbit.evaluation.text_files) when given. fit: the counts ("tokens", "calib_tokens") that are
-    defaults rather than the user's: a file holding fewer gives its whole windows instead of a
-    refusal (Texts.notes says so). evaluate=False: calibration text only (no evaluation text, no
-    unseen text), so a job given its own calib_data never reads the embedded corpus."""
+    the embedded Wikipedia text, or from the files of `options` (a TextOptions, or its fields as
+    keywords) when given."""
+    o = TextOptions.merge(options, changes, "prepare_texts")
+    calib_data, eval_data, evaluate, text_column, chat, fit = (o.calib_data, o.eval_data, o.evaluate, o.text_column,
+                                                               o.chat, o.fit)
     tok = loaded.tokenizer
     notes: list[str] = []
     if loaded.kind == "causal":
