@@ -57,24 +57,23 @@ from lowbit.scheme import QuantScheme
 
 PROJECTIONS = ("gate_up", "down")
 BACKENDS = ("auto", "exact", "kernel")
+LAYOUTS = ("enk", "ekn")
+GLU_SPLITS = ("chunk", "interleave")
+ACTIVATIONS = ("act_fn", "gpt_oss")
 _FIELDS = (("codes", "codes"), ("scale", "scale"), ("zero", "zero_point"), ("scale_codes", "scale_codes"))
 
 
-@dataclass(frozen=True)
-class ExpertsOptions(Options):
+@dataclass(frozen=True, kw_only=True)
+class ExpertsLayout:
     """How a family's fused experts module stores and runs its experts (lowbit.archs.experts'
-    ExpertsSpec.module_kwargs() gives the first eight for each family), and how QuantExperts runs.
+    ExpertsSpec is one per family).
 
     gate_up / down:           the module's fused weight attributes ([E, 2I, H] / [E, H, I] as "enk").
     layout:                   "enk" ([E, out, in]) or "ekn" ([E, in, out], e.g. gpt-oss).
     gate_up_bias / down_bias: the module's bias attributes ([E, 2I] / [E, H]), None: no bias.
     glu_split:                gate and up in gate_up's rows: "chunk" (first half gate) or "interleave".
     activation:               "act_fn" (act_fn(gate) * up, the module's own act_fn) or "gpt_oss"
-                              (gpt-oss's clamped swiglu, with the module's alpha and limit).
-    family:                   the family's name, for reports.
-    name:                     the module's name, for errors.
-    backend:                  "auto", "exact" or "kernel" (the module docstring).
-    host_twin:                keep the exact twin of packed 4-bit codes on the host (module docstring)."""
+                              (gpt-oss's clamped swiglu, with the module's alpha and limit)."""
     gate_up: str = "gate_up_proj"
     down: str = "down_proj"
     layout: str = "enk"
@@ -82,12 +81,30 @@ class ExpertsOptions(Options):
     down_bias: str | None = None
     glu_split: str = "chunk"
     activation: str = "act_fn"
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS or self.glu_split not in GLU_SPLITS or self.activation not in ACTIVATIONS:
+            raise ValueError(f"{type(self).__name__}: layout {self.layout!r} / glu_split "
+                             f"{self.glu_split!r} / activation {self.activation!r} not among {LAYOUTS} / {GLU_SPLITS} / "
+                             f"{ACTIVATIONS}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertsOptions(ExpertsLayout, Options):
+    """QuantExperts' settings: the family's ExpertsLayout fields (lowbit.archs.experts'
+    ExpertsSpec.module_kwargs() gives them with `family`), and
+
+    family:    the family's name, for reports.
+    name:      the module's name, for errors.
+    backend:   "auto", "exact" or "kernel" (the module docstring).
+    host_twin: keep the exact twin of packed 4-bit codes on the host (module docstring)."""
     family: str = ""
     name: str = "experts"
     backend: str = "auto"
     host_twin: bool = True
 
     def __post_init__(self):
+        super().__post_init__()
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r}; choose one of {BACKENDS}")
 
