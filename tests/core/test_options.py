@@ -8,7 +8,7 @@ import pytest
 
 from lowbit.algorithms.gptq.options import MIN_TOKENS, GPTQOptions
 from lowbit.diagnosis.site_kl import KLPickOptions, kl_pick
-from lowbit.evaluation.workload import TextOptions, prepare_texts
+from lowbit.evaluation.workload import TextSources, prepare_texts
 from lowbit.nn.experts import ExpertsOptions
 from lowbit.options import Options
 
@@ -38,7 +38,7 @@ def test_unknown_names_are_refused_with_the_nearest():
 @pytest.mark.parametrize("cls, fields", [(GPTQOptions, {"damp", "holdout", "min_tokens", "targets"}),
                                          (ExpertsOptions, {"gate_up", "layout", "backend", "host_twin"}),
                                          (KLPickOptions, {"to", "effect", "screen", "shortlist"}),
-                                         (TextOptions, {"calib_data", "eval_data", "chat", "fit"})])
+                                         (TextSources, {"calib_data", "eval_data", "chat", "fit"})])
 def test_each_options_class_refuses_a_misspelt_field(cls, fields):
     for f in fields:
         typo = f + "s"

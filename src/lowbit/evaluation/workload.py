@@ -234,8 +234,8 @@ class Texts:
 
 
 @dataclass(frozen=True)
-class TextOptions(Options):
-    """Where prepare_texts takes a job's texts from.
+class TextSources(Options):
+    """Where prepare_texts takes a job's texts from (the embedded Wikipedia text, or the user's files).
 
     calib_data / eval_data: files (.txt, .jsonl, .parquet, a saved datasets folder, .safetensors
     ids) instead of the embedded Wikipedia text; text_column and chat as in lowbit.evaluation.text_files.
@@ -251,12 +251,12 @@ class TextOptions(Options):
     fit: frozenset = frozenset()
 
 
-def prepare_texts(loaded: Loaded, tokens: int, calib_tokens: int, window: int, options: TextOptions | None = None,
+def prepare_texts(loaded: Loaded, tokens: int, calib_tokens: int, window: int, options: TextSources | None = None,
                   **changes) -> Texts:
     """The texts of a job: `tokens` evaluation tokens and `calib_tokens` calibration tokens from
-    the embedded Wikipedia text, or from the files of `options` (a TextOptions, or its fields as
+    the embedded Wikipedia text, or from the files of `options` (a TextSources, or its fields as
     keywords) when given."""
-    o = TextOptions.merge(options, changes, "prepare_texts")
+    o = TextSources.merge(options, changes, "prepare_texts")
     calib_data, eval_data, evaluate, text_column, chat, fit = (o.calib_data, o.eval_data, o.evaluate, o.text_column,
                                                                o.chat, o.fit)
     tok = loaded.tokenizer
