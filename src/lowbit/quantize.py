@@ -32,18 +32,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from lowbit.formats import decode, encode, get_format, grid
 from lowbit.scheme import QuantScheme
 
 NAN_POLICIES = ("raise", "propagate")
 _ACCEPTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _F32_EXP_MASK = 0xFF
 _E8M0_MIN_CODE, _E8M0_MAX_CODE = 1, 254  # 2^-126 .. 2^127; see e8m0_exponent for why not 0
-
-
-def _formats():
-    import lowbit.formats as F
-
-    return F
 
 
 # ------------------------------------------------------------------------------------------
@@ -131,7 +126,7 @@ def dequantize(qt: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 def _decode_elements(codes: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     if scheme.type == "int":
         return codes.to(torch.float32)
-    return _formats().decode(codes, scheme.fmt)
+    return decode(codes, scheme.fmt)
 
 
 # ------------------------------------------------------------------------------------------
@@ -291,14 +286,14 @@ def scale_from_codes(scale_codes: torch.Tensor, scheme: QuantScheme,
     if scheme.scale_format == "fp8_e4m3fn":
         if global_scale is None:
             raise ValueError("scale_from_codes: two-level (fp8_e4m3fn) scales need global_scale")
-        return (_formats().decode(scale_codes, scheme.scale_format) * global_scale.to(torch.float32)).to(torch.float32)
+        return (decode(scale_codes, scheme.scale_format) * global_scale.to(torch.float32)).to(torch.float32)
     raise ValueError(f"scale_from_codes: scale_format {scheme.scale_format!r} has no scale codes")
 
 
 def two_level_global_scale(tensor_amax: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     """NVFP4's fp32 tensor scale g = amax / (scale_fmt.max * fmt.max) (448 * 6 for NVFP4),
     float32 0-d; g = 1.0 when that is 0 (all-zero tensor), so block scales stay finite."""
-    sfmt = _formats().get_format(scheme.scale_format)
+    sfmt = get_format(scheme.scale_format)
     g = _div(tensor_amax.to(torch.float32).reshape(()), float(sfmt.max) * float(scheme.fmt.max))
     return _nonzero_scale(g)
 
@@ -329,8 +324,7 @@ def compute_scale(amax: torch.Tensor, scheme: QuantScheme, *, amin: torch.Tensor
         codes = e8m0_exponent(amax, fmt, scheme.scale_rounding)
         return Scales(scale_from_codes(codes, scheme), None, codes, None)
     if scheme.scale_format == "fp8_e4m3fn":
-        F = _formats()
-        sfmt = F.get_format(scheme.scale_format)
+        sfmt = get_format(scheme.scale_format)
         g = two_level_global_scale(amax.max(), scheme) if global_scale is None else \
             global_scale.to(torch.float32).reshape(())
         # torchao nvfp4_quantize: block scales relative to g, clamped into e4m3's normal range.
@@ -479,10 +473,9 @@ def _encode_float(x: torch.Tensor, fmt) -> torch.Tensor:
     """encode(x, fmt, saturate=True) of a float tensor: by grid.nearest_code's table lookup (the same
     codes bit for bit, tests/core/test_format_grid.py) for float32 x in an <= 8-bit float format, else by
     encode (float64 arithmetic)."""
-    from lowbit.formats import grid
     if x.dtype == torch.float32 and grid.supported(fmt):
         return grid.nearest_code(x, fmt)
-    return _formats().encode(x, fmt, saturate=True)
+    return encode(x, fmt, saturate=True)
 
 
 def _check_scales(sc, scheme: QuantScheme, shape: tuple[int, ...], device) -> Scales:
@@ -553,8 +546,8 @@ def quantize_static(x2d: torch.Tensor, scheme: QuantScheme, scale: torch.Tensor)
             raise NotImplementedError("static asymmetric activation scales are not supported; use symmetric")
         codes = torch.clamp(torch.round(y), -fmt.qmax, fmt.qmax)   # half-even, symmetric [-qmax, qmax]
         return codes.to(torch.int8), scale, codes * scale
-    codes = _formats().encode(y, fmt, saturate=True)
-    return codes, scale, _formats().decode(codes, fmt).to(x2d.device) * scale
+    codes = encode(y, fmt, saturate=True)
+    return codes, scale, decode(codes, fmt).to(x2d.device) * scale
 
 
 class _CallableModule(types.ModuleType):

@@ -18,6 +18,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
+from lowbit.formats import get_format
+
 STRATEGIES = ("tensor", "channel", "token", "group", "block")
 SCALE_FORMATS = ("fp32", "e8m0", "fp8_e4m3fn")
 # torchao's ScaleCalculationMode names (torchao/prototype/mx_formats/config.py), same meanings:
@@ -33,13 +35,6 @@ SCALE_ROUNDINGS = ("floor", "rceil", "ceil", "even")
 
 # compressed-tensors keys that carry no arithmetic lowbit needs; accepted and dropped by from_dict.
 _IGNORED_CT_KEYS = ("observer", "observer_kwargs", "actorder")
-
-
-def _fmt(name: str):
-    # Imported lazily: lowbit.formats is a sibling part and `import lowbit.scheme` stays cheap.
-    from lowbit.formats import get_format
-
-    return get_format(name)
 
 
 @dataclass(frozen=True)
@@ -79,7 +74,7 @@ class QuantScheme:
             raise TypeError(f"QuantScheme: format must be a format name string, got {type(self.format).__name__}")
         object.__setattr__(self, "format", fmt_name)
         try:
-            fmt = _fmt(fmt_name)
+            fmt = get_format(fmt_name)
         except (KeyError, ValueError) as exc:
             raise ValueError(f"QuantScheme: unknown format {fmt_name!r} ({exc}); "
                              "`lowbit formats` lists the names") from None
@@ -144,7 +139,7 @@ class QuantScheme:
     @property
     def fmt(self):
         """The element Format object."""
-        return _fmt(self.format)
+        return get_format(self.format)
 
     @property
     def num_bits(self) -> int:

@@ -24,9 +24,11 @@ import torch
 
 from lowbit.algorithms.distributed import OrderedSum
 from lowbit.algorithms.gptq.hessian import HessianAccumulator, output_loss
+from lowbit.algorithms.sequential import calibrate_sequentially
 from lowbit.algorithms.smoothquant import FoldGroup, fold, fold_plan, refuse_experts
 from lowbit.archs.decoders import UnsupportedArchitecture, decoder_for
 from lowbit.quantize import quantize
+from lowbit.recipes.presets import get_recipe
 from lowbit.scheme import QuantScheme
 
 GRID = tuple(i / 20 for i in range(20))
@@ -111,8 +113,6 @@ def awq_model(model: torch.nn.Module, recipe, calib, *, grid=GRID, progress: boo
     """Search and fold AWQ factors into every exact fold point of `model` (float, in place) for the
     weight scheme of `recipe`. calib: input-id tensors [B, T] or dicts. Returns {producer: alpha}.
     ValueError for recipes that quantize activations or models without fold points."""
-    from lowbit.recipes.presets import get_recipe
-    from lowbit.algorithms.sequential import calibrate_sequentially
     r = get_recipe(recipe)
     if r.act is not None:
         raise ValueError(f"AWQ is for weight-only recipes; {r.name} also quantizes activations "

@@ -27,12 +27,13 @@ import torch
 
 from lowbit.algorithms import distributed
 from lowbit.algorithms.awq import GRID, search_scale
-from lowbit.algorithms.gptq.experts import MIN_TOKENS
+from lowbit.algorithms.gptq.options import MIN_TOKENS
 from lowbit.algorithms.smoothquant import smoothing_factors
 from lowbit.archs.decoders import UnsupportedArchitecture
 from lowbit.archs.experts import find_experts
 from lowbit.archs.forward import run_batches
 from lowbit.ops.grouped import sort_tokens
+from lowbit.recipes.presets import get_recipe
 
 
 def _up_rows(spec, I: int) -> torch.Tensor:
@@ -119,7 +120,6 @@ def awq_experts(model: torch.nn.Module, recipe, calib, *, grid=GRID, min_tokens:
     tensors [B, T] or dicts. Returns {experts module: {"alpha": [per expert, None: kept s = 1 for
     lack of tokens], "tokens": [routed tokens per expert]}}. ValueError for a recipe that
     quantizes activations or a model without experts; UnsupportedArchitecture for gpt-oss."""
-    from lowbit.recipes.presets import get_recipe
     r = get_recipe(recipe)
     if r.act is not None:
         raise ValueError(f"AWQ is for weight-only recipes; {r.name} also quantizes activations (use SmoothQuant: "

@@ -26,37 +26,24 @@ quantizing the rest and leaving it in float would be a silently half-quantized m
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
-LAYOUTS = ("enk", "ekn")
-GLU_SPLITS = ("chunk", "interleave")
-ACTIVATIONS = ("act_fn", "gpt_oss")
+from lowbit.nn.experts import ACTIVATIONS, GLU_SPLITS, LAYOUTS, ExpertsLayout  # noqa: F401  (the vocabularies)
 
 
 @dataclass(frozen=True)
-class ExpertsSpec:
-    """How one family stores and runs its routed experts (see the module docstring)."""
+class ExpertsSpec(ExpertsLayout):
+    """How one family stores and runs its routed experts (see the module docstring); the layout
+    fields (gate_up, down, layout, biases, glu_split, activation) are lowbit.nn.experts.ExpertsLayout's."""
     family: str
     module_class: str
-    gate_up: str = "gate_up_proj"
-    down: str = "down_proj"
-    layout: str = "enk"
-    gate_up_bias: str | None = None
-    down_bias: str | None = None
-    glu_split: str = "chunk"
-    activation: str = "act_fn"
     router: str = "gate"                     # attribute of the parent block
     shared_experts: str | None = None        # attribute of the parent block (a dense MLP)
     shared_gate: str | None = None           # attribute of the parent block (Linear [1, H])
     ckpt_projs: tuple[str, str, str] | None = ("gate_proj", "up_proj", "down_proj")   # gate, up, down
     ckpt_block: str | None = None            # the parent block's name in checkpoints, when it differs
-
-    def __post_init__(self):
-        if self.layout not in LAYOUTS or self.glu_split not in GLU_SPLITS or self.activation not in ACTIVATIONS:
-            raise ValueError(f"ExpertsSpec {self.family}: layout {self.layout!r} / glu_split {self.glu_split!r} / "
-                             f"activation {self.activation!r} not among {LAYOUTS} / {GLU_SPLITS} / {ACTIVATIONS}")
 
     @property
     def weights(self) -> tuple[str, str]:
@@ -68,9 +55,7 @@ class ExpertsSpec:
 
     def module_kwargs(self) -> dict:
         """The keyword arguments of lowbit.nn.experts.QuantExperts.from_module for this family."""
-        return dict(gate_up=self.gate_up, down=self.down, layout=self.layout, gate_up_bias=self.gate_up_bias,
-                    down_bias=self.down_bias, glu_split=self.glu_split, activation=self.activation,
-                    family=self.family)
+        return {**{f.name: getattr(self, f.name) for f in fields(ExpertsLayout)}, "family": self.family}
 
 
 EXPERTS: dict[str, ExpertsSpec] = {s.module_class: s for s in (

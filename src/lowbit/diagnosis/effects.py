@@ -16,11 +16,15 @@ import copy
 import math
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 
 from lowbit.algorithms.gptq.model import gptq_model
-from lowbit.diagnosis.sites import site_report
+from lowbit.diagnosis.report import optional_png
+from lowbit.diagnosis.sites import plot_sites, site_report
+from lowbit.evaluation.embedded import windows
+from lowbit.evaluation.workload import load_model, prepare_texts
 from lowbit.nn.quant_linear import QuantLinear
 from lowbit.pipelines.steps import AWQ, Rotate, RunState, SmoothQuant
 from lowbit.recipes.presets import get_recipe
@@ -87,12 +91,6 @@ def main(argv=None) -> int:
     if bad:
         raise SystemExit(f"--algorithms: unknown {bad}; choose from {', '.join(ALGORITHMS)}")
     torch.set_num_threads(args.threads)
-    from pathlib import Path
-
-    from lowbit.evaluation.embedded import windows
-    from lowbit.evaluation.workload import load_model, prepare_texts
-    from lowbit.diagnosis.report import optional_png
-    from lowbit.diagnosis.sites import plot_sites
     loaded = load_model("smollm2")
     texts = prepare_texts(loaded, args.tokens, args.calib_tokens, 512)
     report = windows(texts.eval_ids, 512)

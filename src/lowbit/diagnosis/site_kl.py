@@ -29,12 +29,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lowbit.recipes.plan import linear_layers, plan
-
+from lowbit.nn.quant_linear import QuantLinear
+from lowbit.options import Options
 from lowbit.pipelines.quantize_model import quantize_model
-from lowbit.recipes.presets import get_recipe
 from lowbit.progress import progress_bar
+from lowbit.recipes.plan import linear_layers, plan
+from lowbit.recipes.presets import get_recipe
 
+EFFECTS = ("alone", "restore")
 _BLOCK = re.compile(r"^(.*\.(?:layers|layer|h|blocks))\.(\d+)\.")
 
 
@@ -129,14 +131,28 @@ def kl_sum(ref_logp: torch.Tensor, logits: torch.Tensor) -> float:
     return float((ref_logp.exp() * (ref_logp - lq)).sum())
 
 
+@dataclass(frozen=True)
+class KLPickOptions(Options):
+    """How kl_pick measures and picks (kl_pick's docstring says what each means)."""
+    to: str = "skip"
+    effect: str = "alone"
+    screen: int = 1
+    shortlist: int | None = None
+
+    def __post_init__(self):
+        if self.effect not in EFFECTS:
+            raise ValueError(f"effect={self.effect!r}: choose 'alone' (site quantized alone in the float model) or "
+                             "'restore' (site overridden alone in the quantized model)")
+
+
 @torch.no_grad()
-def kl_pick(model: torch.nn.Module, batches: list, recipe, n: int, *, to: str = "skip", ignore=None,
-            overrides=None, effect: str = "alone", screen: int = 1, shortlist: int | None = None,
-            progress: bool = False) -> KLPick:
+def kl_pick(model: torch.nn.Module, batches: list, recipe, n: int, options: KLPickOptions | None = None, *,
+            ignore=None, overrides=None, progress: bool = False, **changes) -> KLPick:
     """Pick `n` of the Linears that quantize_model(model, recipe, ignore, overrides) would quantize,
     to be overridden to `to` ("skip": kept in high precision, or a recipe name), by a measured
     next-token KL(model || ...) on `batches` (input-id tensors [1, T] of calibration text). The model
-    is not changed. effect:
+    is not changed. options: a KLPickOptions (to, effect, screen, shortlist) or its fields as keywords.
+    effect:
       "alone"    the float model with ONLY that site quantized (minus the same with the site under
                  `to`): how much of the site's own noise reaches the output distribution; the n
                  largest are picked (the block SQNR's question, asked of the logits);
@@ -146,11 +162,10 @@ def kl_pick(model: torch.nn.Module, batches: list, recipe, n: int, *, to: str = 
                  tokens (docs/perplexity.md: noisier picks than "alone").
     screen: how many batches rank every candidate before the shortlist (default 3 n) is measured on
     all of them."""
+    o = KLPickOptions.merge(options, changes, "kl_pick")
+    to, effect, screen, shortlist = o.to, o.effect, o.screen, o.shortlist
     if n <= 0:
         return KLPick()
-    if effect not in ("alone", "restore"):
-        raise ValueError(f"effect={effect!r}: choose 'alone' (site quantized alone in the float model) or "
-                         "'restore' (site overridden alone in the quantized model)")
     batches = list(batches)
     if not batches or not all(isinstance(b, torch.Tensor) and b.dim() == 2 and b.shape[0] == 1 for b in batches):
         raise ValueError("kl_pick needs calibration batches of input ids [1, T] of a causal language model")
@@ -159,7 +174,6 @@ def kl_pick(model: torch.nn.Module, batches: list, recipe, n: int, *, to: str = 
     shortlist = 3 * n if shortlist is None else shortlist
     if shortlist < n:
         raise ValueError(f"shortlist={shortlist} < n={n}: the shortlist must hold the sites to pick")
-    from lowbit.nn.quant_linear import QuantLinear
     floats = linear_layers(model)
     ref_logp = [torch.log_softmax(_logits(model(b, use_cache=False)), dim=-1) for b in batches]
     base = copy.deepcopy(model)

@@ -9,6 +9,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from lowbit.evaluation.embedded import windows
+from lowbit.nn.experts import PROJECTIONS, QuantExperts
+from lowbit.nn.quant_linear import QuantLinear
+from lowbit.profiling.timing import bench_ms
 from lowbit.progress import progress_bar
 
 
@@ -25,7 +30,6 @@ def _perplexity_pass(model: torch.nn.Module, ids: torch.Tensor, window: int, pro
                      keep: list | None) -> float:
     """perplexity(); with `keep` a list, each window's float32 logits [window - 1, vocab] are also
     appended to it on the CPU (reference_logits' values: the same forward, the same cast)."""
-    from lowbit.evaluation.embedded import windows
     if ids.dim() != 1:
         raise ValueError(f"ids must be a 1-D token-id tensor, got shape {tuple(ids.shape)}")
     device = next(model.parameters()).device
@@ -90,7 +94,6 @@ def reference_logits(model: torch.nn.Module, ids: torch.Tensor, window: int = 51
     """The reference model's next-token logits per window (the windows of `perplexity()`), float32
     [window - 1, vocab] each, kept in memory: 4 x vocab bytes per token (1.6 GB for 8,192 tokens of
     SmolLM2's 49,152-token vocabulary), so that every quantized model is compared to one float pass."""
-    from lowbit.evaluation.embedded import windows
     device = next(model.parameters()).device
     return [model(w.to(device)).logits[0, :-1].float().cpu() for w in windows(ids, window)]
 
@@ -168,7 +171,6 @@ def token_metrics(model: torch.nn.Module, ids: torch.Tensor,
     KL per token = sum_v p_v (log p_v - log q_v), p = softmax(reference), q = softmax(model), both
     log-softmaxes in float64 from the float32 logits (so identical logits give exactly 0), summed in
     float64; top-1 compares argmaxes of the float32 logits (first index on ties, both sides alike)."""
-    from lowbit.evaluation.embedded import windows
     if ids.dim() != 1:
         raise ValueError(f"ids must be a 1-D token-id tensor, got shape {tuple(ids.shape)}")
     ws = windows(ids, window)
@@ -232,8 +234,6 @@ def model_bytes(model: torch.nn.Module, float_bytes: int = 2) -> int:
     QuantLinear as its element codes (bits per element / 8, int4/fp4 packed two per byte), its
     scales (fp32 4 bytes, e8m0/fp8 codes 1 byte, + a 4-byte global scale), zero points (1 byte)
     and bias; each QuantExperts likewise per expert (its biases at `float_bytes`)."""
-    from lowbit.nn.experts import PROJECTIONS, QuantExperts
-    from lowbit.nn.quant_linear import QuantLinear
     total = 0
     seen: set[int] = set()
     for mod in model.modules():
@@ -266,7 +266,6 @@ def tokens_per_second(model: torch.nn.Module, ids: torch.Tensor, window: int = 5
     a machine without CUDA (CPU timings of the emulated paths would mislead)."""
     if not torch.cuda.is_available() or next(model.parameters()).device.type != "cuda":
         return None
-    from lowbit.profiling.timing import bench_ms
     w = ids[:window][None].cuda()
     ms = bench_ms(lambda x: model(x), [(w,)], warmup=3, rep=10)
     return w.numel() / (ms / 1e3)

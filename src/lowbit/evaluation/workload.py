@@ -17,9 +17,12 @@ from pathlib import Path
 
 import torch
 
-from lowbit.evaluation import text_files as T
+from lowbit.evaluation import embedded, text_files as T
+from lowbit.evaluation.embedded import wiki_articles, wiki_token_ids, windows
+from lowbit.evaluation.evaluate import embedding_cosine, perplexity
 from lowbit.io.hub_cache import cached_model, looks_like_model_id
 from lowbit.io.outdir import staged
+from lowbit.options import Options
 
 
 @dataclass
@@ -168,7 +171,6 @@ def load_model(spec: str) -> Loaded:
     """spec: "smollm2" (embedded default), "minilm" (embedded encoder), a directory holding a Llama
     .gguf file, a Hugging Face model directory (config.json + safetensors + tokenizer), or a model
     id ORG/NAME found in the local Hugging Face cache (lowbit.io.hub_cache; no network)."""
-    from lowbit.evaluation import embedded
     if spec == "smollm2":
         m, t = embedded.load_smollm2()
         return Loaded(EMBEDDED[spec], m, t, "causal", SMOLLM2_ORIGIN, torch.bfloat16)
@@ -234,17 +236,32 @@ class Texts:
     notes: list[str] = field(default_factory=list)   # lines saying how the user's data was read and cut
 
 
-def prepare_texts(loaded: Loaded, tokens: int, calib_tokens: int, window: int, *,
-                  calib_data: str | None = None, eval_data: str | None = None, evaluate: bool = True,
-                  text_column: str | None = None, chat: str = "auto", fit: frozenset = frozenset()) -> Texts:
+@dataclass(frozen=True)
+class TextSources(Options):
+    """Where prepare_texts takes a job's texts from (the embedded Wikipedia text, or the user's files).
+
+    calib_data / eval_data: files (.txt, .jsonl, .parquet, a saved datasets folder, .safetensors
+    ids) instead of the embedded Wikipedia text; text_column and chat as in lowbit.evaluation.text_files.
+    evaluate: False: calibration text only (no evaluation text, no unseen text), so a job given its
+    own calib_data never reads the embedded corpus. fit: the counts ("tokens", "calib_tokens") that
+    are defaults rather than the user's: a file holding fewer gives its whole windows instead of a
+    refusal (Texts.notes says so)."""
+    calib_data: str | None = None
+    eval_data: str | None = None
+    evaluate: bool = True
+    text_column: str | None = None
+    chat: str = "auto"
+    fit: frozenset = frozenset()
+
+
+def prepare_texts(loaded: Loaded, tokens: int, calib_tokens: int, window: int, options: TextSources | None = None,
+                  **changes) -> Texts:
     """The texts of a job: `tokens` evaluation tokens and `calib_tokens` calibration tokens from
-    the embedded Wikipedia text, or from the files calib_data / eval_data (.txt, .jsonl, .parquet,
-    a saved datasets folder, .safetensors ids; `text_column` and `chat` as in
-    lowbit.evaluation.text_files) when given. fit: the counts ("tokens", "calib_tokens") that are
-    defaults rather than the user's: a file holding fewer gives its whole windows instead of a
-    refusal (Texts.notes says so). evaluate=False: calibration text only (no evaluation text, no
-    unseen text), so a job given its own calib_data never reads the embedded corpus."""
-    from lowbit.evaluation.embedded import wiki_articles, wiki_token_ids, windows
+    the embedded Wikipedia text, or from the files of `options` (a TextSources, or its fields as
+    keywords) when given."""
+    o = TextSources.merge(options, changes, "prepare_texts")
+    calib_data, eval_data, evaluate, text_column, chat, fit = (o.calib_data, o.eval_data, o.evaluate, o.text_column,
+                                                               o.chat, o.fit)
     tok = loaded.tokenizer
     notes: list[str] = []
     if loaded.kind == "causal":
@@ -288,7 +305,6 @@ def prepare_texts(loaded: Loaded, tokens: int, calib_tokens: int, window: int, *
 def metric(loaded: Loaded, model: torch.nn.Module, reference: torch.nn.Module | None, texts: Texts,
            window: int, progress: bool, desc: str) -> float:
     """Perplexity (causal) or mean embedding cosine against `reference` (encoder)."""
-    from lowbit.evaluation.evaluate import embedding_cosine, perplexity
     if loaded.kind == "causal":
         return perplexity(model, texts.eval_ids, window, progress=progress, desc=desc)
     if reference is None:

@@ -11,6 +11,7 @@ import importlib
 _EXPORTS = {
     "QuantLinear": "lowbit.nn.quant_linear",
     "QuantExperts": "lowbit.nn.experts",
+    "ExpertsOptions": "lowbit.nn.experts",
     "prepare_model": "lowbit.nn.shared_input",
     "share_inputs": "lowbit.nn.shared_input",
     "Recipe": "lowbit.recipes.presets",
@@ -18,6 +19,7 @@ _EXPORTS = {
     "get_recipe": "lowbit.recipes.presets",
     "quantize_model": "lowbit.pipelines.quantize_model",
     "QuantizeOptions": "lowbit.pipelines.quantize_model",
+    "GPTQOptions": "lowbit.algorithms.gptq.options",
     "QuantSummary": "lowbit.recipes.plan",
     "site_report": "lowbit.diagnosis.sites",
     "smooth_model": "lowbit.algorithms.smoothquant",

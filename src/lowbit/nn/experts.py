@@ -44,18 +44,69 @@ host_twin=False, so the device holds the 4-bit weight once.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 
 from lowbit.ops.kernels.grouped import GroupedKernel, choose_grouped
 from lowbit.ops.grouped import Routing, grouped_reference, route_fixed, sort_tokens, take_rows
 from lowbit.ops.grouped_run import grouped_forward, grouped_spec, prepare_grouped
+from lowbit.options import Options
 from lowbit.quantize import QTensor, quantize
 from lowbit.scheme import QuantScheme
 
 PROJECTIONS = ("gate_up", "down")
 BACKENDS = ("auto", "exact", "kernel")
+LAYOUTS = ("enk", "ekn")
+GLU_SPLITS = ("chunk", "interleave")
+ACTIVATIONS = ("act_fn", "gpt_oss")
 _FIELDS = (("codes", "codes"), ("scale", "scale"), ("zero", "zero_point"), ("scale_codes", "scale_codes"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertsLayout:
+    """How a family's fused experts module stores and runs its experts (lowbit.archs.experts'
+    ExpertsSpec is one per family).
+
+    gate_up / down:           the module's fused weight attributes ([E, 2I, H] / [E, H, I] as "enk").
+    layout:                   "enk" ([E, out, in]) or "ekn" ([E, in, out], e.g. gpt-oss).
+    gate_up_bias / down_bias: the module's bias attributes ([E, 2I] / [E, H]), None: no bias.
+    glu_split:                gate and up in gate_up's rows: "chunk" (first half gate) or "interleave".
+    activation:               "act_fn" (act_fn(gate) * up, the module's own act_fn) or "gpt_oss"
+                              (gpt-oss's clamped swiglu, with the module's alpha and limit)."""
+    gate_up: str = "gate_up_proj"
+    down: str = "down_proj"
+    layout: str = "enk"
+    gate_up_bias: str | None = None
+    down_bias: str | None = None
+    glu_split: str = "chunk"
+    activation: str = "act_fn"
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS or self.glu_split not in GLU_SPLITS or self.activation not in ACTIVATIONS:
+            raise ValueError(f"{type(self).__name__}: layout {self.layout!r} / glu_split "
+                             f"{self.glu_split!r} / activation {self.activation!r} not among {LAYOUTS} / {GLU_SPLITS} / "
+                             f"{ACTIVATIONS}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertsOptions(ExpertsLayout, Options):
+    """QuantExperts' settings: the family's ExpertsLayout fields (lowbit.archs.experts'
+    ExpertsSpec.module_kwargs() gives them with `family`), and
+
+    family:    the family's name, for reports.
+    name:      the module's name, for errors.
+    backend:   "auto", "exact" or "kernel" (the module docstring).
+    host_twin: keep the exact twin of packed 4-bit codes on the host (module docstring)."""
+    family: str = ""
+    name: str = "experts"
+    backend: str = "auto"
+    host_twin: bool = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r}; choose one of {BACKENDS}")
 
 
 def _as_enk(w: torch.Tensor, layout: str) -> torch.Tensor:
@@ -74,12 +125,14 @@ class QuantExperts(torch.nn.Module):
     grouped registry chose and why the ones ahead of it were refused)."""
 
     def __init__(self, stacked: dict[str, dict], biases: dict[str, torch.Tensor | None], weight_scheme: QuantScheme,
-                 act_scheme: QuantScheme | None, *, glu_split: str, activation: str, act_fn=None,
-                 alpha: float | None = None, limit: float | None = None, family: str = "", backend: str = "auto",
-                 host_twin: bool = True):
+                 act_scheme: QuantScheme | None, options: ExpertsOptions | None = None, *, act_fn=None,
+                 alpha: float | None = None, limit: float | None = None, **changes):
+        """stacked: {"gate_up" | "down": {field: [E, ...] buffer}}; biases: {projection: [E, N] or None};
+        options: an ExpertsOptions or its fields as keywords (glu_split, activation, family, backend and
+        host_twin are read here); act_fn / alpha / limit: the replaced module's activation."""
         super().__init__()
-        if backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r}; choose one of {BACKENDS}")
+        o = ExpertsOptions.merge(options, changes, "QuantExperts")
+        glu_split, activation, family, backend, host_twin = o.glu_split, o.activation, o.family, o.backend, o.host_twin
         self.backend = backend
         self.weight_scheme, self.act_scheme = weight_scheme, act_scheme
         self.glu_split, self.activation, self.family = glu_split, activation, family
@@ -157,25 +210,25 @@ class QuantExperts(torch.nn.Module):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_module(cls, module: torch.nn.Module, weight_scheme: QuantScheme, act_scheme: QuantScheme | None, *,
-                    gate_up: str = "gate_up_proj", down: str = "down_proj", layout: str = "enk",
-                    gate_up_bias: str | None = None, down_bias: str | None = None, glu_split: str = "chunk",
-                    activation: str = "act_fn", family: str = "", name: str = "experts",
-                    backend: str = "auto", quantized: dict[str, list[QTensor]] | None = None) -> "QuantExperts":
-        """Quantize the fused expert weights of `module` per expert (lowbit.archs.experts
-        gives the keyword arguments for each family). Raises ValueError naming the module and
-        parameter for a dynamic weight scheme, a dynamic-less (static) activation scheme,
-        NaN/Inf weights, or a K the weight / activation group size does not divide.
+    def from_module(cls, module: torch.nn.Module, weight_scheme: QuantScheme, act_scheme: QuantScheme | None,
+                    options: ExpertsOptions | None = None, *, quantized: dict[str, list[QTensor]] | None = None,
+                    **changes) -> "QuantExperts":
+        """Quantize the fused expert weights of `module` per expert. options: an ExpertsOptions or its
+        fields as keywords (lowbit.archs.experts' ExpertsSpec.module_kwargs() gives the family's). Raises
+        ValueError naming the module and parameter for a dynamic weight scheme, a dynamic-less (static)
+        activation scheme, NaN/Inf weights, or a K the weight / activation group size does not divide.
         quantized: {"gate_up" | "down": one QTensor [N, K] per expert under weight_scheme} that
         a calibration chose (lowbit.algorithms.gptq.experts) instead of round to nearest's codes."""
+        o = ExpertsOptions.merge(options, changes, "QuantExperts.from_module")
+        name = o.name
         if weight_scheme.dynamic:
             raise ValueError(f"{name}: weight_scheme must be static (dynamic=False): expert weights are quantized once")
         if act_scheme is not None and not act_scheme.dynamic:
             raise ValueError(f"{name}: act_scheme must be dynamic; static (calibrated) activation scales are not "
                              "supported for experts: use a dynamic recipe or keep the experts in high precision")
         stacked, biases = {}, {}
-        for p, pname, bname in (("gate_up", gate_up, gate_up_bias), ("down", down, down_bias)):
-            w = _as_enk(getattr(module, pname).detach(), layout)
+        for p, pname, bname in (("gate_up", o.gate_up, o.gate_up_bias), ("down", o.down, o.down_bias)):
+            w = _as_enk(getattr(module, pname).detach(), o.layout)
             where = f"{name}.{pname} {tuple(getattr(module, pname).shape)}"
             _check_k(w.shape[2], weight_scheme, f"{where}: K = {w.shape[2]} under the weight scheme")
             if act_scheme is not None:
@@ -187,20 +240,20 @@ class QuantExperts(torch.nn.Module):
             stacked[p] = _quantize_stack(w, weight_scheme) if given is None else \
                 _stack_given(given, tuple(w.shape), weight_scheme, where)
             biases[p] = None if bname is None else getattr(module, bname).detach()
-        act_fn = getattr(module, "act_fn", None) if activation == "act_fn" else None
-        return cls(stacked, biases, weight_scheme, act_scheme, glu_split=glu_split, activation=activation,
-                   act_fn=act_fn, alpha=getattr(module, "alpha", None), limit=getattr(module, "limit", None),
-                   family=family, backend=backend)
+        return cls._of_module(module, stacked, biases, weight_scheme, act_scheme, o)
 
     @classmethod
     def from_qtensors(cls, module: torch.nn.Module, gate_up: list[QTensor], down: list[QTensor],
-                      act_scheme: QuantScheme | None, *, gate_up_bias: str | None = None,
-                      down_bias: str | None = None, glu_split: str = "chunk", activation: str = "act_fn",
-                      family: str = "", name: str = "experts", backend: str = "auto") -> "QuantExperts":
+                      act_scheme: QuantScheme | None, options: ExpertsOptions | None = None,
+                      **changes) -> "QuantExperts":
         """Rebuild quantized experts from per-expert QTensors (gate_up [2I, H] and down [H, I] of
         each expert, e.g. read from a checkpoint), stacked as from_module stacks them; `module`
         (the family's float experts module being replaced) gives the activation and the biases.
-        Raises ValueError naming `name` when the experts disagree in scheme or shape."""
+        options: an ExpertsOptions or its fields as keywords (the weight attributes and layout are
+        not read: the weights are the QTensors). Raises ValueError naming `name` when the experts
+        disagree in scheme or shape."""
+        o = ExpertsOptions.merge(options, changes, "QuantExperts.from_qtensors")
+        name = o.name
         if len(gate_up) != len(down) or not gate_up:
             raise ValueError(f"{name}: {len(gate_up)} gate_up and {len(down)} down weights; one of each per expert")
         scheme = gate_up[0].scheme
@@ -214,11 +267,15 @@ class QuantExperts(torch.nn.Module):
                                  "one scheme and shape")
             stacked[p] = _stack(qs)
         biases = {p: None if b is None else getattr(module, b).detach()
-                  for p, b in (("gate_up", gate_up_bias), ("down", down_bias))}
-        act_fn = getattr(module, "act_fn", None) if activation == "act_fn" else None
-        return cls(stacked, biases, scheme, act_scheme, glu_split=glu_split, activation=activation, act_fn=act_fn,
-                   alpha=getattr(module, "alpha", None), limit=getattr(module, "limit", None), family=family,
-                   backend=backend)
+                  for p, b in (("gate_up", o.gate_up_bias), ("down", o.down_bias))}
+        return cls._of_module(module, stacked, biases, scheme, act_scheme, o)
+
+    @classmethod
+    def _of_module(cls, module, stacked, biases, weight_scheme, act_scheme, o: ExpertsOptions) -> "QuantExperts":
+        """The QuantExperts of stacked codes, with `module`'s activation (act_fn, gpt-oss's alpha / limit)."""
+        act_fn = getattr(module, "act_fn", None) if o.activation == "act_fn" else None
+        return cls(stacked, biases, weight_scheme, act_scheme, o, act_fn=act_fn, alpha=getattr(module, "alpha", None),
+                   limit=getattr(module, "limit", None))
 
     def weight_q(self, proj: str, e: int) -> QTensor:
         """Expert e's QTensor [N, K] of projection "gate_up" or "down" (views of the buffers)."""

@@ -35,6 +35,7 @@ import torch
 
 from lowbit.algorithms import distributed
 from lowbit.algorithms.gptq.hessian import HessianAccumulator, _fit_rows, held_out_losses, output_loss
+from lowbit.algorithms.gptq.options import GPTQOptions
 from lowbit.algorithms.gptq.solver import gptq_quantize_group
 from lowbit.archs.experts import ExpertsSpec
 from lowbit.nn.experts import QuantExperts, _as_enk
@@ -43,7 +44,6 @@ from lowbit.algorithms.scale_search import search_scales
 from lowbit.quantize import QTensor, quantize
 from lowbit.scheme import QuantScheme
 
-MIN_TOKENS = 32
 
 
 @dataclass
@@ -144,20 +144,22 @@ def _solve(w: torch.Tensor, xs: list[list[torch.Tensor]], rtn: list[QTensor], sc
 
 @torch.no_grad()
 def gptq_experts(module: torch.nn.Module, spec: ExpertsSpec, weight_scheme: QuantScheme,
-                 act_scheme: QuantScheme | None, inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], *,
-                 name: str = "experts", damp: float = 0.1, block_size: int = 128, act_order: bool = True,
-                 static_groups: bool = False, holdout: int = 4, min_tokens: int = MIN_TOKENS,
-                 backend: str = "auto", mse: bool = False) -> tuple[QuantExperts, ExpertsCalibration]:
+                 act_scheme: QuantScheme | None, inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                 options: GPTQOptions | None = None, *, name: str = "experts",
+                 **changes) -> tuple[QuantExperts, ExpertsCalibration]:
     """GPTQ of every expert of `module` (a family's fused experts module, `spec` its entry of
     lowbit.archs.experts) on `inputs`: per calibration batch the module's own call arguments
     (hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]). Returns the QuantExperts
-    and the per-expert report. Options as lowbit.algorithms.gptq.model.gptq_model; min_tokens:
-    the few-token rule (module docstring); mse: MSE-optimal scales (lowbit.algorithms.scale_search),
-    weighted by each expert's Hessian diagonal for GPTQ, unweighted for the round-to-nearest experts
-    (as quantize_model's mse). The module is not changed."""
-    if min_tokens < 1:
-        raise ValueError(f"min_tokens={min_tokens} must be >= 1 (experts with fewer routed tokens keep round to "
-                         "nearest's codes)")
+    and the per-expert report. options: a GPTQOptions or its fields as keywords (as
+    lowbit.algorithms.gptq.model.gptq_model's); min_tokens: the few-token rule (module docstring);
+    mse: MSE-optimal scales (lowbit.algorithms.scale_search), weighted by each expert's Hessian
+    diagonal for GPTQ, unweighted for the round-to-nearest experts (as quantize_model's mse).
+    The module is not changed."""
+    o = GPTQOptions.merge(options, changes, "gptq_experts")
+    if o.targets != "quantized":
+        raise NotImplementedError(f"{name}: GPTQ of MoE experts fits each expert's own weight; targets={o.targets!r} "
+                                  "is not supported for experts")
+    min_tokens, holdout, mse, backend = o.min_tokens, o.holdout, o.mse, o.backend
     if not inputs:          # (every rank holds at least one batch: lowbit.algorithms.distributed.shard)
         raise ValueError(f"{name}: no calibration batch reached the experts")
     kw = dict(spec.module_kwargs(), name=name)
@@ -172,8 +174,8 @@ def gptq_experts(module: torch.nn.Module, spec: ExpertsSpec, weight_scheme: Quan
     local = torch.stack([r.counts().cpu() for r in routings]).sum(0)
     tokens = distributed.all_sum(local.to(torch.int64)).tolist()      # every rank's tokens
     fits = [ExpertFit(e, tokens[e]) for e in range(E)]
-    opts = dict(min_tokens=min_tokens, holdout=holdout, mse=mse, counts=distributed.counts(len(inputs)), damp=damp,
-                block_size=block_size, act_order=act_order, static_groups=static_groups)
+    opts = dict(min_tokens=min_tokens, holdout=holdout, mse=mse, counts=distributed.counts(len(inputs)), damp=o.damp,
+                block_size=o.block_size, act_order=o.act_order, static_groups=o.static_groups)
     w_gu = _as_enk(getattr(module, spec.gate_up).detach(), spec.layout)
     xs = [[x.reshape(-1, x.shape[-1])[r.token[expert_rows(r, e)]] for (x, _, _), r in zip(inputs, routings)]
           for e in range(E)]

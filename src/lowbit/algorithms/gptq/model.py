@@ -2,92 +2,86 @@
 GPTQ chose on the inputs the already-quantized model feeds them (lowbit.algorithms.sequential)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
 import torch
 
 from lowbit.algorithms import distributed
+from lowbit.algorithms.gptq.asym import float_target_handler
+from lowbit.algorithms.gptq.experts import gptq_experts
 from lowbit.algorithms.gptq.hessian import HessianAccumulator, _fit_rows, held_out_losses, panel_losses
+from lowbit.algorithms.gptq.options import GPTQOptions
 from lowbit.algorithms.gptq.solver import gptq_quantize_group
+from lowbit.algorithms.scale_search import search_scales
+from lowbit.algorithms.sequential import calibrate_sequentially
+from lowbit.archs.experts import spec_for
+from lowbit.nn.quant_linear import QuantLinear
 from lowbit.quantize import quantize
+from lowbit.recipes.plan import layer_act, plan
 
 
 @torch.no_grad()
-def gptq_model(model: torch.nn.Module, recipe, calib, *, ignore=None, overrides=None, act_static_scales=None,
-               damp: float = 0.1, block_size: int = 128, act_order: bool = True, static_groups: bool = False,
-               holdout: int = 4, backend: str = "auto", progress: bool = False, mse: bool = False,
-               targets: str = "quantized", min_tokens: int | None = None):
+def gptq_model(model: torch.nn.Module, recipe, calib, options: GPTQOptions | None = None, *, ignore=None,
+               overrides=None, act_static_scales=None, progress: bool = False, **changes):
     """quantize_model with GPTQ weights: the same plan (recipe, ignore, overrides; lm_head and tied
     Linears stay float), each Linear replaced in execution order by a QuantLinear whose weight GPTQ
     chose on the inputs that the already-quantized model feeds it (lowbit.algorithms.sequential).
-    calib: input-id tensors [B, T] or dicts of model kwargs.
+    calib: input-id tensors [B, T] or dicts of model kwargs. options: a GPTQOptions (damp, block_size,
+    act_order, static_groups, holdout, backend, mse, min_tokens, targets: described there), or its
+    fields as keywords, which replace the options' fields.
 
-    holdout: every holdout-th calibration token is kept out of the Hessian and used to validate:
-    a layer whose GPTQ weight has a larger output loss than round-to-nearest's on those tokens
-    keeps the round-to-nearest codes (GPTQ over-fits when the tokens are few for K, e.g. a
-    down_proj with K = 1536 on 2,048 tokens). 0 disables the check. The defaults (damp 0.1,
-    act_order, holdout 4) are what measured best on SmolLM2 (docs/perplexity.md).
-    mse: the fixed scales come from lowbit.algorithms.scale_search (MSE-optimal range per scale, weighted by
-    the Hessian's diagonal) instead of round to nearest's; the held-out fallback uses them too.
+    holdout: a layer whose GPTQ weight loses to round to nearest's on the held-out tokens keeps the
+    round-to-nearest codes (GPTQ over-fits when the tokens are few for K, e.g. a down_proj with
+    K = 1536 on 2,048 tokens). mse: the held-out fallback uses the MSE-optimal scales too.
     Every decision's `reason` gains the layer's loss relative to round-to-nearest and the choice.
-    targets: "quantized" (each layer fits its own float weight on its quantized-model inputs) or
-    "float" (each layer fits the FLOAT model's outputs: lowbit.algorithms.gptq.asym).
     MoE experts modules the plan quantizes (summary.experts, a plan of lowbit.pipelines.quantize_model)
     are solved per expert on the tokens routed to each (lowbit.algorithms.gptq.experts; min_tokens: its
-    few-token rule, default lowbit.algorithms.gptq.experts.MIN_TOKENS); each decision's `calibration`
-    holds the per-expert report. targets="float" is refused for them.
+    few-token rule); each decision's `calibration` holds the per-expert report. targets="float" is
+    refused for them.
     Returns the QuantSummary; on error the model is left as it was."""
-    from lowbit.recipes.plan import plan
-    from lowbit.algorithms.sequential import calibrate_sequentially
+    o = GPTQOptions.merge(options, changes, "gptq_model")
     summary = plan(model, recipe, ignore, overrides)
     experts = [d.name for d in summary.experts if d.action == "quantized"]
-    if targets not in ("quantized", "float"):
-        raise ValueError(f"targets={targets!r}: choose 'quantized' (plain GPTQ) or 'float' (the float model's outputs)")
-    if experts and (targets == "float" or act_static_scales is not None):
+    if experts and (o.targets == "float" or act_static_scales is not None):
         raise NotImplementedError(f"GPTQ of MoE experts ({experts[0]}, ...) supports neither targets='float' nor "
                                   "act_static_scales; drop the option, or keep the experts in high precision "
                                   "with ignore=[...]")
-    handle = gptq_handler(model, summary, act_static_scales, damp=damp, block_size=block_size, act_order=act_order,
-                          static_groups=static_groups, holdout=holdout, backend=backend, mse=mse,
-                          min_tokens=min_tokens)
-    if targets == "float":
-        from lowbit.algorithms.gptq.asym import float_target_handler
+    # the handler fits the weights it is given; for targets="float" the wrapper gives it W'
+    handle = gptq_handler(model, summary, act_static_scales, dataclasses.replace(o, targets="quantized"))
+    if o.targets == "float":
         calib = list(calib)
-        handle = float_target_handler(model, [d.name for d in summary.quantized], calib, handle, damp=damp,
-                                      holdout=holdout)
+        handle = float_target_handler(model, [d.name for d in summary.quantized], calib, handle, damp=o.damp,
+                                      holdout=o.holdout)
     calibrate_sequentially(model, [d.name for d in summary.quantized] + experts, calib, handle, progress=progress,
                            desc=f"GPTQ {summary.recipe}")
     summary.method = "gptq"
     return summary
 
 
-def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, damp: float = 0.1,
-                 block_size: int = 128, act_order: bool = True, static_groups: bool = False, holdout: int = 4,
-                 backend: str = "auto", mse: bool = False, host_twin: bool = True, min_tokens: int | None = None):
+def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, options: GPTQOptions | None = None, *,
+                 host_twin: bool = True, **changes):
     """The lowbit.algorithms.sequential handler that replaces a group of Linears sharing one input by their
-    GPTQ QuantLinears (gptq_model's options; `summary` from lowbit.recipes.plan.plan). Used by
-    gptq_model on a whole model and by lowbit.pipelines.layerwise one decoder layer at a time.
-    host_twin: QuantLinear's (4-bit codes' exact twin on the host, or left on the device, where
-    lowbit.pipelines.layerwise packs them for the checkpoint without the host copy of every code)."""
-    from lowbit.nn.quant_linear import QuantLinear
-    from lowbit.recipes.plan import layer_act
-    if holdout < 0 or holdout == 1:
-        raise ValueError(f"holdout={holdout}: give 0 (no validation) or n >= 2 (every n-th token validates)")
+    GPTQ QuantLinears (options: a GPTQOptions or its fields as keywords, as gptq_model's; `summary` from
+    lowbit.recipes.plan.plan). Used by gptq_model on a whole model and by lowbit.pipelines.layerwise one
+    decoder layer at a time. host_twin: QuantLinear's (4-bit codes' exact twin on the host, or left on
+    the device, where lowbit.pipelines.layerwise packs them for the checkpoint without the host copy of
+    every code)."""
+    o = GPTQOptions.merge(options, changes, "gptq_handler")
+    if o.targets != "quantized":
+        raise ValueError(f"targets={o.targets!r}: gptq_handler fits each layer to its own weight; fitting the float "
+                         "model's outputs needs the float model's inputs, which gptq_model captures (targets='float' "
+                         "there, on a whole model)")
     decisions = {d.name: d for d in summary.quantized}
     experts = {d.name: d for d in summary.experts if d.action == "quantized"}
 
     def experts_handle(n, inputs):
         """The GPTQ QuantExperts of one experts module (lowbit.algorithms.gptq.experts)."""
-        from lowbit.algorithms.gptq.experts import MIN_TOKENS, gptq_experts
-        from lowbit.archs.experts import spec_for
         d, mod = experts[n], model.get_submodule(n)
         r = summary.recipes[d.recipe]
         try:
-            q, cal = gptq_experts(mod, spec_for(mod), r.weight, r.act, inputs, name=n, damp=damp,
-                                  block_size=block_size, act_order=act_order, static_groups=static_groups,
-                                  holdout=holdout, min_tokens=MIN_TOKENS if min_tokens is None else min_tokens,
-                                  backend=backend, mse=mse)
+            q, cal = gptq_experts(mod, spec_for(mod), r.weight, r.act, inputs, o, name=n)
         except ValueError as err:
             raise ValueError(f"GPTQ of experts {n} (E, 2I, H = {d.shape}): {err}") from err
         d.calibration = cal
@@ -123,7 +117,7 @@ def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, dam
         stays alive."""
         acc = HessianAccumulator(K, counts=distributed.counts(len(inputs)))
         for x in inputs:
-            acc.add(_fit_rows(x.reshape(-1, K), holdout))
+            acc.add(_fit_rows(x.reshape(-1, K), o.holdout))
         acc.reduce()      # a collective: every rank, same order
         return acc.hessian()
 
@@ -138,15 +132,14 @@ def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, dam
         lins = [model.get_submodule(n) for n in names]
         schemes = [summary.recipe_of(decisions[n]).weight for n in names]
         scs = [None] * len(names)
-        if mse:     # fixed scales: MSE-optimal, weighted by the fit Hessian's diagonal (every rank alike)
-            from lowbit.algorithms.scale_search import search_scales
+        if o.mse:     # fixed scales: MSE-optimal, weighted by the fit Hessian's diagonal (every rank alike)
             scs = [search_scales(lin.weight.detach(), s, hdiag=torch.diagonal(h)) for lin, s in zip(lins, schemes)]
         # One column loop per run of Linears with the same scheme (q/k/v, gate/up concatenated);
         # under torch.distributed each rank solves its share of the rows and every rank ends
         # with every weight (gptq_quantize_group).
         try:
-            qts = gptq_quantize_group([lin.weight for lin in lins], h, schemes, damp=damp, block_size=block_size,
-                                      act_order=act_order, static_groups=static_groups, scales=scs,
+            qts = gptq_quantize_group([lin.weight for lin in lins], h, schemes, damp=o.damp, block_size=o.block_size,
+                                      act_order=o.act_order, static_groups=o.static_groups, scales=scs,
                                       on_factored=lambda: lap("factor", dev))
         except ValueError as err:
             shapes = ", ".join(f"{n} {list(decisions[n].shape)}" for n in names)
@@ -163,7 +156,7 @@ def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, dam
         # the tokens themselves, each rank on its batches, summed in batch order (no held-out
         # Hessian: no second K x K matrix, no second ordered chain of them, ~30% fewer flops
         # for a Llama-8B layer than building it and multiplying by it).
-        hv = held_out_losses(inputs, holdout, ds) if holdout else None
+        hv = held_out_losses(inputs, o.holdout, ds) if o.holdout else None
         # The report: the losses on the fit tokens, tr(D H D^T), by row panels shared out over
         # the ranks (every rank a share of every Linear's [N, K] x [K, K] product: balanced
         # whatever the Linears' sizes), the panels' values added exactly on every rank.
@@ -194,7 +187,7 @@ def gptq_handler(model: torch.nn.Module, summary, act_static_scales=None, *, dam
             act, scale = layer_act(d, r, act_static_scales)
             bias = None if lin.bias is None else lin.bias.detach().float()
             out[n] = QuantLinear(qt, r.weight, act, bias=bias, act_static_scale=scale,
-                                 backend=backend, host_twin=host_twin).to(lin.weight.device)
+                                 backend=o.backend, host_twin=host_twin).to(lin.weight.device)
         lap("build", dev)
         return out
 

@@ -123,7 +123,7 @@ def _kernel_wanted(scheme: QuantScheme, dynamic_groups: bool, dev: torch.device)
 
 def _block_kernel(W1, Err1, s1, z1, Hinv1, scheme) -> None:
     global BLOCK_KERNEL_STATUS
-    from lowbit.algorithms.gptq import block as gptq_block
+    from lowbit.algorithms.gptq import block as gptq_block    # optional: triton (the block kernel needs it)
     if BLOCK_KERNEL == "triton" or BLOCK_KERNEL_STATUS.startswith("on"):
         gptq_block.run_block(W1, Err1, s1, z1, Hinv1, scheme)
         return
