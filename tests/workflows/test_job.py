@@ -104,7 +104,7 @@ def test_library_checkpoint_is_the_clis_byte_for_byte(rng, monkeypatch, tmp_path
     # the session (what the CLI calls) used directly, its lines collected instead of printed
     lines = []
     session = QuantizeSession.load(str(folder), say=lines.append)
-    session.prepare(TextOptions(64, 64, 64), dtype="float32", evaluate=False)
+    session.prepare(TextOptions(tokens=64, calib_tokens=64, window=64), dtype="float32", evaluate=False)
     result = session.quantize(job(), sites=False, estimated=False)
     session.write(result, tmp_path / "session")
     assert _hashes(tmp_path / "session") == want

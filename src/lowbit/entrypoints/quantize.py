@@ -478,8 +478,9 @@ def run(args) -> int:
     evaluate = not args.no_eval
     fit = frozenset(n for n, given in (("tokens", args.tokens_given), ("calib_tokens", args.calib_tokens_given))
                     if not given)
-    session.prepare(TextOptions(args.tokens, args.calib_tokens, args.window, args.calib_data, args.eval_data,
-                                args.text_column, args.chat_template, fit),
+    session.prepare(TextOptions(tokens=args.tokens, calib_tokens=args.calib_tokens, window=args.window,
+                                calib_data=args.calib_data, eval_data=args.eval_data, text_column=args.text_column,
+                                chat=args.chat_template, fit=fit),
                     dtype=args.dtype, evaluate=evaluate, save_float_to=args.save_float, overwrite=args.overwrite)
     table = []
     for recipe in recipes:

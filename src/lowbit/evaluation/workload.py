@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from lowbit.evaluation import embedded, text_files as T
-from lowbit.evaluation.embedded import wiki_articles, wiki_token_ids, windows
+from lowbit.evaluation.embedded import windows
 from lowbit.evaluation.evaluate import embedding_cosine, perplexity
 from lowbit.io.hub_cache import cached_model, looks_like_model_id
 from lowbit.io.outdir import staged
@@ -269,7 +269,7 @@ def prepare_texts(loaded: Loaded, tokens: int, calib_tokens: int, window: int, o
 
         def ids(path, n, flag, count_flag, split, name):
             if path is None:
-                return wiki_token_ids(tok, n, split=split)
+                return embedded.wiki_token_ids(tok, n, split=split)
             got, chat_line = T.read_token_ids(path, tok, flag, vocab, text_column=text_column, chat=chat)
             got, fit_line = T.fit_tokens(got, n, window, flag, path, count_flag, exact=name not in fit)
             notes.extend(line for line in (chat_line, fit_line) if line)
@@ -279,7 +279,7 @@ def prepare_texts(loaded: Loaded, tokens: int, calib_tokens: int, window: int, o
         if not evaluate:
             return Texts(None, calib, [], notes=notes)
         ev = ids(eval_data, tokens, "--eval-data", "--tokens", "eval", "tokens")
-        new = windows(wiki_token_ids(tok, window, split="eval", lang="es-es"), window)
+        new = windows(embedded.wiki_token_ids(tok, window, split="eval", lang="es-es"), window)
         return Texts(ev, calib, new, notes=notes)
     for path, flag in ((eval_data, "--eval-data"), (calib_data, "--calib-data")):
         T.sentences_file(path, flag)
@@ -291,14 +291,14 @@ def prepare_texts(loaded: Loaded, tokens: int, calib_tokens: int, window: int, o
     def lines(path, flag):      # an encoder's sentences: a .txt file's lines, a table's texts
         texts = T.read_texts(path, flag, text_column, tok, chat)
         return [t for t in (texts[0].splitlines() if Path(path).suffix.lower() == ".txt" else texts) if t.strip()]
-    arts = wiki_articles() if calib_data is None or (evaluate and eval_data is None) else []
+    arts = embedded.wiki_articles() if calib_data is None or (evaluate and eval_data is None) else []
     calib = enc([a[:400] for a in arts[::-1][:max(16, calib_tokens // 64)]] if calib_data is None
                 else lines(calib_data, "--calib-data"))
     if not evaluate:
         return Texts(None, calib, [])
     n = max(16, tokens // 64)                       # ~64 tokens per sentence-sized extract
     sentences = [a[:400] for a in arts[:n]] if eval_data is None else lines(eval_data, "--eval-data")
-    new = enc([a[:400] for a in wiki_articles("es-es")[:16]])
+    new = enc([a[:400] for a in embedded.wiki_articles("es-es")[:16]])
     return Texts(None, calib, new, sentences)
 
 

@@ -34,7 +34,8 @@ from lowbit.diagnosis.routing_report import plot_routing, routing_report
 from lowbit.diagnosis.sites import plot_sites
 from lowbit.evaluation.evaluate import float_reference, model_bytes, tokens_per_second
 from lowbit.evaluation import workload
-from lowbit.evaluation.workload import CALIB_TOKENS, EVAL_TOKENS, Loaded, Texts, machine, metric, save_float
+from lowbit.evaluation.workload import (CALIB_TOKENS, EVAL_TOKENS, Loaded, Texts, TextSources, machine, metric,
+                                       save_float)
 from lowbit.io.outdir import staged
 from lowbit.nn.experts import QuantExperts
 from lowbit.pipelines.checkpoint import save_compressed
@@ -51,27 +52,19 @@ def say_flushed(line: str) -> None:
 
 
 @dataclass(frozen=True)
-class TextOptions:
-    """The text a session calibrates and evaluates on. tokens / calib_tokens: evaluation and
-    calibration tokens, read in windows of `window`; calib_data / eval_data: the user's files
-    instead of the embedded Wikipedia articles (lowbit.evaluation.text_files: .txt, .jsonl,
-    .parquet, a saved dataset, .safetensors ids), text_column and chat as there; fit: the counts
-    ("tokens", "calib_tokens") that are defaults, which give way to a file holding fewer."""
+class TextOptions(TextSources):
+    """The text a session calibrates and evaluates on: `tokens` evaluation and `calib_tokens`
+    calibration tokens, read in windows of `window`, from the sources of TextSources (the embedded
+    Wikipedia articles, or calib_data / eval_data files; text_column, chat, fit). Its `evaluate` is
+    the session's: QuantizeSession.prepare(evaluate=...) sets it."""
     tokens: int = EVAL_TOKENS
     calib_tokens: int = CALIB_TOKENS
     window: int = 512
-    calib_data: str | None = None
-    eval_data: str | None = None
-    text_column: str | None = None
-    chat: str = "auto"
-    fit: frozenset = frozenset()
 
     def prepare(self, loaded: Loaded, evaluate: bool, calib_tokens: int | None = None) -> Texts:
         """The texts for `loaded` (calib_tokens: another calibration count than the options')."""
-        data = {k: v for k, v in (("calib_data", self.calib_data), ("eval_data", self.eval_data)) if v}
         return workload.prepare_texts(loaded, self.tokens, self.calib_tokens if calib_tokens is None else calib_tokens,
-                             self.window, evaluate=evaluate, text_column=self.text_column, chat=self.chat,
-                             fit=self.fit, **data)
+                                      self.window, options=self, evaluate=evaluate)
 
 
 def _kl_top1(t) -> str:
