@@ -218,3 +218,19 @@ def test_bf16_path_refuses_what_it_cannot_run(rng):
     packed = torch.zeros(E, N, K // 2, dtype=torch.uint8)
     with pytest.raises(ValueError, match="group_size=None"):
         grouped_dequant_w4(torch.zeros(5, K, dtype=torch.bfloat16), packed, torch.ones(E, N, 2), routing)
+
+
+def test_doctor_and_explain_show_the_grouped_path_per_bucket(fresh_table):
+    """lowbit.ops.kernels.explain names the class each bucket of sorted rows runs (bf16 activations),
+    and `lowbit doctor`'s heuristic rows list the grouped kinds."""
+    from lowbit.entrypoints import doctor
+    from lowbit.ops.kernels import explain
+    w4 = explain(get_recipe("w4a16").weight, None, N=256, K=256, E=8)["grouped"]
+    assert w4["kernel"] == "grouped_w4a16"
+    assert w4["rows"] == {"1": "grouped_w4a16", "2-16": "grouped_w4a16", "17-64": "grouped_w4a16",
+                          "65-512": "grouped_dequant_w4a16", "513+": "grouped_dequant_w4a16"}
+    r = get_recipe("w8a8-int8")
+    assert set(explain(r.weight, r.act, N=256, K=256)["grouped"]["rows"].values()) == {"grouped_int8"}
+    paths = doctor.tuning_report()["paths"]
+    assert paths["experts w4a16/E8"]["513+"] == "dequant" and paths["experts w4a16/E8"]["1"] == "kernel"
+    assert set(paths["experts int8/E8"].values()) == {"kernel"}
