@@ -81,7 +81,8 @@ def test_tune_rehearsal_on_the_cpu(monkeypatch, tmp_path):
         elif c.op == "grouped":     # against torch._grouped_mm over bf16 weights
             won = tune._label(c.path, None if c.config is None else GroupedConfig.from_dict(c.config))
             assert c.us[won] == min(t for k, t in c.us.items() if k != "bf16"), c
-            assert c.ratio == pytest.approx(c.us["bf16"] / c.us[won], rel=1e-3), c
+            # the ratio is rounded to 3 decimals (<= 5e-4), the times to 0.01 us (host times here: >= 1 us)
+            assert abs(c.ratio - c.us["bf16"] / c.us[won]) <= 5e-4 + 0.02 * c.ratio, c
             assert ("dequant" in c.us) == c.kind.startswith("w4a16/"), c
         else:
             assert c.us and c.ratio is not None, c
