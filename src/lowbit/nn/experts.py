@@ -298,10 +298,12 @@ class QuantExperts(torch.nn.Module):
             return False
         return True
 
-    def path_for(self, rows: int, dtype: torch.dtype) -> str:
-        """The path the kernel forward takes for `rows` sorted rows (tokens x top_k) of `dtype` hidden
-        states ("kernel:<kind>", "dequant:<kind>", "<gate_up's>/<down's>:<kind>"), or "exact"."""
-        if self.kernel_class is None:
+    def path_for(self, rows: int, dtype: torch.dtype, device: torch.device | str = "cuda") -> str:
+        """The path a forward of `rows` sorted rows (tokens x top_k) of `dtype` hidden states on
+        `device` takes: "exact", or the kernel path's per projection ("kernel:<kind>",
+        "dequant:<kind>", "<gate_up's>/<down's>:<kind>")."""
+        on_kernel = self.backend == "kernel" or (self.backend == "auto" and torch.device(device).type == "cuda")
+        if self.kernel_class is None or not on_kernel:
             return "exact"
         E, H, I = self.num_experts, self.hidden_dim, self.intermediate_dim
         names = [("dequant" if self.kernel_class.for_rows(E, N, K, rows, dtype).bf16_path else "kernel")
@@ -320,7 +322,7 @@ class QuantExperts(torch.nn.Module):
         out = torch.zeros(hidden_states.shape[0], self.hidden_dim, dtype=torch.float32, device=x.device)
         out.index_add_(0, routing.token, h * w[:, None])
         self.last_path = self._kernel_path if torch.compiler.is_compiling() else \
-            self.path_for(routing.rows, hidden_states.dtype)
+            self.path_for(routing.rows, hidden_states.dtype, hidden_states.device)
         return out.to(hidden_states.dtype)
 
     def sorted_forward(self, hidden_states: torch.Tensor, routing: Routing) -> torch.Tensor:
