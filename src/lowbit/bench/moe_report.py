@@ -117,9 +117,11 @@ def table(rows: list[dict]) -> str:
         if any_r.get("paths") and mode == "eager":
             paths.append(f"  {variant}: {any_r['paths']}")
         if any(c and c.get("expert_paths") for c in cells) and mode == "eager":
+            held = max((c.get("scratch_bytes") or 0 for c in cells if c), default=0)
             paths.append(f"  {variant} experts: " + " | ".join(
                 f"{'prefill' if p == 'prefill' else f'decode b{b}'} {_paths(c['expert_paths'])}"
-                for (p, b), c in zip(cols, cells) if c and c.get("expert_paths")))
+                for (p, b), c in zip(cols, cells) if c and c.get("expert_paths"))
+                + (f"; bf16 scratch buffers held {held / 2**20:.1f} MiB (in the peak)" if held else ""))
         for c in cells:
             if c and c.get("ms") is None and (c.get("error") or c.get("skipped")):
                 notes.append(f"  {c['variant']} {c['mode']}: {c.get('error') or c.get('skipped')}")
