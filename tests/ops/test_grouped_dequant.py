@@ -234,3 +234,44 @@ def test_doctor_and_explain_show_the_grouped_path_per_bucket(fresh_table):
     paths = doctor.tuning_report()["paths"]
     assert paths["experts w4a16/E8"]["513+"] == "dequant" and paths["experts w4a16/E8"]["1"] == "kernel"
     assert set(paths["experts int8/E8"].values()) == {"kernel"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host synchronisation and CUDA graphs are CUDA notions")
+@pytest.mark.parametrize("recipe", ["w4a16-g32", "w8a16-int8", "nvfp4"])
+def test_bf16_path_has_no_host_sync_and_replays_in_a_cuda_graph(recipe, rng, fresh_table):
+    """QuantExperts at 40 tokens (80 sorted rows: the bf16 path by the heuristic) on an sm_90 / sm_100
+    GPU: no host synchronisation, and a CUDA graph captured once replays the eager call's numbers on
+    new hidden states and routings (top-2: each token's float32 sum of two terms in any order)."""
+    from lowbit.nn.experts import QuantExperts
+    if torch.cuda.get_device_capability(0)[0] not in (9, 10):
+        pytest.skip("torch._grouped_mm's grouped kernel needs sm_90 / sm_100")
+    E, H, I, T, k = 5, 64, 96, 40, 2
+    m = torch.nn.Module()
+    m.gate_up_proj = torch.nn.Parameter(torch.randn(E, 2 * I, H, generator=rng))
+    m.down_proj = torch.nn.Parameter(torch.randn(E, H, I, generator=rng))
+    m.act_fn = torch.nn.SiLU()
+    r = get_recipe(recipe)
+    q = QuantExperts.from_module(m, r.weight, r.act).cuda()
+
+    def inputs(kind):
+        return (torch.randn(T, H, generator=rng).to("cuda", torch.bfloat16),
+                top_k_index(rng, T, E, k, kind).cuda(), torch.rand(T, k, generator=rng).cuda())
+    x, idx, wts = inputs("dropped")
+    q(x, idx, wts)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        q(x, idx, wts)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert q.last_path == f"dequant:{q.kernel}"
+    graph = torch.cuda.CUDAGraph()
+    static = [t.clone() for t in (x, idx, wts)]
+    with torch.cuda.graph(graph):
+        out = q(*static)
+    for kind in ("uniform", "hot"):
+        new = inputs(kind)
+        for s, t in zip(static, new):
+            s.copy_(t)
+        graph.replay()
+        assert torch.equal(out, q(*new))
