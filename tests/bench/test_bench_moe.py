@@ -89,6 +89,15 @@ def test_moe_rows_bytes_ratios_and_musts(tmp_path, rng, capsys, shape):
         code_bytes = E * 3 * I * H * (0.5 if recipe == "w4a16" else 1)   # at least the codes themselves
         assert code_bytes <= held < base["expert_bytes"]
         assert r["expert_weight"] and r["logits_rel_err"] > 0 and math.isfinite(r["logits_rel_err"])
+        # each row names its experts' path: the exact one on the CPU; on the kernel path (as on a GPU)
+        # the weight-only experts take the bf16 path at prefill's sorted rows (37 x top_k >= 65)
+        assert all(by[(recipe, p, b)]["expert_paths"] == {"exact": 1} for p, b in [("prefill", 1)] + [
+            ("decode", b) for b in BATCHES])
+        qe[0].backend = "kernel"
+        kind = qe[0].kernel
+        prefill = "dequant" if recipe == "w4a16" else "kernel"
+        assert moe_model.expert_paths(model, 37, torch.bfloat16, torch.device("cpu")) == {f"{prefill}:{kind}": 1}
+        assert moe_model.expert_paths(model, 1, torch.bfloat16, torch.device("cpu")) == {f"kernel:{kind}": 1}
         # the must verdicts follow the measured ratios
         met = r["expert_ratio"] <= (0.30 if recipe == "w4a16" else 0.55)
         assert r["must_memory"] == f"experts <= {0.30 if recipe == 'w4a16' else 0.55:.2f}x bf16"

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from lowbit.bench import tune
+from lowbit.ops.grouped_configs import GroupedConfig
 from lowbit.ops import tuning
 
 
@@ -45,7 +46,9 @@ def test_tune_needs_a_gpu():
 def test_tune_rehearsal_on_the_cpu(monkeypatch, tmp_path):
     """The tuner's loops end to end in Triton's interpreter at tiny shapes (CUDA-graph timing replaced
     by a stand-in that runs each candidate once and times it on the host): every cell it writes
-    names a candidate that ran, the table round-trips, and dispatch then takes the winners' paths."""
+    names a candidate that ran, the table round-trips, and dispatch then takes the winners' paths.
+    Grouped cells time the W4A16 kernel's configurations and its bf16 path (the experts' weights
+    dequantized into the scratch buffer, torch._grouped_mm) against the grouped bf16 GEMM."""
     import time
 
     def host_us(fn, reps=1):
@@ -64,7 +67,7 @@ def test_tune_rehearsal_on_the_cpu(monkeypatch, tmp_path):
     try:
         cells = tune.tune_linear("tiny", ("w4a16", "w8a8-int8"), ("1",), log.append, device="cpu")
         cells += tune.tune_attention("tiny", ("65-512",), log.append, device="cpu")
-        cells += tune.tune_grouped("tiny", ("int8",), log.append, device="cpu")
+        cells += tune.tune_grouped("tiny", ("int8", "w4a16"), log.append, device="cpu")
     finally:
         tuning.reset()
     ops = {c.op for c in cells}
@@ -75,9 +78,16 @@ def test_tune_rehearsal_on_the_cpu(monkeypatch, tmp_path):
             won = tune._label(c.path, c.config)
             assert c.us[won] == min(t for k, t in c.us.items() if k != "bf16"), c
             assert c.ratio == round(c.us["bf16"] / c.us[won], 3), c
+        elif c.op == "grouped":     # against torch._grouped_mm over bf16 weights
+            won = tune._label(c.path, None if c.config is None else GroupedConfig.from_dict(c.config))
+            assert c.us[won] == min(t for k, t in c.us.items() if k != "bf16"), c
+            # the ratio is rounded to 3 decimals (<= 5e-4), the times to 0.01 us (host times here: >= 1 us)
+            assert abs(c.ratio - c.us["bf16"] / c.us[won]) <= 5e-4 + 0.02 * c.ratio, c
+            assert ("dequant" in c.us) == c.kind.startswith("w4a16/"), c
         else:
             assert c.us and c.ratio is not None, c
     table = tuning.Table(tuning.environment(), {(c.op, c.kind, c.N, c.K, c.bucket): c for c in cells})
     tuning.save_table(table, tmp_path / "t.json")
     assert tuning.load_table(tmp_path / "t.json").cells == table.cells
     assert "w8a8/int8" in tune.summary(table)
+    assert {c.kind for c in cells if c.op == "grouped"} == {"int8/E4", "w4a16/E4"}

@@ -32,15 +32,19 @@ SCHEMES = {
 }
 
 
-def _numpy_dequant(w4) -> np.ndarray:
-    """float64 [N, K] from the kernel's bytes, without lowbit: planar chunks of C codes
-    (low nibbles = first half of the chunk, high nibbles = second half), int4 offset-binary."""
+def _numpy_codes(w4) -> np.ndarray:
+    """The 4-bit codes [N, K] of the kernel's bytes, without lowbit: planar chunks of C codes (low
+    nibbles = first half of the chunk, high nibbles = second half), int4 offset-binary."""
     p = w4.packed.cpu().numpy()
     N, C = p.shape[0], w4.chunk
     p = p.reshape(N, -1, C // 2)
     lo, hi = (p & 0xF).astype(np.int64), (p >> 4).astype(np.int64)
-    codes = np.concatenate([lo, hi], axis=-1).reshape(N, -1)
-    return _code_values(codes, w4)
+    return np.concatenate([lo, hi], axis=-1).reshape(N, -1)
+
+
+def _numpy_dequant(w4) -> np.ndarray:
+    """float64 [N, K] from the kernel's bytes, without lowbit (_numpy_codes' values)."""
+    return _code_values(_numpy_codes(w4), w4)
 
 
 def _code_values(codes: np.ndarray, w4, tensor_scale: bool = True) -> np.ndarray:
@@ -92,6 +96,11 @@ def _check_against_numpy(scheme, K, device, rng):
     if scheme.format in ("int4", "uint4") and scheme.group_size < 128:
         assert w4.chunk == (2 * scheme.group_size if K % (2 * scheme.group_size) == 0 else scheme.group_size)
     w64 = torch.from_numpy(_numpy_dequant(w4))
+    # the prefill path's one-pass dequantization of this layout: (q - z) * s rounded to float32, then
+    # once to bf16; fp4 values exact in bf16 (without NVFP4's tensor scale)
+    want = w64.float() if scheme.format != "fp4_e2m1fn" else \
+        torch.from_numpy(_code_values(_numpy_codes(w4), w4, tensor_scale=False))
+    assert torch.equal(dequantize_w4(w4, torch.bfloat16).cpu(), want.to(torch.bfloat16))
     # lowbit's own reference agrees with the independent one exactly
     assert torch.equal(w4a16_reference(torch.eye(K, dtype=torch.float64), wq), w64.T)
     dtypes = [torch.bfloat16] if scheme.format == "fp4_e2m1fn" else [torch.bfloat16, torch.float16]

@@ -305,6 +305,9 @@ def measure_variant(name: str, kind: str, master: torch.nn.Module, inp: Inputs, 
             info.update(built)
         info["build_s"] = round(time.perf_counter() - t0, 2)
         log(f"  {name}: built in {info['build_s']:.1f} s")
+        if experts and kind == "lowbit":     # the grouped path of each row's sorted rows (moe_model)
+            for r in rows:
+                r["expert_paths"] = moe_model.expert_paths(model, r["tokens"], DTYPES[opts.dtype], device)
         with torch.no_grad():
             logits = llama.full_logits(model, inp.error).float().cpu()
             if kind == "baseline":

@@ -19,9 +19,15 @@ Baselines, both in the bench's dtype and in the same process as the recipes:
 
 Expert memory: the bytes of every tensor the experts modules hold on the device (parameters,
 buffers, prepared copies), each storage once, counted with lowbit.bench.model_measure's
-resident_bytes, so a recipe that keeps codes beside a packed copy is charged for both.
+resident_bytes, so a recipe that keeps codes beside a packed copy is charged for both. The
+reusable bf16 buffers of the grouped bf16 path (lowbit.ops.grouped_dequant: one per projection
+shape) are not the experts' own: each row reports what is held after its call (scratch_bytes) and
+its peak counts them; each lowbit row names the grouped path its experts take at its number of
+sorted rows (expert_paths: the tuning table's, else the heuristic's).
 """
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 
@@ -180,6 +186,14 @@ def untimed_experts(model: torch.nn.Module, device: torch.device) -> list[str]:
         return []
     return [n for n, m in model.named_modules()
             if isinstance(m, QuantExperts) and m.backend != "exact" and hasattr(m, "kernel") and m.kernel is None]
+
+
+def expert_paths(model: torch.nn.Module, tokens: int, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
+    """How many QuantExperts take each path (QuantExperts.path_for: "exact", "kernel:<kind>",
+    "dequant:<kind>", ...) for `tokens` hidden states of `dtype` on `device`: tokens x
+    num_experts_per_tok sorted rows."""
+    k = int(model.config.num_experts_per_tok)
+    return dict(Counter(m.path_for(tokens * k, dtype, device) for m in model.modules() if isinstance(m, QuantExperts)))
 
 
 def describe_experts(model: torch.nn.Module) -> dict:

@@ -71,6 +71,11 @@ def verdict(met: bool | None) -> str:
 
 
 # ------------------------------------------------------------------------------ table
+def _paths(counts: dict) -> str:
+    """'dequant:w4a16 x2' (several paths: joined by ', ')."""
+    return ", ".join(f"{p} x{n}" for p, n in counts.items())
+
+
 def _cell(r: dict | None) -> str:
     if r is None:
         return f"{'-':>26s}"
@@ -111,6 +116,12 @@ def table(rows: list[dict]) -> str:
         lines.append(line)
         if any_r.get("paths") and mode == "eager":
             paths.append(f"  {variant}: {any_r['paths']}")
+        if any(c and c.get("expert_paths") for c in cells) and mode == "eager":
+            held = max((c.get("scratch_bytes") or 0 for c in cells if c), default=0)
+            paths.append(f"  {variant} experts: " + " | ".join(
+                f"{'prefill' if p == 'prefill' else f'decode b{b}'} {_paths(c['expert_paths'])}"
+                for (p, b), c in zip(cols, cells) if c and c.get("expert_paths"))
+                + (f"; bf16 scratch buffers held {held / 2**20:.1f} MiB (in the peak)" if held else ""))
         for c in cells:
             if c and c.get("ms") is None and (c.get("error") or c.get("skipped")):
                 notes.append(f"  {c['variant']} {c['mode']}: {c.get('error') or c.get('skipped')}")
@@ -129,7 +140,7 @@ def table(rows: list[dict]) -> str:
     if musts:
         lines += ["must targets:"] + musts
     if paths:
-        lines += ["paths run (module last_path counts):"] + paths
+        lines += ["paths run (module last_path counts; experts: the grouped path at each row's sorted rows):"] + paths
     if notes:
         lines += ["not measured:"] + list(dict.fromkeys(notes))
     return "\n".join(lines)

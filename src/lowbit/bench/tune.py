@@ -7,6 +7,9 @@ measure for every candidate), bf16 `F.linear` and each candidate path of the qua
                                                               into the scratch buffer + bf16 GEMM;
   W8A8 int8 / fp8                                             the kernel under its default tiles and
                                                               the alternatives in W8A8_TILES.
+Grouped MoE GEMMs (tune_grouped) are timed against torch._grouped_mm over bf16 weights: each kind's
+kernel under its candidate configurations and, for the weight-only kinds, the bf16 path (the
+experts' weights dequantized into the scratch buffer, then torch._grouped_mm).
 A candidate whose output strays from the default path's (a broken configuration) is dropped
 before it can win. The fastest remaining candidate is the cell's path; its ratio to bf16 is
 recorded, so a cell below 1.0x says that no lowbit path beat bf16 there.
@@ -24,8 +27,9 @@ from lowbit.ops import attention as attn
 from lowbit.ops import attention_reference as ar
 from lowbit.ops import prepared as runtime
 from lowbit.ops import tuning
-from lowbit.ops.grouped_configs import grouped_candidates, grouped_kind_key, m_bucket
-from lowbit.ops.grouped_tune import grouped_case
+from lowbit.ops.grouped_configs import WEIGHT_ONLY, grouped_candidates, grouped_kind_key, m_bucket
+from lowbit.ops.grouped_dequant import grouped_bf16_refusal
+from lowbit.ops.grouped_tune import grouped_bf16_case, grouped_case
 from lowbit.profiling.timing import bench_ms
 from lowbit.workflows.job import parse_recipe
 
@@ -200,34 +204,49 @@ MOE_TOKENS = (1, 16, 2048)        # decode b1, decode b16, a prefill chunk: M = 
 GROUPED_MAX_CANDIDATES = 4
 
 
+def grouped_candidates_of(kind: str, E: int, N: int, K: int, M: int) -> list[tuple[str, object]]:
+    """The (path, config) pairs `lowbit tune` times for a grouped cell: the kernel under its first
+    GROUPED_MAX_CANDIDATES configurations (the default first) and, for the weight-only kinds where the
+    bf16 path takes bf16 activations of this K here, ("dequant", None)."""
+    cands = [("kernel", c) for c in grouped_candidates(kind, E, N, K, m_bucket(M))[:GROUPED_MAX_CANDIDATES]]
+    cap = torch.cuda.get_device_capability(0) if torch.cuda.is_available() else None
+    if kind in WEIGHT_ONLY and grouped_bf16_refusal(torch.bfloat16, K, cap) is None:
+        cands.append(("dequant", None))
+    return cands
+
+
 def tune_grouped(moe: str, kinds=GROUPED_KINDS, log=print, device: str = "cuda") -> list[tuning.Cell]:
-    """The grouped MoE GEMMs of a model's gate_up and down projections: each kernel configuration
-    candidate (lowbit.ops.grouped_configs.grouped_candidates, the default first) per kind and M
-    bucket; the ratio is against the default configuration (the MoE bench compares with grouped
-    bf16)."""
+    """The grouped MoE GEMMs of a model's gate_up and down projections: per kind and M bucket, each
+    candidate of grouped_candidates_of (kernel configurations; the bf16 path of the weight-only
+    kinds) and torch._grouped_mm over bf16 weights; the cell takes the fastest, its ratio against
+    the grouped bf16 time (None where this torch has no torch._grouped_mm)."""
 
     _, E, top_k, H, inter = MOE_SHAPES[moe]
+    have_bf16 = getattr(torch, "_grouped_mm", None) is not None
     cells = []
     for proj, N, K, identity in (("gate_up", 2 * inter, H, False), ("down", H, inter, True)):
-        for kind in kinds:
-            for tokens in MOE_TOKENS:
-                M = tokens * top_k
-                b = tuning.bucket(M)
-                cands = grouped_candidates(kind, E, N, K, m_bucket(M))[:GROUPED_MAX_CANDIDATES]
-
+        for tokens in MOE_TOKENS:
+            M = tokens * top_k
+            b = tuning.bucket(M)
+            base = _graph_us(grouped_bf16_case(E, N, K, M, device, top_k=top_k, identity=identity)) \
+                if have_bf16 else None
+            for kind in kinds:
                 def make(path, cfg):
-                    return grouped_case(kind, E, N, K, M, cfg, device, top_k=top_k, identity=identity)
+                    return grouped_case(kind, E, N, K, M, cfg, device, top_k=top_k, identity=identity, path=path)
 
-                us, best = _time_candidates([("kernel", c) for c in cands], make, 2e-2,
+                us, best = _time_candidates(grouped_candidates_of(kind, E, N, K, M), make, 2e-2,
                                             f"{moe} {proj} {kind} M={M}", log)
                 if best is None:
                     continue
-                default_us = us.get(_label("kernel", cands[0]))
-                cell = tuning.Cell("grouped", grouped_kind_key(kind, E), N, K, b, "kernel", best[2].to_dict(),
-                                   None if default_us is None else round(default_us / best[0], 3), us)
+                t, path, cfg = best
+                if base is not None:
+                    us["bf16"] = round(base, 2)
+                cell = tuning.Cell("grouped", grouped_kind_key(kind, E), N, K, b, path,
+                                   None if cfg is None else cfg.to_dict(),
+                                   None if base is None else round(base / t, 3), us)
                 cells.append(cell)
-                log(f"{moe:14s} {proj:8s} {kind:6s} M={M:<6d} best {best[0]:9.1f} us ({best[2]})"
-                    f"  {cell.ratio or 0:5.2f}x the default tiles")
+                log(f"{moe:14s} {proj:8s} {kind:6s} M={M:<6d} best {t:9.1f} us ({_label(path, cfg)})"
+                    + ("" if base is None else f"  {cell.ratio:5.2f}x grouped bf16"))
     return cells
 
 

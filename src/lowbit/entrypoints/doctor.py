@@ -137,6 +137,9 @@ def tuning_report() -> dict:
     else:
         for kind in ("w4a16/int4/g128", "w8a16", "w8a8/int8", "w8a8/fp8_e4m3fn"):
             paths[kind] = {b: tuning.heuristic(kind, tuning.BUCKET_M[b]) for b in tuning.BUCKET_NAMES}
+        for kind in ("w4a16", "w8a16", "int8"):     # grouped experts (M: sorted rows), Mixtral's 8 experts
+            paths[f"experts {kind}/E8"] = {b: tuning.heuristic(f"{kind}/E8", tuning.BUCKET_M[b], "grouped")
+                                           for b in tuning.BUCKET_NAMES}
     return dict(status=why, source="table" if table is not None else "heuristic", paths=paths)
 
 
@@ -186,6 +189,8 @@ def run(args) -> int:
         print(f"  {r['scheme']:38s} layer {lin['kernel']}, experts {grp['kernel']}")
         if lin["rows"]:
             print("      rows: " + " | ".join(f"M {b}: {k}" for b, k in lin["rows"].items()))
+        if grp.get("rows"):
+            print("      expert rows (tokens x top_k, bf16): " + " | ".join(f"M {b}: {k}" for b, k in grp["rows"].items()))
         for name, why in lin["refused"]:
             print(f"      not {name}: {why}")
     if cap is None:

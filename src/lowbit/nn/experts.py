@@ -34,7 +34,12 @@ kernels' fp32 dots); with bf16 / fp16 hidden states the gate_up GEMM rounds its 
 that dtype once and the activation runs there (the down GEMM's input, on the tensor cores), the
 down GEMM, routing weights and the sum per token run in float32. A scheme pair with no grouped
 kernel runs the exact path, on CUDA with a one-time
-warning; `last_path` says which ran ("exact" or "kernel:<kind>").
+warning. The weight-only kinds (W4A16, fp4, W8A16) also have a bf16 path per projection: the
+experts' weights dequantized into one reusable bf16 buffer and torch._grouped_mm, which the tuning
+table (or its heuristic: from 65 sorted rows, i.e. prefill) picks per number of sorted rows
+(lowbit.ops.grouped_dequant). `last_path` says which ran ("exact", "kernel:<kind>",
+"dequant:<kind>", or "<gate_up's>/<down's>:<kind>" when the projections differ; under
+torch.compile "kernel:<kind>" names the op, which picks its path per call: `path_for`).
 
 Memory: 8-bit kernels read the stacked codes themselves (one copy). 4-bit kernels read a packed
 copy (two codes per byte); the stacked fields are then the exact twin that `weight_q`, the exact
@@ -350,6 +355,18 @@ class QuantExperts(torch.nn.Module):
             return False
         return True
 
+    def path_for(self, rows: int, dtype: torch.dtype, device: torch.device | str = "cuda") -> str:
+        """The path a forward of `rows` sorted rows (tokens x top_k) of `dtype` hidden states on
+        `device` takes: "exact", or the kernel path's per projection ("kernel:<kind>",
+        "dequant:<kind>", "<gate_up's>/<down's>:<kind>")."""
+        on_kernel = self.backend == "kernel" or (self.backend == "auto" and torch.device(device).type == "cuda")
+        if self.kernel_class is None or not on_kernel:
+            return "exact"
+        E, H, I = self.num_experts, self.hidden_dim, self.intermediate_dim
+        names = [("dequant" if self.kernel_class.for_rows(E, N, K, rows, dtype).bf16_path else "kernel")
+                 for N, K in ((2 * I, H), (H, I))]
+        return f"{names[0] if names[0] == names[1] else '/'.join(names)}:{self.kernel}"
+
     def _kernel_forward(self, hidden_states: torch.Tensor, routing: Routing, top_k_weights: torch.Tensor):
         x = hidden_states.detach()
         h = None
@@ -361,7 +378,8 @@ class QuantExperts(torch.nn.Module):
         w = top_k_weights[routing.token, routing.slot].float()
         out = torch.zeros(hidden_states.shape[0], self.hidden_dim, dtype=torch.float32, device=x.device)
         out.index_add_(0, routing.token, h * w[:, None])
-        self.last_path = self._kernel_path
+        self.last_path = self._kernel_path if torch.compiler.is_compiling() else \
+            self.path_for(routing.rows, hidden_states.dtype, hidden_states.device)
         return out.to(hidden_states.dtype)
 
     def sorted_forward(self, hidden_states: torch.Tensor, routing: Routing) -> torch.Tensor:

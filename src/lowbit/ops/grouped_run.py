@@ -9,8 +9,10 @@ lowbit.ops.prepared's lowbit::qlinear is for a Linear.
 Tiles: a GroupedConfig per call (lowbit.ops.grouped_configs.grouped_config(kind, E, N, K, rows):
 the registered tuning table's, else the heuristic's), or the caller's `config`. Output: fp32, or
 the activations' 16-bit dtype with out="input" (one rounding of the fp32 result, + bias first).
-No path decodes a whole expert stack per call: every kind decodes its weights tile by tile in
-the kernel's K loop.
+The kernels decode their weights tile by tile in the K loop; where the tuning table (or its
+heuristic) sends a bucket of rows to the bf16 path (kernel.for_rows: the weight-only kinds at
+prefill sizes), the projection's experts that received rows are dequantized once per call into
+one reusable bf16 buffer and torch._grouped_mm runs them (lowbit.ops.grouped_dequant).
 """
 from __future__ import annotations
 
@@ -45,12 +47,15 @@ def run_grouped(kernel: type[GroupedKernel], ops: dict, weight_scheme: QuantSche
                 config: GroupedConfig | None = None, out: str = "float32") -> torch.Tensor:
     """out [R, N] of the sorted rows (fp32, or x's 16-bit dtype with out="input"): x [T, K]
     gathered by routing.token (identity: x is the sorted buffer [R, K] itself) times each row's
-    expert weight (+ bias [E, N]). config: None = grouped_config(kernel.kind, E, N, K, R)."""
+    expert weight (+ bias [E, N]). The class that runs is kernel.for_rows' (the tuning table's path
+    for R sorted rows: the kernel, or its bf16 path); config: the kernel's tiles (given: the kernel
+    runs under them; None = grouped_config(kernel.kind, E, N, K, R))."""
     od = out_dtype_of(x, out)
     E, N = ops["w"].shape[:2]
-    c = config or grouped_config(kernel.kind, E, N, x.shape[1], routing.rows)
-    return kernel.apply(ops, weight_scheme, act_scheme, x, routing,
-                        dict(bias=bias, identity=identity, config=c, out_dtype=od))
+    K = x.shape[1]
+    cls = kernel if config is not None else kernel.for_rows(E, N, K, routing.rows, x.dtype)
+    c = None if cls.bf16_path else config or grouped_config(kernel.kind, E, N, K, routing.rows)
+    return cls.apply(ops, weight_scheme, act_scheme, x, routing, dict(bias=bias, identity=identity, config=c, out_dtype=od))
 
 
 # ---------------------------------------------------------------------------- custom op

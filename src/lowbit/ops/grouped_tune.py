@@ -1,8 +1,10 @@
 """Timing hooks for tuning the grouped MoE kernels (lowbit.ops.grouped_configs): one launch of a
-kind at (E, N, K, M sorted rows) under an explicit config, on random operands laid out as the
-kernels read them (the numbers do not matter for the time; the codes are random, the scales
-finite). A tuner calls grouped_case once per (cell, config) and times the returned closure, or
-time_grouped_case for a median time."""
+kind at (E, N, K, M sorted rows) under an explicit config, or on the bf16 path (path "dequant":
+the weights dequantized into the scratch buffer, then torch._grouped_mm; lowbit.ops.grouped_dequant),
+or the grouped bf16 GEMM the paths are compared with (grouped_bf16_case), on random operands laid
+out as the kernels read them (the numbers do not matter for the time; the codes are random, the
+scales finite). A tuner calls grouped_case once per (cell, config) and times the returned closure,
+or time_grouped_case for a median time."""
 from __future__ import annotations
 
 import time
@@ -11,30 +13,43 @@ from typing import Callable
 import torch
 
 from lowbit.ops.grouped import route_fixed
-from lowbit.ops.grouped_configs import GroupedConfig, check_config
+from lowbit.ops.grouped_configs import WEIGHT_ONLY, GroupedConfig, check_config
+from lowbit.ops.grouped_dequant import grouped_bf16, grouped_dequant_w4, grouped_dequant_w8
 
 W4_FORMATS = ("int4", "mxfp4", "nvfp4")
 
 
-def grouped_case(kind: str, E: int, N: int, K: int, M: int, config: GroupedConfig, device, *, top_k: int = 2,
+def _routing(E: int, M: int, top_k: int, device, gen: torch.Generator):
+    """M sorted rows: ceil(M / top_k) tokens, top_k distinct experts each, uniformly random."""
+    T = -(-M // top_k)
+    idx = torch.rand(T, E, generator=gen).topk(top_k, dim=1).indices.to(device)
+    return T, route_fixed(idx, E)
+
+
+def grouped_case(kind: str, E: int, N: int, K: int, M: int, config: GroupedConfig | None, device, *, top_k: int = 2,
                  w4: str = "int4", group: int = 128, identity: bool = False, dtype: torch.dtype = torch.bfloat16,
-                 seed: int = 0) -> Callable[[], torch.Tensor]:
+                 seed: int = 0, path: str = "kernel") -> Callable[[], torch.Tensor]:
     """A closure running one grouped GEMM of `kind` ("w4a16" / "fp4" with w4 in W4_FORMATS and the
     int4 `group`; "w8a16", "int8", "fp8") over M sorted rows (ceil(M / top_k) tokens, top_k distinct
     experts each, uniformly random; identity: A is the sorted buffer, the down projection's case)
-    of E experts' [N, K] weights, under `config`, output in `dtype`. Operands are made here, once."""
+    of E experts' [N, K] weights, under `config` (path "kernel") or on the bf16 path (path
+    "dequant", config None: the weight-only kinds), output in `dtype`. Operands are made here, once."""
     from lowbit.ops.triton import grouped as gk    # optional: triton
 
     if w4 not in W4_FORMATS:
         raise ValueError(f"w4={w4!r}; choose one of {W4_FORMATS}")
+    if path not in ("kernel", "dequant") or (path == "dequant") != (config is None) or \
+            (path == "dequant" and kind not in WEIGHT_ONLY):
+        raise ValueError(f"path={path!r} with config {config}: 'kernel' takes a GroupedConfig, 'dequant' (the "
+                         f"weight-only kinds {WEIGHT_ONLY}) none")
     g = {"mxfp4": 32, "nvfp4": 16}.get(w4, group)
-    check_config(kind, config, K, g if kind in ("w4a16", "fp4") else None)
+    if config is not None:
+        check_config(kind, config, K, g if kind in ("w4a16", "fp4") else None)
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    T = -(-M // top_k)
-    idx = torch.rand(T, E, generator=gen).topk(top_k, dim=1).indices.to(device)
-    routing = route_fixed(idx, E)
+    T, routing = _routing(E, M, top_k, device, gen)
     rows = routing.rows if identity else T
-    kw = dict(identity=identity, config=config, out_dtype=dtype)
+    kw = dict(identity=identity, out_dtype=dtype) if path == "dequant" else \
+        dict(identity=identity, config=config, out_dtype=dtype)
     if kind in ("int8", "fp8"):
         a = torch.randint(-127, 128, (rows, K), generator=gen, dtype=torch.int8)
         w = torch.randint(-127, 128, (E, N, K), generator=gen, dtype=torch.int8)
@@ -50,18 +65,32 @@ def grouped_case(kind: str, E: int, N: int, K: int, M: int, config: GroupedConfi
     if kind == "w8a16":
         w = torch.randint(-127, 128, (E, N, K), generator=gen, dtype=torch.int8).to(device)
         s = (torch.rand(E, N, generator=gen) / 64).to(device)
-        return lambda: gk.grouped_w8a16(x, w, s, routing, **kw)
+        fn8 = grouped_dequant_w8 if path == "dequant" else gk.grouped_w8a16
+        return lambda: fn8(x, w, s, routing, **kw)
     if kind not in ("w4a16", "fp4"):
         raise ValueError(f"kind={kind!r}: grouped_case takes w4a16, fp4, w8a16, int8, fp8")
     w = torch.randint(0, 256, (E, N, K // 2), generator=gen, dtype=torch.uint8).to(device)
+    fn4 = grouped_dequant_w4 if path == "dequant" else gk.grouped_w4a16
     if w4 == "int4":
         s = (torch.rand(E, N, K // g, generator=gen) / 8).to(device)
-        return lambda: gk.grouped_w4a16(x, w, s, routing, kind="int4", group_size=g, **kw)
+        return lambda: fn4(x, w, s, routing, kind="int4", group_size=g, **kw)
     codes = torch.randint(120, 128, (E, N, K // g), generator=gen, dtype=torch.uint8) if w4 == "mxfp4" else \
         torch.randint(0x30, 0x38, (E, N, K // g), generator=gen, dtype=torch.uint8)   # e8m0 ~2^-7..1 / e4m3 ~1
     codes = codes.to(device)
     gl = torch.ones(E, device=device) if w4 == "nvfp4" else None
-    return lambda: gk.grouped_w4a16(x, w, codes, routing, kind=w4, w_global=gl, **kw)
+    return lambda: fn4(x, w, codes, routing, kind=w4, w_global=gl, **kw)
+
+
+def grouped_bf16_case(E: int, N: int, K: int, M: int, device, *, top_k: int = 2, identity: bool = False,
+                      seed: int = 0) -> Callable[[], torch.Tensor]:
+    """The baseline of a grouped cell: the same routing of M sorted rows over E experts' bf16 weights
+    [E, N, K], torch._grouped_mm with bf16 output (lowbit.ops.grouped_dequant.grouped_bf16, the bf16
+    path less its dequantization)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    T, routing = _routing(E, M, top_k, device, gen)
+    x = torch.randn(routing.rows if identity else T, K, generator=gen).to(device, torch.bfloat16)
+    w = (torch.randn(E, N, K, generator=gen) / 64).to(device, torch.bfloat16)
+    return lambda: grouped_bf16(x, w, routing, identity=identity, out_dtype=torch.bfloat16)
 
 
 def time_grouped_case(kind: str, E: int, N: int, K: int, M: int, config: GroupedConfig, device, *,

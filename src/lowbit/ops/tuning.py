@@ -221,13 +221,35 @@ def kind_key(spec) -> str:
     return spec.kind
 
 
-def heuristic(kind: str, M: int) -> str:
+def heuristic(kind: str, M: int, op: str = "linear") -> str:
     """The path without a table cell. Weight-only kernels read 2-4x fewer weight bytes and win
     while reading weights dominates (decode, small batches); from 65 rows on (the point where the
     H200's measurements turned) the bf16 GEMM on the dequantized weight is preferred, the safe
-    choice on an unmeasured GPU. W8A8 has 8-bit tensor cores at every M: its kernel."""
+    choice on an unmeasured GPU. W8A8 has 8-bit tensor cores at every M: its kernel.
+    Grouped experts (op "grouped", M the sorted rows, tokens x top_k): grouped_heuristic."""
+    if op == "grouped":
+        return grouped_heuristic(kind, M)
     if kind.startswith(("w4a16", "w8a16", "fp4", "mxfp8")):
         return "kernel" if M <= 64 else "dequant"
+    return "kernel"
+
+
+GROUPED_BF16_KINDS = ("w4a16/", "fp4/", "w8a16/")   # grouped kinds with a bf16 (dequant) path
+GROUPED_DEQUANT_FROM = 65                            # sorted rows: the first prefill bucket (65-512)
+
+
+def grouped_heuristic(kind: str, M: int) -> str:
+    """The grouped path without a table cell (kind: grouped_configs.grouped_kind_key's "<kind>/E<E>").
+    The weight-only grouped kernels (W4A16, fp4, W8A16) decode every weight in the tile's K loop at
+    fixed small tiles: on the H200 the W4A16 kernel took 22.6 ms for Mixtral-8x7B's gate_up at 4096
+    sorted rows (the int8 kernel 1.27 ms) and two Mixtral layers of W4A16 prefill ran at 0.01x the
+    grouped bf16 GEMM. So from GROUPED_DEQUANT_FROM sorted rows on (the prefill buckets, as for
+    dense layers) their weights are dequantized into the scratch buffer and torch._grouped_mm runs
+    them. Below (decode) the kernel stays: the bf16 path writes and re-reads each used expert's
+    bf16 weight per call, ~9x the 4-bit kernel's weight bytes, and it is not measured there yet
+    (`lowbit tune` times both). The W8A8 kinds keep their kernels (no bf16 path)."""
+    if kind.startswith(GROUPED_BF16_KINDS) and M >= GROUPED_DEQUANT_FROM:
+        return "dequant"
     return "kernel"
 
 
@@ -238,5 +260,5 @@ def choose(op: str, kind: str, N: int, K: int, M: int) -> tuple[str, MappingProx
     table, _ = active()
     cell = None if table is None else table.lookup(op, kind, N, K, M)
     if cell is None:
-        return heuristic(kind, M), None
+        return heuristic(kind, M, op), None
     return cell.path, None if cell.config is None else MappingProxyType(cell.config)

@@ -6,18 +6,19 @@ import torch
 from lowbit.ops import tuning
 from lowbit.ops.kernels.base import Device, kernel_device
 from lowbit.ops.kernels.dense import choose_linear, class_for_rows
-from lowbit.ops.kernels.grouped import choose_grouped
+from lowbit.ops.kernels.grouped import GroupedKernel, choose_grouped
 from lowbit.quantize import quantize
 from lowbit.scheme import QuantScheme
 
 
 def explain(weight_scheme: QuantScheme, act_scheme: QuantScheme | None, *, N: int = 256, K: int = 256,
-            device: Device | None = None) -> dict:
+            E: int = 8, device: Device | None = None) -> dict:
     """For a layer of `weight_scheme` x `act_scheme` and shape [N, K] on `device` (default: this
     process's kernel device): {"device", "linear": {"kernel", "refused": [(name, reason)], "rows":
-    {bucket: class}}, "grouped": {"kernel", "refused"}}. A random weight is laid out to answer (the W4A16
-    layout's own refusals depend on it); "rows" names the class the tuning table (or its heuristic) runs
-    each bucket's M with, for a prepared kernel."""
+    {bucket: class}}, "grouped": {"kernel", "refused", "rows"}}. A random weight is laid out to answer
+    (the W4A16 layout's own refusals depend on it); "rows" names the class the tuning table (or its
+    heuristic) runs each bucket's M with: M rows of a prepared kernel, M sorted rows (tokens x top_k)
+    of E experts' [N, K] projection with bf16 activations for a grouped one."""
     dev = device or kernel_device()
     gen = torch.Generator().manual_seed(0)
     wq = quantize(torch.randn(N, K, generator=gen) * 0.05, weight_scheme, pad=True)
@@ -27,6 +28,10 @@ def explain(weight_scheme: QuantScheme, act_scheme: QuantScheme | None, *, N: in
         spec = dense.prepared.spec
         rows = {b: class_for_rows(spec, tuning.BUCKET_M[b]).name for b in tuning.BUCKET_NAMES}
     grouped = choose_grouped(weight_scheme, act_scheme, N, K, dev)
+    grows = {}
+    if isinstance(grouped.kernel, type) and issubclass(grouped.kernel, GroupedKernel):
+        grows = {b: grouped.kernel.for_rows(E, N, K, tuning.BUCKET_M[b], torch.bfloat16).name
+                 for b in tuning.BUCKET_NAMES}
     return {"device": str(dev),
             "linear": {"kernel": dense.name, "refused": list(dense.refused), "rows": rows},
-            "grouped": {"kernel": grouped.name, "refused": list(grouped.refused)}}
+            "grouped": {"kernel": grouped.name, "refused": list(grouped.refused), "rows": grows}}

@@ -12,6 +12,14 @@
   grouped_mxfp8    mxfp8   MXFP8, scale codes laid out as SFA words over the      grouped_mxfp8
                            sorted rows
   exact            exact   QuantExperts' float64 exact path (every scheme pair)
+Each weight-only class (and grouped_fp4) has a bf16 path over the same layout, its `dequant` class
+(grouped_dequant_w4a16, grouped_dequant_fp4, grouped_dequant_w8a16; lowbit.ops.grouped_dequant):
+the projection's expert weights dequantized into one reusable scratch buffer [E, N, K], then
+torch._grouped_mm. `for_rows` says which class runs M sorted rows: the tuning table's cell
+("grouped", "<kind>/E<E>", N, K, bucket of M), else lowbit.ops.tuning's heuristic; the bf16 path
+only where it takes the activations (bf16, K a multiple of 8, torch's grouped GEMM on this GPU).
+The W8A8 kinds (int8, fp8, MXFP8) have no bf16 path: their kernels multiply 8-bit codes on the
+8-bit tensor cores, which a dequantized bf16 weight would give up.
 Weights: per-channel symmetric fp32 scales for the 8-bit kinds; the 4-bit kinds read their own packed
 copy (two codes per byte), so their stacked fields become the host twin. Activation codes equal
 lowbit.quantize's (lowbit.ops.fused.quantize_rows / qdq_rows on CUDA; the CPU runs their torch twins);
@@ -25,8 +33,11 @@ from typing import ClassVar
 import torch
 
 from lowbit.formats import decode
+from lowbit.ops import tuning
 from lowbit.ops.fused import qdq_rows, quantize_rows
 from lowbit.ops.grouped import scale_words_int32
+from lowbit.ops.grouped_configs import grouped_kind_key
+from lowbit.ops.grouped_dequant import grouped_bf16_refusal, grouped_dequant_w4, grouped_dequant_w8
 from lowbit.ops.kernels.base import Choice, Device, Kernel, LinearLayer, Registry, kernel_device
 from lowbit.ops.kernels.dense_w8 import quantize_tensor_int8
 from lowbit.ops.kernels.schemes import PER_ROW, pair_refusal, w4a16_kind, w4a16_refusal, weight_only_refusal
@@ -38,6 +49,23 @@ from lowbit.scheme import QuantScheme
 class GroupedKernel(Kernel):
     """A grouped kernel: `prepare` lays the stacked expert weights out once, `apply` runs the sorted rows."""
     packs_weights: ClassVar[bool] = False   # reads its own packed copy: the stacked fields are the host twin
+    dequant: ClassVar[type[GroupedKernel] | None] = None   # the table's "dequant" path over this layout
+    bf16_path: ClassVar[bool] = False       # a dequant class: apply dequantizes and runs torch._grouped_mm
+
+    @classmethod
+    def for_rows(cls, E: int, N: int, K: int, M: int, dtype: torch.dtype) -> type[GroupedKernel]:
+        """The class that runs M sorted rows of a [E, N, K] projection with `dtype` activations: this
+        kernel, or its dequant class where the tuning table (or its heuristic) says "dequant" and the
+        bf16 path takes the activations (cached until the table or the registry changes)."""
+        return _for_rows(cls, E, N, K, M, dtype)
+
+    @classmethod
+    def rows_refusal(cls, dtype: torch.dtype, K: int) -> str | None:
+        """Why this class cannot run `dtype` activations with K columns on this process's kernel device
+        (None: it can). Only the bf16 path has conditions beyond the layer's schemes."""
+        if not cls.bf16_path:
+            return None
+        return grouped_bf16_refusal(dtype, K, kernel_device().capability)
 
     @classmethod
     def prepare(cls, weight_scheme: QuantScheme, stacked: dict, act_scheme: QuantScheme | None
@@ -51,6 +79,22 @@ class GroupedKernel(Kernel):
     def apply(ops, weight_scheme, act_scheme, x, routing, kw) -> torch.Tensor:
         """out [R, N] of the sorted rows; kw: bias, identity, config, out_dtype of the launch."""
         raise NotImplementedError
+
+
+@tuning.per_table
+def _for_rows(cls, E, N, K, M, dtype):
+    path, _ = tuning.choose("grouped", grouped_kind_key(cls.kind, E), N, K, M)
+    d = cls.dequant
+    if path == "dequant" and d is not None and d.rows_refusal(dtype, K) is None:
+        return d
+    return cls
+
+
+def _launchers():
+    """lowbit.ops.triton.grouped, the grouped kernels' launchers (imported on first use)."""
+    from lowbit.ops.triton import grouped as gk    # optional: triton
+
+    return gk
 
 
 def _channel_sym(ws: QuantScheme, fmt: str) -> str | None:
@@ -115,10 +159,8 @@ class _GroupedW8A8(GroupedKernel):
 
     @classmethod
     def apply(cls, ops, weight_scheme, act_scheme, x, routing, kw):
-        from lowbit.ops.triton import grouped as gk    # optional: triton
-
         codes, sa, _ = rows_quantized(x, act_scheme, ops)
-        return getattr(gk, cls.name)(codes, sa, ops["w"], ops["s"], routing, **kw)   # the launcher's name
+        return getattr(_launchers(), cls.name)(codes, sa, ops["w"], ops["s"], routing, **kw)   # the launcher's name
 
 
 class GroupedInt8(_GroupedW8A8):
@@ -144,11 +186,22 @@ class GroupedW8A16(GroupedKernel):
     def prepare(cls, weight_scheme, stacked, act_scheme):
         return _eight_bit(stacked, act_scheme)
 
-    @staticmethod
-    def apply(ops, weight_scheme, act_scheme, x, routing, kw):
-        from lowbit.ops.triton.grouped import grouped_w8a16    # optional: triton
+    @classmethod
+    def apply(cls, ops, weight_scheme, act_scheme, x, routing, kw):
+        if cls.bf16_path:
+            return grouped_dequant_w8(x, ops["w"], ops["s"], routing, **_bf16_kw(kw))
+        return _launchers().grouped_w8a16(x, ops["w"], ops["s"], routing, **kw)
 
-        return grouped_w8a16(x, ops["w"], ops["s"], routing, **kw)
+
+class GroupedDequantW8A16(GroupedW8A16):
+    name = "grouped_dequant_w8a16"
+    bf16_path = True
+    summary = "int8 expert weights rounded once to bf16 into a scratch buffer, then torch._grouped_mm"
+
+
+def _bf16_kw(kw: dict) -> dict:
+    """The launch keywords the bf16 path takes (it has no tile configuration)."""
+    return dict(bias=kw["bias"], identity=kw["identity"], out_dtype=kw["out_dtype"])
 
 
 def _four_bit(weight_scheme, stacked):
@@ -165,11 +218,13 @@ def _four_bit(weight_scheme, stacked):
     return ops
 
 
-def _four_bit_launch(ops, weight_scheme, x, routing, kw, g):
-    from lowbit.ops.triton.grouped import grouped_w4a16    # optional: triton
-
-    return grouped_w4a16(x, ops["w"], ops["s"], routing, kind=w4a16_kind(weight_scheme), w_zero=ops.get("z"),
-                         w_global=g, group_size=weight_scheme.group_size, **kw)
+def _four_bit_launch(ops, weight_scheme, x, routing, kw, g, bf16_path: bool):
+    """The grouped W4A16 kernel, or (bf16_path) the weights dequantized into the scratch buffer and
+    torch._grouped_mm; g multiplies each expert's output (NVFP4's tensor scales)."""
+    w = dict(kind=w4a16_kind(weight_scheme), w_zero=ops.get("z"), w_global=g, group_size=weight_scheme.group_size)
+    if bf16_path:
+        return grouped_dequant_w4(x.to(torch.bfloat16), ops["w"], ops["s"], routing, **w, **_bf16_kw(kw))
+    return _launchers().grouped_w4a16(x, ops["w"], ops["s"], routing, **w, **kw)
 
 
 class GroupedW4A16(GroupedKernel):
@@ -188,9 +243,15 @@ class GroupedW4A16(GroupedKernel):
     def prepare(cls, weight_scheme, stacked, act_scheme):
         return _four_bit(weight_scheme, stacked)
 
-    @staticmethod
-    def apply(ops, weight_scheme, act_scheme, x, routing, kw):
-        return _four_bit_launch(ops, weight_scheme, x, routing, kw, ops.get("g"))
+    @classmethod
+    def apply(cls, ops, weight_scheme, act_scheme, x, routing, kw):
+        return _four_bit_launch(ops, weight_scheme, x, routing, kw, ops.get("g"), cls.bf16_path)
+
+
+class GroupedDequantW4A16(GroupedW4A16):
+    name = "grouped_dequant_w4a16"
+    bf16_path = True
+    summary = "4-bit expert weights dequantized into a bf16 scratch buffer [E, N, K], then torch._grouped_mm"
 
 
 class GroupedFp4(GroupedKernel):
@@ -206,13 +267,19 @@ class GroupedFp4(GroupedKernel):
     def prepare(cls, weight_scheme, stacked, act_scheme):
         return _four_bit(weight_scheme, stacked)
 
-    @staticmethod
-    def apply(ops, weight_scheme, act_scheme, x, routing, kw):
+    @classmethod
+    def apply(cls, ops, weight_scheme, act_scheme, x, routing, kw):
         g = ops.get("g")
-        x, gx = fp4_rows(x, act_scheme)
+        x, gx = fp4_rows(x, act_scheme)     # e2m1 x block scale: exact in bf16 (the bf16 path's cast)
         if gx is not None:
             g = g * gx
-        return _four_bit_launch(ops, weight_scheme, x, routing, kw, g)
+        return _four_bit_launch(ops, weight_scheme, x, routing, kw, g, cls.bf16_path)
+
+
+class GroupedDequantFp4(GroupedFp4):
+    name = "grouped_dequant_fp4"
+    bf16_path = True
+    summary = "fp4 activations dequantized exactly, the weights into a bf16 scratch buffer, torch._grouped_mm"
 
 
 class GroupedMXFP8(GroupedKernel):
@@ -248,6 +315,9 @@ class GroupedExact(Kernel):
     def refuses(cls, layer):
         return None
 
+
+GroupedW8A16.dequant, GroupedW4A16.dequant, GroupedFp4.dequant = GroupedDequantW8A16, GroupedDequantW4A16, GroupedDequantFp4
+GroupedDequantW8A16.dequant = GroupedDequantW4A16.dequant = GroupedDequantFp4.dequant = None
 
 GROUPED = Registry("grouped experts", (GroupedInt8, GroupedFp8, GroupedW8A16, GroupedW4A16, GroupedFp4, GroupedMXFP8,
                                        GroupedExact))

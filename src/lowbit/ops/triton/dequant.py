@@ -9,6 +9,11 @@ Every product is exact in bf16: e4m3 x 2^e has 4 significant bits, e2m1 x e4m3 a
 and bf16 has fp32's exponent range (|value| <= 448 * 2^127 stays finite for the e8m0 codes
 1..254 real data produces). So a bf16 tensor-core GEMM on two such tensors with fp32
 accumulation computes exactly the products the MX / NVFP4 definition asks for.
+
+Stacked expert weights (the MoE bf16 path, lowbit.ops.grouped_dequant): dequantize_rows and
+dequantize_packed take the [E * N, K] rows of all experts and, given the routing's offsets, skip
+the rows of experts that received no token (their output rows are left as they were: the grouped
+GEMM reads no row of an empty expert), so a decode step dequantizes only the experts it uses.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import triton.language as tl
 from .common import decode_e4m3fn, interpreting, launch
 from .fused_quant import _absmax, _codes, _group_scales, _ld, _st, nvfp4_block_scales, round_to, tensor_scale
 from .w4a16 import _e2m1_value, block_scale
+from .w4a16.codes import W_INT4, _nibble_value
 
 E4M3, E2M1 = 0, 1
 E8M0, SCALE_E4M3 = 2, 3   # block_scale's codes (w4a16.py: MXFP4 = 2, NVFP4 = 3; SCALE_KIND + 1)
@@ -113,32 +119,105 @@ def _qdq_rows_kernel(X, s_x, OUT, s_o, AMAX, WG, GPROD, M, K,
 
 
 @triton.jit
-def _row_dequant_kernel(C, S, OUT, R, K, s_c, s_o, FP8: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def _live_rows(OFF, rows, R, RPE, SKIP: tl.constexpr):
+    """Which of `rows` to write: those < R and, SKIP, those of an expert with tokens (row r is
+    expert r // RPE's; OFF the routing's int64 offsets [E + 1])."""
+    ok = rows < R
+    if SKIP:
+        e = rows // RPE
+        ok = ok & (tl.load(OFF + e + 1, mask=ok, other=0) > tl.load(OFF + e, mask=ok, other=0))
+    return ok
+
+
+@triton.jit
+def _row_dequant_kernel(C, S, OUT, OFF, R, K, RPE, s_c, s_o, FP8: tl.constexpr, SKIP: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[r, k] = bf16(decode(codes[r, k]) * s[r]): the fp32 product (one rounding), then one
     round to nearest even to the output dtype."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    ok = (rows < R)[:, None] & (cols < K)[None, :]
+    r_ok = _live_rows(OFF, rows, R, RPE, SKIP)
+    ok = r_ok[:, None] & (cols < K)[None, :]
     r64 = rows.to(tl.int64)
     c = tl.load(C + r64[:, None] * s_c + cols[None, :], mask=ok, other=0)
     if FP8:
         v = decode_e4m3fn(c.to(tl.int32))
     else:
         v = c.to(tl.float32)
-    s = tl.load(S + rows, mask=rows < R, other=0.0)
+    s = tl.load(S + rows, mask=r_ok, other=0.0)
     tl.store(OUT + r64[:, None] * s_o + cols[None, :], round_to(v * s[:, None], OUT.dtype.element_ty), mask=ok)
 
 
-def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
+                    offsets: torch.Tensor | None = None) -> torch.Tensor:
     """8-bit weight codes [N, K] (int8, or fp8 e4m3fn / its uint8 bit patterns) times one fp32
     scale per row [N], into out [N, K] (bf16 / fp16): each weight rounded once from its fp32
-    product. No argument checks (lowbit.ops.prepared checks at prepare time)."""
-    R, K = codes.shape
-    fp8 = codes.dtype in (torch.float8_e4m3fn, torch.uint8)
-    c = codes.view(torch.uint8) if fp8 else codes
+    product. Stacked experts: codes [E, N, K], scale [E, N], out [E, N, K] and, with the routing's
+    offsets [E + 1], only the experts that have rows are written. No argument checks (the callers
+    check at prepare time)."""
+    K = codes.shape[-1]
+    rpe = codes.shape[-2]
+    c = codes.reshape(-1, K)
+    R = c.shape[0]
+    fp8 = c.dtype in (torch.float8_e4m3fn, torch.uint8)
+    c = c.view(torch.uint8) if fp8 else c
     br, bk = (16, 64) if interpreting() else (16, 256)
-    launch(_row_dequant_kernel, (triton.cdiv(R, br), triton.cdiv(K, bk)), c, scale, out, R, K, c.stride(0),
-           out.stride(0), FP8=fp8, BLOCK_R=br, BLOCK_K=bk, num_warps=4)
+    launch(_row_dequant_kernel, (triton.cdiv(R, br), triton.cdiv(K, bk)), c, scale, out,
+           scale if offsets is None else offsets, R, K, rpe, c.stride(0), K, FP8=fp8, SKIP=offsets is not None,
+           BLOCK_R=br, BLOCK_K=bk, num_warps=4)
+    return out
+
+
+@triton.jit
+def _packed_dequant_kernel(W, S, Z, OUT, OFF, R, K, RPE, s_w, s_s, WFMT: tl.constexpr, HAS_Z: tl.constexpr,
+                           SKIP: tl.constexpr, G: tl.constexpr, BLOCK_R: tl.constexpr, GROUPS: tl.constexpr):
+    """BLOCK_R rows x GROUPS groups of G codes of 4-bit weights packed two per byte along K
+    (lowbit.pack_int4 / pack_fp4: code 2j in byte j's low nibble; int4 in two's complement), as
+    _group_dequant_kernel walks them: one scale per row and group. Each code's byte is loaded per
+    column (its two columns read the same byte, from cache), so the stores are contiguous.
+      int4 (WFMT 0)     (code - zero point) exactly (w4a16.codes._nibble_value of the offset-binary
+                        nibble), times the fp32 scale: one fp32 rounding, then one to OUT's dtype
+      MXFP4 / NVFP4     e2m1 value times the block scale (e8m0 codes clamped to [1, 254], e4m3),
+      (WFMT 2 / 3)      exact in float32 and in bf16; NVFP4's tensor scale is the caller's"""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = _live_rows(OFF, rows, R, RPE, SKIP)
+    r64 = rows.to(tl.int64)
+    for j in tl.static_range(GROUPS):
+        g = tl.program_id(1) * GROUPS + j
+        cols = g * G + tl.arange(0, G)
+        ok = r_ok[:, None] & (cols < K)[None, :]
+        g_ok = r_ok & (g * G < K)
+        b = tl.load(W + r64[:, None] * s_w + (cols // 2)[None, :], mask=ok, other=0).to(tl.int32)
+        c = (b >> ((cols & 1) * 4)[None, :]) & 15
+        if WFMT == W_INT4:
+            off = tl.full((BLOCK_R,), 8388616.0, tl.float32)            # 2^23 + 8 (+ z): _int4_offset's
+            if HAS_Z:
+                off += tl.load(Z + r64 * s_s + g, mask=g_ok, other=0).to(tl.float32)
+            s = tl.load(S + r64 * s_s + g, mask=g_ok, other=0.0)
+            v = _nibble_value(c ^ 8, off[:, None]) * s[:, None]          # c ^ 8: two's complement -> code + 8
+        else:
+            sc = tl.load(S + r64 * s_s + g, mask=g_ok, other=127).to(tl.int32)
+            v = _e2m1_value(c) * block_scale(sc, WFMT)[:, None]
+        tl.store(OUT + r64[:, None] * K + cols[None, :], round_to(v, OUT.dtype.element_ty), mask=ok)
+
+
+def dequantize_packed(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, *, wfmt: int, group: int,
+                      zero: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """Stacked 4-bit expert weights packed [E, N, K / 2] uint8 with per-group scales [E, N, K / group]
+    (int4, wfmt W_INT4: fp32 scales and int zero points `zero`; MXFP4 / NVFP4, wfmt 2 / 3: the
+    uint8 scale codes) -> out [E, N, K] (bf16 / fp16, contiguous), one launch; with the routing's
+    offsets [E + 1], only the experts that have rows are written. No argument checks (the callers
+    check at prepare time)."""
+    E, N, Kh = packed.shape
+    K, R = 2 * Kh, E * N
+    w, s = packed.reshape(R, Kh), scale.reshape(R, -1)
+    z = None if zero is None else zero.reshape(R, -1)
+    br, span = (16, 64) if interpreting() else (16, 256)
+    groups = max(1, span // group)
+    launch(_packed_dequant_kernel, (triton.cdiv(R, br), triton.cdiv(triton.cdiv(K, group), groups)), w, s,
+           s if z is None else z, out, s if offsets is None else offsets, R, K, N, w.stride(0), s.stride(0),
+           WFMT=wfmt, HAS_Z=z is not None, SKIP=offsets is not None, G=group, BLOCK_R=br, GROUPS=groups,
+           num_warps=4)
     return out
 
 

@@ -108,6 +108,7 @@ def dequantize_w4(w: W4Weight, dtype: torch.dtype, out: torch.Tensor | None = No
         w.scale_codes if w.scale_codes is not None else dummy, out, N, K,
         w.packed.stride(0), per_group.stride(0), out.stride(0),
         WFMT=wfmt, HAS_Z=w.zero_point is not None, G=w.group_size, C=w.chunk, BLOCK_N=bn, num_warps=4)
+    return out
 
 
 def scale_output(y: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
