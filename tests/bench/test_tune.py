@@ -77,11 +77,12 @@ def test_tune_rehearsal_on_the_cpu(monkeypatch, tmp_path):
         if c.op == "linear":        # the winner is the fastest candidate that ran; its ratio is to bf16's time
             won = tune._label(c.path, c.config)
             assert c.us[won] == min(t for k, t in c.us.items() if k != "bf16"), c
-            assert c.ratio == round(c.us["bf16"] / c.us[won], 3), c
         elif c.op == "grouped":     # against torch._grouped_mm over bf16 weights
             won = tune._label(c.path, None if c.config is None else GroupedConfig.from_dict(c.config))
             assert c.us[won] == min(t for k, t in c.us.items() if k != "bf16"), c
-            # the ratio is rounded to 3 decimals (<= 5e-4), the times to 0.01 us (host times here: >= 1 us)
+        if c.op in ("linear", "grouped"):
+            # the ratio is of the unrounded times, rounded to 3 decimals (<= 5e-4); the times are
+            # kept to 0.01 us (host times here: >= 1 us, so each within 1%: the quotient within ~2%)
             assert abs(c.ratio - c.us["bf16"] / c.us[won]) <= 5e-4 + 0.02 * c.ratio, c
             assert ("dequant" in c.us) == c.kind.startswith("w4a16/"), c
         else:
