@@ -10,6 +10,7 @@ import torch
 from lowbit.ops import attention_reference as ar
 from lowbit.ops import dispatch
 from lowbit.ops.attention import attention
+from lowbit.ops.kernels.attention import AttentionCall, CacheOperand
 from lowbit.ops.kv_quant import KVScheme, observe_amax, quantize_kv, static_scale
 from lowbit.ops.triton.attention_decode import MAX_ROWS, pick_splits, split_kv_attention
 from lowbit.verify.attention import check_attention
@@ -111,24 +112,37 @@ def test_pick_splits_boundaries_on_p_blocks(B, Hkv, Tk, bn, sms):
         assert ns >= 2                                        # a small batch is split
 
 
+def _op(kind):
+    if kind == "bf16":
+        return CacheOperand.of_scheme(None)
+    if kind == "float":
+        return CacheOperand("float", None, torch.float32)
+    return CacheOperand.of_scheme(KVScheme("fp8", kind, 32 if kind == "group" else None))
+
+
+def _call(Tq, G, q="quantized", k="tensor", v="head"):
+    return AttentionCall(Tq, G, 64, q, _op(k), _op(v), ar.AttnSpec())
+
+
 def test_dispatch_picks_split_kv_for_decode():
-    assert dispatch.attention_kernel(1, 4, True, "tensor", "head") == "split_kv"
-    assert dispatch.attention_kernel(16, 4, True, "token", "token") == "split_kv"
+    assert dispatch.attention_kernel(_call(1, 4)) == "split_kv"
+    assert dispatch.attention_kernel(_call(16, 4, k="token", v="token")) == "split_kv"
+    assert dispatch.attention_kernel(_call(1, 4, q="bf16", k="bf16", v="bf16")) == "split_kv"
     # past the split-KV tile (68 rows), or not exact in its dots: a prefill kernel, the tensor-core
-    # one unless its `unsupported` gives a reason
-    assert dispatch.attention_kernel(17, 4, True, "token", "head") == "prefill"
-    assert dispatch.attention_kernel(17, 4, True, "token", "token", prefill_reason="v per token") == "flash"
-    assert dispatch.attention_kernel(1, 4, False, "head", "head", prefill_reason="fp32 Q") == "flash"
-    assert dispatch.attention_kernel(1, 4, True, "group", "group", prefill_reason="group") == "flash"
-    assert dispatch.attention_kernel(1, 4, True, "float", "float", prefill_reason="fp32 cache") == "flash"
-    # a tuning table's choice, for prefill only (decode keeps split-KV)
-    assert dispatch.attention_kernel(1, 4, True, "tensor", "head", choice="sdpa") == "split_kv"
-    assert dispatch.attention_kernel(300, 4, True, "tensor", "head", choice="sdpa") == "sdpa"
-    assert dispatch.attention_kernel(300, 4, True, "tensor", "head", choice="flash") == "flash"
-    with pytest.raises(ValueError, match="choose 'flash' or 'sdpa'"):
-        dispatch.attention_kernel(300, 4, True, "token", "token", choice="prefill", prefill_reason="v per token")
-    with pytest.raises(ValueError, match="PREFILL|one of"):
-        dispatch.attention_kernel(300, 4, True, "tensor", "head", choice="cudnn")
+    # one unless it refuses the call
+    assert dispatch.attention_kernel(_call(17, 4, k="token")) == "prefill"
+    assert dispatch.attention_kernel(_call(17, 4, k="token", v="token")) == "flash"
+    assert dispatch.attention_kernel(_call(1, 4, q="float", k="bf16", v="bf16")) == "flash"
+    assert dispatch.attention_kernel(_call(1, 4, k="group", v="group")) == "flash"
+    assert dispatch.attention_kernel(_call(1, 4, k="float", v="float")) == "flash"
+    # a choice, for prefill only (decode keeps split-KV)
+    assert dispatch.attention_kernel(_call(1, 4), "sdpa") == "split_kv"
+    assert dispatch.attention_kernel(_call(300, 4), "sdpa") == "sdpa"
+    assert dispatch.attention_kernel(_call(300, 4), "flash") == "flash"
+    with pytest.raises(ValueError, match="v: scales per token.*choose 'flash' or 'sdpa'"):
+        dispatch.attention_kernel(_call(300, 4, k="token", v="token"), "prefill")
+    with pytest.raises(ValueError, match="one of"):
+        dispatch.attention_kernel(_call(300, 4), "cudnn")
     assert dispatch.kv_kind(torch.zeros(1, 1, 1, 1, dtype=torch.bfloat16)) == "bf16"
 
 

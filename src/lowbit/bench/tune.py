@@ -30,6 +30,7 @@ from lowbit.ops import tuning
 from lowbit.ops.grouped_configs import WEIGHT_ONLY, grouped_candidates, grouped_kind_key, m_bucket
 from lowbit.ops.grouped_dequant import grouped_bf16_refusal
 from lowbit.ops.grouped_tune import grouped_bf16_case, grouped_case
+from lowbit.ops.kernels.attention import ATTENTION
 from lowbit.profiling.timing import bench_ms
 from lowbit.workflows.job import parse_recipe
 
@@ -177,7 +178,7 @@ def tune_attention(shape: str = "8b", buckets=ATTN_BUCKETS, log=print, device: s
         q_vals, q_scale = ar.quantize_q_parts(q, spec.q_format)
 
         def run_candidate(which, cfg):
-            if which == "sdpa":    # SDPA over the dequantized cache takes the float queries
+            if ATTENTION.get(which).float_queries:    # SDPA over the dequantized cache
                 return lambda: attn.attention_triton(q, kq, vq, spec, out_dtype=torch.bfloat16, kernel=which)
             return lambda: attn.attention_triton(q_vals, kq, vq, spec, q_scale=q_scale, out_dtype=torch.bfloat16,
                                                  kernel=which, config=cfg)
@@ -188,8 +189,7 @@ def tune_attention(shape: str = "8b", buckets=ATTN_BUCKETS, log=print, device: s
         if best is None:
             continue
         t, which, cfg = best
-        path = "dequant" if which == "sdpa" else "kernel"
-        config = None if path == "dequant" else dict({"kernel": which}, **({} if cfg is None else vars(cfg)))
+        path, config = ATTENTION.get(which).cell(cfg)
         cell = tuning.Cell("attention", kind, d, hq // hkv, b, path, config, round(base / t, 3), us)
         cells.append(cell)
         log(f"attention {kind} T={T}: bf16 SDPA {base:8.1f} us  best {t:8.1f} us ({which})  {cell.ratio:5.2f}x")

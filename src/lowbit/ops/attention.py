@@ -19,8 +19,7 @@ import torch
 
 from lowbit.formats import decode, encode
 from lowbit.ops import attention_reference as ar
-from lowbit.ops import dispatch
-from lowbit.ops import tuning
+from lowbit.ops.kernels import attention as attention_kernels
 from lowbit.ops.attention_sdpa import sdpa_attention
 from lowbit.ops.kv_quant import KVQuant
 
@@ -107,56 +106,26 @@ def attention_triton(q: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: torch
                      out_dtype: torch.dtype = torch.float32, kernel: str | None = None, config=None) -> torch.Tensor:
     """The GPU path. q: the float queries [B, Hq, Tq, D], quantized per spec.q_format (inside the
     split-KV kernel, or on the host for the prefill kernels), or with q_scale [B, Hq, Tq, 1] fp32 Q's
-    code values; k, v as `attention` takes them. lowbit.ops.dispatch.attention_kernel picks the
-    kernel: split-KV (flash-decoding) for decode steps and short query blocks; for prefill
-    `kernel` (a tuning table's choice: "prefill", "flash" or "sdpa") or, without one, the
-    tensor-core prefill kernel where it runs the call and the general flash kernel elsewhere.
-    config: the prefill kernel's PrefillConfig (lowbit.ops.triton.attention_prefill; None = its
-    default heuristic). q is not checked for NaN/Inf here (no host synchronisation): `attention`
-    does that. The path taken is last_path()."""
-    from lowbit.ops.triton.attention import flash_attention    # optional: triton
-    from lowbit.ops.triton.attention_decode import split_kv_attention    # optional: triton
-    from lowbit.ops.triton.attention_prefill import prefill_attention, unsupported    # optional: triton
-    G = ar.check_shapes(tuple(q.shape), _shape(k), _shape(v))
-    q_exact = q_scale is not None or spec.q_format is not None or q.dtype == torch.bfloat16
-    if kernel is None and config is None and q.shape[2] > 1:
-        kernel, config = _tuned(q, k, v, spec, G, sdpa_ok=q_scale is None)
-    name = dispatch.attention_kernel(q.shape[2], G, q_exact, dispatch.kv_kind(k), dispatch.kv_kind(v), kernel,
-                                     unsupported(q_exact, k, v, spec))
-    _LAST["path"] = name
-    if name == "split_kv":
-        return split_kv_attention(q, k, v, spec, q_scale=q_scale, out_dtype=out_dtype)
-    if name == "sdpa":
-        if q_scale is not None:
-            raise ValueError("the sdpa path takes the float queries, not Q's codes (q_scale): pass q itself")
-        return sdpa_attention(q, k, v, spec, out_dtype=out_dtype)
-    if q_scale is None and spec.q_format is not None:
-        q, q_scale = ar.quantize_q_parts(q, spec.q_format)
-    if name == "prefill":
-        from lowbit.ops.triton.attention_prefill import default_config    # optional: triton
-        cfg = config or default_config(q.shape[3], q.shape[2], spec.p_block)
-        _LAST["path"] = f"prefill[{cfg}]"
-        return prefill_attention(q, k, v, spec, q_scale=q_scale, out_dtype=out_dtype, config=cfg)
-    return flash_attention(q, k, v, spec, q_scale=q_scale, out_dtype=out_dtype)
+    code values; k, v as `attention` takes them. The attention kernel classes
+    (lowbit.ops.kernels.attention) pick the kernel: split-KV (flash-decoding) for decode steps and short
+    query blocks; otherwise `kernel` (a choosable class's name: "prefill", "flash" or "sdpa"), else a
+    tuning table's choice, else the tensor-core prefill kernel where it runs the call and the general
+    flash kernel elsewhere. config: the prefill kernel's PrefillConfig (lowbit.ops.triton.attention_prefill;
+    None = its default heuristic). q is not checked for NaN/Inf here (no host synchronisation):
+    `attention` does that. The path taken is last_path()."""
+    ar.check_shapes(tuple(q.shape), _shape(k), _shape(v))
+    call = attention_kernels.AttentionCall.of(q, k, v, spec, q_scale)
+    choice, config = attention_kernels.resolve(call, kernel, config)
+    if choice.kernel is None:
+        raise ValueError(f"no attention kernel runs this call ({choice.report()}); use backend='torch'")
+    _LAST["path"] = choice.kernel.label(config)
+    return choice.kernel.apply(q, k, v, spec, q_scale=q_scale, out_dtype=out_dtype, config=config)
 
 
 def attention_kind(k, v, spec: ar.AttnSpec) -> str:
     """The tuning table's name for an attention call's kind: cache formats, Q and P formats, P block."""
-    return f"{dispatch.kv_kind(k)}/{dispatch.kv_kind(v)}/q-{spec.q_format}/p-{spec.p_format}/{spec.p_block}"
-
-
-def _tuned(q, k, v, spec, G, sdpa_ok: bool) -> tuple[str | None, object]:
-    """A tuning table's (kernel, config) for this prefill call, or (None, None) without a cell.
-    Cells are keyed by (kind, head_dim, GQA group, bucket of the query length): path "dequant" is
-    SDPA over the dequantized cache, "kernel" names the kernel (and the prefill kernel's tiles)."""
-    from lowbit.ops.triton.attention_prefill import PrefillConfig   # triton: the optional [gpu] extra
-
-    path, cfg = tuning.choose("attention", attention_kind(k, v, spec), q.shape[3], G, q.shape[2])
-    if cfg is None:
-        return ("sdpa", None) if path == "dequant" and sdpa_ok else (None, None)
-    cfg = dict(cfg)
-    which = cfg.pop("kernel", "prefill")
-    return which, (PrefillConfig(**cfg) if which == "prefill" and cfg else None)
+    return attention_kernels.kind_key(attention_kernels.CacheOperand.of(k), attention_kernels.CacheOperand.of(v),
+                                      spec)
 
 
 def prefill_options(D: int, Tq: int, p_block: int = 64) -> list[tuple[str, object]]:
@@ -164,14 +133,13 @@ def prefill_options(D: int, Tq: int, p_block: int = 64) -> list[tuple[str, objec
     tokens and P block p_block, each runnable as attention_triton(q, k, v, spec, kernel=kernel,
     config=config): the tensor-core prefill kernel in each of prefill_candidates' configurations,
     the general flash kernel and SDPA over the dequantized cache (config None)."""
-    from lowbit.ops.triton.attention_prefill import prefill_candidates    # optional: triton
-    return [("prefill", c) for c in prefill_candidates(D, Tq, p_block)] + [("flash", None), ("sdpa", None)]
+    return attention_kernels.prefill_options(D, Tq, p_block)
 
 
 def attention(q: torch.Tensor, k, v, spec: ar.AttnSpec | None = None, *, backend: str = "auto",
               out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Quantized attention (module docstring). backend: "auto" (Triton on CUDA, torch elsewhere),
-    "torch", "triton" (attention_triton: the kernel lowbit.ops.dispatch picks), "sdpa" (torch
+    "torch", "triton" (attention_triton: the kernel lowbit.ops.kernels.attention picks), "sdpa" (torch
     SDPA in bf16 over the dequantized cache, lowbit.ops.attention_sdpa: not the P-quantized
     arithmetic; its reference is attention_reference.sdpa_bf16_reference), or "reference" (the
     float64 reference, cast). Returns [B, Hq, Tq, D] in out_dtype (default q.dtype)."""

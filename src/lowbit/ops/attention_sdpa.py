@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.ops import attention_reference as ar
-from lowbit.ops.dispatch import have_triton
+from lowbit.ops.kernels.schemes import have_triton
 from lowbit.ops.kv_quant import KVQuant
 
 _SCRATCH: dict[torch.device, torch.Tensor] = {}

@@ -6,20 +6,22 @@ that want a name:
 - `gemm_kernel(x, w)`: which GEMM of `lowbit.ops.linear` multiplies two quantized operands
   (both QTensors; W8A8 int8 / fp8 and block-scaled fp8) -- the GEMM registry's class name;
 - `grouped_kind(w, x)`: which grouped MoE kernel QuantExperts runs -- the grouped registry's kind;
-- `attention_kernel(...)`: which attention kernel reads a KV cache (split-KV decode; for prefill
-  the tensor-core prefill kernel, the general flash kernel or SDPA over the dequantized cache).
+- `attention_kernel(call)`: which attention kernel reads a KV cache -- the attention registry's class
+  name (split-KV decode; for prefill the tensor-core prefill kernel, the general flash kernel or SDPA
+  over the dequantized cache).
 A pair with no kernel gets None: callers decide visibly what to do, nothing here falls back silently.
 """
 from __future__ import annotations
 
 import torch
 
+from lowbit.ops.kernels.attention import AttentionCall, kv_kind, resolve  # noqa: F401  (kv_kind: for callers)
 from lowbit.ops.kernels.base import LinearLayer
 from lowbit.ops.kernels.gemm import GEMM
 from lowbit.ops.kernels.grouped import grouped_kernel
 from lowbit.ops.kernels.schemes import have_triton, w4a16_kind  # noqa: F401  (their names here, for callers)
-from lowbit.ops.kv_quant import KVQuant
 from lowbit.scheme import QuantScheme
+
 
 def gemm_kernel(x_scheme: QuantScheme | None, w_scheme: QuantScheme | None) -> str | None:
     """Name of the lowbit GEMM for this scheme pair (a class of lowbit.ops.kernels.GEMM), or None when
@@ -39,18 +41,11 @@ def grouped_kind(weight_scheme: QuantScheme, act_scheme: QuantScheme | None) -> 
 
 # ---------------------------------------------------------------- attention over a (quantized) KV cache
 
-ATTENTION_KERNELS = ("split_kv", "prefill", "flash", "sdpa")
-PREFILL_CHOICES = ("prefill", "flash", "sdpa")     # what a tuning table may decide for a prefill call
-SPLIT_KV_MAX_ROWS = 64          # G * Tq rows per KV head the split-KV kernel holds in one tile
-_SPLIT_KV_KINDS = ("bf16", "tensor", "head", "token")
-
-
-def kv_kind(t) -> str:
-    """How a cache operand is stored, the fact attention kernels are chosen by: 'bf16', 'float'
-    (fp32 / fp16 values), or its KV scheme's granularity ('tensor', 'head', 'token', 'group')."""
-    if isinstance(t, KVQuant):
-        return t.scheme.granularity
-    return "bf16" if t.dtype == torch.bfloat16 else "float"
+def attention_kernel(call: AttentionCall, kernel: str | None = None) -> str | None:
+    """Name of the attention kernel class (lowbit.ops.kernels.attention.ATTENTION) that runs `call`:
+    `kernel` (the caller's choice) or a tuning table's where one decides, else the first class in
+    preference order that can run it."""
+    return resolve(call, kernel)[0].name
 
 
 KV_APPEND_FORMATS = ("int8", "fp8_e4m3fn")      # what the one-launch decode write stores
@@ -62,27 +57,3 @@ def kv_append_supports(scheme) -> bool:
     in KV_APPEND_DTYPES): fp8 e4m3 / int8 codes with scales per tensor, head or token (group
     schemes and int4's packed codes go through lowbit.ops.kv_quant.quantize_kv)."""
     return scheme.format in KV_APPEND_FORMATS and scheme.granularity != "group"
-
-
-def attention_kernel(Tq: int, G: int, q_exact: bool, k_kind: str, v_kind: str, choice: str | None = None,
-                     prefill_reason: str | None = None) -> str:
-    """The attention kernel for a call: "split_kv" (lowbit.ops.triton.attention_decode:
-    flash-decoding, the keys split across programs so a decode step fills the GPU) where the rows
-    of one KV head (G query heads x Tq tokens) fit its tile, Q is exact in bf16 (codes with a
-    scale, or bf16) and K, V are bf16 or codes scaled per tensor / head / token. Otherwise the
-    prefill choice: `choice` (a tuning table's decision, one of PREFILL_CHOICES) or, without one,
-    "prefill" (lowbit.ops.triton.attention_prefill: tensor-core tiles) where that kernel runs the
-    call, else "flash" (lowbit.ops.triton.attention: every cache layout). "sdpa" is torch SDPA over
-    the dequantized cache (lowbit.ops.attention_sdpa: not lowbit's P-quantized arithmetic).
-    prefill_reason: why the prefill kernel cannot run the call (its `unsupported`), None if it can;
-    a choice of "prefill" it cannot run is refused with that reason."""
-    if G * Tq <= SPLIT_KV_MAX_ROWS and q_exact and k_kind in _SPLIT_KV_KINDS and v_kind in _SPLIT_KV_KINDS:
-        return "split_kv"
-    if choice is None:
-        return "flash" if prefill_reason else "prefill"
-    if choice not in PREFILL_CHOICES:
-        raise ValueError(f"attention prefill choice must be one of {PREFILL_CHOICES}, got {choice!r}")
-    if choice == "prefill" and prefill_reason:
-        raise ValueError(f"attention prefill choice 'prefill': {prefill_reason}; choose 'flash' or 'sdpa' "
-                         "for this call")
-    return choice

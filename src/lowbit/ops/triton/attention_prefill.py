@@ -35,13 +35,14 @@ import triton
 import triton.language as tl
 
 from lowbit.ops import attention_reference as ar
+from lowbit.ops.kernels.attention import CacheOperand, prefill_refusal
 from lowbit.ops.kv_quant import KVQuant
 
 from .attention import _OUT, SM90_SHARED, _shared_limit, check_call, codes_as, p_codes, smem_bytes, softmax_block
 from .common import cast_out, check_device, interpreting, launch
 
-_KIND = {"fp8_e4m3fn": 0, "int8": 1}        # code kinds; 2 = a bf16 cache
-_P_MODE = {"fp8_e4m3fn": 0, "int8": 1}
+_KIND = {"fp8_e4m3fn": 0, "int8": 1}        # code kinds (codes_as'); 2 = a bf16 cache
+_P_MODE = {"fp8_e4m3fn": 0, "int8": 1}      # the formats of kernels.attention.CODE_FORMATS
 
 
 @dataclass(frozen=True)
@@ -93,24 +94,6 @@ def default_config(D: int, Tq: int, p_block: int = 64) -> PrefillConfig:
     if D > 128:
         cands = [c for c in cands if c.block_m <= 64] or cands
     return cands[0]
-
-
-def unsupported(q_exact: bool, k, v, spec: ar.AttnSpec) -> str | None:
-    """Why this kernel cannot run the call (None: it can). Every dot operand must be exact in
-    fp16 / bf16 with the scales outside the dots (module docstring)."""
-    if not q_exact:
-        return "Q must be codes with a scale (spec.q_format) or bf16"
-    if spec.p_format not in _P_MODE:
-        return "P must be quantized (spec.p_format fp8_e4m3fn or int8)"
-    for t, name, grans in ((k, "k", ("tensor", "head", "token")), (v, "v", ("tensor", "head"))):
-        if isinstance(t, KVQuant):
-            if t.scheme.format not in _KIND:
-                return f"{name}: {t.scheme.format} codes (the kernel takes fp8_e4m3fn or int8)"
-            if t.scheme.granularity not in grans:
-                return f"{name}: scales per {t.scheme.granularity} (the kernel takes per {' / '.join(grans)})"
-        elif t.dtype != torch.bfloat16:
-            return f"{name}: an unquantized {t.dtype} cache (the kernel takes bf16)"
-    return None
 
 
 @triton.jit
@@ -243,12 +226,12 @@ def _operand(t, name: str):
 def prefill_attention(q_vals: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: torch.Tensor | None = None,
                       out_dtype: torch.dtype = torch.float32, config: PrefillConfig | None = None) -> torch.Tensor:
     """q_vals: [B, Hq, Tq, D] Q's code values (fp32, with q_scale fp32 [B, Hq, Tq, 1]) or bf16 Q
-    (q_scale None); k, v: KVQuant or bf16 [B, Hkv, Tk, D] as `unsupported` allows. config: the
-    launch knobs (default_config when None). Returns [B, Hq, Tq, D] in out_dtype."""
+    (q_scale None); k, v: KVQuant or bf16 [B, Hkv, Tk, D] as lowbit.ops.kernels.attention.prefill_refusal
+    allows. config: the launch knobs (default_config when None). Returns [B, Hq, Tq, D] in out_dtype."""
     G, q_scale, q_exact = check_call(q_vals, k, v, spec, q_scale, out_dtype)
     B, Hq, Tq, D = q_vals.shape
     Tk = k.shape[2]
-    why = unsupported(q_exact, k, v, spec)
+    why = prefill_refusal(q_exact, CacheOperand.of(k), CacheOperand.of(v), spec)
     if why is not None:
         raise ValueError(f"the prefill kernel cannot run this call: {why}; use lowbit.ops.triton.attention."
                          "flash_attention (kernel='flash')")
