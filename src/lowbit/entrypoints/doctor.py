@@ -8,7 +8,8 @@ rescales or dequantizes on the CUDA cores), or the CPU (exact torch / float64 re
 A number measured on an emulated path is not a hardware number; this report says which is which.
 Then, per pairing, the kernel class that runs a layer here (lowbit.ops.kernels.explain: the dense
 and the grouped registries asked in preference order), the class each batch-size bucket runs, and
-why each kernel ahead of it was refused.
+why each kernel ahead of it was refused; and per KV cache scheme, the attention kernel of a decode
+step and of a prefill chunk, with the same refusals (lowbit.ops.kernels.explain_attention).
 """
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ PAIRINGS = (
     ("W4A16 MXFP4", None, "mxfp4"),
     ("W4A16 NVFP4", None, "nvfp4"),
 )
+
+# KV caches whose attention kernels the report lists (--kv-cache names; None: an unquantized bf16 cache)
+KV_CACHES = ("fp8", "fp8-head", "fp8-token", "int8-head", "int8-token", "int4-g32", None)
 
 # which native path a lowbit kernel needs to count as "native"
 _KERNEL_NEEDS = {"int8": "int8 MMA", "fp8_rowwise": "fp8 MMA", "fp8_block": "fp8 MMA",
@@ -109,7 +113,7 @@ def report() -> dict:
         path, detail = path_for(xp, wp, cap, info["triton"] is not None)
         rows.append(dict(scheme=label, activation=xp, weight=wp, path=path, detail=detail))
     return dict(info, native=native_paths(cap), schemes=rows, tuning=tuning_report(),
-                native_kernels=native_library.status(), kernels=kernels_report())
+                native_kernels=native_library.status(), kernels=kernels_report(), attention=attention_report())
 
 
 def kernels_report() -> list[dict]:
@@ -119,6 +123,16 @@ def kernels_report() -> list[dict]:
 
     return [dict(scheme=label, **explain(get_preset(wp), None if xp is None else get_preset(xp)))
             for label, xp, wp in PAIRINGS]
+
+
+def attention_report() -> list[dict]:
+    """Per KV cache of KV_CACHES: lowbit.ops.kernels.explain_attention's answer on this machine's kernel
+    device, at its defaults (Llama-3-8B's heads; Q and P in fp8)."""
+    from lowbit.ops.kernels import explain_attention
+    from lowbit.ops.kv_quant import KVScheme
+
+    return [dict(kv_cache=name or "bf16", **explain_attention(None if name is None else KVScheme.parse(name)))
+            for name in KV_CACHES]
 
 
 def tuning_report() -> dict:
@@ -193,6 +207,15 @@ def run(args) -> int:
             print("      expert rows (tokens x top_k, bf16): " + " | ".join(f"M {b}: {k}" for b, k in grp["rows"].items()))
         for name, why in lin["refused"]:
             print(f"      not {name}: {why}")
+    att = rep["attention"]
+    head = att[0]
+    print(f"\nattention kernels per KV cache (--kv-cache) and call (device: {head['device']}; head_dim {head['D']}, "
+          f"{head['G']} query heads per KV head, Q {head['spec'].q_format}, P {head['spec'].p_format}):")
+    for r in att:
+        print(f"  {r['kv_cache']:10s} " + " | ".join(f"{c} {a['kernel'] or 'none'}" for c, a in r["calls"].items()))
+        for c, a in r["calls"].items():
+            for name, why in a["refused"]:
+                print(f"      {c}: not {name}: {why}")
     if cap is None:
         print("\nNumbers measured on this machine are CPU numbers; GPU timings need `lowbit bench` on a GPU.",
               file=sys.stdout)

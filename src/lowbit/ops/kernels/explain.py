@@ -1,12 +1,16 @@
-"""Which kernel runs a scheme pair here, per batch-size bucket, and why the better ones were refused."""
+"""Which kernel runs a scheme pair (or a KV cache's attention call) here, per batch-size bucket or
+call kind, and why the better ones were refused."""
 from __future__ import annotations
 
 import torch
 
 from lowbit.ops import tuning
+from lowbit.ops.attention_reference import AttnSpec
+from lowbit.ops.kernels.attention import AttentionCall, CacheOperand, resolve
 from lowbit.ops.kernels.base import Device, kernel_device
 from lowbit.ops.kernels.dense import choose_linear, class_for_rows
 from lowbit.ops.kernels.grouped import GroupedKernel, choose_grouped
+from lowbit.ops.kv_quant import KVScheme
 from lowbit.quantize import quantize
 from lowbit.scheme import QuantScheme
 
@@ -35,3 +39,25 @@ def explain(weight_scheme: QuantScheme, act_scheme: QuantScheme | None, *, N: in
     return {"device": str(dev),
             "linear": {"kernel": dense.name, "refused": list(dense.refused), "rows": rows},
             "grouped": {"kernel": grouped.name, "refused": list(grouped.refused), "rows": grows}}
+
+
+# query tokens per head of each attention call kind explain_attention reports: a decode step, a prefill chunk
+ATTENTION_CALLS = (("decode", 1), ("prefill", 256))
+
+
+def explain_attention(kv_scheme: KVScheme | None, spec: AttnSpec | None = None, *, G: int = 4, D: int = 128,
+                      device: Device | None = None) -> dict:
+    """For a KV cache stored by `kv_scheme` (None: bf16 values), read under `spec` (default AttnSpec():
+    Q and P in fp8) by G query heads per KV head at head_dim D on `device` (default: this process's
+    kernel device): {"device", "G", "D", "spec", "calls": {call kind: {"kernel", "refused": [(name,
+    reason)]}}} for each call kind of ATTENTION_CALLS, chosen as lowbit.ops.attention.attention_triton chooses (a tuning table's cell
+    included) for float queries."""
+    dev = device or kernel_device()
+    spec = spec or AttnSpec()
+    op = CacheOperand.of_scheme(kv_scheme)
+    q = "quantized" if spec.q_format is not None else "bf16"
+    calls = {}
+    for what, Tq in ATTENTION_CALLS:
+        choice, _ = resolve(AttentionCall(Tq, G, D, q, op, op, spec), device=dev)
+        calls[what] = {"kernel": choice.name, "refused": list(choice.refused)}
+    return {"device": str(dev), "G": G, "D": D, "spec": spec, "calls": calls}
