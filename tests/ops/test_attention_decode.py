@@ -10,7 +10,7 @@ import torch
 from lowbit.ops import attention_reference as ar
 from lowbit.ops import dispatch
 from lowbit.ops.attention import attention
-from lowbit.ops.kernels.attention import AttentionCall, CacheOperand
+from lowbit.ops.kernels.attention_call import AttentionCall, CacheOperand
 from lowbit.ops.kv_quant import KVScheme, observe_amax, quantize_kv, static_scale
 from lowbit.ops.triton.attention_decode import MAX_ROWS, pick_splits, split_kv_attention
 from lowbit.verify.attention import check_attention

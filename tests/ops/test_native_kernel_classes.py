@@ -11,7 +11,7 @@ from lowbit.ops.kernels import native as kn
 from lowbit.ops.kernels.base import Device
 from lowbit.ops.kernels.dense import choose_linear
 from lowbit.ops.kernels.dense_w4 import TritonW4A16
-from lowbit.ops.kernels.dense_w8 import TritonW8A16
+from lowbit.ops.kernels.dense_w8 import TritonW8A8Int8, TritonW8A16
 from lowbit.ops.native import kernels as nk
 from lowbit.recipes.presets import get_recipe
 from lowbit.verify.check import check_quantized
@@ -66,27 +66,30 @@ def test_group_sizes_outside_the_kernel_are_refused_by_scheme(opted_in):
     assert "groups of (32, 64, 128, 256)" in dict(c.refused)["native_w4a16"]
 
 
-@pytest.mark.parametrize("case,twin", [("w4a16", "twin_w4a16"), ("w8a16", "twin_w8a16")])
-def test_apply_reads_the_native_layout(case, twin, opted_in, monkeypatch):
-    """Decode rows through the class's native operands (the twin standing in for the GPU) pass the
-    float64 reference's gate for an fp32 accumulator and a bf16 output; more rows, or a bias, run the
-    Triton class on its own operands, bit for bit."""
+@pytest.mark.parametrize("case,call,twin,base", [("w4a16", "w4a16", "twin_w4a16", TritonW4A16),
+                                                ("w8a16", "w8a16", "twin_w8a16", TritonW8A16),
+                                                ("w8a8-int8", "w8a8", "twin_w8a8", TritonW8A8Int8)])
+def test_apply_reads_the_native_layout(case, call, twin, base, opted_in, monkeypatch):
+    """Decode rows through the class's native operands (the twin standing in for the GPU), with and without
+    a float32 / bf16 bias, pass the float64 reference's gate for an fp32 accumulator and a bf16 output;
+    more rows, or an fp16 bias, run the Triton class on its own operands, bit for bit."""
     calls = []
     fn = getattr(nk, twin)
-    monkeypatch.setattr(nk, case, lambda x, w: calls.append(x.shape[0]) or fn(x, w, 3))
+    monkeypatch.setattr(nk, call, lambda x, w, bias=None: calls.append(x.shape[0]) or fn(x, w, 3, bias=bias))
     ws, xs, name = CASES[case]
     N, K = 37, 384
     q = lb.quantize(torch.randn(N, K), ws)
     c = choose_linear(q, xs, device=H200)
     spec, ops = c.prepared.spec, c.prepared.tensors
-    for M in (1, 7, 16):
+    biases = (None, torch.randn(N) * 4, (torch.randn(N) * 4).bfloat16())
+    for M, bias in zip((1, 7, 16), biases):
         x = torch.randn(M, K).bfloat16()
-        y = c.kernel.apply(spec, x, ops, None, None)
-        v = check_quantized(y, x.double(), q, accumulator="fp32")
+        y = c.kernel.apply(spec, x, ops, bias, None)
+        xq = x.double() if xs is None else lb.quantize(x.float(), xs)
+        v = check_quantized(y, xq, q, accumulator="fp32", bias=None if bias is None else bias.double())
         assert v.passed, v.report()
     assert calls == [1, 7, 16]
-    base = TritonW4A16 if case == "w4a16" else TritonW8A16
-    x, bias = torch.randn(20, K).bfloat16(), torch.randn(N).bfloat16()
+    x, bias = torch.randn(20, K).bfloat16(), torch.randn(N).half()
     assert torch.equal(c.kernel.apply(spec, x, ops, None, None), base.apply(spec, x, ops, None, None))
     assert torch.equal(c.kernel.apply(spec, x[:3], ops, bias, None), base.apply(spec, x[:3], ops, bias, None))
     assert calls == [1, 7, 16]

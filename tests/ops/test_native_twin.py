@@ -100,3 +100,56 @@ def test_refusals_name_the_argument():
     with pytest.raises(ValueError, match="int8 weights"):
         nk.w8a16(torch.zeros(1, 256, dtype=torch.bfloat16),
                  nk.prepare_w8(lb.quantize(torch.randn(16, 256), lb.get_preset("fp8_row"))))
+
+
+def _biased(N):
+    # a bias as large as the outputs, so that one left out (or added before a scale) fails the gate
+    return torch.randn(N) * 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_twin_w8a8_int8_bias_is_added_last_bit_exact(dtype):
+    for M, N, K, splits in CASES:
+        w, x, bias = torch.randn(N, K), torch.randn(M, K).bfloat16(), _biased(N).to(dtype)
+        wq, xq = lb.quantize(w, lb.get_preset("int8_channel")), lb.quantize(x.float(), lb.get_preset("int8_token"))
+        y = nk.twin_w8a8(x, nk.prepare_w8(wq), splits, bias=bias)
+        acc = (xq.codes.double() @ wq.codes.double().T).float()       # exact integers (|acc| < 2^24)
+        # the documented epilogue, by torch: two float32 products, one float32 sum, then bf16
+        want = (((acc * xq.scale) * wq.scale.reshape(1, -1)) + bias.float()).bfloat16()
+        assert torch.equal(y, want)
+
+
+@pytest.mark.parametrize("kind", ["w4a16-g64-asym", "w4a16-g128", "w8a16", "w8a8-fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_twin_bias_matches_the_reference(kind, dtype):
+    """Each kernel with a float32 / bf16 bias against the float64 reference with that bias (the gate counts
+    the bias's float32 addition); the same output without the bias fails it."""
+    for M, N, K, splits in CASES:
+        w, x, bias = torch.randn(N, K), torch.randn(M, K).bfloat16(), _biased(N).to(dtype)
+        if kind.startswith("w4a16"):
+            group = 64 if "g64" in kind else 128
+            K = K - K % group
+            w, x = w[:, :K], x[:, :K].contiguous()
+            qt = lb.quantize(w, _w4_scheme(group, "asym" not in kind))
+            run, operand = (lambda b: nk.twin_w4a16(x, nk.prepare_w4(qt), splits, bias=b)), x.double()
+        elif kind == "w8a16":
+            qt = lb.quantize(w, lb.get_preset("int8_channel"))
+            run, operand = (lambda b: nk.twin_w8a16(x, nk.prepare_w8(qt), splits, bias=b)), x.double()
+        else:
+            qt = lb.quantize(w, lb.get_preset("fp8_row"))
+            run, operand = (lambda b: nk.twin_w8a8(x, nk.prepare_w8(qt), splits, bias=b)), lb.quantize(
+                x.float(), lb.get_preset("fp8_row"))
+        v = check_quantized(run(bias), operand, qt, bias=bias.double(), accumulator="fp32")
+        assert v.passed, v.report()
+        assert not check_quantized(run(None), operand, qt, bias=bias.double(), accumulator="fp32").passed
+
+
+def test_bias_refusals_name_the_argument():
+    w = nk.prepare_w8(lb.quantize(torch.randn(24, 256), lb.get_preset("int8_channel")))
+    x = torch.zeros(2, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="float32 or bfloat16.*bias.float"):
+        nk.twin_w8a16(x, w, bias=torch.zeros(24, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"\[N\] = \[24\]"):
+        nk.twin_w8a16(x, w, bias=torch.zeros(23))
+    with pytest.raises(ValueError, match="contiguous"):
+        nk.twin_w8a8(x, w, bias=torch.zeros(48)[::2])

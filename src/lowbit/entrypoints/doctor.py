@@ -129,9 +129,9 @@ def attention_report() -> list[dict]:
     """Per KV cache of KV_CACHES: lowbit.ops.kernels.explain_attention's answer on this machine's kernel
     device, at its defaults (Llama-3-8B's heads; Q and P in fp8)."""
     from lowbit.ops.kernels import explain_attention
-    from lowbit.ops.kv_quant import KVScheme
+    from lowbit.workflows.job import parse_kv_cache
 
-    return [dict(kv_cache=name or "bf16", **explain_attention(None if name is None else KVScheme.parse(name)))
+    return [dict(kv_cache=name or "bf16", **explain_attention(None if name is None else parse_kv_cache(name).scheme))
             for name in KV_CACHES]
 
 

@@ -20,6 +20,7 @@ import torch
 from lowbit.formats import decode, encode
 from lowbit.ops import attention_reference as ar
 from lowbit.ops.kernels import attention as attention_kernels
+from lowbit.ops.kernels.attention_call import AttentionCall, CacheOperand, kind_key
 from lowbit.ops.attention_sdpa import sdpa_attention
 from lowbit.ops.kv_quant import KVQuant
 
@@ -114,7 +115,7 @@ def attention_triton(q: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: torch
     None = its default heuristic). q is not checked for NaN/Inf here (no host synchronisation):
     `attention` does that. The path taken is last_path()."""
     ar.check_shapes(tuple(q.shape), _shape(k), _shape(v))
-    call = attention_kernels.AttentionCall.of(q, k, v, spec, q_scale)
+    call = AttentionCall.of(q, k, v, spec, q_scale)
     choice, config = attention_kernels.resolve(call, kernel, config)
     if choice.kernel is None:
         raise ValueError(f"no attention kernel runs this call ({choice.report()}); use backend='torch'")
@@ -124,8 +125,7 @@ def attention_triton(q: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: torch
 
 def attention_kind(k, v, spec: ar.AttnSpec) -> str:
     """The tuning table's name for an attention call's kind: cache formats, Q and P formats, P block."""
-    return attention_kernels.kind_key(attention_kernels.CacheOperand.of(k), attention_kernels.CacheOperand.of(v),
-                                      spec)
+    return kind_key(CacheOperand.of(k), CacheOperand.of(v), spec)
 
 
 def prefill_options(D: int, Tq: int, p_block: int = 64) -> list[tuple[str, object]]:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.ops.kernels.attention import AttentionCall, kv_kind, resolve  # noqa: F401  (kv_kind: for callers)
+from lowbit.ops.kernels.attention import resolve
+from lowbit.ops.kernels.attention_call import AttentionCall, kv_kind  # noqa: F401  (kv_kind: for callers)
 from lowbit.ops.kernels.base import LinearLayer
 from lowbit.ops.kernels.gemm import GEMM
 from lowbit.ops.kernels.grouped import grouped_kernel

@@ -9,7 +9,8 @@ pair, which kernel runs here and why the ones ahead of it were refused (`lowbit 
 ATTENTION (lowbit.ops.kernels.attention) holds the attention kernels that read a KV cache, asked per call;
 `explain_attention` reports theirs per KV cache scheme and call kind.
 """
-from lowbit.ops.kernels.attention import ATTENTION, AttentionCall
+from lowbit.ops.kernels.attention import ATTENTION
+from lowbit.ops.kernels.attention_call import AttentionCall
 from lowbit.ops.kernels.base import Choice, Device, Kernel, LinearLayer, Refused, Registry, kernel_device
 from lowbit.ops.kernels.dense import LINEAR, choose_linear, class_for_rows, prepared_class, resolve
 from lowbit.ops.kernels.explain import explain, explain_attention

@@ -6,7 +6,8 @@ import torch
 
 from lowbit.ops import tuning
 from lowbit.ops.attention_reference import AttnSpec
-from lowbit.ops.kernels.attention import AttentionCall, CacheOperand, resolve
+from lowbit.ops.kernels.attention import resolve
+from lowbit.ops.kernels.attention_call import AttentionCall, CacheOperand
 from lowbit.ops.kernels.base import Device, kernel_device
 from lowbit.ops.kernels.dense import choose_linear, class_for_rows
 from lowbit.ops.kernels.grouped import GroupedKernel, choose_grouped

@@ -6,9 +6,9 @@
 
 Each stands in for the Triton class it extends (same kind, so the same tuning-table cells): its
 layer keeps the Triton layout AND the native one (lowbit.ops.native.kernels.prepare_w4 / prepare_w8),
-because the native kernels cover decode only (1-16 rows, bf16, no bias); every other call (more rows,
-fp16 / fp32 activations, a bias, the table's dequant path) runs the Triton class's apply on the Triton
-operands. So an opted-in layer holds its weight twice.
+because the native kernels cover decode only (1-16 rows, bf16; a bias in float32 or bf16); every other
+call (more rows, fp16 / fp32 activations, an fp16 bias, the table's dequant path) runs the Triton class's
+apply on the Triton operands. So an opted-in layer holds its weight twice.
 
 Opt-in (LOWBIT_NATIVE=1) because the native kernels have not yet been timed on a GPU; without it, and
 where the library cannot run (no sm_90 GPU, no built library and no toolchain: library.unavailable_reason),
@@ -58,16 +58,17 @@ def _with_native(cls, prepared: Prepared, extra: dict[str, torch.Tensor]) -> Pre
                             "graphable": False}), t)
 
 
-def _decode(x2: torch.Tensor, bias) -> bool:
-    """Whether the native kernel takes this call: 1-16 contiguous, 16-byte aligned rows of bf16, no bias."""
-    return (bias is None and x2.dtype == torch.bfloat16 and 0 < x2.shape[0] <= native.MAX_M
-            and x2.is_contiguous() and x2.data_ptr() % 16 == 0)
+def _decode(x2: torch.Tensor, bias, N: int) -> bool:
+    """Whether the native kernel takes this call: 1-16 contiguous, 16-byte aligned rows of bf16, and no bias
+    or one it reads (native.bias_refusal)."""
+    return (x2.dtype == torch.bfloat16 and 0 < x2.shape[0] <= native.MAX_M and x2.is_contiguous()
+            and x2.data_ptr() % 16 == 0 and (bias is None or native.bias_refusal(bias, N, x2.device) is None))
 
 
 class _Native:
     """Mixed in ahead of a Triton class: the native refusal, the second layout and the decode call.
     Subclasses set triton_cls (the class they stand in for), native_layout (QTensor -> native weight)
-    and native_call(spec, x2, ops) (the decode launch)."""
+    and native_call(spec, x2, ops, bias) (the decode launch)."""
     triton_cls = None
     native_layout = None
     native_call = None
@@ -79,8 +80,8 @@ class _Native:
 
     @classmethod
     def apply(cls, spec, x2, ops, bias, config):
-        if _decode(x2, bias):
-            return cls.native_call(spec, x2, ops)
+        if _decode(x2, bias, spec.N):
+            return cls.native_call(spec, x2, ops, bias)
         return cls.triton_cls.apply(spec, x2, ops, bias, config)
 
     @classmethod
@@ -114,7 +115,7 @@ class NativeW4A16(_Native, TritonW4A16):
     name = "native_w4a16"
     triton_cls = TritonW4A16
     native_layout = staticmethod(native.prepare_w4)
-    native_call = staticmethod(lambda spec, x2, ops: native.w4a16(x2, _w4(spec, ops)))
+    native_call = staticmethod(lambda spec, x2, ops, bias: native.w4a16(x2, _w4(spec, ops), bias=bias))
     summary = "int4 groups, bf16 MMA on 128-bit weight loads, split-K (CUDA C++, sm_90a; 1-16 rows)"
 
     @classmethod
@@ -129,7 +130,7 @@ class NativeW8A16(_Native, TritonW8A16):
     name = "native_w8a16"
     triton_cls = TritonW8A16
     native_layout = staticmethod(native.prepare_w8)
-    native_call = staticmethod(lambda spec, x2, ops: native.w8a16(x2, _w8(spec, ops, False)))
+    native_call = staticmethod(lambda spec, x2, ops, bias: native.w8a16(x2, _w8(spec, ops, False), bias=bias))
     summary = "int8 weights per channel, bf16 MMA on 128-bit weight loads, split-K (CUDA C++, sm_90a; 1-16 rows)"
 
     @classmethod
@@ -153,8 +154,8 @@ class _NativeW8A8(_Native):
     native_layout = staticmethod(native.prepare_w8)
 
     @classmethod
-    def native_call(cls, spec, x2, ops):
-        return native.w8a8(x2, _w8(spec, ops, cls.fmt == "fp8_e4m3fn"))
+    def native_call(cls, spec, x2, ops, bias):
+        return native.w8a8(x2, _w8(spec, ops, cls.fmt == "fp8_e4m3fn"), bias=bias)
 
     @classmethod
     def refuses(cls, layer):

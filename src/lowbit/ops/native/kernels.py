@@ -2,11 +2,12 @@
 
     w = prepare_w4(qtensor)          # int4 groups of 32/64/128/256, symmetric or with zero points
     w = prepare_w8(qtensor)          # int8 or fp8 e4m3 weights, one scale per row (per channel)
-    y = w4a16(x, w)                  # x bf16 [M, K], M = 1..16, on an sm_90 GPU -> bf16 [M, N]
+    y = w4a16(x, w, bias=b)          # x bf16 [M, K], M = 1..16, on an sm_90 GPU -> bf16 [M, N]; bias [N] optional
     y = w8a16(x, w);  y = w8a8(x, w) # W8A8: per-token activation codes by lb_act_quant, then the GEMV
     y = twin_w4a16(x, w, splits)     # the same program on the CPU (csrc/host_twin.cpp), CPU tensors
 
-The rounding order of each kernel is in decode_kernels.cu's header comment. Every argument is checked
+The rounding order of each kernel is in decode_kernels.cu's header comment (a bias, float32 or bfloat16
+[N], is added in float32 after the scales, just before the bf16 rounding). Every argument is checked
 here, once, before a launch; the C side trusts them. `splits` (CTAs per 16 output rows along K) defaults
 to default_splits; any value >= 1 gives the documented summation order for that value.
 """
@@ -23,6 +24,7 @@ from .layout import (W4_TILE_K, W8_TILE_K, TILE_N, arrange_groups, arrange_w4, a
 from .library import load, load_twin
 
 W4_GROUPS = (32, 64, 128, 256)
+BIAS_KINDS = {torch.float32: 1, torch.bfloat16: 2}     # csrc/decode_math.h kBiasF32, kBiasBF16 (0: no bias)
 WARPS, TILES_PER_BLOCK = 8, 4   # csrc/decode_math.h kWarps, decode_warp.h kTilesPerBlock
 MAX_M = 16
 
@@ -117,6 +119,28 @@ def _check_x(x: torch.Tensor, K: int, device_type: str, align: int, who: str) ->
                          f"and a {align}-byte aligned start (got strides {x.stride()}); pass x.contiguous()")
 
 
+def bias_refusal(bias: torch.Tensor, N: int, device: torch.device) -> str | None:
+    """Why the kernels cannot read `bias` as the bias of N outputs on `device` (None: they can)."""
+    if not isinstance(bias, torch.Tensor) or bias.dtype not in BIAS_KINDS:
+        return (f"bias must be a float32 or bfloat16 tensor, got {getattr(bias, 'dtype', type(bias).__name__)}; "
+                "pass bias.float()")
+    if tuple(bias.shape) != (N,) or not bias.is_contiguous():
+        return f"bias must be a contiguous [N] = [{N}] tensor, got shape {tuple(bias.shape)}; pass bias.reshape(-1).contiguous()"
+    if bias.device != device:
+        return f"bias is on {bias.device}, x on {device}; move one of them"
+    return None
+
+
+def _bias(bias: torch.Tensor | None, w, x: torch.Tensor, who: str) -> tuple[int | None, int]:
+    """(the bias pointer or None, its csrc kind) after checking it."""
+    if bias is None:
+        return None, 0
+    why = bias_refusal(bias, w.N, x.device)
+    if why is not None:
+        raise ValueError(f"{who}: {why}")
+    return bias.data_ptr(), BIAS_KINDS[bias.dtype]
+
+
 def _check_weight(w, x: torch.Tensor, who: str) -> None:
     if w.packed.device != x.device:
         raise ValueError(f"{who}: the weight is on {w.packed.device}, x on {x.device}; move one of them")
@@ -149,29 +173,32 @@ def _stream(x: torch.Tensor) -> int:
     return torch.cuda.current_stream(x.device).cuda_stream
 
 
-def w4a16(x: torch.Tensor, w: NativeW4, splits: int | None = None) -> torch.Tensor:
-    """bf16 [M, N] = x @ W.T for bf16 x [M, K] (CUDA, sm_90) and a prepare_w4 weight."""
+def w4a16(x: torch.Tensor, w: NativeW4, splits: int | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 [M, N] = x @ W.T (+ bias) for bf16 x [M, K] (CUDA, sm_90) and a prepare_w4 weight."""
     _check_x(x, w.K, "cuda", 8, "w4a16")
     _check_weight(w, x, "w4a16")
     S = _splits(w, splits, "w4a16")
+    b, kind = _bias(bias, w, x, "w4a16")
     M, out = x.shape[0], torch.empty(x.shape[0], w.N, dtype=torch.bfloat16, device=x.device)
     ws = _workspace(S, M, w.N, torch.float32, x.device)
     _raise(load().lb_w4a16(w.packed.data_ptr(), w.scale.data_ptr(), _ptr(w.zero), x.data_ptr(), out.data_ptr(), _ptr(ws),
-                           M, w.N, w.K, x.stride(0), w.tiles_k, w.scale.shape[1], w.group, S, _stream(x)), "w4a16")
+                           b, M, w.N, w.K, x.stride(0), w.tiles_k, w.scale.shape[1], w.group, S, kind, _stream(x)),
+           "w4a16")
     return out
 
 
-def w8a16(x: torch.Tensor, w: NativeW8, splits: int | None = None) -> torch.Tensor:
-    """bf16 [M, N] = (x @ codes.T) * scale for bf16 x [M, K] (CUDA, sm_90) and an int8 prepare_w8 weight."""
+def w8a16(x: torch.Tensor, w: NativeW8, splits: int | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 [M, N] = (x @ codes.T) * scale (+ bias) for bf16 x [M, K] (CUDA, sm_90) and an int8 prepare_w8 weight."""
     if w.fp8:
         raise ValueError("w8a16: the weight is fp8 e4m3; the native W8A16 kernel takes int8 weights (w8a8 takes fp8)")
     _check_x(x, w.K, "cuda", 16, "w8a16")
     _check_weight(w, x, "w8a16")
     S = _splits(w, splits, "w8a16")
+    b, kind = _bias(bias, w, x, "w8a16")
     M, out = x.shape[0], torch.empty(x.shape[0], w.N, dtype=torch.bfloat16, device=x.device)
     ws = _workspace(S, M, w.N, torch.float32, x.device)
-    _raise(load().lb_w8a16(w.packed.data_ptr(), w.scale.data_ptr(), x.data_ptr(), out.data_ptr(), _ptr(ws),
-                           M, w.N, w.K, x.stride(0), w.tiles_k, S, _stream(x)), "w8a16")
+    _raise(load().lb_w8a16(w.packed.data_ptr(), w.scale.data_ptr(), x.data_ptr(), out.data_ptr(), _ptr(ws), b,
+                           M, w.N, w.K, x.stride(0), w.tiles_k, S, kind, _stream(x)), "w8a16")
     return out
 
 
@@ -186,16 +213,18 @@ def act_quant(x: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scales
 
 
-def w8a8(x: torch.Tensor, w: NativeW8, splits: int | None = None) -> torch.Tensor:
-    """bf16 [M, N]: x quantized per token (int8 or e4m3, as the weight), then the W8A8 GEMV with both scales."""
+def w8a8(x: torch.Tensor, w: NativeW8, splits: int | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 [M, N]: x quantized per token (int8 or e4m3, as the weight), then the W8A8 GEMV with both scales
+    (+ bias)."""
     _check_x(x, w.K, "cuda", 2, "w8a8")
     _check_weight(w, x, "w8a8")
     S = _splits(w, splits, "w8a8")
+    b, kind = _bias(bias, w, x, "w8a8")
     codes, sa = act_quant(x, w.fp8)
     M, out = x.shape[0], torch.empty(x.shape[0], w.N, dtype=torch.bfloat16, device=x.device)
     ws = _workspace(S, M, w.N, torch.float32 if w.fp8 else torch.int32, x.device)
     _raise(load().lb_w8a8(w.packed.data_ptr(), w.scale.data_ptr(), codes.data_ptr(), sa.data_ptr(), out.data_ptr(), _ptr(ws),
-                          M, w.N, w.K, codes.stride(0), w.tiles_k, S, int(w.fp8), _stream(x)), "w8a8")
+                          b, M, w.N, w.K, codes.stride(0), w.tiles_k, S, int(w.fp8), kind, _stream(x)), "w8a8")
     return out
 
 
@@ -206,24 +235,26 @@ def _twin_out(x: torch.Tensor, N: int) -> torch.Tensor:
     return torch.empty(x.shape[0], N, dtype=torch.bfloat16)
 
 
-def twin_w4a16(x: torch.Tensor, w: NativeW4, splits: int = 1) -> torch.Tensor:
+def twin_w4a16(x: torch.Tensor, w: NativeW4, splits: int = 1, bias: torch.Tensor | None = None) -> torch.Tensor:
     """w4a16 run by the CPU twin: the kernel's warp program lane by lane (CPU tensors)."""
     _check_x(x, w.K, "cpu", 8, "twin_w4a16")
     _check_weight(w, x, "twin_w4a16")
+    b, kind = _bias(bias, w, x, "twin_w4a16")
     out = _twin_out(x, w.N)
     _raise(load_twin().lb_twin_w4a16(w.packed.data_ptr(), w.scale.data_ptr(), _ptr(w.zero), x.data_ptr(), out.data_ptr(),
-                                     x.shape[0], w.N, w.K, x.stride(0), w.tiles_k, w.scale.shape[1], w.group,
-                                     _splits(w, splits, "twin_w4a16")), "twin_w4a16")
+                                     b, x.shape[0], w.N, w.K, x.stride(0), w.tiles_k, w.scale.shape[1], w.group,
+                                     _splits(w, splits, "twin_w4a16"), kind), "twin_w4a16")
     return out
 
 
-def twin_w8a16(x: torch.Tensor, w: NativeW8, splits: int = 1) -> torch.Tensor:
+def twin_w8a16(x: torch.Tensor, w: NativeW8, splits: int = 1, bias: torch.Tensor | None = None) -> torch.Tensor:
     """w8a16 run by the CPU twin."""
     _check_x(x, w.K, "cpu", 16, "twin_w8a16")
     _check_weight(w, x, "twin_w8a16")
+    b, kind = _bias(bias, w, x, "twin_w8a16")
     out = _twin_out(x, w.N)
-    _raise(load_twin().lb_twin_w8a16(w.packed.data_ptr(), w.scale.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0],
-                                     w.N, w.K, x.stride(0), w.tiles_k, _splits(w, splits, "twin_w8a16")), "twin_w8a16")
+    _raise(load_twin().lb_twin_w8a16(w.packed.data_ptr(), w.scale.data_ptr(), x.data_ptr(), out.data_ptr(), b, x.shape[0],
+                                     w.N, w.K, x.stride(0), w.tiles_k, _splits(w, splits, "twin_w8a16"), kind), "twin_w8a16")
     return out
 
 
@@ -237,15 +268,16 @@ def twin_act_quant(x: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, torch.Tens
     return codes, scales
 
 
-def twin_w8a8(x: torch.Tensor, w: NativeW8, splits: int = 1) -> torch.Tensor:
+def twin_w8a8(x: torch.Tensor, w: NativeW8, splits: int = 1, bias: torch.Tensor | None = None) -> torch.Tensor:
     """w8a8 (activation codes, then the GEMV) run by the CPU twin."""
     _check_x(x, w.K, "cpu", 2, "twin_w8a8")
     _check_weight(w, x, "twin_w8a8")
+    b, kind = _bias(bias, w, x, "twin_w8a8")
     codes, sa = twin_act_quant(x, w.fp8)
     out = _twin_out(x, w.N)
     _raise(load_twin().lb_twin_w8a8(w.packed.data_ptr(), w.scale.data_ptr(), codes.data_ptr(), sa.data_ptr(),
-                                    out.data_ptr(), x.shape[0], w.N, w.K, codes.stride(0), w.tiles_k,
-                                    _splits(w, splits, "twin_w8a8"), int(w.fp8)), "twin_w8a8")
+                                    out.data_ptr(), b, x.shape[0], w.N, w.K, codes.stride(0), w.tiles_k,
+                                    _splits(w, splits, "twin_w8a8"), int(w.fp8), kind), "twin_w8a8")
     return out
 
 

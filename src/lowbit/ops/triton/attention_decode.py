@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from lowbit.ops import attention_reference as ar
-from lowbit.ops.kernels.attention import SPLIT_KV_MAX_ROWS, kv_kind
+from lowbit.ops.kernels.attention_call import SPLIT_KV_MAX_ROWS, kv_kind
 from lowbit.ops.kv_quant import KVQuant
 
 from .attention import code_tile, softmax_block

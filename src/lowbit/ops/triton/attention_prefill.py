@@ -35,14 +35,14 @@ import triton
 import triton.language as tl
 
 from lowbit.ops import attention_reference as ar
-from lowbit.ops.kernels.attention import CacheOperand, prefill_refusal
+from lowbit.ops.kernels.attention_call import CacheOperand, prefill_refusal
 from lowbit.ops.kv_quant import KVQuant
 
 from .attention import _OUT, SM90_SHARED, _shared_limit, check_call, codes_as, p_codes, smem_bytes, softmax_block
 from .common import cast_out, check_device, interpreting, launch
 
 _KIND = {"fp8_e4m3fn": 0, "int8": 1}        # code kinds (codes_as'); 2 = a bf16 cache
-_P_MODE = {"fp8_e4m3fn": 0, "int8": 1}      # the formats of kernels.attention.CODE_FORMATS
+_P_MODE = {"fp8_e4m3fn": 0, "int8": 1}      # the formats of kernels.attention_call.CODE_FORMATS
 
 
 @dataclass(frozen=True)
@@ -226,7 +226,7 @@ def _operand(t, name: str):
 def prefill_attention(q_vals: torch.Tensor, k, v, spec: ar.AttnSpec, *, q_scale: torch.Tensor | None = None,
                       out_dtype: torch.dtype = torch.float32, config: PrefillConfig | None = None) -> torch.Tensor:
     """q_vals: [B, Hq, Tq, D] Q's code values (fp32, with q_scale fp32 [B, Hq, Tq, 1]) or bf16 Q
-    (q_scale None); k, v: KVQuant or bf16 [B, Hkv, Tk, D] as lowbit.ops.kernels.attention.prefill_refusal
+    (q_scale None); k, v: KVQuant or bf16 [B, Hkv, Tk, D] as lowbit.ops.kernels.attention_call.prefill_refusal
     allows. config: the launch knobs (default_config when None). Returns [B, Hq, Tq, D] in out_dtype."""
     G, q_scale, q_exact = check_call(q_vals, k, v, spec, q_scale, out_dtype)
     B, Hq, Tq, D = q_vals.shape

@@ -13,13 +13,17 @@
 //   W4A16: within a group, float32 sums of exact products x * (code - z) (the mma instructions of the
 //          group's k16 steps, chained through the accumulator); then acc = fma(group sum, scale, acc)
 //          over the warp's groups in increasing k; warps, then splits, added in order (decode_warp.h);
-//          out = bf16_rn(acc).
+//          out = bf16_rn(acc), or with a bias bf16_rn(acc + bias[n]): one float32 addition first.
 //   W8A16: float32 sums of exact products x * code, chained through the mma accumulator over the warp's
-//          k range; warps, then splits, added in order; out = bf16_rn(acc * sw[n]).
+//          k range; warps, then splits, added in order; out = bf16_rn(acc * sw[n]), or with a bias
+//          bf16_rn((acc * sw[n]) + bias[n]): the product and the sum each rounded to float32 (no FMA).
 //   W8A8 int8: exact int32 sums (|acc| < 2^31 while K * 127 * 127 < 2^31); out =
-//          bf16_rn((float(acc) * sa[m]) * sw[n]), two float32 roundings then one to bf16.
+//          bf16_rn((float(acc) * sa[m]) * sw[n]), two float32 roundings then one to bf16; with a bias,
+//          bf16_rn(((float(acc) * sa[m]) * sw[n]) + bias[n]): a third float32 rounding before the bf16 one.
 //   W8A8 fp8: each k32 tile's 32 exact products summed by one mma into a zero float32 accumulator, added
 //          to the warp's float32 sum (a promotion every 32 products); warps, then splits, in order; out as int8.
+//   The bias (float32, or bfloat16 read exactly into float32) is always the last float32 operation, after
+//   the splits' sum (decode_math.h's Bias), so the reference's tolerance counts one more float32 rounding.
 //   Activation codes (lb_act_quant): lowbit.quantize's per-token scheme, bit for bit: s = amax / qmax
 //          (1.0 where 0), code = int8 clamp(round_half_even(x / s), -127, 127) or e4m3 satfinite(x / s).
 // Inside one mma instruction the order of the float32 additions is the tensor core's.
@@ -88,27 +92,29 @@ __device__ __forceinline__ void finish_cta(T* red, const T (&acc)[MB][1][4], int
 }
 
 template <int G, int MB>
-__global__ void __launch_bounds__(kThreads) w4a16_kernel(W4Args a, uint16_t* out, float* ws, int N, int kblocks, int splits) {
+__global__ void __launch_bounds__(kThreads) w4a16_kernel(W4Args a, Bias bias, uint16_t* out, float* ws, int N, int kblocks,
+                                                          int splits) {
   __shared__ float red[kWarps * 256];
   float acc[MB][1][4] = {};
   w4_warp<DL, G, MB>(a, blockIdx.x, split_begin(kblocks, splits, blockIdx.y), split_begin(kblocks, splits, blockIdx.y + 1),
                      threadIdx.x >> 5, acc);
-  finish_cta<float, MB>(red, acc, a.M, N, splits, ws, out, [](float v, int, int) { return bf16_rn(v); });
+  finish_cta<float, MB>(red, acc, a.M, N, splits, ws, out, [bias](float v, int, int n) { return out_w4a16(v, bias, n); });
 }
 
 template <int MB>
-__global__ void __launch_bounds__(kThreads) w8a16_kernel(W8Args a, const float* sw, uint16_t* out, float* ws, int N, int kblocks,
-                                                          int splits) {
+__global__ void __launch_bounds__(kThreads) w8a16_kernel(W8Args a, const float* sw, Bias bias, uint16_t* out, float* ws, int N,
+                                                          int kblocks, int splits) {
   __shared__ float red[kWarps * 256];
   float acc[MB][1][4] = {};
   w8a16_warp<DL, MB>(a, blockIdx.x, split_begin(kblocks, splits, blockIdx.y), split_begin(kblocks, splits, blockIdx.y + 1),
                      threadIdx.x >> 5, acc);
-  finish_cta<float, MB>(red, acc, a.M, N, splits, ws, out, [sw](float v, int, int n) { return out_w8a16(v, __ldg(sw + n)); });
+  finish_cta<float, MB>(red, acc, a.M, N, splits, ws, out,
+                        [sw, bias](float v, int, int n) { return out_w8a16(v, __ldg(sw + n), bias, n); });
 }
 
 template <bool FP8, int MB>
-__global__ void __launch_bounds__(kThreads) w8a8_kernel(W8Args a, const float* sa, const float* sw, uint16_t* out, void* ws,
-                                                         int N, int kblocks, int splits) {
+__global__ void __launch_bounds__(kThreads) w8a8_kernel(W8Args a, const float* sa, const float* sw, Bias bias, uint16_t* out,
+                                                         void* ws, int N, int kblocks, int splits) {
   const int b0 = split_begin(kblocks, splits, blockIdx.y), b1 = split_begin(kblocks, splits, blockIdx.y + 1);
   float accf[MB][1][4] = {};
   int32_t acci[MB][1][4] = {};
@@ -116,24 +122,27 @@ __global__ void __launch_bounds__(kThreads) w8a8_kernel(W8Args a, const float* s
   if (FP8) {
     __shared__ float red[kWarps * 256];
     finish_cta<float, MB>(red, accf, a.M, N, splits, static_cast<float*>(ws), out,
-                          [sa, sw](float v, int m, int n) { return out_w8a8(v, __ldg(sa + m), __ldg(sw + n)); });
+                          [sa, sw, bias](float v, int m, int n) { return out_w8a8(v, __ldg(sa + m), __ldg(sw + n), bias, n); });
   } else {
     __shared__ int32_t redi[kWarps * 256];
     finish_cta<int32_t, MB>(redi, acci, a.M, N, splits, static_cast<int32_t*>(ws), out,
-                            [sa, sw](int32_t v, int m, int n) { return out_w8a8(float(v), __ldg(sa + m), __ldg(sw + n)); });
+                            [sa, sw, bias](int32_t v, int m, int n) {
+                              return out_w8a8(float(v), __ldg(sa + m), __ldg(sw + n), bias, n);
+                            });
   }
 }
 
 // out[m][n] = epilogue(sum over splits of ws[s][m][n], in split order). KIND: 0 W4A16, 1 W8A16, 2 W8A8.
 template <class T, int KIND>
-__global__ void split_reduce_kernel(const T* ws, int splits, int M, int N, const float* sa, const float* sw, uint16_t* out) {
+__global__ void split_reduce_kernel(const T* ws, int splits, int M, int N, const float* sa, const float* sw, Bias bias,
+                                    uint16_t* out) {
   const size_t mn = size_t(M) * N;
   for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < mn; i += size_t(gridDim.x) * blockDim.x) {
     const T v = split_sum(ws + i, splits, mn);
     const int m = int(i / N), n = int(i % N);
-    if (KIND == 0) out[i] = bf16_rn(float(v));
-    else if (KIND == 1) out[i] = out_w8a16(float(v), sw[n]);
-    else out[i] = out_w8a8(float(v), sa[m], sw[n]);
+    if (KIND == 0) out[i] = out_w4a16(float(v), bias, n);
+    else if (KIND == 1) out[i] = out_w8a16(float(v), sw[n], bias, n);
+    else out[i] = out_w8a8(float(v), sa[m], sw[n], bias, n);
   }
 }
 
@@ -156,13 +165,15 @@ __global__ void __launch_bounds__(256) act_quant_kernel(const uint16_t* x, int K
     crow[k] = fp8 ? act_code_fp8(bf16_f32(row[k]), s) : uint8_t(act_code_int8(bf16_f32(row[k]), s));
 }
 
-int reduce_splits_launch(int kind, const void* ws, int splits, int M, int N, const float* sa, const float* sw, uint16_t* out,
-                         cudaStream_t st) {
+int reduce_splits_launch(int kind, const void* ws, int splits, int M, int N, const float* sa, const float* sw, Bias bias,
+                         uint16_t* out, cudaStream_t st) {
   const int blocks = int((size_t(M) * N + 255) / 256);
-  if (kind == 0) split_reduce_kernel<float, 0><<<blocks, 256, 0, st>>>(static_cast<const float*>(ws), splits, M, N, sa, sw, out);
-  else if (kind == 1) split_reduce_kernel<float, 1><<<blocks, 256, 0, st>>>(static_cast<const float*>(ws), splits, M, N, sa, sw, out);
-  else if (kind == 2) split_reduce_kernel<int32_t, 2><<<blocks, 256, 0, st>>>(static_cast<const int32_t*>(ws), splits, M, N, sa, sw, out);
-  else split_reduce_kernel<float, 2><<<blocks, 256, 0, st>>>(static_cast<const float*>(ws), splits, M, N, sa, sw, out);
+  const float* f = static_cast<const float*>(ws);
+  if (kind == 0) split_reduce_kernel<float, 0><<<blocks, 256, 0, st>>>(f, splits, M, N, sa, sw, bias, out);
+  else if (kind == 1) split_reduce_kernel<float, 1><<<blocks, 256, 0, st>>>(f, splits, M, N, sa, sw, bias, out);
+  else if (kind == 2)
+    split_reduce_kernel<int32_t, 2><<<blocks, 256, 0, st>>>(static_cast<const int32_t*>(ws), splits, M, N, sa, sw, bias, out);
+  else split_reduce_kernel<float, 2><<<blocks, 256, 0, st>>>(f, splits, M, N, sa, sw, bias, out);
   return int(cudaGetLastError());
 }
 
@@ -170,24 +181,28 @@ int reduce_splits_launch(int kind, const void* ws, int splits, int M, int N, con
 
 // The C ABI (lowbit.ops.native.kernels checks every argument before calling). Pointers are device
 // pointers; `ws` is a float32 / int32 workspace of splits * M * N elements when splits > 1 (else unused);
+// `bias` is nullptr or N float32 (bias_kind 1) / bfloat16 (bias_kind 2) values, added last (decode_math.h);
 // the return value is a cudaError_t (0: launched) or one of the negative codes below.
 extern "C" {
 
-int lb_native_abi_version() { return 1; }
+int lb_native_abi_version() { return 2; }
 
-// -1: M outside 1..16, -2: unsupported group size, -3: splits < 1
-int lb_w4a16(const void* w, const float* scale, const int8_t* zero, const void* x, void* out, float* ws, int M, int N, int K,
-             int ldx, int KT, int groups, int G, int splits, cudaStream_t st) {
+// -1: M outside 1..16, -2: unsupported group size, -3: splits < 1, -4: a bias_kind other than 0, 1, 2
+// (or one without a bias pointer)
+int lb_w4a16(const void* w, const float* scale, const int8_t* zero, const void* x, void* out, float* ws, const void* bias,
+             int M, int N, int K, int ldx, int KT, int groups, int G, int splits, int bias_kind, cudaStream_t st) {
   if (M < 1 || M > 16) return -1;
   if (splits < 1) return -3;
+  if (!bias_ok(bias, bias_kind)) return -4;
+  const Bias b{bias, bias_kind};
   W4Args a{static_cast<const uint8_t*>(w), scale, zero, static_cast<const uint16_t*>(x), M, K, ldx, KT, groups};
   const int kblocks = (KT + kTilesPerBlock - 1) / kTilesPerBlock;
   const dim3 grid((N + 15) / 16, splits);
   uint16_t* o = static_cast<uint16_t*>(out);
 #define LB_W4(GS)                                                                                       \
   case GS:                                                                                              \
-    if (M > 8) w4a16_kernel<GS, 2><<<grid, kThreads, 0, st>>>(a, o, ws, N, kblocks, splits);           \
-    else w4a16_kernel<GS, 1><<<grid, kThreads, 0, st>>>(a, o, ws, N, kblocks, splits);                  \
+    if (M > 8) w4a16_kernel<GS, 2><<<grid, kThreads, 0, st>>>(a, b, o, ws, N, kblocks, splits);        \
+    else w4a16_kernel<GS, 1><<<grid, kThreads, 0, st>>>(a, b, o, ws, N, kblocks, splits);               \
     break;
   switch (G) {
     LB_W4(32) LB_W4(64) LB_W4(128) LB_W4(256)
@@ -196,42 +211,46 @@ int lb_w4a16(const void* w, const float* scale, const int8_t* zero, const void* 
 #undef LB_W4
   int err = int(cudaGetLastError());
   if (err || splits == 1) return err;
-  return reduce_splits_launch(0, ws, splits, M, N, nullptr, nullptr, o, st);
+  return reduce_splits_launch(0, ws, splits, M, N, nullptr, nullptr, b, o, st);
 }
 
-int lb_w8a16(const void* w, const float* sw, const void* x, void* out, float* ws, int M, int N, int K, int ldx, int KT,
-             int splits, cudaStream_t st) {
+int lb_w8a16(const void* w, const float* sw, const void* x, void* out, float* ws, const void* bias, int M, int N, int K, int ldx,
+             int KT, int splits, int bias_kind, cudaStream_t st) {
   if (M < 1 || M > 16) return -1;
   if (splits < 1) return -3;
+  if (!bias_ok(bias, bias_kind)) return -4;
+  const Bias b{bias, bias_kind};
   W8Args a{static_cast<const uint8_t*>(w), nullptr, static_cast<const uint16_t*>(x), M, K, ldx, KT};
   const int kblocks = (KT + kTilesPerBlock - 1) / kTilesPerBlock;
   const dim3 grid((N + 15) / 16, splits);
   uint16_t* o = static_cast<uint16_t*>(out);
-  if (M > 8) w8a16_kernel<2><<<grid, kThreads, 0, st>>>(a, sw, o, ws, N, kblocks, splits);
-  else w8a16_kernel<1><<<grid, kThreads, 0, st>>>(a, sw, o, ws, N, kblocks, splits);
+  if (M > 8) w8a16_kernel<2><<<grid, kThreads, 0, st>>>(a, sw, b, o, ws, N, kblocks, splits);
+  else w8a16_kernel<1><<<grid, kThreads, 0, st>>>(a, sw, b, o, ws, N, kblocks, splits);
   int err = int(cudaGetLastError());
   if (err || splits == 1) return err;
-  return reduce_splits_launch(1, ws, splits, M, N, nullptr, sw, o, st);
+  return reduce_splits_launch(1, ws, splits, M, N, nullptr, sw, b, o, st);
 }
 
-int lb_w8a8(const void* w, const float* sw, const void* xq, const float* sa, void* out, void* ws, int M, int N, int K,
-            int ldx, int KT, int splits, int fp8, cudaStream_t st) {
+int lb_w8a8(const void* w, const float* sw, const void* xq, const float* sa, void* out, void* ws, const void* bias, int M,
+            int N, int K, int ldx, int KT, int splits, int fp8, int bias_kind, cudaStream_t st) {
   if (M < 1 || M > 16) return -1;
   if (splits < 1) return -3;
+  if (!bias_ok(bias, bias_kind)) return -4;
+  const Bias b{bias, bias_kind};
   W8Args a{static_cast<const uint8_t*>(w), static_cast<const uint8_t*>(xq), nullptr, M, K, ldx, KT};
   const int kblocks = (KT + kTilesPerBlock - 1) / kTilesPerBlock;
   const dim3 grid((N + 15) / 16, splits);
   uint16_t* o = static_cast<uint16_t*>(out);
   if (fp8) {
-    if (M > 8) w8a8_kernel<true, 2><<<grid, kThreads, 0, st>>>(a, sa, sw, o, ws, N, kblocks, splits);
-    else w8a8_kernel<true, 1><<<grid, kThreads, 0, st>>>(a, sa, sw, o, ws, N, kblocks, splits);
+    if (M > 8) w8a8_kernel<true, 2><<<grid, kThreads, 0, st>>>(a, sa, sw, b, o, ws, N, kblocks, splits);
+    else w8a8_kernel<true, 1><<<grid, kThreads, 0, st>>>(a, sa, sw, b, o, ws, N, kblocks, splits);
   } else {
-    if (M > 8) w8a8_kernel<false, 2><<<grid, kThreads, 0, st>>>(a, sa, sw, o, ws, N, kblocks, splits);
-    else w8a8_kernel<false, 1><<<grid, kThreads, 0, st>>>(a, sa, sw, o, ws, N, kblocks, splits);
+    if (M > 8) w8a8_kernel<false, 2><<<grid, kThreads, 0, st>>>(a, sa, sw, b, o, ws, N, kblocks, splits);
+    else w8a8_kernel<false, 1><<<grid, kThreads, 0, st>>>(a, sa, sw, b, o, ws, N, kblocks, splits);
   }
   int err = int(cudaGetLastError());
   if (err || splits == 1) return err;
-  return reduce_splits_launch(fp8 ? 3 : 2, ws, splits, M, N, sa, sw, o, st);
+  return reduce_splits_launch(fp8 ? 3 : 2, ws, splits, M, N, sa, sw, b, o, st);
 }
 
 int lb_act_quant(const void* x, int M, int K, int ldx, int fp8, void* codes, float* scales, cudaStream_t st) {

@@ -214,10 +214,32 @@ LB_HD float w4_fold(float acc, float partial, float scale) {
 #endif
 }
 
-// W8A16: bf16(acc * sw[n]).  W8A8: bf16((float(acc) * sa[m]) * sw[n]) (int32 acc: float(acc) is exact
-// while |acc| <= 2^24, else one rounding; fp8: acc is already float32).
-LB_HD uint16_t out_w8a16(float acc, float sw) { return bf16_rn(mul_rn(acc, sw)); }
-LB_HD uint16_t out_w8a8(float acc, float sa, float sw) { return bf16_rn(mul_rn(mul_rn(acc, sa), sw)); }
+// A layer's optional bias [N], added to the scaled float32 sum in one float32 addition just before the
+// bf16 rounding (a separate rounding from the scale products: never contracted into an FMA). kind:
+// kBiasNone, kBiasF32 (float32 values) or kBiasBF16 (bfloat16 values, exact in float32).
+constexpr int kBiasNone = 0, kBiasF32 = 1, kBiasBF16 = 2;
+
+struct Bias {
+  const void* p;
+  int kind;
+  LB_HD float add(float y, int n) const {
+    if (kind == kBiasNone) return y;
+    const float b = kind == kBiasF32 ? static_cast<const float*>(p)[n] : bf16_f32(static_cast<const uint16_t*>(p)[n]);
+    return add_rn(y, b);
+  }
+};
+
+// The C entry points refuse a bias kind they do not know, or a kind without values.
+LB_HD bool bias_ok(const void* p, int kind) { return kind == kBiasNone || ((kind == kBiasF32 || kind == kBiasBF16) && p); }
+
+// W4A16: bf16(acc [+ bias[n]]).  W8A16: bf16(acc * sw[n] [+ bias[n]]).  W8A8: bf16((float(acc) * sa[m]) *
+// sw[n] [+ bias[n]]) (int32 acc: float(acc) is exact while |acc| <= 2^24, else one rounding; fp8: acc is
+// already float32).
+LB_HD uint16_t out_w4a16(float acc, const Bias& b, int n) { return bf16_rn(b.add(acc, n)); }
+LB_HD uint16_t out_w8a16(float acc, float sw, const Bias& b, int n) { return bf16_rn(b.add(mul_rn(acc, sw), n)); }
+LB_HD uint16_t out_w8a8(float acc, float sa, float sw, const Bias& b, int n) {
+  return bf16_rn(b.add(mul_rn(mul_rn(acc, sa), sw), n));
+}
 
 // ---- work split ---------------------------------------------------------------------------------
 // The K range is cut into k-blocks (max(tile k, group)); split s of S takes k-blocks

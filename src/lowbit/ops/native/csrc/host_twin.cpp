@@ -94,27 +94,27 @@ std::vector<T> run_grid(int M, int N, int splits, Run run) {
 }
 
 template <int G, int MB>
-void twin_w4(const W4Args& a, uint16_t* out, int N, int splits) {
+void twin_w4(const W4Args& a, const Bias& b, uint16_t* out, int N, int splits) {
   const int kblocks = (a.KT + kTilesPerBlock - 1) / kTilesPerBlock;
   auto ws = run_grid<float, MB>(a.M, N, splits, [&](int nt, int s, int w, float (&acc)[MB][32][4]) {
     w4_warp<HL, G, MB>(a, nt, split_begin(kblocks, splits, s), split_begin(kblocks, splits, s + 1), w, acc);
   });
   const size_t mn = size_t(a.M) * N;
-  for (size_t i = 0; i < mn; ++i) out[i] = bf16_rn(split_sum(ws.data() + i, splits, mn));
+  for (size_t i = 0; i < mn; ++i) out[i] = out_w4a16(split_sum(ws.data() + i, splits, mn), b, int(i % N));
 }
 
 template <int MB>
-void twin_w8a16(const W8Args& a, const float* sw, uint16_t* out, int N, int splits) {
+void twin_w8a16(const W8Args& a, const float* sw, const Bias& b, uint16_t* out, int N, int splits) {
   const int kblocks = (a.KT + kTilesPerBlock - 1) / kTilesPerBlock;
   auto ws = run_grid<float, MB>(a.M, N, splits, [&](int nt, int s, int w, float (&acc)[MB][32][4]) {
     w8a16_warp<HL, MB>(a, nt, split_begin(kblocks, splits, s), split_begin(kblocks, splits, s + 1), w, acc);
   });
   const size_t mn = size_t(a.M) * N;
-  for (size_t i = 0; i < mn; ++i) out[i] = out_w8a16(split_sum(ws.data() + i, splits, mn), sw[i % N]);
+  for (size_t i = 0; i < mn; ++i) out[i] = out_w8a16(split_sum(ws.data() + i, splits, mn), sw[i % N], b, int(i % N));
 }
 
 template <bool FP8, int MB>
-void twin_w8a8(const W8Args& a, const float* sa, const float* sw, uint16_t* out, int N, int splits) {
+void twin_w8a8(const W8Args& a, const float* sa, const float* sw, const Bias& b, uint16_t* out, int N, int splits) {
   const int kblocks = (a.KT + kTilesPerBlock - 1) / kTilesPerBlock;
   const size_t mn = size_t(a.M) * N;
   if (FP8) {
@@ -122,13 +122,14 @@ void twin_w8a8(const W8Args& a, const float* sa, const float* sw, uint16_t* out,
       int32_t unused[MB][32][4] = {};
       w8a8_warp<HL, true, MB>(a, nt, split_begin(kblocks, splits, s), split_begin(kblocks, splits, s + 1), w, acc, unused);
     });
-    for (size_t i = 0; i < mn; ++i) out[i] = out_w8a8(split_sum(ws.data() + i, splits, mn), sa[i / N], sw[i % N]);
+    for (size_t i = 0; i < mn; ++i) out[i] = out_w8a8(split_sum(ws.data() + i, splits, mn), sa[i / N], sw[i % N], b, int(i % N));
   } else {
     auto ws = run_grid<int32_t, MB>(a.M, N, splits, [&](int nt, int s, int w, int32_t (&acc)[MB][32][4]) {
       float unused[MB][32][4] = {};
       w8a8_warp<HL, false, MB>(a, nt, split_begin(kblocks, splits, s), split_begin(kblocks, splits, s + 1), w, unused, acc);
     });
-    for (size_t i = 0; i < mn; ++i) out[i] = out_w8a8(float(split_sum(ws.data() + i, splits, mn)), sa[i / N], sw[i % N]);
+    for (size_t i = 0; i < mn; ++i)
+      out[i] = out_w8a8(float(split_sum(ws.data() + i, splits, mn)), sa[i / N], sw[i % N], b, int(i % N));
   }
 }
 
@@ -148,38 +149,45 @@ void for_each_lane_tile(const uint8_t* w, int N16, int KT, Fn fn) {
 
 extern "C" {
 
-// Return codes: 0 ok, 1 M outside 1..16, 2 unsupported group size, 3 splits < 1.
+// Return codes: 0 ok, 1 M outside 1..16, 2 unsupported group size, 3 splits < 1, 4 a bias_kind other than
+// 0, 1, 2 (or one without a bias pointer). bias: as decode_kernels.cu's entry points take it.
 int lb_twin_w4a16(const uint8_t* w, const float* scale, const int8_t* zero, const uint16_t* x, uint16_t* out,
-                  int M, int N, int K, int ldx, int KT, int groups, int G, int splits) {
+                  const void* bias, int M, int N, int K, int ldx, int KT, int groups, int G, int splits, int bias_kind) {
   if (M < 1 || M > 16) return 1;
   if (splits < 1) return 3;
+  if (!bias_ok(bias, bias_kind)) return 4;
   W4Args a{w, scale, zero, x, M, K, ldx, KT, groups};
+  const Bias b{bias, bias_kind};
   const bool two = M > 8;
   switch (G) {
-    case 32: two ? twin_w4<32, 2>(a, out, N, splits) : twin_w4<32, 1>(a, out, N, splits); return 0;
-    case 64: two ? twin_w4<64, 2>(a, out, N, splits) : twin_w4<64, 1>(a, out, N, splits); return 0;
-    case 128: two ? twin_w4<128, 2>(a, out, N, splits) : twin_w4<128, 1>(a, out, N, splits); return 0;
-    case 256: two ? twin_w4<256, 2>(a, out, N, splits) : twin_w4<256, 1>(a, out, N, splits); return 0;
+    case 32: two ? twin_w4<32, 2>(a, b, out, N, splits) : twin_w4<32, 1>(a, b, out, N, splits); return 0;
+    case 64: two ? twin_w4<64, 2>(a, b, out, N, splits) : twin_w4<64, 1>(a, b, out, N, splits); return 0;
+    case 128: two ? twin_w4<128, 2>(a, b, out, N, splits) : twin_w4<128, 1>(a, b, out, N, splits); return 0;
+    case 256: two ? twin_w4<256, 2>(a, b, out, N, splits) : twin_w4<256, 1>(a, b, out, N, splits); return 0;
   }
   return 2;
 }
 
-int lb_twin_w8a16(const uint8_t* w, const float* sw, const uint16_t* x, uint16_t* out, int M, int N, int K, int ldx,
-                  int KT, int splits) {
+int lb_twin_w8a16(const uint8_t* w, const float* sw, const uint16_t* x, uint16_t* out, const void* bias, int M, int N,
+                  int K, int ldx, int KT, int splits, int bias_kind) {
   if (M < 1 || M > 16) return 1;
   if (splits < 1) return 3;
+  if (!bias_ok(bias, bias_kind)) return 4;
   W8Args a{w, nullptr, x, M, K, ldx, KT};
-  M > 8 ? twin_w8a16<2>(a, sw, out, N, splits) : twin_w8a16<1>(a, sw, out, N, splits);
+  const Bias b{bias, bias_kind};
+  M > 8 ? twin_w8a16<2>(a, sw, b, out, N, splits) : twin_w8a16<1>(a, sw, b, out, N, splits);
   return 0;
 }
 
-int lb_twin_w8a8(const uint8_t* w, const float* sw, const uint8_t* xq, const float* sa, uint16_t* out, int M, int N,
-                 int K, int ldx, int KT, int splits, int fp8) {
+int lb_twin_w8a8(const uint8_t* w, const float* sw, const uint8_t* xq, const float* sa, uint16_t* out, const void* bias,
+                 int M, int N, int K, int ldx, int KT, int splits, int fp8, int bias_kind) {
   if (M < 1 || M > 16) return 1;
   if (splits < 1) return 3;
+  if (!bias_ok(bias, bias_kind)) return 4;
   W8Args a{w, xq, nullptr, M, K, ldx, KT};
-  if (fp8) M > 8 ? twin_w8a8<true, 2>(a, sa, sw, out, N, splits) : twin_w8a8<true, 1>(a, sa, sw, out, N, splits);
-  else M > 8 ? twin_w8a8<false, 2>(a, sa, sw, out, N, splits) : twin_w8a8<false, 1>(a, sa, sw, out, N, splits);
+  const Bias b{bias, bias_kind};
+  if (fp8) M > 8 ? twin_w8a8<true, 2>(a, sa, sw, b, out, N, splits) : twin_w8a8<true, 1>(a, sa, sw, b, out, N, splits);
+  else M > 8 ? twin_w8a8<false, 2>(a, sa, sw, b, out, N, splits) : twin_w8a8<false, 1>(a, sa, sw, b, out, N, splits);
   return 0;
 }
 
