@@ -125,8 +125,9 @@ class Choice:
 
 
 class Registry:
-    """The kernel classes of one operation (dense prepared layers, QTensor GEMMs, grouped experts),
-    in preference order: the first that can run a layer runs it."""
+    """The kernel classes of one operation (dense prepared layers, QTensor GEMMs, grouped experts,
+    attention calls: lowbit.ops.kernels.attention asks for an AttentionCall where the others ask for a
+    LinearLayer), in preference order: the first that can run a layer runs it."""
 
     def __init__(self, what: str, kernels=()):
         self.what = what
