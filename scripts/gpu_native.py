@@ -89,16 +89,17 @@ def scheme(s):
     return lb.get_preset(s) if isinstance(s, str) else s
 
 
-def check(kind: str, x: torch.Tensor, wq, y: torch.Tensor) -> tuple[bool, str]:
+def check(kind: str, x: torch.Tensor, wq, y: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[bool, str]:
     wp, ap = KINDS[kind][:2]
     if kind == "w8a8_int8":
         xq = lb.quantize(x.float(), lb.get_preset(ap))
         acc = (xq.codes.double() @ wq.codes.double().T).float()
-        want = ((acc * xq.scale) * wq.scale.reshape(1, -1)).bfloat16()
+        want = (acc * xq.scale) * wq.scale.reshape(1, -1)
+        want = (want if bias is None else want + bias.float()).bfloat16()
         diff = int((y != want).sum())
         return diff == 0, f"bit-exact: {diff} of {y.numel()} differ"
     xs = lb.quantize(x.float().cpu(), lb.get_preset(ap)) if ap else x.double().cpu()
-    v = check_quantized(y.cpu(), xs, wq.to("cpu"), accumulator="fp32")
+    v = check_quantized(y.cpu(), xs, wq.to("cpu"), accumulator="fp32", bias=None if bias is None else bias.double())
     return v.passed, v.kind
 
 
@@ -120,15 +121,18 @@ def main(out_path: str) -> int:
             wq = lb.quantize(torch.randn(N, K), scheme(wp))
             x = torch.randn(M, K, dtype=torch.bfloat16)
             w_cpu, w_gpu = prep(wq), prep(wq.to("cuda"))
-            for splits in (1, 3):
-                y = run(x.cuda(), w_gpu, splits).cpu()
-                t = twin(x, w_cpu, splits)
-                ok, how = check(kind, x, wq, y)
+            biases = (None, None, torch.randn(N) * 4, (torch.randn(N) * 4).bfloat16())   # none, float32, bf16
+            for splits, bias in zip((1, 3, 3, 1), biases):
+                y = run(x.cuda(), w_gpu, splits, bias=None if bias is None else bias.cuda()).cpu()
+                t = twin(x, w_cpu, splits, bias=bias)
+                ok, how = check(kind, x, wq, y, bias)
                 d = ulps(y, t)
                 exact = kind == "w8a8_int8"
-                checks.append(dict(kernel=kind, M=M, N=N, K=K, splits=splits, passed=ok and (d == 0 or not exact),
+                b = "none" if bias is None else str(bias.dtype).removeprefix("torch.")
+                checks.append(dict(kernel=kind, M=M, N=N, K=K, splits=splits, bias=b, passed=ok and (d == 0 or not exact),
                                    verdict=how, twin_max_ulps=d))
-                print(f"check {kind:14s} M={M:2d} N={N:4d} K={K:5d} S={splits}: {how}, twin max {d} ulps", flush=True)
+                print(f"check {kind:14s} M={M:2d} N={N:4d} K={K:5d} S={splits} bias {b:8s}: {how}, twin max {d} ulps",
+                      flush=True)
     for fp8, preset in ((False, "int8_token"), (True, "fp8_row")):
         x = torch.randn(16, 4096, dtype=torch.bfloat16, device="cuda") * 3
         codes, sa = nk.act_quant(x, fp8)
