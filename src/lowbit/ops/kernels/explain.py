@@ -51,8 +51,8 @@ def explain_attention(kv_scheme: KVScheme | None, spec: AttnSpec | None = None, 
     """For a KV cache stored by `kv_scheme` (None: bf16 values), read under `spec` (default AttnSpec():
     Q and P in fp8) by G query heads per KV head at head_dim D on `device` (default: this process's
     kernel device): {"device", "G", "D", "spec", "calls": {call kind: {"kernel", "refused": [(name,
-    reason)]}}} for each call kind of ATTENTION_CALLS, chosen as lowbit.ops.attention.attention_triton chooses (a tuning table's cell
-    included) for float queries."""
+    reason)]}}} for each call kind of ATTENTION_CALLS, chosen as lowbit.ops.attention.attention_triton
+    chooses for float queries (a tuning table's cell included)."""
     dev = device or kernel_device()
     spec = spec or AttnSpec()
     op = CacheOperand.of_scheme(kv_scheme)

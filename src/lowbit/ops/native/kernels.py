@@ -125,7 +125,8 @@ def bias_refusal(bias: torch.Tensor, N: int, device: torch.device) -> str | None
         return (f"bias must be a float32 or bfloat16 tensor, got {getattr(bias, 'dtype', type(bias).__name__)}; "
                 "pass bias.float()")
     if tuple(bias.shape) != (N,) or not bias.is_contiguous():
-        return f"bias must be a contiguous [N] = [{N}] tensor, got shape {tuple(bias.shape)}; pass bias.reshape(-1).contiguous()"
+        return (f"bias must be a contiguous [N] = [{N}] tensor, got shape {tuple(bias.shape)}; "
+                "pass bias.reshape(-1).contiguous()")
     if bias.device != device:
         return f"bias is on {bias.device}, x on {device}; move one of them"
     return None
