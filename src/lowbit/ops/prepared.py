@@ -24,6 +24,9 @@ QuantLinear(check=True) runs the exact path, which raises on them.
 """
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 
 from lowbit.ops import bound, tuning
@@ -70,14 +73,22 @@ def _choice(spec: Spec, M: int):
 
 # ---------------------------------------------------------------------------- custom op
 @torch.library.custom_op("lowbit::qlinear", mutates_args=())
-def qlinear_op(x2: torch.Tensor, operands: list[torch.Tensor], bias: torch.Tensor | None, spec: str) -> torch.Tensor:
-    """`run` as one opaque op for torch.compile / CUDA graphs (spec: Spec.to_json())."""
+def qlinear_op(x2: torch.Tensor, operands: list[torch.Tensor], bias: torch.Tensor | None, spec: str,
+               graphs: int = -1) -> torch.Tensor:
+    """`run` as one opaque op for torch.compile / CUDA graphs (spec: Spec.to_json(); graphs: the
+    layer's GraphCache.key, -1 for none). A compiled model without CUDA graphs calls this body
+    eagerly for every layer: with the layer's cache it takes the eager forward's decode path
+    (recorded launches, a few microseconds of host time) instead of the launchers (tens of
+    microseconds); while a stream is being captured (torch's own graphs) it launches directly."""
     sp = spec_from_json(spec)
-    return run(sp, x2, dict(zip(sp.operands, operands)), bias)
+    cache = GraphCache.of(graphs)
+    if cache is None or not x2.is_cuda or torch.cuda.is_current_stream_capturing():
+        return run(sp, x2, dict(zip(sp.operands, operands)), bias)
+    return forward(sp, spec, x2, operands, bias, cache)
 
 
 @qlinear_op.register_fake
-def _(x2, operands, bias, spec):
+def _(x2, operands, bias, spec, graphs=-1):
     return x2.new_empty((x2.shape[0], spec_from_json(spec).N))
 
 
@@ -92,7 +103,20 @@ GRAPH_MAX_M = 16
 
 class GraphCache(dict):
     """A layer's recorded plans and captured decode graphs, keyed by (rows, dtype, ...). Never
-    copied (deepcopy / pickling give an empty cache: plans and graphs hold device pointers)."""
+    copied (deepcopy / pickling give an empty cache: plans and graphs hold device pointers).
+    `key` names it to the custom op (which takes no Python objects); GraphCache.of finds it while
+    the layer lives (a weak reference: the registry never keeps a layer's plans alive)."""
+    _live: "weakref.WeakValueDictionary[int, GraphCache]" = weakref.WeakValueDictionary()
+    _keys = itertools.count()
+
+    def __init__(self):
+        super().__init__()
+        self.key = next(GraphCache._keys)      # never reused, unlike id()
+        GraphCache._live[self.key] = self
+
+    @classmethod
+    def of(cls, key: int) -> "GraphCache | None":
+        return cls._live.get(key)
 
     def __deepcopy__(self, memo):
         return GraphCache()
@@ -107,7 +131,7 @@ def forward(spec: Spec, spec_json: str, x2: torch.Tensor, operands: list[torch.T
     directly (a custom op's dispatch costs microseconds a call) or replay the layer's graph; under
     torch.compile: the custom op (whose CUDA-graph capture is then torch's own)."""
     if torch.compiler.is_compiling():
-        return qlinear_op(x2, operands, bias, spec_json)
+        return qlinear_op(x2, operands, bias, spec_json, -1 if graphs is None else graphs.key)
     if graphs is not None and x2.is_cuda and x2.shape[0] <= PLAN_MAX_M and spec.graphable:
         key = (x2.shape[0], x2.dtype, x2.stride(0), x2.data_ptr() & 15 == 0)
         plan = graphs.get(key)
