@@ -34,7 +34,7 @@ import torch
 
 from lowbit.algorithms import distributed
 from lowbit.archs.experts import checkpoint_sources
-from lowbit.io.st_format import CheckpointError
+from lowbit.io.st_format import CheckpointError, TensorReader, checkpoint_files
 from lowbit.pipelines import moe_checkpoint as MC
 # Bytes per ranged read; the reads of one layer run on READ_THREADS threads (a page-cache read
 # is a memory copy by the kernel: several run at once; the GIL is released while they run).
@@ -57,14 +57,12 @@ class Checkpoint:
     (span) for ranged reads (read_into)."""
 
     def __init__(self, in_dir: Path):
-        from lowbit.io.st_format import checkpoint_files
         self.files = checkpoint_files(in_dir)   # validates every header first
         self._readers = {}
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()           # the reader and the writer thread both read
 
     def _reader(self, name: str):
-        from lowbit.io.st_format import CheckpointError, TensorReader
         if name not in self.files:
             raise CheckpointError(f"the checkpoint has no tensor {name!r}, which config.json's model needs")
         path = self.files[name]
@@ -94,7 +92,6 @@ class Checkpoint:
         while got < len(out):
             n = os.preadv(fd, [out[got:]], offset + got)
             if n <= 0:
-                from lowbit.io.st_format import CheckpointError
                 raise CheckpointError(f"{path}: short read at byte {offset + got} ({got} of {len(out)} bytes)")
             got += n
 

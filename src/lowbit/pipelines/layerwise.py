@@ -63,6 +63,7 @@ from pathlib import Path
 import torch
 
 from lowbit.algorithms import distributed
+from lowbit.algorithms.gptq import solver as gptq_solver
 from lowbit.algorithms.gptq.model import gptq_handler
 from lowbit.algorithms.sequential import as_kwargs, capture_block_inputs, decoder_blocks, next_block_inputs, run_stage
 from lowbit.algorithms.smoothquant import refuse_experts
@@ -585,9 +586,8 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
                                       "calibration": None if d.calibration is None else str(d.calibration)}
                              for d in exp_decisions}
         if handle is not None:
-            from lowbit.algorithms.gptq import solver as gptq
             result["gptq_phase_seconds"] = dict(handle.timings)
-            result["gptq_block_kernel"] = gptq.BLOCK_KERNEL_STATUS
+            result["gptq_block_kernel"] = gptq_solver.BLOCK_KERNEL_STATUS
         if writer is not None:
             result["shards"] = rest_writer.finish(writer)     # the rest's shards first, as before
             out_cfg = dict(cfg)
