@@ -46,7 +46,6 @@ def read_threads() -> int:
     """Reader threads for this process: READ_THREADS, at most this host's usable cores shared out
     over the ranks on it (torchrun's LOCAL_WORLD_SIZE), at least 1: on a 4-core host two ranks'
     readers (8 threads) took the cores that the ranks' main threads need to launch kernels."""
-    import os
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", distributed.world_size()))
     return max(1, min(READ_THREADS, cores // max(1, local)))
