@@ -71,6 +71,7 @@ from lowbit.pipelines.moe import build_experts, swap_in
 from lowbit.pipelines.steps import LayerRun
 from lowbit.profiling import memtrace
 from lowbit.progress import progress_bar
+from lowbit.recipes.presets import get_recipe
 
 __all__ = ["LayerwiseOptions", "MOE_FAMILIES", "quantize_layerwise"]
 
@@ -238,7 +239,7 @@ def quantize_layerwise(in_dir: str | os.PathLike, out_dir: str | os.PathLike | N
     if device.type == "cuda" and device.index is None:  # the memory-stat calls need an index
         device = torch.device("cuda", torch.cuda.current_device())
     phases = _Phases(t_start, device)
-    plan = plan_layerwise(in_dir, recipe, o.steps, calib, o.ignore, o.dtype)
+    plan = plan_layerwise(in_dir, get_recipe(recipe), o.steps, calib, o.ignore, o.dtype)
     summary, exp_quantized = plan.summary, plan.experts_quantized
     result = {"recipe": plan.recipe.name, "method": plan.method, "layers": len(plan.layers), "seconds_per_layer": [],
               "quantized": [d.name for d in summary.quantized + exp_quantized],
@@ -462,6 +463,7 @@ class _Run:
     def _finish(self, writer: LayerwiseWriter, bar) -> None:
         """After the last layer: the reports, then (a writing rank) the checkpoint's last files."""
         result = self.result
+        self.streams = {}            # the activations freed before the last files are written
         self.phases.layer = None
         if bar is not None:
             bar.close()
@@ -476,5 +478,6 @@ class _Run:
         if self.handle is not None:
             result["gptq_phase_seconds"] = dict(self.handle.timings)
             result["gptq_block_kernel"] = gptq_solver.BLOCK_KERNEL_STATUS
+            self.handle = None
         if writer.layers is not None:
             result["shards"] = writer.finish()     # the rest's shards first, as before

@@ -37,7 +37,7 @@ from lowbit.pipelines.quantize_model import split_patterns
 from lowbit.pipelines.steps import Step
 from lowbit.quantize import static_scheme
 from lowbit.recipes.plan import QuantSummary, plan
-from lowbit.recipes.presets import Recipe, get_recipe
+from lowbit.recipes.presets import Recipe
 
 # The MoE families whose layers this path quantizes: per-expert checkpoint names it maps
 # (lowbit.archs.experts.checkpoint_sources) and one attention mask for every layer, each checked
@@ -94,12 +94,12 @@ class LayerwisePlan:
         return "gptq" if "Q" in self.streams else "rtn"
 
 
-def plan_layerwise(in_dir, recipe, steps, calib, ignore, dtype: torch.dtype) -> LayerwisePlan:
-    """The LayerwisePlan of quantize_layerwise's arguments; every refusal, in this order: the steps,
-    the checkpoint's config, the family and layout, the sites, the storage of the weights."""
+def plan_layerwise(in_dir, r: Recipe, steps, calib, ignore, dtype: torch.dtype) -> LayerwisePlan:
+    """The LayerwisePlan of quantize_layerwise's arguments (the recipe resolved there, at the
+    library's boundary); every refusal, in this order: the steps, the checkpoint's config, the
+    family and layout, the sites, the storage of the weights."""
     import transformers          # optional: transformers (the model skeleton is built from its config)
 
-    r = get_recipe(recipe)
     steps = sorted(steps, key=lambda s: s.order)
     streams = _check_steps(r, steps)
     calib = list(calib or [])
