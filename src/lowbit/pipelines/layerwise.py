@@ -480,4 +480,4 @@ class _Run:
             result["gptq_block_kernel"] = gptq_solver.BLOCK_KERNEL_STATUS
             self.handle = None
         if writer.layers is not None:
-            result["shards"] = writer.finish()     # the rest's shards first, as before
+            result["shards"] = writer.finish()     # the shards' names, the rest's first

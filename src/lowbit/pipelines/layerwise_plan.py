@@ -106,8 +106,10 @@ def plan_layerwise(in_dir, r: Recipe, steps, calib, ignore, dtype: torch.dtype) 
     if streams and not calib:
         raise ValueError("calibration batches are needed for SmoothQuant, static scales and GPTQ: pass calib=[...]")
     in_dir = Path(in_dir)
-    cfg, config, model = _meta_model(transformers, in_dir)
-    experts = _check_family(cfg["architectures"][0], model, config, streams)
+    cfg, config, arch, model = _meta_model(transformers, in_dir)
+    experts = _check_family(arch, model, config, streams)
+    # the plan of quantize_model: an ignore pattern may name experts modules, routers and
+    # shared-expert gates stay in high precision
     lin_ignore, _, found, decisions, _ = split_patterns(model, experts, r, ignore, None)
     summary = plan(model, r, lin_ignore or None)
     summary.experts = decisions
@@ -144,8 +146,8 @@ def _check_steps(r: Recipe, steps: list) -> frozenset:
     return streams
 
 
-def _meta_model(transformers, in_dir: Path) -> tuple[dict, object, torch.nn.Module]:
-    """(config.json as a dict, its transformers config, the model on the meta device)."""
+def _meta_model(transformers, in_dir: Path) -> tuple[dict, object, str, torch.nn.Module]:
+    """(config.json as a dict, its transformers config, its architecture, the model on the meta device)."""
     raw = read_json(in_dir / "config.json", "the model config")
     if "quantization_config" in raw:
         raise ValueError(f"{in_dir} is already quantized (config.json has a quantization_config); "
@@ -157,7 +159,7 @@ def _meta_model(transformers, in_dir: Path) -> tuple[dict, object, torch.nn.Modu
     config = transformers.AutoConfig.for_model(**cfg)
     with torch.device("meta"):
         model = getattr(transformers, arch)(config).eval()
-    return cfg, config, model
+    return cfg, config, arch, model
 
 
 def _check_family(arch: str, model: torch.nn.Module, config, streams: frozenset) -> dict:
