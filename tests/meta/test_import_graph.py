@@ -270,11 +270,12 @@ def test_imports_point_down_the_layers(mod):
 # These packages hold none without a reason, and each says its reason in a trailing comment:
 CLEANED = ("lowbit.bench", "lowbit.ops", "lowbit.io", "lowbit.nn", "lowbit.archs", "lowbit.recipes",
            "lowbit.experiments", "lowbit.profiling", "lowbit.formats", "lowbit.verify", "lowbit.algorithms",
-           "lowbit.diagnosis", "lowbit.evaluation", "lowbit.quantize", "lowbit.scheme")
+           "lowbit.diagnosis", "lowbit.evaluation", "lowbit.quantize", "lowbit.scheme",
+           "lowbit.pipelines")
 # Elsewhere, the count of those without a reason today; lower it as they move, never raise it.
-MAX_UNJUSTIFIED_ELSEWHERE = 18
+MAX_UNJUSTIFIED_ELSEWHERE = 0
 # All function-local lowbit imports outside the CLI, justified or not: lower it, never raise it.
-MAX_LOCAL_IMPORTS = 88
+MAX_LOCAL_IMPORTS = 69
 
 _FIX = ("import it at module level; if that would close a cycle, or load an optional dependency, or slow "
         "`import lowbit`, keep it local with a trailing comment saying which (`# cycle: ...`, "

@@ -87,6 +87,32 @@ def test_layerwise_refuses_bad_input(rng, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_layerwise_options_object_and_keywords_are_one_path(rng, tmp_path):
+    """LayerwiseOptions carries the same settings as keywords: the same files, byte for byte (the
+    settings chosen so that each changes them: an ignored MLP, small shards); keywords replace the
+    object's fields; an unknown name or a dict in place of the options is refused before anything
+    is read or written."""
+    import filecmp
+    from lowbit.pipelines.layerwise import LayerwiseOptions, quantize_layerwise
+    d, batches = _sharded(rng, tmp_path)
+    kw = {"ignore": ["model.layers.1.mlp.*"], "max_shard_bytes": int(torch.randint(8_000, 16_000, (1,), generator=rng))}
+    res = quantize_layerwise(d, tmp_path / "a", "w8a8-int8", batches, **kw)
+    quantize_layerwise(d, tmp_path / "b", "w8a8-int8", batches, LayerwiseOptions(**kw))
+    quantize_layerwise(d, tmp_path / "c", "w8a8-int8", batches, LayerwiseOptions(ignore=["nothing"], max_shard_bytes=1),
+                       **kw)
+    assert "model.layers.1.mlp.down_proj" in res["kept"] and "model.layers.0.mlp.down_proj" in res["quantized"]
+    names = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert sum(n.endswith(".safetensors") for n in names) > 2     # the layers and the rest: 2 by default
+    for other in ("b", "c"):
+        assert names == sorted(p.name for p in (tmp_path / other).iterdir())
+        assert all(filecmp.cmp(tmp_path / "a" / n, tmp_path / other / n, shallow=False) for n in names), other
+    with pytest.raises(TypeError, match=r"quantize_layerwise got an unknown option 'ignor'.*did you mean 'ignore'"):
+        quantize_layerwise(d, tmp_path / "o", "w8a8-int8", batches, ignor=kw["ignore"])
+    with pytest.raises(TypeError, match="options must be a LayerwiseOptions"):
+        quantize_layerwise(d, tmp_path / "o", "w8a8-int8", batches, kw)
+    assert not (tmp_path / "o").exists()
+
+
 def test_cli_sequential(rng, tmp_path, capsys, monkeypatch):
     """`lowbit quantize --sequential` on a tiny sharded Llama (random calibration windows in place of
     tokenized text): the flags reach quantize_layerwise (static scales stored, SmoothQuant folded

@@ -26,9 +26,16 @@ from pathlib import Path
 
 import torch
 
+from lowbit.archs.decoders import sibling_groups
 from lowbit.io import ct_layout as L
+from lowbit.io.outdir import staged
 from lowbit.io.st_format import CheckpointError, ShardedWriter, TensorReader, checkpoint_files, loads_strict
+from lowbit.nn.experts import QuantExperts
+from lowbit.nn.quant_linear import QuantLinear
+from lowbit.nn.shared_input import GROUPS, prepare_model
 from lowbit.pipelines import moe_checkpoint as MC
+from lowbit.pipelines.moe import router_names
+from lowbit.pipelines.quantize_model import quantize_model, untie_embeddings
 from lowbit.quantize import QTensor
 from lowbit.recipes.plan import kept_by_default
 from lowbit.scheme import QuantScheme
@@ -102,7 +109,6 @@ def write_metadata(directory: Path, cfg: dict, recipe_name, layers: dict) -> Non
 def atomic_dir(out_dir: Path, overwrite: bool, write) -> Path:
     """Run write(staging_dir) and make its files out_dir's (lowbit.io.outdir's rules: only
     lowbit's own files are ever replaced). A non-empty out_dir needs overwrite=True."""
-    from lowbit.io.outdir import staged
     out_dir = Path(out_dir)
     if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())) and not overwrite:
         raise FileExistsError(f"out_dir {out_dir} exists and is not empty; choose a new directory "
@@ -169,8 +175,6 @@ def save_compressed(model: torch.nn.Module, out_dir: str | os.PathLike, recipe=N
     Raises ValueError / UnsupportedScheme before anything is written when a layer's scheme
     has no compressed-tensors encoding.
     """
-    from lowbit.nn.experts import QuantExperts
-    from lowbit.nn.quant_linear import QuantLinear
 
     def quantized():
         return {n: m for n, m in model.named_modules() if isinstance(m, (QuantLinear, QuantExperts))}
@@ -179,7 +183,6 @@ def save_compressed(model: torch.nn.Module, out_dir: str | os.PathLike, recipe=N
         if recipe is None:
             raise ValueError("model has no QuantLinear layers: quantize it first (lowbit.pipelines.quantize_model) "
                              "or pass recipe=... to quantize it here")
-        from lowbit.pipelines.quantize_model import quantize_model
         quantize_model(model, recipe, ignore=ignore)
         qlayers = quantized()
     if config is None:
@@ -209,7 +212,6 @@ def save_compressed(model: torch.nn.Module, out_dir: str | os.PathLike, recipe=N
             targets[lname] = MC.block_pattern(sites[name])
     unquantized = [MC.rename(n, table) for n, m in model.named_modules()
                    if isinstance(m, torch.nn.Linear) and not isinstance(m, QuantLinear)]
-    from lowbit.pipelines.moe import router_names
     unquantized += [MC.rename(n, table) for n in router_names(model, {n: s.spec for n, s in sites.items()})]
     unquantized += [MC.block_pattern(s) for s in sites.values()     # float experts, per expert in the files
                     if not s.quantized and s.spec.ckpt_projs is not None]
@@ -260,7 +262,6 @@ def module_tensors(root: torch.nn.Module, formats: dict[str, str], seen: set[int
     written one Linear per expert and projection, under their checkpoint names."""
     def hp(t):
         return t if float_dtype is None or not t.is_floating_point() else t.to(float_dtype)
-    from lowbit.nn.quant_linear import QuantLinear
     experts = experts or {}
     for mname, m in root.named_modules():
         full = f"{prefix}.{mname}" if prefix and mname else (prefix or mname)
@@ -332,7 +333,6 @@ class CompressedCheckpoint:
     def quant_linears(self, backend: str = "auto", skip=()) -> dict:
         """{layer: lowbit.nn.QuantLinear} rebuilt from the stored codes and scales (layers in
         `skip`, e.g. the per-expert ones to_model stacks into QuantExperts, left out)."""
-        from lowbit.nn.quant_linear import QuantLinear
         return {n: QuantLinear(qt, qt.scheme, self.act_schemes[n], bias=self.tensors.get(f"{n}.bias"),
                                act_static_scale=self.act_static_scales.get(n), backend=backend)
                 for n, qt in self.qtensors.items() if n not in skip}
@@ -372,20 +372,17 @@ class CompressedCheckpoint:
         missing, unexpected = model.load_state_dict(dense, strict=False)
         missing = [k for k in missing if k.rpartition(".")[0] not in qls and k.rpartition(".")[0] not in experts]
         if any(kept_by_default(n) for n in qls):   # a quantized LM head is its own weight, never the embedding
-            from lowbit.pipelines.quantize_model import untie_embeddings
             untie_embeddings(model, [n for n in qls if kept_by_default(n)])
         elif getattr(config, "tie_word_embeddings", False):
             model.tie_weights()
             missing = [k for k in missing if not k.endswith("lm_head.weight")]
         if missing or unexpected:
             raise CheckpointError(f"checkpoint does not fit {arch}: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        from lowbit.archs.decoders import sibling_groups
-        from lowbit.nn.shared_input import GROUPS, prepare_model
         groups = sibling_groups(model)
         model = prepare_model(model, device=device, dtype=dtype, share=share_inputs,
                               groups=GROUPS if groups is None else groups)
         if self.kv_cache is not None:
-            from lowbit.nn.kv_cache import attach_kv_cache
+            from lowbit.nn.kv_cache import attach_kv_cache  # optional: transformers
             attach_kv_cache(model, self.kv_cache)
         return model
 
@@ -623,7 +620,7 @@ def load_compressed(path: str | os.PathLike) -> CompressedCheckpoint:
                 raise CheckpointError(f"{d}: layer {layer}: input_scale must be one finite positive float, got "
                                       f"{s_in.dtype} {list(s_in.shape)}")
             statics[layer] = s_in.to(torch.float32).reshape(1, 1)
-    from lowbit.nn.kv_cache import kv_cache_from_tensors
+    from lowbit.nn.kv_cache import kv_cache_from_tensors  # optional: transformers
     text_cfg = config.get("text_config") or config
     try:
         kv = kv_cache_from_tensors(config["quantization_config"].get("kv_cache_scheme"), raw,

@@ -34,7 +34,7 @@ import torch
 
 from lowbit.algorithms import distributed
 from lowbit.archs.experts import checkpoint_sources
-from lowbit.io.st_format import CheckpointError
+from lowbit.io.st_format import CheckpointError, TensorReader, checkpoint_files
 from lowbit.pipelines import moe_checkpoint as MC
 # Bytes per ranged read; the reads of one layer run on READ_THREADS threads (a page-cache read
 # is a memory copy by the kernel: several run at once; the GIL is released while they run).
@@ -46,7 +46,6 @@ def read_threads() -> int:
     """Reader threads for this process: READ_THREADS, at most this host's usable cores shared out
     over the ranks on it (torchrun's LOCAL_WORLD_SIZE), at least 1: on a 4-core host two ranks'
     readers (8 threads) took the cores that the ranks' main threads need to launch kernels."""
-    import os
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", distributed.world_size()))
     return max(1, min(READ_THREADS, cores // max(1, local)))
@@ -57,14 +56,12 @@ class Checkpoint:
     (span) for ranged reads (read_into)."""
 
     def __init__(self, in_dir: Path):
-        from lowbit.io.st_format import checkpoint_files
         self.files = checkpoint_files(in_dir)   # validates every header first
         self._readers = {}
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()           # the reader and the writer thread both read
 
     def _reader(self, name: str):
-        from lowbit.io.st_format import CheckpointError, TensorReader
         if name not in self.files:
             raise CheckpointError(f"the checkpoint has no tensor {name!r}, which config.json's model needs")
         path = self.files[name]
@@ -94,7 +91,6 @@ class Checkpoint:
         while got < len(out):
             n = os.preadv(fd, [out[got:]], offset + got)
             if n <= 0:
-                from lowbit.io.st_format import CheckpointError
                 raise CheckpointError(f"{path}: short read at byte {offset + got} ({got} of {len(out)} bytes)")
             got += n
 

@@ -29,10 +29,8 @@ it untouched.
 """
 from __future__ import annotations
 
-import dataclasses
-import difflib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -43,6 +41,7 @@ from lowbit.nn.quant_linear import QuantLinear
 from lowbit.archs.decoders import sibling_groups
 from lowbit.nn.shared_input import GROUPS, share_inputs as share
 from lowbit.ops.kv_quant import KVScheme
+from lowbit.options import Options
 from lowbit.pipelines.coverage import check_coverage, coverage
 from lowbit.pipelines.moe import build_experts, keep_routers, plan_experts, swap_in
 from lowbit.recipes.plan import (DEFAULT_KEEP, LayerDecision, QuantSummary, layer_act, linear_layers,  # noqa: F401
@@ -75,7 +74,7 @@ def _share(model: torch.nn.Module) -> None:
 
 
 @dataclass(frozen=True)
-class QuantizeOptions:
+class QuantizeOptions(Options):
     """Everything quantize_model takes besides the model and the recipe, typed in one place (each
     field is described in quantize_model's docstring). Pass one as `options=`, or the same names
     as keywords, which replace the options' fields."""
@@ -94,16 +93,6 @@ class QuantizeOptions:
     on_untouched: str = "raise"
     min_untouched_fraction: float = 0.01
     lm_head: str | Recipe | None = None
-
-    def replace(self, **changes) -> "QuantizeOptions":
-        """A copy with `changes` applied; an unknown name is refused with the valid ones."""
-        names = [f.name for f in fields(self)]
-        for k in changes:
-            if k not in names:
-                near = difflib.get_close_matches(k, names, n=1)
-                hint = f" (did you mean {near[0]!r}?)" if near else ""
-                raise TypeError(f"quantize_model got an unknown option {k!r}{hint}; the options are: {', '.join(names)}")
-        return dataclasses.replace(self, **changes)
 
 
 @torch.no_grad()
@@ -132,7 +121,7 @@ def quantize_model(model: torch.nn.Module, recipe: str | Recipe | QuantSummary,
     tied to the input embedding is untied: the embedding keeps its weight (lookups unchanged,
     bit for bit), the head gets the quantized copy, and config.tie_word_embeddings becomes False so
     neither transformers nor a checkpoint reader ties them again."""
-    o = (options or QuantizeOptions()).replace(**changes)
+    o = QuantizeOptions.merge(options, changes, "quantize_model")
     kv_cache, kv_calib, calib = o.kv_cache, o.kv_calib, o.calib
     kv_scheme = None
     if kv_cache is not None:                           # every refusal before any layer changes

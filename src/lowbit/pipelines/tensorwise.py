@@ -25,12 +25,14 @@ import torch
 
 from lowbit.archs.experts import find_experts
 from lowbit.io import ct_layout as L
-from lowbit.pipelines.checkpoint import (atomic_dir, build_quantization_config, config_dict,
+from lowbit.pipelines.checkpoint import (atomic_dir, build_quantization_config, config_dict, read_json,
                                           sidecar_record, write_metadata, DEFAULT_SHARD_BYTES)
-from lowbit.io.st_format import CheckpointError, ShardedWriter, TensorReader, checkpoint_files
+from lowbit.io.st_format import CheckpointError, ShardedWriter, TensorReader, checkpoint_files, read_header
 from lowbit.pipelines import moe_checkpoint as MC
 from lowbit.pipelines.moe import router_names
+from lowbit.quantize import quantize
 from lowbit.recipes.plan import check_patterns, kept_by_default, match
+from lowbit.recipes.presets import get_recipe
 from lowbit.progress import progress_bar
 
 # Files of a checkpoint directory that are replaced, not copied.
@@ -86,7 +88,6 @@ def _check_shapes(todo: set, files: dict, scheme) -> None:
     """Every weight to quantize must be 2-D with K a multiple of the scheme's group/block
     width (compressed-tensors cannot store a short last group); checked on the headers,
     before any tensor is read."""
-    from lowbit.io.st_format import read_header
     width = scheme.k_width
     headers: dict[str, dict] = {}
     bad = []
@@ -116,9 +117,6 @@ def quantize_checkpoint(in_dir: str | os.PathLike, out_dir: str | os.PathLike, r
     Every input file is validated before anything is written; NaN/Inf in a weight raises
     and leaves no output directory.
     """
-    from lowbit.recipes.presets import get_recipe
-    from lowbit.quantize import quantize
-
     recipe = get_recipe(recipe)
     if recipe.act is not None and not recipe.act.dynamic:
         raise ValueError(f"recipe {recipe.name} has static activation scales, which need calibration on a "
@@ -129,7 +127,6 @@ def quantize_checkpoint(in_dir: str | os.PathLike, out_dir: str | os.PathLike, r
     cfg_path = in_dir / "config.json"
     cfg = {}
     if cfg_path.exists():
-        from lowbit.pipelines.checkpoint import read_json
         raw_cfg = read_json(cfg_path, "the model config")
         if "quantization_config" in raw_cfg:
             raise ValueError(f"{in_dir} is already quantized (config.json has a quantization_config); "
