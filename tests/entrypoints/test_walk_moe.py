@@ -126,11 +126,11 @@ def test_help_names_the_moe_families_and_every_grouped_kv_cache(capsys):
 
 
 def test_sequential_prints_gptq_per_expert_and_ignored_experts(rng, tmp_path, capsys, monkeypatch):
-    from lowbit.entrypoints import sequential as cli_sequential
+    from lowbit.workflows import sequential as wf_sequential
     d = tmp_path / "float"
     tiny_moe("qwen3_moe", rng, dtype=torch.float32, experts=4).save_pretrained(d)
     ids = torch.randint(0, 97, (64,), generator=rng)
-    monkeypatch.setattr(cli_sequential, "calibration_windows", lambda m, tokens, window: [ids[None, :32], ids[None, 32:]])
+    monkeypatch.setattr(wf_sequential, "calibration_windows", lambda m, tokens, window: [ids[None, :32], ids[None, 32:]])
     assert main(["quantize", "--model", str(d), "--sequential", "--gptq", "--recipe", "w4a16-g32", "--calib-tokens",
                  "64", "--window", "32", "--ignore", "model.layers.0.mlp.experts", "--out", str(tmp_path / "q"),
                  "--device", "cpu"]) == 0

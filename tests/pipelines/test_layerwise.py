@@ -119,10 +119,10 @@ def test_cli_sequential(rng, tmp_path, capsys, monkeypatch):
     into the norms), and flags it does not support are refused."""
     from lowbit.entrypoints.main import main
     from lowbit.pipelines.checkpoint import load_compressed
-    from lowbit.entrypoints import sequential as cli_sequential
+    from lowbit.workflows import sequential as wf_sequential
     d, _ = _sharded(rng, tmp_path)
     ids = torch.randint(0, 97, (64,), generator=rng)
-    monkeypatch.setattr(cli_sequential, "calibration_windows", lambda m, tokens, window: [ids[None, :32], ids[None, 32:]])
+    monkeypatch.setattr(wf_sequential, "calibration_windows", lambda m, tokens, window: [ids[None, :32], ids[None, 32:]])
     out = tmp_path / "q"
     rc = main(["quantize", "--model", str(d), "--sequential", "--recipe", "w8a8-int8", "--smoothquant", "0.5",
                "--static-scales", "--calib-tokens", "64", "--window", "32", "--out", str(out), "--device", "cpu"])
@@ -415,11 +415,11 @@ def test_cli_sequential_moe(rng, tmp_path, capsys, monkeypatch):
     kept in float, and the printed summary carries the experts' report."""
     import json
     from lowbit.entrypoints.main import main
-    from lowbit.entrypoints import sequential as cli_sequential
+    from lowbit.workflows import sequential as wf_sequential
     from lowbit.pipelines.checkpoint import load_compressed
     d = _moe_checkpoint("mixtral", rng, tmp_path, 4)
     ids = torch.randint(0, 97, (64,), generator=rng)
-    monkeypatch.setattr(cli_sequential, "calibration_windows", lambda m, tokens, window: [ids[None, :32], ids[None, 32:]])
+    monkeypatch.setattr(wf_sequential, "calibration_windows", lambda m, tokens, window: [ids[None, :32], ids[None, 32:]])
     out = tmp_path / "q"
     rc = main(["quantize", "--model", str(d), "--sequential", "--recipe", "w4a16-g32", "--calib-tokens", "64",
                "--window", "32", "--out", str(out), "--device", "cpu"])
@@ -434,6 +434,6 @@ def test_cli_sequential_moe(rng, tmp_path, capsys, monkeypatch):
     assert "warning:" not in printed.out              # w4a16-g32 experts load in transformers and vLLM
     # the default W8A8 int8 is said before anything is written: transformers cannot load its experts
     # (lowbit.recipes.loaders); experts kept in float take the warning away
-    lines = cli_sequential.loader_lines(str(d), "w8a8-int8", ())
+    lines = wf_sequential.loader_lines(str(d), "w8a8-int8", ())
     assert len(lines) == 1 and lines[0].startswith("transformers") and "experts" in lines[0], lines
-    assert cli_sequential.loader_lines(str(d), "w8a8-int8", ("model.layers.*.mlp.experts",)) == []
+    assert wf_sequential.loader_lines(str(d), "w8a8-int8", ("model.layers.*.mlp.experts",)) == []

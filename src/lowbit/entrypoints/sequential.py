@@ -1,5 +1,5 @@
 """`lowbit quantize --sequential` (and `--distributed`): the command-line side of
-lowbit.pipelines.layerwise and lowbit.algorithms.distributed. The model is never whole in memory, so there
+lowbit.pipelines.layerwise, lowbit.workflows.sequential and lowbit.algorithms.distributed. The model is never whole in memory, so there
 is no before/after evaluation: the checkpoint is written and a summary printed."""
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import json
 import time
 from pathlib import Path
 
-from lowbit.evaluation.workload import tokenizer_files
 
 # Measures the layer-by-layer path does not do (yet): the flag and why.
 UNSUPPORTED = {"awq": "--awq", "rotate": "--rotate", "override_worst": "--override-worst", "override": "--override",
@@ -31,50 +30,13 @@ def check(args) -> None:
                          "drop --dtype")
 
 
-def loader_lines(model_dir: str, recipe: str, ignore) -> list[str]:
-    """The loaders that cannot read the checkpoint this run writes (lowbit.recipes.loaders), from
-    config.json and the recipe alone: --sequential writes layer by layer, so this is said first."""
-    from lowbit.pipelines.layerwise import MOE_FAMILIES
-    from lowbit.recipes.loaders import add_form, loader_warnings, recipe_form
-    from lowbit.recipes.plan import match
-    from lowbit.recipes.presets import RECIPES
-    model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
-    experts = "model.layers.0.mlp.experts"      # layer 0's experts module in every MoE family transformers ships
-    parts = ["dense"] + (["experts"] if model_type in MOE_FAMILIES
-                         and not any(match(p, experts) for p in ignore or ()) else [])
-    forms: dict = {}
-    for part in parts:
-        add_form(forms, part, *recipe_form(RECIPES[recipe]), recipe)
-    return list(loader_warnings(forms).values())
-
-
-def calibration_windows(model_dir: str, tokens: int, window: int, calib_data: str | None = None, *,
-                        text_column: str | None = None, chat: str = "auto", exact: bool = True) -> list:
-    """[1, window] id tensors of the calibration text (Wikipedia's calib split, as the whole-model
-    path, or the --calib-data file), tokenized by the checkpoint's own tokenizer. exact False:
-    `tokens` is a default, and a file holding fewer gives its whole windows (said in a line)."""
-    from lowbit.evaluation.embedded import _offline, wiki_token_ids, windows
-    from lowbit.evaluation import text_files as T
-    _offline()
-    tokenizer_files(Path(model_dir))
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    if calib_data is not None:
-        ids, chat_line = T.read_token_ids(calib_data, tok, "--calib-data", text_column=text_column, chat=chat)
-        ids, fit_line = T.fit_tokens(ids, tokens, window, "--calib-data", calib_data, "--calib-tokens", exact)
-        for line in (chat_line, fit_line):
-            if line:
-                print(line, flush=True)
-        return windows(ids, window)
-    return windows(wiki_token_ids(tok, tokens, split="calib"), window)
-
-
 def run(args, recipes: list[str], outs: dict, device: str) -> int:
     """Quantize args.model layer by layer for each recipe; rank 0 writes under torch.distributed."""
     import torch
     from lowbit.algorithms import distributed as D
     from lowbit.pipelines.layerwise import quantize_layerwise
     from lowbit.workflows.job import Measures, QuantizeJob
+    from lowbit.workflows.sequential import calibration_windows, loader_lines
     # the data file's reading options travel with it
     data = dict(calib_data=args.calib_data, text_column=args.text_column, chat=args.chat_template,
                 exact=args.calib_tokens_given) if getattr(args, "calib_data", None) else {}
