@@ -69,7 +69,7 @@ def run(args) -> int:
     if getattr(args, "grouped", None):
         if args.path:
             raise ValueError(f"give either a file ({args.path}) or --grouped {args.grouped}, not both")
-        return check_grouped.run_recipe(args)
+        return check_grouped.check_recipe(args)
     if not args.path:
         raise ValueError("nothing to check: give a safetensors file, or --grouped RECIPE to check lowbit's grouped "
                          "kernel")

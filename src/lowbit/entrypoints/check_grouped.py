@@ -38,7 +38,7 @@ def register(parser) -> None:
     g.add_argument("--seed", type=int, help="seed of the random data (default: fresh, printed)")
 
 
-def run_recipe(args) -> int:
+def check_recipe(args) -> int:
     """The --grouped self-check; prints one verdict per form and returns the exit status."""
     import torch
     if not torch.cuda.is_available():        # the Triton kernels run in the interpreter; before triton loads
