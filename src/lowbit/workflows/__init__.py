@@ -1,3 +1,5 @@
 """The library's quantization workflow: a typed job (job), its steps, one class per algorithm
-(steps), and the run that copies a model, applies the steps, quantizes and evaluates (quantize).
-`lowbit quantize` parses its flags into a QuantizeJob and calls quantize_job; so can any Python caller."""
+(steps), the run that copies a model, applies the steps, quantizes and evaluates (quantize), the
+session that loads a model, prepares its text, runs jobs and writes checkpoints and reports
+(session), and the layer-by-layer job's inputs (sequential). `lowbit quantize` parses its flags into
+QuantizeJobs and hands them to a QuantizeSession; so can any Python caller."""
