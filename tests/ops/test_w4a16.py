@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from lowbit.ops.triton.split_k import reduce_split_k
 from lowbit.ops.weight_only import dequantize_w4, prepare_w4, w4a16_linear, w4a16_reference
 from lowbit.quantize import quantize
 from lowbit.scheme import QuantScheme, get_preset
@@ -282,6 +283,31 @@ def test_w4a16_split_k_bias_and_batch_dims(device, rng):
         bound = _bound(x.double().reshape(-1, K), w64, ref, K, 32, split, torch.bfloat16)
         bound = bound + 2 * U32 * bias.double().abs()  # the bias add
         assert torch.all((out.cpu().double().reshape(-1, N) - ref).abs() <= bound)
+        if split > 1:  # the partials are summed in a fixed order (no atomics): a second call, bit for bit
+            again = w4a16_linear(x.to(device), w8 if kernel == "gemv8" else w4, bias.to(device), backend="triton",
+                                 config={"split": split, "kernel": kernel, "BLOCK_M": 2, "BLOCK_K": 128})
+            assert torch.equal(out, again)
+
+
+def _ordered_sum(part):
+    """((p0 + p1) + p2) + ... in float32, in torch."""
+    y = part[0].clone()
+    for p in part[1:]:
+        y += p
+    return y
+
+
+@pytest.mark.parametrize("split,dtype", [(2, torch.bfloat16), (3, torch.float16), (5, torch.bfloat16)])
+def test_split_k_reduction_order(device, rng, split, dtype):
+    """reduce_split_k is ((p0 + p1) + p2) + ... in float32, + bias, one round-to-nearest-even: the
+    same float32 operations in torch give the same bits (odd M and N: masked tile edges)."""
+    M = 2 * int(torch.randint(1, 20, (1,), generator=rng)) + 1
+    N = 2 * int(torch.randint(20, 90, (1,), generator=rng)) + 1
+    part = torch.randn(split, M, N, generator=rng) * torch.logspace(-3, 3, N)   # magnitudes apart: sums round
+    bias = torch.randn(N, generator=rng).to(dtype)
+    want = (_ordered_sum(part) + bias.float()).to(dtype)
+    assert torch.equal(reduce_split_k(part.to(device), bias.to(device), dtype).cpu(), want)
+    assert torch.equal(reduce_split_k(part.to(device), None, dtype).cpu(), _ordered_sum(part).to(dtype))
 
 
 @pytest.mark.parametrize("name", ["int4_g128", "int4_g128_asym", "int4_g32", "mxfp4", "nvfp4"])

@@ -177,9 +177,9 @@ def sass_report() -> list[dict]:
                                (3, "nvfp4", 16, 128)):
             cfg = pick_config(M, 8192, 8192, kind, G, C)
             consts = dict(WFMT=wf, HAS_Z=False, HAS_BIAS=False, G=G, C=C, BLOCK_M=cfg["BLOCK_M"],
-                          BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], ATOMIC=cfg["split"] > 1,
+                          BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PARTIAL=cfg["split"] > 1,
                           USE_DOT=cfg["kernel"] == "dot", INTERP=False)
-            if consts["ATOMIC"]:
+            if consts["PARTIAL"]:
                 sig = dict(sig, OUT="*fp32")
             try:
                 n, smem, _ = compile_count(w4._w4a16_kernel, sig, consts, ("M", "N"), num_warps=cfg["num_warps"],

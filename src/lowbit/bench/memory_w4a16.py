@@ -214,11 +214,11 @@ def sass_rows_gemv8() -> list[dict]:
                "OUT": "*fp32" if cfg["split"] > 1 else "*bf16", "M": "i32", "N": "i32", "K": "i32",
                "K_SPLIT": "i32", "s_xm": "i32", "s_wn": "i32", "s_sn": "i32", "s_om": "i32"}
         consts = dict(SIGNED=kind == "int4", HAS_Z=has_z, HAS_BIAS=False, C=128, BLOCK_M=cfg["BLOCK_M"],
-                      BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], ATOMIC=cfg["split"] > 1, INTERP=False)
+                      BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PARTIAL=cfg["split"] > 1, INTERP=False)
         if cfg["kernel"] == "gemv8":
             consts.update(EVEN_N=True, EVEN_M=M % cfg["BLOCK_M"] == 0)
         elif cfg["kernel"] == "pairs":
-            del consts["C"], consts["ATOMIC"], consts["SIGNED"]
+            del consts["C"], consts["PARTIAL"], consts["SIGNED"]
             wk = kind.split()[0]
             consts.update(WFMT=w4.WFMT[wk], FOLD="unfolded" not in kind, GS_ROWS="merged" in kind, HAS_GX="merged" in kind,
                           G={"int4": 128, "mxfp4": 32, "nvfp4": 16}[wk],

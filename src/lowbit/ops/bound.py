@@ -62,6 +62,15 @@ class _OpsSeen(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def computing_ops(fn, *args) -> tuple:
+    """(fn(*args), the names of the torch operations it ran that compute -- those a plan refuses:
+    anything but the allocations and views of _ALLOWED), in call order."""
+    mode = _OpsSeen()
+    with mode:
+        out = fn(*args)
+    return out, mode.bad
+
+
 class Plan:
     """The recorded launches of one call: `plan(x2, stream)` runs them on a new input x2 of the
     recorded rows, dtype, row stride and 16-byte alignment, into a fresh output."""
@@ -95,13 +104,11 @@ def record(fn, x2: torch.Tensor) -> tuple[torch.Tensor, Plan | None, str | None]
     if _RECORDING is not None:
         return fn(x2), None, "a plan is already being recorded"
     _RECORDING = seen = []
-    mode = _OpsSeen()
     try:
-        with mode:
-            out = fn(x2)
+        out, bad = computing_ops(fn, x2)
     finally:
         _RECORDING = None
-    plan, why = _plan(seen, mode.bad, x2, out)
+    plan, why = _plan(seen, bad, x2, out)
     if why is not None:
         REFUSALS[why] = REFUSALS.get(why, 0) + 1
     return out, plan, why

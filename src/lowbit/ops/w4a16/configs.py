@@ -6,6 +6,23 @@ from __future__ import annotations
 
 SMS = 132  # H100 / H200 multiprocessors: the split-K heuristic aims at >= 2 programs per SM
 
+# The interpreter's launches split K only when this is True (tests set it): each then takes the
+# split the GPU's configuration gives for the same shape, so the GPU's split-K paths (workspace,
+# reduction, their plan-recordability) run on the CPU; by default the interpreter never splits
+# (fewer programs, each run in Python).
+GPU_SPLIT_IN_INTERPRETER = False
+
+
+def _interp_split(gpu_config, steps: int) -> int:
+    """The split-K factor of an interpreter launch: 1, or under GPU_SPLIT_IN_INTERPRETER the GPU's
+    (`gpu_config()["split"]`, a power of two) halved until it divides the interpreter's K steps."""
+    if not GPU_SPLIT_IN_INTERPRETER:
+        return 1
+    split = gpu_config()["split"]
+    while steps % split:
+        split //= 2
+    return split
+
 
 def split_k(programs: int, steps: int, target: int) -> int:
     """Split-K factor for the W4A16 heuristics: double it while there are fewer than `target`
@@ -31,7 +48,8 @@ def pick_config_planar8(M: int, N: int, K: int, group: int, *, interpret: bool =
     while K % bk:
         bk //= 2
     steps = K // bk
-    split = 1 if interpret else split_k(-(-N // bn) * -(-M // bm), steps, SMS)
+    split = (_interp_split(lambda: pick_config_planar8(M, N, K, group, kernel=kernel), steps) if interpret
+             else split_k(-(-N // bn) * -(-M // bm), steps, SMS))
     # unpack 1 (packed bf16/fp16 pairs, inline PTX: ~3.3 instead of ~4.1 SASS instructions per
     # weight at 16 rows) is opt-in: it has not been checked on a GPU
     return {"kernel": "dot8", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
@@ -55,7 +73,8 @@ def pick_config_gemv8(M: int, N: int, K: int, group: int, *, interpret: bool = F
     while bk * 2 <= bk_max and K % (bk * 2) == 0:
         bk *= 2
     steps = K // bk
-    split = 1 if interpret else split_k(-(-N // bn) * -(-M // bm), steps, 2 * SMS)
+    split = (_interp_split(lambda: pick_config_gemv8(M, N, K, group), steps) if interpret
+             else split_k(-(-N // bn) * -(-M // bm), steps, 2 * SMS))
     return {"kernel": "gemv8", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
             "split": split, "num_warps": 4, "num_stages": 1}
 
@@ -81,7 +100,7 @@ def pick_config_pairs(M: int, N: int, K: int, group: int, *, kind: str = "int4",
     # sm_90 K loop); NVFP4's folded scales leave room for two, 8-13% faster than one
     bk = 128 if interpret or K % 256 or (bm >= 64 and kind != "nvfp4") else 256
     steps = K // bk
-    split = 1
+    split = _interp_split(lambda: pick_config_pairs(M, N, K, group, kind=kind), steps) if interpret else 1
     if not interpret:
         # split-K: ~2048 codes of K per program (split 4 at K = 8192 is the fastest or within 2% at
         # 1, 16 and 64 rows; the 8-16 a programs-per-SM rule gives is 1.1-1.6x slower at 16 / 64
@@ -126,7 +145,8 @@ def pick_config(M: int, N: int, K: int, kind: str, group: int, chunk: int, *, in
     while bk * 2 <= bk_max and K % (bk * 2) == 0:
         bk *= 2
     steps = K // bk
-    split = 1 if interpret else split_k(-(-N // bn) * -(-M // bm), steps, SMS)
+    split = (_interp_split(lambda: pick_config(M, N, K, kind, group, chunk), steps) if interpret
+             else split_k(-(-N // bn) * -(-M // bm), steps, SMS))
     return {"kernel": "dot", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
             "split": split, "num_warps": 4, "num_stages": 3 if bm <= 16 else 2}
 

@@ -13,19 +13,13 @@ from lowbit.ops.w4a16.layout import W4Weight
 
 
 def split_k_out(x2: torch.Tensor, N: int, split: int) -> tuple[bool, torch.Tensor]:
-    """(atomic, out [M, N]) of a planar kernel's launch: with split > 1 the K slices' programs add
-    float32 partials atomically into a zeroed buffer (bias and x's dtype then by split_k_done);
-    else one program per tile writes the output in x's dtype."""
+    """(partial, out) of a planar kernel's launch: with split > 1 each K slice's programs store
+    float32 partials into an uninitialised workspace [split, M, N] (every program stores its whole
+    masked tile; lowbit.ops.triton.split_k then sums them, adds the bias and rounds to x's dtype);
+    else one program per tile writes the output [M, N] in x's dtype."""
     if split > 1:
-        return True, torch.zeros(x2.shape[0], N, device=x2.device, dtype=torch.float32)
+        return True, torch.empty(split, x2.shape[0], N, device=x2.device, dtype=torch.float32)
     return False, torch.empty(x2.shape[0], N, device=x2.device, dtype=x2.dtype)
-
-
-def split_k_done(out: torch.Tensor, x2: torch.Tensor, bias) -> torch.Tensor:
-    """A split-K launch's float32 sum, plus the bias, in x's dtype."""
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x2.dtype)
 
 
 def launch_w4a16(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool, act_scale=None) -> torch.Tensor:
@@ -56,7 +50,7 @@ def launch_w4a16(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool, act_
     if cfg["kernel"] == "dot" and cfg["BLOCK_M"] < 16:
         cfg["BLOCK_M"] = 16  # tensor-core tiles have at least 16 rows (rows past M are masked)
     wfmt = k.WFMT[w.kind]
-    atomic, out = split_k_out(x2, N, split)
+    partial, out = split_k_out(x2, N, split)
     dummy = torch.empty(1, device=x2.device, dtype=torch.float32)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, triton.cdiv(M, cfg["BLOCK_M"]))
     per_group = w.scale if w.kind in ("int4", "uint4") else w.scale_codes
@@ -64,12 +58,12 @@ def launch_w4a16(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool, act_
         k._w4a16_kernel, grid, x2, w.packed, w.scale, w.zero_point if w.zero_point is not None else dummy,
         w.scale_codes if w.scale_codes is not None else dummy,
         w.global_scale if w.global_scale is not None else dummy,
-        bias if (bias is not None and not atomic) else dummy, out,
-        M, N, K, K // split, x2.stride(0), w.packed.stride(0), per_group.stride(0), out.stride(0),
-        WFMT=wfmt, HAS_Z=w.zero_point is not None, HAS_BIAS=bias is not None and not atomic,
-        G=w.group_size, C=w.chunk, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, ATOMIC=atomic,
+        bias if (bias is not None and not partial) else dummy, out,
+        M, N, K, K // split, x2.stride(0), w.packed.stride(0), per_group.stride(0), out.stride(-2),
+        WFMT=wfmt, HAS_Z=w.zero_point is not None, HAS_BIAS=bias is not None and not partial,
+        G=w.group_size, C=w.chunk, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, PARTIAL=partial,
         USE_DOT=cfg["kernel"] == "dot", INTERP=interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return split_k_done(out, x2, bias) if atomic else out
+    return k.reduce_split_k(out, bias, x2.dtype) if partial else out
 
 
 def dequantize_w4(w: W4Weight, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -265,15 +259,15 @@ def launch_planar8(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) ->
     if kern == "dot8" and (bm < 16 or w.group_size < 128):
         raise ValueError(f"w4a16_linear: dot8 needs BLOCK_M >= 16 (got {bm}) and group_size >= 128 "
                          f"(got {w.group_size}: a plane of a group is one K = 16 tensor-core step)")
-    atomic, out = split_k_out(x2, N, split)
+    partial, out = split_k_out(x2, N, split)
     dummy = torch.empty(1, device=x2.device, dtype=torch.float32)
     words = w.packed.view(torch.int32)  # [N, K/8]; K/2 is a multiple of 4 (group >= 32 divides K)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, triton.cdiv(M, bm))
     args = (x2, words, w.scale, w.zero_point if w.zero_point is not None else dummy,
-            bias if (bias is not None and not atomic) else dummy, out,
-            M, N, K, K // split, x2.stride(0), words.stride(0), w.scale.stride(0), out.stride(0))
-    common = dict(SIGNED=w.kind == "int4", HAS_Z=w.zero_point is not None, HAS_BIAS=bias is not None and not atomic,
-                  C=w.group_size, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, ATOMIC=atomic, INTERP=interp,
+            bias if (bias is not None and not partial) else dummy, out,
+            M, N, K, K // split, x2.stride(0), words.stride(0), w.scale.stride(0), out.stride(-2))
+    common = dict(SIGNED=w.kind == "int4", HAS_Z=w.zero_point is not None, HAS_BIAS=bias is not None and not partial,
+                  C=w.group_size, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, PARTIAL=partial, INTERP=interp,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if kern == "gemv8":
         launch(k._w4a16_gemv8_kernel, grid, *args, EVEN_N=N % cfg["BLOCK_N"] == 0, EVEN_M=M % bm == 0, **common)
@@ -283,4 +277,4 @@ def launch_planar8(x2: torch.Tensor, w: W4Weight, bias, config, interp: bool) ->
             raise ValueError(f"w4a16_linear: dot8 config 'unpack' must be 0 (float32 unpack) or 1 (packed "
                              f"16-bit pairs, GPU only), got {unpack}")
         launch(k._w4a16_dot8_kernel, grid, *args, UNPACK=unpack, **common)
-    return split_k_done(out, x2, bias) if atomic else out
+    return k.reduce_split_k(out, bias, x2.dtype) if partial else out

@@ -19,13 +19,14 @@ the rounding is float32 accumulation (and the output cast):
   (QTensor's effective scale is float32(e4m3 * g): a relative difference <= 2^-24 per weight).
 Two inner products: DOT (tensor cores, BLOCK_M >= 16 rows, rows past M masked) for M > 2,
 and GEMV (float32 FMAs and a reduction, no layout change for the tensor cores) for M <= 2.
-Split-K adds float32 partials into a zeroed float32 output with atomics. In Triton's CPU
-interpreter (no bf16 dot there) the dot operands are widened to float32 first (exact).
+Split-K stores float32 partials, one per K slice, into a workspace [split, M, N]; a second
+kernel (lowbit.ops.triton.split_k.reduce_split_k) sums them in a fixed order, adds the bias and
+rounds to x's dtype. In Triton's CPU interpreter (no bf16 dot there) the dot operands are
+widened to float32 first (exact).
 
 Second layout "planar8" (int4 / uint4; below): kernels _w4a16_gemv8_kernel (CUDA cores,
-M <= 4) and _w4a16_dot8_kernel (tensor cores). Split-K there is atomic as well: the float32
-sum order of the partials varies from run to run (the error bound counts `split` extra
-roundings either way).
+M <= 4) and _w4a16_dot8_kernel (tensor cores). Split-K there is the same workspace and reduction
+(split - 1 float32 additions of the partials in a fixed order: the results are deterministic).
 
 The kernels live by layout: codes (decoders shared by all), planar (planar chunks: DOT / GEMV
 and the dequantization for large M), planar8 (gemv8, dot8) and pairs. This package's names are
@@ -35,3 +36,4 @@ from .codes import WFMT, W_INT4, W_MXFP4, W_NVFP4, W_UINT4, _e2m1_value, _scale_
 from .pairs import _pairs_dequant_kernel, _w4a16_pairs_kernel  # noqa: F401
 from .planar import _w4_dequant_kernel, _w4a16_kernel  # noqa: F401
 from .planar8 import _w4a16_dot8_kernel, _w4a16_gemv8_kernel  # noqa: F401
+from ..split_k import reduce_split_k  # noqa: F401

@@ -15,15 +15,19 @@ from .codes import WFMT
 def _w4a16_kernel(
     X, W, S, Z, SC, GS, BIAS, OUT, M, N, K, K_SPLIT, s_xm, s_wn, s_sn, s_om,
     WFMT: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, G: tl.constexpr, C: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
     USE_DOT: tl.constexpr, INTERP: tl.constexpr,
 ):
     """Grid (cdiv(N, BLOCK_N), split, cdiv(M, BLOCK_M)); each program covers K_SPLIT (a
     multiple of BLOCK_K, itself a multiple of the chunk C) starting at pid_k * K_SPLIT.
     X [M, K]; W [N, K/2] uint8 (planar chunks); S fp32 [N, K/G]; Z int8 [N, K/G];
-    SC uint8 [N, K/G]; GS fp32 [1]; OUT [M, N] (float32 when ATOMIC)."""
+    SC uint8 [N, K/G]; GS fp32 [1]; OUT [M, N]; PARTIAL (split-K): a float32
+    workspace [split, M, N], this program's partial written at split pid_k (summed by
+    lowbit.ops.triton.split_k)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    if PARTIAL:  # split-K: this split's slice of the float32 workspace (rows of s_om = N elements)
+        OUT += pid_k.to(tl.int64) * M * s_om
     pid_m = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -80,12 +84,9 @@ def _w4a16_kernel(
         acc = acc * tl.load(GS)
     o_ptr = OUT + offs_m[:, None].to(tl.int64) * s_om + offs_n[None, :]
     o_ok = m_ok[:, None] & n_ok[None, :]
-    if ATOMIC:
-        tl.atomic_add(o_ptr, acc, mask=o_ok, sem="relaxed")
-    else:
-        if HAS_BIAS:
-            acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(o_ptr, round_to(acc, OUT.dtype.element_ty), mask=o_ok)
+    if HAS_BIAS:
+        acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(o_ptr, round_to(acc, OUT.dtype.element_ty), mask=o_ok)
 
 
 # ------------------------------------------------------------------------------------------

@@ -67,23 +67,20 @@ def _gemv8_row(acc, f, x_ptr, m_ok, p: tl.constexpr, EVEN_M: tl.constexpr):
 
 
 @triton.jit
-def _gemv8_store(acc, OUT, BIAS, row, M, offs_n, n_ok, s_om, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr):
+def _gemv8_store(acc, OUT, BIAS, row, M, offs_n, n_ok, s_om, HAS_BIAS: tl.constexpr):
     out = tl.sum(acc, axis=1)
     o_ok = n_ok & (row < M)
     o_ptr = OUT + row.to(tl.int64) * s_om + offs_n
-    if ATOMIC:
-        tl.atomic_add(o_ptr, out, mask=o_ok, sem="relaxed")
-    else:
-        if HAS_BIAS:
-            out += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(o_ptr, round_to(out, OUT.dtype.element_ty), mask=o_ok)
+    if HAS_BIAS:
+        out += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(o_ptr, round_to(out, OUT.dtype.element_ty), mask=o_ok)
 
 
 @triton.jit
 def _w4a16_gemv8_kernel(
     X, W, S, Z, BIAS, OUT, M, N, K, K_SPLIT, s_xm, s_wn, s_sn, s_om,
     SIGNED: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, C: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_M: tl.constexpr, INTERP: tl.constexpr,
 ):
     """Grid (cdiv(N, BLOCK_N), split, cdiv(M, BLOCK_M)); each program covers K_SPLIT codes
@@ -91,10 +88,14 @@ def _w4a16_gemv8_kernel(
     (1, 2 or 4) rows of x, each with its own [BLOCK_N, C/8] float32 accumulator (2-D tiles
     only: one register layout for weights, x and accumulators, no shared-memory shuffles).
     X [M, K] bf16/fp16; W int32 [N, K/8] (planar8, s_wn in words); S fp32 [N, K/G];
-    Z int8 [N, K/G]; OUT [M, N] (float32 when ATOMIC)."""
+    Z int8 [N, K/G]; OUT [M, N]; PARTIAL (split-K): a float32
+    workspace [split, M, N], this program's partial written at split pid_k (summed by
+    lowbit.ops.triton.split_k)."""
     KW: tl.constexpr = C // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    if PARTIAL:  # split-K: this split's slice of the float32 workspace (rows of s_om = N elements)
+        OUT += pid_k.to(tl.int64) * M * s_om
     m0 = tl.program_id(2) * BLOCK_M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -151,12 +152,12 @@ def _w4a16_gemv8_kernel(
         w_ptr += BLOCK_K // 8
         x_ptr += BLOCK_K
         s_ptr += BLOCK_K // C
-    _gemv8_store(acc0, OUT, BIAS, m0, M, offs_n, n_ok, s_om, HAS_BIAS, ATOMIC)
+    _gemv8_store(acc0, OUT, BIAS, m0, M, offs_n, n_ok, s_om, HAS_BIAS)
     if BLOCK_M >= 2:
-        _gemv8_store(acc1, OUT, BIAS, m0 + 1, M, offs_n, n_ok, s_om, HAS_BIAS, ATOMIC)
+        _gemv8_store(acc1, OUT, BIAS, m0 + 1, M, offs_n, n_ok, s_om, HAS_BIAS)
     if BLOCK_M >= 4:
-        _gemv8_store(acc2, OUT, BIAS, m0 + 2, M, offs_n, n_ok, s_om, HAS_BIAS, ATOMIC)
-        _gemv8_store(acc3, OUT, BIAS, m0 + 3, M, offs_n, n_ok, s_om, HAS_BIAS, ATOMIC)
+        _gemv8_store(acc2, OUT, BIAS, m0 + 2, M, offs_n, n_ok, s_om, HAS_BIAS)
+        _gemv8_store(acc3, OUT, BIAS, m0 + 3, M, offs_n, n_ok, s_om, HAS_BIAS)
 
 
 @triton.jit
@@ -183,7 +184,7 @@ def _half2_planes(wd, cpair, i: tl.constexpr, HALF: tl.constexpr):
 def _w4a16_dot8_kernel(
     X, W, S, Z, BIAS, OUT, M, N, K, K_SPLIT, s_xm, s_wn, s_sn, s_om,
     SIGNED: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, C: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
     INTERP: tl.constexpr, UNPACK: tl.constexpr = 0,
 ):
     """"dot8": the tensor-core form on the planar8 layout, for M = 16..64. Per group and
@@ -197,6 +198,8 @@ def _w4a16_dot8_kernel(
     KW: tl.constexpr = C // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    if PARTIAL:  # split-K: this split's slice of the float32 workspace (rows of s_om = N elements)
+        OUT += pid_k.to(tl.int64) * M * s_om
     pid_m = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -252,9 +255,6 @@ def _w4a16_dot8_kernel(
         s_idx += BLOCK_K // C
     o_ptr = OUT + offs_m[:, None].to(tl.int64) * s_om + offs_n[None, :]
     o_ok = m_ok[:, None] & n_ok[None, :]
-    if ATOMIC:
-        tl.atomic_add(o_ptr, acc, mask=o_ok, sem="relaxed")
-    else:
-        if HAS_BIAS:
-            acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(o_ptr, round_to(acc, OUT.dtype.element_ty), mask=o_ok)
+    if HAS_BIAS:
+        acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(o_ptr, round_to(acc, OUT.dtype.element_ty), mask=o_ok)
