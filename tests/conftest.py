@@ -116,6 +116,14 @@ def kernel_device(request):
     return request.param
 
 
+@pytest.fixture
+def interpreter():
+    """A test of kernel logic on CPU tensors through Triton's interpreter: left to CI on a CUDA
+    machine, where the interpreter is off."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU (interpreter) variant runs in CI, where there is no CUDA")
+
+
 @pytest.fixture(params=DEVICES)
 def device(request):
     """Run a test on the CPU and, where present, on CUDA."""

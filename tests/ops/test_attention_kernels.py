@@ -167,7 +167,7 @@ class FakeGroupKernel(AttentionKernel):
         return torch.ones(q.shape, dtype=out_dtype)
 
 
-def test_a_registered_class_runs_the_calls_it_takes(rng):
+def test_a_registered_class_runs_the_calls_it_takes(rng, interpreter):
     D = 32
     q = torch.randn(1, 2, 3, D, generator=rng)
     kv = torch.randn(1, 1, 20, D, generator=rng)

@@ -137,7 +137,7 @@ def test_a_layout_refusal_moves_on_to_the_next_kernel(rng):
     assert q(torch.randn(2, 96, generator=rng).bfloat16()) is not None and q.last_path == "dequantized"
 
 
-def test_the_tuning_table_paths_are_classes(rng):
+def test_the_tuning_table_paths_are_classes(rng, interpreter):
     """A "dequant" cell for this layer's kind, shape and bucket runs DequantW4A16 at that bucket's M, the
     kernel class elsewhere, and the layer's output at that M is that class's apply."""
     N, K = 40, 256
@@ -177,7 +177,7 @@ class FakeW4A16(TritonW4A16):
 FakeW4A16.dequant = None
 
 
-def test_a_registered_kernel_takes_the_layers_it_can_run(rng):
+def test_a_registered_kernel_takes_the_layers_it_can_run(rng, interpreter):
     g32 = QuantScheme(format="int4", strategy="group", group_size=32)
     x = torch.randn(3, 128, generator=rng).bfloat16()
     plain = _linear(rng, 24, 128, g32, None, backend="kernel")

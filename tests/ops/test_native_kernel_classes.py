@@ -69,7 +69,7 @@ def test_group_sizes_outside_the_kernel_are_refused_by_scheme(opted_in):
 @pytest.mark.parametrize("case,call,twin,base", [("w4a16", "w4a16", "twin_w4a16", TritonW4A16),
                                                 ("w8a16", "w8a16", "twin_w8a16", TritonW8A16),
                                                 ("w8a8-int8", "w8a8", "twin_w8a8", TritonW8A8Int8)])
-def test_apply_reads_the_native_layout(case, call, twin, base, opted_in, monkeypatch):
+def test_apply_reads_the_native_layout(case, call, twin, base, opted_in, monkeypatch, interpreter):
     """Decode rows through the class's native operands (the twin standing in for the GPU), with and without
     a float32 / bf16 bias, pass the float64 reference's gate for an fp32 accumulator and a bf16 output;
     more rows, or an fp16 bias, run the Triton class on its own operands, bit for bit."""

@@ -19,6 +19,8 @@ from lowbit.ops.w4a16 import configs, launch
 from lowbit.ops.weight_only import prepare_w4
 from lowbit.recipes.presets import LM_HEAD, RECIPES
 
+pytestmark = pytest.mark.usefixtures("interpreter")      # CPU tensors through Triton's interpreter
+
 # case -> why its decode call computes in torch (the op names the test saw, as of this list)
 REFUSES_PLAN = {
     "w8a8-int8-tensor": "one dynamic int8 scale per tensor: quantize_tensor_int8 runs in torch between the "

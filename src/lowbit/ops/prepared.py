@@ -76,15 +76,11 @@ def _choice(spec: Spec, M: int):
 def qlinear_op(x2: torch.Tensor, operands: list[torch.Tensor], bias: torch.Tensor | None, spec: str,
                graphs: int = -1) -> torch.Tensor:
     """`run` as one opaque op for torch.compile / CUDA graphs (spec: Spec.to_json(); graphs: the
-    layer's GraphCache.key, -1 for none). A compiled model without CUDA graphs calls this body
-    eagerly for every layer: with the layer's cache it takes the eager forward's decode path
-    (recorded launches, a few microseconds of host time) instead of the launchers (tens of
-    microseconds); while a stream is being captured (torch's own graphs) it launches directly."""
+    layer's GraphCache.key, -1 for none). It launches directly: the eager forward's recorded plans
+    keep intermediate buffers alive across calls, which torch's CUDA-graph trees refuse in their
+    pool (reduce-overhead mode), so the compiled path does not use them."""
     sp = spec_from_json(spec)
-    cache = GraphCache.of(graphs)
-    if cache is None or not x2.is_cuda or torch.cuda.is_current_stream_capturing():
-        return run(sp, x2, dict(zip(sp.operands, operands)), bias)
-    return forward(sp, spec, x2, operands, bias, cache)
+    return run(sp, x2, dict(zip(sp.operands, operands)), bias)
 
 
 @qlinear_op.register_fake

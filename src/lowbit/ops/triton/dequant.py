@@ -24,7 +24,10 @@ import triton.language as tl
 from .common import decode_e4m3fn, interpreting, launch
 from .fused_quant import _absmax, _codes, _group_scales, _ld, _st, nvfp4_block_scales, round_to, tensor_scale
 from .w4a16 import _e2m1_value, block_scale
-from .w4a16.codes import W_INT4, _nibble_value
+from .w4a16.codes import W_INT4 as _W_INT4, _nibble_value
+
+# a constexpr: compiled Triton reads only constexpr globals (the interpreter reads any)
+W_INT4 = tl.constexpr(_W_INT4)
 
 E4M3, E2M1 = 0, 1
 E8M0, SCALE_E4M3 = 2, 3   # block_scale's codes (w4a16.py: MXFP4 = 2, NVFP4 = 3; SCALE_KIND + 1)
