@@ -78,7 +78,7 @@ def _dequantize_triton(kernel, name, ops, out, offsets):
 
 
 @pytest.mark.parametrize("name", list(SCHEMES))
-def test_scratch_weights_are_the_exact_weights_in_bf16(name, rng):
+def test_scratch_weights_are_the_exact_weights_in_bf16(name, rng, interpreter):
     """The Triton kernel (interpreter; with the routing's offsets only the experts that have rows are
     written, the others keep what the buffer held) and the CPU twin write every weight bit for bit as
     _exact_bf16. N = 20: 16-row programs straddle two experts."""
