@@ -62,7 +62,8 @@ def test_every_mode_end_to_end(tmp_path, rng, capsys):
     quantize_model(model, "w4a16", lm_head="int8")
     head_q = resident_bytes(model.lm_head, torch.device("cpu"))
     assert 0 < head_q < c.vocab_size * c.hidden_size * 4
-    w = {r["variant"]: r["weight_bytes"] for r in rows}
+    # (a torchao row that says why it did not run carries no weights: skipped above too)
+    w = {r["variant"]: r["weight_bytes"] for r in rows if "weight_bytes" in r}
     assert w["w4a16"] - w["w4a16+lm_head=int8"] == c.vocab_size * c.hidden_size * 4 - head_q
     printed = capsys.readouterr().out
     tail = printed[printed.index("# lowbit bench model"):]
