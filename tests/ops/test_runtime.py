@@ -285,17 +285,3 @@ def test_loaded_checkpoint_is_prepared(rng, tmp_path):
     bf = load_compressed(tmp_path / "ck").to_model(dtype=torch.bfloat16)
     assert bf.model.embed_tokens.weight.dtype == torch.bfloat16
     assert bf.model.layers[0].mlp.down_proj.fast_w.dtype == torch.int8   # q/k/v, gate/up: in the SharedGEMMs
-
-
-def test_graph_caches_are_found_by_key_while_their_layer_lives():
-    """The custom op takes no Python objects, so a compiled model names each layer's GraphCache by
-    its key: found while the layer lives, never reused, gone with the layer (a weak registry)."""
-    import gc
-    a, b = runtime.GraphCache(), runtime.GraphCache()
-    assert a.key != b.key and runtime.GraphCache.of(a.key) is a and runtime.GraphCache.of(b.key) is b
-    c = copy.deepcopy(a)
-    assert c.key not in (a.key, b.key) and runtime.GraphCache.of(c.key) is c
-    gone = b.key
-    del b
-    gc.collect()
-    assert runtime.GraphCache.of(gone) is None and runtime.GraphCache.of(-1) is None

@@ -24,9 +24,6 @@ QuantLinear(check=True) runs the exact path, which raises on them.
 """
 from __future__ import annotations
 
-import itertools
-import weakref
-
 import torch
 
 from lowbit.ops import bound, tuning
@@ -73,18 +70,14 @@ def _choice(spec: Spec, M: int):
 
 # ---------------------------------------------------------------------------- custom op
 @torch.library.custom_op("lowbit::qlinear", mutates_args=())
-def qlinear_op(x2: torch.Tensor, operands: list[torch.Tensor], bias: torch.Tensor | None, spec: str,
-               graphs: int = -1) -> torch.Tensor:
-    """`run` as one opaque op for torch.compile / CUDA graphs (spec: Spec.to_json(); graphs: the
-    layer's GraphCache.key, -1 for none). It launches directly: the eager forward's recorded plans
-    keep intermediate buffers alive across calls, which torch's CUDA-graph trees refuse in their
-    pool (reduce-overhead mode), so the compiled path does not use them."""
+def qlinear_op(x2: torch.Tensor, operands: list[torch.Tensor], bias: torch.Tensor | None, spec: str) -> torch.Tensor:
+    """`run` as one opaque op for torch.compile / CUDA graphs (spec: Spec.to_json())."""
     sp = spec_from_json(spec)
     return run(sp, x2, dict(zip(sp.operands, operands)), bias)
 
 
 @qlinear_op.register_fake
-def _(x2, operands, bias, spec, graphs=-1):
+def _(x2, operands, bias, spec):
     return x2.new_empty((x2.shape[0], spec_from_json(spec).N))
 
 
@@ -99,20 +92,7 @@ GRAPH_MAX_M = 16
 
 class GraphCache(dict):
     """A layer's recorded plans and captured decode graphs, keyed by (rows, dtype, ...). Never
-    copied (deepcopy / pickling give an empty cache: plans and graphs hold device pointers).
-    `key` names it to the custom op (which takes no Python objects); GraphCache.of finds it while
-    the layer lives (a weak reference: the registry never keeps a layer's plans alive)."""
-    _live: "weakref.WeakValueDictionary[int, GraphCache]" = weakref.WeakValueDictionary()
-    _keys = itertools.count()
-
-    def __init__(self):
-        super().__init__()
-        self.key = next(GraphCache._keys)      # never reused, unlike id()
-        GraphCache._live[self.key] = self
-
-    @classmethod
-    def of(cls, key: int) -> "GraphCache | None":
-        return cls._live.get(key)
+    copied (deepcopy / pickling give an empty cache: plans and graphs hold device pointers)."""
 
     def __deepcopy__(self, memo):
         return GraphCache()
@@ -127,7 +107,7 @@ def forward(spec: Spec, spec_json: str, x2: torch.Tensor, operands: list[torch.T
     directly (a custom op's dispatch costs microseconds a call) or replay the layer's graph; under
     torch.compile: the custom op (whose CUDA-graph capture is then torch's own)."""
     if torch.compiler.is_compiling():
-        return qlinear_op(x2, operands, bias, spec_json, -1 if graphs is None else graphs.key)
+        return qlinear_op(x2, operands, bias, spec_json)
     if graphs is not None and x2.is_cuda and x2.shape[0] <= PLAN_MAX_M and spec.graphable:
         key = (x2.shape[0], x2.dtype, x2.stride(0), x2.data_ptr() & 15 == 0)
         plan = graphs.get(key)

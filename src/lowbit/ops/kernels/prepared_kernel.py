@@ -50,9 +50,7 @@ class Spec:
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=4096)
 def spec_from_json(text: str) -> Spec:
-    """The Spec of Spec.to_json()'s text (cached: the custom op parses it on every call; a Spec is frozen)."""
     d = json.loads(text)
     d["operands"] = tuple(d["operands"])
     return Spec(**d)
