@@ -6,6 +6,11 @@ from __future__ import annotations
 import sys
 
 
+def say_flushed(line: str) -> None:
+    """A workflow's default voice for its lines: printed and flushed (progress bars share the terminal)."""
+    print(line, flush=True)
+
+
 def progress_bar(iterable=None, *, desc: str, unit: str = "it", total: int | None = None, leave: bool = True):
     """Wrap `iterable` (or count `total` steps by update()) as tqdm would; off a terminal, say
     "desc: N units" once and hand the iterable back unchanged."""

@@ -19,10 +19,10 @@ from lowbit.evaluation import text_files as T
 from lowbit.evaluation.embedded import _offline, wiki_token_ids, windows
 from lowbit.evaluation.workload import tokenizer_files
 from lowbit.pipelines.layerwise import MOE_FAMILIES
+from lowbit.progress import say_flushed
 from lowbit.recipes.loaders import add_form, loader_warnings, recipe_form
 from lowbit.recipes.plan import match
 from lowbit.recipes.presets import RECIPES
-from lowbit.workflows.session import say_flushed
 
 
 def loader_lines(model_dir: str, recipe: str, ignore) -> list[str]:

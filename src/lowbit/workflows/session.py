@@ -39,16 +39,12 @@ from lowbit.evaluation.workload import (CALIB_TOKENS, EVAL_TOKENS, Loaded, Texts
 from lowbit.io.outdir import staged
 from lowbit.nn.experts import QuantExperts
 from lowbit.pipelines.checkpoint import save_compressed
+from lowbit.progress import say_flushed
 from lowbit.recipes.plan import linear_layers
 from lowbit.workflows.job import QuantizeJob
 from lowbit.workflows.quantize import JobRun, checkpoint_bytes, quantize_job, round_float_parts
 from lowbit.workflows.steps import SmoothQuant
 
-
-
-def say_flushed(line: str) -> None:
-    """A session's default voice: each line printed and flushed (progress bars share the terminal)."""
-    print(line, flush=True)
 
 
 @dataclass(frozen=True)
