@@ -497,7 +497,7 @@ def run(args) -> int:
         session.write(result, outs[recipe], save=not args.no_save, overwrite=args.overwrite)
         if D.rank() != 0:
             continue
-        print(result.line(session.dtype_name), flush=True)
+        print(result.line(), flush=True)
         run_ = result.run
         if run_.clipping:
             worst = run_.clipping[0]

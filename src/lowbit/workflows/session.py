@@ -10,7 +10,7 @@ once, then for each job quantize a copy (lowbit.workflows.quantize.quantize_job)
     job = lb.QuantizeJob.build("w8a8-int8", lb.best_steps("w8a8-int8").steps)
     res = s.quantize(job)
     s.write(res, "w8a8-int8-out")
-    print(res.line(s.dtype_name))
+    print(res.line())
 
 `lowbit quantize` parses its flags, runs the checks that need no model, and calls these four steps;
 what it prints is what the session says (`say`: printed by default). Under torchrun every rank
@@ -99,11 +99,12 @@ class RecipeResult:
     routing: object = None                             # routing_report.RoutingReport (MoE) or None
     saved: bool = False                                # the checkpoint was written (write(..., save=True))
     out: Path | None = None
+    dtype_name: str = "float32"                        # the float parts' dtype (the session's)
 
-    def line(self, dtype_name: str) -> str:
+    def line(self) -> str:
         """The closing line: the metric before -> after, KL / top-1, the bytes and the report's path."""
         r = self.report
-        size = (f"bytes {_mib(r.bytes_before)} ({dtype_name} float) -> {_mib(r.bytes_after)} "
+        size = (f"bytes {_mib(r.bytes_before)} ({self.dtype_name} float) -> {_mib(r.bytes_after)} "
                 f"({'on disk' if self.saved else 'estimated'})")
         md = (self.out or Path(".")) / "lowbit_report.md"
         if r.after is None:
@@ -241,7 +242,7 @@ class QuantizeSession:
             say(routing.to_markdown())
             res.sites_markdown.append(("MoE routing (calibration batches, against the float model)",
                                        routing.to_markdown()))
-        return RecipeResult(job, run, res, list(zip(reps, labels)), routing)
+        return RecipeResult(job, run, res, list(zip(reps, labels)), routing, dtype_name=self.dtype_name)
 
     def write(self, result: RecipeResult, out: str | Path, *, save: bool = True, overwrite: bool = False) -> None:
         """Write the checkpoint (save=False: the report only) and the report (markdown + PNGs) into
