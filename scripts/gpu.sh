@@ -25,6 +25,9 @@
 #   w4probe      the W4A16 pairs kernel's weight loads alone vs the kernel (lowbit.bench.w4_probe)
 #   w4configs    the W4A16 pairs kernel under a few configurations vs bf16 (scripts/gpu_w4_configs.py)
 #   audit        `lowbit audit` on the GPU (PROBE=1 adds the fp8 accumulator probe)
+#   verify       `lowbit audit --attention` on the GPU, then `lowbit verify-model --device cuda` of tiny
+#                random-weight checkpoints written there (scripts/tiny_checkpoint.py): dense w8a8-fp8,
+#                w4a16 and w8a8-int8 with an fp8 KV cache under lowbit's attention, Qwen3-MoE w8a8-fp8 and w4a16
 #   probe        the fp8 accumulator probe alone (scripts/gpu_fastaccum_probe.py; PROBE_M=1: one row)
 #   mma          `lowbit probe`: this GPU's matrix-multiply accumulators from test vectors (mma-probe.json)
 #   attention    python -m lowbit.bench.attention: attention over a quantized KV cache vs bf16 SDPA
@@ -45,9 +48,9 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 out="${OUT:-$root/out}"; mkdir -p "$out"
 export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-if [ $# -eq 0 ]; then sed -n '2,39p' "$0" | sed 's/^# \{0,1\}//'; exit 2; fi
+if [ $# -eq 0 ]; then sed -n '2,45p' "$0" | sed 's/^# \{0,1\}//'; exit 2; fi
 parts=",$1,"
-known=",suite,tests,doctor,gemm,memory,layers,model,moe,profile,w4probe,w4configs,audit,probe,mma,attention,distributed,tune,eager,native,"
+known=",suite,tests,verify,doctor,gemm,memory,layers,model,moe,profile,w4probe,w4configs,audit,probe,mma,attention,distributed,tune,eager,native,"
 for p in ${1//,/ }; do
   [[ $known == *,$p,* ]] || { echo "scripts/gpu.sh: unknown part '$p'; parts: ${known:1:-1}" >&2; exit 2; }
 done
@@ -198,6 +201,25 @@ if [[ $parts == *,audit,* ]]; then
   # the data behind verify/accumulate.py's fp8 accumulator model (benchmarks/results/fastaccum_probe_h200.npz)
   [ "${PROBE:-0}" = 1 ] && timeout 60 python3 scripts/gpu_fastaccum_probe.py 2>&1 | tee -a "$sum"
 fi
+if [[ $parts == *,verify,* ]]; then
+  timeout "${AUDIT_TIMEOUT:-120}" python3 -m lowbit.entrypoints.main audit --attention --json "$out/audit_attention_gpu.json" \
+      --png "$out/audit_attention_gpu.png" >"$out/audit_attention_gpu.txt" 2>&1
+  echo "audit --attention rc=$?" | tee -a "$sum"
+  while read -r name args; do
+    ck="/tmp/lowbit-ck-$name"; rm -rf "$ck"
+    timeout 120 python3 scripts/tiny_checkpoint.py "$ck" $args >/dev/null 2>"$out/verify_$name.txt"
+    extra=(); [[ $args == *--kv-cache* ]] && extra=(--attention fp8)
+    timeout 150 python3 -m lowbit.entrypoints.main verify-model "$ck" --device cuda ${extra[@]+"${extra[@]}"} \
+        >>"$out/verify_$name.txt" 2>&1
+    echo "verify-model $name rc=$? :: $(grep -E '^  (dense|experts|attention) ' "$out/verify_$name.txt" | tr -s ' ' | cut -c1-60 | paste -sd';')" | tee -a "$sum"
+  done <<'CK'
+dense-fp8 w8a8-fp8
+dense-w4a16 w4a16
+kv-fp8 w8a8-int8 --kv-cache fp8-head
+moe-fp8 w8a8-fp8 --moe
+moe-w4a16 w4a16 --moe
+CK
+fi
 if [[ $parts == *,probe,* ]]; then
   timeout 60 python3 scripts/gpu_fastaccum_probe.py 2>&1 | tail -n 5 | tee -a "$sum"
 fi
@@ -224,6 +246,7 @@ fi
 [ -f "$out/profile.log" ] && grep -vE "Warning|warn" "$out/profile.log" | tail -n 60
 [ -f "$out/w4probe.log" ] && grep -vE "Warning|warn" "$out/w4probe.log" | tail -n 20
 [ -f "$out/audit_gpu.txt" ] && tail -n 30 "$out/audit_gpu.txt"
+[ -f "$out/audit_attention_gpu.txt" ] && tail -n 25 "$out/audit_attention_gpu.txt"
 [ -f "$out/distributed.log" ] && tail -n 30 "$out/distributed.log"
 [ -f "$out/mma.log" ] && tail -n 30 "$out/mma.log"
 [ -f "$out/bench_attention.log" ] && tail -n 30 "$out/bench_attention.log"

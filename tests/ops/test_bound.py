@@ -85,6 +85,32 @@ def test_plan_refuses_computing_ops_views_and_slow_launches(rng):
     assert bound._RECORDING is None      # the recorder is reset after every call, refused or not
 
 
+def test_plan_with_slots_serves_another_layer(rng):
+    """Recorded with the layer's weight as a slot, a plan keeps its position, not the tensor: a replay
+    with another layer's weight computes with that weight; a view of a slot is refused (it would
+    read the recording layer's memory for every other layer)."""
+    w0, w1 = torch.randn(7, 5, generator=rng), torch.randn(7, 5, generator=rng)
+    k = _FakeCompiled(lambda x, w_, out: out.copy_(x @ w_.T))
+
+    def call_with(w_):
+        def call(x):
+            out = torch.empty(x.shape[0], w_.shape[0])
+            bound.note_launch(k, (1,), (x, w_, out), ())
+            return out
+        return call
+    _, plan, why = bound.record(call_with(w0), torch.randn(3, 5, generator=rng), slots=(w0,))
+    assert why is None
+    x = torch.randn(3, 5, generator=rng)
+    assert torch.equal(plan(x, 0, (w1,)), x @ w1.T) and torch.equal(plan(x, 0, (w0,)), x @ w0.T)
+
+    def view_of_slot(a):
+        out = torch.empty(3, 7)
+        bound.note_launch(k, (1,), (a, w0[:, :5], out), ())
+        return out
+    _, plan, why = bound.record(view_of_slot, x, slots=(w0,))
+    assert plan is None and "view of a layer operand" in why
+
+
 def test_plan_recording_is_reset_after_an_error(rng):
     def boom(a):
         raise RuntimeError("kernel failed")
@@ -117,6 +143,35 @@ def test_decode_plans_match_direct_launches(rng, recipe, M):
         kept.append((y, y.clone()))
     assert any(isinstance(v, bound.Plan) for v in q._graphs.values()), bound.REFUSALS
     assert all(torch.equal(a, b) for a, b in kept)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="recorded plans replay CUDA kernels")
+@pytest.mark.parametrize("recipe", ["w8a8-int8", "w4a16"])
+@pytest.mark.parametrize("M", [1, 16])
+def test_compiled_calls_replay_one_plan_per_spec(rng, recipe, M):
+    """torch.compile's default mode runs the lowbit::qlinear op; on the default stream its decode
+    calls replay a plan shared by the layers of one spec, with each layer's operands as slots: two
+    layers of one shape give their own direct launches' outputs bit for bit, call after call."""
+    from lowbit.nn import QuantLinear, get_recipe
+    from lowbit.ops import prepared as runtime
+
+    r = get_recipe(recipe)
+    layers = []
+    for _ in range(2):
+        lin = torch.nn.Linear(512, 512)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(512, 512, generator=rng) * 0.05)
+        layers.append(QuantLinear.from_linear(lin, r.weight, r.act).to("cuda"))
+    seq = torch.compile(torch.nn.Sequential(*layers))
+    for _ in range(4):
+        x = torch.randn(M, 512, generator=rng).to("cuda", torch.bfloat16)
+        y = seq(x)
+        want = x
+        for q in layers:
+            want = runtime.run(q.fast_spec, want, {n: getattr(q, "fast_" + n) for n in q.fast_spec.operands}, q.bias)
+        assert torch.equal(y, want)
+    spec = layers[0]._fast_json
+    assert any(k[0] == spec and isinstance(v, bound.Plan) for k, v in runtime._OP_PLANS.items()), bound.REFUSALS
 
 
 def test_launch_takes_the_cached_path_without_hooks(monkeypatch):

@@ -8,6 +8,7 @@ import torch
 
 import lowbit as lb
 from lowbit.ops.grouped import sort_tokens
+from lowbit.ops.kernels.base import fp8_dot_accumulator
 from lowbit.ops.grouped_configs import (KINDS, M_BUCKETS, GroupedConfig, check_config, grouped_candidates,
                                         grouped_config, grouped_default_config, m_bucket, register_grouped_table)
 from lowbit.ops.triton.grouped import grouped_fp8, grouped_int8, grouped_w4a16, grouped_w8a16
@@ -104,7 +105,7 @@ def test_w8a8_configs_int8_bit_exact_fp8_within_gate(config, rng):
     out = grouped_fp8(*[t.to(DEV) for t in (xq.codes, xq.scale, _stack(wq, "codes"), _stack(wq, "scale"))], on_dev,
                       config=config, out_dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16
-    _check(out, x, w, routing, x_scheme=r.act, w_scheme=r.weight)
+    _check(out, x, w, routing, x_scheme=r.act, w_scheme=r.weight, accumulator=fp8_dot_accumulator(DEV))
 
 
 def test_candidates_are_valid_small_and_start_with_the_default():

@@ -7,6 +7,7 @@ import torch
 
 import lowbit as lb
 from lowbit.ops.grouped import route_fixed, scale_words_int32, sfa_words, sfb_words, sort_tokens
+from lowbit.ops.kernels.base import fp8_dot_accumulator
 from lowbit.ops.triton.grouped import grouped_fp8, grouped_int8, grouped_w4a16, grouped_w8a16
 from lowbit.ops.triton.grouped_mx import grouped_mxfp8, sfa_for_tokens, sfb_for_experts
 from lowbit.ops.triton.grouped_schedule import block_schedule, max_tiles
@@ -44,7 +45,8 @@ def test_grouped_fp8_within_gate(E, kind, rng):
     xq, wq = lb.quantize(x, r.act), [lb.quantize(w[e], r.weight) for e in range(E)]
     out = grouped_fp8(*_dev(xq.codes, xq.scale, _stack(wq, "codes"), _stack(wq, "scale")), sort_tokens(idx.to(DEV), E),
                       bias=bias.to(DEV)).cpu()
-    v = check_grouped_linear(out, x[routing.token], w, routing.offsets, x_scheme=r.act, w_scheme=r.weight, bias=bias)
+    v = check_grouped_linear(out, x[routing.token], w, routing.offsets, x_scheme=r.act, w_scheme=r.weight, bias=bias,
+                             accumulator=fp8_dot_accumulator(DEV))
     assert v.passed, v.report()
 
 

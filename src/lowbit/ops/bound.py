@@ -72,8 +72,10 @@ def computing_ops(fn, *args) -> tuple:
 
 
 class Plan:
-    """The recorded launches of one call: `plan(x2, stream)` runs them on a new input x2 of the
-    recorded rows, dtype, row stride and 16-byte alignment, into a fresh output."""
+    """The recorded launches of one call: `plan(x2, stream, slots)` runs them on a new input x2 of the
+    recorded rows, dtype, row stride and 16-byte alignment, into a fresh output; `slots` are the
+    call's per-layer tensors where the plan was recorded with them (record(..., slots=)), so one plan
+    serves every layer of one kind and shape."""
 
     __slots__ = ("launches", "out_shape", "out_dtype", "device")
 
@@ -81,14 +83,16 @@ class Plan:
         self.launches = launches
         self.out_shape, self.out_dtype, self.device = tuple(out.shape), out.dtype, out.device
 
-    def __call__(self, x2: torch.Tensor, stream: int) -> torch.Tensor:
+    def __call__(self, x2: torch.Tensor, stream: int, slots: tuple = ()) -> torch.Tensor:
         out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
-        for ck, g0, g1, g2, args, x_at, out_at in self.launches:
+        for ck, g0, g1, g2, args, x_at, out_at, slot_at in self.launches:
             a = list(args)
             for i in x_at:
                 a[i] = x2
             for i in out_at:
                 a[i] = out
+            for i, j in slot_at:
+                a[i] = slots[j]
             ck.run(g0, g1, g2, stream, ck.function, ck.packed_metadata, None, None, None, *a)
         return out
 
@@ -97,9 +101,10 @@ def _aliases(t: torch.Tensor, other: torch.Tensor) -> bool:
     return t.untyped_storage().data_ptr() == other.untyped_storage().data_ptr()
 
 
-def record(fn, x2: torch.Tensor) -> tuple[torch.Tensor, Plan | None, str | None]:
+def record(fn, x2: torch.Tensor, slots: tuple = ()) -> tuple[torch.Tensor, Plan | None, str | None]:
     """Run `fn(x2)` once (its result is returned as the call's output) while recording its
-    launches. Returns (output, plan or None, why not)."""
+    launches. Returns (output, plan or None, why not). `slots`: tensors the call passes to its
+    kernels that a replay takes anew (the layer's operands): the plan keeps their positions, not them."""
     global _RECORDING
     if _RECORDING is not None:
         return fn(x2), None, "a plan is already being recorded"
@@ -108,13 +113,13 @@ def record(fn, x2: torch.Tensor) -> tuple[torch.Tensor, Plan | None, str | None]
         out, bad = computing_ops(fn, x2)
     finally:
         _RECORDING = None
-    plan, why = _plan(seen, bad, x2, out)
+    plan, why = _plan(seen, bad, x2, out, tuple(slots))
     if why is not None:
         REFUSALS[why] = REFUSALS.get(why, 0) + 1
     return out, plan, why
 
 
-def _plan(seen, bad, x2, out):
+def _plan(seen, bad, x2, out, slots):
     if bad:
         return None, f"the call runs torch operations a replay would skip: {sorted(set(bad))}"
     if not seen:
@@ -125,21 +130,27 @@ def _plan(seen, bad, x2, out):
         return None, "the output is not a fresh contiguous tensor"
     launches, out_written = [], False
     for ck, grid, args, tail in seen:
-        x_at, out_at = [], []
+        x_at, out_at, slot_at = [], [], []
         for i, a in enumerate(args):
             if hasattr(a, "block_shape"):   # a TMA descriptor: its base pointer is fixed inside it
                 return None, f"argument {i} is a TMA descriptor"
             if not isinstance(a, torch.Tensor):
                 continue
+            j = next((j for j, t in enumerate(slots) if a is t), None)
             if a is x2:
                 x_at.append(i)
             elif a is out:
                 out_at.append(i)
                 out_written = True
+            elif j is not None:
+                slot_at.append((i, j))
             elif _aliases(a, x2) or _aliases(a, out):
                 return None, f"argument {i} is a view of the input or output (it would go stale)"
+            elif any(_aliases(a, t) for t in slots):
+                return None, f"argument {i} is a view of a layer operand (a replay for another layer would read it)"
         g = tuple(grid) + (1,) * (3 - len(grid))
-        launches.append((ck, g[0], g[1], g[2], tuple(args) + tuple(tail), tuple(x_at), tuple(out_at)))
+        launches.append((ck, g[0], g[1], g[2], tuple(args) + tuple(tail), tuple(x_at), tuple(out_at),
+                         tuple(slot_at)))
     if not out_written:
         return None, "no launch writes the returned output"
     return Plan(tuple(launches), out), None

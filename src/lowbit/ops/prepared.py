@@ -71,9 +71,20 @@ def _choice(spec: Spec, M: int):
 # ---------------------------------------------------------------------------- custom op
 @torch.library.custom_op("lowbit::qlinear", mutates_args=())
 def qlinear_op(x2: torch.Tensor, operands: list[torch.Tensor], bias: torch.Tensor | None, spec: str) -> torch.Tensor:
-    """`run` as one opaque op for torch.compile / CUDA graphs (spec: Spec.to_json())."""
+    """`run` as one opaque op for torch.compile / CUDA graphs (spec: Spec.to_json()). Decode-sized
+    calls on the default stream replay a recorded plan shared by every layer of this spec (the layer's
+    operands and bias are the plan's slots): a compiled model without CUDA graphs pays a few
+    microseconds a kernel instead of the launchers' tens. CUDA-graph trees (mode="reduce-overhead")
+    warm up and capture on a stream of their own, where the plain launches run: a plan's kept
+    buffers would sit in the graph's memory pool."""
     sp = spec_from_json(spec)
-    return run(sp, x2, dict(zip(sp.operands, operands)), bias)
+    ops = dict(zip(sp.operands, operands))
+    if x2.is_cuda and x2.shape[0] <= PLAN_MAX_M and sp.graphable \
+            and torch._C._cuda_getCurrentRawStream(x2.get_device()) == 0:
+        slots = tuple(operands) if bias is None else (*operands, bias)
+        key = (spec, x2.shape[0], x2.dtype, x2.stride(0), x2.data_ptr() & 15 == 0, bias is None)
+        return _planned(_OP_PLANS, key, x2, lambda a: run(sp, a, ops, bias), slots)
+    return run(sp, x2, ops, bias)
 
 
 @qlinear_op.register_fake
@@ -88,6 +99,26 @@ def _(x2, operands, bias, spec):
 # about 60 us, a recorded plan a few microseconds per kernel.
 PLAN_MAX_M = 64
 GRAPH_MAX_M = 16
+# the custom op's plans, one per (spec, input rows / dtype / stride / alignment, bias or not): they
+# hold no layer's tensors (those are slots), only the kernels and the calls' intermediate buffers
+_OP_PLANS: dict = {}
+
+
+def _planned(cache: dict, key, x2: torch.Tensor, call, slots: tuple = ()):
+    """call(x2) through the plan cached under key: the first call runs directly (so one-time set-up --
+    compiling, cached configurations, counters -- is not recorded), the second records, later ones
+    replay; a call that cannot be recorded is stored as False and runs directly from then on."""
+    plan = cache.get(key)
+    if plan:
+        return plan(x2, torch._C._cuda_getCurrentRawStream(x2.get_device()), slots)
+    if plan is None:
+        cache[key] = 0
+        return call(x2)
+    if plan is False or torch.cuda.is_current_stream_capturing():
+        return call(x2)
+    out, plan, _why = bound.record(call, x2, slots)
+    cache[key] = plan or False
+    return out
 
 
 class GraphCache(dict):
@@ -110,18 +141,10 @@ def forward(spec: Spec, spec_json: str, x2: torch.Tensor, operands: list[torch.T
         return qlinear_op(x2, operands, bias, spec_json)
     if graphs is not None and x2.is_cuda and x2.shape[0] <= PLAN_MAX_M and spec.graphable:
         key = (x2.shape[0], x2.dtype, x2.stride(0), x2.data_ptr() & 15 == 0)
-        plan = graphs.get(key)
-        if plan:
-            return plan(x2, torch._C._cuda_getCurrentRawStream(x2.get_device()))
-        if plan is not False and not torch.cuda.is_current_stream_capturing():
+        if graphs.get(key) is not False or torch.cuda.is_current_stream_capturing():
             ops = dict(zip(spec.operands, operands))
-            if plan is None:                   # first call: direct, so one-time set-up (compiling,
-                graphs[key] = 0                # cached configurations, counters) is not recorded
-                return run(spec, x2, ops, bias)
-            out, plan, _why = bound.record(lambda a: run(spec, a, ops, bias), x2)
-            graphs[key] = plan or False        # False: not recordable, never tried again
-            return out
-        if x2.shape[0] <= GRAPH_MAX_M and not torch.cuda.is_current_stream_capturing():
+            return _planned(graphs, key, x2, lambda a: run(spec, a, ops, bias))
+        if x2.shape[0] <= GRAPH_MAX_M:
             return _replay(spec, x2, operands, bias, graphs)
     return run(spec, x2, dict(zip(spec.operands, operands)), bias)
 

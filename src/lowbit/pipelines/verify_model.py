@@ -36,10 +36,12 @@ from lowbit.pipelines.attention_tap import attention_tap
 from lowbit.nn.experts import QuantExperts
 from lowbit.nn.kv_cache import attention_modules, cache_kwarg, enable_quantized_attention
 from lowbit.nn.quant_linear import QuantLinear
+from lowbit.ops.kernels.base import fp8_dot_accumulator
 from lowbit.ops.reference import qlinear_reference
 from lowbit.pipelines import verify_attention as va
 from lowbit.pipelines.checkpoint import load_compressed
 from lowbit.verify.check import Verdict, check_quantized
+from lowbit.verify.tolerance import ACCUMULATORS
 
 KINDS = ("dense", "experts", "attention")
 ORDER = {"ok": 0, "numerical": 1, "logic": 2}
@@ -108,12 +110,11 @@ def _dense_reference(layer, x2: torch.Tensor):
 
 def kernel_accumulator(layer) -> str | None:
     """The accumulator the kernel that ran declares, where it is not fp32: lowbit's W8A8 fp8 GEMM on
-    a GPU promotes the tensor cores' fp8 partial sums into fp32 every 128 products
-    (lowbit.ops.triton.common.mainloop, PROMOTE_K), which the gates model as "fp8_fast"."""
-    on_gpu = any(b.is_cuda for b in layer.buffers())
-    if on_gpu and layer.last_path == "fast:w8a8" and layer.act_scheme is not None \
+    a GPU (lowbit.ops.kernels.base.fp8_dot_accumulator)."""
+    dev = next((b.device for b in layer.buffers() if b.is_cuda), None)
+    if dev is not None and layer.last_path == "fast:w8a8" and layer.act_scheme is not None \
             and layer.act_scheme.format == "fp8_e4m3fn":
-        return "fp8_fast"
+        return fp8_dot_accumulator(dev)
     return None
 
 
@@ -139,7 +140,10 @@ def check_experts(name: str, module, inputs: tuple, out: torch.Tensor) -> LayerR
     exact, got = exact.double(), out.detach().cpu().double()
     u = torch.finfo(out.dtype).eps / 2
     K = max(module.hidden_dim, module.intermediate_dim)
-    bound = (4 * u + K * 2.0 ** -24) * exact.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)
+    # the grouped fp8 kernel on a GPU accumulates in the tensor cores' fp8 steps (2^-13 a product
+    # at worst, lowbit.verify.tolerance), every other kernel in float32
+    acc = fp8_dot_accumulator(out.device) if module.last_path == "kernel:fp8" else None
+    bound = (4 * u + K * ACCUMULATORS[acc or "fp32"]) * exact.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)
     worst = float(torch.nan_to_num((got - exact).abs() / bound, nan=math.inf).max())
     rel = float(torch.linalg.vector_norm(got - exact) / torch.linalg.vector_norm(exact).clamp(min=1e-300))
     verdict = "ok" if worst <= 1 else ("numerical" if worst <= 16 and math.isfinite(worst) else "logic")

@@ -59,6 +59,15 @@ def kernel_device() -> Device:
     return Device("interpreter")
 
 
+def fp8_dot_accumulator(device: torch.device | str) -> str | None:
+    """The accumulator lowbit's fp8 x fp8 Triton kernels (dense W8A8 fp8 and grouped fp8) declare on
+    `device`, where it is not fp32: on a GPU the tensor cores keep 13 fraction bits within each
+    32-wide MMA step (the kernels promote the partial sum into fp32 every 32 (grouped) or 128 (dense)
+    products), which the gates model as "fp8_fast" (lowbit.verify.tolerance derives that gate for
+    any K); the CPU interpreter computes the dot in float32 (None: the fp32 default)."""
+    return "fp8_fast" if torch.device(device).type == "cuda" else None
+
+
 @dataclass(frozen=True)
 class LinearLayer:
     """The facts of a layer a kernel decides on: the weight's scheme and [N, K] shape, the activation
