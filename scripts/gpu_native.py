@@ -27,7 +27,7 @@ from lowbit.ops.native.library import unavailable_reason
 from lowbit.verify.check import check_quantized
 
 SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (28672, 4096)]   # (N, K): qkv, o, up, down, gate_up
-ODD = [(1, 40, 320), (7, 100, 1152), (13, 333, 2176)]                                 # (M, N, K) for the twin
+ODD = [(1, 40, 384), (7, 100, 1152), (13, 333, 2176)]                                   # (M, N, K) for the twin
 MS = [int(m) for m in os.environ.get("NATIVE_MS", "1,16").split(",")]
 L2_BYTES = 60 * 2**20
 T0 = time.time()

@@ -87,8 +87,8 @@ def test_plan_refuses_computing_ops_views_and_slow_launches(rng):
 
 def test_plan_with_slots_serves_another_layer(rng):
     """Recorded with the layer's weight as a slot, a plan keeps its position, not the tensor: a replay
-    with another layer's weight computes with that weight; a view of a slot is refused (it would
-    read the recording layer's memory for every other layer)."""
+    with another layer's weight computes with that weight; a view of a slot is replayed as a pointer
+    at the same offset into the new slot (never the recording layer's memory)."""
     w0, w1 = torch.randn(7, 5, generator=rng), torch.randn(7, 5, generator=rng)
     k = _FakeCompiled(lambda x, w_, out: out.copy_(x @ w_.T))
 
@@ -103,12 +103,16 @@ def test_plan_with_slots_serves_another_layer(rng):
     x = torch.randn(3, 5, generator=rng)
     assert torch.equal(plan(x, 0, (w1,)), x @ w1.T) and torch.equal(plan(x, 0, (w0,)), x @ w0.T)
 
-    def view_of_slot(a):
+    def view_of_slot(a):     # the launch reads a view of the weight: replayed as a pointer into the slot
         out = torch.empty(3, 7)
-        bound.note_launch(k, (1,), (a, w0[:, :5], out), ())
+        bound.note_launch(k_ptr, (1,), (a, w0.view(torch.int32)[1:], out), ())
         return out
+    k_ptr = _FakeCompiled(lambda x, p, out: seen.append(p))
+    seen = []
     _, plan, why = bound.record(view_of_slot, x, slots=(w0,))
-    assert plan is None and "view of a layer operand" in why
+    assert why is None
+    plan(x, 0, (w1,))
+    assert seen == [w1.data_ptr() + 5 * 4]   # one row of five int32 words past w1's start, as the view was past w0's
 
 
 def test_plan_recording_is_reset_after_an_error(rng):

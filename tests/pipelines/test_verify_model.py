@@ -53,6 +53,37 @@ def test_moe_checkpoint_passes(rng, tmp_path):
     assert rep.kl < 1e-6, rep.report()
 
 
+@pytest.mark.parametrize("recipe", ["w8a8-fp8", "w4a16"])
+def test_experts_on_their_grouped_kernels_are_checked_per_projection(rng, recipe, interpreter, monkeypatch):
+    """A MoE layer that ran its grouped kernels (the interpreter here, the GPU in use) is checked one
+    projection at a time from the kernel's own inputs, so re-quantizing a GLU output that the exact path
+    computes differently is no error; a planted 1 % error in the down projection's output is not ok
+    and names the projection."""
+    from lowbit.nn.experts import QuantExperts
+    from lowbit.pipelines.verify_model import check_experts
+
+    m = tiny_moe("qwen3_moe", rng, dtype=torch.float32, experts=4, width=128)
+    quantize_model(m, recipe)
+    name, mod = next((n, x) for n, x in m.named_modules() if isinstance(x, QuantExperts))
+    mod.backend = "kernel"
+    T = 9
+    hidden = torch.randn(T, 128, generator=rng).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(4, generator=rng)[:2] for _ in range(T)])
+    inputs = (hidden, idx, torch.rand(T, 2, generator=rng))
+    out = mod(*inputs)
+    assert mod.last_path.startswith("kernel")
+    r = check_experts(name, mod, inputs, out)
+    assert r.verdict == "ok", r
+    real = QuantExperts.kernel_projections
+
+    def off_by_1pct(self, *a):
+        pairs = real(self, *a)
+        return pairs[:-1] + [(pairs[-1][0], pairs[-1][1] * 1.01)]
+    monkeypatch.setattr(QuantExperts, "kernel_projections", off_by_1pct)
+    r = check_experts(name, mod, inputs, out)
+    assert r.verdict != "ok" and r.cause.startswith("down"), r
+
+
 def _kv_ckpt(rng, tmp_path, kv="fp8-head", layers=2):
     m = tiny_llama(rng, layers)
     quantize_model(m, "w8a16-int8", kv_cache=kv, kv_calib=[torch.randint(0, 96, (2, 16), generator=rng)])

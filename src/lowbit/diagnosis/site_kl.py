@@ -35,6 +35,7 @@ from lowbit.pipelines.quantize_model import quantize_model
 from lowbit.progress import progress_bar
 from lowbit.recipes.plan import linear_layers, plan
 from lowbit.recipes.presets import get_recipe
+from lowbit.verify.metrics import kl_sum
 
 EFFECTS = ("alone", "restore")
 _BLOCK = re.compile(r"^(.*\.(?:layers|layer|h|blocks))\.(\d+)\.")
@@ -122,13 +123,6 @@ class _Runner:
             if swapped is not None:
                 setattr(*swapped)
         return total
-
-
-def kl_sum(ref_logp: torch.Tensor, logits: torch.Tensor) -> float:
-    """Sum over tokens of KL(P_ref || Q) in nats: ref_logp float64 log-softmax [n, vocab] of the
-    reference, logits [n, vocab] of the model (log-softmaxed here in float64)."""
-    lq = torch.log_softmax(logits.double(), dim=-1)
-    return float((ref_logp.exp() * (ref_logp - lq)).sum())
 
 
 @dataclass(frozen=True)

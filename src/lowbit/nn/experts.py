@@ -367,14 +367,23 @@ class QuantExperts(torch.nn.Module):
                  for N, K in ((2 * I, H), (H, I))]
         return f"{names[0] if names[0] == names[1] else '/'.join(names)}:{self.kernel}"
 
-    def _kernel_forward(self, hidden_states: torch.Tensor, routing: Routing, top_k_weights: torch.Tensor):
-        x = hidden_states.detach()
-        h = None
+    def kernel_projections(self, hidden_states: torch.Tensor, routing: Routing) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The grouped kernels' (input, output) of each projection in PROJECTIONS order: gate_up reads
+        hidden_states [T, H] through routing's token order, down reads the GLU of gate_up's sorted
+        output [M_total, I]; outputs are float32 [M_total, N]. lowbit verify-model checks each against
+        the exact path given the same input."""
+        x, h, seen = hidden_states.detach(), None, []
         for proj in PROJECTIONS:
             ops = {k: getattr(self, b) for k, b in self._ops[proj].items()}
             inp, identity = (x, False) if proj == "gate_up" else (self.glu(h), True)
             h = grouped_forward(self.kernel_class, ops, self.weight_scheme, self.act_scheme, inp, routing,
                                 bias=getattr(self, f"{proj}_bias"), identity=identity, spec=self._specs[proj])
+            seen.append((inp, h))
+        return seen
+
+    def _kernel_forward(self, hidden_states: torch.Tensor, routing: Routing, top_k_weights: torch.Tensor):
+        x = hidden_states.detach()
+        h = self.kernel_projections(x, routing)[-1][1]
         w = top_k_weights[routing.token, routing.slot].float()
         out = torch.zeros(hidden_states.shape[0], self.hidden_dim, dtype=torch.float32, device=x.device)
         out.index_add_(0, routing.token, h * w[:, None])

@@ -91,8 +91,8 @@ class Plan:
                 a[i] = x2
             for i in out_at:
                 a[i] = out
-            for i, j in slot_at:
-                a[i] = slots[j]
+            for i, j, off in slot_at:     # a view of a slot: its pointer (Triton's launcher takes ints)
+                a[i] = slots[j] if off is None else slots[j].data_ptr() + off
             ck.run(g0, g1, g2, stream, ck.function, ck.packed_metadata, None, None, None, *a)
         return out
 
@@ -104,7 +104,9 @@ def _aliases(t: torch.Tensor, other: torch.Tensor) -> bool:
 def record(fn, x2: torch.Tensor, slots: tuple = ()) -> tuple[torch.Tensor, Plan | None, str | None]:
     """Run `fn(x2)` once (its result is returned as the call's output) while recording its
     launches. Returns (output, plan or None, why not). `slots`: tensors the call passes to its
-    kernels that a replay takes anew (the layer's operands): the plan keeps their positions, not them."""
+    kernels that a replay takes anew (the layer's operands): the plan keeps their positions (and a
+    view's byte offset from its operand), not them; the caller keeps the slots' shapes, strides and
+    16-byte alignment the same from call to call (the kernels were specialised on them)."""
     global _RECORDING
     if _RECORDING is not None:
         return fn(x2), None, "a plan is already being recorded"
@@ -143,11 +145,15 @@ def _plan(seen, bad, x2, out, slots):
                 out_at.append(i)
                 out_written = True
             elif j is not None:
-                slot_at.append((i, j))
+                slot_at.append((i, j, None))
             elif _aliases(a, x2) or _aliases(a, out):
                 return None, f"argument {i} is a view of the input or output (it would go stale)"
-            elif any(_aliases(a, t) for t in slots):
-                return None, f"argument {i} is a view of a layer operand (a replay for another layer would read it)"
+            else:
+                # a view of a layer operand (e.g. its codes reinterpreted as int32 words): replayed as
+                # that operand's pointer plus the same byte offset, so every layer of the spec reads its own
+                j = next((j for j, t in enumerate(slots) if _aliases(a, t)), None)
+                if j is not None:
+                    slot_at.append((i, j, a.data_ptr() - slots[j].data_ptr()))
         g = tuple(grid) + (1,) * (3 - len(grid))
         launches.append((ck, g[0], g[1], g[2], tuple(args) + tuple(tail), tuple(x_at), tuple(out_at),
                          tuple(slot_at)))

@@ -117,7 +117,7 @@ class AttnLayerCheck:
 def check_layer(seen: Seen, cached: tuple[KVQuant, KVQuant], spec: ar.AttnSpec) -> AttnLayerCheck:
     """Step 1 and 2 of the module docstring for one layer."""
     for side, read, c in (("K", seen.k, cached[0]), ("V", seen.v, cached[1])):
-        want = c.dequantize(read.dtype)
+        want = c.dequantize(read.dtype).to(read.device)   # the cache lives on the GPU, the capture on the host
         if tuple(read.shape) != tuple(want.shape) or not torch.equal(read, want):
             where = _first_difference(read, want) if read.shape == want.shape else \
                 f"shape {tuple(read.shape)} against the cache's {tuple(want.shape)}"

@@ -33,7 +33,8 @@ import torch
 
 import lowbit as lb
 from lowbit.pipelines.attention_tap import attention_tap
-from lowbit.nn.experts import QuantExperts
+from lowbit.nn.experts import PROJECTIONS, QuantExperts
+from lowbit.ops.grouped import sort_tokens
 from lowbit.nn.kv_cache import attention_modules, cache_kwarg, enable_quantized_attention
 from lowbit.nn.quant_linear import QuantLinear
 from lowbit.ops.kernels.base import fp8_dot_accumulator
@@ -41,6 +42,8 @@ from lowbit.ops.reference import qlinear_reference
 from lowbit.pipelines import verify_attention as va
 from lowbit.pipelines.checkpoint import load_compressed
 from lowbit.verify.check import Verdict, check_quantized
+from lowbit.verify.grouped import check_grouped_linear
+from lowbit.verify.metrics import kl_sum
 from lowbit.verify.tolerance import ACCUMULATORS
 
 KINDS = ("dense", "experts", "attention")
@@ -127,9 +130,15 @@ def check_dense(name: str, layer, x: torch.Tensor, out: torch.Tensor) -> tuple[L
 
 
 def check_experts(name: str, module, inputs: tuple, out: torch.Tensor) -> LayerResult:
-    """The fast output against the module's float64 exact path on the same tokens and routing;
-    bound: 4 output roundings of the model dtype (the GLU input, each GEMM's output, the sum) of
-    each row's largest exact value, plus float32's accumulation of K products."""
+    """A layer that ran its grouped kernels: each projection's kernel output against the float64
+    grouped reference given the same input (the kernel's own GLU output feeds the down projection's
+    check, as the dense check takes the layer's captured input), within check_grouped_linear's
+    derived gate. A layer that ran its exact path: its output against the module's float64 exact
+    path on the same tokens and routing; bound: 4 output roundings of the model dtype (the GLU input,
+    each GEMM's output, the sum) of each row's largest exact value, plus float32's accumulation of K
+    products."""
+    if module.last_path not in (None, "exact"):
+        return _check_expert_projections(name, module, inputs)
     saved = module.backend
     module.backend = "exact"
     try:
@@ -150,6 +159,28 @@ def check_experts(name: str, module, inputs: tuple, out: torch.Tensor) -> LayerR
     cause = "" if verdict == "ok" else (f"the fast path differs from the exact float64 path by {worst:.3g}x the "
                                         f"rounding bound (rel err {rel:.2e})")
     return LayerResult(name, "experts", verdict, worst, rel, cause)
+
+
+def _check_expert_projections(name: str, module, inputs: tuple) -> LayerResult:
+    hidden, top_k_index = inputs[0], inputs[1]
+    routing = sort_tokens(top_k_index, module.num_experts)
+    with torch.no_grad():
+        pairs = module.kernel_projections(hidden, routing)
+    acc = fp8_dot_accumulator(hidden.device) if module.kernel == "fp8" else None
+    worst = (-1.0, None, None)
+    for proj, (inp, got) in zip(PROJECTIONS, pairs):
+        rows = inp[routing.token] if proj == "gate_up" else inp      # the sorted buffer the kernel read
+        bias = getattr(module, f"{proj}_bias")
+        v = check_grouped_linear(got, rows.float(), module.weight_dequantized(proj), routing.offsets,
+                                 x_scheme=module.act_scheme, bias=bias, accumulator=acc, out_dtype=got.dtype,
+                                 w_q=[q.to("cpu") for q in module.weights_q(proj)])
+        frac = v.metrics["impl_gate_frac"]
+        if frac > worst[0]:
+            worst = (frac, v, proj)
+    frac, v, proj = worst
+    cause = "" if v.passed else f"{proj}: " + (f"{v.causes[0][0]}: {v.causes[0][1]}" if v.causes else
+                                               f"over the gate {frac:.3g}x, no cause fits")
+    return LayerResult(name, "experts", "ok" if v.passed else v.kind, frac, v.metrics["rel_l2"], cause)
 
 
 def verify_model(directory, *, samples: int = 2, tokens: int = 32, rows: int = 64, device: str = "cpu",
@@ -214,8 +245,10 @@ def verify_model(directory, *, samples: int = 2, tokens: int = 32, rows: int = 6
     if ck.kv_cache is not None:
         results += _check_attention_layers(model, cache, attn_seen, implementation, not_checked, say)
     exact = _exact_logits(model, quantized, ids, implementation)
-    lp_e, lp_f = torch.log_softmax(exact, -1), torch.log_softmax(fast, -1)
-    kl = float((lp_e.exp() * (lp_e - lp_f)).sum(-1).mean())
+    # in float64 (a bf16 log-softmax made the KL of near-equal logits negative); KL >= 0, and what
+    # float64 rounding leaves below zero for equal distributions is reported as 0
+    lp_e = torch.log_softmax(exact.double().reshape(-1, exact.shape[-1]), -1)
+    kl = max(0.0, kl_sum(lp_e, fast.reshape(-1, fast.shape[-1])) / lp_e.shape[0])
     top1 = float((exact.argmax(-1) == fast.argmax(-1)).double().mean())
     return ModelReport(str(directory), device, results, kl, top1, samples * tokens, not_checked)
 

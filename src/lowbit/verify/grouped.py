@@ -240,18 +240,23 @@ def _rows_times(g: _Grouped, rows: torch.Tensor, e: int):
 
 def check_grouped_linear(out, x, w, offsets, *, x_scheme=None, w_scheme=None, bias=None,
                          accumulator: str | None = None, out_dtype: torch.dtype | None = None,
-                         diagnose_failures: bool = True) -> GroupedVerdict:
+                         diagnose_failures: bool = True, w_q: list | None = None) -> GroupedVerdict:
     """Verify out [M_total, N] ~ per-expert x[rows of e] @ w[e].T (+ bias[e]) of a grouped kernel
     that quantizes x [M_total, K] (the sorted buffer, once over all rows) by x_scheme and each
     expert's w[e] [N, K] by w_scheme (original float values; lowbit quantizes them canonically).
     offsets: int [E + 1] (lowbit.ops.grouped.Routing.offsets). bias: [E, N] or None.
-    accumulator / out_dtype: as check_linear ("int32" default for integer x integer)."""
+    accumulator / out_dtype: as check_linear ("int32" default for integer x integer).
+    w_q: the experts' quantized weights (E QTensors) where the kernel's codes are given, not
+    re-derived (a checkpoint's): the reference and gate use them; w is then their dequantized values."""
     out, x, w, offsets = _check_inputs(out, x, w, offsets)
     x_scheme, w_scheme = _scheme(x_scheme), _scheme(w_scheme)
     E, N, K = w.shape
     out_dtype = out_dtype or (out.dtype if out.is_floating_point() else torch.float32)
     xq = quantize(x.float(), x_scheme) if x_scheme is not None else x.double()
-    wqs = [quantize(w[e].float(), w_scheme) if w_scheme is not None else w[e].double() for e in range(E)]
+    if w_q is not None and len(w_q) != E:
+        raise ValueError(f"w_q must hold one quantized weight per expert ({E}), got {len(w_q)}")
+    wqs = list(w_q) if w_q is not None else \
+        [quantize(w[e].float(), w_scheme) if w_scheme is not None else w[e].double() for e in range(E)]
     b64 = None if bias is None else torch.as_tensor(bias).detach().cpu().double().reshape(E, N)
     first_rows = take_rows(xq, torch.arange(1)) if isinstance(xq, QTensor) else xq[:1]
     acc = accumulator or tol.default_accumulator(first_rows, wqs[0])

@@ -94,6 +94,13 @@ def worst_per_col(got, ref) -> torch.Tensor:
     return (g - r).abs().amax(dim=0)
 
 
+def kl_sum(ref_logp: torch.Tensor, logits: torch.Tensor) -> float:
+    """Sum over tokens of KL(P_ref || Q) in nats: ref_logp float64 log-softmax [n, vocab] of the
+    reference, logits [n, vocab] of the model (log-softmaxed here in float64)."""
+    lq = torch.log_softmax(logits.double(), dim=-1)
+    return float((ref_logp.exp() * (ref_logp - lq)).sum())
+
+
 @dataclass
 class Census:
     """Distinct codes used per channel (row of codes) or per group."""
