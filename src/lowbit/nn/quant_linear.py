@@ -115,6 +115,7 @@ class QuantLinear(torch.nn.Module):
         for name, t in prep.tensors.items():
             self.register_buffer("fast_" + name, t, persistent=False)
         self.fast_spec, self._fast_json = prep.spec, prep.spec.to_json()
+        self._fast_names = tuple("fast_" + n for n in prep.spec.operands)   # read on every call
         self._fast_dtypes = runtime.input_dtypes(prep.spec)   # derived once, read on every call
         self._fast_path_name = "fast:" + prep.spec.kind
         self._graphs = runtime.GraphCache()
@@ -240,8 +241,7 @@ class QuantLinear(torch.nn.Module):
                 # buffers and the bias read from their dicts: nn.Module.__getattr__ costs ~1 us each
                 # on a decode call's host path
                 bufs = self._buffers
-                y = runtime.forward(self.fast_spec, self._fast_json, x2,
-                                    [bufs["fast_" + n] for n in self.fast_spec.operands],
+                y = runtime.forward(self.fast_spec, self._fast_json, x2, [bufs[n] for n in self._fast_names],
                                     self._parameters.get("bias"), self._graphs)
             if not torch.compiler.is_compiling():
                 self.__dict__["last_path"] = self._fast_path_name   # a plain attribute (not a tensor)

@@ -153,7 +153,10 @@ def forward(spec: Spec, spec_json: str, x2: torch.Tensor, operands: list[torch.T
         return qlinear_op(x2, operands, bias, spec_json)
     if graphs is not None and x2.is_cuda and x2.shape[0] <= PLAN_MAX_M and spec.graphable:
         key = (x2.shape[0], x2.dtype, x2.stride(0), x2.data_ptr() & 15 == 0)
-        if graphs.get(key) is not False or torch.cuda.is_current_stream_capturing():
+        plan = graphs.get(key)
+        if plan:                               # the common decode call: nothing else on the host
+            return plan(x2, torch._C._cuda_getCurrentRawStream(x2.get_device()))
+        if plan is not False or torch.cuda.is_current_stream_capturing():
             ops = dict(zip(spec.operands, operands))
             return _planned(graphs, key, x2, lambda a: run(spec, a, ops, bias))
         if x2.shape[0] <= GRAPH_MAX_M:
