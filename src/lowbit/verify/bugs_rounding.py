@@ -243,51 +243,90 @@ def _refit(s: float, xf: torch.Tensor, O: torch.Tensor, Y: torch.Tensor, fmt) ->
     return s, _wrap(torch.round(xf / torch.tensor(s, dtype=torch.float32)), fmt)
 
 
-WRAP_SCAN = 1001           # scales tried per pass around the first estimate, +-WRAP_SPREAD of it
-WRAP_SPREAD = 0.06         # the estimate's error: the other codes' rounding noise, ~sqrt(K / 12) / 2^bits
-WRAP_SCAN_COLS = 64        # output columns the scan compares (the refit uses all of them)
+WRAP_SCAN_COLS = 64        # output columns the search compares (the scale's least squares uses all of them)
+WRAP_CHUNK = 1 << 14       # intervals whose outputs are held at once (memory: CHUNK x SCAN_COLS)
 
 
-def _first_fit(xr: torch.Tensor, Or: torch.Tensor, yr: torch.Tensor, fmt) -> float | None:
-    """A scale for one line xr [K] (float32) whose kernel output yr [C] has its n largest values
-    wrapped. Away from the wraps s * round(x / s) ~ x, so yr - xr @ O.T ~ -2^bits * s * sum_(n
-    largest) sign(x_k) O[:, k] (plus the codes' rounding noise): s by least squares for the n
-    (1 .. WRAP_CANDIDATES); then scales from the smallest to the largest estimate (+-WRAP_SPREAD)
-    are tried exactly (codes re-rounded and wrapped) on WRAP_SCAN_COLS columns, narrowing around
-    the closest, which is refitted."""
-    span = 1 << fmt.bits
-    e = yr - xr.double() @ Or.T
-    order = torch.argsort(xr.abs(), descending=True)[:WRAP_CANDIDATES]
-    fits = []
-    for n in range(1, len(order) + 1):
-        v = -span * (torch.sign(xr[order[:n]]).double() @ Or[:, order[:n]].T)
-        vv = float(v @ v)
-        if vv > 0 and float(e @ v) > 0:
-            fits.append(float(e @ v) / vv)
-    if not fits:
+def _first_fit(xr: torch.Tensor, Or: torch.Tensor, yr: torch.Tensor, gr: torch.Tensor,
+               fmt) -> tuple[float, torch.Tensor] | None:
+    """(float32 scale, wrapped codes [K] float64) of one line xr [K] (float32) whose kernel output
+    yr [C] (gate gr [C]) has between 1 and WRAP_CANDIDATES of its largest values wrapped, each once;
+    None when no scale or several code vectors reproduce the line.
+
+    That premise bounds the scale to [lo, hi], and round(x / s) is constant between the breakpoints
+    |x_k| / (m + 0.5), so s * wrap(round(x / s)) @ O.T is linear in s on each interval between them:
+    every interval is tried with its least-squares scale (kept inside it) on WRAP_SCAN_COLS columns,
+    and the closest one's codes are returned with their least-squares scale on all columns. A grid
+    of scales can miss the right interval (~1e-4 of s wide at K = 64) and settle in a neighbour."""
+    K = xr.numel()
+    n = min(WRAP_CANDIDATES, K - 1)
+    a = xr.double().abs()
+    if n < 1 or float(a.max()) == 0 or Or.shape[0] < 2:     # one output: some scale fits any error
         return None
-    # with few output columns several n fit about as well: every estimate's range is scanned
+    # x_k wraps once s <= a_k / edge_k (its code leaves [qmin, qmax]: -qmin = qmax + 1 still fits
+    # for a negative x), and wraps twice once its code passes 2^bits more
+    edge = torch.where(xr > 0, fmt.qmax + 0.5, 0.5 - fmt.qmin).double()
+    onset = torch.sort(a / edge, descending=True).values
+    hi = float(onset[0])
+    lo = max(float(onset[n]), float((a / (edge + (1 << fmt.bits))).max()))
+    # the breakpoints in [lo, hi], by falling s: x_k's |code| steps from m to m + 1 at a_k / (m + 0.5),
+    # from its code at hi on
+    q0 = torch.round(xr.double() / hi)
+    first = q0.abs().long()
+    count = (torch.ceil(a / lo - 0.5).long() - first).clamp(min=0)
+    k = torch.repeat_interleave(torch.arange(K), count)
+    m = first[k] + torch.arange(k.numel()) - torch.repeat_interleave(torch.cumsum(count, 0) - count, count)
+    b, order = torch.sort(a[k] / (m.double() + 0.5), descending=True)
+    k, m = k[order], m[order]
+    sgn = torch.sign(xr.double())[k]
+    step = _wrap(sgn * (m + 1), fmt) - _wrap(sgn * m, fmt)        # +-1, or -+(2^bits - 1) at the wrap
+    upper = torch.cat((torch.tensor([hi], dtype=torch.float64), b))   # interval j: [lower_j, upper_j]
+    lower = torch.cat((b, torch.tensor([lo], dtype=torch.float64)))
+
     cols = torch.linspace(0, Or.shape[0] - 1, min(WRAP_SCAN_COLS, Or.shape[0])).round().long()
-    lo, hi = min(fits) * (1 - WRAP_SPREAD), max(fits) * (1 + WRAP_SPREAD)
-    for _ in range(3):      # each pass narrows to +-2 steps of the last: the codes change every ~1e-5 of s
-        grid = torch.linspace(lo, hi, WRAP_SCAN).double()
-        q = _wrap(torch.round(xr[None, :] / grid.float()[:, None]), fmt).double()          # [S, K]
-        res = ((yr[cols][None, :] - grid[:, None] * (q @ Or[cols].T)).abs()).amax(dim=1)
-        i, step = int(res.argmin()), (hi - lo) / (WRAP_SCAN - 1)
-        lo, hi = float(grid[i]) - 2 * step, float(grid[i]) + 2 * step
-    s, _ = _refit(float(grid[i]), xr[None], Or, yr[None], fmt)
-    return s if s > 0 else None
+    Oc, yc, gc = Or[cols], yr[cols], gr[cols]
+
+    def closest(A: torch.Tensor, j0: int) -> tuple[float, int, int]:
+        """(squared residual, index) of the closest of intervals j0 .. j0 + len(A) - 1 (A [n, C']:
+        their codes @ Oc.T), and how many of them reproduce the columns within the gate."""
+        j = torch.arange(j0, j0 + A.shape[0])
+        AA = (A * A).sum(dim=1)
+        s = torch.where(AA > 0, (A @ yc) / AA.clamp(min=torch.finfo(torch.float64).tiny), upper[j])
+        r = yc[None, :] - torch.minimum(torch.maximum(s, lower[j]), upper[j])[:, None] * A
+        res = (r * r).sum(dim=1)
+        i = int(res.argmin())
+        return float(res[i]), j0 + i, int((r.abs() <= gc).all(dim=1).sum())
+
+    q0 = _wrap(q0, fmt)
+    A = (q0 @ Oc.T)[None, :]                                      # interval 0
+    found = [closest(A, 0)]
+    for c0 in range(0, k.numel(), WRAP_CHUNK):                    # intervals c0 + 1 .. c0 + CHUNK
+        A = A[-1] + torch.cumsum(step[c0:c0 + WRAP_CHUNK, None] * Oc[:, k[c0:c0 + WRAP_CHUNK]].T, dim=0)
+        found.append(closest(A, c0 + 1))
+    # with fewer independent outputs than code vectors to tell apart (one output column: any
+    # interval whose scale reaches the output) the scale is not determined by the line
+    if sum(f[2] for f in found) > 1:
+        return None
+    best = min(found)[1]
+    # the codes are returned, not re-rounded at the fitted scale: a scale a float32 ulp off the
+    # kernel's would flip a code that lies within that ulp of a breakpoint
+    q = q0.clone().index_add_(0, k[:best], step[:best])
+    Aq = q @ Or.T
+    den = float(Aq @ Aq)
+    s = float(torch.tensor(float(yr @ Aq) / den, dtype=torch.float32)) if den > 0 else 0.0
+    return (s, q) if s > 0 else None
 
 
 def stale_scale_wrap_hypotheses(sim: Sim):
     """Integer codes made with a scale smaller than the scheme's amax / qmax (a static scale
     calibrated on a narrower range, an amax taken over part of the row) and stored without a
     clamp: the values past qmax * s wrap by 2^bits (an activation 5% over a calibrated range rounds
-    to 133 and is stored as -123). The kernel's scale is unknown, so it is fitted: per line (token,
-    or output channel of w) the error of its largest values wrapped gives the scale by least squares,
-    refitted so that the wrapped codes reproduce the line; one scale for all lines when the scheme
-    has one (tensor-wise). Lines within the gate keep the reference's codes. Named only when the
-    fitted codes wrap and the simulation reproduces every output within the gate."""
+    to 133 and is stored as -123). The kernel's scale is unknown, so it is fitted per line (token,
+    or output channel of w: _first_fit tries every code vector that wraps a few of the line's
+    largest values); one scale for all lines when the scheme has one (tensor-wise: fitted on the
+    worst line, refitted on all). Lines within the gate keep the reference's codes. Named only when
+    each fitted line has one code vector that reproduces it, the fitted codes wrap, and the
+    simulation reproduces every output within the gate."""
     if not bool(torch.isfinite(sim.ctx.out).all()):
         return
     bias = 0.0 if sim.bias is None else sim.bias[None, :]
@@ -302,36 +341,36 @@ def stale_scale_wrap_hypotheses(sim: Sim):
         O = sim.deq(other)
         Y = sim.ctx.out - bias
         E = Y - (sim.ctx.ref - bias)
-        bad = ~(E.abs() <= sim.ctx.gate)
+        G = sim.ctx.gate
+        bad = ~(E.abs() <= G)
         if side == "w":
-            Y, E, bad = Y.T, E.T, bad.T
+            Y, E, G, bad = Y.T, E.T, G.T, bad.T
         lines = bad.any(dim=1).nonzero().flatten().tolist()
         if not lines:
             continue
         scale, codes = qt.scale.clone(), qt.codes.clone()
         if qt.scale.shape[0] == 1:              # one scale for every line: fitted on the worst, refitted on all
             worst = int(E.abs().amax(dim=1).argmax())
-            s0 = _first_fit(xf[worst], O, Y[worst], fmt)
-            if s0 is None:
+            fit = _first_fit(xf[worst], O, Y[worst], G[worst], fmt)
+            if fit is None:
                 continue
-            s, q = _refit(s0, xf, O, Y, fmt)
+            s, q = _refit(fit[0], xf, O, Y, fmt)
             scale[:] = s
             codes = q.to(codes.dtype)
         else:
-            fits = {r: _first_fit(xf[r], O, Y[r], fmt) for r in lines}
-            if any(s is None for s in fits.values()):
+            fits = {r: _first_fit(xf[r], O, Y[r], G[r], fmt) for r in lines}
+            if any(fit is None for fit in fits.values()):
                 continue
-            for r, s in fits.items():
-                scale[r] = s
-                codes[r] = _wrap(torch.round(xf[r] / torch.tensor(s, dtype=torch.float32)), fmt).to(codes.dtype)
+            for r, (s, q) in fits.items():
+                scale[r], codes[r] = s, q.to(codes.dtype)
         unclamped = torch.round(xf / scale.float())
-        wrapped = (unclamped > fmt.qmax) | (unclamped < -fmt.qmax)
+        wrapped = _wrap(unclamped, fmt) != unclamped    # a code the store changes (qmin = -qmax - 1 is kept)
         if not bool(wrapped.any()):
             continue
         ratio = (scale.double() / qt.scale.double()).flatten()[lines if qt.scale.shape[0] > 1 else [0]]
         where = wrapped.any(dim=1).nonzero().flatten().tolist()
         yield sim.hyp("codes_wrapped_not_clamped",
-                      f"{_side(side)}' codes past +-{fmt.qmax} stored without a clamp (they wrap by "
+                      f"{_side(side)}' codes past [{fmt.qmin}, {fmt.qmax}] stored without a clamp (they wrap by "
                       f"{1 << fmt.bits}) under a scale smaller than amax / {fmt.qmax} (fitted: "
                       f"{float(ratio.min()):.3g}..{float(ratio.max()):.3g} of it; a static scale calibrated on a "
                       f"narrower range, or an amax over part of the {'row' if side == 'x' else 'channel'}?): "
