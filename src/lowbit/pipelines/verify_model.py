@@ -168,12 +168,22 @@ def _check_expert_projections(name: str, module, inputs: tuple) -> LayerResult:
         pairs = module.kernel_projections(hidden, routing)
     acc = fp8_dot_accumulator(hidden.device) if module.kernel == "fp8" else None
     worst = (-1.0, None, None)
-    for proj, (inp, got) in zip(PROJECTIONS, pairs):
+    E, H, I = module.num_experts, module.hidden_dim, module.intermediate_dim
+    for proj, (inp, got), (N, K) in zip(PROJECTIONS, pairs, ((2 * I, H), (H, I))):
         rows = inp[routing.token] if proj == "gate_up" else inp      # the sorted buffer the kernel read
         bias = getattr(module, f"{proj}_bias")
-        v = check_grouped_linear(got, rows.float(), module.weight_dequantized(proj), routing.offsets,
-                                 x_scheme=module.act_scheme, bias=bias, accumulator=acc, out_dtype=got.dtype,
-                                 w_q=[q.to("cpu") for q in module.weights_q(proj)])
+        # the bf16 ("dequant") path multiplies the weights dequantized into a bf16 buffer (the exact
+        # values rounded once to bf16: integer codes x float32 scales are not bf16 values; e2m1 x
+        # e8m0 / e4m3 are) and rounds torch._grouped_mm's product to bf16 before its float32
+        # epilogue: its reference is those bf16 weights, its output rounding bf16's
+        bf16 = module.kernel_class.for_rows(E, N, K, routing.rows, inp.dtype).bf16_path
+        w = module.weight_dequantized(proj, torch.float64)
+        if bf16 and module.weight_scheme.fmt.kind == "int":
+            w_q, w = None, w.to(torch.bfloat16).double()
+        else:
+            w_q = [q.to("cpu") for q in module.weights_q(proj)]
+        v = check_grouped_linear(got, rows.float(), w, routing.offsets, x_scheme=module.act_scheme, bias=bias,
+                                 accumulator=acc, out_dtype=torch.bfloat16 if bf16 else got.dtype, w_q=w_q)
         frac = v.metrics["impl_gate_frac"]
         if frac > worst[0]:
             worst = (frac, v, proj)
