@@ -203,6 +203,25 @@ def _tiny_llama(rng, hidden=128, inter=256, layers=2, dtype=torch.bfloat16):
     return transformers.LlamaForCausalLM(cfg).to(dtype).eval()
 
 
+@pytest.mark.parametrize("recipe", ["w8a8-int8", "w4a16"])
+def test_merged_layers_hold_their_weights_once(rng, recipe):
+    """A merged group's members give up their own operands to the shared copy: the model holds no
+    more bytes merged than layer by layer (nothing else, such as the dispatch record, may keep a
+    member's laid-out tensors alive; it once held every merged weight twice)."""
+    from lowbit.bench.model_measure import resident_bytes
+    model = _tiny_llama(rng, hidden=128, inter=256, layers=1)
+    per_layer = copy.deepcopy(model)
+    quantize_model(per_layer, recipe, backend="kernel", share_inputs=False)
+    shared = copy.deepcopy(per_layer)
+    prepare_model(shared)
+    assert any(type(m).__name__ == "SharedGEMM" for m in shared.modules())
+    cpu = torch.device("cpu")
+    # the group's concatenated per-row scales (and zero points) are new tensors; its codes are not
+    concatenated = sum(b.nbytes for m in shared.modules() if type(m).__name__ == "SharedGEMM"
+                       for n, b in m.named_buffers() if n not in ("fast_w", "fast_packed"))
+    assert resident_bytes(shared, cpu) <= resident_bytes(per_layer, cpu) + concatenated
+
+
 @pytest.mark.parametrize("recipe,spread", [("w8a8-int8", 0), ("w8a8-int8-tensor", 0), ("w8a8-fp8", 0), ("w4a16", 0),
                                            ("mxfp4", 20), ("mxfp4", 70), ("nvfp4", 20)])
 def test_shared_inputs_match_per_layer_path(rng, kernel_device, recipe, spread):

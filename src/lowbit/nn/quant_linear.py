@@ -108,8 +108,12 @@ class QuantLinear(torch.nn.Module):
         if not have_triton() and self.backend == "kernel":
             raise ValueError("backend='kernel' runs Triton kernels, and triton is not installed: "
                              "pip install 'lowbit[gpu]', or use backend='auto'")
-        self.kernel_choice = choose_linear(self.weight_q, self.act_scheme, self.act_static_scale)
-        prep = self.kernel_choice.prepared
+        choice = choose_linear(self.weight_q, self.act_scheme, self.act_static_scale)
+        # the record keeps the kernel and the refusals, not the laid-out tensors: those live as
+        # buffers (moved by .to(), dropped when a shared-input group takes the layer's operands);
+        # a second reference here held every merged layer's weight twice on the GPU
+        self.kernel_choice = dataclasses.replace(choice, prepared=None)
+        prep = choice.prepared
         if prep is None:
             return
         for name, t in prep.tensors.items():
