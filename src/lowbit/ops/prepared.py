@@ -83,7 +83,7 @@ def _qlinear(x2: torch.Tensor, operands: list[torch.Tensor], bias: torch.Tensor 
         slots = tuple(operands) if bias is None else (*operands, bias)
         # a plan's kernels were specialised on its slots' 16-byte alignment and read them whole
         if all(t.data_ptr() & 15 == 0 and t.is_contiguous() for t in slots):
-            key = (spec, x2.shape[0], x2.dtype, x2.stride(0), x2.data_ptr() & 15 == 0, bias is None)
+            key = (spec, x2.shape[0], x2.dtype, x2.stride(0), x2.data_ptr() & 15 == 0, bias is None or bias.dtype)
             return _planned(_OP_PLANS, key, x2, lambda a: run(sp, a, ops, bias), slots)
     return run(sp, x2, ops, bias)
 
@@ -111,7 +111,7 @@ qlinear_op = torch.ops.lowbit.qlinear.default
 # about 60 us, a recorded plan a few microseconds per kernel.
 PLAN_MAX_M = 64
 GRAPH_MAX_M = 16
-# the custom op's plans, one per (spec, input rows / dtype / stride / alignment, bias or not): they
+# the custom op's plans, one per (spec, input rows / dtype / stride / alignment, bias dtype or none): they
 # hold no layer's tensors (those are slots), only the kernels and the calls' intermediate buffers
 _OP_PLANS: dict = {}
 
