@@ -196,7 +196,7 @@ def wrapped_code_hypotheses(sim: Sim):
         base = -(span // 2) if fmt.signed else 0
 
         def wrap(q):
-            return (torch.remainder(q - base, span) + base).to(qt.codes.dtype)
+            return _wrap(q, fmt).to(qt.codes.dtype)
 
         z = qt.expanded_zero_point()
         q = torch.round(xf / qt.expanded_scale()) + (0 if z is None else z)
