@@ -77,15 +77,16 @@ def _qlinear(x2: torch.Tensor, operands: list[torch.Tensor], bias: torch.Tensor 
     warm up and capture on a stream of their own, where the plain launches run: a plan's kept
     buffers would sit in the graph's memory pool."""
     sp = spec_from_json(spec)
-    ops = dict(zip(sp.operands, operands))
     if x2.is_cuda and x2.shape[0] <= PLAN_MAX_M and sp.graphable \
             and torch._C._cuda_getCurrentRawStream(x2.get_device()) == 0:
         slots = tuple(operands) if bias is None else (*operands, bias)
         # a plan's kernels were specialised on its slots' 16-byte alignment and read them whole
         if all(t.data_ptr() & 15 == 0 and t.is_contiguous() for t in slots):
             key = (spec, x2.shape[0], x2.dtype, x2.stride(0), x2.data_ptr() & 15 == 0, bias is None or bias.dtype)
-            return _planned(_OP_PLANS, key, x2, lambda a: run(sp, a, ops, bias), slots)
-    return run(sp, x2, ops, bias)
+            # the operand dict is built only by a call that launches directly, not by a replay
+            return _planned(_OP_PLANS, key, x2, lambda a: run(sp, a, dict(zip(sp.operands, operands)), bias),
+                            slots)
+    return run(sp, x2, dict(zip(sp.operands, operands)), bias)
 
 
 # Defined with torch.library.Library rather than torch.library.custom_op: the latter's Python
