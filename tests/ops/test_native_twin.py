@@ -153,3 +153,50 @@ def test_bias_refusals_name_the_argument():
         nk.twin_w8a16(x, w, bias=torch.zeros(23))
     with pytest.raises(ValueError, match="contiguous"):
         nk.twin_w8a8(x, w, bias=torch.zeros(48)[::2])
+
+
+# Launch variants: NT row tiles per CTA (a partial last column of tiles at N = 40 and 33 with NT = 2, 4) and the
+# weight prefetch keep every output's summation order, so each must give the default launch's bits; the
+# default is held to the float64 reference (and to torch's exact product for int8) by the tests above, and
+# here again, so a variant that drifted would fail both.
+VARIANTS = [(2, False), (4, False), (1, True), (2, True), (4, True)]
+
+
+def _variant_case(kind, M, N, K):
+    w, x = torch.randn(N, K), torch.randn(M, K).bfloat16()
+    if kind.startswith("w4a16"):
+        group = 32 if "g32" in kind else 128
+        K = K - K % group
+        w, x = w[:, :K], x[:, :K].contiguous()
+        qt = lb.quantize(w, _w4_scheme(group, "asym" not in kind))
+        return (lambda **kw: nk.twin_w4a16(x, nk.prepare_w4(qt), **kw)), x.double(), qt
+    if kind == "w8a16":
+        qt = lb.quantize(w, lb.get_preset("int8_channel"))
+        return (lambda **kw: nk.twin_w8a16(x, nk.prepare_w8(qt), **kw)), x.double(), qt
+    qt = lb.quantize(w, lb.get_preset("fp8_row" if kind == "w8a8-fp8" else "int8_channel"))
+    xq = lb.quantize(x.float(), lb.get_preset("fp8_row" if kind == "w8a8-fp8" else "int8_token"))
+    return (lambda **kw: nk.twin_w8a8(x, nk.prepare_w8(qt), **kw)), xq, qt
+
+
+@pytest.mark.parametrize("kind", ["w4a16-g128", "w4a16-g32-asym", "w8a16", "w8a8-int8", "w8a8-fp8"])
+def test_twin_launch_variants_give_the_default_bits(kind):
+    for M, N, K, splits in CASES[:3]:
+        run, operand, qt = _variant_case(kind, M, N, K)
+        base = run(splits=splits)
+        v = check_quantized(base, operand, qt, accumulator="fp32")
+        assert v.passed, v.report()
+        if kind == "w8a8-int8":
+            acc = (operand.codes.double() @ qt.codes.double().T).float()    # exact integers (|acc| < 2^24)
+            assert torch.equal(base, ((acc * operand.scale) * qt.scale.reshape(1, -1)).bfloat16())
+        for nt, prefetch in VARIANTS:
+            y = run(splits=splits, nt=nt, prefetch=prefetch)
+            assert torch.equal(y.view(torch.int16), base.view(torch.int16)), (kind, M, N, K, splits, nt, prefetch)
+
+
+def test_launch_variant_refusals_name_the_argument():
+    w = nk.prepare_w8(lb.quantize(torch.randn(24, 256), lb.get_preset("int8_channel")))
+    x = torch.zeros(2, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"nt \(row tiles per CTA\) must be one of \(1, 2, 4\), got 3"):
+        nk.twin_w8a16(x, w, nt=3)
+    with pytest.raises(ValueError, match="prefetch must be True or False, got 1"):
+        nk.twin_w8a8(x, w, prefetch=1)

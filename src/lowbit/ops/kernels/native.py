@@ -45,7 +45,7 @@ def _layout(prepare, weight_q):
         w = prepare(weight_q)
     except ValueError as err:
         raise Refused(str(err)) from None
-    extra = {"n_packed": w.packed, "n_scale": w.scale}
+    extra = {"n_packed": w.packed, "n_scale": w.scale, "n_counters": w.counters}
     if getattr(w, "zero", None) is not None:
         extra["n_zero"] = w.zero
     return extra
@@ -104,11 +104,12 @@ class _Native:
 
 
 def _w4(spec: Spec, ops) -> native.NativeW4:
-    return native.NativeW4(ops["n_packed"], ops["n_scale"], ops.get("n_zero"), spec.N, spec.K, spec.group)
+    return native.NativeW4(ops["n_packed"], ops["n_scale"], ops.get("n_zero"), spec.N, spec.K, spec.group,
+                           ops["n_counters"])
 
 
 def _w8(spec: Spec, ops, fp8: bool) -> native.NativeW8:
-    return native.NativeW8(ops["n_packed"], ops["n_scale"], spec.N, spec.K, fp8)
+    return native.NativeW8(ops["n_packed"], ops["n_scale"], spec.N, spec.K, fp8, ops["n_counters"])
 
 
 class NativeW4A16(_Native, TritonW4A16):

@@ -131,7 +131,7 @@ def build_library(progress=print) -> Path:
     lib = tc.root / "lib"
     return _build_into(target, lambda out: [str(tc.nvcc), *NVCC_FLAGS, "-shared", str(CSRC / "decode_kernels.cu"),
                                             "-o", str(out), f"-L{lib}", "-lcudart_static", "-lrt", "-ldl", "-lpthread"],
-                       f"compiling decode_kernels.cu for {ARCH} with {tc.nvcc} (about 15 s)", progress)
+                       f"compiling decode_kernels.cu for {ARCH} with {tc.nvcc} (under a minute)", progress)
 
 
 def compile_check(progress=print) -> Path:

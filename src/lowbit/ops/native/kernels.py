@@ -9,7 +9,14 @@
 The rounding order of each kernel is in decode_kernels.cu's header comment (a bias, float32 or bfloat16
 [N], is added in float32 after the scales, just before the bf16 rounding). Every argument is checked
 here, once, before a launch; the C side trusts them. `splits` (CTAs per 16 output rows along K) defaults
-to default_splits; any value >= 1 gives the documented summation order for that value.
+to default_splits; any value >= 1 gives the documented summation order for that value. The launch
+variants change the speed only, never a bit of the output:
+  nt        row tiles of 16 per CTA (1, 2, 4): the tiles share each activation load (M > 1 reads x nt
+            times less), with nt times fewer CTAs
+  prefetch  each warp issues its next k-block's weight loads before it computes the current one
+  fixup     with splits > 1, the last CTA of each column adds the splits' partials (same order) instead
+            of a second kernel; it counts CTAs in the weight's `counters`, so two launches on one weight
+            with fixup must not run at the same time (two streams): the default is the second kernel
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ W4_GROUPS = (32, 64, 128, 256)
 BIAS_KINDS = {torch.float32: 1, torch.bfloat16: 2}     # csrc/decode_math.h kBiasF32, kBiasBF16 (0: no bias)
 WARPS, TILES_PER_BLOCK = 8, 4   # csrc/decode_math.h kWarps, decode_warp.h kTilesPerBlock
 MAX_M = 16
+ROW_TILES = (1, 2, 4)           # csrc/decode_warp.h with_variant's nt
 
 
 class _Tiled:
@@ -51,6 +59,7 @@ class NativeW4(_Tiled):
     N: int
     K: int
     group: int
+    counters: torch.Tensor        # int32 [N16], zero: the fixup's per-column CTA counts (module docstring)
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,6 +70,7 @@ class NativeW8(_Tiled):
     N: int
     K: int
     fp8: bool
+    counters: torch.Tensor        # int32 [N16], zero (as NativeW4's)
 
 
 def prepare_w4(qt: QTensor) -> NativeW4:
@@ -78,7 +88,8 @@ def prepare_w4(qt: QTensor) -> NativeW4:
         raise ValueError("prepare_w4: zero points must lie in the int4 code range -8..7 (lowbit.quantize's do)")
     n16 = -(-N // TILE_N)
     return NativeW4(arrange_w4(qt.codes.to(torch.int8)), arrange_groups(qt.scale.to(torch.float32), n16),
-                    None if z is None else arrange_groups(z.to(torch.int8), n16), N, K, s.group_size)
+                    None if z is None else arrange_groups(z.to(torch.int8), n16), N, K, s.group_size,
+                    _counters(n16, qt.codes.device))
 
 
 def prepare_w8(qt: QTensor) -> NativeW8:
@@ -95,7 +106,11 @@ def prepare_w8(qt: QTensor) -> NativeW8:
         raise ValueError(f"prepare_w8: K = {K} must be a multiple of 8 (the kernels read activations 8 at a time); "
                          "pad the weight's K with zeros")
     return NativeW8(arrange_w8(qt.codes), qt.scale.to(torch.float32).reshape(N).contiguous(), N, K,
-                    s.format == "fp8_e4m3fn")
+                    s.format == "fp8_e4m3fn", _counters(-(-N // TILE_N), qt.codes.device))
+
+
+def _counters(n16: int, device) -> torch.Tensor:
+    return torch.zeros(n16, dtype=torch.int32, device=device)
 
 
 def default_splits(n_tiles: int, kblocks: int, sms: int) -> int:
@@ -156,6 +171,25 @@ def _splits(w, splits: int | None, who: str) -> int:
     return splits
 
 
+@dataclass(frozen=True)
+class _Launch:
+    splits: int
+    nt: int
+    prefetch: int
+    counters: int | None      # the counters' pointer where the splits are added by the fixup
+
+
+def _launch(w, splits, nt, prefetch, fixup, who: str) -> _Launch:
+    """The checked launch variant (module docstring)."""
+    S = _splits(w, splits, who)
+    if nt not in ROW_TILES or isinstance(nt, bool):
+        raise ValueError(f"{who}: nt (row tiles per CTA) must be one of {ROW_TILES}, got {nt!r}")
+    for name, v in (("prefetch", prefetch), ("fixup", fixup)):
+        if not isinstance(v, bool):
+            raise ValueError(f"{who}: {name} must be True or False, got {v!r}")
+    return _Launch(S, nt, int(prefetch), w.counters.data_ptr() if fixup and S > 1 else None)
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -174,32 +208,34 @@ def _stream(x: torch.Tensor) -> int:
     return torch.cuda.current_stream(x.device).cuda_stream
 
 
-def w4a16(x: torch.Tensor, w: NativeW4, splits: int | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+def w4a16(x: torch.Tensor, w: NativeW4, splits: int | None = None, bias: torch.Tensor | None = None, *, nt: int = 1,
+          prefetch: bool = False, fixup: bool = False) -> torch.Tensor:
     """bf16 [M, N] = x @ W.T (+ bias) for bf16 x [M, K] (CUDA, sm_90) and a prepare_w4 weight."""
     _check_x(x, w.K, "cuda", 8, "w4a16")
     _check_weight(w, x, "w4a16")
-    S = _splits(w, splits, "w4a16")
+    v = _launch(w, splits, nt, prefetch, fixup, "w4a16")
     b, kind = _bias(bias, w, x, "w4a16")
     M, out = x.shape[0], torch.empty(x.shape[0], w.N, dtype=torch.bfloat16, device=x.device)
-    ws = _workspace(S, M, w.N, torch.float32, x.device)
+    ws = _workspace(v.splits, M, w.N, torch.float32, x.device)
     _raise(load().lb_w4a16(w.packed.data_ptr(), w.scale.data_ptr(), _ptr(w.zero), x.data_ptr(), out.data_ptr(), _ptr(ws),
-                           b, M, w.N, w.K, x.stride(0), w.tiles_k, w.scale.shape[1], w.group, S, kind, _stream(x)),
-           "w4a16")
+                           v.counters, b, M, w.N, w.K, x.stride(0), w.tiles_k, w.scale.shape[1], w.group, v.splits, v.nt,
+                           v.prefetch, kind, _stream(x)), "w4a16")
     return out
 
 
-def w8a16(x: torch.Tensor, w: NativeW8, splits: int | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+def w8a16(x: torch.Tensor, w: NativeW8, splits: int | None = None, bias: torch.Tensor | None = None, *, nt: int = 1,
+          prefetch: bool = False, fixup: bool = False) -> torch.Tensor:
     """bf16 [M, N] = (x @ codes.T) * scale (+ bias) for bf16 x [M, K] (CUDA, sm_90) and an int8 prepare_w8 weight."""
     if w.fp8:
         raise ValueError("w8a16: the weight is fp8 e4m3; the native W8A16 kernel takes int8 weights (w8a8 takes fp8)")
     _check_x(x, w.K, "cuda", 16, "w8a16")
     _check_weight(w, x, "w8a16")
-    S = _splits(w, splits, "w8a16")
+    v = _launch(w, splits, nt, prefetch, fixup, "w8a16")
     b, kind = _bias(bias, w, x, "w8a16")
     M, out = x.shape[0], torch.empty(x.shape[0], w.N, dtype=torch.bfloat16, device=x.device)
-    ws = _workspace(S, M, w.N, torch.float32, x.device)
-    _raise(load().lb_w8a16(w.packed.data_ptr(), w.scale.data_ptr(), x.data_ptr(), out.data_ptr(), _ptr(ws), b,
-                           M, w.N, w.K, x.stride(0), w.tiles_k, S, kind, _stream(x)), "w8a16")
+    ws = _workspace(v.splits, M, w.N, torch.float32, x.device)
+    _raise(load().lb_w8a16(w.packed.data_ptr(), w.scale.data_ptr(), x.data_ptr(), out.data_ptr(), _ptr(ws), v.counters, b,
+                           M, w.N, w.K, x.stride(0), w.tiles_k, v.splits, v.nt, v.prefetch, kind, _stream(x)), "w8a16")
     return out
 
 
@@ -214,18 +250,20 @@ def act_quant(x: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scales
 
 
-def w8a8(x: torch.Tensor, w: NativeW8, splits: int | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+def w8a8(x: torch.Tensor, w: NativeW8, splits: int | None = None, bias: torch.Tensor | None = None, *, nt: int = 1,
+         prefetch: bool = False, fixup: bool = False) -> torch.Tensor:
     """bf16 [M, N]: x quantized per token (int8 or e4m3, as the weight), then the W8A8 GEMV with both scales
     (+ bias)."""
     _check_x(x, w.K, "cuda", 2, "w8a8")
     _check_weight(w, x, "w8a8")
-    S = _splits(w, splits, "w8a8")
+    v = _launch(w, splits, nt, prefetch, fixup, "w8a8")
     b, kind = _bias(bias, w, x, "w8a8")
     codes, sa = act_quant(x, w.fp8)
     M, out = x.shape[0], torch.empty(x.shape[0], w.N, dtype=torch.bfloat16, device=x.device)
-    ws = _workspace(S, M, w.N, torch.float32 if w.fp8 else torch.int32, x.device)
+    ws = _workspace(v.splits, M, w.N, torch.float32 if w.fp8 else torch.int32, x.device)
     _raise(load().lb_w8a8(w.packed.data_ptr(), w.scale.data_ptr(), codes.data_ptr(), sa.data_ptr(), out.data_ptr(), _ptr(ws),
-                          b, M, w.N, w.K, codes.stride(0), w.tiles_k, S, int(w.fp8), kind, _stream(x)), "w8a8")
+                          v.counters, b, M, w.N, w.K, codes.stride(0), w.tiles_k, v.splits, v.nt, v.prefetch, int(w.fp8),
+                          kind, _stream(x)), "w8a8")
     return out
 
 
@@ -236,26 +274,30 @@ def _twin_out(x: torch.Tensor, N: int) -> torch.Tensor:
     return torch.empty(x.shape[0], N, dtype=torch.bfloat16)
 
 
-def twin_w4a16(x: torch.Tensor, w: NativeW4, splits: int = 1, bias: torch.Tensor | None = None) -> torch.Tensor:
+def twin_w4a16(x: torch.Tensor, w: NativeW4, splits: int = 1, bias: torch.Tensor | None = None, *, nt: int = 1,
+               prefetch: bool = False) -> torch.Tensor:
     """w4a16 run by the CPU twin: the kernel's warp program lane by lane (CPU tensors)."""
     _check_x(x, w.K, "cpu", 8, "twin_w4a16")
     _check_weight(w, x, "twin_w4a16")
+    v = _launch(w, splits, nt, prefetch, False, "twin_w4a16")
     b, kind = _bias(bias, w, x, "twin_w4a16")
     out = _twin_out(x, w.N)
     _raise(load_twin().lb_twin_w4a16(w.packed.data_ptr(), w.scale.data_ptr(), _ptr(w.zero), x.data_ptr(), out.data_ptr(),
                                      b, x.shape[0], w.N, w.K, x.stride(0), w.tiles_k, w.scale.shape[1], w.group,
-                                     _splits(w, splits, "twin_w4a16"), kind), "twin_w4a16")
+                                     v.splits, v.nt, v.prefetch, kind), "twin_w4a16")
     return out
 
 
-def twin_w8a16(x: torch.Tensor, w: NativeW8, splits: int = 1, bias: torch.Tensor | None = None) -> torch.Tensor:
+def twin_w8a16(x: torch.Tensor, w: NativeW8, splits: int = 1, bias: torch.Tensor | None = None, *, nt: int = 1,
+               prefetch: bool = False) -> torch.Tensor:
     """w8a16 run by the CPU twin."""
     _check_x(x, w.K, "cpu", 16, "twin_w8a16")
     _check_weight(w, x, "twin_w8a16")
+    v = _launch(w, splits, nt, prefetch, False, "twin_w8a16")
     b, kind = _bias(bias, w, x, "twin_w8a16")
     out = _twin_out(x, w.N)
     _raise(load_twin().lb_twin_w8a16(w.packed.data_ptr(), w.scale.data_ptr(), x.data_ptr(), out.data_ptr(), b, x.shape[0],
-                                     w.N, w.K, x.stride(0), w.tiles_k, _splits(w, splits, "twin_w8a16"), kind), "twin_w8a16")
+                                     w.N, w.K, x.stride(0), w.tiles_k, v.splits, v.nt, v.prefetch, kind), "twin_w8a16")
     return out
 
 
@@ -269,16 +311,18 @@ def twin_act_quant(x: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, torch.Tens
     return codes, scales
 
 
-def twin_w8a8(x: torch.Tensor, w: NativeW8, splits: int = 1, bias: torch.Tensor | None = None) -> torch.Tensor:
+def twin_w8a8(x: torch.Tensor, w: NativeW8, splits: int = 1, bias: torch.Tensor | None = None, *, nt: int = 1,
+              prefetch: bool = False) -> torch.Tensor:
     """w8a8 (activation codes, then the GEMV) run by the CPU twin."""
     _check_x(x, w.K, "cpu", 2, "twin_w8a8")
     _check_weight(w, x, "twin_w8a8")
+    v = _launch(w, splits, nt, prefetch, False, "twin_w8a8")
     b, kind = _bias(bias, w, x, "twin_w8a8")
     codes, sa = twin_act_quant(x, w.fp8)
     out = _twin_out(x, w.N)
     _raise(load_twin().lb_twin_w8a8(w.packed.data_ptr(), w.scale.data_ptr(), codes.data_ptr(), sa.data_ptr(),
                                     out.data_ptr(), b, x.shape[0], w.N, w.K, codes.stride(0), w.tiles_k,
-                                    _splits(w, splits, "twin_w8a8"), int(w.fp8), kind), "twin_w8a8")
+                                    v.splits, v.nt, v.prefetch, int(w.fp8), kind), "twin_w8a8")
     return out
 
 

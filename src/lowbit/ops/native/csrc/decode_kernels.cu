@@ -77,58 +77,81 @@ struct DeviceLanes {
 using DL = DeviceLanes;
 constexpr int kThreads = kWarps * 32;
 
-// The CTA's warp sums of tile element threadIdx.x (16 m + n): the bf16 output (one split) or the split's
-// partial sum ws[s][m][n]; Epi maps (sum, m, n) to the output's bits.
-template <class T, int MB, class Epi>
-__device__ __forceinline__ void finish_cta(T* red, const T (&acc)[MB][1][4], int M, int N, int splits, T* ws,
-                                           uint16_t* out, Epi epi) {
-  cta_stash<T, MB, 1>(red, threadIdx.x >> 5, acc, 0, threadIdx.x & 31);
+// The CTA's warp sums of its NT row tiles; thread i = 16 m + n finishes element (m, n) of each tile: the
+// bf16 output (one split), or the split's partial sum ws[s][m][n]. With splits > 1 and `counters` (one int
+// per CTA column, zero between launches), the last CTA of a column to finish then adds the S partials in
+// split order and writes the output itself (the order split_reduce_kernel uses, so the same bits), and
+// resets its counter: no second launch. Epi maps (sum, m, n) to the output's bits.
+template <class T, int MB, int NT, class Epi>
+__device__ __forceinline__ void finish_cta(T (&red)[NT][kWarps * 256], const T (&acc)[NT][MB][1][4], int M, int N,
+                                           int splits, T* ws, int* counters, uint16_t* out, Epi epi) {
+  LB_UNROLL for (int i = 0; i < NT; ++i) cta_stash<T, MB, 1>(red[i], threadIdx.x >> 5, acc[i], 0, threadIdx.x & 31);
   __syncthreads();
-  const int m = threadIdx.x >> 4, n = blockIdx.x * 16 + (threadIdx.x & 15);
-  if (m >= M || n >= N) return;
-  const T v = cta_sum(red, threadIdx.x);
-  if (splits == 1) out[size_t(m) * N + n] = epi(v, m, n);
-  else ws[(size_t(blockIdx.y) * M + m) * N + n] = v;
+  const int m = threadIdx.x >> 4;
+  const size_t mn = size_t(M) * N;
+  LB_UNROLL for (int i = 0; i < NT; ++i) {
+    const int n = (blockIdx.x * NT + i) * 16 + (threadIdx.x & 15);
+    if (m >= M || n >= N) continue;
+    const T v = cta_sum(red[i], threadIdx.x);
+    if (splits == 1) out[size_t(m) * N + n] = epi(v, m, n);
+    else ws[blockIdx.y * mn + size_t(m) * N + n] = v;
+  }
+  if (splits == 1 || counters == nullptr) return;
+  __shared__ int ticket;
+  __threadfence();                       // this CTA's partials are visible before its ticket is taken
+  __syncthreads();
+  if (threadIdx.x == 0) ticket = atomicAdd(counters + blockIdx.x, 1);
+  __syncthreads();
+  if (ticket != splits - 1) return;
+  __threadfence();
+  LB_UNROLL for (int i = 0; i < NT; ++i) {
+    const int n = (blockIdx.x * NT + i) * 16 + (threadIdx.x & 15);
+    if (m < M && n < N)
+      out[size_t(m) * N + n] = epi(split_sum(ws + size_t(m) * N + n, splits, mn, [](const T* p) { return __ldcg(p); }), m, n);
+  }
+  if (threadIdx.x == 0) counters[blockIdx.x] = 0;
 }
 
-template <int G, int MB>
-__global__ void __launch_bounds__(kThreads) w4a16_kernel(W4Args a, Bias bias, uint16_t* out, float* ws, int N, int kblocks,
-                                                          int splits) {
-  __shared__ float red[kWarps * 256];
-  float acc[MB][1][4] = {};
-  w4_warp<DL, G, MB>(a, blockIdx.x, split_begin(kblocks, splits, blockIdx.y), split_begin(kblocks, splits, blockIdx.y + 1),
-                     threadIdx.x >> 5, acc);
-  finish_cta<float, MB>(red, acc, a.M, N, splits, ws, out, [bias](float v, int, int n) { return out_w4a16(v, bias, n); });
-}
-
-template <int MB>
-__global__ void __launch_bounds__(kThreads) w8a16_kernel(W8Args a, const float* sw, Bias bias, uint16_t* out, float* ws, int N,
+template <int G, int MB, int NT, bool PF>
+__global__ void __launch_bounds__(kThreads) w4a16_kernel(W4Args a, Bias bias, uint16_t* out, float* ws, int* counters, int N,
                                                           int kblocks, int splits) {
-  __shared__ float red[kWarps * 256];
-  float acc[MB][1][4] = {};
-  w8a16_warp<DL, MB>(a, blockIdx.x, split_begin(kblocks, splits, blockIdx.y), split_begin(kblocks, splits, blockIdx.y + 1),
-                     threadIdx.x >> 5, acc);
-  finish_cta<float, MB>(red, acc, a.M, N, splits, ws, out,
-                        [sw, bias](float v, int, int n) { return out_w8a16(v, __ldg(sw + n), bias, n); });
+  __shared__ float red[NT][kWarps * 256];
+  float acc[NT][MB][1][4] = {};
+  w4_warp<DL, G, MB, NT, PF>(a, blockIdx.x * NT, split_begin(kblocks, splits, blockIdx.y),
+                             split_begin(kblocks, splits, blockIdx.y + 1), threadIdx.x >> 5, acc);
+  finish_cta<float, MB, NT>(red, acc, a.M, N, splits, ws, counters, out,
+                            [bias](float v, int, int n) { return out_w4a16(v, bias, n); });
 }
 
-template <bool FP8, int MB>
+template <int MB, int NT, bool PF>
+__global__ void __launch_bounds__(kThreads) w8a16_kernel(W8Args a, const float* sw, Bias bias, uint16_t* out, float* ws,
+                                                          int* counters, int N, int kblocks, int splits) {
+  __shared__ float red[NT][kWarps * 256];
+  float acc[NT][MB][1][4] = {};
+  w8a16_warp<DL, MB, NT, PF>(a, blockIdx.x * NT, split_begin(kblocks, splits, blockIdx.y),
+                             split_begin(kblocks, splits, blockIdx.y + 1), threadIdx.x >> 5, acc);
+  finish_cta<float, MB, NT>(red, acc, a.M, N, splits, ws, counters, out,
+                            [sw, bias](float v, int, int n) { return out_w8a16(v, __ldg(sw + n), bias, n); });
+}
+
+template <bool FP8, int MB, int NT, bool PF>
 __global__ void __launch_bounds__(kThreads) w8a8_kernel(W8Args a, const float* sa, const float* sw, Bias bias, uint16_t* out,
-                                                         void* ws, int N, int kblocks, int splits) {
+                                                         void* ws, int* counters, int N, int kblocks, int splits) {
   const int b0 = split_begin(kblocks, splits, blockIdx.y), b1 = split_begin(kblocks, splits, blockIdx.y + 1);
-  float accf[MB][1][4] = {};
-  int32_t acci[MB][1][4] = {};
-  w8a8_warp<DL, FP8, MB>(a, blockIdx.x, b0, b1, threadIdx.x >> 5, accf, acci);
+  float accf[NT][MB][1][4] = {};
+  int32_t acci[NT][MB][1][4] = {};
+  w8a8_warp<DL, FP8, MB, NT, PF>(a, blockIdx.x * NT, b0, b1, threadIdx.x >> 5, accf, acci);
+  __shared__ uint32_t red[NT][kWarps * 256];   // float or int32 sums: one buffer (two would not fit at NT = 4)
   if (FP8) {
-    __shared__ float red[kWarps * 256];
-    finish_cta<float, MB>(red, accf, a.M, N, splits, static_cast<float*>(ws), out,
-                          [sa, sw, bias](float v, int m, int n) { return out_w8a8(v, __ldg(sa + m), __ldg(sw + n), bias, n); });
+    finish_cta<float, MB, NT>(*reinterpret_cast<float(*)[NT][kWarps * 256]>(&red), accf, a.M, N, splits,
+                              static_cast<float*>(ws), counters, out,
+                              [sa, sw, bias](float v, int m, int n) { return out_w8a8(v, __ldg(sa + m), __ldg(sw + n), bias, n); });
   } else {
-    __shared__ int32_t redi[kWarps * 256];
-    finish_cta<int32_t, MB>(redi, acci, a.M, N, splits, static_cast<int32_t*>(ws), out,
-                            [sa, sw, bias](int32_t v, int m, int n) {
-                              return out_w8a8(float(v), __ldg(sa + m), __ldg(sw + n), bias, n);
-                            });
+    finish_cta<int32_t, MB, NT>(*reinterpret_cast<int32_t(*)[NT][kWarps * 256]>(&red), acci, a.M, N, splits,
+                                static_cast<int32_t*>(ws), counters, out,
+                                [sa, sw, bias](int32_t v, int m, int n) {
+                                  return out_w8a8(float(v), __ldg(sa + m), __ldg(sw + n), bias, n);
+                                });
   }
 }
 
@@ -177,80 +200,97 @@ int reduce_splits_launch(int kind, const void* ws, int splits, int M, int N, con
   return int(cudaGetLastError());
 }
 
+// The checks every GEMV entry point makes: -1 M outside 1..16, -3 splits < 1, -4 a bias_kind other than 0, 1, 2
+// (or one without a bias pointer); 0 when the arguments pass.
+int check_args(int M, int splits, const void* bias, int bias_kind) {
+  if (M < 1 || M > 16) return -1;
+  if (splits < 1) return -3;
+  if (!bias_ok(bias, bias_kind)) return -4;
+  return 0;
+}
+
+// After the GEMV launch: the second (reduce) launch where the splits are not added in the GEMV.
+int after_gemv(int kind, const void* ws, const int* counters, int splits, int M, int N, const float* sa, const float* sw,
+               Bias b, uint16_t* out, cudaStream_t st) {
+  int err = int(cudaGetLastError());
+  if (err || splits == 1 || counters) return err;
+  return reduce_splits_launch(kind, ws, splits, M, N, sa, sw, b, out, st);
+}
+
+dim3 gemv_grid(int N, int nt, int splits) { return dim3((N + 16 * nt - 1) / (16 * nt), splits); }
+
 }  // namespace
 
 // The C ABI (lowbit.ops.native.kernels checks every argument before calling). Pointers are device
 // pointers; `ws` is a float32 / int32 workspace of splits * M * N elements when splits > 1 (else unused);
 // `bias` is nullptr or N float32 (bias_kind 1) / bfloat16 (bias_kind 2) values, added last (decode_math.h);
-// the return value is a cudaError_t (0: launched) or one of the negative codes below.
+// `nt` row tiles of 16 per CTA (1, 2, 4), `prefetch` 0 / 1 (with_variant); `counters`: nullptr (splits > 1
+// adds the partials in a second kernel) or ceil(N / (16 nt)) ints, zero, that the launch leaves zero (the
+// last CTA of each column adds them: finish_cta). Launches sharing a counters array must not overlap in time.
+// The return value is a cudaError_t (0: launched) or one of the negative codes below.
 extern "C" {
 
-int lb_native_abi_version() { return 2; }
+int lb_native_abi_version() { return 3; }
 
-// -1: M outside 1..16, -2: unsupported group size, -3: splits < 1, -4: a bias_kind other than 0, 1, 2
-// (or one without a bias pointer)
-int lb_w4a16(const void* w, const float* scale, const int8_t* zero, const void* x, void* out, float* ws, const void* bias,
-             int M, int N, int K, int ldx, int KT, int groups, int G, int splits, int bias_kind, cudaStream_t st) {
-  if (M < 1 || M > 16) return -1;
-  if (splits < 1) return -3;
-  if (!bias_ok(bias, bias_kind)) return -4;
+
+// -2: unsupported group size, -5: nt not 1, 2, 4 or prefetch not 0, 1
+int lb_w4a16(const void* w, const float* scale, const int8_t* zero, const void* x, void* out, float* ws, int* counters,
+             const void* bias, int M, int N, int K, int ldx, int KT, int groups, int G, int splits, int nt, int prefetch,
+             int bias_kind, cudaStream_t st) {
+  if (int bad = check_args(M, splits, bias, bias_kind)) return bad;
+  if (G != 32 && G != 64 && G != 128 && G != 256) return -2;
   const Bias b{bias, bias_kind};
-  W4Args a{static_cast<const uint8_t*>(w), scale, zero, static_cast<const uint16_t*>(x), M, K, ldx, KT, groups};
+  W4Args a{static_cast<const uint8_t*>(w), scale, zero, static_cast<const uint16_t*>(x), M, K, ldx, KT, groups, (N + 15) / 16};
   const int kblocks = (KT + kTilesPerBlock - 1) / kTilesPerBlock;
-  const dim3 grid((N + 15) / 16, splits);
+  const dim3 grid = gemv_grid(N, nt, splits);
   uint16_t* o = static_cast<uint16_t*>(out);
-#define LB_W4(GS)                                                                                       \
-  case GS:                                                                                              \
-    if (M > 8) w4a16_kernel<GS, 2><<<grid, kThreads, 0, st>>>(a, b, o, ws, N, kblocks, splits);        \
-    else w4a16_kernel<GS, 1><<<grid, kThreads, 0, st>>>(a, b, o, ws, N, kblocks, splits);               \
-    break;
-  switch (G) {
-    LB_W4(32) LB_W4(64) LB_W4(128) LB_W4(256)
-    default: return -2;
-  }
-#undef LB_W4
-  int err = int(cudaGetLastError());
-  if (err || splits == 1) return err;
-  return reduce_splits_launch(0, ws, splits, M, N, nullptr, nullptr, b, o, st);
+  const bool built = with_variant(M, nt, prefetch, [&](auto mb, auto ntc, auto pf) {
+    constexpr int MB = decltype(mb)::value, NT = decltype(ntc)::value;
+    constexpr bool PF = decltype(pf)::value;
+    switch (G) {
+      case 32: w4a16_kernel<32, MB, NT, PF><<<grid, kThreads, 0, st>>>(a, b, o, ws, counters, N, kblocks, splits); break;
+      case 64: w4a16_kernel<64, MB, NT, PF><<<grid, kThreads, 0, st>>>(a, b, o, ws, counters, N, kblocks, splits); break;
+      case 128: w4a16_kernel<128, MB, NT, PF><<<grid, kThreads, 0, st>>>(a, b, o, ws, counters, N, kblocks, splits); break;
+      default: w4a16_kernel<256, MB, NT, PF><<<grid, kThreads, 0, st>>>(a, b, o, ws, counters, N, kblocks, splits); break;
+    }
+  });
+  if (!built) return -5;
+  return after_gemv(0, ws, counters, splits, M, N, nullptr, nullptr, b, o, st);
 }
 
-int lb_w8a16(const void* w, const float* sw, const void* x, void* out, float* ws, const void* bias, int M, int N, int K, int ldx,
-             int KT, int splits, int bias_kind, cudaStream_t st) {
-  if (M < 1 || M > 16) return -1;
-  if (splits < 1) return -3;
-  if (!bias_ok(bias, bias_kind)) return -4;
+int lb_w8a16(const void* w, const float* sw, const void* x, void* out, float* ws, int* counters, const void* bias, int M,
+             int N, int K, int ldx, int KT, int splits, int nt, int prefetch, int bias_kind, cudaStream_t st) {
+  if (int bad = check_args(M, splits, bias, bias_kind)) return bad;
   const Bias b{bias, bias_kind};
-  W8Args a{static_cast<const uint8_t*>(w), nullptr, static_cast<const uint16_t*>(x), M, K, ldx, KT};
+  W8Args a{static_cast<const uint8_t*>(w), nullptr, static_cast<const uint16_t*>(x), M, K, ldx, KT, (N + 15) / 16};
   const int kblocks = (KT + kTilesPerBlock - 1) / kTilesPerBlock;
-  const dim3 grid((N + 15) / 16, splits);
+  const dim3 grid = gemv_grid(N, nt, splits);
   uint16_t* o = static_cast<uint16_t*>(out);
-  if (M > 8) w8a16_kernel<2><<<grid, kThreads, 0, st>>>(a, sw, b, o, ws, N, kblocks, splits);
-  else w8a16_kernel<1><<<grid, kThreads, 0, st>>>(a, sw, b, o, ws, N, kblocks, splits);
-  int err = int(cudaGetLastError());
-  if (err || splits == 1) return err;
-  return reduce_splits_launch(1, ws, splits, M, N, nullptr, sw, b, o, st);
+  const bool built = with_variant(M, nt, prefetch, [&](auto mb, auto ntc, auto pf) {
+    w8a16_kernel<decltype(mb)::value, decltype(ntc)::value, bool(decltype(pf)::value)>
+        <<<grid, kThreads, 0, st>>>(a, sw, b, o, ws, counters, N, kblocks, splits);
+  });
+  if (!built) return -5;
+  return after_gemv(1, ws, counters, splits, M, N, nullptr, sw, b, o, st);
 }
 
-int lb_w8a8(const void* w, const float* sw, const void* xq, const float* sa, void* out, void* ws, const void* bias, int M,
-            int N, int K, int ldx, int KT, int splits, int fp8, int bias_kind, cudaStream_t st) {
-  if (M < 1 || M > 16) return -1;
-  if (splits < 1) return -3;
-  if (!bias_ok(bias, bias_kind)) return -4;
+int lb_w8a8(const void* w, const float* sw, const void* xq, const float* sa, void* out, void* ws, int* counters,
+            const void* bias, int M, int N, int K, int ldx, int KT, int splits, int nt, int prefetch, int fp8, int bias_kind,
+            cudaStream_t st) {
+  if (int bad = check_args(M, splits, bias, bias_kind)) return bad;
   const Bias b{bias, bias_kind};
-  W8Args a{static_cast<const uint8_t*>(w), static_cast<const uint8_t*>(xq), nullptr, M, K, ldx, KT};
+  W8Args a{static_cast<const uint8_t*>(w), static_cast<const uint8_t*>(xq), nullptr, M, K, ldx, KT, (N + 15) / 16};
   const int kblocks = (KT + kTilesPerBlock - 1) / kTilesPerBlock;
-  const dim3 grid((N + 15) / 16, splits);
+  const dim3 grid = gemv_grid(N, nt, splits);
   uint16_t* o = static_cast<uint16_t*>(out);
-  if (fp8) {
-    if (M > 8) w8a8_kernel<true, 2><<<grid, kThreads, 0, st>>>(a, sa, sw, b, o, ws, N, kblocks, splits);
-    else w8a8_kernel<true, 1><<<grid, kThreads, 0, st>>>(a, sa, sw, b, o, ws, N, kblocks, splits);
-  } else {
-    if (M > 8) w8a8_kernel<false, 2><<<grid, kThreads, 0, st>>>(a, sa, sw, b, o, ws, N, kblocks, splits);
-    else w8a8_kernel<false, 1><<<grid, kThreads, 0, st>>>(a, sa, sw, b, o, ws, N, kblocks, splits);
-  }
-  int err = int(cudaGetLastError());
-  if (err || splits == 1) return err;
-  return reduce_splits_launch(fp8 ? 3 : 2, ws, splits, M, N, sa, sw, b, o, st);
+  const bool built = with_variant(M, nt, prefetch, [&](auto mb, auto ntc, auto pf) {
+    constexpr int MB = decltype(mb)::value, NT = decltype(ntc)::value;
+    constexpr bool PF = decltype(pf)::value;
+    if (fp8) w8a8_kernel<true, MB, NT, PF><<<grid, kThreads, 0, st>>>(a, sa, sw, b, o, ws, counters, N, kblocks, splits);
+    else w8a8_kernel<false, MB, NT, PF><<<grid, kThreads, 0, st>>>(a, sa, sw, b, o, ws, counters, N, kblocks, splits);
+  });
+  if (!built) return -5;
+  return after_gemv(fp8 ? 3 : 2, ws, counters, splits, M, N, sa, sw, b, o, st);
 }
 
 int lb_act_quant(const void* x, int M, int K, int ldx, int fp8, void* codes, float* scales, cudaStream_t st) {

@@ -66,67 +66,75 @@ struct HostLanes {
 
 using HL = HostLanes;
 
-// One CTA's 8 warps (acc zeroed, program run, stashed), then each tile element's warp sum.
-template <class T, int MB, class Run>
-void run_cta(Run run, std::vector<T>& tile) {
-  std::vector<T> red(kWarps * 256, T(0));
+// One CTA's 8 warps (acc zeroed, program run, stashed), then each tile element's warp sum, per row tile.
+template <class T, int MB, int NT, class Run>
+void run_cta(Run run, std::vector<T> (&tiles)[NT]) {
+  std::vector<T> red[NT];
+  for (auto& r : red) r.assign(kWarps * 256, T(0));
   for (int w = 0; w < kWarps; ++w) {
-    T acc[MB][32][4] = {};
+    T acc[NT][MB][32][4] = {};
     run(w, acc);
-    for (int l = 0; l < 32; ++l) cta_stash<T, MB, 32>(red.data(), w, acc, l, l);
+    for (int i = 0; i < NT; ++i)
+      for (int l = 0; l < 32; ++l) cta_stash<T, MB, 32>(red[i].data(), w, acc[i], l, l);
   }
-  tile.resize(256);
-  for (int i = 0; i < 256; ++i) tile[i] = cta_sum(red.data(), i);
+  for (int i = 0; i < NT; ++i) {
+    tiles[i].resize(256);
+    for (int e = 0; e < 256; ++e) tiles[i][e] = cta_sum(red[i].data(), e);
+  }
 }
 
-// Runs every CTA (n-tile, split) and returns the splits' sums ws[s][m][n] for m < M, n < N.
-template <class T, int MB, class Run>
+// Runs every CTA (column of NT row tiles, split) and returns the splits' sums ws[s][m][n] for m < M, n < N.
+template <class T, int MB, int NT, class Run>
 std::vector<T> run_grid(int M, int N, int splits, Run run) {
-  const int n16 = (N + 15) / 16;
-  std::vector<T> ws(size_t(splits) * M * N), tile;
-  for (int nt = 0; nt < n16; ++nt)
+  const int cols = (N + 16 * NT - 1) / (16 * NT);
+  std::vector<T> ws(size_t(splits) * M * N), tiles[NT];
+  for (int c = 0; c < cols; ++c)
     for (int s = 0; s < splits; ++s) {
-      run_cta<T, MB>([&](int w, T (&acc)[MB][32][4]) { run(nt, s, w, acc); }, tile);
-      for (int m = 0; m < M; ++m)
-        for (int n = 0; n < 16 && nt * 16 + n < N; ++n) ws[(size_t(s) * M + m) * N + nt * 16 + n] = tile[m * 16 + n];
+      run_cta<T, MB, NT>([&](int w, T (&acc)[NT][MB][32][4]) { run(c * NT, s, w, acc); }, tiles);
+      for (int i = 0; i < NT; ++i)
+        for (int m = 0; m < M; ++m)
+          for (int n = 0; n < 16 && (c * NT + i) * 16 + n < N; ++n)
+            ws[(size_t(s) * M + m) * N + (c * NT + i) * 16 + n] = tiles[i][m * 16 + n];
     }
   return ws;
 }
 
-template <int G, int MB>
+template <int G, int MB, int NT, bool PF>
 void twin_w4(const W4Args& a, const Bias& b, uint16_t* out, int N, int splits) {
   const int kblocks = (a.KT + kTilesPerBlock - 1) / kTilesPerBlock;
-  auto ws = run_grid<float, MB>(a.M, N, splits, [&](int nt, int s, int w, float (&acc)[MB][32][4]) {
-    w4_warp<HL, G, MB>(a, nt, split_begin(kblocks, splits, s), split_begin(kblocks, splits, s + 1), w, acc);
+  auto ws = run_grid<float, MB, NT>(a.M, N, splits, [&](int nt0, int s, int w, float (&acc)[NT][MB][32][4]) {
+    w4_warp<HL, G, MB, NT, PF>(a, nt0, split_begin(kblocks, splits, s), split_begin(kblocks, splits, s + 1), w, acc);
   });
   const size_t mn = size_t(a.M) * N;
   for (size_t i = 0; i < mn; ++i) out[i] = out_w4a16(split_sum(ws.data() + i, splits, mn), b, int(i % N));
 }
 
-template <int MB>
+template <int MB, int NT, bool PF>
 void twin_w8a16(const W8Args& a, const float* sw, const Bias& b, uint16_t* out, int N, int splits) {
   const int kblocks = (a.KT + kTilesPerBlock - 1) / kTilesPerBlock;
-  auto ws = run_grid<float, MB>(a.M, N, splits, [&](int nt, int s, int w, float (&acc)[MB][32][4]) {
-    w8a16_warp<HL, MB>(a, nt, split_begin(kblocks, splits, s), split_begin(kblocks, splits, s + 1), w, acc);
+  auto ws = run_grid<float, MB, NT>(a.M, N, splits, [&](int nt0, int s, int w, float (&acc)[NT][MB][32][4]) {
+    w8a16_warp<HL, MB, NT, PF>(a, nt0, split_begin(kblocks, splits, s), split_begin(kblocks, splits, s + 1), w, acc);
   });
   const size_t mn = size_t(a.M) * N;
   for (size_t i = 0; i < mn; ++i) out[i] = out_w8a16(split_sum(ws.data() + i, splits, mn), sw[i % N], b, int(i % N));
 }
 
-template <bool FP8, int MB>
+template <bool FP8, int MB, int NT, bool PF>
 void twin_w8a8(const W8Args& a, const float* sa, const float* sw, const Bias& b, uint16_t* out, int N, int splits) {
   const int kblocks = (a.KT + kTilesPerBlock - 1) / kTilesPerBlock;
   const size_t mn = size_t(a.M) * N;
   if (FP8) {
-    auto ws = run_grid<float, MB>(a.M, N, splits, [&](int nt, int s, int w, float (&acc)[MB][32][4]) {
-      int32_t unused[MB][32][4] = {};
-      w8a8_warp<HL, true, MB>(a, nt, split_begin(kblocks, splits, s), split_begin(kblocks, splits, s + 1), w, acc, unused);
+    auto ws = run_grid<float, MB, NT>(a.M, N, splits, [&](int nt0, int s, int w, float (&acc)[NT][MB][32][4]) {
+      int32_t unused[NT][MB][32][4] = {};
+      w8a8_warp<HL, true, MB, NT, PF>(a, nt0, split_begin(kblocks, splits, s), split_begin(kblocks, splits, s + 1), w, acc,
+                                      unused);
     });
     for (size_t i = 0; i < mn; ++i) out[i] = out_w8a8(split_sum(ws.data() + i, splits, mn), sa[i / N], sw[i % N], b, int(i % N));
   } else {
-    auto ws = run_grid<int32_t, MB>(a.M, N, splits, [&](int nt, int s, int w, int32_t (&acc)[MB][32][4]) {
-      float unused[MB][32][4] = {};
-      w8a8_warp<HL, false, MB>(a, nt, split_begin(kblocks, splits, s), split_begin(kblocks, splits, s + 1), w, unused, acc);
+    auto ws = run_grid<int32_t, MB, NT>(a.M, N, splits, [&](int nt0, int s, int w, int32_t (&acc)[NT][MB][32][4]) {
+      float unused[NT][MB][32][4] = {};
+      w8a8_warp<HL, false, MB, NT, PF>(a, nt0, split_begin(kblocks, splits, s), split_begin(kblocks, splits, s + 1), w,
+                                       unused, acc);
     });
     for (size_t i = 0; i < mn; ++i)
       out[i] = out_w8a8(float(split_sum(ws.data() + i, splits, mn)), sa[i / N], sw[i % N], b, int(i % N));
@@ -150,45 +158,60 @@ void for_each_lane_tile(const uint8_t* w, int N16, int KT, Fn fn) {
 extern "C" {
 
 // Return codes: 0 ok, 1 M outside 1..16, 2 unsupported group size, 3 splits < 1, 4 a bias_kind other than
-// 0, 1, 2 (or one without a bias pointer). bias: as decode_kernels.cu's entry points take it.
-int lb_twin_w4a16(const uint8_t* w, const float* scale, const int8_t* zero, const uint16_t* x, uint16_t* out,
-                  const void* bias, int M, int N, int K, int ldx, int KT, int groups, int G, int splits, int bias_kind) {
+// 0, 1, 2 (or one without a bias pointer), 5 nt not 1, 2, 4 or prefetch not 0, 1. bias, nt, prefetch: as
+// decode_kernels.cu's entry points take them (the twin adds the splits as the reduce kernel does).
+namespace {
+int twin_check(int M, int splits, const void* bias, int bias_kind) {
   if (M < 1 || M > 16) return 1;
   if (splits < 1) return 3;
   if (!bias_ok(bias, bias_kind)) return 4;
-  W4Args a{w, scale, zero, x, M, K, ldx, KT, groups};
+  return 0;
+}
+}  // namespace
+
+int lb_twin_w4a16(const uint8_t* w, const float* scale, const int8_t* zero, const uint16_t* x, uint16_t* out,
+                  const void* bias, int M, int N, int K, int ldx, int KT, int groups, int G, int splits, int nt, int prefetch,
+                  int bias_kind) {
+  if (int bad = twin_check(M, splits, bias, bias_kind)) return bad;
+  if (G != 32 && G != 64 && G != 128 && G != 256) return 2;
+  W4Args a{w, scale, zero, x, M, K, ldx, KT, groups, (N + 15) / 16};
   const Bias b{bias, bias_kind};
-  const bool two = M > 8;
-  switch (G) {
-    case 32: two ? twin_w4<32, 2>(a, b, out, N, splits) : twin_w4<32, 1>(a, b, out, N, splits); return 0;
-    case 64: two ? twin_w4<64, 2>(a, b, out, N, splits) : twin_w4<64, 1>(a, b, out, N, splits); return 0;
-    case 128: two ? twin_w4<128, 2>(a, b, out, N, splits) : twin_w4<128, 1>(a, b, out, N, splits); return 0;
-    case 256: two ? twin_w4<256, 2>(a, b, out, N, splits) : twin_w4<256, 1>(a, b, out, N, splits); return 0;
-  }
-  return 2;
+  const bool built = with_variant(M, nt, prefetch, [&](auto mb, auto ntc, auto pf) {
+    constexpr int MB = decltype(mb)::value, NT = decltype(ntc)::value;
+    constexpr bool PF = decltype(pf)::value;
+    switch (G) {
+      case 32: twin_w4<32, MB, NT, PF>(a, b, out, N, splits); break;
+      case 64: twin_w4<64, MB, NT, PF>(a, b, out, N, splits); break;
+      case 128: twin_w4<128, MB, NT, PF>(a, b, out, N, splits); break;
+      default: twin_w4<256, MB, NT, PF>(a, b, out, N, splits); break;
+    }
+  });
+  return built ? 0 : 5;
 }
 
 int lb_twin_w8a16(const uint8_t* w, const float* sw, const uint16_t* x, uint16_t* out, const void* bias, int M, int N,
-                  int K, int ldx, int KT, int splits, int bias_kind) {
-  if (M < 1 || M > 16) return 1;
-  if (splits < 1) return 3;
-  if (!bias_ok(bias, bias_kind)) return 4;
-  W8Args a{w, nullptr, x, M, K, ldx, KT};
+                  int K, int ldx, int KT, int splits, int nt, int prefetch, int bias_kind) {
+  if (int bad = twin_check(M, splits, bias, bias_kind)) return bad;
+  W8Args a{w, nullptr, x, M, K, ldx, KT, (N + 15) / 16};
   const Bias b{bias, bias_kind};
-  M > 8 ? twin_w8a16<2>(a, sw, b, out, N, splits) : twin_w8a16<1>(a, sw, b, out, N, splits);
-  return 0;
+  const bool built = with_variant(M, nt, prefetch, [&](auto mb, auto ntc, auto pf) {
+    twin_w8a16<decltype(mb)::value, decltype(ntc)::value, bool(decltype(pf)::value)>(a, sw, b, out, N, splits);
+  });
+  return built ? 0 : 5;
 }
 
 int lb_twin_w8a8(const uint8_t* w, const float* sw, const uint8_t* xq, const float* sa, uint16_t* out, const void* bias,
-                 int M, int N, int K, int ldx, int KT, int splits, int fp8, int bias_kind) {
-  if (M < 1 || M > 16) return 1;
-  if (splits < 1) return 3;
-  if (!bias_ok(bias, bias_kind)) return 4;
-  W8Args a{w, xq, nullptr, M, K, ldx, KT};
+                 int M, int N, int K, int ldx, int KT, int splits, int nt, int prefetch, int fp8, int bias_kind) {
+  if (int bad = twin_check(M, splits, bias, bias_kind)) return bad;
+  W8Args a{w, xq, nullptr, M, K, ldx, KT, (N + 15) / 16};
   const Bias b{bias, bias_kind};
-  if (fp8) M > 8 ? twin_w8a8<true, 2>(a, sa, sw, b, out, N, splits) : twin_w8a8<true, 1>(a, sa, sw, b, out, N, splits);
-  else M > 8 ? twin_w8a8<false, 2>(a, sa, sw, b, out, N, splits) : twin_w8a8<false, 1>(a, sa, sw, b, out, N, splits);
-  return 0;
+  const bool built = with_variant(M, nt, prefetch, [&](auto mb, auto ntc, auto pf) {
+    constexpr int MB = decltype(mb)::value, NT = decltype(ntc)::value;
+    constexpr bool PF = decltype(pf)::value;
+    if (fp8) twin_w8a8<true, MB, NT, PF>(a, sa, sw, b, out, N, splits);
+    else twin_w8a8<false, MB, NT, PF>(a, sa, sw, b, out, N, splits);
+  });
+  return built ? 0 : 5;
 }
 
 // Per-token activation quantization (decode_kernels.cu's act_quant): codes [M][K], scales [M].
