@@ -93,9 +93,10 @@ from lowbit.bench.moe_report import add_moe_ratios
 from lowbit.ops import scratch, tuning
 from lowbit.ops.kernels import native as native_kernels
 from lowbit.ops.native import library as native_library
+from lowbit.recipes.presets import get_recipe
 
 MODES = ("eager", "compile", "graphs")
-NATIVE_NAMES = frozenset(cls.name for cls in native_kernels.NATIVE)
+NATIVE_NAMES = frozenset(cls.name for cls in native_kernels.NATIVE)   # the kernel classes +native opts in
 DEFAULT_BUDGET = 30.0
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -171,9 +172,10 @@ def _build(name: str, kind: str, master: torch.nn.Module) -> tuple[torch.nn.Modu
             prepare(model)
     kernels = kernel_classes(model)
     if v.native and not NATIVE_NAMES & set(kernels):   # never the Triton kernels under the native name
-        why = refusal_of(model, NATIVE_NAMES) or "no layer was quantized"
+        recipe = get_recipe(v.recipe)
+        why = refusal_of(model, {c.name for c in native_kernels.covering(recipe.weight, recipe.act)})
         del model
-        raise Skipped(f"n/a: no layer took a native kernel ({why})")
+        raise Skipped(f"n/a: no layer took a native kernel ({why or 'no layer was quantized'})")
     info = dict(prepared=prepare is not None, kernels=kernels, **moe_model.describe_experts(model))
     untimed = moe_model.untimed_experts(model, next(master.parameters()).device)
     if untimed:

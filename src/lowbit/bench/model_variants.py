@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lowbit.ops.kernels.native import covered_by_native
+from lowbit.ops.kernels.native import covering
 from lowbit.recipes.presets import LM_HEAD, RECIPES
 
 TORCHAO = ("torchao-int4", "torchao-int8wo", "torchao-int8", "torchao-fp8-row")
@@ -53,7 +53,7 @@ def parse_variant(name: str) -> Variant:
 
 def native_recipes() -> list[str]:
     """The lowbit recipes whose layers a native decode class takes (the ones `+native` accepts)."""
-    return [n for n, r in RECIPES.items() if covered_by_native(r.weight, r.act)]
+    return [n for n, r in RECIPES.items() if covering(r.weight, r.act)]
 
 
 def all_variants() -> list[str]:

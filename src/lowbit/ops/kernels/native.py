@@ -61,11 +61,11 @@ def native_refusal() -> str | None:
     return library.unavailable_reason()
 
 
-def covered_by_native(weight, act) -> bool:
-    """Whether a native class takes layers of these schemes (weight: QuantScheme; act: QuantScheme or
+def covering(weight, act) -> list[type]:
+    """The native classes that take layers of these schemes (weight: QuantScheme; act: QuantScheme or
     None), the device and the layer's shape aside."""
     layer = LinearLayer(weight, act)
-    return any(cls.refuses(layer) is None for cls in NATIVE)
+    return [cls for cls in NATIVE if cls.refuses(layer) is None]
 
 
 def _layout(prepare, weight_q):
