@@ -45,10 +45,11 @@ def _by_variant(rows: list[dict]) -> dict[str, list[dict]]:
 
 @pytest.fixture
 def gpu_stand_in(monkeypatch):
-    """The native classes can be chosen here: an H200 as the kernel device, a library that can run, no
-    environment opt-in."""
+    """The native classes can be chosen here: an H200 as the kernel device, a library that can run (and is
+    never loaded: the model's calls run the exact path on the CPU), no environment opt-in."""
     monkeypatch.delenv(kn.OPT_IN, raising=False)
     monkeypatch.setattr(library, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(library, "load", lambda: None)
     monkeypatch.setattr(dense, "kernel_device", lambda: H200)
 
 

@@ -162,6 +162,7 @@ def _build(name: str, kind: str, master: torch.nn.Module) -> tuple[torch.nn.Modu
         why = native_unavailable(device)
         if why:
             raise Skipped(f"n/a: {why}")
+        native_library.load()   # a first build lands in build_s, not in the first timed step's warm-up
     model = copy.deepcopy(master)
     # every lowbit variant is built with the native classes opted in or out by its name alone (not by
     # LOWBIT_NATIVE): dispatch decides when a layer is prepared, so the scope covers quantize + prepare
