@@ -31,6 +31,7 @@ from lowbit.ops.kernels.dense_w8 import TritonW8A8Fp8, TritonW8A8Int8, TritonW8A
 from lowbit.ops.kernels.prepared_kernel import Prepared, Spec
 from lowbit.ops.native import kernels as native
 from lowbit.ops.native import library
+from lowbit.ops.native.layout import TILE_N
 
 OPT_IN = "LOWBIT_NATIVE"
 # opted_in()'s setting for the current context (thread / task); None: the environment decides
@@ -101,6 +102,7 @@ class _Native:
     triton_cls = None
     native_layout = None
     native_call = None
+    row_tile = TILE_N    # the native layouts pad N to tiles of 16 rows
 
     @classmethod
     def prepare(cls, weight_q, act_scheme, static_scale):
