@@ -88,12 +88,11 @@ from lowbit.bench.model_measure import (CACHE_SLACK, CUDA_BROKEN, Inputs, Skippe
                                         free, kernel_classes, quant_paths, refusal_of, rel_err, reset_compiler,
                                         run_step, weight_memory)
 from lowbit.bench.model_targets import add_musts, add_roofline, copy_bandwidth, decode_bytes
-from lowbit.bench.model_variants import TORCHAO, all_variants, check_variants, parse_variant
+from lowbit.bench.model_variants import TORCHAO, all_variants, check_variants, native_kernel_names, parse_variant
 from lowbit.bench.moe_report import add_moe_ratios
 from lowbit.ops import scratch, tuning
 from lowbit.ops.kernels import native as native_kernels
 from lowbit.ops.native import library as native_library
-from lowbit.recipes.presets import get_recipe
 
 MODES = ("eager", "compile", "graphs")
 NATIVE_NAMES = frozenset(cls.name for cls in native_kernels.NATIVE)   # the kernel classes +native opts in
@@ -173,8 +172,7 @@ def _build(name: str, kind: str, master: torch.nn.Module) -> tuple[torch.nn.Modu
             prepare(model)
     kernels = kernel_classes(model)
     if v.native and not NATIVE_NAMES & set(kernels):   # never the Triton kernels under the native name
-        recipe = get_recipe(v.recipe)
-        why = refusal_of(model, {c.name for c in native_kernels.covering(recipe.weight, recipe.act)})
+        why = refusal_of(model, native_kernel_names(v.recipe))
         del model
         raise Skipped(f"n/a: no layer took a native kernel ({why or 'no layer was quantized'})")
     info = dict(prepared=prepare is not None, kernels=kernels, **moe_model.describe_experts(model))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from lowbit.ops.kernels.native import covering
 from lowbit.recipes.presets import LM_HEAD, RECIPES
+from lowbit.workflows.job import parse_recipe
 
 TORCHAO = ("torchao-int4", "torchao-int8wo", "torchao-int8", "torchao-fp8-row")
 NATIVE = "native"
@@ -54,6 +55,12 @@ def parse_variant(name: str) -> Variant:
 def native_recipes() -> list[str]:
     """The lowbit recipes whose layers a native decode class takes (the ones `+native` accepts)."""
     return [n for n, r in RECIPES.items() if covering(r.weight, r.act)]
+
+
+def native_kernel_names(recipe: str) -> set[str]:
+    """The names of the native decode classes that take a lowbit recipe's layers (empty: none)."""
+    r = parse_recipe(recipe)
+    return {cls.name for cls in covering(r.weight, r.act)}
 
 
 def all_variants() -> list[str]:
