@@ -176,7 +176,7 @@ def _build(name: str, kind: str, master: torch.nn.Module) -> tuple[torch.nn.Modu
         del model
         raise Skipped(f"n/a: no layer took a native kernel ({why or 'no layer was quantized'})")
     info = dict(prepared=prepare is not None, kernels=kernels, **moe_model.describe_experts(model))
-    untimed = moe_model.untimed_experts(model, next(master.parameters()).device)
+    untimed = moe_model.untimed_experts(model, device)
     if untimed:
         del model
         raise Skipped(f"experts would run the exact float64 path (no grouped kernel for {name}: "

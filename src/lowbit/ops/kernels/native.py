@@ -43,7 +43,7 @@ def opted_in(enabled: bool = True):
     """Inside the block the native classes are opted in (enabled=False: opted out), whatever LOWBIT_NATIVE
     says; in the calling context only (another thread keeps the environment's answer). Dispatch asks once,
     when a layer is prepared (quantized or loaded), and never again per call: a layer prepared inside keeps
-    its native class after the block, and a layer prepared after it gets the Triton class again."""
+    its native class after the block, and a layer prepared after it gets what LOWBIT_NATIVE says."""
     token = _SCOPED.set(bool(enabled))
     try:
         yield
