@@ -15,7 +15,9 @@
 #   layers       python -m lowbit.bench.layers: QuantLinear vs bf16 F.linear (LAYER_ARGS)
 #   model        `lowbit bench model`: 32 Llama-3-8B layers (MODEL_LAYERS), bf16 vs MODEL_RECIPES in
 #                MODEL_MODES (eager,compile,graphs); MODEL_TIMEOUT (default 560 s) bounds it, the
-#                variants share the time; the targets table is printed last
+#                variants share the time; the targets table is printed last. RECIPE+native variants
+#                (MODEL_RECIPES=w4a16,w4a16+native) load .native/liblowbit_native.so where the call carries
+#                it (scripts/build_native.sh builds it here); without it their rows say n/a and why
 #   moe          `lowbit bench model` on MOE_SHAPES (default mixtral and qwen3-30b-a3b, MOE_LAYERS=2 layers
 #                each): the expert loop and grouped bf16 baselines vs MOE_RECIPES, the must targets last;
 #                MOE_TIMEOUT s per shape (default 265: both fit one call), MOE_BUDGET s per recipe,
@@ -48,7 +50,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 out="${OUT:-$root/out}"; mkdir -p "$out"
 export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-if [ $# -eq 0 ]; then sed -n '2,45p' "$0" | sed 's/^# \{0,1\}//'; exit 2; fi
+if [ $# -eq 0 ]; then sed -n '2,/^set /{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 2; fi
 parts=",$1,"
 known=",suite,tests,verify,doctor,gemm,memory,layers,model,moe,profile,w4probe,w4configs,audit,probe,mma,attention,distributed,tune,eager,native,"
 for p in ${1//,/ }; do
@@ -154,6 +156,8 @@ fi
 if [[ $parts == *,model,* ]]; then  # what a user runs; the JSON is rewritten after every variant
   # torchao rows where its wheel was brought along (pip install --no-deps WHEEL into $TORCHAO_DIR)
   [ -n "${TORCHAO_DIR:-}" ] && export PYTHONPATH="$PYTHONPATH:$TORCHAO_DIR"
+  # the +native variants' library, built here and carried (without it and a toolchain, their rows say n/a)
+  [ -f "$root/.native/liblowbit_native.so" ] && export LOWBIT_NATIVE_LIB="${LOWBIT_NATIVE_LIB:-$root/.native/liblowbit_native.so}"
   mt=${MODEL_TIMEOUT:-560}
   budget=(); [ -n "${MODEL_BUDGET:-}" ] && budget=(--budget "$MODEL_BUDGET")
   timeout "$mt" python3 -m lowbit.entrypoints.main bench model --shape 8b --layers "${MODEL_LAYERS:-32}" \

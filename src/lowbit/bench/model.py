@@ -14,10 +14,15 @@ in three modes (`modes`; each compared with the baseline in the same mode):
   graphs    torch.compile(dynamic=False), mode "reduce-overhead", i.e. inductor's CUDA graphs
             (cudagraph trees) around the whole decode step (decode only)
 A compile failure is that row's error; the run goes on.
-Variants: lowbit recipes, `RECIPE+lm_head=KIND` (the recipe with quantize_model's quantized LM
-head, KIND int8 / fp8 / w4a16) and torchao's configs (torchao-int4: int4 weight-only, groups of
-128; torchao-int8wo: int8 weight-only; torchao-int8: int8 dynamic; torchao-fp8-row: fp8 dynamic
-per row), the last where torchao imports.
+Variants (lowbit.bench.model_variants): lowbit recipes, `RECIPE+lm_head=KIND` (the recipe with
+quantize_model's quantized LM head, KIND int8 / fp8 / w4a16), `RECIPE+native` (its layers prepared
+with lowbit's native sm_90a decode classes opted in: lowbit.ops.kernels.native.opted_in, scoped to
+that variant's build; a variant without the suffix is built opted out, whatever LOWBIT_NATIVE says)
+and torchao's configs (torchao-int4: int4 weight-only, groups of 128; torchao-int8wo: int8
+weight-only; torchao-int8: int8 dynamic; torchao-fp8-row: fp8 dynamic per row), the last where
+torchao imports. A `+native` variant whose kernels cannot run here (native_unavailable: no library,
+no sm_90 GPU, a model off the GPU) or whose layers all passed the native classes over is not timed:
+its rows are skipped with "n/a: " and the reason, never timed on the Triton kernels under its name.
 
 Timing: lowbit.profiling.timing.bench_ms (triton.testing.do_bench median, L2 flushed between
 calls) after warm-up calls; peak memory is read around one extra call, outside the timer (the
@@ -36,7 +41,8 @@ peak_ratio, logits_rel_err (||logits - logits_baseline|| / ||logits_baseline|| o
 positions of a fixed 256-token prompt, eager), out_rel_err (the timed call's own output
 against the baseline's eager output for the same inputs), vs_eager_rel (compiled rows: against
 the same variant's eager output), compile_s, graph_breaks, cudagraph_skips, build_s,
-prepared, paths (QuantLinear.last_path counts), cache (static|dynamic); decode rows:
+prepared, paths (QuantLinear.last_path counts), kernels (lowbit variants: how many QuantLinears took
+each kernel class when prepared, e.g. {"native_w4a16": 14}), cache (static|dynamic); decode rows:
 bytes_per_step and roof (lowbit.bench.model_targets: the step's bytes per second over the copy
 bandwidth measured at the start, `copy_bw` in the environment); must / met and weights_must /
 weights_met at the targets' shape (model_targets); a row that did not run has ms None and
@@ -79,14 +85,17 @@ import lowbit.nn as lnn
 from lowbit.bench import llama, model_report, moe_model, moe_report
 from lowbit.bench.common import environment as base_env, write_run
 from lowbit.bench.model_measure import (CACHE_SLACK, CUDA_BROKEN, Inputs, Skipped, allocated, describe_failure,
-                                        free, quant_paths, rel_err, reset_compiler, run_step, weight_memory)
+                                        free, kernel_classes, quant_paths, refusal_of, rel_err, reset_compiler,
+                                        run_step, weight_memory)
 from lowbit.bench.model_targets import add_musts, add_roofline, copy_bandwidth, decode_bytes
+from lowbit.bench.model_variants import TORCHAO, all_variants, check_variants, native_kernel_names, parse_variant
 from lowbit.bench.moe_report import add_moe_ratios
 from lowbit.ops import scratch, tuning
-from lowbit.recipes.presets import LM_HEAD, RECIPES
+from lowbit.ops.kernels import native as native_kernels
+from lowbit.ops.native import library as native_library
 
-TORCHAO = ("torchao-int4", "torchao-int8wo", "torchao-int8", "torchao-fp8-row")
 MODES = ("eager", "compile", "graphs")
+NATIVE_NAMES = frozenset(cls.name for cls in native_kernels.NATIVE)   # the kernel classes +native opts in
 DEFAULT_BUDGET = 30.0
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -122,37 +131,6 @@ class Options:
         return cls(**{**dict(prefill=512, context=128, batches=(1,), error_tokens=64, budget=15.0, quick=True), **kw})
 
 
-def all_variants() -> list[str]:
-    return list(RECIPES) + list(TORCHAO)
-
-
-def split_variant(name: str) -> tuple[str, str | None]:
-    """("w4a16", "int8") for "w4a16+lm_head=int8"; (name, None) without a suffix."""
-    base, plus, head = name.partition("+")
-    if not plus:
-        return name, None
-    key, eq, kind = head.partition("=")
-    if key != "lm_head" or not eq:
-        raise ValueError(f"recipes={name}: write RECIPE+lm_head=KIND (KIND int8, fp8 or w4a16)")
-    return base, kind
-
-
-def check_variants(names: tuple[str, ...], moe: bool = False) -> tuple[str, ...]:
-    """The variants to run (all when `names` is empty); a MoE model runs lowbit recipes only
-    (torchao's configs quantize nn.Linear layers, not fused experts)."""
-    known = [v for v in all_variants() if not (moe and v in TORCHAO)]
-    names = tuple(n.lower() for n in names)     # recipe names in any letter case (W4A16 as llm-compressor writes it)
-    bad = []
-    for n in names:
-        base, head = split_variant(n)
-        if base not in known or (head is not None and (head not in LM_HEAD or base in TORCHAO)):
-            bad.append(n)
-    if bad:
-        raise ValueError(f"recipes={','.join(bad)} not known{' for a MoE shape' if moe else ''}; choose from: "
-                         f"{', '.join(known)} (a lowbit recipe may add +lm_head=KIND, KIND one of {', '.join(LM_HEAD)})")
-    return tuple(names) or tuple(known)
-
-
 def check_modes(modes: tuple[str, ...]) -> tuple[str, ...]:
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
@@ -161,21 +139,44 @@ def check_modes(modes: tuple[str, ...]) -> tuple[str, ...]:
 
 
 # ------------------------------------------------------------------------------ variants
+def native_unavailable(device: torch.device) -> str | None:
+    """Why a `+native` variant cannot run its native kernels in this run (None: it can): the library's
+    reason (no built library or toolchain, no sm_90 GPU), else a model that is not on a CUDA device."""
+    why = native_library.unavailable_reason()
+    if why is None and device.type != "cuda":
+        why = f"the native kernels run on a CUDA GPU; this run's model is on {device}"
+    return why
+
+
 def _build(name: str, kind: str, master: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
     """A deep copy of the baseline model quantized as `name` (or run by grouped GEMMs, kind
     "grouped"), and facts about how."""
     if kind == "grouped":
         return moe_model.build_grouped(master), dict(experts_impl="torch._grouped_mm")
-    if name in TORCHAO:
+    v = parse_variant(name)
+    if v.torchao:
         return _build_torchao(name, master)
+    device = next(master.parameters()).device
+    if v.native:
+        why = native_unavailable(device)
+        if why:
+            raise Skipped(f"n/a: {why}")
+        native_library.load()   # a first build lands in build_s, not in the first timed step's warm-up
     model = copy.deepcopy(master)
-    recipe, head = split_variant(name)
-    lnn.quantize_model(model, recipe, lm_head=head)
-    prepare = getattr(lnn, "prepare_model", None)  # the GPU runtime's hook, where it exists
-    if prepare is not None:
-        prepare(model)
-    info = dict(prepared=prepare is not None, **moe_model.describe_experts(model))
-    untimed = moe_model.untimed_experts(model, next(master.parameters()).device)
+    # every lowbit variant is built with the native classes opted in or out by its name alone (not by
+    # LOWBIT_NATIVE): dispatch decides when a layer is prepared, so the scope covers quantize + prepare
+    with native_kernels.opted_in(v.native):
+        lnn.quantize_model(model, v.recipe, lm_head=v.lm_head)
+        prepare = getattr(lnn, "prepare_model", None)  # the GPU runtime's hook, where it exists
+        if prepare is not None:
+            prepare(model)
+    kernels = kernel_classes(model)
+    if v.native and not NATIVE_NAMES & set(kernels):   # never the Triton kernels under the native name
+        why = refusal_of(model, native_kernel_names(v.recipe))
+        del model
+        raise Skipped(f"n/a: no layer took a native kernel ({why or 'no layer was quantized'})")
+    info = dict(prepared=prepare is not None, kernels=kernels, **moe_model.describe_experts(model))
+    untimed = moe_model.untimed_experts(model, device)
     if untimed:
         del model
         raise Skipped(f"experts would run the exact float64 path (no grouped kernel for {name}: "
@@ -394,7 +395,7 @@ def run_bench(opts: Options, on_variant: Callable[[list[dict], float], None] | N
     if opts.context < 1 or opts.prefill < 1 or opts.error_tokens < 1 or not opts.batches or min(opts.batches) < 1:
         raise ValueError("prefill, context, error_tokens and every decode batch must be >= 1")
     moe = moe_model.is_moe(opts.shape)
-    variants = check_variants(opts.variants, moe)
+    variants = [v.name for v in check_variants(opts.variants, moe)]
     check_modes(opts.modes)
     need = max(opts.prefill, opts.error_tokens, opts.context + CACHE_SLACK)
     build = moe_model.build_moe if moe else llama.build_llama
@@ -450,7 +451,8 @@ def register(p) -> None:
                         "tiny-qwen3-moe (CPU dry runs)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 32: full depth; 2 for MoE shapes)")
     p.add_argument("--recipes", default=None, metavar="A,B,...",
-                   help="lowbit recipes (RECIPE+lm_head=int8|fp8|w4a16: with the quantized LM head) and "
+                   help="lowbit recipes (RECIPE+lm_head=int8|fp8|w4a16: with the quantized LM head; RECIPE+native: "
+                        "with lowbit's native sm_90a decode kernels) and "
                         f"{' / '.join(TORCHAO)} to run (default: every recipe and torchao's); the baseline always runs")
     p.add_argument("--modes", default=None, metavar="M,M",
                    help=f"of {', '.join(MODES)} (default: all): eager, torch.compile's default mode, its "
@@ -514,6 +516,8 @@ def environment(opts: Options) -> dict:
             env[dist] = None
     env["options"] = {k: v for k, v in vars(opts).items() if k != "log"}
     env["tuning"] = tuning.active()[1]   # which table chose the kernel paths (or why none did)
+    if any(parse_variant(v).native for v in opts.variants):
+        env["native_library"] = native_library.status()   # the file the +native rows loaded, or why none
     if moe_model.is_moe(opts.shape):
         env["moe_shape"] = moe_model.SHAPES[opts.shape]
         env["torch_grouped_mm"] = moe_model.grouped_mm_op() is not None

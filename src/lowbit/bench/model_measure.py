@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from lowbit.nn.quant_linear import QuantLinear
 from lowbit.ops.scratch import scratch_bytes
 
 from lowbit.bench import llama
@@ -100,6 +101,25 @@ def reset_compiler() -> None:
 
 def quant_paths(model: torch.nn.Module) -> dict[str, int]:
     return dict(Counter(m.last_path for m in model.modules() if getattr(m, "last_path", None)))
+
+
+def _quant_linears(model: torch.nn.Module) -> list[QuantLinear]:
+    return [m for m in model.modules() if isinstance(m, QuantLinear)]
+
+
+def kernel_classes(model: torch.nn.Module) -> dict[str, int]:
+    """How many QuantLinear layers took each kernel class (QuantLinear.kernel_choice, made when the layer
+    was prepared; "none": no class, every call runs the exact path)."""
+    return dict(Counter((m.kernel_choice.name if m.kernel_choice else None) or "none" for m in _quant_linears(model)))
+
+
+def refusal_of(model: torch.nn.Module, names) -> str | None:
+    """"CLASS: why" for the first QuantLinear that passed over one of the kernel classes `names` (None: none did)."""
+    for m in _quant_linears(model):
+        for name, why in (m.kernel_choice.refused if m.kernel_choice else ()):
+            if name in names:
+                return f"{name}: {why}"
+    return None
 
 
 # ------------------------------------------------------------------------------ one step

@@ -22,7 +22,8 @@ def _cell(r: dict | None) -> str:
     if r is None:
         return f"{'-':>{W}s}"
     if r.get("ms") is None:
-        return f"{'FAILED' if r.get('error') else 'skipped':>{W}s}"
+        why = r.get("error") or r.get("skipped") or ""
+        return f"{'FAILED' if r.get('error') else 'n/a' if why.startswith('n/a') else 'skipped':>{W}s}"
     x = f"{r['speedup']:5.2f}x" if "speedup" in r else "     -"
     roof = f"{100 * r['roof']:3.0f}%" if r.get("roof") is not None else "   -"
     return f"{r['ms']:8.3f} {r['tokens_per_s']:7.0f} {x} {roof}"
@@ -53,20 +54,22 @@ def table(rows: list[dict]) -> str:
     """One line per (variant, mode): ms, tokens/s, speed-up over the baseline and (decode) the
     fraction of the copy bandwidth the step's bytes move at, per phase; weights and peak in MiB
     with their ratios to the baseline; the logits' relative error.
-    Rows that did not run are listed under the table with the reason."""
+    Rows that did not run are listed under the table with the reason, then the kernel classes each
+    lowbit variant's layers took."""
     cols = columns(rows)
     by = {(r["variant"], r["mode"], r["phase"], r["batch"]): r for r in rows}
     T = next((r["tokens"] for r in rows if r["phase"] == "prefill"), "")
-    head1 = f"{'variant':18s} {'mode':8s} " + " ".join(
+    vw = max([18] + [len(r["variant"]) for r in rows])   # the variant column fits the longest name
+    head1 = f"{'variant':{vw}s} {'mode':8s} " + " ".join(
         f"{f'prefill T={T}' if p == 'prefill' else f'decode b{b}':>{W}s}" for p, b in cols)
     head1 += f" {'weights MiB':>15s} {'peak MiB':>15s} {'logits':>9s}"
-    head2 = f"{'':27s}" + " ".join(f"{'ms':>8s} {'tok/s':>7s} {'vs base':>6s} {'roof':>4s}" for _ in cols)
+    head2 = f"{'':{vw + 9}s}" + " ".join(f"{'ms':>8s} {'tok/s':>7s} {'vs base':>6s} {'roof':>4s}" for _ in cols)
     head2 += f" {'':>15s} {'':>15s} {'rel err':>9s}"
     lines = [head1, head2]
-    notes = []
+    notes, kernels = [], {}
     for variant, mode in dict.fromkeys((r["variant"], r["mode"]) for r in rows):
         cells = [by.get((variant, mode, p, b)) for p, b in cols]
-        line = f"{variant:18s} {mode:8s} " + " ".join(_cell(c) for c in cells)
+        line = f"{variant:{vw}s} {mode:8s} " + " ".join(_cell(c) for c in cells)
         any_r = next((c for c in cells if c), {})
         w = any_r.get("weight_bytes")
         wr = f"{any_r['weights_ratio']:5.2f}x" if "weights_ratio" in any_r else "      "
@@ -77,15 +80,20 @@ def table(rows: list[dict]) -> str:
         if mode != "eager":
             line += compile_note(cells)
         lines.append(line)
+        if any_r.get("kernels"):
+            kernels[variant] = ", ".join(f"{k} x{n}" for k, n in any_r["kernels"].items())
         for c in cells:
-            if c and c.get("ms") is None and (c.get("error") or c.get("skipped")):
-                notes.append(f"  {c['name']}: {c.get('error') or c.get('skipped')}")
+            why = c and c.get("ms") is None and (c.get("error") or c.get("skipped"))
+            if why:   # a variant that cannot run here ("n/a: ...") gets one line, not one per row
+                notes.append(f"  {f'{variant} {mode}' if why.startswith('n/a') else c['name']}: {why}")
     lines.append("(vs base = baseline ms / ms in the same mode, phase and batch: > 1 is faster; roof = the decode "
                  "step's weight + KV-cache bytes per second over the measured copy bandwidth; peak is the largest of "
                  "the variant's calls, its ratio against the baseline's same call)")
     if notes:
         # one line per distinct reason and variant, not one per row
         lines += ["not measured:"] + list(dict.fromkeys(notes))
+    if kernels:
+        lines += ["kernel classes (layers per class):"] + [f"  {v}: {k}" for v, k in kernels.items()]
     return "\n".join(lines)
 
 

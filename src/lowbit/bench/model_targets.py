@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from lowbit.bench.model_variants import parse_variant
 from lowbit.profiling.timing import bench_ms
 from lowbit.recipes.presets import RECIPES
 
@@ -37,7 +38,7 @@ MUST_SHAPE = ("8b", 32)
 
 def base_recipe(variant: str) -> str:
     """The recipe of a variant name ("w4a16+lm_head=int8" -> "w4a16")."""
-    return variant.split("+", 1)[0]
+    return parse_variant(variant).recipe
 
 
 def speedup_must(variant: str, kind: str, mode: str, phase: str, batch: int) -> float | None:

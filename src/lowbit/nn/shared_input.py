@@ -17,14 +17,16 @@ Merging keeps the arithmetic of every column: per-channel and per-group weight s
 per row of W, so concatenating rows changes no product, scale or rounding; per-token
 activation scales are computed from the same x. Groups whose members differ in scheme, hold
 per-tensor state (static activation scales, per-tensor weight scales; NVFP4 weight tensor scales
-that differ, except in the "pairs" W4A16 layout, where they become one scale per output row) or
-have no fast path are left alone.
+that differ, except in the "pairs" W4A16 layout, where they become one scale per output row), have no
+fast path, or have a member other than the last whose rows do not fill its layout's tiles along N
+(PreparedKernel.row_tile: 16 rows for the native decode classes) are left alone.
 """
 from __future__ import annotations
 
 import torch
 
 from lowbit.ops import prepared as runtime
+from lowbit.ops.kernels import prepared_class
 from lowbit.nn.quant_linear import QuantLinear
 from lowbit.ops.weight_only import pairs_fp4_exp_offset
 
@@ -74,6 +76,9 @@ def _mergeable(layers: list) -> bool:
         return False
     if first.weight_scheme.strategy == "tensor":
         return False
+    tile = prepared_class(first.fast_spec).row_tile
+    if any(m.out_features % tile for m in layers[:-1]):
+        return False    # a member's padded tile would sit between its rows and the next member's
     same = all(m.weight_scheme == first.weight_scheme and m.act_scheme == first.act_scheme
                and m.in_features == first.in_features and m.act_static_scale is None
                and m.backend == first.backend and m.fast_spec.operands == first.fast_spec.operands

@@ -10,7 +10,8 @@ because the native kernels cover decode only (1-16 rows, bf16; a bias in float32
 call (more rows, fp16 / fp32 activations, an fp16 bias, the table's dequant path) runs the Triton class's
 apply on the Triton operands. So an opted-in layer holds its weight twice.
 
-Opt-in (LOWBIT_NATIVE=1) because the native kernels have not yet been timed on a GPU; without it, and
+Opt-in because the native kernels have not yet been timed on a GPU: LOWBIT_NATIVE=1 for the process, or
+`with opted_in():` around the quantization (or loading) of one model; without it, and
 where the library cannot run (no sm_90 GPU, no built library and no toolchain: library.unavailable_reason),
 the class refuses with that reason and dispatch takes the Triton class. Their launches go through ctypes,
 which lowbit.ops.bound's recorded plans do not see: the classes are not graph-safe, so an opted-in layer
@@ -18,25 +19,54 @@ always launches directly.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 
 import torch
 
-from lowbit.ops.kernels.base import Refused
+from lowbit.ops.kernels.base import LinearLayer, Refused
 from lowbit.ops.kernels.dense_w4 import TritonW4A16
 from lowbit.ops.kernels.dense_w8 import TritonW8A8Fp8, TritonW8A8Int8, TritonW8A16
 from lowbit.ops.kernels.prepared_kernel import Prepared, Spec
 from lowbit.ops.native import kernels as native
 from lowbit.ops.native import library
+from lowbit.ops.native.layout import TILE_N
 
 OPT_IN = "LOWBIT_NATIVE"
+# opted_in()'s setting for the current context (thread / task); None: the environment decides
+_SCOPED: contextvars.ContextVar[bool | None] = contextvars.ContextVar("lowbit_native_opt_in", default=None)
+
+
+@contextlib.contextmanager
+def opted_in(enabled: bool = True):
+    """Inside the block the native classes are opted in (enabled=False: opted out), whatever LOWBIT_NATIVE
+    says; in the calling context only (another thread keeps the environment's answer). Dispatch asks once,
+    when a layer is prepared (quantized or loaded), and never again per call: a layer prepared inside keeps
+    its native class after the block, and a layer prepared after it gets what LOWBIT_NATIVE says."""
+    token = _SCOPED.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _SCOPED.reset(token)
 
 
 def native_refusal() -> str | None:
     """Why the native classes do not run here (None: opted in and the library can run)."""
-    if os.environ.get(OPT_IN) != "1":
-        return f"opt-in: set {OPT_IN}=1 to use the native sm_90a decode kernels (not yet timed on a GPU)"
+    scoped = _SCOPED.get()
+    if scoped is False:
+        return "opt-in: opted out in this block (lowbit.ops.kernels.native.opted_in(False))"
+    if scoped is None and os.environ.get(OPT_IN) != "1":
+        return (f"opt-in: set {OPT_IN}=1 (or quantize inside lowbit.ops.kernels.native.opted_in()) to use the "
+                "native sm_90a decode kernels (not yet timed on a GPU)")
     return library.unavailable_reason()
+
+
+def covering(weight, act) -> list[type]:
+    """The native classes that take layers of these schemes (weight: QuantScheme; act: QuantScheme or
+    None), the device and the layer's shape aside."""
+    layer = LinearLayer(weight, act)
+    return [cls for cls in NATIVE if cls.refuses(layer) is None]
 
 
 def _layout(prepare, weight_q):
@@ -72,6 +102,7 @@ class _Native:
     triton_cls = None
     native_layout = None
     native_call = None
+    row_tile = TILE_N    # the native layouts pad N to tiles of 16 rows
 
     @classmethod
     def prepare(cls, weight_q, act_scheme, static_scale):

@@ -82,6 +82,9 @@ class PreparedKernel(Kernel):
     dequant: ClassVar[type[PreparedKernel] | None] = None   # the table's "dequant" path over this layout
     dtypes: ClassVar[tuple[torch.dtype, ...]] = ACT_DTYPES    # activation dtypes it takes
     bf16_path: ClassVar[bool] = False     # a dequant class whose apply is its kernel's with the bf16 GEMM
+    # rows per tile of its layout, the last tile zero-padded: layers that share one input
+    # (lowbit.nn.shared_input) concatenate their operands only where each but the last fills its tiles
+    row_tile: ClassVar[int] = 1
 
     @classmethod
     def prepare(cls, weight_q: QTensor, act_scheme: QuantScheme | None,
