@@ -55,7 +55,7 @@ def bucket(M: int) -> str:
 @dataclass(frozen=True)
 class Cell:
     op: str            # "linear"
-    kind: str          # lowbit.ops.tuning.kind_key of the prepared layer
+    kind: str          # kind_key of the prepared layer; grouped: grouped_kind_key
     N: int
     K: int
     bucket: str
@@ -282,7 +282,7 @@ def heuristic(kind: str, M: int, op: str = "linear") -> str:
     return "kernel"
 
 
-GROUPED_BF16_KINDS = ("w4a16/", "fp4/", "w8a16/")   # grouped kinds with a bf16 (dequant) path
+GROUPED_BF16_KINDS = ("w4a16", "fp4", "w8a16")      # grouped kinds with a bf16 (dequant) path
 GROUPED_DEQUANT_FROM = 65                            # sorted rows: the first prefill bucket (65-512)
 
 
@@ -296,7 +296,7 @@ def grouped_heuristic(kind: str, M: int) -> str:
     them. Below (decode) the kernel stays: the bf16 path writes and re-reads each used expert's
     bf16 weight per call, ~9x the 4-bit kernel's weight bytes, and it is not measured there yet
     (`lowbit tune` times both). The W8A8 kinds keep their kernels (no bf16 path)."""
-    if kind.startswith(GROUPED_BF16_KINDS) and M >= GROUPED_DEQUANT_FROM:
+    if kind.partition("/")[0] in GROUPED_BF16_KINDS and M >= GROUPED_DEQUANT_FROM:
         return "dequant"
     return "kernel"
 
