@@ -104,3 +104,15 @@ def test_tune_rehearsal_on_the_cpu(monkeypatch, tmp_path):
     assert len([c for c in cells if c.op == "grouped"]) == 3 * 2        # 3 keys x 2 projections x 1 token count
     # each cell's format is the one timed: int4 g128 with zero points, NVFP4 (16-element blocks)
     assert timed == {("int8", None), ("w4a16", W4Format("int4", 128, zero=True)), ("fp4", W4Format("nvfp4", 16))}
+
+
+def test_tune_cli_checks_the_moe_recipes_before_measuring():
+    """`lowbit tune --moe-recipes` names the recipes whose grouped kernels (and weight formats) are timed;
+    an unknown one is refused before anything is measured."""
+    import argparse
+
+    from lowbit.entrypoints import tune as cli
+    p = argparse.ArgumentParser()
+    cli.register(p)
+    with pytest.raises(ValueError, match="no-such-recipe"):
+        cli.run(p.parse_args(["--moe-recipes", "w4a16,no-such-recipe"]))
