@@ -218,7 +218,7 @@ def grouped_candidates_of(kind: str, E: int, N: int, K: int, M: int) -> list[tup
     return cands
 
 
-def grouped_kinds(recipes, E: int, log=print) -> list[tuple]:
+def grouped_formats(recipes, E: int, log=print) -> list[tuple]:
     """(grouped kind, 4-bit weight format or None, table key over E experts) of each recipe's grouped
     kernel, one per key (recipes that differ only in activations share a cell), in recipe order."""
     out = {}
@@ -235,13 +235,13 @@ def grouped_kinds(recipes, E: int, log=print) -> list[tuple]:
 
 def tune_grouped(moe: str, recipes=GROUPED_RECIPES, log=print, device: str = "cuda") -> list[tuning.Cell]:
     """The grouped MoE GEMMs of a model's gate_up and down projections: per recipe's grouped kernel and
-    weight format (grouped_kinds) and M bucket, each candidate of grouped_candidates_of (kernel
+    weight format (grouped_formats) and M bucket, each candidate of grouped_candidates_of (kernel
     configurations; the bf16 path of the weight-only kinds), timed on weights of that format, and
     torch._grouped_mm over bf16 weights; the cell takes the fastest, its ratio against the grouped
     bf16 time (None where this torch has no torch._grouped_mm)."""
 
     _, E, top_k, H, inter = MOE_SHAPES[moe]
-    kinds = grouped_kinds(recipes, E, log)
+    kinds = grouped_formats(recipes, E, log)
     have_bf16 = getattr(torch, "_grouped_mm", None) is not None
     cells = []
     for proj, N, K, identity in (("gate_up", 2 * inter, H, False), ("down", H, inter, True)):
