@@ -7,6 +7,7 @@ import torch
 from lowbit.bench import tune
 from lowbit.ops.grouped_configs import GroupedConfig
 from lowbit.ops import tuning
+from lowbit.ops.w4_formats import W4Format
 
 
 def test_candidates_per_kind():
@@ -48,7 +49,8 @@ def test_tune_rehearsal_on_the_cpu(monkeypatch, tmp_path):
     by a stand-in that runs each candidate once and times it on the host): every cell it writes
     names a candidate that ran, the table round-trips, and dispatch then takes the winners' paths.
     Grouped cells time the W4A16 kernel's configurations and its bf16 path (the experts' weights
-    dequantized into the scratch buffer, torch._grouped_mm) against the grouped bf16 GEMM."""
+    dequantized into the scratch buffer, torch._grouped_mm) against the grouped bf16 GEMM, one cell per
+    kernel and weight format (int4 g128 with zero points, NVFP4), keyed by it."""
     import time
 
     def host_us(fn, reps=1):
@@ -56,6 +58,13 @@ def test_tune_rehearsal_on_the_cpu(monkeypatch, tmp_path):
         fn()
         return (time.perf_counter() - t0) * 1e6
     monkeypatch.setattr(tune, "_graph_us", host_us)
+    timed = set()       # (kind, 4-bit weight format) of every grouped case the tuner built
+
+    def grouped_case(kind, *a, weight=None, **kw):
+        timed.add((kind, weight))
+        return make_case(kind, *a, weight=weight, **kw)
+    make_case = tune.grouped_case
+    monkeypatch.setattr(tune, "grouped_case", grouped_case)
     monkeypatch.setattr(tune, "MOE_TOKENS", (1,))
     monkeypatch.setattr(tune, "ATTN_T", {"65-512": 80, "513+": 80})
     monkeypatch.setattr(tune, "GROUPED_MAX_CANDIDATES", 2)
@@ -67,7 +76,7 @@ def test_tune_rehearsal_on_the_cpu(monkeypatch, tmp_path):
     try:
         cells = tune.tune_linear("tiny", ("w4a16", "w8a8-int8"), ("1",), log.append, device="cpu")
         cells += tune.tune_attention("tiny", ("65-512",), log.append, device="cpu")
-        cells += tune.tune_grouped("tiny", ("int8", "w4a16"), log.append, device="cpu")
+        cells += tune.tune_grouped("tiny", ("w8a8-int8", "w4a16-asym", "nvfp4"), log.append, device="cpu")
     finally:
         tuning.reset()
     ops = {c.op for c in cells}
@@ -84,11 +93,26 @@ def test_tune_rehearsal_on_the_cpu(monkeypatch, tmp_path):
             # the ratio is of the unrounded times, rounded to 3 decimals (<= 5e-4); the times are
             # kept to 0.01 us (host times here: >= 1 us, so each within 1%: the quotient within ~2%)
             assert abs(c.ratio - c.us["bf16"] / c.us[won]) <= 5e-4 + 0.02 * c.ratio, c
-            assert ("dequant" in c.us) == c.kind.startswith("w4a16/"), c
+            assert ("dequant" in c.us) == c.kind.startswith(("w4a16/", "fp4/")), c
         else:
             assert c.us and c.ratio is not None, c
     table = tuning.Table(tuning.environment(), {(c.op, c.kind, c.N, c.K, c.bucket): c for c in cells})
     tuning.save_table(table, tmp_path / "t.json")
     assert tuning.load_table(tmp_path / "t.json").cells == table.cells
     assert "w8a8/int8" in tune.summary(table)
-    assert {c.kind for c in cells if c.op == "grouped"} == {"int8/E4", "w4a16/E4"}
+    assert {c.kind for c in cells if c.op == "grouped"} == {"int8/E4", "w4a16/int4/g128/zp/E4", "fp4/nvfp4/g16/E4"}
+    assert len([c for c in cells if c.op == "grouped"]) == 3 * 2        # 3 keys x 2 projections x 1 token count
+    # each cell's format is the one timed: int4 g128 with zero points, NVFP4 (16-element blocks)
+    assert timed == {("int8", None), ("w4a16", W4Format("int4", 128, zero=True)), ("fp4", W4Format("nvfp4", 16))}
+
+
+def test_tune_cli_checks_the_moe_recipes_before_measuring():
+    """`lowbit tune --moe-recipes` names the recipes whose grouped kernels (and weight formats) are timed;
+    an unknown one is refused before anything is measured."""
+    import argparse
+
+    from lowbit.entrypoints import tune as cli
+    p = argparse.ArgumentParser()
+    cli.register(p)
+    with pytest.raises(ValueError, match="no-such-recipe"):
+        cli.run(p.parse_args(["--moe-recipes", "w4a16,no-such-recipe"]))

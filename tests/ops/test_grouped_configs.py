@@ -7,11 +7,14 @@ import pytest
 import torch
 
 import lowbit as lb
+from lowbit.ops import tuning
 from lowbit.ops.grouped import sort_tokens
 from lowbit.ops.kernels.base import fp8_dot_accumulator
+from lowbit.ops.kernels.grouped import GroupedFp4, GroupedW4A16
 from lowbit.ops.grouped_configs import (KINDS, M_BUCKETS, GroupedConfig, check_config, grouped_candidates,
                                         grouped_config, grouped_default_config, m_bucket, register_grouped_table)
 from lowbit.ops.triton.grouped import grouped_fp8, grouped_int8, grouped_w4a16, grouped_w8a16
+from lowbit.ops.w4_formats import W4Format
 from lowbit.packing import pack_fp4, pack_int4
 from lowbit.recipes.presets import get_recipe
 from lowbit.verify.grouped import check_grouped_linear
@@ -128,13 +131,15 @@ def test_candidates_are_valid_small_and_start_with_the_default():
 
 def test_registered_table_wins_and_bad_configs_are_refused():
     mine = C(32, 64, 64, 4, 2)
-    register_grouped_table(lambda kind, E, N, K, M: mine if kind == "w8a16" else None)
+    register_grouped_table(lambda key, N, K, M: mine if key == "w8a16/E8" else None)
     try:
         assert grouped_config("w8a16", 8, 64, 64, 3) == mine
         assert grouped_config("int8", 8, 64, 64, 3) == grouped_default_config("int8", 8, 64, 64, 3)
     finally:
         register_grouped_table(None)
     assert grouped_config("w8a16", 8, 64, 64, 3) == grouped_default_config("w8a16", 8, 64, 64, 3)
+    with pytest.raises(ValueError, match="weight format"):     # a 4-bit kind's cell names its format
+        grouped_config("w4a16", 8, 64, 64, 3)
     for kind, bad, msg in (("w4a16", C(16, 8, 32), "powers of two"), ("w4a16", C(16, 16, 16), "block_k >= 32"),
                            ("fp8", C(16, 64, 256), "block_k <= 128"), ("int8", C(16, 64, 64, 4, 3, 2), "split_k")):
         with pytest.raises(ValueError, match=msg):
@@ -142,14 +147,62 @@ def test_registered_table_wins_and_bad_configs_are_refused():
     assert C.from_dict(mine.to_dict()) == mine
 
 
-@pytest.mark.parametrize("kind,w4", [("w4a16", "int4"), ("fp4", "nvfp4"), ("w4a16", "mxfp4"), ("w8a16", "int4"),
-                                     ("int8", "int4"), ("fp8", "int4")])
-def test_tuning_hook_runs_every_kind_under_a_given_config(kind, w4):
+@pytest.mark.parametrize("kind,weight", [("w4a16", W4Format("int4", 32)), ("w4a16", W4Format("int4", 32, True)),
+                                         ("fp4", W4Format("nvfp4", 16)), ("w4a16", W4Format("mxfp4", 32)),
+                                         ("w8a16", None), ("int8", None), ("fp8", None)])
+def test_tuning_hook_runs_every_kind_under_a_given_config(kind, weight):
     """lowbit.ops.grouped_tune: the closure a tuner times gives [rows, N] finite outputs in the
     requested dtype; time_grouped_case returns a positive median (the interpreter here)."""
     from lowbit.ops.grouped_tune import grouped_case, time_grouped_case
     cfg = C(16, 16, 64, 4, 2)
-    run = grouped_case(kind, 3, 24, 64, 5, cfg, DEV, w4=w4, group=32, identity=kind == "w8a16")
+    run = grouped_case(kind, 3, 24, 64, 5, cfg, DEV, weight=weight, identity=kind == "w8a16")
     out = run()
     assert out.shape == (6, 24) and out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
-    assert time_grouped_case(kind, 3, 24, 64, 5, cfg, DEV, warmup=0, reps=1, w4=w4, group=32) > 0
+    assert time_grouped_case(kind, 3, 24, 64, 5, cfg, DEV, warmup=0, reps=1, weight=weight) > 0
+
+
+def test_tuning_hook_needs_the_weight_format_of_a_4bit_kind():
+    from lowbit.ops.grouped_tune import grouped_case
+    with pytest.raises(ValueError, match="weight format"):
+        grouped_case("w4a16", 3, 24, 64, 5, C(16, 16, 64, 4, 2), DEV)
+    with pytest.raises(ValueError, match="weight format"):
+        grouped_case("int8", 3, 24, 64, 5, C(16, 16, 64, 4, 2), DEV, weight=W4Format("int4", 32))
+
+
+def int4(group: int, symmetric: bool) -> lb.QuantScheme:
+    return lb.QuantScheme(format="int4", strategy="group", group_size=group, symmetric=symmetric)
+
+
+def test_each_weight_format_has_its_own_cell(rng):
+    """A table holding cells for int4 g128, int4 g32 with zero points, MXFP4 and NVFP4 at one shape and
+    bucket: each format's layers get their own cell's tiles (keys written by hand here), a format
+    without a cell (int4 g32 without zero points) the heuristic's, and the W4A16 launcher, given no
+    config, asks the table for its own format's key."""
+    E, N, K, M = 3, 24, 64, 5
+    b = tuning.bucket(M)
+    cells = {"w4a16/int4/g128/E3": C(16, 32, 128, 4, 3), "w4a16/int4/g32/zp/E3": C(32, 64, 64, 2, 2),
+             "fp4/mxfp4/g32/E3": C(16, 128, 64, 8, 1), "fp4/nvfp4/g16/E3": C(64, 16, 32, 4, 5, 2)}
+    table = {("grouped", k, N, K, b): tuning.Cell("grouped", k, N, K, b, "kernel", c.to_dict()) for k, c in cells.items()}
+    tuning.reset(tuning.Table(tuning.environment(), table), "test table")
+    seen = []
+    register_grouped_table(lambda key, n, k, m: seen.append(key))    # records the key, answers None
+    try:
+        assert GroupedW4A16.tile_config(int4(128, True), E, N, K, M) == cells["w4a16/int4/g128/E3"]
+        assert GroupedW4A16.tile_config(int4(32, False), E, N, K, M) == cells["w4a16/int4/g32/zp/E3"]
+        assert GroupedFp4.tile_config(get_recipe("mxfp4").weight, E, N, K, M) == cells["fp4/mxfp4/g32/E3"]
+        assert GroupedFp4.tile_config(get_recipe("nvfp4").weight, E, N, K, M) == cells["fp4/nvfp4/g16/E3"]
+        assert GroupedW4A16.tile_config(int4(32, True), E, N, K, M) == grouped_default_config("w4a16", E, N, K, M)
+        assert seen == ["w4a16/int4/g128/E3", "w4a16/int4/g32/zp/E3", "fp4/mxfp4/g32/E3", "fp4/nvfp4/g16/E3",
+                        "w4a16/int4/g32/E3"]
+        seen.clear()
+        T = 3
+        idx = top_k_index(rng, T, E, 2, "uniform")
+        packed = torch.randint(0, 256, (E, N, K // 2), generator=rng, dtype=torch.uint8)
+        zero = torch.randint(-8, 8, (E, N, K // 32), generator=rng, dtype=torch.int32)
+        out = grouped_w4a16(torch.randn(T, K, generator=rng).to(DEV), packed.to(DEV),
+                            torch.rand(E, N, K // 32, generator=rng).to(DEV), sort_tokens(idx.to(DEV), E),
+                            kind="int4", group_size=32, w_zero=zero.to(DEV))
+        assert seen == ["w4a16/int4/g32/zp/E3"] and out.shape == (2 * T, N)
+    finally:
+        register_grouped_table(None)
+        tuning.reset()

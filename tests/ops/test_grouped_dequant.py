@@ -10,7 +10,6 @@ import lowbit as lb
 from lowbit.nn.experts import _stack as stack_experts
 from lowbit.ops import scratch, tuning
 from lowbit.ops.grouped import grouped_reference, route_fixed, sort_tokens
-from lowbit.ops.grouped_configs import grouped_kind_key
 from lowbit.ops.grouped_dequant import (dequantize_w4, dequantize_w8, grouped_bf16, grouped_bf16_refusal,
                                         grouped_dequant_w4)
 from lowbit.ops.grouped_run import run_grouped
@@ -136,9 +135,9 @@ def test_bf16_path_within_its_gate(name, kind, rng, fresh_table):
     bias = torch.randn(E, N, generator=rng)
     idx = top_k_index(rng, T, E, 2, kind)
     routing, compact = route_fixed(idx, E), sort_tokens(idx, E)
-    key = ("grouped", grouped_kind_key(kernel.kind, E), N, K, tuning.bucket(routing.rows))
+    key = ("grouped", kernel.table_key(scheme, E), N, K, tuning.bucket(routing.rows))
     tuning.reset(tuning.Table(tuning.environment(), {key: tuning.Cell(*key, "dequant")}), "test table")
-    assert kernel.for_rows(E, N, K, routing.rows, torch.bfloat16) is kernel.dequant
+    assert kernel.for_rows(scheme, E, N, K, routing.rows, torch.bfloat16) is kernel.dequant
     out = run_grouped(kernel, ops, scheme, None, x, routing, bias=bias)
     assert list(scratch._BUFFERS) == [((E, N, K), torch.bfloat16, "cpu")]
     M = compact.rows
@@ -166,9 +165,9 @@ def test_fp4_activations_on_the_bf16_path(rng, fresh_table):
     x = torch.randn(T, K, generator=rng).bfloat16()
     idx = top_k_index(rng, T, E, 2, "uniform")
     routing, compact = route_fixed(idx, E), sort_tokens(idx, E)
-    key = ("grouped", grouped_kind_key("fp4", E), N, K, tuning.bucket(routing.rows))
+    key = ("grouped", "fp4/nvfp4/g16/E3", N, K, tuning.bucket(routing.rows))
     tuning.reset(tuning.Table(tuning.environment(), {key: tuning.Cell(*key, "dequant")}), "test table")
-    assert GroupedFp4.for_rows(E, N, K, routing.rows, torch.bfloat16) is GroupedDequantFp4
+    assert GroupedFp4.for_rows(r.weight, E, N, K, routing.rows, torch.bfloat16) is GroupedDequantFp4
     out = run_grouped(GroupedFp4, ops, r.weight, r.act, x, routing)
     xq = lb.quantize(x.float(), r.act)
     xd = xq.dequantize(torch.float64)[compact.token]
@@ -183,22 +182,24 @@ def test_fp4_activations_on_the_bf16_path(rng, fresh_table):
 def test_grouped_heuristic_and_for_rows(fresh_table):
     """Without a cell: the weight-only kinds' bf16 path from 65 sorted rows (the prefill buckets), the
     W8A8 kinds' kernels everywhere; the bf16 path only for bf16 activations with K a multiple of 8."""
-    for kind in ("w4a16", "fp4", "w8a16"):
-        key = grouped_kind_key(kind, 8)
+    for key in ("w4a16/int4/g128/E8", "fp4/mxfp4/g32/E8", "w8a16/E8"):
         assert [tuning.heuristic(key, m, "grouped") for m in (1, 16, 64, 65, 4096)] == ["kernel"] * 3 + ["dequant"] * 2
-    for kind in ("int8", "fp8", "mxfp8"):
-        assert {tuning.heuristic(grouped_kind_key(kind, 8), m, "grouped") for m in (1, 65, 4096)} == {"kernel"}
-    assert GroupedW4A16.for_rows(8, 64, 128, 64, torch.bfloat16) is GroupedW4A16
-    assert GroupedW4A16.for_rows(8, 64, 128, 65, torch.bfloat16) is GroupedDequantW4A16
-    assert GroupedW8A16.for_rows(8, 64, 128, 4096, torch.bfloat16) is GroupedDequantW8A16
+    for key in ("int8/E8", "fp8/E8", "mxfp8/E8"):
+        assert {tuning.heuristic(key, m, "grouped") for m in (1, 65, 4096)} == {"kernel"}
+    w4, w4g32, w8 = (get_recipe(r).weight for r in ("w4a16", "w4a16-g32", "w8a16-int8"))
+    i8 = get_recipe("w8a8-int8").weight
+    assert GroupedW4A16.for_rows(w4, 8, 64, 128, 64, torch.bfloat16) is GroupedW4A16
+    assert GroupedW4A16.for_rows(w4, 8, 64, 128, 65, torch.bfloat16) is GroupedDequantW4A16
+    assert GroupedW8A16.for_rows(w8, 8, 64, 128, 4096, torch.bfloat16) is GroupedDequantW8A16
     for dtype in (torch.float16, torch.float32):
-        assert GroupedW4A16.for_rows(8, 64, 128, 4096, dtype) is GroupedW4A16
-    assert GroupedInt8.for_rows(8, 64, 128, 4096, torch.bfloat16) is GroupedInt8
-    # a measured "kernel" cell at a prefill bucket wins over the heuristic
-    key = ("grouped", grouped_kind_key("w4a16", 8), 64, 128, "513+")
+        assert GroupedW4A16.for_rows(w4, 8, 64, 128, 4096, dtype) is GroupedW4A16
+    assert GroupedInt8.for_rows(i8, 8, 64, 128, 4096, torch.bfloat16) is GroupedInt8
+    # a measured "kernel" cell at a prefill bucket wins over the heuristic, for its weight format only
+    key = ("grouped", "w4a16/int4/g128/E8", 64, 128, "513+")
     tuning.reset(tuning.Table(tuning.environment(), {key: tuning.Cell(*key, "kernel")}), "test table")
-    assert GroupedW4A16.for_rows(8, 64, 128, 4096, torch.bfloat16) is GroupedW4A16
-    assert GroupedW4A16.for_rows(8, 64, 128, 200, torch.bfloat16) is GroupedDequantW4A16
+    assert GroupedW4A16.for_rows(w4, 8, 64, 128, 4096, torch.bfloat16) is GroupedW4A16
+    assert GroupedW4A16.for_rows(w4g32, 8, 64, 128, 4096, torch.bfloat16) is GroupedDequantW4A16
+    assert GroupedW4A16.for_rows(w4, 8, 64, 128, 200, torch.bfloat16) is GroupedDequantW4A16
 
 
 def test_bf16_path_refuses_what_it_cannot_run(rng):
@@ -232,6 +233,7 @@ def test_doctor_and_explain_show_the_grouped_path_per_bucket(fresh_table):
     r = get_recipe("w8a8-int8")
     assert set(explain(r.weight, r.act, N=256, K=256)["grouped"]["rows"].values()) == {"grouped_int8"}
     paths = doctor.tuning_report()["paths"]
-    assert paths["experts w4a16/E8"]["513+"] == "dequant" and paths["experts w4a16/E8"]["1"] == "kernel"
+    w4 = paths["experts w4a16/int4/g128/E8"]
+    assert w4["513+"] == "dequant" and w4["1"] == "kernel"
     assert set(paths["experts int8/E8"].values()) == {"kernel"}
 

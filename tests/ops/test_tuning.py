@@ -83,6 +83,62 @@ def test_bad_tables_name_the_problem(tmp_path, monkeypatch, text, word):
         tuning.load_table(tmp_path / "missing.json")
 
 
+def _grouped(kind, bucket="1", path="dequant"):
+    return dict(_cell(kind=kind, bucket=bucket, path=path), op="grouped")
+
+
+def test_grouped_cells_without_a_weight_format_are_refused(tmp_path, monkeypatch, capsys):
+    """Grouped cells keyed by a 4-bit kind alone ("w4a16/E8", as tables were written before the keys
+    named the weight format) would apply one format's measurement to every format: reading the table
+    refuses them with the reason (active()'s line, `lowbit doctor`), the heuristic decides those layers,
+    and the rest of the table (dense cells, 8-bit grouped cells, format-named grouped cells) applies."""
+    import torch
+
+    from lowbit.entrypoints import doctor
+    from lowbit.ops.kernels.grouped import GroupedW4A16
+    from lowbit.recipes.presets import get_recipe
+    env = tuning.environment()
+    path = tmp_path / "t.json"
+    cells = [_cell(), _grouped("w4a16/E8"), _grouped("fp4/E8"), _grouped("w4a16/int4/g128"),
+             _grouped("int8/E8", path="kernel"), _grouped("w4a16/int4/g32/E8", bucket="513+", path="kernel")]
+    path.write_text(json.dumps(_table_dict(env, cells)))
+    table = tuning.load_table(path)
+    assert set(table.cells) == {("linear", "w4a16/int4/g128", 64, 128, "1"), ("grouped", "int8/E8", 64, 128, "1"),
+                                ("grouped", "w4a16/int4/g32/E8", 64, 128, "513+")}
+    assert set(table.refused) == {"w4a16/E8", "fp4/E8", "w4a16/int4/g128"}
+    assert "no weight format" in table.refused["w4a16/E8"] and "not a grouped key" in table.refused["w4a16/int4/g128"]
+    monkeypatch.setenv("LOWBIT_TUNE_TABLE", str(path))
+    table, why = tuning.active()
+    assert "3 cells" in why and "refused" in why and "'w4a16/E8'" in why and "lowbit tune --moe" in why
+    # the refused "dequant" cell would have sent one token to the bf16 path; the heuristic keeps the kernel
+    w4 = get_recipe("w4a16").weight
+    assert GroupedW4A16.for_rows(w4, 8, 64, 128, 1, torch.bfloat16) is GroupedW4A16
+    # the int4 g32 cell applies to int4 g32 only (the heuristic would take the bf16 path at 513+ rows)
+    g32 = get_recipe("w4a16-g32").weight
+    assert GroupedW4A16.for_rows(g32, 8, 64, 128, 4096, torch.bfloat16) is GroupedW4A16
+    assert GroupedW4A16.for_rows(w4, 8, 64, 128, 4096, torch.bfloat16) is GroupedW4A16.dequant
+    assert doctor.run(type("A", (), {"json": False})()) == 0
+    assert "'w4a16/E8'" in capsys.readouterr().out
+
+
+def test_grouped_kind_key_names_the_format_of_the_4bit_kinds():
+    from lowbit.ops.w4_formats import W4Format
+    assert tuning.grouped_kind_key("w4a16", 8, W4Format("int4", 128)) == "w4a16/int4/g128/E8"
+    assert tuning.grouped_kind_key("w4a16", 8, W4Format("int4", 32, zero=True)) == "w4a16/int4/g32/zp/E8"
+    assert tuning.grouped_kind_key("fp4", 128, W4Format("mxfp4", 32)) == "fp4/mxfp4/g32/E128"
+    assert tuning.grouped_kind_key("int8", 8) == "int8/E8"
+    with pytest.raises(ValueError, match="weight format"):
+        tuning.grouped_kind_key("w4a16", 8)
+    with pytest.raises(ValueError, match="weight format"):
+        tuning.grouped_kind_key("fp8", 8, W4Format("int4", 128))
+    with pytest.raises(ValueError, match="group size 16"):
+        W4Format("nvfp4", 32)
+    with pytest.raises(ValueError, match="no zero points"):
+        W4Format("mxfp4", 32, zero=True)
+    with pytest.raises(ValueError, match="grouped kernels take"):
+        W4Format("uint4", 128)
+
+
 def test_heuristic_prefers_the_bf16_path_past_small_batches():
     for kind in ("w4a16/int4/g128", "w8a16", "fp4/nvfp4/g16", "mxfp8"):
         assert [tuning.heuristic(kind, m) for m in (1, 16, 64, 65, 4096)] == ["kernel"] * 3 + ["dequant"] * 2

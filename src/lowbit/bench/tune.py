@@ -7,9 +7,10 @@ measure for every candidate), bf16 `F.linear` and each candidate path of the qua
                                                               into the scratch buffer + bf16 GEMM;
   W8A8 int8 / fp8                                             the kernel under its default tiles and
                                                               the alternatives in W8A8_TILES.
-Grouped MoE GEMMs (tune_grouped) are timed against torch._grouped_mm over bf16 weights: each kind's
-kernel under its candidate configurations and, for the weight-only kinds, the bf16 path (the
-experts' weights dequantized into the scratch buffer, then torch._grouped_mm).
+Grouped MoE GEMMs (tune_grouped) are timed against torch._grouped_mm over bf16 weights, per recipe
+(each grouped kernel with the weight format it runs: int4 g128 / g32 / zero points, MXFP4, NVFP4 get
+cells of their own): the kernel under its candidate configurations and, for the weight-only kinds,
+the bf16 path (the experts' weights dequantized into the scratch buffer, then torch._grouped_mm).
 A candidate whose output strays from the default path's (a broken configuration) is dropped
 before it can win. The fastest remaining candidate is the cell's path; its ratio to bf16 is
 recorded, so a cell below 1.0x says that no lowbit path beat bf16 there.
@@ -27,10 +28,11 @@ from lowbit.ops import attention as attn
 from lowbit.ops import attention_reference as ar
 from lowbit.ops import prepared as runtime
 from lowbit.ops import tuning
-from lowbit.ops.grouped_configs import WEIGHT_ONLY, grouped_candidates, grouped_kind_key, m_bucket
+from lowbit.ops.grouped_configs import WEIGHT_ONLY, grouped_candidates, m_bucket
 from lowbit.ops.grouped_dequant import grouped_bf16_refusal
 from lowbit.ops.grouped_tune import grouped_bf16_case, grouped_case
 from lowbit.ops.kernels.attention import ATTENTION
+from lowbit.ops.kernels.grouped import grouped_kernel
 from lowbit.profiling.timing import bench_ms
 from lowbit.workflows.job import parse_recipe
 
@@ -196,10 +198,11 @@ def tune_attention(shape: str = "8b", buckets=ATTN_BUCKETS, log=print, device: s
     return cells
 
 
-# grouped MoE GEMMs: (name, E experts, top_k, hidden, intermediate) and the kinds the MoE recipes run
+# grouped MoE GEMMs: (name, E experts, top_k, hidden, intermediate) and the recipes whose grouped
+# kernels (each with its weight format: a table cell of its own) are timed
 MOE_SHAPES = {"mixtral": ("mixtral", 8, 2, 4096, 14336), "qwen3-30b-a3b": ("qwen3-30b-a3b", 128, 8, 2048, 768),
               "tiny": ("tiny", 4, 2, 256, 128)}
-GROUPED_KINDS = ("w4a16", "int8", "fp8")
+GROUPED_RECIPES = ("w4a16", "w4a16-asym", "w4a16-g32", "mxfp4", "nvfp4", "w8a8-int8", "w8a8-fp8")
 MOE_TOKENS = (1, 16, 2048)        # decode b1, decode b16, a prefill chunk: M = tokens x top_k sorted rows
 GROUPED_MAX_CANDIDATES = 4
 
@@ -215,13 +218,30 @@ def grouped_candidates_of(kind: str, E: int, N: int, K: int, M: int) -> list[tup
     return cands
 
 
-def tune_grouped(moe: str, kinds=GROUPED_KINDS, log=print, device: str = "cuda") -> list[tuning.Cell]:
-    """The grouped MoE GEMMs of a model's gate_up and down projections: per kind and M bucket, each
-    candidate of grouped_candidates_of (kernel configurations; the bf16 path of the weight-only
-    kinds) and torch._grouped_mm over bf16 weights; the cell takes the fastest, its ratio against
-    the grouped bf16 time (None where this torch has no torch._grouped_mm)."""
+def grouped_formats(recipes, E: int, log=print) -> list[tuple]:
+    """(grouped kind, 4-bit weight format or None, table key over E experts) of each recipe's grouped
+    kernel, one per key (recipes that differ only in activations share a cell), in recipe order."""
+    out = {}
+    for name in recipes:
+        r = parse_recipe(name)
+        cls = grouped_kernel(r.weight, r.act)
+        if cls is None:
+            log(f"  {name}: no grouped kernel (the experts run the exact path), nothing to tune")
+            continue
+        key = cls.table_key(r.weight, E)
+        out.setdefault(key, (cls.kind, cls.weight_format(r.weight), key))
+    return list(out.values())
+
+
+def tune_grouped(moe: str, recipes=GROUPED_RECIPES, log=print, device: str = "cuda") -> list[tuning.Cell]:
+    """The grouped MoE GEMMs of a model's gate_up and down projections: per recipe's grouped kernel and
+    weight format (grouped_formats) and M bucket, each candidate of grouped_candidates_of (kernel
+    configurations; the bf16 path of the weight-only kinds), timed on weights of that format, and
+    torch._grouped_mm over bf16 weights; the cell takes the fastest, its ratio against the grouped
+    bf16 time (None where this torch has no torch._grouped_mm)."""
 
     _, E, top_k, H, inter = MOE_SHAPES[moe]
+    kinds = grouped_formats(recipes, E, log)
     have_bf16 = getattr(torch, "_grouped_mm", None) is not None
     cells = []
     for proj, N, K, identity in (("gate_up", 2 * inter, H, False), ("down", H, inter, True)):
@@ -230,38 +250,38 @@ def tune_grouped(moe: str, kinds=GROUPED_KINDS, log=print, device: str = "cuda")
             b = tuning.bucket(M)
             base = _graph_us(grouped_bf16_case(E, N, K, M, device, top_k=top_k, identity=identity)) \
                 if have_bf16 else None
-            for kind in kinds:
+            for kind, weight, key in kinds:
                 def make(path, cfg):
-                    return grouped_case(kind, E, N, K, M, cfg, device, top_k=top_k, identity=identity, path=path)
+                    return grouped_case(kind, E, N, K, M, cfg, device, top_k=top_k, weight=weight, identity=identity,
+                                        path=path)
 
                 us, best = _time_candidates(grouped_candidates_of(kind, E, N, K, M), make, 2e-2,
-                                            f"{moe} {proj} {kind} M={M}", log)
+                                            f"{moe} {proj} {key} M={M}", log)
                 if best is None:
                     continue
                 t, path, cfg = best
                 if base is not None:
                     us["bf16"] = round(base, 2)
-                cell = tuning.Cell("grouped", grouped_kind_key(kind, E), N, K, b, path,
-                                   None if cfg is None else cfg.to_dict(),
+                cell = tuning.Cell("grouped", key, N, K, b, path, None if cfg is None else cfg.to_dict(),
                                    None if base is None else round(base / t, 3), us)
                 cells.append(cell)
-                log(f"{moe:14s} {proj:8s} {kind:6s} M={M:<6d} best {t:9.1f} us ({_label(path, cfg)})"
+                log(f"{moe:14s} {proj:8s} {key:22s} M={M:<6d} best {t:9.1f} us ({_label(path, cfg)})"
                     + ("" if base is None else f"  {cell.ratio:5.2f}x grouped bf16"))
     return cells
 
 
 def run_tune(shape: str = "8b", recipes=RECIPES, buckets=tuning.BUCKET_NAMES, log=print,
-             moe=("mixtral", "qwen3-30b-a3b"), out=None) -> tuning.Table:
-    """Every part in turn (dense Linears, attention prefill, each MoE shape's grouped GEMMs); with
-    `out`, the table so far is written after each part, so a run stopped by a time limit keeps what
-    it measured."""
+             moe=("mixtral", "qwen3-30b-a3b"), out=None, moe_recipes=GROUPED_RECIPES) -> tuning.Table:
+    """Every part in turn (dense Linears, attention prefill, each MoE shape's grouped GEMMs of
+    `moe_recipes`); with `out`, the table so far is written after each part, so a run stopped by a
+    time limit keeps what it measured."""
     if not torch.cuda.is_available():
         raise ValueError("lowbit tune measures kernels on a CUDA GPU; none is visible here (the CPU runs the "
                          "exact paths, which need no table)")
     t0 = time.time()
     table = tuning.Table(tuning.environment(), {})
     parts = [lambda: tune_linear(shape, recipes, buckets, log), lambda: tune_attention(shape, buckets, log)]
-    parts += [lambda m=m: tune_grouped(m, log=log) for m in moe]
+    parts += [lambda m=m: tune_grouped(m, moe_recipes, log=log) for m in moe]
     for part in parts:
         for c in part():
             table.cells[(c.op, c.kind, c.N, c.K, c.bucket)] = c
@@ -275,8 +295,8 @@ def summary(table: tuning.Table) -> str:
     """One line per cell: kind, shape, bucket, path, ratio to bf16 (met / below 1.0x)."""
     lines = [f"# lowbit tune: {table.environment.get('gpu')} (torch {table.environment.get('torch')}, "
              f"triton {table.environment.get('triton')})",
-             f"{'kind':22s} {'N x K':>13s} {'M':>7s} {'path':8s} {'vs bf16':>8s}"]
+             f"{'kind':24s} {'N x K':>13s} {'M':>7s} {'path':8s} {'vs bf16':>8s}"]
     for c in sorted(table.cells.values(), key=lambda c: (c.kind, c.N, c.K, tuning.BUCKET_NAMES.index(c.bucket))):
         ratio = "" if c.ratio is None else f"{c.ratio:7.2f}x{'' if c.ratio >= 1.0 else ' below'}"
-        lines.append(f"{c.kind:22s} {c.N:>6d}x{c.K:<6d} {c.bucket:>7s} {c.path:8s} {ratio}")
+        lines.append(f"{c.kind:24s} {c.N:>6d}x{c.K:<6d} {c.bucket:>7s} {c.path:8s} {ratio}")
     return "\n".join(lines)

@@ -139,6 +139,7 @@ def tuning_report() -> dict:
     """Which table dispatch reads here (or why none) and, per layer kind and M bucket, the path it
     picks: the table's measured winner with its ratio to bf16, else the heuristic's."""
     from lowbit.ops import tuning
+    from lowbit.ops.w4_formats import W4Format
 
     table, why = tuning.active()
     paths = {}
@@ -151,9 +152,11 @@ def tuning_report() -> dict:
     else:
         for kind in ("w4a16/int4/g128", "w8a16", "w8a8/int8", "w8a8/fp8_e4m3fn"):
             paths[kind] = {b: tuning.heuristic(kind, tuning.BUCKET_M[b]) for b in tuning.BUCKET_NAMES}
-        for kind in ("w4a16", "w8a16", "int8"):     # grouped experts (M: sorted rows), Mixtral's 8 experts
-            paths[f"experts {kind}/E8"] = {b: tuning.heuristic(f"{kind}/E8", tuning.BUCKET_M[b], "grouped")
-                                           for b in tuning.BUCKET_NAMES}
+        # grouped experts (M: sorted rows), Mixtral's 8 experts
+        for kind, weight in (("w4a16", W4Format("int4", 128)), ("w8a16", None), ("int8", None)):
+            key = tuning.grouped_kind_key(kind, 8, weight)
+            paths[f"experts {key}"] = {b: tuning.heuristic(key, tuning.BUCKET_M[b], "grouped")
+                                       for b in tuning.BUCKET_NAMES}
     return dict(status=why, source="table" if table is not None else "heuristic", paths=paths)
 
 
@@ -190,7 +193,7 @@ def run(args) -> int:
     tun = rep["tuning"]
     print(f"\nkernel paths per layer kind and rows M ({tun['status']}):")
     for kind, buckets in tun["paths"].items():
-        print(f"  {kind:18s} " + " | ".join(f"M {b}: {p}" for b, p in buckets.items()))
+        print(f"  {kind:26s} " + " | ".join(f"M {b}: {p}" for b, p in buckets.items()))
     nat = rep["native_kernels"]
     print("\nnative Hopper decode kernels (W4A16, W8A16, W8A8 at M <= 16; python -m lowbit.ops.native.build):")
     print(f"  library:   {nat['library'] or 'not built (built on first use where the toolchain is found)'}")

@@ -363,8 +363,8 @@ class QuantExperts(torch.nn.Module):
         if self.kernel_class is None or not on_kernel:
             return "exact"
         E, H, I = self.num_experts, self.hidden_dim, self.intermediate_dim
-        names = [("dequant" if self.kernel_class.for_rows(E, N, K, rows, dtype).bf16_path else "kernel")
-                 for N, K in ((2 * I, H), (H, I))]
+        runs = [self.kernel_class.for_rows(self.weight_scheme, E, N, K, rows, dtype) for N, K in ((2 * I, H), (H, I))]
+        names = ["dequant" if c.bf16_path else "kernel" for c in runs]
         return f"{names[0] if names[0] == names[1] else '/'.join(names)}:{self.kernel}"
 
     def kernel_projections(self, hidden_states: torch.Tensor, routing: Routing) -> list[tuple[torch.Tensor, torch.Tensor]]:

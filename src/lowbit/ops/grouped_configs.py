@@ -10,8 +10,10 @@ sums its fp32 partials in a fixed order).
   grouped_default_config(kind, E, N, K, M)       the heuristic (vLLM fused_moe's shape: small
                                                  BLOCK_M for decode, 64-128 for prefill)
   grouped_candidates(kind, E, N, K, bucket)      <= 8 configs per cell for a tuner to time
-  grouped_config(kind, E, N, K, M)               what the launchers use: a registered table's
-                                                 answer (register_grouped_table), else the default
+  grouped_config(kind, E, N, K, M, weight)       what the launchers use: a registered table's
+                                                 answer (register_grouped_table), else the GPU's
+                                                 tuning table's cell, else the default; weight:
+                                                 the 4-bit kinds' W4Format (the cell's key names it)
   check_config(kind, config, K, group)           the constraints, ValueError naming the fix
 The block schedule (lowbit.ops.triton.grouped_schedule.block_schedule) is made per block_m: the
 launcher builds it from the config it runs, so the two always agree.
@@ -23,6 +25,8 @@ from functools import lru_cache
 from typing import Callable
 
 from lowbit.ops import tuning
+from lowbit.ops.tuning import grouped_kind_key
+from lowbit.ops.w4_formats import W4Format
 
 KINDS = ("w4a16", "fp4", "w8a16", "int8", "fp8", "mxfp8")
 WEIGHT_ONLY = ("w4a16", "fp4", "w8a16")      # weights decoded in the K loop (4 / 8-bit codes)
@@ -157,31 +161,28 @@ def grouped_candidates(kind: str, E: int, N: int, K: int, bucket: int) -> list[G
     return out[:8]
 
 
-# A tuning table's lookup: (kind, E, N, K, M) -> GroupedConfig or None (not measured there).
-_TABLE: list[Callable[[str, int, int, int, int], GroupedConfig | None]] = []
+# A tuning table's lookup: (grouped_kind_key's key, N, K, M) -> GroupedConfig or None (not measured there).
+_TABLE: list[Callable[[str, int, int, int], GroupedConfig | None]] = []
 
 
-def register_grouped_table(lookup: Callable[[str, int, int, int, int], GroupedConfig | None] | None) -> None:
+def register_grouped_table(lookup: Callable[[str, int, int, int], GroupedConfig | None] | None) -> None:
     """Make grouped_config ask `lookup` first (None: forget the table; the heuristic again)."""
     _TABLE.clear()
     if lookup is not None:
         _TABLE.append(lookup)
 
 
-def grouped_config(kind: str, E: int, N: int, K: int, M: int) -> GroupedConfig:
+def grouped_config(kind: str, E: int, N: int, K: int, M: int, weight: W4Format | None = None) -> GroupedConfig:
     """The config a launcher runs when its caller gives none: the registered table's, else this
-    GPU's tuning table's cell ("grouped", grouped_kind_key(kind, E), N, K, bucket of M sorted rows;
-    lowbit.ops.tuning), else the heuristic's (grouped_default_config)."""
+    GPU's tuning table's cell ("grouped", grouped_kind_key(kind, E, weight), N, K, bucket of M sorted
+    rows; lowbit.ops.tuning), else the heuristic's (grouped_default_config). weight: the 4-bit kinds'
+    weight format (required there: int4 g128 and g32, MXFP4 and NVFP4 have cells of their own)."""
+    key = grouped_kind_key(kind, E, weight)
     if _TABLE:
-        c = _TABLE[0](kind, E, N, K, M)
+        c = _TABLE[0](key, N, K, M)
         if c is not None:
             return c
-    cfg = tuning.choose("grouped", grouped_kind_key(kind, E), N, K, M)[1]
+    cfg = tuning.choose("grouped", key, N, K, M)[1]
     if cfg is not None:
         return GroupedConfig.from_dict(cfg)
     return grouped_default_config(kind, E, N, K, M)
-
-
-def grouped_kind_key(kind: str, E: int) -> str:
-    """The tuning table's name of a grouped kernel kind over E experts."""
-    return f"{kind}/E{E}"

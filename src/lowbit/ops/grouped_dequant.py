@@ -33,11 +33,9 @@ import torch
 from lowbit.formats import decode
 from lowbit.ops.grouped import Routing
 from lowbit.ops.scratch import scratch
+from lowbit.ops.w4_formats import FP4_GROUPS, FP4_SCALES, GROUPED_W4, WFMT
 from lowbit.packing import unpack_fp4, unpack_int4
 
-# lowbit.ops.triton.w4a16.codes' weight formats (WFMT), without importing Triton here
-W4_FORMATS = {"int4": 0, "mxfp4": 2, "nvfp4": 3}
-FP4_SCALES = {"mxfp4": "e8m0fnu", "nvfp4": "fp8_e4m3fn"}
 GPU_MAJORS = (9, 10)     # torch._grouped_mm's CUTLASS kernel: sm_90 and sm_100 (no host sync)
 
 
@@ -78,10 +76,10 @@ def dequantize_w4(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, 
     per-group scales [E, N, K / group] (int4: fp32, and int zero points `zero`; MXFP4 / NVFP4: the
     uint8 scale codes) -> out [E, N, K] bf16 (see the module docstring). offsets (CUDA only): skip
     experts without rows."""
-    if kind not in W4_FORMATS:
-        raise ValueError(f"kind={kind!r}; choose one of {sorted(W4_FORMATS)}")
+    if kind not in GROUPED_W4:
+        raise ValueError(f"kind={kind!r}; choose one of {GROUPED_W4}")
     if out.is_cuda:
-        return _kernels().dequantize_packed(packed, scale, out, wfmt=W4_FORMATS[kind], group=group, zero=zero, offsets=offsets)
+        return _kernels().dequantize_packed(packed, scale, out, wfmt=WFMT[kind], group=group, zero=zero, offsets=offsets)
     E, N, Kh = packed.shape
     if kind == "int4":
         vals = unpack_int4(packed).to(torch.float32)
@@ -148,7 +146,7 @@ def grouped_dequant_w4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.T
     the bf16 path: the weights into the scratch buffer, then grouped_bf16; w_global multiplies each
     expert's output."""
     E, N, Kh = w_packed.shape
-    group = {"mxfp4": 32, "nvfp4": 16}.get(kind, group_size)
+    group = FP4_GROUPS.get(kind, group_size)
     if group is None or (2 * Kh) % group:
         raise ValueError(f"group_size={group_size} for kind {kind!r}: int4 needs its group size (dividing K = "
                          f"{2 * Kh}); MXFP4 / NVFP4 use 32 / 16")

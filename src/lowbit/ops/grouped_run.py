@@ -6,8 +6,8 @@ take that class.
 
 Under torch.compile the call is one opaque custom op, lowbit::grouped_gemm (grouped_forward), as
 lowbit.ops.prepared's lowbit::qlinear is for a Linear.
-Tiles: a GroupedConfig per call (lowbit.ops.grouped_configs.grouped_config(kind, E, N, K, rows):
-the registered tuning table's, else the heuristic's), or the caller's `config`. Output: fp32, or
+Tiles: a GroupedConfig per call (kernel.tile_config: the registered or the GPU's tuning table's
+cell for the kernel's kind and weight format, else the heuristic's), or the caller's `config`. Output: fp32, or
 the activations' 16-bit dtype with out="input" (one rounding of the fp32 result, + bias first).
 The kernels decode their weights tile by tile in the K loop; where the tuning table (or its
 heuristic) sends a bucket of rows to the bf16 path (kernel.for_rows: the weight-only kinds at
@@ -22,7 +22,7 @@ from functools import lru_cache
 import torch
 
 from lowbit.ops.grouped import Routing
-from lowbit.ops.grouped_configs import GroupedConfig, grouped_config
+from lowbit.ops.grouped_configs import GroupedConfig
 from lowbit.ops.kernels.grouped import GROUPED, GroupedKernel
 from lowbit.scheme import QuantScheme
 
@@ -49,12 +49,12 @@ def run_grouped(kernel: type[GroupedKernel], ops: dict, weight_scheme: QuantSche
     gathered by routing.token (identity: x is the sorted buffer [R, K] itself) times each row's
     expert weight (+ bias [E, N]). The class that runs is kernel.for_rows' (the tuning table's path
     for R sorted rows: the kernel, or its bf16 path); config: the kernel's tiles (given: the kernel
-    runs under them; None = grouped_config(kernel.kind, E, N, K, R))."""
+    runs under them; None = kernel.tile_config(weight_scheme, E, N, K, R))."""
     od = out_dtype_of(x, out)
     E, N = ops["w"].shape[:2]
     K = x.shape[1]
-    cls = kernel if config is not None else kernel.for_rows(E, N, K, routing.rows, x.dtype)
-    c = None if cls.bf16_path else config or grouped_config(kernel.kind, E, N, K, routing.rows)
+    cls = kernel if config is not None else kernel.for_rows(weight_scheme, E, N, K, routing.rows, x.dtype)
+    c = None if cls.bf16_path else config or kernel.tile_config(weight_scheme, E, N, K, routing.rows)
     return cls.apply(ops, weight_scheme, act_scheme, x, routing, dict(bias=bias, identity=identity, config=c, out_dtype=od))
 
 
@@ -63,7 +63,7 @@ def grouped_spec(kernel: type[GroupedKernel], weight_scheme: QuantScheme, act_sc
                  names: list[str], N: int, identity: bool, out: str = "float32",
                  config: GroupedConfig | None = None) -> str:
     """The op's static description (JSON): everything but tensors and their shapes (config None:
-    chosen per call by grouped_config)."""
+    chosen per call by kernel.tile_config)."""
     a = None if act_scheme is None else act_scheme.to_json()
     return json.dumps({"kernel": kernel.name, "w": weight_scheme.to_json(), "a": a, "names": list(names),
                        "N": int(N), "identity": bool(identity), "out": out,

@@ -15,8 +15,8 @@ import torch
 from lowbit.ops.grouped import route_fixed
 from lowbit.ops.grouped_configs import WEIGHT_ONLY, GroupedConfig, check_config
 from lowbit.ops.grouped_dequant import grouped_bf16, grouped_dequant_w4, grouped_dequant_w8
-
-W4_FORMATS = ("int4", "mxfp4", "nvfp4")
+from lowbit.ops.tuning import GROUPED_W4_KINDS, grouped_kind_key
+from lowbit.ops.w4_formats import W4Format
 
 
 def _routing(E: int, M: int, top_k: int, device, gen: torch.Generator):
@@ -27,24 +27,23 @@ def _routing(E: int, M: int, top_k: int, device, gen: torch.Generator):
 
 
 def grouped_case(kind: str, E: int, N: int, K: int, M: int, config: GroupedConfig | None, device, *, top_k: int = 2,
-                 w4: str = "int4", group: int = 128, identity: bool = False, dtype: torch.dtype = torch.bfloat16,
+                 weight: W4Format | None = None, identity: bool = False, dtype: torch.dtype = torch.bfloat16,
                  seed: int = 0, path: str = "kernel") -> Callable[[], torch.Tensor]:
-    """A closure running one grouped GEMM of `kind` ("w4a16" / "fp4" with w4 in W4_FORMATS and the
-    int4 `group`; "w8a16", "int8", "fp8") over M sorted rows (ceil(M / top_k) tokens, top_k distinct
-    experts each, uniformly random; identity: A is the sorted buffer, the down projection's case)
-    of E experts' [N, K] weights, under `config` (path "kernel") or on the bf16 path (path
-    "dequant", config None: the weight-only kinds), output in `dtype`. Operands are made here, once."""
+    """A closure running one grouped GEMM of `kind` ("w4a16" / "fp4" with their 4-bit `weight` format:
+    int4 per group, with zero points where weight.zero, MXFP4, NVFP4; "w8a16", "int8", "fp8") over M
+    sorted rows (ceil(M / top_k) tokens, top_k distinct experts each, uniformly random; identity: A is
+    the sorted buffer, the down projection's case) of E experts' [N, K] weights, under `config` (path
+    "kernel") or on the bf16 path (path "dequant", config None: the weight-only kinds), output in
+    `dtype`. Operands are made here, once."""
     from lowbit.ops.triton import grouped as gk    # optional: triton
 
-    if w4 not in W4_FORMATS:
-        raise ValueError(f"w4={w4!r}; choose one of {W4_FORMATS}")
+    grouped_kind_key(kind, E, weight)       # the cell this case times: refuses a kind without its format
     if path not in ("kernel", "dequant") or (path == "dequant") != (config is None) or \
             (path == "dequant" and kind not in WEIGHT_ONLY):
         raise ValueError(f"path={path!r} with config {config}: 'kernel' takes a GroupedConfig, 'dequant' (the "
                          f"weight-only kinds {WEIGHT_ONLY}) none")
-    g = {"mxfp4": 32, "nvfp4": 16}.get(w4, group)
     if config is not None:
-        check_config(kind, config, K, g if kind in ("w4a16", "fp4") else None)
+        check_config(kind, config, K, None if weight is None else weight.group)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     T, routing = _routing(E, M, top_k, device, gen)
     rows = routing.rows if identity else T
@@ -67,13 +66,15 @@ def grouped_case(kind: str, E: int, N: int, K: int, M: int, config: GroupedConfi
         s = (torch.rand(E, N, generator=gen) / 64).to(device)
         fn8 = grouped_dequant_w8 if path == "dequant" else gk.grouped_w8a16
         return lambda: fn8(x, w, s, routing, **kw)
-    if kind not in ("w4a16", "fp4"):
+    if kind not in GROUPED_W4_KINDS:
         raise ValueError(f"kind={kind!r}: grouped_case takes w4a16, fp4, w8a16, int8, fp8")
     w = torch.randint(0, 256, (E, N, K // 2), generator=gen, dtype=torch.uint8).to(device)
     fn4 = grouped_dequant_w4 if path == "dequant" else gk.grouped_w4a16
+    g, w4 = weight.group, weight.name
     if w4 == "int4":
         s = (torch.rand(E, N, K // g, generator=gen) / 8).to(device)
-        return lambda: fn4(x, w, s, routing, kind="int4", group_size=g, **kw)
+        z = torch.randint(-8, 8, (E, N, K // g), generator=gen, dtype=torch.int32).to(device) if weight.zero else None
+        return lambda: fn4(x, w, s, routing, kind="int4", group_size=g, w_zero=z, **kw)
     codes = torch.randint(120, 128, (E, N, K // g), generator=gen, dtype=torch.uint8) if w4 == "mxfp4" else \
         torch.randint(0x30, 0x38, (E, N, K // g), generator=gen, dtype=torch.uint8)   # e8m0 ~2^-7..1 / e4m3 ~1
     codes = codes.to(device)
@@ -96,7 +97,7 @@ def grouped_bf16_case(E: int, N: int, K: int, M: int, device, *, top_k: int = 2,
 def time_grouped_case(kind: str, E: int, N: int, K: int, M: int, config: GroupedConfig, device, *,
                       warmup: int = 3, reps: int = 20, **case) -> float:
     """Median milliseconds of grouped_case(...)() over `reps` calls after `warmup` (CUDA events on
-    a GPU; wall time elsewhere). `case`: grouped_case's keywords (top_k, w4, group, identity, dtype)."""
+    a GPU; wall time elsewhere). `case`: grouped_case's keywords (top_k, weight, identity, dtype)."""
     run = grouped_case(kind, E, N, K, M, config, device, **case)
     for _ in range(warmup):
         run()

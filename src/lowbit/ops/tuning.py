@@ -17,7 +17,9 @@ Which table is read: the file named by the environment variable LOWBIT_TUNE_TABL
 shipped for this GPU (lowbit/ops/tables/<gpu>.json). A table measured on another GPU, or under
 another torch / triton / CUDA version, is refused with the reason (`lowbit doctor` prints it) and
 the heuristic below decides instead. Cells are exact (kind, N, K, bucket); a shape the table did
-not measure also takes the heuristic.
+not measure also takes the heuristic. A grouped cell whose kind is not grouped_kind_key's spelling
+(a 4-bit kind without its weight format, as older tables wrote them) is refused on reading, with the
+reason in active()'s line; the rest of the table applies.
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
+
+from lowbit.ops.w4_formats import W4Format
 
 FORMAT = "lowbit-tune/1"
 # (lowest M, highest M or None, name): decode, small batches, medium, prefill chunks, long prefill
@@ -51,7 +55,7 @@ def bucket(M: int) -> str:
 @dataclass(frozen=True)
 class Cell:
     op: str            # "linear"
-    kind: str          # lowbit.ops.tuning.kind_key of the prepared layer
+    kind: str          # kind_key of the prepared layer; grouped: grouped_kind_key
     N: int
     K: int
     bucket: str
@@ -69,6 +73,7 @@ class Cell:
 class Table:
     environment: dict
     cells: dict  # (op, kind, N, K, bucket) -> Cell
+    refused: dict = field(default_factory=dict)  # kind of each refused cell -> why (table_from_dict)
 
     def lookup(self, op: str, kind: str, N: int, K: int, M: int) -> Cell | None:
         return self.cells.get((op, kind, N, K, bucket(M)))
@@ -105,7 +110,7 @@ def table_from_dict(d: dict, source: str = "table") -> Table:
     env = d.get("environment")
     if not isinstance(env, dict) or any(k not in env for k in ENV_KEYS):
         raise ValueError(f"{source}: \"environment\" must name {', '.join(ENV_KEYS)}")
-    cells = {}
+    cells, refused = {}, {}
     for i, c in enumerate(d.get("cells") or []):
         try:
             cell = Cell(op=str(c["op"]), kind=str(c["kind"]), N=int(c["N"]), K=int(c["K"]), bucket=str(c["bucket"]),
@@ -117,8 +122,12 @@ def table_from_dict(d: dict, source: str = "table") -> Table:
                              f"{BUCKET_NAMES}, paths {PATHS}")
         if cell.config is not None and not isinstance(cell.config, dict):
             raise ValueError(f"{source}: cell {i}'s config must be an object or null")
+        why = grouped_key_refusal(cell.kind) if cell.op == "grouped" else None
+        if why is not None:         # no lookup asks for it: kept out, and said so
+            refused[cell.kind] = why
+            continue
         cells[(cell.op, cell.kind, cell.N, cell.K, cell.bucket)] = cell
-    return Table(env, cells)
+    return Table(env, cells, refused)
 
 
 def load_table(path: str | os.PathLike) -> Table:
@@ -208,6 +217,11 @@ def _find() -> tuple[Table | None, str]:
     why = mismatch(table.environment, env)
     if why is not None:
         return None, f"tuning table {path} refused, {why}: the heuristic decides (re-run `lowbit tune`)"
+    if table.refused:
+        kind, reason = next(iter(table.refused.items()))
+        return table, (f"tuning table {path} ({len(table.cells)} cells; grouped cells of {len(table.refused)} "
+                       f"kind(s) refused, e.g. {kind!r}: {reason}: the heuristic decides those, re-run "
+                       "`lowbit tune --moe`)")
     return table, f"tuning table {path} ({len(table.cells)} cells)"
 
 
@@ -219,6 +233,40 @@ def kind_key(spec) -> str:
     if spec.kind == "w8a8":
         return f"w8a8/{spec.act_mode}"
     return spec.kind
+
+
+# grouped (MoE) kinds whose experts' weights come in several 4-bit formats (int4 per group, with or
+# without zero points, MXFP4, NVFP4): different kernels in speed and best tiles, so their keys name
+# the format. The 8-bit kinds (w8a16, int8, fp8, mxfp8) have one weight format each.
+GROUPED_W4_KINDS = ("w4a16", "fp4")
+
+
+def grouped_kind_key(kind: str, E: int, weight: W4Format | None = None) -> str:
+    """The table's name for a grouped kernel kind over E experts: "<kind>/<weight format>/E<E>" for
+    the 4-bit kinds (weight.key: "w4a16/int4/g128/E8", "w4a16/int4/g32/zp/E8", "fp4/nvfp4/g16/E8",
+    spelled as the dense "w4a16/int4/g128"), "<kind>/E<E>" for the 8-bit ones ("int8/E8")."""
+    if (kind in GROUPED_W4_KINDS) != (weight is not None):
+        raise ValueError(f"grouped kind {kind!r} with weight={weight}: the kinds {GROUPED_W4_KINDS} take their "
+                         "4-bit weight format (a W4Format), the 8-bit kinds none")
+    return f"{kind}/{weight.key}/E{E}" if weight is not None else f"{kind}/E{E}"
+
+
+def grouped_key_refusal(key: str) -> str | None:
+    """Why a grouped cell's kind is not a key grouped_kind_key makes (None: it is one). A 4-bit kind
+    without a weight format ("w4a16/E8", as tables before the formats were told apart wrote them)
+    would stand for every format at once: it is refused, never applied to all of them."""
+    head, _, experts = key.rpartition("/")
+    kind, _, fmt = head.partition("/")
+    if not kind or not re.fullmatch(r"E[1-9][0-9]*", experts):
+        return "not a grouped key ('<kind>[/<weight format>]/E<experts>')"
+    if kind not in GROUPED_W4_KINDS:
+        return None if not fmt else f"{fmt!r}: {kind!r} has one weight format, its key names none"
+    if not fmt:
+        return (f"names no weight format, so it would stand for every 4-bit weight format {kind} runs (int4 "
+                "g128 / g32 / zero points, MXFP4, NVFP4: different kernels' speed and tiles)")
+    if W4Format.from_key(fmt) is None:
+        return f"unknown weight format {fmt!r} (e.g. int4/g128, int4/g32/zp, mxfp4/g32, nvfp4/g16)"
+    return None
 
 
 def heuristic(kind: str, M: int, op: str = "linear") -> str:
@@ -234,12 +282,12 @@ def heuristic(kind: str, M: int, op: str = "linear") -> str:
     return "kernel"
 
 
-GROUPED_BF16_KINDS = ("w4a16/", "fp4/", "w8a16/")   # grouped kinds with a bf16 (dequant) path
+GROUPED_BF16_KINDS = ("w4a16", "fp4", "w8a16")      # grouped kinds with a bf16 (dequant) path
 GROUPED_DEQUANT_FROM = 65                            # sorted rows: the first prefill bucket (65-512)
 
 
 def grouped_heuristic(kind: str, M: int) -> str:
-    """The grouped path without a table cell (kind: grouped_configs.grouped_kind_key's "<kind>/E<E>").
+    """The grouped path without a table cell (kind: grouped_kind_key's, "<kind>[/<weight format>]/E<E>").
     The weight-only grouped kernels (W4A16, fp4, W8A16) decode every weight in the tile's K loop at
     fixed small tiles: on the H200 the W4A16 kernel took 22.6 ms for Mixtral-8x7B's gate_up at 4096
     sorted rows (the int8 kernel 1.27 ms) and two Mixtral layers of W4A16 prefill ran at 0.01x the
@@ -248,7 +296,7 @@ def grouped_heuristic(kind: str, M: int) -> str:
     them. Below (decode) the kernel stays: the bf16 path writes and re-reads each used expert's
     bf16 weight per call, ~9x the 4-bit kernel's weight bytes, and it is not measured there yet
     (`lowbit tune` times both). The W8A8 kinds keep their kernels (no bf16 path)."""
-    if kind.startswith(GROUPED_BF16_KINDS) and M >= GROUPED_DEQUANT_FROM:
+    if kind.partition("/")[0] in GROUPED_BF16_KINDS and M >= GROUPED_DEQUANT_FROM:
         return "dequant"
     return "kernel"
 

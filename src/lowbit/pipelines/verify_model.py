@@ -173,7 +173,7 @@ def _check_expert_projections(name: str, module, inputs: tuple) -> LayerResult:
         # values rounded once to bf16: integer codes x float32 scales are not bf16 values; e2m1 x
         # e8m0 / e4m3 are) and rounds torch._grouped_mm's product to bf16 before its float32
         # epilogue: its reference is those bf16 weights, its output rounding bf16's
-        bf16 = module.kernel_class.for_rows(E, N, K, routing.rows, inp.dtype).bf16_path
+        bf16 = module.kernel_class.for_rows(module.weight_scheme, E, N, K, routing.rows, inp.dtype).bf16_path
         w = module.weight_dequantized(proj, torch.float64)
         if bf16 and module.weight_scheme.fmt.kind == "int":
             w_q, w = None, w.to(torch.bfloat16).double()

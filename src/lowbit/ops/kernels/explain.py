@@ -35,7 +35,7 @@ def explain(weight_scheme: QuantScheme, act_scheme: QuantScheme | None, *, N: in
     grouped = choose_grouped(weight_scheme, act_scheme, N, K, dev)
     grows = {}
     if isinstance(grouped.kernel, type) and issubclass(grouped.kernel, GroupedKernel):
-        grows = {b: grouped.kernel.for_rows(E, N, K, tuning.BUCKET_M[b], torch.bfloat16).name
+        grows = {b: grouped.kernel.for_rows(weight_scheme, E, N, K, tuning.BUCKET_M[b], torch.bfloat16).name
                  for b in tuning.BUCKET_NAMES}
     return {"device": str(dev),
             "linear": {"kernel": dense.name, "refused": list(dense.refused), "rows": rows},

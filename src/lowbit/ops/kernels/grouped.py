@@ -16,8 +16,10 @@ Each weight-only class (and grouped_fp4) has a bf16 path over the same layout, i
 (grouped_dequant_w4a16, grouped_dequant_fp4, grouped_dequant_w8a16; lowbit.ops.grouped_dequant):
 the projection's expert weights dequantized into one reusable scratch buffer [E, N, K], then
 torch._grouped_mm. `for_rows` says which class runs M sorted rows: the tuning table's cell
-("grouped", "<kind>/E<E>", N, K, bucket of M), else lowbit.ops.tuning's heuristic; the bf16 path
-only where it takes the activations (bf16, K a multiple of 8, torch's grouped GEMM on this GPU).
+("grouped", table_key: "<kind>/E<E>", the 4-bit kinds "<kind>/<weight format>/E<E>", N, K, bucket
+of M), else lowbit.ops.tuning's heuristic; the bf16 path only where it takes the activations (bf16,
+K a multiple of 8, torch's grouped GEMM on this GPU). `tile_config` is the kernel's tiles from the
+same key (lowbit.ops.grouped_configs.grouped_config).
 The W8A8 kinds (int8, fp8, MXFP8) have no bf16 path: their kernels multiply 8-bit codes on the
 8-bit tensor cores, which a dequantized bf16 weight would give up.
 Weights: per-channel symmetric fp32 scales for the 8-bit kinds; the 4-bit kinds read their own packed
@@ -28,6 +30,7 @@ concatenated M does.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import ClassVar
 
 import torch
@@ -36,11 +39,13 @@ from lowbit.formats import decode
 from lowbit.ops import tuning
 from lowbit.ops.fused import qdq_rows, quantize_rows
 from lowbit.ops.grouped import scale_words_int32
-from lowbit.ops.grouped_configs import grouped_kind_key
+from lowbit.ops.grouped_configs import GroupedConfig, grouped_config
 from lowbit.ops.grouped_dequant import grouped_bf16_refusal, grouped_dequant_w4, grouped_dequant_w8
 from lowbit.ops.kernels.base import Choice, Device, Kernel, LinearLayer, Registry, kernel_device
 from lowbit.ops.kernels.dense_w8 import quantize_tensor_int8
 from lowbit.ops.kernels.schemes import PER_ROW, pair_refusal, w4a16_kind, w4a16_refusal, weight_only_refusal
+from lowbit.ops.tuning import grouped_kind_key
+from lowbit.ops.w4_formats import W4Format
 from lowbit.packing import pack_fp4, pack_int4
 from lowbit.quantize import quantize
 from lowbit.scheme import QuantScheme
@@ -53,11 +58,28 @@ class GroupedKernel(Kernel):
     bf16_path: ClassVar[bool] = False       # a dequant class: apply dequantizes and runs torch._grouped_mm
 
     @classmethod
-    def for_rows(cls, E: int, N: int, K: int, M: int, dtype: torch.dtype) -> type[GroupedKernel]:
-        """The class that runs M sorted rows of a [E, N, K] projection with `dtype` activations: this
-        kernel, or its dequant class where the tuning table (or its heuristic) says "dequant" and the
-        bf16 path takes the activations (cached until the table or the registry changes)."""
-        return _for_rows(cls, E, N, K, M, dtype)
+    def weight_format(cls, weight_scheme: QuantScheme) -> W4Format | None:
+        """The 4-bit weight format the table's key names (None: an 8-bit kind, one weight format)."""
+        return None
+
+    @classmethod
+    def table_key(cls, weight_scheme: QuantScheme, E: int) -> str:
+        """The tuning table's kind of this kernel over E experts of `weight_scheme` (cached)."""
+        return _table_key(cls, weight_scheme, E)
+
+    @classmethod
+    def for_rows(cls, weight_scheme: QuantScheme, E: int, N: int, K: int, M: int,
+                 dtype: torch.dtype) -> type[GroupedKernel]:
+        """The class that runs M sorted rows of a [E, N, K] projection of `weight_scheme` with `dtype`
+        activations: this kernel, or its dequant class where the tuning table (or its heuristic) says
+        "dequant" and the bf16 path takes the activations (cached until the table or the registry
+        changes)."""
+        return _for_rows(cls, cls.table_key(weight_scheme, E), N, K, M, dtype)
+
+    @classmethod
+    def tile_config(cls, weight_scheme: QuantScheme, E: int, N: int, K: int, M: int) -> GroupedConfig:
+        """The kernel's launch configuration for M sorted rows (the table's cell, else the heuristic)."""
+        return grouped_config(cls.kind, E, N, K, M, _weight_format(cls, weight_scheme))
 
     @classmethod
     def rows_refusal(cls, dtype: torch.dtype, K: int) -> str | None:
@@ -81,9 +103,19 @@ class GroupedKernel(Kernel):
         raise NotImplementedError
 
 
+@lru_cache(maxsize=1024)
+def _weight_format(cls, weight_scheme):
+    return cls.weight_format(weight_scheme)
+
+
+@lru_cache(maxsize=1024)
+def _table_key(cls, weight_scheme, E):
+    return grouped_kind_key(cls.kind, E, _weight_format(cls, weight_scheme))
+
+
 @tuning.per_table
-def _for_rows(cls, E, N, K, M, dtype):
-    path, _ = tuning.choose("grouped", grouped_kind_key(cls.kind, E), N, K, M)
+def _for_rows(cls, key, N, K, M, dtype):
+    path, _ = tuning.choose("grouped", key, N, K, M)
     d = cls.dequant
     if path == "dequant" and d is not None and d.rows_refusal(dtype, K) is None:
         return d
@@ -204,6 +236,12 @@ def _bf16_kw(kw: dict) -> dict:
     return dict(bias=kw["bias"], identity=kw["identity"], out_dtype=kw["out_dtype"])
 
 
+def _four_bit_format(weight_scheme: QuantScheme) -> W4Format:
+    """The 4-bit kinds' weight format (the tuning table tells int4 g128 / g32 / zero points, MXFP4 and
+    NVFP4 apart: different kernels' speed and tiles)."""
+    return W4Format(w4a16_kind(weight_scheme), weight_scheme.group_size, not weight_scheme.symmetric)
+
+
 def _four_bit(weight_scheme, stacked):
     codes, scale = stacked["codes"], stacked["scale"]
     E, N = codes.shape[:2]
@@ -240,6 +278,10 @@ class GroupedW4A16(GroupedKernel):
         return why
 
     @classmethod
+    def weight_format(cls, weight_scheme):
+        return _four_bit_format(weight_scheme)
+
+    @classmethod
     def prepare(cls, weight_scheme, stacked, act_scheme):
         return _four_bit(weight_scheme, stacked)
 
@@ -262,6 +304,10 @@ class GroupedFp4(GroupedKernel):
     @classmethod
     def refuses(cls, layer):
         return pair_refusal(layer.weight, layer.act, "fp4")
+
+    @classmethod
+    def weight_format(cls, weight_scheme):
+        return _four_bit_format(weight_scheme)
 
     @classmethod
     def prepare(cls, weight_scheme, stacked, act_scheme):

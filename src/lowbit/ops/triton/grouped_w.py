@@ -40,10 +40,9 @@ from lowbit.ops.grouped import Routing
 from lowbit.ops.grouped_configs import GroupedConfig, check_config, grouped_config
 from lowbit.ops.triton.common import interpreting
 from lowbit.ops.triton.grouped_schedule import check_bias, check_routing, schedule_args, store_rows, tile_rows
-from lowbit.ops.triton.w4a16.codes import W_INT4, W_MXFP4, W_NVFP4, _e2m1_value, _nibble_value, _product1, block_scale
+from lowbit.ops.triton.w4a16.codes import _e2m1_value, _nibble_value, _product1, block_scale
+from lowbit.ops.w4_formats import FP4_GROUPS, GROUPED_W4, W4Format, WFMT as WFMT_CODE  # WFMT: the kernels' constexpr
 
-WFMTS = {"int4": W_INT4, "mxfp4": W_MXFP4, "nvfp4": W_NVFP4}
-GROUPS = {"mxfp4": 32, "nvfp4": 16}
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # register prefetch of the next K step (decode tiles); above this BLOCK_M it spills (sm_90 compile)
 PREFETCH_MAX_M = 32
@@ -242,8 +241,8 @@ def grouped_w4a16(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor
     (e4m3); w_global fp32 [E] (NVFP4's per-expert tensor scale, or any per-expert factor that
     multiplies the accumulator), else None.
     config: tiles / warps / stages / split-K (None: lowbit.ops.grouped_configs.grouped_config)."""
-    if kind not in WFMTS:
-        raise ValueError(f"kind={kind!r}; choose one of {sorted(WFMTS)}")
+    if kind not in GROUPED_W4:
+        raise ValueError(f"kind={kind!r}; choose one of {GROUPED_W4}")
     if w_packed.dtype != torch.uint8 or w_packed.ndim != 3:
         raise TypeError(f"w_packed must be uint8 [E, N, K / 2] (pack_int4 / pack_fp4), got {w_packed.dtype} "
                         f"{tuple(w_packed.shape)}")
@@ -252,10 +251,10 @@ def grouped_w4a16(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor
     E, N, Kh = w_packed.shape
     if Kh * 2 != K:
         raise ValueError(f"w_packed holds K = {2 * Kh} codes per row, x has K = {K}")
-    group = GROUPS.get(kind, group_size)
+    group = FP4_GROUPS.get(kind, group_size)
     if group is None or (group_size is not None and group_size != group):
         raise ValueError(f"group_size={group_size} for kind {kind!r}: int4 needs its group size, "
-                         f"MXFP4 / NVFP4 use {GROUPS}")
+                         f"MXFP4 / NVFP4 use {FP4_GROUPS}")
     if K % group or group % 2:
         raise ValueError(f"K = {K} must be a multiple of group_size = {group} (even)")
     if tuple(w_scale.shape) != (E, N, K // group):
@@ -272,7 +271,7 @@ def grouped_w4a16(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor
     if w_global is not None and w_global.numel() != E:
         raise ValueError(f"w_global must hold one factor per expert ({E}), got {tuple(w_global.shape)}")
     check_routing(routing, T, E, identity)
-    c = config or grouped_config("w4a16", E, N, K, routing.rows)
+    c = config or grouped_config("w4a16", E, N, K, routing.rows, W4Format(kind, group, w_zero is not None))
     check_config("w4a16", c, K, group)
     if kind == "mxfp4" and x.dtype == torch.float16:
         x = x.float()              # fp16 cannot hold every e2m1 * 2^e weight: the fp32 dot (exact)
@@ -289,7 +288,7 @@ def grouped_w4a16(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor
     _grouped_w4_kernel[(tiles * num_n, c.split_k)](
         xc, w, out, s, dummy if z is None else z, dummy if g is None else g, dummy if b is None else b,
         bexp, brow, off, tok, E, N, K, _k_split(K, c, group), xc.stride(0), w.stride(0), w.stride(1), s.stride(0),
-        s.stride(1), out.stride(-2), out.stride(0), num_n, WFMT=WFMTS[kind], HAS_Z=z is not None,
+        s.stride(1), out.stride(-2), out.stride(0), num_n, WFMT=WFMT_CODE[kind], HAS_Z=z is not None,
         HAS_G=g is not None, HAS_BIAS=b is not None, IDENTITY=identity, PARTIAL=c.split_k > 1, INTERP=interpreting(),
         GROUP=group, S=S, PREFETCH=c.block_m <= PREFETCH_MAX_M, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
         BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)

@@ -6,12 +6,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from lowbit.ops.w4_formats import WFMT, W_INT4, W_MXFP4, W_NVFP4, W_UINT4  # noqa: F401  (W4Weight.kind -> WFMT)
+
 from ..common import decode_e4m3fn
 from ..fused_quant import round_to
-
-
-W_INT4, W_UINT4, W_MXFP4, W_NVFP4 = 0, 1, 2, 3
-WFMT = {"int4": W_INT4, "uint4": W_UINT4, "mxfp4": W_MXFP4, "nvfp4": W_NVFP4}  # W4Weight.kind -> WFMT
 
 
 @triton.jit
