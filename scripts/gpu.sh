@@ -67,6 +67,12 @@ if command -v nvidia-smi >/dev/null; then
 fi
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" 2>&1 | tee -a "$sum"
 git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /' | tee -a "$sum"
+# the native library built here (scripts/build_native.sh) and carried in .native: every part may use it
+# (the suite's native tests, tune's native cells, the model bench's +native rows, the native sweep)
+if [ -f "$root/.native/liblowbit_native.so" ]; then
+  export LOWBIT_NATIVE_LIB="${LOWBIT_NATIVE_LIB:-$root/.native/liblowbit_native.so}"
+  echo "native library: $LOWBIT_NATIVE_LIB" | tee -a "$sum"
+fi
 # (the test timeouts send SIGINT: pytest then prints its failures so far before it stops)
 # a hung kernel (a deadlocked barrier) fails its test after PER_TEST_TIMEOUT s instead of eating the
 # whole call, where pytest-timeout is installed
@@ -144,7 +150,6 @@ if [[ $parts == *,eager,* ]]; then
   echo "eager rc=$?" | tee -a "$sum"
 fi
 if [[ $parts == *,native,* ]]; then  # the library built here (scripts/build_native.sh), carried in .native
-  [ -f "$root/.native/liblowbit_native.so" ] && export LOWBIT_NATIVE_LIB="${LOWBIT_NATIVE_LIB:-$root/.native/liblowbit_native.so}"
   timeout "${NATIVE_TIMEOUT:-540}" python3 scripts/gpu_native.py "$out/bench-native.json" >"$out/native.log" 2>&1
   echo "native rc=$? :: $(grep -E '^checks:' "$out/native.log")" | tee -a "$sum"
 fi
@@ -157,7 +162,6 @@ if [[ $parts == *,model,* ]]; then  # what a user runs; the JSON is rewritten af
   # torchao rows where its wheel was brought along (pip install --no-deps WHEEL into $TORCHAO_DIR)
   [ -n "${TORCHAO_DIR:-}" ] && export PYTHONPATH="$PYTHONPATH:$TORCHAO_DIR"
   # the +native variants' library, built here and carried (without it and a toolchain, their rows say n/a)
-  [ -f "$root/.native/liblowbit_native.so" ] && export LOWBIT_NATIVE_LIB="${LOWBIT_NATIVE_LIB:-$root/.native/liblowbit_native.so}"
   mt=${MODEL_TIMEOUT:-560}
   budget=(); [ -n "${MODEL_BUDGET:-}" ] && budget=(--budget "$MODEL_BUDGET")
   timeout "$mt" python3 -m lowbit.entrypoints.main bench model --shape 8b --layers "${MODEL_LAYERS:-32}" \

@@ -116,3 +116,46 @@ def test_tune_cli_checks_the_moe_recipes_before_measuring():
     cli.register(p)
     with pytest.raises(ValueError, match="no-such-recipe"):
         cli.run(p.parse_args(["--moe-recipes", "w4a16,no-such-recipe"]))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the rehearsal stands a CPU twin in for the GPU")
+def test_tune_native_rehearsal_on_the_cpu(monkeypatch):
+    """tune_native's loops on the CPU: an H200 stands in as the kernel device, the CPU twin for the native
+    launch (the twin runs nt / prefetch; the fixup only changes who adds the splits), host times for CUDA-graph
+    replays. Every variant is timed against the Triton path and bf16; the cell takes the fastest; a variant
+    whose output is not the default launch's bits (here nt = 4, made to differ) is dropped."""
+    import time
+
+    from lowbit.ops.kernels import dense
+    from lowbit.ops.kernels.base import Device
+    from lowbit.ops.native import kernels as nk
+    from lowbit.ops.native import library
+
+    def host_us(fn, reps=1):
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+
+    def launch(x, w, splits=None, bias=None, nt=1, prefetch=False, fixup=False):
+        y = nk.twin_w4a16(x, w, splits or 1, bias=bias, nt=nt, prefetch=prefetch)
+        return y * 2 if nt == 4 else y          # a broken variant
+    monkeypatch.setattr(tune, "_graph_us", host_us)
+    monkeypatch.setattr(library, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(dense, "kernel_device", lambda: Device("cuda", (9, 0)))
+    monkeypatch.setattr(nk, "w4a16", launch)
+    monkeypatch.setitem(tune.SHAPES, "tiny", tune.SHAPES["tiny"][:1])
+    log = []
+    try:
+        cells = tune.tune_native("tiny", ("w4a16", "mxfp8"), ("1", "17-64"), log.append, device="cpu")
+    finally:
+        tuning.reset()
+    assert [(c.op, c.bucket) for c in cells] == [("native", "1")], log   # one recipe with a native class, one bucket
+    c = cells[0]
+    assert any("mxfp8: no native kernel" in line for line in log), log
+    assert any("nt=4" in line and "strays" in line for line in log), log
+    labels = {tune._label("kernel", None)} | {tune._label("kernel", v) for v in tune.NATIVE_VARIANTS if v.get("nt") != 4}
+    assert set(c.us) == labels | {"triton", "bf16"}, c.us
+    best = min((t, k) for k, t in c.us.items() if k != "bf16")
+    assert (c.path == "triton") == (best[1] == "triton"), c
+    if c.path == "kernel":
+        assert tune._label("kernel", c.config) == best[1]

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import lowbit as lb
+from lowbit.ops import prepared as runtime
+from lowbit.ops import tuning
 from lowbit.ops.kernels import native as kn
 from lowbit.ops.kernels.base import Device
 from lowbit.ops.kernels.dense import choose_linear
@@ -93,3 +95,42 @@ def test_apply_reads_the_native_layout(case, call, twin, base, opted_in, monkeyp
     assert torch.equal(c.kernel.apply(spec, x, ops, None, None), base.apply(spec, x, ops, None, None))
     assert torch.equal(c.kernel.apply(spec, x[:3], ops, bias, None), base.apply(spec, x[:3], ops, bias, None))
     assert calls == [1, 7, 16]
+
+
+def _table(*cells):
+    return tuning.Table(tuning.environment(), {(c.op, c.kind, c.N, c.K, c.bucket): c for c in cells})
+
+
+def test_the_tuning_tables_native_cells_choose_the_launch(opted_in, monkeypatch, interpreter, rng):
+    """A native cell (op "native") names the decode launch's variant, or "triton" (the Triton class, as its
+    own linear cell says); without a cell the native kernel takes its default launch up to 16 rows; the
+    variant reaches the launch, whose output is the default launch's bits (the twin stands in)."""
+    seen = []
+
+    def launch(x, w, bias=None, **variant):
+        seen.append(variant)
+        return nk.twin_w4a16(x, w, bias=bias, **{k: v for k, v in variant.items() if k != "fixup"})
+    monkeypatch.setattr(nk, "w4a16", launch)
+    N, K = 40, 384
+    q = lb.quantize(torch.randn(N, K, generator=rng), W4)
+    c = choose_linear(q, None, device=H200)
+    spec, ops, kind = c.prepared.spec, c.prepared.tensors, tuning.kind_key(c.prepared.spec)
+    x = torch.randn(1, K, generator=rng).bfloat16()
+    try:
+        tuning.reset(_table())
+        assert c.kernel.for_rows(spec, 1) == (c.kernel, {}) and c.kernel.for_rows(spec, 16) == (c.kernel, {})
+        assert c.kernel.for_rows(spec, 17)[0] is TritonW4A16       # past the decode kernel's 16 rows
+        y0 = runtime.run(spec, x, ops, None)
+        variant = {"nt": 2, "prefetch": True, "splits": 2, "fixup": True}
+        tuning.reset(_table(tuning.Cell("native", kind, N, K, "1", "kernel", variant),
+                            tuning.Cell("native", kind, N, K, "2-16", "triton"),
+                            tuning.Cell("linear", kind, N, K, "2-16", "dequant")))
+        assert c.kernel.for_rows(spec, 1) == (c.kernel, variant)
+        assert c.kernel.for_rows(spec, 5) == (TritonW4A16.dequant, None)
+        y1 = runtime.run(spec, x, ops, None)
+        assert seen == [{}, variant] and torch.equal(y0, y1)
+        tuning.reset(_table(tuning.Cell("native", kind, N, K, "1", "kernel", {"tiles": 3})))
+        with pytest.raises(ValueError, match=r"native cell's config has \['tiles'\]"):
+            c.kernel.for_rows(spec, 1)
+    finally:
+        tuning.reset()

@@ -6,7 +6,9 @@ measure for every candidate), bf16 `F.linear` and each candidate path of the qua
   weight-only and emulated kinds (W4A16, W8A16, fp4, MXFP8)  the kernel, and the weight dequantized
                                                               into the scratch buffer + bf16 GEMM;
   W8A8 int8 / fp8                                             the kernel under its default tiles and
-                                                              the alternatives in W8A8_TILES.
+                                                              the alternatives in W8A8_TILES;
+  the native decode kernels (sm_90a, where the library runs)  each launch variant of NATIVE_VARIANTS
+                                                              against the layer's Triton path (tune_native).
 Grouped MoE GEMMs (tune_grouped) are timed against torch._grouped_mm over bf16 weights, per recipe
 (each grouped kernel with the weight format it runs: int4 g128 / g32 / zero points, MXFP4, NVFP4 get
 cells of their own): the kernel under its candidate configurations and, for the weight-only kinds,
@@ -33,6 +35,7 @@ from lowbit.ops.grouped_dequant import grouped_bf16_refusal
 from lowbit.ops.grouped_tune import grouped_bf16_case, grouped_case
 from lowbit.ops.kernels.attention import ATTENTION
 from lowbit.ops.kernels.grouped import grouped_kernel
+from lowbit.ops.kernels.native import native_refusal, opted_in
 from lowbit.profiling.timing import bench_ms
 from lowbit.workflows.job import parse_recipe
 
@@ -68,8 +71,10 @@ def candidates(kind: str, bucket: str) -> list[tuple[str, dict | None]]:
 def _label(path, cfg) -> str:
     if cfg is None:
         return path
-    if isinstance(cfg, dict):
+    if isinstance(cfg, dict) and "BLOCK_M" in cfg:
         return f"{path}:" + "/".join(str(cfg[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))
+    if isinstance(cfg, dict):    # a native launch variant
+        return f"{path}:" + ",".join(f"{k}={v}" for k, v in cfg.items())
     return f"{path}:{cfg}"   # GroupedConfig / PrefillConfig: their own short names
 
 
@@ -145,6 +150,76 @@ def tune_linear(shape: str = "8b", recipes=RECIPES, buckets=tuning.BUCKET_NAMES,
                 cells.append(cell)
                 log(f"{sname:8s} {kind:20s} M={M:<5d} bf16 {base:8.1f} us  best {best[0]:8.1f} us "
                     f"({cell.path}{'' if cell.config is None else ' tiles'})  {cell.ratio:5.2f}x")
+            del q
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return cells
+
+
+# Launch variants of the native decode kernels timed per cell (lowbit.ops.native.kernels: each gives the
+# default launch's bits): row tiles per CTA, the weight prefetch, and splits with the in-kernel fixup
+NATIVE_VARIANTS = ({"prefetch": True}, {"nt": 2}, {"nt": 2, "prefetch": True}, {"nt": 4}, {"splits": 1},
+                   {"splits": 2, "fixup": True}, {"splits": 2, "nt": 2, "fixup": True}, {"splits": 4, "fixup": True},
+                   {"splits": 4, "nt": 2, "fixup": True, "prefetch": True})
+NATIVE_BUCKETS = ("1", "2-16")
+
+
+def tune_native(shape: str = "8b", recipes=RECIPES, buckets=tuning.BUCKET_NAMES, log=print, device: str = "cuda",
+                linear: dict | None = None) -> list[tuning.Cell]:
+    """The native decode kernels (lowbit.ops.kernels.native) at the decode buckets where the native library
+    runs here: each launch variant (a variant whose output is not the default launch's, bit for bit, is
+    dropped) and the layer's Triton path (under `linear`'s cells, the dense part's results), against bf16.
+    A cell's path is "kernel" (the fastest variant, its config) where that beats the Triton path, else
+    "triton"; only layers opted in to the native classes read these cells."""
+    with opted_in():                       # the opt-in is this function's to give: the library and GPU decide
+        why = native_refusal()
+    if why is not None:
+        log(f"# native decode kernels not tuned: {why}")
+        return []
+    cells = []
+    gen = torch.Generator().manual_seed(0)
+    for sname, K, N in SHAPES[shape]:
+        lin = torch.nn.Linear(K, N, bias=False, dtype=torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.normal_(0, 0.02, generator=gen)
+        lin = lin.to(device)
+        for name in recipes:
+            r = parse_recipe(name)
+            with opted_in():
+                q = QuantLinear.from_linear(lin, r.weight, r.act, backend="kernel").to(device)
+            spec = q.fast_spec
+            if spec is None or not spec.kernel.startswith("native_"):
+                log(f"  {sname} {name}: no native kernel ({'no prepared path' if spec is None else spec.kernel})")
+                continue
+            kind = tuning.kind_key(spec)
+            ops = {n: getattr(q, "fast_" + n) for n in spec.operands}
+            for b in (b for b in NATIVE_BUCKETS if b in buckets):
+                M = tuning.BUCKET_M[b]
+                x = torch.randn(M, K, dtype=torch.bfloat16, generator=gen).to(device)
+                kept = {k: c for k, c in (linear or {}).items() if k[1:] == (kind, N, K, b)}
+
+                def install(path, cfg, kept=kept, kind=kind, N=N, K=K, b=b):
+                    tuning.reset(tuning.Table(tuning.environment(), {
+                        **kept, ("native", kind, N, K, b): tuning.Cell("native", kind, N, K, b, path, cfg)}), "tuning")
+
+                def run_candidate(path, cfg, x=x, spec=spec, ops=ops, install=install):
+                    install(path, cfg)
+                    return lambda: runtime.run(spec, x, ops, None)
+
+                cands = [("kernel", None)] + [("kernel", v) for v in NATIVE_VARIANTS]
+                us, best = _time_candidates(cands, run_candidate, 0.0, f"{sname} {name} native M={M}", log)
+                install("triton", None)
+                triton = _graph_us(lambda x=x, spec=spec, ops=ops: runtime.run(spec, x, ops, None))
+                base = _graph_us(lambda x=x: F.linear(x, lin.weight))
+                tuning.reset()
+                us.update(triton=round(triton, 2), bf16=round(base, 2))
+                if best is None:
+                    continue
+                path, t, cfg = ("kernel", best[0], best[2]) if best[0] < triton else ("triton", triton, None)
+                cell = tuning.Cell("native", kind, N, K, b, path, cfg, round(base / t, 3), us)
+                cells.append(cell)
+                log(f"{sname:8s} {kind:20s} M={M:<5d} bf16 {base:8.1f} us  triton {triton:8.1f} us  native best "
+                    f"{best[0]:8.1f} us ({_label('kernel', best[2])})  -> {path} {cell.ratio:5.2f}x")
             del q
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -272,7 +347,8 @@ def tune_grouped(moe: str, recipes=GROUPED_RECIPES, log=print, device: str = "cu
 
 def run_tune(shape: str = "8b", recipes=RECIPES, buckets=tuning.BUCKET_NAMES, log=print,
              moe=("mixtral", "qwen3-30b-a3b"), out=None, moe_recipes=GROUPED_RECIPES) -> tuning.Table:
-    """Every part in turn (dense Linears, attention prefill, each MoE shape's grouped GEMMs of
+    """Every part in turn (dense Linears, the native decode kernels where they run, attention prefill,
+    each MoE shape's grouped GEMMs of
     `moe_recipes`); with `out`, the table so far is written after each part, so a run stopped by a
     time limit keeps what it measured."""
     if not torch.cuda.is_available():
@@ -280,7 +356,9 @@ def run_tune(shape: str = "8b", recipes=RECIPES, buckets=tuning.BUCKET_NAMES, lo
                          "exact paths, which need no table)")
     t0 = time.time()
     table = tuning.Table(tuning.environment(), {})
-    parts = [lambda: tune_linear(shape, recipes, buckets, log), lambda: tune_attention(shape, buckets, log)]
+    parts = [lambda: tune_linear(shape, recipes, buckets, log),
+             lambda: tune_native(shape, recipes, buckets, log, linear=dict(table.cells)),
+             lambda: tune_attention(shape, buckets, log)]
     parts += [lambda m=m: tune_grouped(m, moe_recipes, log=log) for m in moe]
     for part in parts:
         for c in part():

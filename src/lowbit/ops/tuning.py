@@ -39,7 +39,8 @@ BUCKETS = ((1, 1, "1"), (2, 16, "2-16"), (17, 64, "17-64"), (65, 512, "65-512"),
 BUCKET_NAMES = tuple(b[2] for b in BUCKETS)
 # the M each bucket is timed at by `lowbit tune`
 BUCKET_M = {"1": 1, "2-16": 16, "17-64": 64, "65-512": 256, "513+": 2048}
-PATHS = ("kernel", "dequant")
+# "triton" is a native cell's answer (op "native"): the layer's Triton class runs, as its own linear cell says
+PATHS = ("kernel", "dequant", "triton")
 ENV_KEYS = ("gpu", "capability", "torch", "triton", "cuda")
 TABLES_DIR = Path(__file__).with_name("tables")
 
@@ -274,9 +275,12 @@ def heuristic(kind: str, M: int, op: str = "linear") -> str:
     while reading weights dominates (decode, small batches); from 65 rows on (the point where the
     H200's measurements turned) the bf16 GEMM on the dequantized weight is preferred, the safe
     choice on an unmeasured GPU. W8A8 has 8-bit tensor cores at every M: its kernel.
-    Grouped experts (op "grouped", M the sorted rows, tokens x top_k): grouped_heuristic."""
+    Grouped experts (op "grouped", M the sorted rows, tokens x top_k): grouped_heuristic. An opted-in
+    native decode class (op "native"): its kernel wherever it takes the call (the class checks the rows)."""
     if op == "grouped":
         return grouped_heuristic(kind, M)
+    if op == "native":
+        return "kernel"
     if kind.startswith(("w4a16", "w8a16", "fp4", "mxfp8")):
         return "kernel" if M <= 64 else "dequant"
     return "kernel"

@@ -8,7 +8,10 @@ Each stands in for the Triton class it extends (same kind, so the same tuning-ta
 layer keeps the Triton layout AND the native one (lowbit.ops.native.kernels.prepare_w4 / prepare_w8),
 because the native kernels cover decode only (1-16 rows, bf16; a bias in float32 or bf16); every other
 call (more rows, fp16 / fp32 activations, an fp16 bias, the table's dequant path) runs the Triton class's
-apply on the Triton operands. So an opted-in layer holds its weight twice.
+apply on the Triton operands. So an opted-in layer holds its weight twice. Which runs a decode call, and
+with which launch variant (splits, nt, prefetch, fixup), is the tuning table's "native" cell for the
+kind, shape and bucket (`lowbit tune` times the variants against the Triton class); without a cell, the
+native kernel with its default launch.
 
 Opt-in because the native kernels have not yet been timed on a GPU: LOWBIT_NATIVE=1 for the process, or
 `with opted_in():` around the quantization (or loading) of one model; without it, and
@@ -28,6 +31,7 @@ import torch
 from lowbit.ops.kernels.base import LinearLayer, Refused
 from lowbit.ops.kernels.dense_w4 import TritonW4A16
 from lowbit.ops.kernels.dense_w8 import TritonW8A8Fp8, TritonW8A8Int8, TritonW8A16
+from lowbit.ops import tuning
 from lowbit.ops.kernels.prepared_kernel import Prepared, Spec
 from lowbit.ops.native import kernels as native
 from lowbit.ops.native import library
@@ -98,7 +102,7 @@ def _decode(x2: torch.Tensor, bias, N: int) -> bool:
 class _Native:
     """Mixed in ahead of a Triton class: the native refusal, the second layout and the decode call.
     Subclasses set triton_cls (the class they stand in for), native_layout (QTensor -> native weight)
-    and native_call(spec, x2, ops, bias) (the decode launch)."""
+    and native_call(spec, x2, ops, bias, variant) (the decode launch; variant: launch_variant's keywords)."""
     triton_cls = None
     native_layout = None
     native_call = None
@@ -110,10 +114,21 @@ class _Native:
         return _with_native(cls, super().prepare(weight_q, act_scheme, static_scale), extra)
 
     @classmethod
+    def for_rows(cls, spec, M):
+        """(this class, its launch variant) where the tuning table's native cell for this kind, shape and
+        bucket says the native kernel (no cell: it does, up to MAX_M rows), else the Triton class's own
+        answer (its kernel or dequant path and tiles, from its linear cell)."""
+        path, cfg = tuning.choose("native", tuning.kind_key(spec), spec.N, spec.K, M)
+        if path == "kernel" and M <= native.MAX_M:
+            return cls, launch_variant(cfg)
+        return cls.triton_cls.for_rows(spec, M)
+
+    @classmethod
     def apply(cls, spec, x2, ops, bias, config):
         if _decode(x2, bias, spec.N):
-            return cls.native_call(spec, x2, ops, bias)
-        return cls.triton_cls.apply(spec, x2, ops, bias, config)
+            return cls.native_call(spec, x2, ops, bias, {} if config is None else config)
+        tcls, tcfg = cls.triton_cls.for_rows(spec, x2.shape[0])   # fp16 / fp32 rows or a bias it cannot read
+        return tcls.apply(spec, x2, ops, bias, tcfg)
 
     @classmethod
     def can_run(cls, layer, device):
@@ -134,6 +149,18 @@ class _Native:
         return False
 
 
+def launch_variant(config) -> dict:
+    """The keyword arguments of a native launch from a tuning table's native cell config (None: the default
+    launch); ValueError naming the key for anything else (lowbit.ops.native.kernels checks the values)."""
+    if config is None:
+        return {}
+    unknown = sorted(set(config) - set(native.VARIANT_KEYS))
+    if unknown:
+        raise ValueError(f"tuning table: a native cell's config has {unknown}; a native launch takes "
+                         f"{list(native.VARIANT_KEYS)} (re-run `lowbit tune`)")
+    return dict(config)
+
+
 def _w4(spec: Spec, ops) -> native.NativeW4:
     return native.NativeW4(ops["n_packed"], ops["n_scale"], ops.get("n_zero"), spec.N, spec.K, spec.group,
                            ops["n_counters"])
@@ -147,7 +174,7 @@ class NativeW4A16(_Native, TritonW4A16):
     name = "native_w4a16"
     triton_cls = TritonW4A16
     native_layout = staticmethod(native.prepare_w4)
-    native_call = staticmethod(lambda spec, x2, ops, bias: native.w4a16(x2, _w4(spec, ops), bias=bias))
+    native_call = staticmethod(lambda spec, x2, ops, bias, v: native.w4a16(x2, _w4(spec, ops), bias=bias, **v))
     summary = "int4 groups, bf16 MMA on 128-bit weight loads, split-K (CUDA C++, sm_90a; 1-16 rows)"
 
     @classmethod
@@ -162,7 +189,7 @@ class NativeW8A16(_Native, TritonW8A16):
     name = "native_w8a16"
     triton_cls = TritonW8A16
     native_layout = staticmethod(native.prepare_w8)
-    native_call = staticmethod(lambda spec, x2, ops, bias: native.w8a16(x2, _w8(spec, ops, False), bias=bias))
+    native_call = staticmethod(lambda spec, x2, ops, bias, v: native.w8a16(x2, _w8(spec, ops, False), bias=bias, **v))
     summary = "int8 weights per channel, bf16 MMA on 128-bit weight loads, split-K (CUDA C++, sm_90a; 1-16 rows)"
 
     @classmethod
@@ -186,8 +213,8 @@ class _NativeW8A8(_Native):
     native_layout = staticmethod(native.prepare_w8)
 
     @classmethod
-    def native_call(cls, spec, x2, ops, bias):
-        return native.w8a8(x2, _w8(spec, ops, cls.fmt == "fp8_e4m3fn"), bias=bias)
+    def native_call(cls, spec, x2, ops, bias, variant):
+        return native.w8a8(x2, _w8(spec, ops, cls.fmt == "fp8_e4m3fn"), bias=bias, **variant)
 
     @classmethod
     def refuses(cls, layer):

@@ -35,6 +35,7 @@ BIAS_KINDS = {torch.float32: 1, torch.bfloat16: 2}     # csrc/decode_math.h kBia
 WARPS, TILES_PER_BLOCK = 8, 4   # csrc/decode_math.h kWarps, decode_warp.h kTilesPerBlock
 MAX_M = 16
 ROW_TILES = (1, 2, 4)           # csrc/decode_warp.h with_variant's nt
+VARIANT_KEYS = ("splits", "nt", "prefetch", "fixup")   # a launch variant's keywords (module docstring)
 
 
 class _Tiled:
