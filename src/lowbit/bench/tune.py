@@ -111,10 +111,11 @@ def _graph_us(fn, reps: int = 50) -> float:
     return bench_ms(lambda: fn(), [()], cuda_graph=True, warmup=10, rep=reps) * 1e3
 
 
-def tune_linear(shape: str = "8b", recipes=RECIPES, buckets=tuning.BUCKET_NAMES, log=print,
-                device: str = "cuda") -> list[tuning.Cell]:
-
-    cells = []
+def _layers(shape: str, recipes, device: str, native: bool = False):
+    """(shape name, K, N, the bf16 Linear, recipe, its QuantLinear, a generator) for each Linear shape and
+    recipe, the weights drawn once per shape; quantized with the native classes opted in (native) or out (the
+    Triton classes the linear cells are for, whatever LOWBIT_NATIVE says). The generator drops its reference
+    and empties the CUDA cache before it builds the next."""
     gen = torch.Generator().manual_seed(0)
     for sname, K, N in SHAPES[shape]:
         lin = torch.nn.Linear(K, N, bias=False, dtype=torch.bfloat16)
@@ -123,36 +124,44 @@ def tune_linear(shape: str = "8b", recipes=RECIPES, buckets=tuning.BUCKET_NAMES,
         lin = lin.to(device)
         for name in recipes:
             r = parse_recipe(name)
-            q = QuantLinear.from_linear(lin, r.weight, r.act, backend="kernel").to(device)
-            if q.fast_spec is None:
-                log(f"  {sname} {name}: no prepared fast path, nothing to tune")
-                continue
-            spec = q.fast_spec
-            kind = tuning.kind_key(spec)
-            ops = {n: getattr(q, "fast_" + n) for n in spec.operands}
-            for b in buckets:
-                M = tuning.BUCKET_M[b]
-                x = torch.randn(M, K, dtype=torch.bfloat16, generator=gen).to(device)
-                base = _graph_us(lambda: F.linear(x, lin.weight))
-
-                def run_candidate(path, cfg):
-                    tuning.reset(tuning.Table(tuning.environment(), {
-                        ("linear", kind, N, K, b): tuning.Cell("linear", kind, N, K, b, path, cfg)}), "tuning")
-                    return lambda: runtime.run(spec, x, ops, None)
-
-                us, best = _time_candidates(candidates(kind, b), run_candidate, 2e-2,
-                                            f"{sname} {name} M={M}", log)
-                us["bf16"] = round(base, 2)
-                tuning.reset()
-                if best is None:
-                    continue
-                cell = tuning.Cell("linear", kind, N, K, b, best[1], best[2], round(base / best[0], 3), us)
-                cells.append(cell)
-                log(f"{sname:8s} {kind:20s} M={M:<5d} bf16 {base:8.1f} us  best {best[0]:8.1f} us "
-                    f"({cell.path}{'' if cell.config is None else ' tiles'})  {cell.ratio:5.2f}x")
+            with opted_in(native):
+                q = QuantLinear.from_linear(lin, r.weight, r.act, backend="kernel").to(device)
+            yield sname, K, N, lin, name, q, gen
             del q
             if device == "cuda":
                 torch.cuda.empty_cache()
+
+
+def tune_linear(shape: str = "8b", recipes=RECIPES, buckets=tuning.BUCKET_NAMES, log=print,
+                device: str = "cuda") -> list[tuning.Cell]:
+    cells = []
+    for sname, K, N, lin, name, q, gen in _layers(shape, recipes, device):
+        if q.fast_spec is None:
+            log(f"  {sname} {name}: no prepared fast path, nothing to tune")
+            continue
+        spec = q.fast_spec
+        kind = tuning.kind_key(spec)
+        ops = {n: getattr(q, "fast_" + n) for n in spec.operands}
+        for b in buckets:
+            M = tuning.BUCKET_M[b]
+            x = torch.randn(M, K, dtype=torch.bfloat16, generator=gen).to(device)
+            base = _graph_us(lambda: F.linear(x, lin.weight))
+
+            def run_candidate(path, cfg):
+                tuning.reset(tuning.Table(tuning.environment(), {
+                    ("linear", kind, N, K, b): tuning.Cell("linear", kind, N, K, b, path, cfg)}), "tuning")
+                return lambda: runtime.run(spec, x, ops, None)
+
+            us, best = _time_candidates(candidates(kind, b), run_candidate, 2e-2,
+                                        f"{sname} {name} M={M}", log)
+            us["bf16"] = round(base, 2)
+            tuning.reset()
+            if best is None:
+                continue
+            cell = tuning.Cell("linear", kind, N, K, b, best[1], best[2], round(base / best[0], 3), us)
+            cells.append(cell)
+            log(f"{sname:8s} {kind:20s} M={M:<5d} bf16 {base:8.1f} us  best {best[0]:8.1f} us "
+                f"({cell.path}{'' if cell.config is None else ' tiles'})  {cell.ratio:5.2f}x")
     return cells
 
 
@@ -177,52 +186,40 @@ def tune_native(shape: str = "8b", recipes=RECIPES, buckets=tuning.BUCKET_NAMES,
         log(f"# native decode kernels not tuned: {why}")
         return []
     cells = []
-    gen = torch.Generator().manual_seed(0)
-    for sname, K, N in SHAPES[shape]:
-        lin = torch.nn.Linear(K, N, bias=False, dtype=torch.bfloat16)
-        with torch.no_grad():
-            lin.weight.normal_(0, 0.02, generator=gen)
-        lin = lin.to(device)
-        for name in recipes:
-            r = parse_recipe(name)
-            with opted_in():
-                q = QuantLinear.from_linear(lin, r.weight, r.act, backend="kernel").to(device)
-            spec = q.fast_spec
-            if spec is None or not spec.kernel.startswith("native_"):
-                log(f"  {sname} {name}: no native kernel ({'no prepared path' if spec is None else spec.kernel})")
+    for sname, K, N, lin, name, q, gen in _layers(shape, recipes, device, native=True):
+        spec = q.fast_spec
+        if spec is None or not spec.kernel.startswith("native_"):
+            log(f"  {sname} {name}: no native kernel ({'no prepared path' if spec is None else spec.kernel})")
+            continue
+        kind = tuning.kind_key(spec)
+        ops = {n: getattr(q, "fast_" + n) for n in spec.operands}
+        for b in (b for b in NATIVE_BUCKETS if b in buckets):
+            M = tuning.BUCKET_M[b]
+            x = torch.randn(M, K, dtype=torch.bfloat16, generator=gen).to(device)
+            kept = {k: c for k, c in (linear or {}).items() if k[1:] == (kind, N, K, b)}
+
+            def install(path, cfg, kept=kept, kind=kind, N=N, K=K, b=b):
+                tuning.reset(tuning.Table(tuning.environment(), {
+                    **kept, ("native", kind, N, K, b): tuning.Cell("native", kind, N, K, b, path, cfg)}), "tuning")
+
+            def run_candidate(path, cfg, x=x, spec=spec, ops=ops, install=install):
+                install(path, cfg)
+                return lambda: runtime.run(spec, x, ops, None)
+
+            cands = [("kernel", None)] + [("kernel", v) for v in NATIVE_VARIANTS]
+            us, best = _time_candidates(cands, run_candidate, 0.0, f"{sname} {name} native M={M}", log)
+            install("triton", None)
+            triton = _graph_us(lambda x=x, spec=spec, ops=ops: runtime.run(spec, x, ops, None))
+            base = _graph_us(lambda x=x: F.linear(x, lin.weight))
+            tuning.reset()
+            us.update(triton=round(triton, 2), bf16=round(base, 2))
+            if best is None:
                 continue
-            kind = tuning.kind_key(spec)
-            ops = {n: getattr(q, "fast_" + n) for n in spec.operands}
-            for b in (b for b in NATIVE_BUCKETS if b in buckets):
-                M = tuning.BUCKET_M[b]
-                x = torch.randn(M, K, dtype=torch.bfloat16, generator=gen).to(device)
-                kept = {k: c for k, c in (linear or {}).items() if k[1:] == (kind, N, K, b)}
-
-                def install(path, cfg, kept=kept, kind=kind, N=N, K=K, b=b):
-                    tuning.reset(tuning.Table(tuning.environment(), {
-                        **kept, ("native", kind, N, K, b): tuning.Cell("native", kind, N, K, b, path, cfg)}), "tuning")
-
-                def run_candidate(path, cfg, x=x, spec=spec, ops=ops, install=install):
-                    install(path, cfg)
-                    return lambda: runtime.run(spec, x, ops, None)
-
-                cands = [("kernel", None)] + [("kernel", v) for v in NATIVE_VARIANTS]
-                us, best = _time_candidates(cands, run_candidate, 0.0, f"{sname} {name} native M={M}", log)
-                install("triton", None)
-                triton = _graph_us(lambda x=x, spec=spec, ops=ops: runtime.run(spec, x, ops, None))
-                base = _graph_us(lambda x=x: F.linear(x, lin.weight))
-                tuning.reset()
-                us.update(triton=round(triton, 2), bf16=round(base, 2))
-                if best is None:
-                    continue
-                path, t, cfg = ("kernel", best[0], best[2]) if best[0] < triton else ("triton", triton, None)
-                cell = tuning.Cell("native", kind, N, K, b, path, cfg, round(base / t, 3), us)
-                cells.append(cell)
-                log(f"{sname:8s} {kind:20s} M={M:<5d} bf16 {base:8.1f} us  triton {triton:8.1f} us  native best "
-                    f"{best[0]:8.1f} us ({_label('kernel', best[2])})  -> {path} {cell.ratio:5.2f}x")
-            del q
-            if device == "cuda":
-                torch.cuda.empty_cache()
+            path, t, cfg = ("kernel", best[0], best[2]) if best[0] < triton else ("triton", triton, None)
+            cell = tuning.Cell("native", kind, N, K, b, path, cfg, round(base / t, 3), us)
+            cells.append(cell)
+            log(f"{sname:8s} {kind:20s} M={M:<5d} bf16 {base:8.1f} us  triton {triton:8.1f} us  native best "
+                f"{best[0]:8.1f} us ({_label('kernel', best[2])})  -> {path} {cell.ratio:5.2f}x")
     return cells
 
 
