@@ -50,11 +50,20 @@ def _cfg(bm, bn, bk, warps, stages):
 
 
 # W8A8 tile alternatives per bucket (the default is lowbit.ops.triton.common.pick_config's): decode
-# reads the weights once, so BLOCK_N and BLOCK_K trade programs in flight against loads per program
+# reads the weights once, so BLOCK_N and BLOCK_K trade programs in flight against loads per program; at
+# decode sizes also the one-launch kernel (W8A8_FUSED), which saves the activation quantizer's launch
+def _fused(bn, bk, warps, stages):
+    """A one-launch W8A8 decode configuration (lowbit.ops.triton.gemm_w8a8_small: the per-token quantization
+    in the GEMM's prologue)."""
+    return dict(FUSED_QUANT=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+
+
+W8A8_FUSED = [_fused(32, 128, 4, 4), _fused(64, 128, 4, 4), _fused(32, 256, 4, 3), _fused(64, 256, 8, 3)]
 W8A8_TILES = {
     "1": [_cfg(16, 32, 512, 4, 3), _cfg(16, 64, 128, 4, 6), _cfg(16, 128, 128, 4, 4), _cfg(16, 32, 128, 2, 8),
-          _cfg(16, 64, 256, 8, 4)],
-    "2-16": [_cfg(16, 32, 512, 4, 3), _cfg(16, 64, 128, 4, 6), _cfg(16, 128, 128, 4, 4), _cfg(16, 64, 256, 8, 4)],
+          _cfg(16, 64, 256, 8, 4)] + W8A8_FUSED,
+    "2-16": [_cfg(16, 32, 512, 4, 3), _cfg(16, 64, 128, 4, 6), _cfg(16, 128, 128, 4, 4), _cfg(16, 64, 256, 8, 4)]
+    + W8A8_FUSED,
     "17-64": [_cfg(32, 64, 256, 4, 4), _cfg(64, 64, 128, 4, 4), _cfg(64, 128, 128, 4, 4)],
     "65-512": [_cfg(64, 128, 128, 4, 4), _cfg(128, 128, 128, 8, 3), _cfg(128, 64, 128, 4, 4)],
     "513+": [],
@@ -73,7 +82,7 @@ def _label(path, cfg) -> str:
         return path
     if isinstance(cfg, dict) and "BLOCK_M" in cfg:
         return f"{path}:" + "/".join(str(cfg[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))
-    if isinstance(cfg, dict):    # a native launch variant
+    if isinstance(cfg, dict):    # a native launch variant, a fused W8A8 configuration
         return f"{path}:" + ",".join(f"{k}={v}" for k, v in cfg.items())
     return f"{path}:{cfg}"   # GroupedConfig / PrefillConfig: their own short names
 

@@ -19,6 +19,9 @@ from lowbit.ops.kernels.schemes import per_row_fp32, weight_only_refusal
 from lowbit.ops.scratch import scratch
 from lowbit.quantize import quantize, quantize_static
 
+# per-token activation modes the one-launch decode path (lowbit.ops.triton.gemm_w8a8_small) quantizes itself
+FUSED_MODES = ("int8", "fp8_e4m3fn")
+
 
 def quantize_tensor_int8(xf: torch.Tensor, qmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic symmetric per-tensor int8 of float32 xf on its device, lowbit.quantize's arithmetic
@@ -97,20 +100,24 @@ class _W8A8(PreparedKernel):
         out = torch.empty((M, spec.N), dtype=x2.dtype, device=x2.device)
         if M == 0:
             return out
+        from lowbit.ops.triton import act_quant, gemm_fp8, gemm_int8, gemm_w8a8_small    # optional: triton
+
+        if config is not None and config.get("FUSED_QUANT"):
+            # the table's one-launch path at decode sizes: the same codes and epilogue, bit for bit; its tiles are
+            # not the two-launch GEMM's, which takes its defaults where the fused kernel cannot run
+            if spec.act_mode in FUSED_MODES and M <= gemm_w8a8_small.MAX_M:
+                return gemm_w8a8_small.launch_w8a8_small(x2, ops["w"], out, ops["w_scale"], bias, config)
+            config = None
         if spec.act_mode == "scheme":
             q, s, z = _quantize_whole(spec, x2, ops)
         else:
-            from lowbit.ops.triton.act_quant import launch_act_quant    # optional: triton
-
-            q, s, z = launch_act_quant(x2, spec.act_mode)
+            q, s, z = act_quant.launch_act_quant(x2, spec.act_mode)
         # W8A8 has its kernel at every M; the table picks its tiles
         if ops["w"].dtype == torch.float8_e4m3fn:
-            from lowbit.ops.triton.gemm_fp8 import launch_fp8_gemm    # optional: triton
-
-            return launch_fp8_gemm(q.view(torch.float8_e4m3fn), ops["w"], out, s, ops["w_scale"], bias, config=config)
-        from lowbit.ops.triton.gemm_int8 import launch_int8_gemm    # optional: triton
-
-        return launch_int8_gemm(q, ops["w"], out, s, ops["w_scale"], z, ops.get("w_colsum"), bias, config=config)
+            return gemm_fp8.launch_fp8_gemm(q.view(torch.float8_e4m3fn), ops["w"], out, s, ops["w_scale"], bias,
+                                            config=config)
+        return gemm_int8.launch_int8_gemm(q, ops["w"], out, s, ops["w_scale"], z, ops.get("w_colsum"), bias,
+                                          config=config)
 
 
 class TritonW8A8Int8(_W8A8):

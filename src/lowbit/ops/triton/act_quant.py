@@ -22,6 +22,23 @@ MODES = ("int8", "int8_asym", "fp8_e4m3fn")
 
 
 @triton.jit
+def sym_scale(amax, QMAX: tl.constexpr):
+    """A symmetric per-token scale: amax / QMAX by IEEE division (1.0 where amax is 0)."""
+    s = tl.math.div_rn(amax, QMAX)
+    return tl.where(s == 0.0, 1.0, s)
+
+
+@triton.jit
+def sym_codes(x, s, FP8: tl.constexpr):
+    """The codes of fp32 x at scale s: int8 clamp(rint(x / s), -127, 127), or the e4m3fn bits of x / s
+    (saturating). x / s is IEEE division; clamping to +-128 first keeps rint exact."""
+    v = tl.math.div_rn(x, s)
+    if FP8:
+        return encode_e4m3fn(v)
+    return tl.minimum(tl.maximum(rint(tl.minimum(tl.maximum(v, -128.0), 128.0)), -127.0), 127.0).to(tl.int8)
+
+
+@triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, z_ptr, K, stride_xm, stride_qm,
                       MODE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -37,12 +54,12 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, z_ptr, K, stride_xm, stride_qm,
     hi_r = tl.max(hi, axis=0)  # max(x, 0): the accumulators started at 0
     lo_r = tl.min(lo, axis=0)  # min(x, 0)
     if MODE == 0:
-        s = tl.math.div_rn(tl.maximum(hi_r, -lo_r), 127.0)
+        s = sym_scale(tl.maximum(hi_r, -lo_r), 127.0)
     elif MODE == 1:
         s = tl.math.div_rn(hi_r - lo_r, 255.0)
+        s = tl.where(s == 0.0, 1.0, s)
     else:
-        s = tl.math.div_rn(tl.maximum(hi_r, -lo_r), 448.0)
-    s = tl.where(s == 0.0, 1.0, s)
+        s = sym_scale(tl.maximum(hi_r, -lo_r), 448.0)
     tl.store(s_ptr + row, s)
     if MODE == 1:
         z = tl.minimum(tl.maximum(rint(-128.0 - tl.math.div_rn(lo_r, s)), -128.0), 127.0)
@@ -50,16 +67,15 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, z_ptr, K, stride_xm, stride_qm,
     for k0 in range(0, K, BLOCK):
         ok = offs < K - k0
         x = tl.load(x_row + k0 + offs, mask=ok, other=0.0).to(tl.float32)
-        v = tl.math.div_rn(x, s)
         if MODE == 0:
-            q = tl.minimum(tl.maximum(rint(tl.minimum(tl.maximum(v, -128.0), 128.0)), -127.0), 127.0)
-            tl.store(q_row + k0 + offs, q.to(tl.int8), mask=ok)
+            tl.store(q_row + k0 + offs, sym_codes(x, s, False), mask=ok)
         elif MODE == 1:
+            v = tl.math.div_rn(x, s)
             q = rint(tl.minimum(tl.maximum(v, -512.0), 512.0)) + z
             q = tl.minimum(tl.maximum(q, -128.0), 127.0)
             tl.store(q_row + k0 + offs, q.to(tl.int8), mask=ok)
         else:
-            tl.store(q_row + k0 + offs, encode_e4m3fn(v), mask=ok)
+            tl.store(q_row + k0 + offs, sym_codes(x, s, True), mask=ok)
 
 
 def quantize_per_token(x: torch.Tensor, mode: str = "int8", *, check_finite: bool = True
