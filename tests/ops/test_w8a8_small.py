@@ -54,3 +54,53 @@ def test_a_fused_cell_past_its_rows_runs_the_two_launch_path_with_its_defaults(r
     x = _x(17, 96, rng)
     ref = TritonW8A8Int8.apply(p.spec, x, p.tensors, None, None)
     assert torch.equal(TritonW8A8Int8.apply(p.spec, x, p.tensors, None, W8A8_FUSED[0]), ref)
+
+
+SM90 = r'''
+import json, re
+from lowbit.bench.sm90 import SHARED_LIMIT, compile_sm90
+from lowbit.bench.tune import W8A8_FUSED
+from lowbit.ops.triton.gemm_w8a8_small import _w8a8_small_kernel, small_m_config
+out = []
+for fp8 in (False, True):
+    for cfg in [small_m_config(1, 14336, 4096)] + W8A8_FUSED:
+        t = "*fp8e4nv" if fp8 else "*i8"
+        sig = {"x_ptr": "*bf16", "b_ptr": t, "c_ptr": "*bf16", "sb_ptr": "*fp32", "bias_ptr": "*fp32",
+               **{n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_bn", "stride_cm", "stride_sb")}}
+        consts = dict(FP8=fp8, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                      PROMOTE_K=min(cfg["BLOCK_K"], 128))
+        r = compile_sm90(_w8a8_small_kernel, sig, consts, no_div=("M", "stride_sb"), num_warps=cfg["num_warps"],
+                         num_stages=cfg["num_stages"])
+        mma = len(re.findall(r"\b[HIQ]G?MMA", r["sass_text"]))
+        out.append({"fp8": fp8, "config": cfg, "spill": r["spill_ops"], "shared": r["shared"], "limit": SHARED_LIMIT,
+                    "mma": mma})
+from lowbit.ops.triton.act_quant import _act_quant_kernel     # the two-launch path's quantizer shares sym_codes
+for mode in range(3):
+    sig = {"x_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "z_ptr": "*i32", "K": "i32", "stride_xm": "i32",
+           "stride_qm": "i32"}
+    r = compile_sm90(_act_quant_kernel, sig, dict(MODE=mode, BLOCK=4096), num_warps=8)
+    out.append({"act_quant_mode": mode, "spill": r["spill_ops"], "shared": r["shared"], "limit": SHARED_LIMIT,
+                "mma": 1})
+print(json.dumps(out))
+'''
+
+
+def test_the_configs_compile_for_sm90_on_tensor_cores_without_spills():
+    """Every configuration `lowbit tune` may pick, and the default, compile for sm_90 (H100 / H200) without a GPU:
+    8-bit tensor-core instructions, no spilled registers, shared memory within the limit; and the per-token
+    quantizer whose arithmetic it shares, in each mode (Triton's compiler in a subprocess: the test process has
+    TRITON_INTERPRET set)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(src), env.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, "-c", SM90], capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads(p.stdout.strip().splitlines()[-1])
+    assert len(rows) == 2 * (1 + len(W8A8_FUSED)) + 3
+    for r in rows:
+        assert r["spill"] == 0 and r["shared"] <= r["limit"] and r["mma"] > 0, r

@@ -34,8 +34,10 @@ def sym_codes(x, s, FP8: tl.constexpr):
     (saturating). x / s is IEEE division; clamping to +-128 first keeps rint exact."""
     v = tl.math.div_rn(x, s)
     if FP8:
-        return encode_e4m3fn(v)
-    return tl.minimum(tl.maximum(rint(tl.minimum(tl.maximum(v, -128.0), 128.0)), -127.0), 127.0).to(tl.int8)
+        q = encode_e4m3fn(v)
+    else:
+        q = tl.minimum(tl.maximum(rint(tl.minimum(tl.maximum(v, -128.0), 128.0)), -127.0), 127.0).to(tl.int8)
+    return q
 
 
 @triton.jit
