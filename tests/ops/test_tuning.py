@@ -63,6 +63,22 @@ def test_table_from_another_machine_is_refused(tmp_path, monkeypatch, field, val
     assert tuning.choose("linear", "w4a16/int4/g128", 64, 128, 1) == ("kernel", None)   # the heuristic's
 
 
+def test_the_driver_is_checked_where_both_record_it(tmp_path, monkeypatch):
+    """A table that records a driver is refused on another one; one that does not (the shipped H200 table was
+    written before tune recorded it) is not checked for it."""
+    monkeypatch.setattr(tuning, "environment", lambda: {**dict.fromkeys(tuning.ENV_KEYS, "x"), "driver": "580.1"})
+    path = tmp_path / "t.json"
+    monkeypatch.setenv("LOWBIT_TUNE_TABLE", str(path))
+    for recorded, applies in (("570.9", False), ("580.1", True), (None, True)):
+        env = {**dict.fromkeys(tuning.ENV_KEYS, "x"), **({} if recorded is None else {"driver": recorded})}
+        path.write_text(json.dumps(_table_dict(env, [_cell()])))
+        tuning.reset()
+        table, why = tuning.active()
+        assert (table is not None) == applies, why
+        if not applies:
+            assert "driver '570.9' (here '580.1')" in why
+
+
 @pytest.mark.parametrize("text,word", [("{", "not JSON"), ('{"format": "other"}', "not a lowbit tuning table"),
                                        ('{"format": "lowbit-tune/1", "environment": {}}', "environment"),
                                        (None, "malformed"), ("bucket", "bucket")])

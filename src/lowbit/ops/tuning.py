@@ -10,7 +10,7 @@ layer's verified paths (each has its float64 reference test): the table changes 
 quantized model runs.
 
 A table is JSON:
-    {"format": "lowbit-tune/1", "environment": {"gpu", "capability", "torch", "triton", "cuda"},
+    {"format": "lowbit-tune/1", "environment": {"gpu", "capability", "torch", "triton", "cuda"[, "driver"]},
      "cells": [{"op": "linear", "kind": "w4a16/int4/g128", "N": 6144, "K": 4096, "bucket": "1",
                 "path": "kernel", "config": {...} | null, "ratio": 1.37, "us": {"bf16": .., ...}}]}
 Which table is read: the file named by the environment variable LOWBIT_TUNE_TABLE, else the table
@@ -23,6 +23,7 @@ reason in active()'s line; the rest of the table applies.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import os
@@ -42,6 +43,9 @@ BUCKET_M = {"1": 1, "2-16": 16, "17-64": 64, "65-512": 256, "513+": 2048}
 # "triton" is a native cell's answer (op "native"): the layer's Triton class runs, as its own linear cell says
 PATHS = ("kernel", "dequant", "triton")
 ENV_KEYS = ("gpu", "capability", "torch", "triton", "cuda")
+# recorded by `lowbit tune` where it can be read, and checked where both the table and this machine have it
+# (a table written before it was recorded, as the shipped H200 one, is not checked for it)
+OPTIONAL_ENV_KEYS = ("driver",)
 TABLES_DIR = Path(__file__).with_name("tables")
 
 
@@ -100,7 +104,25 @@ def environment() -> dict:
         env["gpu"] = torch.cuda.get_device_name(0)
         major, minor = torch.cuda.get_device_capability(0)
         env["capability"] = f"{major}.{minor}"
+        driver = driver_version()
+        if driver is not None:
+            env["driver"] = driver
     return env
+
+
+def driver_version() -> str | None:
+    """The NVIDIA driver's version ("580.65.06"), read through NVML, or None where NVML cannot say."""
+
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        if nvml.nvmlInit_v2() != 0:
+            return None
+        buf = ctypes.create_string_buffer(96)
+        ok = nvml.nvmlSystemGetDriverVersion(buf, ctypes.c_uint(96)) == 0
+        nvml.nvmlShutdown()
+    except (OSError, AttributeError):
+        return None
+    return buf.value.decode() if ok else None
 
 
 def table_from_dict(d: dict, source: str = "table") -> Table:
@@ -150,8 +172,11 @@ def save_table(table: Table, path: str | os.PathLike) -> None:
 
 def mismatch(table_env: dict, env: dict) -> str | None:
     """Why a table measured under `table_env` does not apply here (None: it does). The GPU, its
-    capability and the versions of torch, triton and CUDA all change which kernel is fastest."""
+    capability, the versions of torch, triton and CUDA, and the driver (where both record it) all change
+    which kernel is fastest."""
     diffs = [f"{k} {table_env.get(k)!r} (here {env.get(k)!r})" for k in ENV_KEYS if table_env.get(k) != env.get(k)]
+    diffs += [f"{k} {table_env[k]!r} (here {env[k]!r})" for k in OPTIONAL_ENV_KEYS
+              if table_env.get(k) is not None and env.get(k) is not None and table_env[k] != env[k]]
     if not diffs:
         return None
     return "measured with another " + ", ".join(diffs)
