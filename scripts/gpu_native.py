@@ -2,7 +2,8 @@
 
     LOWBIT_NATIVE_LIB=.native/liblowbit_native.so python scripts/gpu_native.py OUT.json   (scripts/gpu.sh native)
 
-Checks (every kernel, odd shapes and the Llama-3-8B shapes): W4A16 / W8A16 / W8A8 fp8 against lowbit's float64
+Checks (every kernel, odd shapes and the Llama-3-8B shapes; each launch variant's output against the default
+launch's bits; the dequantization against torch's per-weight rounding): W4A16 / W8A16 / W8A8 fp8 against lowbit's float64
 reference (check_quantized, float32-accumulator gate); W8A8 int8 bit for bit against torch's exact integer
 product and the documented epilogue; the activation codes bit for bit against lowbit.quantize; at the odd
 shapes, every kernel against its CPU twin (bit for bit for int8, the largest difference in bf16 ulps else).
@@ -176,6 +177,18 @@ def main(out_path: str) -> int:
                                        passed=ok and (d == 0 or not exact), verdict=how, twin_max_ulps=d))
                     print(f"check {kind:14s} M={M:2d} N={N:4d} K={K:5d} S={splits} {var} bias {b:8s}: {how}, "
                           f"twin max {d} ulps", flush=True)
+    for kind in ("w4a16_g128", "w4a16_g128_zp", "w4a16_g32", "w8a16_int8"):   # the large-M path's weights
+        wp, _, prep = KINDS[kind][:3]
+        for N, K in ((333, 2176), (4096, 4096)):
+            wq = lb.quantize(torch.randn(N, K, device="cuda"), scheme(wp))
+            z = 0 if wq.zero_point is None else wq.expanded_zero_point().float()
+            sc = wq.expanded_scale().float() if kind.startswith("w4") else wq.scale.reshape(N, 1).float()
+            for dt in (torch.bfloat16, torch.float16, torch.float32):
+                want = ((wq.codes.float() - z) * sc).to(dt)       # each weight rounded once, by torch
+                ok = torch.equal(nk.dequantize(prep(wq), dt).view(torch.uint8), want.view(torch.uint8))
+                checks.append(dict(kernel=f"dequant_{kind}", N=N, K=K, dtype=str(dt), passed=ok,
+                                   verdict="bit-exact" if ok else "differs"))
+                print(f"check dequantize {kind} {N}x{K} {dt}: {'bit-exact' if ok else 'DIFFERS'}", flush=True)
     for fp8, preset in ((False, "int8_token"), (True, "fp8_row")):
         x = torch.randn(16, 4096, dtype=torch.bfloat16, device="cuda") * 3
         codes, sa = nk.act_quant(x, fp8)

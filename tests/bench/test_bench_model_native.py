@@ -97,19 +97,20 @@ def test_without_the_library_the_native_variant_is_n_a_and_the_opt_in_does_not_l
 def test_an_opted_in_build_reports_its_native_classes_and_stays_scoped(gpu_stand_in, monkeypatch):
     """With the native classes choosable, the +native variant's layers take them, the plain variant built after
     it in the same run takes the Triton classes (and so does one built with LOWBIT_NATIVE=1 set: a variant's
-    name decides), and the native layer's second layout shows in its weight bytes."""
+    name decides), and the native layer holds its weight once."""
     monkeypatch.setattr(bm, "native_unavailable", lambda device: None)   # the model is on the CPU
     rows = bm.run_bench(_opts(variants=("w4a16-g32+native", "w4a16-g32")))
     by = _by_variant(rows)
     assert all(r["kernels"] == {"native_w4a16": 6, "exact_dequantized": 1} and r["ms"] > 0
                for r in by["w4a16-g32+native"])
     assert all(r["kernels"] == {"triton_w4a16": 6, "exact_dequantized": 1} for r in by["w4a16-g32"])
-    # the native layout holds every code of the 6 int4 layers again: at least K * N / 2 bytes each
+    # a weight-only native layer holds its codes once (no Triton layout beside the native one): the two variants'
+    # weights differ by padding and counters, far less than half the 6 int4 layers' K * N / 2 code bytes
     model = llama.build_llama("tiny", 1, torch.float32, "cpu", 0)
     int4 = [m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "down_proj" not in n
             and n != "lm_head"]
     extra = by["w4a16-g32+native"][0]["weight_bytes"] - by["w4a16-g32"][0]["weight_bytes"]
-    assert len(int4) == 6 and extra >= sum(m.in_features * m.out_features // 2 for m in int4)
+    assert len(int4) == 6 and abs(extra) < sum(m.in_features * m.out_features // 2 for m in int4) // 2, extra
     assert kn.native_refusal().startswith(OPT_OUT)
 
     monkeypatch.setenv(kn.OPT_IN, "1")

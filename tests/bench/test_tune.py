@@ -121,9 +121,10 @@ def test_tune_cli_checks_the_moe_recipes_before_measuring():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the rehearsal stands a CPU twin in for the GPU")
 def test_tune_native_rehearsal_on_the_cpu(monkeypatch):
     """tune_native's loops on the CPU: an H200 stands in as the kernel device, the CPU twin for the native
-    launch (the twin runs nt / prefetch; the fixup only changes who adds the splits), host times for CUDA-graph
-    replays. Every variant is timed against the Triton path and bf16; the cell takes the fastest; a variant
-    whose output is not the default launch's bits (here nt = 4, made to differ) is dropped."""
+    GEMV (the twin runs nt / prefetch; the fixup only changes who adds the splits) and the dequantization, host
+    times for CUDA-graph replays. Every variant is timed against the weight-only class's dequant path and bf16
+    at each bucket its GEMV may run in (17-64: 16 rows a launch); the cell takes the fastest; a variant whose
+    output is not the default launch's bits (here nt = 4, made to differ) is dropped."""
     import time
 
     from lowbit.ops.kernels import dense
@@ -136,26 +137,29 @@ def test_tune_native_rehearsal_on_the_cpu(monkeypatch):
         fn()
         return (time.perf_counter() - t0) * 1e6
 
-    def launch(x, w, splits=None, bias=None, nt=1, prefetch=False, fixup=False):
+    def launch(x, w, splits=None, bias=None, nt=1, prefetch=False, fixup=False, out=None):
         y = nk.twin_w4a16(x, w, splits or 1, bias=bias, nt=nt, prefetch=prefetch)
-        return y * 2 if nt == 4 else y          # a broken variant
+        y = y * 2 if nt == 4 else y          # a broken variant
+        return y if out is None else out.copy_(y)
     monkeypatch.setattr(tune, "_graph_us", host_us)
     monkeypatch.setattr(library, "unavailable_reason", lambda: None)
     monkeypatch.setattr(dense, "kernel_device", lambda: Device("cuda", (9, 0)))
     monkeypatch.setattr(nk, "w4a16", launch)
+    monkeypatch.setattr(nk, "dequantize", lambda w, dtype, out=None: out.copy_(nk.twin_dequantize(w, dtype)))
     monkeypatch.setitem(tune.SHAPES, "tiny", tune.SHAPES["tiny"][:1])
     log = []
     try:
-        cells = tune.tune_native("tiny", ("w4a16", "mxfp8"), ("1", "17-64"), log.append, device="cpu")
+        cells = tune.tune_native("tiny", ("w4a16", "mxfp8"), ("1", "17-64", "513+"), log.append, device="cpu")
     finally:
         tuning.reset()
-    assert [(c.op, c.bucket) for c in cells] == [("native", "1")], log   # one recipe with a native class, one bucket
-    c = cells[0]
+    # one recipe with a native class; its GEMV buckets among those asked for
+    assert [(c.op, c.bucket) for c in cells] == [("native", "1"), ("native", "17-64")], log
     assert any("mxfp8: no native kernel" in line for line in log), log
-    assert any("nt=4" in line and "strays" in line for line in log), log
+    assert sum("nt=4" in line and "strays" in line for line in log) == 2, log    # the nt = 4 variant, both buckets
     labels = {tune._label("kernel", None)} | {tune._label("kernel", v) for v in tune.NATIVE_VARIANTS if v.get("nt") != 4}
-    assert set(c.us) == labels | {"triton", "bf16"}, c.us
-    best = min((t, k) for k, t in c.us.items() if k != "bf16")
-    assert (c.path == "triton") == (best[1] == "triton"), c
-    if c.path == "kernel":
-        assert tune._label("kernel", c.config) == best[1]
+    for c in cells:
+        assert set(c.us) == labels | {"dequant", "bf16"}, c.us
+        best = min((t, k) for k, t in c.us.items() if k != "bf16")
+        assert (c.path == "dequant") == (best[1] == "dequant"), c
+        if c.path == "kernel":
+            assert tune._label("kernel", c.config) == best[1]

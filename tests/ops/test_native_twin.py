@@ -200,3 +200,28 @@ def test_launch_variant_refusals_name_the_argument():
         nk.twin_w8a16(x, w, nt=3)
     with pytest.raises(ValueError, match="prefetch must be True or False, got 1"):
         nk.twin_w8a8(x, w, prefetch=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("kind", ["w4-g128", "w4-g32-asym", "w4-g256", "w8"])
+def test_twin_dequantize_is_each_weight_rounded_once(kind, dtype, rng):
+    """The large-M path's weight: dtype(float32(code - z) * scale), by torch (the product in float32, one rounding
+    to the dtype), bit for bit; odd N and K past the tile (zeros past K never written)."""
+    N, K = 37, {"w4-g128": 384, "w4-g32-asym": 352, "w4-g256": 512, "w8": 328}[kind]    # 352, 328: a partial tile
+    w = torch.randn(N, K, generator=rng) * torch.logspace(-4, 5, N)[:, None]     # scales far apart: fp16 overflows to inf
+    if kind == "w8":
+        qt = lb.quantize(w, lb.get_preset("int8_channel"))
+        want = (qt.codes.float() * qt.scale.reshape(N, 1).float()).to(dtype)
+        got = nk.twin_dequantize(nk.prepare_w8(qt), dtype)
+    else:
+        qt = lb.quantize(w, _w4_scheme(int(kind.split("-g")[1].split("-")[0]), "asym" not in kind))
+        z = 0 if qt.zero_point is None else qt.expanded_zero_point().float()
+        want = ((qt.codes.float() - z) * qt.expanded_scale().float()).to(dtype)
+        got = nk.twin_dequantize(nk.prepare_w4(qt), dtype)
+    assert got.dtype == dtype and torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8))
+
+
+def test_dequantize_refusals_name_the_argument():
+    w = nk.prepare_w8(lb.quantize(torch.randn(24, 256), lb.get_preset("int8_channel")))
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        nk.twin_dequantize(w, torch.int8)

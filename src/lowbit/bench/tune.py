@@ -35,6 +35,7 @@ from lowbit.ops.grouped_dequant import grouped_bf16_refusal
 from lowbit.ops.grouped_tune import grouped_bf16_case, grouped_case
 from lowbit.ops.kernels.attention import ATTENTION
 from lowbit.ops.kernels.grouped import grouped_kernel
+from lowbit.ops.kernels.dense import prepared_class
 from lowbit.ops.kernels.native import native_refusal, opted_in
 from lowbit.profiling.timing import bench_ms
 from lowbit.workflows.job import parse_recipe
@@ -179,16 +180,16 @@ def tune_linear(shape: str = "8b", recipes=RECIPES, buckets=tuning.BUCKET_NAMES,
 NATIVE_VARIANTS = ({"prefetch": True}, {"nt": 2}, {"nt": 2, "prefetch": True}, {"nt": 4}, {"splits": 1},
                    {"splits": 2, "fixup": True}, {"splits": 2, "nt": 2, "fixup": True}, {"splits": 4, "fixup": True},
                    {"splits": 4, "nt": 2, "fixup": True, "prefetch": True})
-NATIVE_BUCKETS = ("1", "2-16")
 
 
 def tune_native(shape: str = "8b", recipes=RECIPES, buckets=tuning.BUCKET_NAMES, log=print, device: str = "cuda",
                 linear: dict | None = None) -> list[tuning.Cell]:
-    """The native decode kernels (lowbit.ops.kernels.native) at the decode buckets where the native library
-    runs here: each launch variant (a variant whose output is not the default launch's, bit for bit, is
-    dropped) and the layer's Triton path (under `linear`'s cells, the dense part's results), against bf16.
-    A cell's path is "kernel" (the fastest variant, its config) where that beats the Triton path, else
-    "triton"; only layers opted in to the native classes read these cells."""
+    """The native kernels (lowbit.ops.kernels.native) where the native library runs here, at the buckets where
+    their GEMV may run (the class's gemv_buckets): each launch variant (a variant whose output is not the default
+    launch's, bit for bit, is dropped) against the class's alternative -- the weight-only classes' dequant path
+    (their one layout dequantized, the float GEMM), W8A8's Triton class (under `linear`'s cells, the dense part's
+    results) -- and bf16. A cell's path is "kernel" (the fastest variant, its config) where that beats the
+    alternative, else the alternative; only layers opted in to the native classes read these cells."""
     with opted_in():                       # the opt-in is this function's to give: the library and GPU decide
         why = native_refusal()
     if why is not None:
@@ -200,9 +201,9 @@ def tune_native(shape: str = "8b", recipes=RECIPES, buckets=tuning.BUCKET_NAMES,
         if spec is None or not spec.kernel.startswith("native_"):
             log(f"  {sname} {name}: no native kernel ({'no prepared path' if spec is None else spec.kernel})")
             continue
-        kind = tuning.kind_key(spec)
+        kind, cls = tuning.kind_key(spec), prepared_class(spec)
         ops = {n: getattr(q, "fast_" + n) for n in spec.operands}
-        for b in (b for b in NATIVE_BUCKETS if b in buckets):
+        for b in (b for b in cls.gemv_buckets if b in buckets):
             M = tuning.BUCKET_M[b]
             x = torch.randn(M, K, dtype=torch.bfloat16, generator=gen).to(device)
             kept = {k: c for k, c in (linear or {}).items() if k[1:] == (kind, N, K, b)}
@@ -217,17 +218,17 @@ def tune_native(shape: str = "8b", recipes=RECIPES, buckets=tuning.BUCKET_NAMES,
 
             cands = [("kernel", None)] + [("kernel", v) for v in NATIVE_VARIANTS]
             us, best = _time_candidates(cands, run_candidate, 0.0, f"{sname} {name} native M={M}", log)
-            install("triton", None)
-            triton = _graph_us(lambda x=x, spec=spec, ops=ops: runtime.run(spec, x, ops, None))
+            alt = cls.alternative
+            t_alt = _graph_us(run_candidate(alt, None))
             base = _graph_us(lambda x=x: F.linear(x, lin.weight))
             tuning.reset()
-            us.update(triton=round(triton, 2), bf16=round(base, 2))
+            us.update({alt: round(t_alt, 2), "bf16": round(base, 2)})
             if best is None:
                 continue
-            path, t, cfg = ("kernel", best[0], best[2]) if best[0] < triton else ("triton", triton, None)
+            path, t, cfg = ("kernel", best[0], best[2]) if best[0] < t_alt else (alt, t_alt, None)
             cell = tuning.Cell("native", kind, N, K, b, path, cfg, round(base / t, 3), us)
             cells.append(cell)
-            log(f"{sname:8s} {kind:20s} M={M:<5d} bf16 {base:8.1f} us  triton {triton:8.1f} us  native best "
+            log(f"{sname:8s} {kind:20s} M={M:<5d} bf16 {base:8.1f} us  {alt} {t_alt:8.1f} us  native best "
                 f"{best[0]:8.1f} us ({_label('kernel', best[2])})  -> {path} {cell.ratio:5.2f}x")
     return cells
 

@@ -301,11 +301,10 @@ def heuristic(kind: str, M: int, op: str = "linear") -> str:
     H200's measurements turned) the bf16 GEMM on the dequantized weight is preferred, the safe
     choice on an unmeasured GPU. W8A8 has 8-bit tensor cores at every M: its kernel.
     Grouped experts (op "grouped", M the sorted rows, tokens x top_k): grouped_heuristic. An opted-in
-    native decode class (op "native"): its kernel wherever it takes the call (the class checks the rows)."""
+    native class (op "native") as the kind's Linear: the weight-only GEMV up to 64 rows (16 a launch), then
+    the dequant path; W8A8's decode kernel where it takes the call (its class checks the rows)."""
     if op == "grouped":
         return grouped_heuristic(kind, M)
-    if op == "native":
-        return "kernel"
     if kind.startswith(("w4a16", "w8a16", "fp4", "mxfp8")):
         return "kernel" if M <= 64 else "dequant"
     return "kernel"

@@ -19,6 +19,7 @@ from lowbit.ops.fused import qdq_rows
 from lowbit.ops.kernels.base import Refused
 from lowbit.ops.kernels.prepared_kernel import Prepared, PreparedKernel, act_json
 from lowbit.ops.kernels.schemes import pair_refusal, w4a16_refusal, weight_only_refusal
+from lowbit.ops.float_gemm import bf16_gemm
 from lowbit.ops.scratch import scratch
 from lowbit.ops.w4a16.launch import dequantize_w4, launch_w4a16, scale_output
 from lowbit.ops.weight_only import W4Weight, prepare_w4
@@ -43,10 +44,10 @@ def w4_dequant(spec, x2, ops, bias, global_scale=None):
     """The weight dequantized to x's dtype into a scratch buffer, then the bf16 GEMM; NVFP4's tensor
     scale and the bias applied to its output in float32, one pass."""
     w = _w4(spec, ops, global_scale)
-    y = torch.nn.functional.linear(x2, dequantize_w4(w, x2.dtype, scratch((spec.N, spec.K), x2.dtype, x2.device)))
+    wd = dequantize_w4(w, x2.dtype, scratch((spec.N, spec.K), x2.dtype, x2.device))
     if w.global_scale is None:
-        return y if bias is None else (y.float() + bias.float()).to(x2.dtype)
-    return scale_output(y, w.global_scale, bias)  # y * g (+ bias) in float32, one pass
+        return bf16_gemm(x2, wd, bias, x2.dtype)
+    return scale_output(torch.nn.functional.linear(x2, wd), w.global_scale, bias)  # y * g (+ bias) in float32, one pass
 
 
 def _prepare(cls, weight_q, act_scheme):

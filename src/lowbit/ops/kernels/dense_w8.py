@@ -16,6 +16,7 @@ import torch
 
 from lowbit.ops.kernels.prepared_kernel import Prepared, PreparedKernel, act_json, row_vector
 from lowbit.ops.kernels.schemes import per_row_fp32, weight_only_refusal
+from lowbit.ops.float_gemm import bf16_gemm
 from lowbit.ops.scratch import scratch
 from lowbit.quantize import quantize, quantize_static
 
@@ -202,7 +203,7 @@ class DequantW8A16(TritonW8A16):
 
     @staticmethod
     def apply(spec, x2, ops, bias, config):
-        from lowbit.ops.triton.dequant import bf16_gemm, dequantize_rows    # optional: triton
+        from lowbit.ops.triton.dequant import dequantize_rows    # optional: triton
 
         w = dequantize_rows(ops["w"], ops["w_scale"], scratch((spec.N, spec.K), x2.dtype, x2.device))
         return bf16_gemm(x2, w, bias, x2.dtype)

@@ -4,14 +4,17 @@
   native_w8a16     int8 weights, one scale per output channel, bf16 activations
   native_w8a8_int8 / native_w8a8_fp8   per-token symmetric int8 / e4m3 activations x per-channel weights
 
-Each stands in for the Triton class it extends (same kind, so the same tuning-table cells): its
-layer keeps the Triton layout AND the native one (lowbit.ops.native.kernels.prepare_w4 / prepare_w8),
-because the native kernels cover decode only (1-16 rows, bf16; a bias in float32 or bf16); every other
-call (more rows, fp16 / fp32 activations, an fp16 bias, the table's dequant path) runs the Triton class's
-apply on the Triton operands. So an opted-in layer holds its weight twice. Which runs a decode call, and
-with which launch variant (splits, nt, prefetch, fixup), is the tuning table's "native" cell for the
-kind, shape and bucket (`lowbit tune` times the variants against the Triton class); without a cell, the
-native kernel with its default launch.
+Each stands in for the Triton class it extends (same kind, so the same tuning-table cells).
+The weight-only classes (native_w4a16, native_w8a16) hold the native layout alone, the weight once: rows the
+GEMV takes (bf16; a bias in float32 or bf16) run it 16 rows a launch, up to 64 rows without a table cell;
+every other call (more rows, fp16 / fp32 activations, an fp16 bias, a cell's "dequant") dequantizes the
+weight from the native layout into the scratch buffer (lowbit.ops.native.kernels.dequantize: each value
+rounded once to x's dtype) and runs the float GEMM, the Triton classes' dequant arithmetic. The W8A8 classes
+keep the Triton layout beside the native one (their weight twice: no exact dequantized path exists for
+quantized activations): decode calls (1-16 rows) run the native GEMV, every other call the Triton class.
+Which path runs M rows, and with which launch variant (splits, nt, prefetch, fixup), is the tuning table's
+"native" cell for the kind, shape and bucket (`lowbit tune` times the variants against the dequant path /
+the Triton class); without a cell, the Linear heuristic's path with the default launch.
 
 Opt-in because the native kernels have not yet been timed on a GPU: LOWBIT_NATIVE=1 for the process, or
 `with opted_in():` around the quantization (or loading) of one model; without it, and
@@ -25,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -36,6 +40,9 @@ from lowbit.ops.kernels.prepared_kernel import Prepared, Spec
 from lowbit.ops.native import kernels as native
 from lowbit.ops.native import library
 from lowbit.ops.native.layout import TILE_N
+from lowbit.ops.float_gemm import bf16_gemm
+from lowbit.ops.scratch import scratch
+from lowbit.ops.kernels.schemes import w4a16_kind
 
 OPT_IN = "LOWBIT_NATIVE"
 # opted_in()'s setting for the current context (thread / task); None: the environment decides
@@ -92,21 +99,33 @@ def _with_native(cls, prepared: Prepared, extra: dict[str, torch.Tensor]) -> Pre
                             "graphable": False}), t)
 
 
-def _decode(x2: torch.Tensor, bias, N: int) -> bool:
-    """Whether the native kernel takes this call: 1-16 contiguous, 16-byte aligned rows of bf16, and no bias
-    or one it reads (native.bias_refusal)."""
-    return (x2.dtype == torch.bfloat16 and 0 < x2.shape[0] <= native.MAX_M and x2.is_contiguous()
-            and x2.data_ptr() % 16 == 0 and (bias is None or native.bias_refusal(bias, N, x2.device) is None))
+def _gemv_ok(x2: torch.Tensor, bias, N: int) -> bool:
+    """Whether the native GEMV reads this call's rows (16 at a time): contiguous, 16-byte aligned rows of bf16, and
+    no bias or one it reads (native.bias_refusal)."""
+    return (x2.dtype == torch.bfloat16 and x2.shape[0] > 0 and x2.is_contiguous() and x2.data_ptr() % 16 == 0
+            and (bias is None or native.bias_refusal(bias, N, x2.device) is None))
+
+
+@dataclass(frozen=True)
+class NativeCall:
+    """How a weight-only native layer runs M rows (for_rows' answer): "kernel", the GEMV (16 rows per launch)
+    with the launch variant's keywords, or "dequant", the weight dequantized from the native layout into the
+    scratch buffer, then the float GEMM. variant: the launch keywords as sorted (name, value) pairs."""
+    path: str
+    variant: tuple = ()
 
 
 class _Native:
-    """Mixed in ahead of a Triton class: the native refusal, the second layout and the decode call.
+    """Mixed in ahead of a Triton class: the native refusal, the native layout beside the Triton one (W8A8) and the
+    decode call.
     Subclasses set triton_cls (the class they stand in for), native_layout (QTensor -> native weight)
     and native_call(spec, x2, ops, bias, variant) (the decode launch; variant: launch_variant's keywords)."""
     triton_cls = None
     native_layout = None
     native_call = None
     row_tile = TILE_N    # the native layouts pad N to tiles of 16 rows
+    # what a native cell weighs the GEMV against, and the buckets (lowbit.ops.tuning) where the GEMV may run
+    alternative, gemv_buckets = "triton", ("1", "2-16")
 
     @classmethod
     def prepare(cls, weight_q, act_scheme, static_scale):
@@ -125,7 +144,7 @@ class _Native:
 
     @classmethod
     def apply(cls, spec, x2, ops, bias, config):
-        if _decode(x2, bias, spec.N):
+        if x2.shape[0] <= native.MAX_M and _gemv_ok(x2, bias, spec.N):
             return cls.native_call(spec, x2, ops, bias, {} if config is None else config)
         tcls, tcfg = cls.triton_cls.for_rows(spec, x2.shape[0])   # fp16 / fp32 rows or a bias it cannot read
         return tcls.apply(spec, x2, ops, bias, tcfg)
@@ -149,6 +168,44 @@ class _Native:
         return False
 
 
+class _NativeWeightOnly(_Native):
+    """A weight-only native class: the native layout alone, so the layer holds its weight once. Rows the table
+    (or, without a cell, the heuristic: up to 64 rows) gives the kernel run the GEMV, 16 rows per launch; other
+    calls (more rows, fp16 / fp32 activations, a bias the GEMV cannot read) the weight dequantized from the
+    native layout into the scratch buffer (each value rounded once to x's dtype) and the float GEMM, as the
+    Triton classes' dequant path. Subclasses set kind, native_layout, gemv (native.w4a16 / w8a16) and
+    spec_fields(weight_q)."""
+    gemv = None
+    alternative, gemv_buckets = "dequant", ("1", "2-16", "17-64")
+
+    @classmethod
+    def prepare(cls, weight_q, act_scheme, static_scale):
+        t = _layout(cls.native_layout, weight_q)
+        N, K = int(weight_q.shape[0]), int(weight_q.shape[1])
+        return Prepared(cls.spec(cls.kind, N, K, t, **cls.spec_fields(weight_q)), t)
+
+    @classmethod
+    def for_rows(cls, spec, M):
+        path, cfg = tuning.choose("native", tuning.kind_key(spec), spec.N, spec.K, M)
+        if path == "kernel":
+            return cls, NativeCall("kernel", tuple(sorted(launch_variant(cfg).items())))
+        return cls, NativeCall("dequant")      # "dequant", or a "triton" cell: no Triton layout here
+
+    @classmethod
+    def apply(cls, spec, x2, ops, bias, config):
+        call = config if isinstance(config, NativeCall) else cls.for_rows(spec, x2.shape[0])[1]
+        w, M, variant = cls.native_weight(spec, ops), x2.shape[0], dict(call.variant)
+        if call.path == "kernel" and _gemv_ok(x2, bias, spec.N):
+            if M <= native.MAX_M:
+                return cls.gemv(x2, w, bias=bias, **variant)
+            out = torch.empty(M, spec.N, dtype=torch.bfloat16, device=x2.device)
+            for m0 in range(0, M, native.MAX_M):
+                cls.gemv(x2[m0:m0 + native.MAX_M], w, bias=bias, out=out[m0:m0 + native.MAX_M], **variant)
+            return out
+        return bf16_gemm(x2, native.dequantize(w, x2.dtype, scratch((spec.N, spec.K), x2.dtype, x2.device)), bias,
+                         x2.dtype)
+
+
 def launch_variant(config) -> dict:
     """The keyword arguments of a native launch from a tuning table's native cell config (None: the default
     launch); ValueError naming the key for anything else (lowbit.ops.native.kernels checks the values)."""
@@ -170,12 +227,17 @@ def _w8(spec: Spec, ops, fp8: bool) -> native.NativeW8:
     return native.NativeW8(ops["n_packed"], ops["n_scale"], spec.N, spec.K, fp8, ops["n_counters"])
 
 
-class NativeW4A16(_Native, TritonW4A16):
+class NativeW4A16(_NativeWeightOnly, TritonW4A16):
     name = "native_w4a16"
-    triton_cls = TritonW4A16
     native_layout = staticmethod(native.prepare_w4)
-    native_call = staticmethod(lambda spec, x2, ops, bias, v: native.w4a16(x2, _w4(spec, ops), bias=bias, **v))
-    summary = "int4 groups, bf16 MMA on 128-bit weight loads, split-K (CUDA C++, sm_90a; 1-16 rows)"
+    gemv = staticmethod(lambda *a, **kw: native.w4a16(*a, **kw))   # looked up per call (tests stand the twin in)
+    native_weight = staticmethod(_w4)
+    summary = ("int4 groups, bf16 MMA on 128-bit weight loads, split-K (CUDA C++, sm_90a; 16 rows a launch); "
+               "more rows: dequantized from the same layout")
+
+    @classmethod
+    def spec_fields(cls, weight_q):
+        return dict(w4kind=w4a16_kind(weight_q.scheme), group=weight_q.scheme.group_size)
 
     @classmethod
     def refuses(cls, layer):
@@ -185,12 +247,17 @@ class NativeW4A16(_Native, TritonW4A16):
         return super().refuses(layer)
 
 
-class NativeW8A16(_Native, TritonW8A16):
+class NativeW8A16(_NativeWeightOnly, TritonW8A16):
     name = "native_w8a16"
-    triton_cls = TritonW8A16
     native_layout = staticmethod(native.prepare_w8)
-    native_call = staticmethod(lambda spec, x2, ops, bias, v: native.w8a16(x2, _w8(spec, ops, False), bias=bias, **v))
-    summary = "int8 weights per channel, bf16 MMA on 128-bit weight loads, split-K (CUDA C++, sm_90a; 1-16 rows)"
+    gemv = staticmethod(lambda *a, **kw: native.w8a16(*a, **kw))
+    native_weight = staticmethod(lambda spec, ops: _w8(spec, ops, False))
+    summary = ("int8 weights per channel, bf16 MMA on 128-bit weight loads, split-K (CUDA C++, sm_90a; 16 rows a "
+               "launch); more rows: dequantized from the same layout")
+
+    @classmethod
+    def spec_fields(cls, weight_q):
+        return {}
 
     @classmethod
     def refuses(cls, layer):

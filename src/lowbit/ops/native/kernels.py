@@ -21,13 +21,13 @@ variants change the speed only, never a bit of the output:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from lowbit.quantize import QTensor
 
-from .layout import (W4_TILE_K, W8_TILE_K, TILE_N, arrange_groups, arrange_w4, arrange_w8)
+from .layout import TILE_N, arrange_groups, arrange_w4, arrange_w8
 from .library import load, load_twin
 
 W4_GROUPS = (32, 64, 128, 256)
@@ -209,14 +209,27 @@ def _stream(x: torch.Tensor) -> int:
     return torch.cuda.current_stream(x.device).cuda_stream
 
 
+def _gemv_out(out: torch.Tensor | None, M: int, N: int, x: torch.Tensor, who: str) -> torch.Tensor:
+    """A new bf16 [M, N] output, or the caller's `out` (bf16, [M, N], contiguous rows of N: the kernels write
+    out[m * N + n]) after checking it."""
+    if out is None:
+        return torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
+    if (not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or tuple(out.shape) != (M, N)
+            or not out.is_contiguous() or out.device != x.device):
+        raise ValueError(f"{who}: out must be a contiguous bfloat16 [M, N] = [{M}, {N}] tensor on {x.device}, got "
+                         f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}; "
+                         "pass a row slice of a contiguous [*, N] tensor")
+    return out
+
+
 def w4a16(x: torch.Tensor, w: NativeW4, splits: int | None = None, bias: torch.Tensor | None = None, *, nt: int = 1,
-          prefetch: bool = False, fixup: bool = False) -> torch.Tensor:
+          prefetch: bool = False, fixup: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """bf16 [M, N] = x @ W.T (+ bias) for bf16 x [M, K] (CUDA, sm_90) and a prepare_w4 weight."""
     _check_x(x, w.K, "cuda", 8, "w4a16")
     _check_weight(w, x, "w4a16")
     v = _launch(w, splits, nt, prefetch, fixup, "w4a16")
     b, kind = _bias(bias, w, x, "w4a16")
-    M, out = x.shape[0], torch.empty(x.shape[0], w.N, dtype=torch.bfloat16, device=x.device)
+    M, out = x.shape[0], _gemv_out(out, x.shape[0], w.N, x, "w4a16")
     ws = _workspace(v.splits, M, w.N, torch.float32, x.device)
     _raise(load().lb_w4a16(w.packed.data_ptr(), w.scale.data_ptr(), _ptr(w.zero), x.data_ptr(), out.data_ptr(), _ptr(ws),
                            v.counters, b, M, w.N, w.K, x.stride(0), w.tiles_k, w.scale.shape[1], w.group, v.splits, v.nt,
@@ -225,7 +238,7 @@ def w4a16(x: torch.Tensor, w: NativeW4, splits: int | None = None, bias: torch.T
 
 
 def w8a16(x: torch.Tensor, w: NativeW8, splits: int | None = None, bias: torch.Tensor | None = None, *, nt: int = 1,
-          prefetch: bool = False, fixup: bool = False) -> torch.Tensor:
+          prefetch: bool = False, fixup: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """bf16 [M, N] = (x @ codes.T) * scale (+ bias) for bf16 x [M, K] (CUDA, sm_90) and an int8 prepare_w8 weight."""
     if w.fp8:
         raise ValueError("w8a16: the weight is fp8 e4m3; the native W8A16 kernel takes int8 weights (w8a8 takes fp8)")
@@ -233,7 +246,7 @@ def w8a16(x: torch.Tensor, w: NativeW8, splits: int | None = None, bias: torch.T
     _check_weight(w, x, "w8a16")
     v = _launch(w, splits, nt, prefetch, fixup, "w8a16")
     b, kind = _bias(bias, w, x, "w8a16")
-    M, out = x.shape[0], torch.empty(x.shape[0], w.N, dtype=torch.bfloat16, device=x.device)
+    M, out = x.shape[0], _gemv_out(out, x.shape[0], w.N, x, "w8a16")
     ws = _workspace(v.splits, M, w.N, torch.float32, x.device)
     _raise(load().lb_w8a16(w.packed.data_ptr(), w.scale.data_ptr(), x.data_ptr(), out.data_ptr(), _ptr(ws), v.counters, b,
                            M, w.N, w.K, x.stride(0), w.tiles_k, v.splits, v.nt, v.prefetch, kind, _stream(x)), "w8a16")
@@ -267,6 +280,41 @@ def w8a8(x: torch.Tensor, w: NativeW8, splits: int | None = None, bias: torch.Te
                           kind, _stream(x)), "w8a8")
     return out
 
+
+
+OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}     # csrc/decode_math.h kOut*
+
+
+def _dequant_out(w, dtype, out, device_type: str, who: str) -> torch.Tensor:
+    if dtype not in OUT_KINDS:
+        raise ValueError(f"{who}: dtype must be one of {list(OUT_KINDS)}, got {dtype}")
+    if out is None:
+        return torch.empty(w.N, w.K, dtype=dtype, device=w.packed.device)
+    if (not isinstance(out, torch.Tensor) or out.dtype != dtype or tuple(out.shape) != (w.N, w.K)
+            or out.stride(1) != 1 or out.device != w.packed.device or out.device.type != device_type):
+        raise ValueError(f"{who}: out must be a {dtype} [N, K] = [{w.N}, {w.K}] tensor with unit column stride on "
+                         f"{w.packed.device}, got {getattr(out, 'dtype', type(out).__name__)} "
+                         f"{tuple(getattr(out, 'shape', ()))}")
+    return out
+
+
+def _dequant_call(lib_fn, w, out, dtype, *tail):
+    if isinstance(w, NativeW4):
+        return lib_fn[0](w.packed.data_ptr(), w.scale.data_ptr(), _ptr(w.zero), out.data_ptr(), w.N, w.K, w.tiles_k,
+                         w.scale.shape[1], w.group, out.stride(0), OUT_KINDS[dtype], *tail)
+    return lib_fn[1](w.packed.data_ptr(), w.scale.data_ptr(), out.data_ptr(), w.N, w.K, w.tiles_k, out.stride(0),
+                     OUT_KINDS[dtype], *tail)
+
+
+def dequantize(w: NativeW4 | NativeW8, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight [N, K] in dtype (float32 / bfloat16 / float16) on its GPU from the native layout: each value
+    dtype(float32(code - z) * scale), as lowbit's other dequantization paths (the large-M path: a float GEMM on it).
+    out: a [N, K] buffer of dtype to write (e.g. lowbit.ops.scratch's), else a new tensor."""
+    out = _dequant_out(w, dtype, out, "cuda", "dequantize")
+    lib = load()
+    _raise(_dequant_call((lib.lb_w4_dequant, lib.lb_w8_dequant), w, out, dtype, torch.cuda.current_stream(
+        out.device).cuda_stream), "dequantize")
+    return out
 
 
 # ---- the CPU twin ---------------------------------------------------------------------------------
@@ -327,15 +375,16 @@ def twin_w8a8(x: torch.Tensor, w: NativeW8, splits: int = 1, bias: torch.Tensor 
     return out
 
 
+def twin_dequantize(w: NativeW4 | NativeW8, dtype: torch.dtype) -> torch.Tensor:
+    """dequantize run by the CPU twin (CPU tensors)."""
+    out = _dequant_out(w, dtype, None, "cpu", "twin_dequantize")
+    lib = load_twin()
+    _raise(_dequant_call((lib.lb_twin_w4_dequant, lib.lb_twin_w8_dequant), w, out, dtype), "twin_dequantize")
+    return out
+
+
 def twin_weights(w: NativeW4 | NativeW8) -> torch.Tensor:
-    """The weights the kernels' mma instructions see, float32 [N, K]: code - z (W4) or the code (W8, as bf16),
-    decoded by the twin through the lanes' registers and the PTX fragment layout."""
-    n16 = w.packed.shape[0]
-    if isinstance(w, NativeW4):
-        out = torch.empty(n16 * TILE_N, w.tiles_k * W4_TILE_K, dtype=torch.float32)
-        load_twin().lb_twin_w4_weights(w.packed.data_ptr(), _ptr(w.zero), n16, w.tiles_k, w.scale.shape[1], w.group,
-                                       out.data_ptr())
-    else:
-        out = torch.empty(n16 * TILE_N, w.tiles_k * W8_TILE_K, dtype=torch.float32)
-        load_twin().lb_twin_w8_weights(w.packed.data_ptr(), n16, w.tiles_k, out.data_ptr())
-    return out[:w.N, :w.K]
+    """The weights the kernels' mma instructions see, float32 [N, K]: code - z (W4) or the code (W8), decoded by the
+    twin through the lanes' registers and the PTX fragment layout (the dequantization with unit scales)."""
+    ones = replace(w, scale=torch.ones_like(w.scale))
+    return twin_dequantize(ones, torch.float32)

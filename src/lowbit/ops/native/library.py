@@ -17,7 +17,7 @@ import torch
 
 from . import build
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 NEEDS_CAPABILITY = (9, 0)   # sm_90a: Hopper (the library holds sm_90a code only)
 
 _c = ctypes
@@ -28,14 +28,16 @@ SIGNATURES = {
     "lb_w8a16": [_P] * 7 + [_I] * 9 + [_P],
     "lb_w8a8": [_P] * 8 + [_I] * 10 + [_P],
     "lb_act_quant": [_P, _I, _I, _I, _I, _P, _P, _P],
+    "lb_w4_dequant": [_P] * 4 + [_I] * 7 + [_P],
+    "lb_w8_dequant": [_P] * 3 + [_I] * 5 + [_P],
 }
 TWIN_SIGNATURES = {
     "lb_twin_w4a16": [_P] * 6 + [_I] * 11,
     "lb_twin_w8a16": [_P] * 5 + [_I] * 9,
     "lb_twin_w8a8": [_P] * 6 + [_I] * 10,
     "lb_twin_act_quant": [_P, _I, _I, _I, _I, _P, _P],
-    "lb_twin_w4_weights": [_P, _P, _I, _I, _I, _I, _P],
-    "lb_twin_w8_weights": [_P, _I, _I, _P],
+    "lb_twin_w4_dequant": [_P] * 4 + [_I] * 7,
+    "lb_twin_w8_dequant": [_P] * 3 + [_I] * 5,
 }
 
 

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lowbit.ops.float_gemm import bf16_gemm  # noqa: F401  (the dequant paths' GEMM, re-exported)
+
 from .common import decode_e4m3fn, interpreting, launch
 from .fused_quant import _absmax, _codes, _group_scales, _ld, _st, nvfp4_block_scales, round_to, tensor_scale
 from .w4a16 import _e2m1_value, block_scale
@@ -224,14 +226,3 @@ def dequantize_packed(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tens
     return out
 
 
-def bf16_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
-              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """a @ b.T for dequantized 16-bit operands a [M, K], b [N, K] (fp32 accumulation): straight to
-    out_dtype (one rounding of the fp32 sum) when that is a's dtype and there is no bias, else float32
-    out (torch.mm out_dtype on CUDA), the bias added in fp32 and one rounding to out_dtype."""
-    if bias is None and out_dtype == a.dtype:
-        return a @ b.t()
-    y = torch.mm(a, b.t(), out_dtype=torch.float32) if a.is_cuda else a.float() @ b.float().t()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(out_dtype)

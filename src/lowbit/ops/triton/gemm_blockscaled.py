@@ -25,7 +25,9 @@ import triton.language as tl
 
 from .common import (bias_store_tile, check_bias, check_operands, check_out_dtype, decode_e8m0, interpreting,
                      kmajor_ptrs, pick_config, prepare_launch, swizzled_tile, tile_offsets)
-from .dequant import bf16_gemm, dequantize_groups
+from lowbit.ops.float_gemm import bf16_gemm
+
+from .dequant import dequantize_groups
 from .gemm_fp8 import as_fp8
 
 

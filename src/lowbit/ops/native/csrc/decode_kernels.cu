@@ -2,6 +2,7 @@
 //   lb_w4a16   int4 weights in groups of 32/64/128/256, symmetric or with int8 zero points, bf16 x
 //   lb_w8a16   int8 weights, one float32 scale per row, bf16 x
 //   lb_w8a8    int8 or fp8 e4m3 weights and per-token activation codes (lb_act_quant), per-row scales
+//   lb_w4_dequant / lb_w8_dequant   the weight in bf16 / fp16 / fp32 from the same layout (the large-M path)
 // Design for the bandwidth limit: the weight is the mma's A operand (out^T = W x^T, so one m16n8k16 /
 // m16n8k32 covers 16 weight rows for up to 8 activation rows, two for up to 16); weights pre-arranged
 // (lowbit.ops.native.layout) so each lane streams 16 bytes per tile with one 128-bit load that skips L1,
@@ -26,6 +27,8 @@
 //   the splits' sum (decode_math.h's Bias), so the reference's tolerance counts one more float32 rounding.
 //   Activation codes (lb_act_quant): lowbit.quantize's per-token scheme, bit for bit: s = amax / qmax
 //          (1.0 where 0), code = int8 clamp(round_half_even(x / s), -127, 127) or e4m3 satfinite(x / s).
+//   Dequantization (lb_w4_dequant / lb_w8_dequant): out = dtype(float32(code - z) * scale), the product rounded
+//          once to float32 (code - z is exact), then once to bf16 / fp16 (round to nearest even; none for float32).
 // Inside one mma instruction the order of the float32 additions is the tensor core's.
 #include <cuda_runtime.h>
 
@@ -169,6 +172,21 @@ __global__ void split_reduce_kernel(const T* ws, int splits, int M, int N, const
   }
 }
 
+// Dequantization (the large-M path): one warp per weight tile, every lane its 16 bytes (decode_warp.h).
+__global__ void __launch_bounds__(kThreads) w4_dequant_kernel(W4Args a, const float* scale, int N, int G, void* out,
+                                                              int ldo, int kind) {
+  const int tile = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  if (tile >= a.n16 * a.KT) return;
+  w4_dequant_tile<DL>(a, scale, N, tile / a.KT, tile % a.KT, 0, out, ldo, G, kind);
+}
+
+__global__ void __launch_bounds__(kThreads) w8_dequant_kernel(W8Args a, const float* scale, int N, void* out, int ldo,
+                                                              int kind) {
+  const int tile = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  if (tile >= a.n16 * a.KT) return;
+  w8_dequant_tile<DL>(a, scale, N, tile / a.KT, tile % a.KT, 0, out, ldo, kind);
+}
+
 // One CTA per activation row: the row's amax (exact in any order), then its codes.
 __global__ void __launch_bounds__(256) act_quant_kernel(const uint16_t* x, int K, int ldx, int fp8, uint8_t* codes,
                                                          float* scales) {
@@ -230,7 +248,7 @@ dim3 gemv_grid(int N, int nt, int splits) { return dim3((N + 16 * nt - 1) / (16 
 // The return value is a cudaError_t (0: launched) or one of the negative codes below.
 extern "C" {
 
-int lb_native_abi_version() { return 3; }
+int lb_native_abi_version() { return 4; }
 
 
 // -2: unsupported group size, -5: nt not 1, 2, 4 or prefetch not 0, 1
@@ -291,6 +309,27 @@ int lb_w8a8(const void* w, const float* sw, const void* xq, const float* sa, voi
   });
   if (!built) return -5;
   return after_gemv(fp8 ? 3 : 2, ws, counters, splits, M, N, sa, sw, b, o, st);
+}
+
+// The weight in dtype out_kind (decode_math.h kOut*) into out [N][ldo]: -2 unsupported group size, -6 an out_kind
+// other than 0, 1, 2.
+int lb_w4_dequant(const void* w, const float* scale, const int8_t* zero, void* out, int N, int K, int KT, int groups,
+                  int G, int ldo, int out_kind, cudaStream_t st) {
+  if (G != 32 && G != 64 && G != 128 && G != 256) return -2;
+  if (!out_kind_ok(out_kind)) return -6;
+  W4Args a{static_cast<const uint8_t*>(w), scale, zero, nullptr, 0, K, 0, KT, groups, (N + 15) / 16};
+  const int tiles = a.n16 * KT;
+  w4_dequant_kernel<<<(tiles + kWarps - 1) / kWarps, kThreads, 0, st>>>(a, scale, N, G, out, ldo, out_kind);
+  return int(cudaGetLastError());
+}
+
+int lb_w8_dequant(const void* w, const float* scale, void* out, int N, int K, int KT, int ldo, int out_kind,
+                  cudaStream_t st) {
+  if (!out_kind_ok(out_kind)) return -6;
+  W8Args a{static_cast<const uint8_t*>(w), nullptr, nullptr, 0, K, 0, KT, (N + 15) / 16};
+  const int tiles = a.n16 * KT;
+  w8_dequant_kernel<<<(tiles + kWarps - 1) / kWarps, kThreads, 0, st>>>(a, scale, N, out, ldo, out_kind);
+  return int(cudaGetLastError());
 }
 
 int lb_act_quant(const void* x, int M, int K, int ldx, int fp8, void* codes, float* scales, cudaStream_t st) {

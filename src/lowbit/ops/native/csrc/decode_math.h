@@ -20,6 +20,7 @@
 
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #define LB_HD __host__ __device__ __forceinline__
 #define LB_UNROLL _Pragma("unroll")
@@ -240,6 +241,32 @@ LB_HD uint16_t out_w8a16(float acc, float sw, const Bias& b, int n) { return bf1
 LB_HD uint16_t out_w8a8(float acc, float sa, float sw, const Bias& b, int n) {
   return bf16_rn(b.add(mul_rn(mul_rn(acc, sa), sw), n));
 }
+
+// ---- dequantized weights (the large-M path: a float GEMM on them) -------------------------------
+// out = dtype(value * scale): one float32 product, then one rounding to the output dtype (none for float32).
+constexpr int kOutF32 = 0, kOutBF16 = 1, kOutF16 = 2;
+
+// float -> fp16 bits, round to nearest even (overflow to inf; NaN stays a quiet NaN).
+LB_HD uint16_t f16_rn(float f) {
+#if defined(__CUDA_ARCH__)
+  return __half_as_ushort(__float2half_rn(f));
+#else
+  const uint32_t x = f32_bits(f), sign = (x >> 16) & 0x8000u, ax = x & 0x7FFFFFFFu;
+  if (ax >= 0x7F800000u) return uint16_t(sign | 0x7C00u | (ax > 0x7F800000u ? 0x200u : 0u));
+  if (ax >= 0x477FF000u) return uint16_t(sign | 0x7C00u);           // >= 65520: past the midpoint above 65504
+  if (ax < 0x38800000u)                                              // below 2^-14: a subnormal step of 2^-24
+    return uint16_t(sign | uint32_t(std::nearbyint(bits_f32(ax) * 16777216.0f)));   // exact scaling, RNE
+  const uint32_t r = ax + 0xFFFu + ((ax >> 13) & 1u) - 0x38000000u;  // RNE on 13 bits, exponent 127 -> 15
+  return uint16_t(sign | (r >> 13));
+#endif
+}
+
+LB_HD void store_out(void* out, size_t i, float v, int kind) {
+  if (kind == kOutF32) static_cast<float*>(out)[i] = v;
+  else static_cast<uint16_t*>(out)[i] = kind == kOutBF16 ? bf16_rn(v) : f16_rn(v);
+}
+
+LB_HD bool out_kind_ok(int kind) { return kind == kOutF32 || kind == kOutBF16 || kind == kOutF16; }
 
 // ---- work split ---------------------------------------------------------------------------------
 // The K range is cut into k-blocks (max(tile k, group)); split s of S takes k-blocks

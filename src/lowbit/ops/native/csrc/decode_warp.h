@@ -189,6 +189,68 @@ LB_HD void w8a8_warp(const W8Args& a, int nt0, int kb_begin, int kb_end, int war
   });
 }
 
+// The values a lane holds of tile (nt, kt) of a W4 weight: for each k16 step j, the four A registers
+// w4_step_regs builds (exact code - z, the rows' zero points from `zero`, or 0), each bf16 value handed to
+// emit(row in the tile 0..15, k in the tile 0..63, value) at the place the PTX fragment layout and
+// decode_math.h's physical-k map give it. The dequantization and the CPU twin's weight check read the weight
+// through this, the same registers the mma instructions see.
+template <class Emit>
+LB_HD void w4_lane_values(const uint32_t (&q)[4], int lane, int nt, int kt, int groups, int G, const int8_t* zero,
+                          Emit emit) {
+  const int g = lane >> 2, t = lane & 3;
+  LB_UNROLL for (int j = 0; j < 4; ++j) {
+    const int k0 = kt * kTileK4 + 16 * j, grp = k0 / G;
+    const bool live = grp < groups;   // padding tiles past the last group: codes 0, no zero point
+    const int8_t* z = zero && live ? zero + (size_t(nt) * groups + grp) * 16 : nullptr;
+    uint32_t a[4];
+    w4_step_regs(q[j], w4_offset(z ? z[g] : 0), w4_offset(z ? z[g + 8] : 0), a);
+    LB_UNROLL for (int r = 0; r < 4; ++r)
+      LB_UNROLL for (int h = 0; h < 2; ++h) {
+        const int kappa = 2 * t + h + 8 * (r >> 1);
+        emit(g + 8 * (r & 1), 16 * j + (kappa < 8 ? 4 * t + h : 4 * t + 2 + h), bf16_f32(uint16_t(a[r] >> (16 * h))));
+      }
+  }
+}
+
+// The same for a W8 tile (W8A16's two bf16 steps of exact int8 codes): k in the tile 0..31.
+template <class Emit>
+LB_HD void w8_lane_values(const uint32_t (&q)[4], int lane, Emit emit) {
+  const int g = lane >> 2, t = lane & 3;
+  LB_UNROLL for (int s = 0; s < 2; ++s) {
+    uint32_t a[4];
+    w8_step_regs(q, s, a);
+    LB_UNROLL for (int r = 0; r < 4; ++r)
+      LB_UNROLL for (int h = 0; h < 2; ++h) {
+        const int kappa = 2 * t + h + 8 * (r >> 1);
+        emit(g + 8 * (r & 1), 8 * t + 4 * s + (kappa < 8 ? h : 2 + h), bf16_f32(uint16_t(a[r] >> (16 * h))));
+      }
+  }
+}
+
+// Lane l's share of dequantizing tile (nt, kt) into out [N][ldo] of dtype kind (store_out): value * its
+// group's / row's float32 scale, one product, one rounding; elements past N or K are not written.
+template <class P>
+LB_HD void w4_dequant_tile(const W4Args& a, const float* scale, int N, int nt, int kt, int l, void* out, int ldo, int G,
+                           int kind) {
+  uint32_t q[4];
+  P::loadw16(a.w + (size_t(nt) * a.KT + kt) * 512 + P::lane(l) * 16, q);
+  w4_lane_values(q, P::lane(l), nt, kt, a.groups, G, a.zero, [&](int r, int k, float v) {
+    const int n = nt * kTileN + r, kk = kt * kTileK4 + k;
+    if (n < N && kk < a.K)
+      store_out(out, size_t(n) * ldo + kk, mul_rn(v, P::loadf(scale + (size_t(nt) * a.groups + kk / G) * 16 + r)), kind);
+  });
+}
+
+template <class P>
+LB_HD void w8_dequant_tile(const W8Args& a, const float* scale, int N, int nt, int kt, int l, void* out, int ldo, int kind) {
+  uint32_t q[4];
+  P::loadw16(a.w + (size_t(nt) * a.KT + kt) * 512 + P::lane(l) * 16, q);
+  w8_lane_values(q, P::lane(l), [&](int r, int k, float v) {
+    const int n = nt * kTileN + r, kk = kt * kTileK8 + k;
+    if (n < N && kk < a.K) store_out(out, size_t(n) * ldo + kk, mul_rn(v, P::loadf(scale + n)), kind);
+  });
+}
+
 // The CTA's reduction: warp w stashes its accumulators at red[w][m][n] (16 x 16 per warp); element
 // i = 16 m + n of the tile is then red[0] + red[1] + ... + red[7] in that order.
 template <class T, int MB, int L>

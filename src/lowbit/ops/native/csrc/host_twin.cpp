@@ -141,18 +141,6 @@ void twin_w8a8(const W8Args& a, const float* sa, const float* sw, const Bias& b,
   }
 }
 
-// fn(nt, kt, lane, q) for every lane's 16 bytes q of every tile of a packed weight [N16][KT][32][16].
-template <class Fn>
-void for_each_lane_tile(const uint8_t* w, int N16, int KT, Fn fn) {
-  for (int nt = 0; nt < N16; ++nt)
-    for (int kt = 0; kt < KT; ++kt)
-      for (int l = 0; l < 32; ++l) {
-        uint32_t q[4];
-        HL::load16(w + (size_t(nt) * KT + kt) * 512 + l * 16, q);
-        fn(nt, kt, l, q);
-      }
-}
-
 }  // namespace
 
 extern "C" {
@@ -229,44 +217,25 @@ int lb_twin_act_quant(const uint16_t* x, int M, int K, int ldx, int fp8, uint8_t
   return 0;
 }
 
-// The weights the kernels' mma instructions see, decoded through the same lane program: for every
-// tile and k16 (W4, exact code - z) or k32 (W8, code) step, the A fragments the lanes build, placed
-// at (n, k) by the ISA's fragment layout and the physical-k map. out: float32 [N16 * 16][KT * tile k].
-int lb_twin_w4_weights(const uint8_t* w, const int8_t* zero, int N16, int KT, int groups, int G, float* out) {
-  const int Kp = KT * kTileK4;
-  for_each_lane_tile(w, N16, KT, [&](int nt, int kt, int l, const uint32_t* q) {
-    const int g = l >> 2, t = l & 3;
-    for (int j = 0; j < 4; ++j) {
-      const int k0 = kt * kTileK4 + 16 * j, grp = k0 / G;
-      const int8_t* z = zero ? zero + (size_t(nt) * groups + grp) * 16 : nullptr;
-      uint32_t a[4];
-      w4_step_regs(q[j], w4_offset(z ? z[g] : 0), w4_offset(z ? z[g + 8] : 0), a);
-      for (int r = 0; r < 4; ++r)
-        for (int h = 0; h < 2; ++h) {
-          const int kappa = 2 * t + h + 8 * (r >> 1);
-          const int k = k0 + (kappa < 8 ? 4 * t + h : 4 * t + 2 + h);   // decode_math.h's map
-          out[size_t(nt * 16 + g + 8 * (r & 1)) * Kp + k] = bf16_f32(uint16_t(a[r] >> (16 * h)));
-        }
-    }
-  });
+// The weight dequantized through the kernels' own lane program (decode_warp.h w4_dequant_tile / w8_dequant_tile):
+// out [N][ldo] in dtype out_kind. Return codes: 2 unsupported group size, 6 an out_kind other than 0, 1, 2.
+int lb_twin_w4_dequant(const uint8_t* w, const float* scale, const int8_t* zero, void* out, int N, int K, int KT,
+                       int groups, int G, int ldo, int out_kind) {
+  if (G != 32 && G != 64 && G != 128 && G != 256) return 2;
+  if (!out_kind_ok(out_kind)) return 6;
+  const W4Args a{w, scale, zero, nullptr, 0, K, 0, KT, groups, (N + 15) / 16};
+  for (int nt = 0; nt < a.n16; ++nt)
+    for (int kt = 0; kt < KT; ++kt)
+      for (int l = 0; l < 32; ++l) w4_dequant_tile<HL>(a, scale, N, nt, kt, l, out, ldo, G, out_kind);
   return 0;
 }
 
-int lb_twin_w8_weights(const uint8_t* w, int N16, int KT, float* out) {
-  const int Kp = KT * kTileK8;
-  for_each_lane_tile(w, N16, KT, [&](int nt, int kt, int l, const uint32_t* q) {
-    const int g = l >> 2, t = l & 3;
-    for (int s = 0; s < 2; ++s) {           // W8A16's two bf16 steps
-      uint32_t a[4];
-      w8_step_regs(q, s, a);
-      for (int r = 0; r < 4; ++r)
-        for (int h = 0; h < 2; ++h) {
-          const int kappa = 2 * t + h + 8 * (r >> 1);
-          const int k = kt * kTileK8 + 8 * t + 4 * s + (kappa < 8 ? h : 2 + h);
-          out[size_t(nt * 16 + g + 8 * (r & 1)) * Kp + k] = bf16_f32(uint16_t(a[r] >> (16 * h)));
-        }
-    }
-  });
+int lb_twin_w8_dequant(const uint8_t* w, const float* scale, void* out, int N, int K, int KT, int ldo, int out_kind) {
+  if (!out_kind_ok(out_kind)) return 6;
+  const W8Args a{w, nullptr, nullptr, 0, K, 0, KT, (N + 15) / 16};
+  for (int nt = 0; nt < a.n16; ++nt)
+    for (int kt = 0; kt < KT; ++kt)
+      for (int l = 0; l < 32; ++l) w8_dequant_tile<HL>(a, scale, N, nt, kt, l, out, ldo, out_kind);
   return 0;
 }
 
