@@ -38,7 +38,8 @@
 #   tune         `lowbit tune` at the 8B shapes (TUNE_ARGS): the table lands in $OUT/tune.json, and
 #                LOWBIT_TUNE_TABLE points the later parts of the same call at it
 #   eager        host time of one quantized Linear call and of an eager decode step, with its CPU
-#                profile (scripts/gpu_profile_eager.py)
+#                profile; an eager prefill's GPU kernels; a compiled decode step at batch 1 / 16
+#                (scripts/gpu_profile_eager.py)
 #   native       the native sm_90a decode kernels (W4A16, W8A16, W8A8 at M = NATIVE_MS, default 1,16): checked,
 #                then their fraction of the copy bandwidth at the Llama-3-8B shapes (scripts/gpu_native.py;
 #                build here first with scripts/build_native.sh and carry .native; NATIVE_BUDGET s of timing)
@@ -146,7 +147,7 @@ if [[ $parts == *,tune,* ]]; then
   [ -s "$out/tune.json" ] && export LOWBIT_TUNE_TABLE="$out/tune.json"
 fi
 if [[ $parts == *,eager,* ]]; then
-  timeout "${EAGER_TIMEOUT:-150}" python3 scripts/gpu_profile_eager.py >"$out/eager.log" 2>&1
+  timeout "${EAGER_TIMEOUT:-330}" python3 scripts/gpu_profile_eager.py >"$out/eager.log" 2>&1
   echo "eager rc=$?" | tee -a "$sum"
 fi
 if [[ $parts == *,native,* ]]; then  # the library built here (scripts/build_native.sh), carried in .native

@@ -1,26 +1,17 @@
 """A new user's `lowbit check --grouped` on a machine without a GPU, run as the user runs it (a
 fresh process, no TRITON_INTERPRET in the environment: tests/conftest.py sets it for the test
 process, which hid the failure), and its --k checked against the recipe's groups."""
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from lowbit.bench.sm90 import fresh_process
 from lowbit.entrypoints.main import main
-
-SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path is the no-GPU one")
 def test_check_grouped_runs_in_a_fresh_process_without_a_gpu(seed):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-m", "lowbit", "check", "--grouped", "w4a16-g32", "--experts", "3",
-                        "--tokens", "5", "--n", "16", "--k", "64", "--seed", str(seed)],
-                       env=env, capture_output=True, text=True, timeout=600)
+    r = fresh_process(["-m", "lowbit", "check", "--grouped", "w4a16-g32", "--experts", "3", "--tokens", "5", "--n",
+                       "16", "--k", "64", "--seed", str(seed)], timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("check_grouped_linear: PASS") == 2, r.stdout
     assert "Traceback" not in r.stderr

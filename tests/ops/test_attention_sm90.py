@@ -6,10 +6,8 @@ pipelining depth it picks, at the tiles and warps pick_tiles chooses; the tensor
 spilling registers (no local loads / stores in the SASS). Runs Triton's compiler in a subprocess
 (the test process has TRITON_INTERPRET set)."""
 import json
-import os
-import subprocess
-import sys
 
+from lowbit.bench.sm90 import fresh_process
 from lowbit.ops.triton.attention_decode import launch_warps
 
 SCRIPT = r'''
@@ -61,10 +59,7 @@ print(json.dumps(out))
 
 
 def test_attention_kernel_compiles_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
-    env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    res = fresh_process(["-c", SCRIPT], timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(res.stdout.strip().splitlines()[-1])
     assert len(rows) == 5
@@ -135,10 +130,7 @@ def test_split_kv_kernel_compiles_for_sm90_without_spills():
     """The decode kernel at a Llama-3-8B decode step's shapes and launch options, in each mode the
     dispatch can give it, and the merge kernel: compiled for sm_90, within one block's shared
     memory, no local loads / stores (register spills) in the SASS."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
-    env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", SPLIT_SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    res = fresh_process(["-c", SPLIT_SCRIPT], timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(res.stdout.strip().splitlines()[-1])
     assert len(rows) == 6
@@ -187,10 +179,7 @@ print(json.dumps(out))
 def test_prefill_kernel_compiles_for_sm90_on_tensor_cores_without_spills():
     """The tensor-core prefill kernel at its default configuration and a Llama-3-8B prefill's shapes:
     wgmma (HGMMA) for both dots in both key loops, within the smem estimate, no register spills."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
-    env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", PREFILL_SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    res = fresh_process(["-c", PREFILL_SCRIPT], timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(res.stdout.strip().splitlines()[-1])
     assert len(rows) == 2

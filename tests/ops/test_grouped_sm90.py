@@ -5,9 +5,8 @@ within the limit. Integer arguments are marked divisible by 16 where the GPU lau
 them (E and the column-block count are not). Runs Triton's compiler in a subprocess (the test
 process has TRITON_INTERPRET set)."""
 import json
-import os
-import subprocess
-import sys
+
+from lowbit.bench.sm90 import fresh_process
 
 SCRIPT = r'''
 import json, re
@@ -53,10 +52,7 @@ print(json.dumps(out))
 
 
 def test_default_configs_compile_for_sm90_on_tensor_cores_without_spills():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(src), env.get("PYTHONPATH", "")])
-    p = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    p = fresh_process(["-c", SCRIPT])
     assert p.returncode == 0, p.stderr[-3000:]
     rows = json.loads(p.stdout.strip().splitlines()[-1])
     assert len(rows) == 12

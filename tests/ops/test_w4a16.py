@@ -385,15 +385,10 @@ def test_kernels_compile_for_sm90():
     decode shapes for sm_90 with Triton's bundled ptxas (no GPU needed), in a process
     without TRITON_INTERPRET, and require each to fit the H200's 232448 bytes per block."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "..", "src"),
-                                         env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-m", "lowbit.bench.memory", "--sass"], env=env,
-                          capture_output=True, text=True, timeout=300)
+    from lowbit.bench.sm90 import fresh_process
+
+    proc = fresh_process(["-m", "lowbit.bench.memory", "--sass"], timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(rows) >= 17, proc.stdout[-2000:]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import lowbit as lb
+from lowbit.bench.sm90 import fresh_process
 from lowbit.bench.tune import W8A8_FUSED
 from lowbit.ops.kernels.dense_w8 import TritonW8A8Fp8, TritonW8A8Int8
 from lowbit.recipes.presets import get_recipe
@@ -91,14 +92,8 @@ def test_the_configs_compile_for_sm90_on_tensor_cores_without_spills():
     quantizer whose arithmetic it shares, in each mode (Triton's compiler in a subprocess: the test process has
     TRITON_INTERPRET set)."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(src), env.get("PYTHONPATH", "")])
-    p = subprocess.run([sys.executable, "-c", SM90], capture_output=True, text=True, env=env, timeout=900)
+    p = fresh_process(["-c", SM90])
     assert p.returncode == 0, p.stderr[-3000:]
     rows = json.loads(p.stdout.strip().splitlines()[-1])
     assert len(rows) == 2 * (1 + len(W8A8_FUSED)) + 3

@@ -12,6 +12,18 @@ import tempfile
 SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90
 
 
+def fresh_process(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
+    """`python ARGS` (["-c", script] or ["-m", module, ...]) in a new process without TRITON_INTERPRET and with this
+    lowbit's source first on its path, output captured: where Triton compiles for the GPU (the tests' own process
+    runs the interpreter)."""
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout)
+
+
 def compile_sm90(fn, sig: dict, consts: dict, no_div: tuple = (), **opts) -> dict:
     """Compile `fn` (a @triton.jit function) for sm_90 with signature `sig` (name -> Triton type
     string), constexprs `consts` and launch options `opts` (num_warps, num_stages, ...). Integer

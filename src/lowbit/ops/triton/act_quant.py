@@ -16,16 +16,9 @@ import triton
 import triton.language as tl
 
 from lowbit.quantize import QTensor
-from .common import check_device, encode_e4m3fn, launch, rint
+from .common import check_device, encode_e4m3fn, launch, nonzero_quotient, rint
 
 MODES = ("int8", "int8_asym", "fp8_e4m3fn")
-
-
-@triton.jit
-def sym_scale(amax, QMAX: tl.constexpr):
-    """A symmetric per-token scale: amax / QMAX by IEEE division (1.0 where amax is 0)."""
-    s = tl.math.div_rn(amax, QMAX)
-    return tl.where(s == 0.0, 1.0, s)
 
 
 @triton.jit
@@ -56,12 +49,11 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, z_ptr, K, stride_xm, stride_qm,
     hi_r = tl.max(hi, axis=0)  # max(x, 0): the accumulators started at 0
     lo_r = tl.min(lo, axis=0)  # min(x, 0)
     if MODE == 0:
-        s = sym_scale(tl.maximum(hi_r, -lo_r), 127.0)
+        s = nonzero_quotient(tl.maximum(hi_r, -lo_r), 127.0)
     elif MODE == 1:
-        s = tl.math.div_rn(hi_r - lo_r, 255.0)
-        s = tl.where(s == 0.0, 1.0, s)
+        s = nonzero_quotient(hi_r - lo_r, 255.0)
     else:
-        s = sym_scale(tl.maximum(hi_r, -lo_r), 448.0)
+        s = nonzero_quotient(tl.maximum(hi_r, -lo_r), 448.0)
     tl.store(s_ptr + row, s)
     if MODE == 1:
         z = tl.minimum(tl.maximum(rint(-128.0 - tl.math.div_rn(lo_r, s)), -128.0), 127.0)

@@ -31,6 +31,14 @@ def rint(v):
 
 
 @triton.jit
+def nonzero_quotient(a, d):
+    """a / d by IEEE division, 1.0 where that is 0: a scale from a range (amax / qmax), so an all-zero range
+    gives scale 1 and codes 0, never a NaN."""
+    q = tl.math.div_rn(a, d)
+    return tl.where(q == 0.0, 1.0, q)
+
+
+@triton.jit
 def encode_e4m3fn(v):
     """fp32 -> fp8 e4m3fn bit pattern (uint8), round-half-even, saturating to +-448.
 

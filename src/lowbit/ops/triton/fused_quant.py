@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import decode_e4m3fn, encode_e4m3fn  # shared exact fp8 encoder (the GEMM helper's common.py)
+from .common import decode_e4m3fn, encode_e4m3fn, nonzero_quotient  # shared exact fp8 encoder (the GEMM helper's common.py)
 
 # Prologues
 PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL = 0, 1, 2
@@ -248,8 +248,7 @@ def _group_scales(amax, GSCALE, SCALE_KIND: tl.constexpr, E8M0_ROUND: tl.constex
 @triton.jit
 def tensor_scale(tamax, G_DIV: tl.constexpr):
     """NVFP4's tensor scale g = tamax / G_DIV (1.0 when that is 0), as quantize.two_level_global_scale."""
-    g0 = tl.math.div_rn(tamax, G_DIV)
-    return tl.where(g0 == 0.0, 1.0, g0)
+    return nonzero_quotient(tamax, G_DIV)
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 
 For M <= 16 rows, each program (one BLOCK_N slice of the output, all M rows) first finds every row's
 absolute maximum over K, then, in the K loop, quantizes its tile of x to the codes the per-token
-quantizer (lowbit.ops.triton.act_quant, sym_scale / sym_codes: lowbit.quantize's arithmetic, bit for
+quantizer (lowbit.ops.triton.act_quant: common.nonzero_quotient, sym_codes: lowbit.quantize's arithmetic, bit for
 bit) writes and takes the 8-bit dot with the weights: int8 x int8 in int32 (exact), or e4m3 x e4m3 in
 fp32 with the partial sums promoted every min(BLOCK_K, 128) products (as lowbit.ops.triton.gemm_fp8's
 precise mode). The epilogue is the two-launch path's: (acc * s[m]) * sw[n] (+ bias[n]), then the output
@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .act_quant import sym_codes, sym_scale
-from .common import bias_store_tile, kmajor_ptrs, launch
+from .act_quant import sym_codes
+from .common import bias_store_tile, kmajor_ptrs, launch, nonzero_quotient
 
 MAX_M = 16
 
@@ -38,7 +38,7 @@ def _w8a8_small_kernel(x_ptr, b_ptr, c_ptr, sb_ptr, bias_ptr, M, N, K, stride_xm
         ok = m_ok[:, None] & (offs_k[None, :] < K - k0)
         x = tl.load(x_ptrs + k0, mask=ok, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-    s = sym_scale(amax, 448.0 if FP8 else 127.0)
+    s = nonzero_quotient(amax, 448.0 if FP8 else 127.0)      # act_quant's per-token scale
     if FP8:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
