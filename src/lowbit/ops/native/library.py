@@ -1,9 +1,11 @@
-"""Loading lowbit's native library (ctypes) and saying why it cannot run here.
+"""Loading lowbit's native libraries (ctypes) and saying why they cannot run here.
 
-unavailable_reason() -> None where the native kernels can run on this process's GPU (the library is
-built, or can be built on first use with the toolchain found), else the one reason they cannot, with
+unavailable_reason() -> None where the native decode kernels can run on this process's GPU (the library
+is built, or can be built on first use with the toolchain found), else the one reason they cannot, with
 the fix. load() returns the ctypes library, building it into the cache on first use (progress lines
 on stderr); LOWBIT_NATIVE_LIB names a prebuilt file to load instead (what a GPU run carries).
+prefill_unavailable_reason() and load_prefill() do the same for the prefill GEMMs' library
+(liblowbit_prefill.so, which also needs CUTLASS's headers to build; LOWBIT_PREFILL_LIB names a prebuilt one).
 """
 from __future__ import annotations
 
@@ -28,6 +30,13 @@ SIGNATURES = {
     "lb_w8a16": [_P] * 7 + [_I] * 9 + [_P],
     "lb_w8a8": [_P] * 8 + [_I] * 10 + [_P],
     "lb_act_quant": [_P, _I, _I, _I, _I, _P, _P, _P],
+}
+PREFILL_ABI_VERSION = 1
+PREFILL_SIGNATURES = {
+    "lb_prefill_abi_version": [],
+    "lb_prefill_config_built": [_I, _I],
+    "lb_fp8_rowwise_gemm": [_P] * 6 + [_I] * 4 + [_P],
+    "lb_fp8_blockwise_gemm": [_P] * 3 + [_I] + [_P] * 3 + [_I] * 4 + [_P],
 }
 TWIN_SIGNATURES = {
     "lb_twin_w4a16": [_P] * 6 + [_I] * 11,
@@ -58,6 +67,20 @@ def _library_path() -> Path | str:
     if isinstance(tc, str):
         return f"the native library is not built and cannot be: {tc}"
     return tc.root  # buildable
+
+
+def _prefill_path() -> Path | str:
+    """The prefill library file to load, or why there is none, or the toolchain root where it can be built."""
+    env = os.environ.get("LOWBIT_PREFILL_LIB")
+    if env:
+        return Path(env) if Path(env).is_file() else f"LOWBIT_PREFILL_LIB={env} is not a file"
+    cached = build.cached_prefill_library()
+    if cached is not None:
+        return cached
+    for found in (build.find_toolchain(), build.find_cutlass()):
+        if isinstance(found, str):
+            return f"the prefill library is not built and cannot be: {found}"
+    return build.find_toolchain().root  # buildable
 
 
 def gpu_reason() -> str | None:
@@ -91,6 +114,31 @@ def load() -> ctypes.CDLL:
     if lib.lb_native_abi_version() != ABI_VERSION:
         raise RuntimeError(f"{path} has C ABI version {lib.lb_native_abi_version()}, this lowbit needs {ABI_VERSION}: "
                            "rebuild it (python -m lowbit.ops.native.build)")
+    return lib
+
+
+def prefill_unavailable_reason() -> str | None:
+    """Why lowbit's native prefill GEMMs cannot run here, or None (see the module docstring)."""
+    path = _prefill_path()
+    if isinstance(path, str):
+        return path
+    return gpu_reason()
+
+
+@lru_cache(maxsize=1)
+def load_prefill() -> ctypes.CDLL:
+    """The prefill library (built into the cache on first use: minutes); RuntimeError with the reason where it
+    cannot run or its C ABI is not this lowbit's."""
+    reason = prefill_unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"lowbit native prefill GEMMs unavailable: {reason}")
+    path = _prefill_path()
+    if not isinstance(path, Path) or path.is_dir():
+        path = build.build_prefill_library(progress=lambda s: print(s, file=sys.stderr, flush=True))
+    lib = _declare(ctypes.CDLL(str(path)), PREFILL_SIGNATURES)
+    if lib.lb_prefill_abi_version() != PREFILL_ABI_VERSION:
+        raise RuntimeError(f"{path} has C ABI version {lib.lb_prefill_abi_version()}, this lowbit needs "
+                           f"{PREFILL_ABI_VERSION}: rebuild it (python -m lowbit.ops.native.build --prefill)")
     return lib
 
 
