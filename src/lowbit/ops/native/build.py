@@ -1,7 +1,7 @@
 """Builds lowbit's native libraries ahead of time, without a GPU, with the CUDA toolchain from PyPI.
 
     python -m lowbit.ops.native.build            # build (or find cached) liblowbit_native.so, print its path
-    python -m lowbit.ops.native.build --prefill  # the same for liblowbit_prefill.so (CUTLASS GEMMs, minutes)
+    python -m lowbit.ops.native.build --prefill  # the same for liblowbit_prefill.so (CUTLASS GEMMs, ~2 min)
     python -m lowbit.ops.native.build --check    # compile only (nvcc -c for sm_90a) the decode library, and
                                                  # the prefill library where CUTLASS's headers are found
 
@@ -9,7 +9,7 @@ Two libraries, each cached by the hash of its own sources and flags under $LOWBI
 ~/.cache/lowbit/native)/<hash>/, so a source change rebuilds only its library and a GPU machine can carry
 the built files (LOWBIT_NATIVE_LIB / LOWBIT_PREFILL_LIB name them): liblowbit_native.so (the decode
 kernels, csrc/decode_kernels.cu; under a minute) and liblowbit_prefill.so (csrc/prefill_kernels.cu, the
-CUTLASS prefill GEMMs; kept apart because every CUTLASS instantiation compiles for about a minute). Both
+CUTLASS prefill GEMMs; kept apart because its CUTLASS instantiations compile for about two minutes). Both
 link the CUDA runtime statically and have a C ABI.
 The toolchain is found, in order, under $LOWBIT_CUDA_HOME, in the `nvidia/cu13` folder of any sys.path
 entry (`pip install lowbit[hopper]`: nvidia-cuda-nvcc, -nvvm, -cccl, -crt, -runtime), in the virtual
@@ -180,18 +180,16 @@ def cached_prefill_library() -> Path | None:
     return p if p.exists() else None
 
 
-def build_prefill_library(progress=print, configs: int | None = None, link: bool = True) -> Path:
-    """liblowbit_prefill.so of the current sources (built into the cache if it is not there; minutes), or with
-    link=False only its object file (the compile check). `configs`: a mask of the tile configurations to compile
-    (csrc/prefill_kernels.cu's LB_PREFILL_CONFIGS: bit i row-wise config i, bit 8 + i block-wise), None for all."""
+def build_prefill_library(progress=print, link: bool = True) -> Path:
+    """liblowbit_prefill.so of the current sources (built into the cache if it is not there; about two minutes),
+    or with link=False only its object file (the compile check)."""
     tc, cutlass = _toolchain_or_raise(), _cutlass_or_raise()
-    extra = () if configs is None else (f"-DLB_PREFILL_CONFIGS={configs:#x}",)
-    key, flags = _prefill_flags(cutlass, extra + (() if link else ("-c",)))
+    key, flags = _prefill_flags(cutlass, () if link else ("-c",))
     lib = tc.root / "lib"
     mode = ["-shared"] if link else []
     tail = [f"-L{lib}", "-lcudart_static", "-lrt", "-ldl", "-lpthread"] if link else []
-    what = (f"{'compiling' if link else 'compile check of'} {PREFILL_SOURCE} for {ARCH}"
-            + (f" (configs {configs:#x})" if extra else "") + " (CUTLASS: about a minute per configuration)")
+    what = (f"{'compiling' if link else 'compile check of'} {PREFILL_SOURCE} for {ARCH} with {tc.nvcc} "
+            "(CUTLASS: about two minutes)")
     return _build_into(cache_root() / key / (PREFILL_LIB if link else "prefill_kernels.o"),
                        lambda out: [str(tc.nvcc), *flags, *mode, str(CSRC / PREFILL_SOURCE), "-o", str(out), *tail],
                        what, progress)

@@ -28,8 +28,8 @@
 // rows of A are read with TMA, whose strides are multiples of 16 bytes). Every pointer is 16-byte aligned.
 //
 // Configurations (the `config` argument; lowbit.ops.native.prefill.ROWWISE_CONFIGS / BLOCKWISE_CONFIGS describe
-// them): a few tile shapes for M >= 1024. Building with -DLB_PREFILL_CONFIGS=<mask> compiles only the configs whose
-// bit is set (bit i: row-wise config i, bit 8 + i: block-wise config i); a config left out returns -5.
+// them): a few tile shapes for M >= 1024, for a GPU sweep to time. Each is one CUTLASS instantiation (the six
+// build in about two minutes on 2 CPU cores; CI compiles them all).
 #include <cuda_runtime.h>
 
 #include "cutlass/cutlass.h"
@@ -44,10 +44,6 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
 
-#ifndef LB_PREFILL_CONFIGS
-#define LB_PREFILL_CONFIGS 0xFFFF
-#endif
-
 namespace lowbit_prefill {
 
 using namespace cute;
@@ -56,34 +52,30 @@ namespace fu = cutlass::epilogue::fusion;
 
 // ---- epilogue arithmetic in the documented order: explicit round-to-nearest operations that nvcc never
 // contracts into an FMA (a contraction would drop a rounding the tolerance counts on) ------------------------
-template <class T>
-struct MulRn {
-  CUTLASS_DEVICE T operator()(T a, T b) const { return __fmul_rn(a, b); }
+struct MulRnOp {
+  CUTLASS_DEVICE static float apply(float a, float b) { return __fmul_rn(a, b); }
 };
-template <int N>
-struct MulRn<cutlass::Array<float, N>> {
+struct AddRnOp {
+  CUTLASS_DEVICE static float apply(float a, float b) { return __fadd_rn(a, b); }
+};
+template <class Op, class T>
+struct Elementwise {   // CUTLASS's Sm90Compute applies its ComputeFn to whole fragments (Array<float, N>)
+  CUTLASS_DEVICE T operator()(T a, T b) const { return Op::apply(a, b); }
+};
+template <class Op, int N>
+struct Elementwise<Op, cutlass::Array<float, N>> {
   CUTLASS_DEVICE cutlass::Array<float, N> operator()(cutlass::Array<float, N> const& a,
                                                      cutlass::Array<float, N> const& b) const {
     cutlass::Array<float, N> r;
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < N; ++i) r[i] = __fmul_rn(a[i], b[i]);
+    for (int i = 0; i < N; ++i) r[i] = Op::apply(a[i], b[i]);
     return r;
   }
 };
 template <class T>
-struct AddRn {
-  CUTLASS_DEVICE T operator()(T a, T b) const { return __fadd_rn(a, b); }
-};
-template <int N>
-struct AddRn<cutlass::Array<float, N>> {
-  CUTLASS_DEVICE cutlass::Array<float, N> operator()(cutlass::Array<float, N> const& a,
-                                                     cutlass::Array<float, N> const& b) const {
-    cutlass::Array<float, N> r;
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < N; ++i) r[i] = __fadd_rn(a[i], b[i]);
-    return r;
-  }
-};
+using MulRn = Elementwise<MulRnOp, T>;
+template <class T>
+using AddRn = Elementwise<AddRnOp, T>;
 
 using E4M3 = cutlass::float_e4m3_t;
 using BF16 = cutlass::bfloat16_t;
@@ -160,13 +152,10 @@ enum Refusal : int {
   kBadAlignment = -2,    // K or N not a multiple the kernels need (header comment)
   kBadConfig = -3,       // config outside the table
   kBadScaleStride = -4,  // ld_sa < M or not a multiple of 4
-  kNotBuilt = -5,        // config left out by LB_PREFILL_CONFIGS
-  kCannotImplement = -6, // CUTLASS's can_implement refused the problem
-  kNeedsWorkspace = -7,  // the kernel asks for a workspace (none is passed)
-  kLaunchFailed = -8,    // CUTLASS's initialize / run failed without a CUDA error
+  kCannotImplement = -5, // CUTLASS's can_implement refused the problem
+  kNeedsWorkspace = -6,  // the kernel asks for a workspace (none is passed)
+  kLaunchFailed = -7,    // CUTLASS's initialize / run failed without a CUDA error
 };
-
-constexpr bool built(int bit) { return (LB_PREFILL_CONFIGS >> bit) & 1; }
 
 template <class G>
 int launch(typename G::Gemm::Arguments const& args, cudaStream_t st) {
@@ -214,26 +203,6 @@ int blockwise(const void* a, const void* b, const float* sa_t, int ld_sa, const 
   return launch<G>(args, st);
 }
 
-template <class G, int Bit>
-int rowwise_if_built(const void* a, const void* b, const float* sa, const float* sb, const float* bias, void* out, int M,
-                     int N, int K, cudaStream_t st) {
-  if constexpr (built(Bit)) {
-    return rowwise<G>(a, b, sa, sb, bias, out, M, N, K, st);
-  } else {
-    return kNotBuilt;
-  }
-}
-
-template <class G, int Bit>
-int blockwise_if_built(const void* a, const void* b, const float* sa_t, int ld_sa, const float* sb, const float* bias,
-                       void* out, int M, int N, int K, cudaStream_t st) {
-  if constexpr (built(Bit)) {
-    return blockwise<G>(a, b, sa_t, ld_sa, sb, bias, out, M, N, K, st);
-  } else {
-    return kNotBuilt;
-  }
-}
-
 }  // namespace lowbit_prefill
 
 using namespace lowbit_prefill;
@@ -243,21 +212,18 @@ extern "C" {
 
 int lb_prefill_abi_version() { return 1; }
 
-// 1 where `config` of the row-wise (blockwise = 0) or block-wise (1) kernel is compiled into this library.
-int lb_prefill_config_built(int blockwise, int config) {
-  int n = blockwise ? kBlockConfigs : kRowConfigs;
-  return config >= 0 && config < n && built((blockwise ? 8 : 0) + config) ? 1 : 0;
-}
+// The number of configurations of the row-wise (blockwise = 0) or block-wise (1) kernel.
+int lb_prefill_configs(int blockwise) { return blockwise ? kBlockConfigs : kRowConfigs; }
 
 int lb_fp8_rowwise_gemm(const void* a, const void* b, const float* sa, const float* sb, const float* bias, void* out,
                         int M, int N, int K, int config, cudaStream_t st) {
   if (M < 1 || N < 1 || K < 1) return kBadShape;
   if (K % 16 || N % 16) return kBadAlignment;
   switch (config) {
-    case 0: return rowwise_if_built<Row0, 0>(a, b, sa, sb, bias, out, M, N, K, st);
-    case 1: return rowwise_if_built<Row1, 1>(a, b, sa, sb, bias, out, M, N, K, st);
-    case 2: return rowwise_if_built<Row2, 2>(a, b, sa, sb, bias, out, M, N, K, st);
-    case 3: return rowwise_if_built<Row3, 3>(a, b, sa, sb, bias, out, M, N, K, st);
+    case 0: return rowwise<Row0>(a, b, sa, sb, bias, out, M, N, K, st);
+    case 1: return rowwise<Row1>(a, b, sa, sb, bias, out, M, N, K, st);
+    case 2: return rowwise<Row2>(a, b, sa, sb, bias, out, M, N, K, st);
+    case 3: return rowwise<Row3>(a, b, sa, sb, bias, out, M, N, K, st);
     default: return kBadConfig;
   }
 }
@@ -268,8 +234,8 @@ int lb_fp8_blockwise_gemm(const void* a, const void* b, const float* sa_t, int l
   if (K % 128 || N % 16) return kBadAlignment;
   if (ld_sa < M || ld_sa % 4) return kBadScaleStride;
   switch (config) {
-    case 0: return blockwise_if_built<Block0, 8>(a, b, sa_t, ld_sa, sb, bias, out, M, N, K, st);
-    case 1: return blockwise_if_built<Block1, 9>(a, b, sa_t, ld_sa, sb, bias, out, M, N, K, st);
+    case 0: return blockwise<Block0>(a, b, sa_t, ld_sa, sb, bias, out, M, N, K, st);
+    case 1: return blockwise<Block1>(a, b, sa_t, ld_sa, sb, bias, out, M, N, K, st);
     default: return kBadConfig;
   }
 }
