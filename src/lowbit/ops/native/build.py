@@ -39,7 +39,8 @@ CXX_FLAGS = ("-O2", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared")
 LIB_NAME, TWIN_NAME = "liblowbit_native.so", "liblowbit_twin.so"
 HOPPER_HINT = "pip install 'lowbit[hopper]' brings it from PyPI"
 PREFILL_PREFIX, PREFILL_SOURCE, PREFILL_LIB = "prefill_", "prefill_kernels.cu", "liblowbit_prefill.so"
-# CUTLASS wants relaxed constexpr for its host/device helpers; NDEBUG drops its device-side asserts.
+# CUTLASS wants relaxed constexpr for its host/device helpers. NDEBUG drops its device-side asserts: their calls
+# make ptxas serialize the wgmma pipeline (warning C7510) in the mainloop.
 PREFILL_FLAGS = ("--expt-relaxed-constexpr", "-DNDEBUG")
 CUTLASS_HINT = "pip install 'lowbit[hopper]' brings CUTLASS's headers (nvidia-cutlass) from PyPI"
 

@@ -4,7 +4,7 @@
 //                          and per row of B (sb [N])
 //   lb_fp8_blockwise_gemm  the same operands with a scale per 1x128 group of A (sa, M-major: sa_t[kb * ld_sa + m])
 //                          and per 128x128 block of B (sb [ceil(N/128), K/128], K-major: lowbit's "fp8 block128")
-// Kept out of decode_kernels.cu: each CUTLASS instantiation takes about a minute to compile.
+// Kept out of decode_kernels.cu: CUTLASS's headers and instantiations take about two minutes to compile.
 //
 // Rounding order (what the float64 reference and its tolerance are derived from):
 //   The fp8 tensor core sums each 32-wide k step's exact products into its accumulator with reduced precision
