@@ -118,9 +118,15 @@ def time_shape(M, N, K) -> list[dict]:
     for i, c in enumerate(pf.BLOCKWISE_CONFIGS):
         rows.append(timed(f"native blockwise {i}", lambda i=i: pf.fp8_blockwise_gemm(a, b, sa_blk, sb_blk, config=i), flop)
                     | dict(config=c.describe()))
-    us = {r["name"]: r.get("us") for r in rows}
     for r in rows:
         r.update(M=M, N=N, K=K)
+    return add_ratios(rows)
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """Each native row's speed ratio (baseline time / its time) to cuBLAS and Triton of the same accumulation."""
+    us = {r["name"]: r.get("us") for r in rows}
+    for r in rows:
         if "us" not in r or not r["name"].startswith("native"):
             continue
         fast = r.get("fast_accum", False)
@@ -132,6 +138,20 @@ def time_shape(M, N, K) -> list[dict]:
         if us.get(tri):
             r[f"vs {tri}"] = us[tri] / r["us"]
     return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n# native prefill GEMMs on {torch.cuda.get_device_name()}: TFLOP/s, and the ratio to the baseline "
+          "of the same accumulation (> 1: faster)")
+    print(f"{'kernel':22s} {'config':38s} {'M':>5s} {'N x K':>12s} {'TFLOP/s':>8s} {'vs cuBLAS':>10s} {'vs Triton':>10s}")
+    for r in rows:
+        if not r["name"].startswith("native"):
+            continue
+        vs_c = next((v for k, v in r.items() if k.startswith("vs cuBLAS")), None)
+        vs_t = next((v for k, v in r.items() if k.startswith("vs triton")), None)
+        perf = f"{r['tflops']:8.0f}" if "us" in r else f"{'error':>8s}"
+        print(f"{r['name']:22s} {r.get('config', ''):38s} {r['M']:5d} {r['N']:>5d}x{r['K']:<6d} {perf} "
+              + (f"{vs_c:9.2f}x" if vs_c else f"{'-':>10s}") + " " + (f"{vs_t:9.2f}x" if vs_t else f"{'-':>10s}"))
 
 
 def main(out_path: str) -> int:
@@ -155,17 +175,7 @@ def main(out_path: str) -> int:
                                                           else r["error"]), flush=True)
             json.dump(dict(device=torch.cuda.get_device_name(), checks=checks, rows=rows), open(out_path, "w"), indent=1)
     json.dump(dict(device=torch.cuda.get_device_name(), checks=checks, rows=rows), open(out_path, "w"), indent=1)
-    print(f"\n# native prefill GEMMs on {torch.cuda.get_device_name()}: TFLOP/s, and the ratio to the baseline "
-          "of the same accumulation (> 1: faster)")
-    print(f"{'kernel':22s} {'config':38s} {'M':>5s} {'N x K':>12s} {'TFLOP/s':>8s} {'vs cuBLAS':>10s} {'vs Triton':>10s}")
-    for r in rows:
-        if not r["name"].startswith("native"):
-            continue
-        vs_c = next((v for k, v in r.items() if k.startswith("vs cuBLAS")), None)
-        vs_t = next((v for k, v in r.items() if k.startswith("vs triton")), None)
-        perf = f"{r['tflops']:8.0f}" if "us" in r else f"{'error':>8s}"
-        print(f"{r['name']:22s} {r.get('config', ''):38s} {r['M']:5d} {r['N']:>5d}x{r['K']:<6d} {perf} "
-              + (f"{vs_c:9.2f}x" if vs_c else f"{'-':>10s}") + " " + (f"{vs_t:9.2f}x" if vs_t else f"{'-':>10s}"))
+    print_table(rows)
     bad = [c for c in checks if not c["passed"]]
     errors = [r for r in rows if "error" in r]
     print(f"checks: {len(checks) - len(bad)} passed, {len(bad)} failed; {len(errors)} timed calls failed")

@@ -4,7 +4,8 @@ Here, without a GPU: every argument check runs before the library is loaded (eac
 and the fix); the M-major copy of the activation scales is exact; the library compiles for sm_90a with the pip
 CUDA toolchain and CUTLASS's headers, loads (the CUDA runtime is linked statically), and its C side refuses
 bad shapes and configs with the documented codes before it touches a GPU. The compile is of every
-configuration (the library that ships; about two minutes on 2 CPU cores) and is cached by source hash. On an sm_90 GPU: every configuration against lowbit's float64 reference (check_quantized, with
+configuration (the library that ships; about two minutes on 2 CPU cores; a register spill fails it) and is
+cached by source hash. On an sm_90 GPU: every configuration against lowbit's float64 reference (check_quantized, with
 the fp8 tensor core's accumulator model) and against lowbit's Triton fp8 GEMMs, at shapes that are not tile
 multiples."""
 import ctypes

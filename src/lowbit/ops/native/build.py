@@ -41,7 +41,8 @@ HOPPER_HINT = "pip install 'lowbit[hopper]' brings it from PyPI"
 PREFILL_PREFIX, PREFILL_SOURCE, PREFILL_LIB = "prefill_", "prefill_kernels.cu", "liblowbit_prefill.so"
 # CUTLASS wants relaxed constexpr for its host/device helpers. NDEBUG drops its device-side asserts: their calls
 # make ptxas serialize the wgmma pipeline (warning C7510) in the mainloop.
-PREFILL_FLAGS = ("--expt-relaxed-constexpr", "-DNDEBUG")
+# A register spill in a mainloop is an error, so that a configuration that spills fails the build (and CI).
+PREFILL_FLAGS = ("--expt-relaxed-constexpr", "-DNDEBUG", "-Xptxas=-warn-spills,-warn-lmem-usage,--warning-as-error")
 CUTLASS_HINT = "pip install 'lowbit[hopper]' brings CUTLASS's headers (nvidia-cutlass) from PyPI"
 
 
