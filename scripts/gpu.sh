@@ -43,6 +43,10 @@
 #   native       the native sm_90a decode kernels (W4A16, W8A16, W8A8 at M = NATIVE_MS, default 1,16): checked,
 #                then their fraction of the copy bandwidth at the Llama-3-8B shapes (scripts/gpu_native.py;
 #                build here first with scripts/build_native.sh and carry .native; NATIVE_BUDGET s of timing)
+#   prefill      the native CUTLASS prefill GEMMs (fp8 row-wise and block-wise, every tile configuration): checked,
+#                then timed at M = PREFILL_MS (default 2048,4096) on the Llama-3-8B shapes against torch._scaled_mm
+#                and lowbit's Triton fp8 GEMMs (scripts/gpu_native_prefill.py; build here first with
+#                scripts/build_native.sh and carry .native; PREFILL_BUDGET s of timing)
 # Wheels in ./.whl (scripts/gpu_wheels.sh fetches them here; name .whl in the call's carry) are
 # installed first, so the suite's checkpoint tests run on the GPU machine too.
 # The suite and model each need a call of their own; memory + gemm fit one together; moe takes a whole call.
@@ -53,7 +57,7 @@ out="${OUT:-$root/out}"; mkdir -p "$out"
 export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if [ $# -eq 0 ]; then sed -n '2,/^set /{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 2; fi
 parts=",$1,"
-known=",suite,tests,verify,doctor,gemm,memory,layers,model,moe,profile,w4probe,w4configs,audit,probe,mma,attention,distributed,tune,eager,native,"
+known=",suite,tests,verify,doctor,gemm,memory,layers,model,moe,profile,w4probe,w4configs,audit,probe,mma,attention,distributed,tune,eager,native,prefill,"
 for p in ${1//,/ }; do
   [[ $known == *,$p,* ]] || { echo "scripts/gpu.sh: unknown part '$p'; parts: ${known:1:-1}" >&2; exit 2; }
 done
@@ -73,6 +77,10 @@ git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /' | tee -a "$sum"
 if [ -f "$root/.native/liblowbit_native.so" ]; then
   export LOWBIT_NATIVE_LIB="${LOWBIT_NATIVE_LIB:-$root/.native/liblowbit_native.so}"
   echo "native library: $LOWBIT_NATIVE_LIB" | tee -a "$sum"
+fi
+if [ -f "$root/.native/liblowbit_prefill.so" ]; then
+  export LOWBIT_PREFILL_LIB="${LOWBIT_PREFILL_LIB:-$root/.native/liblowbit_prefill.so}"
+  echo "native prefill library: $LOWBIT_PREFILL_LIB" | tee -a "$sum"
 fi
 # (the test timeouts send SIGINT: pytest then prints its failures so far before it stops)
 # a hung kernel (a deadlocked barrier) fails its test after PER_TEST_TIMEOUT s instead of eating the
@@ -153,6 +161,10 @@ fi
 if [[ $parts == *,native,* ]]; then  # the library built here (scripts/build_native.sh), carried in .native
   timeout "${NATIVE_TIMEOUT:-540}" python3 scripts/gpu_native.py "$out/bench-native.json" >"$out/native.log" 2>&1
   echo "native rc=$? :: $(grep -E '^checks:' "$out/native.log")" | tee -a "$sum"
+fi
+if [[ $parts == *,prefill,* ]]; then  # the prefill library built here (scripts/build_native.sh), carried in .native
+  timeout "${PREFILL_TIMEOUT:-540}" python3 scripts/gpu_native_prefill.py "$out/bench-prefill.json" >"$out/prefill.log" 2>&1
+  echo "prefill rc=$? :: $(grep -E '^checks:' "$out/prefill.log")" | tee -a "$sum"
 fi
 if [[ $parts == *,layers,* ]]; then
   timeout "${LAYER_TIMEOUT:-200}" python3 -m lowbit.bench.layers --json "$out/bench-layers.json" ${LAYER_ARGS:-} \
@@ -260,6 +272,7 @@ fi
 [ -f "$out/mma.log" ] && tail -n 30 "$out/mma.log"
 [ -f "$out/bench_attention.log" ] && tail -n 30 "$out/bench_attention.log"
 [ -f "$out/native.log" ] && sed -n '/^# native decode kernels/,$p' "$out/native.log"
+[ -f "$out/prefill.log" ] && sed -n '/^# native prefill GEMMs/,$p' "$out/prefill.log"
 [ -f "$out/bench_model.log" ] && sed -n '/^# targets/,$p' "$out/bench_model.log"   # the short table, last
 cat "$sum"
 for f in "$out"/bench_moe_*.log; do  # the short MoE tables last: rows, must targets, what did not run

