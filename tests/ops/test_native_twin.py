@@ -162,8 +162,8 @@ def test_bias_refusals_name_the_argument():
 VARIANTS = [(2, False), (4, False), (1, True), (2, True), (4, True)]
 
 
-def _variant_case(kind, M, N, K):
-    w, x = torch.randn(N, K), torch.randn(M, K).bfloat16()
+def _variant_case(kind, M, N, K, rng):
+    w, x = torch.randn(N, K, generator=rng), torch.randn(M, K, generator=rng).bfloat16()
     if kind.startswith("w4a16"):
         group = 32 if "g32" in kind else 128
         K = K - K % group
@@ -179,9 +179,9 @@ def _variant_case(kind, M, N, K):
 
 
 @pytest.mark.parametrize("kind", ["w4a16-g128", "w4a16-g32-asym", "w8a16", "w8a8-int8", "w8a8-fp8"])
-def test_twin_launch_variants_give_the_default_bits(kind):
+def test_twin_launch_variants_give_the_default_bits(kind, rng):
     for M, N, K, splits in CASES[:3]:
-        run, operand, qt = _variant_case(kind, M, N, K)
+        run, operand, qt = _variant_case(kind, M, N, K, rng)
         base = run(splits=splits)
         v = check_quantized(base, operand, qt, accumulator="fp32")
         assert v.passed, v.report()
