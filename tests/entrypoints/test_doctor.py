@@ -56,6 +56,6 @@ def test_doctor_json(capsys):
 
 def test_doctor_reports_the_native_kernels():
     nat = doctor.report()["native_kernels"]
-    assert set(nat) == {"library", "toolchain", "unavailable_reason"}
+    assert set(nat) == {"library", "toolchain", "unavailable_reason", "prefill_library", "prefill_unavailable_reason"}
     if not torch.cuda.is_available():
-        assert nat["unavailable_reason"]     # never "can run" without a GPU
+        assert nat["unavailable_reason"] and nat["prefill_unavailable_reason"]    # never "can run" without a GPU

@@ -195,10 +195,15 @@ def run(args) -> int:
     for kind, buckets in tun["paths"].items():
         print(f"  {kind:26s} " + " | ".join(f"M {b}: {p}" for b, p in buckets.items()))
     nat = rep["native_kernels"]
-    print("\nnative Hopper decode kernels (W4A16, W8A16, W8A8 at M <= 16; python -m lowbit.ops.native.build):")
+    print("\nnative Hopper decode kernels (W4A16 / W8A16 GEMV and dequantization, W8A8 GEMV at M <= 16; "
+          "python -m lowbit.ops.native.build):")
     print(f"  library:   {nat['library'] or 'not built (built on first use where the toolchain is found)'}")
     print(f"  toolchain: {nat['toolchain']}")
     print(f"  status:    {'can run here' if nat['unavailable_reason'] is None else 'unavailable: ' + nat['unavailable_reason']}")
+    print("native Hopper prefill GEMMs (CUTLASS fp8 row-wise / block-wise; python -m lowbit.ops.native.build --prefill):")
+    print(f"  library:   {nat['prefill_library'] or 'not built (built on first use where the toolchain and CUTLASS are found)'}")
+    why = nat["prefill_unavailable_reason"]
+    print(f"  status:    {'can run here' if why is None else 'unavailable: ' + why}")
     kern = rep["kernels"]
     print(f"\nkernel classes per scheme (device: {kern[0]['device']}; a layer gets the first that can run it):")
     for r in kern:

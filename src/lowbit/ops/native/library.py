@@ -143,9 +143,13 @@ def load_twin() -> ctypes.CDLL:
 
 
 def status() -> dict:
-    """What `lowbit doctor` prints: the library file (or why none), the toolchain, the GPU check."""
+    """What `lowbit doctor` prints: the decode library file (or why none), the toolchain, the GPU check, and the
+    same for the prefill library."""
     path = _library_path()
     tc = build.find_toolchain()
+    pre = _prefill_path()
     return {"library": str(path) if isinstance(path, Path) and path.is_file() else None,
             "toolchain": str(tc.root) if isinstance(tc, build.Toolchain) else tc,
-            "unavailable_reason": unavailable_reason()}
+            "unavailable_reason": unavailable_reason(),
+            "prefill_library": str(pre) if isinstance(pre, Path) and pre.is_file() else None,
+            "prefill_unavailable_reason": prefill_unavailable_reason()}
