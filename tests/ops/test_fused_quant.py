@@ -277,7 +277,12 @@ def test_tile_configs_match_row_kernel(tile, name, device, rng):
         y_t, y_r = out_t[2].cpu(), out_r[2].cpu()
         assert torch.all((y_t - y_r).abs() <= ((K + 3) + 8) * U32 * y_r.abs())  # both within the bound of y64
         same = (y_t == y_r).all(-1)
-        assert torch.equal(out_t[0].codes.cpu()[same], out_r[0].codes.cpu()[same])
+        # rows whose y agree get the same codes, under the same NVFP4 tensor scale: that scale comes from the
+        # whole tensor's amax, so a row whose y differs in its last bit (allowed above) may move it by an ulp
+        # and with it codes elsewhere (both sides' codes are lowbit.quantize's of their own y: checked above)
+        g_t, g_r = out_t[0].global_scale, out_r[0].global_scale
+        if g_t is None or torch.equal(g_t, g_r):
+            assert torch.equal(out_t[0].codes.cpu()[same], out_r[0].codes.cpu()[same])
         qt = fused.quantize_rows(x, scheme, backend="triton", kernel="tile", tile=tile)
         _assert_same_quant(qt.to("cpu"), canonical_quantize(x.cpu(), scheme))
         if name == "fp8_token":

@@ -172,19 +172,38 @@ __global__ void split_reduce_kernel(const T* ws, int splits, int M, int N, const
   }
 }
 
-// Dequantization (the large-M path): one warp per weight tile, every lane its 16 bytes (decode_warp.h).
+// Dequantization (the large-M path): one warp per weight tile, every lane its 16 bytes (decode_warp.h). The
+// lanes' values land in a per-warp shared tile first (a lane's own values are scattered over 8 rows), then
+// the warp writes the tile out row by row, consecutive lanes at consecutive columns: whole sectors per store.
+template <int TK>
+__device__ __forceinline__ void write_tile(const float (&tile)[kTileN * TK], int N, int K, int nt, int kt, void* out,
+                                           int ldo, int kind) {
+  __syncwarp();
+  const int lane = threadIdx.x & 31;
+  LB_UNROLL for (int e = lane; e < kTileN * TK; e += 32) {
+    const int n = nt * kTileN + e / TK, k = kt * TK + e % TK;
+    if (n < N && k < K) store_out(out, size_t(n) * ldo + k, tile[e], kind);
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) w4_dequant_kernel(W4Args a, const float* scale, int N, int G, void* out,
                                                               int ldo, int kind) {
-  const int tile = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  __shared__ float stage[kWarps][kTileN * kTileK4];
+  const int warp = threadIdx.x >> 5, tile = blockIdx.x * kWarps + warp;
   if (tile >= a.n16 * a.KT) return;
-  w4_dequant_tile<DL>(a, scale, N, tile / a.KT, tile % a.KT, 0, out, ldo, G, kind);
+  const int nt = tile / a.KT, kt = tile % a.KT;
+  w4_dequant_tile<DL>(a, scale, N, nt, kt, 0, G, [&](int r, int k, float v) { stage[warp][r * kTileK4 + k] = v; });
+  write_tile<kTileK4>(stage[warp], N, a.K, nt, kt, out, ldo, kind);
 }
 
 __global__ void __launch_bounds__(kThreads) w8_dequant_kernel(W8Args a, const float* scale, int N, void* out, int ldo,
                                                               int kind) {
-  const int tile = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  __shared__ float stage[kWarps][kTileN * kTileK8];
+  const int warp = threadIdx.x >> 5, tile = blockIdx.x * kWarps + warp;
   if (tile >= a.n16 * a.KT) return;
-  w8_dequant_tile<DL>(a, scale, N, tile / a.KT, tile % a.KT, 0, out, ldo, kind);
+  const int nt = tile / a.KT, kt = tile % a.KT;
+  w8_dequant_tile<DL>(a, scale, N, nt, kt, 0, [&](int r, int k, float v) { stage[warp][r * kTileK8 + k] = v; });
+  write_tile<kTileK8>(stage[warp], N, a.K, nt, kt, out, ldo, kind);
 }
 
 // One CTA per activation row: the row's amax (exact in any order), then its codes.

@@ -227,27 +227,27 @@ LB_HD void w8_lane_values(const uint32_t (&q)[4], int lane, Emit emit) {
   }
 }
 
-// Lane l's share of dequantizing tile (nt, kt) into out [N][ldo] of dtype kind (store_out): value * its
-// group's / row's float32 scale, one product, one rounding; elements past N or K are not written.
-template <class P>
-LB_HD void w4_dequant_tile(const W4Args& a, const float* scale, int N, int nt, int kt, int l, void* out, int ldo, int G,
-                           int kind) {
+// Lane l's share of dequantizing tile (nt, kt): sink(r, k, value * its group's / row's float32 scale) for row r
+// (0..15) and column k (0..tile k - 1) of the tile, one product each; elements past N or K are not handed over.
+// The twin stores each value at once (store_out); the GPU stages the tile in shared memory and writes it out in
+// rows (decode_kernels.cu), the same values.
+template <class P, class Sink>
+LB_HD void w4_dequant_tile(const W4Args& a, const float* scale, int N, int nt, int kt, int l, int G, Sink sink) {
   uint32_t q[4];
   P::loadw16(a.w + (size_t(nt) * a.KT + kt) * 512 + P::lane(l) * 16, q);
   w4_lane_values(q, P::lane(l), nt, kt, a.groups, G, a.zero, [&](int r, int k, float v) {
     const int n = nt * kTileN + r, kk = kt * kTileK4 + k;
-    if (n < N && kk < a.K)
-      store_out(out, size_t(n) * ldo + kk, mul_rn(v, P::loadf(scale + (size_t(nt) * a.groups + kk / G) * 16 + r)), kind);
+    if (n < N && kk < a.K) sink(r, k, mul_rn(v, P::loadf(scale + (size_t(nt) * a.groups + kk / G) * 16 + r)));
   });
 }
 
-template <class P>
-LB_HD void w8_dequant_tile(const W8Args& a, const float* scale, int N, int nt, int kt, int l, void* out, int ldo, int kind) {
+template <class P, class Sink>
+LB_HD void w8_dequant_tile(const W8Args& a, const float* scale, int N, int nt, int kt, int l, Sink sink) {
   uint32_t q[4];
   P::loadw16(a.w + (size_t(nt) * a.KT + kt) * 512 + P::lane(l) * 16, q);
   w8_lane_values(q, P::lane(l), [&](int r, int k, float v) {
     const int n = nt * kTileN + r, kk = kt * kTileK8 + k;
-    if (n < N && kk < a.K) store_out(out, size_t(n) * ldo + kk, mul_rn(v, P::loadf(scale + n)), kind);
+    if (n < N && kk < a.K) sink(r, k, mul_rn(v, P::loadf(scale + n)));
   });
 }
 

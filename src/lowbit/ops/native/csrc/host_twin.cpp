@@ -226,7 +226,10 @@ int lb_twin_w4_dequant(const uint8_t* w, const float* scale, const int8_t* zero,
   const W4Args a{w, scale, zero, nullptr, 0, K, 0, KT, groups, (N + 15) / 16};
   for (int nt = 0; nt < a.n16; ++nt)
     for (int kt = 0; kt < KT; ++kt)
-      for (int l = 0; l < 32; ++l) w4_dequant_tile<HL>(a, scale, N, nt, kt, l, out, ldo, G, out_kind);
+      for (int l = 0; l < 32; ++l)
+        w4_dequant_tile<HL>(a, scale, N, nt, kt, l, G, [&](int r, int k, float v) {
+          store_out(out, size_t(nt * kTileN + r) * ldo + kt * kTileK4 + k, v, out_kind);
+        });
   return 0;
 }
 
@@ -235,7 +238,10 @@ int lb_twin_w8_dequant(const uint8_t* w, const float* scale, void* out, int N, i
   const W8Args a{w, nullptr, nullptr, 0, K, 0, KT, (N + 15) / 16};
   for (int nt = 0; nt < a.n16; ++nt)
     for (int kt = 0; kt < KT; ++kt)
-      for (int l = 0; l < 32; ++l) w8_dequant_tile<HL>(a, scale, N, nt, kt, l, out, ldo, out_kind);
+      for (int l = 0; l < 32; ++l)
+        w8_dequant_tile<HL>(a, scale, N, nt, kt, l, [&](int r, int k, float v) {
+          store_out(out, size_t(nt * kTileN + r) * ldo + kt * kTileK8 + k, v, out_kind);
+        });
   return 0;
 }
 
