@@ -78,8 +78,15 @@ def test_plan_refuses_computing_ops_views_and_slow_launches(rng):
         bound.note_launch(k, (1,), (a, w), ())
         return out
 
+    def foreign(a):          # a launch that is not Triton's (lowbit's native kernels, through ctypes)
+        bound.note_unrecordable("a native sm_90a kernel launched through ctypes")
+        out = torch.empty(2, 4)
+        bound.note_launch(k, (1,), (a, w, out), ())
+        return out
+
     for fn, word in ((zeroing, "torch operations"), (view_of_input, "view of the input"),
-                     (slow, "Triton's own path"), (output_unwritten, "writes the returned output")):
+                     (slow, "Triton's own path"), (output_unwritten, "writes the returned output"),
+                     (foreign, "launched through ctypes")):
         _, plan, why = bound.record(fn, x)
         assert plan is None and word in why, (fn.__name__, why)
     assert bound._RECORDING is None      # the recorder is reset after every call, refused or not

@@ -11,7 +11,8 @@ calls each kernel's launcher with two slots of the argument list replaced (the i
 
 What a plan may hold (checked while recording; anything else gives no plan, and the caller keeps
 its other path):
-- only Triton launches through lowbit.ops.triton.common.launch's cached path, and torch
+- only Triton launches through lowbit.ops.triton.common.launch's cached path (a launch that says it cannot be
+  held, note_unrecordable, gives no plan, with its reason), and torch
   allocations and views between them -- an operation that computes (a zero fill, a cast, a copy,
   an add) would not be repeated by the replay, so its presence refuses the plan;
 - tensor arguments that are the input, the returned output, or tensors that do not alias either
@@ -41,6 +42,13 @@ def note_launch(ck, grid: tuple, args: tuple, tail: tuple) -> None:
     plan is being recorded, remember the compiled kernel, grid and runtime arguments."""
     if _RECORDING is not None:
         _RECORDING.append((ck, grid, args, tail))
+
+
+def note_unrecordable(why: str) -> None:
+    """A launch a plan cannot hold (why: what it is, e.g. lowbit's native kernels, launched through ctypes):
+    the call is not recorded, for that reason, and keeps its other path (a CUDA-graph replay of the layer)."""
+    if _RECORDING is not None:
+        _RECORDING.append(why)
 
 
 def note_slow_launch() -> None:
@@ -126,6 +134,9 @@ def _plan(seen, bad, x2, out, slots):
         return None, f"the call runs torch operations a replay would skip: {sorted(set(bad))}"
     if not seen:
         return None, "the call launched no kernel"
+    why = next((s for s in seen if isinstance(s, str)), None)
+    if why is not None:
+        return None, why
     if any(s is None for s in seen):
         return None, "a launch took Triton's own path (interpreter, profiler hook)"
     if not isinstance(out, torch.Tensor) or not out.is_contiguous() or out.storage_offset() != 0:

@@ -20,8 +20,8 @@ Opt-in because the native kernels have not yet been timed on a GPU: LOWBIT_NATIV
 `with opted_in():` around the quantization (or loading) of one model; without it, and
 where the library cannot run (no sm_90 GPU, no built library and no toolchain: library.unavailable_reason),
 the class refuses with that reason and dispatch takes the Triton class. Their launches go through ctypes,
-which lowbit.ops.bound's recorded plans do not see: the classes are not graph-safe, so an opted-in layer
-always launches directly.
+which lowbit.ops.bound's recorded plans cannot hold (the launch says so: note_unrecordable); the classes are
+graph-safe (no host synchronisation), so an opted-in layer's eager decode calls replay its CUDA graph.
 """
 from __future__ import annotations
 
@@ -95,8 +95,8 @@ def _layout(prepare, weight_q):
 def _with_native(cls, prepared: Prepared, extra: dict[str, torch.Tensor]) -> Prepared:
     """The Triton class's operands plus the native layout's, under a Spec naming `cls`."""
     t = {**prepared.tensors, **extra}
-    return Prepared(Spec(**{**prepared.spec.__dict__, "operands": tuple(t), "kernel": cls.name,
-                            "graphable": False}), t)
+    spec = Spec(**{**prepared.spec.__dict__, "operands": tuple(t), "kernel": cls.name})
+    return Prepared(Spec(**{**spec.__dict__, "graphable": cls.graph_safe(spec)}), t)
 
 
 def _gemv_ok(x2: torch.Tensor, bias, N: int) -> bool:
@@ -165,7 +165,9 @@ class _Native:
 
     @classmethod
     def graph_safe(cls, spec):
-        return False
+        # no host synchronisation in a call: a layer's decode calls may be captured in a CUDA graph (its
+        # ctypes launches on the capturing stream); a recorded plan cannot hold them (bound.note_unrecordable)
+        return True
 
 
 class _NativeWeightOnly(_Native):

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from lowbit.ops import bound
 from lowbit.quantize import QTensor
 
 from .layout import TILE_N, arrange_groups, arrange_w4, arrange_w8
@@ -206,6 +207,9 @@ def _raise(code: int, who: str) -> None:
 
 
 def _stream(x: torch.Tensor) -> int:
+    """The current stream's handle, for a launch: a recorded plan (lowbit.ops.bound) cannot hold a ctypes launch,
+    so a call being recorded is told so here (the layer then replays its CUDA graph instead)."""
+    bound.note_unrecordable("a native sm_90a kernel launched through ctypes (a plan holds Triton launches only)")
     return torch.cuda.current_stream(x.device).cuda_stream
 
 
@@ -312,8 +316,7 @@ def dequantize(w: NativeW4 | NativeW8, dtype: torch.dtype, out: torch.Tensor | N
     out: a [N, K] buffer of dtype to write (e.g. lowbit.ops.scratch's), else a new tensor."""
     out = _dequant_out(w, dtype, out, "cuda", "dequantize")
     lib = load()
-    _raise(_dequant_call((lib.lb_w4_dequant, lib.lb_w8_dequant), w, out, dtype, torch.cuda.current_stream(
-        out.device).cuda_stream), "dequantize")
+    _raise(_dequant_call((lib.lb_w4_dequant, lib.lb_w8_dequant), w, out, dtype, _stream(out)), "dequantize")
     return out
 
 
