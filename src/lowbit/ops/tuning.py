@@ -15,7 +15,8 @@ A table is JSON:
                 "path": "kernel", "config": {...} | null, "ratio": 1.37, "us": {"bf16": .., ...}}]}
 Which table is read: the file named by the environment variable LOWBIT_TUNE_TABLE, else the table
 shipped for this GPU (lowbit/ops/tables/<gpu>.json). A table measured on another GPU, or under
-another torch / triton / CUDA version, is refused with the reason (`lowbit doctor` prints it) and
+another torch / triton / CUDA version or NVIDIA driver (where it records one), is refused with the reason
+(`lowbit doctor` prints it) and
 the heuristic below decides instead. Cells are exact (kind, N, K, bucket); a shape the table did
 not measure also takes the heuristic. A grouped cell whose kind is not grouped_kind_key's spelling
 (a 4-bit kind without its weight format, as older tables wrote them) is refused on reading, with the
@@ -40,7 +41,8 @@ BUCKETS = ((1, 1, "1"), (2, 16, "2-16"), (17, 64, "17-64"), (65, 512, "65-512"),
 BUCKET_NAMES = tuple(b[2] for b in BUCKETS)
 # the M each bucket is timed at by `lowbit tune`
 BUCKET_M = {"1": 1, "2-16": 16, "17-64": 64, "65-512": 256, "513+": 2048}
-# "triton" is a native cell's answer (op "native"): the layer's Triton class runs, as its own linear cell says
+# "triton": a W8A8 native cell's answer (op "native"): the layer's Triton class runs, as its own linear cell says
+# (a weight-only native layer holds no Triton layout and reads it as "dequant")
 PATHS = ("kernel", "dequant", "triton")
 ENV_KEYS = ("gpu", "capability", "torch", "triton", "cuda")
 # recorded by `lowbit tune` where it can be read, and checked where both the table and this machine have it
@@ -112,7 +114,6 @@ def environment() -> dict:
 
 def driver_version() -> str | None:
     """The NVIDIA driver's version ("580.65.06"), read through NVML, or None where NVML cannot say."""
-
     try:
         nvml = ctypes.CDLL("libnvidia-ml.so.1")
         if nvml.nvmlInit_v2() != 0:
