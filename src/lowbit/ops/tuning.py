@@ -112,8 +112,10 @@ def environment() -> dict:
     return env
 
 
+@functools.lru_cache(maxsize=1)
 def driver_version() -> str | None:
-    """The NVIDIA driver's version ("580.65.06"), read through NVML, or None where NVML cannot say."""
+    """The NVIDIA driver's version ("580.65.06"), read through NVML once per process (`lowbit tune` builds a
+    table around every candidate it times), or None where NVML cannot say."""
     try:
         nvml = ctypes.CDLL("libnvidia-ml.so.1")
         if nvml.nvmlInit_v2() != 0:

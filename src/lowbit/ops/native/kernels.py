@@ -285,7 +285,6 @@ def w8a8(x: torch.Tensor, w: NativeW8, splits: int | None = None, bias: torch.Te
     return out
 
 
-
 OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}     # csrc/decode_math.h kOut*
 
 

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .act_quant import sym_codes
-from .common import bias_store_tile, kmajor_ptrs, launch, nonzero_quotient
+from .common import bias_store_tile, kmajor_ptrs, launch, nonzero_quotient, pick_config
 
 MAX_M = 16
 
@@ -59,17 +59,18 @@ def _w8a8_small_kernel(x_ptr, b_ptr, c_ptr, sb_ptr, bias_ptr, M, N, K, stride_xm
 
 
 def small_m_config(M: int, N: int, K: int) -> dict:
-    """The default tiles: one 16-row tile covers M; BLOCK_N lowered until about as many programs as SMs
-    (132) stream the weights, as lowbit.ops.triton.common.pick_config does for decode."""
-    bn = 64 if triton.cdiv(N, 64) >= 132 else 32
-    return dict(BLOCK_N=bn, BLOCK_K=128, num_warps=4, num_stages=4)
+    """The default tiles: one MAX_M-row tile covers M; BLOCK_N, warps and stages pick_config's for decode (as many
+    programs as SMs stream the weights); BLOCK_K 128, the fp8 promotion interval."""
+    c = pick_config(M, N, K)
+    return dict(BLOCK_N=c["BLOCK_N"], BLOCK_K=128, num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
 def launch_w8a8_small(x2: torch.Tensor, w: torch.Tensor, out: torch.Tensor, w_scale: torch.Tensor,
                       bias: torch.Tensor | None, config: dict | None = None) -> torch.Tensor:
     """out [M, N] = the per-token W8A8 product of float x2 [M, K] (M <= MAX_M, unit stride along K) with int8 or
-    float8_e4m3fn weights w [N, K] and fp32 scales w_scale [N] (stride 0: one tensor-wise scale); no checks (the prepared runtime
-    checks at prepare time). config: BLOCK_N / BLOCK_K / num_warps / num_stages (small_m_config's keys)."""
+    float8_e4m3fn weights w [N, K] and fp32 scales w_scale [N] (stride 0: one tensor-wise scale); no checks (the
+    prepared runtime checks at prepare time). config: BLOCK_N / BLOCK_K / num_warps / num_stages (small_m_config's
+    keys)."""
     M, K = x2.shape
     N = w.shape[0]
     cfg = small_m_config(M, N, K) if not config else {k: config[k] for k in ("BLOCK_N", "BLOCK_K", "num_warps",
@@ -78,6 +79,6 @@ def launch_w8a8_small(x2: torch.Tensor, w: torch.Tensor, out: torch.Tensor, w_sc
     launch(_w8a8_small_kernel, (triton.cdiv(N, cfg["BLOCK_N"]),), x2, w, out, w_scale,
            bias if bias is not None else out, M, N, K, x2.stride(0), w.stride(0), out.stride(0),
            w_scale.stride(0),
-           FP8=fp8, HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+           FP8=fp8, HAS_BIAS=bias is not None, BLOCK_M=MAX_M, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
            PROMOTE_K=min(cfg["BLOCK_K"], 128), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
