@@ -4,13 +4,15 @@ MXFP4 / NVFP4, MXFP8 through SFA / SFB words) against the float64 grouped refere
 routings; the fixed-shape routing and tile schedule (no host synchronisation)."""
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import lowbit as lb
 from lowbit.ops.grouped import route_fixed, scale_words_int32, sfa_words, sfb_words, sort_tokens
 from lowbit.ops.kernels.base import fp8_dot_accumulator
 from lowbit.ops.triton.grouped import grouped_fp8, grouped_int8, grouped_w4a16, grouped_w8a16
 from lowbit.ops.triton.grouped_mx import grouped_mxfp8, sfa_for_tokens, sfb_for_experts
-from lowbit.ops.triton.grouped_schedule import block_schedule, max_tiles
+from lowbit.ops.triton.grouped_schedule import max_tiles, schedule_args, tile_rows
 from lowbit.packing import pack_fp4, pack_int4
 from lowbit.recipes.presets import get_recipe
 from lowbit.verify.grouped import check_grouped_linear
@@ -163,40 +165,76 @@ def test_fixed_routing_rows_equal_the_compact_buffer_and_dropped_rows_stay_zero(
     assert torch.equal(got[:M].long(), want) and not got[M:].any()
 
 
-@pytest.mark.parametrize("E,block_m", [(3, 4), (5, 16), (7, 8)])
-def test_block_schedule_covers_every_row_once_within_its_static_bound(E, block_m, rng):
-    T, k = 11, 2
-    idx = top_k_index(rng, T, E, k, "hot" if E == 5 else "dropped")
-    r = route_fixed(idx, E)
-    bexp, brow = block_schedule(r.offsets, r.rows, block_m)
-    assert bexp.shape == brow.shape == (max_tiles(T * k, E, block_m),)
-    seen = []
-    for e, r0 in zip(bexp.tolist(), brow.tolist()):
-        if e == E:
-            assert r0 == 0
-            continue
-        end = int(r.offsets[e + 1])
-        assert int(r.offsets[e]) <= r0 < end
-        seen += list(range(r0, min(r0 + block_m, end)))
-    assert seen == list(range(int(r.offsets[-1])))        # every kept row once, in order
+@triton.jit
+def _tile_rows_probe(off_ptr, tok_ptr, e_out, rows_out, valid_out, tok_out, kend_out, E, K, BLOCK_M: tl.constexpr,
+                     E_PAD: tl.constexpr, IDENTITY: tl.constexpr):
+    pid = tl.program_id(0)
+    e, rows, valid, tok, k_end = tile_rows(off_ptr, tok_ptr, pid, E, K, BLOCK_M, E_PAD, IDENTITY)
+    at = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    tl.store(e_out + pid, e)
+    tl.store(kend_out + pid, k_end)
+    tl.store(rows_out + at, rows)
+    tl.store(valid_out + at, valid.to(tl.int32))
+    tl.store(tok_out + at, tok)
 
 
-def test_routing_and_schedule_have_no_data_dependent_shapes(rng):
+def _schedule_oracle(offsets: list[int], block_m: int, tiles: int, E: int) -> list[tuple[int, int]]:
+    """Per tile: (expert, first row) by walking the experts in order, or (E, 0) past the last live tile."""
+    plan = [(e, r0) for e in range(E) for r0 in range(offsets[e], offsets[e + 1], block_m)]
+    return plan + [(E, 0)] * (tiles - len(plan))
+
+
+@pytest.mark.parametrize("E,block_m", [(3, 4), (5, 16), (7, 8), (1, 16), (130, 16)])
+@pytest.mark.parametrize("kind", ["uniform", "hot", "dropped"])
+def test_tile_rows_cover_every_row_once_within_the_static_grid(E, block_m, kind, rng):
+    """The kernels' in-program schedule (grouped_schedule.tile_rows) against a walk over the experts:
+    each tile's expert, rows, validity, tokens and K extent; every kept row in exactly one tile; no
+    row of a dropped slot; tiles past the last live one run no K step."""
+    T, k, K = int(torch.randint(1, 40, (1,), generator=rng)), min(2, E), 96
+    if kind == "hot" and E < 2:
+        kind = "uniform"
+    r = route_fixed(top_k_index(rng, T, E, k, kind), E)
+    off = r.offsets.tolist()
+    for identity in (False, True):
+        o, t, tiles, e_pad = schedule_args(r, block_m, identity)
+        assert tiles == max_tiles(T * k, E, block_m) and e_pad >= E
+        outs = [torch.empty(tiles, dtype=torch.int64), torch.empty(tiles * block_m, dtype=torch.int32),
+                torch.empty(tiles * block_m, dtype=torch.int32), torch.empty(tiles * block_m, dtype=torch.int64),
+                torch.empty(tiles, dtype=torch.int32)]
+        outs = _dev(*outs)
+        _tile_rows_probe[(tiles,)](*_dev(o, t), *outs, E, K, BLOCK_M=block_m, E_PAD=e_pad, IDENTITY=identity)
+        e_t, rows, valid, tok, k_end = (x.cpu() for x in outs)
+        rows, valid, tok = rows.reshape(tiles, block_m), valid.reshape(tiles, block_m).bool(), tok.reshape(tiles, -1)
+        seen = []
+        for i, (e, r0) in enumerate(_schedule_oracle(off, block_m, tiles, E)):
+            live = e < E
+            assert int(e_t[i]) == min(e, E - 1) and int(k_end[i]) == (K if live else 0)
+            if not live:
+                assert not valid[i].any()
+                continue
+            want = [r0 + j < off[e + 1] for j in range(block_m)]
+            assert valid[i].tolist() == want and rows[i, 0] == r0
+            assert rows[i].tolist() == list(range(r0, r0 + block_m))
+            mine = rows[i][valid[i]].long()
+            assert torch.equal(tok[i][valid[i]], mine if identity else r.token[mine])
+            seen += mine.tolist()
+        assert seen == list(range(off[-1]))          # every kept row once, in order
+
+
+def test_routing_has_no_data_dependent_shapes(rng):
     """torch.compile(fullgraph=True) refuses a graph break: .item(), .tolist(), nonzero or a shape
-    read from data would raise here. The shapes depend only on (T, k, E, BLOCK_M)."""
-    E, bm = 5, 16
+    read from data would raise here. The shapes depend only on (T, k, E)."""
+    E = 5
 
-    def sched(idx):
+    def route(idx):
         r = route_fixed(idx, E)
-        bexp, brow = block_schedule(r.offsets, r.rows, bm)
-        return r.token, r.slot, r.offsets, bexp, brow
-    compiled = torch.compile(sched, fullgraph=True, backend="eager", dynamic=False)
+        return r.token, r.slot, r.offsets
+    compiled = torch.compile(route, fullgraph=True, backend="eager", dynamic=False)
     for kind in ("uniform", "dropped"):
         idx = top_k_index(rng, 7, E, 2, kind)
-        got, want = compiled(idx), sched(idx)
+        got, want = compiled(idx), route(idx)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
-        mt = max_tiles(14, E, bm)
-        assert [tuple(t.shape) for t in got] == [(14,), (14,), (E + 1,), (mt,), (mt,)]
+        assert [tuple(t.shape) for t in got] == [(14,), (14,), (E + 1,)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host synchronisation is a CUDA notion")

@@ -14,14 +14,14 @@ from lowbit.bench.sm90 import SHARED_LIMIT, compile_sm90
 from lowbit.ops.grouped_configs import grouped_default_config
 from lowbit.ops.triton.grouped import _grouped_w8a8_kernel
 from lowbit.ops.triton.grouped_w import PREFETCH_MAX_M, _grouped_w4_kernel, _grouped_w8a16_kernel
-ROUTE = {"bexp_ptr": "*i32", "brow_ptr": "*i32", "off_ptr": "*i32", "tok_ptr": "*i32"}
+ROUTE = {"off_ptr": "*i64", "tok_ptr": "*i64"}               # Routing's int64 offsets and tokens
 out = []
 for M in (2, 4096):                                   # Mixtral b1 decode and 2048-token prefill rows (top-2)
     for kind, wfmt, group in (("w4a16", 0, 128), ("w4a16", 0, 32), ("w4a16", 3, 16), ("w8a16", None, None),
                               ("int8", None, None), ("fp8", None, None)):
         c = grouped_default_config(kind, 8, 4096, 14336, M)
         ints = ["E", "N", "K", "K_SPLIT", "stride_a", "stride_be", "stride_bn"]
-        tiles = dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k)
+        tiles = dict(BLOCK_M=c.block_m, E_PAD=8, BLOCK_N=c.block_n, BLOCK_K=c.block_k)
         if kind == "w4a16":
             fn = _grouped_w4_kernel
             sig = {"a_ptr": "*bf16", "b_ptr": "*u8", "c_ptr": "*bf16", "s_ptr": "*fp32" if wfmt == 0 else "*u8",

@@ -15,8 +15,8 @@ sums its fp32 partials in a fixed order).
                                                  tuning table's cell, else the default; weight:
                                                  the 4-bit kinds' W4Format (the cell's key names it)
   check_config(kind, config, K, group)           the constraints, ValueError naming the fix
-The block schedule (lowbit.ops.triton.grouped_schedule.block_schedule) is made per block_m: the
-launcher builds it from the config it runs, so the two always agree.
+Each program finds its tile's expert and rows from the expert offsets and the BLOCK_M it was
+compiled with (lowbit.ops.triton.grouped_schedule.tile_rows), so schedule and config always agree.
 """
 from __future__ import annotations
 

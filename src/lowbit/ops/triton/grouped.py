@@ -3,11 +3,13 @@
 are in lowbit.ops.triton.grouped_w, MXFP8 with its SFA / SFB words in grouped_mx.
 
 Schedule (the idea of vLLM's fused MoE, written here from lowbit's own Routing): each expert's
-rows of the sorted token buffer (lowbit.ops.grouped) are cut into BLOCK_M tiles. `block_schedule`
-computes, with device operations only (no host synchronisation, shapes that depend only on the
-buffer's capacity R, E and BLOCK_M, so a CUDA graph or torch.compile captures it), a STATIC
-number of tiles, max_tiles(R, E, BLOCK_M) = (R + E * (BLOCK_M - 1)) // BLOCK_M >= sum_e
-ceil(count_e / BLOCK_M): per tile its expert (E = unused) and its first sorted row. A program
+rows of the sorted token buffer (lowbit.ops.grouped) are cut into BLOCK_M tiles. The grid has a
+STATIC number of tiles, max_tiles(R, E, BLOCK_M) = (R + E * (BLOCK_M - 1)) // BLOCK_M >= sum_e
+ceil(count_e / BLOCK_M), depending only on the buffer's capacity R, E and BLOCK_M (no host
+synchronisation: a CUDA graph or torch.compile captures it). Each program finds its tile's expert
+(or that it is unused) and first sorted row from the expert offsets itself
+(grouped_schedule.tile_rows: a running sum of the experts' tile counts), so no schedule is built
+before the launch. A program
 computes one (tile, BLOCK_N columns) block: an unused tile runs zero K steps and stores nothing;
 a live tile's rows are row0 + [0, BLOCK_M), valid below its expert's end offsets[e + 1] (the
 padding of an expert's last tile is masked on load and on store). It gathers the activations of
@@ -17,7 +19,7 @@ rows of the buffer that belong to no expert (dropped slots of lowbit.ops.grouped
 read as zeros.
 
 Tiles, warps and stages come from a GroupedConfig (lowbit.ops.grouped_configs; None: its
-grouped_config, the registered tuning table or the heuristic); the schedule is built per BLOCK_M.
+grouped_config, the registered tuning table or the heuristic).
 
 int8 epilogue order (as lowbit.ops.triton.gemm_int8): acc int32 exact (K * 127 * 127 < 2^31),
 then y = (fp32(acc) * sa[token]) * sw[e, n] (+ bias[e, n]), each an fp32 rounding, then one
@@ -34,7 +36,7 @@ import triton.language as tl
 
 from lowbit.ops.grouped import Routing
 from lowbit.ops.grouped_configs import GroupedConfig, check_config, grouped_config
-from lowbit.ops.triton.grouped_schedule import (block_schedule, check_bias, check_routing, max_tiles,  # noqa: F401
+from lowbit.ops.triton.grouped_schedule import (check_bias, check_routing, max_tiles,  # noqa: F401
                                                 schedule_args, store_rows, tile_rows)
 from lowbit.ops.triton.grouped_w import OUT_DTYPES, grouped_w4a16, grouped_w8a16  # noqa: F401  (one import path)
 
@@ -42,14 +44,14 @@ _INT32_LIMIT = 2 ** 31
 
 
 @triton.jit
-def _grouped_w8a8_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, bexp_ptr, brow_ptr, off_ptr, tok_ptr,
+def _grouped_w8a8_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, off_ptr, tok_ptr,
                          E, N, K, stride_a, stride_be, stride_bn, stride_c, num_n,
                          INT: tl.constexpr, RAW: tl.constexpr, HAS_BIAS: tl.constexpr, IDENTITY: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          PROMOTE_K: tl.constexpr):
     pid = tl.program_id(0)
     pid_m, pid_n = pid // num_n, pid % num_n
-    e, rows, valid, tok, k_end = tile_rows(bexp_ptr, brow_ptr, off_ptr, tok_ptr, pid_m, E, K, BLOCK_M, IDENTITY)
+    e, rows, valid, tok, k_end = tile_rows(off_ptr, tok_ptr, pid_m, E, K, BLOCK_M, E_PAD, IDENTITY)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     if INT:
@@ -100,13 +102,13 @@ def _w8a8(a, sa, w, sb, routing, bias, raw, identity, config, out_dtype, integer
         raise ValueError(f"a_scale must hold one scale per row of a ({T}), got {sa.numel()}; per-tensor "
                          "activation scales: expand them to [T]")
     b = check_bias(bias, E, N, a.device)
-    bexp, brow, off, tok, tiles = schedule_args(routing, c.block_m, identity)
+    off, tok, tiles, e_pad = schedule_args(routing, c.block_m, identity)
     out = torch.zeros(routing.rows, N, dtype=torch.int32 if raw else out_dtype, device=a.device)
     num_n = triton.cdiv(N, c.block_n)
-    _grouped_w8a8_kernel[(tiles * num_n,)](a, w, out, sa, sb, b if b is not None else sb, bexp, brow, off, tok,
+    _grouped_w8a8_kernel[(tiles * num_n,)](a, w, out, sa, sb, b if b is not None else sb, off, tok,
                                            E, N, K, a.stride(0), w.stride(0), w.stride(1), out.stride(0), num_n,
                                            INT=integer, RAW=raw, HAS_BIAS=b is not None, IDENTITY=identity,
-                                           BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+                                           BLOCK_M=c.block_m, E_PAD=e_pad, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
                                            PROMOTE_K=min(c.block_k, 32), num_warps=c.num_warps,
                                            num_stages=c.num_stages)
     return out

@@ -31,14 +31,14 @@ def _word_byte(words, j):
 
 
 @triton.jit
-def _grouped_mx_kernel(a_ptr, b_ptr, c_ptr, sfa_ptr, sfb_ptr, bias_ptr, bexp_ptr, brow_ptr, off_ptr, tok_ptr,
+def _grouped_mx_kernel(a_ptr, b_ptr, c_ptr, sfa_ptr, sfb_ptr, bias_ptr, off_ptr, tok_ptr,
                        E, N, K, M_total, stride_a, stride_be, stride_bn, stride_c, num_n,
                        HAS_BIAS: tl.constexpr, IDENTITY: tl.constexpr, INTERP: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     NG: tl.constexpr = BLOCK_K // 32
     pid = tl.program_id(0)
     pid_m, pid_n = pid // num_n, pid % num_n
-    e, rows, valid, tok, k_end = tile_rows(bexp_ptr, brow_ptr, off_ptr, tok_ptr, pid_m, E, K, BLOCK_M, IDENTITY)
+    e, rows, valid, tok, k_end = tile_rows(off_ptr, tok_ptr, pid_m, E, K, BLOCK_M, E_PAD, IDENTITY)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     m64 = rows.to(tl.int64)
@@ -103,15 +103,15 @@ def grouped_mxfp8(a_codes: torch.Tensor, sfa: torch.Tensor, w_codes: torch.Tenso
         words.append(t.reshape(-1).view(torch.int32).contiguous())
     b = check_bias(bias, E, N, a.device)
     ac, wc = a.contiguous(), w.contiguous()
-    bexp, brow, off, tok, tiles = schedule_args(routing, c.block_m, identity)
+    off, tok, tiles, e_pad = schedule_args(routing, c.block_m, identity)
     if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"out_dtype={out_dtype}; choose float32, bfloat16 or float16")
     out = torch.zeros(R, N, dtype=out_dtype, device=a.device)
     num_n = triton.cdiv(N, c.block_n)
-    _grouped_mx_kernel[(tiles * num_n,)](ac, wc, out, words[0], words[1], out if b is None else b, bexp, brow, off,
+    _grouped_mx_kernel[(tiles * num_n,)](ac, wc, out, words[0], words[1], out if b is None else b, off,
                                          tok, E, N, K, R, ac.stride(0), wc.stride(0), wc.stride(1), out.stride(0),
                                          num_n, HAS_BIAS=b is not None, IDENTITY=identity, INTERP=interpreting(),
-                                         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+                                         BLOCK_M=c.block_m, E_PAD=e_pad, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
                                          num_warps=c.num_warps, num_stages=c.num_stages)
     return out
 

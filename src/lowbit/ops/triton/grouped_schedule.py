@@ -16,41 +16,34 @@ def max_tiles(rows: int, num_experts: int, block_m: int) -> int:
     return (rows + num_experts * (block_m - 1)) // block_m
 
 
-def block_schedule(offsets: torch.Tensor, rows: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(block_expert int32 [max_tiles], block_row0 int32 [max_tiles]) of a sorted buffer of
-    `rows` rows (its capacity; offsets[-1] <= rows) whose expert e owns rows
-    offsets[e]:offsets[e + 1]. Tile t < sum_e ceil(count_e / block_m) belongs to expert e and
-    starts at row offsets[e] + j * block_m (its j-th tile); later tiles get expert E and row 0.
-    Device operations only: no host synchronisation, shapes fixed by (rows, E, block_m)."""
-    off = offsets.to(torch.int64)
-    E = off.numel() - 1
-    tiles = (off[1:] - off[:-1] + block_m - 1) // block_m
-    ends = torch.cumsum(tiles, 0)
-    t = torch.arange(max_tiles(rows, E, block_m), device=off.device, dtype=torch.int64)
-    e = torch.searchsorted(ends, t, right=True)                  # E past the last live tile
-    ec = e.clamp(max=E - 1)
-    row0 = off[ec] + (t - (ends - tiles)[ec]) * block_m
-    live = e < E
-    return e.to(torch.int32), torch.where(live, row0, 0).to(torch.int32)
-
-
 @triton.jit
-def tile_rows(bexp_ptr, brow_ptr, off_ptr, tok_ptr, pid_m, E, K, BLOCK_M: tl.constexpr, IDENTITY: tl.constexpr):
-    """(e int64, rows int32 [BM], valid [BM], token int64 [BM], k_end) of tile pid_m: an unused
-    tile (expert E) has no valid row and k_end = 0 (its K loop runs no step)."""
-    e = tl.load(bexp_ptr + pid_m)
+def tile_rows(off_ptr, tok_ptr, pid_m, E, K, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, IDENTITY: tl.constexpr):
+    """(e int64, rows int32 [BM], valid [BM], token int64 [BM], k_end) of tile pid_m, found from the
+    expert offsets alone (no schedule built before the launch: that was a dozen small device
+    operations per call, each a launch in eager mode and a node in a CUDA graph). Expert e has
+    ceil(count_e / BLOCK_M) tiles, in expert order; tile pid_m belongs to the first expert whose
+    running tile count exceeds pid_m and starts at offsets[e] + (pid_m - tiles before e) * BLOCK_M.
+    A tile past the last live one (pid_m < max_tiles, the static grid) has no valid row and
+    k_end = 0 (its K loop runs no step). E_PAD: a power of two >= E."""
+    ex = tl.arange(0, E_PAD)
+    real = ex < E
+    lo = tl.load(off_ptr + ex, mask=real, other=0).to(tl.int64)
+    hi = tl.load(off_ptr + ex + 1, mask=real, other=0).to(tl.int64)
+    tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M                 # 0 on the padding lanes
+    ends = tl.cumsum(tiles, 0)                                 # tiles of experts 0..e
+    e = tl.sum((real & (ends <= pid_m)).to(tl.int32), 0)       # E: past the last live tile
     live = e < E
-    e = tl.minimum(e, E - 1).to(tl.int64)
-    row0 = tl.load(brow_ptr + pid_m)
-    end = tl.load(off_ptr + e + 1).to(tl.int32)
-    rows = row0 + tl.arange(0, BLOCK_M)
+    mine = ex == tl.minimum(e, E - 1)
+    row0 = tl.sum(tl.where(mine, lo + (pid_m - (ends - tiles)) * BLOCK_M, 0), 0)
+    end = tl.sum(tl.where(mine, hi, 0), 0)
+    rows = row0.to(tl.int32) + tl.arange(0, BLOCK_M)
     valid = (rows < end) & live
     if IDENTITY:
         tok = rows.to(tl.int64)
     else:
         tok = tl.load(tok_ptr + rows, mask=valid, other=0).to(tl.int64)
     k_end = tl.where(live, K, 0)
-    return e, rows, valid, tok, k_end
+    return tl.minimum(e, E - 1).to(tl.int64), rows, valid, tok, k_end
 
 
 @triton.jit
@@ -86,10 +79,9 @@ def check_bias(bias, E, N, device):
 
 
 def schedule_args(routing: Routing, block_m: int, identity: bool):
-    """(block_expert, block_row0, offsets int32, token int32, tiles) for a launch."""
-    bexp, brow = block_schedule(routing.offsets, routing.rows, block_m)
-    off = routing.offsets.to(torch.int32).contiguous()
-    tok = off if identity else routing.token.to(torch.int32).contiguous()
-    return bexp, brow, off, tok, bexp.numel()
-
-
+    """(offsets, token, tiles, E_PAD) of a launch: the routing's own tensors (int64, read in the
+    kernel: no conversion launched), the static number of tiles and tile_rows' E_PAD."""
+    off = routing.offsets.contiguous()
+    tok = off if identity else routing.token.contiguous()
+    E = off.numel() - 1
+    return off, tok, max_tiles(routing.rows, E, block_m), triton.next_power_of_2(E)

@@ -100,12 +100,12 @@ def _w4_step(a_base, w_base, s_ptr, z_ptr, s_row, valid, n_ok, ks, k_hi, K, WFMT
 
 
 @triton.jit
-def _grouped_w4_kernel(a_ptr, b_ptr, c_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, bexp_ptr, brow_ptr, off_ptr, tok_ptr,
+def _grouped_w4_kernel(a_ptr, b_ptr, c_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, off_ptr, tok_ptr,
                        E, N, K, K_SPLIT, stride_a, stride_be, stride_bn, stride_se, stride_sn, stride_c, stride_p,
                        num_n, WFMT: tl.constexpr, HAS_Z: tl.constexpr, HAS_G: tl.constexpr, HAS_BIAS: tl.constexpr,
                        IDENTITY: tl.constexpr, PARTIAL: tl.constexpr, INTERP: tl.constexpr, GROUP: tl.constexpr,
-                       S: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+                       S: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Grid (tiles * num_n, split_k). S codes per dot pair (int4: min(BLOCK_K, GROUP); fp4:
     BLOCK_K); K_SPLIT a multiple of BLOCK_K and GROUP. PREFETCH (small BLOCK_M: decode): the
     next S codes' operands are loaded into registers before the current ones are multiplied (in
@@ -114,7 +114,7 @@ def _grouped_w4_kernel(a_ptr, b_ptr, c_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, bexp_
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m, pid_n = pid // num_n, pid % num_n
-    e, rows, valid, tok, k_end = tile_rows(bexp_ptr, brow_ptr, off_ptr, tok_ptr, pid_m, E, K, BLOCK_M, IDENTITY)
+    e, rows, valid, tok, k_end = tile_rows(off_ptr, tok_ptr, pid_m, E, K, BLOCK_M, E_PAD, IDENTITY)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     n64 = offs_n.to(tl.int64)
@@ -176,14 +176,14 @@ def _w8_step(a_base, b_base, valid, n_ok, k0, k_hi, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _grouped_w8a16_kernel(a_ptr, b_ptr, c_ptr, s_ptr, bias_ptr, bexp_ptr, brow_ptr, off_ptr, tok_ptr,
+def _grouped_w8a16_kernel(a_ptr, b_ptr, c_ptr, s_ptr, bias_ptr, off_ptr, tok_ptr,
                           E, N, K, K_SPLIT, stride_a, stride_be, stride_bn, stride_c, stride_p, num_n,
                           HAS_BIAS: tl.constexpr, IDENTITY: tl.constexpr, PARTIAL: tl.constexpr, INTERP: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m, pid_n = pid // num_n, pid % num_n
-    e, rows, valid, tok, k_end = tile_rows(bexp_ptr, brow_ptr, off_ptr, tok_ptr, pid_m, E, K, BLOCK_M, IDENTITY)
+    e, rows, valid, tok, k_end = tile_rows(off_ptr, tok_ptr, pid_m, E, K, BLOCK_M, E_PAD, IDENTITY)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     k_lo = pid_k * K_SPLIT
@@ -280,17 +280,17 @@ def grouped_w4a16(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor
     g = None if w_global is None else w_global.reshape(E).to(torch.float32).contiguous()
     b = check_bias(bias, E, N, x.device)
     xc, w = x.contiguous(), w_packed.contiguous()
-    bexp, brow, off, tok, tiles = schedule_args(routing, c.block_m, identity)
+    off, tok, tiles, e_pad = schedule_args(routing, c.block_m, identity)
     out = _output(routing, N, out_dtype, c.split_k, x.device)
     num_n = triton.cdiv(N, c.block_n)
     S = min(c.block_k, group) if kind == "int4" else c.block_k
     dummy = out
     _grouped_w4_kernel[(tiles * num_n, c.split_k)](
         xc, w, out, s, dummy if z is None else z, dummy if g is None else g, dummy if b is None else b,
-        bexp, brow, off, tok, E, N, K, _k_split(K, c, group), xc.stride(0), w.stride(0), w.stride(1), s.stride(0),
+        off, tok, E, N, K, _k_split(K, c, group), xc.stride(0), w.stride(0), w.stride(1), s.stride(0),
         s.stride(1), out.stride(-2), out.stride(0), num_n, WFMT=WFMT_CODE[kind], HAS_Z=z is not None,
         HAS_G=g is not None, HAS_BIAS=b is not None, IDENTITY=identity, PARTIAL=c.split_k > 1, INTERP=interpreting(),
-        GROUP=group, S=S, PREFETCH=c.block_m <= PREFETCH_MAX_M, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+        GROUP=group, S=S, PREFETCH=c.block_m <= PREFETCH_MAX_M, BLOCK_M=c.block_m, E_PAD=e_pad, BLOCK_N=c.block_n,
         BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
     return _result(out, out_dtype)
 
@@ -314,12 +314,12 @@ def grouped_w8a16(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor,
     s = w_scale.reshape(E, N).to(torch.float32).contiguous()
     b = check_bias(bias, E, N, x.device)
     xc, w = x.contiguous(), w_codes.contiguous()
-    bexp, brow, off, tok, tiles = schedule_args(routing, c.block_m, identity)
+    off, tok, tiles, e_pad = schedule_args(routing, c.block_m, identity)
     out = _output(routing, N, out_dtype, c.split_k, x.device)
     num_n = triton.cdiv(N, c.block_n)
     _grouped_w8a16_kernel[(tiles * num_n, c.split_k)](
-        xc, w, out, s, out if b is None else b, bexp, brow, off, tok, E, N, K, _k_split(K, c, 1), xc.stride(0),
+        xc, w, out, s, out if b is None else b, off, tok, E, N, K, _k_split(K, c, 1), xc.stride(0),
         w.stride(0), w.stride(1), out.stride(-2), out.stride(0), num_n, HAS_BIAS=b is not None, IDENTITY=identity,
-        PARTIAL=c.split_k > 1, INTERP=interpreting(), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-        num_warps=c.num_warps, num_stages=c.num_stages)
+        PARTIAL=c.split_k > 1, INTERP=interpreting(), BLOCK_M=c.block_m, E_PAD=e_pad, BLOCK_N=c.block_n,
+        BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
     return _result(out, out_dtype)
