@@ -45,6 +45,7 @@ def launch_rows(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int,
     With `tile` = (ROWS, num_warps): the tile kernel's group variant instead (both of NVFP4's
     passes included, see launch_groups); pack: fp4 codes two per byte (group variant only)."""
     from lowbit.ops.triton import fused_quant as fq    # optional: triton
+    from lowbit.ops.triton.common import launch
 
     rows, dev = x2.shape[0], x2.device
     block = row_block(K)
@@ -64,9 +65,9 @@ def launch_rows(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int,
     tamax = gscale = global_scale  # a calibrated tensor scale: one pass, g = global_scale
     if scale_kind == 2 and global_scale is None:  # two-level: tensor scale from the live tensor's amax (first pass)
         amax = torch.empty(rows, device=dev, dtype=torch.float32)
-        fq._row_quant_kernel[(rows,)](x2, x2.stride(0), w, r_in, r_in.stride(0) if res2 is not None else 0,
-                                      r_out, 0, dummy, dummy, dummy, dummy, dummy, dummy, amax, K, ngroups,
-                                      eps, STORE_Y=False, AMAX_ONLY=True, **common)
+        launch(fq._row_quant_kernel, (rows,), x2, x2.stride(0), w, r_in, r_in.stride(0) if res2 is not None else 0,
+               r_out, 0, dummy, dummy, dummy, dummy, dummy, dummy, amax, K, ngroups,
+               eps, STORE_Y=False, AMAX_ONLY=True, **common)
         # the second pass turns it into g = amax / (448 * fmt.max), quantize.two_level_global_scale's
         # rule, on the device (no host round trip, so the whole call can be graph-captured)
         tamax = amax.max().reshape(1)
@@ -75,7 +76,7 @@ def launch_rows(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int,
     scale = torch.empty(rows, ngroups, device=dev, dtype=torch.float32)
     scodes = torch.empty(rows, ngroups, device=dev, dtype=torch.uint8) if scale_kind else dummy
     y = torch.empty(rows, K, device=dev, dtype=torch.float32) if store_y else dummy
-    fq._row_quant_kernel[(rows,)](
+    launch(fq._row_quant_kernel, (rows,),
         x2, x2.stride(0), w, r_in, r_in.stride(0) if res2 is not None else 0,
         r_out, r_out.stride(0) if res_out is not None else 0, y, codes, scale, scodes,
         tamax if tamax is not None else dummy, gscale if gscale is not None else dummy, dummy, K, ngroups, eps,
@@ -157,6 +158,7 @@ def launch_tile(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int,
     import triton
 
     from lowbit.ops.triton import fused_quant as fq    # optional: triton
+    from lowbit.ops.triton.common import launch
 
     rows, dev = x2.shape[0], x2.device
     block = row_block(K)
@@ -199,7 +201,7 @@ def launch_tile(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int,
         from lowbit.ops.triton.common import num_sms    # optional: triton
 
         nprog = min(n_tiles, persist * (num_sms() if x2.is_cuda else 4))
-    fq._token_tile_kernel[(nprog or n_tiles,)](
+    launch(fq._token_tile_kernel, (nprog or n_tiles,),
         x2, x2.stride(0), weight if weight is not None else dummy, res2 if res2 is not None else dummy,
         res2.stride(0) if res2 is not None else 0, res_out if res_out is not None else dummy,
         res_out.stride(0) if res_out is not None else 0, y, codes, scale, rows, K, eps,

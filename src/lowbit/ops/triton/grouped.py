@@ -36,6 +36,7 @@ import triton.language as tl
 
 from lowbit.ops.grouped import Routing
 from lowbit.ops.grouped_configs import GroupedConfig, check_config, grouped_config
+from lowbit.ops.triton.common import launch
 from lowbit.ops.triton.grouped_schedule import (check_bias, check_routing, max_tiles,  # noqa: F401
                                                 schedule_args, store_rows, tile_rows)
 from lowbit.ops.triton.grouped_w import OUT_DTYPES, grouped_w4a16, grouped_w8a16  # noqa: F401  (one import path)
@@ -105,12 +106,11 @@ def _w8a8(a, sa, w, sb, routing, bias, raw, identity, config, out_dtype, integer
     off, tok, tiles, e_pad = schedule_args(routing, c.block_m, identity)
     out = torch.zeros(routing.rows, N, dtype=torch.int32 if raw else out_dtype, device=a.device)
     num_n = triton.cdiv(N, c.block_n)
-    _grouped_w8a8_kernel[(tiles * num_n,)](a, w, out, sa, sb, b if b is not None else sb, off, tok,
-                                           E, N, K, a.stride(0), w.stride(0), w.stride(1), out.stride(0), num_n,
-                                           INT=integer, RAW=raw, HAS_BIAS=b is not None, IDENTITY=identity,
-                                           BLOCK_M=c.block_m, E_PAD=e_pad, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-                                           PROMOTE_K=min(c.block_k, 32), num_warps=c.num_warps,
-                                           num_stages=c.num_stages)
+    launch(_grouped_w8a8_kernel, (tiles * num_n,), a, w, out, sa, sb, b if b is not None else sb, off, tok,
+           E, N, K, a.stride(0), w.stride(0), w.stride(1), out.stride(0), num_n,
+           INT=integer, RAW=raw, HAS_BIAS=b is not None, IDENTITY=identity,
+           BLOCK_M=c.block_m, E_PAD=e_pad, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+           PROMOTE_K=min(c.block_k, 32), num_warps=c.num_warps, num_stages=c.num_stages)
     return out
 
 

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from lowbit.ops.grouped import Routing, scale_words_int32
 from lowbit.ops.grouped_configs import GroupedConfig, check_config, grouped_config
-from lowbit.ops.triton.common import interpreting
+from lowbit.ops.triton.common import interpreting, launch
 from lowbit.ops.triton.gemm_blockscaled import _bf16_dot, _scaled_bf16
 from lowbit.ops.triton.grouped_schedule import check_bias, check_routing, schedule_args, store_rows, tile_rows
 
@@ -108,11 +108,11 @@ def grouped_mxfp8(a_codes: torch.Tensor, sfa: torch.Tensor, w_codes: torch.Tenso
         raise ValueError(f"out_dtype={out_dtype}; choose float32, bfloat16 or float16")
     out = torch.zeros(R, N, dtype=out_dtype, device=a.device)
     num_n = triton.cdiv(N, c.block_n)
-    _grouped_mx_kernel[(tiles * num_n,)](ac, wc, out, words[0], words[1], out if b is None else b, off,
-                                         tok, E, N, K, R, ac.stride(0), wc.stride(0), wc.stride(1), out.stride(0),
-                                         num_n, HAS_BIAS=b is not None, IDENTITY=identity, INTERP=interpreting(),
-                                         BLOCK_M=c.block_m, E_PAD=e_pad, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-                                         num_warps=c.num_warps, num_stages=c.num_stages)
+    launch(_grouped_mx_kernel, (tiles * num_n,), ac, wc, out, words[0], words[1], out if b is None else b, off,
+           tok, E, N, K, R, ac.stride(0), wc.stride(0), wc.stride(1), out.stride(0),
+           num_n, HAS_BIAS=b is not None, IDENTITY=identity, INTERP=interpreting(),
+           BLOCK_M=c.block_m, E_PAD=e_pad, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+           num_warps=c.num_warps, num_stages=c.num_stages)
     return out
 
 

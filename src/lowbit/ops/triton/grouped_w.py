@@ -38,7 +38,7 @@ import triton.language as tl
 
 from lowbit.ops.grouped import Routing
 from lowbit.ops.grouped_configs import GroupedConfig, check_config, grouped_config
-from lowbit.ops.triton.common import interpreting
+from lowbit.ops.triton.common import interpreting, launch
 from lowbit.ops.triton.grouped_schedule import check_bias, check_routing, schedule_args, store_rows, tile_rows
 from lowbit.ops.triton.w4a16.codes import _e2m1_value, _nibble_value, _product1, block_scale
 from lowbit.ops.w4_formats import FP4_GROUPS, GROUPED_W4, W4Format, WFMT as WFMT_CODE  # WFMT: the kernels' constexpr
@@ -285,7 +285,7 @@ def grouped_w4a16(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor
     num_n = triton.cdiv(N, c.block_n)
     S = min(c.block_k, group) if kind == "int4" else c.block_k
     dummy = out
-    _grouped_w4_kernel[(tiles * num_n, c.split_k)](
+    launch(_grouped_w4_kernel, (tiles * num_n, c.split_k),
         xc, w, out, s, dummy if z is None else z, dummy if g is None else g, dummy if b is None else b,
         off, tok, E, N, K, _k_split(K, c, group), xc.stride(0), w.stride(0), w.stride(1), s.stride(0),
         s.stride(1), out.stride(-2), out.stride(0), num_n, WFMT=WFMT_CODE[kind], HAS_Z=z is not None,
@@ -317,7 +317,7 @@ def grouped_w8a16(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor,
     off, tok, tiles, e_pad = schedule_args(routing, c.block_m, identity)
     out = _output(routing, N, out_dtype, c.split_k, x.device)
     num_n = triton.cdiv(N, c.block_n)
-    _grouped_w8a16_kernel[(tiles * num_n, c.split_k)](
+    launch(_grouped_w8a16_kernel, (tiles * num_n, c.split_k),
         xc, w, out, s, out if b is None else b, off, tok, E, N, K, _k_split(K, c, 1), xc.stride(0),
         w.stride(0), w.stride(1), out.stride(-2), out.stride(0), num_n, HAS_BIAS=b is not None, IDENTITY=identity,
         PARTIAL=c.split_k > 1, INTERP=interpreting(), BLOCK_M=c.block_m, E_PAD=e_pad, BLOCK_N=c.block_n,
