@@ -58,3 +58,34 @@ def test_default_configs_compile_for_sm90_on_tensor_cores_without_spills():
     assert len(rows) == 12
     for r in rows:
         assert r["spill"] == 0 and r["shared"] <= r["limit"] and r["mma"] > 0, r
+
+
+ROUTE_SCRIPT = r'''
+import json
+from lowbit.bench.sm90 import compile_sm90
+from lowbit.ops.triton.moe_route import ROUTE_MAX_ROWS, _combine_kernel, _route_kernel
+out = []
+for E, k in ((8, 2), (128, 8), (256, 8)):               # Mixtral, Qwen3-30B-A3B, DeepSeek-V3
+    sig = {"idx_ptr": "*i64", "token_ptr": "*i64", "slot_ptr": "*i64", "off_ptr": "*i64", "inv_ptr": "*i64",
+           "R": "i32", "E": "i32"}
+    r = compile_sm90(_route_kernel, sig, dict(TOP_K=k, R_PAD=ROUTE_MAX_ROWS, E_PAD=2 * E), no_div=("R", "E"),
+                     num_warps=4)
+    out.append({"kernel": "route", "E": E, "spill": r["spill_ops"]})
+    sig = {"h_ptr": "*fp32", "w_ptr": "*fp32", "inv_ptr": "*i64", "out_ptr": "*bf16", "H": "i32",
+           "stride_h": "i32", "stride_w": "i32", "stride_o": "i32"}
+    r = compile_sm90(_combine_kernel, sig, dict(TOP_K=k, BLOCK=1024), no_div=("stride_w",), num_warps=4,
+                     enable_fp_fusion=False)
+    out.append({"kernel": "combine", "E": E, "spill": r["spill_ops"], "fma": r["sass_text"].count("FFMA")})
+print(json.dumps(out))
+'''
+
+
+def test_route_and_combine_kernels_compile_for_sm90_without_spills_or_fused_multiply_adds():
+    """The one-launch routing at its largest rows (an R x R comparison in registers) and the combine,
+    whose products and sums must stay separately rounded (lowbit.ops.grouped.combine's arithmetic)."""
+    p = fresh_process(["-c", ROUTE_SCRIPT])
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads(p.stdout.strip().splitlines()[-1])
+    assert len(rows) == 6
+    for r in rows:
+        assert r["spill"] == 0 and r.get("fma", 0) == 0, r

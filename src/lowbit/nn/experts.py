@@ -27,12 +27,13 @@ lowbit.ops.kernels.grouped's classes, asked in preference order, pick it): W8A8 
 per-tensor activations), W8A16 int8, W4A16 int4 (groups, zero points) / MXFP4 / NVFP4 weights,
 MXFP4 / NVFP4 activations and weights, MXFP8 (scales read through the SFA / SFB words). Its
 weight operands are laid out once, when the module is built. The tokens are sorted on the device
-(lowbit.ops.grouped.route_fixed: shapes fixed by T, top_k and E), so the path does no host
-synchronisation and CUDA graphs / torch.compile capture it; it trusts the router's expert ids
+(lowbit.ops.grouped.route: shapes fixed by T, top_k and E; one launch at decode sizes), so the path
+does no host synchronisation and CUDA graphs / torch.compile capture it; it trusts the router's expert ids
 (the exact path checks their range). With float32 hidden states everything runs in float32 (the
 kernels' fp32 dots); with bf16 / fp16 hidden states the gate_up GEMM rounds its fp32 result to
 that dtype once and the activation runs there (the down GEMM's input, on the tensor cores), the
-down GEMM, routing weights and the sum per token run in float32. A scheme pair with no grouped
+down GEMM, routing weights and the sum per token run in float32 (in slot order,
+lowbit.ops.grouped.combine: deterministic for any top_k). A scheme pair with no grouped
 kernel runs the exact path, on CUDA with a one-time
 warning. The weight-only kinds (W4A16, fp4, W8A16) also have a bf16 path per projection: the
 experts' weights dequantized into one reusable bf16 buffer and torch._grouped_mm, which the tuning
@@ -54,7 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.ops.kernels.grouped import GroupedKernel, choose_grouped
-from lowbit.ops.grouped import Routing, grouped_reference, route_fixed, sort_tokens, take_rows
+from lowbit.ops.grouped import Routing, combine, grouped_reference, route, sort_tokens, take_rows
 from lowbit.ops.grouped_run import grouped_forward, grouped_spec, prepare_grouped
 from lowbit.options import Options
 from lowbit.quantize import QTensor, quantize
@@ -329,7 +330,7 @@ class QuantExperts(torch.nn.Module):
             raise ValueError(f"top_k_index {tuple(top_k_index.shape)} and top_k_weights "
                              f"{tuple(top_k_weights.shape)} must both be [{T}, top_k]")
         if self._use_kernel(hidden_states):
-            return self._kernel_forward(hidden_states, route_fixed(top_k_index, self.num_experts), top_k_weights)
+            return self._kernel_forward(hidden_states, route(top_k_index, self.num_experts), top_k_weights)
         routing = sort_tokens(top_k_index, self.num_experts)
         y = self.sorted_forward(hidden_states, routing)
         w = top_k_weights[routing.token, routing.slot].to("cpu", torch.float64)
@@ -384,12 +385,10 @@ class QuantExperts(torch.nn.Module):
     def _kernel_forward(self, hidden_states: torch.Tensor, routing: Routing, top_k_weights: torch.Tensor):
         x = hidden_states.detach()
         h = self.kernel_projections(x, routing)[-1][1]
-        w = top_k_weights[routing.token, routing.slot].float()
-        out = torch.zeros(hidden_states.shape[0], self.hidden_dim, dtype=torch.float32, device=x.device)
-        out.index_add_(0, routing.token, h * w[:, None])
+        out = combine(h, top_k_weights, routing, hidden_states.dtype)
         self.last_path = self._kernel_path if torch.compiler.is_compiling() else \
             self.path_for(routing.rows, hidden_states.dtype, hidden_states.device)
-        return out.to(hidden_states.dtype)
+        return out
 
     def sorted_forward(self, hidden_states: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Float64 [M_total, H]: each sorted row's expert output before the routing weight."""

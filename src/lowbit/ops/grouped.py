@@ -38,6 +38,8 @@ class Routing:
     slot:    int64 [R], its top-k position (which routing weight applies).
     offsets: int64 [E + 1], rows of expert e are offsets[e]:offsets[e + 1].
     num_tokens: T, rows of hidden_states.
+    inverse: int64 [T * top_k] or None, the sorted row of each (token, slot) pair in row-major order
+             (route_fixed's; a dropped slot's row is past offsets[-1]): what `combine` reads.
     R = offsets[-1] (= M_total) from sort_tokens; route_fixed's buffer has R = T * top_k rows,
     those past offsets[-1] (dropped slots) owned by no expert.
     """
@@ -45,6 +47,7 @@ class Routing:
     slot: torch.Tensor
     offsets: torch.Tensor
     num_tokens: int
+    inverse: torch.Tensor | None = None
 
     @property
     def num_experts(self) -> int:
@@ -114,7 +117,45 @@ def route_fixed(top_k_index: torch.Tensor, num_experts: int) -> Routing:
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
     offsets[1:] = torch.cumsum(counts[:num_experts], 0)
-    return Routing(order // k, order % k, offsets, T)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=flat.device)
+    return Routing(order // k, order % k, offsets, T, inverse)
+
+
+def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
+    """route_fixed's Routing; on CUDA outside torch.compile, for T * top_k up to
+    lowbit.ops.triton.moe_route.ROUTE_MAX_ROWS (decode), computed in one launch (route_small, equal
+    bit for bit) instead of about ten."""
+    T, k = _check_top_k(top_k_index, num_experts)
+    if top_k_index.is_cuda and not torch.compiler.is_compiling():
+        from lowbit.ops.triton.moe_route import ROUTE_MAX_ROWS, route_small    # optional: triton
+
+        if T * k <= ROUTE_MAX_ROWS:
+            return route_small(top_k_index, num_experts)
+    return route_fixed(top_k_index, num_experts)
+
+
+def combine(h: torch.Tensor, top_k_weights: torch.Tensor, routing: Routing, dtype: torch.dtype) -> torch.Tensor:
+    """out [T, H] of `dtype`: each token's top_k expert outputs weighted and summed,
+    out[t] = sum over s in slot order of float32(w[t, s]) * h[inverse[t, s]], every product and sum
+    rounded to float32 (deterministic: a fixed order, unlike an index_add_ whose CUDA atomics add in
+    any order), then one rounding to `dtype`. h [R, H] float32: the sorted rows' expert outputs, zero
+    on rows no expert owns (dropped slots add w * 0). On CUDA outside torch.compile, one launch
+    (lowbit.ops.triton.moe_route.combine_small, the same arithmetic; under torch.compile inductor
+    fuses this loop and may contract a product and a sum into one rounding)."""
+    if routing.inverse is None:
+        raise ValueError("combine needs the routing's inverse (route / route_fixed make it)")
+    T, k = top_k_weights.shape
+    if h.is_cuda and not torch.compiler.is_compiling() and h.stride(1) == 1:
+        from lowbit.ops.triton.moe_route import combine_small    # optional: triton
+
+        return combine_small(h, top_k_weights, routing, dtype)
+    rows = h[routing.inverse.reshape(T, k)]                        # [T, k, H]
+    w = top_k_weights.to(torch.float32)
+    acc = rows[:, 0] * w[:, :1]
+    for s in range(1, k):
+        acc = acc + rows[:, s] * w[:, s:s + 1]
+    return acc.to(dtype)
 
 
 def take_rows(q, rows: torch.Tensor):
