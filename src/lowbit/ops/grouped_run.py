@@ -70,29 +70,40 @@ def grouped_spec(kernel: type[GroupedKernel], weight_scheme: QuantScheme, act_sc
                        "config": None if config is None else config.to_dict()})
 
 
-@torch.library.custom_op("lowbit::grouped_gemm", mutates_args=())
-def grouped_gemm_op(x: torch.Tensor, operands: list[torch.Tensor], token: torch.Tensor, slot: torch.Tensor,
-                    offsets: torch.Tensor, bias: torch.Tensor | None, spec: str) -> torch.Tensor:
-    """run_grouped as one opaque op for torch.compile / CUDA graphs (spec: grouped_spec)."""
+@lru_cache(maxsize=256)
+def _parsed(spec: str) -> tuple:
+    """(kernel, weight scheme, act scheme, operand names, N, identity, out, config) of a spec, parsed
+    once (a compiled decode step calls the op per projection per layer)."""
     sp = json.loads(spec)
     a = None if sp["a"] is None else QuantScheme.from_json(sp["a"])
     c = None if sp.get("config") is None else GroupedConfig.from_dict(sp["config"])
-    return run_grouped(GROUPED.get(sp["kernel"]), dict(zip(sp["names"], operands)), QuantScheme.from_json(sp["w"]),
-                       a, x, Routing(token, slot, offsets, x.shape[0]), bias=bias, identity=sp["identity"],
-                       config=c, out=sp.get("out", "float32"))
+    return (GROUPED.get(sp["kernel"]), QuantScheme.from_json(sp["w"]), a, tuple(sp["names"]), int(sp["N"]),
+            bool(sp["identity"]), sp.get("out", "float32"), c)
 
 
-@grouped_gemm_op.register_fake
+def _grouped_gemm(x: torch.Tensor, operands: list[torch.Tensor], token: torch.Tensor, slot: torch.Tensor,
+                  offsets: torch.Tensor, bias: torch.Tensor | None, spec: str) -> torch.Tensor:
+    """run_grouped as one opaque op for torch.compile / CUDA graphs (spec: grouped_spec)."""
+    kernel, w, a, names, _, identity, out, c = _parsed(spec)
+    return run_grouped(kernel, dict(zip(names, operands)), w, a, x, Routing(token, slot, offsets, x.shape[0]),
+                       bias=bias, identity=identity, config=c, out=out)
+
+
+# torch.library.Library rather than torch.library.custom_op, as lowbit::qlinear (lowbit.ops.prepared):
+# custom_op's Python autograd wrapper and aliasing check cost several microseconds a call on the host
+_LIB = torch.library.Library("lowbit", "FRAGMENT")
+_LIB.define("grouped_gemm(Tensor x, Tensor[] operands, Tensor token, Tensor slot, Tensor offsets, Tensor? bias, "
+            "str spec) -> Tensor")
+_LIB.impl("grouped_gemm", _grouped_gemm, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("lowbit::grouped_gemm")
 def _(x, operands, token, slot, offsets, bias, spec):
-    sp = json.loads(spec)
-    return x.new_empty((token.shape[0], sp["N"]), dtype=out_dtype_of(x, sp.get("out", "float32")))
+    _, _, _, _, N, _, out, _ = _parsed(spec)
+    return x.new_empty((token.shape[0], N), dtype=out_dtype_of(x, out))
 
 
-@lru_cache(maxsize=256)
-def _spec_call(spec: str) -> tuple[str, GroupedConfig | None]:
-    """(out, config) of a spec, parsed once (an eager call's host time)."""
-    sp = json.loads(spec)
-    return sp.get("out", "float32"), None if sp.get("config") is None else GroupedConfig.from_dict(sp["config"])
+grouped_gemm_op = torch.ops.lowbit.grouped_gemm.default
 
 
 def grouped_forward(kernel: type[GroupedKernel], ops: dict, weight_scheme: QuantScheme,
@@ -104,7 +115,7 @@ def grouped_forward(kernel: type[GroupedKernel], ops: dict, weight_scheme: Quant
     if not torch.compiler.is_compiling():
         c = None
         if spec is not None:
-            out, c = _spec_call(spec)
+            out, c = _parsed(spec)[6:]
         return run_grouped(kernel, ops, weight_scheme, act_scheme, x, routing, bias=bias, identity=identity,
                            config=c, out=out)
     names = list(ops)
