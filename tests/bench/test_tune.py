@@ -17,6 +17,24 @@ def test_candidates_per_kind():
         assert c[0] == ("kernel", None) and all(p == "kernel" for p, _ in c)
 
 
+def test_fp8_prefill_paths_are_candidates_where_they_can_run(monkeypatch):
+    """From 65 rows the fp8 kind also times torch._scaled_mm and the CUTLASS GEMM's precise configurations (never the
+    fast-accumulation ones, whose arithmetic differs), each only where this machine can run it."""
+    from lowbit.ops.kernels.dense_w8 import CutlassW8A8Fp8, ScaledMMW8A8Fp8
+    from lowbit.ops.native.prefill import ROWWISE_CONFIGS
+
+    precise = [i for i, c in enumerate(ROWWISE_CONFIGS) if not c.fast_accum]
+    assert precise and len(precise) < len(ROWWISE_CONFIGS)
+    for why in (None, "not here"):
+        monkeypatch.setattr(ScaledMMW8A8Fp8, "usable", classmethod(lambda cls, w=why: w))
+        monkeypatch.setattr(CutlassW8A8Fp8, "usable", classmethod(lambda cls, w=why: w))
+        for b in tuning.BUCKET_NAMES:
+            extra = [c for c in tune.candidates("w8a8/fp8_e4m3fn", b) if c[0] != "kernel"]
+            want = [("scaled_mm", None)] + [("cutlass", {"config": i}) for i in precise]
+            assert extra == (want if why is None and b in ("65-512", "513+") else [])
+            assert all(p == "kernel" for p, _ in tune.candidates("w8a8/int8", b))
+
+
 @pytest.mark.parametrize("bucket", [b for b in tuning.BUCKET_NAMES if tune.W8A8_TILES[b]])
 def test_w8a8_tile_alternatives_are_bit_identical(rng, bucket, kernel_device):
     from lowbit.ops.triton.gemm_int8 import launch_int8_gemm

@@ -10,7 +10,7 @@ from lowbit.ops import tuning
 from lowbit.ops.kernels import GEMM, GROUPED, LINEAR, Device, LinearLayer, choose_grouped, class_for_rows, explain
 from lowbit.ops.kernels.dense_mx import TritonMXFP8
 from lowbit.ops.kernels.dense_w4 import DequantW4A16, TritonFP4, TritonW4A16
-from lowbit.ops.kernels.dense_w8 import TritonW8A8Fp8, TritonW8A8Int8, TritonW8A16
+from lowbit.ops.kernels.dense_w8 import CutlassW8A8Fp8, ScaledMMW8A8Fp8, TritonW8A8Fp8, TritonW8A8Int8, TritonW8A16
 from lowbit.ops.kernels.exact import ExactDequantized, ExactInt8, QTensorGemm
 from lowbit.ops.kernels.gemm import GemmFp8Block, GemmFp8Rowwise, GemmInt8, GemmMXFP8
 from lowbit.ops.kernels.grouped import (GroupedExact, GroupedFp4, GroupedFp8, GroupedInt8, GroupedMXFP8,
@@ -154,6 +154,45 @@ def test_the_tuning_table_paths_are_classes(rng, interpreter):
     finally:
         tuning.reset()
     assert class_for_rows(spec, 5) is TritonW4A16       # the heuristic again: the cached answer was forgotten
+
+
+@pytest.mark.parametrize("path,config", [("scaled_mm", None), ("cutlass", {"config": 1})])
+def test_fp8_prefill_cells_run_their_class_where_it_can_run(path, config, rng, interpreter, monkeypatch):
+    """A "scaled_mm" / "cutlass" cell of the fp8 kind runs that class at its bucket (with the cell's config); where
+    the class cannot run on this machine (no library, an older torch) the Triton kernel runs under its default
+    tiles, never the cell's config. Off the GPU (the interpreter) the classes' apply is the Triton class's."""
+    N, K = 48, 256
+    r = get_recipe("w8a8-fp8")
+    q = _linear(rng, N, K, r.weight, r.act, backend="kernel")
+    spec = q.fast_spec
+    alt = TritonW8A8Fp8.alternatives[path]
+    assert alt is {"scaled_mm": ScaledMMW8A8Fp8, "cutlass": CutlassW8A8Fp8}[path]
+    cell = tuning.Cell("linear", tuning.kind_key(spec), N, K, "513+", path, config)
+    tuning.reset(tuning.Table(tuning.environment(), {("linear", cell.kind, N, K, "513+"): cell}), "test table")
+    try:
+        monkeypatch.setattr(alt, "usable", classmethod(lambda cls: None))
+        assert TritonW8A8Fp8.for_rows(spec, 600) == (alt, config)
+        assert class_for_rows(spec, 16) is TritonW8A8Fp8            # other buckets: their own answer
+        monkeypatch.setattr(alt, "usable", classmethod(lambda cls: "not here"))
+        assert TritonW8A8Fp8.for_rows(spec, 600) == (TritonW8A8Fp8, None)
+    finally:
+        tuning.reset()
+    x = torch.randn(33, K, generator=rng).bfloat16()
+    ops = {n: getattr(q, "fast_" + n) for n in spec.operands}
+    assert torch.equal(alt.apply(spec, x, ops, q.bias, config), TritonW8A8Fp8.apply(spec, x, ops, q.bias, None))
+
+
+def test_a_table_path_of_another_kind_runs_the_kernel(rng, interpreter):
+    """A prefill path named in a cell of a kind that has none (a hand-edited table) runs the layer's own kernel."""
+    N, K = 40, 256
+    q = _linear(rng, N, K, get_recipe("w8a8-int8").weight, get_recipe("w8a8-int8").act, backend="kernel")
+    spec = q.fast_spec
+    cell = tuning.Cell("linear", tuning.kind_key(spec), N, K, "513+", "scaled_mm", None)
+    tuning.reset(tuning.Table(tuning.environment(), {("linear", cell.kind, N, K, "513+"): cell}), "test table")
+    try:
+        assert TritonW8A8Int8.for_rows(spec, 600) == (TritonW8A8Int8, None)
+    finally:
+        tuning.reset()
 
 
 class FakeW4A16(TritonW4A16):

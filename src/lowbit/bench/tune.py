@@ -6,7 +6,9 @@ measure for every candidate), bf16 `F.linear` and each candidate path of the qua
   weight-only and emulated kinds (W4A16, W8A16, fp4, MXFP8)  the kernel, and the weight dequantized
                                                               into the scratch buffer + bf16 GEMM;
   W8A8 int8 / fp8                                             the kernel under its default tiles and
-                                                              the alternatives in W8A8_TILES;
+                                                              the alternatives in W8A8_TILES; fp8 at
+                                                              prefill sizes also torch._scaled_mm and
+                                                              lowbit's CUTLASS GEMM (its precise tiles);
   the native decode kernels (sm_90a, where the library runs)  each launch variant of NATIVE_VARIANTS
                                                               against the layer's Triton path (tune_native).
 Grouped MoE GEMMs (tune_grouped) are timed against torch._grouped_mm over bf16 weights, per recipe
@@ -71,10 +73,31 @@ W8A8_TILES = {
 }
 
 
+# buckets where the fp8 W8A8 kind also times its prefill paths (lowbit.ops.kernels.dense_w8: torch._scaled_mm row-wise
+# and lowbit's CUTLASS GEMM under each precise tile configuration)
+FP8_PREFILL_BUCKETS = ("65-512", "513+")
+
+
+def fp8_prefill_candidates() -> list[tuple[str, dict | None]]:
+    """The fp8 class's prefill paths this machine can run: ("scaled_mm", None), ("cutlass", {"config": i}) for the
+    CUTLASS configurations that promote the accumulator (the fast-accumulation ones change the arithmetic)."""
+    from lowbit.ops.kernels.dense_w8 import CutlassW8A8Fp8, ScaledMMW8A8Fp8
+
+    cands = [("scaled_mm", None)] if ScaledMMW8A8Fp8.usable() is None else []
+    if CutlassW8A8Fp8.usable() is None:
+        from lowbit.ops.native.prefill import ROWWISE_CONFIGS
+
+        cands += [("cutlass", {"config": i}) for i, c in enumerate(ROWWISE_CONFIGS) if not c.fast_accum]
+    return cands
+
+
 def candidates(kind: str, bucket: str) -> list[tuple[str, dict | None]]:
     """The (path, config) pairs `lowbit tune` times for a layer kind in an M bucket."""
     if kind.startswith("w8a8/"):
-        return [("kernel", None)] + [("kernel", c) for c in W8A8_TILES[bucket]]
+        cands = [("kernel", None)] + [("kernel", c) for c in W8A8_TILES[bucket]]
+        if kind == "w8a8/fp8_e4m3fn" and bucket in FP8_PREFILL_BUCKETS:
+            cands += fp8_prefill_candidates()
+        return cands
     return [("kernel", None), ("dequant", None)]
 
 

@@ -43,7 +43,8 @@ BUCKET_NAMES = tuple(b[2] for b in BUCKETS)
 BUCKET_M = {"1": 1, "2-16": 16, "17-64": 64, "65-512": 256, "513+": 2048}
 # "triton": a W8A8 native cell's answer (op "native"): the layer's Triton class runs, as its own linear cell says
 # (a weight-only native layer holds no Triton layout and reads it as "dequant")
-PATHS = ("kernel", "dequant", "triton")
+# "scaled_mm" / "cutlass": the fp8 W8A8 class's prefill paths (torch._scaled_mm row-wise, lowbit's CUTLASS GEMM)
+PATHS = ("kernel", "dequant", "triton", "scaled_mm", "cutlass")
 ENV_KEYS = ("gpu", "capability", "torch", "triton", "cuda")
 # recorded by `lowbit tune` where it can be read, and checked where both the table and this machine have it
 # (a table written before it was recorded, as the shipped H200 one, is not checked for it)

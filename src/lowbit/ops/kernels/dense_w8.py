@@ -4,6 +4,8 @@
                      zero points; per tensor / static: lowbit.quantize's arithmetic) x int8 weights per
                      channel / tensor -> the int8 GEMM with the scale epilogue fused
   triton_w8a8_fp8    the same with fp8 e4m3 codes (symmetric activations) -> the fp8 GEMM
+  scaled_mm_w8a8_fp8 its prefill paths where the tuning table says so: the same quantizer, then
+  cutlass_w8a8_fp8   torch._scaled_mm row-wise / lowbit's CUTLASS row-wise GEMM (same epilogue order)
   triton_w8a16       int8 or fp8 e4m3 weights per channel / tensor, float activations -> the W8A16
                      kernel (the codes converted to x's dtype in the tile: exact for both)
   dequant_w8a16      its bf16 path where the tuning table says so (large M): each weight rounded once
@@ -140,6 +142,68 @@ class TritonW8A8Fp8(_W8A8):
         if why is None and not layer.act.symmetric:
             return "the activations have zero points; fp8 activations are symmetric"
         return why
+
+
+def _prefill_fp8_ok(spec, x2) -> bool:
+    """Whether a prefill alternative of the fp8 class takes this call: per-token activations (one scale per
+    row), 16-bit rows, N and K multiples of 16 (the row-wise CUTLASS kernels' alignment)."""
+    return spec.act_mode == "fp8_e4m3fn" and x2.dtype in (torch.bfloat16, torch.float16) and spec.N % 16 == 0 \
+        and spec.K % 16 == 0
+
+
+class ScaledMMW8A8Fp8(TritonW8A8Fp8):
+    """torch._scaled_mm's row-wise fp8 GEMM (ATen's CUTLASS kernel, promoted accumulation: use_fast_accum=False)
+    after the same per-token quantizer; its epilogue is the Triton kernel's, bf16(((acc * sa[m]) * sw[n]) +
+    bias[n]) in float32, so only the order of the tensor-core sums differs. A prefill path the tuning table
+    picks where it beats the Triton GEMM; calls it does not take run the Triton class."""
+    name = "scaled_mm_w8a8_fp8"
+    summary = "per-token fp8 activations, then torch._scaled_mm row-wise (a tuning-table prefill path)"
+
+    @classmethod
+    def usable(cls) -> str | None:
+        return None if hasattr(torch, "_scaled_mm") else f"torch {torch.__version__} has no torch._scaled_mm"
+
+    @staticmethod
+    def apply(spec, x2, ops, bias, config):
+        if not (_prefill_fp8_ok(spec, x2) and x2.is_cuda and x2.shape[0]):
+            return TritonW8A8Fp8.apply(spec, x2, ops, bias, None)
+        from lowbit.ops.triton import act_quant    # optional: triton
+
+        q, s, _ = act_quant.launch_act_quant(x2, spec.act_mode)
+        return torch._scaled_mm(q.view(torch.float8_e4m3fn), ops["w"].t(), scale_a=s.reshape(-1, 1),
+                                scale_b=ops["w_scale"].reshape(1, -1), bias=bias, out_dtype=x2.dtype,
+                                use_fast_accum=False)
+
+
+class CutlassW8A8Fp8(TritonW8A8Fp8):
+    """lowbit's own CUTLASS row-wise fp8 GEMM (lowbit.ops.native.prefill, sm_90a, built ahead of time) after the
+    same per-token quantizer, under the table's tile configuration (config {"config": i}, one of the precise
+    ROWWISE_CONFIGS: partial sums promoted every 128 products); the same epilogue order as the Triton kernel.
+    A prefill path the tuning table picks; bf16 rows only (the library writes bf16), others run the Triton class."""
+    name = "cutlass_w8a8_fp8"
+    summary = "per-token fp8 activations, then lowbit's CUTLASS row-wise GEMM (a tuning-table prefill path)"
+
+    @classmethod
+    def usable(cls) -> str | None:
+        from lowbit.ops.native.library import prefill_unavailable_reason
+
+        return prefill_unavailable_reason()
+
+    @staticmethod
+    def apply(spec, x2, ops, bias, config):
+        if not (_prefill_fp8_ok(spec, x2) and x2.dtype == torch.bfloat16 and x2.is_cuda and x2.shape[0]):
+            return TritonW8A8Fp8.apply(spec, x2, ops, bias, None)
+        from lowbit.ops import bound
+        from lowbit.ops.native.prefill import fp8_rowwise_gemm
+        from lowbit.ops.triton import act_quant    # optional: triton
+
+        bound.note_unrecordable("lowbit's CUTLASS prefill GEMM (a ctypes launch)")
+        q, s, _ = act_quant.launch_act_quant(x2, spec.act_mode)
+        return fp8_rowwise_gemm(q, ops["w"], s, ops["w_scale"], bias, config=int((config or {}).get("config", 0)))
+
+
+# the tuning table's prefill paths of the fp8 class (lowbit.ops.tuning.PATHS)
+TritonW8A8Fp8.alternatives = {"scaled_mm": ScaledMMW8A8Fp8, "cutlass": CutlassW8A8Fp8}
 
 
 def _quantize_whole(spec, x2, ops):

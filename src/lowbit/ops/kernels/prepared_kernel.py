@@ -80,6 +80,8 @@ def row_vector(scale: torch.Tensor, N: int) -> torch.Tensor:
 class PreparedKernel(Kernel):
     """A kernel of the prepared fast path. Subclasses implement `refuses`, `prepare` and `apply`."""
     dequant: ClassVar[type[PreparedKernel] | None] = None   # the table's "dequant" path over this layout
+    # other table paths over the same layout (path name -> class; its usable() says whether it runs here)
+    alternatives: ClassVar[dict[str, type[PreparedKernel]]] = {}
     dtypes: ClassVar[tuple[torch.dtype, ...]] = ACT_DTYPES    # activation dtypes it takes
     bf16_path: ClassVar[bool] = False     # a dequant class whose apply is its kernel's with the bf16 GEMM
     # rows per tile of its layout, the last tile zero-padded: layers that share one input
@@ -120,4 +122,14 @@ class PreparedKernel(Kernel):
         """(the class that runs M rows, its tile configuration or None): the tuning table's path for
         this layer kind, shape and bucket (lowbit.ops.tuning.choose) mapped onto classes."""
         path, cfg = tuning.choose("linear", tuning.kind_key(spec), spec.N, spec.K, M)
-        return (cls.dequant if path == "dequant" and cls.dequant is not None else cls), cfg
+        if path == "dequant" and cls.dequant is not None:
+            return cls.dequant, cfg
+        alt = cls.alternatives.get(path)
+        if alt is not None:    # a path this machine cannot run (no library, an older torch): the kernel, its tiles
+            return (alt, cfg) if alt.usable() is None else (cls, None)
+        return cls, cfg
+
+    @classmethod
+    def usable(cls) -> str | None:
+        """Why this class cannot run on this machine though its layer's schemes fit (None: it can)."""
+        return None

@@ -16,8 +16,9 @@ trusts them. `config` picks one of the compiled tile configurations (ROWWISE_CON
 which change the speed and the summation order inside the tensor core, never the documented rounding order.
 The block-wise kernel reads the activation scales M-major (CUTLASS's TMA path for them): each call copies sa
 into a [K/128, M rounded up to 4] float32 buffer first (M * K / 128 * 4 bytes).
-These kernels are not a quantized layer's kernel class yet: nothing in lowbit calls them but the tests and
-scripts/gpu_native_prefill.py.
+A per-token fp8 W8A8 layer runs the row-wise GEMM where the tuning table says "cutlass"
+(lowbit.ops.kernels.dense_w8.CutlassW8A8Fp8); the block-wise one is called by the tests and
+scripts/gpu_native_prefill.py only.
 """
 from __future__ import annotations
 
