@@ -58,11 +58,16 @@ def _set_bytes(M: int, N: int, K: int) -> int:
     return 2 * (M * K + N * K)
 
 
+def _lowbit_gemms():
+    """lowbit's Triton GEMMs: int8_gemm, fp8_gemm, fp8_block_gemm, mxfp8_gemm."""
+    from lowbit.ops.triton import gemm_blockscaled, gemm_fp8, gemm_int8    # optional: triton
+
+    return gemm_int8.int8_gemm, gemm_fp8.fp8_gemm, gemm_blockscaled.fp8_block_gemm, gemm_blockscaled.mxfp8_gemm
+
+
 def kernels():
     """name -> (fn(set) -> output, family); family picks the peak and the baselines."""
-    from lowbit.ops.triton.gemm_blockscaled import fp8_block_gemm, mxfp8_gemm    # optional: triton
-    from lowbit.ops.triton.gemm_fp8 import fp8_gemm    # optional: triton
-    from lowbit.ops.triton.gemm_int8 import int8_gemm    # optional: triton
+    int8_gemm, fp8_gemm, fp8_block_gemm, mxfp8_gemm = _lowbit_gemms()
 
     def int_mm_epi(s):
         acc = torch._int_mm(s["a8"], s["b8"].t())
@@ -185,9 +190,7 @@ def run(only: str | None = None, quick: bool = False, log=print) -> list[dict]:
 
 def sweep(configs: dict[str, list[dict]], shapes=((8192, 8192, 8192),), log=print) -> list[dict]:
     """Time each lowbit kernel under several forced launch configs (for choosing pick_config)."""
-    from lowbit.ops.triton.gemm_blockscaled import fp8_block_gemm, mxfp8_gemm    # optional: triton
-    from lowbit.ops.triton.gemm_fp8 import fp8_gemm    # optional: triton
-    from lowbit.ops.triton.gemm_int8 import int8_gemm    # optional: triton
+    int8_gemm, fp8_gemm, fp8_block_gemm, mxfp8_gemm = _lowbit_gemms()
 
     fns = {"int8": lambda s, c: int8_gemm(s["a8"], s["b8"], s["sa"], s["sb"], config=c),
            "fp8_row": lambda s, c: fp8_gemm(s["af"], s["bf"], s["sa"], s["sb"], config=c),

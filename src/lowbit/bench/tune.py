@@ -38,7 +38,9 @@ from lowbit.ops.grouped_tune import grouped_bf16_case, grouped_case
 from lowbit.ops.kernels.attention import ATTENTION
 from lowbit.ops.kernels.grouped import grouped_kernel
 from lowbit.ops.kernels.dense import prepared_class
+from lowbit.ops.kernels.dense_w8 import CutlassW8A8Fp8, ScaledMMW8A8Fp8
 from lowbit.ops.kernels.native import native_refusal, opted_in
+from lowbit.ops.native.prefill import ROWWISE_CONFIGS
 from lowbit.profiling.timing import bench_ms
 from lowbit.workflows.job import parse_recipe
 
@@ -81,12 +83,8 @@ FP8_PREFILL_BUCKETS = ("65-512", "513+")
 def fp8_prefill_candidates() -> list[tuple[str, dict | None]]:
     """The fp8 class's prefill paths this machine can run: ("scaled_mm", None), ("cutlass", {"config": i}) for the
     CUTLASS configurations that promote the accumulator (the fast-accumulation ones change the arithmetic)."""
-    from lowbit.ops.kernels.dense_w8 import CutlassW8A8Fp8, ScaledMMW8A8Fp8
-
     cands = [("scaled_mm", None)] if ScaledMMW8A8Fp8.usable() is None else []
     if CutlassW8A8Fp8.usable() is None:
-        from lowbit.ops.native.prefill import ROWWISE_CONFIGS
-
         cands += [("cutlass", {"config": i}) for i, c in enumerate(ROWWISE_CONFIGS) if not c.fast_accum]
     return cands
 

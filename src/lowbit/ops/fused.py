@@ -290,8 +290,7 @@ def qdq_rows(x2: torch.Tensor, scheme: QuantScheme, weight_scale: torch.Tensor |
     checks beyond the shapes: lowbit.ops.prepared's fast path calls it (CUDA-graph safe: no host sync)."""
     import triton
 
-    from lowbit.ops.triton.common import launch
-    from lowbit.ops.triton.dequant import _qdq_rows_kernel    # optional: triton
+    from lowbit.ops.triton import common, dequant    # optional: triton
 
     M, K = x2.shape
     G = scheme.group_size
@@ -310,12 +309,13 @@ def qdq_rows(x2: torch.Tensor, scheme: QuantScheme, weight_scale: torch.Tensor |
     wg = weight_scale if weight_scale is not None else out
     rows_amax = M  # how many entries of amax the quantizing programs reduce
     if nv and M > 1:
-        launch(_qdq_rows_kernel, (M,), x2, x2.stride(0), out, out.stride(0), amax, wg, out, M, K,
-               AMAX_ONLY=True, MP2=2, **args)
+        common.launch(dequant._qdq_rows_kernel, (M,), x2, x2.stride(0), out, out.stride(0), amax, wg, out, M, K,
+                      AMAX_ONLY=True, MP2=2, **args)
         if M > QDQ_MAX_ROWS:  # the max is exact: the same tensor scale as the programs' own reduction
             amax, rows_amax = amax.amax().reshape(1), 1
-    launch(_qdq_rows_kernel, (M,), x2, x2.stride(0), out, out.stride(0), amax, wg, gprod if nv else out,
-           rows_amax, K, AMAX_ONLY=False, MP2=max(2, triton.next_power_of_2(rows_amax)), **args)
+    common.launch(dequant._qdq_rows_kernel, (M,), x2, x2.stride(0), out, out.stride(0), amax, wg,
+                  gprod if nv else out, rows_amax, K, AMAX_ONLY=False, MP2=max(2, triton.next_power_of_2(rows_amax)),
+                  **args)
     return out, gprod
 
 

@@ -44,8 +44,7 @@ def launch_rows(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int,
     """Run the row kernel over x2 [rows, K or 2K]; returns (codes, scale, scale_codes, g, y).
     With `tile` = (ROWS, num_warps): the tile kernel's group variant instead (both of NVFP4's
     passes included, see launch_groups); pack: fp4 codes two per byte (group variant only)."""
-    from lowbit.ops.triton import fused_quant as fq    # optional: triton
-    from lowbit.ops.triton.common import launch
+    from lowbit.ops.triton import common as tc, fused_quant as fq    # optional: triton
 
     rows, dev = x2.shape[0], x2.device
     block = row_block(K)
@@ -65,9 +64,9 @@ def launch_rows(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int,
     tamax = gscale = global_scale  # a calibrated tensor scale: one pass, g = global_scale
     if scale_kind == 2 and global_scale is None:  # two-level: tensor scale from the live tensor's amax (first pass)
         amax = torch.empty(rows, device=dev, dtype=torch.float32)
-        launch(fq._row_quant_kernel, (rows,), x2, x2.stride(0), w, r_in, r_in.stride(0) if res2 is not None else 0,
-               r_out, 0, dummy, dummy, dummy, dummy, dummy, dummy, amax, K, ngroups,
-               eps, STORE_Y=False, AMAX_ONLY=True, **common)
+        tc.launch(fq._row_quant_kernel, (rows,), x2, x2.stride(0), w, r_in, r_in.stride(0) if res2 is not None else 0,
+                  r_out, 0, dummy, dummy, dummy, dummy, dummy, dummy, amax, K, ngroups,
+                  eps, STORE_Y=False, AMAX_ONLY=True, **common)
         # the second pass turns it into g = amax / (448 * fmt.max), quantize.two_level_global_scale's
         # rule, on the device (no host round trip, so the whole call can be graph-captured)
         tamax = amax.max().reshape(1)
@@ -76,7 +75,7 @@ def launch_rows(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int,
     scale = torch.empty(rows, ngroups, device=dev, dtype=torch.float32)
     scodes = torch.empty(rows, ngroups, device=dev, dtype=torch.uint8) if scale_kind else dummy
     y = torch.empty(rows, K, device=dev, dtype=torch.float32) if store_y else dummy
-    launch(fq._row_quant_kernel, (rows,),
+    tc.launch(fq._row_quant_kernel, (rows,),
         x2, x2.stride(0), w, r_in, r_in.stride(0) if res2 is not None else 0,
         r_out, r_out.stride(0) if res_out is not None else 0, y, codes, scale, scodes,
         tamax if tamax is not None else dummy, gscale if gscale is not None else dummy, dummy, K, ngroups, eps,
@@ -157,8 +156,7 @@ def launch_tile(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int,
     tile_supports takes, else the group variant; returns (codes, scale, scale_codes, g, y)."""
     import triton
 
-    from lowbit.ops.triton import fused_quant as fq    # optional: triton
-    from lowbit.ops.triton.common import launch
+    from lowbit.ops.triton import common as tc, fused_quant as fq    # optional: triton
 
     rows, dev = x2.shape[0], x2.device
     block = row_block(K)
@@ -198,10 +196,8 @@ def launch_tile(pre: int, x2: torch.Tensor, K: int, scheme: QuantScheme, G: int,
     n_tiles = triton.cdiv(rows, R)
     nprog = 0  # one program per tile; persist > 0: that many programs per SM, each prefetching its next tile
     if persist:
-        from lowbit.ops.triton.common import num_sms    # optional: triton
-
-        nprog = min(n_tiles, persist * (num_sms() if x2.is_cuda else 4))
-    launch(fq._token_tile_kernel, (nprog or n_tiles,),
+        nprog = min(n_tiles, persist * (tc.num_sms() if x2.is_cuda else 4))
+    tc.launch(fq._token_tile_kernel, (nprog or n_tiles,),
         x2, x2.stride(0), weight if weight is not None else dummy, res2 if res2 is not None else dummy,
         res2.stride(0) if res2 is not None else 0, res_out if res_out is not None else dummy,
         res_out.stride(0) if res_out is not None else 0, y, codes, scale, rows, K, eps,

@@ -128,11 +128,18 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
     bit for bit) instead of about ten."""
     T, k = _check_top_k(top_k_index, num_experts)
     if top_k_index.is_cuda and not torch.compiler.is_compiling():
-        from lowbit.ops.triton.moe_route import ROUTE_MAX_ROWS, route_small    # optional: triton
-
-        if T * k <= ROUTE_MAX_ROWS:
-            return route_small(top_k_index, num_experts)
+        mr = _moe_route()
+        if T * k <= mr.ROUTE_MAX_ROWS:
+            token, slot, offsets, inverse = mr.route_small(top_k_index, num_experts)
+            return Routing(token, slot, offsets, T, inverse)
     return route_fixed(top_k_index, num_experts)
+
+
+def _moe_route():
+    """lowbit.ops.triton.moe_route, the one-launch routing and combine (imported on first use)."""
+    from lowbit.ops.triton import moe_route    # optional: triton
+
+    return moe_route
 
 
 def combine(h: torch.Tensor, top_k_weights: torch.Tensor, routing: Routing, dtype: torch.dtype) -> torch.Tensor:
@@ -147,9 +154,7 @@ def combine(h: torch.Tensor, top_k_weights: torch.Tensor, routing: Routing, dtyp
         raise ValueError("combine needs the routing's inverse (route / route_fixed make it)")
     T, k = top_k_weights.shape
     if h.is_cuda and not torch.compiler.is_compiling() and h.stride(1) == 1:
-        from lowbit.ops.triton.moe_route import combine_small    # optional: triton
-
-        return combine_small(h, top_k_weights, routing, dtype)
+        return _moe_route().combine_small(h, top_k_weights, routing.inverse, dtype)
     rows = h[routing.inverse.reshape(T, k)]                        # [T, k, H]
     w = top_k_weights.to(torch.float32)
     acc = rows[:, 0] * w[:, :1]

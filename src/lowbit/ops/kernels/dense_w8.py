@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import torch
 
+from lowbit.ops import bound
 from lowbit.ops.kernels.prepared_kernel import Prepared, PreparedKernel, act_json, row_vector
 from lowbit.ops.kernels.schemes import per_row_fp32, weight_only_refusal
 from lowbit.ops.float_gemm import bf16_gemm
+from lowbit.ops.native.library import prefill_unavailable_reason
+from lowbit.ops.native.prefill import fp8_rowwise_gemm
 from lowbit.ops.scratch import scratch
 from lowbit.quantize import quantize, quantize_static
 
@@ -99,28 +102,43 @@ class _W8A8(PreparedKernel):
 
     @staticmethod
     def apply(spec, x2, ops, bias, config):
-        M = x2.shape[0]
-        out = torch.empty((M, spec.N), dtype=x2.dtype, device=x2.device)
-        if M == 0:
-            return out
-        from lowbit.ops.triton import act_quant, gemm_fp8, gemm_int8, gemm_w8a8_small    # optional: triton
+        return _w8a8(spec, x2, ops, bias, config)
 
-        if config is not None and config.get("FUSED_QUANT"):
-            # the table's one-launch path at decode sizes: the same codes and epilogue, bit for bit; its tiles are
-            # not the two-launch GEMM's, which takes its defaults where the fused kernel cannot run
-            if spec.act_mode in FUSED_MODES and M <= gemm_w8a8_small.MAX_M:
-                return gemm_w8a8_small.launch_w8a8_small(x2, ops["w"], out, ops["w_scale"], bias, config)
-            config = None
-        if spec.act_mode == "scheme":
-            q, s, z = _quantize_whole(spec, x2, ops)
-        else:
-            q, s, z = act_quant.launch_act_quant(x2, spec.act_mode)
-        # W8A8 has its kernel at every M; the table picks its tiles
-        if ops["w"].dtype == torch.float8_e4m3fn:
-            return gemm_fp8.launch_fp8_gemm(q.view(torch.float8_e4m3fn), ops["w"], out, s, ops["w_scale"], bias,
-                                            config=config)
-        return gemm_int8.launch_int8_gemm(q, ops["w"], out, s, ops["w_scale"], z, ops.get("w_colsum"), bias,
-                                          config=config)
+
+def _w8a8(spec, x2, ops, bias, config, prefill: str | None = None):
+    """The W8A8 call: the activations quantized (per token: the one-pass Triton quantizer; per tensor:
+    _quantize_whole), then lowbit's GEMM under the table's tiles, or (prefill "scaled_mm" / "cutlass", fp8 per-token
+    codes only: _prefill_fp8_ok) torch._scaled_mm row-wise / lowbit's CUTLASS row-wise GEMM on the same codes."""
+    M = x2.shape[0]
+    if M == 0:
+        return torch.empty((M, spec.N), dtype=x2.dtype, device=x2.device)
+    from lowbit.ops.triton import act_quant, gemm_fp8, gemm_int8, gemm_w8a8_small    # optional: triton
+
+    if config is not None and config.get("FUSED_QUANT"):
+        # the table's one-launch path at decode sizes: the same codes and epilogue, bit for bit; its tiles are
+        # not the two-launch GEMM's, which takes its defaults where the fused kernel cannot run
+        if spec.act_mode in FUSED_MODES and M <= gemm_w8a8_small.MAX_M:
+            out = torch.empty((M, spec.N), dtype=x2.dtype, device=x2.device)
+            return gemm_w8a8_small.launch_w8a8_small(x2, ops["w"], out, ops["w_scale"], bias, config)
+        config = None
+    if spec.act_mode == "scheme":
+        q, s, z = _quantize_whole(spec, x2, ops)
+    else:
+        q, s, z = act_quant.launch_act_quant(x2, spec.act_mode)
+    if prefill == "scaled_mm":
+        return torch._scaled_mm(q.view(torch.float8_e4m3fn), ops["w"].t(), scale_a=s.reshape(-1, 1),
+                                scale_b=ops["w_scale"].reshape(1, -1), bias=bias, out_dtype=x2.dtype,
+                                use_fast_accum=False)
+    if prefill == "cutlass":
+        bound.note_unrecordable("lowbit's CUTLASS prefill GEMM (a ctypes launch)")
+        return fp8_rowwise_gemm(q, ops["w"], s, ops["w_scale"], bias, config=int(config["config"]))
+    # W8A8 has its kernel at every M; the table picks its tiles
+    out = torch.empty((M, spec.N), dtype=x2.dtype, device=x2.device)
+    if ops["w"].dtype == torch.float8_e4m3fn:
+        return gemm_fp8.launch_fp8_gemm(q.view(torch.float8_e4m3fn), ops["w"], out, s, ops["w_scale"], bias,
+                                        config=config)
+    return gemm_int8.launch_int8_gemm(q, ops["w"], out, s, ops["w_scale"], z, ops.get("w_colsum"), bias,
+                                      config=config)
 
 
 class TritonW8A8Int8(_W8A8):
@@ -146,9 +164,9 @@ class TritonW8A8Fp8(_W8A8):
 
 def _prefill_fp8_ok(spec, x2) -> bool:
     """Whether a prefill alternative of the fp8 class takes this call: per-token activations (one scale per
-    row), 16-bit rows, N and K multiples of 16 (the row-wise CUTLASS kernels' alignment)."""
-    return spec.act_mode == "fp8_e4m3fn" and x2.dtype in (torch.bfloat16, torch.float16) and spec.N % 16 == 0 \
-        and spec.K % 16 == 0
+    row), 16-bit rows on a GPU, N and K multiples of 16 (the row-wise CUTLASS kernels' alignment)."""
+    return spec.act_mode == "fp8_e4m3fn" and x2.is_cuda and x2.dtype in (torch.bfloat16, torch.float16) \
+        and spec.N % 16 == 0 and spec.K % 16 == 0
 
 
 class ScaledMMW8A8Fp8(TritonW8A8Fp8):
@@ -165,14 +183,7 @@ class ScaledMMW8A8Fp8(TritonW8A8Fp8):
 
     @staticmethod
     def apply(spec, x2, ops, bias, config):
-        if not (_prefill_fp8_ok(spec, x2) and x2.is_cuda and x2.shape[0]):
-            return TritonW8A8Fp8.apply(spec, x2, ops, bias, None)
-        from lowbit.ops.triton import act_quant    # optional: triton
-
-        q, s, _ = act_quant.launch_act_quant(x2, spec.act_mode)
-        return torch._scaled_mm(q.view(torch.float8_e4m3fn), ops["w"].t(), scale_a=s.reshape(-1, 1),
-                                scale_b=ops["w_scale"].reshape(1, -1), bias=bias, out_dtype=x2.dtype,
-                                use_fast_accum=False)
+        return _w8a8(spec, x2, ops, bias, None, "scaled_mm" if _prefill_fp8_ok(spec, x2) else None)
 
 
 class CutlassW8A8Fp8(TritonW8A8Fp8):
@@ -185,21 +196,12 @@ class CutlassW8A8Fp8(TritonW8A8Fp8):
 
     @classmethod
     def usable(cls) -> str | None:
-        from lowbit.ops.native.library import prefill_unavailable_reason
-
         return prefill_unavailable_reason()
 
     @staticmethod
     def apply(spec, x2, ops, bias, config):
-        if not (_prefill_fp8_ok(spec, x2) and x2.dtype == torch.bfloat16 and x2.is_cuda and x2.shape[0]):
-            return TritonW8A8Fp8.apply(spec, x2, ops, bias, None)
-        from lowbit.ops import bound
-        from lowbit.ops.native.prefill import fp8_rowwise_gemm
-        from lowbit.ops.triton import act_quant    # optional: triton
-
-        bound.note_unrecordable("lowbit's CUTLASS prefill GEMM (a ctypes launch)")
-        q, s, _ = act_quant.launch_act_quant(x2, spec.act_mode)
-        return fp8_rowwise_gemm(q, ops["w"], s, ops["w_scale"], bias, config=int((config or {}).get("config", 0)))
+        ok = _prefill_fp8_ok(spec, x2) and x2.dtype == torch.bfloat16 and config is not None and "config" in config
+        return _w8a8(spec, x2, ops, bias, config if ok else None, "cutlass" if ok else None)
 
 
 # the tuning table's prefill paths of the fp8 class (lowbit.ops.tuning.PATHS)

@@ -24,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit.ops.grouped import Routing
 from lowbit.ops.triton.common import launch
 from lowbit.ops.triton.fused_quant import round_to
 
@@ -63,8 +62,8 @@ def _combine_kernel(h_ptr, w_ptr, inv_ptr, out_ptr, H, stride_h, stride_w, strid
     tl.store(out_ptr + t * stride_o + offs, round_to(acc, out_ptr.dtype.element_ty), mask=ok)
 
 
-def route_small(top_k_index: torch.Tensor, num_experts: int) -> Routing:
-    """lowbit.ops.grouped.route_fixed's Routing (inverse included) in one launch, for T * top_k <=
+def route_small(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, ...]:
+    """(token, slot, offsets, inverse) of lowbit.ops.grouped.route_fixed's Routing in one launch, for T * top_k <=
     ROUTE_MAX_ROWS (the caller checks the shape; ids are trusted, as route_fixed trusts them)."""
     T, k = top_k_index.shape
     R = T * k
@@ -75,17 +74,18 @@ def route_small(top_k_index: torch.Tensor, num_experts: int) -> Routing:
     offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=dev)
     launch(_route_kernel, (1,), top_k_index.contiguous(), token, slot, offsets, inv, R, num_experts, TOP_K=k,
            R_PAD=max(16, triton.next_power_of_2(R)), E_PAD=triton.next_power_of_2(num_experts + 2), num_warps=4)
-    return Routing(token, slot, offsets, T, inv)
+    return token, slot, offsets, inv
 
 
-def combine_small(h: torch.Tensor, top_k_weights: torch.Tensor, routing: Routing, dtype: torch.dtype) -> torch.Tensor:
+def combine_small(h: torch.Tensor, top_k_weights: torch.Tensor, inverse: torch.Tensor, dtype: torch.dtype
+                  ) -> torch.Tensor:
     """out [T, H] of `dtype`: lowbit.ops.grouped.combine in one launch (h [R, H], the sorted rows' expert
-    outputs, zero on rows no expert owns; top_k_weights [T, top_k])."""
+    outputs, zero on rows no expert owns; top_k_weights [T, top_k]; inverse [T * top_k] the Routing's)."""
     T, k = top_k_weights.shape
     H = h.shape[1]
     out = torch.empty(T, H, dtype=dtype, device=h.device)
     w = top_k_weights if top_k_weights.stride(1) == 1 else top_k_weights.contiguous()
     block = min(1024, max(16, triton.next_power_of_2(H)))
-    launch(_combine_kernel, (T, triton.cdiv(H, block)), h, w, routing.inverse, out, H, h.stride(0), w.stride(0),
+    launch(_combine_kernel, (T, triton.cdiv(H, block)), h, w, inverse, out, H, h.stride(0), w.stride(0),
            out.stride(0), TOP_K=k, BLOCK=block, num_warps=4, enable_fp_fusion=False)
     return out
