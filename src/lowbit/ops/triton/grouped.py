@@ -4,8 +4,8 @@ are in lowbit.ops.triton.grouped_w, MXFP8 with its SFA / SFB words in grouped_mx
 
 Schedule (the idea of vLLM's fused MoE, written here from lowbit's own Routing): each expert's
 rows of the sorted token buffer (lowbit.ops.grouped) are cut into BLOCK_M tiles. The grid has a
-STATIC number of tiles, max_tiles(R, E, BLOCK_M) = (R + E * (BLOCK_M - 1)) // BLOCK_M >= sum_e
-ceil(count_e / BLOCK_M), depending only on the buffer's capacity R, E and BLOCK_M (no host
+STATIC number of tiles, max_tiles(R, E, BLOCK_M) = min(R, (R + E * (BLOCK_M - 1)) // BLOCK_M) >= sum_e
+ceil(count_e / BLOCK_M) (a live tile holds at least one row), depending only on the buffer's capacity R, E and BLOCK_M (no host
 synchronisation: a CUDA graph or torch.compile captures it). Each program finds its tile's expert
 (or that it is unused) and first sorted row from the expert offsets itself
 (grouped_schedule.tile_rows: a running sum of the experts' tile counts), so no schedule is built

@@ -12,8 +12,10 @@ from lowbit.ops.triton.fused_quant import round_to
 
 def max_tiles(rows: int, num_experts: int, block_m: int) -> int:
     """An upper bound of sum_e ceil(count_e / block_m) over any split of `rows` rows into
-    num_experts experts: each expert adds at most block_m - 1 rows of padding."""
-    return (rows + num_experts * (block_m - 1)) // block_m
+    num_experts experts: each expert adds at most block_m - 1 rows of padding, and each live tile
+    holds at least one of the rows (at decode, a few rows over many experts, the second bound is the
+    smaller: Qwen3-30B-A3B's 8 rows of one token over 128 experts make 8 tiles, not 120)."""
+    return min(rows, (rows + num_experts * (block_m - 1)) // block_m)
 
 
 @triton.jit
