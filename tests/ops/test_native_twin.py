@@ -21,40 +21,40 @@ def _w4_scheme(group, symmetric):
 
 @pytest.mark.parametrize("group", [32, 64, 128, 256])
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_twin_w4_weights_are_the_codes(group, symmetric):
-    qt = lb.quantize(torch.randn(37, 512), _w4_scheme(group, symmetric))
+def test_twin_w4_weights_are_the_codes(group, symmetric, rng):
+    qt = lb.quantize(torch.randn(37, 512, generator=rng), _w4_scheme(group, symmetric))
     want = qt.codes.float() - (0 if symmetric else qt.expanded_zero_point().float())
     assert torch.equal(nk.twin_weights(nk.prepare_w4(qt)), want)
 
 
-def test_twin_w8_weights_are_the_codes():
-    qt = lb.quantize(torch.randn(21, 200), lb.get_preset("int8_channel"))
+def test_twin_w8_weights_are_the_codes(rng):
+    qt = lb.quantize(torch.randn(21, 200, generator=rng), lb.get_preset("int8_channel"))
     assert torch.equal(nk.twin_weights(nk.prepare_w8(qt)), qt.codes.float())
 
 
 @pytest.mark.parametrize("group,symmetric", [(128, True), (128, False), (32, True), (64, False)])
-def test_twin_w4a16_matches_the_reference(group, symmetric):
+def test_twin_w4a16_matches_the_reference(group, symmetric, rng):
     for M, N, K, splits in CASES:
         K = K - K % group if K % group else K
-        qt = lb.quantize(torch.randn(N, K), _w4_scheme(group, symmetric))
-        x = torch.randn(M, K).bfloat16()
+        qt = lb.quantize(torch.randn(N, K, generator=rng), _w4_scheme(group, symmetric))
+        x = torch.randn(M, K, generator=rng).bfloat16()
         y = nk.twin_w4a16(x, nk.prepare_w4(qt), splits)
         v = check_quantized(y, x.double(), qt, accumulator="fp32")
         assert v.passed, v.report()
 
 
-def test_twin_w8a16_matches_the_reference():
+def test_twin_w8a16_matches_the_reference(rng):
     for M, N, K, splits in CASES:
-        qt = lb.quantize(torch.randn(N, K), lb.get_preset("int8_channel"))
-        x = torch.randn(M, K).bfloat16()
+        qt = lb.quantize(torch.randn(N, K, generator=rng), lb.get_preset("int8_channel"))
+        x = torch.randn(M, K, generator=rng).bfloat16()
         y = nk.twin_w8a16(x, nk.prepare_w8(qt), splits)
         v = check_quantized(y, x.double(), qt, accumulator="fp32")
         assert v.passed, v.report()
 
 
 @pytest.mark.parametrize("preset,fp8", [("int8_token", False), ("fp8_row", True)])
-def test_twin_act_quant_is_lowbit_quantize(preset, fp8):
-    x = torch.randn(7, 1000) * torch.logspace(-3, 3, 7)[:, None]
+def test_twin_act_quant_is_lowbit_quantize(preset, fp8, rng):
+    x = torch.randn(7, 1000, generator=rng) * torch.logspace(-3, 3, 7)[:, None]
     x[3] = 0.0                                          # an all-zero token: scale 1.0, codes 0
     x = x.bfloat16()
     codes, scales = nk.twin_act_quant(x, fp8)
@@ -63,9 +63,9 @@ def test_twin_act_quant_is_lowbit_quantize(preset, fp8):
     assert torch.equal(scales, q.scale.reshape(-1))
 
 
-def test_twin_w8a8_int8_is_bit_exact():
+def test_twin_w8a8_int8_is_bit_exact(rng):
     for M, N, K, splits in CASES:
-        w, x = torch.randn(N, K), torch.randn(M, K).bfloat16()
+        w, x = torch.randn(N, K, generator=rng), torch.randn(M, K, generator=rng).bfloat16()
         wq, xq = lb.quantize(w, lb.get_preset("int8_channel")), lb.quantize(x.float(), lb.get_preset("int8_token"))
         y = nk.twin_w8a8(x, nk.prepare_w8(wq), splits)
         acc = (xq.codes.double() @ wq.codes.double().T).float()       # exact integers (|acc| < 2^24)
@@ -73,17 +73,17 @@ def test_twin_w8a8_int8_is_bit_exact():
         assert torch.equal(y, want)
 
 
-def test_twin_w8a8_fp8_matches_the_reference():
+def test_twin_w8a8_fp8_matches_the_reference(rng):
     for M, N, K, splits in CASES:
-        w, x = torch.randn(N, K), torch.randn(M, K).bfloat16()
+        w, x = torch.randn(N, K, generator=rng), torch.randn(M, K, generator=rng).bfloat16()
         wq, xq = lb.quantize(w, lb.get_preset("fp8_row")), lb.quantize(x.float(), lb.get_preset("fp8_row"))
         y = nk.twin_w8a8(x, nk.prepare_w8(wq), splits)
         v = check_quantized(y, xq, wq, accumulator="fp32")
         assert v.passed, v.report()
 
 
-def test_refusals_name_the_argument():
-    qt = lb.quantize(torch.randn(16, 256), lb.get_preset("int4_g128"))
+def test_refusals_name_the_argument(rng):
+    qt = lb.quantize(torch.randn(16, 256, generator=rng), lb.get_preset("int4_g128"))
     w = nk.prepare_w4(qt)
     with pytest.raises(ValueError, match="M = 1..16"):
         nk.twin_w4a16(torch.zeros(17, 256, dtype=torch.bfloat16), w)
@@ -94,23 +94,24 @@ def test_refusals_name_the_argument():
     with pytest.raises(ValueError, match="splits"):
         nk.twin_w4a16(torch.zeros(1, 256, dtype=torch.bfloat16), w, 0)
     with pytest.raises(ValueError, match="groups of"):
-        nk.prepare_w4(lb.quantize(torch.randn(16, 256), lb.get_preset("mxfp4")))
+        nk.prepare_w4(lb.quantize(torch.randn(16, 256, generator=rng), lb.get_preset("mxfp4")))
     with pytest.raises(ValueError, match="multiple of 8"):
-        nk.prepare_w8(lb.quantize(torch.randn(16, 100), lb.get_preset("int8_channel")))
+        nk.prepare_w8(lb.quantize(torch.randn(16, 100, generator=rng), lb.get_preset("int8_channel")))
     with pytest.raises(ValueError, match="int8 weights"):
         nk.w8a16(torch.zeros(1, 256, dtype=torch.bfloat16),
-                 nk.prepare_w8(lb.quantize(torch.randn(16, 256), lb.get_preset("fp8_row"))))
+                 nk.prepare_w8(lb.quantize(torch.randn(16, 256, generator=rng), lb.get_preset("fp8_row"))))
 
 
-def _biased(N):
+def _biased(N, rng):
     # a bias as large as the outputs, so that one left out (or added before a scale) fails the gate
-    return torch.randn(N) * 8
+    return torch.randn(N, generator=rng) * 8
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_twin_w8a8_int8_bias_is_added_last_bit_exact(dtype):
+def test_twin_w8a8_int8_bias_is_added_last_bit_exact(dtype, rng):
     for M, N, K, splits in CASES:
-        w, x, bias = torch.randn(N, K), torch.randn(M, K).bfloat16(), _biased(N).to(dtype)
+        w, x = torch.randn(N, K, generator=rng), torch.randn(M, K, generator=rng).bfloat16()
+        bias = _biased(N, rng).to(dtype)
         wq, xq = lb.quantize(w, lb.get_preset("int8_channel")), lb.quantize(x.float(), lb.get_preset("int8_token"))
         y = nk.twin_w8a8(x, nk.prepare_w8(wq), splits, bias=bias)
         acc = (xq.codes.double() @ wq.codes.double().T).float()       # exact integers (|acc| < 2^24)
@@ -121,11 +122,12 @@ def test_twin_w8a8_int8_bias_is_added_last_bit_exact(dtype):
 
 @pytest.mark.parametrize("kind", ["w4a16-g64-asym", "w4a16-g128", "w8a16", "w8a8-fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_twin_bias_matches_the_reference(kind, dtype):
+def test_twin_bias_matches_the_reference(kind, dtype, rng):
     """Each kernel with a float32 / bf16 bias against the float64 reference with that bias (the gate counts
     the bias's float32 addition); the same output without the bias fails it."""
     for M, N, K, splits in CASES:
-        w, x, bias = torch.randn(N, K), torch.randn(M, K).bfloat16(), _biased(N).to(dtype)
+        w, x = torch.randn(N, K, generator=rng), torch.randn(M, K, generator=rng).bfloat16()
+        bias = _biased(N, rng).to(dtype)
         if kind.startswith("w4a16"):
             group = 64 if "g64" in kind else 128
             K = K - K % group
@@ -144,8 +146,8 @@ def test_twin_bias_matches_the_reference(kind, dtype):
         assert not check_quantized(run(None), operand, qt, bias=bias.double(), accumulator="fp32").passed
 
 
-def test_bias_refusals_name_the_argument():
-    w = nk.prepare_w8(lb.quantize(torch.randn(24, 256), lb.get_preset("int8_channel")))
+def test_bias_refusals_name_the_argument(rng):
+    w = nk.prepare_w8(lb.quantize(torch.randn(24, 256, generator=rng), lb.get_preset("int8_channel")))
     x = torch.zeros(2, 256, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="float32 or bfloat16.*bias.float"):
         nk.twin_w8a16(x, w, bias=torch.zeros(24, dtype=torch.float16))
@@ -193,8 +195,8 @@ def test_twin_launch_variants_give_the_default_bits(kind, rng):
             assert torch.equal(y.view(torch.int16), base.view(torch.int16)), (kind, M, N, K, splits, nt, prefetch)
 
 
-def test_launch_variant_refusals_name_the_argument():
-    w = nk.prepare_w8(lb.quantize(torch.randn(24, 256), lb.get_preset("int8_channel")))
+def test_launch_variant_refusals_name_the_argument(rng):
+    w = nk.prepare_w8(lb.quantize(torch.randn(24, 256, generator=rng), lb.get_preset("int8_channel")))
     x = torch.zeros(2, 256, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"nt \(row tiles per CTA\) must be one of \(1, 2, 4\), got 3"):
         nk.twin_w8a16(x, w, nt=3)
@@ -221,7 +223,7 @@ def test_twin_dequantize_is_each_weight_rounded_once(kind, dtype, rng):
     assert got.dtype == dtype and torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8))
 
 
-def test_dequantize_refusals_name_the_argument():
-    w = nk.prepare_w8(lb.quantize(torch.randn(24, 256), lb.get_preset("int8_channel")))
+def test_dequantize_refusals_name_the_argument(rng):
+    w = nk.prepare_w8(lb.quantize(torch.randn(24, 256, generator=rng), lb.get_preset("int8_channel")))
     with pytest.raises(ValueError, match="dtype must be one of"):
         nk.twin_dequantize(w, torch.int8)
