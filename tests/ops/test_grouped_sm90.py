@@ -89,3 +89,31 @@ def test_route_and_combine_kernels_compile_for_sm90_without_spills_or_fused_mult
     assert len(rows) == 6
     for r in rows:
         assert r["spill"] == 0 and r.get("fma", 0) == 0, r
+
+
+DEQUANT_SCRIPT = r'''
+import json, re
+from lowbit.bench.sm90 import compile_sm90
+from lowbit.ops.triton.dequant import _packed_dequant_kernel
+sig = {"W": "*u8", "S": "*fp32", "Z": "*i32", "OUT": "*bf16", "OFF": "*i64", "R": "i32", "K": "i32", "RPE": "i32",
+       "s_w": "i32", "s_s": "i32"}
+out = []
+for wfmt, G, zero in ((0, 128, False), (0, 32, True)):      # int4 g128, int4 g32 with zero points
+    r = compile_sm90(_packed_dequant_kernel, dict(sig, S="*fp32" if wfmt == 0 else "*u8"),
+                     dict(WFMT=wfmt, HAS_Z=zero, SKIP=True, G=G, BLOCK_R=16, GROUPS=256 // G), no_div=("RPE",),
+                     num_warps=4)
+    loads = re.findall(r"LDG\.E[.\w]*", r["sass_text"])
+    out.append({"wfmt": wfmt, "G": G, "spill": r["spill_ops"], "byte_loads": sum(x.endswith(".U8") for x in loads)})
+print(json.dumps(out))
+'''
+
+
+def test_packed_dequant_kernel_compiles_for_sm90_with_wide_loads_and_no_spills():
+    """The grouped bf16 path's int4 dequantization (the W4A16 MoE prefill's cost beside the grouped GEMM) reads each
+    group's packed bytes in wide loads: no one-byte load (a load per output column was the kernel's first form)."""
+    p = fresh_process(["-c", DEQUANT_SCRIPT])
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads(p.stdout.strip().splitlines()[-1])
+    assert len(rows) == 2
+    for r in rows:
+        assert r["spill"] == 0 and r["byte_loads"] == 0, r

@@ -178,32 +178,40 @@ def _packed_dequant_kernel(W, S, Z, OUT, OFF, R, K, RPE, s_w, s_s, WFMT: tl.cons
                            SKIP: tl.constexpr, G: tl.constexpr, BLOCK_R: tl.constexpr, GROUPS: tl.constexpr):
     """BLOCK_R rows x GROUPS groups of G codes of 4-bit weights packed two per byte along K
     (lowbit.pack_int4 / pack_fp4: code 2j in byte j's low nibble; int4 in two's complement), as
-    _group_dequant_kernel walks them: one scale per row and group. Each code's byte is loaded per
-    column (its two columns read the same byte, from cache), so the stores are contiguous.
+    _group_dequant_kernel walks them: one scale per row and group. Each group's G / 2 bytes are loaded
+    once, as one contiguous (vectorizable) run per row; the low and high nibbles' values are
+    interleaved back into K order (join + reshape), so the stores are contiguous too.
       int4 (WFMT 0)     (code - zero point) exactly (w4a16.codes._nibble_value of the offset-binary
                         nibble), times the fp32 scale: one fp32 rounding, then one to OUT's dtype
       MXFP4 / NVFP4     e2m1 value times the block scale (e8m0 codes clamped to [1, 254], e4m3),
       (WFMT 2 / 3)      exact in float32 and in bf16; NVFP4's tensor scale is the caller's"""
+    HALF: tl.constexpr = G // 2
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = _live_rows(OFF, rows, R, RPE, SKIP)
     r64 = rows.to(tl.int64)
     for j in tl.static_range(GROUPS):
         g = tl.program_id(1) * GROUPS + j
+        bcols = g * HALF + tl.arange(0, HALF)                      # the group's bytes
         cols = g * G + tl.arange(0, G)
-        ok = r_ok[:, None] & (cols < K)[None, :]
         g_ok = r_ok & (g * G < K)
-        b = tl.load(W + r64[:, None] * s_w + (cols // 2)[None, :], mask=ok, other=0).to(tl.int32)
-        c = (b >> ((cols & 1) * 4)[None, :]) & 15
+        b = tl.load(W + r64[:, None] * s_w + bcols[None, :], mask=g_ok[:, None] & (bcols < K // 2)[None, :],
+                    other=0).to(tl.int32)
         if WFMT == W_INT4:
             off = tl.full((BLOCK_R,), 8388616.0, tl.float32)            # 2^23 + 8 (+ z): _int4_offset's
             if HAS_Z:
                 off += tl.load(Z + r64 * s_s + g, mask=g_ok, other=0).to(tl.float32)
             s = tl.load(S + r64 * s_s + g, mask=g_ok, other=0.0)
-            v = _nibble_value(c ^ 8, off[:, None]) * s[:, None]          # c ^ 8: two's complement -> code + 8
+            # c ^ 8: two's complement -> code + 8
+            lo = _nibble_value((b & 15) ^ 8, off[:, None]) * s[:, None]
+            hi = _nibble_value(((b >> 4) & 15) ^ 8, off[:, None]) * s[:, None]
         else:
             sc = tl.load(S + r64 * s_s + g, mask=g_ok, other=127).to(tl.int32)
-            v = _e2m1_value(c) * block_scale(sc, WFMT)[:, None]
-        tl.store(OUT + r64[:, None] * K + cols[None, :], round_to(v, OUT.dtype.element_ty), mask=ok)
+            bs = block_scale(sc, WFMT)[:, None]
+            lo = _e2m1_value(b & 15) * bs
+            hi = _e2m1_value((b >> 4) & 15) * bs
+        ty = OUT.dtype.element_ty
+        v = tl.reshape(tl.join(round_to(lo, ty), round_to(hi, ty)), (BLOCK_R, G))   # codes 2j, 2j + 1 in K order
+        tl.store(OUT + r64[:, None] * K + cols[None, :], v, mask=g_ok[:, None] & (cols < K)[None, :])
 
 
 def dequantize_packed(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, *, wfmt: int, group: int,
