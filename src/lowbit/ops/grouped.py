@@ -157,8 +157,8 @@ def combine(h: torch.Tensor, top_k_weights: torch.Tensor, routing: Routing, dtyp
         return _moe_route().combine_small(h, top_k_weights, routing.inverse, dtype)
     rows = h[routing.inverse.reshape(T, k)]                        # [T, k, H]
     w = top_k_weights.to(torch.float32)
-    acc = rows[:, 0] * w[:, :1]
-    for s in range(1, k):
+    acc = torch.zeros(T, h.shape[1], dtype=torch.float32, device=h.device)   # from +0, as the kernel's sum
+    for s in range(k):
         acc = acc + rows[:, s] * w[:, s:s + 1]
     return acc.to(dtype)
 
