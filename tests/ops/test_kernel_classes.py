@@ -187,12 +187,13 @@ def test_a_table_path_of_another_kind_runs_the_kernel(rng, interpreter):
     N, K = 40, 256
     q = _linear(rng, N, K, get_recipe("w8a8-int8").weight, get_recipe("w8a8-int8").act, backend="kernel")
     spec = q.fast_spec
-    cell = tuning.Cell("linear", tuning.kind_key(spec), N, K, "513+", "scaled_mm", None)
-    tuning.reset(tuning.Table(tuning.environment(), {("linear", cell.kind, N, K, "513+"): cell}), "test table")
-    try:
-        assert TritonW8A8Int8.for_rows(spec, 600) == (TritonW8A8Int8, None)
-    finally:
-        tuning.reset()
+    for path, config in (("scaled_mm", None), ("cutlass", {"config": 1})):
+        cell = tuning.Cell("linear", tuning.kind_key(spec), N, K, "513+", path, config)
+        tuning.reset(tuning.Table(tuning.environment(), {("linear", cell.kind, N, K, "513+"): cell}), "test table")
+        try:   # the kernel under its default tiles: the other path's configuration is not its tiles
+            assert TritonW8A8Int8.for_rows(spec, 600) == (TritonW8A8Int8, None)
+        finally:
+            tuning.reset()
 
 
 class FakeW4A16(TritonW4A16):

@@ -170,10 +170,12 @@ def _prefill_fp8_ok(spec, x2) -> bool:
 
 
 class ScaledMMW8A8Fp8(TritonW8A8Fp8):
-    """torch._scaled_mm's row-wise fp8 GEMM (ATen's CUTLASS kernel, promoted accumulation: use_fast_accum=False)
-    after the same per-token quantizer; its epilogue is the Triton kernel's, bf16(((acc * sa[m]) * sw[n]) +
-    bias[n]) in float32, so only the order of the tensor-core sums differs. A prefill path the tuning table
-    picks where it beats the Triton GEMM; calls it does not take run the Triton class."""
+    """torch._scaled_mm's row-wise fp8 GEMM (promoted accumulation: use_fast_accum=False) after the same per-token
+    quantizer. PyTorch's row-wise CUTLASS kernel rounds in the Triton kernel's order, bf16(((acc * sa[m]) * sw[n]) +
+    bias[n]) in float32 (read in ATen's RowwiseScaledMM.cu), so only the order of the tensor-core sums differs;
+    whichever backend this torch picks, tests/ops/test_fp8_prefill_paths.py holds it to the float64 gate on the GPU.
+    A prefill path the tuning table picks where it beats the Triton GEMM; calls it does not take run the Triton
+    class."""
     name = "scaled_mm_w8a8_fp8"
     summary = "per-token fp8 activations, then torch._scaled_mm row-wise (a tuning-table prefill path)"
 

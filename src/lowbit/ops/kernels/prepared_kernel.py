@@ -125,9 +125,11 @@ class PreparedKernel(Kernel):
         if path == "dequant" and cls.dequant is not None:
             return cls.dequant, cfg
         alt = cls.alternatives.get(path)
-        if alt is not None:    # a path this machine cannot run (no library, an older torch): the kernel, its tiles
-            return (alt, cfg) if alt.usable() is None else (cls, None)
-        return cls, cfg
+        if alt is not None and alt.usable() is None:
+            return alt, cfg
+        # the kernel; another path's configuration is not its tiles (a path this machine cannot run -- no
+        # library, an older torch -- or one this kind does not have: the kernel under its default tiles)
+        return cls, (cfg if path == "kernel" else None)
 
     @classmethod
     def usable(cls) -> str | None:
