@@ -196,3 +196,23 @@ def test_launch_takes_the_cached_path_without_hooks(monkeypatch):
     chain.add(lambda *a: None)
     assert _hooked(chain) and _hooked(lambda *a: None)
     assert not _hooked(knobs.runtime.launch_enter_hook) and not _hooked(knobs.runtime.launch_exit_hook)
+
+
+def test_launch_refuses_runtime_arguments_passed_as_keywords(rng, interpreter):
+    """launch's cached path replays the first call's values of every parameter after the positional ones, so a
+    runtime argument given as a keyword (or left to its default) would be stale on the GPU from the second call
+    on: launch refuses it, in the interpreter too, naming the parameter; a correct call runs."""
+    from lowbit.ops.triton.common import launch
+    from lowbit.ops.triton.moe_route import _combine_kernel
+
+    T, k, H = 3, 2, 40
+    h, w = torch.randn(T * k, H, generator=rng), torch.rand(T, k, generator=rng)
+    inv, out = torch.randperm(T * k, generator=rng), torch.empty(T, H)
+    args = (h, w, inv, out, H, h.stride(0), w.stride(0), out.stride(0))
+    with pytest.raises(TypeError, match=r"\['stride_o'\] not passed positionally"):
+        launch(_combine_kernel, (T, 1), *args[:-1], stride_o=out.stride(0), TOP_K=k, BLOCK=64)
+    with pytest.raises(TypeError, match=r"\['TOP_K'\] passed positionally"):
+        launch(_combine_kernel, (T, 1), *args, k, BLOCK=64)
+    launch(_combine_kernel, (T, 1), *args, TOP_K=k, BLOCK=64, enable_fp_fusion=False)
+    want = (h[inv.reshape(T, k)] * w[..., None]).sum(1)             # two terms: the same sum in any order
+    assert torch.equal(out, want)

@@ -126,6 +126,40 @@ def _spec(a):
     raise _NotFast  # anything else: Triton's own launch path
 
 
+_CONSTEXPRS: dict = {}
+
+
+def _constexpr_names(kernel) -> frozenset:
+    """The names of a @triton.jit kernel's tl.constexpr parameters (read from its annotations, which are strings
+    under `from __future__ import annotations`; the interpreter's function object has no `params`)."""
+    got = _CONSTEXPRS.get(kernel)
+    if got is None:
+        fn = getattr(kernel, "fn", kernel)
+        ann = getattr(fn, "__annotations__", {})
+        got = _CONSTEXPRS[kernel] = frozenset(
+            n for n, a in ann.items() if a is tl.constexpr or (isinstance(a, str) and a.split(".")[-1] == "constexpr"))
+    return got
+
+
+def check_launch_args(kernel, args: tuple, meta: dict) -> None:
+    """launch's contract, checked where a launch is first cached and on every interpreted launch (so CI sees a
+    misuse that only the GPU's cached path would turn into a wrong answer): the positional arguments are the
+    kernel's leading runtime parameters, every later parameter is a constexpr (the cached path replays the first
+    call's values of those), and no runtime parameter comes as a keyword. TypeError naming the parameter."""
+    names = list(kernel.arg_names)
+    const = _constexpr_names(kernel)
+    head = names[:len(args)]
+    late = [n for n in names[len(args):] if n not in const]
+    if late:
+        raise TypeError(f"launch({getattr(kernel, '__name__', kernel)}): runtime parameter(s) {late} not passed "
+                        "positionally; pass every runtime argument positionally, in order (only constexprs and "
+                        "launch options as keywords)")
+    bad = [n for n in head if n in const or n in meta]
+    if bad:
+        raise TypeError(f"launch({getattr(kernel, '__name__', kernel)}): {bad} passed positionally are constexprs "
+                        "or also given as keywords; constexprs go as keywords, after the runtime arguments")
+
+
 def _hooked(hook) -> bool:
     """Whether a Triton launch hook is installed (a profiler's): Triton 3.6 keeps an always-present,
     usually empty HookChain where older versions kept None (testing `is not None` sent every launch
@@ -147,6 +181,7 @@ def launch(kernel, grid: tuple, *args, **meta):
     from triton.runtime.driver import driver
 
     if interpreting() or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+        check_launch_args(kernel, args, meta)
         note_slow_launch()
         return kernel[grid](*args, **meta)
     drv = driver.active
@@ -158,6 +193,7 @@ def launch(kernel, grid: tuple, *args, **meta):
         return kernel[grid](*args, **meta)
     hit = _LAUNCH_CACHE.get(key)
     if hit is None:
+        check_launch_args(kernel, args, meta)
         ck = kernel[grid](*args, **meta)   # compiles (or finds) and launches this call
         names = kernel.arg_names[len(args):]
         defaults = {p.name: p.default for p in kernel.params}
