@@ -79,9 +79,9 @@ def _w4_step(a_base, w_base, s_ptr, z_ptr, s_row, valid, n_ok, ks, k_hi, K, WFMT
     (int32; 0 without HAS_Z); fp4 the scale codes [NG, BN] (int32)."""
     live = ks < k_hi
     kb = ks // 2 + tl.arange(0, S // 2)
-    a_ok = valid[:, None] & ((kb < K // 2) & live)[None, :]
-    a_even = tl.load(a_base + 2 * kb[None, :], mask=a_ok, other=0.0)
-    a_odd = tl.load(a_base + 2 * kb[None, :] + 1, mask=a_ok, other=0.0)
+    ka = ks + tl.arange(0, S)
+    a = tl.load(a_base + ka[None, :], mask=valid[:, None] & ((ka < K) & live)[None, :], other=0.0)
+    a_even, a_odd = tl.split(tl.reshape(a, (a.shape[0], S // 2, 2)))
     p = tl.load(w_base + kb[:, None], mask=((kb < K // 2) & live)[:, None] & n_ok[None, :], other=0,
                 eviction_policy="evict_first").to(tl.int32)
     if WFMT == 0:
