@@ -3,6 +3,8 @@ smallest to the candidate lists' largest, BLOCK_K below / equal to / above the s
 running group partial, one group per dot pair, several per step), split-K, bf16 activations on the
 tensor-core dots and bf16 outputs, at odd shapes (N, K and rows not tile multiples), against the
 float64 grouped reference within check_grouped_linear's derived gate; int8 accumulators bit-exact."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -24,7 +26,8 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 C = GroupedConfig
 SMALL, SPLIT, FLUSH, MID, LARGE = C(16, 16, 32, 4, 1), C(16, 32, 32, 4, 2, 2), C(32, 16, 32, 4, 3), \
     C(64, 128, 128, 4, 3), C(128, 256, 64, 8, 3)
-CONFIGS = [SMALL, SPLIT, FLUSH, MID, LARGE]
+NO_PREFETCH = C(16, 32, 32, 4, 2, 2, prefetch=0)      # SPLIT through Triton's pipeline instead of the register prefetch
+CONFIGS = [SMALL, SPLIT, NO_PREFETCH, FLUSH, MID, LARGE]
 
 
 def _data(rng, T, E, N, K, dtype):
@@ -42,7 +45,7 @@ def _check(out, x, w, routing, **kw):
     assert v.passed, v.report()
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}x{c.block_k}s{c.split_k}")
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: _id(c) + f"p{c.prefetch}")
 @pytest.mark.parametrize("wkind,group", [("int4", 64), ("int4_asym", 32), ("mxfp4", 32), ("nvfp4", 16)])
 def test_w4a16_configs_within_gate(config, wkind, group, rng):
     """bf16 activations (the tensor-core dot); fp32 output (the tight gate) for the small tiles, bf16
@@ -66,10 +69,13 @@ def test_w4a16_configs_within_gate(config, wkind, group, rng):
         g = None if wq[0].global_scale is None else torch.stack([q.global_scale.reshape(()) for q in wq])
         args = dict(kind=wkind, w_global=None if g is None else g.to(DEV))
         packed, scale = torch.stack([pack_fp4(q.codes) for q in wq]), _stack(wq, "scale_codes")
-    out = grouped_w4a16(x.to(DEV), packed.to(DEV), scale.to(DEV), sort_tokens(idx.to(DEV), E), bias=bias.to(DEV),
-                        config=config, out_dtype=out_dtype, **args)
+    run = lambda c: grouped_w4a16(x.to(DEV), packed.to(DEV), scale.to(DEV), sort_tokens(idx.to(DEV), E),  # noqa: E731
+                                  bias=bias.to(DEV), config=c, out_dtype=out_dtype, **args)
+    out = run(config)
     assert out.dtype == out_dtype
     _check(out, x, w, routing, w_scheme=scheme, bias=bias, accumulator="fp32")
+    if config.block_m <= 32:     # the register prefetch on or off: the same loads and sums, the same bits
+        assert torch.equal(run(replace(config, prefetch=1 - int(config.uses_prefetch()))), out)
 
 
 def _id(c):

@@ -10,43 +10,47 @@ from lowbit.bench.sm90 import fresh_process
 
 SCRIPT = r'''
 import json, re
+from dataclasses import replace
 from lowbit.bench.sm90 import SHARED_LIMIT, compile_sm90
 from lowbit.ops.grouped_configs import grouped_default_config
 from lowbit.ops.triton.grouped import _grouped_w8a8_kernel
-from lowbit.ops.triton.grouped_w import PREFETCH_MAX_M, _grouped_w4_kernel, _grouped_w8a16_kernel
+from lowbit.ops.triton.grouped_w import _grouped_w4_kernel, _grouped_w8a16_kernel
 ROUTE = {"off_ptr": "*i64", "tok_ptr": "*i64"}               # Routing's int64 offsets and tokens
 out = []
 for M in (2, 4096):                                   # Mixtral b1 decode and 2048-token prefill rows (top-2)
     for kind, wfmt, group in (("w4a16", 0, 128), ("w4a16", 0, 32), ("w4a16", 3, 16), ("w8a16", None, None),
                               ("int8", None, None), ("fp8", None, None)):
-        c = grouped_default_config(kind, 8, 4096, 14336, M)
-        ints = ["E", "N", "K", "K_SPLIT", "stride_a", "stride_be", "stride_bn"]
-        tiles = dict(BLOCK_M=c.block_m, E_PAD=8, BLOCK_N=c.block_n, BLOCK_K=c.block_k)
-        if kind == "w4a16":
-            fn = _grouped_w4_kernel
-            sig = {"a_ptr": "*bf16", "b_ptr": "*u8", "c_ptr": "*bf16", "s_ptr": "*fp32" if wfmt == 0 else "*u8",
-                   "z_ptr": "*i32", "g_ptr": "*fp32", "bias_ptr": "*fp32", **ROUTE}
-            ints += ["stride_se", "stride_sn"]
-            consts = dict(WFMT=wfmt, HAS_Z=False, HAS_G=wfmt == 3, HAS_BIAS=False, IDENTITY=M > 2, PARTIAL=False,
-                          INTERP=False, GROUP=group, S=min(c.block_k, group) if wfmt == 0 else c.block_k,
-                          PREFETCH=c.block_m <= PREFETCH_MAX_M, **tiles)
-        elif kind == "w8a16":
-            fn = _grouped_w8a16_kernel
-            sig = {"a_ptr": "*bf16", "b_ptr": "*i8", "c_ptr": "*bf16", "s_ptr": "*fp32", "bias_ptr": "*fp32", **ROUTE}
-            consts = dict(HAS_BIAS=False, IDENTITY=False, PARTIAL=False, INTERP=False, **tiles)
-        else:
-            fn = _grouped_w8a8_kernel
-            t = "*i8" if kind == "int8" else "*fp8e4nv"
-            sig = {"a_ptr": t, "b_ptr": t, "c_ptr": "*bf16", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "bias_ptr": "*fp32",
-                   **ROUTE}
-            ints.remove("K_SPLIT")
-            consts = dict(INT=kind == "int8", RAW=False, HAS_BIAS=False, IDENTITY=False, **tiles)
-        ints += ["stride_c"] + ([] if kind in ("int8", "fp8") else ["stride_p"]) + ["num_n"]
-        sig.update({n: "i32" for n in ints})
-        r = compile_sm90(fn, sig, consts, no_div=("E", "num_n"), num_warps=c.num_warps, num_stages=c.num_stages)
-        mma = len(re.findall(r"\b[HIQ]G?MMA", r["sass_text"]))
-        out.append({"kind": kind, "wfmt": wfmt, "group": group, "M": M, "config": c.to_dict(), "spill": r["spill_ops"],
-                    "shared": r["shared"], "limit": SHARED_LIMIT, "mma": mma})
+        default = grouped_default_config(kind, 8, 4096, 14336, M)
+        # the 4-bit decode tile also without the register prefetch (Triton's cp.async pipeline; a tuning candidate)
+        for c in [default] + ([replace(default, prefetch=0)] if kind == "w4a16" and M == 2 and group == 128 else []):
+            ints = ["E", "N", "K", "K_SPLIT", "stride_a", "stride_be", "stride_bn"]
+            tiles = dict(BLOCK_M=c.block_m, E_PAD=8, BLOCK_N=c.block_n, BLOCK_K=c.block_k)
+            if kind == "w4a16":
+                fn = _grouped_w4_kernel
+                sig = {"a_ptr": "*bf16", "b_ptr": "*u8", "c_ptr": "*bf16", "s_ptr": "*fp32" if wfmt == 0 else "*u8",
+                       "z_ptr": "*i32", "g_ptr": "*fp32", "bias_ptr": "*fp32", **ROUTE}
+                ints += ["stride_se", "stride_sn"]
+                consts = dict(WFMT=wfmt, HAS_Z=False, HAS_G=wfmt == 3, HAS_BIAS=False, IDENTITY=M > 2, PARTIAL=False,
+                              INTERP=False, GROUP=group, S=min(c.block_k, group) if wfmt == 0 else c.block_k,
+                              PREFETCH=c.uses_prefetch(), **tiles)
+            elif kind == "w8a16":
+                fn = _grouped_w8a16_kernel
+                sig = {"a_ptr": "*bf16", "b_ptr": "*i8", "c_ptr": "*bf16", "s_ptr": "*fp32", "bias_ptr": "*fp32",
+                       **ROUTE}
+                consts = dict(HAS_BIAS=False, IDENTITY=False, PARTIAL=False, INTERP=False, **tiles)
+            else:
+                fn = _grouped_w8a8_kernel
+                t = "*i8" if kind == "int8" else "*fp8e4nv"
+                sig = {"a_ptr": t, "b_ptr": t, "c_ptr": "*bf16", "sa_ptr": "*fp32", "sb_ptr": "*fp32",
+                       "bias_ptr": "*fp32", **ROUTE}
+                ints.remove("K_SPLIT")
+                consts = dict(INT=kind == "int8", RAW=False, HAS_BIAS=False, IDENTITY=False, **tiles)
+            ints += ["stride_c"] + ([] if kind in ("int8", "fp8") else ["stride_p"]) + ["num_n"]
+            sig.update({n: "i32" for n in ints})
+            r = compile_sm90(fn, sig, consts, no_div=("E", "num_n"), num_warps=c.num_warps, num_stages=c.num_stages)
+            mma = len(re.findall(r"\b[HIQ]G?MMA", r["sass_text"]))
+            out.append({"kind": kind, "wfmt": wfmt, "group": group, "M": M, "config": c.to_dict(),
+                        "spill": r["spill_ops"], "shared": r["shared"], "limit": SHARED_LIMIT, "mma": mma})
 print(json.dumps(out))
 '''
 
@@ -55,7 +59,7 @@ def test_default_configs_compile_for_sm90_on_tensor_cores_without_spills():
     p = fresh_process(["-c", SCRIPT])
     assert p.returncode == 0, p.stderr[-3000:]
     rows = json.loads(p.stdout.strip().splitlines()[-1])
-    assert len(rows) == 12
+    assert len(rows) == 13
     for r in rows:
         assert r["spill"] == 0 and r["shared"] <= r["limit"] and r["mma"] > 0, r
 

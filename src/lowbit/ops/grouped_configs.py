@@ -20,7 +20,7 @@ compiled with (lowbit.ops.triton.grouped_schedule.tile_rows), so schedule and co
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from typing import Callable
 
@@ -30,21 +30,30 @@ from lowbit.ops.w4_formats import W4Format
 
 KINDS = ("w4a16", "fp4", "w8a16", "int8", "fp8", "mxfp8")
 WEIGHT_ONLY = ("w4a16", "fp4", "w8a16")      # weights decoded in the K loop (4 / 8-bit codes)
+FOUR_BIT = ("w4a16", "fp4")                   # the 4-bit kernel (lowbit.ops.triton.grouped_w's _grouped_w4_kernel)
 # Buckets of M (rows of the sorted buffer), the tuning table's keys: 1, 2-16, 17-64, 65-512, more
 M_BUCKETS = ((1, 1), (2, 16), (17, 64), (65, 512), (513, 1 << 62))
+PREFETCH_MAX_M = 32   # the 4-bit kernels' register prefetch spills above this BLOCK_M (sm_90 compile)
 
 
 @dataclass(frozen=True)
 class GroupedConfig:
     """One launch: BLOCK_M rows of one expert x BLOCK_N columns per program, BLOCK_K codes of K per
     loop step; Triton's num_warps / num_stages; split_k programs along K (fp32 partials, summed
-    in a fixed order by a second pass)."""
+    in a fixed order by a second pass); prefetch (the 4-bit kernels: 1 the next step's weights
+    loaded into registers during the dots, 0 Triton's shared-memory pipeline, -1 the kernel's rule:
+    prefetch at decode tiles). None of them changes the arithmetic."""
     block_m: int = 16
     block_n: int = 64
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 1
+    prefetch: int = -1
+
+    def uses_prefetch(self) -> bool:
+        """Whether a 4-bit launch prefetches into registers: the config's choice, else at BLOCK_M <= PREFETCH_MAX_M."""
+        return self.block_m <= PREFETCH_MAX_M if self.prefetch < 0 else bool(self.prefetch)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -81,6 +90,9 @@ def check_config(kind: str, c: GroupedConfig, K: int, group: int | None = None) 
         raise ValueError(f"{c}: split_k > 1 is for the weight-only kinds {WEIGHT_ONLY}; {kind} takes split_k = 1")
     if kind == "fp8" and c.block_k > 128:
         raise ValueError(f"{c}: fp8 partial sums are promoted every block_k <= 128 products")
+    if c.prefetch not in (-1, 0, 1) or (c.prefetch == 1 and c.block_m > PREFETCH_MAX_M):
+        raise ValueError(f"{c}: prefetch is -1 (the kernel's rule), 0 or 1, and 1 only at block_m <= "
+                         f"{PREFETCH_MAX_M} (larger tiles spill the prefetched registers)")
     if group is not None and not _pow2(group):
         raise ValueError(f"group_size = {group}: the grouped kernels take power-of-two groups")
 
@@ -130,7 +142,8 @@ def grouped_default_config(kind: str, E: int, N: int, K: int, M: int) -> Grouped
 
 def grouped_candidates(kind: str, E: int, N: int, K: int, bucket: int) -> list[GroupedConfig]:
     """<= 8 configs to time for one cell (bucket: index into M_BUCKETS), the default first.
-    Decode buckets vary BLOCK_N / BLOCK_K / stages (weight streaming) and, for the weight-only
+    Decode buckets vary BLOCK_N / BLOCK_K / stages (weight streaming), for the 4-bit kinds the
+    register prefetch (on by default; off: Triton's cp.async pipeline) and, for the weight-only
     kinds, split-K 2 / 4 (more programs when few experts are live); prefill buckets vary
     BLOCK_M / BLOCK_N / warps (tensor-core tile size)."""
     lo, hi = M_BUCKETS[bucket]
@@ -139,6 +152,9 @@ def grouped_candidates(kind: str, E: int, N: int, K: int, bucket: int) -> list[G
     out = [grouped_default_config(kind, E, N, K, rep)]
     C = GroupedConfig
     wo = kind in WEIGHT_ONLY
+    if bucket <= 1 and kind in FOUR_BIT:
+        # the 4-bit decode tile without its register prefetch: Triton's cp.async pipeline streams the weights
+        out.append(replace(out[0], prefetch=0))
     if bucket <= 1:
         more = [C(16, 32, 128, 4, 4), C(16, 128, 128, 4, 4), C(16, 64, 256, 4, 3), C(16, 64, 64, 4, 5),
                 C(16, 64, 128, 4, 4, 2) if wo else C(16, 128, 256, 4, 3),

@@ -6,9 +6,11 @@ The dot (lowbit.ops.triton.w4a16.codes._product1): bf16 / fp16 activations as th
 converted to the activation's dtype only where that is exact, fp32 accumulation on the tensor
 cores; fp32 activations take IEEE fp32 products (no TF32); Triton's interpreter widens to fp32.
 4-bit weights are packed two per byte along K (lowbit.packing.pack_int4 / pack_fp4: element 2j
-in the low nibble); a step of S codes loads A's even and odd columns [BM, S / 2] (two strided
-loads) and multiplies them by the low / high nibbles' weights (two dots of S / 2). At decode tiles
-(BLOCK_M <= PREFETCH_MAX_M) the next step's operands are loaded into registers during the dots.
+in the low nibble); a step of S codes loads A's [BM, S] (one contiguous load, split into its even
+and odd columns in registers) and multiplies them by the low / high nibbles' weights (two dots of
+S / 2). PREFETCH (the config's prefetch, else at decode tiles, BLOCK_M <= PREFETCH_MAX_M): the
+next step's operands are loaded into registers during the dots; without it Triton's pipeliner
+streams the weights through shared memory (cp.async, num_stages deep). The tuning table picks.
   int4 (WFMT 0)   code - zero point (an integer |.| <= 135: exact in bf16 and fp16;
                   w4a16.codes._nibble_value) times A, products exact, summed in fp32 over one
                   scale group (S = group when BLOCK_K >= group: BLOCK_K / group such sums per
@@ -44,8 +46,6 @@ from lowbit.ops.triton.w4a16.codes import _e2m1_value, _nibble_value, _product1,
 from lowbit.ops.w4_formats import FP4_GROUPS, GROUPED_W4, W4Format, WFMT as WFMT_CODE  # WFMT: the kernels' constexpr
 
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# register prefetch of the next K step (decode tiles); above this BLOCK_M it spills (sm_90 compile)
-PREFETCH_MAX_M = 32
 
 
 @triton.jit
@@ -290,7 +290,7 @@ def grouped_w4a16(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor
         off, tok, E, N, K, _k_split(K, c, group), xc.stride(0), w.stride(0), w.stride(1), s.stride(0),
         s.stride(1), out.stride(-2), out.stride(0), num_n, WFMT=WFMT_CODE[kind], HAS_Z=z is not None,
         HAS_G=g is not None, HAS_BIAS=b is not None, IDENTITY=identity, PARTIAL=c.split_k > 1, INTERP=interpreting(),
-        GROUP=group, S=S, PREFETCH=c.block_m <= PREFETCH_MAX_M, BLOCK_M=c.block_m, E_PAD=e_pad, BLOCK_N=c.block_n,
+        GROUP=group, S=S, PREFETCH=c.uses_prefetch(), BLOCK_M=c.block_m, E_PAD=e_pad, BLOCK_N=c.block_n,
         BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
     return _result(out, out_dtype)
 
