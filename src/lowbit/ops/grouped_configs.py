@@ -25,12 +25,11 @@ from functools import lru_cache
 from typing import Callable
 
 from lowbit.ops import tuning
-from lowbit.ops.tuning import grouped_kind_key
+from lowbit.ops.tuning import GROUPED_W4_KINDS, grouped_kind_key
 from lowbit.ops.w4_formats import W4Format
 
 KINDS = ("w4a16", "fp4", "w8a16", "int8", "fp8", "mxfp8")
 WEIGHT_ONLY = ("w4a16", "fp4", "w8a16")      # weights decoded in the K loop (4 / 8-bit codes)
-FOUR_BIT = ("w4a16", "fp4")                   # the 4-bit kernel (lowbit.ops.triton.grouped_w's _grouped_w4_kernel)
 # Buckets of M (rows of the sorted buffer), the tuning table's keys: 1, 2-16, 17-64, 65-512, more
 M_BUCKETS = ((1, 1), (2, 16), (17, 64), (65, 512), (513, 1 << 62))
 PREFETCH_MAX_M = 32   # the 4-bit kernels' register prefetch spills above this BLOCK_M (sm_90 compile)
@@ -152,7 +151,7 @@ def grouped_candidates(kind: str, E: int, N: int, K: int, bucket: int) -> list[G
     out = [grouped_default_config(kind, E, N, K, rep)]
     C = GroupedConfig
     wo = kind in WEIGHT_ONLY
-    if bucket <= 1 and kind in FOUR_BIT:
+    if bucket <= 1 and kind in GROUPED_W4_KINDS:      # the 4-bit kinds run _grouped_w4_kernel
         # the 4-bit decode tile without its register prefetch: Triton's cp.async pipeline streams the weights
         out.append(replace(out[0], prefetch=0))
     if bucket <= 1:
