@@ -27,7 +27,9 @@ C = GroupedConfig
 SMALL, SPLIT, FLUSH, MID, LARGE = C(16, 16, 32, 4, 1), C(16, 32, 32, 4, 2, 2), C(32, 16, 32, 4, 3), \
     C(64, 128, 128, 4, 3), C(128, 256, 64, 8, 3)
 NO_PREFETCH = C(16, 32, 32, 4, 2, 2, prefetch=0)      # SPLIT through Triton's pipeline instead of the register prefetch
-CONFIGS = [SMALL, SPLIT, NO_PREFETCH, FLUSH, MID, LARGE]
+# int4 g128 decode tiles (S = 128 codes a step: read as 8-code words, eight dots), one step and two steps per BLOCK_K
+WORDS1, WORDS2 = C(16, 32, 128, 4, 2), C(16, 32, 256, 4, 2, 2, prefetch=0)
+CONFIGS = [SMALL, SPLIT, NO_PREFETCH, FLUSH, MID, LARGE, WORDS1, WORDS2]
 
 
 def _data(rng, T, E, N, K, dtype):
@@ -46,11 +48,12 @@ def _check(out, x, w, routing, **kw):
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: _id(c) + f"p{c.prefetch}")
-@pytest.mark.parametrize("wkind,group", [("int4", 64), ("int4_asym", 32), ("mxfp4", 32), ("nvfp4", 16)])
+@pytest.mark.parametrize("wkind,group", [("int4", 64), ("int4_asym", 32), ("int4", 128), ("int4_asym", 128),
+                                         ("mxfp4", 32), ("nvfp4", 16)])
 def test_w4a16_configs_within_gate(config, wkind, group, rng):
     """bf16 activations (the tensor-core dot); fp32 output (the tight gate) for the small tiles, bf16
     for the large ones; int4 g64 at BLOCK_K 32 accumulates each group over two steps before its scale."""
-    T, E, N, K = 7, 3, 40, 192
+    T, E, N, K = 7, 3, 40, 192 if group < 128 else 384
     out_dtype = torch.bfloat16 if config.block_m >= 64 else torch.float32
     if wkind.startswith("int4"):
         scheme = lb.QuantScheme(format="int4", strategy="group", group_size=group, symmetric=wkind == "int4")

@@ -8,7 +8,9 @@ cores; fp32 activations take IEEE fp32 products (no TF32); Triton's interpreter 
 4-bit weights are packed two per byte along K (lowbit.packing.pack_int4 / pack_fp4: element 2j
 in the low nibble); a step of S codes loads A's [BM, S] (one contiguous load, split into its even
 and odd columns in registers) and multiplies them by the low / high nibbles' weights (two dots of
-S / 2). PREFETCH (the config's prefetch, else at decode tiles, BLOCK_M <= PREFETCH_MAX_M): the
+S / 2); int4 steps of S >= 128 codes (WORDS) read the bytes as int32 words of 8 codes and take each
+code with one shift and mask, A split into 8 column planes (eight dots of S / 8), instead of
+extracting every byte (the decode tile's sm_90 SASS: 840 instructions instead of 928). PREFETCH (the config's prefetch, else at decode tiles, BLOCK_M <= PREFETCH_MAX_M): the
 next step's operands are loaded into registers during the dots; without it Triton's pipeliner
 streams the weights through shared memory (cp.async, num_stages deep). The tuning table picks.
   int4 (WFMT 0)   code - zero point (an integer |.| <= 135: exact in bf16 and fp16;
@@ -72,18 +74,24 @@ def _finish(c_ptr, acc, rows, valid, offs_n, n_ok, e, N, stride_c, bias_ptr, pid
 
 @triton.jit
 def _w4_step(a_base, w_base, s_ptr, z_ptr, s_row, valid, n_ok, ks, k_hi, K, WFMT: tl.constexpr, HAS_Z: tl.constexpr,
-             GROUP: tl.constexpr, S: tl.constexpr, NG: tl.constexpr):
-    """The operands of the S codes at ks (nothing read past k_hi): A's even and odd columns
-    [BM, S / 2] (two strided loads: no register shuffle to split them), the packed bytes
-    [S / 2, BN] (int32), and the group data: int4 the fp32 scales [BN] and zero points [BN]
-    (int32; 0 without HAS_Z); fp4 the scale codes [NG, BN] (int32)."""
+             GROUP: tl.constexpr, S: tl.constexpr, NG: tl.constexpr, WORDS: tl.constexpr):
+    """The operands of the S codes at ks (nothing read past k_hi): A [BM, S] in one contiguous load, split in
+    registers into its even and odd columns [BM, S / 2] (WORDS: A whole, twice), the packed bytes [S / 2, BN]
+    (int32; WORDS: the int32 words [S / 8, BN], 8 codes each), and the group data: int4 the fp32 scales [BN]
+    and zero points [BN] (int32; 0 without HAS_Z); fp4 the scale codes [NG, BN] (int32)."""
     live = ks < k_hi
-    kb = ks // 2 + tl.arange(0, S // 2)
     ka = ks + tl.arange(0, S)
     a = tl.load(a_base + ka[None, :], mask=valid[:, None] & ((ka < K) & live)[None, :], other=0.0)
-    a_even, a_odd = tl.split(tl.reshape(a, (a.shape[0], S // 2, 2)))
-    p = tl.load(w_base + kb[:, None], mask=((kb < K // 2) & live)[:, None] & n_ok[None, :], other=0,
-                eviction_policy="evict_first").to(tl.int32)
+    if WORDS:
+        a_even, a_odd = a, a
+        kw = ks // 8 + tl.arange(0, S // 8)
+        p = tl.load(w_base.to(tl.pointer_type(tl.int32)) + kw[:, None],
+                    mask=((kw < K // 8) & live)[:, None] & n_ok[None, :], other=0, eviction_policy="evict_first")
+    else:
+        a_even, a_odd = tl.split(tl.reshape(a, (a.shape[0], S // 2, 2)))
+        kb = ks // 2 + tl.arange(0, S // 2)
+        p = tl.load(w_base + kb[:, None], mask=((kb < K // 2) & live)[:, None] & n_ok[None, :], other=0,
+                    eviction_policy="evict_first").to(tl.int32)
     if WFMT == 0:
         ok = n_ok & live & (ks < K)
         sv = tl.load(s_ptr + s_row + ks // GROUP, mask=ok, other=0.0)
@@ -97,6 +105,26 @@ def _w4_step(a_base, w_base, s_ptr, z_ptr, s_row, valid, n_ok, ks, k_hi, K, WFMT
                      other=127).to(tl.int32)
         zv = sv
     return a_even, a_odd, p, sv, zv
+
+
+@triton.jit
+def _word_dots(a, pw, off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr, INTERP: tl.constexpr):
+    """sum over j of a[:, 8w + j] @ (nibble j of word w - zero point) for A [BM, S] and offset-binary words
+    pw [S / 8, BN] (code 8w + j in bits 4j..4j+3): eight dots of S / 8 in fp32, each code's value taken from
+    its word with one shift and mask (no per-byte extraction)."""
+    a8 = tl.reshape(a, (BLOCK_M, S // 8, 2, 2, 2))              # (w, b2, b1, b0): code 8w + 4 b2 + 2 b1 + b0
+    pw = pw.to(tl.uint32, bitcast=True)                          # logical shifts: no sign extension
+    d = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    a0, a1 = tl.split(a8)
+    for b0 in tl.static_range(2):
+        a00, a01 = tl.split(a0 if b0 == 0 else a1)
+        for b1 in tl.static_range(2):
+            p0, p1 = tl.split(a00 if b1 == 0 else a01)
+            for b2 in tl.static_range(2):
+                w = _nibble_value((pw >> (16 * b2 + 8 * b1 + 4 * b0)) & 15, off[None, :])   # code 4 b2 + 2 b1 + b0
+                #                                                                               minus the zero point
+                d = _product1(p0 if b2 == 0 else p1, w, d, True, INTERP)
+    return d
 
 
 @triton.jit
@@ -126,20 +154,31 @@ def _grouped_w4_kernel(a_ptr, b_ptr, c_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, off_p
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)        # int4 with S < GROUP: the group's running sum
     NG: tl.constexpr = S // GROUP if S >= GROUP else 1          # fp4: scale groups per dot pair
+    WORDS: tl.constexpr = WFMT == 0 and S >= 128               # int4 read as 8-code words: 8 dots of S / 8
     L: tl.constexpr = GROUP // 2 if S >= GROUP else S // 2      # fp4: bytes of a half sharing one scale
     if PREFETCH:
         a_even, a_odd, p, sv, zv = _w4_step(a_base, w_base, s_ptr, z_ptr, s_row, valid, n_ok, k_lo, k_hi, K, WFMT,
-                                            HAS_Z, GROUP, S, NG)
+                                            HAS_Z, GROUP, S, NG, WORDS)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         for i in tl.static_range(BLOCK_K // S):
             ks = k0 + i * S
             if PREFETCH:
                 ae_n, ao_n, p_n, sv_n, zv_n = _w4_step(a_base, w_base, s_ptr, z_ptr, s_row, valid, n_ok, ks + S,
-                                                       k_hi, K, WFMT, HAS_Z, GROUP, S, NG)
+                                                       k_hi, K, WFMT, HAS_Z, GROUP, S, NG, WORDS)
             else:
                 a_even, a_odd, p, sv, zv = _w4_step(a_base, w_base, s_ptr, z_ptr, s_row, valid, n_ok, ks, k_hi, K,
-                                                    WFMT, HAS_Z, GROUP, S, NG)
-            if WFMT == 0:
+                                                    WFMT, HAS_Z, GROUP, S, NG, WORDS)
+            if WORDS:
+                # two's complement nibbles -> code + 8 (xor with 0x88888888 as an int32)
+                d = _word_dots(a_even, p ^ -2004318072, 8388616.0 + zv.to(tl.float32), BLOCK_M, BLOCK_N, S, INTERP)
+                if S == GROUP:
+                    acc += d * sv[None, :]
+                else:
+                    part += d
+                    done = (ks + S) % GROUP == 0                 # the group's last step: scale it once
+                    acc = tl.where(done, acc + part * sv[None, :], acc)
+                    part = tl.where(done, 0.0, part)
+            elif WFMT == 0:
                 p = p ^ 0x88                                     # two's complement nibbles -> code + 8
                 off = 8388616.0 + zv.to(tl.float32)              # 2^23 + 8 + z (w4a16.codes._int4_offset)
                 w_lo = _nibble_value(p & 15, off[None, :])       # code - zero point, exact
