@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import decode_e4m3fn, encode_e4m3fn, nonzero_quotient  # shared exact fp8 encoder (the GEMM helper's common.py)
+from .common import decode_e4m3fn, encode_e4m3fn, nonzero_quotient  # shared with the GEMMs (common.py)
 
 # Prologues
 PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL = 0, 1, 2

@@ -108,13 +108,12 @@ def _w4_step(a_base, w_base, s_ptr, z_ptr, s_row, valid, n_ok, ks, k_hi, K, WFMT
 
 
 @triton.jit
-def _word_dots(a, pw, off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr, INTERP: tl.constexpr):
-    """sum over j of a[:, 8w + j] @ (nibble j of word w - zero point) for A [BM, S] and offset-binary words
-    pw [S / 8, BN] (code 8w + j in bits 4j..4j+3): eight dots of S / 8 in fp32, each code's value taken from
-    its word with one shift and mask (no per-byte extraction)."""
-    a8 = tl.reshape(a, (BLOCK_M, S // 8, 2, 2, 2))              # (w, b2, b1, b0): code 8w + 4 b2 + 2 b1 + b0
+def _word_dots(a, pw, off, d, S: tl.constexpr, INTERP: tl.constexpr):
+    """d + sum over j of a[:, 8w + j] @ (nibble j of word w - zero point) for A [BM, S] and offset-binary words
+    pw [S / 8, BN] (code 8w + j in bits 4j..4j+3): eight dots of S / 8 accumulated into d in fp32, each code's
+    value taken from its word with one shift and mask (no per-byte extraction)."""
+    a8 = tl.reshape(a, (a.shape[0], S // 8, 2, 2, 2))           # (w, b2, b1, b0): code 8w + 4 b2 + 2 b1 + b0
     pw = pw.to(tl.uint32, bitcast=True)                          # logical shifts: no sign extension
-    d = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     a0, a1 = tl.split(a8)
     for b0 in tl.static_range(2):
         a00, a01 = tl.split(a0 if b0 == 0 else a1)
@@ -168,27 +167,21 @@ def _grouped_w4_kernel(a_ptr, b_ptr, c_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, off_p
             else:
                 a_even, a_odd, p, sv, zv = _w4_step(a_base, w_base, s_ptr, z_ptr, s_row, valid, n_ok, ks, k_hi, K,
                                                     WFMT, HAS_Z, GROUP, S, NG, WORDS)
-            if WORDS:
-                # two's complement nibbles -> code + 8 (xor with 0x88888888 as an int32)
-                d = _word_dots(a_even, p ^ -2004318072, 8388616.0 + zv.to(tl.float32), BLOCK_M, BLOCK_N, S, INTERP)
-                if S == GROUP:
-                    acc += d * sv[None, :]
-                else:
-                    part += d
-                    done = (ks + S) % GROUP == 0                 # the group's last step: scale it once
-                    acc = tl.where(done, acc + part * sv[None, :], acc)
-                    part = tl.where(done, 0.0, part)
-            elif WFMT == 0:
-                p = p ^ 0x88                                     # two's complement nibbles -> code + 8
+            if WFMT == 0:
                 off = 8388616.0 + zv.to(tl.float32)              # 2^23 + 8 + z (w4a16.codes._int4_offset)
-                w_lo = _nibble_value(p & 15, off[None, :])       # code - zero point, exact
-                w_hi = _nibble_value(p >> 4, off[None, :])
+                # the dots add into a fresh sum (one group per step) or the group's running one
+                d = tl.zeros((BLOCK_M, BLOCK_N), tl.float32) if S == GROUP else part
+                if WORDS:   # two's complement nibbles -> code + 8 (xor with 0x88888888 as an int32)
+                    d = _word_dots(a_even, p ^ -2004318072, off, d, S, INTERP)
+                else:
+                    p = p ^ 0x88                                 # two's complement nibbles -> code + 8
+                    w_lo = _nibble_value(p & 15, off[None, :])   # code - zero point, exact
+                    w_hi = _nibble_value(p >> 4, off[None, :])
+                    d = _product1(a_odd, w_hi, _product1(a_even, w_lo, d, True, INTERP), True, INTERP)
                 if S == GROUP:
-                    d = _product1(a_odd, w_hi, _product1(a_even, w_lo, tl.zeros((BLOCK_M, BLOCK_N), tl.float32),
-                                                         True, INTERP), True, INTERP)
                     acc += d * sv[None, :]
                 else:
-                    part = _product1(a_odd, w_hi, _product1(a_even, w_lo, part, True, INTERP), True, INTERP)
+                    part = d
                     done = (ks + S) % GROUP == 0                 # the group's last step: scale it once
                     acc = tl.where(done, acc + part * sv[None, :], acc)
                     part = tl.where(done, 0.0, part)
